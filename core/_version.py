@@ -1,0 +1,6 @@
+"""The package version and the engine protocol version backends declare against."""
+
+__version__ = "0.1.0"
+
+# major.minor: a backend spec must name the same major; minors only add optional parts.
+PROTOCOL_VERSION = "1.0"

@@ -1,0 +1,1 @@
+"""The driver: continuous batching over any Engine, and the LLM API."""

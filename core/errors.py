@@ -1,0 +1,125 @@
+"""Typed errors. Everything a user can trigger raises one of these, never a bare assert.
+
+Each message says what was wrong and how to fix it. The classes also derive from the
+builtin exception a caller would naturally catch (``ValueError``, ``LookupError``, ...),
+so code that does not know polyengine still handles them sensibly.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PolyengineError",
+    "BackendUnavailable",
+    "UnknownBackend",
+    "UnsupportedFeature",
+    "InvalidRequest",
+    "SlotError",
+    "QueueFull",
+    "PluginError",
+    "WeightsError",
+    "ModelConfigError",
+    "ModelNotFound",
+    "ToolError",
+]
+
+
+class PolyengineError(Exception):
+    """Base class of every error polyengine raises on purpose."""
+
+
+class BackendUnavailable(PolyengineError, RuntimeError):
+    """A backend is installed but cannot run here; ``install_hint`` says what fixes it."""
+
+    def __init__(self, backend: str, reason: str, install_hint: str | None = None):
+        self.backend = backend
+        self.reason = reason
+        self.install_hint = install_hint
+        msg = f"backend {backend!r} is unavailable: {reason}"
+        if install_hint:
+            msg += f"; fix: {install_hint}"
+        super().__init__(msg)
+
+
+class UnknownBackend(PolyengineError, LookupError):
+    """No installed plugin provides a backend of that name."""
+
+    def __init__(self, name: str, installed: list[str]):
+        self.name = name
+        self.installed = list(installed)
+        listing = ", ".join(sorted(installed)) or "none"
+        super().__init__(
+            f"no backend named {name!r}; installed backends: {listing} "
+            f"(run `polyengine backends` for details)"
+        )
+
+    def __str__(self) -> str:  # LookupError would otherwise repr() the message
+        return self.args[0]
+
+
+class UnsupportedFeature(PolyengineError, NotImplementedError):
+    """The backend does not implement a feature the request asks for.
+
+    Raised before any work starts, so nothing is half done.
+    """
+
+    def __init__(self, feature: str, backend: str | None = None, detail: str = ""):
+        self.feature = feature
+        self.backend = backend
+        who = f"backend {backend!r}" if backend else "this backend"
+        msg = f"{who} does not support {feature}"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+
+
+class InvalidRequest(PolyengineError, ValueError):
+    """A request (prompt, sampling parameters, slot) is malformed or over a limit."""
+
+
+class SlotError(InvalidRequest):
+    """A slot index is out of range, or the slot is occupied (insert) or empty."""
+
+
+class QueueFull(PolyengineError, RuntimeError):
+    """The driver's bounded request queue is full; retry later or raise ``max_queue``."""
+
+
+class PluginError(PolyengineError, RuntimeError):
+    """A plugin failed to import, registered a malformed spec, or clashes with another."""
+
+    def __init__(self, plugin: str, distribution: str | None, problem: str):
+        self.plugin = plugin
+        self.distribution = distribution
+        self.problem = problem
+        dist = f" (distribution {distribution!r})" if distribution else ""
+        super().__init__(f"plugin {plugin!r}{dist}: {problem}")
+
+
+class WeightsError(PolyengineError, ValueError):
+    """A weights file is missing, truncated, corrupt, or holds an unexpected tensor."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        self.file = None if file is None else str(file)
+        self.tensor = tensor
+        where = []
+        if file is not None:
+            where.append(f"file {str(file)!r}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        prefix = (", ".join(where) + ": ") if where else ""
+        super().__init__(prefix + message)
+
+
+class ModelConfigError(PolyengineError, ValueError):
+    """A model configuration is invalid or names an unsupported architecture."""
+
+
+class ModelNotFound(PolyengineError, FileNotFoundError):
+    """A model argument names nothing that can be loaded; the message says how to get it."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+
+class ToolError(PolyengineError, ValueError):
+    """A tool refused its input (the tool machine turns this into the tool's output)."""

@@ -1,0 +1,183 @@
+"""SamplingParams: what one request asks of the sampler and of the stop logic.
+
+The parameters belong to the request: they travel in the Prefix and ``insert`` installs
+them in the slot, so every slot samples with its own. The semantics (order of the
+steps, penalty definitions, the random stream) are in ``polyengine.sampling.sampler``
+and DESIGN.md "Sampling semantics".
+
+Every field has a neutral default; ``active_fields()`` names the ones a request
+changed, which is what a backend checks against its declared capabilities before
+doing any work.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from polyengine.errors import InvalidRequest
+
+__all__ = ["SamplingParams", "MAX_SAMPLES", "MAX_STEPS", "MAX_TOP_LOGPROBS", "ENGINE_FIELDS", "DRIVER_FIELDS"]
+
+# The counter's second word is ``step + 2**20 * sample_index`` (32 bits), which bounds both.
+MAX_STEPS = 1 << 20
+MAX_SAMPLES = 1 << 12
+MAX_TOP_LOGPROBS = 20
+
+# Fields a backend's sampler implements (declared in Capabilities.sampling_params).
+ENGINE_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "min_tokens",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "seed",
+    }
+)
+# Fields the driver implements on top of any backend (stop logic, fan-out).
+DRIVER_FIELDS = frozenset({"n", "max_tokens", "stop", "stop_token_ids"})
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling and stopping parameters (immutable; unknown fields refused).
+
+    ``max_tokens=None`` means "until a stop condition or the engine's cache is full".
+    ``top_k=0`` disables top-k; ``top_p=1`` and ``min_p=0`` disable those filters.
+    ``seed=None`` gets a random 64-bit seed when the request is admitted; the seed used
+    is reported back so the output can be reproduced.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    n: int = Field(1, ge=1, le=MAX_SAMPLES, description="samples per prompt")
+    max_tokens: int | None = Field(None, ge=1, description="completion tokens at most")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop tokens are masked until this many tokens")
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_k: int = Field(0, ge=0, description="0 disables")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_tuple(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return (v,)
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _ids_as_tuple(cls, v: Any) -> Any:
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_nonneg(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
+        for tok, b in v.items():
+            if tok < 0:
+                raise ValueError(f"token id {tok} must be >= 0")
+            if not -100.0 <= b <= 100.0 or b != b:
+                raise ValueError(f"bias {b} for token {tok} must be in [-100, 100]")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SamplingParams":
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs > 0 needs logprobs=True")
+        return self
+
+    # -- construction with polyengine's error type ------------------------------------
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> "SamplingParams":
+        """Build and validate, raising :class:`InvalidRequest` naming field and range."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise InvalidRequest(_describe(exc)) from None
+
+    @classmethod
+    def coerce(cls, value: "SamplingParams | dict[str, Any] | None") -> "SamplingParams":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls.create(**value)
+        raise InvalidRequest(
+            f"sampling must be SamplingParams, a dict or None, not {type(value).__name__}"
+        )
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with some fields changed."""
+        return type(self).create(**{**self.model_dump(), **changes})
+
+    # -- what the request uses ----------------------------------------------------------
+
+    def active_fields(self) -> frozenset[str]:
+        """Names of fields set to something other than their neutral default."""
+        return frozenset(
+            name for name, info in type(self).model_fields.items()
+            if name != "seed" and getattr(self, name) != info.get_default(call_default_factory=True)
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self) -> "SamplingParams":
+        """This request with a concrete seed: its own, or a fresh random 64-bit one."""
+        if self.seed is not None:
+            return self
+        return self.model_copy(update={"seed": secrets.randbits(64)})
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "sampling"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(SamplingParams.model_fields)
+            msg = f"unknown field; known fields: {known}"
+        elif "input" in err and err["type"] not in ("missing",):
+            msg = f"{msg} (got {err['input']!r})"
+        parts.append(f"{loc}: {msg}")
+    return "invalid sampling parameters: " + "; ".join(parts)

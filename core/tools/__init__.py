@@ -1,0 +1,1 @@
+"""Tools the model can call mid-generation (the calculator is built in)."""
