@@ -33,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_backends)
 
     from polyengine import cli_run
+    from polyengine.conformance import cli as conformance_cli
 
     cli_run.add_commands(sub)
+    conformance_cli.add_command(sub)
     return parser
 
 

@@ -1,5 +1,172 @@
-"""CLI commands that run models (generate, chat)."""
+"""CLI commands that run a model: ``generate`` (one prompt, streamed or JSON) and
+``chat`` (interactive, with history)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from polyengine.errors import InvalidRequest
+
+__all__ = ["add_commands"]
 
 
-def add_commands(sub) -> None:
-    return None
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", help="backend name or 'auto' (see `polyengine backends`)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF folder, plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
+    p.add_argument("--context-length", type=int, default=2048,
+                   help="prompt + completion tokens per request (the engine's max_cache_length)")
+    p.add_argument("--max-tokens", type=int, default=256, help="completion tokens at most")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default 1.0)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (random and reported if omitted)")
+    p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("generate", help="complete one prompt with a model, streaming to stdout")
+    p.add_argument("prompt", help="the prompt (a user message when the model has a chat template)")
+    _engine_args(p)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, token_ids, finish_reason, usage, seed")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with history (/reset clears it, Ctrl-D quits)")
+    _engine_args(p)
+    p.add_argument("--system", default=None, help="a system message to start every conversation")
+    p.set_defaults(func=_cmd_chat)
+
+
+class _Progress:
+    """Weight-loading progress on stderr: a bar on a terminal, two lines otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.start = time.monotonic()
+        self.last = 0.0
+        self.announced = False
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        if not self.announced:
+            self.announced = True
+            if not self.tty:
+                print(f"loading weights ({total} tensors)...", file=sys.stderr, flush=True)
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if done < total and now - self.last < 0.05:
+            return
+        self.last = now
+        width = 30
+        fill = int(width * done / max(total, 1))
+        print(f"\rloading weights [{'#' * fill}{'.' * (width - fill)}] {done}/{total} {what[:40]:<40}",
+              end="", file=sys.stderr, flush=True)
+
+    def done(self, model: Any) -> None:
+        if self.tty and self.announced:
+            print("\r" + " " * 100 + "\r", end="", file=sys.stderr)
+        print(f"loaded {model!r} in {time.monotonic() - self.start:.1f}s", file=sys.stderr, flush=True)
+
+
+def _build(args: argparse.Namespace):
+    from polyengine.driver import LLM
+    from polyengine.models import load_model
+
+    progress = _Progress()
+    model = load_model(args.model, progress=progress)
+    progress.done(model)
+    if args.context_length < 2:
+        raise InvalidRequest("--context-length must be at least 2")
+    cfg: dict[str, Any] = dict(max_slots=1, max_cache_length=args.context_length, max_prefill_length=args.context_length - 1)
+    if args.dtype:
+        cfg["dtype"] = args.dtype
+    llm = LLM(model, args.backend, tools=not args.no_tools, **cfg)
+    print(f"backend: {llm.engine.name}", file=sys.stderr, flush=True)
+    return llm
+
+
+def _sampling(args: argparse.Namespace):
+    from polyengine.sampling import SamplingParams
+
+    values: dict[str, Any] = {"max_tokens": args.max_tokens}
+    for flag, field in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed")):
+        val = getattr(args, flag)
+        if val is not None:
+            values[field] = val
+    return SamplingParams.create(**values).with_seed()
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
+    llm = _build(args)
+    tok = llm.tokenizer
+    if args.raw or tok is None or not tok.chat_template:
+        prompt: Any = args.prompt
+    else:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    if args.json:
+        c = llm.generate([prompt], sampling)[0]
+        json.dump(
+            {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+             "usage": c.usage.to_dict(), "seed": c.seed},
+            sys.stdout, ensure_ascii=False,
+        )
+        sys.stdout.write("\n")
+        return 0
+    for delta in llm.stream(prompt, sampling):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(f"(seed {sampling.seed})", file=sys.stderr)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
+    llm = _build(args)
+    if llm.tokenizer is None or not llm.tokenizer.chat_template:
+        raise InvalidRequest("this model has no chat template; use `polyengine generate --raw`")
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(base)
+    print("chat: /reset clears the history, Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            history = list(base)
+            print("(history cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            stream = llm.stream_chat(history, sampling.replace(seed=None).with_seed() if args.seed is None else sampling)
+        except InvalidRequest as exc:
+            history.pop()
+            print(f"error: {exc} (try /reset)", file=sys.stderr)
+            continue
+        reply = []
+        sys.stdout.write("assistant> ")
+        try:
+            for delta in stream:
+                reply.append(delta.text)
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            stream.close()  # cancels the request and frees its slot
+            sys.stdout.write(" [stopped]")
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})

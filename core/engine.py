@@ -146,7 +146,8 @@ class Prefix:
 
     ``kv`` and ``logits`` are backend handles (device arrays, remote refs, ...).
     ``logits`` are the last prompt position's raw logits, kept so ``bulk_insert`` can
-    draw each sample's own first token. ``sampling`` has a concrete ``seed``.
+    draw each sample's own first token; ``host_logits()`` copies them to the host with
+    the backend's ``to_host``. ``sampling`` has a concrete ``seed``.
     """
 
     kv: Any
@@ -155,6 +156,11 @@ class Prefix:
     sampling: SamplingParams
     backend: str
     first_token: int  # sample 0's first token (step 0)
+    to_host: Callable[[Any], np.ndarray] = field(default=np.asarray, repr=False)
+
+    def host_logits(self) -> np.ndarray:
+        """The last prompt position's raw logits as a (vocab,) NumPy array."""
+        return np.asarray(self.to_host(self.logits)).reshape(-1)
 
     @property
     def true_length(self) -> int:

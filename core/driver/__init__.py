@@ -1,1 +1,7 @@
 """The driver: continuous batching over any Engine, and the LLM API."""
+
+from polyengine.driver.llm import LLM
+from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
+from polyengine.driver.scheduler import Request, Scheduler
+
+__all__ = ["LLM", "Completion", "CompletionOutput", "StreamDelta", "Usage", "Request", "Scheduler"]

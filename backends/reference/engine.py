@@ -1,0 +1,300 @@
+"""The reference engine: the whole protocol over the NumPy forward and the core sampler.
+
+Every other backend is compared with this one, so it takes the plainest route: the
+KV cache is one host array per slot, the decode state is mutated in place (and
+returned, as the protocol asks), and every check runs before any state changes, so a
+refused call leaves nothing half done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens
+from polyengine.errors import InvalidRequest, SlotError, UnsupportedFeature
+from polyengine.models import Model
+from polyengine.prefix import PortablePrefix
+from polyengine.sampling import RowState, SamplingParams, sample
+from polyengine.sampling.params import ENGINE_FIELDS, MAX_SAMPLES
+
+from polyengine.backends.reference.model import ReferenceParams, forward
+
+__all__ = ["ReferenceEngine", "ReferenceDecodeState", "create_engine"]
+
+_DTYPES = {"float64": np.float64, "float32": np.float32}
+
+
+@dataclass
+class _Slot:
+    row: RowState  # sampler state: params, sample index, step, prompt, completion so far
+    length: int  # cache positions filled
+    next_token: int  # what the next generate step feeds
+
+
+@dataclass
+class ReferenceDecodeState:
+    num_slots: int
+    k: list[np.ndarray]  # per slot (layers, kv_heads, max_cache_length, head_dim)
+    v: list[np.ndarray]
+    slots: list[_Slot | None] = field(default_factory=list)
+
+    def occupied(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s is not None]
+
+
+class ReferenceEngine(EngineBase):
+    name = "reference"
+
+    def __init__(self, model: Model, config: EngineConfig):
+        if config.options:
+            raise InvalidRequest(f"the reference backend takes no options, got {sorted(config.options)}")
+        dtype = config.dtype or "float64"
+        if dtype not in _DTYPES:
+            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"supported: {', '.join(_DTYPES)}")
+        mc = model.config
+        if config.max_cache_length > mc.max_position_embeddings:
+            raise InvalidRequest(
+                f"max_cache_length {config.max_cache_length} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}"
+            )
+        self.model = model
+        self.config = config
+        self.dtype = np.dtype(_DTYPES[dtype])
+        self.capabilities = Capabilities(
+            dtypes=tuple(_DTYPES),
+            sampling_params=ENGINE_FIELDS,
+            max_top_logprobs=20,
+            bulk_insert=True,
+            portable_prefix=True,
+            prefix_reuse=True,
+        )
+        self.max_concurrent_decodes = config.max_slots
+        self.max_prefill_length = config.max_prefill_length
+        self.max_cache_length = config.max_cache_length
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = model.eos_token_ids
+        self.buckets = config.prefill_buckets
+        self._params: ReferenceParams | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def load_params(self) -> ReferenceParams:
+        if self._params is None:
+            self._params = ReferenceParams.from_model(self.model, self.dtype)
+        return self._params
+
+    def init_decode_state(self) -> ReferenceDecodeState:
+        shape = self._cache_shape(self.max_cache_length)
+        n = self.max_concurrent_decodes
+        return ReferenceDecodeState(
+            num_slots=n,
+            k=[np.zeros(shape, self.dtype) for _ in range(n)],
+            v=[np.zeros(shape, self.dtype) for _ in range(n)],
+            slots=[None] * n,
+        )
+
+    def _cache_shape(self, length: int) -> tuple[int, int, int, int]:
+        c = self.model.config
+        return (c.num_hidden_layers, c.num_key_value_heads, length, c.head_dim)
+
+    def _bucket(self, length: int) -> int:
+        if self.buckets is None:
+            return length
+        return next(b for b in self.buckets if b >= length)
+
+    # -- prefill -------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        *,
+        params: ReferenceParams,
+        tokens: Sequence[int] | np.ndarray,
+        sampling: SamplingParams,
+        existing_prefix: Prefix | None = None,
+    ) -> tuple[Prefix, ResultTokens]:
+        start = 0
+        if existing_prefix is not None:
+            self._check_own_prefix(existing_prefix)
+            start = existing_prefix.true_length
+        toks = self.check_prompt(tokens, offset=start)
+        sampling = self.check_sampling(sampling)
+        total = start + toks.size
+        # Pad to the bucket (when configured) the way a static-shape backend would:
+        # pad tokens sit after the true ones, so causality keeps them out of every
+        # true position, and their cache entries are dropped below.
+        padded = self._bucket(total) - start
+        shape = self._cache_shape(start + padded)
+        k, v = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+        if existing_prefix is not None:
+            k[:, :, :start] = existing_prefix.kv[0]
+            v[:, :, :start] = existing_prefix.kv[1]
+        batch = np.zeros((1, padded), np.int64)
+        batch[0, : toks.size] = toks
+        logits = forward(params, batch, np.array([start]), [k], [v])[0, toks.size - 1]
+        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks])
+        prefix = Prefix(
+            kv=(k[:, :, :total].copy(), v[:, :, :total].copy()),
+            logits=logits,
+            prompt_tokens=prompt.astype(np.int32),
+            sampling=sampling,
+            backend=self.name,
+            first_token=-1,
+        )
+        out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32))])
+        prefix.first_token = int(out.tokens[0])
+        return prefix, self._result(out, lengths=[1])
+
+    def _check_own_prefix(self, prefix: Prefix) -> None:
+        if not isinstance(prefix, Prefix) or prefix.backend != self.name:
+            raise InvalidRequest(
+                f"prefix was made by backend {getattr(prefix, 'backend', None)!r}; move prefixes "
+                f"between backends with export_prefix/import_prefix"
+            )
+
+    # -- insert ----------------------------------------------------------------------------
+
+    def _check_insert(self, prefix: Prefix, state: ReferenceDecodeState, slot: int) -> int:
+        slot = self.check_slot(slot)
+        if state.slots[slot] is not None:
+            raise SlotError(f"slot {slot} is occupied; free_resource it before inserting")
+        return slot
+
+    def _install(self, prefix: Prefix, state: ReferenceDecodeState, slot: int, sample_index: int, first: int) -> None:
+        n = prefix.true_length
+        state.k[slot][:, :, :n] = prefix.kv[0]
+        state.v[slot][:, :, :n] = prefix.kv[1]
+        row = RowState(prefix.sampling, sample_index, 1, prefix.prompt_tokens, np.array([first], np.int32))
+        state.slots[slot] = _Slot(row=row, length=n, next_token=first)
+
+    def insert(self, prefix: Prefix, decode_state: ReferenceDecodeState, slot: int) -> ReferenceDecodeState:
+        self._check_own_prefix(prefix)
+        slot = self._check_insert(prefix, decode_state, slot)
+        self._install(prefix, decode_state, slot, 0, prefix.first_token)
+        return decode_state
+
+    def bulk_insert(
+        self, prefix: Prefix, decode_state: ReferenceDecodeState, slots: Sequence[int]
+    ) -> tuple[ReferenceDecodeState, ResultTokens]:
+        self._check_own_prefix(prefix)
+        slots = [self._check_insert(prefix, decode_state, s) for s in slots]
+        if not slots or len(set(slots)) != len(slots):
+            raise SlotError(f"bulk_insert needs distinct slots, got {list(slots)}")
+        if len(slots) > MAX_SAMPLES:
+            raise InvalidRequest(f"at most {MAX_SAMPLES} samples per request")
+        empty = np.zeros(0, np.int32)
+        rows = [RowState(prefix.sampling, i, 0, prefix.prompt_tokens, empty) for i in range(len(slots))]
+        out = self._sample([prefix.logits] * len(slots), rows)
+        for i, slot in enumerate(slots):
+            self._install(prefix, decode_state, slot, i, int(out.tokens[i]))
+        return decode_state, self._result(out, lengths=[1] * len(slots))
+
+    # -- generate --------------------------------------------------------------------------
+
+    def generate(
+        self, params: ReferenceParams, decode_state: ReferenceDecodeState, *, overrides: Mapping[int, int] | None = None
+    ) -> tuple[ReferenceDecodeState, ResultTokens]:
+        state = decode_state
+        overrides = dict(overrides or {})
+        for slot, tok in overrides.items():
+            slot = self.check_slot(slot)
+            if state.slots[slot] is None:
+                raise SlotError(f"override for slot {slot}, which is empty")
+            if not 0 <= int(tok) < self.vocab_size:
+                raise InvalidRequest(f"override token {tok} for slot {slot} is outside the vocabulary")
+        for slot, tok in overrides.items():
+            s = state.slots[slot]
+            s.next_token = int(tok)
+            s.row.completion_tokens = np.concatenate([s.row.completion_tokens[:-1], [int(tok)]]).astype(np.int32)
+
+        n = state.num_slots
+        # A full cache cannot take another token; the driver stops such requests first.
+        live = [i for i in state.occupied() if state.slots[i].length < self.max_cache_length]
+        tokens = np.zeros((n, 1), np.int32)
+        valid = np.zeros((n, 1), bool)
+        lengths = np.array([0 if s is None else len(s.row.completion_tokens) for s in state.slots], np.int32)
+        top_n = max([state.slots[i].row.params.top_logprobs for i in live], default=0)
+        logprobs = np.zeros((n, 1), np.float32)
+        top_ids = np.full((n, 1, top_n), -1, np.int32)
+        top_lp = np.full((n, 1, top_n), -np.inf, np.float32)
+        if live:
+            batch = np.array([[state.slots[i].next_token] for i in live], np.int64)
+            starts = np.array([state.slots[i].length for i in live])
+            logits = forward(params, batch, starts, [state.k[i] for i in live], [state.v[i] for i in live])[:, 0]
+            rows = []
+            for i in live:
+                s = state.slots[i]
+                s.row.step = len(s.row.completion_tokens)
+                rows.append(s.row)
+            out = sample(logits, rows, self.eos_token_ids)
+            for j, i in enumerate(live):
+                s = state.slots[i]
+                tok = int(out.tokens[j])
+                s.length += 1
+                s.next_token = tok
+                s.row.completion_tokens = np.append(s.row.completion_tokens, tok).astype(np.int32)
+                tokens[i, 0], valid[i, 0], lengths[i] = tok, True, len(s.row.completion_tokens)
+                logprobs[i, 0] = out.logprobs[j]
+                k = out.top_ids.shape[1]
+                top_ids[i, 0, :k] = out.top_ids[j]
+                top_lp[i, 0, :k] = out.top_logprobs[j]
+        return state, ResultTokens(
+            tokens=tokens, valid=valid, lengths=lengths, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lp
+        )
+
+    def free_resource(self, decode_state: ReferenceDecodeState, slot: int) -> ReferenceDecodeState:
+        slot = self.check_slot(slot)
+        decode_state.slots[slot] = None
+        return decode_state
+
+    # -- portable prefixes -----------------------------------------------------------------
+
+    def export_prefix(self, prefix: Prefix) -> PortablePrefix:
+        self._check_own_prefix(prefix)
+        return PortablePrefix(
+            k=prefix.kv[0], v=prefix.kv[1], prompt_tokens=prefix.prompt_tokens,
+            last_logits=prefix.logits, sampling=prefix.sampling,
+            model_fingerprint=self.model.fingerprint,
+        )
+
+    def import_prefix(self, portable: PortablePrefix) -> Prefix:
+        c = self.model.config
+        portable.check_compatible(
+            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+        )
+        if portable.true_length > self.max_prefill_length:
+            raise InvalidRequest(
+                f"prefix has {portable.true_length} tokens; this engine accepts at most {self.max_prefill_length}"
+            )
+        sampling = self.check_sampling(portable.sampling)
+        logits = portable.last_logits.astype(self.dtype)
+        row = RowState(sampling, 0, 0, portable.prompt_tokens, np.zeros(0, np.int32))
+        first = int(self._sample([logits], [row]).tokens[0])
+        return Prefix(
+            kv=(portable.k.astype(self.dtype), portable.v.astype(self.dtype)), logits=logits,
+            prompt_tokens=portable.prompt_tokens.copy(), sampling=sampling, backend=self.name, first_token=first,
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _sample(self, logits: list[np.ndarray], rows: list[RowState]):
+        return sample(np.stack(logits), rows, self.eos_token_ids)
+
+    @staticmethod
+    def _result(out, lengths: list[int]) -> ResultTokens:
+        rows = out.tokens.shape[0]
+        return ResultTokens(
+            tokens=out.tokens.reshape(rows, 1).astype(np.int32),
+            valid=np.ones((rows, 1), bool),
+            lengths=np.asarray(lengths, np.int32),
+            logprobs=out.logprobs.reshape(rows, 1).astype(np.float32),
+            top_ids=out.top_ids.reshape(rows, 1, -1).astype(np.int32),
+            top_logprobs=out.top_logprobs.reshape(rows, 1, -1).astype(np.float32),
+        )
+
+
+def create_engine(*, model: Model, config: EngineConfig) -> ReferenceEngine:
+    return ReferenceEngine(model, config)

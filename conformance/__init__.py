@@ -1,0 +1,1 @@
+"""The conformance suite: one set of tests every polyengine backend must pass."""

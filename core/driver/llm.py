@@ -1,0 +1,177 @@
+"""``polyengine.LLM``: the public, synchronous API over the scheduler.
+
+The driver knows text and requests; the engine knows tokens and slots. Prompts are
+strings (encoded with the model's tokenizer, BOS as the tokenizer adds it) or lists of
+token ids. ``chat`` renders the model's own chat template first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+from polyengine.driver.outputs import Completion, StreamDelta
+from polyengine.driver.scheduler import Request, Scheduler
+from polyengine.errors import InvalidRequest
+from polyengine.sampling.params import SamplingParams
+
+__all__ = ["LLM"]
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Load a model, build an engine, and serve requests with continuous batching.
+
+    ``model``: None (the embedded default, SmolLM2-135M-Instruct), a GGUF file, an HF
+    folder, a plugin-registered name, ``random:<preset>``, or a loaded Model.
+    ``backend``: a backend name or ``"auto"``. Remaining keyword arguments build the
+    EngineConfig (``max_slots``, ``max_prefill_length``, ``max_cache_length``,
+    ``dtype``, ``prefill_buckets``, ``options``). ``tools``: True for every registered
+    tool the tokenizer can express, False for none, or a list of Tool objects.
+    ``max_queue`` bounds the requests waiting for a slot (beyond it: QueueFull).
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        backend: str = "auto",
+        *,
+        tools: Any = True,
+        max_queue: int = 1024,
+        progress: Any = None,
+        **engine_config: Any,
+    ):
+        from polyengine.models import Model, load_model
+        from polyengine.plugins import create_engine
+
+        loaded = model if isinstance(model, Model) else load_model(model, progress=progress)
+        engine = create_engine(backend, model=loaded, config=engine_config)
+        self._setup(engine, loaded.tokenizer, tools, max_queue)
+        self.model = loaded
+
+    @classmethod
+    def from_engine(cls, engine: Any, tokenizer: Any = None, *, tools: Any = True, max_queue: int = 1024) -> "LLM":
+        """Drive an already built engine (any object implementing the protocol)."""
+        self = cls.__new__(cls)
+        self._setup(engine, tokenizer, tools, max_queue)
+        self.model = getattr(engine, "model", None)
+        return self
+
+    def _setup(self, engine: Any, tokenizer: Any, tools: Any, max_queue: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tools = None
+        if tools and tokenizer is not None:
+            from polyengine.tools import ToolMachine
+
+            self.tools = ToolMachine.create(tokenizer, None if tools is True else list(tools))
+        self.scheduler = Scheduler(
+            engine,
+            detokenizer_factory=(lambda ids: tokenizer.detokenizer(ids)) if tokenizer is not None else None,
+            tool_factory=self.tools.new_row if self.tools is not None else None,
+            skip_token_ids=frozenset(tokenizer.special_token_ids) if tokenizer is not None else frozenset(),
+            max_queue=max_queue,
+        )
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        try:
+            return None, [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"a prompt must be a string or a sequence of token ids, not {type(prompt).__name__}") from None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Render a conversation with the model's template (generation prompt added) and encode it."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template: use generate() with a raw prompt")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # -- requests --------------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> Request:
+        """Queue one request without running it; ``step()`` or any other call advances it.
+
+        Raises InvalidRequest (bad or too-long prompt, bad parameters), UnsupportedFeature
+        or QueueFull at once; requests already running are not affected.
+        """
+        text, ids = self.encode(prompt)
+        return self.scheduler.submit(ids, SamplingParams.coerce(sampling), prompt=text)
+
+    def step(self) -> bool:
+        """Advance every request by one engine step; return whether work remains."""
+        return self.scheduler.step()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+    ) -> list[Completion]:
+        """Complete every prompt; one Completion per prompt, in order.
+
+        Every prompt is validated before any runs: one bad prompt refuses the call
+        (InvalidRequest naming the prompt) and nothing of it is queued.
+        """
+        batch = self._as_batch(prompts)
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(batch):
+                raise InvalidRequest(f"{len(sampling)} sampling parameter sets for {len(batch)} prompts")
+            params = [SamplingParams.coerce(s) for s in sampling]
+        else:
+            params = [SamplingParams.coerce(sampling)] * len(batch)
+        reqs: list[Request] = []
+        try:
+            for i, (p, sp) in enumerate(zip(batch, params)):
+                try:
+                    reqs.append(self.submit(p, sp))
+                except InvalidRequest as exc:
+                    raise type(exc)(f"prompt {i}: {exc}") from None
+            self.scheduler.run_until(lambda: all(r.done for r in reqs))
+        except BaseException:
+            for r in reqs:
+                r.cancel()
+            raise
+        return [r.completion for r in reqs]
+
+    def stream(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> Iterator[StreamDelta]:
+        """Yield text deltas (with their token ids) as they are produced.
+
+        Closing the iterator early cancels the request and frees its slots.
+        """
+        req = self.submit(prompt, sampling)
+        return self._drain(req)
+
+    def _drain(self, req: Request) -> Iterator[StreamDelta]:
+        try:
+            while True:
+                while req.events:
+                    yield req.events.popleft()
+                if req.done:
+                    if req.error is not None:
+                        raise req.error
+                    return
+                self.scheduler.step()
+        finally:
+            if not req.done:
+                req.cancel()
+
+    def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None) -> Completion:
+        """Answer a conversation (a list of ``{"role", "content"}`` messages)."""
+        return self.generate([self.apply_chat_template(messages)], sampling)[0]
+
+    def stream_chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None) -> Iterator[StreamDelta]:
+        return self.stream(self.apply_chat_template(messages), sampling)
+
+    @staticmethod
+    def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts

@@ -1,0 +1,287 @@
+"""Continuous batching over any Engine.
+
+The scheduler owns requests and slots; the engine owns caches and sampling. Each
+``step()`` admits queued requests into free slots (prefill, then insert or
+bulk_insert), runs one ``generate`` for every occupied slot, and turns each slot's
+token into text, tool actions and stop decisions. Requests join and leave between
+steps, so a short request never waits for a long one.
+
+Per token, in order: the tool machine may replace the engine's token with a forced one
+(fed back through ``overrides``); then the stop checks run: EOS / end-of-turn (unless
+``ignore_eos``), ``stop_token_ids``, stop strings (none of them before ``min_tokens``),
+then ``max_tokens`` and the cache limit (prompt + completion <= ``max_cache_length``).
+
+Thread safety: every public method takes one re-entrant lock, so several threads may
+submit, step and cancel; whichever thread steps advances every request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
+from polyengine.driver.textstream import TextStream
+from polyengine.engine import Engine, ResultTokens
+from polyengine.errors import InvalidRequest, PolyengineError, QueueFull
+from polyengine.sampling.params import SamplingParams
+
+__all__ = ["Request", "Scheduler"]
+
+_ids = itertools.count()
+
+
+@dataclass
+class _Sample:
+    index: int
+    text: TextStream
+    tool: Any | None  # a ToolRow, or None when tools are off
+    limit: int  # completion tokens at most
+    slot: int | None = None
+    out: CompletionOutput = field(default=None)  # type: ignore[assignment]
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finish_reason is not None
+
+
+class Request:
+    """A submitted request. Read ``done``, ``completion`` and ``error``; ``cancel()`` it."""
+
+    def __init__(self, scheduler: "Scheduler", prompt: str | None, tokens: list[int], sampling: SamplingParams):
+        self.id = f"req-{next(_ids)}"
+        self.prompt = prompt
+        self.prompt_tokens = tokens
+        self.sampling = sampling
+        self.samples: list[_Sample] = []
+        self.events: deque[StreamDelta] = deque()
+        self.error: PolyengineError | None = None
+        self.status = "queued"  # queued -> running -> finished | cancelled | failed
+        self._scheduler = scheduler
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "cancelled", "failed")
+
+    def cancel(self) -> None:
+        """Stop the request now: queued, it is dropped; running, its slots are freed."""
+        self._scheduler.cancel(self)
+
+    @property
+    def completion(self) -> Completion:
+        if self.error is not None:
+            raise self.error
+        outs = [s.out for s in self.samples]
+        return Completion(
+            request_id=self.id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_tokens),
+            outputs=outs,
+            seed=int(self.sampling.seed),
+            usage=Usage(len(self.prompt_tokens), sum(len(o.token_ids) for o in outs)),
+        )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        detokenizer_factory: Callable[[list[int]], Any] | None = None,
+        tool_factory: Callable[[], Any] | None = None,
+        skip_token_ids: frozenset[int] = frozenset(),
+        max_queue: int = 1024,
+    ):
+        self.engine = engine
+        self.params = engine.load_params()
+        self.state = engine.init_decode_state()
+        self._detok = detokenizer_factory
+        self._tool = tool_factory
+        self._skip = skip_token_ids
+        self.max_queue = max_queue
+        self._queue: deque[Request] = deque()
+        self._slots: dict[int, tuple[Request, _Sample]] = {}
+        self._overrides: dict[int, int] = {}
+        self._eos = frozenset(engine.eos_token_ids)
+        self._lock = threading.RLock()
+
+    # -- admission -----------------------------------------------------------------------
+
+    def submit(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
+        """Validate and queue a request. Raises InvalidRequest, UnsupportedFeature or
+        QueueFull at once; nothing is queued then and running requests are untouched."""
+        tokens = [int(t) for t in tokens]
+        eng = self.engine
+        if not tokens:
+            raise InvalidRequest("prompt is empty: pass at least one token")
+        if len(tokens) > eng.max_prefill_length:
+            raise InvalidRequest(
+                f"prompt has {len(tokens)} tokens but the engine accepts at most "
+                f"{eng.max_prefill_length} (max_prefill_length); shorten the prompt or raise the limit"
+            )
+        bad = [t for t in tokens if not 0 <= t < eng.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {eng.vocab_size})")
+        eng.capabilities.check_sampling(sampling, eng.name)
+        for t in list(sampling.stop_token_ids) + list(sampling.logit_bias):
+            if not t < eng.vocab_size:
+                raise InvalidRequest(f"token id {t} in sampling parameters is outside the vocabulary [0, {eng.vocab_size})")
+        if sampling.n > eng.max_concurrent_decodes:
+            raise InvalidRequest(
+                f"n={sampling.n} samples need {sampling.n} slots but the engine has "
+                f"{eng.max_concurrent_decodes} (max_slots)"
+            )
+        sampling = sampling.with_seed()
+        with self._lock:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"request queue is full ({self.max_queue} waiting); retry later or raise max_queue")
+            req = Request(self, prompt, tokens, sampling)
+            room = eng.max_cache_length - len(tokens)
+            limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+            for i in range(sampling.n):
+                detok = self._detok(tokens) if self._detok else None
+                s = _Sample(i, TextStream(detok, sampling.stop, self._skip), self._tool() if self._tool else None, limit)
+                s.out = CompletionOutput(
+                    index=i,
+                    logprobs=[] if sampling.logprobs else None,
+                    top_logprobs=[] if sampling.top_logprobs else None,
+                )
+                req.samples.append(s)
+            self._queue.append(req)
+            return req
+
+    def cancel(self, req: Request) -> None:
+        with self._lock:
+            if req.done:
+                return
+            if req.status == "queued":
+                self._queue.remove(req)
+            for s in req.samples:
+                if not s.finished:
+                    s.out.finish_reason = "cancelled"
+                    req.events.append(StreamDelta(s.index, "", [], "cancelled"))
+                self._release(s)
+            req.status = "cancelled"
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._slots)
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [i for i in range(self.engine.max_concurrent_decodes) if i not in self._slots]
+
+    def _admit(self) -> None:
+        while self._queue:
+            req = self._queue[0]
+            free = self.free_slots
+            if len(free) < req.sampling.n:
+                return  # first come, first served: no overtaking
+            self._queue.popleft()
+            slots = free[: req.sampling.n]
+            try:
+                prefix, first = self.engine.prefill(params=self.params, tokens=req.prompt_tokens, sampling=req.sampling)
+                if req.sampling.n == 1:
+                    self.state = self.engine.insert(prefix, self.state, slots[0])
+                else:
+                    self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
+            except PolyengineError as exc:
+                req.error, req.status = exc, "failed"
+                continue
+            req.status = "running"
+            for row, (slot, s) in enumerate(zip(slots, req.samples)):
+                s.slot = slot
+                self._slots[slot] = (req, s)
+                self._on_token(req, s, first, row)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Admit what fits, run one generate step; return whether work remains."""
+        with self._lock:
+            self._admit()
+            if not self._slots:
+                return bool(self._queue)
+            overrides, self._overrides = self._overrides, {}
+            self.state, result = self.engine.generate(self.params, self.state, overrides=overrides)
+            for slot, (req, s) in list(self._slots.items()):
+                if result.valid[slot].any():
+                    self._on_token(req, s, result, slot)
+                else:  # the engine could not extend this slot: its cache is full
+                    self._finish(req, s, "length")
+            return bool(self._queue or self._slots)
+
+    def run_until(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            if not self.step() and not predicate():
+                raise RuntimeError("scheduler went idle before the awaited requests finished")
+
+    # -- per token -----------------------------------------------------------------------
+
+    def _on_token(self, req: Request, s: _Sample, result: ResultTokens, row: int) -> None:
+        for j, token in enumerate(result.tokens[row]):
+            if not result.valid[row, j] or s.finished:
+                continue
+            self._accept(req, s, int(token), result, row, j)
+
+    def _accept(self, req: Request, s: _Sample, token: int, result: ResultTokens, row: int, j: int) -> None:
+        forced = False
+        if s.tool is not None:
+            chosen, forced = s.tool.step(token)
+            if chosen != token:
+                self._overrides[s.slot] = chosen
+                token = chosen
+        out, sp = s.out, req.sampling
+        out.token_ids.append(token)
+        out.forced.append(1 if forced else 0)
+        lp = None
+        if out.logprobs is not None:
+            lp = None if forced else float(result.logprobs[row, j])
+            out.logprobs.append(lp)
+        if out.top_logprobs is not None:
+            ids, vals = result.top_ids[row, j, : sp.top_logprobs], result.top_logprobs[row, j, : sp.top_logprobs]
+            out.top_logprobs.append({} if forced else {int(i): float(v) for i, v in zip(ids, vals) if i >= 0})
+        n = len(out.token_ids)
+        may_stop = n >= sp.min_tokens
+        reason, stop_reason = None, None
+        if not forced and may_stop and token in self._eos and not sp.ignore_eos:
+            reason, stop_reason = "stop", token
+        elif not forced and may_stop and token in sp.stop_token_ids:
+            reason, stop_reason = "stop", token
+        text = "" if reason else s.text.push(token, check_stop=may_stop)
+        if reason is None and s.text.stopped_by is not None:
+            reason, stop_reason = "stop", s.text.stopped_by
+        if reason is None and n >= s.limit:
+            reason = "length"
+        lps = None if out.logprobs is None else [lp]
+        if reason is None:
+            req.events.append(StreamDelta(s.index, text, [token], None, lps))
+            return
+        out.stop_reason = stop_reason
+        tail = text + ("" if s.text.stopped_by else s.text.finish())
+        req.events.append(StreamDelta(s.index, tail, [token], reason, lps))
+        self._finish(req, s, reason, event=False)
+
+    def _finish(self, req: Request, s: _Sample, reason: str, *, event: bool = True) -> None:
+        if s.out.finish_reason is None:
+            s.out.finish_reason = reason
+            if event:
+                req.events.append(StreamDelta(s.index, s.text.finish(), [], reason))
+        s.out.text = s.text.text
+        self._release(s)
+        if all(x.finished for x in req.samples):
+            req.status = "finished"
+
+    def _release(self, s: _Sample) -> None:
+        s.out.text = s.text.text
+        if s.slot is not None and s.slot in self._slots:
+            del self._slots[s.slot]
+            self._overrides.pop(s.slot, None)
+            self.state = self.engine.free_resource(self.state, s.slot)
+            s.slot = None
