@@ -456,7 +456,7 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
     ``config`` is an :class:`EngineConfig` or a dict; keyword arguments override it.
     """
     from polyengine.engine import Engine, EngineConfig
-    from polyengine.models import Model, load_model
+    from polyengine.models import Model
 
     info = select_backend(backend)
     if isinstance(config, EngineConfig):
@@ -465,7 +465,12 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
         base = dict(config or {})
     engine_config = _engine_config(EngineConfig, {**base, **config_kwargs})
     factory = info.load_factory()
-    loaded = model if isinstance(model, Model) else load_model(model)
+    if isinstance(model, Model):
+        loaded = model
+    else:
+        from polyengine.models import load_model
+
+        loaded = load_model(model)
     engine = factory(model=loaded, config=engine_config)
     if not isinstance(engine, Engine):
         missing = [n for n in ("capabilities", "prefill", "insert", "generate", "free_resource", "init_decode_state", "load_params") if not hasattr(engine, n)]

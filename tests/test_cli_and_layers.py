@@ -1,0 +1,66 @@
+"""The CLI's listing and the core's layer rule (no torch, jax or ray in the core)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import polyengine
+from polyengine.cli import main
+
+HEAVY = ("torch", "jax", "ray", "torchax")
+
+
+def _modules_after(code: str) -> list[str]:
+    probe = f"""
+import sys
+{code}
+print("HEAVY:", *[m for m in {HEAVY!r} if m in sys.modules])
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1].split()[1:]
+
+
+def test_importing_the_core_imports_no_framework():
+    code = (
+        "import polyengine, polyengine.driver, polyengine.models, polyengine.sampling, "
+        "polyengine.tools, polyengine.prefix, polyengine.plugins, polyengine.cli"
+    )
+    assert _modules_after(code) == []
+
+
+def test_listing_backends_imports_no_framework():
+    assert _modules_after("from polyengine.cli import main; main(['backends', '--json'])") == []
+
+
+def test_running_the_reference_backend_imports_no_framework():
+    code = (
+        "import polyengine\n"
+        "llm = polyengine.LLM('random:tiny', backend='reference', max_slots=1, max_prefill_length=8, max_cache_length=16)\n"
+        "llm.generate([[1, 2, 3]], polyengine.SamplingParams(max_tokens=2, seed=0))"
+    )
+    assert _modules_after(code) == []
+
+
+def test_version_flag(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    assert polyengine.__version__ in capsys.readouterr().out
+
+
+def test_backends_json_has_the_documented_fields(capsys):
+    assert main(["backends", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    ref = {r["name"]: r for r in rows}["reference"]
+    assert {"name", "available", "accelerator", "reason", "install_hint", "distribution", "priority", "broken"} <= set(ref)
+    assert ref["available"] is True and ref["broken"] is False
+
+
+def test_backends_table(capsys):
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "reference" in out and "available" in out
