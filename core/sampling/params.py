@@ -169,15 +169,47 @@ class SamplingParams(BaseModel):
         return self.model_copy(update={"seed": secrets.randbits(64)})
 
 
+_BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
+def _allowed_range(name: str) -> str | None:
+    """The field's numeric range in interval notation, e.g. ``(0, 1]`` for top_p."""
+    info = SamplingParams.model_fields.get(name)
+    if info is None:
+        return None
+    lo, hi, lo_open, hi_open = None, None, False, False
+    for m in info.metadata:
+        if getattr(m, "ge", None) is not None:
+            lo = m.ge
+        elif getattr(m, "gt", None) is not None:
+            lo, lo_open = m.gt, True
+        if getattr(m, "le", None) is not None:
+            hi = m.le
+        elif getattr(m, "lt", None) is not None:
+            hi, hi_open = m.lt, True
+    if lo is None and hi is None:
+        return None
+    left = "(" if lo_open or lo is None else "["
+    right = ")" if hi_open or hi is None else "]"
+    return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+
+
 def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "sampling"
-        msg = err["msg"]
+        # Our own validators' messages already say what is wrong; pydantic's prefix
+        # only adds noise.
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             known = ", ".join(SamplingParams.model_fields)
             msg = f"unknown field; known fields: {known}"
-        elif "input" in err and err["type"] not in ("missing",):
+        elif "input" in err and err["type"] not in ("missing",) and err["loc"]:
+            # A model-level error's input is the whole request, which would drown the message.
             msg = f"{msg} (got {err['input']!r})"
+        if err["type"] in _BOUND_ERRORS and err["loc"]:
+            allowed = _allowed_range(str(err["loc"][0]))
+            if allowed:
+                msg = f"{msg}; allowed range {allowed}"
         parts.append(f"{loc}: {msg}")
     return "invalid sampling parameters: " + "; ".join(parts)
