@@ -19,8 +19,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file, HF folder, plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
-    p.add_argument("--context-length", type=int, default=2048,
-                   help="prompt + completion tokens per request (the engine's max_cache_length)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="prompt + completion tokens per request, the engine's max_cache_length "
+                        "(default: 2048, or the model's limit if smaller)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens at most")
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default 1.0)")
     p.add_argument("--top-p", type=float, default=None)
@@ -82,9 +83,10 @@ def _build(args: argparse.Namespace):
     progress = _Progress()
     model = load_model(args.model, progress=progress)
     progress.done(model)
-    if args.context_length < 2:
+    context = args.context_length or min(2048, model.config.max_position_embeddings)
+    if context < 2:
         raise InvalidRequest("--context-length must be at least 2")
-    cfg: dict[str, Any] = dict(max_slots=1, max_cache_length=args.context_length, max_prefill_length=args.context_length - 1)
+    cfg: dict[str, Any] = dict(max_slots=1, max_cache_length=context, max_prefill_length=context - 1)
     if args.dtype:
         cfg["dtype"] = args.dtype
     llm = LLM(model, args.backend, tools=not args.no_tools, **cfg)
