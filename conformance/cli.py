@@ -1,5 +1,146 @@
-"""`polyengine conformance` (filled in by the conformance suite)."""
+"""``polyengine conformance --backend NAME|all [--report-json PATH] [-k EXPR]``.
+
+Runs the same tests as ``pytest --pyargs polyengine.conformance --polyengine-backend
+NAME`` (it is that command, run in-process with an empty pytest configuration so the
+current project's ini file and options do not leak in). With ``--backend all`` it
+runs every installed backend that can run here, one after the other, then prints a
+backend x test scoreboard in Markdown (written next to the JSON report as
+``<name>.scoreboard.md`` when ``--report-json`` is given; the JSON then holds one
+report per backend under ``runs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_command", "run_backend", "scoreboard"]
+
+_CELL = {"passed": "pass", "failed": "**FAIL**", "xfailed": "xfail", "skipped": "skip"}
 
 
-def add_command(sub) -> None:
-    return None
+def add_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "conformance",
+        help="run the conformance suite on a backend (or on all of them)",
+        description="Run the conformance suite (layers: surface, contract, numerics, sampler, honesty) "
+                    "on a registered backend. Same tests as `pytest --pyargs polyengine.conformance "
+                    "--polyengine-backend NAME`.",
+    )
+    p.add_argument("--backend", required=True, help="a backend name (see `polyengine backends`) or 'all'")
+    p.add_argument("--report-json", metavar="PATH", default=None, help="write the JSON report here")
+    p.add_argument("-k", dest="keyword", metavar="EXPR", default=None,
+                   help="run only tests matching the pytest -k expression (layers match layer_<name>, e.g. layer_contract)")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
+    p.add_argument("-v", "--verbose", action="store_true", help="one line per test, and skip reasons")
+    p.set_defaults(func=_cmd_conformance)
+
+
+def run_backend(name: str, *, report_json: str | Path | None = None, keyword: str | None = None,
+                exitfirst: bool = False, verbose: bool = False) -> int:
+    """Run the suite on one registered backend in this process; return pytest's exit code."""
+    import pytest
+
+    import polyengine.conformance as pkg
+    from polyengine.plugins import select_backend
+
+    select_backend(name)  # an unknown or unusable backend: say why before pytest starts
+    package_dir = Path(pkg.__file__).resolve().parent
+    with tempfile.TemporaryDirectory(prefix="polyengine-conformance-") as tmp:
+        ini = Path(tmp) / "pytest.ini"
+        ini.write_text("[pytest]\n", encoding="utf-8")
+        args = [
+            "--pyargs", "polyengine.conformance",
+            "--polyengine-backend", name,
+            "-c", str(ini), "--rootdir", tmp, "--confcutdir", str(package_dir),
+            "-p", "polyengine_conformance", "-p", "no:cacheprovider",
+            "--tb=short", "-v" if verbose else "-q", "-rfEs" if verbose else "-rfE",
+            # A second run in one process (--backend all) finds the suite imported already.
+            "-W", "ignore::pytest.PytestAssertRewriteWarning",
+        ]
+        if report_json:
+            args += ["--polyengine-report-json", str(Path(report_json).resolve())]
+        if keyword:
+            args += ["-k", keyword]
+        if exitfirst:
+            args.append("-x")
+        return int(pytest.main(args))
+
+
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    if args.backend != "all":
+        return run_backend(args.backend, report_json=args.report_json, keyword=args.keyword,
+                           exitfirst=args.exitfirst, verbose=args.verbose)
+    return _run_all(args)
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    from polyengine.conformance import SUITE_VERSION
+    from polyengine.plugins import list_backends
+
+    reports: list[dict[str, Any]] = []
+    not_run: list[tuple[str, str]] = []
+    worst = 0
+    with tempfile.TemporaryDirectory(prefix="polyengine-conformance-all-") as tmp:
+        for info in list_backends():
+            if info.broken:
+                not_run.append((info.name, f"broken: {info.error}"))
+                worst = max(worst, 1)
+                continue
+            probe = info.probe()
+            if not probe.available:
+                not_run.append((info.name, f"unavailable: {probe.reason}"))
+                continue
+            path = Path(tmp) / f"{info.name}.json"
+            print(f"\n### polyengine conformance --backend {info.name}", flush=True)
+            code = run_backend(info.name, report_json=path, keyword=args.keyword,
+                               exitfirst=args.exitfirst, verbose=args.verbose)
+            worst = max(worst, 0 if code == 0 else 1)
+            if path.is_file():
+                reports.append(json.loads(path.read_text(encoding="utf-8")))
+            else:
+                not_run.append((info.name, f"the run ended before any test finished (pytest exit code {code})"))
+    board = scoreboard(reports, not_run)
+    print("\n" + board)
+    if args.report_json:
+        out = Path(args.report_json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"suite_version": SUITE_VERSION, "runs": reports,
+               "not_run": [{"backend": n, "why": why} for n, why in not_run]}
+        out.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+        md = out.with_name(out.stem + ".scoreboard.md")
+        md.write_text(board + "\n", encoding="utf-8")
+        print(f"JSON report: {out}\nscoreboard: {md}")
+    if not reports:
+        print("polyengine conformance: no backend could run here", file=sys.stderr)
+        return 1
+    return worst
+
+
+def scoreboard(reports: list[dict[str, Any]], not_run: list[tuple[str, str]] = ()) -> str:
+    """A Markdown table: one row per test (in suite order), one column per backend."""
+    names = [r.get("backend") or r.get("test_class") for r in reports]
+    rows: dict[str, dict[str, Any]] = {}
+    for name, report in zip(names, reports):
+        for t in report["tests"]:
+            row = rows.setdefault(t["id"], {"layer": t["layer"]})
+            row[name] = t["status"]
+    lines = [
+        "| test | layer | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for test_id, row in rows.items():
+        cells = [_CELL.get(row.get(n), "-") for n in names]
+        lines.append(f"| `{test_id}` | {row['layer']} | " + " | ".join(cells) + " |")
+    totals = []
+    for name, report in zip(names, reports):
+        counts = {s: sum(layer[s] for layer in report["summary"].values()) for s in _CELL}
+        totals.append(f"{counts['passed']} pass, {counts['failed']} fail, {counts['xfailed']} xfail, {counts['skipped']} skip")
+    lines.append("| **total** | | " + " | ".join(totals) + " |")
+    for name, why in not_run:
+        lines.append(f"\nnot run: `{name}`: {why}")
+    return "\n".join(lines)

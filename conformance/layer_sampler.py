@@ -1,0 +1,246 @@
+"""Layer 4, sampler statistics: support, goodness of fit, invariances.
+
+Samples come from both sampler paths. Each round prefills the same prompt with
+``max_slots`` different seeds (prefill path: the first token, step 0), inserts the
+prefixes, and runs one generate step with every slot forced to feed the same token
+(decode path: step 1, every slot on the same context). Prefill draws are judged
+against the backend's own ``Prefix.host_logits()``; decode draws against the
+reference's logits for that context (the backend does not expose them).
+
+Support: no sample falls outside the float64 top-k/top-p/min-p set; tokens a
+lower-precision sampler may keep by rounding at a boundary (``support_slack``) are
+reported, not failed. Goodness of fit: Pearson's chi-square against the exact
+filtered distribution fails below ``ALPHA``.
+
+False-failure rates: for a correct sampler and randomly chosen seeds, each
+goodness-of-fit check fails with probability ``ALPHA = 1e-4`` (two paths times five
+settings: at most 1e-3 for the layer). The seeds are fixed, so a run is
+deterministic, and a correct backend draws the very tokens the reference sampler
+draws (the counter-based stream), so it meets the same statistics, which pass.
+The invariance checks are exact (same seed, same tokens) except at near ties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from polyengine.sampling import RowState, SamplingParams, filtered_probs
+
+from polyengine.conformance import layer
+from polyengine.conformance.harness import SEEDS
+from polyengine.conformance.stats import allowed_tokens, goodness_of_fit
+
+ALPHA = 1e-4
+SAMPLES = 1000  # per path and setting
+SETTINGS = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(top_k=6),
+    "top_p": dict(top_p=0.6),
+    "min_p": dict(min_p=0.15),
+    "combined": dict(temperature=1.3, top_k=40, top_p=0.9, min_p=0.02),
+}
+_FORCED = 17  # the token every slot feeds in the decode-path round
+
+
+@dataclass
+class Draws:
+    """Samples of one setting: tokens and the logits they were drawn from, per path."""
+
+    sampling: SamplingParams  # without the seed (each draw has its own)
+    prompt: list[int]
+    prefill_tokens: np.ndarray
+    prefill_logits: np.ndarray  # the backend's own Prefix.host_logits()
+    decode_tokens: np.ndarray
+    decode_logits: np.ndarray  # the reference's logits after prompt + [_FORCED]
+
+    def row(self, path: str) -> RowState:
+        completion = np.zeros(0, np.int64) if path == "prefill" else np.array([_FORCED])
+        return RowState(self.sampling.model_copy(update={"seed": 0}), 0, completion.size, np.array(self.prompt), completion)
+
+
+def _draw(conformance, setting: str) -> Draws:
+    cache = conformance.harness.cache
+    if ("draws", setting) in cache:
+        return cache[("draws", setting)]
+    eng = conformance.engine()
+    params = conformance.harness.params(eng)
+    prompt = conformance.prompt(5, 201)
+    base = SamplingParams(**SETTINGS[setting])
+    slots = list(range(eng.max_concurrent_decodes))
+    pre, dec, logits = [], [], None
+    seed = SEEDS["statistics"] + 100_000 * list(SETTINGS).index(setting)
+    state = eng.init_decode_state()
+    while len(dec) < SAMPLES:
+        for slot in slots:
+            prefix, first = eng.prefill(params=params, tokens=prompt, sampling=base.model_copy(update={"seed": seed}))
+            seed += 1
+            if logits is None:
+                logits = np.asarray(prefix.host_logits(), np.float64)
+            pre.append(int(first.tokens[0, 0]))
+            state = eng.insert(prefix, state, slot)
+        state, result = eng.generate(params, state, overrides={s: _FORCED for s in slots})
+        dec.extend(int(result.tokens[s, 0]) for s in slots)
+        for slot in slots:
+            state = eng.free_resource(state, slot)
+    draws = Draws(base, prompt, np.array(pre[:SAMPLES]), logits, np.array(dec[:SAMPLES]),
+                  conformance.oracle().logits(prompt + [_FORCED]))
+    cache[("draws", setting)] = draws
+    return draws
+
+
+def _why_excluded(logits, row: RowState, eos, token: int) -> list[str]:
+    """Which of the active filters, applied alone, removes ``token``."""
+    p = row.params
+    out = []
+    for name, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+        value = getattr(p, name)
+        if value == neutral:
+            continue
+        alone = p.model_copy(update={k: n for k, n in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)) if k != name})
+        if filtered_probs(logits, RowState(alone, 0, row.step, row.prompt_tokens, row.completion_tokens), eos)[token] == 0:
+            out.append(f"{name}={value}")
+    return out
+
+
+_settings = pytest.mark.parametrize("setting", list(SETTINGS))
+
+
+@layer("sampler")
+class SamplerLayer:
+    @_settings
+    def test_sampling_support(self, conformance, setting):
+        """No sampled token lies outside the float64 top-k/top-p/min-p set."""
+        conformance.require_params(*SETTINGS[setting])
+        draws = _draw(conformance, setting)
+        eos = conformance.oracle().eos_token_ids
+        slack = conformance.tolerance("support_slack", conformance.dtype).value
+        for path, tokens, logits in (("prefill", draws.prefill_tokens, draws.prefill_logits),
+                                     ("decode", draws.decode_tokens, draws.decode_logits)):
+            row = draws.row(path)
+            strict, lenient = allowed_tokens(logits, row, eos, slack)
+            bad = sorted({int(t) for t in tokens if not lenient[t]})
+            boundary = sorted({int(t) for t in tokens if lenient[t] and not strict[t]})
+            conformance.measure("support_slack", 0.0 if not bad else float("inf"), conformance.dtype, where=f"{path} path")
+            if boundary:
+                conformance.note(f"{path} path: tokens {boundary} sampled at a filter boundary (within support_slack)")
+            if bad:
+                t = bad[0]
+                why = _why_excluded(logits, row, eos, t)
+                count = int(np.sum(tokens == t))
+                raise AssertionError(
+                    f"{path} path, {SETTINGS[setting]}: sampled token {t} ({count} of {tokens.size} draws) lies outside "
+                    f"the allowed set of {int(strict.sum())} tokens; excluded by {', '.join(why) or 'the filters'}: "
+                    f"the backend does not apply {' / '.join(w.split('=')[0] for w in why) or 'its filters'}"
+                )
+
+    @_settings
+    def test_sampling_distribution(self, conformance, setting):
+        """Chi-square goodness of fit of SAMPLES draws per path against the exact
+        filtered distribution; fails when p < ALPHA = 1e-4 (false-failure rate 1e-4
+        per check for random seeds; deterministic with the fixed ones)."""
+        conformance.require_params(*SETTINGS[setting])
+        draws = _draw(conformance, setting)
+        eos = conformance.oracle().eos_token_ids
+        stats = conformance.record.setdefault("statistics", {})
+        failures = []
+        for path, tokens, logits in (("prefill", draws.prefill_tokens, draws.prefill_logits),
+                                     ("decode", draws.decode_tokens, draws.decode_logits)):
+            probs = filtered_probs(logits, draws.row(path), eos)
+            fit = goodness_of_fit(tokens, probs)
+            stats[path] = {**fit.to_dict(), "alpha": ALPHA}
+            if fit.p_value < ALPHA:
+                failures.append(
+                    f"{path} path: chi-square {fit.statistic:.1f} on {fit.df} df, p = {fit.p_value:.2g} < {ALPHA:g}"
+                    + (f" ({fit.outside} draws on zero-probability tokens)" if fit.outside else "")
+                )
+        assert not failures, (
+            f"{SETTINGS[setting]}: sampled tokens do not follow the specified distribution: " + "; ".join(failures)
+        )
+
+    def test_same_seed_same_tokens(self, conformance):
+        """Two requests with one seed draw the same tokens, whatever the slot and the
+        time; another seed draws other tokens (equal streams of 8 tokens by chance:
+        probability under 1e-5 on the default model)."""
+        eng = conformance.engine()
+        prompt = conformance.prompt(6, 301)
+        s1, s2 = conformance.sampling(301), conformance.sampling(302)
+        d = conformance.driver(eng)
+        d.insert(0, prompt, s1)
+        d.step(n=3)
+        d.insert(3, prompt, s1)  # the same request again, later, elsewhere
+        d.insert(1, prompt, s2)
+        while len(d.tokens[3]) < 8:
+            d.step()
+        first, again, other = d.tokens[0][:8], d.tokens[3][:8], d.tokens[1][:8]
+        div = conformance.compare_pair(again, first, prompt, s1, what="same seed, slot 3 vs slot 0")
+        assert div is None or div.near_tie, (
+            f"two requests with seed {s1.seed} got different tokens ({first} in slot 0, {again} in slot 3): the "
+            f"backend does not derive its random stream from the request's seed alone (a global or per-slot stream?)"
+        )
+        assert other != first, f"seeds {s1.seed} and {s2.seed} drew the same 8 tokens {first}: the seed is ignored"
+
+    def test_seeded_stream_matches_reference(self, conformance):
+        """Seeded sampling draws the reference sampler's tokens (the counter-based
+        Threefry stream), step after step, except at near ties."""
+        eng = conformance.engine()
+        for salt in (311, 312, 313):
+            prompt, sampling = conformance.prompt(4 + salt % 7, salt), conformance.sampling(salt)
+            got = conformance.driver(eng).run(salt % eng.max_concurrent_decodes, prompt, sampling, 8)
+            div = conformance.compare_to_oracle(got, prompt, sampling, what=f"seed {sampling.seed}")
+            assert div is None or div.near_tie, (
+                f"seed {sampling.seed}: {div.describe()}: the sampled token differs from the counter-based "
+                f"stream (Threefry-2x32 keyed by the request's seed, counter (token, step + 2^20 * sample)); the "
+                f"backend does not use the per-request counter-based stream"
+            )
+
+    def test_temperature_zero_is_argmax(self, conformance):
+        """temperature=0 picks the argmax of the backend's own logits (ties: lowest id)."""
+        conformance.require_params("temperature")
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        for salt in range(321, 327):
+            prefix, first = d.prefill(conformance.prompt(3 + salt % 5, salt), SamplingParams(temperature=0.0, seed=salt))
+            logits = prefix.host_logits()
+            want = int(np.argmax(logits))
+            assert int(first.tokens[0, 0]) == want, (
+                f"temperature=0 chose token {int(first.tokens[0, 0])} but the argmax of the prefix's own logits is {want}"
+            )
+
+    def test_top_k_one_is_greedy(self, conformance):
+        """top_k=1 at any temperature and seed picks the argmax of the backend's logits."""
+        conformance.require_params("top_k")
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        for salt in range(331, 337):
+            prefix, first = d.prefill(conformance.prompt(4, salt), conformance.sampling(salt, top_k=1))
+            want = int(np.argmax(prefix.host_logits()))
+            assert int(first.tokens[0, 0]) == want, (
+                f"top_k=1 (seed {salt}) chose {int(first.tokens[0, 0])}, not the argmax {want}: top_k is not applied"
+            )
+
+    def test_samples_independent_of_slot_and_neighbours(self, conformance):
+        """A request draws the same tokens alone in slot 0 and in the last slot beside
+        neighbours with other parameters."""
+        eng = conformance.engine()
+        prompt, sampling = conformance.prompt(8, 341), conformance.sampling(341)
+        alone = conformance.driver(eng).run(0, prompt, sampling, 8)
+        d = conformance.driver(eng)
+        last = eng.max_concurrent_decodes - 1
+        neighbour_params = [conformance.sampling(342)]
+        for name, value in (("temperature", 0.0), ("top_k", 3), ("top_p", 0.5)):
+            if conformance.declares(name):
+                neighbour_params.append(conformance.sampling(343, **{name: value}))
+        for slot, sp in enumerate(neighbour_params[:last]):
+            d.insert(slot, conformance.prompt(5 + slot, 350 + slot), sp)
+        d.step()
+        d.insert(last, prompt, sampling)
+        while len(d.tokens[last]) < 8:
+            d.step()
+        div = conformance.compare_pair(d.tokens[last][:8], alone, prompt, sampling, what=f"slot {last} with neighbours")
+        assert div is None or div.near_tie, (
+            f"the same request drew token #{div.step} = {div.got} in slot {last} beside other requests but {div.want} "
+            f"alone in slot 0: a request's samples depend on its slot or its neighbours"
+        )

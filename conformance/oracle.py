@@ -1,0 +1,132 @@
+"""The source of truth: the reference backend in float64 plus the core's sampler.
+
+Every "compare with the reference" check asks this module what a correct backend
+would produce: the logits after any token sequence, and the token stream a request
+draws (greedy or seeded) with the decision margin at each step, so a divergence can be
+judged a near tie (reported) or a bug (failed).
+
+The logits come from the reference engine's own ``prefill`` with ``existing_prefix``
+(each new token extends the longest cached prefix by one position, as a decode step
+does), so the oracle is the reference backend, not a second implementation of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from polyengine.engine import EngineConfig, Prefix
+from polyengine.models import Model
+from polyengine.sampling import RowState, SamplingParams, gumbel, process_logits, raw_logprobs
+
+__all__ = ["Decision", "ReferenceOracle", "oracle_for", "decide"]
+
+# Long enough for any prompt plus completion the suite builds (the test engines hold 64).
+_ORACLE_LIMITS = EngineConfig(max_slots=1, max_prefill_length=192, max_cache_length=256)
+_PROBE = SamplingParams(temperature=0.0, seed=0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a correct sampler chooses at one step, and by how much it wins."""
+
+    token: int
+    gap: float  # decision score of the winner minus the runner-up (inf: forced or no rival)
+    forced: bool = False
+
+
+def decide(logits: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> Decision:
+    """The core sampler's choice on ``logits`` with its winning margin.
+
+    Greedy: the scores are the processed logits. Sampling: processed log-probs plus the
+    row's Gumbel noise, exactly what :func:`polyengine.sampling.sample` maximises.
+    """
+    x = process_logits(logits, row, eos_token_ids)
+    if row.params.temperature != 0.0:
+        x = x + gumbel(row.params.seed, np.arange(x.shape[0]), row.step, row.sample_index)
+    order = np.argsort(-x, kind="stable")  # ties to the lowest id, like the sampler
+    top = int(order[0])
+    rival = x[order[1]] if x.shape[0] > 1 else -np.inf
+    gap = float(x[top] - rival) if np.isfinite(rival) else float("inf")
+    return Decision(top, gap)
+
+
+class ReferenceOracle:
+    """Float64 reference logits and token streams for one test model."""
+
+    def __init__(self, model: Model):
+        from polyengine.backends.reference.engine import ReferenceEngine
+
+        self.model = model
+        self.eos_token_ids = tuple(model.eos_token_ids)
+        self.engine = ReferenceEngine(model, _ORACLE_LIMITS)
+        self.params = self.engine.load_params()
+        self._prefixes: dict[tuple[int, ...], Prefix] = {}
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Float64 logits ``(vocab,)`` of the last position after ``tokens``."""
+        key = tuple(int(t) for t in tokens)
+        hit = self._prefixes.get(key)
+        if hit is not None:
+            return hit.logits
+        base, start = None, 0
+        for n in range(len(key) - 1, 0, -1):
+            if key[:n] in self._prefixes:
+                base, start = self._prefixes[key[:n]], n
+                break
+        prefix, _ = self.engine.prefill(params=self.params, tokens=list(key[start:]), sampling=_PROBE, existing_prefix=base)
+        self._prefixes[key] = prefix
+        return prefix.logits
+
+    def raw_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
+        return raw_logprobs(self.logits(tokens))
+
+    def kv(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """K (after RoPE) and V of the prompt, ``(layers, kv_heads, len, head_dim)`` float64."""
+        self.logits(tokens)
+        return self._prefixes[tuple(int(t) for t in tokens)].kv
+
+    def stream(
+        self,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        steps: int,
+        *,
+        sample_index: int = 0,
+        forced: Mapping[int, int] | None = None,
+    ) -> list[Decision]:
+        """The first ``steps`` completion tokens a correct backend produces.
+
+        ``forced={j: token}`` makes completion position ``j`` that token, as
+        ``generate(overrides=...)`` does when it replaces the token a slot feeds next;
+        the step counter still advances over it (forced tokens count).
+        """
+        if sampling.seed is None:
+            raise ValueError("oracle streams need a seeded request")  # suite bug
+        forced = dict(forced or {})
+        prompt = [int(t) for t in prompt]
+        completion: list[int] = []
+        out: list[Decision] = []
+        for step in range(steps):
+            if step in forced:
+                d = Decision(int(forced[step]), float("inf"), forced=True)
+            else:
+                row = RowState(sampling, sample_index, step, np.array(prompt), np.array(completion, np.int64))
+                d = decide(self.logits(prompt + completion), row, self.eos_token_ids)
+            out.append(d)
+            completion.append(d.token)
+        return out
+
+
+_ORACLES: dict[str, ReferenceOracle] = {}
+
+
+def oracle_for(model: Model) -> ReferenceOracle:
+    """One oracle per model (by fingerprint), shared by every run in the process: the
+    models are deterministic and the oracle only ever adds to its cache."""
+    key = model.fingerprint
+    if key not in _ORACLES:
+        _ORACLES[key] = ReferenceOracle(model)
+    return _ORACLES[key]

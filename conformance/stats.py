@@ -1,0 +1,153 @@
+"""Statistics for the sampler layer: chi-square goodness of fit and support sets.
+
+Self-contained (NumPy and ``math`` only) so the suite needs no SciPy: the chi-square
+survival function is the regularized upper incomplete gamma function, computed by
+its series or continued fraction as in Numerical Recipes (section 6.2); the tests
+check it against SciPy to 1e-10.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from polyengine.sampling import RowState, SamplingParams, filtered_probs
+
+__all__ = ["rel_l2", "chi2_sf", "GoodnessOfFit", "goodness_of_fit", "allowed_tokens"]
+
+# Categories whose expected count is under this are pooled (Cochran's rule of thumb).
+MIN_EXPECTED = 5.0
+
+
+def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    """Relative L2 error ``|got - want| / |want|`` of two flat arrays, in float64."""
+    g = np.asarray(got, np.float64).reshape(-1)
+    w = np.asarray(want, np.float64).reshape(-1)
+    if g.shape != w.shape:
+        return float("inf")
+    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-300))
+
+
+def _gamma_q(a: float, x: float) -> float:
+    """Regularized upper incomplete gamma Q(a, x)."""
+    if x <= 0.0:
+        return 1.0
+    log_front = -x + a * math.log(x) - math.lgamma(a)
+    if x < a + 1.0:  # the series for P converges fast here
+        term = total = 1.0 / a
+        ap = a
+        for _ in range(10_000):
+            ap += 1.0
+            term *= x / ap
+            total += term
+            if abs(term) < abs(total) * 1e-16:
+                break
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    # Lentz's continued fraction for Q
+    tiny = 1e-300
+    b = x + 1.0 - a
+    c = 1.0 / tiny
+    d = 1.0 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1.0 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-16:
+            break
+    return math.exp(log_front) * h
+
+
+def chi2_sf(statistic: float, df: int) -> float:
+    """P(X >= statistic) for X ~ chi-square with ``df`` degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if not math.isfinite(statistic):
+        return 0.0
+    return _gamma_q(df / 2.0, statistic / 2.0)
+
+
+@dataclass(frozen=True)
+class GoodnessOfFit:
+    statistic: float
+    df: int
+    p_value: float
+    bins: int
+    samples: int
+    outside: int  # samples that fell on zero-probability tokens
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {k: getattr(self, k) for k in ("statistic", "df", "p_value", "bins", "samples", "outside")}
+
+
+def goodness_of_fit(tokens: np.ndarray, probs: np.ndarray) -> GoodnessOfFit:
+    """Pearson's chi-square of sampled ``tokens`` against the exact ``probs``.
+
+    Tokens are binned individually where ``n * p >= 5``; the rest of the support is
+    pooled into one bin (merged into the smallest bin if the pool itself is too small).
+    A sample on a zero-probability token makes the statistic infinite (p = 0).
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    n = tokens.size
+    counts = np.bincount(tokens, minlength=probs.shape[0]).astype(np.float64)
+    outside = int(counts[probs <= 0].sum())
+    expected = n * probs
+    big = expected >= MIN_EXPECTED
+    obs = list(counts[big])
+    exp = list(expected[big])
+    rest = (probs > 0) & ~big
+    if rest.any():
+        pool_o, pool_e = float(counts[rest].sum()), float(expected[rest].sum())
+        if pool_e >= MIN_EXPECTED or not exp:
+            obs.append(pool_o)
+            exp.append(pool_e)
+        else:
+            i = int(np.argmin(exp))
+            obs[i] += pool_o
+            exp[i] += pool_e
+    obs_a, exp_a = np.array(obs), np.array(exp)
+    bins = obs_a.size
+    if outside:
+        return GoodnessOfFit(float("inf"), max(bins - 1, 1), 0.0, bins, n, outside)
+    if bins < 2:  # a single-token support: the only check is that nothing fell outside
+        return GoodnessOfFit(0.0, 1, 1.0, bins, n, 0)
+    stat = float(np.sum((obs_a - exp_a) ** 2 / exp_a))
+    df = bins - 1
+    return GoodnessOfFit(stat, df, chi2_sf(stat, df), bins, n, 0)
+
+
+def allowed_tokens(
+    logits: np.ndarray, row: RowState, eos_token_ids, slack: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The token sets a sample may come from: ``(strict, lenient)`` boolean masks.
+
+    ``strict`` is the float64 top-k/top-p/min-p set of the core sampler. ``lenient``
+    moves each boundary outwards by ``slack`` (top-p mass + slack, min-p ratio - slack,
+    top-k keeping values within ``slack`` of the k-th), so a token a lower-precision
+    sampler may legitimately keep by rounding is not called a violation; such tokens are
+    reported as boundary cases.
+    """
+    p = row.params
+    strict = filtered_probs(logits, row, eos_token_ids) > 0
+    relaxed = SamplingParams.model_construct(
+        **{
+            **p.model_dump(),
+            "top_k": 0,
+            "top_p": min(1.0, p.top_p + slack) if p.top_p < 1.0 else 1.0,
+            "min_p": max(0.0, p.min_p - slack),
+        }
+    )
+    lenient = filtered_probs(logits, RowState(relaxed, row.sample_index, row.step, row.prompt_tokens, row.completion_tokens), eos_token_ids) > 0
+    if 0 < p.top_k < logits.shape[0]:
+        x = np.asarray(logits, np.float64) / (p.temperature or 1.0)
+        kth = np.sort(x)[-p.top_k]
+        lenient &= x >= kth - slack * max(1.0, abs(kth))
+    return strict, lenient | strict

@@ -1,0 +1,211 @@
+"""Tolerances as data: per-dtype defaults, per-test overrides, per-backend overrides.
+
+The suite ships ``tolerances.toml`` (``[dtype.NAME]`` tables plus ``[[override]]``
+entries); a backend ships a file of ``[[override]]`` entries only, named by its
+``BackendSpec.tolerances`` (``"package:resource"``) or given to subclass mode as the
+``conformance_tolerances`` fixture. Every override names a ``quantity``, a ``value``
+and a ``reason``, and may narrow itself with ``test``, ``dtype`` and ``model``;
+an override without a reason, with an unknown quantity, test or model, or a value
+that is not a positive number is refused with :class:`ConformanceConfigError`.
+
+Lookup order, first match wins: the backend's overrides (most specific first), the
+suite's overrides (most specific first), the suite's dtype default. The returned
+:class:`Tolerance` says where its value came from, and the report records it.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["QUANTITIES", "DEFAULTS_RESOURCE", "ConformanceConfigError", "Tolerance", "Tolerances", "read_resource"]
+
+DEFAULTS_RESOURCE = "polyengine.conformance:tolerances.toml"
+
+QUANTITIES = {
+    "logits_rel_l2": "relative L2 error of a logits row against the reference (float64)",
+    "logprob_abs": "absolute error of a reported raw log-prob against the reference",
+    "kv_rel_l2": "relative L2 error of exported K/V against the reference's export",
+    "bucket_rel_l2": "relative L2 difference of prefill logits between bucket configurations",
+    "tie_gap": "a token that differs from the reference's is a near tie (reported, not "
+               "failed) when the reference's top-1/top-2 score gap is below this",
+    "support_slack": "probability by which a filter boundary (top-p mass, min-p ratio) may "
+                     "move when judging whether a sampled token was allowed",
+}
+_SELECTORS = ("test", "dtype", "model")
+_ENTRY_KEYS = {"quantity", "value", "reason", *_SELECTORS}
+
+
+class ConformanceConfigError(ValueError):
+    """A tolerance or xfail file is malformed; the message names the file and entry."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    quantity: str
+    value: float
+    source: str  # where the value came from, e.g. "suite default [dtype.float32]"
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"quantity": self.quantity, "value": self.value, "source": self.source}
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass(frozen=True)
+class _Override:
+    quantity: str
+    value: float
+    reason: str
+    origin: str
+    test: str | None = None
+    dtype: str | None = None
+    model: str | None = None
+
+    @property
+    def specificity(self) -> int:
+        return sum(getattr(self, k) is not None for k in _SELECTORS)
+
+    def matches(self, test: str, dtype: str, model: str | None) -> bool:
+        return (
+            self.test in (None, test)
+            and self.dtype in (None, dtype)
+            and (self.model is None or self.model == model)
+        )
+
+    def describe(self) -> str:
+        where = ", ".join(f"{k}={getattr(self, k)}" for k in _SELECTORS if getattr(self, k) is not None)
+        return f"{self.origin} [[override]]" + (f" ({where})" if where else "")
+
+
+def read_resource(name: str | Path) -> tuple[str, str]:
+    """Read a ``"package:resource"`` name or a file path; return (text, label)."""
+    if isinstance(name, Path) or (":" not in str(name)) or Path(str(name)).is_file():
+        path = Path(name)
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except OSError as exc:
+            raise ConformanceConfigError(f"cannot read {path}: {exc}") from None
+    package, _, resource = str(name).partition(":")
+    try:
+        return importlib.resources.files(package).joinpath(resource).read_text(encoding="utf-8"), str(name)
+    except (ModuleNotFoundError, FileNotFoundError, OSError) as exc:
+        raise ConformanceConfigError(
+            f"cannot read {name!r} (package {package!r}, resource {resource!r}): {exc}; ship the "
+            f"file as package data of {package!r}"
+        ) from None
+
+
+def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(source, Mapping):
+        return dict(source), "<dict>"
+    text, label = read_resource(source)
+    try:
+        return tomllib.loads(text), label
+    except tomllib.TOMLDecodeError as exc:
+        raise ConformanceConfigError(f"{label}: not valid TOML: {exc}") from None
+
+
+def _parse_overrides(
+    data: Mapping[str, Any], origin: str, known_tests: set[str], known_models: set[str]
+) -> list[_Override]:
+    entries = data.get("override", [])
+    if not isinstance(entries, list):
+        raise ConformanceConfigError(f"{origin}: 'override' must be an array of tables ([[override]])")
+    out: list[_Override] = []
+    for i, entry in enumerate(entries, 1):
+        where = f"{origin}: override #{i}"
+        if not isinstance(entry, dict):
+            raise ConformanceConfigError(f"{where} must be a table")
+        unknown = set(entry) - _ENTRY_KEYS
+        if unknown:
+            raise ConformanceConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_ENTRY_KEYS)}")
+        reason = entry.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ConformanceConfigError(
+                f"{where} has no reason: every tolerance override must say why (reason = \"...\")"
+            )
+        quantity = entry.get("quantity")
+        if quantity not in QUANTITIES:
+            raise ConformanceConfigError(f"{where}: unknown quantity {quantity!r}; known: {', '.join(QUANTITIES)}")
+        value = entry.get("value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConformanceConfigError(f"{where}: value must be a positive number, got {value!r}")
+        test, model, dtype = entry.get("test"), entry.get("model"), entry.get("dtype")
+        if test is not None and test not in known_tests:
+            raise ConformanceConfigError(f"{where}: test {test!r} is not a test of this suite; known: {', '.join(sorted(known_tests))}")
+        if model is not None and model not in known_models:
+            raise ConformanceConfigError(f"{where}: model {model!r} is not a test model; known: {', '.join(sorted(known_models))}")
+        if dtype is not None and not isinstance(dtype, str):
+            raise ConformanceConfigError(f"{where}: dtype must be a string")
+        out.append(_Override(quantity, float(value), reason.strip(), origin, test, dtype, model))
+    keys = [(o.quantity, o.test, o.dtype, o.model) for o in out]
+    dupes = {k for k in keys if keys.count(k) > 1}
+    if dupes:
+        raise ConformanceConfigError(f"{origin}: several overrides for the same (quantity, test, dtype, model): {sorted(dupes, key=str)}")
+    # Most specific first; a stable sort keeps file order among equals (they never
+    # overlap exactly, per the check above).
+    return sorted(out, key=lambda o: -o.specificity)
+
+
+class Tolerances:
+    """The suite's defaults plus one backend's overrides."""
+
+    def __init__(
+        self,
+        backend: str | Path | Mapping[str, Any] | None = None,
+        *,
+        known_tests: Iterable[str],
+        known_models: Iterable[str],
+        defaults: str | Path | Mapping[str, Any] = DEFAULTS_RESOURCE,
+    ):
+        tests, models = set(known_tests), set(known_models)
+        data, self.defaults_origin = _load(defaults)
+        self.dtypes: dict[str, dict[str, float]] = {}
+        for dtype, table in (data.get("dtype") or {}).items():
+            missing = set(QUANTITIES) - set(table)
+            extra = set(table) - set(QUANTITIES)
+            if missing or extra:
+                raise ConformanceConfigError(
+                    f"{self.defaults_origin} [dtype.{dtype}]: missing {sorted(missing)}, unknown {sorted(extra)}"
+                )
+            self.dtypes[dtype] = {q: float(v) for q, v in table.items()}
+        self.suite_overrides = _parse_overrides(data, self.defaults_origin, tests, models)
+        self.backend_origin: str | None = None
+        self.backend_overrides: list[_Override] = []
+        if backend is not None:
+            bdata, self.backend_origin = _load(backend)
+            if "dtype" in bdata:
+                raise ConformanceConfigError(
+                    f"{self.backend_origin}: a backend's tolerance file holds only [[override]] entries "
+                    f"(each with a reason), not [dtype.*] tables"
+                )
+            extra = set(bdata) - {"override"}
+            if extra:
+                raise ConformanceConfigError(f"{self.backend_origin}: unknown top-level key(s) {sorted(extra)}")
+            self.backend_overrides = _parse_overrides(bdata, self.backend_origin, tests, models)
+
+    def get(self, quantity: str, *, test: str, dtype: str, model: str | None = None) -> Tolerance:
+        if quantity not in QUANTITIES:  # a suite bug, not a backend's
+            raise KeyError(f"unknown tolerance quantity {quantity!r}")
+        for overrides, who in ((self.backend_overrides, "backend"), (self.suite_overrides, "suite")):
+            for o in overrides:
+                if o.quantity == quantity and o.matches(test, dtype, model):
+                    return Tolerance(quantity, o.value, f"{who} override: {o.describe()}", o.reason)
+        table = self.dtypes.get(dtype)
+        if table is None:
+            raise ConformanceConfigError(
+                f"no default tolerance for dtype {dtype!r} (the suite knows {', '.join(self.dtypes)}); "
+                f"add [[override]] entries with quantity = {quantity!r}, dtype = {dtype!r} and a reason "
+                f"to the backend's tolerance file"
+            )
+        return Tolerance(quantity, table[quantity], f"suite default: {self.defaults_origin} [dtype.{dtype}]")

@@ -1,0 +1,52 @@
+"""A correct backend that declares less than the reference: the suite's "undeclared"
+branches must pass on it (refusals tested, not skipped).
+
+It is the reference engine in float32 that declares no bulk_insert, no portable
+prefixes, no prefix reuse, no penalties or min_p, and at most 4 top log-probs, and
+refuses each of them with UnsupportedFeature before any work.
+
+Self-contained on purpose (it imports only polyengine): tests/test_conformance_thirdparty.py
+copies this file into a throwaway third-party package as its engine module.
+"""
+
+from __future__ import annotations
+
+from polyengine.backends.reference.engine import ReferenceEngine
+from polyengine.engine import Capabilities, EngineConfig
+from polyengine.errors import UnsupportedFeature
+from polyengine.models import Model
+from polyengine.sampling.params import ENGINE_FIELDS
+
+UNDECLARED = frozenset({"repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"})
+
+
+class RestrictedEngine(ReferenceEngine):
+    name = "restricted"
+
+    def __init__(self, model: Model, config: EngineConfig):
+        if config.dtype not in (None, "float32"):
+            raise UnsupportedFeature(f"dtype {config.dtype!r}", self.name, "this backend computes in float32 only")
+        super().__init__(model, config.model_copy(update={"dtype": "float32"}))
+        self.capabilities = Capabilities(
+            dtypes=("float32",),
+            sampling_params=ENGINE_FIELDS - UNDECLARED,
+            max_top_logprobs=4,
+        )
+
+    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
+        if existing_prefix is not None:
+            raise UnsupportedFeature("prefix reuse (existing_prefix)", self.name)
+        return super().prefill(params=params, tokens=tokens, sampling=sampling)
+
+    def bulk_insert(self, prefix, decode_state, slots):
+        raise UnsupportedFeature("bulk_insert", self.name)
+
+    def export_prefix(self, prefix):
+        raise UnsupportedFeature("export_prefix (portable prefixes)", self.name)
+
+    def import_prefix(self, portable):
+        raise UnsupportedFeature("import_prefix (portable prefixes)", self.name)
+
+
+def create_engine(*, model: Model, config: EngineConfig) -> RestrictedEngine:
+    return RestrictedEngine(model, config)

@@ -1,0 +1,78 @@
+"""`polyengine conformance`: every built-in backend passes the whole suite and the
+reports have what they promise.
+
+The full run is a subprocess, as a user would start it; its wall time is printed
+(`pytest -s` shows it) and recorded in the report's durations.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from polyengine.conformance import LAYERS, SUITE_VERSION
+from polyengine.plugins import list_backends
+
+BUILTIN = [b.name for b in list_backends() if b.distribution == "polyengine" and not b.broken and b.probe().available]
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("polyengine")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "polyengine.cli"]
+
+
+def _run(args, cwd):
+    proc = subprocess.run([*_cli(), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("backend", BUILTIN)
+def test_builtin_backend_passes_the_whole_suite(backend, tmp_path):
+    report = tmp_path / "report.json"
+    start = time.perf_counter()
+    code, out = _run(["conformance", "--backend", backend, "--report-json", str(report)], tmp_path)
+    elapsed = time.perf_counter() - start
+    print(f"\npolyengine conformance --backend {backend}: {elapsed:.1f} s wall")
+    assert code == 0, out
+    doc = json.loads(report.read_text())
+    assert doc["suite_version"] == SUITE_VERSION
+    assert (doc["backend"], doc["distribution"]) == (backend, "polyengine")
+    assert doc["device"]["platform"] and doc["capabilities"]["dtypes"] and doc["seeds"]["model"]
+    tests = doc["tests"]
+    assert {t["status"] for t in tests} <= {"passed", "skipped"}
+    for layer in LAYERS:
+        assert doc["summary"][layer]["passed"] > 0, f"no {layer} test passed"
+    # the only skips are numerics in dtypes the backend does not declare
+    declared = set(doc["capabilities"]["dtypes"])
+    for t in tests:
+        if t["status"] == "skipped":
+            assert t["layer"] == "numerics" and t["id"].split("-")[-1].rstrip("]") not in declared, t
+        assert {"id", "layer", "status", "duration"} <= set(t)
+    numeric = [t for t in tests if t["layer"] == "numerics" and t["status"] == "passed"]
+    assert numeric and all(t["tolerances"] for t in numeric)
+    for t in numeric:
+        for tol in t["tolerances"].values():
+            assert tol["value"] > 0 and tol["source"] and tol["measured"] <= tol["value"]
+    # the terminal table, one row per layer
+    assert all(line in out for line in ("layer", *LAYERS, "total"))
+
+
+def test_all_backends_scoreboard(tmp_path):
+    report = tmp_path / "all.json"
+    code, out = _run(["conformance", "--backend", "all", "-k", "layer_surface", "--report-json", str(report)], tmp_path)
+    assert code == 0, out
+    doc = json.loads(report.read_text())
+    assert {r["backend"] for r in doc["runs"]} >= set(BUILTIN)
+    board = (tmp_path / "all.scoreboard.md").read_text()
+    assert board.startswith("| test | layer |") and "`test_engine_attributes` | surface | pass" in board
+    assert board in out.replace("\r", "")
+
+
+def test_unknown_backend_is_refused_with_the_installed_ones(tmp_path):
+    code, out = _run(["conformance", "--backend", "no_such_backend"], tmp_path)
+    assert code != 0 and "no backend named 'no_such_backend'" in out and "reference" in out

@@ -1,0 +1,221 @@
+"""Tolerance and xfail files, fixtures of subclass mode, and a plugin that stays out
+of the way of every other pytest run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from polyengine.conformance.models import MODEL_NAMES
+from polyengine.conformance.suite import suite_test_names
+from polyengine.conformance.tolerances import ConformanceConfigError, Tolerances
+from polyengine.conformance.xfail import XfailList
+
+pytest_plugins = ["pytester"]
+
+TESTS = suite_test_names()
+
+
+def _tol(backend=None):
+    return Tolerances(backend, known_tests=TESTS, known_models=MODEL_NAMES)
+
+
+def _override(**entry):
+    return {"override": [{"quantity": "logits_rel_l2", "value": 1e-3, "reason": "because", **entry}]}
+
+
+def test_defaults_and_their_source():
+    t = _tol().get("logits_rel_l2", test="test_prefill_logits_match_reference", dtype="float32")
+    assert t.value == 1e-4 and "[dtype.float32]" in t.source and "tolerances.toml" in t.source
+
+
+def test_suite_per_test_override_beats_the_dtype_default():
+    t = _tol().get("tie_gap", test="test_portable_prefix_roundtrip", dtype="float64")
+    assert t.value == 1e-5 and t.source.startswith("suite override") and "float32" in t.reason
+
+
+def test_backend_override_wins_and_the_most_specific_first():
+    tol = _tol({"override": [
+        {"quantity": "logits_rel_l2", "dtype": "float32", "value": 3e-4, "reason": "dtype-wide"},
+        {"quantity": "logits_rel_l2", "dtype": "float32", "model": "odd_qwen2", "value": 9e-4, "reason": "odd sizes"},
+    ]})
+    general = tol.get("logits_rel_l2", test="test_prefill_logits_match_reference", dtype="float32", model="mha_tied")
+    odd = tol.get("logits_rel_l2", test="test_prefill_logits_match_reference", dtype="float32", model="odd_qwen2")
+    assert (general.value, general.reason) == (3e-4, "dtype-wide")
+    assert (odd.value, odd.reason) == (9e-4, "odd sizes") and "backend override" in odd.source
+    assert tol.get("logits_rel_l2", test="x", dtype="float64").value == 1e-9  # other dtypes untouched
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"reason": ""}, "has no reason"),
+    ({"reason": None}, "has no reason"),
+    ({"quantity": "speed"}, "unknown quantity"),
+    ({"test": "test_nonexistent"}, "is not a test of this suite"),
+    ({"model": "gpt5"}, "is not a test model"),
+    ({"value": -1}, "positive number"),
+    ({"colour": "red"}, "unknown key"),
+])
+def test_malformed_overrides_are_refused(entry, message):
+    data = _override(**entry)
+    if entry.get("reason", "x") is None:
+        del data["override"][0]["reason"]
+    with pytest.raises(ConformanceConfigError, match=message):
+        _tol(data)
+
+
+def test_a_backend_file_holds_only_overrides(tmp_path):
+    path = tmp_path / "tol.toml"
+    path.write_text("[dtype.float32]\nlogits_rel_l2 = 1\n")
+    with pytest.raises(ConformanceConfigError, match="only \\[\\[override\\]\\]"):
+        _tol(path)
+    path.write_text("[[override]]\nquantity = 'tie_gap'\nvalue = 0.1\n")
+    with pytest.raises(ConformanceConfigError, match="no reason") as err:
+        _tol(path)
+    assert str(path) in str(err.value)
+
+
+def test_unknown_dtype_needs_backend_overrides():
+    with pytest.raises(ConformanceConfigError, match="no default tolerance for dtype 'int4'"):
+        _tol().get("logits_rel_l2", test="x", dtype="int4")
+
+
+def test_xfail_file_rules():
+    xf = XfailList.load({"xfail": {"test_slot_isolation": "known", "test_dtype[float16]": "later"}})
+    assert xf.reason_for("test_slot_isolation") == "known"
+    assert xf.reason_for("test_dtype[float16]") == "later" and xf.reason_for("test_dtype[float32]") is None
+    xf.check_against(["test_slot_isolation", "test_dtype[float16]", "test_dtype[float32]"])
+    with pytest.raises(ConformanceConfigError, match="match no test"):
+        xf.check_against(["test_slot_isolation"])
+    with pytest.raises(ConformanceConfigError, match="has no reason"):
+        XfailList.load({"xfail": {"test_slot_isolation": ""}})
+
+
+_SUBCLASS = """
+import pytest
+from polyengine.conformance import BackendConformance
+from broken_backends import ForgetsFreeEngine
+from polyengine.backends.reference.engine import ReferenceEngine
+
+class TestMine(BackendConformance):
+    @pytest.fixture
+    def engine_factory(self):
+        return lambda model, config: {engine}(model, config)
+
+    @pytest.fixture
+    def conformance_xfail(self):
+        return {xfail!r}
+
+    @pytest.fixture
+    def conformance_tolerances(self):
+        return {tolerances!r}
+"""
+
+
+def _subclass(pytester, engine="ReferenceEngine", xfail=None, tolerances=None, select="test_free_resource_then_reuse"):
+    pytester.makepyfile(test_mine=_SUBCLASS.format(engine=engine, xfail=xfail, tolerances=tolerances))
+    return pytester.inline_run("-p", "no:cacheprovider", "-k", select)
+
+
+def test_strict_xfail_of_a_known_failure(pytester):
+    rec = _subclass(pytester, "ForgetsFreeEngine", {"xfail": {"test_free_resource_then_reuse": "free is a no-op"}})
+    (rep,) = [r for r in rec.getreports("pytest_runtest_logreport") if r.when == "call"]
+    assert rep.skipped and "free is a no-op" in rep.wasxfail
+
+
+def test_xfail_entry_of_a_passing_test_fails_the_run(pytester):
+    rec = _subclass(pytester, xfail={"xfail": {"test_free_resource_then_reuse": "stale"}})
+    passed, skipped, failed = rec.listoutcomes()
+    assert len(failed) == 1 and "XPASS(strict)" in str(failed[0].longrepr)
+
+
+def test_xfail_entry_matching_no_test_is_an_error(pytester):
+    rec = _subclass(pytester, xfail={"xfail": {"test_frobnicate": "typo"}})
+    (rep,) = [r for r in rec.getreports("pytest_runtest_logreport") if r.when == "setup"]
+    assert rep.failed and "'test_frobnicate'" in str(rep.longrepr) and "match no test" in str(rep.longrepr)
+
+
+def test_tolerance_override_without_reason_is_an_error(pytester):
+    rec = _subclass(pytester, tolerances={"override": [{"quantity": "tie_gap", "value": 1.0}]})
+    (rep,) = [r for r in rec.getreports("pytest_runtest_logreport") if r.when == "setup"]
+    assert rep.failed and "has no reason" in str(rep.longrepr)
+
+
+def test_registry_mode_needs_a_backend(pytester):
+    result = pytester.runpytest("--pyargs", "polyengine.conformance", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*pass --polyengine-backend NAME*installed: *reference*"])
+
+
+def test_plugin_is_inert_in_other_test_runs(pytester):
+    pytester.makepyfile(test_plain="def test_one():\n    assert 1\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert "polyengine conformance" not in result.stdout.str()
+    help_text = pytester.runpytest("--help").stdout.str()
+    assert "--polyengine-backend" in help_text and "--polyengine-report-json" in help_text
+
+
+def test_plugin_imports_nothing_of_the_suite():
+    code = (
+        "import sys, polyengine.conformance.pytest_plugin\n"
+        "heavy = [m for m in ('torch', 'jax', 'scipy', 'polyengine.conformance.suite', "
+        "'polyengine.backends.reference.engine', 'polyengine.driver') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_layers_select_with_k(pytester):
+    rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "reference",
+                              "-k", "layer_surface", "-p", "no:cacheprovider")
+    passed, skipped, failed = rec.listoutcomes()
+    assert len(passed) == 4 and not failed
+
+
+def test_layers_run_in_order(pytester):
+    rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "reference",
+                              "--collect-only", "-p", "no:cacheprovider")
+    from polyengine.conformance import LAYER_ATTR, LAYERS
+
+    items = rec.getcalls("pytest_collection_finish")[0].session.items
+    ranks = [LAYERS.index(getattr(it.function, LAYER_ATTR)) for it in items]
+    assert ranks == sorted(ranks) and len(set(ranks)) == len(LAYERS)
+
+
+def test_near_tie_divergence_is_reported_not_failed(pytester, tmp_path):
+    """With tie_gap overridden to cover any margin, a backend that leaves the
+    reference's stream passes, and the divergence appears in the report and the summary."""
+    import json
+
+    report = tmp_path / "r.json"
+    pytester.makepyfile(test_mine=_SUBCLASS.format(
+        engine="GlobalStream", xfail=None,
+        tolerances={"override": [{"quantity": "tie_gap", "test": "test_seeded_stream_matches_reference",
+                                  "value": 1e9, "reason": "exercise the near-tie path"}]},
+    ).replace("from broken_backends import ForgetsFreeEngine", "from broken_backends import GlobalStreamEngine as GlobalStream"))
+    result = pytester.runpytest("-p", "no:cacheprovider", "-k", "test_seeded_stream_matches_reference",
+                                "--polyengine-report-json", str(report))
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*reported, not failed (*", "*test_seeded_stream_matches_reference: seed*near tie*"])
+    (test,) = json.loads(report.read_text())["tests"]
+    assert test["notes"] and test["tolerances"]["tie_gap"]["reason"] == "exercise the near-tie path"
+
+
+def test_suite_test_ids_are_the_collected_ids(pytester):
+    """The xfail file is checked against suite_test_ids(): they must be pytest's ids."""
+    from polyengine.conformance.suite import suite_test_ids
+
+    rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "reference",
+                              "--collect-only", "-p", "no:cacheprovider")
+    items = rec.getcalls("pytest_collection_finish")[0].session.items
+    assert sorted(it.name for it in items) == sorted(suite_test_ids())
+
+
+def test_xfail_check_ignores_what_this_run_selected(pytester):
+    rec = _subclass(pytester, "ForgetsFreeEngine", {"xfail": {"test_free_resource_then_reuse": "no-op free",
+                                                              "test_dtype[float16]": "not collected in this run"}})
+    (rep,) = [r for r in rec.getreports("pytest_runtest_logreport") if r.when == "call"]
+    assert rep.skipped and rep.wasxfail
