@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 from polyengine.driver.outputs import Completion, StreamDelta
-from polyengine.driver.scheduler import Request, Scheduler
+from polyengine.driver.scheduler import Request, Scheduler, token_ids
 from polyengine.errors import InvalidRequest
 from polyengine.sampling.params import SamplingParams
 
@@ -81,8 +81,8 @@ class LLM:
                 raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         try:
-            return None, [int(t) for t in prompt]
-        except (TypeError, ValueError):
+            return None, token_ids(prompt, "prompt")
+        except TypeError:
             raise InvalidRequest(f"a prompt must be a string or a sequence of token ids, not {type(prompt).__name__}") from None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
@@ -115,7 +115,8 @@ class LLM:
         """Complete every prompt; one Completion per prompt, in order.
 
         Every prompt is validated before any runs: one bad prompt refuses the call
-        (InvalidRequest naming the prompt) and nothing of it is queued.
+        (InvalidRequest naming the prompt) and nothing of it is queued. A batch larger
+        than the queue is fed in as the queue drains.
         """
         batch = self._as_batch(prompts)
         if isinstance(sampling, (list, tuple)):
@@ -125,12 +126,17 @@ class LLM:
         else:
             params = [SamplingParams.coerce(sampling)] * len(batch)
         reqs: list[Request] = []
+        for i, (p, sp) in enumerate(zip(batch, params)):
+            try:
+                text, ids = self.encode(p)
+                reqs.append(self.scheduler.prepare(ids, sp, prompt=text))
+            except InvalidRequest as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from None
         try:
-            for i, (p, sp) in enumerate(zip(batch, params)):
-                try:
-                    reqs.append(self.submit(p, sp))
-                except InvalidRequest as exc:
-                    raise type(exc)(f"prompt {i}: {exc}") from None
+            for req in reqs:
+                while self.scheduler.queue_full:
+                    self.scheduler.step()
+                self.scheduler.enqueue(req)
             self.scheduler.run_until(lambda: all(r.done for r in reqs))
         except BaseException:
             for r in reqs:

@@ -28,12 +28,22 @@ import numpy as np
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, ResultTokens
-from polyengine.errors import InvalidRequest, PolyengineError, QueueFull
+from polyengine.errors import InvalidRequest, QueueFull
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["Request", "Scheduler"]
 
 _ids = itertools.count()
+
+
+def token_ids(tokens: Iterable[Any], what: str) -> list[int]:
+    """Token ids as Python ints; anything but integers (floats, bools) is refused."""
+    out = []
+    for t in tokens:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise InvalidRequest(f"{what} token ids must be integers, got {t!r} ({type(t).__name__})")
+        out.append(int(t))
+    return out
 
 
 @dataclass
@@ -60,7 +70,7 @@ class Request:
         self.sampling = sampling
         self.samples: list[_Sample] = []
         self.events: deque[StreamDelta] = deque()
-        self.error: PolyengineError | None = None
+        self.error: Exception | None = None  # why it failed (typed for anything a caller caused)
         self.status = "queued"  # queued -> running -> finished | cancelled | failed
         self._scheduler = scheduler
 
@@ -115,7 +125,13 @@ class Scheduler:
     def submit(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
         """Validate and queue a request. Raises InvalidRequest, UnsupportedFeature or
         QueueFull at once; nothing is queued then and running requests are untouched."""
-        tokens = [int(t) for t in tokens]
+        req = self.prepare(tokens, sampling, prompt)
+        self.enqueue(req)
+        return req
+
+    def prepare(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
+        """Validate a request and build it, without queueing it (see :meth:`enqueue`)."""
+        tokens = token_ids(tokens, "prompt")
         eng = self.engine
         if not tokens:
             raise InvalidRequest("prompt is empty: pass at least one token")
@@ -136,30 +152,39 @@ class Scheduler:
                 f"n={sampling.n} samples need {sampling.n} slots but the engine has "
                 f"{eng.max_concurrent_decodes} (max_slots)"
             )
+        if sampling.stop and self._detok is None:
+            raise InvalidRequest("stop strings need a tokenizer to match text; this model has none (use stop_token_ids)")
         sampling = sampling.with_seed()
+        req = Request(self, prompt, tokens, sampling)
+        room = eng.max_cache_length - len(tokens)
+        limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        for i in range(sampling.n):
+            detok = self._detok(tokens) if self._detok else None
+            s = _Sample(i, TextStream(detok, sampling.stop, self._skip), self._tool() if self._tool else None, limit)
+            s.out = CompletionOutput(
+                index=i,
+                logprobs=[] if sampling.logprobs else None,
+                top_logprobs=[] if sampling.top_logprobs else None,
+            )
+            req.samples.append(s)
+        return req
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a prepared request; QueueFull when ``max_queue`` requests are waiting."""
         with self._lock:
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"request queue is full ({self.max_queue} waiting); retry later or raise max_queue")
-            req = Request(self, prompt, tokens, sampling)
-            room = eng.max_cache_length - len(tokens)
-            limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
-            for i in range(sampling.n):
-                detok = self._detok(tokens) if self._detok else None
-                s = _Sample(i, TextStream(detok, sampling.stop, self._skip), self._tool() if self._tool else None, limit)
-                s.out = CompletionOutput(
-                    index=i,
-                    logprobs=[] if sampling.logprobs else None,
-                    top_logprobs=[] if sampling.top_logprobs else None,
-                )
-                req.samples.append(s)
             self._queue.append(req)
-            return req
+
+    @property
+    def queue_full(self) -> bool:
+        return len(self._queue) >= self.max_queue
 
     def cancel(self, req: Request) -> None:
         with self._lock:
             if req.done:
                 return
-            if req.status == "queued":
+            if req in self._queue:
                 self._queue.remove(req)
             for s in req.samples:
                 if not s.finished:
@@ -191,13 +216,14 @@ class Scheduler:
                     self.state = self.engine.insert(prefix, self.state, slots[0])
                 else:
                     self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
-            except PolyengineError as exc:
-                req.error, req.status = exc, "failed"
+            except Exception as exc:  # any failure fails this request only
+                self._fail(req, exc)
                 continue
             req.status = "running"
-            for row, (slot, s) in enumerate(zip(slots, req.samples)):
+            for slot, s in zip(slots, req.samples):
                 s.slot = slot
                 self._slots[slot] = (req, s)
+            for row, s in enumerate(req.samples):
                 self._on_token(req, s, first, row)
 
     # -- the loop ------------------------------------------------------------------------
@@ -211,6 +237,8 @@ class Scheduler:
             overrides, self._overrides = self._overrides, {}
             self.state, result = self.engine.generate(self.params, self.state, overrides=overrides)
             for slot, (req, s) in list(self._slots.items()):
+                if s.slot != slot:  # its request failed earlier in this loop
+                    continue
                 if result.valid[slot].any():
                     self._on_token(req, s, result, slot)
                 else:  # the engine could not extend this slot: its cache is full
@@ -225,12 +253,18 @@ class Scheduler:
     # -- per token -----------------------------------------------------------------------
 
     def _on_token(self, req: Request, s: _Sample, result: ResultTokens, row: int) -> None:
-        for j, token in enumerate(result.tokens[row]):
-            if not result.valid[row, j] or s.finished:
-                continue
-            self._accept(req, s, int(token), result, row, j)
+        """Take one row's tokens; an error here (a tool's bug, say) fails this request only."""
+        try:
+            for j, token in enumerate(result.tokens[row]):
+                if not result.valid[row, j] or s.finished:
+                    continue
+                if self._accept(req, s, int(token), result, row, j):
+                    break  # a forced token replaces the rest of this step's (speculative) tokens
+        except Exception as exc:
+            self._fail(req, exc)
 
-    def _accept(self, req: Request, s: _Sample, token: int, result: ResultTokens, row: int, j: int) -> None:
+    def _accept(self, req: Request, s: _Sample, token: int, result: ResultTokens, row: int, j: int) -> bool:
+        """Record one token; return whether it was forced in place of the engine's."""
         forced = False
         if s.tool is not None:
             chosen, forced = s.tool.step(token)
@@ -254,7 +288,8 @@ class Scheduler:
             reason, stop_reason = "stop", token
         elif not forced and may_stop and token in sp.stop_token_ids:
             reason, stop_reason = "stop", token
-        text = "" if reason else s.text.push(token, check_stop=may_stop)
+        # Stop strings match the model's text, not a tool's forced output.
+        text = "" if reason else s.text.push(token, check_stop=may_stop and not forced)
         if reason is None and s.text.stopped_by is not None:
             reason, stop_reason = "stop", s.text.stopped_by
         if reason is None and n >= s.limit:
@@ -262,11 +297,12 @@ class Scheduler:
         lps = None if out.logprobs is None else [lp]
         if reason is None:
             req.events.append(StreamDelta(s.index, text, [token], None, lps))
-            return
+            return forced
         out.stop_reason = stop_reason
         tail = text + ("" if s.text.stopped_by else s.text.finish())
         req.events.append(StreamDelta(s.index, tail, [token], reason, lps))
         self._finish(req, s, reason, event=False)
+        return True
 
     def _finish(self, req: Request, s: _Sample, reason: str, *, event: bool = True) -> None:
         if s.out.finish_reason is None:
@@ -277,6 +313,11 @@ class Scheduler:
         self._release(s)
         if all(x.finished for x in req.samples):
             req.status = "finished"
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        req.error, req.status = exc, "failed"
+        for s in req.samples:
+            self._release(s)
 
     def _release(self, s: _Sample) -> None:
         s.out.text = s.text.text
