@@ -157,6 +157,9 @@ class Prefix:
     backend: str
     first_token: int  # sample 0's first token (step 0)
     to_host: Callable[[Any], np.ndarray] = field(default=np.asarray, repr=False)
+    # Which weights made it (an engine-chosen id, e.g. of its Model object): an engine
+    # refuses a prefix made with other weights rather than decode garbage from it.
+    model_id: str = ""
 
     def host_logits(self) -> np.ndarray:
         """The last prompt position's raw logits as a (vocab,) NumPy array."""
@@ -359,6 +362,14 @@ class EngineBase:
                     f"[0, {self.vocab_size})"
                 )
         return sampling.with_seed()
+
+    def check_token(self, token: object, what: str) -> int:
+        """A token id (an integer inside the vocabulary) as an int, else InvalidRequest."""
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise InvalidRequest(f"{what} must be an integer token id, got {token!r}")
+        if not 0 <= token < self.vocab_size:
+            raise InvalidRequest(f"{what} {token} is outside the vocabulary [0, {self.vocab_size})")
+        return int(token)
 
     def check_slot(self, slot: int) -> int:
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):

@@ -61,8 +61,10 @@ class ReferenceEngine(EngineBase):
                 f"max_position_embeddings {mc.max_position_embeddings}"
             )
         self.model = model
+        self.model_id = f"{id(model):x}:{model.source}"
         self.config = config
         self.dtype = np.dtype(_DTYPES[dtype])
+        self._check_memory(mc, config)
         self.capabilities = Capabilities(
             dtypes=tuple(_DTYPES),
             sampling_params=ENGINE_FIELDS,
@@ -78,6 +80,22 @@ class ReferenceEngine(EngineBase):
         self.eos_token_ids = model.eos_token_ids
         self.buckets = config.prefill_buckets
         self._params: ReferenceParams | None = None
+
+    def _check_memory(self, mc, config: EngineConfig) -> None:
+        """Refuse before allocating: the engine copies the weights into its dtype (the
+        Model's float32 ones stay held by the caller) and preallocates every slot's cache."""
+        from polyengine.models.loader import InsufficientMemory, available_memory
+
+        weights = mc.num_parameters() * self.dtype.itemsize
+        caches = config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(self.dtype.itemsize)
+        needed = weights + caches + (256 << 20)
+        available = available_memory()
+        if available is not None and needed > available:
+            raise InsufficientMemory(
+                "the reference backend", needed, available, str(self.dtype),
+                for_what=f"a {self.dtype} copy of the weights ({weights:,} bytes), the KV caches of "
+                f"{config.max_slots} slots x {config.max_cache_length} positions ({caches:,} bytes) and a margin",
+            )
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -142,6 +160,7 @@ class ReferenceEngine(EngineBase):
             sampling=sampling,
             backend=self.name,
             first_token=-1,
+            model_id=self.model_id,
         )
         out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32))])
         prefix.first_token = int(out.tokens[0])
@@ -152,6 +171,16 @@ class ReferenceEngine(EngineBase):
             raise InvalidRequest(
                 f"prefix was made by backend {getattr(prefix, 'backend', None)!r}; move prefixes "
                 f"between backends with export_prefix/import_prefix"
+            )
+        if prefix.model_id != self.model_id:
+            raise InvalidRequest(
+                "prefix was made with other weights than this engine's model; prefill it again here "
+                "(or import a portable prefix, which checks the model fingerprint)"
+            )
+        if prefix.true_length > self.max_prefill_length:
+            raise InvalidRequest(
+                f"prefix holds {prefix.true_length} tokens but this engine accepts at most "
+                f"{self.max_prefill_length} (max_prefill_length)"
             )
 
     # -- insert ----------------------------------------------------------------------------
@@ -198,13 +227,13 @@ class ReferenceEngine(EngineBase):
     ) -> tuple[ReferenceDecodeState, ResultTokens]:
         state = decode_state
         overrides = dict(overrides or {})
+        checked = {}
         for slot, tok in overrides.items():
             slot = self.check_slot(slot)
             if state.slots[slot] is None:
                 raise SlotError(f"override for slot {slot}, which is empty")
-            if not 0 <= int(tok) < self.vocab_size:
-                raise InvalidRequest(f"override token {tok} for slot {slot} is outside the vocabulary")
-        for slot, tok in overrides.items():
+            checked[slot] = self.check_token(tok, f"override for slot {slot}")
+        for slot, tok in checked.items():
             s = state.slots[slot]
             s.next_token = int(tok)
             s.row.completion_tokens = np.concatenate([s.row.completion_tokens[:-1], [int(tok)]]).astype(np.int32)
@@ -276,6 +305,7 @@ class ReferenceEngine(EngineBase):
         return Prefix(
             kv=(portable.k.astype(self.dtype), portable.v.astype(self.dtype)), logits=logits,
             prompt_tokens=portable.prompt_tokens.copy(), sampling=sampling, backend=self.name, first_token=first,
+            model_id=self.model_id,
         )
 
     # -- helpers ---------------------------------------------------------------------------

@@ -66,12 +66,13 @@ _RANDOM_RE = re.compile(r"^random:(?P<name>[A-Za-z0-9_.-]+)(?:\?seed=(?P<seed>-?
 class InsufficientMemory(ModelConfigError):
     """The model's weights would not fit in the memory available now."""
 
-    def __init__(self, what: str, needed: int, available: int, dtype: str):
+    def __init__(self, what: str, needed: int, available: int, dtype: str, for_what: str | None = None):
         self.needed = needed
         self.available = available
+        for_what = for_what or f"its {dtype} weights plus a safety margin"
         super().__init__(
-            f"{what} needs {needed:,} bytes ({needed / 2**30:.2f} GiB) for its {dtype} weights plus a safety "
-            f"margin, but only {available:,} bytes ({available / 2**30:.2f} GiB) are available (MemAvailable). "
+            f"{what} needs {needed:,} bytes ({needed / 2**30:.2f} GiB) for {for_what}, "
+            f"but only {available:,} bytes ({available / 2**30:.2f} GiB) are available (MemAvailable). "
             "Try dtype='float16', a smaller model, or free some memory."
         )
 
@@ -140,7 +141,10 @@ def load_model(
     """
     if isinstance(spec, Model):
         return spec
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
     if dt not in (np.float32, np.float16):
         raise ModelConfigError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
     if spec is None:
