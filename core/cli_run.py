@@ -80,6 +80,9 @@ def _build(args: argparse.Namespace):
     from polyengine.driver import LLM
     from polyengine.models import load_model
 
+    from polyengine.plugins import select_backend
+
+    select_backend(args.backend)  # an unknown or unavailable backend is reported before loading weights
     progress = _Progress()
     model = load_model(args.model, progress=progress)
     progress.done(model)

@@ -454,16 +454,33 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
     ``model`` is anything :func:`polyengine.models.load_model` takes (None: the
     embedded default) or an already loaded :class:`polyengine.models.Model`.
     ``config`` is an :class:`EngineConfig` or a dict; keyword arguments override it.
+    Limits left unset are fitted to the model: ``max_cache_length`` defaults to
+    ``min(1024, max_position_embeddings)`` and ``max_prefill_length`` to
+    ``min(512, max_cache_length - 1)``.
     """
     from polyengine.engine import Engine, EngineConfig
+    from polyengine.errors import PolyengineError
     from polyengine.models import Model
 
     info = select_backend(backend)
     if isinstance(config, EngineConfig):
-        base = config.model_dump()
+        values, explicit = config.model_dump(), set(config.model_fields_set)
     else:
-        base = dict(config or {})
-    engine_config = _engine_config(EngineConfig, {**base, **config_kwargs})
+        values = dict(config or {})
+        explicit = set(values)
+    values.update(config_kwargs)
+    explicit |= set(config_kwargs)
+    fields = EngineConfig.model_fields
+
+    def fitted(positions: int | None = None) -> EngineConfig:
+        v = dict(values)
+        if "max_cache_length" not in explicit:
+            v["max_cache_length"] = min(fields["max_cache_length"].default, positions or 1 << 62)
+        if "max_prefill_length" not in explicit:
+            v["max_prefill_length"] = min(fields["max_prefill_length"].default, v.get("max_cache_length", 2) - 1)
+        return _engine_config(EngineConfig, v)
+
+    fitted()  # refuse a bad config before loading weights
     factory = info.load_factory()
     if isinstance(model, Model):
         loaded = model
@@ -471,7 +488,16 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
         from polyengine.models import load_model
 
         loaded = load_model(model)
-    engine = factory(model=loaded, config=engine_config)
+    engine_config = fitted(loaded.config.max_position_embeddings)
+    try:
+        engine = factory(model=loaded, config=engine_config)
+    except PolyengineError:
+        raise
+    except Exception as exc:  # a backend's bug or an untyped device error: say whose
+        raise PluginError(
+            info.plugin, info.distribution,
+            f"factory of backend {info.name!r} raised {type(exc).__name__}: {exc}",
+        ) from exc
     if not isinstance(engine, Engine):
         missing = [n for n in ("capabilities", "prefill", "insert", "generate", "free_resource", "init_decode_state", "load_params") if not hasattr(engine, n)]
         raise PluginError(info.plugin, info.distribution, f"factory of backend {info.name!r} returned {type(engine).__name__}, which lacks {missing}")

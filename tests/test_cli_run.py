@@ -47,3 +47,9 @@ def test_chat_keeps_history_resets_and_quits_on_eof():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("assistant> ") == 3
     assert "(history cleared)" in proc.stderr
+
+
+def test_unknown_backend_is_reported_before_loading_weights(capsys):
+    assert main(["generate", "--backend", "nosuch", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "no backend named 'nosuch'" in err and "loading weights" not in err

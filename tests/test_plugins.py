@@ -183,3 +183,30 @@ def test_two_plugins_claiming_one_name_fail_discovery():
 def test_bad_engine_config_is_a_typed_error():
     with pytest.raises(polyengine.InvalidRequest, match="max_prefill_length"):
         polyengine.create_engine("reference", model=tiny_model(), max_prefill_length=64, max_cache_length=32)
+
+
+class _ExplodingFactory:
+    @hookimpl
+    def polyengine_backends(self):
+        def factory(*, model, config):
+            raise RuntimeError("CUDA error: out of memory")
+
+        return [BackendSpec(name="boom", description="d", protocol_version=PROTOCOL_VERSION,
+                            probe=lambda: Probe(True), factory=factory)]
+
+
+def test_an_untyped_factory_error_is_blamed_on_its_plugin():
+    register_plugin(_ExplodingFactory(), "boom-plugin")
+    with pytest.raises(PluginError, match="boom-plugin.*RuntimeError: CUDA error"):
+        polyengine.create_engine("boom", model=tiny_model())
+
+
+def test_unset_limits_are_fitted_to_the_model():
+    model = tiny_model()  # max_position_embeddings 2048 (the config default)
+    engine = polyengine.create_engine("reference", model=model)
+    assert (engine.max_cache_length, engine.max_prefill_length) == (1024, 512)
+    engine = polyengine.create_engine("reference", model=model, max_cache_length=100)
+    assert (engine.max_cache_length, engine.max_prefill_length) == (100, 99)
+    small = type(model)(model.config.model_copy(update={"max_position_embeddings": 64}), model.weights, source="small")
+    engine = polyengine.create_engine("reference", model=small)
+    assert (engine.max_cache_length, engine.max_prefill_length) == (64, 63)
