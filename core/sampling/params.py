@@ -125,13 +125,17 @@ class SamplingParams(BaseModel):
 
     # -- construction with polyengine's error type ------------------------------------
 
-    @classmethod
-    def create(cls, **kwargs: Any) -> "SamplingParams":
-        """Build and validate, raising :class:`InvalidRequest` naming field and range."""
+    def __init__(self, **data: Any) -> None:
+        """Validate; a bad value raises :class:`InvalidRequest` naming field and range."""
         try:
-            return cls(**kwargs)
+            super().__init__(**data)
         except ValidationError as exc:
             raise InvalidRequest(_describe(exc)) from None
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> "SamplingParams":
+        """Build and validate (the same as the constructor; kept for symmetry with ``coerce``)."""
+        return cls(**kwargs)
 
     @classmethod
     def coerce(cls, value: "SamplingParams | dict[str, Any] | None") -> "SamplingParams":

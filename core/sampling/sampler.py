@@ -195,7 +195,11 @@ def process_logits(logits_row: np.ndarray, row: RowState, eos_token_ids: Sequenc
     x = _penalised_logits(logits_row, row, eos_token_ids)
     if p.temperature == 0.0:
         return x
-    logp = raw_logprobs(x / p.temperature)
+    # Shift by the max before dividing: log-softmax does not change, and a tiny
+    # temperature then sends the others to -inf instead of making inf - inf = NaN.
+    finite = x[np.isfinite(x)]
+    with np.errstate(over="ignore"):
+        logp = raw_logprobs((x - (finite.max() if finite.size else 0.0)) / p.temperature)
     vocab = logp.shape[0]
 
     if 0 < p.top_k < vocab:
