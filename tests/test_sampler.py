@@ -402,3 +402,12 @@ def test_draws_at_different_positions_are_independent(vary):
     q = float(np.sum(filtered_probs(logits, first[0], EOS) ** 2))
     agree = int(np.sum(a == b))
     assert stats.binomtest(agree, seeds_n, q).pvalue > ALPHA
+
+
+def test_tiny_temperatures_pick_the_argmax_not_nan():
+    """T -> 0 must approach greedy; dividing unshifted logits by 5e-324 gave NaN and token 0."""
+    logits = np.array([[0.5, 3.0, 1.0, 2.9]])
+    for temperature in (5e-324, 1e-300, 1e-6):
+        for seed in range(5):
+            row = RowState(SamplingParams(temperature=temperature, seed=seed))
+            assert int(sample(logits, [row], []).tokens[0]) == 1
