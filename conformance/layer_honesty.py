@@ -8,6 +8,16 @@ that the reference's stream without it differs, so the check has power); undecla
 untouched. Likewise for ``top_logprobs`` beyond ``max_top_logprobs`` and for dtypes
 the backend does not declare. Refusals are tested, never skipped.
 
+Each parameter is checked in several cases (:data:`EFFECTS`): greedy or at
+temperature 1, and sampled at temperatures 0.5 and 1.7 wherever the parameter
+interacts with the temperature: an additive term applied after the temperature
+division, or a log-prob reported after it, is invisible at temperature 1. Cases
+aimed at a known misimplementation (:data:`FAULTS`: logit_bias or penalties after
+the temperature, min_tokens off by one) run four seeds side by side, assert that the
+misimplementation's streams differ from the correct ones, and name it when the
+backend draws exactly its tokens. Reported log-probs and top log-probs must be the
+raw model's at every temperature (``check_reported_logprobs``).
+
 Stop conditions live in the driver; the last test drives the backend through
 ``polyengine.driver.LLM.from_engine`` with token-id prompts and checks min_tokens,
 ignore_eos, stop_token_ids and max_tokens end to end.
@@ -25,38 +35,99 @@ from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.conformance import layer
+from polyengine.conformance.faults import FAULTS
 from polyengine.conformance.models import DEFAULT_MODEL, build_model, eos_prompt
-from polyengine.conformance.layer_numerics import DTYPES
+from polyengine.conformance.layer_numerics import BIASED_TOKEN, DTYPES, check_reported_logprobs
 
 
 @dataclass(frozen=True)
 class Effect:
-    """How to see one parameter's effect: its setting, what else the check needs,
-    the prompt (random, with repeats, or the EOS prompt) and how many steps."""
+    """One way to see a parameter's effect: its setting, what else the check needs,
+    the prompt (random, with repeats, or the EOS prompt), how many steps, and which
+    realistic misimplementation (:data:`FAULTS`) the check also tells apart."""
 
     changes: dict[str, Any]
     base: dict[str, Any] = field(default_factory=dict)
     prompt: str = "random"
     steps: int = 8
+    fault: str | None = None
+    seeds: int = 1  # requests with consecutive seeds, run side by side (at most max_slots)
+
+    def label(self) -> str:
+        def show(v: Any) -> str:
+            if isinstance(v, dict) and len(v) > 3:
+                head = ", ".join(f"{k}: {x!r}" for k, x in list(v.items())[:2])
+                return f"{{{head}, ... ({len(v)} ids)}}"
+            return repr(v)
+
+        return ", ".join(f"{k}={show(v)}" for k, v in {**self.base, **self.changes}.items()) or "defaults"
 
 
-_BIASED = 99  # < every test model's vocabulary
-EFFECTS = {
-    "temperature": Effect({"temperature": 0.5}),
-    "top_k": Effect({"top_k": 3}),
-    "top_p": Effect({"top_p": 0.5}),
-    "min_p": Effect({"min_p": 0.25}),
-    "repetition_penalty": Effect({"repetition_penalty": 3.0}, base={"temperature": 0.0}, prompt="repeats", steps=12),
-    "presence_penalty": Effect({"presence_penalty": 2.0}, base={"temperature": 0.0}, steps=12),
-    "frequency_penalty": Effect({"frequency_penalty": 2.0}, base={"temperature": 0.0}, steps=12),
-    "logit_bias": Effect({"logit_bias": {_BIASED: 10.0}}),
-    "min_tokens": Effect({"min_tokens": 3}, base={"temperature": 0.0}, prompt="eos", steps=5),
-    "ignore_eos": Effect({"ignore_eos": True}, base={"temperature": 0.0}, prompt="eos", steps=5),
-    "logprobs": Effect({"logprobs": True}),
-    "top_logprobs": Effect({"logprobs": True, "top_logprobs": 3}),
-    "seed": Effect({}),
+EOS = "EOS"  # in a logit_bias: the default test model's EOS id (resolved at run time)
+
+
+_BIASED = BIASED_TOKEN  # < every test model's vocabulary
+_EVERY_THIRD = {t: 2.0 for t in range(0, 131, 3)}  # a third of the ids below every test vocabulary
+_GREEDY = {"temperature": 0.0}
+_EOS_FAVOURED = {"logit_bias": {EOS: 30.0}}
+_PEN_AFTER_T = "penalties_after_temperature"
+# Every check of a parameter that interacts with the temperature also runs sampled at
+# temperatures other than 1 (0.5 sharpens, 1.7 flattens): an additive term applied
+# after the temperature division, or a log-prob reported after it, is invisible at 1.
+# The checks that must tell a fault apart run four seeds side by side; the suite
+# asserts that the fault's streams differ from the correct ones (it has power).
+EFFECTS: dict[str, tuple[Effect, ...]] = {
+    "temperature": (Effect({"temperature": 0.5}), Effect({"temperature": 1.7})),
+    "top_k": (Effect({"top_k": 3}), Effect({"top_k": 3}, base={"temperature": 1.7})),
+    "top_p": (Effect({"top_p": 0.5}), Effect({"top_p": 0.8}, base={"temperature": 0.5})),
+    "min_p": (Effect({"min_p": 0.25}), Effect({"min_p": 0.1}, base={"temperature": 1.7})),
+    "repetition_penalty": (
+        Effect({"repetition_penalty": 3.0}, base=_GREEDY, prompt="repeats", steps=12),
+        Effect({"repetition_penalty": 1.5}, base={"temperature": 0.5}, prompt="repeats", steps=12),
+    ),
+    "presence_penalty": (
+        Effect({"presence_penalty": 2.0}, base=_GREEDY, steps=12),
+        Effect({"presence_penalty": 2.0}, base={"temperature": 0.5}, steps=12, fault=_PEN_AFTER_T, seeds=4),
+        Effect({"presence_penalty": -2.0}, base={"temperature": 1.7}, steps=12, fault=_PEN_AFTER_T, seeds=4),
+    ),
+    "frequency_penalty": (
+        Effect({"frequency_penalty": 2.0}, base=_GREEDY, steps=12),
+        Effect({"frequency_penalty": 2.0}, base={"temperature": 0.5}, steps=12, fault=_PEN_AFTER_T, seeds=4),
+        Effect({"frequency_penalty": -2.0}, base={"temperature": 1.7}, steps=12, fault=_PEN_AFTER_T, seeds=4),
+    ),
+    "logit_bias": (
+        Effect({"logit_bias": {_BIASED: 10.0}}),
+        Effect({"logit_bias": _EVERY_THIRD}, base={"temperature": 0.5}, fault="bias_after_temperature", seeds=4),
+        Effect({"logit_bias": _EVERY_THIRD}, base={"temperature": 1.7}, fault="bias_after_temperature", seeds=4),
+    ),
+    "min_tokens": (
+        Effect({"min_tokens": 3}, base=_GREEDY, prompt="eos", steps=5),
+        # EOS is the greedy first token of the EOS prompt: min_tokens=1 holds it off for
+        # exactly one token.
+        Effect({"min_tokens": 1}, base=_GREEDY, prompt="eos", steps=3, fault="min_tokens_off_by_one"),
+        # Sampled, EOS made the overwhelming favourite by a bias: the first token cannot
+        # be EOS, the second (almost surely) is.
+        Effect({"min_tokens": 1}, base={"temperature": 0.7, **_EOS_FAVOURED}, steps=3, fault="min_tokens_off_by_one"),
+        Effect({"min_tokens": 3}, base={"temperature": 1.7, **_EOS_FAVOURED}, steps=5, fault="min_tokens_off_by_one"),
+    ),
+    "ignore_eos": (
+        Effect({"ignore_eos": True}, base=_GREEDY, prompt="eos", steps=5),
+        Effect({"ignore_eos": True}, base={"temperature": 0.7, **_EOS_FAVOURED}, steps=5),
+    ),
+    "logprobs": tuple(Effect({"logprobs": True}, base=b) for b in ({}, {"temperature": 0.5}, {"temperature": 1.7})),
+    "top_logprobs": tuple(
+        Effect({"logprobs": True, "top_logprobs": 3}, base=b) for b in ({}, {"temperature": 0.5}, {"temperature": 1.7})
+    ),
+    "seed": (Effect({}),),
 }
 assert set(EFFECTS) == ENGINE_FIELDS, "every engine-side field needs an effect check"
+
+
+def _resolve(settings: dict[str, Any], eos: int) -> dict[str, Any]:
+    out = dict(settings)
+    if "logit_bias" in out:
+        out["logit_bias"] = {eos if k == EOS else k: v for k, v in out["logit_bias"].items()}
+    return out
 
 
 def _prompt(conformance, kind: str, salt: int) -> list[int]:
@@ -96,55 +167,103 @@ def _refused(conformance, name: str, sampling: SamplingParams, what: str) -> Non
 class HonestyLayer:
     @pytest.mark.parametrize("name", sorted(ENGINE_FIELDS))
     def test_sampling_parameter(self, conformance, name):
-        """The parameter has its specified effect, or prefill refuses it (UnsupportedFeature)."""
-        effect = EFFECTS[name]
-        sampling = conformance.sampling(411, **effect.base, **effect.changes)
+        """The parameter has its specified effect, greedy or at temperature 1 and sampled
+        at other temperatures (the stream equals the reference's under the same seed),
+        or prefill refuses it (UnsupportedFeature)."""
+        effects = EFFECTS[name]
+        eos = build_model(DEFAULT_MODEL).eos_token_ids[0]
         if name != "seed" and not conformance.declares(name):
-            _refused(conformance, name, conformance.sampling(411, **effect.changes), f"{name}={getattr(sampling, name)!r}")
+            changes = _resolve(effects[0].changes, eos)
+            _refused(conformance, name, conformance.sampling(411, **changes), f"{name}={changes.get(name)!r}")
             return
-        needs = [k for k in {**effect.base, **effect.changes} if k != name and not conformance.declares(k)]
-        if needs:
-            pytest.skip(f"{name} is declared but its check also needs {', '.join(needs)}, which is not")
         eng = conformance.engine()
-        prompt = _prompt(conformance, effect.prompt, 411)
-        if name in ("logprobs", "top_logprobs"):
-            self._check_logprobs(conformance, eng, prompt, sampling)
-            return
+        ran: list[Effect] = []
+        for effect in effects:
+            settings = _resolve({**effect.base, **effect.changes}, eos)
+            needs = [k for k in settings if k != name and not conformance.declares(k)]
+            if needs:
+                conformance.note(f"{name} checked without the case {effect.label()}: it needs {', '.join(needs)}, which is not declared")
+                continue
+            sampling = conformance.sampling(411, **settings)
+            prompt = _prompt(conformance, effect.prompt, 411)
+            if name in ("logprobs", "top_logprobs"):
+                self._check_logprobs(conformance, eng, prompt, sampling)
+            else:
+                self._check_effect(conformance, eng, name, effect, prompt, sampling, ran, eos)
+            ran.append(effect)
+        if not ran:
+            pytest.skip(f"{name} is declared but each of its checks also needs a parameter that is not")
+
+    @staticmethod
+    def _check_effect(conformance, eng, name, effect, prompt, sampling, ran, eos):
         oracle = conformance.oracle()
-        variants = [sampling]
+        what = f"{name}: {effect.label()}"
+        n = min(effect.seeds, eng.max_concurrent_decodes)
+        variants = [sampling.model_copy(update={"seed": sampling.seed + i}) for i in range(n)]
+        stream = lambda sp: [x.token for x in oracle.stream(prompt, sp, effect.steps)]  # noqa: E731
         if name == "seed":  # the effect of a seed: another seed draws another stream
             variants.append(conformance.sampling(412))
-            without = None
+            without = [None] * len(variants)
         else:
             neutral = SamplingParams.model_fields[name].get_default(call_default_factory=True)
-            without = [x.token for x in oracle.stream(prompt, sampling.model_copy(update={name: neutral}), effect.steps)]
-            with_ = [x.token for x in oracle.stream(prompt, sampling, effect.steps)]
-            assert with_ != without, f"suite bug: the {name} check has no power ({with_} either way)"
-        for sp in variants:
-            got = conformance.driver(eng).run(1, prompt, sp, effect.steps)
-            div = conformance.compare_to_oracle(got, prompt, sp, what=f"{name}: {sp.model_dump(exclude_defaults=True)}")
+            want = [stream(sp) for sp in variants]
+            without = [stream(sp.model_copy(update={name: neutral})) for sp in variants]
+            assert want != without, f"suite bug: the {name} check ({effect.label()}) has no power ({want} either way)"
+        faulty = None
+        if effect.fault is not None:
+            faulty = [stream(FAULTS[effect.fault][0](sp)) for sp in variants]
+            assert faulty != want, (
+                f"suite bug: the {name} check ({effect.label()}) cannot tell {effect.fault} apart ({want} either way)"
+            )
+        d = conformance.driver(eng)
+        for slot, sp in enumerate(variants):
+            d.insert(slot, prompt, sp)
+        while min(len(d.tokens[slot]) for slot in range(len(variants))) < effect.steps:
+            d.step()
+        got = [d.tokens[slot][: effect.steps] for slot in range(len(variants))]
+        for i, sp in enumerate(variants):
+            if name == "min_tokens":
+                early = [j for j, t in enumerate(got[i][: sp.min_tokens]) if t == eos]
+                assert not early, (
+                    f"{what}, seed {sp.seed}: the backend drew EOS ({eos}) as completion token #{early[0]} (tokens "
+                    f"{got[i]}) although min_tokens={sp.min_tokens}: EOS was let through early; EOS and the stop token "
+                    f"ids must be masked while the completion is shorter than min_tokens (step < min_tokens; masking "
+                    f"only while step < min_tokens - 1 is an off-by-one)"
+                )
+            div = conformance.compare_to_oracle(got[i], prompt, sp, what=f"{what}, seed {sp.seed}")
             if div is None or div.near_tie:
                 continue
-            if without is not None and got == without:
+            if faulty is not None and got == faulty:
                 raise AssertionError(
-                    f"{name}={getattr(sp, name)!r} is declared but ignored: the tokens {got} are exactly those "
-                    f"drawn without it"
+                    f"{what}: {FAULTS[effect.fault][1]}; seed {sp.seed}: reference {want[i]}, backend {got[i]}"
                 )
-            raise AssertionError(f"{name}={getattr(sp, name)!r} does not have its specified effect: {div.describe()}")
+            if without[i] is not None and got == without:
+                raise AssertionError(
+                    f"{name}={getattr(sp, name)!r} is declared but ignored ({what}): the tokens {got} are exactly "
+                    f"those drawn without it"
+                )
+            hint = ""
+            t = sp.temperature
+            if t not in (0.0, 1.0) and any(e.base.get("temperature", 1.0) in (0.0, 1.0) for e in ran):
+                hint = (
+                    f"; {name} has its effect greedy/at temperature 1 but not at temperature {t:g}: it is applied at the "
+                    f"wrong point relative to the temperature division (the order is: logit_bias and EOS masking, "
+                    f"penalties, temperature, top-k/top-p/min-p, draw)"
+                )
+            raise AssertionError(
+                f"{name} does not have its specified effect ({what}), seed {sp.seed}: {div.describe()}{hint}"
+            )
 
     @staticmethod
     def _check_logprobs(conformance, eng, prompt, sampling):
         d = conformance.driver(eng)
         tokens = d.run(0, prompt, sampling, 4)
-        assert len(d.logprobs[0]) >= 4, "logprobs=True but ResultTokens.logprobs is missing"
-        oracle = conformance.oracle()
-        worst = max(abs(d.logprobs[0][i] - oracle.raw_logprobs(prompt + tokens[:i])[tokens[i]]) for i in range(4))
-        conformance.within("logprob_abs", worst, conformance.dtype, DEFAULT_MODEL, what="reported log-probs vs the reference")
         k = sampling.top_logprobs
-        if k:
-            assert len(d.top[0]) >= 4 and all((ids[:k] >= 0).all() for ids, _ in d.top[0][:4]), (
-                f"top_logprobs={k} but ResultTokens.top_ids does not hold {k} ids per token"
-            )
+        check_reported_logprobs(
+            conformance, model=DEFAULT_MODEL, dtype=conformance.dtype, prompt=prompt, sampling=sampling,
+            tokens=tokens, logprobs=d.logprobs[0], tops=d.top[0], k=k,
+            what=f"{sampling.model_dump(exclude_defaults=True, exclude={'seed'})}",
+        )
 
     def test_top_logprobs_limit(self, conformance):
         """top_logprobs up to max_top_logprobs works; one more raises UnsupportedFeature."""
@@ -202,6 +321,7 @@ class HonestyLayer:
         cases = []
         if conformance.declares("min_tokens"):
             cases.append(("min_tokens=3", ep, dict(min_tokens=3, max_tokens=8)))
+            cases.append(("min_tokens=1", ep, dict(min_tokens=1, max_tokens=4)))  # EOS is the greedy first token
         if conformance.declares("ignore_eos"):
             cases.append(("ignore_eos", ep, dict(ignore_eos=True, max_tokens=6)))
         free = conformance.prompt(7, 441)

@@ -13,11 +13,17 @@ reported, not failed. Goodness of fit: Pearson's chi-square against the exact
 filtered distribution fails below ``ALPHA``.
 
 False-failure rates: for a correct sampler and randomly chosen seeds, each
-goodness-of-fit check fails with probability ``ALPHA = 1e-4`` (two paths times five
-settings: at most 1e-3 for the layer). The seeds are fixed, so a run is
+goodness-of-fit check fails with probability ``ALPHA = 1e-4`` (two paths times seven
+settings: at most 1.4e-3 for the layer). The seeds are fixed, so a run is
 deterministic, and a correct backend draws the very tokens the reference sampler
 draws (the counter-based stream), so it meets the same statistics, which pass.
 The invariance checks are exact (same seed, same tokens) except at near ties.
+
+Two settings sample at a temperature other than 1 with the additive terms of the
+sampler's first steps, a logit_bias (temperature 1.7) and the three penalties
+(temperature 0.5): applied after the temperature division instead of before it,
+they shift the distribution far beyond what the chi-square tolerates. Both are
+fixed by the reference's logits for the suite's prompt (see ``_resolve_setting``).
 """
 
 from __future__ import annotations
@@ -31,18 +37,30 @@ from polyengine.sampling import RowState, SamplingParams, filtered_probs
 
 from polyengine.conformance import layer
 from polyengine.conformance.harness import SEEDS
-from polyengine.conformance.stats import allowed_tokens, goodness_of_fit
+from polyengine.conformance.faults import FAULTS
+from polyengine.conformance.stats import allowed_tokens, goodness_of_fit, noncentrality
 
 ALPHA = 1e-4
 SAMPLES = 1000  # per path and setting
+_BY_RANK = "by rank"  # resolved per model: see _resolve_setting
 SETTINGS = {
     "temperature": dict(temperature=0.7),
     "top_k": dict(top_k=6),
     "top_p": dict(top_p=0.6),
     "min_p": dict(min_p=0.15),
     "combined": dict(temperature=1.3, top_k=40, top_p=0.9, min_p=0.02),
+    # Additive terms at a temperature other than 1: a backend that adds them after the
+    # temperature division draws from a measurably different distribution (1.7 times
+    # too strong a bias, half the penalty).
+    "logit_bias": dict(temperature=1.7, logit_bias=_BY_RANK),
+    "penalties": dict(temperature=0.5, repetition_penalty=1.2, presence_penalty=1.0, frequency_penalty=0.5),
 }
-_FORCED = 17  # the token every slot feeds in the decode-path round
+# The fault each of those settings exists to catch: the suite asserts (every run) that
+# the fault's distribution is at least POWER_NONCENTRALITY away on some path.
+SETTING_FAULTS = {"logit_bias": "bias_after_temperature", "penalties": "penalties_after_temperature"}
+POWER_NONCENTRALITY = 100.0
+_FORCED = 17  # the token every slot feeds in the decode-path round (penalty settings: see below)
+_CANDIDATES = 8  # the penalty settings force the one of the reference's top 8 they act on most
 
 
 @dataclass
@@ -51,14 +69,49 @@ class Draws:
 
     sampling: SamplingParams  # without the seed (each draw has its own)
     prompt: list[int]
+    forced: int  # the token the decode-path round feeds
     prefill_tokens: np.ndarray
     prefill_logits: np.ndarray  # the backend's own Prefix.host_logits()
     decode_tokens: np.ndarray
-    decode_logits: np.ndarray  # the reference's logits after prompt + [_FORCED]
+    decode_logits: np.ndarray  # the reference's logits after prompt + [forced]
 
     def row(self, path: str) -> RowState:
-        completion = np.zeros(0, np.int64) if path == "prefill" else np.array([_FORCED])
+        completion = np.zeros(0, np.int64) if path == "prefill" else np.array([self.forced])
         return RowState(self.sampling.model_copy(update={"seed": 0}), 0, completion.size, np.array(self.prompt), completion)
+
+    def describe(self) -> dict:
+        return {**self.sampling.model_dump(exclude_defaults=True, exclude={"seed"}), "decode path forced token": self.forced}
+
+
+def _resolve_setting(conformance, setting: str, prompt: list[int]) -> tuple[SamplingParams, int]:
+    """The setting's parameters and the decode path's forced token, fixed by the
+    reference's logits (so they fit whatever the test model is).
+
+    ``logit_bias`` "by rank": -2 on the reference's most likely token after the prompt,
+    +2 on its 3rd to 10th: the bias moves much of the mass. Settings with penalties
+    force the token, among the reference's top ``_CANDIDATES`` after the prompt, whose
+    penalties move the most probability at the decode step (total variation distance
+    between the distributions with and without them), so the decode path tests them
+    where they matter.
+    """
+    oracle = conformance.oracle()
+    eos = oracle.eos_token_ids
+    spec = dict(SETTINGS[setting])
+    ranked = [int(t) for t in np.argsort(-oracle.logits(prompt), kind="stable")]
+    if spec.get("logit_bias") == _BY_RANK:
+        spec["logit_bias"] = {ranked[0]: -2.0, **{t: 2.0 for t in ranked[2:10]}}
+    base = SamplingParams(**spec)
+    forced = _FORCED
+    if base.repetition_penalty != 1.0 or base.presence_penalty or base.frequency_penalty:
+        plain = base.model_copy(update={"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0})
+
+        def moved(t: int) -> float:
+            x = oracle.logits(prompt + [t])
+            rows = [RowState(sp.model_copy(update={"seed": 0}), 0, 1, np.array(prompt), np.array([t])) for sp in (base, plain)]
+            return 0.5 * float(np.abs(filtered_probs(x, rows[0], eos) - filtered_probs(x, rows[1], eos)).sum())
+
+        forced = max(ranked[:_CANDIDATES], key=moved)
+    return base, forced
 
 
 def _draw(conformance, setting: str) -> Draws:
@@ -68,7 +121,7 @@ def _draw(conformance, setting: str) -> Draws:
     eng = conformance.engine()
     params = conformance.harness.params(eng)
     prompt = conformance.prompt(5, 201)
-    base = SamplingParams(**SETTINGS[setting])
+    base, forced = _resolve_setting(conformance, setting, prompt)
     slots = list(range(eng.max_concurrent_decodes))
     pre, dec, logits = [], [], None
     seed = SEEDS["statistics"] + 100_000 * list(SETTINGS).index(setting)
@@ -81,12 +134,12 @@ def _draw(conformance, setting: str) -> Draws:
                 logits = np.asarray(prefix.host_logits(), np.float64)
             pre.append(int(first.tokens[0, 0]))
             state = eng.insert(prefix, state, slot)
-        state, result = eng.generate(params, state, overrides={s: _FORCED for s in slots})
+        state, result = eng.generate(params, state, overrides={s: forced for s in slots})
         dec.extend(int(result.tokens[s, 0]) for s in slots)
         for slot in slots:
             state = eng.free_resource(state, slot)
-    draws = Draws(base, prompt, np.array(pre[:SAMPLES]), logits, np.array(dec[:SAMPLES]),
-                  conformance.oracle().logits(prompt + [_FORCED]))
+    draws = Draws(base, prompt, forced, np.array(pre[:SAMPLES]), logits, np.array(dec[:SAMPLES]),
+                  conformance.oracle().logits(prompt + [forced]))
     cache[("draws", setting)] = draws
     return draws
 
@@ -103,6 +156,18 @@ def _why_excluded(logits, row: RowState, eos, token: int) -> list[str]:
         if filtered_probs(logits, RowState(alone, 0, row.step, row.prompt_tokens, row.completion_tokens), eos)[token] == 0:
             out.append(f"{name}={value}")
     return out
+
+
+def _hint(setting: str) -> str:
+    if setting == "logit_bias":
+        return (" (is logit_bias applied after the temperature division? It must be added to the raw logits "
+                "first: logit_bias, penalties, temperature, filters, draw)")
+    if setting == "penalties":
+        return (" (are the penalties applied after the temperature division, presence/frequency counted over the "
+                "prompt, repetition over the completion only, or a slot's counts kept from its previous request? "
+                "Penalties come before the temperature; repetition counts this request's prompt and completion, "
+                "presence/frequency its completion only)")
+    return ""
 
 
 _settings = pytest.mark.parametrize("setting", list(SETTINGS))
@@ -131,7 +196,7 @@ class SamplerLayer:
                 why = _why_excluded(logits, row, eos, t)
                 count = int(np.sum(tokens == t))
                 raise AssertionError(
-                    f"{path} path, {SETTINGS[setting]}: sampled token {t} ({count} of {tokens.size} draws) lies outside "
+                    f"{path} path, {draws.describe()}: sampled token {t} ({count} of {tokens.size} draws) lies outside "
                     f"the allowed set of {int(strict.sum())} tokens; excluded by {', '.join(why) or 'the filters'}: "
                     f"the backend does not apply {' / '.join(w.split('=')[0] for w in why) or 'its filters'}"
                 )
@@ -157,8 +222,22 @@ class SamplerLayer:
                     + (f" ({fit.outside} draws on zero-probability tokens)" if fit.outside else "")
                 )
         assert not failures, (
-            f"{SETTINGS[setting]}: sampled tokens do not follow the specified distribution: " + "; ".join(failures)
+            f"{draws.describe()}: sampled tokens do not follow the specified distribution: " + "; ".join(failures)
+            + _hint(setting)
         )
+        fault = SETTING_FAULTS.get(setting)
+        if fault is not None:  # the check has power against the fault it is here for
+            oracle = conformance.oracle()
+            power = {}
+            for path, logits in (("prefill", oracle.logits(draws.prompt)), ("decode", draws.decode_logits)):
+                row = draws.row(path)
+                faulty = RowState(FAULTS[fault][0](row.params), 0, row.step, row.prompt_tokens, row.completion_tokens)
+                power[path] = noncentrality(filtered_probs(logits, row, eos), filtered_probs(logits, faulty, eos), SAMPLES)
+                stats[path][f"noncentrality_vs_{fault}"] = power[path]
+            assert max(power.values()) >= POWER_NONCENTRALITY, (
+                f"suite bug: the {setting} setting cannot tell {fault} apart (noncentrality {power}, "
+                f"needs {POWER_NONCENTRALITY:g} on some path)"
+            )
 
     def test_same_seed_same_tokens(self, conformance):
         """Two requests with one seed draw the same tokens, whatever the slot and the
@@ -184,14 +263,16 @@ class SamplerLayer:
 
     def test_seeded_stream_matches_reference(self, conformance):
         """Seeded sampling draws the reference sampler's tokens (the counter-based
-        Threefry stream), step after step, except at near ties."""
+        Threefry stream), step after step, at temperatures 1, 0.5 and 1.7, except at
+        near ties."""
         eng = conformance.engine()
-        for salt in (311, 312, 313):
-            prompt, sampling = conformance.prompt(4 + salt % 7, salt), conformance.sampling(salt)
+        temperatures = (1.0, 0.5, 1.7) if conformance.declares("temperature") else (1.0, 1.0, 1.0)
+        for salt, temperature in zip((311, 312, 313), temperatures):
+            prompt, sampling = conformance.prompt(4 + salt % 7, salt), conformance.sampling(salt, temperature=temperature)
             got = conformance.driver(eng).run(salt % eng.max_concurrent_decodes, prompt, sampling, 8)
             div = conformance.compare_to_oracle(got, prompt, sampling, what=f"seed {sampling.seed}")
             assert div is None or div.near_tie, (
-                f"seed {sampling.seed}: {div.describe()}: the sampled token differs from the counter-based "
+                f"seed {sampling.seed}, temperature {temperature:g}: {div.describe()}: the sampled token differs from the counter-based "
                 f"stream (Threefry-2x32 keyed by the request's seed, counter (token, step + 2^20 * sample)); the "
                 f"backend does not use the per-request counter-based stream"
             )

@@ -1,8 +1,12 @@
 """Deliberately broken backends: the reference engine with one realistic fault each.
 
 The conformance suite's own tests register these in-process (:data:`PLUGIN`) and check
-that each is caught by the test named in :data:`CAUGHT_BY`, with a failure message
-that points at the fault.
+that each is caught by the test named in :data:`CAUGHT_BY` (and those in
+:data:`ALSO_CAUGHT_BY`), with a failure message that points at the fault.
+
+The last four are sampler faults that only show away from temperature 1 (or with
+``min_tokens=1``): the suite ran its log-prob, logit_bias and penalty checks only
+greedy or at temperature 1 before, and all four passed it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from polyengine import PROTOCOL_VERSION
 from polyengine.backends.reference.engine import ReferenceEngine
 from polyengine.engine import Capabilities, ResultTokens
 from polyengine.plugins import BackendSpec, Probe, hookimpl
+from polyengine.sampling import raw_logprobs, sample
 from polyengine.sampling.params import ENGINE_FIELDS
 
 from restricted_backend import RestrictedEngine
@@ -126,10 +131,76 @@ class DriftingEngine(ReferenceEngine):
         return params
 
 
+class _RewritesSampling(ReferenceEngine):
+    """Base: the request's sampling parameters are rewritten when it is admitted (prefill),
+    so every draw of the request, prefill and decode, uses the rewritten ones; the
+    rewrite is how a faulty sampler behaves, expressed in the reference's parameters."""
+
+    def rewrite(self, sampling):
+        raise NotImplementedError
+
+    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
+        # model_copy, not replace: a rewritten value may leave the API's range
+        return super().prefill(params=params, tokens=tokens, sampling=self.rewrite(sampling),
+                               existing_prefix=existing_prefix)
+
+
+class BiasAfterTemperatureEngine(_RewritesSampling):
+    """Adds logit_bias after dividing by the temperature (the same draws as the bias times T, added first)."""
+
+    name = "broken_bias_after_temperature"
+
+    def rewrite(self, sampling):
+        t = sampling.temperature or 1.0
+        return sampling.model_copy(update={"logit_bias": {k: v * t for k, v in sampling.logit_bias.items()}})
+
+
+class PenaltiesAfterTemperatureEngine(_RewritesSampling):
+    """Subtracts presence/frequency penalties after dividing by the temperature."""
+
+    name = "broken_penalties_after_temperature"
+
+    def rewrite(self, sampling):
+        t = sampling.temperature or 1.0
+        return sampling.model_copy(update={"presence_penalty": sampling.presence_penalty * t,
+                                           "frequency_penalty": sampling.frequency_penalty * t})
+
+
+class MinTokensOffByOneEngine(_RewritesSampling):
+    """Masks EOS only while step < min_tokens - 1: EOS gets through one token early."""
+
+    name = "broken_min_tokens"
+
+    def rewrite(self, sampling):
+        return sampling.model_copy(update={"min_tokens": max(0, sampling.min_tokens - 1)})
+
+
+class ProcessedLogprobsEngine(ReferenceEngine):
+    """Reports log-probs of the temperature-scaled distribution, log_softmax(logits / T), not the raw model's."""
+
+    name = "broken_processed_logprobs"
+
+    def _faulty_sample(self, logits, rows, eos_token_ids):
+        out = sample(logits, rows, eos_token_ids)
+        for b, row in enumerate(rows):
+            lp = raw_logprobs(np.asarray(logits[b], np.float64) / (row.params.temperature or 1.0))
+            out.logprobs[b] = lp[out.tokens[b]]
+            k = row.params.top_logprobs
+            if k:
+                ids = np.argsort(-lp, kind="stable")[:k]
+                out.top_ids[b, :k], out.top_logprobs[b, :k] = ids, lp[ids]
+        return out
+
+    def _sample(self, logits, rows):  # every path: prefill, bulk_insert, generate, import_prefix
+        return self._faulty_sample(np.stack(logits), rows, self.eos_token_ids)
+
+
 BROKEN = {
     cls.name: cls
     for cls in (LeakyEngine, IgnoresOverridesEngine, SharedFirstTokenEngine, IgnoresTopPEngine,
-                GlobalStreamEngine, ForgetsFreeEngine, SilentParamEngine, DriftingEngine)
+                GlobalStreamEngine, ForgetsFreeEngine, SilentParamEngine, DriftingEngine,
+                ProcessedLogprobsEngine, BiasAfterTemperatureEngine, PenaltiesAfterTemperatureEngine,
+                MinTokensOffByOneEngine)
 }
 
 # backend -> (-k selection that runs only the layer meant to catch it, the test that
@@ -146,6 +217,36 @@ CAUGHT_BY = {
                             "never be silently ignored"),
     "broken_drift": ("test_prefill_logits_match_reference and mha_tied", "test_prefill_logits_match_reference[mha_tied-float64]",
                      "logits_rel_l2"),
+    # faults visible only at a temperature other than 1 (or at min_tokens=1)
+    "broken_processed_logprobs": ("test_sampling_parameter and logprobs", "test_sampling_parameter[logprobs]",
+                                  "reported log-probs are not the raw model's"),
+    "broken_bias_after_temperature": ("test_sampling_parameter and logit_bias", "test_sampling_parameter[logit_bias]",
+                                      "logit_bias is applied after the temperature division"),
+    "broken_penalties_after_temperature": ("test_sampling_parameter and presence_penalty",
+                                           "test_sampling_parameter[presence_penalty]",
+                                           "penalties are applied after the temperature division"),
+    "broken_min_tokens": ("test_sampling_parameter and min_tokens", "test_sampling_parameter[min_tokens]",
+                          "EOS was let through early"),
+}
+
+# Other layers that must catch the same faults (same shape as CAUGHT_BY, several per backend).
+# The sampler layer's chi-square also fails broken_bias_after_temperature (setting
+# "logit_bias": statistic ~230 on 52 df) and broken_penalties_after_temperature
+# ("penalties": ~380 on 24 df); those runs cost ~1.5 s each, so they are left out here,
+# and the suite itself asserts on every run that the two settings have the power
+# (layer_sampler.SETTING_FAULTS).
+ALSO_CAUGHT_BY = {
+    "broken_processed_logprobs": [
+        ("test_decode_logprobs_match_reference and mha_tied", "test_decode_logprobs_match_reference[mha_tied-float64]",
+         "they equal log-softmax(logits / temperature)"),
+    ],
+    "broken_penalties_after_temperature": [
+        ("test_sampling_parameter and frequency_penalty", "test_sampling_parameter[frequency_penalty]",
+         "penalties are applied after the temperature division"),
+    ],
+    "broken_min_tokens": [
+        ("test_driver_stop_conditions", "test_driver_stop_conditions", "min_tokens=1"),
+    ],
 }
 
 

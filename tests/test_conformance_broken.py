@@ -15,7 +15,7 @@ import pytest
 import polyengine.conformance.suite  # noqa: F401
 from polyengine.plugins import register_plugin, unregister_plugin
 
-from broken_backends import CAUGHT_BY, PLUGIN
+from broken_backends import ALSO_CAUGHT_BY, CAUGHT_BY, PLUGIN
 
 pytest_plugins = ["pytester"]
 
@@ -52,9 +52,22 @@ def test_broken_backend_is_caught(pytester, broken_registered, backend):
     assert phrase in failures[test], f"{backend}: the message of {test} does not name the fault: {failures[test]}"
 
 
+_ALSO = [(backend, *entry) for backend, entries in sorted(ALSO_CAUGHT_BY.items()) for entry in entries]
+
+
+@pytest.mark.parametrize(("backend", "selection", "test", "phrase"), _ALSO, ids=[f"{b}-{t}" for b, _, t, _ in _ALSO])
+def test_broken_backend_is_also_caught(pytester, broken_registered, backend, selection, test, phrase):
+    """Faults that more than one test must catch (e.g. log-probs reported after the
+    temperature, seen both by the numerics and the honesty layer)."""
+    failures = _failures(_run(pytester, backend, selection))
+    assert test in failures, f"{backend} was not caught by {test}; failures: {sorted(failures)}"
+    assert phrase in failures[test], f"{backend}: the message of {test} does not name the fault: {failures[test]}"
+
+
 def test_reference_passes_what_catches_the_broken_ones(pytester):
     """The same selections pass on the reference: the failures above are the faults'."""
-    selection = " or ".join(f"({sel})" for sel, _, _ in CAUGHT_BY.values())
+    selections = [sel for sel, _, _ in CAUGHT_BY.values()] + [sel for _, sel, _, _ in _ALSO]
+    selection = " or ".join(f"({sel})" for sel in selections)
     rec = _run(pytester, "reference", selection)
     assert _failures(rec) == {}
     passed, skipped, failed = rec.listoutcomes()

@@ -257,7 +257,7 @@ class ReferenceEngine(EngineBase):
                 s = state.slots[i]
                 s.row.step = len(s.row.completion_tokens)
                 rows.append(s.row)
-            out = sample(logits, rows, self.eos_token_ids)
+            out = self._sample(list(logits), rows)
             for j, i in enumerate(live):
                 s = state.slots[i]
                 tok = int(out.tokens[j])
