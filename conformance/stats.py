@@ -88,32 +88,33 @@ class GoodnessOfFit:
         return {k: getattr(self, k) for k in ("statistic", "df", "p_value", "bins", "samples", "outside")}
 
 
-def goodness_of_fit(tokens: np.ndarray, probs: np.ndarray) -> GoodnessOfFit:
-    """Pearson's chi-square of sampled ``tokens`` against the exact ``probs``.
+def _bins(probs: np.ndarray, n: int) -> list[np.ndarray]:
+    """The chi-square's bins as groups of token ids: each token with ``n * p >= 5`` on its
+    own, the rest of the support pooled into one bin (merged into the smallest bin if
+    the pool itself is too small). Shared by the test and its power calculation."""
+    big = np.flatnonzero(n * probs >= MIN_EXPECTED)
+    groups = [big[i : i + 1] for i in range(big.size)]
+    rest = np.flatnonzero((probs > 0) & (n * probs < MIN_EXPECTED))
+    if rest.size:
+        if n * probs[rest].sum() >= MIN_EXPECTED or not groups:
+            groups.append(rest)
+        else:
+            i = int(np.argmin([probs[g].sum() for g in groups]))
+            groups[i] = np.concatenate([groups[i], rest])
+    return groups
 
-    Tokens are binned individually where ``n * p >= 5``; the rest of the support is
-    pooled into one bin (merged into the smallest bin if the pool itself is too small).
-    A sample on a zero-probability token makes the statistic infinite (p = 0).
+
+def goodness_of_fit(tokens: np.ndarray, probs: np.ndarray) -> GoodnessOfFit:
+    """Pearson's chi-square of sampled ``tokens`` against the exact ``probs``, binned
+    as :func:`_bins` says. A sample on a zero-probability token makes the statistic infinite (p = 0).
     """
     tokens = np.asarray(tokens, dtype=np.int64)
     n = tokens.size
     counts = np.bincount(tokens, minlength=probs.shape[0]).astype(np.float64)
     outside = int(counts[probs <= 0].sum())
-    expected = n * probs
-    big = expected >= MIN_EXPECTED
-    obs = list(counts[big])
-    exp = list(expected[big])
-    rest = (probs > 0) & ~big
-    if rest.any():
-        pool_o, pool_e = float(counts[rest].sum()), float(expected[rest].sum())
-        if pool_e >= MIN_EXPECTED or not exp:
-            obs.append(pool_o)
-            exp.append(pool_e)
-        else:
-            i = int(np.argmin(exp))
-            obs[i] += pool_o
-            exp[i] += pool_e
-    obs_a, exp_a = np.array(obs), np.array(exp)
+    groups = _bins(probs, n)
+    obs_a = np.array([counts[g].sum() for g in groups])
+    exp_a = np.array([n * probs[g].sum() for g in groups])
     bins = obs_a.size
     if outside:
         return GoodnessOfFit(float("inf"), max(bins - 1, 1), 0.0, bins, n, outside)
@@ -135,19 +136,9 @@ def noncentrality(probs: np.ndarray, alternative: np.ndarray, n: int) -> float:
     q = np.asarray(alternative, np.float64)
     if np.any(q[p <= 0] > 0):
         return float("inf")
-    big = n * p >= MIN_EXPECTED
-    pb, qb = list(p[big]), list(q[big])
-    rest = (p > 0) & ~big
-    if rest.any():
-        pool_p, pool_q = float(p[rest].sum()), float(q[rest].sum())
-        if n * pool_p >= MIN_EXPECTED or not pb:
-            pb.append(pool_p)
-            qb.append(pool_q)
-        else:
-            i = int(np.argmin(pb))
-            pb[i] += pool_p
-            qb[i] += pool_q
-    pa, qa = np.array(pb), np.array(qb)
+    groups = _bins(p, n)
+    pa = np.array([p[g].sum() for g in groups])
+    qa = np.array([q[g].sum() for g in groups])
     return float(n * np.sum((qa - pa) ** 2 / pa))
 
 

@@ -169,11 +169,6 @@ class Prefix:
     def true_length(self) -> int:
         return int(self.prompt_tokens.shape[0])
 
-    @property
-    def seed(self) -> int:
-        assert self.sampling.seed is not None  # invariant: engines resolve seeds
-        return self.sampling.seed
-
 
 @runtime_checkable
 class DecodeState(Protocol):
@@ -200,8 +195,6 @@ class ResultTokens:
     """
 
     __slots__ = ("_raw", "_host", "_to_host")
-
-    FIELDS = ("tokens", "valid", "lengths", "logprobs", "top_ids", "top_logprobs")
 
     def __init__(
         self,
@@ -313,6 +306,47 @@ class Engine(Protocol):
         ...
 
 
+def is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool: what token ids and slots must be."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_prompt(
+    tokens: Sequence[int] | np.ndarray, *, max_prefill_length: int, vocab_size: int, offset: int = 0
+) -> np.ndarray:
+    """A prompt as int32, or InvalidRequest saying what is wrong with it (shared by the
+    driver, which checks before queueing, and EngineBase, which checks direct callers)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidRequest(f"prompt tokens must be a flat sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidRequest("prompt is empty: pass at least one token")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequest(f"prompt tokens must be integers, got dtype {arr.dtype}")
+    total = offset + arr.size
+    if total > max_prefill_length:
+        raise InvalidRequest(
+            f"prompt has {total} tokens but this engine accepts at most {max_prefill_length} "
+            f"(max_prefill_length); shorten it or build the engine with a larger max_prefill_length"
+        )
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        raise InvalidRequest(
+            f"token id {int(arr[bad][0])} at position {int(np.argmax(bad))} is outside "
+            f"the vocabulary [0, {vocab_size})"
+        )
+    return arr.astype(np.int32)
+
+
+def check_sampling_ids(sampling: SamplingParams, vocab_size: int) -> None:
+    """Token ids named by the sampling parameters must lie inside the vocabulary."""
+    for tok in list(sampling.logit_bias) + list(sampling.stop_token_ids):
+        if tok >= vocab_size:
+            raise InvalidRequest(
+                f"token id {tok} in sampling parameters is outside the vocabulary [0, {vocab_size})"
+            )
+
+
 class EngineBase:
     """Shared plumbing for backends (optional to use): request checks in one place and
     the optional methods raising :class:`UnsupportedFeature` by default."""
@@ -328,51 +362,26 @@ class EngineBase:
     def check_prompt(self, tokens: Sequence[int] | np.ndarray, *, offset: int = 0) -> np.ndarray:
         """Validate a prompt and return it as int32; ``offset`` counts tokens of an
         existing prefix that precede it."""
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise InvalidRequest(f"prompt tokens must be a flat sequence, got shape {arr.shape}")
-        if arr.size == 0:
-            raise InvalidRequest("prompt is empty: pass at least one token")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidRequest(f"prompt tokens must be integers, got dtype {arr.dtype}")
-        total = offset + arr.size
-        if total > self.max_prefill_length:
-            raise InvalidRequest(
-                f"prompt has {total} tokens but this engine accepts at most "
-                f"{self.max_prefill_length} (max_prefill_length); shorten it or build the "
-                f"engine with a larger max_prefill_length"
-            )
-        bad = (arr < 0) | (arr >= self.vocab_size)
-        if bad.any():
-            raise InvalidRequest(
-                f"token id {int(arr[bad][0])} at position {int(np.argmax(bad))} is outside "
-                f"the vocabulary [0, {self.vocab_size})"
-            )
-        return arr.astype(np.int32)
+        return check_prompt(tokens, max_prefill_length=self.max_prefill_length, vocab_size=self.vocab_size, offset=offset)
 
     def check_sampling(self, sampling: SamplingParams) -> SamplingParams:
         """Refuse undeclared features and bad ids; return the request with a seed."""
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest(f"sampling must be SamplingParams, not {type(sampling).__name__}")
         self.capabilities.check_sampling(sampling, self.name)
-        for tok in list(sampling.logit_bias) + list(sampling.stop_token_ids):
-            if tok >= self.vocab_size:
-                raise InvalidRequest(
-                    f"token id {tok} in sampling parameters is outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+        check_sampling_ids(sampling, self.vocab_size)
         return sampling.with_seed()
 
     def check_token(self, token: object, what: str) -> int:
         """A token id (an integer inside the vocabulary) as an int, else InvalidRequest."""
-        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+        if not is_int(token):
             raise InvalidRequest(f"{what} must be an integer token id, got {token!r}")
         if not 0 <= token < self.vocab_size:
             raise InvalidRequest(f"{what} {token} is outside the vocabulary [0, {self.vocab_size})")
         return int(token)
 
     def check_slot(self, slot: int) -> int:
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+        if not is_int(slot):
             raise SlotError(f"slot must be an int, not {type(slot).__name__}")
         if not 0 <= slot < self.max_concurrent_decodes:
             raise SlotError(

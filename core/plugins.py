@@ -441,7 +441,7 @@ def select_backend(backend: str = "auto") -> BackendInfo:
         info = backends[backend]
         info.require_usable()
         return info
-    usable = [b for b in backends.values() if not b.broken and b.probe().available and not b.broken]
+    usable = [b for b in backends.values() if b.probe().available and not b.broken]  # a raising probe marks it broken
     if not usable:
         why = "; ".join(f"{b.name}: {b.probe().reason or 'unavailable'}" for b in backends.values()) or "no backends are installed"
         raise BackendUnavailable("auto", f"no backend can run here ({why})", "pip install 'polyengine[cuda]'")

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import polyengine
-from polyengine import EngineBase, Capabilities, EngineConfig, Prefix, ResultTokens, SamplingParams
+from polyengine import Capabilities, EngineBase, Prefix, ResultTokens, SamplingParams
 from polyengine.driver import LLM
-from polyengine.errors import InvalidRequest, QueueFull, UnsupportedFeature
+from polyengine.errors import InvalidRequest, QueueFull
 from polyengine.models import load_model
 from polyengine.sampling import raw_logprobs
 

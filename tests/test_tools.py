@@ -359,7 +359,7 @@ def test_calculator_call_is_answered_with_forced_tokens():
     row = machine.new_row()
     text, forced = run_stream(row, script(f"So {PY_START}12*3{PY_END} then"))
     assert text == f"So {PY_START}12*3{PY_END}{OUT_START}36{OUT_END} then"
-    n_before = len(f"So ") + 1 + len("12*3") + 1
+    n_before = len("So ") + 1 + len("12*3") + 1
     assert forced == [False] * n_before + [True] * 4 + [False] * len(" then")
     assert not row.pending and not row.in_call
 

@@ -185,7 +185,7 @@ class ReferenceEngine(EngineBase):
 
     # -- insert ----------------------------------------------------------------------------
 
-    def _check_insert(self, prefix: Prefix, state: ReferenceDecodeState, slot: int) -> int:
+    def _check_insert(self, state: ReferenceDecodeState, slot: int) -> int:
         slot = self.check_slot(slot)
         if state.slots[slot] is not None:
             raise SlotError(f"slot {slot} is occupied; free_resource it before inserting")
@@ -200,7 +200,7 @@ class ReferenceEngine(EngineBase):
 
     def insert(self, prefix: Prefix, decode_state: ReferenceDecodeState, slot: int) -> ReferenceDecodeState:
         self._check_own_prefix(prefix)
-        slot = self._check_insert(prefix, decode_state, slot)
+        slot = self._check_insert(decode_state, slot)
         self._install(prefix, decode_state, slot, 0, prefix.first_token)
         return decode_state
 
@@ -208,7 +208,7 @@ class ReferenceEngine(EngineBase):
         self, prefix: Prefix, decode_state: ReferenceDecodeState, slots: Sequence[int]
     ) -> tuple[ReferenceDecodeState, ResultTokens]:
         self._check_own_prefix(prefix)
-        slots = [self._check_insert(prefix, decode_state, s) for s in slots]
+        slots = [self._check_insert(decode_state, s) for s in slots]
         if not slots or len(set(slots)) != len(slots):
             raise SlotError(f"bulk_insert needs distinct slots, got {list(slots)}")
         if len(slots) > MAX_SAMPLES:

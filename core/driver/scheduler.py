@@ -23,11 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-import numpy as np
-
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
 from polyengine.driver.textstream import TextStream
-from polyengine.engine import Engine, ResultTokens
+from polyengine.engine import Engine, ResultTokens, check_prompt, check_sampling_ids, is_int
 from polyengine.errors import InvalidRequest, QueueFull
 from polyengine.sampling.params import SamplingParams
 
@@ -40,7 +38,7 @@ def token_ids(tokens: Iterable[Any], what: str) -> list[int]:
     """Token ids as Python ints; anything but integers (floats, bools) is refused."""
     out = []
     for t in tokens:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+        if not is_int(t):
             raise InvalidRequest(f"{what} token ids must be integers, got {t!r} ({type(t).__name__})")
         out.append(int(t))
     return out
@@ -131,22 +129,12 @@ class Scheduler:
 
     def prepare(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
         """Validate a request and build it, without queueing it (see :meth:`enqueue`)."""
-        tokens = token_ids(tokens, "prompt")
         eng = self.engine
-        if not tokens:
-            raise InvalidRequest("prompt is empty: pass at least one token")
-        if len(tokens) > eng.max_prefill_length:
-            raise InvalidRequest(
-                f"prompt has {len(tokens)} tokens but the engine accepts at most "
-                f"{eng.max_prefill_length} (max_prefill_length); shorten the prompt or raise the limit"
-            )
-        bad = [t for t in tokens if not 0 <= t < eng.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {eng.vocab_size})")
+        tokens = check_prompt(
+            token_ids(tokens, "prompt"), max_prefill_length=eng.max_prefill_length, vocab_size=eng.vocab_size
+        ).tolist()
         eng.capabilities.check_sampling(sampling, eng.name)
-        for t in list(sampling.stop_token_ids) + list(sampling.logit_bias):
-            if not t < eng.vocab_size:
-                raise InvalidRequest(f"token id {t} in sampling parameters is outside the vocabulary [0, {eng.vocab_size})")
+        check_sampling_ids(sampling, eng.vocab_size)
         if sampling.n > eng.max_concurrent_decodes:
             raise InvalidRequest(
                 f"n={sampling.n} samples need {sampling.n} slots but the engine has "
@@ -309,7 +297,6 @@ class Scheduler:
             s.out.finish_reason = reason
             if event:
                 req.events.append(StreamDelta(s.index, s.text.finish(), [], reason))
-        s.out.text = s.text.text
         self._release(s)
         if all(x.finished for x in req.samples):
             req.status = "finished"
