@@ -17,9 +17,11 @@ from polyengine._version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     from polyengine.driver import LLM, Completion
-    from polyengine.engine import Capabilities, DecodeState, Engine, EngineBase, EngineConfig, Prefix, ResultTokens
+    from polyengine.engine import (
+        Capabilities, DecodeState, Engine, EngineBase, EngineConfig, Override, Prefix, ResultLayout, ResultTokens,
+    )
     from polyengine.errors import (
-        BackendUnavailable, InvalidRequest, ModelConfigError, ModelNotFound, PluginError,
+        BackendUnavailable, InsufficientMemory, InvalidRequest, ModelConfigError, ModelNotFound, PluginError,
         PolyengineError, QueueFull, SlotError, UnknownBackend, UnsupportedFeature, WeightsError,
     )
     from polyengine.plugins import (
@@ -35,12 +37,14 @@ _LAZY = {
     "LLM": "polyengine.driver",
     "Completion": "polyengine.driver",
     **dict.fromkeys(
-        ("Capabilities", "DecodeState", "Engine", "EngineBase", "EngineConfig", "Prefix", "ResultTokens"),
+        ("Capabilities", "DecodeState", "Engine", "EngineBase", "EngineConfig", "Override", "Prefix", "ResultLayout",
+         "ResultTokens"),
         "polyengine.engine",
     ),
     **dict.fromkeys(
         ("PolyengineError", "BackendUnavailable", "UnknownBackend", "UnsupportedFeature", "InvalidRequest",
-         "SlotError", "QueueFull", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound"),
+         "SlotError", "QueueFull", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound",
+         "InsufficientMemory"),
         "polyengine.errors",
     ),
     **dict.fromkeys(
@@ -61,7 +65,9 @@ __all__ = [
     "Engine",
     "EngineBase",
     "EngineConfig",
+    "Override",
     "Prefix",
+    "ResultLayout",
     "ResultTokens",
     "SamplingParams",
     "BackendSpec",
@@ -83,6 +89,7 @@ __all__ = [
     "WeightsError",
     "ModelConfigError",
     "ModelNotFound",
+    "InsufficientMemory",
 ]
 
 

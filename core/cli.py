@@ -1,5 +1,12 @@
 """The ``polyengine`` command line.
 
+``backends``, ``generate`` and ``chat`` are the core's own commands. Commands that live
+outside the core (``conformance``, ``bench``, ``serve``, ...) register through the
+entry-point group ``polyengine.commands``: each entry point is a function
+``add_command(subparsers)`` that adds its sub-parser and sets ``func``. A command whose
+module fails to import is still listed, and running it reports the error; the other
+commands keep working.
+
 ``polyengine backends`` imports no torch or jax: it only reads plugin specs and runs
 their cheap probes.
 """
@@ -9,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from polyengine._version import PROTOCOL_VERSION, __version__
 from polyengine.errors import PolyengineError
@@ -33,11 +40,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_backends)
 
     from polyengine import cli_run
-    from polyengine.conformance import cli as conformance_cli
 
     cli_run.add_commands(sub)
-    conformance_cli.add_command(sub)
+    _add_plugin_commands(sub)
     return parser
+
+
+COMMANDS_GROUP = "polyengine.commands"
+
+
+def _add_plugin_commands(sub: Any) -> None:
+    import importlib.metadata as md
+
+    from polyengine.errors import PluginError
+
+    for ep in sorted(md.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        if ep.name in sub.choices:
+            continue  # the same distribution visible twice on sys.path, or a core command
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # a broken command must not take the others down
+            dist = getattr(getattr(ep, "dist", None), "metadata", {}).get("Name") if getattr(ep, "dist", None) else None
+            err = PluginError(ep.name, dist, f"command {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}")
+            p = sub.add_parser(ep.name, help=f"(broken: {exc})", add_help=False)
+            p.add_argument("rest", nargs="*")
+
+            def fail(args: argparse.Namespace, err: PluginError = err) -> int:
+                raise err
+
+            p.set_defaults(func=fail)
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -54,9 +85,9 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     headers = ("name", "status", "accelerator", "priority", "distribution", "detail")
     table = []
     for r in rows:
-        status = "BROKEN" if r["broken"] else ("available" if r["available"] else "unavailable")
+        status = "BROKEN" if r["broken"] else "excluded" if r["excluded"] else ("available" if r["available"] else "unavailable")
         detail = r["error"] if r["broken"] else r["reason"]
-        if not r["available"] and not r["broken"] and r["install_hint"]:
+        if not r["available"] and not r["broken"] and not r["excluded"] and r["install_hint"]:
             detail = f"{detail} (fix: {r['install_hint']})"
         table.append((r["name"], status, "yes" if r["accelerator"] else "no",
                       "" if r["priority"] is None else str(r["priority"]), r["distribution"] or "", detail or ""))

@@ -19,6 +19,7 @@ __all__ = [
     "WeightsError",
     "ModelConfigError",
     "ModelNotFound",
+    "InsufficientMemory",
     "ToolError",
 ]
 
@@ -119,6 +120,21 @@ class ModelNotFound(PolyengineError, FileNotFoundError):
 
     def __str__(self) -> str:
         return self.args[0] if self.args else ""
+
+
+class InsufficientMemory(PolyengineError, MemoryError):
+    """Something polyengine was about to allocate (weights, KV caches) would not fit.
+
+    Raised before the allocation, by :func:`polyengine.memory.check_fits`; the message
+    names what needed the memory, where (host or a device), both numbers, and what to
+    change.
+    """
+
+    def __init__(self, message: str, *, needed: int, available: int, where: str = "host memory"):
+        self.needed = needed
+        self.available = available
+        self.where = where
+        super().__init__(message)
 
 
 class ToolError(PolyengineError, ValueError):

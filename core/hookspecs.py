@@ -1,8 +1,8 @@
 """The hooks a polyengine plugin may implement (pluggy project ``polyengine``).
 
 A plugin is any module or object registered through an entry point in the group
-``polyengine.backends`` (or ``polyengine.plugins`` for plugins that add no backend),
-or in-process with :func:`polyengine.plugins.register_plugin`. It implements some of
+``polyengine.backends`` (also for plugins that add only tools or model names), or
+in-process with :func:`polyengine.plugins.register_plugin`. It implements some of
 the hooks below, each marked with :data:`hookimpl`::
 
     from polyengine.plugins import BackendSpec, Probe, hookimpl
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from polyengine.plugins import BackendSpec
+    from polyengine.specs import BackendSpec
     from polyengine.tools import Tool
 
 PROJECT = "polyengine"

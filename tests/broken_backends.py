@@ -53,7 +53,7 @@ class SharedFirstTokenEngine(ReferenceEngine):
     name = "broken_bulk"
 
     def bulk_insert(self, prefix, decode_state, slots):
-        slots = [self._check_insert(decode_state, s) for s in slots]
+        slots = self.check_bulk_slots(slots, decode_state.is_occupied)
         for i, slot in enumerate(slots):
             self._install(prefix, decode_state, slot, i, prefix.first_token)
         n = len(slots)

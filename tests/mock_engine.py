@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from polyengine import PROTOCOL_VERSION, BackendSpec, Capabilities, EngineBase, Prefix, Probe, ResultTokens, hookimpl
-from polyengine.errors import SlotError
 from polyengine.models import Model, ModelConfig
 
 CONFIG = ModelConfig(
@@ -39,13 +38,7 @@ class MockEngine(EngineBase):
     name = "mock"
 
     def __init__(self, model: Model, config):
-        self.model = model
-        self.capabilities = Capabilities(dtypes=("int",), sampling_params=frozenset(), bulk_insert=True)
-        self.max_concurrent_decodes = config.max_slots
-        self.max_prefill_length = config.max_prefill_length
-        self.max_cache_length = config.max_cache_length
-        self.vocab_size = model.config.vocab_size
-        self.eos_token_ids = model.config.eos_token_ids
+        super().__init__(model, config, Capabilities(dtypes=("int",), sampling_params=frozenset(), bulk_insert=True))
 
     def load_params(self):
         return "mock-params"
@@ -55,25 +48,20 @@ class MockEngine(EngineBase):
         return MockState(n, [None] * n, [0] * n, [0] * n)
 
     def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        toks = self.check_prompt(tokens)
-        sampling = self.check_sampling(sampling)
+        toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
         first = int(toks.sum()) % self.vocab_size
-        prefix = Prefix(kv=None, logits=None, prompt_tokens=toks, sampling=sampling, backend=self.name, first_token=first)
+        prefix = Prefix(kv=None, logits=None, prompt_tokens=toks, sampling=sampling, backend=self.name, first_token=first, model_id=self.model_id)
         return prefix, ResultTokens(tokens=[[first]], valid=[[True]], lengths=[1])
 
     def insert(self, prefix, decode_state, slot):
-        slot = self.check_slot(slot)
-        if decode_state.last[slot] is not None:
-            raise SlotError(f"slot {slot} is occupied")
+        slot = self.check_empty_slot(slot, lambda i: decode_state.last[i] is not None)
         decode_state.last[slot] = prefix.first_token
         decode_state.offset[slot] = 0
         decode_state.length[slot] = 1
         return decode_state
 
     def bulk_insert(self, prefix, decode_state, slots):
-        for s in slots:
-            if decode_state.last[self.check_slot(s)] is not None:
-                raise SlotError(f"slot {s} is occupied")
+        slots = self.check_bulk_slots(slots, lambda i: decode_state.last[i] is not None)
         firsts = []
         for i, s in enumerate(slots):
             first = (prefix.first_token + i) % self.vocab_size
@@ -82,7 +70,8 @@ class MockEngine(EngineBase):
         return decode_state, ResultTokens(tokens=firsts, valid=[[True]] * len(slots), lengths=[1] * len(slots))
 
     def generate(self, params, decode_state, *, overrides=None):
-        for slot, tok in (overrides or {}).items():
+        forced = self.check_overrides(overrides, lambda i: None if decode_state.last[i] is None else (decode_state.length[i], 1))
+        for slot, (tok, _) in forced.items():
             decode_state.last[slot] = tok
         n = decode_state.num_slots
         tokens, valid = np.zeros((n, 1), np.int32), np.zeros((n, 1), bool)
@@ -110,12 +99,14 @@ class MockPlugin:
     """The test plugin that registers the mock backend."""
 
     def __init__(self, name: str = "mock", *, available: bool = True, accelerator: bool = False,
-                 kind: str | None = None, priority: int = 0, extra: str | None = None):
+                 kind: str | None = None, priority: int = 0, accelerator_priority: int = 0,
+                 extra: str | None = None, install_hint: str | None = None):
         self.spec = BackendSpec(
             name=name, description="hand-computable mock backend for tests",
             protocol_version=PROTOCOL_VERSION,
             probe=lambda: Probe(available, accelerator, "ok" if available else "mock hardware missing"),
             factory=create_engine, priority=priority, accelerator=kind, extra=extra,
+            accelerator_priority=accelerator_priority, install_hint=install_hint,
         )
 
     @hookimpl

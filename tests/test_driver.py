@@ -7,6 +7,7 @@ import pytest
 
 from polyengine import Capabilities, EngineBase, Prefix, ResultTokens, SamplingParams
 from polyengine.driver import LLM
+from polyengine.engine import check_request
 from polyengine.errors import InvalidRequest, QueueFull
 from polyengine.models import load_model
 from polyengine.sampling import raw_logprobs
@@ -232,8 +233,8 @@ class ScriptedEngine(EngineBase):
         return {"num_slots": 1, "pos": None, "last": None}
 
     def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        sampling = self.check_sampling(sampling)
-        prefix = Prefix(None, None, np.asarray(tokens, np.int32), sampling, self.name, self.script[0])
+        toks, sampling = check_request(self, tokens, sampling)
+        prefix = Prefix(None, None, toks, sampling, self.name, self.script[0])
         return prefix, ResultTokens(tokens=[[self.script[0]]], valid=[[True]], lengths=[1])
 
     def insert(self, prefix, state, slot):
@@ -241,8 +242,8 @@ class ScriptedEngine(EngineBase):
         return state
 
     def generate(self, params, state, *, overrides=None):
-        if overrides:
-            state["last"] = overrides[0]
+        for _, (tok, _) in self.check_overrides(overrides, lambda i: (state["pos"], 1)).items():
+            state["last"] = tok
         self.fed.append(state["last"])
         tok = self.script[state["pos"]]
         state.update(pos=state["pos"] + 1, last=tok)

@@ -134,4 +134,6 @@ def test_a_forced_token_ends_a_speculative_step(model):
     assert out.token_ids[: n + len(block)] == [ps, *expr, pe, *block]
     assert out.forced[n : n + len(block)] == [1] * len(block)
     fed = [o[0] for o in engine.overrides if o]
-    assert fed[: len(block)] == block
+    assert [f.token for f in fed[: len(block)]] == block
+    # each names the completion index it replaces: the forced block sits at n, n+1, n+2
+    assert [f.position for f in fed[: len(block)]] == [n, n + 1, n + 2]

@@ -160,7 +160,7 @@ def test_unknown_preset_and_malformed_spec():
 
 
 def test_refuses_what_does_not_fit_before_allocating(monkeypatch):
-    monkeypatch.setattr(loader, "available_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr("polyengine.memory.available_host_memory", lambda: 16 * 2**30)
 
     def boom(*a, **k):
         raise AssertionError("allocated before the memory check")
@@ -169,24 +169,24 @@ def test_refuses_what_does_not_fit_before_allocating(monkeypatch):
     with pytest.raises(InsufficientMemory) as info:
         _quiet_load("random:llama-8b")
     err = info.value
-    assert isinstance(err, ModelConfigError)
+    assert isinstance(err, MemoryError)
     assert err.needed > 8.0e9 * 4 and err.available == 16 * 2**30
-    assert f"{err.needed:,}" in str(err) and f"{err.available:,}" in str(err) and "float16" in str(err)
+    assert f"{err.needed:,}" in str(err) and f"{err.available:,}" in str(err) and "smaller model" in str(err)
 
 
 def test_memory_margin(monkeypatch):
     need = preset_config("tiny").num_parameters() * 4
-    monkeypatch.setattr(loader, "available_memory", lambda: need + 1024)  # fits, but not with the margin
+    monkeypatch.setattr("polyengine.memory.available_host_memory", lambda: need + 1024)  # fits, but not with the margin
     with pytest.raises(InsufficientMemory):
         _quiet_load("random:tiny")
-    monkeypatch.setattr(loader, "available_memory", lambda: need + 512 * 2**20)
+    monkeypatch.setattr("polyengine.memory.available_host_memory", lambda: need + 512 * 2**20)
     _quiet_load("random:tiny")
-    monkeypatch.setattr(loader, "available_memory", lambda: None)  # no /proc/meminfo: no check
+    monkeypatch.setattr("polyengine.memory.available_host_memory", lambda: None)  # no /proc/meminfo: no check
     _quiet_load("random:tiny")
 
 
 def test_memory_check_covers_files(monkeypatch, default_gguf):
-    monkeypatch.setattr(loader, "available_memory", lambda: 100 * 2**20)
+    monkeypatch.setattr("polyengine.memory.available_host_memory", lambda: 100 * 2**20)
     with pytest.raises(InsufficientMemory, match="SmolLM2"):
         load_model(default_gguf)
 

@@ -74,16 +74,51 @@ def test_unavailable_backend_says_why_and_how_to_fix():
     assert exc.value.install_hint == "pip install 'polyengine[cuda]'"
 
 
-def test_auto_prefers_present_accelerators_in_order_then_cpu_priority():
+def test_auto_prefers_present_accelerators_by_their_priority_then_cpu_priority():
+    """The order is data the specs carry (accelerator_priority, priority), not a list in core."""
     register_plugin(MockPlugin("cpu_fast", priority=50), "p1")
     assert select_backend("auto").name == "cpu_fast"
-    register_plugin(MockPlugin("cudaish", accelerator=True, kind="cuda"), "p2")
+    register_plugin(MockPlugin("cudaish", accelerator=True, kind="cuda", accelerator_priority=100, priority=10), "p2")
     assert select_backend("auto").name == "cudaish"
-    register_plugin(MockPlugin("tpuish", accelerator=True, kind="tpu"), "p3")
-    register_plugin(MockPlugin("neuronish", accelerator=True, kind="neuron"), "p4")
+    register_plugin(MockPlugin("tpuish", accelerator=True, kind="tpu", accelerator_priority=300), "p3")
+    register_plugin(MockPlugin("neuronish", accelerator=True, kind="neuron", accelerator_priority=200), "p4")
     assert select_backend("auto").name == "tpuish"
-    register_plugin(MockPlugin("absent_tpu", available=False, kind="tpu"), "p5")
+    register_plugin(MockPlugin("absent_tpu", available=False, kind="tpu", accelerator_priority=900), "p5")
     assert select_backend("auto").name == "tpuish"
+    # an accelerator backend whose hardware is absent ranks among CPU paths by priority
+    register_plugin(MockPlugin("tpu_on_cpu", accelerator=False, kind="tpu", accelerator_priority=900, priority=60), "p6")
+    assert select_backend("auto").name == "tpuish"
+
+
+def test_auto_without_accelerators_ranks_cpu_paths_by_priority():
+    register_plugin(MockPlugin("jaxish", kind="tpu", accelerator_priority=300, priority=40), "q1")
+    register_plugin(MockPlugin("torchish", kind="cuda", accelerator_priority=100, priority=60), "q2")
+    assert select_backend("auto").name == "torchish"
+
+
+def test_install_hint_comes_from_the_spec():
+    register_plugin(MockPlugin("hinted", available=False, install_hint="pip install mysdk (from the vendor's index)"), "h1")
+    with pytest.raises(BackendUnavailable) as exc:
+        select_backend("hinted")
+    assert exc.value.install_hint == "pip install mysdk (from the vendor's index)"
+
+
+def test_allowlist_excludes_plugins_without_importing_them(monkeypatch, tmp_path):
+    """POLYENGINE_BACKENDS excludes an installed plugin: its entry point is not even
+    imported (a plugin that breaks at import can be switched off), and it is listed."""
+    import polyengine.discovery as discovery
+
+    monkeypatch.setenv("POLYENGINE_BACKENDS", "mock_allowed")
+    reg = discovery.PluginRegistry()
+    reg.register(MockPlugin("mock_allowed"), "a1")
+    reg.register(MockPlugin("mock_denied"), "a2")
+    backends = reg.backends()
+    assert backends["reference"].excluded and not backends["reference"].usable
+    assert backends["mock_denied"].excluded and backends["mock_allowed"].usable
+    assert "excluded by POLYENGINE_BACKENDS" in backends["reference"].probe().reason
+    with pytest.raises(BackendUnavailable, match="POLYENGINE_BACKENDS"):
+        backends["mock_denied"].require_usable()
+    assert reg._plugins["reference"].obj is None  # never imported
 
 
 def test_auto_with_nothing_usable_explains_each_backend(monkeypatch):

@@ -40,7 +40,7 @@ def test_weights_copy_and_caches_that_do_not_fit_are_refused_before_allocating(m
     import polyengine.models.loader as loader
 
     model = load_model("random:tiny")
-    monkeypatch.setattr(loader, "available_memory", lambda: 300 << 20)
+    monkeypatch.setattr("polyengine.memory.available_host_memory", lambda: 300 << 20)
     ReferenceEngine(model, CFG)  # small: fits
     with pytest.raises(InsufficientMemory) as exc:
         ReferenceEngine(model, EngineConfig(max_slots=4000, max_prefill_length=256, max_cache_length=512))

