@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineConfig, Prefix, ResultTokens
+from polyengine.engine import Capabilities, EngineConfig, Override, Prefix, ResultTokens
 from polyengine.models import Model
 from polyengine.sampling import RowState, SamplingParams
 
@@ -25,7 +25,7 @@ from polyengine.conformance.oracle import Decision, ReferenceOracle, decide, ora
 from polyengine.conformance.tolerances import Tolerance, Tolerances
 from polyengine.conformance.xfail import XfailList
 
-__all__ = ["LIMITS", "VARIANTS", "SEEDS", "Driver", "Divergence", "first_divergence", "Harness", "Context"]
+__all__ = ["LIMITS", "VARIANTS", "SEEDS", "SlotDriver", "Divergence", "first_divergence", "Harness", "Context"]
 
 # One set of limits for every engine the suite builds: 4 slots, prompts up to 24.
 LIMITS = dict(max_slots=4, max_prefill_length=24, max_cache_length=64)
@@ -39,11 +39,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SEEDS = {"model": MODEL_SEED, "prompts": 7, "sampling": 1000, "statistics": 5000}
 
 
-class Driver:
+class SlotDriver:
     """Drive an engine by hand: prefill, insert, generate, free; keep each slot's tokens.
 
     ``tokens[slot]`` is the completion of the request in that slot (first token
-    included), ``logprobs[slot]``/``top[slot]`` what the backend reported with them.
+    included), ``logprobs[slot]``/``top[slot]`` what the backend reported with them,
+    ``last[slot]`` how many tokens the slot's last result gave (an override may replace
+    any of them, see :class:`~polyengine.engine.Override`). Works for any
+    ``tokens_per_step``.
     """
 
     def __init__(self, engine: Any, params: Any):
@@ -52,6 +55,7 @@ class Driver:
         self.tokens: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[float]] = {}
         self.top: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.last: dict[int, int] = {}
         self.live: set[int] = set()
 
     def prefill(self, prompt: Sequence[int], sampling: SamplingParams) -> tuple[Prefix, ResultTokens]:
@@ -59,6 +63,7 @@ class Driver:
 
     def _record(self, slot: int, result: ResultTokens, row: int) -> None:
         toks = result.row_tokens(row)
+        self.last[slot] = len(toks)
         self.tokens.setdefault(slot, []).extend(toks)
         if result.logprobs is not None:
             lps = [float(x) for x, v in zip(result.logprobs[row], result.valid[row]) if v]
@@ -68,6 +73,10 @@ class Driver:
                 if v:
                     self.top.setdefault(slot, []).append((result.top_ids[row, j], result.top_logprobs[row, j]))
 
+    def _start(self, slot: int) -> None:
+        self.tokens[slot], self.logprobs[slot], self.top[slot] = [], [], []
+        self.live.add(slot)
+
     def insert(self, slot: int, prompt: Sequence[int], sampling: SamplingParams) -> Prefix:
         prefix, first = self.prefill(prompt, sampling)
         self.insert_prefix(slot, prefix, first)
@@ -75,22 +84,30 @@ class Driver:
 
     def insert_prefix(self, slot: int, prefix: Prefix, first: ResultTokens | None = None) -> None:
         self.state = self.engine.insert(prefix, self.state, slot)
-        self.tokens[slot], self.logprobs[slot], self.top[slot] = [], [], []
+        self._start(slot)
         if first is not None:
             self._record(slot, first, 0)
         else:
             self.tokens[slot].append(int(prefix.first_token))
-        self.live.add(slot)
+            self.last[slot] = 1
 
     def bulk_insert(self, slots: Sequence[int], prefix: Prefix) -> ResultTokens:
         self.state, first = self.engine.bulk_insert(prefix, self.state, list(slots))
         for row, slot in enumerate(slots):
-            self.tokens[slot], self.logprobs[slot], self.top[slot] = [], [], []
+            self._start(slot)
             self._record(slot, first, row)
-            self.live.add(slot)
         return first
 
-    def step(self, overrides: Mapping[int, int] | None = None, n: int = 1) -> ResultTokens:
+    def force(self, slot: int, token: int, position: int) -> Override:
+        """An override making completion token ``position`` of ``slot`` be ``token``; the
+        driver's record is cut there as the engine's is."""
+        del self.tokens[slot][position:]
+        del self.logprobs[slot][position:]
+        del self.top[slot][position:]
+        self.tokens[slot].append(int(token))
+        return Override(int(token), position)
+
+    def step(self, overrides: Mapping[int, Any] | None = None, n: int = 1) -> ResultTokens:
         for _ in range(n):
             self.state, result = self.engine.generate(self.params, self.state, overrides=dict(overrides or {}))
             overrides = None
@@ -185,8 +202,10 @@ class Harness:
         self.xfail.check_against(test_ids)
         self.metadata = dict(metadata or {})
         self._engines: dict[tuple[str, str | None, str], Any] = {}
-        self._params: dict[int, Any] = {}
-        self._probe: Any = None
+        # engine id -> (engine, params). Holding the engine keeps its id from being
+        # reused by another engine while this entry lives (ids of freed objects are).
+        self._params: dict[int, tuple[Any, Any]] = {}
+        self._default: Any = None
         self.cache: dict[Any, Any] = {}  # results several tests share (e.g. sampler draws)
 
     # -- engines -------------------------------------------------------------------------
@@ -198,16 +217,16 @@ class Harness:
         return self.factory(model=model, config=config)
 
     @property
-    def probe(self) -> Any:
+    def default_engine(self) -> Any:
         """The default model's engine in the backend's default dtype (``dtype=None``)."""
-        if self._probe is None:
+        if self._default is None:
             # Not reused for explicit dtypes: nothing says which dtype a backend's default is.
-            self._probe = self.build(build_model(DEFAULT_MODEL), self.config(None))
-        return self._probe
+            self._default = self.build(build_model(DEFAULT_MODEL), self.config(None))
+        return self._default
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.probe.capabilities
+        return self.default_engine.capabilities
 
     @property
     def primary_dtype(self) -> str:
@@ -222,9 +241,10 @@ class Harness:
         return self._engines[key]
 
     def params(self, engine: Any) -> Any:
-        if id(engine) not in self._params:
-            self._params[id(engine)] = engine.load_params()
-        return self._params[id(engine)]
+        entry = self._params.get(id(engine))
+        if entry is None or entry[0] is not engine:
+            entry = self._params[id(engine)] = (engine, engine.load_params())
+        return entry[1]
 
     def oracle(self, model: str = DEFAULT_MODEL) -> ReferenceOracle:
         return oracle_for(build_model(model))
@@ -236,7 +256,7 @@ class Harness:
         out: dict[str, Any] = {"name": None, "distribution": None, "version": None}
         out.update({k: v for k, v in self.metadata.items() if v is not None})
         try:
-            engine = self.probe
+            engine = self.default_engine
         except Exception as exc:  # the engine does not build: the tests say why
             out.setdefault("error", f"{type(exc).__name__}: {exc}")
             engine = None
@@ -277,8 +297,8 @@ class Context:
     def engine(self, model: str = DEFAULT_MODEL, dtype: str | None = None, variant: str = "standard") -> Any:
         return self.harness.engine(model, dtype, variant)
 
-    def driver(self, engine: Any) -> Driver:
-        return Driver(engine, self.harness.params(engine))
+    def driver(self, engine: Any) -> SlotDriver:
+        return SlotDriver(engine, self.harness.params(engine))
 
     def oracle(self, model: str = DEFAULT_MODEL) -> ReferenceOracle:
         return self.harness.oracle(model)
@@ -346,7 +366,12 @@ class Context:
         return [int(t) for t in rng.integers(0, vocab, size=length)]
 
     def sampling(self, salt: int, **changes: Any) -> SamplingParams:
-        """A seeded request (temperature 1 unless changed; seed from the suite's seeds)."""
+        """A seeded request (temperature 1 unless changed; seed from the suite's seeds).
+        ``top_logprobs`` is capped by the backend's declared ``max_top_logprobs``: the
+        suite never asks more than a backend says it can give, except where a test
+        checks the refusal."""
+        if "top_logprobs" in changes:
+            changes["top_logprobs"] = min(changes["top_logprobs"], self.capabilities.max_top_logprobs)
         return SamplingParams(**{"temperature": 1.0, "seed": SEEDS["sampling"] + salt, **changes})
 
     # judging token streams

@@ -1,4 +1,6 @@
-"""Layer 2, contract: slots, insert, free, overrides, limits, errors, prefix exchange.
+"""Layer 2, contract: slots, insert, free, overrides, limits, result rows, errors.
+
+(Prefixes, bulk_insert and the refusals at construction are in ``layer_prefixes``.)
 
 These tests use seeded sampling at temperature 1 (the default, so no capability is
 needed) on the default model: a sampled stream reacts to any state that leaks in,
@@ -12,13 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polyengine.errors import InvalidRequest, SlotError, UnsupportedFeature
-from polyengine.prefix import PortablePrefix
+from polyengine.engine import Override
+from polyengine.errors import InvalidRequest, SlotError
 
 from polyengine.conformance import layer
-from polyengine.conformance.harness import LIMITS, VARIANTS
-from polyengine.conformance.models import DEFAULT_MODEL, build_model
-from polyengine.conformance.stats import rel_l2
 
 STEPS = 8
 
@@ -171,172 +170,185 @@ class ContractLayer:
             raise AssertionError(f"prefill accepted {what}; expected InvalidRequest")
 
     def test_overrides_force_next_input(self, conformance):
-        """generate(overrides={slot: f}) feeds f instead of the sampled token: what
-        follows equals the reference's continuation of prompt + forced tokens, the
-        step counter counts f, and other slots are not affected."""
+        """generate(overrides={slot: Override(f, position)}) makes f the slot's completion
+        token at that position (dropping what its last result held after it) and feeds
+        it: what follows equals the reference's continuation of prompt + forced tokens,
+        the step counter counts f, and other slots are not affected. Written for any
+        tokens_per_step: the position is the first token of the slot's last result."""
         pa, pb = conformance.prompt(7, 51), conformance.prompt(9, 52)
         sa, sb = conformance.sampling(51), conformance.sampling(52)
         want_b = _alone(conformance, 0, pb, sb, 6)
         d = conformance.driver(conformance.engine())
         d.insert(1, pa, sa)
         d.insert(0, pb, sb)
-        d.step()  # slot 1 now holds [t0, t1]; t1 is what it would feed next
-        sampled = d.tokens[1][1]
+        d.step()
+        position = len(d.tokens[1]) - d.last[1]  # 1: the first token of the step just taken
+        sampled = d.tokens[1][position]
         # A forced token whose continuation differs from the sampled one's (on a tiny
         # model, a seeded stream often shrugs off a one-token change of context).
         oracle = conformance.oracle()
-        plain = [x.token for x in oracle.stream(pa, sa, 6)]
+        steps = position + 5
+        plain = [x.token for x in oracle.stream(pa, sa, steps)]
         forced = next(
             f for f in ((sampled + 57 * i) % d.engine.vocab_size for i in range(1, 64))
-            if f != sampled and [x.token for x in oracle.stream(pa, sa, 6, forced={1: f})][2:] != plain[2:]
+            if f != sampled and [x.token for x in oracle.stream(pa, sa, steps, forced={position: f})][position + 1:]
+            != plain[position + 1:]
         )
-        d.step(overrides={1: forced})
-        d.step(n=3)
-        got = [d.tokens[1][0], forced] + d.tokens[1][2:6]
-        div = conformance.compare_to_oracle(got, pa, sa, forced={1: forced}, what="slot 1 after an override")
+        d.step(overrides={1: d.force(1, forced, position)})
+        while len(d.tokens[1]) < steps or len(d.tokens[0]) < 6:
+            d.step()
+        got = d.tokens[1][:steps]
+        div = conformance.compare_to_oracle(got, pa, sa, forced={position: forced}, what="slot 1 after an override")
         if div is not None and not div.near_tie:
-            if plain[2:] == d.tokens[1][2:6]:
+            if plain[position + 1:] == got[position + 1:]:
                 raise AssertionError(
-                    f"after generate(overrides={{1: {forced}}}) slot 1 continued as if it had fed its sampled token "
-                    f"{sampled}: overrides are ignored (the token fed must be the override)"
+                    f"after generate(overrides={{1: Override({forced}, {position})}}) slot 1 continued as if it had fed "
+                    f"its sampled token {sampled}: overrides are ignored (the token fed must be the override)"
                 )
             raise AssertionError(
-                f"after generate(overrides={{1: {forced}}}) slot 1's tokens differ from the reference's continuation of "
-                f"prompt + forced tokens ({div.describe()}): the override is not fed as the next input, or the step "
-                f"counter does not count forced tokens"
+                f"after generate(overrides={{1: Override({forced}, {position})}}) slot 1's tokens differ from the "
+                f"reference's continuation of prompt + forced tokens ({div.describe()}): the override is not fed as the "
+                f"next input, the tokens after its position are not dropped, or the step counter does not count it"
             )
         div = conformance.compare_pair(d.tokens[0][:6], want_b, pb, sb, what="slot 0 beside an override")
         assert div is None or div.near_tie, f"an override for slot 1 changed slot 0's tokens (token #{div.step})"
 
-    def test_bulk_insert_independent_first_tokens(self, conformance):
-        """bulk_insert gives slots[i] sample i: its own first token (sample index i,
-        step 0) and its own stream; undeclared, it raises UnsupportedFeature."""
-        eng = conformance.engine()
-        d = conformance.driver(eng)
-        prompt = conformance.prompt(6, 61)
-        sampling = conformance.sampling(61, n=LIMITS["max_slots"])
-        if not eng.capabilities.bulk_insert:
-            with pytest.raises(UnsupportedFeature):
-                eng.prefill(params=d.params, tokens=prompt, sampling=sampling)
-            prefix, _ = d.prefill(prompt, conformance.sampling(61))
-            with pytest.raises(UnsupportedFeature):
-                eng.bulk_insert(prefix, d.state, [0, 1])
-            return
-        prefix, first = d.prefill(prompt, sampling)
-        slots = list(range(sampling.n))
-        rows = d.bulk_insert(slots, prefix)
-        firsts = [int(rows.tokens[i, 0]) for i in range(len(slots))]
-        assert firsts[0] == int(first.tokens[0, 0]), (
-            f"bulk_insert's row 0 first token {firsts[0]} differs from prefill's sample-0 first token {int(first.tokens[0, 0])}"
-        )
-        d.step(n=3)
+    def test_override_counts_for_penalties(self, conformance):
+        """A forced token is a completion token for the penalties: after it, the
+        repetition/presence/frequency penalties count it (not the token it replaced)."""
+        name = next((n for n in ("presence_penalty", "frequency_penalty", "repetition_penalty") if conformance.declares(n)), None)
+        if name is None:
+            pytest.skip("no penalty is declared: nothing counts completion tokens")
+        sampling = conformance.sampling(55, **{name: 2.0})
+        prompt = conformance.prompt(7, 55)
         oracle = conformance.oracle()
-        for i in slots:
-            div = conformance.compare_to_oracle(d.tokens[i][:4], prompt, sampling, sample_index=i, what=f"bulk slot {i}")
-            if div is None or div.near_tie:
+        d = conformance.driver(conformance.engine())
+        d.insert(0, prompt, sampling)
+        d.step()
+        position = len(d.tokens[0]) - d.last[0]
+        sampled = d.tokens[0][position]
+        # the reference's favourite there that the completion does not hold yet: the
+        # penalty on it (or its absence) shows at once
+        ranked = [int(t) for t in np.argsort(-oracle.logits(prompt + d.tokens[0][:position]), kind="stable")]
+        forced = next(t for t in ranked if t != sampled and t not in d.tokens[0])
+        d.step(overrides={0: d.force(0, forced, position)})
+        steps = position + 9
+        while len(d.tokens[0]) < steps:
+            d.step()
+        div = conformance.compare_to_oracle(d.tokens[0][:steps], prompt, sampling, forced={position: forced},
+                                            what=f"{name}=2.0 after an override")
+        assert div is None or div.near_tie, (
+            f"with {name}=2.0, after forcing token {forced} in place of {sampled} at completion position {position}: "
+            f"{div.describe()}: the penalties must count the forced token as the slot's completion token (and no "
+            f"longer the token it replaced)"
+        )
+
+    def test_override_refusals(self, conformance):
+        """Overrides with a token outside the vocabulary, a non-integer token, an empty
+        slot or a position outside the slot's last result raise InvalidRequest before
+        any work; the slot then goes on as if nothing happened."""
+        eng = conformance.engine()
+        prompt, sampling = conformance.prompt(6, 57), conformance.sampling(57)
+        want = _alone(conformance, 0, prompt, sampling, 6)
+        d = conformance.driver(eng)
+        d.insert(0, prompt, sampling)
+        d.step()
+        length, last = len(d.tokens[0]), d.last[0]
+        bad = {
+            f"token {eng.vocab_size} (= vocab_size)": {0: eng.vocab_size},
+            "token -1": {0: -1},
+            "token 3.0 (a float)": {0: 3.0},
+            "slot 2 (empty)": {2: 3},
+            f"position {length} (after the last token)": {0: Override(3, length)},
+        }
+        if length - last - 1 >= 0:
+            bad[f"position {length - last - 1} (before the slot's last result)"] = {0: Override(3, length - last - 1)}
+        for what, overrides in bad.items():
+            try:
+                eng.generate(d.params, d.state, overrides=overrides)
+            except InvalidRequest:
                 continue
-            if div.step == 0 and len(set(firsts)) == 1:
-                raise AssertionError(
-                    f"bulk_insert gave every slot the same first token {firsts[0]}: each slot must draw its own "
-                    f"first token (sample index i, step 0), not share sample 0's"
-                )
-            want0 = oracle.stream(prompt, sampling, 1, sample_index=0)[0].token
-            hint = " (it drew sample 0's token)" if div.step == 0 and div.got == want0 else ""
-            raise AssertionError(f"bulk_insert slot {i} (sample {i}){hint}: {div.describe()}")
-
-    def test_prefill_bucket_invariance(self, conformance):
-        """Engines built with different prefill_buckets give the same logits, first
-        tokens and streams (padding is invisible)."""
-        dtype = conformance.dtype
-        engines = {v: conformance.engine(DEFAULT_MODEL, dtype, v) for v in VARIANTS}
-        for length in (3, 8, 13, LIMITS["max_prefill_length"]):
-            prompt = conformance.prompt(length, 71)
-            sampling = conformance.sampling(71)
-            runs = {}
-            for v, eng in engines.items():
-                d = conformance.driver(eng)
-                prefix = d.insert(0, prompt, sampling)
-                d.step(n=3)
-                runs[v] = (prefix.host_logits().astype(np.float64), d.tokens[0][:4])
-            base_logits, base_tokens = runs["standard"]
-            for v, (logits, tokens) in runs.items():
-                if v == "standard":
-                    continue
-                buckets = VARIANTS[v]["prefill_buckets"]
-                conformance.within(
-                    "bucket_rel_l2", rel_l2(logits, base_logits), dtype,
-                    what=f"prompt length {length}: logits with prefill_buckets={buckets} vs none",
-                )
-                div = conformance.compare_pair(tokens, base_tokens, prompt, sampling, what=f"buckets {buckets}, length {length}")
-                assert div is None or div.near_tie, (
-                    f"with prefill_buckets={buckets} a prompt of length {length} gives token #{div.step} = {div.got}, "
-                    f"without buckets {div.want}: padding changes results"
-                )
-
-    def test_prefix_reuse(self, conformance):
-        """prefill(existing_prefix=head) continues a prompt exactly as one prefill of
-        the whole; undeclared (prefix_reuse), it raises UnsupportedFeature."""
-        eng = conformance.engine()
-        d = conformance.driver(eng)
-        whole = conformance.prompt(12, 81)
-        sampling = conformance.sampling(81)
-        head, _ = d.prefill(whole[:5], sampling)
-        if not eng.capabilities.prefix_reuse:
-            with pytest.raises(UnsupportedFeature):
-                eng.prefill(params=d.params, tokens=whole[5:], sampling=sampling, existing_prefix=head)
-            return
-        tail, first = eng.prefill(params=d.params, tokens=whole[5:], sampling=sampling, existing_prefix=head)
-        assert list(np.asarray(tail.prompt_tokens)) == whole, (
-            f"prefix reuse: the continued prefix holds prompt {list(tail.prompt_tokens)}, expected {whole}"
+            except Exception as exc:
+                raise AssertionError(f"generate with an override of {what} raised {type(exc).__name__} ({exc}); "
+                                     f"expected InvalidRequest") from None
+            raise AssertionError(f"generate accepted an override of {what}; expected InvalidRequest before any work")
+        while len(d.tokens[0]) < 6:
+            d.step()
+        div = conformance.compare_pair(d.tokens[0][:6], want, prompt, sampling, what="slot 0 after refused overrides")
+        assert div is None or div.near_tie, (
+            f"slot 0's tokens changed after refused overrides (token #{div.step}): refusals must come before any work"
         )
-        want = conformance.oracle().logits(whole)
-        conformance.within("logits_rel_l2", rel_l2(tail.host_logits(), want), conformance.dtype, DEFAULT_MODEL,
-                           what="logits of a prompt continued from an existing prefix vs the reference")
-        div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling, what="first token after prefix reuse")
-        assert div is None or div.near_tie, f"prefix reuse: {div.describe()}"
 
-    def test_portable_prefix_roundtrip(self, conformance):
-        """export_prefix/import_prefix move a prefix between this backend and the
-        reference in both directions (through the byte format); undeclared
-        (portable_prefix), both raise UnsupportedFeature."""
-        from polyengine.backends.reference.engine import ReferenceEngine
-
+    def test_cache_limit(self, conformance):
+        """A slot yields tokens until prompt + completion == max_cache_length, exactly,
+        each equal to the reference's; then it reports valid == 0 (with its length), and
+        other slots go on."""
         eng = conformance.engine()
-        dtype = conformance.dtype
-        model = build_model(DEFAULT_MODEL)
-        ref = ReferenceEngine(model, conformance.harness.config("float64"))
-        ref_params = ref.load_params()
-        prompt, sampling = conformance.prompt(10, 91), conformance.sampling(91)
-        ref_prefix, _ = ref.prefill(params=ref_params, tokens=prompt, sampling=sampling)
+        n = eng.max_prefill_length - 4
+        prompt, sampling = conformance.prompt(n, 58), conformance.sampling(58)
+        room = eng.max_cache_length - n
         d = conformance.driver(eng)
-        own, _ = d.prefill(prompt, sampling)
-        if not eng.capabilities.portable_prefix:
-            with pytest.raises(UnsupportedFeature):
-                eng.export_prefix(own)
-            with pytest.raises(UnsupportedFeature):
-                eng.import_prefix(ref.export_prefix(ref_prefix))
-            return
-        oracle = conformance.oracle()
-        # this backend -> reference
-        exported = PortablePrefix.from_bytes(eng.export_prefix(own).to_bytes())
-        want_k, want_v = oracle.kv(prompt)
-        conformance.within("kv_rel_l2", max(rel_l2(exported.k.ravel(), want_k.ravel()), rel_l2(exported.v.ravel(), want_v.ravel())),
-                           dtype, what="exported K/V vs the reference's (K after rotate-half RoPE)")
-        conformance.within("logits_rel_l2", rel_l2(exported.last_logits, oracle.logits(prompt)), dtype,
-                           what="exported last logits vs the reference")
-        assert exported.prompt_tokens.tolist() == prompt and exported.sampling.seed == own.sampling.seed, (
-            "the exported prefix must carry the prompt ids and the request's seed"
+        d.insert(0, prompt, sampling)
+        for _ in range(room + 2):  # bounded: a slot that never stops fails below
+            before = len(d.tokens[0])
+            result = d.step()
+            if len(d.tokens[0]) == before:
+                break
+        got = d.tokens[0]
+        assert len(got) == room, (
+            f"a slot with a {n}-token prompt yielded {len(got)} completion tokens; with max_cache_length="
+            f"{eng.max_cache_length} it must yield exactly {room} (prompt + completion <= max_cache_length, then "
+            f"valid == 0)"
         )
-        rd = conformance.driver(ref)
-        rd.insert_prefix(0, ref.import_prefix(exported))
-        rd.step(n=4)
-        div = conformance.compare_to_oracle(rd.tokens[0][:5], prompt, sampling, dtype=dtype,
-                                            what="reference continuing this backend's exported prefix")
-        assert div is None or div.near_tie, f"the reference continuing this backend's exported prefix: {div.describe()}"
-        # reference -> this backend
-        imported = eng.import_prefix(PortablePrefix.from_bytes(ref.export_prefix(ref_prefix).to_bytes()))
-        d.insert_prefix(0, imported)
-        d.step(n=4)
-        div = conformance.compare_to_oracle(d.tokens[0][:5], prompt, sampling, dtype=dtype,
-                                            what="this backend continuing the reference's exported prefix")
-        assert div is None or div.near_tie, f"this backend continuing a prefix exported by the reference: {div.describe()}"
+        assert int(result.lengths[0]) == room, (
+            f"a full slot reported valid={result.valid[0].tolist()}, lengths={int(result.lengths[0])}: it must report "
+            f"valid == 0 and its length {room}"
+        )
+        div = conformance.compare_to_oracle(got, prompt, sampling, what="a slot run to the cache limit")
+        assert div is None or div.near_tie, (
+            f"a slot run to max_cache_length: {div.describe()}: the tokens near the end of the cache are wrong "
+            f"(a cache that wraps around or drops positions?)"
+        )
+        d.insert(1, conformance.prompt(5, 59), conformance.sampling(59))
+        assert d.step().valid[1].any(), "another slot produced no token beside a full one"
+
+    def test_result_lengths(self, conformance):
+        """Every ResultTokens row: the valid tokens come first and number at most
+        tokens_per_step; lengths counts the slot's completion tokens including them
+        (0 for an empty slot); prefill's and bulk_insert's rows hold one token with
+        lengths 1."""
+        eng = conformance.engine()
+        k = eng.capabilities.tokens_per_step
+        d = conformance.driver(eng)
+        problems: list[str] = []
+
+        def check(result, when):
+            valid = np.asarray(result.valid, bool)
+            for slot in range(eng.max_concurrent_decodes):
+                row = valid[slot]
+                count = int(row.sum())
+                if count and not row[:count].all():
+                    problems.append(f"{when}: slot {slot}'s valid tokens are not first in its row ({row.tolist()})")
+                if count > k:
+                    problems.append(f"{when}: slot {slot} got {count} tokens, more than tokens_per_step={k}")
+                want = len(d.tokens.get(slot, [])) if slot in d.live else 0
+                if int(result.lengths[slot]) != want:
+                    problems.append(f"{when}: lengths[{slot}] = {int(result.lengths[slot])}, the slot's completion "
+                                    f"holds {want} tokens")
+
+        d.insert(0, conformance.prompt(5, 60), conformance.sampling(60))
+        for i in range(2):
+            check(d.step(), f"step {i + 1} (slot 0 alone)")
+        d.insert(2, conformance.prompt(8, 61), conformance.sampling(61))
+        for i in range(2):
+            check(d.step(), f"step {i + 1} after inserting slot 2")
+        d.free(0)
+        check(d.step(), "after freeing slot 0")
+        if eng.capabilities.bulk_insert:
+            prefix, _ = d.prefill(conformance.prompt(4, 62), conformance.sampling(62, n=2))
+            rows = d.bulk_insert([3, 1], prefix)
+            if [int(x) for x in rows.lengths] != [1, 1]:
+                problems.append(f"bulk_insert's lengths are {rows.lengths.tolist()}, expected [1, 1]")
+            for i in range(2):
+                check(d.step(), f"step {i + 1} after bulk_insert into slots 3, 1")
+        assert not problems, "ResultTokens rows break the protocol: " + "; ".join(problems[:5])

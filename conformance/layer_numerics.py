@@ -6,7 +6,7 @@ reference is the float64 NumPy backend; errors are measured per logits row as
 relative L2 and per log-prob as absolute error, against the tolerances in force
 (recorded in the report with their source).
 
-Reported log-probs are the raw model's (DESIGN.md "Sampling semantics"): the decode
+Reported log-probs are the raw model's (docs/design.md, "Sampling"): the decode
 check samples at temperature 0.5 with a logit_bias and a presence penalty, so a
 backend that reports the log-probs of its processed distribution fails, and
 :func:`check_reported_logprobs` (shared with the honesty layer) names the stage
@@ -40,7 +40,7 @@ BIASED_TOKEN = 99  # a token id below every test model's vocabulary size
 
 def _processed_logprobs(logits: np.ndarray, row: RowState, eos) -> dict[str, np.ndarray]:
     """The log-probs a backend might report by mistake: those of the processed logits
-    at each stage of the sampler (DESIGN.md "Sampling semantics"), by description."""
+    at each stage of the sampler (polyengine.sampling.PIPELINE), by description."""
     p = row.params
     unfiltered = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
     out: dict[str, np.ndarray] = {}
@@ -105,7 +105,7 @@ def check_reported_logprobs(conformance, *, model, dtype, prompt, sampling, toke
             bad = int(np.argmax(np.abs(vals - want[ids])))
             raise AssertionError(
                 f"{what}, step {step}: reported log-probs are not the raw model's (the log-softmax of the logits "
-                f"before logit_bias, penalties and temperature, DESIGN.md 'Sampling semantics'): token {int(ids[bad])} "
+                f"before logit_bias, penalties and temperature): token {int(ids[bad])} "
                 f"reported {vals[bad]:.5f}, the raw log-prob is {want[ids[bad]]:.5f} (|error| {err:.3g} > logprob_abs "
                 f"{tol:g}){seen}"
             )

@@ -6,11 +6,9 @@ not speak the protocol, and every later layer would fail for that reason.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 
-from polyengine.engine import Capabilities, Engine, Prefix, ResultTokens
+from polyengine.engine import Capabilities, Prefix, ResultTokens, protocol_problems
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
@@ -19,32 +17,17 @@ from polyengine.conformance.harness import LIMITS
 from polyengine.conformance.models import DEFAULT_MODEL, build_model
 from polyengine.conformance.tolerances import QUANTITIES
 
-# name -> (positional-or-keyword parameters after self, keyword-only parameters)
-_SIGNATURES = {
-    "load_params": ((), ()),
-    "init_decode_state": ((), ()),
-    "prefill": ((), ("params", "tokens", "sampling", "existing_prefix")),
-    "insert": (("prefix", "decode_state", "slot"), ()),
-    "generate": (("params", "decode_state"), ("overrides",)),
-    "free_resource": (("decode_state", "slot"), ()),
-    # optional methods exist on every engine; undeclared ones raise UnsupportedFeature
-    "bulk_insert": (("prefix", "decode_state", "slots"), ()),
-    "export_prefix": (("prefix",), ()),
-    "import_prefix": (("portable",), ()),
-}
-
 
 @layer("surface")
 class SurfaceLayer:
     def test_engine_attributes(self, conformance):
         """Required attributes exist, have the protocol's types and honour the config."""
-        eng = conformance.harness.probe
+        eng = conformance.harness.default_engine
         model = build_model(DEFAULT_MODEL)
-        assert isinstance(eng, Engine), (
-            f"{type(eng).__name__} does not implement polyengine.Engine; missing: "
-            f"{[n for n in ('name', 'capabilities', 'max_concurrent_decodes', 'max_prefill_length', 'max_cache_length', 'vocab_size', 'eos_token_ids', *_SIGNATURES) if not hasattr(eng, n)]}"
-        )
+        missing = [p for p in protocol_problems(eng) if p.startswith("attribute")]
+        assert not missing, f"{type(eng).__name__} does not implement polyengine.Engine: " + "; ".join(missing)
         assert isinstance(eng.name, str) and eng.name, f"engine.name must be a non-empty str, got {eng.name!r}"
+        assert isinstance(eng.device, str) and eng.device, f"engine.device must say where it computes, got {eng.device!r}"
         want = {
             "max_concurrent_decodes": LIMITS["max_slots"],
             "max_prefill_length": LIMITS["max_prefill_length"],
@@ -59,35 +42,21 @@ class SurfaceLayer:
         eos = tuple(eng.eos_token_ids)
         assert all(isinstance(t, (int, np.integer)) for t in eos), f"eos_token_ids must be ints, got {eos!r}"
         assert set(eos) == set(model.eos_token_ids), (
-            f"engine.eos_token_ids {eos} differ from the model's {model.eos_token_ids}: "
-            f"min_tokens/ignore_eos would mask the wrong tokens"
+            f"engine.eos_token_ids {eos} differ from the model's {model.eos_token_ids} (every EOS id of the model, "
+            f"the tokenizer's end-of-turn included): min_tokens/ignore_eos would mask the wrong tokens and the driver "
+            f"would not stop on them"
         )
 
     def test_method_signatures(self, conformance):
-        """Every protocol method exists with the protocol's parameter names."""
-        eng = conformance.harness.probe
-        problems = []
-        for name, (positional, keyword_only) in _SIGNATURES.items():
-            fn = getattr(eng, name, None)
-            if not callable(fn):
-                problems.append(f"{name}: missing")
-                continue
-            params = inspect.signature(fn).parameters
-            for p in positional:
-                if p not in params or params[p].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY):
-                    problems.append(f"{name}: needs positional parameter {p!r}")
-            for p in keyword_only:
-                if p not in params or params[p].kind not in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-                    problems.append(f"{name}: needs keyword parameter {p!r}")
-        for name, default_param in (("prefill", "existing_prefix"), ("generate", "overrides")):
-            p = inspect.signature(getattr(eng, name)).parameters.get(default_param) if callable(getattr(eng, name, None)) else None
-            if p is not None and p.default is not None:
-                problems.append(f"{name}: {default_param} must default to None")
+        """Every protocol method (optional ones included) exists with the protocol's
+        parameter names (the Engine Protocol in polyengine.engine is the declaration)."""
+        eng = conformance.harness.default_engine
+        problems = [p for p in protocol_problems(eng) if not p.startswith("attribute")]
         assert not problems, "protocol signature mismatch: " + "; ".join(problems)
 
     def test_capabilities_well_formed(self, conformance):
         """Capabilities is the core's model with sane values."""
-        caps = conformance.harness.probe.capabilities
+        caps = conformance.harness.default_engine.capabilities
         assert isinstance(caps, Capabilities), f"capabilities must be polyengine.Capabilities, got {type(caps).__name__}"
         assert caps.dtypes and all(isinstance(d, str) and d for d in caps.dtypes), f"dtypes must be non-empty names: {caps.dtypes}"
         assert len(set(caps.dtypes)) == len(caps.dtypes), f"dtypes lists a dtype twice: {caps.dtypes}"
@@ -102,7 +71,7 @@ class SurfaceLayer:
     def test_result_shapes(self, conformance):
         """prefill gives (Prefix, one-row ResultTokens); generate on an empty state gives
         one invalid row per slot; the prefix carries the prompt, a seed and the logits."""
-        eng = conformance.harness.probe
+        eng = conformance.harness.default_engine
         params = conformance.harness.params(eng)
         state = eng.init_decode_state()
         assert getattr(state, "num_slots", None) == eng.max_concurrent_decodes, (
@@ -116,6 +85,10 @@ class SurfaceLayer:
         assert bool(first.valid[0, 0]) and int(first.tokens[0, 0]) == prefix.first_token, (
             f"prefill's first token {int(first.tokens[0, 0])} (valid={bool(first.valid[0, 0])}) differs from prefix.first_token {prefix.first_token}"
         )
+        assert int(first.lengths[0]) == 1 and int(np.asarray(first.valid[0]).sum()) == 1, (
+            f"prefill's result must hold exactly one valid token with lengths == 1 (the completion so far), got "
+            f"valid={first.valid[0].tolist()}, lengths={first.lengths.tolist()}"
+        )
         assert list(np.asarray(prefix.prompt_tokens)) == prompt, f"prefix.prompt_tokens {prefix.prompt_tokens} != prompt {prompt}"
         assert prefix.sampling.seed is not None, "the prefix's sampling parameters must carry the resolved seed"
         logits = prefix.host_logits()
@@ -127,3 +100,6 @@ class SurfaceLayer:
             f"generate must return one row per slot ({eng.max_concurrent_decodes}), got {result!r}"
         )
         assert not np.asarray(result.valid).any(), "generate on an empty decode state reported valid tokens"
+        assert not np.asarray(result.lengths).any(), (
+            f"generate on an empty decode state reported completion lengths {result.lengths.tolist()} (empty slots have 0)"
+        )

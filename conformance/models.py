@@ -14,9 +14,15 @@ one-hot: projections std 0.1, embeddings and LM head std 0.2 give logits of std 
 and a top-1 probability of ~0.1-0.2, so sampled streams explore while greedy has few
 near-ties. Norm weights are ``1 + 0.1 * N(0, 1)`` so they matter.
 
-Each model's EOS id is picked, not fixed: it is the greedy first token of
-one of a few fixed candidate prompts (a clear winner), so the ``min_tokens``/``ignore_eos`` checks have a
-prompt whose greedy continuation really is EOS.
+Each model has two EOS ids, picked, not fixed: each is the greedy first token of one of
+a few fixed candidate prompts (a clear winner), so the ``min_tokens``/``ignore_eos``
+checks have prompts whose greedy continuation really is an EOS, and a backend that
+masks only the first EOS id is seen.
+
+Exact ties: the LM-head rows of :data:`TIE_IDS` are zero (for the tied model, their
+embeddings too), so those two tokens' logits are exactly 0 in any precision and any
+kernel; with a logit_bias that lifts both to the top, the tie rules (lowest id first)
+are exercised exactly, not up to rounding.
 """
 
 from __future__ import annotations
@@ -27,12 +33,17 @@ import numpy as np
 
 from polyengine.models import Model, ModelConfig, RopeScaling
 
-__all__ = ["MODEL_NAMES", "DEFAULT_MODEL", "MODEL_SEED", "build_model", "eos_prompt"]
+__all__ = ["MODEL_NAMES", "DEFAULT_MODEL", "MODEL_SEED", "TIE_IDS", "build_model", "eos_prompt"]
 
 MODEL_SEED = 20240611
 DEFAULT_MODEL = "mha_tied"
 # Candidate prompts for the EOS trick; the first whose greedy token wins by a clear margin.
-_EOS_CANDIDATES = ([3, 9, 4, 7], [5, 11, 13, 2, 8], [17, 6, 1, 12], [10, 20, 30], [8, 8, 19, 4, 4])
+_EOS_CANDIDATES = (
+    [3, 9, 4, 7], [5, 11, 13, 2, 8], [17, 6, 1, 12], [10, 20, 30], [8, 8, 19, 4, 4], [21, 2, 14], [6, 6, 6, 9, 1],
+    [12, 30, 5, 5], [2, 19, 27], [15, 3, 22, 9],
+)
+# Two ids below every test vocabulary whose logits are exactly 0 (zero LM-head rows).
+TIE_IDS = (37, 38)
 _EOS_MARGIN = 0.5  # log-prob gap of the greedy EOS over the runner-up, in every dtype
 
 _SHAPES: dict[str, dict] = {
@@ -74,44 +85,47 @@ def _weights(config: ModelConfig, rng: np.random.Generator) -> dict[str, np.ndar
     return out
 
 
-def _pick_eos(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple[list[int], int]:
-    """The first candidate prompt whose greedy token wins clearly, and that token."""
-    # Deferred import: the reference forward is the oracle; the pytest plugin imports
-    # nothing of the suite until a conformance test runs.
-    from polyengine.backends.reference.model import ReferenceParams, forward
+def _pick_eos(config: ModelConfig, weights: dict[str, np.ndarray]) -> list[tuple[list[int], int]]:
+    """Two candidate prompts whose greedy tokens win clearly and differ, with those tokens."""
+    # Deferred import: the pytest plugin imports nothing of the suite until a test runs.
+    from polyengine.conformance.oracle import reference_logits
     from polyengine.sampling import raw_logprobs
 
     model = Model(config, weights, source="conformance:eos-probe", is_random=True)
-    params = ReferenceParams.from_model(model, np.dtype(np.float64))
-    shape = (config.num_hidden_layers, config.num_key_value_heads, 16, config.head_dim)
+    found: list[tuple[list[int], int]] = []
     for prompt in _EOS_CANDIDATES:
-        k, v = np.zeros(shape), np.zeros(shape)
-        logits = forward(params, np.array([prompt]), np.array([0]), [k], [v])[0, -1]
+        logits = reference_logits(model, prompt)
         lp = np.sort(raw_logprobs(logits))
-        if lp[-1] - lp[-2] >= _EOS_MARGIN:
-            return list(prompt), int(np.argmax(logits))
-    raise RuntimeError(f"no EOS candidate prompt has a clear greedy winner for {config}")  # suite bug
+        token = int(np.argmax(logits))
+        if lp[-1] - lp[-2] >= _EOS_MARGIN and token not in TIE_IDS and token not in [t for _, t in found]:
+            found.append((list(prompt), token))
+            if len(found) == 2:
+                return found
+    raise RuntimeError(f"fewer than two EOS candidate prompts have distinct clear greedy winners for {config}")  # suite bug
 
 
 @lru_cache(maxsize=None)
 def build_model(name: str, seed: int = MODEL_SEED) -> Model:
     """The named test model, deterministic in ``seed`` (cached: models are read-only).
 
-    ``model.meta["eos_prompt"]`` holds the prompt (comma-separated ids) whose greedy
-    first token is the model's EOS.
+    ``model.meta["eos_prompt_0"]``/``["eos_prompt_1"]`` hold the prompts (comma-separated
+    ids) whose greedy first tokens are the model's two EOS ids.
     """
     if name not in _SHAPES:
         raise KeyError(f"unknown test model {name!r}; known: {', '.join(MODEL_NAMES)}")
     rng = np.random.default_rng([seed, MODEL_NAMES.index(name)])
     config = ModelConfig(max_position_embeddings=256, bos_token_id=1, **_SHAPES[name])
     weights = _weights(config, rng)
-    prompt, eos = _pick_eos(config, weights)
-    config = config.model_copy(update={"eos_token_ids": (eos,)})
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    weights[head][list(TIE_IDS)] = 0.0
+    eos = _pick_eos(config, weights)
+    config = config.model_copy(update={"eos_token_ids": tuple(t for _, t in eos)})
     model = Model(config, weights, source=f"conformance:{name}:seed{seed}", is_random=True)
-    model.meta["eos_prompt"] = ",".join(map(str, prompt))
+    for i, (prompt, _) in enumerate(eos):
+        model.meta[f"eos_prompt_{i}"] = ",".join(map(str, prompt))
     return model
 
 
-def eos_prompt(model: Model) -> list[int]:
-    """The prompt whose greedy first token is the model's EOS."""
-    return [int(t) for t in model.meta["eos_prompt"].split(",")]
+def eos_prompt(model: Model, which: int = 0) -> list[int]:
+    """The prompt whose greedy first token is the model's EOS id number ``which``."""
+    return [int(t) for t in model.meta[f"eos_prompt_{which}"].split(",")]

@@ -8,6 +8,10 @@ judged a near tie (reported) or a bug (failed).
 The logits come from the reference engine's own ``prefill`` with ``existing_prefix``
 (each new token extends the longest cached prefix by one position, as a decode step
 does), so the oracle is the reference backend, not a second implementation of it.
+
+This module is the suite's one seam to the reference backend: the models, the layers
+and the portable-prefix exchange reach it only through :func:`reference_engine`,
+:func:`reference_logits` and :class:`ReferenceOracle`.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import numpy as np
 
 from polyengine.engine import EngineConfig, Prefix
 from polyengine.models import Model
-from polyengine.sampling import RowState, SamplingParams, gumbel, process_logits, raw_logprobs
+from polyengine.sampling import RowState, SamplingParams, draw_scores, process_logits, raw_logprobs
 
-__all__ = ["Decision", "ReferenceOracle", "oracle_for", "decide"]
+from polyengine.conformance.faults import Fault
+
+__all__ = ["Decision", "ReferenceOracle", "oracle_for", "decide", "reference_engine", "reference_logits"]
 
 # Long enough for any prompt plus completion the suite builds (the test engines hold 64).
 _ORACLE_LIMITS = EngineConfig(max_slots=1, max_prefill_length=192, max_cache_length=256)
@@ -37,15 +43,33 @@ class Decision:
     forced: bool = False
 
 
-def decide(logits: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> Decision:
-    """The core sampler's choice on ``logits`` with its winning margin.
+def reference_engine(model: Model, config: EngineConfig):
+    """A reference backend engine (the oracle's own kind) for ``model``."""
+    from polyengine.backends.reference.engine import ReferenceEngine
+
+    return ReferenceEngine(model, config)
+
+
+def reference_logits(model: Model, prompt: Sequence[int]) -> np.ndarray:
+    """Float64 logits after ``prompt`` on a model that has no oracle yet (its EOS ids,
+    say, are still being chosen)."""
+    engine = reference_engine(model, _ORACLE_LIMITS)
+    prefix, _ = engine.prefill(params=engine.load_params(), tokens=list(prompt), sampling=_PROBE)
+    return prefix.logits
+
+
+def decide(logits: np.ndarray, row: RowState, eos_token_ids: Sequence[int], fault: Fault | None = None) -> Decision:
+    """The core sampler's choice on ``logits`` with its winning margin (or, with a
+    ``fault``, the choice of a sampler with that fault).
 
     Greedy: the scores are the processed logits. Sampling: processed log-probs plus the
     row's Gumbel noise, exactly what :func:`polyengine.sampling.sample` maximises.
     """
-    x = process_logits(logits, row, eos_token_ids)
-    if row.params.temperature != 0.0:
-        x = x + gumbel(row.params.seed, np.arange(x.shape[0]), row.step, row.sample_index)
+    if fault is not None:
+        row = RowState(fault.request(row.params), row.sample_index, row.step, row.prompt_tokens, row.completion_tokens)
+        x = process_logits(logits, row, eos_token_ids, pipeline=fault.pipeline())
+        return Decision(fault.drawer()(x, row), float("nan"))
+    x = draw_scores(process_logits(logits, row, eos_token_ids), row)
     order = np.argsort(-x, kind="stable")  # ties to the lowest id, like the sampler
     top = int(order[0])
     rival = x[order[1]] if x.shape[0] > 1 else -np.inf
@@ -57,11 +81,9 @@ class ReferenceOracle:
     """Float64 reference logits and token streams for one test model."""
 
     def __init__(self, model: Model):
-        from polyengine.backends.reference.engine import ReferenceEngine
-
         self.model = model
         self.eos_token_ids = tuple(model.eos_token_ids)
-        self.engine = ReferenceEngine(model, _ORACLE_LIMITS)
+        self.engine = reference_engine(model, _ORACLE_LIMITS)
         self.params = self.engine.load_params()
         self._prefixes: dict[tuple[int, ...], Prefix] = {}
 
@@ -96,8 +118,10 @@ class ReferenceOracle:
         *,
         sample_index: int = 0,
         forced: Mapping[int, int] | None = None,
+        fault: Fault | None = None,
     ) -> list[Decision]:
-        """The first ``steps`` completion tokens a correct backend produces.
+        """The first ``steps`` completion tokens a correct backend produces (with a
+        ``fault``: a backend with that fault).
 
         ``forced={j: token}`` makes completion position ``j`` that token, as
         ``generate(overrides=...)`` does when it replaces the token a slot feeds next;
@@ -114,7 +138,7 @@ class ReferenceOracle:
                 d = Decision(int(forced[step]), float("inf"), forced=True)
             else:
                 row = RowState(sampling, sample_index, step, np.array(prompt), np.array(completion, np.int64))
-                d = decide(self.logits(prompt + completion), row, self.eos_token_ids)
+                d = decide(self.logits(prompt + completion), row, self.eos_token_ids, fault)
             out.append(d)
             completion.append(d.token)
         return out

@@ -15,7 +15,9 @@ import numpy as np
 
 from polyengine.sampling import RowState, SamplingParams, filtered_probs
 
-__all__ = ["rel_l2", "chi2_sf", "GoodnessOfFit", "goodness_of_fit", "noncentrality", "allowed_tokens"]
+__all__ = [
+    "rel_l2", "chi2_sf", "GoodnessOfFit", "goodness_of_fit", "noncentrality", "allowed_tokens", "boundary_tokens",
+]
 
 # Categories whose expected count is under this are pooled (Cochran's rule of thumb).
 MIN_EXPECTED = 5.0
@@ -83,9 +85,10 @@ class GoodnessOfFit:
     bins: int
     samples: int
     outside: int  # samples that fell on zero-probability tokens
+    boundary: int = 0  # samples on boundary tokens, left out of the test (see goodness_of_fit)
 
     def to_dict(self) -> dict[str, float | int]:
-        return {k: getattr(self, k) for k in ("statistic", "df", "p_value", "bins", "samples", "outside")}
+        return {k: getattr(self, k) for k in ("statistic", "df", "p_value", "bins", "samples", "outside", "boundary")}
 
 
 def _bins(probs: np.ndarray, n: int) -> list[np.ndarray]:
@@ -104,11 +107,29 @@ def _bins(probs: np.ndarray, n: int) -> list[np.ndarray]:
     return groups
 
 
-def goodness_of_fit(tokens: np.ndarray, probs: np.ndarray) -> GoodnessOfFit:
+def goodness_of_fit(tokens: np.ndarray, probs: np.ndarray, exclude: np.ndarray | None = None) -> GoodnessOfFit:
     """Pearson's chi-square of sampled ``tokens`` against the exact ``probs``, binned
-    as :func:`_bins` says. A sample on a zero-probability token makes the statistic infinite (p = 0).
+    as :func:`_bins` says. A sample on a zero-probability token makes the statistic
+    infinite (p = 0).
+
+    ``exclude`` (a boolean mask, e.g. :func:`boundary_tokens`) names tokens a correct
+    lower-precision sampler may keep or drop by rounding at a filter boundary. The test
+    is then conditional: draws on them are left out, and the rest are judged against
+    ``probs`` restricted to the other tokens and renormalised. Whichever way the backend
+    decided each boundary token, the remaining draws follow exactly that distribution,
+    so the false-failure rate is unchanged; draws on tokens outside both ``probs`` and
+    ``exclude`` still fail.
     """
     tokens = np.asarray(tokens, dtype=np.int64)
+    boundary = 0
+    if exclude is not None and exclude.any():
+        on_boundary = exclude[tokens]
+        boundary = int(on_boundary.sum())
+        tokens = tokens[~on_boundary]
+        probs = np.where(exclude, 0.0, probs)
+        if probs.sum() <= 0:  # every allowed token is a boundary token: nothing left to judge
+            return GoodnessOfFit(0.0, 1, 1.0, 0, int(tokens.size), 0, boundary)
+        probs = probs / probs.sum()
     n = tokens.size
     counts = np.bincount(tokens, minlength=probs.shape[0]).astype(np.float64)
     outside = int(counts[probs <= 0].sum())
@@ -117,12 +138,12 @@ def goodness_of_fit(tokens: np.ndarray, probs: np.ndarray) -> GoodnessOfFit:
     exp_a = np.array([n * probs[g].sum() for g in groups])
     bins = obs_a.size
     if outside:
-        return GoodnessOfFit(float("inf"), max(bins - 1, 1), 0.0, bins, n, outside)
+        return GoodnessOfFit(float("inf"), max(bins - 1, 1), 0.0, bins, n, outside, boundary)
     if bins < 2:  # a single-token support: the only check is that nothing fell outside
-        return GoodnessOfFit(0.0, 1, 1.0, bins, n, 0)
+        return GoodnessOfFit(0.0, 1, 1.0, bins, n, 0, boundary)
     stat = float(np.sum((obs_a - exp_a) ** 2 / exp_a))
     df = bins - 1
-    return GoodnessOfFit(stat, df, chi2_sf(stat, df), bins, n, 0)
+    return GoodnessOfFit(stat, df, chi2_sf(stat, df), bins, n, 0, boundary)
 
 
 def noncentrality(probs: np.ndarray, alternative: np.ndarray, n: int) -> float:
@@ -142,6 +163,30 @@ def noncentrality(probs: np.ndarray, alternative: np.ndarray, n: int) -> float:
     return float(n * np.sum((qa - pa) ** 2 / pa))
 
 
+def _moved(row: RowState, top_p: float, min_p: float) -> RowState:
+    p = row.params
+    moved = SamplingParams.model_construct(**{
+        **p.model_dump(),
+        "top_p": min(1.0, max(1e-12, top_p)) if p.top_p < 1.0 else 1.0,
+        "min_p": min(1.0, max(0.0, min_p)) if p.min_p > 0.0 else 0.0,
+    })
+    return RowState(moved, row.sample_index, row.step, row.prompt_tokens, row.completion_tokens)
+
+
+def _top_k_near_tie(logits: np.ndarray, row: RowState, slack: float) -> np.ndarray:
+    """Tokens that may swap places across the top-k boundary by rounding: those within
+    ``slack`` (relative) of the k-th value, when the k-th and (k+1)-th are that close."""
+    p = row.params
+    near = np.zeros(logits.shape[0], bool)
+    if 0 < p.top_k < logits.shape[0]:
+        x = np.asarray(logits, np.float64) / (p.temperature or 1.0)
+        v = np.sort(x)[::-1]
+        band = 2 * slack * max(1.0, abs(v[p.top_k - 1]))
+        if v[p.top_k - 1] - v[p.top_k] <= band:
+            near = np.abs(x - v[p.top_k - 1]) <= band
+    return near
+
+
 def allowed_tokens(
     logits: np.ndarray, row: RowState, eos_token_ids, slack: float
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -149,23 +194,26 @@ def allowed_tokens(
 
     ``strict`` is the float64 top-k/top-p/min-p set of the core sampler. ``lenient``
     moves each boundary outwards by ``slack`` (top-p mass + slack, min-p ratio - slack,
-    top-k keeping values within ``slack`` of the k-th), so a token a lower-precision
-    sampler may legitimately keep by rounding is not called a violation; such tokens are
+    and the tokens near-tied with the k-th value), so a token a lower-precision sampler
+    may legitimately keep by rounding is not called a violation; such tokens are
     reported as boundary cases.
     """
     p = row.params
     strict = filtered_probs(logits, row, eos_token_ids) > 0
-    relaxed = SamplingParams.model_construct(
-        **{
-            **p.model_dump(),
-            "top_k": 0,
-            "top_p": min(1.0, p.top_p + slack) if p.top_p < 1.0 else 1.0,
-            "min_p": max(0.0, p.min_p - slack),
-        }
-    )
-    lenient = filtered_probs(logits, RowState(relaxed, row.sample_index, row.step, row.prompt_tokens, row.completion_tokens), eos_token_ids) > 0
-    if 0 < p.top_k < logits.shape[0]:
-        x = np.asarray(logits, np.float64) / (p.temperature or 1.0)
-        kth = np.sort(x)[-p.top_k]
-        lenient &= x >= kth - slack * max(1.0, abs(kth))
-    return strict, lenient | strict
+    if p.temperature == 0.0:
+        return strict, strict
+    lenient = filtered_probs(logits, _moved(row, p.top_p + slack, p.min_p - slack), eos_token_ids) > 0
+    return strict, lenient | strict | _top_k_near_tie(logits, row, slack)
+
+
+def boundary_tokens(logits: np.ndarray, row: RowState, eos_token_ids, slack: float) -> np.ndarray:
+    """Tokens whose membership in the top-k/top-p/min-p set may flip when each boundary
+    moves by ``slack`` either way: the lenient set (:func:`allowed_tokens`) minus the
+    set of the tightened filters (top-p mass - slack, min-p ratio + slack, without the
+    tokens near-tied with the k-th). Empty when the request filters nothing."""
+    p = row.params
+    if p.temperature == 0.0 or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0):
+        return np.zeros(np.asarray(logits).shape[0], bool)
+    _, lenient = allowed_tokens(logits, row, eos_token_ids, slack)
+    inner = filtered_probs(logits, _moved(row, p.top_p - slack, p.min_p + slack), eos_token_ids) > 0
+    return lenient & ~(inner & ~_top_k_near_tie(logits, row, slack))

@@ -39,6 +39,7 @@ from polyengine.conformance.harness import Context, Harness
 from polyengine.conformance.layer_contract import ContractLayer
 from polyengine.conformance.layer_honesty import HonestyLayer
 from polyengine.conformance.layer_numerics import NumericsLayer
+from polyengine.conformance.layer_prefixes import PrefixLayer
 from polyengine.conformance.layer_sampler import SamplerLayer
 from polyengine.conformance.layer_surface import SurfaceLayer
 
@@ -47,7 +48,7 @@ __all__ = ["BackendConformance", "REQUIRED_FIXTURES", "suite_test_names", "suite
 REQUIRED_FIXTURES = ("engine_factory",)
 
 
-class BackendConformance(SurfaceLayer, ContractLayer, NumericsLayer, SamplerLayer, HonestyLayer):
+class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, NumericsLayer, SamplerLayer, HonestyLayer):
     """Every conformance test, in layers (surface, contract, numerics, sampler, honesty).
 
     Not collected itself (its name does not start with ``Test``); subclass it.

@@ -36,8 +36,10 @@ QUANTITIES = {
     "bucket_rel_l2": "relative L2 difference of prefill logits between bucket configurations",
     "tie_gap": "a token that differs from the reference's is a near tie (reported, not "
                "failed) when the reference's top-1/top-2 score gap is below this",
-    "support_slack": "probability by which a filter boundary (top-p mass, min-p ratio) may "
-                     "move when judging whether a sampled token was allowed",
+    "support_slack": "probability by which a filter boundary (top-p mass, min-p ratio, a near-tied "
+                     "k-th value) may move when judging a sample: a token within it of a boundary is "
+                     "reported, not failed, by the support test, and left out of the goodness of fit "
+                     "(which stays exact, false-failure rate ALPHA = 1e-4 per check)",
 }
 _SELECTORS = ("test", "dtype", "model")
 _ENTRY_KEYS = {"quantity", "value", "reason", *_SELECTORS}

@@ -495,11 +495,16 @@ def protocol_problems(engine: Any) -> list[str]:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):  # a builtin or C callable: nothing to check
             continue
+        kinds = {p.kind for p in params.values()}
         for p in m.positional:
+            if inspect.Parameter.VAR_POSITIONAL in kinds:
+                break
             if p not in params or params[p].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY):
                 problems.append(f"{m.name}: needs positional parameter {p!r}")
         for p in m.keyword_only:
-            if p not in params or params[p].kind not in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            if p in params and params[p].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+                continue
+            if inspect.Parameter.VAR_KEYWORD not in kinds:
                 problems.append(f"{m.name}: needs keyword parameter {p!r}")
         for p in m.defaults_none:
             if p in params and params[p].default is not None:

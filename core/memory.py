@@ -14,14 +14,16 @@ free device memory from NVML or the framework). ``None`` means "unknown": no che
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
+import threading
 from pathlib import Path
 from typing import Callable, Mapping
 
 from polyengine.errors import InsufficientMemory
 
-__all__ = ["available_host_memory", "check_fits", "MARGIN_FRACTION", "MARGIN_MIN", "gib"]
+__all__ = ["available_host_memory", "check_fits", "simulated_limit", "MARGIN_FRACTION", "MARGIN_MIN", "gib"]
 
 # Slack on top of what is counted: allocator overhead, temporaries of a step.
 MARGIN_FRACTION = 0.10
@@ -90,6 +92,22 @@ def available_host_memory() -> int | None:
     return min(values) if values else None
 
 
+_simulated = threading.local()
+
+
+@contextlib.contextmanager
+def simulated_limit(nbytes: int):
+    """Within this block (on this thread) every check sees at most ``nbytes`` available,
+    host or device: how the conformance suite checks that a backend refuses, before
+    allocating, what would not fit, without needing a machine that is actually full."""
+    previous = getattr(_simulated, "limit", None)
+    _simulated.limit = int(nbytes)
+    try:
+        yield
+    finally:
+        _simulated.limit = previous
+
+
 def check_fits(
     what: str,
     needs: Mapping[str, int],
@@ -114,6 +132,9 @@ def check_fits(
         have = available()
     else:
         have = available
+    limit = getattr(_simulated, "limit", None)
+    if limit is not None:
+        have = limit if have is None else min(have, limit)
     if have is None or needed <= have:
         return needed
     parts = ", ".join(f"{k} ({gib(v)})" for k, v in needs.items())

@@ -1,12 +1,11 @@
 """Deliberately broken backends: the reference engine with one realistic fault each.
 
-The conformance suite's own tests register these in-process (:data:`PLUGIN`) and check
-that each is caught by the test named in :data:`CAUGHT_BY` (and those in
-:data:`ALSO_CAUGHT_BY`), with a failure message that points at the fault.
-
-The last four are sampler faults that only show away from temperature 1 (or with
-``min_tokens=1``): the suite ran its log-prob, logit_bias and penalty checks only
-greedy or at temperature 1 before, and all four passed it.
+One per row of the rule table in docs/conformance.md. The conformance suite's own tests
+register them in-process (:data:`PLUGIN`) and check that each is caught by the test
+named in :data:`CAUGHT_BY` (and those in :data:`ALSO_CAUGHT_BY`), with a failure
+message that points at the fault. Sampler faults are built from the suite's own
+:data:`polyengine.conformance.faults.FAULTS`, so the fault the suite proves its power
+against is the very one caught here.
 """
 
 from __future__ import annotations
@@ -15,18 +14,64 @@ import numpy as np
 
 from polyengine import PROTOCOL_VERSION
 from polyengine.backends.reference.engine import ReferenceEngine
-from polyengine.engine import Capabilities, ResultTokens
+from polyengine.backends.reference.model import rope
+from polyengine.conformance.faults import FAULTS
+from polyengine.engine import ResultTokens
 from polyengine.plugins import BackendSpec, Probe, hookimpl
-from polyengine.sampling import raw_logprobs, sample
+from polyengine.sampling import RowState, raw_logprobs, sample
 from polyengine.sampling.params import ENGINE_FIELDS
 
+from honest_backends import HONEST
 from restricted_backend import RestrictedEngine
+
+# -- surface ---------------------------------------------------------------------------------
+
+
+class SignatureEngine(ReferenceEngine):
+    """prefill without the existing_prefix parameter."""
+
+    def prefill(self, *, params, tokens, sampling):  # type: ignore[override]
+        return super().prefill(params=params, tokens=tokens, sampling=sampling)
+
+
+class LimitsEngine(ReferenceEngine):
+    """Reports the model's max positions as max_cache_length instead of the config's."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.max_cache_length = model.config.max_position_embeddings
+
+
+class EosAttributeEngine(ReferenceEngine):
+    """eos_token_ids lists only the first of the model's EOS ids."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.eos_token_ids = self.eos_token_ids[:1]
+
+
+class CapabilitiesEngine(ReferenceEngine):
+    """Declares max_top_logprobs=64, more than a request can ask."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.capabilities = self.capabilities.model_copy(update={"max_top_logprobs": 64})
+
+
+class EmptyRowsEngine(ReferenceEngine):
+    """generate marks every row valid, empty slots included."""
+
+    def generate(self, params, decode_state, *, overrides=None):
+        state, r = super().generate(params, decode_state, overrides=overrides)
+        return state, ResultTokens(tokens=r.tokens, valid=np.ones_like(r.valid), lengths=r.lengths,
+                                   logprobs=r.logprobs, top_ids=r.top_ids, top_logprobs=r.top_logprobs)
+
+
+# -- contract ----------------------------------------------------------------------------------
 
 
 class LeakyEngine(ReferenceEngine):
     """An off-by-one in the cache layout: insert also writes the prefix into the next slot."""
-
-    name = "broken_leaky"
 
     def insert(self, prefix, decode_state, slot):
         state = super().insert(prefix, decode_state, slot)
@@ -38,19 +83,63 @@ class LeakyEngine(ReferenceEngine):
         return state
 
 
+class ForgetsFreeEngine(ReferenceEngine):
+    """free_resource checks the slot and returns, leaving it occupied."""
+
+    def free_resource(self, decode_state, slot):
+        self.check_slot(slot)
+        return decode_state
+
+
+class OverwriteEngine(ReferenceEngine):
+    """insert into an occupied slot silently replaces its request."""
+
+    def insert(self, prefix, decode_state, slot):
+        self.free_resource(decode_state, slot)
+        return super().insert(prefix, decode_state, slot)
+
+
+class NegativeSlotEngine(ReferenceEngine):
+    """Accepts slot -1 (Python's negative indexing reaches the last slot)."""
+
+    def check_slot(self, slot):
+        return super().check_slot(slot % self.max_concurrent_decodes if slot < 0 else slot)
+
+
+class PromptLimitEngine(ReferenceEngine):
+    """Truncates a prompt over max_prefill_length instead of refusing it."""
+
+    def check_prefill(self, tokens, sampling, existing_prefix=None):
+        return super().check_prefill(list(tokens)[: self.max_prefill_length], sampling, existing_prefix)
+
+
 class IgnoresOverridesEngine(ReferenceEngine):
     """Drops generate's overrides: the slot feeds its own sampled token."""
-
-    name = "broken_overrides"
 
     def generate(self, params, decode_state, *, overrides=None):
         return super().generate(params, decode_state, overrides=None)
 
 
+class OverridePenaltyEngine(ReferenceEngine):
+    """Feeds an override but keeps the sampled token as the slot's completion token,
+    so the penalties count the token that was replaced."""
+
+    @staticmethod
+    def _force(s, token, position):
+        sampled = int(s.row.completion_tokens[position])
+        ReferenceEngine._force(s, token, position)
+        s.row.completion_tokens[-1] = sampled
+
+
+class UncheckedOverridesEngine(ReferenceEngine):
+    """Applies overrides without checking slot, token or position."""
+
+    def check_overrides(self, overrides, last_result):
+        return {int(s): (t.token if hasattr(t, "token") else t, last_result(int(s))[0] - 1) for s, t in (overrides or {}).items()}
+
+
 class SharedFirstTokenEngine(ReferenceEngine):
     """bulk_insert hands sample 0's first token to every slot instead of drawing sample i."""
-
-    name = "broken_bulk"
 
     def bulk_insert(self, prefix, decode_state, slots):
         slots = self.check_bulk_slots(slots, decode_state.is_occupied)
@@ -63,63 +152,143 @@ class SharedFirstTokenEngine(ReferenceEngine):
         )
 
 
-class IgnoresTopPEngine(ReferenceEngine):
-    """Declares top_p but samples from the whole distribution."""
+class BulkOrderEngine(ReferenceEngine):
+    """bulk_insert returns its rows in sorted slot order, not in the order given."""
 
-    name = "broken_top_p"
-
-    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        if sampling.top_p < 1.0:
-            sampling = sampling.replace(top_p=1.0)
-        return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
-
-
-_GLOBAL_STREAM = np.random.default_rng()
+    def bulk_insert(self, prefix, decode_state, slots):
+        state, r = super().bulk_insert(prefix, decode_state, slots)
+        order = np.argsort(list(slots))
+        return state, ResultTokens(tokens=r.tokens[order], valid=r.valid[order], lengths=r.lengths[order],
+                                   logprobs=r.logprobs[order], top_ids=r.top_ids[order], top_logprobs=r.top_logprobs[order])
 
 
-class GlobalStreamEngine(ReferenceEngine):
-    """Seeds every request from one process-wide random stream, not from its own seed."""
+class BulkPartialEngine(ReferenceEngine):
+    """bulk_insert fills slots one by one, so a refusal midway leaves earlier slots filled."""
 
-    name = "broken_global_stream"
-
-    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        sampling = sampling.model_copy(update={"seed": int(_GLOBAL_STREAM.integers(1 << 63))})
-        return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
-
-
-class ForgetsFreeEngine(ReferenceEngine):
-    """free_resource checks the slot and returns, leaving it occupied."""
-
-    name = "broken_free"
-
-    def free_resource(self, decode_state, slot):
-        self.check_slot(slot)
-        return decode_state
+    def bulk_insert(self, prefix, decode_state, slots):
+        firsts = []
+        for i, slot in enumerate(slots):
+            slot = self.check_empty_slot(slot, decode_state.is_occupied)  # checked only when its turn comes
+            self._install(prefix, decode_state, slot, i, prefix.first_token)
+            firsts.append(prefix.first_token)
+        n = len(firsts)
+        return decode_state, ResultTokens(tokens=np.array(firsts, np.int32).reshape(n, 1), valid=np.ones((n, 1), bool),
+                                          lengths=np.ones(n, np.int32))
 
 
-class SilentParamEngine(ReferenceEngine):
-    """Does not declare repetition_penalty, yet accepts it and silently drops it."""
+class PaddedLogitsEngine(ReferenceEngine):
+    """Takes prefill's logits at the last padded position instead of the last true token."""
 
-    name = "broken_silent_param"
+    def _forward(self, params, tokens, starts, k_caches, v_caches):
+        out = super()._forward(params, tokens, starts, k_caches, v_caches)
+        if out.shape[1] > 1:  # a prefill: every position gets the last (padded) one's logits
+            out = np.repeat(out[:, -1:], out.shape[1], axis=1)
+        return out
+
+
+class PrefixPositionsEngine(ReferenceEngine):
+    """Continues an existing prefix at position 0 instead of where the prefix ends."""
+
+    def _forward(self, params, tokens, starts, k_caches, v_caches):
+        if tokens.shape[1] > 1 and starts[0] > 0:
+            scratch = [np.zeros_like(k) for k in k_caches], [np.zeros_like(v) for v in v_caches]
+            logits = super()._forward(params, tokens, np.zeros_like(starts), *scratch)
+            n = tokens.shape[1]
+            k_caches[0][:, :, starts[0]: starts[0] + n] = scratch[0][0][:, :, :n]
+            v_caches[0][:, :, starts[0]: starts[0] + n] = scratch[1][0][:, :, :n]
+            return logits
+        return super()._forward(params, tokens, starts, k_caches, v_caches)
+
+
+class PreRopeExportEngine(ReferenceEngine):
+    """Exports K before RoPE (its cache layout) instead of after, as the format says."""
+
+    def export_prefix(self, prefix):
+        out = super().export_prefix(prefix)
+        k = out.k  # (layers, kv_heads, length, head_dim), after RoPE
+        pos = np.arange(k.shape[2])
+        inv = self.load_params().inv_freq
+        unrotated = np.stack([rope(layer.transpose(1, 0, 2), -pos, inv).transpose(1, 0, 2) for layer in k])
+        out.k = unrotated.astype(np.float32)
+        return out
+
+
+class UncheckedImportEngine(ReferenceEngine):
+    """import_prefix does not check the model fingerprint."""
+
+    def import_prefix(self, portable):
+        portable.check_compatible = lambda **kw: None
+        return super().import_prefix(portable)
+
+
+class ForeignPrefixEngine(ReferenceEngine):
+    """Accepts prefixes made with other weights (no model_id check)."""
+
+    def check_prefix(self, prefix):
+        return prefix
+
+
+class CacheOverrunEngine(ReferenceEngine):
+    """An off-by-one at the cache limit: one token more than max_cache_length allows
+    (the last one is sampled but never fed, so the cache itself does not overflow)."""
+
+    def _has_room(self, s):
+        return s.total <= self.max_cache_length and s.length < self.max_cache_length
+
+
+class LengthsEngine(ReferenceEngine):
+    """lengths counts decode steps only, not the first token."""
+
+    def generate(self, params, decode_state, *, overrides=None):
+        state, r = super().generate(params, decode_state, overrides=overrides)
+        return state, ResultTokens(tokens=r.tokens, valid=r.valid, lengths=np.maximum(r.lengths - 1, 0),
+                                   logprobs=r.logprobs, top_ids=r.top_ids, top_logprobs=r.top_logprobs)
+
+
+class ValidGapsEngine(ReferenceEngine):
+    """Returns two token columns with the token in the second (valid [0, 1])."""
+
+    def generate(self, params, decode_state, *, overrides=None):
+        state, r = super().generate(params, decode_state, overrides=overrides)
+        pad = lambda a, fill: np.concatenate([np.full_like(a, fill), a], axis=1)  # noqa: E731
+        return state, ResultTokens(tokens=pad(r.tokens, 0), valid=pad(r.valid, False), lengths=r.lengths,
+                                   logprobs=pad(r.logprobs, 0.0), top_ids=pad(r.top_ids, -1),
+                                   top_logprobs=pad(r.top_logprobs, -np.inf))
+
+
+class OptionsEngine(ReferenceEngine):
+    """Accepts options it does not know (and ignores them)."""
 
     def __init__(self, model, config):
-        super().__init__(model, config)
-        self.capabilities = Capabilities(
-            dtypes=self.capabilities.dtypes,
-            sampling_params=ENGINE_FIELDS - {"repetition_penalty"},
-            bulk_insert=True, portable_prefix=True, prefix_reuse=True,
-        )
+        super().__init__(model, config.model_copy(update={"options": {}}))
 
-    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        if sampling.repetition_penalty != 1.0:
-            sampling = sampling.replace(repetition_penalty=1.0)
-        return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
+
+class CacheBeyondModelEngine(ReferenceEngine):
+    """Silently clamps a max_cache_length beyond the model's positions."""
+
+    def __init__(self, model, config):
+        clamp = min(config.max_cache_length, model.config.max_position_embeddings)
+        super().__init__(model, config.model_copy(update={"max_cache_length": clamp}))
+
+
+class NoMemoryCheckEngine(ReferenceEngine):
+    """Allocates without checking that it fits."""
+
+    def check_memory(self, needs, **kw):
+        return 0
+
+
+class DtypeEngine(ReferenceEngine):
+    """Builds with an undeclared float16 by computing in float64 anyway."""
+
+    def __init__(self, model, config):
+        if config.dtype == "float16":
+            config = config.model_copy(update={"dtype": None})
+        super().__init__(model, config)
 
 
 class DriftingEngine(ReferenceEngine):
     """An LM head off by ~1e-3 relative (a bad weight conversion): logits drift past tolerance."""
-
-    name = "broken_drift"
 
     def load_params(self):
         fresh = self._params is None
@@ -131,57 +300,53 @@ class DriftingEngine(ReferenceEngine):
         return params
 
 
-class _RewritesSampling(ReferenceEngine):
-    """Base: the request's sampling parameters are rewritten when it is admitted (prefill),
-    so every draw of the request, prefill and decode, uses the rewritten ones; the
-    rewrite is how a faulty sampler behaves, expressed in the reference's parameters."""
-
-    def rewrite(self, sampling):
-        raise NotImplementedError
-
-    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        # model_copy, not replace: a rewritten value may leave the API's range
-        return super().prefill(params=params, tokens=tokens, sampling=self.rewrite(sampling),
-                               existing_prefix=existing_prefix)
+# -- sampling --------------------------------------------------------------------------------
 
 
-class BiasAfterTemperatureEngine(_RewritesSampling):
-    """Adds logit_bias after dividing by the temperature (the same draws as the bias times T, added first)."""
+class IgnoresTopPEngine(ReferenceEngine):
+    """Declares top_p but samples from the whole distribution."""
 
-    name = "broken_bias_after_temperature"
-
-    def rewrite(self, sampling):
-        t = sampling.temperature or 1.0
-        return sampling.model_copy(update={"logit_bias": {k: v * t for k, v in sampling.logit_bias.items()}})
+    def check_prefill(self, tokens, sampling, existing_prefix=None):
+        toks, sampling, start = super().check_prefill(tokens, sampling, existing_prefix)
+        return toks, sampling.model_copy(update={"top_p": 1.0}), start
 
 
-class PenaltiesAfterTemperatureEngine(_RewritesSampling):
-    """Subtracts presence/frequency penalties after dividing by the temperature."""
-
-    name = "broken_penalties_after_temperature"
-
-    def rewrite(self, sampling):
-        t = sampling.temperature or 1.0
-        return sampling.model_copy(update={"presence_penalty": sampling.presence_penalty * t,
-                                           "frequency_penalty": sampling.frequency_penalty * t})
+_GLOBAL_STREAM = np.random.default_rng()
 
 
-class MinTokensOffByOneEngine(_RewritesSampling):
-    """Masks EOS only while step < min_tokens - 1: EOS gets through one token early."""
+class GlobalStreamEngine(ReferenceEngine):
+    """Seeds every request from one process-wide random stream, not from its own seed."""
 
-    name = "broken_min_tokens"
+    def check_prefill(self, tokens, sampling, existing_prefix=None):
+        toks, sampling, start = super().check_prefill(tokens, sampling, existing_prefix)
+        return toks, sampling.model_copy(update={"seed": int(_GLOBAL_STREAM.integers(1 << 63))}), start
 
-    def rewrite(self, sampling):
-        return sampling.model_copy(update={"min_tokens": max(0, sampling.min_tokens - 1)})
+
+class SlotStreamEngine(ReferenceEngine):
+    """Keys each slot's stream by seed + slot (a per-slot generator)."""
+
+    def _install(self, prefix, state, slot, sample_index, first):
+        super()._install(prefix, state, slot, sample_index, first)
+        row = state.slots[slot].row
+        row.params = row.params.model_copy(update={"seed": (row.params.seed + slot) % (1 << 64)})
+
+
+class SilentParamEngine(ReferenceEngine):
+    """Does not declare repetition_penalty, yet accepts it and silently drops it."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.capabilities = self.capabilities.model_copy(update={"sampling_params": ENGINE_FIELDS - {"repetition_penalty"}})
+
+    def check_prefill(self, tokens, sampling, existing_prefix=None):
+        return super().check_prefill(tokens, sampling.model_copy(update={"repetition_penalty": 1.0}), existing_prefix)
 
 
 class ProcessedLogprobsEngine(ReferenceEngine):
     """Reports log-probs of the temperature-scaled distribution, log_softmax(logits / T), not the raw model's."""
 
-    name = "broken_processed_logprobs"
-
-    def _faulty_sample(self, logits, rows, eos_token_ids):
-        out = sample(logits, rows, eos_token_ids)
+    def _sample(self, logits, rows):  # every path: prefill, bulk_insert, generate, import_prefix
+        out = sample(np.stack(logits), rows, self.eos_token_ids)
         for b, row in enumerate(rows):
             lp = raw_logprobs(np.asarray(logits[b], np.float64) / (row.params.temperature or 1.0))
             out.logprobs[b] = lp[out.tokens[b]]
@@ -191,89 +356,233 @@ class ProcessedLogprobsEngine(ReferenceEngine):
                 out.top_ids[b, :k], out.top_logprobs[b, :k] = ids, lp[ids]
         return out
 
-    def _sample(self, logits, rows):  # every path: prefill, bulk_insert, generate, import_prefix
-        return self._faulty_sample(np.stack(logits), rows, self.eos_token_ids)
+
+class TopLogprobsOrderEngine(ReferenceEngine):
+    """Reports the top log-probs in ascending order."""
+
+    def _sample(self, logits, rows):
+        out = super()._sample(logits, rows)
+        for b, row in enumerate(rows):
+            k = row.params.top_logprobs
+            out.top_ids[b, :k] = out.top_ids[b, :k][::-1].copy()
+            out.top_logprobs[b, :k] = out.top_logprobs[b, :k][::-1].copy()
+        return out
 
 
-BROKEN = {
-    cls.name: cls
-    for cls in (LeakyEngine, IgnoresOverridesEngine, SharedFirstTokenEngine, IgnoresTopPEngine,
-                GlobalStreamEngine, ForgetsFreeEngine, SilentParamEngine, DriftingEngine,
-                ProcessedLogprobsEngine, BiasAfterTemperatureEngine, PenaltiesAfterTemperatureEngine,
-                MinTokensOffByOneEngine)
+class TopLogprobsCapEngine(ReferenceEngine):
+    """Declares max_top_logprobs=4 but serves more without refusing."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.capabilities = self.capabilities.model_copy(update={"max_top_logprobs": 4})
+
+    def check_prefill(self, tokens, sampling, existing_prefix=None):
+        caps, self.capabilities = self.capabilities, self.capabilities.model_copy(update={"max_top_logprobs": 20})
+        try:
+            return super().check_prefill(tokens, sampling, existing_prefix)
+        finally:
+            self.capabilities = caps
+
+
+def _faulty(fault_name: str) -> type:
+    """The reference engine whose sampler has one of the suite's FAULTS."""
+    fault = FAULTS[fault_name]
+
+    class FaultyEngine(ReferenceEngine):
+        def _sample(self, logits, rows):
+            rows = [RowState(fault.request(r.params), r.sample_index, r.step, r.prompt_tokens, r.completion_tokens) for r in rows]
+            return sample(np.stack(logits), rows, self.eos_token_ids, pipeline=fault.pipeline(), draw=fault.drawer())
+
+    FaultyEngine.__doc__ = fault.message
+    FaultyEngine.__name__ = FaultyEngine.__qualname__ = f"Faulty_{fault_name}"
+    return FaultyEngine
+
+
+BROKEN: dict[str, type] = {
+    "broken_signature": SignatureEngine,
+    "broken_limits": LimitsEngine,
+    "broken_eos_attribute": EosAttributeEngine,
+    "broken_caps": CapabilitiesEngine,
+    "broken_empty_rows": EmptyRowsEngine,
+    "broken_leaky": LeakyEngine,
+    "broken_free": ForgetsFreeEngine,
+    "broken_overwrite": OverwriteEngine,
+    "broken_negative_slot": NegativeSlotEngine,
+    "broken_prompt_limit": PromptLimitEngine,
+    "broken_overrides": IgnoresOverridesEngine,
+    "broken_override_penalty": OverridePenaltyEngine,
+    "broken_override_unchecked": UncheckedOverridesEngine,
+    "broken_bulk": SharedFirstTokenEngine,
+    "broken_bulk_order": BulkOrderEngine,
+    "broken_bulk_partial": BulkPartialEngine,
+    "broken_padded_logits": PaddedLogitsEngine,
+    "broken_prefix_positions": PrefixPositionsEngine,
+    "broken_prerope_export": PreRopeExportEngine,
+    "broken_unchecked_import": UncheckedImportEngine,
+    "broken_foreign_prefix": ForeignPrefixEngine,
+    "broken_cache_overrun": CacheOverrunEngine,
+    "broken_lengths": LengthsEngine,
+    "broken_valid_gaps": ValidGapsEngine,
+    "broken_options": OptionsEngine,
+    "broken_cache_beyond_model": CacheBeyondModelEngine,
+    "broken_no_memory_check": NoMemoryCheckEngine,
+    "broken_dtype": DtypeEngine,
+    "broken_drift": DriftingEngine,
+    "broken_top_p": IgnoresTopPEngine,
+    "broken_global_stream": GlobalStreamEngine,
+    "broken_slot_stream": SlotStreamEngine,
+    "broken_silent_param": SilentParamEngine,
+    "broken_processed_logprobs": ProcessedLogprobsEngine,
+    "broken_top_logprobs_order": TopLogprobsOrderEngine,
+    "broken_top_logprobs_cap": TopLogprobsCapEngine,
+    **{f"broken_{name}": _faulty(name) for name in FAULTS},
 }
 
-# backend -> (-k selection that runs only the layer meant to catch it, the test that
-# must fail, a phrase its message must hold)
-CAUGHT_BY = {
+# backend -> (-k selection that runs only the test meant to catch it, the test that must
+# fail, a phrase its message must hold). One row per rule of docs/conformance.md.
+_HONESTY = "test_sampling_parameter and "
+CAUGHT_BY: dict[str, tuple[str, str, str]] = {
+    "broken_signature": ("test_method_signatures", "test_method_signatures", "needs keyword parameter 'existing_prefix'"),
+    "broken_limits": ("test_engine_attributes", "test_engine_attributes", "engine.max_cache_length is"),
+    "broken_eos_attribute": ("test_engine_attributes", "test_engine_attributes", "differ from the model's"),
+    "broken_caps": ("test_capabilities_well_formed", "test_capabilities_well_formed", "exceeds what a request can ask"),
+    "broken_empty_rows": ("test_result_shapes", "test_result_shapes", "empty decode state reported valid tokens"),
     "broken_leaky": ("test_slot_isolation", "test_slot_isolation", "state leaks between slots"),
+    "broken_free": ("test_free_resource_then_reuse", "test_free_resource_then_reuse", "the slot was not emptied"),
+    "broken_overwrite": ("test_insert_into_occupied_slot", "test_insert_into_occupied_slot", "SlotError"),
+    "broken_negative_slot": ("test_bad_slot_indices", "test_bad_slot_indices", "SlotError"),
+    "broken_prompt_limit": ("test_prompt_length_limits", "test_prompt_length_limits", "prefill accepted 25 tokens"),
     "broken_overrides": ("test_overrides_force_next_input", "test_overrides_force_next_input", "overrides are ignored"),
-    "broken_bulk": ("test_bulk_insert", "test_bulk_insert_independent_first_tokens", "each slot must draw its own first token"),
+    "broken_override_penalty": ("test_override_counts_for_penalties", "test_override_counts_for_penalties",
+                                "must count the forced token"),
+    "broken_override_unchecked": ("test_override_refusals", "test_override_refusals", "expected InvalidRequest"),
+    "broken_bulk": ("test_bulk_insert_independent", "test_bulk_insert_independent_first_tokens",
+                    "each slot must draw its own first token"),
+    "broken_bulk_order": ("test_bulk_insert_independent", "test_bulk_insert_independent_first_tokens",
+                          "in sorted slot order"),
+    "broken_bulk_partial": ("test_bulk_insert_refusals", "test_bulk_insert_refusals", "must change nothing"),
+    "broken_padded_logits": ("test_prefill_bucket_invariance", "test_prefill_bucket_invariance", "bucket_rel_l2"),
+    "broken_prefix_positions": ("test_prefix_reuse", "test_prefix_reuse", "positions of the continuation"),
+    "broken_prerope_export": ("test_portable_prefix_roundtrip", "test_portable_prefix_roundtrip", "kv_rel_l2"),
+    "broken_unchecked_import": ("test_portable_prefix_roundtrip", "test_portable_prefix_roundtrip",
+                                "model_fingerprint"),
+    "broken_foreign_prefix": ("test_foreign_prefix_refused", "test_foreign_prefix_refused", "expected InvalidRequest"),
+    "broken_cache_overrun": ("test_cache_limit", "test_cache_limit", "it must yield exactly"),
+    "broken_lengths": ("test_result_lengths", "test_result_lengths", "lengths["),
+    "broken_valid_gaps": ("test_result_lengths", "test_result_lengths", "valid tokens are not first"),
+    "broken_options": ("test_config_refusals", "test_config_refusals", "an unknown option"),
+    "broken_cache_beyond_model": ("test_config_refusals", "test_config_refusals", "max_cache_length 257"),
+    "broken_no_memory_check": ("test_config_refusals", "test_config_refusals", "1 MiB of memory"),
+    "broken_dtype": ("test_dtype and float16", "test_dtype[float16]", "does not declare"),
+    "broken_drift": ("test_prefill_logits_match_reference and mha_tied", "test_prefill_logits_match_reference[mha_tied-float64]",
+                     "logits_rel_l2"),
     "broken_top_p": ("test_sampling_support and top_p", "test_sampling_support[top_p]", "does not apply top_p"),
     "broken_global_stream": ("test_same_seed_same_tokens or test_seeded_stream", "test_same_seed_same_tokens",
                              "does not derive its random stream from the request's seed"),
-    "broken_free": ("test_free_resource_then_reuse", "test_free_resource_then_reuse", "the slot was not emptied"),
-    "broken_silent_param": ("test_sampling_parameter and repetition_penalty", "test_sampling_parameter[repetition_penalty]",
+    "broken_slot_stream": ("test_samples_independent", "test_samples_independent_of_slot_and_neighbours",
+                           "depend on its slot or its neighbours"),
+    "broken_silent_param": (_HONESTY + "repetition_penalty", "test_sampling_parameter[repetition_penalty]",
                             "never be silently ignored"),
-    "broken_drift": ("test_prefill_logits_match_reference and mha_tied", "test_prefill_logits_match_reference[mha_tied-float64]",
-                     "logits_rel_l2"),
-    # faults visible only at a temperature other than 1 (or at min_tokens=1)
-    "broken_processed_logprobs": ("test_sampling_parameter and logprobs", "test_sampling_parameter[logprobs]",
+    "broken_processed_logprobs": (_HONESTY + "logprobs", "test_sampling_parameter[logprobs]",
                                   "reported log-probs are not the raw model's"),
-    "broken_bias_after_temperature": ("test_sampling_parameter and logit_bias", "test_sampling_parameter[logit_bias]",
+    "broken_top_logprobs_order": (_HONESTY + "top_logprobs", "test_sampling_parameter[top_logprobs]",
+                                  "not in descending order"),
+    "broken_top_logprobs_cap": ("test_top_logprobs_limit", "test_top_logprobs_limit", "UnsupportedFeature"),
+    # the sampler faults of polyengine.conformance.faults
+    "broken_bias_after_temperature": (_HONESTY + "logit_bias", "test_sampling_parameter[logit_bias]",
                                       "logit_bias is applied after the temperature division"),
-    "broken_penalties_after_temperature": ("test_sampling_parameter and presence_penalty",
-                                           "test_sampling_parameter[presence_penalty]",
+    "broken_penalties_after_temperature": (_HONESTY + "presence_penalty", "test_sampling_parameter[presence_penalty]",
                                            "penalties are applied after the temperature division"),
-    "broken_min_tokens": ("test_sampling_parameter and min_tokens", "test_sampling_parameter[min_tokens]",
-                          "EOS was let through early"),
+    "broken_min_tokens_off_by_one": (_HONESTY + "min_tokens", "test_sampling_parameter[min_tokens]",
+                                     "EOS was let through early"),
+    "broken_bias_skips_token_zero": (_HONESTY + "logit_bias", "test_sampling_parameter[logit_bias]",
+                                     "the logit_bias of token id 0 is ignored"),
+    "broken_eos_masks_first_eos_only": (_HONESTY + "min_tokens", "test_sampling_parameter[min_tokens]",
+                                        "only the first of the model's EOS ids is masked"),
+    "broken_min_tokens_ignores_stop_ids": (_HONESTY + "min_tokens", "test_sampling_parameter[min_tokens]",
+                                           "but not the request's stop_token_ids"),
+    "broken_ignore_eos_masks_stop_ids": (_HONESTY + "ignore_eos", "test_sampling_parameter[ignore_eos]",
+                                         "ignore_eos also masks the request's stop_token_ids"),
+    "broken_repetition_divides_negative": (_HONESTY + "repetition_penalty", "test_sampling_parameter[repetition_penalty]",
+                                           "divides every seen token's logit"),
+    "broken_repetition_completion_only": (_HONESTY + "repetition_penalty", "test_sampling_parameter[repetition_penalty]",
+                                          "counts only the completion's tokens"),
+    "broken_presence_counts_prompt": (_HONESTY + "presence_penalty", "test_sampling_parameter[presence_penalty]",
+                                      "count the prompt's tokens too"),
+    "broken_frequency_counts_once": (_HONESTY + "frequency_penalty", "test_sampling_parameter[frequency_penalty]",
+                                     "applied once per token"),
+    "broken_greedy_ignores_processing": (_HONESTY + "logit_bias", "test_sampling_parameter[logit_bias]",
+                                         "argmax of the raw logits"),
+    "broken_greedy_ties_to_highest_id": ("test_exact_ties", "test_exact_ties_go_to_lowest_id",
+                                         "resolved to the highest token id"),
+    "broken_filter_ties_to_highest_id": ("test_exact_ties", "test_exact_ties_go_to_lowest_id",
+                                         "top_k/top_p resolve exact ties"),
+    "broken_top_k_keeps_one_more": ("test_sampling_support and top_k", "test_sampling_support[top_k]",
+                                    "lies outside the allowed set"),
+    "broken_top_p_excludes_crossing_token": ("test_sampling_distribution and top_p", "test_sampling_distribution[top_p]",
+                                             "do not follow the specified distribution"),
+    "broken_top_p_before_top_k": ("test_sampling_distribution and combined", "test_sampling_distribution[combined]",
+                                  "do not follow the specified distribution"),
+    "broken_min_p_before_temperature": ("test_sampling_distribution and min_p", "test_sampling_distribution[min_p]",
+                                        "do not follow the specified distribution"),
+    "broken_temperature_ignored": (_HONESTY + "temperature", "test_sampling_parameter[temperature]",
+                                   "the temperature is ignored"),
+    "broken_seed_low_word_only": ("test_seeded_stream", "test_seeded_stream_matches_reference",
+                                  "only the low 32 bits of the seed"),
 }
+assert set(CAUGHT_BY) == set(BROKEN), sorted(set(CAUGHT_BY) ^ set(BROKEN))
 
-# Other layers that must catch the same faults (same shape as CAUGHT_BY, several per backend).
-# The sampler layer's chi-square also fails broken_bias_after_temperature (setting
-# "logit_bias": statistic ~230 on 52 df) and broken_penalties_after_temperature
-# ("penalties": ~380 on 24 df); those runs cost ~1.5 s each, so they are left out here,
-# and the suite itself asserts on every run that the two settings have the power
-# (layer_sampler.SETTING_FAULTS).
+# Other tests that must catch the same faults (same shape as CAUGHT_BY, several per backend).
 ALSO_CAUGHT_BY = {
     "broken_processed_logprobs": [
         ("test_decode_logprobs_match_reference and mha_tied", "test_decode_logprobs_match_reference[mha_tied-float64]",
          "they equal log-softmax(logits / temperature)"),
     ],
     "broken_penalties_after_temperature": [
-        ("test_sampling_parameter and frequency_penalty", "test_sampling_parameter[frequency_penalty]",
+        (_HONESTY + "frequency_penalty", "test_sampling_parameter[frequency_penalty]",
          "penalties are applied after the temperature division"),
     ],
-    "broken_min_tokens": [
+    "broken_min_tokens_off_by_one": [
         ("test_driver_stop_conditions", "test_driver_stop_conditions", "min_tokens=1"),
+    ],
+    "broken_eos_masks_first_eos_only": [
+        (_HONESTY + "ignore_eos", "test_sampling_parameter[ignore_eos]", "only the first of the model's EOS ids"),
+    ],
+    "broken_eos_attribute": [
+        ("test_driver_stop_conditions", "test_driver_stop_conditions", "the driver stops on every id"),
+    ],
+    "broken_bias_after_temperature": [
+        ("test_sampling_distribution and logit_bias", "test_sampling_distribution[logit_bias]",
+         "do not follow the specified distribution"),
     ],
 }
 
 
-def _factory(cls):
+def _factory(name: str, cls: type):
+    named = type(cls.__name__, (cls,), {"name": name, "__doc__": cls.__doc__})
+
     def create_engine(*, model, config):
-        return cls(model, config)
+        return named(model, config)
 
     return create_engine
 
 
 class BrokenBackendsPlugin:
-    """One in-process plugin registering every broken backend plus the restricted one."""
+    """One in-process plugin registering every broken backend, the restricted one and the
+    honest variants (tests/honest_backends.py)."""
 
     @hookimpl
     def polyengine_backends(self):
         specs = [
             BackendSpec(
-                name=name, description=f"deliberately broken: {cls.__doc__.splitlines()[0]}",
-                protocol_version=PROTOCOL_VERSION, probe=lambda: Probe(True), factory=_factory(cls),
+                name=name, description=f"deliberately broken: {(cls.__doc__ or name).splitlines()[0]}",
+                protocol_version=PROTOCOL_VERSION, probe=lambda: Probe(True), factory=_factory(name, cls),
             )
-            for name, cls in BROKEN.items()
+            for name, cls in {**BROKEN, **HONEST, "restricted": RestrictedEngine}.items()
         ]
-        specs.append(BackendSpec(
-            name="restricted", description="correct, declares little (tests/restricted_backend.py)",
-            protocol_version=PROTOCOL_VERSION, probe=lambda: Probe(True), factory=_factory(RestrictedEngine),
-        ))
         return specs
 
 
 PLUGIN = BrokenBackendsPlugin()
+
+__all__ = ["BROKEN", "CAUGHT_BY", "ALSO_CAUGHT_BY", "PLUGIN"]

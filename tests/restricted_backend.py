@@ -33,11 +33,6 @@ class RestrictedEngine(ReferenceEngine):
             max_top_logprobs=4,
         )
 
-    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        if existing_prefix is not None:
-            raise UnsupportedFeature("prefix reuse (existing_prefix)", self.name)
-        return super().prefill(params=params, tokens=tokens, sampling=sampling)
-
     def bulk_insert(self, prefix, decode_state, slots):
         raise UnsupportedFeature("bulk_insert", self.name)
 

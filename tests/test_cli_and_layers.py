@@ -64,3 +64,25 @@ def test_backends_table(capsys):
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
     assert "reference" in out and "available" in out
+
+
+def test_the_core_cli_does_not_import_the_conformance_suite():
+    """Commands outside the core register through the polyengine.commands entry points;
+    building the parser loads only their small add_command modules."""
+    code = (
+        "import sys\nfrom polyengine.cli import build_parser\nbuild_parser()\n"
+        "print('SUITE:', 'polyengine.conformance.suite' in sys.modules, 'pytest' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "SUITE: False False"
+
+
+def test_backends_lists_what_the_allowlist_excludes():
+    env = {**__import__("os").environ, "POLYENGINE_BACKENDS": "nothing_else"}
+    out = subprocess.run([sys.executable, "-m", "polyengine.cli", "backends", "--json"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    ref = {r["name"]: r for r in json.loads(out.stdout)}["reference"]
+    assert ref["excluded"] is True and ref["available"] is False and "POLYENGINE_BACKENDS" in ref["reason"]
+    table = subprocess.run([sys.executable, "-m", "polyengine.cli", "backends"], capture_output=True, text=True, env=env)
+    assert "excluded" in table.stdout

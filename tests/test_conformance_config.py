@@ -219,3 +219,23 @@ def test_xfail_check_ignores_what_this_run_selected(pytester):
                                                               "test_dtype[float16]": "not collected in this run"}})
     (rep,) = [r for r in rec.getreports("pytest_runtest_logreport") if r.when == "call"]
     assert rep.skipped and rep.wasxfail
+
+
+def test_params_cache_is_not_fooled_by_a_reused_engine_id():
+    """The harness caches load_params() per engine; a freed engine's id can be reused by
+    the next one, which must then get its own weights, not the stale entry's."""
+    from polyengine.conformance.harness import Harness
+    from polyengine.conformance.suite import suite_test_names
+
+    class Eng:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def load_params(self):
+            return f"params of {self.tag}"
+
+    harness = Harness(lambda **kw: None, test_names=suite_test_names())
+    old, new = Eng("old"), Eng("new")
+    assert harness.params(old) == "params of old"
+    harness._params[id(new)] = harness._params.pop(id(old))  # what id reuse looks like
+    assert harness.params(new) == "params of new"

@@ -1,6 +1,6 @@
 """transformers' view of the real default model, computed once and cached.
 
-Loading SmolLM2's GGUF in transformers takes ~30 s (ENVIRONMENT.md trap 8), so the
+Loading SmolLM2's GGUF in transformers takes ~30 s (it dequantizes to float32 through accelerate), so the
 ``smollm2_oracle`` fixture (conftest.py) computes everything the Model I/O tests
 compare against in one go: token ids for a varied corpus, decodes, chat renders, the
 config, and a digest of every weight tensor. The result is kept in pytest's cache

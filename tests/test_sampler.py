@@ -1,4 +1,4 @@
-"""The reference sampler against its specification (DESIGN.md "Sampling semantics").
+"""The reference sampler against its specification (docs/design.md, "Sampling").
 
 Support and penalty checks use a plain-Python implementation written here from the
 specification, independently of the NumPy code. Statistical tests use fixed seeds, so

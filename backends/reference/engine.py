@@ -31,6 +31,7 @@ class _Slot:
     row: RowState  # sampler state: params, sample index, step, prompt, completion so far
     length: int  # cache positions filled
     next_token: int  # what the next generate step feeds
+    last: int = 1  # tokens in the slot's last result (an override may replace any of them)
 
     @property
     def total(self) -> int:
@@ -125,7 +126,7 @@ class ReferenceEngine(EngineBase):
             v[:, :, :start] = existing_prefix.kv[1]
         batch = np.zeros((1, padded), np.int64)
         batch[0, : toks.size] = toks
-        logits = forward(params, batch, np.array([start]), [k], [v])[0, toks.size - 1]
+        logits = self._forward(params, batch, np.array([start]), [k], [v])[0, toks.size - 1]
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks])
         prefix = Prefix(
             kv=(k[:, :, :total].copy(), v[:, :, :total].copy()),
@@ -173,16 +174,14 @@ class ReferenceEngine(EngineBase):
         self, params: ReferenceParams, decode_state: ReferenceDecodeState, *, overrides: Mapping[int, int] | None = None
     ) -> tuple[ReferenceDecodeState, ResultTokens]:
         state = decode_state
-        # One token per step: an override can only replace a slot's latest token.
-        forced = self.check_overrides(overrides, lambda i: None if state.slots[i] is None else (len(state.slots[i].row.completion_tokens), 1))
-        for slot, (tok, _) in forced.items():
-            s = state.slots[slot]
-            s.next_token = tok
-            s.row.completion_tokens = np.concatenate([s.row.completion_tokens[:-1], [tok]]).astype(np.int32)
+        forced = self.check_overrides(
+            overrides, lambda i: None if state.slots[i] is None else (state.slots[i].row.completion_tokens.size, state.slots[i].last)
+        )
+        for slot, (tok, position) in forced.items():
+            self._force(state.slots[slot], tok, position)
 
         n = state.num_slots
-        # A slot whose prompt plus completion fills max_cache_length gets no more tokens.
-        live = [i for i in state.occupied() if state.slots[i].total < self.max_cache_length]
+        live = [i for i in state.occupied() if self._has_room(state.slots[i])]
         tokens = np.zeros((n, 1), np.int32)
         valid = np.zeros((n, 1), bool)
         lengths = np.array([0 if s is None else len(s.row.completion_tokens) for s in state.slots], np.int32)
@@ -193,7 +192,7 @@ class ReferenceEngine(EngineBase):
         if live:
             batch = np.array([[state.slots[i].next_token] for i in live], np.int64)
             starts = np.array([state.slots[i].length for i in live])
-            logits = forward(params, batch, starts, [state.k[i] for i in live], [state.v[i] for i in live])[:, 0]
+            logits = self._forward(params, batch, starts, [state.k[i] for i in live], [state.v[i] for i in live])[:, 0]
             rows = []
             for i in live:
                 s = state.slots[i]
@@ -204,7 +203,7 @@ class ReferenceEngine(EngineBase):
                 s = state.slots[i]
                 tok = int(out.tokens[j])
                 s.length += 1
-                s.next_token = tok
+                s.next_token, s.last = tok, 1
                 s.row.completion_tokens = np.append(s.row.completion_tokens, tok).astype(np.int32)
                 tokens[i, 0], valid[i, 0], lengths[i] = tok, True, len(s.row.completion_tokens)
                 logprobs[i, 0] = out.logprobs[j]
@@ -214,6 +213,18 @@ class ReferenceEngine(EngineBase):
         return state, ResultTokens(
             tokens=tokens, valid=valid, lengths=lengths, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lp
         )
+
+    def _has_room(self, s: _Slot) -> bool:
+        """A slot whose prompt plus completion fills max_cache_length gets no more tokens."""
+        return s.total < self.max_cache_length
+
+    @staticmethod
+    def _force(s: _Slot, token: int, position: int) -> None:
+        """Make ``token`` completion token ``position``, dropping what followed it: the
+        cache then holds the prompt and the completion tokens fed before it."""
+        s.row.completion_tokens = np.append(s.row.completion_tokens[:position], token).astype(np.int32)
+        s.length = s.row.prompt_tokens.size + position
+        s.next_token = token
 
     def free_resource(self, decode_state: ReferenceDecodeState, slot: int) -> ReferenceDecodeState:
         slot = self.check_slot(slot)
@@ -247,6 +258,10 @@ class ReferenceEngine(EngineBase):
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _forward(self, params: ReferenceParams, tokens, starts, k_caches, v_caches) -> np.ndarray:
+        """The model's forward (one seam, so test variants can change its precision)."""
+        return forward(params, tokens, starts, k_caches, v_caches)
 
     def _sample(self, logits: list[np.ndarray], rows: list[RowState]):
         return sample(np.stack(logits), rows, self.eos_token_ids)

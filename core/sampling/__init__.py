@@ -2,8 +2,12 @@
 
 from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.sampler import (
+    PIPELINE,
+    SAMPLING_ORDER,
     RowState,
     SampleOutput,
+    draw_scores,
+    draw_token,
     filtered_probs,
     process_logits,
     raw_logprobs,
@@ -17,6 +21,10 @@ __all__ = [
     "SampleOutput",
     "sample",
     "process_logits",
+    "draw_scores",
+    "draw_token",
+    "PIPELINE",
+    "SAMPLING_ORDER",
     "filtered_probs",
     "raw_logprobs",
     "threefry2x32",

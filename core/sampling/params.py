@@ -3,7 +3,7 @@
 The parameters belong to the request: they travel in the Prefix and ``insert`` installs
 them in the slot, so every slot samples with its own. The semantics (order of the
 steps, penalty definitions, the random stream) are in ``polyengine.sampling.sampler``
-and DESIGN.md "Sampling semantics".
+and docs/design.md.
 
 Every field has a neutral default; ``active_fields()`` names the ones a request
 changed, which is what a backend checks against its declared capabilities before
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from polyengine.errors import InvalidRequest
 
-__all__ = ["SamplingParams", "MAX_SAMPLES", "MAX_STEPS", "MAX_TOP_LOGPROBS", "ENGINE_FIELDS", "DRIVER_FIELDS"]
+__all__ = ["SamplingParams", "MAX_SAMPLES", "MAX_STEPS", "MAX_TOP_LOGPROBS", "ENGINE_FIELDS"]
 
 # The counter's second word is ``step + 2**20 * sample_index`` (32 bits), which bounds both.
 MAX_STEPS = 1 << 20
@@ -44,8 +44,8 @@ ENGINE_FIELDS = frozenset(
         "seed",
     }
 )
-# Fields the driver implements on top of any backend (stop logic, fan-out).
-DRIVER_FIELDS = frozenset({"n", "max_tokens", "stop", "stop_token_ids"})
+# The other fields (n, max_tokens, stop, stop_token_ids) are the driver's: stop logic
+# and fan-out over bulk_insert, on top of any backend.
 
 
 class SamplingParams(BaseModel):

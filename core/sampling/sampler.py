@@ -6,27 +6,13 @@ slots, caches or stop conditions: the engine keeps a :class:`RowState` per slot 
 the driver decides when a row is finished. Backends implement the same steps on the
 device and are compared against this module by the conformance suite.
 
-Per row, in this order (DESIGN.md "Sampling semantics"):
-
-1. ``logit_bias`` is added. Then tokens are masked to ``-inf``: while
-   ``step < min_tokens``, the model's ``eos_token_ids`` *and* the request's
-   ``stop_token_ids`` (as vLLM does: either would end the completion early, so masking
-   only EOS would not guarantee ``min_tokens`` tokens); with ``ignore_eos``, the
-   ``eos_token_ids`` always (stop token ids keep working, as the user asked for them).
-2. ``repetition_penalty`` over the *set* of prompt and completion tokens (HF: positive
-   logits divided by it, negative ones multiplied); ``presence_penalty`` subtracted
-   once per token present in the completion, ``frequency_penalty`` times its count
-   there (OpenAI; the prompt does not count).
-3. ``temperature == 0``: argmax of these logits, ties to the lowest id; done. Else
-   divide by the temperature and take the log-softmax.
-4. ``top_k`` keeps the k highest (ties to the lower id), renormalised; ``top_p`` keeps
-   the smallest highest-first prefix (ties lower id first) whose probability sums to
-   at least ``top_p``, never less than one token, renormalised; ``min_p`` keeps tokens
-   with ``p >= min_p * p_max`` on what ``top_p`` left, renormalised.
-5. Gumbel-max: argmax over kept tokens of ``logp + g`` with
-   ``g = gumbel(seed, token_id, step, sample_index)`` (:mod:`.threefry`), ties to
-   the lowest id. The draw is a pure function of the logits and the row's position
-   in its own stream, so it does not depend on the slot, the batch or the hardware.
+The order of the steps is stated once, in :data:`SAMPLING_ORDER` (the conformance
+suite quotes it in its messages; docs/design.md explains it); each step is a function of
+:data:`PIPELINE` with its rule in its body, then :func:`draw_token` draws. Two choices
+worth knowing: ``min_tokens`` masks the request's ``stop_token_ids`` as well as the EOS
+ids (as vLLM does: either would end the completion early), ``ignore_eos`` the EOS ids
+only; and the draw is a pure function of the logits and the row's position in its own
+stream (:mod:`.threefry`), so it does not depend on the slot, the batch or the hardware.
 
 Reported log-probs are the raw model's (log-softmax of the logits before step 1), so
 they compare across backends and do not change with the sampling parameters.
@@ -35,7 +21,7 @@ they compare across backends and do not change with the sampling parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -43,7 +29,10 @@ from polyengine.errors import InvalidRequest
 from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.threefry import gumbel
 
-__all__ = ["RowState", "SampleOutput", "sample", "process_logits", "filtered_probs", "raw_logprobs"]
+__all__ = [
+    "RowState", "SampleOutput", "sample", "process_logits", "filtered_probs", "raw_logprobs", "draw_scores", "draw_token",
+    "PIPELINE", "SAMPLING_ORDER",
+]
 
 
 def _token_array(x: object, what: str) -> np.ndarray:
@@ -116,45 +105,6 @@ def _check_ids(ids: np.ndarray, vocab: int, what: str) -> None:
         raise InvalidRequest(f"{what} holds token id {int(bad)}, outside the vocabulary [0, {vocab})")
 
 
-def _penalised_logits(logits_row: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
-    """Steps 1-2: logit bias, masking, penalties (float64 copy)."""
-    p = row.params
-    x = np.array(logits_row, dtype=np.float64).reshape(-1)  # (V,)
-    vocab = x.shape[0]
-
-    if p.logit_bias:
-        ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
-        _check_ids(ids, vocab, "logit_bias")
-        x[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64, count=len(p.logit_bias))
-
-    masked = []
-    if row.step < p.min_tokens:
-        masked += [("eos_token_ids", eos_token_ids), ("stop_token_ids", p.stop_token_ids)]
-    elif p.ignore_eos:
-        masked.append(("eos_token_ids", eos_token_ids))
-    for what, ids in masked:
-        ids = np.asarray(tuple(ids), dtype=np.int64)
-        _check_ids(ids, vocab, what)
-        x[ids] = -np.inf
-
-    if p.repetition_penalty != 1.0:
-        seen = np.unique(np.concatenate([row.prompt_tokens, row.completion_tokens]))
-        _check_ids(seen, vocab, "prompt and completion tokens")
-        s = x[seen]
-        x[seen] = np.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
-    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and row.completion_tokens.size:
-        _check_ids(row.completion_tokens, vocab, "completion tokens")
-        counts = np.bincount(row.completion_tokens, minlength=vocab).astype(np.float64)
-        x -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
-
-    if not np.any(x > -np.inf):
-        raise InvalidRequest(
-            "every token is masked at this step (min_tokens/ignore_eos mask the EOS and stop "
-            "token ids, and nothing else is left); lower min_tokens or drop ignore_eos"
-        )
-    return x
-
-
 def _renormalise(logp: np.ndarray, keep: np.ndarray) -> np.ndarray:
     out = np.full_like(logp, -np.inf)
     kept = logp[keep]
@@ -184,45 +134,142 @@ def _top_p_keep(logp: np.ndarray, top_p: float) -> np.ndarray:
     return keep
 
 
-def process_logits(logits_row: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
-    """Steps 1-4 for one row, float64 ``(V,)``.
+# -- the steps, in order ---------------------------------------------------------------------
+# Each takes the row's float64 logits as the step before left them and returns the next
+# state. ``PIPELINE`` lists them; :data:`SAMPLING_ORDER` is the one written statement
+# of the order, quoted by the conformance suite's messages.
 
-    For ``temperature > 0``: the filtered, renormalised log-probs the draw uses, ``-inf``
-    for removed tokens. For ``temperature == 0``: the logits after steps 1-2, whose
-    argmax (ties to the lowest id) is the greedy token.
-    """
+
+def apply_logit_bias(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
     p = row.params
-    x = _penalised_logits(logits_row, row, eos_token_ids)
-    if p.temperature == 0.0:
+    if p.logit_bias:
+        ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+        _check_ids(ids, x.shape[0], "logit_bias")
+        x[ids] += np.fromiter(p.logit_bias.values(), dtype=np.float64, count=len(p.logit_bias))
+    return x
+
+
+def apply_eos_masks(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+    p = row.params
+    masked = []
+    if row.step < p.min_tokens:
+        masked += [("eos_token_ids", eos_token_ids), ("stop_token_ids", p.stop_token_ids)]
+    elif p.ignore_eos:
+        masked.append(("eos_token_ids", eos_token_ids))
+    for what, ids in masked:
+        ids = np.asarray(tuple(ids), dtype=np.int64)
+        _check_ids(ids, x.shape[0], what)
+        x[ids] = -np.inf
+    return x
+
+
+def apply_repetition_penalty(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+    p = row.params
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.concatenate([row.prompt_tokens, row.completion_tokens]))
+        _check_ids(seen, x.shape[0], "prompt and completion tokens")
+        s = x[seen]
+        x[seen] = np.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+    return x
+
+
+def apply_presence_frequency(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+    p = row.params
+    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and row.completion_tokens.size:
+        _check_ids(row.completion_tokens, x.shape[0], "completion tokens")
+        counts = np.bincount(row.completion_tokens, minlength=x.shape[0]).astype(np.float64)
+        x -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
+    return x
+
+
+def apply_temperature(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+    """Greedy rows keep their logits (the draw takes the argmax); others become the
+    log-softmax of ``logits / temperature``."""
+    if not np.any(x > -np.inf):
+        raise InvalidRequest(
+            "every token is masked at this step (min_tokens/ignore_eos mask the EOS and stop "
+            "token ids, and nothing else is left); lower min_tokens or drop ignore_eos"
+        )
+    t = row.params.temperature
+    if t == 0.0:
         return x
     # Shift by the max before dividing: log-softmax does not change, and a tiny
     # temperature then sends the others to -inf instead of making inf - inf = NaN.
     finite = x[np.isfinite(x)]
     with np.errstate(over="ignore"):
-        logp = raw_logprobs((x - (finite.max() if finite.size else 0.0)) / p.temperature)
-    vocab = logp.shape[0]
-
-    if 0 < p.top_k < vocab:
-        keep = np.zeros(vocab, dtype=bool)
-        keep[_top_ids(logp, p.top_k)] = True
-        logp = _renormalise(logp, keep & (logp > -np.inf))
-
-    if p.top_p < 1.0:
-        logp = _renormalise(logp, _top_p_keep(logp, p.top_p))
-
-    if p.min_p > 0.0:
-        probs = np.exp(logp)
-        logp = _renormalise(logp, probs >= p.min_p * probs.max())
-
-    return logp
+        return raw_logprobs((x - (finite.max() if finite.size else 0.0)) / t)
 
 
-def filtered_probs(logits_row: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+def apply_top_k(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+    k = row.params.top_k
+    if row.params.temperature == 0.0 or not 0 < k < x.shape[0]:
+        return x
+    keep = np.zeros(x.shape[0], dtype=bool)
+    keep[_top_ids(x, k)] = True
+    return _renormalise(x, keep & (x > -np.inf))
+
+
+def apply_top_p(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+    if row.params.temperature == 0.0 or row.params.top_p >= 1.0:
+        return x
+    return _renormalise(x, _top_p_keep(x, row.params.top_p))
+
+
+def apply_min_p(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+    if row.params.temperature == 0.0 or row.params.min_p <= 0.0:
+        return x
+    probs = np.exp(x)
+    return _renormalise(x, probs >= row.params.min_p * probs.max())
+
+
+Step = Callable[[np.ndarray, RowState, Sequence[int]], np.ndarray]
+PIPELINE: tuple[tuple[str, Step], ...] = (
+    ("logit_bias", apply_logit_bias),
+    ("eos_masks", apply_eos_masks),
+    ("repetition_penalty", apply_repetition_penalty),
+    ("presence_frequency", apply_presence_frequency),
+    ("temperature", apply_temperature),
+    ("top_k", apply_top_k),
+    ("top_p", apply_top_p),
+    ("min_p", apply_min_p),
+)
+
+SAMPLING_ORDER = (
+    "1. logit_bias added to the raw logits; EOS ids and the request's stop_token_ids masked while "
+    "step < min_tokens, EOS ids always with ignore_eos; "
+    "2. repetition_penalty over the set of prompt and completion tokens (positive logits divided, negative "
+    "multiplied), then presence/frequency penalties over the completion's token counts; "
+    "3. temperature 0: argmax, ties to the lowest id, done; else divide by the temperature and take the "
+    "log-softmax; "
+    "4. top_k (ties to the lower id), then top_p (smallest highest-first set with mass >= top_p), then min_p "
+    "(p >= min_p * p_max), each renormalised; "
+    "5. Gumbel-max draw: argmax of logp + g, g = -log(-log(u)), u from Threefry-2x32 keyed by the seed and "
+    "counted by (token id, step + 2^20 * sample index), ties to the lowest id"
+)
+
+
+def process_logits(
+    logits_row: np.ndarray, row: RowState, eos_token_ids: Sequence[int], *, pipeline: Sequence[tuple[str, Step]] = PIPELINE
+) -> np.ndarray:
+    """Steps 1-4 for one row, float64 ``(V,)``.
+
+    For ``temperature > 0``: the filtered, renormalised log-probs the draw uses, ``-inf``
+    for removed tokens. For ``temperature == 0``: the logits after steps 1-2, whose
+    argmax (ties to the lowest id) is the greedy token. ``pipeline`` replaces the steps
+    (the conformance suite builds realistic misimplementations from it).
+    """
+    x = np.array(logits_row, dtype=np.float64).reshape(-1)  # (V,), a copy the steps may change
+    for _, step in pipeline:
+        x = step(x, row, eos_token_ids)
+    return x
+
+
+def filtered_probs(logits_row: np.ndarray, row: RowState, eos_token_ids: Sequence[int], **kw) -> np.ndarray:
     """The exact distribution :func:`sample` draws from for this row (float64, sums to 1).
 
     One-hot at the greedy token for ``temperature == 0``.
     """
-    x = process_logits(logits_row, row, eos_token_ids)
+    x = process_logits(logits_row, row, eos_token_ids, **kw)
     if row.params.temperature == 0.0:
         out = np.zeros_like(x)
         out[int(np.argmax(x))] = 1.0
@@ -231,26 +278,38 @@ def filtered_probs(logits_row: np.ndarray, row: RowState, eos_token_ids: Sequenc
     return probs / probs.sum()
 
 
-def _choose(logits_row: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> int:
+def draw_token(x: np.ndarray, row: RowState) -> int:
+    """Step 5: the token, argmax of :func:`draw_scores`, ties to the lowest id (NumPy's
+    first maximum)."""
+    return int(np.argmax(draw_scores(x, row)))
+
+
+def draw_scores(x: np.ndarray, row: RowState) -> np.ndarray:
+    """Step 5's scores: ``x`` itself for greedy, else ``x`` plus the row's Gumbel noise.
+    The token is their argmax, ties to the lowest id (NumPy's first maximum)."""
     p = row.params
+    if p.temperature == 0.0:
+        return x
     if p.seed is None:
         raise InvalidRequest(
             "the row's sampling parameters have no seed: resolve it with "
             "SamplingParams.with_seed() when the request is admitted"
         )
-    x = process_logits(logits_row, row, eos_token_ids)
-    if p.temperature == 0.0:
-        return int(np.argmax(x))  # first maximum: ties go to the lowest id
-    g = gumbel(p.seed, np.arange(x.shape[0]), row.step, row.sample_index)
-    return int(np.argmax(x + g))  # removed tokens are -inf, so they never win
+    return x + gumbel(p.seed, np.arange(x.shape[0]), row.step, row.sample_index)
 
 
-def sample(logits: np.ndarray, rows: Sequence[RowState], eos_token_ids: Sequence[int]) -> SampleOutput:
+def sample(
+    logits: np.ndarray, rows: Sequence[RowState], eos_token_ids: Sequence[int], *,
+    pipeline: Sequence[tuple[str, Step]] = PIPELINE,
+    draw: Callable[[np.ndarray, RowState], int] = draw_token,
+) -> SampleOutput:
     """Draw one token per row of ``logits`` ``(B, V)`` with that row's parameters.
 
     Returns the tokens, their raw model log-probs and, for rows asking
     ``top_logprobs``, the highest raw log-probs (descending, ties to the lower id);
     ``n`` is the largest ``top_logprobs`` among the rows, shorter rows padded.
+    ``pipeline`` and ``draw`` replace steps 1-4 and step 5 (the conformance suite builds
+    realistic misimplementations from them; everything else uses the defaults).
     """
     logits = np.asarray(logits)
     if logits.ndim != 2:
@@ -265,7 +324,7 @@ def sample(logits: np.ndarray, rows: Sequence[RowState], eos_token_ids: Sequence
     top_ids = np.full((batch, n_top), -1, dtype=np.int32)
     top_lp = np.full((batch, n_top), -np.inf, dtype=np.float32)
     for b, row in enumerate(rows):
-        tok = _choose(logits[b], row, eos_token_ids)
+        tok = draw(process_logits(logits[b], row, eos_token_ids, pipeline=pipeline), row)
         raw = raw_logprobs(logits[b])  # (V,)
         tokens[b] = tok
         logprobs[b] = raw[tok]

@@ -1,0 +1,284 @@
+"""Layer 2, contract (continued): prefixes and the engine's construction.
+
+bulk_insert (each slot its own sample, rows in the order given, refusals before any
+change), prefill buckets (padding is invisible), prefix reuse, portable prefixes in
+both directions with the reference, prefixes from other weights refused, and the
+refusals an engine makes when it is built: unknown options, a cache beyond the model,
+memory that would not fit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyengine.errors import InsufficientMemory, InvalidRequest, SlotError, UnsupportedFeature
+from polyengine.memory import simulated_limit
+from polyengine.prefix import PortablePrefix
+
+from polyengine.conformance import layer
+from polyengine.conformance.harness import LIMITS, VARIANTS
+from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, build_model
+from polyengine.conformance.oracle import reference_engine
+from polyengine.conformance.stats import rel_l2
+
+_OTHER_MODEL = next(m for m in MODEL_NAMES if m != DEFAULT_MODEL)
+
+
+def _bulk_order(n: int) -> list[int]:
+    """The slots in an order that is not sorted (rows must follow the order given)."""
+    order = list(range(n))[::-1]
+    return order[1:] + order[:1] if n > 2 else order
+
+
+@layer("contract")
+class PrefixLayer:
+    def test_bulk_insert_independent_first_tokens(self, conformance):
+        """bulk_insert gives slots[i] sample i (its own first token: sample index i,
+        step 0, and its own stream), row i of its result belongs to slots[i] in the
+        order given; undeclared, it raises UnsupportedFeature."""
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        prompt = conformance.prompt(6, 61)
+        sampling = conformance.sampling(61, n=LIMITS["max_slots"])
+        if not eng.capabilities.bulk_insert:
+            with pytest.raises(UnsupportedFeature):
+                eng.prefill(params=d.params, tokens=prompt, sampling=sampling)
+            prefix, _ = d.prefill(prompt, conformance.sampling(61))
+            with pytest.raises(UnsupportedFeature):
+                eng.bulk_insert(prefix, d.state, [0, 1])
+            return
+        prefix, first = d.prefill(prompt, sampling)
+        slots = _bulk_order(sampling.n)
+        rows = d.bulk_insert(slots, prefix)
+        firsts = [int(rows.tokens[i, 0]) for i in range(len(slots))]
+        oracle = conformance.oracle()
+        want_first = [oracle.stream(prompt, sampling, 1, sample_index=i)[0].token for i in range(len(slots))]
+        if firsts != want_first and firsts == [want_first[slots.index(s)] for s in sorted(slots)]:
+            raise AssertionError(
+                f"bulk_insert(slots={slots}) returned its rows in sorted slot order ({firsts}, the reference's "
+                f"{want_first}): row i must belong to slots[i], in the order given"
+            )
+        assert firsts[0] == int(first.tokens[0, 0]), (
+            f"bulk_insert's row 0 first token {firsts[0]} differs from prefill's sample-0 first token {int(first.tokens[0, 0])}"
+        )
+        d.step(n=3)
+        for i, slot in enumerate(slots):
+            div = conformance.compare_to_oracle(d.tokens[slot][:4], prompt, sampling, sample_index=i, what=f"bulk slot {slot} (sample {i})")
+            if div is None or div.near_tie:
+                continue
+            if div.step == 0 and len(set(firsts)) == 1:
+                raise AssertionError(
+                    f"bulk_insert gave every slot the same first token {firsts[0]}: each slot must draw its own "
+                    f"first token (sample index i, step 0), not share sample 0's"
+                )
+            hint = " (it drew sample 0's token)" if div.step == 0 and div.got == want_first[0] else ""
+            raise AssertionError(f"bulk_insert slots[{i}] = slot {slot} (sample {i}){hint}: {div.describe()}")
+
+    def test_bulk_insert_refusals(self, conformance):
+        """bulk_insert into an occupied, repeated or out-of-range slot raises SlotError
+        and changes nothing: the other slots named stay empty."""
+        eng = conformance.engine()
+        if not eng.capabilities.bulk_insert:
+            pytest.skip("bulk_insert is not declared; its refusal is tested by test_bulk_insert_independent_first_tokens")
+        d = conformance.driver(eng)
+        d.insert(1, conformance.prompt(5, 65), conformance.sampling(65))
+        prefix, _ = d.prefill(conformance.prompt(6, 66), conformance.sampling(66, n=2))
+        n = eng.max_concurrent_decodes
+        for slots, what in (([0, 1], "slot 1 is occupied"), ([2, 2], "slot 2 twice"), ([0, n], f"slot {n} is out of range")):
+            try:
+                d.state, _ = eng.bulk_insert(prefix, d.state, slots)
+            except SlotError:
+                pass
+            except Exception as exc:
+                raise AssertionError(f"bulk_insert({slots}) ({what}) raised {type(exc).__name__} ({exc}); expected SlotError") from None
+            else:
+                raise AssertionError(f"bulk_insert({slots}) ({what}) was accepted; expected SlotError")
+        for slot in (0, 2):
+            try:
+                d.insert(slot, conformance.prompt(4, 67 + slot), conformance.sampling(67 + slot))
+            except SlotError as exc:
+                raise AssertionError(
+                    f"after a refused bulk_insert, slot {slot} is occupied ({exc}): a refused bulk_insert must change "
+                    f"nothing (check every slot before filling any)"
+                ) from None
+        assert d.step().valid[1].any(), "slot 1 stopped producing tokens after refused bulk_inserts"
+
+    def test_prefill_bucket_invariance(self, conformance):
+        """Engines built with different prefill_buckets give the same logits, first
+        tokens and streams (padding is invisible)."""
+        dtype = conformance.dtype
+        engines = {v: conformance.engine(DEFAULT_MODEL, dtype, v) for v in VARIANTS}
+        for length in (3, 8, 13, LIMITS["max_prefill_length"]):
+            prompt = conformance.prompt(length, 71)
+            sampling = conformance.sampling(71)
+            runs = {}
+            for v, eng in engines.items():
+                d = conformance.driver(eng)
+                prefix = d.insert(0, prompt, sampling)
+                while len(d.tokens[0]) < 4:
+                    d.step()
+                runs[v] = (prefix.host_logits().astype(np.float64), d.tokens[0][:4])
+            base_logits, base_tokens = runs["standard"]
+            for v, (logits, tokens) in runs.items():
+                if v == "standard":
+                    continue
+                buckets = VARIANTS[v]["prefill_buckets"]
+                conformance.within(
+                    "bucket_rel_l2", rel_l2(logits, base_logits), dtype,
+                    what=f"prompt length {length}: logits with prefill_buckets={buckets} vs none",
+                )
+                div = conformance.compare_pair(tokens, base_tokens, prompt, sampling, what=f"buckets {buckets}, length {length}")
+                assert div is None or div.near_tie, (
+                    f"with prefill_buckets={buckets} a prompt of length {length} gives token #{div.step} = {div.got}, "
+                    f"without buckets {div.want}: padding changes results"
+                )
+
+    def test_prefix_reuse(self, conformance):
+        """prefill(existing_prefix=head) continues a prompt exactly as one prefill of
+        the whole; undeclared (prefix_reuse), it raises UnsupportedFeature."""
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        whole = conformance.prompt(12, 81)
+        sampling = conformance.sampling(81)
+        head, _ = d.prefill(whole[:5], sampling)
+        if not eng.capabilities.prefix_reuse:
+            with pytest.raises(UnsupportedFeature):
+                eng.prefill(params=d.params, tokens=whole[5:], sampling=sampling, existing_prefix=head)
+            return
+        tail, first = eng.prefill(params=d.params, tokens=whole[5:], sampling=sampling, existing_prefix=head)
+        assert list(np.asarray(tail.prompt_tokens)) == whole, (
+            f"prefix reuse: the continued prefix holds prompt {list(tail.prompt_tokens)}, expected {whole}"
+        )
+        want = conformance.oracle().logits(whole)
+        conformance.within("logits_rel_l2", rel_l2(tail.host_logits(), want), conformance.dtype, DEFAULT_MODEL,
+                           what="logits of a prompt continued from an existing prefix vs the reference "
+                                "(positions of the continuation must start where the prefix ends)")
+        div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling, what="first token after prefix reuse")
+        assert div is None or div.near_tie, f"prefix reuse: {div.describe()}"
+
+    def test_foreign_prefix_refused(self, conformance):
+        """A prefix made with other weights (another model's engine of this backend) is
+        refused by insert and as existing_prefix with InvalidRequest, before any change."""
+        eng, other = conformance.engine(), conformance.engine(_OTHER_MODEL)
+        d = conformance.driver(eng)
+        foreign, _ = conformance.driver(other).prefill(conformance.prompt(5, 85), conformance.sampling(85))
+        calls = [("insert", lambda: eng.insert(foreign, d.state, 0))]
+        if eng.capabilities.prefix_reuse:
+            calls.append(("prefill(existing_prefix=...)", lambda: eng.prefill(
+                params=d.params, tokens=[3, 4], sampling=conformance.sampling(86), existing_prefix=foreign)))
+        for what, call in calls:
+            try:
+                call()
+            except InvalidRequest:
+                continue
+            except Exception as exc:
+                raise AssertionError(
+                    f"{what} with a prefix made by model {_OTHER_MODEL}'s engine raised {type(exc).__name__} ({exc}); "
+                    f"expected InvalidRequest (compare the prefix's model_id with the engine's, EngineBase.check_prefix)"
+                ) from None
+            raise AssertionError(
+                f"{what} accepted a prefix made with other weights (model {_OTHER_MODEL}): it must be refused with "
+                f"InvalidRequest, not decoded into garbage"
+            )
+        d.insert(0, conformance.prompt(5, 87), conformance.sampling(87))
+        assert d.step().valid[0].any(), "slot 0 produced no token after a refused foreign prefix"
+
+    def test_portable_prefix_roundtrip(self, conformance):
+        """export_prefix/import_prefix move a prefix between this backend and the
+        reference in both directions (through the byte format); a portable prefix of
+        another model is refused; undeclared (portable_prefix), both raise
+        UnsupportedFeature."""
+        eng = conformance.engine()
+        dtype = conformance.dtype
+        model = build_model(DEFAULT_MODEL)
+        ref = reference_engine(model, conformance.harness.config("float64"))
+        ref_params = ref.load_params()
+        prompt, sampling = conformance.prompt(10, 91), conformance.sampling(91)
+        ref_prefix, _ = ref.prefill(params=ref_params, tokens=prompt, sampling=sampling)
+        d = conformance.driver(eng)
+        own, _ = d.prefill(prompt, sampling)
+        if not eng.capabilities.portable_prefix:
+            with pytest.raises(UnsupportedFeature):
+                eng.export_prefix(own)
+            with pytest.raises(UnsupportedFeature):
+                eng.import_prefix(ref.export_prefix(ref_prefix))
+            return
+        oracle = conformance.oracle()
+        # this backend -> reference
+        exported = PortablePrefix.from_bytes(eng.export_prefix(own).to_bytes())
+        want_k, want_v = oracle.kv(prompt)
+        conformance.within("kv_rel_l2", max(rel_l2(exported.k.ravel(), want_k.ravel()), rel_l2(exported.v.ravel(), want_v.ravel())),
+                           dtype, what="exported K/V vs the reference's (K after rotate-half RoPE, no padding)")
+        conformance.within("logits_rel_l2", rel_l2(exported.last_logits, oracle.logits(prompt)), dtype,
+                           what="exported last logits vs the reference")
+        assert exported.prompt_tokens.tolist() == prompt and exported.sampling.seed == own.sampling.seed, (
+            "the exported prefix must carry the prompt ids and the request's seed"
+        )
+        rd = conformance.driver(ref)
+        rd.insert_prefix(0, ref.import_prefix(exported))
+        rd.step(n=4)
+        div = conformance.compare_to_oracle(rd.tokens[0][:5], prompt, sampling, dtype=dtype,
+                                            what="reference continuing this backend's exported prefix")
+        assert div is None or div.near_tie, f"the reference continuing this backend's exported prefix: {div.describe()}"
+        # reference -> this backend
+        imported = eng.import_prefix(PortablePrefix.from_bytes(ref.export_prefix(ref_prefix).to_bytes()))
+        d.insert_prefix(0, imported)
+        while len(d.tokens[0]) < 5:
+            d.step()
+        div = conformance.compare_to_oracle(d.tokens[0][:5], prompt, sampling, dtype=dtype,
+                                            what="this backend continuing the reference's exported prefix")
+        assert div is None or div.near_tie, f"this backend continuing a prefix exported by the reference: {div.describe()}"
+        # a portable prefix of another model (same shapes or not) is refused
+        other = build_model(_OTHER_MODEL)
+        other_ref = reference_engine(other, conformance.harness.config("float64"))
+        alien, _ = other_ref.prefill(params=other_ref.load_params(), tokens=prompt, sampling=sampling)
+        try:
+            eng.import_prefix(other_ref.export_prefix(alien))
+        except InvalidRequest:
+            pass
+        except Exception as exc:
+            raise AssertionError(f"import_prefix of model {_OTHER_MODEL}'s prefix raised {type(exc).__name__} ({exc}); "
+                                 f"expected InvalidRequest (check the model fingerprint)") from None
+        else:
+            raise AssertionError(
+                f"import_prefix accepted a portable prefix made by another model ({_OTHER_MODEL}): it must check the "
+                f"prefix's model_fingerprint (PortablePrefix.check_compatible) and refuse it"
+            )
+
+    def test_config_refusals(self, conformance):
+        """Building an engine refuses, before allocating: an option it does not declare
+        (InvalidRequest or UnsupportedFeature), a max_cache_length beyond the model's
+        positions (InvalidRequest), and caches or weights that do not fit in memory
+        (InsufficientMemory, checked with polyengine.memory under a simulated limit)."""
+        harness = conformance.harness
+        model = build_model(DEFAULT_MODEL)
+        dtype = conformance.dtype
+        cases = [
+            ("an unknown option", harness.config(dtype, options={"polyengine_conformance_no_such_option": 1}),
+             (InvalidRequest, UnsupportedFeature)),
+            (f"max_cache_length {model.config.max_position_embeddings + 1} (> the model's max_position_embeddings)",
+             harness.config(dtype, max_cache_length=model.config.max_position_embeddings + 1), (InvalidRequest,)),
+        ]
+        for what, config, errors in cases:
+            try:
+                harness.build(model, config)
+            except errors:
+                continue
+            except Exception as exc:
+                raise AssertionError(f"building an engine with {what} raised {type(exc).__name__} ({exc}); expected "
+                                     f"{' or '.join(e.__name__ for e in errors)}") from None
+            raise AssertionError(f"the factory built an engine with {what}: it must refuse it (EngineBase.__init__ does)")
+        with simulated_limit(1 << 20):
+            try:
+                harness.build(model, harness.config(dtype))
+            except InsufficientMemory:
+                return
+            except Exception as exc:
+                raise AssertionError(f"with 1 MiB of memory available, building an engine raised {type(exc).__name__} "
+                                     f"({exc}); expected InsufficientMemory") from None
+        raise AssertionError(
+            "with 1 MiB of memory available (polyengine.memory.simulated_limit), the factory built an engine: an engine "
+            "must check what it will allocate (weights, KV caches) with polyengine.memory.check_fits "
+            "(EngineBase.check_memory) before allocating, on the host or its device"
+        )

@@ -1,0 +1,57 @@
+"""The suite accepts every correct backend: honest variants pass it whole.
+
+Each variant (tests/honest_backends.py, plus tests/restricted_backend.py) differs from
+the reference the way a real accelerator backend does (precision, padding, row layout,
+lazy results, declared features, KV ownership, donated prefixes, several tokens per
+step). A failure here is the suite's own bug: a check that is too strict.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import polyengine.conformance.suite  # noqa: F401  (kept in pytester's module snapshot)
+from polyengine.plugins import register_plugin, unregister_plugin
+
+from broken_backends import PLUGIN
+from honest_backends import HONEST
+
+pytest_plugins = ["pytester"]
+
+# What a variant legitimately skips: numerics in the dtypes it does not declare, and
+# checks of features it does not declare (their refusal is tested elsewhere).
+_EXPECTED_SKIPS = {
+    "restricted": ("test_bulk_insert_refusals", "test_override_counts_for_penalties",  # no bulk_insert, no penalties
+                   "test_sampling_support[min_p]", "test_sampling_support[combined]", "test_sampling_support[penalties]",
+                   "test_sampling_distribution[min_p]", "test_sampling_distribution[combined]",
+                   "test_sampling_distribution[penalties]"),
+    "honest_no_logprobs": ("test_decode_logprobs", "test_prefill_logits", "test_greedy_matches"),
+}
+
+
+@pytest.fixture(scope="module")
+def registered():
+    name = register_plugin(PLUGIN, "conformance-honest-backends")
+    yield
+    unregister_plugin(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [*sorted(HONEST), "restricted"])
+def test_honest_backend_passes_the_whole_suite(pytester, registered, tmp_path, backend):
+    report = tmp_path / f"{backend}.json"
+    rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", backend,
+                              "-p", "no:cacheprovider", "--polyengine-report-json", str(report))
+    failed = {}
+    for rep in rec.getreports("pytest_runtest_logreport"):
+        if rep.failed:
+            crash = getattr(rep.longrepr, "reprcrash", None)
+            failed[rep.nodeid.rsplit("::", 1)[-1]] = crash.message if crash else str(rep.longrepr)
+    assert not failed, f"{backend}: the suite rejects a correct backend: {failed}"
+    tests = json.loads(report.read_text())["tests"]
+    allowed = ("test_prefill_logits", "test_decode_logprobs", "test_greedy_matches") + _EXPECTED_SKIPS.get(backend, ())
+    unexpected = [t["id"] for t in tests if t["status"] == "skipped" and not t["id"].startswith(allowed)]
+    assert not unexpected, f"{backend}: skipped beyond undeclared features: {unexpected}"
+    assert sum(t["status"] == "passed" for t in tests) >= 60
