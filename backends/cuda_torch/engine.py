@@ -1,0 +1,419 @@
+"""The cuda_torch engine: the protocol over the shared torch model and sampler.
+
+One PyTorch program for a GPU and the CPU. The decode state owns a preallocated KV
+cache for all its slots (``[layers, slots, kv_heads, max_cache_length, head_dim]``)
+and a batched device sampler whose per-slot parameters are installed at insert. A
+prompt is prefilled alone, padded to a bucket, into a scratch cache that becomes the
+prefix; insert copies it into the slot's row. Every generate step runs all slots in
+one forward (rows of empty slots write nothing and are ignored), samples on the
+device, and packs the step's results into one int32 buffer: one host transfer per
+step, started at once (pinned memory and a non-blocking copy on CUDA; on the CPU the
+whole step runs on a worker thread, so the driver reads step n while step n+1 runs).
+
+The host keeps only what it can know without a sync (which slots are live, their
+lengths); the tokens stay on the device until the driver reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, check_request
+from polyengine.errors import InsufficientMemory, InvalidRequest
+from polyengine.models import Model
+from polyengine.prefix import PortablePrefix
+from polyengine.sampling import SamplingParams
+from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+
+from polyengine.backends.torch_common.model import ATTENTION_IMPLS, TorchWeights, forward
+from polyengine.backends.torch_common.sampling import TorchSampler
+
+__all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _default_buckets(limit: int) -> tuple[int, ...]:
+    """Powers of two from 16 up to ``limit`` (and ``limit`` itself)."""
+    out, b = [], 16
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (limit,)
+
+
+@dataclass
+class _Slot:
+    prompt_len: int
+    completion: int  # completion tokens so far, forced ones included
+    last: int = 1  # tokens in the slot's last result
+
+    @property
+    def total(self) -> int:
+        return self.prompt_len + self.completion
+
+    @property
+    def length(self) -> int:
+        """Cache positions filled: the prompt and every completion token but the latest."""
+        return self.total - 1
+
+
+@dataclass
+class TorchDecodeState:
+    num_slots: int
+    k: torch.Tensor  # (layers, slots, kv_heads, max_cache_length, head_dim)
+    v: torch.Tensor
+    sampler: TorchSampler
+    next_tokens: torch.Tensor  # (slots,) int64 on the device: what each slot feeds next
+    slots: list[_Slot | None] = field(default_factory=list)
+    pending: Future | None = None  # the step running on the worker thread (CPU async mode)
+
+    def wait(self) -> None:
+        """Let the step in flight finish (its errors surface when its results are read)."""
+        if self.pending is not None:
+            try:
+                self.pending.result()
+            except Exception:
+                pass
+            self.pending = None
+
+    def is_occupied(self, slot: int) -> bool:
+        return self.slots[slot] is not None
+
+
+class TorchEngine(EngineBase):
+    name = "cuda_torch"
+    OPTIONS = {
+        "device": "",  # "" picks cuda:0 where a GPU is visible, else the CPU
+        "attention": "sdpa",  # or "eager"
+        "async_steps": True,  # CPU: run each step on a worker thread (results read later)
+        "kv_block": 64,  # attention reads the cache up to the longest slot, rounded up to this
+        "sampler_dtype": "float32",  # float64 for bit-for-bit greedy ties with the reference
+        "threads": 0,  # CPU intra-op threads (0: torch's default)
+    }
+
+    def __init__(self, model: Model, config: EngineConfig):
+        device = self._pick_device(config.options.get("device", ""))
+        dtypes = ("bfloat16", "float16", "float32") if device.type == "cuda" else ("float32",)
+        if device.type == "cpu" and {"amx_bf16", "avx512_bf16"} & cpu_flags():
+            dtypes = ("float32", "bfloat16")  # bf16 matmul is fast only with AMX / AVX512-BF16
+        super().__init__(model, config, Capabilities(
+            dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
+        ), device=self._describe(device))
+        o = self.options
+        if o["attention"] not in ATTENTION_IMPLS:
+            raise InvalidRequest(f"option attention={o['attention']!r}: use one of {ATTENTION_IMPLS}")
+        if o["sampler_dtype"] not in ("float32", "float64"):
+            raise InvalidRequest(f"option sampler_dtype={o['sampler_dtype']!r}: use float32 or float64")
+        if o["kv_block"] < 1:
+            raise InvalidRequest(f"option kv_block={o['kv_block']} must be >= 1")
+        if o["threads"] < 0:
+            raise InvalidRequest(f"option threads={o['threads']} must be >= 0")
+        self.torch_device = device
+        self.torch_dtype = _DTYPES[self.dtype]
+        self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
+        self.buckets = config.prefill_buckets or _default_buckets(config.max_prefill_length)
+        self._check_memory()
+        if o["threads"] and device.type == "cpu":
+            torch.set_num_threads(o["threads"])
+        # CPU: a worker thread runs the steps, so the caller reads step n while n+1 runs.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="cuda_torch-step") if (
+            device.type == "cpu" and o["async_steps"]) else None
+        self._weights: TorchWeights | None = None
+        self._prefill_sampler: TorchSampler | None = None
+
+    # -- construction ----------------------------------------------------------------------
+
+    @staticmethod
+    def _pick_device(name: str) -> torch.device:
+        if name:
+            try:
+                device = torch.device(name)
+            except RuntimeError as exc:
+                raise InvalidRequest(f"option device={name!r} is not a torch device ({exc})") from None
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise InvalidRequest(f"option device={name!r}: CUDA is not available here")
+            if device.type not in ("cuda", "cpu"):
+                raise InvalidRequest(f"option device={name!r}: cuda_torch runs on 'cuda[:N]' or 'cpu'")
+            return device
+        return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+    @staticmethod
+    def _describe(device: torch.device) -> str:
+        if device.type == "cuda":
+            index = device.index or 0
+            return f"cuda:{index} ({torch.cuda.get_device_name(index)}, CUDA {torch.version.cuda})"
+        return f"cpu ({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
+
+    def _check_memory(self) -> None:
+        c, cfg = self.model.config, self.config
+        item = torch.tensor([], dtype=self.torch_dtype).element_size()
+        shares_host = self.torch_device.type == "cpu" and self.torch_dtype == torch.float32
+        needs = {}
+        if not shares_host:  # on the CPU in float32 the Model's arrays are used as they are
+            needs[f"{self.dtype} weights on {self.torch_device}"] = c.num_parameters() * item
+        needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
+            cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(item))
+        needs["the sampler's per-slot tables and a step's logits"] = (
+            cfg.max_slots * c.vocab_size * (3 * 8 + 2) + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
+        if self.torch_device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.torch_device)[0]
+            self.check_memory(needs, where=f"{self.torch_device} memory", available=free)
+        else:
+            self.check_memory(needs)
+
+    def _allocating(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run an allocation; a device or host out-of-memory becomes InsufficientMemory."""
+        try:
+            return fn()
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise InsufficientMemory(
+                f"the {self.name} backend ran out of memory allocating {what} on {self.torch_device}: {exc}; "
+                f"use fewer slots (max_slots) or a shorter context (max_cache_length)", needed=0, available=0,
+                where=str(self.torch_device),
+            ) from None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def load_params(self) -> TorchWeights:
+        if self._weights is None:
+            self._weights = self._allocating("the weights", lambda: TorchWeights.from_model(
+                self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length))
+            self._prefill_sampler = TorchSampler(
+                self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
+        return self._weights
+
+    def init_decode_state(self) -> TorchDecodeState:
+        weights = self.load_params()
+        n = self.max_concurrent_decodes
+
+        def allocate():
+            k, v = weights.new_cache(n, self.max_cache_length)
+            sampler = TorchSampler(self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
+            return k, v, sampler
+
+        k, v, sampler = self._allocating("a decode state's KV cache", allocate)
+        return TorchDecodeState(n, k, v, sampler, torch.zeros(n, dtype=torch.int64, device=self.torch_device), [None] * n)
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _to_host(self, t: torch.Tensor) -> np.ndarray:
+        return t.detach().to("cpu", torch.float32).numpy()
+
+    def _first_token(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams):
+        """Sample 0's first token (step 0) from a prefix's logits, on the prefill sampler."""
+        sampler = self._prefill_sampler
+        sampler.install(0, sampling, prompt)
+        try:
+            return sampler.sample(logits[None], num_top=sampling.top_logprobs)
+        finally:
+            sampler.clear(0)
+
+    @torch.inference_mode()
+    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
+        toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
+        n = toks.size
+        padded = self._bucket(n)
+        dev = self.torch_device
+        k, v = params.new_cache(1, start + padded)
+        if existing_prefix is not None:
+            k[:, 0, :, :start], v[:, 0, :, :start] = existing_prefix.kv
+        batch = torch.zeros((1, padded), dtype=torch.int64)
+        batch[0, :n] = torch.from_numpy(toks.astype(np.int64))
+        positions = (start + torch.arange(padded, dtype=torch.int64))[None]
+        write = (torch.arange(padded) < n)[None]
+        logits, k, v = forward(
+            params, batch.to(dev), positions.to(dev), k, v, rows=None, write_mask=write.to(dev),
+            logits_at=torch.tensor([n - 1], device=dev), attention=self.options["attention"], inplace=True,
+        )
+        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
+        first = self._first_token(logits[0], prompt, sampling)
+        token = int(first.tokens[0])  # the protocol's Prefix carries it on the host
+        prefix = Prefix(
+            kv=(k[:, 0, :, : start + n], v[:, 0, :, : start + n]), logits=logits[0].float(), prompt_tokens=prompt,
+            sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
+        )
+        return prefix, self._rows(first, lengths=[1])
+
+    def _rows(self, res, lengths: Sequence[int]) -> ResultTokens:
+        m = int(res.tokens.shape[0])
+        return ResultTokens(
+            tokens=res.tokens.reshape(m, 1), valid=np.ones((m, 1), bool), lengths=np.asarray(lengths, np.int32),
+            logprobs=res.logprobs.reshape(m, 1), top_ids=res.top_ids.reshape(m, 1, -1),
+            top_logprobs=res.top_logprobs.reshape(m, 1, -1), to_host=lambda t: t.detach().cpu().numpy(),
+        )
+
+    # -- insert ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _install(self, prefix: Prefix, state: TorchDecodeState, slot: int, sample_index: int) -> None:
+        n = prefix.true_length
+        state.k[:, slot, :, :n], state.v[:, slot, :, :n] = prefix.kv
+        state.sampler.install(slot, prefix.sampling, prefix.prompt_tokens, sample_index=sample_index)
+        state.slots[slot] = _Slot(prompt_len=n, completion=1)
+
+    @torch.inference_mode()
+    def insert(self, prefix: Prefix, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
+        state = decode_state
+        state.wait()
+        self.check_prefix(prefix)
+        slot = self.check_empty_slot(slot, state.is_occupied)
+        self._install(prefix, state, slot, 0)
+        first = torch.tensor([prefix.first_token], dtype=torch.int64, device=self.torch_device)
+        rows = torch.tensor([slot], device=self.torch_device)
+        state.sampler.record(first, rows=rows)
+        state.next_tokens[slot] = prefix.first_token
+        return state
+
+    @torch.inference_mode()
+    def bulk_insert(self, prefix: Prefix, decode_state: TorchDecodeState, slots: Sequence[int]):
+        state = decode_state
+        state.wait()
+        self.check_prefix(prefix)
+        slots = self.check_bulk_slots(slots, state.is_occupied)
+        for i, slot in enumerate(slots):
+            self._install(prefix, state, slot, i)
+        rows = torch.tensor(slots, dtype=torch.int64, device=self.torch_device)
+        logits = prefix.logits[None].expand(len(slots), -1)
+        res = state.sampler.sample(logits, rows, num_top=prefix.sampling.top_logprobs)
+        state.sampler.record(res.tokens, rows=rows)
+        state.next_tokens[rows] = res.tokens
+        return state, self._rows(res, lengths=[1] * len(slots))
+
+    # -- generate --------------------------------------------------------------------------
+
+    def generate(self, params: TorchWeights, decode_state: TorchDecodeState, *, overrides: Mapping[int, Any] | None = None):
+        state = decode_state
+        state.wait()
+        forced = self.check_overrides(
+            overrides, lambda i: None if state.slots[i] is None else (state.slots[i].completion, state.slots[i].last))
+        live = [i for i, s in enumerate(state.slots) if s is not None and s.total < self.max_cache_length]
+        positions = [state.slots[i].length if i in live else 0 for i in range(state.num_slots)]
+        kv_len = min(self.max_cache_length, self.options["kv_block"] * math.ceil((max(positions, default=0) + 1) / self.options["kv_block"]))
+        num_top = state.sampler.max_top_logprobs
+        for i in live:  # what the host can know before the step runs: who advances, by one
+            state.slots[i].completion += 1
+            state.slots[i].last = 1
+        lengths = [0 if s is None else s.completion for s in state.slots]
+        layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
+
+        def step() -> torch.Tensor:
+            return self._step(params, state, forced, live, positions, lengths, kv_len, num_top)
+
+        if self._worker is not None:
+            state.pending = self._worker.submit(step)
+            return state, ResultTokens.from_packed(state.pending, layout, to_host=lambda f: f.result().numpy())
+        buf = step()
+        if self.torch_device.type == "cuda":
+            return state, ResultTokens.from_packed(buf, layout, start_copy=_copy_to_host_async, to_host=_finish_copy)
+        return state, ResultTokens.from_packed(buf, layout, to_host=lambda t: t.numpy())
+
+    @torch.inference_mode()
+    def _step(self, params, state: TorchDecodeState, forced, live, positions, lengths, kv_len, num_top) -> torch.Tensor:
+        dev, n = self.torch_device, state.num_slots
+        if forced:
+            rows = torch.tensor(list(forced), dtype=torch.int64, device=dev)
+            tokens = torch.tensor([t for t, _ in forced.values()], dtype=torch.int64, device=dev)
+            state.sampler.override(tokens, rows=rows)
+            state.next_tokens[rows] = tokens
+        live_mask = torch.zeros(n, dtype=torch.bool)
+        live_mask[live] = True
+        live_mask = live_mask.to(dev)
+        if live:
+            logits, state.k, state.v = forward(
+                params, state.next_tokens[:, None], torch.tensor(positions, dtype=torch.int64, device=dev)[:, None],
+                state.k, state.v, rows=None, write_mask=live_mask[:, None], kv_len=kv_len,
+                attention=self.options["attention"], inplace=True,
+            )
+            res = state.sampler.sample(logits[:, 0], num_top=num_top)
+            state.sampler.record(res.tokens, mask=live_mask)
+            state.next_tokens = torch.where(live_mask, res.tokens, state.next_tokens)
+            tokens, logprobs, top_ids, top_lp = res.tokens, res.logprobs, res.top_ids, res.top_logprobs
+        else:
+            tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+            logprobs = torch.zeros(n, device=dev)
+            top_ids = torch.zeros((n, num_top), dtype=torch.int64, device=dev)
+            top_lp = torch.zeros((n, num_top), device=dev)
+        return torch.cat([
+            tokens.to(torch.int32)[:, None], live_mask.to(torch.int32)[:, None],
+            torch.tensor(lengths, dtype=torch.int32, device=dev)[:, None],
+            logprobs.to(torch.float32).view(torch.int32)[:, None], top_ids.to(torch.int32),
+            top_lp.to(torch.float32).contiguous().view(torch.int32),
+        ], dim=1)
+
+    def free_resource(self, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
+        state = decode_state
+        slot = self.check_slot(slot)
+        state.wait()
+        if state.slots[slot] is not None:
+            state.sampler.clear(slot)
+            state.slots[slot] = None
+        return state
+
+    # -- portable prefixes ---------------------------------------------------------------
+
+    def export_prefix(self, prefix: Prefix) -> PortablePrefix:
+        self.check_prefix(prefix)
+        k, v = prefix.kv
+        return PortablePrefix(
+            k=self._to_host(k), v=self._to_host(v), prompt_tokens=prefix.prompt_tokens,
+            last_logits=self._to_host(prefix.logits), sampling=prefix.sampling, model_fingerprint=self.model.fingerprint,
+        )
+
+    @torch.inference_mode()
+    def import_prefix(self, portable: PortablePrefix) -> Prefix:
+        c = self.model.config
+        portable.check_compatible(
+            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+        )
+        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        self.load_params()
+        put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_device, self.torch_dtype)  # noqa: E731
+        logits = torch.from_numpy(portable.last_logits).to(self.torch_device, torch.float32)
+        first = self._first_token(logits, prompt, sampling)
+        return Prefix(
+            kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
+            backend=self.name, first_token=int(first.tokens[0]), to_host=self._to_host, model_id=self.model_id,
+        )
+
+
+def _copy_to_host_async(buf: torch.Tensor):
+    """Start the device-to-host copy of a step's packed results (pinned, non-blocking)."""
+    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+    host.copy_(buf, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _finish_copy(handle) -> np.ndarray:
+    host, done = handle
+    done.synchronize()
+    return host.numpy()
+
+
+def create_engine(*, model: Model, config: EngineConfig) -> TorchEngine:
+    return TorchEngine(model, config)
