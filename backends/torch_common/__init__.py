@@ -1,0 +1,8 @@
+"""Code the torch backends share: the functional model and the batched device sampler.
+
+Registers no backend (no plugin, no entry point); ``cuda_torch``, ``tpu_jax`` and
+``neuron`` import it. It imports torch at module level, so nothing in the core (and
+nothing imported at backend discovery) may import it.
+
+- :mod:`.threefry`: the core's Threefry-2x32 random stream in torch, bit-exact.
+"""
