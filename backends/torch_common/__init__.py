@@ -4,5 +4,7 @@ Registers no backend (no plugin, no entry point); ``cuda_torch``, ``tpu_jax`` an
 ``neuron`` import it. It imports torch at module level, so nothing in the core (and
 nothing imported at backend discovery) may import it.
 
+- :mod:`.model`: ``TorchWeights``, ``forward``, ``StepModule`` (one forward for every
+  architecture the loader accepts; static-shape friendly, exportable).
 - :mod:`.threefry`: the core's Threefry-2x32 random stream in torch, bit-exact.
 """
