@@ -6,5 +6,7 @@ nothing imported at backend discovery) may import it.
 
 - :mod:`.model`: ``TorchWeights``, ``forward``, ``StepModule`` (one forward for every
   architecture the loader accepts; static-shape friendly, exportable).
+- :mod:`.sampling`: ``TorchSampler`` and the pure ``sample``/``record``/``override``
+  functions it wraps (the core's sampler semantics, batched over slots).
 - :mod:`.threefry`: the core's Threefry-2x32 random stream in torch, bit-exact.
 """
