@@ -83,8 +83,8 @@ class SamplerState:
     frequency: torch.Tensor  # (R,)
     min_tokens: torch.Tensor  # (R,) int64
     ignore_eos: torch.Tensor  # (R,) bool
-    seed_lo: torch.Tensor  # (R,) int64, seed mod 2**32
-    seed_hi: torch.Tensor  # (R,) int64, seed >> 32
+    seed_lo: torch.Tensor  # (R,) int32 bits of seed mod 2**32 (no int64: JAX runs without x64)
+    seed_hi: torch.Tensor  # (R,) int32 bits of seed >> 32
     sample_index: torch.Tensor  # (R,) int64
     step: torch.Tensor  # (R,) int64, completion tokens so far (forced ones included)
     last_token: torch.Tensor  # (R,) int64, latest completion token (valid when step > 0)
@@ -110,7 +110,7 @@ class SamplerState:
             temperature=full(0.0, dtype), top_k=full(0, i64), top_p=full(1.0, dtype), min_p=full(0.0, dtype),
             repetition=full(1.0, dtype), presence=full(0.0, dtype), frequency=full(0.0, dtype),
             min_tokens=full(0, i64), ignore_eos=full(False, torch.bool),
-            seed_lo=full(0, i64), seed_hi=full(0, i64), sample_index=full(0, i64), step=full(0, i64),
+            seed_lo=full(0, torch.int32), seed_hi=full(0, torch.int32), sample_index=full(0, i64), step=full(0, i64),
             last_token=full(0, i64),
             logit_bias=torch.zeros((r, v), dtype=dtype, device=device),
             stop_mask=torch.zeros((r, v), dtype=torch.bool, device=device),
@@ -453,9 +453,11 @@ class TorchSampler:
         ).to(device=dev, dtype=s.dtype)
         for i, t in enumerate((s.temperature, s.top_p, s.min_p, s.repetition, s.presence, s.frequency)):
             t[row] = floats[i]
-        ints = torch.tensor([params.top_k, params.min_tokens, lo, hi, sample_index, 0, 0], dtype=torch.int64).to(dev)
-        for i, t in enumerate((s.top_k, s.min_tokens, s.seed_lo, s.seed_hi, s.sample_index, s.step, s.last_token)):
+        ints = torch.tensor([params.top_k, params.min_tokens, sample_index, 0, 0], dtype=torch.int64).to(dev)
+        for i, t in enumerate((s.top_k, s.min_tokens, s.sample_index, s.step, s.last_token)):
             t[row] = ints[i]
+        words = torch.tensor([threefry.int32_bits(lo), threefry.int32_bits(hi)], dtype=torch.int32).to(dev)
+        s.seed_lo[row], s.seed_hi[row] = words[0], words[1]
         s.ignore_eos[row] = bool(params.ignore_eos)
         bias = np.zeros(self.vocab_size, dtype=np.float64)
         for tok, b in params.logit_bias.items():

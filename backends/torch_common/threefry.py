@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["threefry2x32", "threefry2x32_int64", "uniforms", "gumbel", "gumbel_from_bits", "counter_hi", "split_seed"]
+__all__ = ["threefry2x32", "threefry2x32_int64", "uniforms", "gumbel", "gumbel_from_bits", "counter_hi", "split_seed", "int32_bits"]
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
 _MASK32 = (1 << 32) - 1
-MAX_STEPS = 1 << 20  # the counter layout of polyengine.sampling.params
 
 
-def _i32(value: int) -> int:
-    """An unsigned 32-bit value as the int32 with the same bits."""
+def int32_bits(value: int) -> int:
+    """A 32-bit word (taken mod 2**32) as the Python int of the int32 with the same bits."""
     value &= _MASK32
     return value - (1 << 32) if value >= 1 << 31 else value
 
@@ -61,7 +60,7 @@ def threefry2x32(k0: torch.Tensor, k1: torch.Tensor, x0: torch.Tensor, x1: torch
     shape whose bits equal :func:`polyengine.sampling.threefry.threefry2x32`'s uint32.
     """
     k0, k1, x0, x1 = (_as_i32_bits(t) for t in (k0, k1, x0, x1))
-    k2 = k0 ^ k1 ^ _i32(_PARITY)
+    k2 = k0 ^ k1 ^ int32_bits(_PARITY)
     ks = (k0, k1, k2)
     shape = torch.broadcast_shapes(k0.shape, k1.shape, x0.shape, x1.shape)
     # Materialise both words at full shape once, then update them in place: the 20
@@ -121,8 +120,12 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 
 def counter_hi(step: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-    """The counter's second word ``step + 2**20 * sample_index`` (int64, < 2**32)."""
-    return step.to(torch.int64) + MAX_STEPS * sample_index.to(torch.int64)
+    """The counter's second word ``step + 2**20 * sample_index`` as int32 bits.
+
+    The value is below 2**32, so int32 arithmetic (which wraps) gives its exact bits;
+    no 64-bit integer is needed (JAX runs without x64 by default).
+    """
+    return step.to(torch.int32) + (sample_index.to(torch.int32) << 20)
 
 
 def uniforms(
