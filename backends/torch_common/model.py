@@ -109,6 +109,8 @@ class TorchWeights:
         device = torch.device(device) if device is not None else torch.device("cpu")
 
         def put(arr: np.ndarray) -> torch.Tensor:
+            if any(stride < 0 for stride in arr.strides):
+                arr = np.ascontiguousarray(arr)  # torch.from_numpy refuses negative strides
             with warnings.catch_warnings():
                 # Read-only arrays (memory-mapped files) are fine: nothing writes weights.
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -177,8 +177,15 @@ def gumbel_from_bits(m: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     if dtype == torch.float64:
         u = (m.to(dtype) + 0.5) * 2.0**-24
         return -torch.log(-torch.log(u))
+    # In place where possible: this runs over (rows, vocab) every step, and each fresh
+    # temporary costs as much as the op that fills it.
     upper = m >= 1 << 23
-    small = (m.to(dtype) + 0.5) * 2.0**-24  # exact where m < 2**23
-    gap = ((1 << 24) - 1 - m).to(dtype) + 0.5  # 2**24 * (1 - u), exact where m >= 2**23
-    neg_log_u = torch.where(upper, -torch.log1p(gap * -(2.0**-24)), -torch.log(small))
-    return -torch.log(neg_log_u)
+    low = m.to(dtype)
+    low += 0.5
+    low *= 2.0**-24  # u, exact where m < 2**23
+    low.log_().neg_()
+    high = ((1 << 24) - 1 - m).to(dtype)
+    high += 0.5
+    high *= -(2.0**-24)  # u - 1, exact where m >= 2**23
+    high.log1p_().neg_()
+    return torch.where(upper, high, low).log_().neg_()
