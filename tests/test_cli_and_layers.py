@@ -44,6 +44,18 @@ def test_running_the_reference_backend_imports_no_framework():
     assert _modules_after(code) == []
 
 
+def test_core_sources_never_name_a_framework_or_the_shared_torch_package():
+    """A static check beside the import probes above: no module of the core imports
+    torch (or jax/ray) or the torch backends' shared package, even lazily."""
+    import pathlib
+    import re
+
+    core = pathlib.Path(polyengine.__file__).parent
+    pattern = re.compile(r"^\s*(from|import)\s+(torch|jax|ray|torchax)\b|torch_common", re.M)
+    offenders = [str(p.relative_to(core)) for p in core.rglob("*.py") if pattern.search(p.read_text(encoding="utf-8"))]
+    assert offenders == []
+
+
 def test_version_flag(capsys):
     try:
         main(["--version"])

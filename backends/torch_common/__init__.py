@@ -1,0 +1,12 @@
+"""Code the torch backends share: the functional model and the batched device sampler.
+
+Registers no backend (no plugin, no entry point); ``cuda_torch``, ``tpu_jax`` and
+``neuron`` import it. It imports torch at module level, so nothing in the core (and
+nothing imported at backend discovery) may import it.
+
+- :mod:`.model`: ``TorchWeights``, ``forward``, ``StepModule`` (one forward for every
+  architecture the loader accepts; static-shape friendly, exportable).
+- :mod:`.sampling`: ``TorchSampler`` and the pure ``sample``/``record``/``override``
+  functions it wraps (the core's sampler semantics, batched over slots).
+- :mod:`.threefry`: the core's Threefry-2x32 random stream in torch, bit-exact.
+"""

@@ -1,0 +1,377 @@
+"""The Llama-family forward pass as one functional PyTorch function.
+
+Shared by the torch backends (``cuda_torch`` eager or compiled, ``tpu_jax`` through
+torchax, ``neuron`` through torch.export/AOTInductor). It covers every model the core's
+loader accepts: Llama 2/3 and SmolLM2 (GQA, RoPE scaling none/linear/llama3), Qwen2's
+q/k/v biases, Llama's ``attention_bias``/``mlp_bias``, tied and untied LM heads. It knows
+nothing about slots, buckets, requests or sampling: an engine decides which cache row
+each batch row uses, pads to its buckets and samples the logits (:mod:`.sampling`).
+
+API
+---
+``TorchWeights.from_model(model, *, device=None, dtype=torch.float32, fuse_qkv=False,
+fuse_gate_up=False, max_positions=None)``
+    The model's weights as torch tensors (HF names) plus RoPE cos/sin tables.
+    ``weights.tensors`` is a plain dict (a pytree for torch and JAX alike); rebuild
+    with ``TorchWeights(config, tensors)``.
+
+``forward(weights, tokens, positions, k_cache, v_cache, *, rows=None, write_mask=None,
+logits_at=None, kv_len=None, attention="sdpa", inplace=False) -> (logits, k_cache, v_cache)``
+    Appends ``tokens`` (B, T) at ``positions`` (B, T) to cache rows ``rows`` (B,) and
+    returns their logits. Caches are ``[layers, rows, kv_heads, S, head_dim]`` with
+    cache index == absolute position. A query at position p sees keys at positions
+    <= p of its own cache row only (and < ``kv_len``). ``write_mask`` (B, T) False
+    marks pad tokens: they never change the cache. ``logits_at`` (B,) picks one token
+    per row, so prefill computes (B, vocab), not (B, T, vocab).
+
+``StepModule(weights, *, kv_len=None, attention="sdpa", inplace=False)``
+    ``forward`` as an ``nn.Module`` with the weights as buffers (no copies), for
+    ``torch.export.export``, AOTInductor and ``torchax.interop.JittableModule``.
+
+Conventions are HF's and the reference backend's (backends/reference/model.py):
+``[out, in]`` weights, rotate-half RoPE with ``angle = position * inv_freq`` from
+``ModelConfig.rope_inv_freq()``, K cached after RoPE, GQA head h reading KV head
+``h // (heads / kv_heads)``, SiLU-gated MLP.
+
+Numerics: RMSNorm runs in float32 for float16/bfloat16 activations (HF's
+LlamaRMSNorm: the mean of squares overflows fp16 and loses bf16's few mantissa bits),
+then casts back before the weight multiply; float32/float64 run in their own dtype.
+The RoPE tables are computed in float64 on the host exactly as the reference does and
+cast once to the compute dtype, so positions never lose precision to a float32
+``position * inv_freq``. Logits come back in float32 for half dtypes, else in the
+compute dtype.
+
+Static shapes: nothing in ``forward`` depends on tensor values on the host (no
+``.item()``, no data-dependent shapes or branches); Python-level choices depend only
+on shapes, dict keys and the static arguments, so ``torch.export`` and torchax trace it.
+
+Cache updates: out of place by default (``index_put`` on the whole cache, one layer
+at a time: caches in, caches out, as JAX needs; XLA and Inductor turn the scatter on
+a donated buffer into an in-place write, while eager torch copies the cache once per
+layer). ``inplace=True`` uses ``index_put_`` and returns the same tensors, for eager
+CUDA/CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from polyengine.models import Model, ModelConfig
+
+__all__ = ["TorchWeights", "forward", "StepModule", "rms_norm", "ATTENTION_IMPLS"]
+
+ATTENTION_IMPLS = ("sdpa", "eager")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True, eq=False)
+class TorchWeights:
+    """A model's weights for :func:`forward`: static config plus a dict of tensors.
+
+    ``tensors`` holds HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight``
+    ...), no ``lm_head.weight`` when the embeddings are tied (one tensor, not two
+    pytree leaves), fused ``self_attn.qkv_proj.*`` / ``mlp.gate_up_proj.*`` instead of
+    the separate projections when built with ``fuse_qkv`` / ``fuse_gate_up``, and
+    ``rope.cos`` / ``rope.sin`` of shape ``(max_positions, head_dim // 2)``.
+    """
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Model,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        fuse_qkv: bool = False,
+        fuse_gate_up: bool = False,
+        max_positions: int | None = None,
+    ) -> "TorchWeights":
+        """Wrap ``model.weights`` without a second host copy.
+
+        Each array goes through ``torch.from_numpy`` (shares memory) and at most one
+        ``.to(device, dtype)``: on CPU in float32 that is no copy at all, elsewhere one
+        copy into the target. Fusing costs one host concatenation per fused matrix
+        (the fused tensor is new memory; the Model's arrays stay as they are).
+        ``max_positions`` sizes the RoPE tables (default: the model's
+        ``max_position_embeddings``; an engine passes its cache length).
+        """
+        c = model.config
+        src = model.weights
+        device = torch.device(device) if device is not None else torch.device("cpu")
+
+        def put(arr: np.ndarray) -> torch.Tensor:
+            if any(stride < 0 for stride in arr.strides):
+                arr = np.ascontiguousarray(arr)  # torch.from_numpy refuses negative strides
+            with warnings.catch_warnings():
+                # Read-only arrays (memory-mapped files) are fine: nothing writes weights.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                t = torch.from_numpy(arr)
+            return t.to(device=device, dtype=dtype)
+
+        out: dict[str, torch.Tensor] = {}
+        fused: dict[str, tuple[str, ...]] = {}
+        for layer in range(c.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            if fuse_qkv:
+                fused[p + "self_attn.qkv_proj"] = tuple(p + f"self_attn.{n}_proj" for n in "qkv")
+            if fuse_gate_up:
+                fused[p + "mlp.gate_up_proj"] = (p + "mlp.gate_proj", p + "mlp.up_proj")
+        parts = {name for group in fused.values() for name in group}
+        for name, arr in src.items():
+            if name.rsplit(".", 1)[0] not in parts:
+                out[name] = put(arr)
+        for target, group in fused.items():
+            for kind in ("weight", "bias"):
+                if f"{group[0]}.{kind}" in src:
+                    out[f"{target}.{kind}"] = put(np.concatenate([src[f"{g}.{kind}"] for g in group]))
+        n = max_positions or c.max_position_embeddings
+        angles = np.arange(n, dtype=np.float64)[:, None] * c.rope_inv_freq()[None, :]  # (n, head_dim/2)
+        out["rope.cos"] = torch.from_numpy(np.cos(angles)).to(device=device, dtype=dtype)
+        out["rope.sin"] = torch.from_numpy(np.sin(angles)).to(device=device, dtype=dtype)
+        return cls(c, out)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors["model.embed_tokens.weight"].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors["model.embed_tokens.weight"].device
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.tensors["rope.cos"].shape[0])
+
+    def new_cache(self, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V caches ``[layers, rows, kv_heads, length, head_dim]``."""
+        c = self.config
+        shape = (c.num_hidden_layers, rows, c.num_key_value_heads, length, c.head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight``, in float32 for half inputs (HF's order)."""
+    dt = x.dtype
+    xf = x.float() if dt in _HALF else x
+    var = (xf * xf).mean(-1, keepdim=True)
+    return (xf / torch.sqrt(var + eps)).to(dt) * weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _linear(t: dict[str, torch.Tensor], x: torch.Tensor, name: str) -> torch.Tensor:
+    return F.linear(x, t[name + ".weight"], t.get(name + ".bias"))
+
+
+@dataclass
+class _Writes:
+    """Where each token's K/V goes: flat (N,) cache rows and positions, pad tokens
+    redirected (see :func:`_write_targets`)."""
+
+    rows: torch.Tensor  # (N, 1) int64
+    pos: torch.Tensor  # (N, 1) int64
+    heads: torch.Tensor  # (1, kv_heads) int64
+    live: torch.Tensor | None  # (N,) bool, None when every token writes
+    anchor: torch.Tensor | None  # () int64: the first live token (0 if none)
+    any_live: torch.Tensor | None  # () bool
+
+
+def _write_targets(rows: torch.Tensor, positions: torch.Tensor, write_mask: torch.Tensor | None, kv_heads: int) -> _Writes:
+    """Redirect pad tokens so that a scatter with them is a no-op.
+
+    A pad token may not simply write its own (row, position): it could alias a live
+    row. Dropping it needs a data-dependent shape, and writing back the old value
+    races with a live token writing the same cell (duplicate scatter indices have no
+    defined order). Instead every pad token takes the target *and the value* of one
+    anchor token (the first live one): duplicates then all write the same bits, in
+    any order. With no live token at all, the anchor writes its cell's old value.
+    """
+    b, t = positions.shape
+    r = rows[:, None].expand(b, t).reshape(-1)  # (N,)
+    p = positions.reshape(-1)  # (N,)
+    heads = torch.arange(kv_heads, device=rows.device)[None, :]
+    if write_mask is None:
+        return _Writes(r[:, None], p[:, None], heads, None, None, None)
+    live = write_mask.reshape(-1)
+    anchor = torch.argmax(live.to(torch.int32))  # first maximum: the first live token
+    r = torch.where(live, r, r[anchor])
+    p = torch.where(live, p, p[anchor])
+    return _Writes(r[:, None], p[:, None], heads, live, anchor, live.any())
+
+
+def _write(cache: torch.Tensor, layer: int, w: _Writes, new: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Scatter ``new`` (N, kv_heads, head_dim) into ``cache[layer]`` at ``w``'s targets."""
+    if w.live is not None:
+        old = cache[layer, w.rows[w.anchor, 0], :, w.pos[w.anchor, 0]]  # (kv_heads, head_dim)
+        fill = torch.where(w.any_live, new[w.anchor], old)
+        new = torch.where(w.live[:, None, None], new, fill)
+    if inplace:
+        cache[layer].index_put_((w.rows, w.heads, w.pos), new)
+        return cache
+    layer_idx = torch.full_like(w.rows, layer)
+    return cache.index_put((layer_idx, w.rows, w.heads, w.pos), new)
+
+
+def _attend(q, keys, vals, visible, scale, attention):
+    """q (B, kv_heads, G*T, hd), keys/vals (B, kv_heads, S, hd), visible (B, 1, G*T, S)."""
+    if attention == "sdpa":
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible, scale=scale)
+    scores = (q @ keys.transpose(-1, -2)) * scale  # (B, kv_heads, G*T, S)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if q.dtype in _HALF else q.dtype)
+    return probs.to(vals.dtype) @ vals
+
+
+def forward(
+    weights: TorchWeights,
+    tokens: torch.Tensor,  # (B, T) int
+    positions: torch.Tensor,  # (B, T) int64, absolute position of each token
+    k_cache: torch.Tensor,  # (layers, rows, kv_heads, S, head_dim)
+    v_cache: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,  # (B,) int64 cache row of each batch row; None: row b
+    write_mask: torch.Tensor | None = None,  # (B, T) bool, False for pad tokens
+    logits_at: torch.Tensor | None = None,  # (B,) int64 index into T
+    kv_len: int | None = None,  # static bound on the attended cache positions
+    attention: str = "sdpa",
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run ``tokens`` through the model, writing their K/V; returns
+    ``(logits, k_cache, v_cache)``, logits ``(B, vocab)`` with ``logits_at`` else
+    ``(B, T, vocab)``.
+
+    Requirements the caller keeps (no check can run inside without a host sync):
+    live tokens' positions lie in ``[0, S)`` and below ``weights.max_positions``; no
+    two live tokens write the same (row, position); every live query's position is
+    below ``kv_len``; a row's cache holds its own K/V at every position below each
+    of its queries (a prefix inserted there, earlier steps, or this call). Pad tokens
+    may carry any position (their RoPE index is clamped) and their logits are garbage.
+    ``rows=None`` means batch row b uses cache row b (needs ``B == cache rows``) and
+    saves a gather of the cache rows every layer.
+    """
+    if attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
+    c = weights.config
+    t = weights.tensors
+    b, seq = tokens.shape
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    group = nh // nkv
+    n_layers, n_rows, _, cache_len, _ = k_cache.shape
+    kv_len = cache_len if kv_len is None else int(kv_len)
+    if not 1 <= kv_len <= cache_len:
+        raise ValueError(f"kv_len {kv_len} must lie in [1, {cache_len}] (the cache length)")
+    if rows is None and b != n_rows:
+        raise ValueError(f"rows=None needs one batch row per cache row: batch {b}, cache rows {n_rows}")
+    device = tokens.device
+
+    table_pos = positions.clamp(0, t["rope.cos"].shape[0] - 1)
+    cos = t["rope.cos"][table_pos]  # (B, T, hd/2)
+    sin = t["rope.sin"][table_pos]
+    cos = torch.cat([cos, cos], dim=-1)[:, :, None, :]  # (B, T, 1, hd)
+    sin = torch.cat([sin, sin], dim=-1)[:, :, None, :]
+
+    # Key s is visible to a query at position p iff s <= p: the cache index is the
+    # position, and each row reads only its own cache row, so rows never mix.
+    key_pos = torch.arange(kv_len, device=device)
+    visible = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, kv_len)
+    # Queries are grouped per KV head as (group, T) so K/V are never repeated.
+    visible = visible.repeat(1, group, 1)[:, None]  # (B, 1, G*T, kv_len)
+
+    cache_rows = rows if rows is not None else torch.arange(b, device=device)
+    writes = _write_targets(cache_rows, positions, write_mask, nkv)
+    scale = 1.0 / math.sqrt(hd)
+    fused_qkv = "model.layers.0.self_attn.qkv_proj.weight" in t
+    fused_mlp = "model.layers.0.mlp.gate_up_proj.weight" in t
+
+    x = F.embedding(tokens, t["model.embed_tokens.weight"])  # (B, T, H)
+    for layer in range(n_layers):
+        pre = f"model.layers.{layer}."
+        h = rms_norm(x, t[pre + "input_layernorm.weight"], c.rms_norm_eps)
+        if fused_qkv:
+            q, k, v = _linear(t, h, pre + "self_attn.qkv_proj").split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        else:
+            q = _linear(t, h, pre + "self_attn.q_proj")
+            k = _linear(t, h, pre + "self_attn.k_proj")
+            v = _linear(t, h, pre + "self_attn.v_proj")
+        q = q.reshape(b, seq, nh, hd)
+        k = k.reshape(b, seq, nkv, hd)
+        q = q * cos + _rotate_half(q) * sin  # (B, T, nh, hd)
+        k = k * cos + _rotate_half(k) * sin  # (B, T, nkv, hd)
+
+        k_cache = _write(k_cache, layer, writes, k.reshape(b * seq, nkv, hd), inplace)
+        v_cache = _write(v_cache, layer, writes, v.reshape(b * seq, nkv, hd), inplace)
+        if rows is None:
+            keys = k_cache[layer, :, :, :kv_len]  # (B, nkv, kv_len, hd), a view
+            vals = v_cache[layer, :, :, :kv_len]
+        else:
+            keys = k_cache[layer, rows, :, :kv_len]  # gathered copy
+            vals = v_cache[layer, rows, :, :kv_len]
+
+        qg = q.reshape(b, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * seq, hd)
+        out = _attend(qg, keys, vals, visible, scale, attention)  # (B, nkv, G*T, hd)
+        out = out.reshape(b, nkv, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(b, seq, nh * hd)
+        x = x + _linear(t, out, pre + "self_attn.o_proj")
+
+        h = rms_norm(x, t[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        if fused_mlp:
+            gate, up = _linear(t, h, pre + "mlp.gate_up_proj").chunk(2, dim=-1)
+        else:
+            gate = _linear(t, h, pre + "mlp.gate_proj")
+            up = _linear(t, h, pre + "mlp.up_proj")
+        x = x + _linear(t, F.silu(gate) * up, pre + "mlp.down_proj")
+
+    if logits_at is not None:
+        x = x[torch.arange(b, device=device), logits_at]  # (B, H)
+    x = rms_norm(x, t["model.norm.weight"], c.rms_norm_eps)
+    head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+    logits = F.linear(x, head)  # (B, [T,] vocab)
+    if logits.dtype in _HALF:
+        logits = logits.float()
+    return logits, k_cache, v_cache
+
+
+class StepModule(torch.nn.Module):
+    """:func:`forward` as a module: weights registered as buffers (shared, not copied),
+    the static choices fixed at construction.
+
+    ``module(tokens, positions, k_cache, v_cache, rows=None, write_mask=None,
+    logits_at=None)`` returns ``(logits, k_cache, v_cache)``. Export one module per
+    bucket shape with ``torch.export.export(module, args)``.
+    """
+
+    def __init__(self, weights: TorchWeights, *, kv_len: int | None = None, attention: str = "sdpa", inplace: bool = False):
+        super().__init__()
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
+        self.config = weights.config
+        self.kv_len = kv_len
+        self.attention = attention
+        self.inplace = inplace
+        # Buffer names may not contain dots; keep the HF name beside each one.
+        self._names = {}
+        for name, tensor in weights.tensors.items():
+            buf = name.replace(".", "__")
+            self.register_buffer(buf, tensor, persistent=False)
+            self._names[buf] = name
+
+    def weights(self) -> TorchWeights:
+        return TorchWeights(self.config, {name: getattr(self, buf) for buf, name in self._names.items()})
+
+    def forward(self, tokens, positions, k_cache, v_cache, rows=None, write_mask=None, logits_at=None):
+        return forward(
+            self.weights(), tokens, positions, k_cache, v_cache, rows=rows, write_mask=write_mask,
+            logits_at=logits_at, kv_len=self.kv_len, attention=self.attention, inplace=self.inplace,
+        )
