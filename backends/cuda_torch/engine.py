@@ -231,7 +231,7 @@ class TorchEngine(EngineBase):
         finally:
             sampler.clear(0)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         n = toks.size
@@ -262,19 +262,19 @@ class TorchEngine(EngineBase):
         return ResultTokens(
             tokens=res.tokens.reshape(m, 1), valid=np.ones((m, 1), bool), lengths=np.asarray(lengths, np.int32),
             logprobs=res.logprobs.reshape(m, 1), top_ids=res.top_ids.reshape(m, 1, -1),
-            top_logprobs=res.top_logprobs.reshape(m, 1, -1), to_host=lambda t: t.detach().cpu().numpy(),
+            top_logprobs=res.top_logprobs.reshape(m, 1, -1), to_host=_host_array,
         )
 
     # -- insert ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _install(self, prefix: Prefix, state: TorchDecodeState, slot: int, sample_index: int) -> None:
         n = prefix.true_length
         state.k[:, slot, :, :n], state.v[:, slot, :, :n] = prefix.kv
         state.sampler.install(slot, prefix.sampling, prefix.prompt_tokens, sample_index=sample_index)
         state.slots[slot] = _Slot(prompt_len=n, completion=1)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def insert(self, prefix: Prefix, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
         state = decode_state
         state.wait()
@@ -287,7 +287,7 @@ class TorchEngine(EngineBase):
         state.next_tokens[slot] = prefix.first_token
         return state
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def bulk_insert(self, prefix: Prefix, decode_state: TorchDecodeState, slots: Sequence[int]):
         state = decode_state
         state.wait()
@@ -330,7 +330,7 @@ class TorchEngine(EngineBase):
             return state, ResultTokens.from_packed(buf, layout, start_copy=_copy_to_host_async, to_host=_finish_copy)
         return state, ResultTokens.from_packed(buf, layout, to_host=lambda t: t.numpy())
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _step(self, params, state: TorchDecodeState, forced, live, positions, lengths, kv_len, num_top) -> torch.Tensor:
         dev, n = self.torch_device, state.num_slots
         if forced:
@@ -382,7 +382,7 @@ class TorchEngine(EngineBase):
             last_logits=self._to_host(prefix.logits), sampling=prefix.sampling, model_fingerprint=self.model.fingerprint,
         )
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
         c = self.model.config
         portable.check_compatible(
@@ -398,6 +398,10 @@ class TorchEngine(EngineBase):
             kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0]), to_host=self._to_host, model_id=self.model_id,
         )
+
+
+def _host_array(t) -> np.ndarray:
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
 
 
 def _copy_to_host_async(buf: torch.Tensor):
