@@ -83,3 +83,64 @@ def test_weights_share_the_models_memory_on_the_cpu(model):
     w = eng.load_params()
     src = model.weights["model.layers.0.mlp.up_proj.weight"]
     assert w.tensors["model.layers.0.mlp.up_proj.weight"].data_ptr() == src.ctypes.data
+
+
+# -- the CPU kernels and int8 weights ----------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize(("n", "k"), [(7, 13), (64, 576), (130, 48)])
+def test_cpu_kernels_equal_torch_linear(m, n, k):
+    from polyengine.backends.cuda_torch.cpu_kernels import dequantize_int8, load, quantize_int8
+
+    kernels = load(2)
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    for group in (0, 16) if k % 16 == 0 else (0,):
+        q, scale = quantize_int8(w, group)
+        want = torch.nn.functional.linear(x, dequantize_int8(q, scale), b)
+        torch.testing.assert_close(kernels.linear(x, q, b, scale=scale), want, rtol=1e-5, atol=1e-4)
+        assert (dequantize_int8(q, scale) - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding: half a step
+
+
+def test_kernels_off_is_the_same_engine(model):
+    prompts, sp = [[1, 5, 9, 4, 2], [3, 3, 8]], SamplingParams(seed=5, max_tokens=8)
+    runs = []
+    for on in (True, False):
+        eng = TorchEngine(model, CFG.model_copy(update={"options": {"cpu_kernels": on}}))
+        runs.append([c.token_ids for c in LLM.from_engine(eng, tools=False).generate(prompts, sp)])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_int8_weights_on_the_default_model(default_gguf):
+    """int8 weight-only (per-channel) against float32 on the default model: the logits'
+    relative error and greedy agreement, with the bounds docs/cuda_torch.md states."""
+    real = load_model(default_gguf)
+    cfg = EngineConfig(max_slots=2, max_prefill_length=64, max_cache_length=128)
+    prompts = [real.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
+    f32 = TorchEngine(real, cfg)
+    report = {}
+    for mode, bound in (("int8", 0.25), ("int8-block32", 0.05)):
+        report[mode] = _int8_agreement(real, cfg, f32, prompts, mode)
+        assert report[mode]["rel_l2"] < bound, report
+    print("int8 weights vs float32 on the default model:", report)
+    assert sum(report["int8-block32"]["agree"]) >= 48
+
+
+def _int8_agreement(real, cfg, f32, prompts, mode):
+    from polyengine.sampling import raw_logprobs
+
+    i8 = TorchEngine(real, cfg.model_copy(update={"options": {"quantize": mode}}))
+    errs = []
+    for p in prompts:
+        a = f32.prefill(params=f32.load_params(), tokens=p, sampling=SamplingParams(temperature=0, seed=0))[0].host_logits()
+        b = i8.prefill(params=i8.load_params(), tokens=p, sampling=SamplingParams(temperature=0, seed=0))[0].host_logits()
+        errs.append(float(np.linalg.norm(b - a) / np.linalg.norm(a)))
+        assert abs(raw_logprobs(a).max() - raw_logprobs(b).max()) < 0.5
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [c.token_ids for c in LLM.from_engine(f32, tools=False).generate(prompts, sp)]
+    got = [c.token_ids for c in LLM.from_engine(i8, tools=False).generate(prompts, sp)]
+    agree = [next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), len(w)) for g, w in zip(got, want)]
+    return {"rel_l2": round(max(errs), 4), "agree": agree}

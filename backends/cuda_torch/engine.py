@@ -17,7 +17,8 @@ lengths); the tokens stay on the device until the driver reads them.
 from __future__ import annotations
 
 import math
-import os
+import subprocess
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, check_request
-from polyengine.errors import InsufficientMemory, InvalidRequest
+from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -38,6 +39,7 @@ from polyengine.backends.torch_common.sampling import TorchSampler
 __all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_QUANTIZE = {"": None, "int8": 0, "int8-block32": 32}  # option -> weights per scale (0: a whole row)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -108,6 +110,10 @@ class TorchEngine(EngineBase):
         "kv_block": 64,  # attention reads the cache up to the longest slot, rounded up to this
         "sampler_dtype": "float32",  # float64 for bit-for-bit greedy ties with the reference
         "threads": 0,  # CPU intra-op threads (0: torch's default)
+        "cpu_kernels": True,  # CPU: decode products through the host-compiled kernels (cpu_kernels.py)
+        # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
+        # 32 weights of a row (closer to float32); float32 accumulation either way
+        "quantize": "",
     }
 
     def __init__(self, model: Model, config: EngineConfig):
@@ -128,6 +134,10 @@ class TorchEngine(EngineBase):
             raise InvalidRequest(f"option kv_block={o['kv_block']} must be >= 1")
         if o["threads"] < 0:
             raise InvalidRequest(f"option threads={o['threads']} must be >= 0")
+        if o["quantize"] not in _QUANTIZE:
+            raise InvalidRequest(f"option quantize={o['quantize']!r}: use one of {sorted(_QUANTIZE)}")
+        if o["quantize"] and device.type != "cpu":
+            raise UnsupportedFeature("quantize='int8' on CUDA", self.name, "int8 weights run on the CPU path only")
         self.torch_device = device
         self.torch_dtype = _DTYPES[self.dtype]
         self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
@@ -140,6 +150,15 @@ class TorchEngine(EngineBase):
             device.type == "cpu" and o["async_steps"]) else None
         self._weights: TorchWeights | None = None
         self._prefill_sampler: TorchSampler | None = None
+        self._kernels = None
+        if device.type == "cpu" and o["cpu_kernels"] and self.torch_dtype == torch.float32:
+            from polyengine.backends.cuda_torch.cpu_kernels import load
+
+            try:
+                self._kernels = load(o["threads"] or None)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                warnings.warn(f"cuda_torch: the CPU kernels are unavailable ({exc}); using torch's matmul", stacklevel=2)
+        self._linear = self._cpu_linear if (self._kernels is not None or o["quantize"]) else None
 
     # -- construction ----------------------------------------------------------------------
 
@@ -171,6 +190,8 @@ class TorchEngine(EngineBase):
         needs = {}
         if not shares_host:  # on the CPU in float32 the Model's arrays are used as they are
             needs[f"{self.dtype} weights on {self.torch_device}"] = c.num_parameters() * item
+        if self.options["quantize"]:
+            needs["int8 copies of the projection weights"] = c.num_parameters()
         needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
             cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(item))
         needs["the sampler's per-slot tables and a step's logits"] = (
@@ -198,9 +219,43 @@ class TorchEngine(EngineBase):
         if self._weights is None:
             self._weights = self._allocating("the weights", lambda: TorchWeights.from_model(
                 self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length))
+            if self.options["quantize"]:
+                group = _QUANTIZE[self.options["quantize"]]
+                self._allocating("int8 weights", lambda: self._quantize(self._weights.tensors, group))
             self._prefill_sampler = TorchSampler(
                 self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
         return self._weights
+
+    @staticmethod
+    def _quantize(tensors: dict[str, torch.Tensor], group: int) -> None:
+        """Add ``<name>.qweight`` (int8) and ``<name>.scale`` for every projection and the
+        LM head; the float weights stay (on the CPU they are the Model's own arrays).
+        A matrix whose rows do not divide into groups gets per-channel scales."""
+        from polyengine.backends.cuda_torch.cpu_kernels import quantize_int8
+
+        names = [n[: -len(".weight")] for n in tensors if n.endswith("_proj.weight")]
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        for name, w in [(n, tensors[n + ".weight"]) for n in names] + [("lm_head", head)]:
+            g = group if group and w.shape[1] % group == 0 else 0
+            tensors[name + ".qweight"], tensors[name + ".scale"] = quantize_int8(w, g)
+
+    def _cpu_linear(self, t: dict[str, torch.Tensor], x: torch.Tensor, name: str) -> torch.Tensor:
+        """A projection on the CPU: the host kernels for the few rows of a decode step,
+        torch's GEMM for prefill; int8 weights when quantized (dequantized for a GEMM)."""
+        from polyengine.backends.cuda_torch.cpu_kernels import MAX_ROWS, dequantize_int8
+
+        bias = t.get(name + ".bias")
+        rows = x.numel() // x.shape[-1]
+        q = t.get(name + ".qweight")
+        if q is not None:
+            scale = t[name + ".scale"]
+            if rows <= MAX_ROWS and self._kernels is not None:
+                return self._kernels.linear(x, q, bias, scale=scale)
+            return torch.nn.functional.linear(x, dequantize_int8(q, scale), bias)
+        w = t[name + ".weight"] if name != "lm_head" else t.get("lm_head.weight", t["model.embed_tokens.weight"])
+        if rows <= MAX_ROWS and x.dtype == torch.float32:
+            return self._kernels.linear(x, w, bias)
+        return torch.nn.functional.linear(x, w, bias)
 
     def init_decode_state(self) -> TorchDecodeState:
         weights = self.load_params()
@@ -247,6 +302,7 @@ class TorchEngine(EngineBase):
         logits, k, v = forward(
             params, batch.to(dev), positions.to(dev), k, v, rows=None, write_mask=write.to(dev),
             logits_at=torch.tensor([n - 1], device=dev), attention=self.options["attention"], inplace=True,
+            linear=self._linear,
         )
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         first = self._first_token(logits[0], prompt, sampling)
@@ -345,7 +401,7 @@ class TorchEngine(EngineBase):
             logits, state.k, state.v = forward(
                 params, state.next_tokens[:, None], torch.tensor(positions, dtype=torch.int64, device=dev)[:, None],
                 state.k, state.v, rows=None, write_mask=live_mask[:, None], kv_len=kv_len,
-                attention=self.options["attention"], inplace=True,
+                attention=self.options["attention"], inplace=True, linear=self._linear,
             )
             res = state.sampler.sample(logits[:, 0], num_top=num_top)
             state.sampler.record(res.tokens, mask=live_mask)

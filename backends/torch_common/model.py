@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -248,6 +249,7 @@ def forward(
     kv_len: int | None = None,  # static bound on the attended cache positions
     attention: str = "sdpa",
     inplace: bool = False,
+    linear: Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run ``tokens`` through the model, writing their K/V; returns
     ``(logits, k_cache, v_cache)``, logits ``(B, vocab)`` with ``logits_at`` else
@@ -261,6 +263,11 @@ def forward(
     may carry any position (their RoPE index is clamped) and their logits are garbage.
     ``rows=None`` means batch row b uses cache row b (needs ``B == cache rows``) and
     saves a gather of the cache rows every layer.
+
+    ``linear(tensors, x, name)`` replaces every projection and the LM head (``name``
+    without ``.weight``; the head is ``"lm_head"`` even when tied), so an engine can
+    route them to its own kernels or quantized weights; None is ``F.linear`` on the
+    HF weights.
     """
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
@@ -293,19 +300,20 @@ def forward(
     cache_rows = rows if rows is not None else torch.arange(b, device=device)
     writes = _write_targets(cache_rows, positions, write_mask, nkv)
     scale = 1.0 / math.sqrt(hd)
-    fused_qkv = "model.layers.0.self_attn.qkv_proj.weight" in t
-    fused_mlp = "model.layers.0.mlp.gate_up_proj.weight" in t
+    fused_qkv = "model.layers.0.self_attn.qkv_proj.weight" in t or "model.layers.0.self_attn.qkv_proj.qweight" in t
+    fused_mlp = "model.layers.0.mlp.gate_up_proj.weight" in t or "model.layers.0.mlp.gate_up_proj.qweight" in t
+    lin = linear or _linear
 
     x = F.embedding(tokens, t["model.embed_tokens.weight"])  # (B, T, H)
     for layer in range(n_layers):
         pre = f"model.layers.{layer}."
         h = rms_norm(x, t[pre + "input_layernorm.weight"], c.rms_norm_eps)
         if fused_qkv:
-            q, k, v = _linear(t, h, pre + "self_attn.qkv_proj").split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q, k, v = lin(t, h, pre + "self_attn.qkv_proj").split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         else:
-            q = _linear(t, h, pre + "self_attn.q_proj")
-            k = _linear(t, h, pre + "self_attn.k_proj")
-            v = _linear(t, h, pre + "self_attn.v_proj")
+            q = lin(t, h, pre + "self_attn.q_proj")
+            k = lin(t, h, pre + "self_attn.k_proj")
+            v = lin(t, h, pre + "self_attn.v_proj")
         q = q.reshape(b, seq, nh, hd)
         k = k.reshape(b, seq, nkv, hd)
         q = q * cos + _rotate_half(q) * sin  # (B, T, nh, hd)
@@ -323,21 +331,23 @@ def forward(
         qg = q.reshape(b, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * seq, hd)
         out = _attend(qg, keys, vals, visible, scale, attention)  # (B, nkv, G*T, hd)
         out = out.reshape(b, nkv, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(b, seq, nh * hd)
-        x = x + _linear(t, out, pre + "self_attn.o_proj")
+        x = x + lin(t, out, pre + "self_attn.o_proj")
 
         h = rms_norm(x, t[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
         if fused_mlp:
-            gate, up = _linear(t, h, pre + "mlp.gate_up_proj").chunk(2, dim=-1)
+            gate, up = lin(t, h, pre + "mlp.gate_up_proj").chunk(2, dim=-1)
         else:
-            gate = _linear(t, h, pre + "mlp.gate_proj")
-            up = _linear(t, h, pre + "mlp.up_proj")
-        x = x + _linear(t, F.silu(gate) * up, pre + "mlp.down_proj")
+            gate = lin(t, h, pre + "mlp.gate_proj")
+            up = lin(t, h, pre + "mlp.up_proj")
+        x = x + lin(t, F.silu(gate) * up, pre + "mlp.down_proj")
 
     if logits_at is not None:
         x = x[torch.arange(b, device=device), logits_at]  # (B, H)
     x = rms_norm(x, t["model.norm.weight"], c.rms_norm_eps)
-    head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
-    logits = F.linear(x, head)  # (B, [T,] vocab)
+    if linear is None:
+        logits = F.linear(x, t.get("lm_head.weight", t["model.embed_tokens.weight"]))  # (B, [T,] vocab)
+    else:
+        logits = linear(t, x, "lm_head")
     if logits.dtype in _HALF:
         logits = logits.float()
     return logits, k_cache, v_cache

@@ -1,0 +1,150 @@
+// Skinny matrix products for the CPU decode step: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
+// M small (the live slots), weights float32 or int8 with a per-row scale.
+//
+// Why: a decode step is bound by streaming the weights from memory, and a one-row
+// product through a general GEMM library streams them well below the memory
+// bandwidth. Here each thread streams a band of weight rows exactly once per step and
+// applies every row of x to it while the rows sit in L1, so the bytes read per step
+// are the weights' size whatever M is. int8 weights read a quarter of the bytes.
+//
+// Built at first use with the host's compiler and -march=native (see cpu_kernels.py):
+// GCC's vector extensions become AVX-512, AVX2 or SSE code for the CPU it runs on.
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int8_t vb __attribute__((vector_size(VW)));
+
+static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline vf load_w(const float *p) { return load_f(p); }
+static inline vf load_w(const int8_t *p) { vb b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, vf); }
+static inline float wv(const float *p) { return *p; }
+static inline float wv(const int8_t *p) { return (float)*p; }
+
+static inline float hsum(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
+// MB rows of x against R rows of int8 W with one scale per GROUP weights of a row
+// (blockwise quantization): partial sums per group, scaled as each group ends.
+template <int MB, int R>
+static inline void block_grouped(const float *x, long ldx, const int8_t *w, long K, long n0, long group,
+                                 const float *scale, const float *bias, float *y, long ldy) {
+    vf acc[MB][R];
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = (vf){};
+    const long groups = K / group;
+    for (long g = 0; g < groups; g++) {
+        vf part[MB][R];
+        for (int m = 0; m < MB; m++)
+            for (int r = 0; r < R; r++) part[m][r] = (vf){};
+        for (long k = g * group; k < (g + 1) * group; k += VW) {
+            vf wr[R];
+            for (int r = 0; r < R; r++) wr[r] = load_w(w + (n0 + r) * K + k);
+            for (int m = 0; m < MB; m++) {
+                vf xv = load_f(x + m * ldx + k);
+                for (int r = 0; r < R; r++) part[m][r] += xv * wr[r];
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float sc = scale[(n0 + r) * groups + g];
+            for (int m = 0; m < MB; m++) acc[m][r] += part[m][r] * sc;
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) {
+            float s = hsum(acc[m][r]);
+            if (bias) s += bias[n0 + r];
+            y[m * ldy + n0 + r] = s;
+        }
+}
+
+// MB rows of x against R rows of W starting at row n0.
+template <int MB, int R, typename W>
+static inline void block(const float *x, long ldx, const W *w, long K, long n0,
+                         const float *scale, const float *bias, float *y, long ldy) {
+    vf acc[MB][R];
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = (vf){};
+    long k = 0;
+    for (; k + VW <= K; k += VW) {
+        vf wr[R];
+        for (int r = 0; r < R; r++) wr[r] = load_w(w + (n0 + r) * K + k);
+        for (int m = 0; m < MB; m++) {
+            vf xv = load_f(x + m * ldx + k);
+            for (int r = 0; r < R; r++) acc[m][r] += xv * wr[r];
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) {
+            float s = hsum(acc[m][r]);
+            for (long kk = k; kk < K; kk++) s += x[m * ldx + kk] * wv(w + (n0 + r) * K + kk);
+            if (scale) s *= scale[n0 + r];
+            if (bias) s += bias[n0 + r];
+            y[m * ldy + n0 + r] = s;
+        }
+}
+
+template <int R, typename W>
+static inline void rows(const float *x, long ldx, const W *w, long K, long n0, int M,
+                        const float *scale, const float *bias, float *y, long ldy) {
+    // x rows in groups that keep the accumulators in registers (AVX-512 has 32).
+    const int MB = (VW == 16) ? 4 : 2;
+    int m = 0;
+    for (; m + MB <= M; m += MB) block<MB, R>(x + m * ldx, ldx, w, K, n0, scale, bias, y + m * ldy, ldy);
+    for (; m < M; m++) block<1, R>(x + m * ldx, ldx, w, K, n0, scale, bias, y + m * ldy, ldy);
+}
+
+template <typename W>
+static void linear(const float *x, long ldx, const W *w, const float *scale, const float *bias,
+                   float *y, long ldy, int M, long N, long K, int threads) {
+    const int R = 4;
+    long tiles = N / R;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < tiles; t++) rows<R>(x, ldx, w, K, t * R, M, scale, bias, y, ldy);
+    for (long n = tiles * R; n < N; n++) rows<1>(x, ldx, w, K, n, M, scale, bias, y, ldy);
+}
+
+template <int R>
+static inline void rows_grouped(const float *x, long ldx, const int8_t *w, long K, long n0, int M, long group,
+                                const float *scale, const float *bias, float *y, long ldy) {
+    const int MB = (VW == 16) ? 4 : 2;
+    int m = 0;
+    for (; m + MB <= M; m += MB) block_grouped<MB, R>(x + m * ldx, ldx, w, K, n0, group, scale, bias, y + m * ldy, ldy);
+    for (; m < M; m++) block_grouped<1, R>(x + m * ldx, ldx, w, K, n0, group, scale, bias, y + m * ldy, ldy);
+}
+
+extern "C" {
+
+int pe_vector_width(void) { return VW; }
+
+void pe_linear_f32(const float *x, long ldx, const float *w, const float *bias, float *y, long ldy,
+                   int M, long N, long K, int threads) {
+    linear<float>(x, ldx, w, nullptr, bias, y, ldy, M, N, K, threads);
+}
+
+void pe_linear_i8(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
+                  float *y, long ldy, int M, long N, long K, int threads) {
+    linear<int8_t>(x, ldx, w, scale, bias, y, ldy, M, N, K, threads);
+}
+
+// group: weights per scale along K (a multiple of the vector width dividing K).
+void pe_linear_i8_grouped(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
+                          float *y, long ldy, int M, long N, long K, long group, int threads) {
+    const int R = 4;
+    long tiles = N / R;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < tiles; t++) rows_grouped<R>(x, ldx, w, K, t * R, M, group, scale, bias, y, ldy);
+    for (long n = tiles * R; n < N; n++) rows_grouped<1>(x, ldx, w, K, n, M, group, scale, bias, y, ldy);
+}
+
+}
