@@ -23,6 +23,16 @@ from polyengine.models import Model, ModelConfig, RopeScaling
 
 from polyengine.backends.torch_common.model import StepModule, TorchWeights, forward
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These tensors are tiny: a second thread gains nothing, and on a shared two-core
+    machine every parallel op can wait ~20 ms at a barrier for a descheduled thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 NP_DTYPE = {torch.float64: np.float64, torch.float32: np.float32}
 

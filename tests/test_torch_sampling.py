@@ -40,6 +40,16 @@ from polyengine.backends.torch_common.sampling import (
 _F32_EPS = 1e-5
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These tensors are tiny: a second thread gains nothing, and on a shared two-core
+    machine every parallel op can wait ~20 ms at a barrier for a descheduled thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # -- Threefry: bit for bit ------------------------------------------------------------------
 
 

@@ -38,12 +38,18 @@ tie order across devices, so this module states it explicitly: argmax as "lowest
 among the maxima", ordering by a *stable* descending sort (documented to keep the
 original, i.e. ascending-id, order of equal values).
 
-Precision: the work dtype is the sampler's ``dtype`` (logits are cast to it). In
-float64 the tokens equal the reference's and the log-probs agree to ~1e-15 (only
-summation order differs). In float32 the penalties, the temperature, the filters'
-cumulative sums and the uniforms round; a token can then differ from the
-reference's only where two candidates' perturbed scores, or a top-p/min-p boundary,
-are within float32 noise of each other (tests/test_torch_sampling.py bounds it).
+Precision: the work dtype is the sampler's ``dtype`` (float32 or float64; logits are
+cast to it). In float64 the tokens equal the reference's and the log-probs agree to
+~1e-15 (only summation order differs). In float32 the penalties, the temperature,
+the filters' cumulative sums and the Gumbel noise round; a token can then differ
+from the reference's only where two candidates' perturbed scores, or a top-p/min-p
+boundary, are within float32 noise of each other (tests/test_torch_sampling.py
+states and checks the bound).
+
+Cost (eager, 32 rows x 49152 vocabulary, two CPU cores): the draw's Threefry
+stream and Gumbel noise dominate plain sampling; top-p on a row without top-k sorts
+the whole vocabulary; ``torch.compile`` of :func:`sample` with fixed flags fuses the
+stream into one loop (``bench/torch_sampler_step.py`` measures all of these).
 
 The caller keeps what cannot be checked on the device: ``step < 2**20`` (the stream's
 counter layout), rows given to ``record``/``override`` distinct.
@@ -390,11 +396,14 @@ class TorchSampler:
     """Per-row sampler state on a device plus host mirrors of the parameters.
 
     The mirrors make the fast paths free: the flags come from the installed requests,
-    not from reading device tensors. Rows not installed are neutral (greedy, nothing
+    not from reading device tensors, and cover all of them, so they are valid for any
+    subset of rows a call addresses. Rows not installed are neutral (greedy, nothing
     active), so they never turn a path on; their tokens are meaningless.
     """
 
     def __init__(self, vocab_size: int, num_rows: int, eos_token_ids: Sequence[int], *, device=None, dtype: torch.dtype = torch.float32):
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the sampler works in float32 or float64, not {dtype}")
         eos = np.asarray(list(eos_token_ids), dtype=np.int64)
         _check_ids(eos, vocab_size, "eos_token_ids")
         self.vocab_size = vocab_size
