@@ -140,7 +140,7 @@ def test_flags_follow_the_installed_requests():
     assert flags.candidates is None  # a top-p row without top-k needs the whole order
     assert SamplerFlags.of([], 100) == SamplerFlags(
         greedy=False, sampling=False, bias=False, eos_mask=False, repetition=False,
-        presence_frequency=False, top_k=False, top_p=False, min_p=False, candidates=None,
+        presence_frequency=False, top_k=False, top_p=False, min_p=False, logprobs=False, candidates=None,
     )
 
 

@@ -161,6 +161,7 @@ class SamplerFlags:
     top_k: bool = True
     top_p: bool = True
     min_p: bool = True
+    logprobs: bool = True  # some row reports log-probs (else the raw log-softmax is skipped)
     candidates: int | None = None
 
     @classmethod
@@ -180,6 +181,7 @@ class SamplerFlags:
             top_k=bool(top_k),
             top_p=bool(top_p),
             min_p=any(p.min_p > 0.0 for p in drawn),
+            logprobs=any(p.logprobs for p in params),
             candidates=max(top_k) if top_k and bounded else None,
         )
 
@@ -336,7 +338,9 @@ def sample(
     b, v = logits.shape
     if v != state.vocab_size:
         raise ValueError(f"logits have {v} columns but the sampler's vocabulary is {state.vocab_size}")
-    raw = log_softmax(logits.to(state.dtype))  # reported log-probs: before any processing
+    # Reported log-probs are the raw model's, before any processing; a full pass over the
+    # vocabulary, skipped when no row reports them.
+    raw = log_softmax(logits.to(state.dtype)) if flags.logprobs or num_top else None
     x = penalised_logits(state, logits, rows, flags)
     # Step 3 for greedy rows; rows not installed are greedy too, but nobody reads them.
     tokens = argmax_lowest(x) if flags.greedy or not flags.sampling else None
@@ -348,6 +352,10 @@ def sample(
         g = threefry.gumbel(_rows(state.seed_lo, rows)[:, None], _rows(state.seed_hi, rows)[:, None], ids, ctr, dtype=state.dtype)
         drawn = argmax_lowest(logp + g)  # removed tokens are -inf: they never win
         tokens = drawn if tokens is None else torch.where(_rows(state.temperature, rows) > 0, drawn, tokens)
+    if raw is None:
+        zeros = torch.zeros(b, dtype=state.dtype, device=logits.device)
+        return SampleResult(tokens=tokens, logprobs=zeros, top_ids=torch.zeros((b, 0), dtype=torch.int64, device=logits.device),
+                            top_logprobs=zeros[:, None][:, :0])
     top_ids, top_lp = top_n(raw, num_top)
     return SampleResult(tokens=tokens, logprobs=raw.gather(-1, tokens[:, None])[:, 0], top_ids=top_ids, top_logprobs=top_lp)
 
