@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 from polyengine._version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from polyengine.driver import LLM, Completion
+    from polyengine.driver import LLM, AsyncLLM, Completion
     from polyengine.engine import Capabilities, DecodeState, Engine, EngineBase, EngineConfig, Prefix, ResultTokens
     from polyengine.errors import (
-        BackendUnavailable, InvalidRequest, ModelConfigError, ModelNotFound, PluginError,
+        BackendUnavailable, EngineClosed, InvalidRequest, ModelConfigError, ModelNotFound, PluginError,
         PolyengineError, QueueFull, SlotError, UnknownBackend, UnsupportedFeature, WeightsError,
     )
     from polyengine.plugins import (
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # environment, and every CLI call) costs almost nothing.
 _LAZY = {
     "LLM": "polyengine.driver",
+    "AsyncLLM": "polyengine.driver",
     "Completion": "polyengine.driver",
     **dict.fromkeys(
         ("Capabilities", "DecodeState", "Engine", "EngineBase", "EngineConfig", "Prefix", "ResultTokens"),
@@ -40,7 +41,7 @@ _LAZY = {
     ),
     **dict.fromkeys(
         ("PolyengineError", "BackendUnavailable", "UnknownBackend", "UnsupportedFeature", "InvalidRequest",
-         "SlotError", "QueueFull", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound"),
+         "SlotError", "QueueFull", "EngineClosed", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound"),
         "polyengine.errors",
     ),
     **dict.fromkeys(
@@ -55,6 +56,7 @@ __all__ = [
     "__version__",
     "PROTOCOL_VERSION",
     "LLM",
+    "AsyncLLM",
     "Completion",
     "Capabilities",
     "DecodeState",
@@ -79,6 +81,7 @@ __all__ = [
     "InvalidRequest",
     "SlotError",
     "QueueFull",
+    "EngineClosed",
     "PluginError",
     "WeightsError",
     "ModelConfigError",
