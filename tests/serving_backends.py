@@ -1,6 +1,6 @@
 """Test backends for the async driver and the server, registered in-process.
 
-``test-slow`` is the reference engine in float32 that sleeps ``STEP_DELAY`` seconds in
+``test_slow`` is the reference engine in float32 that sleeps ``STEP_DELAY`` seconds in
 every ``prefill`` and ``generate`` (so a request lasts long enough to disconnect, fill
 the queue or shut down mid-stream on any machine) and declares less than the
 reference, like tests/restricted_backend.py: no penalties, no min_p, no bulk_insert
@@ -25,7 +25,7 @@ UNDECLARED = frozenset({"repetition_penalty", "presence_penalty", "frequency_pen
 
 
 class SlowEngine(ReferenceEngine):
-    name = "test-slow"
+    name = "test_slow"
 
     def __init__(self, model: Model, config: EngineConfig, delay: float = STEP_DELAY):
         super().__init__(model, config.model_copy(update={"dtype": "float32"}))
@@ -52,6 +52,6 @@ def create_slow_engine(*, model: Model, config: EngineConfig) -> SlowEngine:
 @hookimpl
 def polyengine_backends():
     return [BackendSpec(
-        name="test-slow", description="reference engine, slow and declaring little (tests/serving_backends.py)",
+        name="test_slow", description="reference engine, slow and declaring little (tests/serving_backends.py)",
         protocol_version=PROTOCOL_VERSION, probe=lambda: Probe(True), factory=create_slow_engine,
     )]
