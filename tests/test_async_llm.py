@@ -54,9 +54,9 @@ def test_concurrent_requests_match_the_synchronous_driver(model):
 
 
 def test_the_event_loop_keeps_running_while_the_engine_steps(model):
-    """Each engine step sleeps 0.2 s; a 10 ms ticker on the loop must never stall that
+    """Each engine step sleeps 0.5 s; a 10 ms ticker on the loop must never stall that
     long (it would if a step ran on the loop or the loop waited on the scheduler lock)."""
-    llm = slow_llm(model, delay=0.2)
+    llm = slow_llm(model, delay=0.5)
 
     async def main():
         gaps, stop = [], asyncio.Event()
@@ -70,15 +70,15 @@ def test_the_event_loop_keeps_running_while_the_engine_steps(model):
                 last = now
 
         tick = asyncio.create_task(ticker())
-        c = await llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        c = await llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         stop.set()
         await tick
         await llm.shutdown()
         return c, gaps
 
     c, gaps = run(main())
-    assert len(c.token_ids) == 4
-    assert len(gaps) > 20 and max(gaps) < 0.15, max(gaps)
+    assert len(c.token_ids) == 3
+    assert len(gaps) > 30 and max(gaps) < 0.25, max(gaps)
 
 
 def test_closing_a_stream_cancels_and_frees_the_slot_at_the_next_step(model):

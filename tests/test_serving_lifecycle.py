@@ -123,7 +123,7 @@ def test_a_client_that_disconnects_while_queued_leaves_the_queue(server):
 
 
 def test_sigterm_refuses_new_work_finishes_what_fits_cancels_the_rest_and_exits_0(tmp_path):
-    grace = 2.0
+    grace = 3.0
     s = LiveServer([*ARGS, "--max-slots", "2", "--shutdown-timeout", str(grace)], tmp_path / "server.log",
                    test_backends=True)
 
@@ -156,7 +156,7 @@ def test_sigterm_refuses_new_work_finishes_what_fits_cancels_the_rest_and_exits_
                 except httpx.ConnectError:
                     return True
 
-            refused_fast = await asyncio.to_thread(wait_until, refused, 1.5)
+            refused_fast = await asyncio.to_thread(wait_until, refused, grace)
             results = await asyncio.wait_for(asyncio.gather(*readers), grace + 10)
             return refused_fast, results, t0
 
