@@ -13,8 +13,9 @@ tokens, and ``logprobs`` so that every token arrives in a chunk of its own). Tim
 first token is from sending the request to its first token's chunk; inter-token
 latency is the gap between a request's successive token chunks.
 Percentiles are over all requests of a level; the table's ``p50`` is the median.
-Run it on an idle machine: the client shares the CPUs with the server. Needs httpx
-(``pip install 'polyengine[test]'``).
+Run it on an idle machine: the client shares the CPUs with the server (``--baseline``
+adds the in-process driver's tokens/s for the same load, measured in the same run, and
+the server's share of it). Needs httpx (``pip install 'polyengine[test]'``).
 """
 
 from __future__ import annotations
@@ -127,6 +128,27 @@ async def level(url: str, model: str, clients: int, per_client: int, max_tokens:
     }
 
 
+def driver_baseline(args, clients: int, per_client: int, slots: int) -> float:
+    """Output tokens/s of the same requests through the in-process driver (no HTTP),
+    ``clients`` kept in flight as the HTTP clients do: the server's overhead is the ratio."""
+    from polyengine import LLM, SamplingParams
+
+    llm = driver_baseline.llm = getattr(driver_baseline, "llm", None) or LLM(
+        args.model, args.backend, max_slots=slots, max_queue=1024)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=True)
+    todo = [llm.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+            for i in range(clients * per_client)]
+    active, done = [], []
+    t0 = time.perf_counter()
+    while todo or active:
+        while todo and len(active) < clients:
+            active.append(llm.submit(todo.pop(0), sp))
+        llm.step()
+        done += [r for r in active if r.done]
+        active = [r for r in active if not r.done]
+    return sum(len(r.completion.token_ids) for r in done) / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -137,6 +159,9 @@ def main() -> None:
     ap.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--baseline", action="store_true",
+                    help="also run the same load through the in-process driver (same run, same machine) and "
+                         "print the server's share of its throughput")
     args = ap.parse_args()
     proc = None
     url = args.url
@@ -150,7 +175,7 @@ def main() -> None:
         print(f"server: {url}, model {model!r}, backend {info['backend']}, {args.max_slots} slots; "
               f"{args.max_tokens} tokens per request, {args.requests_per_client} requests per client\n")
         head = ("clients", "requests", "errors", "req/s", "out tok/s", "TTFT p50", "TTFT p90", "TTFT p99",
-                "ITL p50", "ITL p90", "ITL p99")
+                "ITL p50", "ITL p90", "ITL p99") + (("driver tok/s", "server/driver") if args.baseline else ())
         print("| " + " | ".join(head) + " |")
         print("|" + "|".join("-" * (len(h) + 2) for h in head) + "|")
         for c in args.clients:
@@ -159,6 +184,9 @@ def main() -> None:
             row = (str(c), str(r["requests"]), str(r["errors"]), f"{r['req_s']:.2f}", f"{r['tok_s']:.1f}",
                    ms(r["ttft_p50"]), ms(r["ttft_p90"]), ms(r["ttft_p99"]),
                    ms(r["itl_p50"]), ms(r["itl_p90"]), ms(r["itl_p99"]))
+            if args.baseline:
+                base = driver_baseline(args, c, args.requests_per_client, args.max_slots)
+                row += (f"{base:.1f}", f"{r['tok_s'] / base:.2f}")
             print("| " + " | ".join(v.rjust(len(h)) for v, h in zip(row, head)) + " |", flush=True)
     finally:
         if proc is not None:
