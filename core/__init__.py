@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 from polyengine._version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from polyengine.driver import LLM, Completion
+    from polyengine.driver import LLM, AsyncLLM, Completion
     from polyengine.engine import (
         Capabilities, DecodeState, Engine, EngineBase, EngineConfig, Override, Prefix, ResultLayout, ResultTokens,
     )
     from polyengine.errors import (
-        BackendUnavailable, InsufficientMemory, InvalidRequest, ModelConfigError, ModelNotFound, PluginError,
+        BackendUnavailable, EngineClosed, InsufficientMemory, InvalidRequest, ModelConfigError, ModelNotFound,
+        PluginError,
         PolyengineError, QueueFull, SlotError, UnknownBackend, UnsupportedFeature, WeightsError,
     )
     from polyengine.plugins import (
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # environment, and every CLI call) costs almost nothing.
 _LAZY = {
     "LLM": "polyengine.driver",
+    "AsyncLLM": "polyengine.driver",
     "Completion": "polyengine.driver",
     **dict.fromkeys(
         ("Capabilities", "DecodeState", "Engine", "EngineBase", "EngineConfig", "Override", "Prefix", "ResultLayout",
@@ -43,7 +45,7 @@ _LAZY = {
     ),
     **dict.fromkeys(
         ("PolyengineError", "BackendUnavailable", "UnknownBackend", "UnsupportedFeature", "InvalidRequest",
-         "SlotError", "QueueFull", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound",
+         "SlotError", "QueueFull", "EngineClosed", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound",
          "InsufficientMemory"),
         "polyengine.errors",
     ),
@@ -59,6 +61,7 @@ __all__ = [
     "__version__",
     "PROTOCOL_VERSION",
     "LLM",
+    "AsyncLLM",
     "Completion",
     "Capabilities",
     "DecodeState",
@@ -85,6 +88,7 @@ __all__ = [
     "InvalidRequest",
     "SlotError",
     "QueueFull",
+    "EngineClosed",
     "PluginError",
     "WeightsError",
     "ModelConfigError",

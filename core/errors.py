@@ -15,6 +15,7 @@ __all__ = [
     "InvalidRequest",
     "SlotError",
     "QueueFull",
+    "EngineClosed",
     "PluginError",
     "WeightsError",
     "ModelConfigError",
@@ -74,7 +75,15 @@ class UnsupportedFeature(PolyengineError, NotImplementedError):
 
 
 class InvalidRequest(PolyengineError, ValueError):
-    """A request (prompt, sampling parameters, slot) is malformed or over a limit."""
+    """A request (prompt, sampling parameters, slot) is malformed or over a limit.
+
+    ``field`` names the request field at fault when one is (a SamplingParams field
+    such as ``"top_p"``), so a server can report it without parsing the message.
+    """
+
+    def __init__(self, message: str = "", *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class SlotError(InvalidRequest):
@@ -83,6 +92,10 @@ class SlotError(InvalidRequest):
 
 class QueueFull(PolyengineError, RuntimeError):
     """The driver's bounded request queue is full; retry later or raise ``max_queue``."""
+
+
+class EngineClosed(PolyengineError, RuntimeError):
+    """The engine is shutting down or has stopped; it takes no new requests."""
 
 
 class PluginError(PolyengineError, RuntimeError):

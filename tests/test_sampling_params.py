@@ -101,3 +101,16 @@ def test_with_seed_replace_coerce():
     assert SamplingParams.coerce(s) is s
     with pytest.raises(Exception):
         s.temperature = 0.3  # frozen
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(top_p=2), "top_p"),
+    (dict(n=0), "n"),
+    (dict(bogus=1), "bogus"),
+    (dict(min_tokens=5, max_tokens=3), "min_tokens"),  # cross-field: the first field the message names
+    (dict(top_logprobs=2), "top_logprobs"),
+])
+def test_invalid_request_names_the_field_at_fault(kwargs, field):
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field

@@ -90,10 +90,15 @@ class Completion:
 
 @dataclass
 class StreamDelta:
-    """New text of one sample, with the token ids that produced it."""
+    """New text of one sample, with the token ids that produced it.
+
+    ``logprobs`` and ``top_logprobs`` hold one entry per token id, as in
+    :class:`CompletionOutput`, when the request asked for them (else None).
+    """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[int, float]] | None = None

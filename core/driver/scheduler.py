@@ -310,12 +310,13 @@ class Scheduler:
         if reason is None and n >= s.limit:
             reason = "length"
         lps = None if out.logprobs is None else [lp]
+        tops = None if out.top_logprobs is None else [out.top_logprobs[-1]]
         if reason is None:
-            req.events.append(StreamDelta(s.index, text, [token], None, lps))
+            req.events.append(StreamDelta(s.index, text, [token], None, lps, tops))
             return forced
         out.stop_reason = stop_reason
         tail = text + ("" if s.text.stopped_by else s.text.finish())
-        req.events.append(StreamDelta(s.index, tail, [token], reason, lps))
+        req.events.append(StreamDelta(s.index, tail, [token], reason, lps, tops))
         self._finish(req, s, reason, event=False)
         return True
 

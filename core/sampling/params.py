@@ -12,6 +12,7 @@ doing any work.
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -130,7 +131,7 @@ class SamplingParams(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise InvalidRequest(_describe(exc)) from None
+            raise InvalidRequest(_describe(exc), field=_first_field(exc)) from None
 
     @classmethod
     def create(cls, **kwargs: Any) -> "SamplingParams":
@@ -196,6 +197,17 @@ def _allowed_range(name: str) -> str | None:
     left = "(" if lo_open or lo is None else "["
     right = ")" if hi_open or hi is None else "]"
     return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+
+
+def _first_field(exc: ValidationError) -> str | None:
+    """The field the first error is about; a cross-field check (empty location) is
+    blamed on the first field its message names."""
+    err = exc.errors()[0]
+    if err["loc"]:
+        return str(err["loc"][0])
+    found = [(m.start(), name) for name in SamplingParams.model_fields
+             for m in [re.search(rf"\b{name}\b", err["msg"])] if m]
+    return min(found)[1] if found else None
 
 
 def _describe(exc: ValidationError) -> str:

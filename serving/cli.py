@@ -1,0 +1,121 @@
+"""``polyengine serve``: the OpenAI-compatible server from the command line.
+
+:func:`add_command` is the ``polyengine.commands`` entry point (the core CLI adds it
+as a sub-command); ``python -m polyengine.serving`` runs the same command. Importing
+this module costs nothing: the web stack loads when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from polyengine.errors import PolyengineError
+
+__all__ = ["add_command", "configure", "main", "run"]
+
+_DEPS = ("fastapi", "uvicorn", "prometheus_client")
+
+
+def add_command(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API (needs polyengine[serve]).")
+    configure(p)
+    p.set_defaults(func=run)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF folder, plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", default="auto", help="backend name or 'auto' (see `polyengine backends`)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, announced on stderr)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $POLYENGINE_API_KEY, else none)")
+    p.add_argument("--max-queue", type=int, default=128, help="requests waiting for a slot before new ones get 429")
+    p.add_argument("--max-slots", type=int, default=8, help="requests decoded together (engine slots)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="prompt + completion tokens per request (default: 2048, or the model's limit if smaller)")
+    p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: --model as given, or SmolLM2-135M-Instruct)")
+    p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are cancelled")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g = p.add_argument_group("replicas on Ray Serve (needs ray[serve], in polyengine[serve])")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="run N engine replicas behind one endpoint on Ray Serve")
+    g.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster (e.g. ray://head:10001 or 'auto'); default: start a local one on 127.0.0.1")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+
+
+def _check_deps(extra: Sequence[str] = ()) -> None:
+    import importlib.util
+
+    missing = [m for m in (*_DEPS, *extra) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise PolyengineError(f"`polyengine serve` needs {', '.join(missing)}; fix: pip install 'polyengine[serve]'")
+
+
+def run(args: argparse.Namespace) -> int:
+    from polyengine.serving.config import LOOPBACK_HOSTS, ServerConfig
+
+    config = ServerConfig(
+        model=args.model, backend=args.backend, served_model_name=args.served_model_name, host=args.host,
+        port=args.port, api_key=args.api_key or os.environ.get("POLYENGINE_API_KEY") or None,
+        max_queue=args.max_queue, max_slots=args.max_slots, context_length=args.context_length, dtype=args.dtype,
+        tools=not args.no_tools, shutdown_timeout=args.shutdown_timeout,
+    )
+    if config.host not in LOOPBACK_HOSTS and not config.api_key:
+        print(f"polyengine serve: warning: binding {config.host} without --api-key: anyone who can reach "
+              f"this address can use the server", file=sys.stderr)
+    if args.replicas is not None:
+        _check_deps(("ray",))
+        from polyengine.serving.replicas import run_replicas
+
+        return run_replicas(config, replicas=args.replicas, address=args.ray_address,
+                            replica_cpus=args.replica_cpus, log_level=args.log_level)
+    _check_deps()
+    from polyengine.serving.app import build_app
+    from polyengine.serving.config import build_engine
+    from polyengine.serving.server import bind, serve
+
+    sock = bind(config.host, config.port)  # fail on a taken port before loading the model
+    t0 = time.monotonic()
+    print(f"polyengine serve: loading {config.model or 'the default model'}...", file=sys.stderr, flush=True)
+    try:
+        engine, name = build_engine(config)
+    except BaseException:
+        sock.close()
+        raise
+    print(f"polyengine serve: serving {name!r} on backend {engine.engine.name} "
+          f"({config.max_slots} slots, context {engine.engine.max_cache_length}, "
+          f"loaded in {time.monotonic() - t0:.1f}s)", file=sys.stderr, flush=True)
+    app = build_app(config, engine, name)
+    try:
+        return serve(app, sock, shutdown_timeout=config.shutdown_timeout, log_level=args.log_level,
+                     access_log=args.access_log)
+    finally:
+        engine.close()  # no-op after a normal shutdown; stops the engine thread if serving failed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m polyengine.serving``: the serve command on its own."""
+    parser = argparse.ArgumentParser(prog="python -m polyengine.serving",
+                                     description="Serve a model over an OpenAI-compatible HTTP API.")
+    configure(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except PolyengineError as exc:
+        print(f"polyengine serve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,78 @@
+"""What a server is started with, and how its engine is built from it.
+
+A :class:`ServerConfig` is plain data: the standalone server builds its engine from it
+before binding the port, and each Ray Serve replica builds its own from the same
+config (it travels to the replicas, so it holds no engine and no open resources).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polyengine.errors import InvalidRequest
+
+__all__ = ["ServerConfig", "build_engine", "LOOPBACK_HOSTS"]
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``context_length`` is prompt + completion per request (the engine's
+    ``max_cache_length``; default 2048 or the model's limit if smaller), ``max_slots``
+    the requests decoded together, ``max_queue`` the requests waiting for a slot
+    before new ones get 429. ``shutdown_timeout`` bounds how long in-flight requests
+    may run after SIGTERM."""
+
+    model: str | None = None
+    backend: str = "auto"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)
+    max_queue: int = 128
+    max_slots: int = 8
+    context_length: int | None = None
+    dtype: str | None = None
+    tools: bool = True
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_slots"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.context_length is not None and self.context_length < 2:
+            raise InvalidRequest("--context-length must be at least 2")
+        if self.shutdown_timeout < 0:
+            raise InvalidRequest("--shutdown-timeout must be >= 0 seconds")
+        if not 0 <= self.port < 65536:
+            raise InvalidRequest(f"--port must be in [0, 65535], got {self.port}")
+
+
+def served_name(config: ServerConfig, model: Any) -> str:
+    """The model id clients send: ``--served-model-name``, else ``--model`` as given,
+    else the default model's file name up to its first dot (``SmolLM2-135M-Instruct``)."""
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model:
+        return config.model
+    return Path(model.source).name.split(".")[0]
+
+
+def build_engine(config: ServerConfig, progress: Any = None) -> tuple[Any, str]:
+    """Load the model and start an AsyncLLM for it; returns ``(engine, served name)``."""
+    from polyengine.driver import LLM, AsyncLLM
+    from polyengine.models import load_model
+    from polyengine.plugins import select_backend
+
+    select_backend(config.backend)  # an unknown or unavailable backend is reported before loading weights
+    model = load_model(config.model, progress=progress)
+    context = config.context_length or min(2048, model.config.max_position_embeddings)
+    engine_config: dict[str, Any] = dict(max_slots=config.max_slots, max_cache_length=context,
+                                         max_prefill_length=context - 1)
+    if config.dtype:
+        engine_config["dtype"] = config.dtype
+    llm = LLM(model, config.backend, tools=config.tools, max_queue=config.max_queue, **engine_config)
+    return AsyncLLM.from_llm(llm), served_name(config, model)

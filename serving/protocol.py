@@ -1,0 +1,199 @@
+"""The OpenAI request bodies the server accepts, and their translation to SamplingParams.
+
+Only the shape is checked here (types, unknown or unsupported fields); value ranges
+are the core's (``SamplingParams``), so the server and the Python API refuse the
+same values with the same words. A parameter that cannot be honoured is refused,
+never ignored: unknown fields, tool calling, structured output, ``echo``, ``suffix``
+and ``best_of`` other than ``n``. ``user`` is accepted: it identifies the caller and
+changes nothing in the output (as in OpenAI's API).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from polyengine.errors import InvalidRequest
+from polyengine.sampling.params import SamplingParams
+from polyengine.serving.errors import invalid
+
+__all__ = ["CompletionRequest", "ChatRequest", "parse_body", "to_sampling", "chat_messages"]
+
+# Extra fields (vLLM's names) for sampler features OpenAI's API lacks.
+_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
+_PYDANTIC_TAGS = {"str", "int", "float", "bool", "list", "dict", "list[int]", "list[str]", "list[list[int]]"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's legacy default: 16 tokens unless max_tokens says otherwise.
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Templates may read fields beyond role and content (name, tool_call_id, ...).
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+def _param(loc: tuple) -> str:
+    """A pydantic location as an OpenAI param: ``messages[0].content``."""
+    out = str(loc[0])
+    for part in loc[1:]:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part not in _PYDANTIC_TAGS and "[" not in str(part) and "-" not in str(part):
+            out += f".{part}"
+    return out
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Decode and shape-check a JSON body; APIError 400 naming the field otherwise."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"could not parse the request body as JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid(f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if not err["loc"]:
+            raise invalid(err["msg"]) from None
+        param = _param(err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise invalid(f"unrecognized request argument supplied: {param}", param=param) from None
+        if err["type"] == "missing":
+            raise invalid(f"missing required parameter: {param}", param=param) from None
+        raise invalid(f"{param}: {err['msg']}", param=param) from None
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise invalid("echo=true is not supported (the prompt is not returned with the completion)", "echo")
+        if req.suffix:
+            raise invalid("suffix is not supported (no fill-in-the-middle)", "suffix")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise invalid("best_of other than n is not supported (no server-side ranking of samples)", "best_of")
+    if isinstance(req, ChatRequest):
+        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+            if getattr(req, name) is not None:
+                raise invalid(f"{name}: tool calling is not supported by this server", name)
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise invalid('response_format: only {"type": "text"} is supported (no structured output)',
+                          "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+
+
+def to_sampling(req: _Common) -> tuple[SamplingParams, dict[str, str]]:
+    """SamplingParams for the request (with a seed: the caller's or a fresh one, so
+    every prompt of the request shares it and the response can report it), and the
+    map from SamplingParams fields back to the request's parameter names."""
+    _refuse_unsupported(req)
+    names = {f: f for f in SamplingParams.model_fields}
+    values: dict[str, Any] = {}
+    for field in ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", *_EXTRAS):
+        if getattr(req, field) is not None:
+            values[field] = getattr(req, field)
+    if req.stop is not None:
+        values["stop"] = req.stop
+    if req.logit_bias:
+        try:
+            values["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise invalid("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatRequest):
+        if req.max_completion_tokens is not None:
+            if max_tokens is not None and max_tokens != req.max_completion_tokens:
+                raise invalid("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
+            max_tokens = req.max_completion_tokens
+            names["max_tokens"] = "max_completion_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        if req.logprobs:
+            values["logprobs"] = True
+            values["top_logprobs"] = req.top_logprobs or 0
+    elif req.logprobs is not None:  # /v1/completions: logprobs=k asks for k alternatives
+        values["logprobs"] = True
+        values["top_logprobs"] = req.logprobs
+        names["top_logprobs"] = names["logprobs"] = "logprobs"
+    if max_tokens is not None:
+        values["max_tokens"] = max_tokens
+    try:
+        sampling = SamplingParams(**values)
+    except InvalidRequest as exc:
+        raise invalid(str(exc), names.get(exc.field, exc.field)) from None
+    return sampling.with_seed(), names
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The conversation as template input: text parts joined, None fields dropped."""
+    out = []
+    for i, m in enumerate(req.messages):
+        msg = m.model_dump(exclude_none=True)
+        if m.content is None:
+            raise invalid(f"messages[{i}].content is missing: every message needs text content",
+                          f"messages[{i}].content")
+        if isinstance(m.content, list):
+            msg["content"] = "".join(part.text for part in m.content)
+        out.append(msg)
+    return out

@@ -1,0 +1,138 @@
+"""Replicas on Ray Serve: N engines behind one HTTP endpoint.
+
+Each replica hosts the same FastAPI app as the standalone server (``serve.ingress``
+with a builder that runs inside the replica) and builds its own AsyncLLM from the
+:class:`ServerConfig` when it starts, so weights load in the replica's process, never
+through Ray's object store. Ray Serve's proxy listens on ``--host``/``--port`` and
+routes each request to a replica; a replica whose queue is full still answers 429.
+Responses carry ``x-polyengine-replica`` (the replica's id); ``/metrics`` is the
+metrics of whichever replica answers (Ray's own metrics cover the cluster).
+
+Local by default: a Ray cluster started here with every listener on 127.0.0.1
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``; without it Ray binds the machine's external
+interface) and token auth off unless ``RAY_AUTH_MODE`` says otherwise. With
+``--ray-address`` the replicas join an existing cluster, whose settings are its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from polyengine.errors import InvalidRequest
+from polyengine.serving.config import ServerConfig
+
+__all__ = ["run_replicas", "deployment"]
+
+APP_NAME = "polyengine"
+# The server moves no large objects through Ray; a small store keeps a local cluster light.
+LOCAL_OBJECT_STORE_BYTES = 256 << 20
+
+
+def _keep_replica_grpc_on_loopback() -> None:
+    """Ray Serve (2.60) binds each replica's inter-deployment gRPC server to ``[::]:0``,
+    every interface, with no setting to change it. In a cluster we started on loopback,
+    bind it to 127.0.0.1 instead (the node's own address there). Runs in the replica
+    before Ray Serve starts that server; a Ray without the helper is left alone."""
+    from ray.serve._private import replica as replica_module
+
+    original = getattr(replica_module, "add_port_to_grpc_server", None)
+    if original is None or getattr(original, "polyengine_loopback", False):
+        return
+
+    def on_loopback(server: Any, address: str) -> Any:
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address[len("[::]:"):]
+        return original(server, address)
+
+    on_loopback.polyengine_loopback = True  # type: ignore[attr-defined]
+    replica_module.add_port_to_grpc_server = on_loopback
+
+
+def _app_builder(config: ServerConfig, loopback: bool) -> Callable[[], Any]:
+    # serve.ingress runs a plain function (not a partial) inside each replica.
+    def build() -> Any:
+        from ray import serve
+
+        from polyengine.serving.app import build_app
+
+        if loopback:
+            _keep_replica_grpc_on_loopback()
+        replica = serve.get_replica_context().replica_id.unique_id
+        return build_app(config, replica_id=replica)
+
+    return build
+
+
+def deployment(config: ServerConfig, *, replicas: int, replica_cpus: float = 1.0, loopback: bool = False) -> Any:
+    """The Ray Serve application: ``replicas`` copies of the server app.
+
+    A replica takes up to ``max_slots + max_queue`` requests at once, what its engine
+    runs or queues; beyond that Ray Serve's router holds requests back. Shutdown
+    gives in-flight requests ``shutdown_timeout`` seconds, as the standalone server does.
+    ``loopback``: the cluster is local to this machine and must listen on 127.0.0.1 only.
+    """
+    from ray import serve
+
+    ingress = serve.ingress(_app_builder(config, loopback))()
+    return serve.deployment(
+        ingress,
+        name=APP_NAME,
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": replica_cpus},
+        max_ongoing_requests=config.max_slots + config.max_queue,
+        graceful_shutdown_timeout_s=config.shutdown_timeout,
+    ).bind()
+
+
+def run_replicas(config: ServerConfig, *, replicas: int, address: str | None = None, replica_cpus: float = 1.0,
+                 log_level: str = "info") -> int:
+    """Start (or join) a Ray cluster, run the replicas behind ``config.host:port`` until
+    SIGTERM or SIGINT, then shut Serve down gracefully; the exit status."""
+    if replicas < 1:
+        raise InvalidRequest(f"--replicas must be at least 1, got {replicas}")
+    if config.port == 0:
+        raise InvalidRequest("--port 0 is not supported with --replicas: Ray Serve's proxy needs a fixed port")
+    if replica_cpus < 0:
+        raise InvalidRequest("--replica-cpus must be >= 0")
+    if address is None:
+        cpus = os.cpu_count() or 1
+        if replicas * replica_cpus > cpus:
+            raise InvalidRequest(f"{replicas} replicas x {replica_cpus} CPUs exceed this machine's {cpus} CPUs; "
+                                 f"lower --replica-cpus (fractions are fine) or --replicas")
+        # Read by Ray when it is imported: set before the import below.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import logging
+
+    import ray
+    from ray import serve
+
+    verbose = log_level in ("info", "debug")
+    level = getattr(logging, log_level.upper())
+    if address is None:
+        ray.init(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=verbose,
+                 logging_level=level)
+    else:
+        ray.init(address=address, log_to_driver=verbose, logging_level=level)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port},
+                    logging_config={"log_level": log_level.upper()})
+        app = deployment(config, replicas=replicas, replica_cpus=replica_cpus, loopback=address is None)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"polyengine serve: {replicas} replica(s) on Ray Serve, listening on "
+              f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("polyengine serve: shutting down the replicas", file=sys.stderr, flush=True)
+        serve.shutdown()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        ray.shutdown()
+    return 0
