@@ -1,15 +1,19 @@
-"""The CPU decode step's matrix products, compiled for the host at first use.
+"""The CPU decode step, compiled for the host at first use.
 
 ``kernels/linear.cpp`` holds skinny products ``y = x @ W.T`` for a few rows of ``x``
-(the live slots of a decode step), float32 or int8 weights with per-row scales. It
-is compiled once per host ISA with the system's C++ compiler and ``-march=native``
-into a cache folder, then called through ctypes on the tensors' memory: no Python
-extension build, no torch headers, about a second of compiling. Where no compiler
-works, :func:`load` says why and the engine stays on ``torch.nn.functional.linear``.
+(the live slots of a decode step), float32 or int8 weights with per-row or per-group
+scales; ``kernels/decode.cpp`` a whole fused decode step (every layer for the live
+rows, in one call) built on them. Both are compiled once per host ISA with the
+system's C++ compiler and ``-march=native`` into a cache folder, then called through
+ctypes on the tensors' memory: no Python extension build, no torch headers, a few
+seconds of compiling. Where no compiler works, :func:`load` says why and the engine
+stays on the shared torch forward.
 
-Only the CPU path uses it, for float32 activations and at most :data:`MAX_ROWS` rows
-(beyond that a GEMM library is compute-bound and faster); it is a switch of the
-engine (option ``cpu_kernels``), kept because the benchmark shows it helps.
+Only the CPU path uses them, for float32 activations: :class:`CpuKernels.linear` for
+at most :data:`MAX_ROWS` rows (beyond that a GEMM library is compute-bound and
+faster), :class:`FusedDecoder` for decode steps. Each is a switch of the engine
+(options ``cpu_kernels`` and ``fused_decode``), kept only because the benchmark shows
+it helps.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CpuKernels", "load", "quantize_int8", "dequantize_int8", "MAX_ROWS"]
+__all__ = ["CpuKernels", "FusedDecoder", "load", "quantize_int8", "dequantize_int8", "MAX_ROWS"]
 
 MAX_ROWS = 16
-_SOURCE = Path(__file__).with_name("kernels") / "linear.cpp"
+_KERNELS = Path(__file__).with_name("kernels")
+_SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp
 _lock = threading.Lock()
 _loaded: dict[int, "CpuKernels"] = {}
 
@@ -62,6 +67,8 @@ class CpuKernels:
                scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (* scale) + bias`` for float32 ``x`` (..., K); ``weight`` (N, K)
         float32, or int8 with ``scale`` (N,) float32."""
+        if not weight.is_contiguous():
+            raise ValueError("the CPU kernels need contiguous weights")
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
@@ -88,7 +95,7 @@ def _compile(target: Path) -> None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)]
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-I", str(_KERNELS), "-o", str(tmp), str(_SOURCE)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling {_SOURCE.name} failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
@@ -101,8 +108,9 @@ def load(threads: int | None = None) -> CpuKernels:
     with _lock:
         if threads in _loaded:
             return _loaded[threads]
-        digest = hashlib.blake2b(_SOURCE.read_bytes(), digest_size=8).hexdigest()
-        path = _cache_dir() / f"linear-{digest}-{_isa_tag()}.so"
+        sources = b"".join(p.read_bytes() for p in sorted(_KERNELS.glob("*.cpp")))
+        digest = hashlib.blake2b(sources, digest_size=8).hexdigest()
+        path = _cache_dir() / f"cpu-step-{digest}-{_isa_tag()}.so"
         if not path.exists():
             _compile(path)
         lib = ctypes.CDLL(str(path))
@@ -112,6 +120,8 @@ def load(threads: int | None = None) -> CpuKernels:
         lib.pe_linear_i8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, int_]
         lib.pe_linear_i8_grouped.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_]
         lib.pe_linear_f32.restype = lib.pe_linear_i8.restype = lib.pe_linear_i8_grouped.restype = None
+        lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+        lib.pe_decode.restype = None
         kernels = CpuKernels(lib, threads, path)
         _loaded[threads] = kernels
         return kernels
@@ -134,3 +144,95 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if scale.dim() == 1:
         return q.to(torch.float32) * scale[:, None]
     return (q.to(torch.float32).reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, k)
+
+
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = ([("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+                + [(p, ctypes.c_void_p) for p in _PROJECTIONS]
+                + [(p + "_scale", ctypes.c_void_p) for p in _PROJECTIONS]
+                + [(p + "_bias", ctypes.c_void_p) for p in _PROJECTIONS])
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_long) for n in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers",
+                                             "cache_rows", "cache_len")] + [
+        ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int)]
+
+
+class FusedDecoder:
+    """A whole decode step on the CPU in one call (``kernels/decode.cpp``).
+
+    Built once per engine over the weights dict of :class:`TorchWeights` (float32, or
+    with the engine's int8 ``.qweight``/``.scale`` entries) and the decode state's cache
+    shape; :meth:`step` advances M rows by one token each, writing their K/V into the
+    cache tensors, and returns the hidden states after the last layer (before the final
+    norm). Holds references to every tensor it points at.
+    """
+
+    def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
+                 cache_len: int, quantized: bool):
+        c = config
+        self.kernels, self.config = kernels, c
+        self._keep: list[torch.Tensor] = []
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            if not t.is_contiguous() or t.dtype not in (torch.float32, torch.int8):
+                raise ValueError(f"the fused decoder needs contiguous float32/int8 tensors, got {t.dtype}")
+            self._keep.append(t)
+            return t.data_ptr()
+
+        group = 0
+        self.layers = (_Layer * c.num_hidden_layers)()
+        for i in range(c.num_hidden_layers):
+            pre = f"model.layers.{i}."
+            entry = self.layers[i]
+            entry.input_norm = ptr(tensors[pre + "input_layernorm.weight"])
+            entry.post_norm = ptr(tensors[pre + "post_attention_layernorm.weight"])
+            for p in _PROJECTIONS:
+                name = pre + _NAMES[p]
+                if quantized:
+                    scale = tensors[name + ".scale"]
+                    g = 0 if scale.dim() == 1 else tensors[name + ".qweight"].shape[1] // scale.shape[1]
+                    if i == 0 and p == "q":
+                        group = g
+                    elif g != group:
+                        raise ValueError("the fused decoder needs one int8 grouping for every projection")
+                    setattr(entry, p, ptr(tensors[name + ".qweight"]))
+                    setattr(entry, p + "_scale", ptr(scale))
+                else:
+                    setattr(entry, p, ptr(tensors[name + ".weight"]))
+                setattr(entry, p + "_bias", ptr(tensors.get(name + ".bias")))
+        self.dims = _Dims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                          c.head_dim, c.num_hidden_layers, cache_rows, cache_len, c.rms_norm_eps, int(quantized), group,
+                          kernels.threads)
+        self.cos, self.sin = ptr(tensors["rope.cos"]), ptr(tensors["rope.sin"])
+        self._scratch: torch.Tensor | None = None
+
+    def _scratch_for(self, m: int) -> torch.Tensor:
+        c, d = self.config, self.dims
+        need = m * (2 * c.q_size + 2 * c.kv_size + 2 * c.intermediate_size + 2 * c.hidden_size) + m * d.heads * d.cache_len
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        return self._scratch
+
+    def step(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor) -> torch.Tensor:
+        """``x`` (M, hidden) float32 embeddings of the tokens fed, in place -> the last
+        layer's hidden states; ``rows``/``positions`` (M,) int32; caches float32."""
+        m = x.shape[0]
+        if not (x.is_contiguous() and x.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the fused decoder needs contiguous float32 activations and caches")
+        rows = rows.to(torch.int32).contiguous()
+        positions = positions.to(torch.int32).contiguous()
+        scratch = self._scratch_for(m)
+        self.kernels.lib.pe_decode(ctypes.byref(self.dims), self.layers, x.data_ptr(), m, rows.data_ptr(),
+                                   positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self.cos, self.sin,
+                                   scratch.data_ptr())
+        return x

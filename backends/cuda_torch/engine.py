@@ -33,7 +33,7 @@ from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
-from polyengine.backends.torch_common.model import ATTENTION_IMPLS, TorchWeights, forward
+from polyengine.backends.torch_common.model import ATTENTION_IMPLS, TorchWeights, forward, rms_norm
 from polyengine.backends.torch_common.sampling import TorchSampler
 
 __all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
@@ -111,6 +111,7 @@ class TorchEngine(EngineBase):
         "sampler_dtype": "float32",  # float64 for bit-for-bit greedy ties with the reference
         "threads": 0,  # CPU intra-op threads (0: torch's default)
         "cpu_kernels": True,  # CPU: decode products through the host-compiled kernels (cpu_kernels.py)
+        "fused_decode": True,  # CPU: the whole decode step in one host-compiled call (needs cpu_kernels)
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
         "quantize": "",
@@ -159,6 +160,7 @@ class TorchEngine(EngineBase):
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
                 warnings.warn(f"cuda_torch: the CPU kernels are unavailable ({exc}); using torch's matmul", stacklevel=2)
         self._linear = self._cpu_linear if (self._kernels is not None or o["quantize"]) else None
+        self._fused = None  # the FusedDecoder, built with the weights when fused_decode applies
 
     # -- construction ----------------------------------------------------------------------
 
@@ -222,6 +224,12 @@ class TorchEngine(EngineBase):
             if self.options["quantize"]:
                 group = _QUANTIZE[self.options["quantize"]]
                 self._allocating("int8 weights", lambda: self._quantize(self._weights.tensors, group))
+            if self._kernels is not None and self.options["fused_decode"]:
+                from polyengine.backends.cuda_torch.cpu_kernels import FusedDecoder
+
+                self._fused = FusedDecoder(self._kernels, self._weights.tensors, self.model.config,
+                                           cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
+                                           quantized=bool(self.options["quantize"]))
             self._prefill_sampler = TorchSampler(
                 self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
         return self._weights
@@ -397,7 +405,9 @@ class TorchEngine(EngineBase):
         live_mask = torch.zeros(n, dtype=torch.bool)
         live_mask[live] = True
         live_mask = live_mask.to(dev)
-        if live:
+        if live and self._fused is not None:
+            tokens, logprobs, top_ids, top_lp = self._fused_step(params, state, live, positions, num_top)
+        elif live:
             logits, state.k, state.v = forward(
                 params, state.next_tokens[:, None], torch.tensor(positions, dtype=torch.int64, device=dev)[:, None],
                 state.k, state.v, rows=None, write_mask=live_mask[:, None], kv_len=kv_len,
@@ -418,6 +428,24 @@ class TorchEngine(EngineBase):
             logprobs.to(torch.float32).view(torch.int32)[:, None], top_ids.to(torch.int32),
             top_lp.to(torch.float32).contiguous().view(torch.int32),
         ], dim=1)
+
+    def _fused_step(self, params: TorchWeights, state: TorchDecodeState, live: list[int], positions: list[int], num_top: int):
+        """The CPU decode step through the fused kernel: only the live rows are computed,
+        then the final norm, the LM head and the sampler (rows addressed by slot)."""
+        t, n = params.tensors, state.num_slots
+        rows = torch.tensor(live, dtype=torch.int64)
+        x = t["model.embed_tokens.weight"][state.next_tokens[rows]].contiguous()  # (M, hidden)
+        self._fused.step(x, rows, torch.tensor([positions[i] for i in live]), state.k, state.v)
+        x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
+        logits = self._cpu_linear(t, x, "lm_head")  # (M, vocab)
+        res = state.sampler.sample(logits, rows, num_top=num_top)
+        state.sampler.record(res.tokens, rows=rows)
+        state.next_tokens[rows] = res.tokens
+        tokens = torch.zeros(n, dtype=torch.int64).index_put_((rows,), res.tokens)
+        logprobs = torch.zeros(n, dtype=res.logprobs.dtype).index_put_((rows,), res.logprobs)
+        top_ids = torch.zeros((n, res.top_ids.shape[1]), dtype=torch.int64).index_put_((rows,), res.top_ids)
+        top_lp = torch.zeros((n, res.top_logprobs.shape[1]), dtype=res.top_logprobs.dtype).index_put_((rows,), res.top_logprobs)
+        return tokens, logprobs, top_ids, top_lp
 
     def free_resource(self, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
         state = decode_state
