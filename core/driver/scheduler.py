@@ -124,6 +124,8 @@ class Scheduler:
         self._pending: tuple[ResultTokens, dict[int, tuple[Request, _Sample]]] | None = None
         self._eos = frozenset(engine.eos_token_ids)
         self._lock = threading.RLock()
+        # Requests whose stream was dropped unread: cancelled when the lock is next taken.
+        self._abandoned: deque[Request] = deque()
 
     # -- admission -----------------------------------------------------------------------
 
@@ -158,6 +160,7 @@ class Scheduler:
     def enqueue(self, req: Request) -> None:
         """Queue a prepared request; QueueFull when ``max_queue`` requests are waiting."""
         with self._lock:
+            self._reap()
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"request queue is full ({self.max_queue} waiting); retry later or raise max_queue")
             self._queue.append(req)
@@ -179,9 +182,19 @@ class Scheduler:
                 self._release(s)
             req.status = "cancelled"
 
+    def abandon(self, req: Request) -> None:
+        """Cancel ``req`` at the next step: safe from a finalizer, which may run while this
+        thread is inside the scheduler (a deque append takes no lock)."""
+        self._abandoned.append(req)
+
+    def _reap(self) -> None:
+        while self._abandoned:
+            self.cancel(self._abandoned.popleft())
+
     @property
     def busy(self) -> bool:
         with self._lock:
+            self._reap()
             return bool(self._queue or self._slots or self._pending)
 
     @property
@@ -226,6 +239,7 @@ class Scheduler:
         result, as :class:`~polyengine.engine.Override` requires.
         """
         with self._lock:
+            self._reap()
             if self._pending is not None and not self._may_pipeline():
                 self._process(*self._pending)
                 self._pending = None
