@@ -10,6 +10,7 @@ on ``PYTHONPATH``.
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -71,13 +72,21 @@ def install(root: Path, dists: list[Dist]) -> Path:
     return target
 
 
+MEMORY_LIMIT = 3 * 1024**3  # address space of every child (what `ulimit -v` limits)
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
 def python(site: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 60,
            stdin: str | None = None) -> subprocess.CompletedProcess:
-    """``python ARGS`` with ``site`` on the path."""
+    """``python ARGS`` with ``site`` on the path, under :data:`MEMORY_LIMIT` and ``timeout``."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).parent)]), **(env or {})}
     # Bytes in and out: stdin may carry undecodable bytes (written as surrogate escapes).
     proc = subprocess.run([sys.executable, *args], capture_output=True, env=full_env, timeout=timeout,
-                          input=None if stdin is None else stdin.encode("utf-8", "surrogateescape"))
+                          input=None if stdin is None else stdin.encode("utf-8", "surrogateescape"),
+                          preexec_fn=_limit_memory)
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode("utf-8", "replace"),
                                        proc.stderr.decode("utf-8", "replace"))
 
