@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
         Capabilities, DecodeState, Engine, EngineBase, EngineConfig, Override, Prefix, ResultLayout, ResultTokens,
     )
     from polyengine.errors import (
-        BackendUnavailable, InsufficientMemory, InvalidRequest, ModelConfigError, ModelNotFound, PluginError,
-        PolyengineError, QueueFull, SlotError, UnknownBackend, UnsupportedFeature, WeightsError,
+        BackendUnavailable, InsufficientMemory, InvalidRequest, ModelConfigError, ModelNotFound, NumericalError,
+        PluginError, PolyengineError, QueueFull, SlotError, UnknownBackend, UnsupportedFeature, WeightsError,
     )
     from polyengine.plugins import (
         BackendSpec, Probe, create_engine, hookimpl, list_backends, register_plugin,
@@ -44,7 +44,7 @@ _LAZY = {
     **dict.fromkeys(
         ("PolyengineError", "BackendUnavailable", "UnknownBackend", "UnsupportedFeature", "InvalidRequest",
          "SlotError", "QueueFull", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound",
-         "InsufficientMemory"),
+         "InsufficientMemory", "NumericalError"),
         "polyengine.errors",
     ),
     **dict.fromkeys(
@@ -90,6 +90,7 @@ __all__ = [
     "ModelConfigError",
     "ModelNotFound",
     "InsufficientMemory",
+    "NumericalError",
 ]
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "ModelConfigError",
     "ModelNotFound",
     "InsufficientMemory",
+    "NumericalError",
     "ToolError",
 ]
 
@@ -136,6 +137,11 @@ class InsufficientMemory(PolyengineError, MemoryError):
         self.available = available
         self.where = where
         super().__init__(message)
+
+
+class NumericalError(PolyengineError, ArithmeticError):
+    """The model's output at a step is not a number (NaN logits): an overflow in the
+    backend's arithmetic, or non-finite weights. Not caused by the request's parameters."""
 
 
 class ToolError(PolyengineError, ValueError):

@@ -66,7 +66,7 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
     if not isinstance(hf, dict):
         raise ModelConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
     f = Fields(hf, source)
-    model_type = f.raw("model_type", None)
+    model_type = f.string("model_type", None)
     archs = f.strings("architectures", [])
     if model_type not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(f"{k} ({'/'.join(v)})" for k, v in SUPPORTED_ARCHITECTURES.items())

@@ -41,9 +41,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from polyengine.errors import InsufficientMemory, ModelConfigError, ModelNotFound
+from polyengine.errors import InsufficientMemory, ModelConfigError, ModelNotFound, WeightsError
 from polyengine.memory import available_host_memory as available_memory, check_fits, translating_memory_errors
 from polyengine.models.config import ModelConfig
+from polyengine.models.metadata import Fields
 from polyengine.models.model import Model
 
 __all__ = [
@@ -215,8 +216,9 @@ def _load_gguf(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
         "quantization": g.quantization_summary(),
         "dtype": str(dt),
     }
-    if "general.name" in g.metadata:
-        meta["name"] = str(g.metadata["general.name"])
+    name = Fields(g.metadata, str(path), error=WeightsError).string("general.name", None, max_chars=1024)
+    if name is not None:
+        meta["name"] = name
     return Model(config=config, weights=weights, tokenizer=tokenizer, source=str(path), meta=meta)
 
 

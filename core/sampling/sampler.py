@@ -39,7 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
-from polyengine.errors import InvalidRequest
+from polyengine.errors import InvalidRequest, NumericalError
 from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.threefry import gumbel
 
@@ -147,6 +147,13 @@ def _penalised_logits(logits_row: np.ndarray, row: RowState, eos_token_ids: Sequ
         counts = np.bincount(row.completion_tokens, minlength=vocab).astype(np.float64)
         x -= p.presence_penalty * (counts > 0) + p.frequency_penalty * counts
 
+    if np.isnan(x).any():
+        # NaN compares false with everything: left alone it would look like "every token
+        # masked" and be blamed on min_tokens.
+        raise NumericalError(
+            f"the model's logits are NaN for {int(np.isnan(x).sum())} of {vocab} tokens at this step: an overflow "
+            "in the backend's arithmetic or non-finite weights, not the sampling parameters; try a wider dtype"
+        )
     if not np.any(x > -np.inf):
         raise InvalidRequest(
             "every token is masked at this step (min_tokens/ignore_eos mask the EOS and stop "
