@@ -152,6 +152,31 @@ def template_builds_a_giant_list(tmp):
     _chat("{% set a = [0] * 1000000000 %}{{ a | length }}")
 
 
+@case(InvalidRequest, "chat template", "formatting", seconds=10)
+def template_formats_a_field_four_billion_wide(tmp):
+    _chat("{{ '{:>4000000000}'.format(1) }}")
+
+
+@case(InvalidRequest, "chat template", "characters", seconds=10)
+def template_doubles_a_string_in_a_namespace(tmp):
+    _chat("{% set ns = namespace(s='xx') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}")
+
+
+@case(InvalidRequest, "chat template", "replacing", seconds=10)
+def template_replaces_the_empty_string(tmp):
+    _chat("{{ ('x' * 1000000).replace('', 'yyyy') }}")
+
+
+@case(InvalidRequest, "chat template", "|sum", seconds=10)
+def template_sums_lists_quadratically(tmp):
+    _chat("{% set l = [[1] * 50000] * 40 %}{{ l|sum(start=[])|length }}")
+
+
+@case(InvalidRequest, "chat template", "|indent", seconds=10)
+def template_indents_a_million_lines_by_four_thousand(tmp):
+    _chat("{{ ('\n' * 1000000)|indent(4000) }}")
+
+
 @case(InvalidRequest, "chat template", seconds=10)
 def template_recurses_forever(tmp):
     _chat("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")

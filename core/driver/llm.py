@@ -62,6 +62,8 @@ class LLM:
         self.engine = engine
         self.tokenizer = tokenizer
         self.tools = None
+        if not isinstance(tools, (bool, list, tuple)) and tools is not None:
+            raise InvalidRequest(f"tools must be True, False or a list of polyengine.tools.Tool, not {type(tools).__name__}")
         if tools and tokenizer is not None:
             from polyengine.tools import ToolMachine
 
@@ -186,6 +188,9 @@ class LLM:
     def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
+        if not isinstance(prompts, Sequence) and not hasattr(prompts, "__array__"):
+            raise InvalidRequest(f"prompts must be a string, a list of token ids or a list of prompts, "
+                                 f"not {type(prompts).__name__}")
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):
             return [prompts]  # one prompt given as token ids

@@ -185,9 +185,14 @@ def load_model(
 def _load_path(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            with open(path, "rb") as f:
-                if f.read(4) != b"GGUF":
-                    raise ModelNotFound(f"{path} is neither a .gguf file nor a model folder")
+            try:
+                with open(path, "rb") as f:
+                    magic = f.read(4)
+            except OSError as exc:
+                raise ModelNotFound(f"{path} cannot be read ({exc.strerror or exc}); pass a .gguf file or a model "
+                                    f"folder") from None
+            if magic != b"GGUF":
+                raise ModelNotFound(f"{path} is neither a .gguf file nor a model folder")
         return _load_gguf(path, dt, progress)
     if (path / "config.json").is_file():
         return _load_hf_folder(path, dt, progress)

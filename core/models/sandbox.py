@@ -84,7 +84,14 @@ def size_of(value: Any, budget: int | None = None, known: dict[int, int] | None 
             stack.extend(v.values())
         elif isinstance(v, (list, tuple, set, frozenset)):
             total += len(v)
-            stack.extend(v)
+            # Lists of one scalar kind are measured at C speed; only mixed ones are walked.
+            kinds = set(map(type, v))
+            if kinds == {str}:
+                total += sum(map(len, v))
+            elif kinds == {int}:
+                total += sum(map(int.bit_length, v)) // 3
+            elif not kinds <= {float, bool, type(None)}:
+                stack.extend(v)
         else:
             total += 1
     return total
@@ -169,6 +176,22 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         _estimate_binop(self, operator, left, right)
         return self.checked(super().call_binop(context, operator, left, right))
 
+    def wrap_str_format(self, value: Any) -> Any:
+        """The sandbox's ``str.format``/``format_map`` wrapper, estimated before it runs."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        fmt = value.__self__
+
+        def bounded(*args: Any, **kwargs: Any) -> str:
+            values = list(args) + list(kwargs.values())
+            if value.__name__ == "format_map" and args and isinstance(args[0], dict):
+                values = list(args[0].values())
+            _refuse("formatting a string", _format_estimate(self, fmt, values))
+            return self.checked(wrapped(*args, **kwargs))
+
+        return bounded
+
     def call(*args: Any, **kwargs: Any) -> Any:
         self, context, obj, args = args[0], args[1], args[2], args[3:]
         name = getattr(obj, "__name__", None)
@@ -183,7 +206,8 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
 def _refuse(what: str, estimate: float) -> None:
     if estimate > _cap():
-        raise TemplateLimit(f"{what} would build about {estimate:,.0f} characters; at most {_cap():,} are allowed")
+        size = "an unbounded number of" if math.isinf(estimate) else f"about {estimate:,.0f}"
+        raise TemplateLimit(f"{what} would build {size} characters; at most {_cap():,} are allowed")
 
 
 def _width(value: Any) -> int:
@@ -251,14 +275,9 @@ def _str_join(env: BoundedEnvironment, s: str, args: tuple, kwargs: dict) -> Non
         _refuse("joining strings", env._size(items) + len(s) * len(items))
 
 
-def _str_format(env: BoundedEnvironment, s: str, args: tuple, kwargs: dict) -> None:
-    _refuse("formatting a string", _format_estimate(env, s, list(args) + list(kwargs.values())))
-
-
 _STR_GROWTH: dict[str, Callable[[BoundedEnvironment, str, tuple, dict], None]] = {
     "ljust": _str_pad, "rjust": _str_pad, "center": _str_pad, "zfill": _str_pad,
     "expandtabs": _str_expandtabs, "replace": _str_replace, "join": _str_join,
-    "format": _str_format, "format_map": _str_format,
 }
 
 
@@ -298,9 +317,12 @@ def _filter_estimate(env: BoundedEnvironment, name: str, args: tuple, kwargs: di
         if size > _MAX_JSON_INDENT:
             raise TemplateLimit(f"|tojson indent of {size}; at most {_MAX_JSON_INDENT} is allowed")
     elif name == "sum" and not isinstance(arg(1, "start", 0), (int, float)):
-        # Summing sequences copies the running total at every step: quadratic.
-        count = len(value) if isinstance(value, (list, tuple)) else 0
-        _refuse("|sum of sequences", count * text)
+        # Summing sequences copies the running total at every step: quadratic in the
+        # items, each counted as often as it appears.
+        items = value if isinstance(value, (list, tuple)) else ()
+        sizes: dict[int, int] = {}
+        total = sum(sizes.setdefault(id(x), env._size(x)) for x in items)
+        _refuse("|sum of sequences", len(items) * total / 2)
 
 
 def bound_filters(env: BoundedEnvironment) -> None:

@@ -160,6 +160,9 @@ class ToolMachine:
         and is left out.
         """
         tools = available_tools() if tools is None else list(tools)
+        for tool in tools:
+            if not isinstance(tool, Tool):
+                raise InvalidRequest(f"tools must be polyengine.tools.Tool objects, got {type(tool).__name__}")
         bound = []
         for tool in tools:
             ids = [tokenizer.token_to_id(d) for d in tool.delimiters]
