@@ -134,12 +134,19 @@ def gguf_template_of_sixteen_megabytes(tmp):
 
 @case(InvalidRequest, "chat template", "seconds", seconds=10)
 def template_loops_for_hours(tmp):
-    _chat("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}")
+    # Writes nothing, so only the deadline can stop it (the same loop writing "x" hits
+    # the output bound first: see template_writes_gigabytes).
+    _chat("{% for i in range(100000) %}{% for j in range(100000) %}{% if false %}x{% endif %}{% endfor %}{% endfor %}")
 
 
 @case(InvalidRequest, "chat template", "characters", seconds=10)
 def template_writes_gigabytes(tmp):
     _chat("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}")
+
+
+@case(InvalidRequest, "chat template", "characters", seconds=10)
+def template_writes_ten_billion_characters_one_at_a_time(tmp):
+    _chat("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}")
 
 
 @case(InvalidRequest, "chat template", "characters", seconds=10)
@@ -175,6 +182,11 @@ def template_sums_lists_quadratically(tmp):
 @case(InvalidRequest, "chat template", "|indent", seconds=10)
 def template_indents_a_million_lines_by_four_thousand(tmp):
     _chat("{{ ('\n' * 1000000)|indent(4000) }}")
+
+
+@case(InvalidRequest, "chat template", "lipsum", seconds=10)
+def template_asks_lipsum_for_a_million_paragraphs(tmp):
+    _chat("{{ lipsum(10**6) }}")
 
 
 @case(InvalidRequest, "chat template", seconds=10)

@@ -13,11 +13,13 @@ sandbox lacks, so a template cannot loop for hours or allocate gigabytes:
   ``'%99999s' % x``, ``'x'.ljust(n)``, ``s.replace('', t)``, ``|center``, ``|indent``,
   ``|join``, ``|sum`` of lists, ``2 ** n``, ...) are estimated *before* they run, so the
   allocation never happens. The rendered output is counted as it streams.
-- **Time.** Compiling and rendering run on a worker thread whose trace function checks
-  a deadline (:data:`RENDER_SECONDS`) on every line of template code and every call;
-  the caller waits at most that long (plus a grace period), whatever thread it is on:
-  no signals, so it works off the main thread too. A single C-level operation cannot be
-  interrupted, which is why the size estimates come first.
+- **Time.** The generated code checks a deadline (:data:`RENDER_SECONDS`) each time it
+  enters a block: every loop iteration, branch and macro call, which is every way a
+  template can repeat work. Compiling and rendering run on a worker thread, and the
+  caller waits at most the deadline plus a grace period, whatever thread it is on: no
+  signals, so it works off the main thread too. A single C-level operation cannot be
+  interrupted, which is why the size estimates come first; one that runs long anyway
+  is abandoned on its daemon thread.
 
 A template that crosses a bound raises :class:`TemplateLimit` (caught by
 :mod:`polyengine.models.chat` and turned into its typed error).
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -121,8 +122,16 @@ class _Buffer(list):
             raise TemplateLimit(f"a block of the template built more than {_cap():,} characters")
 
 
+_deadline = threading.local()  # .at: monotonic deadline of the render on this thread
+
+
 class _CodeGenerator(jinja2.compiler.CodeGenerator):
-    """Jinja's code generator with ``~`` results and output buffers size-checked."""
+    """Jinja's code generator with ``~`` results and output buffers size-checked, and a
+    deadline check at the top of every block (loop bodies, branches, macros)."""
+
+    def blockvisit(self, nodes: Any, frame: Any) -> None:
+        self.writeline("environment.tick()")
+        super().blockvisit(nodes, frame)
 
     def visit_Concat(self, node: Any, frame: Any) -> None:
         self.write("environment.checked(")
@@ -156,6 +165,13 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def output_buffer(self) -> _Buffer:
         return _Buffer(self)
+
+    @staticmethod
+    def tick() -> None:
+        """Called by the generated code on entering every block: the deadline check."""
+        at = getattr(_deadline, "at", None)
+        if at is not None and time.monotonic() > at:
+            raise TemplateLimit(f"{_deadline.what} did not finish within {_deadline.seconds:g} seconds")
 
     def checked(self, value: Any) -> Any:
         """``value``, if it is within the size bound."""
@@ -198,6 +214,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         owner = getattr(obj, "__self__", None)
         if isinstance(owner, str) and name in _STR_GROWTH:
             _STR_GROWTH[name](self, owner, args, kwargs)
+        elif obj is jinja2.utils.generate_lorem_ipsum:  # the lipsum() global: n paragraphs of up to max words
+            given = {**dict(zip(("n", "html", "min", "max"), args)), **kwargs}
+            _refuse("lipsum()", _width(given.get("n", 5)) * _width(given.get("max", 100)) * 12)
         return self.checked(ImmutableSandboxedEnvironment.call(self, context, obj, *args, **kwargs))
 
 
@@ -351,32 +370,27 @@ def _bounded_filter(env: BoundedEnvironment, name: str, func: Callable) -> Calla
 def run_bounded(work: Callable[[], Any], what: str, seconds: float | None = None) -> Any:
     """Run ``work()`` on a worker thread under a deadline of ``seconds`` (default
     :data:`RENDER_SECONDS`): its result, or what it raised; TemplateLimit when the
-    deadline passes first. The caller's own thread is never traced or signalled."""
+    deadline passes first. Template code running in ``work`` checks the deadline
+    itself (:meth:`BoundedEnvironment.tick`); the caller's thread is never signalled."""
     seconds = limits.RENDER_SECONDS if seconds is None else seconds
-    deadline = time.monotonic() + seconds
     box: dict[str, Any] = {}
     done = threading.Event()
 
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        if time.monotonic() > deadline:
-            raise TemplateLimit(f"{what} did not finish within {seconds:g} seconds")
-        return trace if frame.f_code.co_filename == "<template>" else None
-
     def worker() -> None:
-        sys.settrace(trace)
+        _deadline.at, _deadline.what, _deadline.seconds = time.monotonic() + seconds, what, seconds
         try:
             box["result"] = work()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             box["error"] = exc
         finally:
-            sys.settrace(None)
+            _deadline.at = None
             done.set()
 
     thread = threading.Thread(target=worker, name="polyengine-template", daemon=True)
     thread.start()
     if not done.wait(seconds + _GRACE_SECONDS):
-        # Stuck in one C-level operation the trace cannot interrupt: give up on it (the
-        # daemon thread ends when that operation does).
+        # Stuck in one C-level operation between two checks: give up on it (the daemon
+        # thread ends when that operation does).
         raise TemplateLimit(f"{what} did not finish within {seconds:g} seconds")
     if "error" in box:
         raise box["error"]
