@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,12 +59,13 @@ class PluginCall:
         return self.error is None and not self.hung
 
 
-class _Router(io.TextIOBase):
+class _Router:
     """Stands in for ``sys.stdout``/``sys.stderr`` while plugin code runs: text written by
-    a capturing worker thread is kept, everything else goes to the real stream."""
+    a capturing worker thread is kept, everything else goes to the real stream. Every
+    other attribute (``encoding``, ``fileno``, ``isatty``, ``buffer``) is the real
+    stream's, so code that inspects the stream sees what it would without us."""
 
     def __init__(self, real: Any):
-        super().__init__()
         self.real = real
 
     def write(self, text: str) -> int:
@@ -78,7 +80,7 @@ class _Router(io.TextIOBase):
         if getattr(_capturing, "buffer", None) is None:
             self.real.flush()
 
-    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty, buffer, ...
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
 
@@ -105,8 +107,6 @@ def _uninstall(saved: tuple[Any, Any]) -> None:
 def call_plugin(fn: Callable[[], Any], *, seconds: float | None = None) -> PluginCall:
     """Run ``fn()`` (plugin code) on a worker thread, bounded in time, its output
     captured and every exception caught; see the module docstring."""
-    import time
-
     seconds = plugin_seconds() if seconds is None else seconds
     call = PluginCall()
     done = threading.Event()

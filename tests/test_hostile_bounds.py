@@ -106,6 +106,16 @@ def gguf_sentencepiece_vocabulary_too_costly_to_derive_merges_from(tmp):
     }))
 
 
+@case(WeightsError, "rope_freqs.weight", "512", seconds=5)
+def gguf_rope_table_of_ten_million_entries(tmp):
+    from hostile_files import tiny_gguf_tensors
+
+    tensors, data = tiny_gguf_tensors()
+    data += b"\0" * (-len(data) % 32)
+    tensors.append(("rope_freqs.weight", [10_000_000], 0, len(data)))
+    _load(write_tiny_gguf(tmp / "m.gguf", tensors=tensors, data=data + b"\0" * 40_000_000))
+
+
 @case(WeightsError, "shape", seconds=5)
 def safetensors_shape_of_a_million_dimensions(tmp):
     from hostile_files import safetensors_bytes

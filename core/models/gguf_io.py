@@ -47,6 +47,7 @@ from polyengine.limits import (
     MAX_GGUF_NESTING,
     MAX_GGUF_STRING_BYTES,
     MAX_GGUF_TENSORS,
+    MAX_HEAD_DIM,
     MAX_TENSOR_DIMS,
 )
 from polyengine.models.config import ModelConfig
@@ -161,6 +162,10 @@ class GGUFFile:
                     f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2", file=self.path
                 )
             rope = self.tensors.get("rope_freqs.weight")
+            if rope is not None and math.prod(rope.shape) > MAX_HEAD_DIM // 2:
+                # Converted before the config exists: bound it first (quantized data expands).
+                raise WeightsError(f"shape {rope.shape}: a RoPE divisor table has at most {MAX_HEAD_DIM // 2} "
+                                   f"entries (head_dim / 2)", file=self.path, tensor=rope.name)
             self._config = ModelConfig.from_gguf(
                 self.metadata,
                 tie_word_embeddings="output.weight" not in self.tensors,
