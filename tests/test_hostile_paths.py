@@ -111,6 +111,21 @@ def shards_inside_the_folder_still_load(tmp):
     assert load_model(str(folder)).config.num_hidden_layers == 2
 
 
+@case(None)
+def the_folders_own_symlinks_are_followed(tmp):
+    """The Hugging Face cache links each file of a snapshot to a blob outside it: the
+    folder's own links are the folder owner's, and load."""
+    from polyengine.models import load_model
+
+    folder = write_hf_folder(tmp / "snapshot")
+    blobs = tmp / "blobs"
+    blobs.mkdir()
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        (folder / name).rename(blobs / name)
+        (folder / name).symlink_to(blobs / name)
+    assert load_model(str(folder)).config.num_hidden_layers == 2
+
+
 def test_paths_from_metadata_stay_inside_the_model_folder(tmp_path):
     results = run_cases(__name__.rpartition(".")[2], tmp_path)
     problems = check(__name__.rpartition(".")[2], results)
