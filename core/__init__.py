@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from polyengine.errors import (
         BackendUnavailable, EngineClosed, InsufficientMemory, InvalidRequest, ModelConfigError, ModelNotFound,
-        PluginError,
-        PolyengineError, QueueFull, SlotError, UnknownBackend, UnsupportedFeature, WeightsError,
+        NumericalError, PluginError, PolyengineError, QueueFull, SlotError, UnknownBackend, UnsupportedFeature,
+        WeightsError,
     )
     from polyengine.plugins import (
         BackendSpec, Probe, create_engine, hookimpl, list_backends, register_plugin,
@@ -46,7 +46,7 @@ _LAZY = {
     **dict.fromkeys(
         ("PolyengineError", "BackendUnavailable", "UnknownBackend", "UnsupportedFeature", "InvalidRequest",
          "SlotError", "QueueFull", "EngineClosed", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound",
-         "InsufficientMemory"),
+         "InsufficientMemory", "NumericalError"),
         "polyengine.errors",
     ),
     **dict.fromkeys(
@@ -94,6 +94,7 @@ __all__ = [
     "ModelConfigError",
     "ModelNotFound",
     "InsufficientMemory",
+    "NumericalError",
 ]
 
 

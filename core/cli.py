@@ -3,9 +3,14 @@
 ``backends``, ``generate`` and ``chat`` are the core's own commands. Commands that live
 outside the core (``conformance``, ``bench``, ``serve``, ...) register through the
 entry-point group ``polyengine.commands``: each entry point is a function
-``add_command(subparsers)`` that adds its sub-parser and sets ``func``. A command whose
-module fails to import is still listed, and running it reports the error; the other
-commands keep working.
+``add_command(subparsers)`` that adds its sub-parser and sets ``func``. Loading one runs
+through :func:`polyengine.isolation.call_plugin` (bounded in time, output captured,
+``SystemExit``/``KeyboardInterrupt`` caught): a command whose module fails to load is
+still listed, running it reports the error, and the other commands keep working.
+
+``--json`` output is only ever JSON: while such a command runs, anything else written
+to standard output, from Python or at the file-descriptor level, by any thread (a
+plugin's prints), goes to standard error instead. A real Ctrl-C exits with 130.
 
 ``polyengine backends`` imports no torch or jax: it only reads plugin specs and runs
 their cheap probes.
@@ -14,9 +19,12 @@ their cheap probes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from polyengine._version import PROTOCOL_VERSION, __version__
 from polyengine.errors import PolyengineError
@@ -37,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("backends", help="list installed backends and whether they can run here")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    p.set_defaults(func=_cmd_backends)
+    p.set_defaults(func=_cmd_backends, clean_json=True)
 
     from polyengine import cli_run
 
@@ -53,22 +61,26 @@ def _add_plugin_commands(sub: Any) -> None:
     import importlib.metadata as md
 
     from polyengine.errors import PluginError
+    from polyengine.isolation import call_plugin, describe_failure
 
     for ep in sorted(md.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         if ep.name in sub.choices:
             continue  # the same distribution visible twice on sys.path, or a core command
-        try:
-            ep.load()(sub)
-        except Exception as exc:  # a broken command must not take the others down
-            dist = getattr(getattr(ep, "dist", None), "metadata", {}).get("Name") if getattr(ep, "dist", None) else None
-            err = PluginError(ep.name, dist, f"command {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}")
-            p = sub.add_parser(ep.name, help=f"(broken: {exc})", add_help=False)
-            p.add_argument("rest", nargs="*")
+        call = call_plugin(lambda ep=ep: ep.load()(sub))
+        if call.ok:
+            continue
+        dist = getattr(getattr(ep, "dist", None), "metadata", {}).get("Name") if getattr(ep, "dist", None) else None
+        err = PluginError(ep.name, dist, describe_failure(call, f"command {ep.name!r} ({ep.value})"))
 
-            def fail(args: argparse.Namespace, err: PluginError = err) -> int:
-                raise err
+        def fail(args: argparse.Namespace, err: PluginError = err) -> int:
+            raise err
 
-            p.set_defaults(func=fail)
+        if ep.name in sub.choices:  # it got as far as adding its parser before failing
+            sub.choices[ep.name].set_defaults(func=fail)
+            continue
+        p = sub.add_parser(ep.name, help="(broken: run it to see why)", add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=fail)
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -76,8 +88,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
     rows = [b.to_dict() for b in list_backends()]
     if args.json:
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        json.dump(rows, args.out, indent=2)
+        args.out.write("\n")
         return 0
     if not rows:
         print("no backends installed (the built-in ones come with `pip install polyengine`)")
@@ -98,20 +110,61 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to standard output meanwhile to standard error: Python's
+    ``sys.stdout`` and, when it is the process's file descriptor 1, the descriptor too
+    (so C-level writes and stray threads are caught as well)."""
+    real = sys.stdout
     try:
-        return int(args.func(args) or 0)
+        fd = real.fileno()
+        err_fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # captured streams (tests, notebooks)
+        fd = err_fd = None
+    real.flush()
+    saved = None
+    if fd is not None:
+        saved = os.dup(fd)
+        os.dup2(err_fd, fd)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = real
+        if saved is not None:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    real_stdout = sys.stdout
+    buffer = io.StringIO()
+    try:
+        # Plugins are imported while the parser is built: if --json may be asked for,
+        # whatever they print must not reach standard output.
+        with _stdout_to_stderr() if "--json" in argv else contextlib.nullcontext():
+            parser = build_parser()
+            args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        # The core's --json commands write their JSON to args.out; everything else meanwhile
+        # goes to standard error. Other commands keep standard output as it is.
+        clean = bool(getattr(args, "json", False) and getattr(args, "clean_json", False))
+        args.out = buffer if clean else sys.stdout
+        with _stdout_to_stderr() if clean else contextlib.nullcontext():
+            code = int(args.func(args) or 0)
     except PolyengineError as exc:
         print(f"polyengine: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
+    real_stdout.write(buffer.getvalue())
+    real_stdout.flush()
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,15 +1,24 @@
 """CLI commands that run a model: ``generate`` (one prompt, streamed or JSON) and
-``chat`` (interactive, with history)."""
+``chat`` (interactive, with history).
+
+Input from the command line and the terminal is untrusted text: undecodable bytes
+arrive as lone surrogates and are refused with an error (the chat session goes on),
+a chat line is read with a bound (:data:`~polyengine.limits.MAX_CHAT_LINE_CHARS`), and
+every flag is checked for what it means (``--context-length 0`` is an error, not "the
+default"; ``--model ""`` is an error, not the current directory).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from typing import Any
 
-from polyengine.errors import InvalidRequest
+from polyengine.errors import InvalidRequest, PolyengineError
+from polyengine.limits import MAX_CHAT_LINE_CHARS
 
 __all__ = ["add_commands"]
 
@@ -37,7 +46,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids, finish_reason, usage, seed")
-    p.set_defaults(func=_cmd_generate)
+    p.set_defaults(func=_cmd_generate, clean_json=True)
 
     p = sub.add_parser("chat", help="interactive chat with history (/reset clears it, Ctrl-D quits)")
     _engine_args(p)
@@ -82,13 +91,15 @@ def _build(args: argparse.Namespace):
 
     from polyengine.plugins import select_backend
 
+    if args.context_length is not None and args.context_length < 2:
+        raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {args.context_length}")
     select_backend(args.backend)  # an unknown or unavailable backend is reported before loading weights
     progress = _Progress()
     model = load_model(args.model, progress=progress)
     progress.done(model)
-    context = args.context_length or min(2048, model.config.max_position_embeddings)
+    context = min(2048, model.config.max_position_embeddings) if args.context_length is None else args.context_length
     if context < 2:
-        raise InvalidRequest("--context-length must be at least 2")
+        raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {context}")
     cfg: dict[str, Any] = dict(max_slots=1, max_cache_length=context, max_prefill_length=context - 1)
     if args.dtype:
         cfg["dtype"] = args.dtype
@@ -118,12 +129,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     if args.json:
         c = llm.generate([prompt], sampling)[0]
+        out = getattr(args, "out", sys.stdout)
         json.dump(
             {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
              "usage": c.usage.to_dict(), "seed": c.seed},
-            sys.stdout, ensure_ascii=False,
+            out, ensure_ascii=False,
         )
-        sys.stdout.write("\n")
+        out.write("\n")
         return 0
     for delta in llm.stream(prompt, sampling):
         sys.stdout.write(delta.text)
@@ -133,23 +145,45 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_line(prompt: str) -> str | None:
+    """One line typed by the user (without its newline), or None at end of input. A
+    line longer than MAX_CHAT_LINE_CHARS is read to its end and refused."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = sys.stdin.readline(MAX_CHAT_LINE_CHARS + 1)
+    if not line:
+        return None
+    if len(line) > MAX_CHAT_LINE_CHARS and not line.endswith("\n"):
+        while (rest := sys.stdin.readline(1 << 16)) and not rest.endswith("\n"):
+            pass
+        raise InvalidRequest(f"the line is longer than {MAX_CHAT_LINE_CHARS:,} characters")
+    return line.rstrip("\n")
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     llm = _build(args)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise InvalidRequest("this model has no chat template; use `polyengine generate --raw`")
+    with contextlib.suppress(AttributeError, ValueError):
+        # Undecodable bytes become lone surrogates, refused per line, instead of an
+        # exception that would end the session.
+        sys.stdin.reconfigure(errors="surrogateescape")
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
     print("chat: /reset clears the history, Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
     while True:
         try:
-            line = input("you> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
+            line = _read_line("you> ")
         except KeyboardInterrupt:
             print(file=sys.stderr)
             continue
+        except InvalidRequest as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        if line is None:
+            print(file=sys.stderr)
+            return 0
         if not line.strip():
             continue
         if line.strip() == "/reset":
@@ -159,9 +193,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line})
         try:
             stream = llm.stream_chat(history, sampling.replace(seed=None).with_seed() if args.seed is None else sampling)
-        except InvalidRequest as exc:
+        except PolyengineError as exc:  # this turn failed; the session goes on
             history.pop()
-            print(f"error: {exc} (try /reset)", file=sys.stderr)
+            hint = " (if the conversation has grown too long, /reset clears it)" if len(history) > len(base) else ""
+            print(f"error: {exc}{hint}", file=sys.stderr)
             continue
         reply = []
         sys.stdout.write("assistant> ")
@@ -173,5 +208,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             stream.close()  # cancels the request and frees its slot
             sys.stdout.write(" [stopped]")
+        except PolyengineError as exc:
+            sys.stdout.write("\n")
+            print(f"error: {exc}", file=sys.stderr)
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})

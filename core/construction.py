@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyengine.errors import InvalidRequest, PluginError, PolyengineError
+from polyengine.memory import as_insufficient
 from polyengine.selection import select_backend
 
 __all__ = ["create_engine", "engine_config"]
@@ -67,6 +68,13 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
         engine = factory(model=loaded, config=fitted(loaded.config.max_position_embeddings))
     except PolyengineError:
         raise
+    except MemoryError as exc:  # the engine's own allocation failed: a memory problem, not a bug
+        raise as_insufficient(exc, f"building the {info.name!r} backend's engine") from exc
+    except SystemExit as exc:  # a library must not end the caller's process
+        raise PluginError(
+            info.plugin, info.distribution,
+            f"factory of backend {info.name!r} called sys.exit({exc.code!r})",
+        ) from None
     except Exception as exc:  # a backend's bug or an untyped device error: say whose
         raise PluginError(
             info.plugin, info.distribution,

@@ -6,10 +6,16 @@ backends register the same way as third-party ones. Discovery imports each plugi
 module, which must itself import nothing heavy: a :class:`~polyengine.specs.BackendSpec`
 carries a cheap ``probe`` and a lazy ``factory``.
 
-Nothing is dropped silently: a plugin that fails to import or returns a malformed
-spec is listed as *broken*, with a :class:`PluginError` naming the plugin and its
-distribution, and using it raises that error. Two plugins claiming one backend name is
-an error at discovery, since either choice would surprise someone.
+Nothing is dropped silently, and no plugin takes the others down: a plugin that fails
+to import (whatever it raises, ``SystemExit`` and ``KeyboardInterrupt`` included),
+hangs, or returns malformed specs is listed as *broken*, with a :class:`PluginError`
+naming the plugin once and its distribution, and using it raises that error. Plugin
+code (imports, hooks, probes) runs through :func:`polyengine.isolation.call_plugin`:
+bounded in time (``POLYENGINE_PLUGIN_TIMEOUT``, default 10 s), its output captured.
+Two plugins claiming one backend name make that name broken (using it says who
+clashes), since either choice would surprise someone; the other backends keep working.
+A plugin whose ``polyengine_tools``/``polyengine_models`` hook fails is skipped with a
+:class:`PluginWarning`.
 
 ``POLYENGINE_BACKENDS`` (comma-separated names) is an allowlist: an entry point whose
 name is not on it is not imported at all, a backend whose name is not on it is not
@@ -23,8 +29,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import logging
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -32,9 +40,13 @@ import pluggy
 
 from polyengine.errors import BackendUnavailable, PluginError
 from polyengine.hookspecs import PROJECT, PolyengineSpecs
-from polyengine.specs import BackendSpec, Probe
+from polyengine.isolation import call_plugin, describe_failure
+from polyengine.specs import NAME_PATTERN, BackendSpec, Probe
+
+log = logging.getLogger(__name__)
 
 __all__ = [
+    "PluginWarning",
     "ENTRY_POINT_GROUP",
     "ALLOWLIST_ENV",
     "BackendInfo",
@@ -49,6 +61,10 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "polyengine.backends"
 ALLOWLIST_ENV = "POLYENGINE_BACKENDS"
+
+
+class PluginWarning(UserWarning):
+    """A plugin's tools or model names were skipped because its hook failed."""
 
 
 def allowlist() -> frozenset[str] | None:
@@ -99,16 +115,16 @@ class BackendInfo:
         if self.error is not None:
             return Probe(False, False, str(self.error))
         if self._probe is None:
-            try:
-                result = self.spec.probe()
-                if not isinstance(result, Probe):
-                    raise TypeError(f"probe returned {type(result).__name__}, expected Probe")
-            except Exception as exc:  # a plugin's bug must not break discovery of others
-                self.error = PluginError(
-                    self.plugin, self.distribution, f"probe of backend {self.name!r} raised {exc!r}"
-                )
+            call = call_plugin(self.spec.probe)  # a plugin's bug must not break discovery of others
+            problem = None
+            if not call.ok:
+                problem = describe_failure(call, f"probe of backend {self.name!r}")
+            elif not isinstance(call.result, Probe):
+                problem = f"probe of backend {self.name!r} returned {type(call.result).__name__}, expected Probe"
+            if problem is not None:
+                self.error = PluginError(self.plugin, self.distribution, problem)
                 return Probe(False, False, str(self.error))
-            self._probe = result
+            self._probe = call.result
         return self._probe
 
     @property
@@ -131,6 +147,8 @@ class BackendInfo:
         if callable(spec.factory):
             return spec.factory
         module, _, attr = spec.factory.partition(":")
+        # Not bounded in time: the engine module imports the backend's framework, which
+        # may legitimately take a while. Whatever it raises is still blamed on the plugin.
         try:
             obj = importlib.import_module(module)
             for part in attr.split("."):
@@ -142,6 +160,12 @@ class BackendInfo:
         except AttributeError as exc:
             raise PluginError(
                 self.plugin, self.distribution, f"factory {spec.factory!r} does not exist: {exc}"
+            ) from exc
+        except SystemExit as exc:
+            raise PluginError(self.plugin, self.distribution, f"importing {module!r} called sys.exit({exc.code!r})") from None
+        except Exception as exc:
+            raise PluginError(
+                self.plugin, self.distribution, f"importing {module!r} raised {type(exc).__name__}: {exc}"
             ) from exc
         return obj
 
@@ -207,9 +231,18 @@ class PluginRegistry:
     def _discover(self) -> None:
         if self._discovered:
             return
+        if self._entry_points:
+            try:
+                self._load_entry_points()
+            except BaseException:
+                # A real Ctrl-C (or anything else) mid-way: forget the half-done discovery,
+                # so the next call starts over instead of silently missing plugins.
+                for name in list(self._plugins):
+                    self.unregister(name)
+                raise
         self._discovered = True
-        if not self._entry_points:
-            return
+
+    def _load_entry_points(self) -> None:
         seen: set[tuple[str, str]] = set()
         for ep in md.entry_points(group=ENTRY_POINT_GROUP):
             key = (ep.name, ep.value)
@@ -220,32 +253,38 @@ class PluginRegistry:
             dist_name = dist.metadata["Name"] if dist is not None else None
             dist_version = dist.version if dist is not None else None
             if not self.allowed(ep.name):
-                self._plugins[ep.name] = _Plugin(ep.name, None, dist_name, dist_version, excluded=True)
+                self._add_plugin(_Plugin(ep.name, None, dist_name, dist_version, excluded=True))
                 continue
-            try:
-                obj = ep.load()
-            except Exception as exc:
+            call = call_plugin(ep.load)
+            if not call.ok:
                 err = PluginError(
                     ep.name, dist_name,
-                    f"failed to import entry point {ep.value!r} (group {ENTRY_POINT_GROUP}): "
-                    f"{type(exc).__name__}: {exc}",
+                    describe_failure(call, f"importing entry point {ep.value!r} (group {ENTRY_POINT_GROUP})"),
                 )
-                self._plugins[ep.name] = _Plugin(ep.name, None, dist_name, dist_version, err)
+                self._add_plugin(_Plugin(ep.name, None, dist_name, dist_version, err))
                 continue
-            self._register(obj, ep.name, dist_name, dist_version)
+            if call.output.strip():
+                log.info("plugin %r printed while it was imported: %r", ep.name, call.output[:200])
+            self._register(call.result, ep.name, dist_name, dist_version)
+
+    def _add_plugin(self, plugin: _Plugin) -> None:
+        key = plugin.name
+        if key in self._plugins:  # two distributions with one entry-point name: keep both visible
+            key = f"{plugin.name}@{plugin.distribution}"
+        self._plugins[key] = plugin
 
     def _register(self, obj: Any, name: str, distribution: str | None, version: str | None) -> None:
         if name in self._plugins:
             other = self._plugins[name]
             err = PluginError(
                 name, distribution,
-                f"plugin name also used by distribution {other.distribution!r}; rename one entry point",
+                f"its entry-point name is also used by distribution {other.distribution!r}; rename one entry point",
             )
-            self._plugins[f"{name}@{distribution}"] = _Plugin(name, None, distribution, version, err)
+            self._add_plugin(_Plugin(name, None, distribution, version, err))
             return
         try:
             self._pm.register(obj, name=name)
-        except (pluggy.PluginValidationError, ValueError) as exc:
+        except Exception as exc:  # pluggy's validation, or an object that breaks when inspected
             err = PluginError(name, distribution, f"invalid hook implementation: {exc}")
             self._plugins[name] = _Plugin(name, None, distribution, version, err)
             return
@@ -269,92 +308,139 @@ class PluginRegistry:
 
     # -- hooks, gathered per plugin -----------------------------------------------------
 
-    def _results(self, hook_name: str) -> Iterable[tuple[_Plugin, Any, Exception | None]]:
+    def _results(self, hook_name: str) -> Iterable[tuple[_Plugin, Any, str | None]]:
+        """Each plugin's answer to one hook: ``(plugin, result, problem)``, where problem
+        says what went wrong (raised, exited, hung) or is None."""
         hook = getattr(self._pm.hook, hook_name)
         for impl in hook.get_hookimpls():  # registration order
             plugin = self._plugins.get(impl.plugin_name)
-            try:
-                yield plugin, impl.function(), None
-            except Exception as exc:
-                yield plugin, None, exc
+            call = call_plugin(impl.function)
+            if call.ok:
+                yield plugin, call.result, None
+            else:
+                yield plugin, None, describe_failure(call, f"{hook_name}()")
 
     def backends(self) -> dict[str, BackendInfo]:
-        """Every backend, broken and excluded ones included, keyed by name. Raises
-        PluginError when two plugins claim the same backend name."""
+        """Every backend, broken and excluded ones included, keyed by name.
+
+        One plugin can never make another unusable: a name two plugins claim becomes a
+        broken entry saying so, and a broken entry whose name is taken is listed under
+        ``name@plugin``."""
         with self._lock:
             self._discover()
             if self._backends is not None:
                 return self._backends
             found: dict[str, BackendInfo] = {}
-
-            def add(info: BackendInfo) -> None:
-                if info.name in found:
-                    prev = found[info.name]
-                    raise PluginError(
-                        info.plugin, info.distribution,
-                        f"backend name {info.name!r} is claimed by both plugin {prev.plugin!r} "
-                        f"(distribution {prev.distribution!r}) and plugin {info.plugin!r} "
-                        f"(distribution {info.distribution!r}); uninstall one of them",
-                    )
-                found[info.name] = info
-
             for plugin in self._plugins.values():
                 if plugin.excluded:
-                    add(BackendInfo(plugin.name, plugin.name, plugin.distribution, plugin.version, excluded=True))
+                    _add(found, BackendInfo(plugin.name, plugin.name, plugin.distribution, plugin.version, excluded=True))
                 elif plugin.error is not None:
-                    add(BackendInfo(plugin.name, plugin.name, plugin.distribution, plugin.version, error=plugin.error))
-            for plugin, result, exc in self._results("polyengine_backends"):
-                pname, dist, ver = plugin.name, plugin.distribution, plugin.version
-                if exc is not None:
-                    err = PluginError(pname, dist, f"polyengine_backends() raised {type(exc).__name__}: {exc}")
-                    add(BackendInfo(pname, pname, dist, ver, error=err))
-                    continue
-                if not isinstance(result, (list, tuple)):
-                    err = PluginError(pname, dist, f"polyengine_backends() must return a list of BackendSpec, got {type(result).__name__}")
-                    add(BackendInfo(pname, pname, dist, ver, error=err))
-                    continue
-                for spec in result:
-                    if not isinstance(spec, BackendSpec):
-                        err = PluginError(pname, dist, f"polyengine_backends() returned {type(spec).__name__}, expected BackendSpec")
-                        add(BackendInfo(pname, pname, dist, ver, error=err))
-                        continue
-                    problems = spec.problems()
-                    label = spec.name if isinstance(spec.name, str) and spec.name else pname
-                    if problems:
-                        err = PluginError(pname, dist, f"malformed spec for backend {label!r}: " + "; ".join(problems))
-                        add(BackendInfo(label, pname, dist, ver, error=err))
-                    else:
-                        add(BackendInfo(spec.name, pname, dist, ver, spec=spec, excluded=not self.allowed(spec.name)))
+                    _add(found, BackendInfo(plugin.name, plugin.name, plugin.distribution, plugin.version,
+                                            error=plugin.error))
+            for plugin, result, problem in self._results("polyengine_backends"):
+                for info in _backend_infos(plugin, result, problem):
+                    if info.spec is not None:
+                        info.excluded = not self.allowed(info.name)
+                    _add(found, info)
             self._backends = found
             return found
 
     def tools(self) -> list[Any]:
+        """The tools every plugin returns; a plugin whose hook fails is skipped with a warning."""
         with self._lock:
             self._discover()
             out = []
-            for plugin, result, exc in self._results("polyengine_tools"):
-                if exc is not None or not isinstance(result, (list, tuple)):
-                    problem = f"raised {exc!r}" if exc else f"returned {type(result).__name__}, expected a list"
-                    raise PluginError(plugin.name, plugin.distribution, f"polyengine_tools() {problem}")
+            for plugin, result, problem in self._results("polyengine_tools"):
+                if problem is None and not isinstance(result, (list, tuple)):
+                    problem = f"polyengine_tools() returned {type(result).__name__}, expected a list"
+                if problem is not None:
+                    _skip(plugin, problem, "its tools")
+                    continue
                 out.extend(result)
             return out
 
     def models(self) -> dict[str, tuple[Any, _Plugin]]:
+        """Model names plugins register; a plugin whose hook fails is skipped with a
+        warning, and a name two plugins register is left to neither."""
         with self._lock:
             self._discover()
             out: dict[str, tuple[Any, _Plugin]] = {}
-            for plugin, result, exc in self._results("polyengine_models"):
-                if exc is not None or not isinstance(result, dict):
-                    problem = f"raised {exc!r}" if exc else f"returned {type(result).__name__}, expected a dict"
-                    raise PluginError(plugin.name, plugin.distribution, f"polyengine_models() {problem}")
+            clashes: set[str] = set()
+            for plugin, result, problem in self._results("polyengine_models"):
+                if problem is None and not isinstance(result, dict):
+                    problem = f"polyengine_models() returned {type(result).__name__}, expected a dict"
+                if problem is not None:
+                    _skip(plugin, problem, "its model names")
+                    continue
                 for name, target in result.items():
                     if name in out:
-                        raise PluginError(
-                            plugin.name, plugin.distribution,
-                            f"model name {name!r} is also registered by plugin {out[name][1].name!r}",
-                        )
+                        clashes.add(name)
+                        _skip(plugin, f"model name {name!r} is also registered by plugin {out[name][1].name!r}",
+                              f"model name {name!r}")
                     out[name] = (target, plugin)
+            for name in clashes:
+                del out[name]
             return out
+
+
+def _skip(plugin: _Plugin, problem: str, what: str) -> None:
+    err = PluginError(plugin.name, plugin.distribution, f"{problem}; {what} are left out")
+    log.warning("%s", err)
+    warnings.warn(str(err), PluginWarning, stacklevel=4)
+
+
+def _add(found: dict[str, BackendInfo], info: BackendInfo) -> None:
+    """Add one entry. A name claimed by two usable specs turns into a broken entry naming
+    both; a broken or excluded entry whose name is taken moves to ``name@plugin``."""
+    prev = found.get(info.name)
+    if prev is None:
+        found[info.name] = info
+        return
+    if info.spec is not None and prev.spec is not None and not prev.broken:
+        if prev.plugin == info.plugin:
+            problem = f"returns two backends named {info.name!r}; rename one of them"
+        else:
+            problem = (f"backend name {info.name!r} is also claimed by plugin {prev.plugin!r} (distribution "
+                       f"{prev.distribution!r}); uninstall one of them, or pick one with POLYENGINE_BACKENDS")
+        found[info.name] = BackendInfo(info.name, info.plugin, info.distribution, info.version,
+                                       error=PluginError(info.plugin, info.distribution, problem))
+        return
+    if info.spec is not None and (prev.broken or prev.excluded):
+        found[info.name], info = info, prev  # the usable one keeps the name
+    key, n = f"{info.name}@{info.plugin}", 2
+    while key in found:
+        key, n = f"{info.name}@{info.plugin}#{n}", n + 1
+    info.name = key
+    found[key] = info
+
+
+def _backend_infos(plugin: _Plugin, result: Any, problem: str | None) -> list[BackendInfo]:
+    """The entries one plugin's ``polyengine_backends()`` answer makes: one per valid
+    spec; one broken entry per malformed spec that has a usable name (so using that
+    name says what is wrong); one broken entry, named after the plugin, for the rest."""
+    pname, dist, ver = plugin.name, plugin.distribution, plugin.version
+    if problem is None and not isinstance(result, (list, tuple)):
+        problem = f"polyengine_backends() must return a list of BackendSpec, got {type(result).__name__}"
+    if problem is not None:
+        return [BackendInfo(pname, pname, dist, ver, error=PluginError(pname, dist, problem))]
+    infos, unnamed = [], []
+    for i, spec in enumerate(result):
+        if not isinstance(spec, BackendSpec):
+            unnamed.append(f"item {i} is a {type(spec).__name__}, expected BackendSpec")
+            continue
+        problems = spec.problems()
+        if not problems:
+            infos.append(BackendInfo(spec.name, pname, dist, ver, spec=spec))
+        elif isinstance(spec.name, str) and NAME_PATTERN.match(spec.name):
+            err = PluginError(pname, dist, f"malformed spec for backend {spec.name!r}: " + "; ".join(problems))
+            infos.append(BackendInfo(spec.name, pname, dist, ver, error=err))
+        else:
+            unnamed.append(f"spec {i}: " + "; ".join(problems))
+    if unnamed:
+        err = PluginError(pname, dist, f"polyengine_backends() returned {len(unnamed)} malformed spec(s): "
+                          + " | ".join(unnamed))
+        infos.append(BackendInfo(pname, pname, dist, ver, error=err))
+    return infos
 
 
 _registry: PluginRegistry | None = None

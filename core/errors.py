@@ -21,6 +21,7 @@ __all__ = [
     "ModelConfigError",
     "ModelNotFound",
     "InsufficientMemory",
+    "NumericalError",
     "ToolError",
 ]
 
@@ -138,16 +139,22 @@ class ModelNotFound(PolyengineError, FileNotFoundError):
 class InsufficientMemory(PolyengineError, MemoryError):
     """Something polyengine was about to allocate (weights, KV caches) would not fit.
 
-    Raised before the allocation, by :func:`polyengine.memory.check_fits`; the message
-    names what needed the memory, where (host or a device), both numbers, and what to
-    change.
+    Raised before the allocation, by :func:`polyengine.memory.check_fits`, or for an
+    allocation that failed anyway (:func:`polyengine.memory.as_insufficient`); the message
+    names what needed the memory, where (host or a device), the numbers known (either may
+    be None when the allocator did not say), and what to change.
     """
 
-    def __init__(self, message: str, *, needed: int, available: int, where: str = "host memory"):
+    def __init__(self, message: str, *, needed: int | None, available: int | None, where: str = "host memory"):
         self.needed = needed
         self.available = available
         self.where = where
         super().__init__(message)
+
+
+class NumericalError(PolyengineError, ArithmeticError):
+    """The model's output at a step is not a number (NaN logits): an overflow in the
+    backend's arithmetic, or non-finite weights. Not caused by the request's parameters."""
 
 
 class ToolError(PolyengineError, ValueError):

@@ -207,12 +207,15 @@ def test_invalid_hook_signature_is_a_broken_plugin():
     assert info.broken and "unexpected_argument" in str(info.error)
 
 
-def test_two_plugins_claiming_one_name_fail_discovery():
+def test_two_plugins_claiming_one_name_make_that_name_broken_only():
     register_plugin(MockPlugin("twin"), "first-plugin")
     register_plugin(MockPlugin("twin"), "second-plugin")
-    with pytest.raises(PluginError) as exc:
-        list_backends()
-    assert "first-plugin" in str(exc.value) and "second-plugin" in str(exc.value)
+    info = {b.name: b for b in list_backends()}["twin"]
+    assert info.broken
+    assert "first-plugin" in str(info.error) and "second-plugin" in str(info.error)
+    with pytest.raises(PluginError, match="also claimed"):
+        select_backend("twin")
+    assert select_backend("reference").name == "reference"  # the others keep working
 
 
 def test_bad_engine_config_is_a_typed_error():

@@ -12,6 +12,7 @@ from typing import Any, Iterator, Sequence
 from polyengine.driver.outputs import Completion, StreamDelta
 from polyengine.driver.scheduler import Request, Scheduler, token_ids
 from polyengine.errors import InvalidRequest
+from polyengine.limits import PROMPT_CHARS_PER_TOKEN
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["LLM"]
@@ -61,6 +62,8 @@ class LLM:
         self.engine = engine
         self.tokenizer = tokenizer
         self.tools = None
+        if not isinstance(tools, (bool, list, tuple)) and tools is not None:
+            raise InvalidRequest(f"tools must be True, False or a list of polyengine.tools.Tool, not {type(tools).__name__}")
         if tools and tokenizer is not None:
             from polyengine.tools import ToolMachine
 
@@ -75,11 +78,17 @@ class LLM:
 
     # -- prompts ---------------------------------------------------------------------------
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Text longer than this cannot fit the engine's prefill, whatever the tokenizer
+        makes of it; it is refused before tokenizing (which costs memory many times its size)."""
+        return PROMPT_CHARS_PER_TOKEN * self.engine.max_prefill_length
+
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True, max_chars=self.max_prompt_chars))
         try:
             return None, token_ids(prompt, "prompt")
         except TypeError:
@@ -90,7 +99,8 @@ class LLM:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template: use generate() with a raw prompt")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=False, max_chars=self.max_prompt_chars,
+                                          what="the rendered conversation"))
 
     # -- requests --------------------------------------------------------------------------
 
@@ -147,10 +157,11 @@ class LLM:
     def stream(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas (with their token ids) as they are produced.
 
-        Closing the iterator early cancels the request and frees its slots.
+        The request is queued at once. Closing the iterator, or dropping it, cancels the
+        request and frees its slots, even before the first delta was asked for.
         """
         req = self.submit(prompt, sampling)
-        return self._drain(req)
+        return _Stream(self._drain(req), req, self.scheduler)
 
     def _drain(self, req: Request) -> Iterator[StreamDelta]:
         try:
@@ -177,7 +188,32 @@ class LLM:
     def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
+        if not isinstance(prompts, Sequence) and not hasattr(prompts, "__array__"):
+            raise InvalidRequest(f"prompts must be a string, a list of token ids or a list of prompts, "
+                                 f"not {type(prompts).__name__}")
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):
             return [prompts]  # one prompt given as token ids
         return prompts
+
+
+class _Stream(Iterator[StreamDelta]):
+    """What :meth:`LLM.stream` returns. A bare generator would not do: closing or
+    dropping one that was never started runs none of its code, so its request would
+    stay queued, holding a place in the queue and later a slot."""
+
+    def __init__(self, deltas: Iterator[StreamDelta], req: Request, scheduler: Scheduler):
+        self._deltas, self._req, self._scheduler = deltas, req, scheduler
+
+    def __next__(self) -> StreamDelta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()  # type: ignore[attr-defined]
+        self._req.cancel()
+
+    def __del__(self) -> None:
+        # May run inside a garbage collection, in the middle of the scheduler's own work:
+        # hand the request over instead of cancelling it here.
+        if not self._req.done:
+            self._scheduler.abandon(self._req)

@@ -27,6 +27,7 @@ from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta,
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
 from polyengine.errors import InvalidRequest, QueueFull
+from polyengine.memory import as_insufficient, translating_memory_errors
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["Request", "Scheduler"]
@@ -105,9 +106,14 @@ class Scheduler:
         skip_token_ids: frozenset[int] = frozenset(),
         max_queue: int = 1024,
     ):
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
+            # 0 would make every submit fail and generate() wait forever for room.
+            raise InvalidRequest(f"max_queue must be an integer of at least 1, got {max_queue!r}")
         self.engine = engine
-        self.params = engine.load_params()
-        self.state = engine.init_decode_state()
+        self._what = f"the {getattr(engine, 'name', type(engine).__name__)} backend"
+        with translating_memory_errors(self._what):  # an engine's own allocation failure, typed
+            self.params = engine.load_params()
+            self.state = engine.init_decode_state()
         self._detok = detokenizer_factory
         self._tool = tool_factory
         self._skip = skip_token_ids
@@ -118,6 +124,8 @@ class Scheduler:
         self._pending: tuple[ResultTokens, dict[int, tuple[Request, _Sample]]] | None = None
         self._eos = frozenset(engine.eos_token_ids)
         self._lock = threading.RLock()
+        # Requests whose stream was dropped unread: cancelled when the lock is next taken.
+        self._abandoned: deque[Request] = deque()
 
     # -- admission -----------------------------------------------------------------------
 
@@ -152,6 +160,7 @@ class Scheduler:
     def enqueue(self, req: Request) -> None:
         """Queue a prepared request; QueueFull when ``max_queue`` requests are waiting."""
         with self._lock:
+            self._reap()
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"request queue is full ({self.max_queue} waiting); retry later or raise max_queue")
             self._queue.append(req)
@@ -173,9 +182,19 @@ class Scheduler:
                 self._release(s)
             req.status = "cancelled"
 
+    def abandon(self, req: Request) -> None:
+        """Cancel ``req`` at the next step: safe from a finalizer, which may run while this
+        thread is inside the scheduler (a deque append takes no lock)."""
+        self._abandoned.append(req)
+
+    def _reap(self) -> None:
+        while self._abandoned:
+            self.cancel(self._abandoned.popleft())
+
     @property
     def busy(self) -> bool:
         with self._lock:
+            self._reap()
             return bool(self._queue or self._slots or self._pending)
 
     @property
@@ -220,6 +239,7 @@ class Scheduler:
         result, as :class:`~polyengine.engine.Override` requires.
         """
         with self._lock:
+            self._reap()
             if self._pending is not None and not self._may_pipeline():
                 self._process(*self._pending)
                 self._pending = None
@@ -228,7 +248,8 @@ class Scheduler:
                 self._pending = None  # its rows belong to requests that are gone
                 return bool(self._queue)
             overrides, self._overrides = self._overrides, {}
-            self.state, result = self.engine.generate(self.params, self.state, overrides=overrides)
+            with translating_memory_errors(self._what):
+                self.state, result = self.engine.generate(self.params, self.state, overrides=overrides)
             previous, self._pending = self._pending, (result, dict(self._slots))
             if previous is not None:
                 self._process(*previous)
@@ -330,6 +351,8 @@ class Scheduler:
             req.status = "finished"
 
     def _fail(self, req: Request, exc: Exception) -> None:
+        if isinstance(exc, MemoryError):
+            exc = as_insufficient(exc, f"{self._what} (request {req.id})")
         req.error, req.status = exc, "failed"
         for s in req.samples:
             self._release(s)

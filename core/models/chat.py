@@ -13,7 +13,12 @@ keys whose value is None are dropped (templates test for presence), and a reason
 field is mirrored under ``reasoning_content`` and ``thinking``.
 
 Templates come from the model and are untrusted: the sandbox forbids attribute access
-to internals, and anything the template raises becomes a :class:`ChatTemplateError`.
+to internals, :mod:`polyengine.models.sandbox` bounds compiling and rendering in time
+(:data:`~polyengine.limits.RENDER_SECONDS`, on a worker thread, so it works from any
+thread) and every value and the output in size
+(:data:`~polyengine.limits.MAX_RENDERED_CHARS`), and anything the template raises or
+any bound it crosses becomes a :class:`ChatTemplateError`. A conversation larger than
+the output bound is refused before rendering.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from typing import Any, Mapping
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from polyengine import limits
 from polyengine.errors import InvalidRequest
+from polyengine.models.sandbox import BoundedEnvironment, TemplateLimit, bound_filters, run_bounded, size_of
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "render_chat_template"]
 
@@ -97,11 +103,12 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> BoundedEnvironment:
+    env = BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    bound_filters(env)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _Dict()
@@ -148,14 +155,25 @@ def _normalise(messages: Any) -> list[dict]:
 
 
 class ChatTemplate:
-    """A compiled chat template."""
+    """A compiled chat template (compiling is bounded in time like rendering)."""
 
     def __init__(self, source: str):
+        if not isinstance(source, str):
+            raise ChatTemplateError(f"a chat template must be a string, not {type(source).__name__}")
+        if len(source) > limits.MAX_TEMPLATE_BYTES:
+            raise ChatTemplateError(f"the chat template has {len(source):,} characters; at most "
+                                    f"{limits.MAX_TEMPLATE_BYTES:,} are accepted")
         self.source = source
+        self._env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = run_bounded(lambda: self._env.from_string(source), "compiling the chat template")
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc} (line {exc.lineno})") from None
+        except TemplateLimit as exc:
+            raise ChatTemplateError(f"the model's chat template exceeded a limit: {exc}") from None
+        except (RecursionError, MemoryError) as exc:
+            raise ChatTemplateError(f"the model's chat template does not compile: it nests too deeply "
+                                    f"({type(exc).__name__})") from None
 
     def render(
         self,
@@ -169,19 +187,81 @@ class ChatTemplate:
     ) -> str:
         if not messages:
             raise ChatTemplateError("cannot render an empty conversation; give at least one message")
-        variables = {**dict(special_tokens or {}), **_plain(kwargs)}
         try:
-            return self._template.render(
-                messages=_normalise(messages),
-                tools=_plain(tools),
-                documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            variables = {
+                **dict(special_tokens or {}),
+                **_plain(kwargs),
+                "messages": _normalise(messages),
+                "tools": _plain(tools),
+                "documents": _plain(documents),
+                "add_generation_prompt": add_generation_prompt,
+            }
+        except RecursionError:
+            raise ChatTemplateError("the conversation nests too deeply to render") from None
+        known = self._admit(variables)
+        try:
+            return run_bounded(lambda: self._render(variables, known), "rendering the chat template")
+        except TemplateLimit as exc:
+            raise ChatTemplateError(f"the model's chat template exceeded a limit: {exc}") from None
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template refused this conversation: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
             raise ChatTemplateError(f"the model's chat template failed on this conversation: {exc!r}") from None
+        except RecursionError:
+            raise ChatTemplateError("the model's chat template recursed too deeply (a template that calls "
+                                    "itself without end)") from None
+        except MemoryError:
+            raise ChatTemplateError("the model's chat template ran out of memory") from None
+
+    def _admit(self, variables: dict[str, Any]) -> dict[int, int]:
+        """Measure the inputs once (the renderer counts them by identity afterwards) and
+        refuse a conversation whose text alone would exceed the output bound."""
+        from polyengine.models.tokenizer import check_text
+
+        cap = limits.MAX_RENDERED_CHARS
+        known: dict[int, int] = {}
+        for value in variables.values():
+            _measure(value, known, cap)
+        total = size_of(list(variables.values()), cap, known)
+        if total > cap:
+            raise ChatTemplateError(
+                f"the conversation has more than {cap:,} characters; the rendered prompt could not fit in any "
+                f"context, so it is refused before rendering"
+            )
+        for message in variables["messages"]:
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(value, f"message {key!r}")
+        return known
+
+    def _render(self, variables: dict[str, Any], known: dict[int, int]) -> str:
+        self._env.known = known  # on the worker thread that renders: its sizes of the inputs
+        cap, out, n = limits.MAX_RENDERED_CHARS, [], 0
+        for chunk in self._template.generate(**variables):
+            n += len(chunk)
+            if n > cap:
+                raise TemplateLimit(f"the rendered prompt passed {cap:,} characters")
+            out.append(chunk)
+        return "".join(out)
+
+
+def _measure(value: Any, known: dict[int, int], cap: int) -> int:
+    """Size of every container inside ``value``, recorded by id (bottom-up, iterative)."""
+    if not isinstance(value, (dict, list, tuple)):
+        return size_of(value, cap)
+    order, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (dict, list, tuple)) and id(v) not in known:
+            known[id(v)] = 0
+            order.append(v)
+            stack.extend(v.values() if isinstance(v, dict) else v)
+    for v in reversed(order):
+        items = list(v.items()) if isinstance(v, dict) else v
+        flat = [x for kv in items for x in kv] if isinstance(v, dict) else list(items)
+        known[id(v)] = min(cap + 1, len(v) + sum(known.get(id(x), 0) if isinstance(x, (dict, list, tuple))
+                                                 else size_of(x, cap) for x in flat))
+    return known[id(value)]
 
 
 def render_chat_template(template: str, messages: list[dict], **kwargs: Any) -> str:

@@ -20,6 +20,10 @@ Decisions:
   divisors; it is read into the config (see ``ModelConfig.from_gguf``), not kept as a weight.
 - Every tensor's type is checked before anything is converted: an unsupported
   quantization type is refused naming the tensor, the type and the supported ones.
+- The header is untrusted: every count, length, nesting depth, dimension, offset and
+  the alignment is checked against :mod:`polyengine.limits` and the file's size before
+  it sizes a loop or an allocation, a key given twice is refused (which one is meant
+  would be a guess), and converted weights must be finite.
 """
 
 from __future__ import annotations
@@ -34,7 +38,20 @@ from typing import Any, Callable
 import numpy as np
 
 from polyengine.errors import WeightsError
+from polyengine.limits import (
+    MAX_GGUF_ALIGNMENT,
+    MAX_GGUF_ARRAY,
+    MAX_GGUF_ARRAY_TOTAL,
+    MAX_GGUF_KEY_BYTES,
+    MAX_GGUF_METADATA,
+    MAX_GGUF_NESTING,
+    MAX_GGUF_STRING_BYTES,
+    MAX_GGUF_TENSORS,
+    MAX_HEAD_DIM,
+    MAX_TENSOR_DIMS,
+)
 from polyengine.models.config import ModelConfig
+from polyengine.models.metadata import Fields, require_finite
 from polyengine.models.safetensors_io import widen_bf16
 
 __all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "load_gguf", "hf_name", "unpermute_rows"]
@@ -49,7 +66,9 @@ _ARRAY_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "
 # ggml types widened here without the gguf package; the rest go to gguf.quants.dequantize.
 _F32, _F16, _BF16, _F64 = 0, 1, 30, 28
 _FLOAT_NUMPY = {_F32: "<f4", _F16: "<f2", _BF16: "<u2", _F64: "<f8"}
-_MAX_DIMS = 4
+# No ggml type stores more than about 5 elements per byte (the 1.5-bit ones); 8 is a
+# safe bound on how many elements a file of a given size can describe.
+_ELEMENTS_PER_BYTE = 8
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -136,11 +155,17 @@ class GGUFFile:
     def config(self) -> ModelConfig:
         if self._config is None:
             arch = self.architecture
+            if not isinstance(arch, str):
+                raise WeightsError(f"general.architecture must be a string, got {arch!r}", file=self.path)
             if arch not in ("llama", "qwen2"):
                 raise WeightsError(
                     f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2", file=self.path
                 )
             rope = self.tensors.get("rope_freqs.weight")
+            if rope is not None and math.prod(rope.shape) > MAX_HEAD_DIM // 2:
+                # Converted before the config exists: bound it first (quantized data expands).
+                raise WeightsError(f"shape {rope.shape}: a RoPE divisor table has at most {MAX_HEAD_DIM // 2} "
+                                   f"entries (head_dim / 2)", file=self.path, tensor=rope.name)
             self._config = ModelConfig.from_gguf(
                 self.metadata,
                 tie_word_embeddings="output.weight" not in self.tensors,
@@ -203,12 +228,14 @@ class GGUFFile:
             if t.ggml_type in _FLOAT_NUMPY:
                 raw = mm.view(_FLOAT_NUMPY[t.ggml_type]).reshape(t.shape)
                 arr = widen_bf16(raw) if t.ggml_type == _BF16 else raw
-                return arr.astype(dtype)  # copies, so the map can go
-            import gguf
+                arr = arr.astype(dtype)  # copies, so the map can go
+            else:
+                import gguf
 
-            rows = mm.reshape(-1, t.nbytes // max(1, math.prod(t.shape[:-1])))
-            arr = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(t.ggml_type)).reshape(t.shape)
-            return arr if dtype == np.float32 else arr.astype(dtype)
+                rows = mm.reshape(-1, t.nbytes // max(1, math.prod(t.shape[:-1])))
+                arr = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(t.ggml_type)).reshape(t.shape)
+                arr = arr if dtype == np.float32 else arr.astype(dtype)
+            return require_finite(arr, file=self.path, tensor=t.name)
         except (ValueError, NotImplementedError) as exc:
             raise WeightsError(f"cannot convert {t.type_name} data: {exc}", file=self.path, tensor=t.name) from None
         finally:
@@ -241,8 +268,11 @@ def load_gguf(
 
 
 class _Cursor:
+    """Reads the header, checking each length against the file's end and the limits."""
+
     def __init__(self, path: Path, buf: mmap.mmap, size: int):
         self.path, self.buf, self.size, self.pos = path, buf, size, 0
+        self.elements = 0  # array elements read so far, all arrays together
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -258,8 +288,10 @@ class _Cursor:
         self.pos += n
         return value
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int = MAX_GGUF_STRING_BYTES) -> str:
         n = self.scalar("<Q", what)
+        if n > limit:
+            raise WeightsError(f"{what}: a string of {n:,} bytes; at most {limit:,} are accepted (corrupt)", file=self.path)
         self.need(n, what)
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
@@ -269,14 +301,27 @@ class _Cursor:
             # Old converters wrote some vocab pieces as raw bytes; keep them visible, not fatal.
             return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, what: str) -> Any:
+    def count(self, n: int, what: str) -> None:
+        """Account for an array of ``n`` elements before any of it is read."""
+        if n > MAX_GGUF_ARRAY:
+            raise WeightsError(f"{what}: an array of {n:,} elements; at most {MAX_GGUF_ARRAY:,} are accepted "
+                               f"(corrupt)", file=self.path)
+        self.elements += n
+        if self.elements > MAX_GGUF_ARRAY_TOTAL:
+            raise WeightsError(f"{what}: the metadata arrays hold more than {MAX_GGUF_ARRAY_TOTAL:,} elements "
+                               f"together (corrupt)", file=self.path)
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype in _SCALAR:
             return self.scalar(_SCALAR[vtype], what)
         if vtype == 8:
             return self.string(what)
         if vtype == 9:
+            if depth >= MAX_GGUF_NESTING:
+                raise WeightsError(f"{what}: arrays nest more than {MAX_GGUF_NESTING} levels deep (corrupt)", file=self.path)
             etype = self.scalar("<I", what)
             count = self.scalar("<Q", what)
+            self.count(count, what)
             if etype in _ARRAY_NUMPY:
                 width = np.dtype(_ARRAY_NUMPY[etype]).itemsize
                 self.need(count * width, what)
@@ -284,11 +329,11 @@ class _Cursor:
                 self.pos += count * width
                 return arr.astype(bool).tolist() if etype == 7 else arr.tolist()
             if etype == 8:
-                if count > self.size:  # every string needs at least its 8-byte length
-                    raise WeightsError(f"{what}: implausible array length {count} (corrupt)", file=self.path)
+                self.need(8 * count, what)  # every string needs at least its 8-byte length
                 return [self.string(what) for _ in range(count)]
             if etype == 9:
-                return [self.value(9, what) for _ in range(count)]
+                self.need(12 * count, what)  # every array needs at least its type and count
+                return [self.value(9, what, depth + 1) for _ in range(count)]
             raise WeightsError(f"{what}: unknown array element type {etype} (corrupt)", file=self.path)
         raise WeightsError(f"{what}: unknown metadata value type {vtype} at byte {self.pos} (corrupt)", file=self.path)
 
@@ -303,29 +348,41 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFFile:
         raise WeightsError(f"GGUF version {version} is not supported (2 and 3 are)", file=path)
     n_tensors = cur.scalar("<Q", "tensor count")
     n_kv = cur.scalar("<Q", "metadata count")
-    if n_tensors > size or n_kv > size:
-        raise WeightsError(f"implausible counts ({n_tensors} tensors, {n_kv} metadata items): corrupt header", file=path)
+    for n, what, limit in ((n_tensors, "tensor count", MAX_GGUF_TENSORS), (n_kv, "metadata count", MAX_GGUF_METADATA)):
+        if n > limit:
+            raise WeightsError(f"the header's {what} is {n:,}; at most {limit:,} are accepted (corrupt header)", file=path)
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
-        key = cur.string(f"metadata key #{i}")
+        key = cur.string(f"metadata key #{i}", MAX_GGUF_KEY_BYTES)
+        if key in metadata:
+            raise WeightsError(f"metadata key {key!r} appears twice; which value is meant is ambiguous (corrupt)",
+                               file=path)
         metadata[key] = cur.value(cur.scalar("<I", f"type of {key!r}"), f"metadata {key!r}")
     infos = []
     for i in range(n_tensors):
-        name = cur.string(f"tensor name #{i}")
+        name = cur.string(f"tensor name #{i}", MAX_GGUF_KEY_BYTES)
         n_dims = cur.scalar("<I", f"tensor {name!r} dims")
-        if not 1 <= n_dims <= _MAX_DIMS:
-            raise WeightsError(f"{n_dims} dimensions (corrupt header)", file=path, tensor=name)
+        if not 1 <= n_dims <= MAX_TENSOR_DIMS:
+            raise WeightsError(f"{n_dims} dimensions; 1 to {MAX_TENSOR_DIMS} are accepted (corrupt header)",
+                               file=path, tensor=name)
         ne = [cur.scalar("<Q", f"tensor {name!r} shape") for _ in range(n_dims)]
+        if math.prod(ne) > _ELEMENTS_PER_BYTE * size:
+            raise WeightsError(f"dimensions {ne} describe more elements than a {size:,}-byte file can hold "
+                               f"(corrupt header)", file=path, tensor=name)
         ggml_type = cur.scalar("<I", f"tensor {name!r} type")
         offset = cur.scalar("<Q", f"tensor {name!r} offset")
         infos.append((name, ne, ggml_type, offset))
-    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise WeightsError(f"general.alignment {alignment} is not a power of two (corrupt)", file=path)
+    fields = Fields(metadata, str(path), error=WeightsError)
+    alignment = fields.integer("general.alignment", _DEFAULT_ALIGNMENT)
+    if not 1 <= alignment <= MAX_GGUF_ALIGNMENT or alignment & (alignment - 1):
+        raise fields.fail("general.alignment", f"an integer power of two from 1 to {MAX_GGUF_ALIGNMENT:,}", alignment)
     data_start = -(-cur.pos // alignment) * alignment
     tensors: dict[str, GGUFTensor] = {}
     for name, ne, ggml_type, offset in infos:
         nbytes = _nbytes(path, name, ne, ggml_type)
+        if offset % alignment:
+            raise WeightsError(f"data offset {offset} is not a multiple of general.alignment {alignment} (corrupt)",
+                               file=path, tensor=name)
         start = data_start + offset
         if start + nbytes > size:
             raise WeightsError(

@@ -20,6 +20,13 @@ Decisions:
   :class:`RandomWeightsWarning`, a log warning, and ``RANDOM WEIGHTS`` in ``repr``.
 - A folder without ``tokenizer.json`` loads with ``tokenizer=None`` and a warning
   (engines work on ids); everything that needs text will say so.
+- An empty or blank model argument is refused: ``Path("")`` is the current directory,
+  and loading whatever is there would surprise. A tokenizer with more tokens than the
+  model has embedding rows is refused too (ids it produces could not be embedded).
+- Files are untrusted: every value in them is validated (:mod:`.metadata`) and every
+  size bounded (:mod:`polyengine.limits`) before it is used, and an allocation that
+  fails while converting weights is an :class:`InsufficientMemory`, not a raw
+  ``MemoryError``.
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from polyengine.errors import InsufficientMemory, ModelConfigError, ModelNotFound
-from polyengine.memory import available_host_memory as available_memory, check_fits
+from polyengine.errors import InsufficientMemory, ModelConfigError, ModelNotFound, WeightsError
+from polyengine.memory import available_host_memory as available_memory, check_fits, translating_memory_errors
 from polyengine.models.config import ModelConfig
+from polyengine.models.metadata import Fields
 from polyengine.models.model import Model
 
 __all__ = [
@@ -66,9 +74,27 @@ class RandomWeightsWarning(UserWarning):
     """The loaded model has random weights: its output is noise."""
 
 
+# What a user loading a model can change (the host copy is float32 whatever the file's
+# quantization, so a smaller quantization of the same model does not help).
+LOAD_ADVICE = (
+    "free some memory, or use a smaller model (one with fewer parameters: weights are held as float32 whatever "
+    "the file's quantization; from Python, load_model(..., dtype='float16') halves that)"
+)
+
+
 def check_memory(config: ModelConfig, dtype: np.dtype, what: str) -> None:
     """Refuse (before allocating) weights that would not fit in available memory."""
-    check_fits(what, {f"its {np.dtype(dtype)} weights": config.num_parameters() * np.dtype(dtype).itemsize})
+    check_fits(what, {f"its {np.dtype(dtype)} weights": config.num_parameters() * np.dtype(dtype).itemsize},
+               advice=LOAD_ADVICE)
+
+
+def _check_vocabulary(config: ModelConfig, tokenizer: Any, source: str) -> None:
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ModelConfigError(
+            f"{source}: the tokenizer has {tokenizer.vocab_size:,} tokens but the model's vocab_size is "
+            f"{config.vocab_size:,} (its embedding rows): ids past {config.vocab_size - 1} could not be embedded; "
+            f"the tokenizer does not belong to these weights"
+        )
 
 
 def default_model_path() -> Path:
@@ -119,6 +145,11 @@ def load_model(
     if spec is None:
         return _load_gguf(default_model_path(), dt, progress)
     text = str(spec)
+    if isinstance(spec, str) and not spec.strip():
+        raise ModelNotFound(
+            f"the model argument is empty ({text!r}); pass a .gguf file, an HF folder or a model name, or leave "
+            f"it out (no --model, model=None) for the default model"
+        )
     if isinstance(spec, str) and spec.startswith("random:"):
         return _load_random(spec, dt, progress, seed)
     if seed is not None:
@@ -154,9 +185,14 @@ def load_model(
 def _load_path(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            with open(path, "rb") as f:
-                if f.read(4) != b"GGUF":
-                    raise ModelNotFound(f"{path} is neither a .gguf file nor a model folder")
+            try:
+                with open(path, "rb") as f:
+                    magic = f.read(4)
+            except OSError as exc:
+                raise ModelNotFound(f"{path} cannot be read ({exc.strerror or exc}); pass a .gguf file or a model "
+                                    f"folder") from None
+            if magic != b"GGUF":
+                raise ModelNotFound(f"{path} is neither a .gguf file nor a model folder")
         return _load_gguf(path, dt, progress)
     if (path / "config.json").is_file():
         return _load_hf_folder(path, dt, progress)
@@ -176,15 +212,18 @@ def _load_gguf(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
     config = g.config()
     check_memory(config, dt, str(path))
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata, source=str(path))
-    weights = g.load_weights(dtype=dt, progress=progress)
+    _check_vocabulary(config, tokenizer, str(path))
+    with translating_memory_errors(f"loading {path}", advice=LOAD_ADVICE):
+        weights = g.load_weights(dtype=dt, progress=progress)
     meta = {
         "format": "gguf",
         "architecture": str(g.architecture),
         "quantization": g.quantization_summary(),
         "dtype": str(dt),
     }
-    if "general.name" in g.metadata:
-        meta["name"] = str(g.metadata["general.name"])
+    name = Fields(g.metadata, str(path), error=WeightsError).string("general.name", None, max_chars=1024)
+    if name is not None:
+        meta["name"] = name
     return Model(config=config, weights=weights, tokenizer=tokenizer, source=str(path), meta=meta)
 
 
@@ -193,15 +232,17 @@ def _load_hf_folder(path: Path, dt: np.dtype, progress: Progress | None) -> Mode
     from polyengine.models.tokenizer import Tokenizer
 
     config = ModelConfig.from_file(path / "config.json")
+    check_memory(config, dt, str(path))
     entries, listing = index_safetensors_folder(path)
     selected = select_entries(entries, config, listing=listing)
-    check_memory(config, dt, str(path))
     if (path / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_pretrained(path)
     else:
         tokenizer = None
         log.warning("%s has no tokenizer.json: the model loads without a tokenizer (token ids only)", path)
-    weights = load_safetensors(selected, dtype=dt, progress=progress)
+    _check_vocabulary(config, tokenizer, str(path))
+    with translating_memory_errors(f"loading {path}", advice=LOAD_ADVICE):
+        weights = load_safetensors(selected, dtype=dt, progress=progress)
     stored: dict[str, int] = {}
     for e in selected.values():
         stored[e.dtype] = stored.get(e.dtype, 0) + 1
@@ -234,7 +275,8 @@ def _load_random(spec: str, dt: np.dtype, progress: Progress | None, seed: int |
     )
     warnings.warn(message, RandomWeightsWarning, stacklevel=3)
     log.warning(message)
-    weights = random_weights(config, seed=seed, dtype=dt, progress=progress)
+    with translating_memory_errors(f"drawing {source}", advice=LOAD_ADVICE):
+        weights = random_weights(config, seed=seed, dtype=dt, progress=progress)
     return Model(
         config=config,
         weights=weights,

@@ -17,6 +17,11 @@ Decisions:
 - A folder holds ``model.safetensors``, or shards listed by
   ``model.safetensors.index.json``, or exactly one other ``*.safetensors`` file.
   PyTorch ``.bin`` checkpoints are refused (they are pickles).
+- Headers and the shard index are untrusted: the header's length is bounded before it
+  is read, its JSON is depth-bounded with repeated names refused, every shape is a list
+  of at most ``MAX_TENSOR_DIMS`` non-negative integers and every offset an integer; a
+  shard name must be a file inside the model's folder (no absolute paths, no ``..``);
+  errors never quote a file's bytes. Weights must be finite.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from typing import Callable
 import numpy as np
 
 from polyengine.errors import WeightsError
+from polyengine.limits import MAX_JSON_DEPTH, MAX_SAFETENSORS_HEADER, MAX_TENSOR_DIMS
 from polyengine.models.config import ModelConfig
+from polyengine.models.metadata import contained_file, json_depth, read_json, require_finite, shown
 
 __all__ = [
     "SafetensorsEntry",
@@ -44,8 +51,6 @@ __all__ = [
 
 Progress = Callable[[int, int, str], None]
 
-# The widest header we accept; real ones are well under 1 MB, so anything larger is corrupt.
-_MAX_HEADER = 100 * 1024 * 1024
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
@@ -76,37 +81,31 @@ def read_safetensors_header(path: str | Path) -> dict[str, SafetensorsEntry]:
             if len(head) < 8:
                 raise WeightsError(f"file is {size} bytes, too short for a safetensors header", file=path)
             n = int.from_bytes(head, "little")
-            if n > min(_MAX_HEADER, size - 8):
+            if n > min(MAX_SAFETENSORS_HEADER, size - 8):
+                # The length is only quoted when it is plausible: otherwise it is just the
+                # file's first eight bytes, and this may not be a safetensors file at all.
+                claim = f"header claims {n:,} bytes but" if n <= MAX_SAFETENSORS_HEADER else "the header length is implausible:"
                 raise WeightsError(
-                    f"header claims {n} bytes but the file has {size - 8} after the length field "
-                    "(truncated or not a safetensors file)",
+                    f"{claim} the file has {size - 8:,} bytes after the length field (truncated or not a "
+                    "safetensors file)",
                     file=path,
                 )
             raw = f.read(n)
     except OSError as exc:
-        raise WeightsError(f"cannot read: {exc}", file=path) from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WeightsError(f"header is not valid JSON ({exc}); the file is corrupt", file=path) from None
-    if not isinstance(header, dict):
-        raise WeightsError("header is not a JSON object; the file is corrupt", file=path)
+        raise WeightsError(f"cannot read: {exc.strerror or exc}", file=path) from None
+    header = _header_json(path, raw)
     data_start = 8 + n
     entries: dict[str, SafetensorsEntry] = {}
     for name, spec in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
-            begin, end = int(begin), int(end)
-        except (KeyError, TypeError, ValueError):
-            raise WeightsError(f"malformed header entry {spec!r}", file=path, tensor=name) from None
+        dtype, shape, begin, end = _entry(path, name, spec)
         if dtype not in _ITEMSIZE:
             raise WeightsError(
-                f"dtype {dtype} is not supported (supported: {', '.join(_ITEMSIZE)})", file=path, tensor=name
+                f"dtype {shown(dtype)} is not supported (supported: {', '.join(_ITEMSIZE)})", file=path, tensor=name
             )
-        if any(d < 0 for d in shape) or not 0 <= begin <= end:
-            raise WeightsError(f"bad shape {shape} or offsets {(begin, end)}", file=path, tensor=name)
+        if not 0 <= begin <= end:
+            raise WeightsError(f"bad offsets {(begin, end)}", file=path, tensor=name)
         if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
             raise WeightsError(
                 f"offsets {(begin, end)} hold {end - begin} bytes but {dtype}{list(shape)} needs "
@@ -124,6 +123,49 @@ def read_safetensors_header(path: str | Path) -> dict[str, SafetensorsEntry]:
     return entries
 
 
+def _header_json(path: Path, raw: bytes) -> dict:
+    def no_duplicates(pairs: list) -> dict:
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise WeightsError(f"the header lists {shown(key)} twice; which entry is meant is ambiguous (corrupt)",
+                                   file=path, tensor=key if isinstance(key, str) else None)
+            out[key] = value
+        return out
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except UnicodeDecodeError:
+        raise WeightsError("header is not UTF-8 text; the file is corrupt or not safetensors", file=path) from None
+    except RecursionError:
+        raise WeightsError(f"header nests more than {MAX_JSON_DEPTH} levels; the file is corrupt", file=path) from None
+    except json.JSONDecodeError as exc:
+        raise WeightsError(f"header is not valid JSON ({exc.msg} at byte {exc.pos}); the file is corrupt",
+                           file=path) from None
+    if not isinstance(header, dict):
+        raise WeightsError("header is not a JSON object; the file is corrupt", file=path)
+    if json_depth(header, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise WeightsError(f"header nests more than {MAX_JSON_DEPTH} levels; the file is corrupt", file=path)
+    return header
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(path: Path, name: str, spec: object) -> tuple[str, tuple[int, ...], int, int]:
+    """One header entry's dtype, shape and offsets, each in the form the format defines."""
+    form = ('{"dtype": "F32", "shape": [up to %d non-negative integers], "data_offsets": [begin, end]}'
+            % MAX_TENSOR_DIMS)
+    ok = isinstance(spec, dict) and isinstance(spec.get("dtype"), str)
+    shape, offsets = (spec.get("shape"), spec.get("data_offsets")) if ok else (None, None)
+    ok = ok and isinstance(shape, list) and len(shape) <= MAX_TENSOR_DIMS and all(_is_count(d) for d in shape)
+    ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+    if not ok:
+        raise WeightsError(f"malformed header entry {shown(spec)}; expected {form}", file=path, tensor=name)
+    return spec["dtype"], tuple(shape), offsets[0], offsets[1]
+
+
 def index_safetensors_folder(folder: str | Path) -> tuple[dict[str, SafetensorsEntry], Path]:
     """Every tensor of an HF folder's checkpoint, and the file that lists them
     (``model.safetensors`` or the shard index), for error messages."""
@@ -133,14 +175,12 @@ def index_safetensors_folder(folder: str | Path) -> tuple[dict[str, SafetensorsE
     if single.is_file():
         return read_safetensors_header(single), single
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise WeightsError(f"cannot read the shard index: {exc!r}", file=index) from None
+        weight_map = _weight_map(index)
+        shards = {fname: contained_file(folder, fname, listing=index, key=f"weight_map[{name!r}]")
+                  for name, fname in weight_map.items()}
         entries: dict[str, SafetensorsEntry] = {}
-        for fname in files:
-            shard = folder / fname
+        for fname in sorted(set(weight_map.values())):
+            shard = shards[fname]
             if not shard.is_file():
                 listed = next(k for k, v in weight_map.items() if v == fname)
                 raise WeightsError(f"shard listed in {index.name} is missing", file=shard, tensor=listed)
@@ -150,7 +190,7 @@ def index_safetensors_folder(folder: str | Path) -> tuple[dict[str, SafetensorsE
                 entries[name] = entry
         for name, fname in weight_map.items():
             if name not in entries:
-                raise WeightsError(f"{index.name} places the tensor here but the shard lacks it", file=folder / fname, tensor=name)
+                raise WeightsError(f"{index.name} places the tensor here but the shard lacks it", file=shards[fname], tensor=name)
         return entries, index
     others = sorted(folder.glob("*.safetensors"))
     if len(others) == 1:
@@ -167,6 +207,16 @@ def index_safetensors_folder(folder: str | Path) -> tuple[dict[str, SafetensorsE
             file=folder,
         )
     raise WeightsError("no model.safetensors or model.safetensors.index.json", file=folder)
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The shard index's ``weight_map``: tensor names to shard file names (checked later)."""
+    data = read_json(index, error=WeightsError, what="shard index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+        raise WeightsError(f"the shard index must be an object whose weight_map maps tensor names to file names; "
+                           f"got {shown(weight_map if isinstance(data, dict) else data)}", file=index)
+    return weight_map
 
 
 def widen_bf16(raw: np.ndarray) -> np.ndarray:
@@ -208,11 +258,11 @@ def load_safetensors(
             mm = maps[entry.file]
             if mm.shape[0] < entry.end:  # the file shrank after its header was read
                 raise WeightsError("file is shorter than its header says (truncated)", file=entry.file, tensor=name)
-            out[name] = _read(entry, mm, dt)
+            out[name] = require_finite(_read(entry, mm, dt), file=entry.file, tensor=name)
             if progress is not None:
                 progress(done, total, name)
     except OSError as exc:
-        raise WeightsError(f"cannot read: {exc}", file=entry.file, tensor=name) from None
+        raise WeightsError(f"cannot read: {exc.strerror or exc}", file=entry.file, tensor=name) from None
     finally:
         maps.clear()
     return out

@@ -1,28 +1,23 @@
 """The tokenizer: a ``tokenizers.Tokenizer`` plus the model's special tokens and chat template.
 
-Built from an HF folder (``tokenizer.json`` with ``tokenizer_config.json`` /
-``special_tokens_map.json`` / ``chat_template.jinja``) or from GGUF metadata, whose
-vocabulary, merges and token types are turned back into a ``tokenizers`` pipeline.
+Built from an HF folder or from GGUF metadata by
+:mod:`polyengine.models.tokenizer_files`, which validates and bounds every value
+those files hold.
 
 The contract is transformers' behaviour on the same files: ids from :meth:`encode`
 equal ``AutoTokenizer`` ids (for a GGUF, ``AutoTokenizer.from_pretrained(dir,
 gguf_file=...)``), and :meth:`decode` equals its ``decode``.
 
+Text to encode is untrusted: :meth:`encode` refuses, before the tokenizer sees it,
+anything but a ``str``, a string that is not valid Unicode (lone surrogates, which is
+how Python carries undecodable bytes from a command line or a pipe), and a string over
+:data:`~polyengine.limits.MAX_TEXT_CHARS` characters (or a caller's smaller bound):
+the Rust tokenizer needs memory many times the text's size and aborts the process when
+it cannot get it.
+
 Decisions:
 - Special-token strings inside text are matched as special tokens (transformers'
   default); ``add_special_tokens`` only controls BOS/EOS framing.
-- GGUF ``gpt2`` (byte-level BPE) vocabularies: the split regex is chosen by
-  ``tokenizer.ggml.pre`` for the names transformers knows (Llama 3, Qwen2, GPT-4o,
-  Tekken families); every other name, SmolLM2's ``smollm`` included, gets GPT-2's
-  regex as in transformers (llama.cpp would first split digits apart for ``smollm``;
-  see ``_PRE_SPLITS``). Control tokens become special added tokens, user-defined ones
-  plain added tokens.
-- GGUF ``llama`` (SentencePiece) vocabularies become a byte-fallback BPE whose merges are
-  derived from the piece scores, with a Metaspace pre-tokenizer that prepends ``▁`` to
-  the first word: transformers' conversion (it ignores ``add_space_prefix``, so do we).
-- BOS/EOS framing of an HF folder is ``tokenizer.json``'s post-processor;
-  ``tokenizer_config.json``'s ``add_bos_token``/``add_eos_token`` are ignored when a
-  ``tokenizer.json`` exists, as transformers v5 ignores them.
 - ``eos_token_ids`` is EOS plus every known end-of-turn token (``<|im_end|>``,
   ``<|eot_id|>``, ...) that the chat template writes, plus GGUF's ``eot``/``eom`` ids.
 - ``clean_up_tokenization_spaces`` is not applied: it would make decoded text differ
@@ -31,21 +26,19 @@ Decisions:
 
 from __future__ import annotations
 
-import json
-import logging
 import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
-from polyengine.errors import ModelConfigError
+from polyengine.errors import InvalidRequest
+from polyengine.limits import MAX_TEXT_CHARS
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "END_OF_TURN_TOKENS"]
-
-log = logging.getLogger(__name__)
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "END_OF_TURN_TOKENS", "BYTE_TO_UNICODE", "byte_level_tokenizer",
+           "check_text"]
 
 # Tokens that end an assistant turn in common chat templates.
 END_OF_TURN_TOKENS = (
@@ -57,47 +50,8 @@ END_OF_TURN_TOKENS = (
     "<|assistant_end|>",
     "<|end_of_turn|>",
 )
-_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-
-# GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> the regex text is split by before BPE. Every other name gets
-# GPT-2's regex, as in transformers. That includes "smollm" (SmolLM2) and the StarCoder
-# family, which llama.cpp and the original tokenizer.json split digit by digit first:
-# the two differ only on a whitespace run right before a digit ("\t\t4": llama.cpp
-# "\t\t","4"; transformers "\t","\t","4"). transformers is this module's contract.
-_PRE_SPLITS = {
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
-         "dbrx", "smaug-bpe"),
-        _LLAMA3_SPLIT,
-    ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
-}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -114,6 +68,29 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 BYTE_TO_UNICODE = _bytes_to_unicode()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: Any, what: str = "prompt", *, max_chars: int | None = None) -> str:
+    """``text`` if it is a ``str`` of valid Unicode within ``max_chars`` (at most
+    :data:`MAX_TEXT_CHARS`); else InvalidRequest saying what is wrong and where."""
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{what} must be a string, not {type(text).__name__}")
+    limit = MAX_TEXT_CHARS if max_chars is None else min(max_chars, MAX_TEXT_CHARS)
+    if len(text) > limit:
+        raise InvalidRequest(
+            f"{what} has {len(text):,} characters; at most {limit:,} are accepted here (it could not fit in "
+            f"the context, and tokenizing it would take memory many times its size); shorten it"
+        )
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise InvalidRequest(
+            f"{what} is not valid Unicode: a lone surrogate {bad.group()!r} at character {bad.start()} (undecodable "
+            f"bytes, e.g. text that was not UTF-8); pass UTF-8 text"
+        )
+    return text
 
 
 class Tokenizer:
@@ -162,82 +139,16 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "Tokenizer":
         """From an HF folder: ``tokenizer.json`` plus the optional config files."""
-        folder = Path(folder)
-        path = folder / "tokenizer.json"
-        try:
-            backend = _Backend.from_file(str(path))
-        except Exception as exc:  # tokenizers raises plain Exception subclasses
-            raise ModelConfigError(f"{path}: cannot load tokenizer: {exc}") from None
-        config = _json_or_empty(folder / "tokenizer_config.json")
-        specials_map = _json_or_empty(folder / "special_tokens_map.json")
-        specials = {k: _token_str(specials_map.get(k)) for k in _NAMED_SPECIALS}
-        specials.update({k: _token_str(config[k]) for k in _NAMED_SPECIALS if k in config})
-        template_file = folder / "chat_template.jinja"
-        if template_file.is_file():
-            template = template_file.read_text(encoding="utf-8")
-        else:
-            template = _pick_template(config.get("chat_template"))
-        return cls(backend, special_tokens=specials, chat_template=template, source=str(folder))
+        from polyengine.models.tokenizer_files import hf_tokenizer_parts
+
+        return cls(**hf_tokenizer_parts(Path(folder)))
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any], *, source: str = "<gguf>") -> "Tokenizer":
         """From a GGUF's ``tokenizer.ggml.*`` metadata (``gpt2`` BPE or ``llama`` SentencePiece)."""
-        kind = metadata.get("tokenizer.ggml.model")
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if not tokens:
-            raise ModelConfigError(f"{source}: GGUF has no tokenizer.ggml.tokens; cannot build a tokenizer")
-        types = list(metadata.get("tokenizer.ggml.token_type") or [])
-        if kind == "gpt2":
-            backend = _byte_level_bpe(tokens, metadata.get("tokenizer.ggml.merges") or [], metadata.get("tokenizer.ggml.pre"), source)
-            add_bos_default = False
-        elif kind == "llama":
-            scores = metadata.get("tokenizer.ggml.scores")
-            if scores is None:
-                raise ModelConfigError(f"{source}: SentencePiece GGUF vocabulary has no tokenizer.ggml.scores")
-            backend = _sentencepiece_bpe(tokens, list(scores))
-            add_bos_default = True
-        else:
-            raise ModelConfigError(
-                f"{source}: GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
-                "llama (SentencePiece BPE)"
-            )
-        alphabet = set(BYTE_TO_UNICODE.values()) if kind == "gpt2" else None
-        control, user = [], []
-        for tok, typ in zip(tokens, types):
-            if typ == _CONTROL and (alphabet is None or set(tok) <= alphabet):
-                control.append(AddedToken(tok, special=True, normalized=False))
-            elif typ == _USER_DEFINED:
-                user.append(AddedToken(tok, special=False, normalized=False))
-        if control:
-            backend.add_special_tokens(control)
-        if user:
-            backend.add_tokens([t for t in user if backend.token_to_id(t.content) is not None])
+        from polyengine.models.tokenizer_files import gguf_tokenizer_parts
 
-        def tok_of(key: str) -> str | None:
-            i = metadata.get(f"tokenizer.ggml.{key}_token_id")
-            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-        specials = {
-            "bos_token": tok_of("bos"),
-            "eos_token": tok_of("eos"),
-            "unk_token": tok_of("unknown"),
-            "pad_token": tok_of("padding"),
-        }
-        _set_framing(
-            backend,
-            specials["bos_token"],
-            specials["eos_token"],
-            bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-            bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
-        )
-        extra = [metadata[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata]
-        return cls(
-            backend,
-            special_tokens=specials,
-            chat_template=metadata.get("tokenizer.chat_template"),
-            extra_eos_ids=[int(i) for i in extra],
-            source=source,
-        )
+        return cls(**gguf_tokenizer_parts(metadata, source))
 
     # -- the API the driver uses ------------------------------------------------------------
 
@@ -250,9 +161,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False, max_chars: int | None = None,
+               what: str = "prompt") -> list[int]:
         """Token ids of ``text``; special-token strings in it become special tokens.
-        ``add_special_tokens`` adds the model's framing (BOS when :attr:`add_bos`)."""
+        ``add_special_tokens`` adds the model's framing (BOS when :attr:`add_bos`).
+        Text that is not a valid Unicode string, or longer than ``max_chars`` (at most
+        :data:`MAX_TEXT_CHARS`), is refused first (:func:`check_text`; ``what`` names it)."""
+        check_text(text, what, max_chars=max_chars)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -347,6 +262,7 @@ class IncrementalDetokenizer:
         return text  # pragma: no cover - decoders seen so far keep prefixes stable
 
 
+
 # -- builders ------------------------------------------------------------------------------
 
 
@@ -362,101 +278,3 @@ def byte_level_tokenizer(specials: Sequence[str]) -> _Backend:
     backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     return backend
 
-
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None, source: str) -> _Backend:
-    alphabet = set(BYTE_TO_UNICODE.values())
-    # A token spelled outside the byte alphabet could never be produced by the BPE;
-    # respell it as bytes so it is reachable (transformers does the same).
-    vocab = {
-        (t if set(t) <= alphabet else "".join(BYTE_TO_UNICODE[b] for b in t.encode("utf-8"))): i
-        for i, t in enumerate(tokens)
-    }
-    pairs = []
-    for m in merges:
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise ModelConfigError(f"{source}: malformed merge {m!r} in tokenizer.ggml.merges")
-        pairs.append((parts[0], parts[1]))
-    backend = _Backend(
-        BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
-    )
-    split = _PRE_SPLITS.get(pre)
-    if split is None:
-        log.debug("%s: GGUF pre-tokenizer %r: splitting text with GPT-2's regex", source, pre)
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _sentencepiece_bpe(tokens: list[str], scores: list[float]) -> _Backend:
-    vocab = {t: i for i, t in enumerate(tokens)}
-    backend = _Backend(
-        BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores, vocab), fuse_unk=True, byte_fallback=True, dropout=None)
-    )
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return backend
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """SentencePiece keeps no merge list: every split of a piece into two known pieces is a
-    merge, ranked by the merged piece's score (best first), ties by the left piece's length
-    then the right's (longer first), then file order."""
-    score_of = dict(zip(tokens, scores))
-    found = []
-    for piece, score in score_of.items():
-        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
-        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        found.extend((score, len(l), len(r), l, r) for l, r in local)
-    order = sorted(range(len(found)), key=lambda i: found[i][:3], reverse=True)
-    # sorted(reverse=True) keeps equal keys in their original order, which is what we want.
-    return [(found[i][3], found[i][4]) for i in order]
-
-
-def _set_framing(backend: _Backend, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool) -> None:
-    add_bos = add_bos and bos is not None and backend.token_to_id(bos) is not None
-    add_eos = add_eos and eos is not None and backend.token_to_id(eos) is not None
-    single = (f"{bos}:0 " if add_bos else "") + "$A:0" + (f" {eos}:0" if add_eos else "")
-    pair = single + (f" {bos}:1" if add_bos else "") + " $B:1" + (f" {eos}:1" if add_eos else "")
-    special = []
-    if add_bos:
-        special.append((bos, backend.token_to_id(bos)))
-    if add_eos and eos != bos:
-        special.append((eos, backend.token_to_id(eos)))
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
-
-
-def _json_or_empty(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelConfigError(f"{path}: cannot read: {exc}") from None
-    return data if isinstance(data, dict) else {}
-
-
-def _token_str(value: Any) -> str | None:
-    """A special token as tokenizer_config spells it: a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _pick_template(value: Any) -> str | None:
-    """``chat_template`` is a string, or a list of ``{name, template}`` (take "default")."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        return named.get("default") or next(iter(named.values()), None)
-    return None

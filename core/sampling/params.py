@@ -90,6 +90,10 @@ class SamplingParams(BaseModel):
     def _stop_nonempty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        # A lone surrogate (undecodable input bytes) can never appear in decoded text:
+        # such a stop string would be silently ignored.
+        if any("\ud800" <= c <= "\udfff" for s in v for c in s):
+            raise ValueError("stop strings must be valid Unicode (a lone surrogate cannot match model text)")
         return v
 
     @field_validator("stop_token_ids", mode="before")

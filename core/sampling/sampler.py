@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from polyengine.errors import InvalidRequest
+from polyengine.errors import InvalidRequest, NumericalError
 from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.threefry import gumbel
 
@@ -185,6 +185,13 @@ def apply_presence_frequency(x: np.ndarray, row: RowState, eos_token_ids: Sequen
 def apply_temperature(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
     """Greedy rows keep their logits (the draw takes the argmax); others become the
     log-softmax of ``logits / temperature``."""
+    if np.isnan(x).any():
+        # NaN compares false with everything: left alone it would look like "every token
+        # masked" and be blamed on min_tokens.
+        raise NumericalError(
+            f"the model's logits are NaN for {int(np.isnan(x).sum())} of {x.shape[0]} tokens at this step: an "
+            "overflow in the backend's arithmetic or non-finite weights, not the sampling parameters; try a wider dtype"
+        )
     if not np.any(x > -np.inf):
         raise InvalidRequest(
             "every token is masked at this step (min_tokens/ignore_eos mask the EOS and stop "

@@ -75,23 +75,28 @@ CALCULATOR = Tool(name="calculator", run=evaluate)
 
 
 def available_tools() -> list[Tool]:
-    """The built-in calculator followed by every tool plugins return from ``polyengine_tools``."""
+    """The built-in calculator followed by every tool plugins return from ``polyengine_tools``.
+
+    A plugin's mistake leaves the other tools working: an item that is not a Tool, or a
+    tool whose name is already taken, is skipped with a
+    :class:`~polyengine.discovery.PluginWarning` (a failing hook is skipped by discovery).
+    """
+    import warnings
+
+    from polyengine.discovery import PluginWarning
     from polyengine.plugins import get_registry  # plugins discovery is only needed here
 
     tools = [CALCULATOR]
     for tool in get_registry().tools():
         if not isinstance(tool, Tool):
-            raise PluginError(
-                "polyengine_tools", None,
-                f"a plugin returned {type(tool).__name__} from polyengine_tools(); "
-                f"expected polyengine.tools.Tool",
-            )
-        if any(t.name == tool.name for t in tools):
-            raise PluginError(
-                tool.name, None,
-                f"tool name {tool.name!r} is registered twice; rename one of the tools",
-            )
-        tools.append(tool)
+            problem = (f"a plugin returned {type(tool).__name__} from polyengine_tools(); expected "
+                       f"polyengine.tools.Tool; it is left out")
+        elif any(t.name == tool.name for t in tools):
+            problem = f"tool name {tool.name!r} is registered twice; the second is left out (rename one of the tools)"
+        else:
+            tools.append(tool)
+            continue
+        warnings.warn(problem, PluginWarning, stacklevel=2)
     return tools
 
 
@@ -155,6 +160,9 @@ class ToolMachine:
         and is left out.
         """
         tools = available_tools() if tools is None else list(tools)
+        for tool in tools:
+            if not isinstance(tool, Tool):
+                raise InvalidRequest(f"tools must be polyengine.tools.Tool objects, got {type(tool).__name__}")
         bound = []
         for tool in tools:
             ids = [tokenizer.token_to_id(d) for d in tool.delimiters]

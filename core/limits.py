@@ -1,0 +1,92 @@
+"""Every limit polyengine enforces on untrusted input, in one place.
+
+Model files, chat templates, prompts and plugins come from people the user may not
+trust (see ``docs/security.md``). Each size, count and time taken from them is checked
+against one of these limits *before* it is used to allocate, loop or wait, so a small
+hostile input cannot take all memory or hours of CPU. The values are generous for
+every real model seen so far (the largest real value of each is noted) and far below
+what would hurt a machine.
+
+The modules that enforce them import them from here; ``docs/security.md`` lists them
+with their values.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "MAX_JSON_BYTES", "MAX_TOKENIZER_JSON_BYTES", "MAX_JSON_DEPTH",
+    "MAX_LAYERS", "MAX_HIDDEN", "MAX_INTERMEDIATE", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_VOCAB", "MAX_POSITIONS",
+    "MAX_GGUF_TENSORS", "MAX_GGUF_METADATA", "MAX_GGUF_KEY_BYTES", "MAX_GGUF_STRING_BYTES",
+    "MAX_GGUF_ARRAY", "MAX_GGUF_ARRAY_TOTAL", "MAX_GGUF_NESTING", "MAX_GGUF_ALIGNMENT", "MAX_TENSOR_DIMS",
+    "MAX_SAFETENSORS_HEADER", "MAX_TOKEN_CHARS", "MAX_SENTENCEPIECE_SPLITS",
+    "MAX_TEMPLATE_BYTES", "MAX_RENDERED_CHARS", "MAX_TEMPLATE_VALUE_ITEMS", "RENDER_SECONDS",
+    "MAX_TEXT_CHARS", "PROMPT_CHARS_PER_TOKEN", "MAX_CHAT_LINE_CHARS",
+    "PLUGIN_TIMEOUT_ENV", "DEFAULT_PLUGIN_SECONDS", "MAX_PLUGIN_OUTPUT_CHARS", "plugin_seconds",
+]
+
+# -- JSON metadata (config.json, generation_config.json, tokenizer_config.json,
+#    special_tokens_map.json, model.safetensors.index.json) -------------------------------
+MAX_JSON_BYTES = 16 * 1024**2  # real ones: under 1 MiB (a tokenizer_config with a big template)
+MAX_TOKENIZER_JSON_BYTES = 128 * 1024**2  # tokenizer.json; largest real: ~33 MB (Gemma 3)
+MAX_JSON_DEPTH = 32  # real configs nest 3-5 levels
+
+# -- model shape (HF config.json and GGUF metadata alike) -------------------------------------
+MAX_LAYERS = 1024  # largest real: 126 (Llama 3.1 405B)
+MAX_HIDDEN = 65536  # largest real: 16384-25600
+MAX_INTERMEDIATE = 262144  # largest real: 53248
+MAX_HEADS = 1024  # query heads; largest real: 128
+MAX_HEAD_DIM = 1024  # largest real: 256
+MAX_VOCAB = 4_194_304  # 2**22; largest real: 262144 (Gemma 3)
+MAX_POSITIONS = 16_777_216  # 2**24; largest real: 10485760 (Llama 4 Scout)
+
+# -- GGUF header ------------------------------------------------------------------------------
+MAX_GGUF_TENSORS = 65536  # largest real: a few thousand
+MAX_GGUF_METADATA = 65536  # metadata items; real files: 20-60
+MAX_GGUF_KEY_BYTES = 65535  # the GGUF specification's own bound
+MAX_GGUF_STRING_BYTES = 64 * 1024**2  # one string value (old converters embed a whole tokenizer.json)
+MAX_GGUF_ARRAY = 4_194_304  # elements of one array (the vocabulary and merges are the big ones)
+MAX_GGUF_ARRAY_TOTAL = 8_388_608  # elements of all arrays together: bounds the Python objects built
+MAX_GGUF_NESTING = 4  # arrays of arrays; real files have none
+MAX_GGUF_ALIGNMENT = 1 << 20  # general.alignment must be a power of two up to this (real: 32)
+MAX_TENSOR_DIMS = 8  # GGUF allows 4; safetensors checkpoints use 1-2 for these models
+
+# -- safetensors ------------------------------------------------------------------------------
+MAX_SAFETENSORS_HEADER = 100 * 1024**2  # real headers are well under 1 MiB
+
+# -- tokenizers built from GGUF metadata -----------------------------------------------------
+MAX_TOKEN_CHARS = 1024  # one vocabulary entry; real ones: under 256
+# SentencePiece vocabularies carry no merge list; deriving one looks at every split of every
+# piece. Real vocabularies need under 2 million splits.
+MAX_SENTENCEPIECE_SPLITS = 16_777_216
+
+# -- chat templates ---------------------------------------------------------------------------
+MAX_TEMPLATE_BYTES = 1024**2  # template source; real ones: under 64 KiB
+MAX_RENDERED_CHARS = 4 * 1024**2  # what one render may produce (the tokenizer's own bound)
+MAX_TEMPLATE_VALUE_ITEMS = 1024**2  # a list, tuple or dict a template builds
+RENDER_SECONDS = 5.0  # compile and render; real templates take milliseconds
+
+# -- prompts ----------------------------------------------------------------------------------
+MAX_TEXT_CHARS = 4 * 1024**2  # one text the tokenizer encodes (~0.7 GB and ~5 s at the bound)
+# A prompt longer than this many characters per position the engine accepts cannot fit
+# (tokens average ~4 characters); it is refused before tokenizing.
+PROMPT_CHARS_PER_TOKEN = 32
+MAX_CHAT_LINE_CHARS = 1024**2  # one line typed into `polyengine chat`
+
+# -- plugins ----------------------------------------------------------------------------------
+PLUGIN_TIMEOUT_ENV = "POLYENGINE_PLUGIN_TIMEOUT"
+# Importing one plugin, one hook call, one probe (plugins must import nothing heavy).
+DEFAULT_PLUGIN_SECONDS = 10.0
+MAX_PLUGIN_OUTPUT_CHARS = 2000  # of a plugin's captured output quoted in its error
+
+
+def plugin_seconds() -> float:
+    """The bound on one plugin import, hook or probe: ``POLYENGINE_PLUGIN_TIMEOUT`` seconds
+    when it is set to a positive number, else :data:`DEFAULT_PLUGIN_SECONDS`."""
+    raw = os.environ.get(PLUGIN_TIMEOUT_ENV, "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return DEFAULT_PLUGIN_SECONDS
+    return value if 0 < value < float("inf") else DEFAULT_PLUGIN_SECONDS
