@@ -144,3 +144,23 @@ def _int8_agreement(real, cfg, f32, prompts, mode):
     got = [c.token_ids for c in LLM.from_engine(i8, tools=False).generate(prompts, sp)]
     agree = [next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), len(w)) for g, w in zip(got, want)]
     return {"rel_l2": round(max(errs), 4), "agree": agree}
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_eager_on_a_gpu(model):
+    prompts, sp = [[1, 5, 9, 4, 2], [3, 3, 8]], SamplingParams(seed=5, max_tokens=70)
+    cfg = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=128)
+    runs = []
+    for graphs in (False, True):
+        eng = TorchEngine(model, cfg.model_copy(update={"dtype": "float32", "options": {"cuda_graphs": graphs}}))
+        runs.append([c.token_ids for c in LLM.from_engine(eng, tools=False).generate(prompts, sp)])
+    assert runs[0] == runs[1]
+
+
+def test_cuda_graphs_are_refused_on_the_cpu(model):
+    from polyengine.errors import UnsupportedFeature
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(UnsupportedFeature, match="CUDA graphs need a CUDA device"):
+        TorchEngine(model, CFG.model_copy(update={"options": {"cuda_graphs": True}}))

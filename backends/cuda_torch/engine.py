@@ -87,6 +87,9 @@ class TorchDecodeState:
     next_tokens: torch.Tensor  # (slots,) int64 on the device: what each slot feeds next
     slots: list[_Slot | None] = field(default_factory=list)
     pending: Future | None = None  # the step running on the worker thread (CPU async mode)
+    graphs: dict = field(default_factory=dict)  # CUDA: kv_len -> (graph, static logits), over this state's buffers
+    positions: torch.Tensor | None = None  # CUDA graphs: static (slots, 1) input buffers
+    live: torch.Tensor | None = None
 
     def wait(self) -> None:
         """Let the step in flight finish (its errors surface when its results are read)."""
@@ -115,6 +118,9 @@ class TorchEngine(EngineBase):
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
         "quantize": "",
+        # CUDA: replay the decode forward as a CUDA graph per kv_len bucket (not verified on a GPU
+        # in this project's CI, hence off by default; see docs/cuda_torch.md)
+        "cuda_graphs": False,
     }
 
     def __init__(self, model: Model, config: EngineConfig):
@@ -139,6 +145,8 @@ class TorchEngine(EngineBase):
             raise InvalidRequest(f"option quantize={o['quantize']!r}: use one of {sorted(_QUANTIZE)}")
         if o["quantize"] and device.type != "cpu":
             raise UnsupportedFeature("quantize='int8' on CUDA", self.name, "int8 weights run on the CPU path only")
+        if o["cuda_graphs"] and device.type != "cuda":
+            raise UnsupportedFeature("cuda_graphs on the CPU", self.name, "CUDA graphs need a CUDA device")
         self.torch_device = device
         self.torch_dtype = _DTYPES[self.dtype]
         self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
@@ -408,14 +416,17 @@ class TorchEngine(EngineBase):
         if live and self._fused is not None:
             tokens, logprobs, top_ids, top_lp = self._fused_step(params, state, live, positions, num_top)
         elif live:
-            logits, state.k, state.v = forward(
-                params, state.next_tokens[:, None], torch.tensor(positions, dtype=torch.int64, device=dev)[:, None],
-                state.k, state.v, rows=None, write_mask=live_mask[:, None], kv_len=kv_len,
-                attention=self.options["attention"], inplace=True, linear=self._linear,
-            )
+            pos = torch.tensor(positions, dtype=torch.int64, device=dev)[:, None]
+            if self.options["cuda_graphs"]:
+                logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
+            else:
+                logits, state.k, state.v = forward(
+                    params, state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
+                    kv_len=kv_len, attention=self.options["attention"], inplace=True, linear=self._linear,
+                )
             res = state.sampler.sample(logits[:, 0], num_top=num_top)
             state.sampler.record(res.tokens, mask=live_mask)
-            state.next_tokens = torch.where(live_mask, res.tokens, state.next_tokens)
+            state.next_tokens.copy_(torch.where(live_mask, res.tokens, state.next_tokens))
             tokens, logprobs, top_ids, top_lp = res.tokens, res.logprobs, res.top_ids, res.top_logprobs
         else:
             tokens = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -428,6 +439,37 @@ class TorchEngine(EngineBase):
             logprobs.to(torch.float32).view(torch.int32)[:, None], top_ids.to(torch.int32),
             top_lp.to(torch.float32).contiguous().view(torch.int32),
         ], dim=1)
+
+    def _graph_forward(self, params: TorchWeights, state: TorchDecodeState, pos: torch.Tensor, live: torch.Tensor,
+                       kv_len: int) -> torch.Tensor:
+        """The decode forward replayed from a CUDA graph captured per kv_len bucket over
+        this state's static buffers (tokens, positions, live mask, caches): one launch
+        instead of ~50 kernels a layer. The first use of a bucket runs the step eagerly
+        twice (idempotent: same inputs, same cache writes) before capturing it."""
+        if state.positions is None:
+            state.positions, state.live = torch.zeros_like(pos), torch.zeros_like(live)
+        state.positions.copy_(pos)
+        state.live.copy_(live)
+
+        def run() -> torch.Tensor:
+            return forward(params, state.next_tokens[:, None], state.positions, state.k, state.v, rows=None,
+                           write_mask=state.live, kv_len=kv_len, attention=self.options["attention"], inplace=True)[0]
+
+        entry = state.graphs.get(kv_len)
+        if entry is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = run()
+            entry = state.graphs[kv_len] = (graph, logits)
+        graph, logits = entry
+        graph.replay()
+        return logits
 
     def _fused_step(self, params: TorchWeights, state: TorchDecodeState, live: list[int], positions: list[int], num_top: int):
         """The CPU decode step through the fused kernel: only the live rows are computed,

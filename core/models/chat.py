@@ -36,7 +36,7 @@ from polyengine import limits
 from polyengine.errors import InvalidRequest
 from polyengine.models.sandbox import BoundedEnvironment, TemplateLimit, bound_filters, run_bounded, size_of
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "render_chat_template"]
+__all__ = ["ChatTemplate", "ChatTemplateError"]
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -263,7 +263,3 @@ def _measure(value: Any, known: dict[int, int], cap: int) -> int:
                                                  else size_of(x, cap) for x in flat))
     return known[id(value)]
 
-
-def render_chat_template(template: str, messages: list[dict], **kwargs: Any) -> str:
-    """One-shot render (compiles ``template`` each time; keep a :class:`ChatTemplate` to reuse)."""
-    return ChatTemplate(template).render(messages, **kwargs)

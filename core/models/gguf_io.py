@@ -54,7 +54,7 @@ from polyengine.models.config import ModelConfig
 from polyengine.models.metadata import Fields, require_finite
 from polyengine.models.safetensors_io import widen_bf16
 
-__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "load_gguf", "hf_name", "unpermute_rows"]
+__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "hf_name", "unpermute_rows"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -254,14 +254,6 @@ def read_gguf(path: str | Path) -> GGUFFile:
                 return _parse(path, buf, size)
     except OSError as exc:
         raise WeightsError(f"cannot read: {exc}", file=path) from None
-
-
-def load_gguf(
-    path: str | Path, *, dtype: str | np.dtype = "float32", progress: Progress | None = None
-) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFFile]:
-    """Config, HF-named weights and the parsed header of a Llama-family GGUF."""
-    g = read_gguf(path)
-    return g.config(), g.load_weights(dtype=dtype, progress=progress), g
 
 
 # -- header parsing ---------------------------------------------------------------------

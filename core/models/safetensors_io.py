@@ -44,7 +44,6 @@ __all__ = [
     "read_safetensors_header",
     "index_safetensors_folder",
     "load_safetensors",
-    "load_folder_weights",
     "select_entries",
     "widen_bf16",
 ]
@@ -291,14 +290,4 @@ def select_entries(
     return {name: entries[name] for name in expected}
 
 
-def load_folder_weights(
-    folder: str | Path,
-    config: ModelConfig,
-    *,
-    dtype: str | np.dtype = "float32",
-    progress: Progress | None = None,
-) -> dict[str, np.ndarray]:
-    """An HF folder's weights for ``config``, HF names, float32 (or float16)."""
-    entries, listing = index_safetensors_folder(folder)
-    return load_safetensors(select_entries(entries, config, listing=listing), dtype=dtype, progress=progress)
 
