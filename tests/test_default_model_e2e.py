@@ -1,6 +1,7 @@
-"""The real default model end to end: the reference backend's greedy tokens equal
-transformers' (LlamaForCausalLM, float32) for 32+ new tokens on chat prompts, and the
-CLI's ``generate --json --temperature 0`` gives transformers' greedy ids.
+"""The real default model end to end: the reference and cuda_torch backends' greedy
+tokens equal transformers' (LlamaForCausalLM, float32) for 32+ new tokens on chat
+prompts, and the CLI's ``generate --json --temperature 0`` (``backend=auto``, which is
+cuda_torch wherever torch is installed) gives transformers' greedy ids.
 
 The oracle runs transformers on the same weights (bit-equal to transformers' own GGUF
 load, proven in test_models_gguf.py) and the same prompt ids (tokenizer equality is
@@ -77,8 +78,9 @@ def _check_equal(got, want, gaps, what):
     warnings.warn(f"{what}: divergence at a near tie, step {i}, gap {gaps[i]:.2e}")
 
 
-def test_reference_greedy_equals_transformers_on_chat_prompts(model, hf):
-    llm = polyengine.LLM(model, backend="reference", max_slots=3, max_prefill_length=128, max_cache_length=192)
+@pytest.mark.parametrize("backend", ["reference", "cuda_torch"])
+def test_greedy_equals_transformers_on_chat_prompts(model, hf, backend):
+    llm = polyengine.LLM(model, backend=backend, max_slots=3, max_prefill_length=128, max_cache_length=192)
     assert llm.engine.eos_token_ids == (2,)
     sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=2)
     ids = [_chat_ids(model, p) for p in PROMPTS]
@@ -94,7 +96,8 @@ def test_cli_generate_json_greedy_equals_transformers(model, hf, capsys, monkeyp
     from polyengine.cli import main
 
     prompt = PROMPTS[0]
-    assert main(["generate", "--json", "--temperature", "0", "--backend", "reference", prompt]) == 0
+    assert polyengine.select_backend("auto").name == "cuda_torch"
+    assert main(["generate", "--json", "--temperature", "0", prompt]) == 0
     out = json.loads(capsys.readouterr().out)
     want = _hf_greedy(hf, _chat_ids(model, prompt), 64, stop_at_eos=True)
     assert out["token_ids"] == want

@@ -28,7 +28,7 @@ def polyengine_backends():
     return [
         BackendSpec(name="acme", description="ACME's CPU backend (wraps the reference)",
                     protocol_version=PROTOCOL_VERSION, probe=lambda: Probe(True, False, "cpu"),
-                    factory="acme_backends.good:create", priority=5),
+                    factory="acme_backends.good:create", priority=80),
         BackendSpec(name="acme_gpu", description="ACME's accelerator backend",
                     protocol_version=PROTOCOL_VERSION,
                     probe=lambda: Probe(importlib.util.find_spec("acme_gpu_sdk") is not None, False,
@@ -100,7 +100,7 @@ def test_third_party_backends_are_listed_with_their_distribution(acme):
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert rows["reference"]["available"] and rows["reference"]["distribution"] == "polyengine"
     assert rows["acme"]["available"] and rows["acme"]["distribution"] == "acme-backends"
-    assert rows["acme"]["version"] == "1.2.3" and rows["acme"]["priority"] == 5
+    assert rows["acme"]["version"] == "1.2.3" and rows["acme"]["priority"] == 80
     gpu = rows["acme_gpu"]
     assert not gpu["available"] and not gpu["broken"]
     assert gpu["reason"] == "acme_gpu_sdk is not installed"
@@ -119,7 +119,7 @@ def test_third_party_backend_is_selected_built_and_run(acme):
         import polyengine
         from polyengine.errors import PluginError, BackendUnavailable
         from mock_engine import tiny_model
-        assert polyengine.select_backend("auto").name == "acme"  # priority 5 beats the reference's 0
+        assert polyengine.select_backend("auto").name == "acme"  # priority 80 beats cuda_torch (50) and the reference (0)
         engine = polyengine.create_engine("acme", model=tiny_model(), max_slots=1, max_prefill_length=4, max_cache_length=8)
         prefix, first = engine.prefill(params=engine.load_params(), tokens=[1, 2], sampling=polyengine.SamplingParams(temperature=0))
         print("first", int(first.tokens[0, 0]))
