@@ -697,6 +697,17 @@ class EngineBase:
             )
         return prefix
 
+    def check_portable(self, portable: "PortablePrefix") -> tuple[np.ndarray, SamplingParams]:
+        """A portable prefix made for this engine's model (fingerprint and shapes) whose
+        prompt and request this engine accepts: returns the prompt (int32) and the
+        request with its seed, for ``import_prefix``."""
+        c = self.model.config
+        portable.check_compatible(
+            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+        )
+        return check_request(self, portable.prompt_tokens, portable.sampling)
+
     def check_token(self, token: object, what: str) -> int:
         """A token id (an integer inside the vocabulary) as an int, else InvalidRequest."""
         if not is_int(token):

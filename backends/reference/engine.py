@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, check_request
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import RowState, SamplingParams, sample
@@ -242,12 +242,7 @@ class ReferenceEngine(EngineBase):
         )
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
-        c = self.model.config
-        portable.check_compatible(
-            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-        )
-        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        prompt, sampling = self.check_portable(portable)
         logits = portable.last_logits.astype(self.np_dtype)
         row = RowState(sampling, 0, 0, prompt, np.zeros(0, np.int32))
         first = int(self._sample([logits], [row]).tokens[0])
