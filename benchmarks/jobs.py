@@ -1,0 +1,95 @@
+"""Running one system in its own worker subprocess, and hearing back from it.
+
+One process per (system, part): the standard phases of a system share one process (its
+peak RSS is that row's), the full-context batch gets a fresh one (its peak RSS is the
+``long`` column's). A worker that crashes, is killed (out of memory, a segfault in a
+native library) or runs past its time limit becomes a failed row with the reason and
+the tail of its output; the run goes on with the next system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Job", "run_job"]
+
+
+@dataclass
+class Job:
+    """What one worker runs: ``kind`` names the system, ``params`` build it."""
+
+    row: str  # the table row this job fills, e.g. "polyengine reference float64"
+    kind: str  # polyengine | transformers | llamacpp
+    params: dict[str, Any]
+    part: str  # standard | long
+    meta: dict[str, Any] = field(default_factory=dict)  # copied into the report row (peer, setting)
+    long: bool = True  # also run the full-context batch, in a second worker
+
+
+def _tail(log: Any, limit: int = 2000) -> str:
+    log.seek(0, os.SEEK_END)
+    size = log.tell()
+    log.seek(max(0, size - limit))
+    return log.read().decode("utf-8", errors="replace")
+
+
+def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
+            on_progress: Callable[[str, str], None]) -> dict[str, Any]:
+    """Run ``job`` in a worker; return its result event or an error event."""
+    read_fd, write_fd = os.pipe()
+    payload = json.dumps({"kind": job.kind, "params": job.params, "part": job.part,
+                          "workload": workload, "repeats": repeats})
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "polyengine.benchmarks.worker", str(write_fd)],
+            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        os.close(write_fd)
+        timed_out = threading.Event()
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        watchdog = threading.Timer(timeout, kill)
+        watchdog.start()
+        result: dict[str, Any] | None = None
+        try:
+            proc.stdin.write(payload.encode("utf-8"))
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the worker died at start; its log says why
+        try:
+            with os.fdopen(read_fd, encoding="utf-8") as events:
+                for line in events:  # ends when the worker closes the pipe or dies
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if event.get("event") == "progress":
+                        on_progress(event["phase"], event["detail"])
+                    else:
+                        result = event
+            code = proc.wait()
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if result is not None:
+            return result
+        if timed_out.is_set():
+            why = f"the worker ran past the time limit ({timeout:.0f} s) and was stopped"
+        elif code < 0:
+            why = f"the worker was killed by signal {-code} (out of memory, or a crash in native code)"
+        else:
+            why = f"the worker exited with code {code} without a result"
+        return {"event": "error", "error": why, "traceback": _tail(log)}
