@@ -33,10 +33,7 @@ from typing import Any
 __all__ = ["add_command", "main", "PEERS"]
 
 PEERS = ("transformers", "llamacpp")
-_INSTALL = {
-    "transformers": "pip install torch==2.13.0 transformers accelerate",
-    "llamacpp": "pip install llama-cpp-python (builds from source: see docs/benchmarks.md for the CMAKE_ARGS)",
-}
+_INSTALL = {"transformers": "pip install torch==2.13.0 transformers accelerate"}
 
 
 def add_command(sub: Any) -> None:
@@ -141,7 +138,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
         if peer == "transformers":
             missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
             if missing:
-                notes.append(f"transformers: skipped, {' and '.join(missing)} not installed ({_INSTALL[peer]})")
+                notes.append(f"transformers: skipped, {' and '.join(missing)} not installed ({_INSTALL['transformers']})")
                 continue
             if path is None or not (path.suffix.lower() == ".gguf" or (path / "config.json").is_file()):
                 notes.append(f"transformers: skipped, it needs a .gguf file or an HF folder, not {args.model!r}")
@@ -154,7 +151,10 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
                                 {"system": "transformers", "setting": f"{label} generate"}, long=dt == "float32"))
         else:
             if importlib.util.find_spec("llama_cpp") is None:
-                notes.append(f"llama.cpp: skipped, llama-cpp-python is not installed ({_INSTALL[peer]})")
+                from polyengine.benchmarks.host import llamacpp_install_command
+
+                notes.append("llama.cpp: skipped, llama-cpp-python is not installed; for this CPU build it with: "
+                             + llamacpp_install_command(cpu_info()))
                 continue
             if path is None or path.suffix.lower() != ".gguf":
                 notes.append(f"llama.cpp: skipped, it needs a .gguf file, not {args.model!r}")

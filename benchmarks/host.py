@@ -16,10 +16,10 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["ISA_FLAGS", "cpu_info", "load_average", "package_versions", "has_fast_bf16", "torch_cpu"]
+__all__ = ["ISA_FLAGS", "cpu_info", "load_average", "package_versions", "has_fast_bf16", "torch_cpu", "llamacpp_install_command"]
 
 # The flags that decide which fast paths exist (matmul widths, bf16/int8 units).
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 
 
@@ -55,6 +55,27 @@ def cpu_info() -> dict[str, Any]:
 def has_fast_bf16(info: dict[str, Any]) -> bool:
     """Whether bf16 matmuls have hardware support here (without it they crawl)."""
     return bool({"amx_bf16", "avx512_bf16"} & set(info.get("isa", ())))
+
+
+# CPU flag -> the ggml build options it allows. llama.cpp's GGML_NATIVE=ON (its default)
+# compiles for the build host's CPU as the compiler sees it, which gave "Illegal
+# instruction" at run time on some virtual machines; naming the detected ISA works.
+_GGML_OPTIONS = (
+    ("avx2", ("GGML_AVX", "GGML_AVX2")), ("fma", ("GGML_FMA",)), ("f16c", ("GGML_F16C",)),
+    ("avx_vnni", ("GGML_AVX_VNNI",)), ("avx512f", ("GGML_AVX512",)), ("avx512vbmi", ("GGML_AVX512_VBMI",)),
+    ("avx512_vnni", ("GGML_AVX512_VNNI",)), ("avx512_bf16", ("GGML_AVX512_BF16",)),
+    ("amx_tile", ("GGML_AMX_TILE",)), ("amx_int8", ("GGML_AMX_INT8",)), ("amx_bf16", ("GGML_AMX_BF16",)),
+)
+
+
+def llamacpp_install_command(info: dict[str, Any]) -> str:
+    """The pip command that builds llama-cpp-python for this CPU (x86; elsewhere the default build)."""
+    isa = set(info.get("isa", ()))
+    flags = ["-DGGML_NATIVE=OFF"] + [f"-D{o}=ON" for flag, opts in _GGML_OPTIONS if flag in isa for o in opts]
+    flags.append("-DLLAVA_BUILD=OFF")  # the multimodal library is not needed and doubles the build
+    if not {"avx2", "avx512f"} & isa:
+        return "pip install llama-cpp-python"
+    return f'CMAKE_ARGS="{" ".join(flags)}" pip install llama-cpp-python'
 
 
 def load_average() -> list[float] | None:
