@@ -233,6 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             progress.end_job()
             row["details"] = row["details"] or res.get("system", {})
+            if job.kind == "llamacpp":  # the long batch reuses the thread counts chosen here
+                job.params["chosen"] = [row["details"]["threads"], row["details"]["threads_batch"]]
             rss = res["peak_rss_bytes"] / MIB
             if part == "long":
                 row["metrics"].update(res["metrics"], long_peak_rss_mib=rss)

@@ -17,8 +17,8 @@ which is what llama.cpp's own server uses. So this module drives it directly:
 
 Threads: llama.cpp takes two counts, ``n_threads`` for single-token batches and
 ``n_threads_batch`` for everything bigger. Each is chosen once at load from the
-candidates (default 1 and 2) by the best of a few short timed runs (a batch-1 decode,
-a 256-token prompt), and the chosen pair is reported. Everything else is llama.cpp's
+candidates (default 1 and 2) by the best of three short timed runs (a batch-1 decode,
+a 128-token prompt), and the chosen pair is reported. Everything else is llama.cpp's
 default (KV cache F16, flash attention "auto", ``n_ubatch`` 512).
 
 This module imports llama_cpp: only a worker subprocess imports it.
@@ -51,7 +51,8 @@ def _quiet_log(level: int, text: bytes, user_data: object) -> None:
 
 
 class LlamaCppSystem:
-    def __init__(self, *, model: str, quant: str, threads: list[int] | int = (1, 2)):
+    def __init__(self, *, model: str, quant: str, threads: list[int] | int = (1, 2),
+                 chosen: tuple[int, int] | None = None):
         import llama_cpp as lc
 
         self.lc = lc
@@ -69,7 +70,9 @@ class LlamaCppSystem:
         self._shape: tuple[int, int] | None = None
         self._batch = lc.llama_batch_init(_N_BATCH, 0, 1)
         candidates = sorted({int(t) for t in ([threads] if isinstance(threads, int) else threads)})
-        self.threads, self.threads_batch = self._choose_threads(candidates)
+        # ``chosen``: the pair an earlier worker picked for this file (the long batch
+        # reuses the standard part's choice rather than timing it again).
+        self.threads, self.threads_batch = tuple(chosen) if chosen else self._choose_threads(candidates)
         self.description = {
             "quant": quant,
             "threads": self.threads,
@@ -126,16 +129,16 @@ class LlamaCppSystem:
     # -- threads --------------------------------------------------------------------------
 
     def _choose_threads(self, candidates: list[int]) -> tuple[int, int]:
-        """Best n_threads (batch-1 decode) and n_threads_batch (a prompt), best of 3 tries each."""
+        """Best n_threads (batch-1 decode) and n_threads_batch (a prompt), best of 3 short tries each."""
         self.threads = self.threads_batch = candidates[-1]
         if len(candidates) == 1:
             return candidates[0], candidates[0]
-        prompt = prompts(self.vocab_size, 1, 256, phase="warmup")[0]
+        prompt = prompts(self.vocab_size, 1, 128, phase="warmup")[0]
         single, batch = {}, {}
         self._context(1, len(prompt) + 16)
         for t in candidates:
             self.lc.llama_set_n_threads(self.ctx, t, t)
-            single[t] = min(self.decode([prompt[:16]], 16).decode_seconds for _ in range(3))
+            single[t] = min(self.decode([prompt[:16]], 12).decode_seconds for _ in range(3))
             batch[t] = min(self.prefill(prompt) for _ in range(3))
         return min(single, key=single.get), min(batch, key=batch.get)
 
