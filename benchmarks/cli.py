@@ -15,7 +15,7 @@ peer (transformers float32, llama.cpp's file as shipped): it is the slowest part
 its point is polyengine's memory at full context, with a peer beside it for scale.
 
 Exit status: 0 when every polyengine row ran (peers may fail: their failures are in
-the report), 1 otherwise. Targets are reported, never turned into an exit status: this
+the report), 1 otherwise, 130 when interrupted (the systems that finished are reported). Targets are reported, never turned into an exit status: this
 is a measurement, not a test.
 """
 
@@ -193,11 +193,14 @@ def _file_type(value: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Plan, run every job, and return the report document."""
+    """Plan, run every job, and return the report document.
+
+    With ``--json`` the document is rewritten after every system, so a long run that
+    is stopped keeps what it measured; Ctrl-C stops the run and reports the systems
+    that finished (``complete`` is false then).
+    """
     from polyengine.benchmarks import host, report
-    from polyengine.benchmarks.jobs import run_job
     from polyengine.benchmarks.progress import Progress
-    from polyengine.benchmarks.stats import MIB
     from polyengine.benchmarks.workload import QUICK, STANDARD
 
     work = QUICK if args.quick else STANDARD
@@ -208,9 +211,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequest(f"--repeats must be at least 1, got {repeats}")
     timeout = args.timeout if args.timeout is not None else (600.0 if args.quick else 7200.0)
     notes: list[str] = []
-    started = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    load_start = host.load_average()
-    torch_info = host.torch_cpu()  # before any job, so it never runs beside one
+    doc: dict[str, Any] = {
+        "schema": report.SCHEMA,
+        "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "complete": False,
+        "host": {"cpu": host.cpu_info(), "load_start": host.load_average(), "versions": host.package_versions(),
+                 "torch": host.torch_cpu()},  # torch's probe runs before any job, never beside one
+        "model": _model_file(args.model)[1],
+        "workload": work.to_dict(),
+        "repeats": repeats,
+        "rows": [],
+        "notes": notes,
+        "targets": [],
+    }
     jobs = plan(args, notes)
     if args.skip_long:
         for job in jobs:
@@ -218,52 +231,57 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     progress = Progress(sum(1 + job.long for job in jobs))
     for n in notes:
         progress.note(n)
-    rows = []
-    for job in jobs:
-        row = {"row": job.row, "kind": job.kind, **job.meta, "params": job.params, "details": {},
-               "metrics": {}, "errors": {}}
-        for part in ["standard"] + (["long"] if job.long else []):
-            job.part = part
-            progress.start_job(f"{job.row} ({part})")
-            res = run_job(job, workload=work.to_dict(), repeats=repeats, timeout=timeout, on_progress=progress.event)
-            if res.get("event") != "result":
-                row["errors"][part] = res.get("error", "unknown error")
-                row.setdefault("tracebacks", {})[part] = res.get("traceback", "")
-                progress.end_job(row["errors"][part])
-                continue
-            progress.end_job()
-            row["details"] = row["details"] or res.get("system", {})
-            if job.kind == "llamacpp":  # the long batch reuses the thread counts chosen here
-                job.params["chosen"] = [row["details"]["threads"], row["details"]["threads_batch"]]
-            rss = res["peak_rss_bytes"] / MIB
-            if part == "long":
-                row["metrics"].update(res["metrics"], long_peak_rss_mib=rss)
-            else:
-                row["metrics"].update(res["metrics"], peak_rss_mib=rss)
-                row["load_seconds"] = res.get("load_seconds")
-        if job.kind == "polyengine" and row["details"].get("dtype"):
-            row["setting"] = row["setting"].replace(" default", f" {row['details']['dtype']}", 1)
-        if job.kind == "transformers" and row["details"].get("threads"):
-            row["setting"] += f", {row['details']['threads']} threads"
-        if job.kind == "llamacpp" and row["details"].get("threads"):
-            d = row["details"]
-            row["setting"] += f", threads {d['threads']}/{d['threads_batch']}"
-        row["row"] = f"{row['system']} {row['setting']}"
-        rows.append(row)
-    _, model_text = _model_file(args.model)
-    doc = {
-        "schema": report.SCHEMA,
-        "started": started,
-        "host": {"cpu": host.cpu_info(), "torch": torch_info, "load_start": load_start,
-                 "load_end": host.load_average(), "versions": host.package_versions()},
-        "model": model_text,
-        "workload": work.to_dict(),
-        "repeats": repeats,
-        "rows": rows,
-        "notes": notes,
-    }
-    doc["targets"] = report.judge(rows, work)
+    try:
+        for job in jobs:
+            doc["rows"].append(_run_row(job, work, repeats, timeout, progress))
+            doc["host"]["load_end"] = host.load_average()
+            doc["targets"] = report.judge(doc["rows"], work)
+            if args.json:
+                report.write_json(doc, args.json)
+        doc["complete"] = True
+    except KeyboardInterrupt:
+        progress.note("interrupted: reporting the systems that finished")
+        notes.append(f"interrupted by the user after {len(doc['rows'])} of {len(jobs)} systems")
+    doc["host"]["load_end"] = host.load_average()
+    doc["targets"] = report.judge(doc["rows"], work)
     return doc
+
+
+def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -> dict[str, Any]:
+    """One table row: the job's standard part, then (if that worked) its long part."""
+    from polyengine.benchmarks.jobs import run_job
+    from polyengine.benchmarks.stats import MIB
+
+    row = {"row": job.row, "kind": job.kind, **job.meta, "params": job.params, "details": {},
+           "metrics": {}, "errors": {}}
+    for part in ["standard"] + (["long"] if job.long else []):
+        job.part = part
+        progress.start_job(f"{job.row} ({part})")
+        res = run_job(job, workload=work.to_dict(), repeats=repeats, timeout=timeout, on_progress=progress.event)
+        if res.get("event") != "result":
+            row["errors"][part] = res.get("error", "unknown error")
+            row.setdefault("tracebacks", {})[part] = res.get("traceback", "")
+            progress.end_job(row["errors"][part])
+            break  # a system that failed its standard part would fail the long one too
+        progress.end_job()
+        row["details"] = row["details"] or res.get("system", {})
+        if job.kind == "llamacpp":  # the long batch reuses the thread counts chosen here
+            job.params["chosen"] = [row["details"]["threads"], row["details"]["threads_batch"]]
+        rss = res["peak_rss_bytes"] / MIB
+        if part == "long":
+            row["metrics"].update(res["metrics"], long_peak_rss_mib=rss)
+        else:
+            row["metrics"].update(res["metrics"], peak_rss_mib=rss)
+            row["load_seconds"] = res.get("load_seconds")
+    d = row["details"]
+    if job.kind == "polyengine" and d.get("dtype"):
+        row["setting"] = row["setting"].replace(" default", f" {d['dtype']}", 1)
+    if job.kind == "transformers" and d.get("threads"):
+        row["setting"] += f", {d['threads']} threads"
+    if job.kind == "llamacpp" and d.get("threads"):
+        row["setting"] += f", threads {d['threads']}/{d['threads_batch']}"
+    row["row"] = f"{row['system']} {row['setting']}"
+    return row
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -274,6 +292,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(doc, args.json)
         print(f"\nJSON report: {args.json}", flush=True)
+    if not doc["complete"]:
+        return 130
     ok = all(not r["errors"] for r in doc["rows"] if r["kind"] == "polyengine")
     return 0 if ok else 1
 

@@ -160,7 +160,7 @@ def header(doc: dict[str, Any]) -> str:
         f"{host['cpu']['memory_gib']} GiB; ISA: {' '.join(host['cpu']['isa']) or 'none of interest'}",
         "torch: " + (f"{torch.get('version')}, capability {torch.get('capability')}, {torch.get('threads')} threads"
                      if torch else "not installed"),
-        f"load average (1/5/15 min): {host['load_start']} at start, {host.get('load_end')} at end",
+        f"load average (1/5/15 min): {host.get('load_start')} at start, {host.get('load_end')} at end",
         f"model: {doc['model']}",
         f"workload: decode {work.prompt_len}-token prompts + {work.new_tokens} new tokens at batch "
         f"{'/'.join(map(str, work.batches))}; prefill {work.prefill_len} tokens; serve {work.serve_requests} requests "
@@ -169,6 +169,8 @@ def header(doc: dict[str, Any]) -> str:
         f"long {work.long_batch} x {work.long_context} tokens",
         f"each value: median of {doc['repeats']} runs after one warm-up (long: one run, median step)",
     ]
+    if not doc.get("complete", True):
+        lines.append("INCOMPLETE: the run was stopped before every system ran")
     busy = host.get("load_start") and host["cpu"]["usable_cores"] and host["load_start"][0] > 0.5 * host["cpu"]["usable_cores"]
     if busy:
         lines.append("WARNING: the machine was busy when the run started: compare ratios within this run, not absolute numbers")

@@ -195,3 +195,23 @@ def test_llamacpp_build_flags_follow_the_detected_isa():
     sapphire = llamacpp_install_command({"isa": ["avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"]})
     assert all(f"-D{o}=ON" in sapphire for o in ("GGML_AVX512", "GGML_AVX512_BF16", "GGML_AMX_INT8", "GGML_AMX_BF16"))
     assert llamacpp_install_command({"isa": ["asimd"]}) == "pip install llama-cpp-python"
+
+
+def test_progress_is_one_live_line_on_a_terminal_and_plain_lines_otherwise():
+    import io
+
+    from polyengine.benchmarks.progress import Progress
+
+    live, plain = io.StringIO(), io.StringIO()
+    for stream, is_live in ((live, True), (plain, False)):
+        p = Progress(2, stream=stream, live=is_live)
+        p.start_job("polyengine reference (standard)")
+        p.event("decode b1", "run 1/3")
+        p.end_job()
+        p.start_job("transformers fp32 (standard)")
+        p.end_job("boom")
+    assert "\r\x1b[2K" in live.getvalue() and live.getvalue().count("\n") == 2  # one kept line per job
+    lines = plain.getvalue().splitlines()
+    assert "\r" not in plain.getvalue() and len(lines) == 5
+    assert lines[1].startswith("[1/2] polyengine reference (standard): decode b1, run 1/3")
+    assert "FAILED: boom" in lines[-1]
