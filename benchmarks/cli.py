@@ -2,7 +2,7 @@
 
     polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
                      [--peers transformers,llamacpp|none] [--repeats N] [--quick]
-                     [--json PATH] [--skip-long] [--llamacpp-threads 1,2] [--cache-dir DIR]
+                     [--json PATH] [--parts standard,long] [--llamacpp-threads 1,2] [--cache-dir DIR]
 
 Plans one job per (system, part), runs each in its own worker subprocess (``jobs``),
 shows progress on stderr, and prints the report (``report``) on stdout. Rows: every
@@ -57,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="measured runs per phase; the median is reported (default 3, 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="a tiny workload that runs in seconds (for tests and smoke checks)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
-    p.add_argument("--skip-long", action="store_true", help="skip the full-context batch (its prefill is long on slow systems)")
+    p.add_argument("--parts", default="standard,long", metavar="standard,long",
+                   help="which parts to run: 'standard' (decode, prefill, serve), 'long' (the full-context batch), "
+                        "or both (default); the long batch's prefill is slow on slow systems")
     p.add_argument("--llamacpp-threads", default=None, metavar="N,N", help="thread counts llama.cpp chooses from (default: 1 and 2)")
     p.add_argument("--cache-dir", default=None, help="where converted peer weights are kept (default: ~/.cache/polyengine/bench)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one worker may run (default 7200, 600 with --quick)")
@@ -95,6 +97,15 @@ def _peers(raw: str) -> list[str]:
     if unknown:
         raise InvalidRequest(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)} or 'none'")
     return names
+
+
+def _parts(raw: str) -> list[str]:
+    from polyengine.errors import InvalidRequest
+
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if not parts or set(parts) - {"standard", "long"}:
+        raise InvalidRequest(f"--parts takes 'standard', 'long' or both (comma-separated), not {raw!r}")
+    return [p for p in ("standard", "long") if p in parts]
 
 
 def _threads(raw: str | None) -> list[int]:
@@ -224,11 +235,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "notes": notes,
         "targets": [],
     }
+    parts = _parts(args.parts)
     jobs = plan(args, notes)
-    if args.skip_long:
-        for job in jobs:
-            job.long = False
-    progress = Progress(sum(1 + job.long for job in jobs))
+    for job in jobs:
+        job.parts = [p for p in parts if p == "standard" or job.long]
+    progress = Progress(sum(len(job.parts) for job in jobs))
     for n in notes:
         progress.note(n)
     try:
@@ -254,7 +265,7 @@ def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -
 
     row = {"row": job.row, "kind": job.kind, **job.meta, "params": job.params, "details": {},
            "metrics": {}, "errors": {}}
-    for part in ["standard"] + (["long"] if job.long else []):
+    for part in job.parts:
         job.part = part
         progress.start_job(f"{job.row} ({part})")
         res = run_job(job, workload=work.to_dict(), repeats=repeats, timeout=timeout, on_progress=progress.event)

@@ -30,7 +30,8 @@ class Job:
     params: dict[str, Any]
     part: str  # standard | long
     meta: dict[str, Any] = field(default_factory=dict)  # copied into the report row (peer, setting)
-    long: bool = True  # also run the full-context batch, in a second worker
+    long: bool = True  # whether this system runs the full-context batch (in a second worker)
+    parts: list[str] = field(default_factory=lambda: ["standard", "long"])  # what this run asks of it
 
 
 def _tail(log: Any, limit: int = 2000) -> str:

@@ -135,7 +135,7 @@ def test_a_failing_worker_becomes_an_error_and_a_slow_one_is_stopped():
 
 
 def test_bench_exits_nonzero_when_a_polyengine_row_fails(tmp_path):
-    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--peers", "none", "--skip-long",
+    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--peers", "none", "--parts", "standard",
                                    "--model", "random:no-such-preset"], tmp_path)
     assert code == 1
     assert "FAIL" in stdout and "failures:" in stdout and "no-such-preset" in stdout
@@ -187,7 +187,7 @@ def test_quick_bench_runs_transformers_on_a_tiny_random_model(tmp_path):
     hf_model("llama3", vocab=131).save_pretrained(folder)
     out = tmp_path / "out.json"
     code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--model", str(folder), "--peers", "transformers",
-                                   "--skip-long", "--json", str(out), "--cache-dir", str(tmp_path / "cache")], tmp_path)
+                                   "--parts", "standard", "--json", str(out), "--cache-dir", str(tmp_path / "cache")], tmp_path)
     assert code == 0, stdout + stderr
     doc = json.loads(out.read_text())
     peers = [r for r in doc["rows"] if r["kind"] == "transformers"]
