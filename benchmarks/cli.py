@@ -154,6 +154,8 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
             if path is None or not (path.suffix.lower() == ".gguf" or (path / "config.json").is_file()):
                 notes.append(f"transformers: skipped, it needs a .gguf file or an HF folder, not {args.model!r}")
                 continue
+            if not _prepare_transformers(path, cache, notes):
+                continue
             dtypes = ["float32"] + (["bfloat16"] if has_fast_bf16(cpu_info()) else [])
             for dt in dtypes:
                 label = {"float32": "fp32", "bfloat16": "bf16"}[dt]
@@ -177,9 +179,27 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
     return rows
 
 
+def _prepare_transformers(path: Path, cache: str, notes: list[str]) -> bool:
+    """Convert the GGUF for transformers in a process of its own, before any measured one:
+    done inside a worker, the conversion's memory would count in that worker's peak RSS."""
+    import subprocess
+
+    from polyengine.benchmarks.run_transformers import cached_folder
+
+    if cached_folder(path, cache)[1]:
+        return True
+    print(f"converting {path.name} for transformers (once; kept under {cache})...", file=sys.stderr, flush=True)
+    proc = subprocess.run([sys.executable, "-m", "polyengine.benchmarks.run_transformers", str(path), cache],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        notes.append(f"transformers: skipped, converting {path.name} failed: {proc.stderr.strip()[-500:]}")
+        return False
+    return True
+
+
 def _llamacpp_files(path: Path, cache: str, notes: list[str]) -> list[tuple[str, Path]]:
     """The GGUF as shipped plus its F16 and F32 copies (written once, then cached)."""
-    from polyengine.benchmarks.gguf_convert import converted_gguf
+    from polyengine.benchmarks.gguf_convert import converted_gguf, copy_path
     from polyengine.models.gguf_io import read_gguf
 
     shipped = _file_type(read_gguf(path).metadata.get("general.file_type"))
@@ -188,6 +208,9 @@ def _llamacpp_files(path: Path, cache: str, notes: list[str]) -> list[tuple[str,
         if kind == shipped:
             continue
         try:
+            if not copy_path(path, kind, cache).is_file():
+                print(f"writing the {kind} copy of {path.name} for llama.cpp (once; kept under {cache})...",
+                      file=sys.stderr, flush=True)
             files.append((kind, converted_gguf(path, kind, cache)))
         except Exception as exc:  # a failed conversion loses one setting, not the run
             notes.append(f"llama.cpp {kind}: skipped, converting {path.name} failed: {type(exc).__name__}: {exc}")

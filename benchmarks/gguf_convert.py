@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["converted_gguf", "FILE_TYPES"]
+__all__ = ["converted_gguf", "copy_path", "FILE_TYPES"]
 
 # llama.cpp's LLAMA_FTYPE values for general.file_type.
 FILE_TYPES = {"F32": 0, "F16": 1}
@@ -31,12 +31,18 @@ def _key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def copy_path(source: str | Path, kind: str, cache_dir: str | Path) -> Path:
+    """Where the ``kind`` copy of ``source`` is (or will be) kept."""
+    source = Path(source)
+    return Path(cache_dir) / f"{source.stem}-{_key(source)}.{kind}.gguf"
+
+
 def converted_gguf(source: str | Path, kind: str, cache_dir: str | Path) -> Path:
     """The cached ``kind`` ("F16" or "F32") copy of ``source``, written if missing."""
     if kind not in FILE_TYPES:
         raise ValueError(f"kind must be one of {sorted(FILE_TYPES)}, got {kind!r}")
     source = Path(source)
-    dest = Path(cache_dir) / f"{source.stem}-{_key(source)}.{kind}.gguf"
+    dest = copy_path(source, kind, cache_dir)
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from typing import Any
 from polyengine.benchmarks.phases import DecodeRun, ServeRun
 from polyengine.benchmarks.workload import Request
 
-__all__ = ["TransformersSystem", "hf_folder"]
+__all__ = ["TransformersSystem", "cached_folder", "hf_folder"]
 
 
 def _gguf_key(path: Path) -> str:
@@ -41,17 +41,24 @@ def _gguf_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def cached_folder(model: str | Path, cache_dir: str | Path) -> tuple[Path, bool]:
+    """Where the model's HF folder is, and whether it is there yet (no torch imported)."""
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, True
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        raise ValueError(f"transformers needs a .gguf file or an HF folder, not {str(model)!r}")
+    dest = Path(cache_dir) / f"hf-{path.stem}-{_gguf_key(path)}"
+    return dest, (dest / "config.json").is_file() and any(dest.glob("*.safetensors"))
+
+
 def hf_folder(model: str | None, cache_dir: str | Path) -> Path:
     """An HF folder holding the model: ``model`` itself, or the cached float32 copy of a GGUF."""
     from polyengine.models import default_model_path
 
     path = default_model_path() if model is None else Path(model).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    if not (path.is_file() and path.suffix.lower() == ".gguf"):
-        raise ValueError(f"transformers needs a .gguf file or an HF folder, not {model!r}")
-    dest = Path(cache_dir) / f"hf-{path.stem}-{_gguf_key(path)}"
-    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
+    dest, ready = cached_folder(path, cache_dir)
+    if ready:
         return dest
     import torch
     from transformers import AutoModelForCausalLM
@@ -143,3 +150,9 @@ class TransformersSystem:
             ttfts += [stamps[0] - t0] * len(batch)
         return ServeRun(completion_tokens=sum(r.max_tokens for r in requests),
                         seconds=time.perf_counter() - t0, ttfts=ttfts)
+
+
+if __name__ == "__main__":  # python -m ... MODEL CACHE_DIR: convert once, before any measured worker
+    import sys
+
+    print(hf_folder(sys.argv[1], sys.argv[2]))
