@@ -47,7 +47,7 @@ def add_command(sub: Any) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", nargs="+", default=["auto"], metavar="B", help="polyengine backend(s) to measure (default: auto)")
+    p.add_argument("--backend", nargs="+", default=["auto"], metavar="B", help="polyengine backend(s) to measure (default: auto), or 'none' for the peers alone")
     p.add_argument("--model", default=None, help="a .gguf file, an HF folder or random:<preset> (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", nargs="+", default=[None], metavar="D", help="engine dtype(s) (default: the backend's)")
     p.add_argument("--options", action="append", default=None, metavar="JSON",
@@ -134,7 +134,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
     from polyengine.plugins import select_backend
 
     rows: list[Job] = []
-    for name in args.backend:
+    for name in [] if args.backend == ["none"] else args.backend:
         backend = select_backend(name).name  # unknown or unusable: the typed error says why, before any job
         for dtype in args.dtype:
             for options in _options(args.options):
