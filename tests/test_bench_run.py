@@ -197,3 +197,16 @@ def test_quick_bench_runs_transformers_on_a_tiny_random_model(tmp_path):
     assert fp32["metrics"]["driver_overhead_s_per_step"] is None  # generate has no driver to time
     judged = [v for v in doc["targets"] if v["target"].startswith("prefill")]
     assert judged and all("ratio" in v for v in judged)
+
+
+def test_parts_and_peers_alone(tmp_path):
+    out = tmp_path / "long.json"
+    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--model", "random:tiny", "--peers", "none",
+                                   "--parts", "long", "--json", str(out)], tmp_path)
+    assert code == 0, stdout + stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["metrics"]) == {"long_decode_tok_s", "long_peak_rss_mib"}
+    code, stdout, stderr = _bench(["--quick", "--backend", "none", "--peers", "none", "--parts", "standard"], tmp_path)
+    assert code == 0 and "no polyengine row in this run applies" in stdout, stdout + stderr
+    code, _, stderr = _bench(["--quick", "--parts", "middle"], tmp_path)
+    assert code == 1 and "--parts" in stderr
