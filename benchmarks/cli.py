@@ -268,6 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for job in jobs:
             doc["rows"].append(_run_row(job, work, repeats, timeout, progress))
+            if doc["rows"][-1].pop("interrupted", False):
+                raise KeyboardInterrupt
             doc["host"]["load_end"] = host.load_average()
             doc["targets"] = report.judge(doc["rows"], work)
             if args.json:
@@ -275,7 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         doc["complete"] = True
     except KeyboardInterrupt:
         progress.note("interrupted: reporting the systems that finished")
-        notes.append(f"interrupted by the user after {len(doc['rows'])} of {len(jobs)} systems")
+        notes.append(f"interrupted by the user during system {len(doc['rows'])} of {len(jobs)}")
     doc["host"]["load_end"] = host.load_average()
     doc["targets"] = report.judge(doc["rows"], work)
     return doc
@@ -295,6 +297,8 @@ def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -
         if res.get("event") != "result":
             row["errors"][part] = res.get("error", "unknown error")
             row.setdefault("tracebacks", {})[part] = res.get("traceback", "")
+            row["metrics"].update(res.get("partial_metrics") or {})  # the phases it finished
+            row["interrupted"] = bool(res.get("interrupted"))
             progress.end_job(row["errors"][part])
             break  # a system that failed its standard part would fail the long one too
         progress.end_job()

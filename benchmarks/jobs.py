@@ -4,7 +4,8 @@ One process per (system, part): the standard phases of a system share one proces
 peak RSS is that row's), the full-context batch gets a fresh one (its peak RSS is the
 ``long`` column's). A worker that crashes, is killed (out of memory, a segfault in a
 native library) or runs past its time limit becomes a failed row with the reason and
-the tail of its output; the run goes on with the next system.
+the tail of its output, keeping the phases it finished (the worker reports each one as
+it ends); the run goes on with the next system.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
         watchdog = threading.Timer(timeout, kill)
         watchdog.start()
         result: dict[str, Any] | None = None
+        partial: dict[str, Any] | None = None
         try:
             proc.stdin.write(payload.encode("utf-8"))
             proc.stdin.close()
@@ -77,15 +79,22 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
                         continue
                     if event.get("event") == "progress":
                         on_progress(event["phase"], event["detail"])
+                    elif event.get("event") == "partial":
+                        partial = event["metrics"]
                     else:
                         result = event
             code = proc.wait()
+        except KeyboardInterrupt:  # the user stopped the run: keep what this worker finished
+            return {"event": "error", "error": "interrupted by the user", "interrupted": True,
+                    "traceback": "", "partial_metrics": partial}
         finally:
             watchdog.cancel()
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         if result is not None:
+            if result.get("event") == "error" and partial:
+                result["partial_metrics"] = partial
             return result
         if timed_out.is_set():
             why = f"the worker ran past the time limit ({timeout:.0f} s) and was stopped"
@@ -93,4 +102,4 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
             why = f"the worker was killed by signal {-code} (out of memory, or a crash in native code)"
         else:
             why = f"the worker exited with code {code} without a result"
-        return {"event": "error", "error": why, "traceback": _tail(log)}
+        return {"event": "error", "error": why, "traceback": _tail(log), "partial_metrics": partial}

@@ -90,8 +90,13 @@ def _per_step(runs: list) -> dict | None:
     return summary(vals) if len(vals) == len(runs) and vals else None
 
 
-def run_standard(system: System, work: Workload, repeats: int, emit: Emit) -> dict:
-    """Every phase but ``long``; returns the metrics (each a ``stats.summary``)."""
+def run_standard(system: System, work: Workload, repeats: int, emit: Emit,
+                 done: Callable[[dict], None] = lambda metrics: None) -> dict:
+    """Every phase but ``long``; returns the metrics (each a ``stats.summary``).
+
+    ``done(metrics)`` is called after each phase with the metrics so far, so a run
+    stopped half way (a time limit, a crash) still reports the phases it finished.
+    """
     vocab = system.vocab_size
     warm = prompts(vocab, max(max(work.batches), 1), work.prompt_len, phase="warmup", seed=work.seed)
     metrics: dict = {"decode_tok_s": {}, "decode_overhead_s_per_step": {}}
@@ -102,11 +107,13 @@ def run_standard(system: System, work: Workload, repeats: int, emit: Emit) -> di
                        lambda: system.decode(ps, work.new_tokens))
         metrics["decode_tok_s"][str(b)] = summary([rate(r.decode_tokens, r.decode_seconds) for r in runs])
         metrics["decode_overhead_s_per_step"][str(b)] = _per_step(runs)
+        done(metrics)
 
     p = prompts(vocab, 1, work.prefill_len, phase="prefill", seed=work.seed)[0]
     pw = prompts(vocab, 1, work.prefill_len, phase="warmup", seed=work.seed)[0]
     secs = _repeat(emit, f"prefill {work.prefill_len}", repeats, lambda: system.prefill(pw), lambda: system.prefill(p))
     metrics["prefill_tok_s"] = summary([rate(work.prefill_len, s) for s in secs])
+    done(metrics)
 
     reqs = serve_requests(work, vocab)
     wreqs = [replace(r, prompt=w[: len(r.prompt)], max_tokens=min(r.max_tokens, work.warmup_tokens))

@@ -118,9 +118,9 @@ def _num(x: float | None) -> str:
 def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
     def m(*path: str, scale: float = 1.0) -> Callable[[dict[str, Any]], str]:
         def cell(row: dict[str, Any]) -> str:
-            if row.get("errors", {}).get("long" if path[0].startswith("long") else "standard"):
-                return "FAIL"
             v = metric(row, path)
+            if v is None and row.get("errors", {}).get("long" if path[0].startswith("long") else "standard"):
+                return "FAIL"  # a stopped worker keeps the phases it finished; this one it did not
             return _num(None if v is None else v * scale)
         return cell
 

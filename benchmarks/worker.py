@@ -5,6 +5,8 @@ workload, and writes events as JSON lines to the file descriptor ``FD`` (not std
 llama.cpp and transformers print there, and their chatter must not be parsed):
 
 - ``{"event": "progress", "phase": ..., "detail": ...}`` as the runs go;
+- ``{"event": "partial", "metrics": ...}`` after each finished phase (what a worker
+  stopped later still measured);
 - then one ``{"event": "result", "metrics": ..., "system": ..., "peak_rss_bytes": ...}``
   or ``{"event": "error", "error": ..., "traceback": ...}``.
 
@@ -58,7 +60,8 @@ def run_job(job: dict[str, Any], send: Any) -> dict[str, Any]:
     if job["part"] == "long":
         metrics = run_long(system, work, emit)
     else:
-        metrics = run_standard(system, work, job["repeats"], emit)
+        metrics = run_standard(system, work, job["repeats"], emit,
+                               done=lambda m: send({"event": "partial", "metrics": m}))
     return {
         "event": "result",
         "metrics": metrics,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from polyengine.benchmarks.jobs import Job, run_job
-from polyengine.benchmarks.workload import QUICK, Request
+from polyengine.benchmarks.workload import QUICK, STANDARD, Request
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,6 +132,10 @@ def test_a_failing_worker_becomes_an_error_and_a_slow_one_is_stopped():
     slow = Job("slow", "polyengine", dict(model="random:tiny", backend="reference", dtype=None, options={}), "standard")
     res = run_job(slow, workload=work, repeats=1, timeout=0.5, on_progress=lambda *a: None)
     assert res["event"] == "error" and "time limit" in res["error"]
+    # a worker that fails after some phases keeps them: on the tiny model (512 positions)
+    # the standard decode phases run, then the 1024-token prefill is refused
+    res = run_job(slow, workload=STANDARD.to_dict(), repeats=1, timeout=120, on_progress=lambda *a: None)
+    assert res["event"] == "error" and "1" in res["partial_metrics"]["decode_tok_s"]
 
 
 def test_bench_exits_nonzero_when_a_polyengine_row_fails(tmp_path):

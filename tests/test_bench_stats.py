@@ -112,7 +112,9 @@ class ScriptedSystem:
 def test_metrics_are_medians_of_per_run_values():
     work = STANDARD
     system = ScriptedSystem()
-    m = run_standard(system, work, repeats=3, emit=lambda *a: None)
+    partial: list[set] = []
+    m = run_standard(system, work, repeats=3, emit=lambda *a: None, done=lambda x: partial.append(set(x)))
+    assert len(partial) == len(work.batches) + 1 and "prefill_tok_s" in partial[-1]  # reported phase by phase
     # decode at batch b: runs take b, 2b, 3b seconds for b * 127 tokens -> median 127/2
     for b in work.batches:
         assert m["decode_tok_s"][str(b)]["median"] == pytest.approx(127 / 2)
