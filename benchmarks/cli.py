@@ -298,12 +298,13 @@ def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -
             row["errors"][part] = res.get("error", "unknown error")
             row.setdefault("tracebacks", {})[part] = res.get("traceback", "")
             row["metrics"].update(res.get("partial_metrics") or {})  # the phases it finished
+            row["details"] = row["details"] or res.get("system") or {}
             row["interrupted"] = bool(res.get("interrupted"))
             progress.end_job(row["errors"][part])
             break  # a system that failed its standard part would fail the long one too
         progress.end_job()
         row["details"] = row["details"] or res.get("system", {})
-        if job.kind == "llamacpp":  # the long batch reuses the thread counts chosen here
+        if job.kind == "llamacpp" and "threads" in row["details"]:  # the long batch reuses the choice
             job.params["chosen"] = [row["details"]["threads"], row["details"]["threads_batch"]]
         rss = res["peak_rss_bytes"] / MIB
         if part == "long":

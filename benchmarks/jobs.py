@@ -65,6 +65,7 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
         watchdog.start()
         result: dict[str, Any] | None = None
         partial: dict[str, Any] | None = None
+        details: dict[str, Any] = {}
         try:
             proc.stdin.write(payload.encode("utf-8"))
             proc.stdin.close()
@@ -80,21 +81,23 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
                     if event.get("event") == "progress":
                         on_progress(event["phase"], event["detail"])
                     elif event.get("event") == "partial":
-                        partial = event["metrics"]
+                        partial, details = event["metrics"], event.get("details") or details
+                    elif event.get("event") == "system":
+                        details = event["details"]
                     else:
                         result = event
             code = proc.wait()
         except KeyboardInterrupt:  # the user stopped the run: keep what this worker finished
             return {"event": "error", "error": "interrupted by the user", "interrupted": True,
-                    "traceback": "", "partial_metrics": partial}
+                    "traceback": "", "partial_metrics": partial, "system": details}
         finally:
             watchdog.cancel()
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         if result is not None:
-            if result.get("event") == "error" and partial:
-                result["partial_metrics"] = partial
+            if result.get("event") == "error":
+                result.update(partial_metrics=partial, system=details)
             return result
         if timed_out.is_set():
             why = f"the worker ran past the time limit ({timeout:.0f} s) and was stopped"
@@ -102,4 +105,4 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
             why = f"the worker was killed by signal {-code} (out of memory, or a crash in native code)"
         else:
             why = f"the worker exited with code {code} without a result"
-        return {"event": "error", "error": why, "traceback": _tail(log), "partial_metrics": partial}
+        return {"event": "error", "error": why, "traceback": _tail(log), "partial_metrics": partial, "system": details}

@@ -94,7 +94,7 @@ def judge(rows: list[dict[str, Any]], work: Workload) -> list[dict[str, Any]]:
             v = metric(r, t.metric)
             entry = {"target": t.name, "row": r["row"], "value": v, "threshold": t.threshold}
             if best is None:
-                entry["verdict"] = f"not judged: no {t.peer} row was measured"
+                entry["verdict"] = f"not judged: no {t.peer} row has this value"
             elif v is None:
                 entry["verdict"] = "not judged: this row has no value"
             else:
@@ -116,8 +116,10 @@ def _num(x: float | None) -> str:
 
 
 def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
-    def m(*path: str, scale: float = 1.0) -> Callable[[dict[str, Any]], str]:
+    def m(*path: str, scale: float = 1.0, ours_only: bool = False) -> Callable[[dict[str, Any]], str]:
         def cell(row: dict[str, Any]) -> str:
+            if ours_only and row["kind"] != "polyengine":
+                return "-"
             v = metric(row, path)
             if v is None and row.get("errors", {}).get("long" if path[0].startswith("long") else "standard"):
                 return "FAIL"  # a stopped worker keeps the phases it finished; this one it did not
@@ -133,7 +135,7 @@ def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]
         (f"prefill {work.prefill_len} tok/s", m("prefill_tok_s")),
         (f"serve{work.serve_requests} e2e tok/s", m("serve_e2e_tok_s")),
         (f"serve{work.serve_requests} TTFT p50 ms", m("serve_ttft_p50_s", scale=1e3)),
-        ("driver ms/step", m("driver_overhead_s_per_step", scale=1e3)),
+        ("driver ms/step", m("driver_overhead_s_per_step", scale=1e3, ours_only=True)),  # peers have no driver
         ("peak RSS MiB", rss("peak_rss_mib", "standard")),
         (f"b{work.long_batch}x{work.long_context} decode tok/s", m("long_decode_tok_s")),
         (f"b{work.long_batch}x{work.long_context} RSS MiB", rss("long_peak_rss_mib", "long")),

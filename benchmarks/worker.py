@@ -5,7 +5,8 @@ workload, and writes events as JSON lines to the file descriptor ``FD`` (not std
 llama.cpp and transformers print there, and their chatter must not be parsed):
 
 - ``{"event": "progress", "phase": ..., "detail": ...}`` as the runs go;
-- ``{"event": "partial", "metrics": ...}`` after each finished phase (what a worker
+- ``{"event": "system", "details": ...}`` once the system is built (dtype, threads, ...);
+- ``{"event": "partial", "metrics": ..., "details": ...}`` after each finished phase (what a worker
   stopped later still measured);
 - then one ``{"event": "result", "metrics": ..., "system": ..., "peak_rss_bytes": ...}``
   or ``{"event": "error", "error": ..., "traceback": ...}``.
@@ -57,11 +58,13 @@ def run_job(job: dict[str, Any], send: Any) -> dict[str, Any]:
     start = time.perf_counter()
     system = build_system(job["kind"], job["params"])
     load_seconds = time.perf_counter() - start
+    send({"event": "system", "details": getattr(system, "description", {})})
     if job["part"] == "long":
         metrics = run_long(system, work, emit)
     else:
         metrics = run_standard(system, work, job["repeats"], emit,
-                               done=lambda m: send({"event": "partial", "metrics": m}))
+                               done=lambda m: send({"event": "partial", "metrics": m,
+                                                    "details": getattr(system, "description", {})}))
     return {
         "event": "result",
         "metrics": metrics,
