@@ -1,0 +1,352 @@
+"""``polyengine bench``: the standard workload on polyengine backends and on the peers.
+
+    polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
+                     [--peers transformers,llamacpp|none] [--repeats N] [--quick]
+                     [--json PATH] [--parts standard,long] [--llamacpp-threads 1,2] [--cache-dir DIR]
+
+Plans one job per (system, part), runs each in its own worker subprocess (``jobs``),
+shows progress on stderr, and prints the report (``report``) on stdout. Rows: every
+combination of ``--backend``, ``--dtype`` and ``--options``; transformers in float32
+(and bfloat16 where the CPU has bf16 units); llama.cpp on the GGUF as shipped and its
+F16/F32 copies (``gguf_convert``), each with its best thread counts. A peer that is
+not installed, or cannot read the model, is skipped with a note that says so. The
+full-context batch (``long``) runs for every polyengine row and for one setting per
+peer (transformers float32, llama.cpp's file as shipped): it is the slowest part, and
+its point is polyengine's memory at full context, with a peer beside it for scale.
+
+Exit status: 0 when every polyengine row ran (peers may fail: their failures are in
+the report), 1 otherwise, 130 when interrupted (the systems that finished are reported). Targets are reported, never turned into an exit status: this
+is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_command", "main", "PEERS"]
+
+PEERS = ("transformers", "llamacpp")
+_INSTALL = {"transformers": "pip install torch==2.13.0 transformers accelerate"}
+
+
+def add_command(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench", help="run the standard throughput workload on backends and peers, print a table",
+        description="Measure decode, prefill, continuous-batching and memory on polyengine backends and, when "
+                    "installed, on transformers and llama.cpp, in one run on this host. See docs/benchmarks.md.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", nargs="+", default=["auto"], metavar="B", help="polyengine backend(s) to measure (default: auto), or 'none' for the peers alone")
+    p.add_argument("--model", default=None, help="a .gguf file, an HF folder or random:<preset> (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", nargs="+", default=[None], metavar="D", help="engine dtype(s) (default: the backend's)")
+    p.add_argument("--options", action="append", default=None, metavar="JSON",
+                   help='engine options as a JSON object, e.g. \'{"weights": "int8"}\'; repeat for several rows')
+    p.add_argument("--peers", default="transformers,llamacpp",
+                   help="comma-separated peers to run when installed (transformers, llamacpp), or 'none'")
+    p.add_argument("--repeats", type=int, default=None, help="measured runs per phase; the median is reported (default 3, 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="a tiny workload that runs in seconds (for tests and smoke checks)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
+    p.add_argument("--parts", default="standard,long", metavar="standard,long",
+                   help="which parts to run: 'standard' (decode, prefill, serve), 'long' (the full-context batch), "
+                        "or both (default); the long batch's prefill is slow on slow systems")
+    p.add_argument("--llamacpp-threads", default=None, metavar="N,N", help="thread counts llama.cpp chooses from (default: 1 and 2)")
+    p.add_argument("--cache-dir", default=None, help="where converted peer weights are kept (default: ~/.cache/polyengine/bench)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds one worker may run (default 7200, 600 with --quick)")
+
+
+def _cache_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "polyengine" / "bench"
+
+
+def _options(raw: list[str] | None) -> list[dict[str, Any]]:
+    from polyengine.errors import InvalidRequest
+
+    out = []
+    for text in raw or ["{}"]:
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequest(f"--options {text!r} is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidRequest(f"--options must be a JSON object, got {text!r}")
+        out.append(value)
+    return out
+
+
+def _peers(raw: str) -> list[str]:
+    from polyengine.errors import InvalidRequest
+
+    if raw.strip().lower() == "none":
+        return []
+    names = [n.strip().lower().replace("llama.cpp", "llamacpp").replace("llama_cpp", "llamacpp") for n in raw.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PEERS))
+    if unknown:
+        raise InvalidRequest(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)} or 'none'")
+    return names
+
+
+def _parts(raw: str) -> list[str]:
+    from polyengine.errors import InvalidRequest
+
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if not parts or set(parts) - {"standard", "long"}:
+        raise InvalidRequest(f"--parts takes 'standard', 'long' or both (comma-separated), not {raw!r}")
+    return [p for p in ("standard", "long") if p in parts]
+
+
+def _threads(raw: str | None) -> list[int]:
+    if raw:
+        return sorted({int(x) for x in raw.split(",") if x.strip()})
+    return [1, 2]
+
+
+def _model_file(model: str | None) -> tuple[Path | None, str]:
+    """The model as a path the peers can read (or None), and how to show it."""
+    from polyengine.models import default_model_path
+
+    if model is None:
+        path = default_model_path()
+        return path, f"{path.name} (default, {path})"
+    if model.startswith("random:"):
+        return None, model
+    path = Path(model).expanduser()
+    return (path if path.exists() else None), str(model)
+
+
+def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
+    """The jobs of this run, in order: polyengine rows, then each peer's settings."""
+    from polyengine.benchmarks.host import cpu_info, has_fast_bf16
+    from polyengine.benchmarks.jobs import Job
+    from polyengine.plugins import select_backend
+
+    rows: list[Job] = []
+    for name in [] if args.backend == ["none"] else args.backend:
+        backend = select_backend(name).name  # unknown or unusable: the typed error says why, before any job
+        for dtype in args.dtype:
+            for options in _options(args.options):
+                setting = f"{backend} {dtype or 'default'}" + (f" {json.dumps(options, sort_keys=True)}" if options else "")
+                rows.append(Job(f"polyengine {setting}", "polyengine",
+                                dict(model=args.model, backend=backend, dtype=dtype, options=options), "standard",
+                                {"system": "polyengine", "setting": setting}))
+
+    path, _ = _model_file(args.model)
+    cache = str(_cache_dir(args.cache_dir))
+    for peer in _peers(args.peers):
+        if peer == "transformers":
+            missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+            if missing:
+                notes.append(f"transformers: skipped, {' and '.join(missing)} not installed ({_INSTALL['transformers']})")
+                continue
+            if path is None or not (path.suffix.lower() == ".gguf" or (path / "config.json").is_file()):
+                notes.append(f"transformers: skipped, it needs a .gguf file or an HF folder, not {args.model!r}")
+                continue
+            if not _prepare_transformers(path, cache, notes):
+                continue
+            dtypes = ["float32"] + (["bfloat16"] if has_fast_bf16(cpu_info()) else [])
+            for dt in dtypes:
+                label = {"float32": "fp32", "bfloat16": "bf16"}[dt]
+                rows.append(Job(f"transformers {label}", "transformers",
+                                dict(model=str(path), dtype=dt, cache_dir=cache), "standard",
+                                {"system": "transformers", "setting": f"{label} generate"}, long=dt == "float32"))
+        else:
+            if importlib.util.find_spec("llama_cpp") is None:
+                from polyengine.benchmarks.host import llamacpp_install_command
+
+                notes.append("llama.cpp: skipped, llama-cpp-python is not installed; for this CPU build it with: "
+                             + llamacpp_install_command(cpu_info()))
+                continue
+            if path is None or path.suffix.lower() != ".gguf":
+                notes.append(f"llama.cpp: skipped, it needs a .gguf file, not {args.model!r}")
+                continue
+            for i, (quant, file) in enumerate(_llamacpp_files(path, cache, notes)):
+                rows.append(Job(f"llama.cpp {quant}", "llamacpp",
+                                dict(model=str(file), threads=_threads(args.llamacpp_threads), quant=quant),
+                                "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0))
+    return rows
+
+
+def _prepare_transformers(path: Path, cache: str, notes: list[str]) -> bool:
+    """Convert the GGUF for transformers in a process of its own, before any measured one:
+    done inside a worker, the conversion's memory would count in that worker's peak RSS."""
+    import subprocess
+
+    from polyengine.benchmarks.run_transformers import cached_folder
+
+    if cached_folder(path, cache)[1]:
+        return True
+    print(f"converting {path.name} for transformers (once; kept under {cache})...", file=sys.stderr, flush=True)
+    proc = subprocess.run([sys.executable, "-m", "polyengine.benchmarks.run_transformers", str(path), cache],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        notes.append(f"transformers: skipped, converting {path.name} failed: {proc.stderr.strip()[-500:]}")
+        return False
+    return True
+
+
+def _llamacpp_files(path: Path, cache: str, notes: list[str]) -> list[tuple[str, Path]]:
+    """The GGUF as shipped plus its F16 and F32 copies (written once, then cached)."""
+    from polyengine.benchmarks.gguf_convert import converted_gguf, copy_path
+    from polyengine.models.gguf_io import read_gguf
+
+    shipped = _file_type(read_gguf(path).metadata.get("general.file_type"))
+    files = [(shipped, path)]
+    for kind in ("F16", "F32"):
+        if kind == shipped:
+            continue
+        try:
+            if not copy_path(path, kind, cache).is_file():
+                print(f"writing the {kind} copy of {path.name} for llama.cpp (once; kept under {cache})...",
+                      file=sys.stderr, flush=True)
+            files.append((kind, converted_gguf(path, kind, cache)))
+        except Exception as exc:  # a failed conversion loses one setting, not the run
+            notes.append(f"llama.cpp {kind}: skipped, converting {path.name} failed: {type(exc).__name__}: {exc}")
+    return files
+
+
+def _file_type(value: Any) -> str:
+    try:
+        import gguf
+
+        return gguf.LlamaFileType(int(value)).name.replace("MOSTLY_", "").replace("ALL_", "")
+    except (TypeError, ValueError, ImportError):
+        return "as shipped"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Plan, run every job, and return the report document.
+
+    With ``--json`` the document is rewritten after every system, so a long run that
+    is stopped keeps what it measured; Ctrl-C stops the run and reports the systems
+    that finished (``complete`` is false then).
+    """
+    from polyengine.benchmarks import host, report
+    from polyengine.benchmarks.progress import Progress
+    from polyengine.benchmarks.workload import QUICK, STANDARD
+
+    work = QUICK if args.quick else STANDARD
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        from polyengine.errors import InvalidRequest
+
+        raise InvalidRequest(f"--repeats must be at least 1, got {repeats}")
+    timeout = args.timeout if args.timeout is not None else (600.0 if args.quick else 7200.0)
+    notes: list[str] = []
+    doc: dict[str, Any] = {
+        "schema": report.SCHEMA,
+        "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "complete": False,
+        "host": {"cpu": host.cpu_info(), "load_start": host.load_average(), "versions": host.package_versions(),
+                 "torch": host.torch_cpu()},  # torch's probe runs before any job, never beside one
+        "model": _model_file(args.model)[1],
+        "workload": work.to_dict(),
+        "repeats": repeats,
+        "rows": [],
+        "notes": notes,
+        "targets": [],
+    }
+    parts = _parts(args.parts)
+    jobs = plan(args, notes)
+    for job in jobs:
+        job.parts = [p for p in parts if p == "standard" or job.long]
+    progress = Progress(sum(len(job.parts) for job in jobs))
+    for n in notes:
+        progress.note(n)
+    try:
+        for job in jobs:
+            doc["rows"].append(_run_row(job, work, repeats, timeout, progress))
+            if doc["rows"][-1].pop("interrupted", False):
+                raise KeyboardInterrupt
+            doc["host"]["load_end"] = host.load_average()
+            doc["targets"] = report.judge(doc["rows"], work)
+            if args.json:
+                report.write_json(doc, args.json)
+        doc["complete"] = True
+    except KeyboardInterrupt:
+        progress.note("interrupted: reporting the systems that finished")
+        notes.append(f"interrupted by the user during system {len(doc['rows'])} of {len(jobs)}")
+    doc["host"]["load_end"] = host.load_average()
+    doc["targets"] = report.judge(doc["rows"], work)
+    return doc
+
+
+def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -> dict[str, Any]:
+    """One table row: the job's standard part, then (if that worked) its long part."""
+    from polyengine.benchmarks.jobs import run_job
+    from polyengine.benchmarks.stats import MIB
+
+    row = {"row": job.row, "kind": job.kind, **job.meta, "params": job.params, "details": {},
+           "metrics": {}, "errors": {}}
+    for part in job.parts:
+        job.part = part
+        progress.start_job(f"{job.row} ({part})")
+        res = run_job(job, workload=work.to_dict(), repeats=repeats, timeout=timeout, on_progress=progress.event)
+        if res.get("event") != "result":
+            row["errors"][part] = res.get("error", "unknown error")
+            row.setdefault("tracebacks", {})[part] = res.get("traceback", "")
+            row["metrics"].update(res.get("partial_metrics") or {})  # the phases it finished
+            row["details"] = row["details"] or res.get("system") or {}
+            row["interrupted"] = bool(res.get("interrupted"))
+            progress.end_job(row["errors"][part])
+            break  # a system that failed its standard part would fail the long one too
+        progress.end_job()
+        row["details"] = row["details"] or res.get("system", {})
+        if job.kind == "llamacpp" and "threads" in row["details"]:  # the long batch reuses the choice
+            job.params["chosen"] = [row["details"]["threads"], row["details"]["threads_batch"]]
+        rss = res["peak_rss_bytes"] / MIB
+        if part == "long":
+            row["metrics"].update(res["metrics"], long_peak_rss_mib=rss)
+        else:
+            row["metrics"].update(res["metrics"], peak_rss_mib=rss)
+            row["load_seconds"] = res.get("load_seconds")
+    d = row["details"]
+    if job.kind == "polyengine" and d.get("dtype"):
+        row["setting"] = row["setting"].replace(" default", f" {d['dtype']}", 1)
+    if job.kind == "transformers" and d.get("threads"):
+        row["setting"] += f", {d['threads']} threads"
+    if job.kind == "llamacpp" and d.get("threads"):
+        row["setting"] += f", threads {d['threads']}/{d['threads_batch']}"
+    row["row"] = f"{row['system']} {row['setting']}"
+    return row
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from polyengine.benchmarks import report
+
+    doc = run(args)
+    print(report.render(doc), flush=True)
+    if args.json:
+        report.write_json(doc, args.json)
+        print(f"\nJSON report: {args.json}", flush=True)
+    if not doc["complete"]:
+        return 130
+    ok = all(not r["errors"] for r in doc["rows"] if r["kind"] == "polyengine")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The script form (``bench/throughput.py``): the same command without the ``polyengine`` prefix."""
+    from polyengine.errors import PolyengineError
+
+    parser = argparse.ArgumentParser(prog="bench/throughput.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return _cmd_bench(args)
+    except PolyengineError as exc:
+        print(f"polyengine bench: error: {exc}", file=sys.stderr)
+        return 1

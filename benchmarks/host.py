@@ -1,0 +1,118 @@
+"""What machine the numbers come from: CPU model, ISA flags, cores, load, versions.
+
+Every table prints this, because the same code is 100x apart on two CPUs (bf16 on a
+host with AMX versus one without) and ratios mean something only within one host.
+torch's view of the CPU (``torch.backends.cpu.get_cpu_capability()``) is asked in a
+short subprocess, so this process never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+__all__ = ["ISA_FLAGS", "cpu_info", "load_average", "package_versions", "has_fast_bf16", "torch_cpu", "llamacpp_install_command"]
+
+# The flags that decide which fast paths exist (matmul widths, bf16/int8 units).
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def cpu_info() -> dict[str, Any]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    return {
+        "model": model,
+        "isa": [f for f in ISA_FLAGS if f in flags],
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": None if mem is None else round(mem / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def has_fast_bf16(info: dict[str, Any]) -> bool:
+    """Whether bf16 matmuls have hardware support here (without it they crawl)."""
+    return bool({"amx_bf16", "avx512_bf16"} & set(info.get("isa", ())))
+
+
+# CPU flag -> the ggml build options it allows. llama.cpp's GGML_NATIVE=ON (its default)
+# compiles for the build host's CPU as the compiler sees it, which gave "Illegal
+# instruction" at run time on some virtual machines; naming the detected ISA works.
+_GGML_OPTIONS = (
+    ("avx2", ("GGML_AVX", "GGML_AVX2")), ("fma", ("GGML_FMA",)), ("f16c", ("GGML_F16C",)),
+    ("avx_vnni", ("GGML_AVX_VNNI",)), ("avx512f", ("GGML_AVX512",)), ("avx512vbmi", ("GGML_AVX512_VBMI",)),
+    ("avx512_vnni", ("GGML_AVX512_VNNI",)), ("avx512_bf16", ("GGML_AVX512_BF16",)),
+    ("amx_tile", ("GGML_AMX_TILE",)), ("amx_int8", ("GGML_AMX_INT8",)), ("amx_bf16", ("GGML_AMX_BF16",)),
+)
+
+
+def llamacpp_install_command(info: dict[str, Any]) -> str:
+    """The pip command that builds llama-cpp-python for this CPU (x86; elsewhere the default build)."""
+    isa = set(info.get("isa", ()))
+    flags = ["-DGGML_NATIVE=OFF"] + [f"-D{o}=ON" for flag, opts in _GGML_OPTIONS if flag in isa for o in opts]
+    flags.append("-DLLAVA_BUILD=OFF")  # the multimodal library is not needed and doubles the build
+    if not {"avx2", "avx512f"} & isa:
+        return "pip install llama-cpp-python"
+    return f'CMAKE_ARGS="{" ".join(flags)}" pip install llama-cpp-python'
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def package_versions(names: tuple[str, ...] = ("polyengine", "numpy", "torch", "transformers", "llama_cpp_python", "gguf")) -> dict[str, str]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+_TORCH_SNIPPET = (
+    "import json, torch; print(json.dumps({'capability': torch.backends.cpu.get_cpu_capability(), "
+    "'threads': torch.get_num_threads(), 'version': torch.__version__}))"
+)
+
+
+def torch_cpu() -> dict[str, Any] | None:
+    """torch's CPU capability, thread count and version, or None without torch.
+
+    Run before any job, never beside one: on a small host it would skew the timings.
+    """
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import json
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _TORCH_SNIPPET], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        return {"capability": f"unknown (the torch probe failed: {type(exc).__name__})"}

@@ -1,0 +1,215 @@
+"""The report: the host header, one table row per system and setting, the targets, the JSON.
+
+A row's metrics are the medians of its runs (``phases``); the JSON keeps every sample
+and its spread. Targets are ratios measured in this run: a polyengine row's metric over
+the best value any setting of the named peer reached here (transformers fp32 or bf16,
+llama.cpp Q4_1/F16/F32 at any thread count), so a target is never met by comparing
+with a peer's weak setting.
+
+Which polyengine rows a target judges: "float32" targets judge rows whose engine
+reports dtype float32 and whose options do not ask for int8; the int8 target judges
+rows whose options mention int8 in a key or value (e.g. ``{"weights": "int8"}``); the
+prefill target judges every polyengine row.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from polyengine.benchmarks.stats import MIB
+from polyengine.benchmarks.workload import Workload
+
+__all__ = ["SCHEMA", "Target", "targets", "judge", "render", "write_json", "is_int8"]
+
+SCHEMA = "polyengine-bench/1"
+
+
+def is_int8(options: dict[str, Any]) -> bool:
+    return any("int8" in str(k).lower() or "int8" in str(v).lower() for k, v in (options or {}).items())
+
+
+def _dtype(row: dict[str, Any]) -> str | None:
+    return (row.get("details") or {}).get("dtype") or (row.get("params") or {}).get("dtype")
+
+
+def _float32(row: dict[str, Any]) -> bool:
+    return _dtype(row) == "float32" and not is_int8((row.get("params") or {}).get("options", {}))
+
+
+def _int8(row: dict[str, Any]) -> bool:
+    return is_int8((row.get("params") or {}).get("options", {}))
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    metric: tuple[str, ...]  # path into a row's metrics
+    applies: Callable[[dict[str, Any]], bool]
+    peer: str  # system kind the row is compared with
+    peer_rows: Callable[[dict[str, Any]], bool]
+    threshold: float
+    strict: bool = False  # above, rather than at least
+
+
+def targets(work: Workload) -> list[Target]:
+    """The cuda_torch issue's targets, sized to the workload that ran."""
+    b1, bmax, plen = str(min(work.batches)), str(max(work.batches)), work.prefill_len
+    every = lambda row: True  # noqa: E731
+    return [
+        Target(f"float32 decode b{b1} >= 3x transformers", ("decode_tok_s", b1), _float32, "transformers", every, 3.0),
+        Target(f"float32 decode b{bmax} >= 2x transformers", ("decode_tok_s", bmax), _float32, "transformers", every, 2.0),
+        Target(f"float32 decode b{bmax} > llama.cpp", ("decode_tok_s", bmax), _float32, "llamacpp", every, 1.0, strict=True),
+        Target(f"prefill {plen} >= transformers", ("prefill_tok_s",), every, "transformers", every, 1.0),
+        Target(f"int8 decode b{b1} >= llama.cpp Q4_1", ("decode_tok_s", b1), _int8, "llamacpp",
+               lambda row: (row.get("params") or {}).get("quant") == "Q4_1", 1.0),
+    ]
+
+
+def metric(row: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    node: Any = row.get("metrics") or {}
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    if isinstance(node, dict):
+        node = node.get("median")
+    return None if node is None else float(node)
+
+
+def judge(rows: list[dict[str, Any]], work: Workload) -> list[dict[str, Any]]:
+    """One verdict per (target, applicable polyengine row), or one line saying why none."""
+    out = []
+    for t in targets(work):
+        peers = [(metric(r, t.metric), r) for r in rows if r["kind"] == t.peer and t.peer_rows(r)]
+        peers = [(v, r) for v, r in peers if v is not None]
+        best = max(peers, key=lambda vr: vr[0], default=None)
+        ours = [r for r in rows if r["kind"] == "polyengine" and t.applies(r)]
+        if not ours:
+            out.append({"target": t.name, "row": None, "verdict": "no polyengine row in this run applies"})
+            continue
+        for r in ours:
+            v = metric(r, t.metric)
+            entry = {"target": t.name, "row": r["row"], "value": v, "threshold": t.threshold}
+            if best is None:
+                entry["verdict"] = f"not judged: no {t.peer} row has this value"
+            elif v is None:
+                entry["verdict"] = "not judged: this row has no value"
+            else:
+                ratio = v / best[0]
+                ok = ratio > t.threshold if t.strict else ratio >= t.threshold
+                entry.update(peer_row=best[1]["row"], peer_value=best[0], ratio=ratio, passed=ok,
+                             verdict="PASS" if ok else "FAIL")
+            out.append(entry)
+    return out
+
+
+# -- text ----------------------------------------------------------------------------------
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
+
+
+def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    def m(*path: str, scale: float = 1.0, ours_only: bool = False) -> Callable[[dict[str, Any]], str]:
+        def cell(row: dict[str, Any]) -> str:
+            if ours_only and row["kind"] != "polyengine":
+                return "-"
+            v = metric(row, path)
+            if v is None and row.get("errors", {}).get("long" if path[0].startswith("long") else "standard"):
+                return "FAIL"  # a stopped worker keeps the phases it finished; this one it did not
+            return _num(None if v is None else v * scale)
+        return cell
+
+    def rss(key: str, part: str) -> Callable[[dict[str, Any]], str]:
+        return lambda row: "FAIL" if row.get("errors", {}).get(part) else _num((row.get("metrics") or {}).get(key))
+
+    cols = [("system", lambda r: r["system"]), ("setting", lambda r: r["setting"])]
+    cols += [(f"decode b{b} tok/s", m("decode_tok_s", str(b))) for b in work.batches]
+    cols += [
+        (f"prefill {work.prefill_len} tok/s", m("prefill_tok_s")),
+        (f"serve{work.serve_requests} e2e tok/s", m("serve_e2e_tok_s")),
+        (f"serve{work.serve_requests} TTFT p50 ms", m("serve_ttft_p50_s", scale=1e3)),
+        ("driver ms/step", m("driver_overhead_s_per_step", scale=1e3, ours_only=True)),  # peers have no driver
+        ("peak RSS MiB", rss("peak_rss_mib", "standard")),
+        (f"b{work.long_batch}x{work.long_context} decode tok/s", m("long_decode_tok_s")),
+        (f"b{work.long_batch}x{work.long_context} RSS MiB", rss("long_peak_rss_mib", "long")),
+    ]
+    return cols
+
+
+def table(rows: list[dict[str, Any]], work: Workload) -> str:
+    cols = _columns(work)
+    cells = [[c[1](r) for c in cols] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h) for i, (h, _) in enumerate(cols)]
+    right = lambda i: i >= 2  # noqa: E731 - numbers right-aligned
+    line = lambda vals: "| " + " | ".join(v.rjust(w) if right(i) else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths))) + " |"  # noqa: E731
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if right(i) else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line([h for h, _ in cols]), sep] + [line(c) for c in cells])
+
+
+def header(doc: dict[str, Any]) -> str:
+    host, work = doc["host"], Workload.from_dict(doc["workload"])
+    torch = host.get("torch")
+    lines = [
+        f"polyengine bench ({work.name} workload), {doc['started']}",
+        f"cpu: {host['cpu']['model']}, {host['cpu']['cores']} cores ({host['cpu']['usable_cores']} usable), "
+        f"{host['cpu']['memory_gib']} GiB; ISA: {' '.join(host['cpu']['isa']) or 'none of interest'}",
+        "torch: " + (f"{torch.get('version')}, capability {torch.get('capability')}, {torch.get('threads')} threads"
+                     if torch else "not installed"),
+        f"load average (1/5/15 min): {host.get('load_start')} at start, {host.get('load_end')} at end",
+        f"model: {doc['model']}",
+        f"workload: decode {work.prompt_len}-token prompts + {work.new_tokens} new tokens at batch "
+        f"{'/'.join(map(str, work.batches))}; prefill {work.prefill_len} tokens; serve {work.serve_requests} requests "
+        f"(prompts {work.serve_prompt_range[0]}-{work.serve_prompt_range[1]}, completions "
+        f"{work.serve_new_range[0]}-{work.serve_new_range[1]} tokens, {work.serve_slots} slots); "
+        f"long {work.long_batch} x {work.long_context} tokens",
+        f"each value: median of {doc['repeats']} runs after one warm-up (long: one run, median step)",
+    ]
+    if not doc.get("complete", True):
+        lines.append("INCOMPLETE: the run was stopped before every system ran")
+    busy = host.get("load_start") and host["cpu"]["usable_cores"] and host["load_start"][0] > 0.5 * host["cpu"]["usable_cores"]
+    if busy:
+        lines.append("WARNING: the machine was busy when the run started: compare ratios within this run, not absolute numbers")
+    return "\n".join(lines)
+
+
+def verdicts(doc: dict[str, Any]) -> str:
+    lines = ["targets (ratio = this row / the peer's best setting in this run):"]
+    for v in doc["targets"]:
+        if v.get("ratio") is None:
+            who = f" [{v['row']}]" if v.get("row") else ""
+            lines.append(f"  {v['target']}{who}: {v['verdict']}")
+            continue
+        lines.append(
+            f"  {v['target']} [{v['row']}]: {_num(v['value'])} / {_num(v['peer_value'])} ({v['peer_row']}) "
+            f"= {v['ratio']:.2f}x -> {v['verdict']}"
+        )
+    return "\n".join(lines)
+
+
+def render(doc: dict[str, Any]) -> str:
+    work = Workload.from_dict(doc["workload"])
+    parts = [header(doc), "", table(doc["rows"], work), "", verdicts(doc)]
+    notes = [f"  {n}" for n in doc.get("notes", [])]
+    fails = [f"  {r['row']} ({part}): {err}" for r in doc["rows"] for part, err in r.get("errors", {}).items() if err]
+    if notes:
+        parts += ["", "notes:", *notes]
+    if fails:
+        parts += ["", "failures:", *fails]
+    return "\n".join(parts)
+
+
+def write_json(doc: dict[str, Any], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def rss_mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / MIB

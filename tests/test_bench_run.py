@@ -1,0 +1,218 @@
+"""`polyengine bench` end to end on the reference backend, its workers, and its peers' plumbing.
+
+What these check is what the report claims (the documented fields, token counts, which
+run a number came from), never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polyengine.benchmarks.jobs import Job, run_job
+from polyengine.benchmarks.workload import QUICK, STANDARD, Request
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("polyengine")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "polyengine.cli"]
+
+
+def _bench(args: list[str], cwd: Path) -> tuple[int, str, str]:
+    proc = subprocess.run([*_cli(), "bench", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_no_heavy_imports_and_the_core_does_not_import_the_benchmarks():
+    code = textwrap.dedent("""
+        import sys
+        import polyengine, polyengine.cli
+        polyengine.cli.build_parser()
+        import polyengine.benchmarks.cli, polyengine.benchmarks.jobs, polyengine.benchmarks.report
+        import polyengine.benchmarks.worker, polyengine.benchmarks.run_polyengine
+        import polyengine.benchmarks.run_transformers, polyengine.benchmarks.run_llamacpp
+        import polyengine.benchmarks.gguf_convert, polyengine.benchmarks.host
+        heavy = sorted(m for m in ("torch", "transformers", "llama_cpp", "jax") if m in sys.modules)
+        print(heavy)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    for path in (ROOT / "core").rglob("*.py"):
+        assert "polyengine.benchmarks" not in path.read_text(encoding="utf-8"), f"{path} imports the benchmarks"
+
+
+def test_polyengine_system_counts_what_it_reports():
+    from polyengine.benchmarks.run_polyengine import PolyengineSystem
+
+    system = PolyengineSystem(model="random:tiny", backend="reference", dtype="float32", options={})
+    run = system.decode([[40, 41, 42], [50, 51, 52]], 5)
+    assert run.decode_tokens == 2 * 4
+    assert len(run.step_seconds) == len(run.step_tokens) == run.steps - 1
+    assert run.decode_seconds > 0 and run.overhead_seconds >= 0
+    engine = system.llm(2, 3, 8).engine
+    assert engine.seconds > 0 and engine.name == "reference"  # the wrapper forwards attributes
+    reqs = [Request([40 + i] * (3 + i), 2 + i) for i in range(5)]
+    served = system.serve(reqs, slots=2)
+    assert served.completion_tokens == sum(r.max_tokens for r in reqs)
+    assert len(served.ttfts) == 5 and all(t > 0 for t in served.ttfts)
+    assert served.steps >= max(r.max_tokens for r in reqs)
+    assert system.prefill(list(range(40, 60))) > 0
+    assert system.description["dtype"] == "float32" and system.description["backend"] == "reference"
+
+
+def test_timed_engine_counts_the_first_result_read_as_engine_time():
+    import polyengine
+    from polyengine import SamplingParams
+    from polyengine.benchmarks.run_polyengine import TimedEngine
+
+    engine = TimedEngine(polyengine.create_engine("reference", model="random:tiny", config=dict(max_slots=1, max_cache_length=16)))
+    params = engine.load_params()
+    prefix, first = engine.prefill(params=params, tokens=[40, 41], sampling=SamplingParams(temperature=0))
+    before = engine.seconds
+    assert engine.admitted_at == 0.0
+    token = int(first.tokens[0, 0])
+    assert engine.seconds >= before and engine.admitted_at > 0
+    assert first.row_tokens(0) == [token]  # other attributes reach the real result
+
+
+def _check_quick_report(doc: dict, stdout: str, stderr: str) -> None:
+    assert doc["schema"] == "polyengine-bench/1" and doc["repeats"] == 1
+    assert doc["workload"]["name"] == "quick"
+    assert doc["host"]["cpu"]["model"] and isinstance(doc["host"]["cpu"]["isa"], list)
+    assert "load_start" in doc["host"] and "versions" in doc["host"]
+    (row,) = doc["rows"]
+    assert row["kind"] == "polyengine" and row["errors"] == {}
+    assert row["details"]["backend"] == "reference" and row["details"]["dtype"] == "float64"
+    m = row["metrics"]
+    assert set(m["decode_tok_s"]) == {str(b) for b in QUICK.batches}
+    for key in ("prefill_tok_s", "serve_e2e_tok_s", "serve_ttft_p50_s", "driver_overhead_s_per_step", "long_decode_tok_s"):
+        assert m[key]["median"] > 0 and len(m[key]["samples"]) >= 1, key
+    assert m["peak_rss_mib"] > 10 and m["long_peak_rss_mib"] > 10
+    assert {v["target"] for v in doc["targets"]} == {
+        "float32 decode b1 >= 3x transformers", "float32 decode b4 >= 2x transformers",
+        "float32 decode b4 > llama.cpp", "prefill 64 >= transformers", "int8 decode b1 >= llama.cpp Q4_1"}
+    # the table: CPU line, one row, the columns named after the workload
+    assert "ISA:" in stdout and "decode b1 tok/s" in stdout and "b4x96 RSS MiB" in stdout
+    assert "| polyengine | reference float64" in stdout
+    assert "targets" in stdout
+    assert "[2/2]" in stderr  # progress, as plain lines when not on a terminal
+
+
+def test_quick_bench_writes_the_documented_fields(tmp_path):
+    """The tiny random preset keeps this fast; the default model goes the same way (below)."""
+    out = tmp_path / "out.json"
+    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--peers", "none", "--model", "random:tiny",
+                                   "--json", str(out)], tmp_path)
+    assert code == 0, stdout + stderr
+    _check_quick_report(json.loads(out.read_text()), stdout, stderr)
+
+
+@pytest.mark.slow
+def test_quick_bench_on_the_default_model(tmp_path, default_gguf):
+    out = tmp_path / "out.json"
+    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--peers", "none", "--json", str(out)], tmp_path)
+    assert code == 0, stdout + stderr
+    _check_quick_report(json.loads(out.read_text()), stdout, stderr)
+
+
+def test_a_failing_worker_becomes_an_error_and_a_slow_one_is_stopped():
+    work, seen = QUICK.to_dict(), []
+    bad = Job("bad", "polyengine", dict(model="random:no-such-preset", backend="reference", dtype=None, options={}), "standard")
+    res = run_job(bad, workload=work, repeats=1, timeout=120, on_progress=lambda *a: seen.append(a))
+    assert res["event"] == "error" and "no-such-preset" in res["error"] and res["traceback"]
+    assert seen and seen[0][0] == "load"
+    slow = Job("slow", "polyengine", dict(model="random:tiny", backend="reference", dtype=None, options={}), "standard")
+    # a million repeats never end: the time limit stops the worker
+    res = run_job(slow, workload=work, repeats=10**6, timeout=2, on_progress=lambda *a: None)
+    assert res["event"] == "error" and "time limit" in res["error"]
+    # a worker that fails after some phases keeps them: on the tiny model (512 positions)
+    # the standard decode phases run, then the 1024-token prefill is refused
+    res = run_job(slow, workload=STANDARD.to_dict(), repeats=1, timeout=120, on_progress=lambda *a: None)
+    assert res["event"] == "error" and "1" in res["partial_metrics"]["decode_tok_s"]
+    assert res["system"]["backend"] == "reference"  # what it was, even though it did not finish
+
+
+def test_bench_exits_nonzero_when_a_polyengine_row_fails(tmp_path):
+    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--peers", "none", "--parts", "standard",
+                                   "--model", "random:no-such-preset"], tmp_path)
+    assert code == 1
+    assert "FAIL" in stdout and "failures:" in stdout and "no-such-preset" in stdout
+
+
+def test_gguf_copies_keep_metadata_and_values(tmp_path):
+    import gguf
+
+    from polyengine.benchmarks.gguf_convert import converted_gguf
+
+    src = tmp_path / "tiny.gguf"
+    rng = np.random.default_rng(0)
+    embd = rng.normal(size=(8, 64)).astype(np.float32)
+    norm = (1 + 0.1 * rng.normal(size=64)).astype(np.float32)
+    w = gguf.GGUFWriter(src, arch="llama")
+    w.add_name("tiny")
+    w.add_block_count(1)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_token_list(["a", "b", "c"])
+    q8 = gguf.quants.quantize(embd, gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_norm.weight", norm)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    out = converted_gguf(src, "F16", tmp_path / "cache")
+    assert converted_gguf(src, "F16", tmp_path / "cache") == out  # cached
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    assert set(a.fields) == set(b.fields)
+    assert b.get_field("general.file_type").contents() == 1
+    assert b.get_field("tokenizer.ggml.tokens").contents() == ["a", "b", "c"]
+    tensors = {t.name: t for t in b.tensors}
+    assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    expect = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
+    got = np.asarray(tensors["token_embd.weight"].data, np.float32).reshape(expect.shape)
+    np.testing.assert_allclose(got, expect, rtol=1e-3, atol=1e-3)  # F16 rounding of the Q8_0 values
+    np.testing.assert_array_equal(np.asarray(tensors["blk.0.attn_norm.weight"].data), norm)
+
+
+@pytest.mark.slow
+def test_quick_bench_runs_transformers_on_a_tiny_random_model(tmp_path):
+    pytest.importorskip("transformers")
+    from _oracle import hf_model
+
+    folder = tmp_path / "tiny-hf"
+    hf_model("llama3", vocab=131).save_pretrained(folder)
+    out = tmp_path / "out.json"
+    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--model", str(folder), "--peers", "transformers",
+                                   "--parts", "standard", "--json", str(out), "--cache-dir", str(tmp_path / "cache")], tmp_path)
+    assert code == 0, stdout + stderr
+    doc = json.loads(out.read_text())
+    peers = [r for r in doc["rows"] if r["kind"] == "transformers"]
+    assert peers and all(not r["errors"] for r in peers), [r.get("tracebacks") for r in peers]
+    fp32 = next(r for r in peers if r["details"]["dtype"] == "float32")
+    assert set(fp32["metrics"]["decode_tok_s"]) == {"1", "2", "4"}
+    assert fp32["metrics"]["driver_overhead_s_per_step"] is None  # generate has no driver to time
+    judged = [v for v in doc["targets"] if v["target"].startswith("prefill")]
+    assert judged and all("ratio" in v for v in judged)
+
+
+def test_parts_and_peers_alone(tmp_path):
+    out = tmp_path / "long.json"
+    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--model", "random:tiny", "--peers", "none",
+                                   "--parts", "long", "--json", str(out)], tmp_path)
+    assert code == 0, stdout + stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["metrics"]) == {"long_decode_tok_s", "long_peak_rss_mib"}
+    code, stdout, stderr = _bench(["--quick", "--backend", "none", "--peers", "none", "--parts", "standard"], tmp_path)
+    assert code == 0 and "no polyengine row in this run applies" in stdout, stdout + stderr
+    code, _, stderr = _bench(["--quick", "--parts", "middle"], tmp_path)
+    assert code == 1 and "--parts" in stderr

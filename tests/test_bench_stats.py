@@ -1,0 +1,219 @@
+"""The benchmark's arithmetic: statistics, the workload, what a metric means, the targets.
+
+No timing is asserted anywhere: speed belongs in benchmark tables, never in tests.
+A fake system with scripted durations checks that every metric is the median of the
+per-run values, in the units the report says.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyengine.benchmarks import report
+from polyengine.benchmarks.phases import DecodeRun, ServeRun, run_long, run_standard
+from polyengine.benchmarks.stats import median, percentile, rate, spread, summary
+from polyengine.benchmarks.workload import QUICK, STANDARD, Workload, prompts, serve_requests
+
+
+# -- stats -----------------------------------------------------------------------------------
+
+
+def test_median_and_percentiles_match_numpy():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 10, 11):
+        xs = rng.normal(size=n).tolist()
+        assert median(xs) == pytest.approx(float(np.median(xs)))
+        for q in (0, 10, 50, 90, 100):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_median_of_even_count_is_the_mean_of_the_middle_two():
+    assert median([4.0, 1.0, 3.0, 2.0]) == 2.5
+
+
+def test_statistics_refuse_what_they_cannot_compute():
+    with pytest.raises(ValueError):
+        median([])
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+    with pytest.raises(ValueError):
+        median([1.0, float("nan")])
+    with pytest.raises(ValueError):
+        rate(10, 0.0)
+
+
+def test_rate_spread_and_summary():
+    assert rate(254, 2.0) == 127.0
+    assert spread([9.0, 10.0, 12.0]) == pytest.approx(0.3)
+    assert spread([5.0]) == 0.0
+    s = summary([3.0, 1.0, 2.0])
+    assert s["median"] == 2.0 and s["samples"] == [3.0, 1.0, 2.0] and s["spread"] == 1.0
+
+
+# -- workload --------------------------------------------------------------------------------
+
+
+def test_prompts_are_deterministic_distinct_and_ordinary_tokens():
+    a = prompts(49152, 32, 128, phase="decode")
+    assert a == prompts(49152, 32, 128, phase="decode")
+    assert len({tuple(p) for p in a}) == 32 and all(len(p) == 128 for p in a)
+    assert all(49152 // 4 <= t < 49152 // 2 for p in a for t in p)
+    assert a != prompts(49152, 32, 128, phase="serve")  # phases never share prompts
+
+
+def test_serve_requests_follow_the_workload():
+    reqs = serve_requests(STANDARD, 49152)
+    assert len(reqs) == STANDARD.serve_requests == 64
+    lo, hi = STANDARD.serve_prompt_range
+    assert all(lo <= len(r.prompt) <= hi for r in reqs)
+    lo, hi = STANDARD.serve_new_range
+    assert all(lo <= r.max_tokens <= hi for r in reqs)
+    assert len({len(r.prompt) for r in reqs}) > 10, "lengths should be mixed"
+    assert reqs == serve_requests(STANDARD, 49152)
+
+
+def test_the_standard_workload_is_the_issues():
+    w = STANDARD
+    assert (w.prompt_len, w.new_tokens, w.batches, w.prefill_len) == (128, 128, (1, 8, 32), 1024)
+    assert (w.serve_requests, w.long_batch, w.long_context) == (64, 32, 2048)
+    assert Workload.from_dict(QUICK.to_dict()) == QUICK
+
+
+# -- what a metric means -----------------------------------------------------------------------
+
+
+class ScriptedSystem:
+    """Durations chosen by hand: decode run i of batch b takes (i + 1) * b seconds."""
+
+    vocab_size = 1000
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, int]] = []
+
+    def decode(self, ps, new_tokens):
+        self.calls.append(("decode", len(ps), new_tokens))
+        i = sum(1 for c in self.calls if c[:2] == ("decode", len(ps))) - 2  # -1: warm-up
+        seconds = (i + 1) * len(ps) if i >= 0 else 99.0
+        steps = new_tokens - 1
+        return DecodeRun(len(ps) * (new_tokens - 1), seconds, [seconds / steps] * steps, [len(ps)] * steps,
+                         overhead_seconds=0.5, steps=new_tokens)
+
+    def prefill(self, prompt):
+        self.calls.append(("prefill", len(prompt), 0))
+        return [99.0, 2.0, 1.0, 4.0][sum(1 for c in self.calls if c[0] == "prefill") - 1]
+
+    def serve(self, requests, slots):
+        self.calls.append(("serve", len(requests), slots))
+        total = sum(r.max_tokens for r in requests)
+        return ServeRun(total, 10.0, ttfts=[0.1, 0.2, 0.3], overhead_seconds=2.0, steps=20)
+
+
+def test_metrics_are_medians_of_per_run_values():
+    work = STANDARD
+    system = ScriptedSystem()
+    partial: list[set] = []
+    m = run_standard(system, work, repeats=3, emit=lambda *a: None, done=lambda x: partial.append(set(x)))
+    assert len(partial) == len(work.batches) + 1 and "prefill_tok_s" in partial[-1]  # reported phase by phase
+    # decode at batch b: runs take b, 2b, 3b seconds for b * 127 tokens -> median 127/2
+    for b in work.batches:
+        assert m["decode_tok_s"][str(b)]["median"] == pytest.approx(127 / 2)
+        assert m["decode_overhead_s_per_step"][str(b)]["median"] == pytest.approx(0.5 / 128)
+    # the warm-up ran first with warmup_tokens, and is never part of a metric
+    assert ("decode", 1, work.warmup_tokens) in system.calls
+    assert m["prefill_tok_s"]["median"] == pytest.approx(1024 / 2.0)  # runs 2, 1, 4 s
+    total = sum(r.max_tokens for r in serve_requests(work, 1000))
+    assert m["serve_e2e_tok_s"]["median"] == pytest.approx(total / 10.0)
+    assert m["serve_ttft_p50_s"]["median"] == pytest.approx(0.2)
+    assert m["driver_overhead_s_per_step"]["median"] == pytest.approx(0.1)
+
+
+def test_long_rate_is_the_median_step_rate():
+    class Long(ScriptedSystem):
+        def decode(self, ps, new_tokens):
+            steps = [5.0] + [0.5] * (new_tokens - 2)  # a slow first step (a compile) is ignored
+            return DecodeRun(len(ps) * (new_tokens - 1), sum(steps), steps, [len(ps)] * len(steps))
+
+    m = run_long(Long(), STANDARD, emit=lambda *a: None)
+    assert m["long_decode_tok_s"]["median"] == pytest.approx(32 / 0.5)
+
+
+# -- targets ---------------------------------------------------------------------------------
+
+
+def _row(kind, name, decode1=None, decode32=None, prefill=None, dtype=None, options=None, quant=None):
+    metrics = {"decode_tok_s": {}}
+    if decode1 is not None:
+        metrics["decode_tok_s"]["1"] = {"median": decode1}
+    if decode32 is not None:
+        metrics["decode_tok_s"]["32"] = {"median": decode32}
+    if prefill is not None:
+        metrics["prefill_tok_s"] = {"median": prefill}
+    return {"row": name, "kind": kind, "system": kind, "setting": name, "metrics": metrics, "errors": {},
+            "details": {"dtype": dtype} if dtype else {}, "params": {"options": options or {}, "quant": quant}}
+
+
+def test_targets_compare_with_the_peers_best_setting():
+    rows = [
+        _row("polyengine", "pe fp32", decode1=90, decode32=600, prefill=800, dtype="float32"),
+        _row("polyengine", "pe int8", decode1=100, dtype="float32", options={"weights": "int8"}),
+        _row("transformers", "hf fp32", decode1=20, decode32=250, prefill=700),
+        _row("transformers", "hf bf16", decode1=30, decode32=300, prefill=2000),
+        _row("llamacpp", "llama Q4_1", decode1=95, decode32=140, quant="Q4_1"),
+        _row("llamacpp", "llama F16", decode1=50, decode32=600, quant="F16"),
+    ]
+    got = {(v["target"], v["row"]): v for v in report.judge(rows, STANDARD)}
+    b1 = got[("float32 decode b1 >= 3x transformers", "pe fp32")]
+    assert b1["peer_row"] == "hf bf16" and b1["ratio"] == pytest.approx(3.0) and b1["passed"]
+    b32 = got[("float32 decode b32 >= 2x transformers", "pe fp32")]
+    assert b32["ratio"] == pytest.approx(2.0) and b32["passed"]
+    above = got[("float32 decode b32 > llama.cpp", "pe fp32")]
+    assert above["ratio"] == pytest.approx(1.0) and not above["passed"], "'above' is strict"
+    pre = got[("prefill 1024 >= transformers", "pe fp32")]
+    assert pre["peer_row"] == "hf bf16" and not pre["passed"]
+    int8 = got[("int8 decode b1 >= llama.cpp Q4_1", "pe int8")]
+    assert int8["peer_row"] == "llama Q4_1" and int8["passed"]
+    assert ("float32 decode b1 >= 3x transformers", "pe int8") not in got, "int8 rows are not float32 rows"
+
+
+def test_targets_say_why_they_were_not_judged():
+    rows = [_row("polyengine", "pe f64", decode1=10, prefill=100, dtype="float64")]
+    verdicts = report.judge(rows, STANDARD)
+    text = {v["target"]: v["verdict"] for v in verdicts}
+    assert text["float32 decode b1 >= 3x transformers"] == "no polyengine row in this run applies"
+    assert text["prefill 1024 >= transformers"] == "not judged: no transformers row has this value"
+
+
+def test_int8_rows_are_recognised_by_their_options():
+    assert report.is_int8({"weights": "int8"}) and report.is_int8({"int8_weights": True})
+    assert not report.is_int8({}) and not report.is_int8({"weights": "float32"})
+
+
+def test_llamacpp_build_flags_follow_the_detected_isa():
+    from polyengine.benchmarks.host import llamacpp_install_command
+
+    zen3 = llamacpp_install_command({"isa": ["avx2", "fma", "f16c"]})
+    assert "-DGGML_NATIVE=OFF" in zen3 and "-DGGML_AVX2=ON" in zen3 and "AVX512" not in zen3
+    sapphire = llamacpp_install_command({"isa": ["avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"]})
+    assert all(f"-D{o}=ON" in sapphire for o in ("GGML_AVX512", "GGML_AVX512_BF16", "GGML_AMX_INT8", "GGML_AMX_BF16"))
+    assert llamacpp_install_command({"isa": ["asimd"]}) == "pip install llama-cpp-python"
+
+
+def test_progress_is_one_live_line_on_a_terminal_and_plain_lines_otherwise():
+    import io
+
+    from polyengine.benchmarks.progress import Progress
+
+    live, plain = io.StringIO(), io.StringIO()
+    for stream, is_live in ((live, True), (plain, False)):
+        p = Progress(2, stream=stream, live=is_live)
+        p.start_job("polyengine reference (standard)")
+        p.event("decode b1", "run 1/3")
+        p.end_job()
+        p.start_job("transformers fp32 (standard)")
+        p.end_job("boom")
+    assert "\r\x1b[2K" in live.getvalue() and live.getvalue().count("\n") == 2  # one kept line per job
+    lines = plain.getvalue().splitlines()
+    assert "\r" not in plain.getvalue() and len(lines) == 5
+    assert lines[1].startswith("[1/2] polyengine reference (standard): decode b1, run 1/3")
+    assert "FAILED: boom" in lines[-1]
