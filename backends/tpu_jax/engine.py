@@ -35,7 +35,7 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.observe import Profiler, format_report, logger, memory_report
-from polyengine.backends.tpu_jax.quantize import KV_MODES, WEIGHT_MODES, quantize_weights
+from polyengine.backends.tpu_jax.quantize import KV_MODES, KV_SCALE_BYTES, WEIGHT_MODES, quantize_weights
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
 __all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine", "default_buckets"]
@@ -114,7 +114,7 @@ class TpuJaxEngine(EngineBase):
         "data_parallel": 0,  # device groups over the slots; 0 chooses
         "sharding_rules": {},  # logical axis -> "tp" | "dp" | None, over sharding.DEFAULT_RULES
         "quantize": "",  # weights: "int8" (per channel) or "int8-block32"
-        "kv_quantize": "",  # "int8": int8 KV cache with per-(layer, slot, KV head) scales
+        "kv_quantize": "",  # "int8": int8 KV cache, a scale per slot, position and KV head
         "attention": "sdpa",  # or "eager" (the shared model's two attention paths)
         "candidates": 64,  # top-k bound under which top-k/top-p skip the full vocabulary sort
         "warmup": False,  # compile every bucket when the weights load (else on first use)
@@ -179,8 +179,8 @@ class TpuJaxEngine(EngineBase):
             weights += math.prod(shape) * (1 if quantized else item) // plan.shards(param_axes(name, len(shape)), shape)
         if self.cfg.quantize and c.tie_word_embeddings:
             weights += c.vocab_size * c.hidden_size  # the int8 copy of the tied head
-        kv_item = 1 if self.cfg.kv_int8 else item
-        cache_shape = (c.num_hidden_layers, cfg.max_slots, c.num_key_value_heads, cfg.max_cache_length, c.head_dim)
+        kv_item, width = (1, c.head_dim + KV_SCALE_BYTES) if self.cfg.kv_int8 else (item, c.head_dim)
+        cache_shape = (c.num_hidden_layers, cfg.max_slots, c.num_key_value_heads, cfg.max_cache_length, width)
         cache = 2 * math.prod(cache_shape) * kv_item // plan.shards(steps._CACHE_AXES, cache_shape)
         return {
             f"{self.dtype} weights{' (int8 projections)' if self.cfg.quantize else ''}": weights,

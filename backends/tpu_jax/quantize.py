@@ -10,13 +10,17 @@ per channel, the product runs on the int8 matrix cast to the compute dtype and t
 scale multiplies the output (so XLA can fuse the cast into the dot); blockwise, the
 matrix is dequantized first. Accumulation is in the compute dtype.
 
-KV cache (option ``kv_quantize="int8"``): K and V are stored as int8 with one scale
-per (layer, slot, KV head), fixed when a prefix is inserted: the prefix's absmax times
-:data:`KV_HEADROOM`, / 127. Tokens decoded later are rounded with the same scale and
-clipped at +-127 (a key or value more than ``KV_HEADROOM`` times the prompt's largest
-saturates). :class:`Int8KVCodec` is the shared model's ``kv_codec`` hook; the scales
-ride in the decode state. Prefill runs in the compute dtype, so prefixes (and the
-portable prefixes exported from them) are never quantized.
+KV cache (option ``kv_quantize="int8"``): K and V are stored as int8 with a scale per
+slot, position and KV head: each token's head vector is rounded against its own
+absmax (/ 127) when it is written, and the float32 scale is kept beside it, as four
+more bytes of the same cache row (the cache's last axis is ``head_dim + 4``), so the
+shared model writes and reads values and scales together through its ``kv_codec``
+hook (:class:`Int8KVCodec`) and no other array has to follow the cache. A value's
+error is at most 1/254 of its token's largest. Scales fixed per slot from the prompt
+were tried first and lost greedy agreement within 3-4 tokens on SmolLM2: a short
+prompt under-samples the range of later keys (docs/decisions.md). Prefill runs in the
+compute dtype, so prefixes (and portable prefixes exported from them) are never
+quantized; insert encodes them into the slot.
 
 The error bounds that ``tests/test_tpu_jax_quant.py`` asserts, and docs/tpu_jax.md
 states, were measured on the default model.
@@ -26,14 +30,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WEIGHT_MODES", "KV_MODES", "KV_HEADROOM", "quantize_weights", "int8_linear", "Int8KVCodec", "kv_scales"]
+__all__ = ["WEIGHT_MODES", "KV_MODES", "KV_SCALE_BYTES", "quantize_weights", "int8_linear", "Int8KVCodec", "kv_encode", "kv_decode"]
 
 # option value -> weights per scale (0: a whole row)
 WEIGHT_MODES = {"": None, "int8": 0, "int8-block32": 32}
 KV_MODES = ("", "int8")
-# A decoded key/value may exceed the prompt's absmax by this factor before it clips;
-# the price is log2(1.5) ~ 0.6 bit of resolution.
-KV_HEADROOM = 1.5
+# The float32 scale of each (position, KV head), stored as int8 bytes after the values.
+KV_SCALE_BYTES = 4
 
 
 def _quantize_matrix(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -80,32 +83,43 @@ def int8_linear(t, x, name):
     return y if bias is None else y + bias
 
 
-class Int8KVCodec:
-    """The shared model's ``kv_codec`` for an int8 cache with per-(layer, slot, KV head)
-    scales ``k_scale``/``v_scale`` (layers, slots, kv_heads) float32 (torch tensors
-    under torchax)."""
+def kv_encode(x):
+    """K or V ``(..., head_dim)`` -> int8 ``(..., head_dim + 4)``: the values rounded
+    against their own absmax / 127, then the float32 scale's bytes (JAX)."""
+    import jax.numpy as jnp
+    from jax import lax
 
-    def __init__(self, k_scale, v_scale, dtype):
-        self.scales = {"k": k_scale, "v": v_scale}
-        self.dtype = dtype
+    xf = x.astype(jnp.float32)
+    scale = jnp.abs(xf).max(axis=-1, keepdims=True) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
+    return jnp.concatenate([q, lax.bitcast_convert_type(scale, jnp.int8).reshape(x.shape[:-1] + (KV_SCALE_BYTES,))], axis=-1)
+
+
+def kv_decode(stored, dtype):
+    """:func:`kv_encode`'s inverse (up to the rounding), in ``dtype`` (JAX)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    scale = lax.bitcast_convert_type(stored[..., -KV_SCALE_BYTES:], jnp.float32)  # (...,)
+    return (stored[..., :-KV_SCALE_BYTES].astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+class Int8KVCodec:
+    """The shared model's ``kv_codec`` for the int8 cache: torch tensors in and out
+    (under torchax), the work done by :func:`kv_encode`/:func:`kv_decode` in JAX."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype  # the JAX compute dtype
 
     def encode(self, which, layer, new, rows):
-        import torch
+        from torchax.interop import call_jax
 
-        s = self.scales[which][layer][rows]  # (N, kv_heads)
-        q = torch.round(new.float() / s[:, :, None])
-        return torch.clamp(q, -127, 127).to(torch.int8)
+        return call_jax(kv_encode, new)
 
     def decode(self, which, layer, stored, rows):
-        s = self.scales[which][layer][rows]  # (B, kv_heads)
-        return stored.to(self.dtype) * s[:, :, None, None].to(self.dtype)
+        import functools
 
+        from torchax.interop import call_jax
 
-def kv_scales(prefix_kv, length):
-    """Per-(layer, KV head) scales for a prefix's K or V (layers, kv_heads, T, head_dim)
-    whose first ``length`` positions are live (JAX, inside the insert step)."""
-    import jax.numpy as jnp
-
-    live = (jnp.arange(prefix_kv.shape[2]) < length)[None, None, :, None]
-    amax = jnp.where(live, jnp.abs(prefix_kv.astype(jnp.float32)), 0.0).max(axis=(2, 3))  # (layers, kv_heads)
-    return jnp.where(amax > 0, amax * (KV_HEADROOM / 127.0), 1.0)
+        return call_jax(functools.partial(kv_decode, dtype=self.dtype), stored)

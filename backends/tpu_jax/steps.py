@@ -34,7 +34,7 @@ from polyengine.models import ModelConfig
 
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax.compat import import_torchax
-from polyengine.backends.tpu_jax.quantize import Int8KVCodec, int8_linear, kv_scales
+from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, Int8KVCodec, int8_linear, kv_encode
 from polyengine.backends.tpu_jax.sharding import ShardingPlan
 
 __all__ = [
@@ -96,10 +96,8 @@ class SampleConfig:
 class DecodeArrays:
     """The device half of a decode state (``R`` slots)."""
 
-    k: jax.Array  # (layers, R, kv_heads, cache_length, head_dim), compute dtype or int8
+    k: jax.Array  # (layers, R, kv_heads, cache_length, head_dim): compute dtype; int8: head_dim + 4 (scales)
     v: jax.Array
-    k_scale: jax.Array | None  # (layers, R, kv_heads) float32 with an int8 cache, else None
-    v_scale: jax.Array | None
     next_tokens: jax.Array  # (R,) int32, what each slot feeds next
     prompt_len: jax.Array  # (R,) int32
     completion: jax.Array  # (R,) int32, completion tokens so far (forced ones included)
@@ -109,7 +107,6 @@ class DecodeArrays:
 
 # Logical axes of each decode-state field (sharding.py maps them to the mesh).
 _CACHE_AXES = ("layers", "slots", "kv_heads", "positions", "head_dim")
-_SCALE_AXES = ("layers", "slots", "kv_heads")
 
 
 def _constrain_state(cfg: StepConfig, s: DecodeArrays) -> DecodeArrays:
@@ -120,10 +117,8 @@ def _constrain_state(cfg: StepConfig, s: DecodeArrays) -> DecodeArrays:
         x = getattr(s.sampler, name)
         sampler[name] = p.constrain(x, ("slots",) + ("vocab",) * (x.ndim - 1))
     sampler = smp.SamplerState(**sampler, eos_mask=p.constrain(s.sampler.eos_mask, ("vocab",)))
-    scale = (lambda x: None if x is None else p.constrain(x, _SCALE_AXES))  # noqa: E731
     return DecodeArrays(
         k=p.constrain(s.k, _CACHE_AXES), v=p.constrain(s.v, _CACHE_AXES),
-        k_scale=scale(s.k_scale), v_scale=scale(s.v_scale),
         next_tokens=p.constrain(s.next_tokens, ("slots",)), prompt_len=p.constrain(s.prompt_len, ("slots",)),
         completion=p.constrain(s.completion, ("slots",)), occupied=p.constrain(s.occupied, ("slots",)),
         sampler=sampler,
@@ -133,22 +128,24 @@ def _constrain_state(cfg: StepConfig, s: DecodeArrays) -> DecodeArrays:
 # -- the model ------------------------------------------------------------------------------
 
 
-def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, logits_at=None, k_scale=None, v_scale=None):
-    """The shared torch forward on JAX arrays (traced by torchax): ``(logits, k, v)``."""
+def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, logits_at=None, int8_cache=False):
+    """The shared torch forward on JAX arrays (traced by torchax): ``(logits, k, v)``.
+    ``int8_cache``: ``k``/``v`` hold :func:`~.quantize.kv_encode`'d values."""
     import_torchax()
     from torchax.interop import call_torch
 
     from polyengine.backends.torch_common.model import TorchWeights, forward
 
-    def torch_side(tensors, tokens, positions, k, v, write_mask, logits_at, k_scale, v_scale):
-        codec = None if k_scale is None else Int8KVCodec(k_scale, v_scale, tensors["model.embed_tokens.weight"].dtype)
+    codec = Int8KVCodec(cfg.jax_dtype) if int8_cache else None
+
+    def torch_side(tensors, tokens, positions, k, v, write_mask, logits_at):
         return forward(
             TorchWeights(cfg.model, tensors), tokens, positions, k, v, write_mask=write_mask, logits_at=logits_at,
             attention=cfg.attention, linear=int8_linear if cfg.quantize else None, kv_codec=codec,
         )
 
     with jax.default_matmul_precision(cfg.precision):
-        return call_torch(torch_side, params, tokens, positions, k, v, write_mask, logits_at, k_scale, v_scale)
+        return call_torch(torch_side, params, tokens, positions, k, v, write_mask, logits_at)
 
 
 def pack(cfg: StepConfig | SampleConfig, res: smp.SampleResult, valid: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -175,12 +172,12 @@ def _jit(fn=None, *, donate=()):
 def init_state(eos_mask, *, cfg: StepConfig) -> DecodeArrays:
     """Every slot empty: zero caches, neutral sampler rows."""
     c, r = cfg.model, cfg.slots
-    shape = (c.num_hidden_layers, r, c.num_key_value_heads, cfg.cache_length, c.head_dim)
+    width = c.head_dim + (KV_SCALE_BYTES if cfg.kv_int8 else 0)
+    shape = (c.num_hidden_layers, r, c.num_key_value_heads, cfg.cache_length, width)
     sampler = smp.neutral_state(r, eos_mask)
-    scales = (jnp.ones(shape[:3], jnp.float32),) * 2 if cfg.kv_int8 else (None, None)
     zeros = jnp.zeros(r, jnp.int32)
     state = DecodeArrays(
-        k=jnp.zeros(shape, cfg.cache_dtype), v=jnp.zeros(shape, cfg.cache_dtype), k_scale=scales[0], v_scale=scales[1],
+        k=jnp.zeros(shape, cfg.cache_dtype), v=jnp.zeros(shape, cfg.cache_dtype),
         next_tokens=zeros, prompt_len=zeros, completion=zeros, occupied=jnp.zeros(r, bool), sampler=sampler,
     )
     return _constrain_state(cfg, state)
@@ -224,15 +221,8 @@ def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.Sample
     ``sample_index`` (R,) gives each its sample and ``first`` (R,) its first token
     (drawn by :func:`first_token_step`), which it feeds next.
     """
-    if cfg.kv_int8:
-        ks, vs = kv_scales(prefix_k, length), kv_scales(prefix_v, length)  # (layers, kv_heads)
-        enc = lambda x, s: jnp.clip(jnp.round(x.astype(jnp.float32) / s[:, :, None, None]), -127, 127).astype(jnp.int8)  # noqa: E731
-        new_k, new_v = enc(prefix_k, ks), enc(prefix_v, vs)
-        m = mask[None, :, None]
-        k_scale, v_scale = jnp.where(m, ks[:, None], state.k_scale), jnp.where(m, vs[:, None], state.v_scale)
-    else:
-        new_k, new_v = prefix_k.astype(cfg.cache_dtype), prefix_v.astype(cfg.cache_dtype)
-        k_scale, v_scale = state.k_scale, state.v_scale
+    encode = kv_encode if cfg.kv_int8 else (lambda x: x.astype(cfg.cache_dtype))
+    new_k, new_v = encode(prefix_k), encode(prefix_v)
 
     # Positions past the prefix keep stale values: a slot writes each position before
     # any query of its own reads it, so they are never seen.
@@ -243,7 +233,7 @@ def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.Sample
     k, v = lax.fori_loop(0, count, copy, (state.k, state.v))
     sampler = smp.record(smp.install(state.sampler, row, mask, sample_index), first, mask)
     state = DecodeArrays(
-        k=k, v=v, k_scale=k_scale, v_scale=v_scale,
+        k=k, v=v,
         next_tokens=jnp.where(mask, first, state.next_tokens), prompt_len=jnp.where(mask, length, state.prompt_len),
         completion=jnp.where(mask, 1, state.completion), occupied=state.occupied | mask, sampler=sampler,
     )
@@ -260,7 +250,7 @@ def generate_step(params, state: DecodeArrays, override_tokens, override_mask, *
     positions = jnp.maximum(total - 1, 0)  # the latest token's position; empty rows: 0 (not written)
     logits, k, v = run_model(
         cfg, params, feed[:, None], positions[:, None], state.k, state.v, write_mask=live[:, None],
-        k_scale=state.k_scale, v_scale=state.v_scale)
+        int8_cache=cfg.kv_int8)
     res = smp.sample(sampler, logits[:, 0], live, num_top=cfg.num_top, candidates=cfg.candidates)
     sampler = smp.record(sampler, res.tokens, live)
     completion = state.completion + live.astype(jnp.int32)
