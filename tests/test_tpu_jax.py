@@ -17,6 +17,11 @@ import importlib.util  # noqa: E402
 jax = pytest.importorskip("jax")
 if importlib.util.find_spec("torchax") is None:  # not importorskip: torchax imports only through compat
     pytest.skip("torchax is not installed (pip install 'polyengine[tpu]')", allow_module_level=True)
+from polyengine.backends.tpu_jax.compat import import_torchax  # noqa: E402
+
+# Imported before the in-process conformance run: pytester restores sys.modules after
+# it, and torch cannot be imported a second time into one process.
+import_torchax()
 
 import polyengine  # noqa: E402
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
@@ -31,6 +36,16 @@ from polyengine.prefix import PortablePrefix  # noqa: E402
 
 pytest_plugins = ["pytester"]
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_less():
+    """The test models are tiny: XLA's optimizations cost more compile time than they
+    save at run time (the suite compiles ~20 programs), so they are off here."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +263,24 @@ def test_the_torchax_compatibility_module_adds_only_missing_overloads():
         assert hasattr(packet, overload)
     present = getattr(torch.ops.aten.prod, "dim_int")
     assert not isinstance(present, RemovedOverload)
+
+
+@pytest.mark.tpu
+def test_on_a_tpu(model):
+    """On TPU hardware: the engine runs on the chips in bfloat16 by default, and its
+    greedy tokens follow the reference's except at bfloat16 near ties (the reference
+    margin at the first divergence is below the conformance suite's bf16 tie_gap)."""
+    from polyengine.sampling import raw_logprobs
+
+    eng = TpuJaxEngine(model, CFG)
+    assert eng.device.startswith("tpu") and eng.dtype == "bfloat16"
+    ref = ReferenceEngine(model, CFG)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = [1, 5, 9, 4, 2]
+    got = LLM.from_engine(eng, tools=False).generate([prompt], sp)[0].outputs[0].token_ids
+    want = LLM.from_engine(ref, tools=False).generate([prompt], sp)[0].outputs[0].token_ids
+    step = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if step is not None:
+        prefix, _ = ref.prefill(params=ref.load_params(), tokens=prompt + want[:step], sampling=SamplingParams(seed=0))
+        top2 = np.sort(raw_logprobs(prefix.host_logits()))[-2:]
+        assert top2[1] - top2[0] < 0.2, (step, got, want)

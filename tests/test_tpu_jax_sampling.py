@@ -29,6 +29,16 @@ from polyengine.sampling.sampler import _top_ids  # noqa: E402
 from polyengine.backends.tpu_jax import sampling as smp  # noqa: E402
 
 _F32_EPS = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_less():
+    """The test models are tiny: XLA's optimizations cost more compile time than they
+    save at run time (the suite compiles ~20 programs), so they are off here."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 _VOCAB, _ROWS = 128, 6  # one shape for every sampler test: one compilation
 # Jitted once: eager JAX would compile every primitive of a step separately.
 _sample = jax.jit(smp.sample, static_argnames=("num_top", "candidates"))

@@ -44,6 +44,8 @@ from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
+from polyengine.backends.tpu_jax.disagg import PortableHandle, PrefillPool
+
 __all__ = ["RayTpuEngine", "RayDecodeState", "WorkerLost", "WorkerGroup", "create_engine", "start_local_ray"]
 
 # The single-host engine's options (forwarded to every worker's engine), by name and
@@ -104,7 +106,9 @@ class WorkerGroup:
     """N actors that joined one JAX program. ``call`` sends a method to all and returns
     rank 0's answer; any death turns into :class:`WorkerLost` (and kills the rest)."""
 
-    def __init__(self, num_workers: int, devices_per_worker: int, spread: bool, timeout: float):
+    def __init__(self, num_workers: int, devices_per_worker: int, spread: bool, timeout: float, independent: bool = False):
+        """``independent``: each actor is a JAX program of its own (prefill workers)
+        instead of one process of a shared one."""
         import ray
 
         from polyengine.backends.tpu_jax.ray_worker import EngineWorker
@@ -112,7 +116,11 @@ class WorkerGroup:
         self.timeout = timeout
         self.lost: str | None = None
         self.cluster = ray.get_runtime_context().gcs_address
-        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_worker}"} if devices_per_worker > 1 else {}
+        # Workers configure JAX as the leader's environment does (JAX_PLATFORMS, JAX_*
+        # compilation settings), plus their host device count.
+        env = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
+        if devices_per_worker > 1:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_worker}"
         options: dict[str, Any] = {"num_cpus": 1, "runtime_env": {"env_vars": env}, "max_restarts": 0}
         self.placement = None
         if spread:
@@ -127,8 +135,8 @@ class WorkerGroup:
             opts = dict(options)
             if self.placement is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
-            self.workers.append(actor.options(**opts).remote(rank, num_workers))
-        coordinator = self._gather([self.workers[0].coordinator_address.remote()], "starting the workers")[0]
+            self.workers.append(actor.options(**opts).remote(0, 1) if independent else actor.options(**opts).remote(rank, num_workers))
+        coordinator = "" if independent else self._gather([self.workers[0].coordinator_address.remote()], "starting the workers")[0]
         self.info = self._gather([w.join.remote(coordinator) for w in self.workers], "joining the JAX program")
 
     def _gather(self, refs: Sequence[Any], what: str) -> list[Any]:
@@ -193,6 +201,12 @@ class WorkerGroup:
     def call(self, method: str, *args: Any, what: str | None = None) -> Any:
         return self._gather(self.submit(method, *args), what or f"running {method}")[0]
 
+    def submit_one(self, index: int, method: str, *args: Any, num_returns: int = 1) -> Any:
+        """One worker's call (independent workers): its ref, or refs with num_returns > 1."""
+        if self.lost:
+            raise WorkerLost(self.lost)
+        return getattr(self.workers[index], method).options(num_returns=num_returns).remote(*args)
+
     def alive(self) -> bool:
         """Not lost, and its Ray instance still the one this process is connected to."""
         import ray
@@ -213,16 +227,16 @@ _groups: dict[tuple, WorkerGroup] = {}
 _groups_lock = threading.Lock()
 
 
-def _group(num_workers: int, devices_per_worker: int, spread: bool, timeout: float) -> WorkerGroup:
+def _group(num_workers: int, devices_per_worker: int, spread: bool, timeout: float, independent: bool = False) -> WorkerGroup:
     import ray
 
-    key = (ray.get_runtime_context().gcs_address, num_workers, devices_per_worker, spread)
+    key = (ray.get_runtime_context().gcs_address, num_workers, devices_per_worker, spread, independent)
     with _groups_lock:
         for stale in [k for k, g in _groups.items() if not g.alive()]:
             del _groups[stale]
         group = _groups.get(key)
         if group is None:
-            group = _groups[key] = WorkerGroup(num_workers, devices_per_worker, spread, timeout)
+            group = _groups[key] = WorkerGroup(num_workers, devices_per_worker, spread, timeout, independent)
         group.timeout = timeout
         return group
 
@@ -260,12 +274,15 @@ class RayTpuEngine(EngineBase):
         "spread_workers": False,  # one worker per Ray node (a STRICT_SPREAD placement group)
         "step_timeout_s": 600.0,  # longest wait for any call (the first ones compile)
         "ray_address": "",  # "" joins the running Ray instance or starts a local, loopback-only one
+        "prefill_workers": 0,  # > 0: disaggregated, prompts prefill on these actors (disagg.py), not the decode workers
     }
 
     def __init__(self, model: Model, config: EngineConfig):
         options = self._check_options(config.options)  # refuse before anything starts
-        if options["num_workers"] < 1 or options["devices_per_worker"] < 1 or options["step_timeout_s"] <= 0:
-            raise InvalidRequest("options num_workers and devices_per_worker must be >= 1 and step_timeout_s > 0")
+        if (options["num_workers"] < 1 or options["devices_per_worker"] < 1 or options["step_timeout_s"] <= 0
+                or options["prefill_workers"] < 0):
+            raise InvalidRequest("options num_workers and devices_per_worker must be >= 1, prefill_workers >= 0 "
+                                 "and step_timeout_s > 0")
         self._refuse_early(model, config)
         _connect(options["ray_address"])
         import ray
@@ -285,6 +302,13 @@ class RayTpuEngine(EngineBase):
             f" on {len(group.workers)} Ray workers")
         self._finalizer = weakref.finalize(self, group.drop, "engines", self.engine_id)
         self._ids = itertools.count()
+        self.prefill_pool: PrefillPool | None = None
+        if options["prefill_workers"]:
+            self.prefill_pool = PrefillPool(
+                _group(options["prefill_workers"], options["devices_per_worker"], False, float(options["step_timeout_s"]),
+                       independent=True), self.engine_id, model_ref, worker_config)
+            weakref.finalize(self, self.prefill_pool.group.drop, "engines", self.engine_id)
+            self.device += f", prefill on {options['prefill_workers']} more (disaggregated)"
 
     def _refuse_early(self, model: Model, config: EngineConfig) -> None:
         """What the kit refuses at construction that does not depend on the workers'
@@ -311,10 +335,14 @@ class RayTpuEngine(EngineBase):
 
     def load_params(self) -> str:
         self.group.call("load", self.engine_id, what="loading the weights")
+        if self.prefill_pool is not None:
+            self.prefill_pool.load()
         return self.engine_id
 
     def warmup(self) -> None:
         self.group.call("warmup", self.engine_id, what="warming up")
+        if self.prefill_pool is not None:
+            self.prefill_pool.warmup()
 
     def memory_reports(self) -> dict[str, Any]:
         return self.group.call("memory_reports", self.engine_id)
@@ -345,16 +373,27 @@ class RayTpuEngine(EngineBase):
     def prefill(self, *, params, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
         self._check_params(params)
         toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
+        if self.prefill_pool is not None:
+            packed, ref = self.prefill_pool.prefill(toks, sampling)
+            result = ResultTokens.from_packed(packed, _LAYOUT)
+            return self._portable_prefix(PortableHandle(ref), toks, sampling, int(result.tokens[0, 0])), result
         prefix_id = self._id("prefix")
         packed = self.group.call("prefill", self.engine_id, prefix_id, toks, sampling)
         result = ResultTokens.from_packed(packed, _LAYOUT)
         return self._prefix(prefix_id, toks, sampling, int(result.tokens[0, 0])), result
 
+    def _portable_prefix(self, handle: "PortableHandle", prompt, sampling, first: int) -> Prefix:
+        return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
+                      first_token=first, to_host=lambda h: h.portable().last_logits, model_id=self.model_id)
+
     def insert(self, prefix: Prefix, decode_state: RayDecodeState, slot: int) -> RayDecodeState:
         state = decode_state
         self.check_prefix(prefix)
         slot = self.check_empty_slot(slot, state.is_occupied)
-        self.group.call("insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slot)
+        if isinstance(prefix.kv, PortableHandle):  # every decode worker reads it from the object store
+            self.group.call("insert_portable", self.engine_id, state.state_id, [slot], prefix.kv.ref, False)
+        else:
+            self.group.call("insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slot)
         state.completion[slot], state.prompt_len[slot] = 1, prefix.true_length
         return state
 
@@ -362,7 +401,10 @@ class RayTpuEngine(EngineBase):
         state = decode_state
         self.check_prefix(prefix)
         slots = self.check_bulk_slots(slots, state.is_occupied)
-        packed = self.group.call("bulk_insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots)
+        if isinstance(prefix.kv, PortableHandle):
+            packed = self.group.call("insert_portable", self.engine_id, state.state_id, slots, prefix.kv.ref, True)
+        else:
+            packed = self.group.call("bulk_insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots)
         for slot in slots:
             state.completion[slot], state.prompt_len[slot] = 1, prefix.true_length
         return state, ResultTokens.from_packed(packed, _LAYOUT)
@@ -394,6 +436,8 @@ class RayTpuEngine(EngineBase):
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
+        if isinstance(prefix.kv, PortableHandle):
+            return prefix.kv.portable()
         return PortablePrefix.from_bytes(self.group.call("export_prefix", self.engine_id, prefix.kv.prefix_id))
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
@@ -403,6 +447,9 @@ class RayTpuEngine(EngineBase):
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
         )
         prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        if self.prefill_pool is not None:
+            handle = self.prefill_pool.put(portable)
+            return self._portable_prefix(handle, prompt, sampling, self.prefill_pool.first_token(handle))
         prefix_id = self._id("prefix")
         first = self.group.call("import_prefix", self.engine_id, prefix_id, portable.to_bytes())
         return self._prefix(prefix_id, prompt, sampling, int(first[0]))

@@ -143,6 +143,36 @@ class EngineWorker:
         self.prefixes[prefix_id] = prefix
         return None if self.rank else np.asarray([prefix.first_token], np.int32)
 
+    # -- disaggregated serving: prefixes as portable bytes through the object store -------
+
+    def prefill_portable(self, engine_id: str, tokens: np.ndarray, sampling) -> tuple[np.ndarray | None, bytes]:
+        """Prefill and export at once (a prefill worker): the first token's packed row
+        for the leader and the portable prefix's safetensors bytes for the object store
+        (the caller asks for two returns, so the bytes stay there until a decode worker
+        needs them). The device copy is dropped."""
+        engine = self.engines[engine_id]
+        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling)
+        return self._packed(engine, first), engine.export_prefix(prefix).to_bytes()
+
+    def insert_portable(self, engine_id: str, state_id: str, slots: Sequence[int], data: bytes, bulk: bool):
+        """Import a portable prefix (Ray hands over the bytes from the object store) and
+        insert it: into ``slots[0]`` (insert) or every slot (bulk_insert)."""
+        from polyengine.prefix import PortablePrefix
+
+        engine = self.engines[engine_id]
+        prefix = engine.import_prefix(PortablePrefix.from_bytes(data))
+        if not bulk:
+            self.states[state_id] = engine.insert(prefix, self.states[state_id], slots[0])
+            return None
+        self.states[state_id], first = engine.bulk_insert(prefix, self.states[state_id], slots)
+        return self._packed(engine, first)
+
+    def first_token(self, engine_id: str, data: bytes) -> int:
+        """Sample 0's first token of a portable prefix (what import_prefix computes)."""
+        from polyengine.prefix import PortablePrefix
+
+        return self.engines[engine_id].import_prefix(PortablePrefix.from_bytes(data)).first_token
+
     def memory_reports(self, engine_id: str) -> dict[str, Any]:
         return self.engines[engine_id].memory_reports
 
