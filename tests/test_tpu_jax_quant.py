@@ -8,13 +8,14 @@ prefill logits, then 24 greedy tokens through the driver with log-probs. Bounds
 
 | mode | logits rel. L2 | log-prob error before divergence |
 | --- | --- | --- |
-| int8 (per channel) | 0.03 (0.011) | 0.3 (0.10) |
-| int8-block32 | 0.015 (0.005) | 0.15 (0.05) |
-| kv int8 | exactly 0 (prefill is not quantized) | 0.15 (0.05) |
+| int8 (per channel) | 0.03 (0.009) | 0.3 (0.11) |
+| int8-block32 | 0.015 (0.003) | 0.15 (0.039) |
+| kv int8 | exactly 0 (prefill is not quantized) | 0.15 (0.090) |
 
 Greedy agreement: the tokens equal float32's until the first step where float32's own
 top-2 log-prob margin is below twice the mode's log-prob bound (quantization may
-legitimately decide such a step), and at least half of all tokens agree.
+legitimately decide such a step), and at least half of all tokens agree (measured:
+66 of 72 for each mode, all three parting from float32 at the same near tie).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("jax")
+jax = pytest.importorskip("jax")
 
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
@@ -39,6 +40,15 @@ BOUNDS = {  # mode -> (logits rel. L2, log-prob error)
     "kv-int8": (0.0, 0.15),
 }
 OPTIONS = {"int8": {"quantize": "int8"}, "int8-block32": {"quantize": "int8-block32"}, "kv-int8": {"kv_quantize": "int8"}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_less():
+    """XLA's optimizations cost more compile time than four layers' run time saves."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +81,15 @@ def test_quantized_against_float32(smollm2_4, float32, mode):
     want_logits, want = float32
     rel = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(logits, want_logits))
     assert rel <= rel_bound, (mode, rel)
-    agreed = 0
+    agreed, errs = 0, []
     for got, ref in zip(outs, want):
         n = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b), STEPS)
         agreed += n
         err = max((abs(a - b) for a, b in zip(got.logprobs[:n], ref.logprobs[:n])), default=0.0)
+        errs.append(round(err, 4))
         assert err <= lp_bound, (mode, err)
         if n < STEPS:  # a divergence must sit where float32 itself nearly tied
             top = sorted(ref.top_logprobs[n].values(), reverse=True)
             assert top[0] - top[1] < 2 * lp_bound, (mode, n, top)
     assert agreed >= STEPS * len(TEXTS) // 2, (mode, agreed)
+    print(f"{mode}: logits rel. L2 {rel:.4f}, log-prob errors {errs}, {agreed} of {STEPS * len(TEXTS)} tokens agree")
