@@ -278,8 +278,13 @@ class TpuJaxEngine(EngineBase):
         """A (replicated) device array on the host: this process's copy."""
         return np.asarray(x.addressable_data(0) if self.plan.multi_process else x)
 
+    def _start_copy(self, buf: jax.Array) -> jax.Array:
+        """Start the host copy of a step's packed results (this process's replica) at once."""
+        (buf.addressable_data(0) if self.plan.multi_process else buf).copy_to_host_async()
+        return buf
+
     def _results(self, packed: Any) -> ResultTokens:
-        return ResultTokens.from_packed(packed, self.cfg.layout, to_host=self._host, start_copy=_start_copy)
+        return ResultTokens.from_packed(packed, self.cfg.layout, to_host=self._host, start_copy=self._start_copy)
 
     def _first(self, logits: jax.Array, sampling: SamplingParams, prompt: np.ndarray, sample_index: int = 0) -> jax.Array:
         """Sample ``sample_index``'s first token from a prefix's logits: packed (1, width)."""
@@ -412,15 +417,6 @@ class TpuJaxEngine(EngineBase):
     def close(self) -> None:
         """End a trace still being written; the arrays go with the engine."""
         self.profiler.stop()
-
-
-def _start_copy(buf: jax.Array) -> jax.Array:
-    """Start the device-to-host copy of a step's packed results at once."""
-    try:
-        buf.copy_to_host_async()
-    except (AttributeError, RuntimeError, ValueError):  # arrays that are not fully addressable here
-        pass
-    return buf
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> TpuJaxEngine:

@@ -3,12 +3,18 @@
 The model is the shared PyTorch forward (``polyengine.backends.torch_common.model``)
 run through torchax: :func:`run_model` hands JAX arrays to it as torch tensors and
 gets JAX arrays back, so the same definition the torch backends run is traced into
-each XLA program. Sampling (:mod:`.sampling`) happens inside the same programs.
+each XLA program. Sampling (:mod:`.sampling`) runs on the devices too: inside
+:func:`generate_step` for every slot, and in :func:`first_token_step` for a request's
+first token (prefill's, each sample of a bulk insert, an imported prefix's). That
+program is shared by every bucket and model with the same vocabulary: on the CPU
+the sampler costs more compile time than a small model does, so one copy of it
+instead of one per prefill bucket halves warm-up; prefill and first token are
+dispatched back to back, with no host sync between them.
 
 Compilation: every step is a module-level function jitted with :class:`StepConfig` as
 a static argument (hashable: model config, dtype, quantization, the sharding plan),
-so executables are shared by every engine with the same config, and one is built per
-prefill bucket (the bucket is the padded prompt's shape). Steps that update the
+so executables are shared by every engine with the same config, and prefill and insert
+are built once per prefill bucket (the bucket is the padded prompt's shape). Steps that update the
 decode state donate it (``donate_argnames="state"``): XLA writes the KV cache in
 place. After :meth:`TpuJaxEngine.warmup <polyengine.backends.tpu_jax.engine.TpuJaxEngine.warmup>`
 nothing compiles again, whatever the mix of requests: sampling parameters are arrays,
