@@ -254,3 +254,39 @@ def test_bad_static_arguments_are_refused():
         forward(w, toks, pos, k, v, rows=torch.tensor([0]), kv_len=9)
     with pytest.raises(ValueError, match="rows=None"):
         forward(w, toks, pos, k, v)
+
+
+class _DoublingCodec:
+    """Stores K/V doubled (exact in binary floating point) and halves what it reads,
+    and records which rows each call named."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, str, list[int]]] = []
+
+    def encode(self, which, layer, new, rows):
+        self.rows.append(("encode", which, rows.tolist()))
+        return new * 2
+
+    def decode(self, which, layer, stored, rows):
+        self.rows.append(("decode", which, rows.tolist()))
+        return stored / 2
+
+
+@pytest.mark.parametrize("rows", [None, [2, 0]], ids=["rows-none", "rows-given"])
+def test_kv_codec_encodes_writes_and_decodes_reads(rows):
+    """``kv_codec``: the cache holds the encoded values, attention sees the decoded ones,
+    so a lossless codec changes no logit; it is told the cache row of every token."""
+    model = _model("gqa_llama3")
+    w = TorchWeights.from_model(model, dtype=torch.float64)
+    toks = torch.tensor([[3, 7, 9], [4, 4, 1]])
+    pos = torch.arange(3)[None].expand(2, 3)
+    cache_rows = None if rows is None else torch.tensor(rows)
+    plain_k, plain_v = w.new_cache(2 if rows is None else 3, 8)
+    want, plain_k, plain_v = forward(w, toks, pos, plain_k, plain_v, rows=cache_rows)
+    codec = _DoublingCodec()
+    k, v = w.new_cache(2 if rows is None else 3, 8)
+    got, k, v = forward(w, toks, pos, k, v, rows=cache_rows, kv_codec=codec)
+    assert torch.equal(got, want)
+    assert torch.equal(k, plain_k * 2) and torch.equal(v, plain_v * 2)
+    expect = [0, 0, 0, 1, 1, 1] if rows is None else [2, 2, 2, 0, 0, 0]
+    assert ("encode", "k", expect) in codec.rows and ("decode", "v", [0, 1] if rows is None else rows) in codec.rows

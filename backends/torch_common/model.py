@@ -24,6 +24,11 @@ logits_at=None, kv_len=None, attention="sdpa", inplace=False) -> (logits, k_cach
     marks pad tokens: they never change the cache. ``logits_at`` (B,) picks one token
     per row, so prefill computes (B, vocab), not (B, T, vocab).
 
+``KVCodec``
+    The optional ``kv_codec`` of ``forward``: how K/V are stored in a cache of another
+    dtype (e.g. int8 with per-row scales): ``encode`` before each cache write,
+    ``decode`` after each cache read. None stores them as computed.
+
 ``StepModule(weights, *, kv_len=None, attention="sdpa", inplace=False)``
     ``forward`` as an ``nn.Module`` with the weights as buffers (no copies), for
     ``torch.export.export``, AOTInductor and ``torchax.interop.JittableModule``.
@@ -57,7 +62,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -65,7 +70,7 @@ import torch.nn.functional as F
 
 from polyengine.models import Model, ModelConfig
 
-__all__ = ["TorchWeights", "forward", "StepModule", "rms_norm", "ATTENTION_IMPLS"]
+__all__ = ["TorchWeights", "forward", "StepModule", "KVCodec", "rms_norm", "ATTENTION_IMPLS"]
 
 ATTENTION_IMPLS = ("sdpa", "eager")
 _HALF = (torch.float16, torch.bfloat16)
@@ -160,6 +165,19 @@ class TorchWeights:
                 torch.zeros(shape, dtype=self.dtype, device=self.device))
 
 
+class KVCodec(Protocol):
+    """How a cache stores K/V when its dtype is not the compute dtype (``forward``'s
+    ``kv_codec``). ``which`` is ``"k"`` or ``"v"``; ``rows`` are the cache rows."""
+
+    def encode(self, which: str, layer: int, new: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``new`` (N, kv_heads, head_dim) written to cache ``rows`` (N,) -> the cache's dtype."""
+        ...
+
+    def decode(self, which: str, layer: int, stored: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``stored`` (B, kv_heads, S, head_dim) read from cache ``rows`` (B,) -> compute dtype."""
+        ...
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight``, in float32 for half inputs (HF's order)."""
     dt = x.dtype
@@ -250,6 +268,7 @@ def forward(
     attention: str = "sdpa",
     inplace: bool = False,
     linear: Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor] | None = None,
+    kv_codec: KVCodec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run ``tokens`` through the model, writing their K/V; returns
     ``(logits, k_cache, v_cache)``, logits ``(B, vocab)`` with ``logits_at`` else
@@ -267,7 +286,9 @@ def forward(
     ``linear(tensors, x, name)`` replaces every projection and the LM head (``name``
     without ``.weight``; the head is ``"lm_head"`` even when tied), so an engine can
     route them to its own kernels or quantized weights; None is ``F.linear`` on the
-    HF weights.
+    HF weights. ``kv_codec`` (:class:`KVCodec`) encodes K/V before they are written and
+    decodes what attention reads, for caches stored in another dtype; None stores
+    them as computed.
     """
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
@@ -319,14 +340,21 @@ def forward(
         q = q * cos + _rotate_half(q) * sin  # (B, T, nh, hd)
         k = k * cos + _rotate_half(k) * sin  # (B, T, nkv, hd)
 
-        k_cache = _write(k_cache, layer, writes, k.reshape(b * seq, nkv, hd), inplace)
-        v_cache = _write(v_cache, layer, writes, v.reshape(b * seq, nkv, hd), inplace)
+        k_new, v_new = k.reshape(b * seq, nkv, hd), v.reshape(b * seq, nkv, hd)
+        if kv_codec is not None:
+            k_new = kv_codec.encode("k", layer, k_new, writes.rows[:, 0])
+            v_new = kv_codec.encode("v", layer, v_new, writes.rows[:, 0])
+        k_cache = _write(k_cache, layer, writes, k_new, inplace)
+        v_cache = _write(v_cache, layer, writes, v_new, inplace)
         if rows is None:
             keys = k_cache[layer, :, :, :kv_len]  # (B, nkv, kv_len, hd), a view
             vals = v_cache[layer, :, :, :kv_len]
         else:
             keys = k_cache[layer, rows, :, :kv_len]  # gathered copy
             vals = v_cache[layer, rows, :, :kv_len]
+        if kv_codec is not None:
+            keys = kv_codec.decode("k", layer, keys, cache_rows)
+            vals = kv_codec.decode("v", layer, vals, cache_rows)
 
         qg = q.reshape(b, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * seq, hd)
         out = _attend(qg, keys, vals, visible, scale, attention)  # (B, nkv, G*T, hd)

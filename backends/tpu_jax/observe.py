@@ -1,0 +1,107 @@
+"""What the engine tells an operator: memory reports and JAX profiler traces.
+
+- :func:`memory_report`: device bytes in use and the limit (from the devices' own
+  ``memory_stats()`` where the platform has them: TPU, GPU; on the CPU, the bytes of
+  the live JAX arrays on those devices, with no separate limit) and the host's resident
+  bytes and limit. The engine records one after its weights load and one after warm-up
+  (``engine.memory_reports``) and logs them on the ``polyengine.tpu_jax`` logger.
+- :class:`Profiler`: the engine options ``profiler_port`` (start JAX's profiler server,
+  for TensorBoard or ``jax.profiler`` clients to capture from) and ``trace_dir``
+  (write a trace of ``trace_steps`` generate steps, starting with the first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Sequence
+
+import jax
+
+from polyengine.memory import available_host_memory, gib
+
+__all__ = ["memory_report", "format_report", "Profiler", "logger"]
+
+logger = logging.getLogger("polyengine.tpu_jax")
+
+
+def _host_resident() -> int | None:
+    try:
+        with open(f"/proc/{os.getpid()}/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def memory_report(devices: Sequence[Any]) -> dict[str, Any]:
+    """Bytes in use and limits on ``devices`` (this process's) and on the host."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() for d in local]
+    if local and all(stats):
+        in_use = sum(int(s.get("bytes_in_use", 0)) for s in stats)
+        limit = sum(int(s.get("bytes_limit", 0)) for s in stats) or None
+        source = "memory_stats"
+    else:  # CPU: no allocator statistics; count the live arrays placed on these devices
+        ids = {d.id for d in local}
+        in_use = sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device.id in ids)
+        limit, source = None, "live arrays (the CPU platform keeps no allocator statistics)"
+    rss = _host_resident()
+    room = available_host_memory()
+    return {
+        "platform": local[0].platform if local else None,
+        "devices": len(local),
+        "device_bytes_in_use": in_use,
+        "device_bytes_limit": limit,
+        "device_source": source,
+        "host_bytes_resident": rss,
+        "host_bytes_limit": None if room is None or rss is None else rss + room,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    def g(x):
+        return "unknown" if x is None else gib(x)
+
+    return (f"{report['platform']} x{report['devices']}: {g(report['device_bytes_in_use'])} in use of "
+            f"{g(report['device_bytes_limit'])} ({report['device_source']}); host {g(report['host_bytes_resident'])} "
+            f"resident of {g(report['host_bytes_limit'])}")
+
+
+_servers: dict[int, Any] = {}
+_server_lock = threading.Lock()
+
+
+class Profiler:
+    """The profiler switches of one engine. A server is started once per process and
+    port (JAX allows one); a trace covers the engine's first ``trace_steps`` generate
+    steps, and :meth:`stop` ends it early (the engine calls it when it is closed)."""
+
+    def __init__(self, *, port: int = 0, trace_dir: str = "", trace_steps: int = 16):
+        self.trace_dir, self.trace_steps = trace_dir, trace_steps
+        self.steps = 0
+        self.tracing = False
+        if port:
+            with _server_lock:
+                if port not in _servers:
+                    _servers[port] = jax.profiler.start_server(port)
+                    logger.info("JAX profiler server listening on port %d", port)
+
+    def before_step(self) -> None:
+        if self.trace_dir and self.steps == 0 and not self.tracing:
+            jax.profiler.start_trace(self.trace_dir)
+            self.tracing = True
+
+    def after_step(self, outputs: Any) -> None:
+        if not self.tracing:
+            return
+        self.steps += 1
+        if self.steps >= self.trace_steps:
+            jax.block_until_ready(outputs)  # the trace should hold the steps' device work
+            self.stop()
+
+    def stop(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
+            logger.info("wrote a JAX trace of %d generate steps to %s", self.steps, self.trace_dir)

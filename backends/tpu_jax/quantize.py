@@ -1,0 +1,125 @@
+"""int8 weights and an int8 KV cache: how they are made, stored and read.
+
+Weights (option ``quantize``): every projection and the LM head become ``<name>.qweight``
+(int8, ``[out, in]``) and ``<name>.scale`` (float32): one scale per output channel
+(``"int8"``, absmax / 127 of the row) or one per 32 weights of a row
+(``"int8-block32"``; a matrix whose rows do not divide into blocks keeps per-channel
+scales). The float matrices are dropped; the embedding table stays float (it is a
+lookup). :func:`int8_linear` is the shared model's ``linear`` hook that reads them:
+per channel, the product runs on the int8 matrix cast to the compute dtype and the
+scale multiplies the output (so XLA can fuse the cast into the dot); blockwise, the
+matrix is dequantized first. Accumulation is in the compute dtype.
+
+KV cache (option ``kv_quantize="int8"``): K and V are stored as int8 with a scale per
+slot, position and KV head: each token's head vector is rounded against its own
+absmax (/ 127) when it is written, and the float32 scale is kept beside it, as four
+more bytes of the same cache row (the cache's last axis is ``head_dim + 4``), so the
+shared model writes and reads values and scales together through its ``kv_codec``
+hook (:class:`Int8KVCodec`) and no other array has to follow the cache. A value's
+error is at most 1/254 of its token's largest. Scales fixed per slot from the prompt
+were tried first and lost greedy agreement within 3-4 tokens on SmolLM2: a short
+prompt under-samples the range of later keys (docs/decisions.md). Prefill runs in the
+compute dtype, so prefixes (and portable prefixes exported from them) are never
+quantized; insert encodes them into the slot.
+
+The error bounds that ``tests/test_tpu_jax_quant.py`` asserts, and docs/tpu_jax.md
+states, were measured on the default model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["WEIGHT_MODES", "KV_MODES", "KV_SCALE_BYTES", "quantize_weights", "int8_linear", "Int8KVCodec", "kv_encode", "kv_decode"]
+
+# option value -> weights per scale (0: a whole row)
+WEIGHT_MODES = {"": None, "int8": 0, "int8-block32": 32}
+KV_MODES = ("", "int8")
+# The float32 scale of each (position, KV head), stored as int8 bytes after the values.
+KV_SCALE_BYTES = 4
+
+
+def _quantize_matrix(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 of ``w`` (out, in): per row (group 0) or per ``group`` columns."""
+    w = np.asarray(w, np.float32)
+    if group and w.shape[1] % group == 0:
+        blocks = w.reshape(w.shape[0], -1, group)
+        scale = np.abs(blocks).max(axis=2) / 127.0  # (out, in/group)
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        q = np.clip(np.rint(blocks / scale[:, :, None]), -127, 127).astype(np.int8).reshape(w.shape)
+        return q, scale
+    scale = np.abs(w).max(axis=1) / 127.0  # (out,)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    return np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale
+
+
+def quantize_weights(tensors: dict[str, np.ndarray], mode: str) -> dict[str, np.ndarray]:
+    """``tensors`` (HF names, host arrays) with every projection and the LM head as
+    int8 ``qweight`` + ``scale``; the float projection matrices are left out."""
+    group = WEIGHT_MODES[mode]
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            base = name[: -len(".weight")]
+            out[base + ".qweight"], out[base + ".scale"] = _quantize_matrix(w, group)
+        else:
+            out[name] = w
+    if "lm_head.qweight" not in out:  # tied: the head reads the embedding table
+        out["lm_head.qweight"], out["lm_head.scale"] = _quantize_matrix(tensors["model.embed_tokens.weight"], group)
+    return out
+
+
+def int8_linear(t, x, name):
+    """The shared model's ``linear`` hook for int8 weights (torch code, traced by torchax)."""
+    import torch.nn.functional as F
+
+    q, scale, bias = t[name + ".qweight"], t[name + ".scale"], t.get(name + ".bias")
+    if scale.dim() == 1:
+        y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    else:
+        group = q.shape[1] // scale.shape[1]
+        w = (q.to(x.dtype).reshape(q.shape[0], -1, group) * scale.to(x.dtype)[:, :, None]).reshape(q.shape)
+        y = F.linear(x, w)
+    return y if bias is None else y + bias
+
+
+def kv_encode(x):
+    """K or V ``(..., head_dim)`` -> int8 ``(..., head_dim + 4)``: the values rounded
+    against their own absmax / 127, then the float32 scale's bytes (JAX)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    xf = x.astype(jnp.float32)
+    scale = jnp.abs(xf).max(axis=-1, keepdims=True) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8)
+    return jnp.concatenate([q, lax.bitcast_convert_type(scale, jnp.int8).reshape(x.shape[:-1] + (KV_SCALE_BYTES,))], axis=-1)
+
+
+def kv_decode(stored, dtype):
+    """:func:`kv_encode`'s inverse (up to the rounding), in ``dtype`` (JAX)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    scale = lax.bitcast_convert_type(stored[..., -KV_SCALE_BYTES:], jnp.float32)  # (...,)
+    return (stored[..., :-KV_SCALE_BYTES].astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+class Int8KVCodec:
+    """The shared model's ``kv_codec`` for the int8 cache: torch tensors in and out
+    (under torchax), the work done by :func:`kv_encode`/:func:`kv_decode` in JAX."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype  # the JAX compute dtype
+
+    def encode(self, which, layer, new, rows):
+        from torchax.interop import call_jax
+
+        return call_jax(kv_encode, new)
+
+    def decode(self, which, layer, stored, rows):
+        import functools
+
+        from torchax.interop import call_jax
+
+        return call_jax(functools.partial(kv_decode, dtype=self.dtype), stored)

@@ -1,0 +1,459 @@
+"""tpu_jax_ray: the protocol on a leader that drives one Ray actor per host.
+
+The actors (:mod:`.ray_worker`) form one JAX program (``jax.distributed``) and each
+hosts the same single-host engine, so the weights and the KV cache are sharded over
+every host's devices by the same rules, and the decode state never leaves them. This
+leader is an :class:`~polyengine.engine.EngineBase`: it makes every refusal itself,
+before any remote work, then sends each call to every actor (they must all run it, in
+the same order, for the collectives inside the steps) and reads rank 0's answer, which
+is host data only. The conformance suite and the driver run on it unchanged.
+
+Handles: ``load_params`` returns the engine's id, ``Prefix.kv`` and the decode state
+name objects the actors hold, dropped on the actors when the leader's handle goes.
+
+Failure: a worker that dies (its process killed, its node gone) fails the call in
+flight with :class:`WorkerLost` as soon as Ray reports the actor dead, never later than
+``step_timeout_s``; the other workers, possibly stuck in a collective with the dead
+one, are killed, and every later call on this engine raises the same error at once.
+A new engine starts a new set of workers.
+
+Workers are kept per (cluster, worker count, devices, placement) and reused by the
+next engine (the conformance suite builds many): starting one costs a Python process
+with JAX and torch imported, and reused ones keep their compiled programs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Override, Prefix, ResultLayout, ResultTokens, check_request
+from polyengine.errors import InvalidRequest, PolyengineError
+from polyengine.models import Model
+from polyengine.prefix import PortablePrefix
+from polyengine.sampling import SamplingParams
+from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+
+from polyengine.backends.tpu_jax.disagg import PortableHandle, PrefillPool
+
+__all__ = ["RayTpuEngine", "RayDecodeState", "WorkerLost", "WorkerGroup", "create_engine", "start_local_ray"]
+
+# The single-host engine's options (forwarded to every worker's engine), by name and
+# default; kept here so the leader validates them without importing JAX.
+ENGINE_OPTIONS = {
+    "platform": "", "tensor_parallel": 0, "data_parallel": 0, "sharding_rules": {}, "quantize": "", "kv_quantize": "",
+    "attention": "sdpa", "candidates": 64, "warmup": False, "profiler_port": 0, "trace_dir": "", "trace_steps": 16,
+}
+_LAYOUT = ResultLayout(k=1, top_n=MAX_TOP_LOGPROBS, logprobs=True)
+
+
+class WorkerLost(PolyengineError, RuntimeError):
+    """A worker of a multi-host engine died or stopped answering; the engine is unusable."""
+
+
+def start_local_ray(**kwargs: Any) -> None:
+    """Start a Ray instance on this machine that listens on loopback only.
+
+    Ray binds its servers to the machine's external address unless
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps every listener on 127.0.0.1 (read
+    when ray is imported, so it is set first); ``RAY_AUTH_MODE=disabled`` stops it
+    writing a token under ``~/.ray``. The workers' JAX coordinator and gloo transport
+    follow the node address, so the whole engine stays on loopback.
+    """
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        warnings.warn(
+            "ray was imported before polyengine could keep it on loopback, so the local Ray instance may listen on "
+            "every interface; set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray", stacklevel=2)
+    ray.init(**{"_node_ip_address": "127.0.0.1", "include_dashboard": False, "log_to_driver": False,
+                "configure_logging": False, **kwargs})
+
+
+def _connect(address: str) -> None:
+    """Join the Ray instance this process is connected to, the one at ``address``, or
+    a new local one on loopback."""
+    if "ray" not in sys.modules and not address:
+        start_local_ray()
+        return
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        start_local_ray()
+
+
+# -- the workers --------------------------------------------------------------------------
+
+
+class WorkerGroup:
+    """N actors that joined one JAX program. ``call`` sends a method to all and returns
+    rank 0's answer; any death turns into :class:`WorkerLost` (and kills the rest)."""
+
+    def __init__(self, num_workers: int, devices_per_worker: int, spread: bool, timeout: float, independent: bool = False):
+        """``independent``: each actor is a JAX program of its own (prefill workers)
+        instead of one process of a shared one."""
+        import ray
+
+        from polyengine.backends.tpu_jax.ray_worker import EngineWorker
+
+        self.timeout = timeout
+        self.lost: str | None = None
+        self.cluster = ray.get_runtime_context().gcs_address
+        # Workers configure JAX as the leader's environment does (JAX_PLATFORMS, JAX_*
+        # compilation settings), plus their host device count.
+        env = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
+        if devices_per_worker > 1:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_worker}"
+        options: dict[str, Any] = {"num_cpus": 1, "runtime_env": {"env_vars": env}, "max_restarts": 0}
+        self.placement = None
+        if spread:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            self.placement = placement_group([{"CPU": 1}] * num_workers, strategy="STRICT_SPREAD")
+            self._gather([self.placement.ready()], "placing the workers on distinct nodes")
+        actor = ray.remote(EngineWorker)
+        self.workers = []
+        for rank in range(num_workers):
+            opts = dict(options)
+            if self.placement is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+            self.workers.append(actor.options(**opts).remote(0, 1) if independent else actor.options(**opts).remote(rank, num_workers))
+        coordinator = "" if independent else self._gather([self.workers[0].coordinator_address.remote()], "starting the workers")[0]
+        self.info = self._gather([w.join.remote(coordinator) for w in self.workers], "joining the JAX program")
+
+    def _gather(self, refs: Sequence[Any], what: str) -> list[Any]:
+        """Wait for every ref; a dead actor or a timeout is WorkerLost, a remote
+        exception is re-raised as what it was (typed polyengine errors stay typed)."""
+        import ray
+
+        if self.lost:
+            raise WorkerLost(self.lost)
+        deadline = time.monotonic() + self.timeout
+        pending = list(refs)
+        while pending:
+            # Short waits, so a worker that died is noticed while the others still work
+            # (or wait for it forever inside a collective).
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.25)
+            for ref in ready:
+                self._check(ref, what)
+            if pending and time.monotonic() > deadline:
+                self._lose(f"no answer from {len(pending)} worker(s) within {self.timeout:.0f} s while {what}")
+        return [self._check(ref, what) for ref in refs]
+
+    def _check(self, ref, what: str) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(ref, timeout=0)
+        except RayActorError as exc:
+            self._lose(f"a worker died while {what}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        except RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else None
+            if isinstance(cause, PolyengineError):
+                raise cause from None
+            raise exc.as_instanceof_cause() from None
+        except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
+            raise
+
+    def _lose(self, why: str) -> None:
+        self.lost = f"{why}; the engine's workers are gone: build a new engine"
+        self.kill()
+        raise WorkerLost(self.lost)
+
+    def kill(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead
+                pass
+        if self.placement is not None:
+            try:
+                ray.util.remove_placement_group(self.placement)
+            except Exception:
+                pass
+
+    def submit(self, method: str, *args: Any) -> list[Any]:
+        if self.lost:
+            raise WorkerLost(self.lost)
+        return [getattr(w, method).remote(*args) for w in self.workers]
+
+    def call(self, method: str, *args: Any, what: str | None = None) -> Any:
+        return self._gather(self.submit(method, *args), what or f"running {method}")[0]
+
+    def submit_one(self, index: int, method: str, *args: Any, num_returns: int = 1) -> Any:
+        """One worker's call (independent workers): its ref, or refs with num_returns > 1."""
+        if self.lost:
+            raise WorkerLost(self.lost)
+        return getattr(self.workers[index], method).options(num_returns=num_returns).remote(*args)
+
+    def alive(self) -> bool:
+        """Not lost, and its Ray instance still the one this process is connected to."""
+        import ray
+
+        return not self.lost and ray.is_initialized() and ray.get_runtime_context().gcs_address == self.cluster
+
+    def drop(self, kind: str, key: str) -> None:
+        """Forget an engine, state or prefix on every worker (best effort, no wait).
+        Called when the leader's handle is collected: it must never start Ray again."""
+        if self.alive():
+            try:
+                self.submit("drop", kind, key)
+            except Exception:
+                pass
+
+
+_groups: dict[tuple, WorkerGroup] = {}
+_groups_lock = threading.Lock()
+
+
+def _group(num_workers: int, devices_per_worker: int, spread: bool, timeout: float, independent: bool = False) -> WorkerGroup:
+    import ray
+
+    key = (ray.get_runtime_context().gcs_address, num_workers, devices_per_worker, spread, independent)
+    with _groups_lock:
+        for stale in [k for k, g in _groups.items() if not g.alive()]:
+            del _groups[stale]
+        group = _groups.get(key)
+        if group is None:
+            group = _groups[key] = WorkerGroup(num_workers, devices_per_worker, spread, timeout, independent)
+        group.timeout = timeout
+        return group
+
+
+# -- the leader ---------------------------------------------------------------------------
+
+
+@dataclass
+class RayDecodeState:
+    """The leader's decode state: an id the workers hold the arrays by, and the host
+    mirror of the slots that the refusals need."""
+
+    num_slots: int
+    state_id: str
+    completion: list[int | None] = field(default_factory=list)  # None: empty slot
+    prompt_len: list[int] = field(default_factory=list)
+
+    def is_occupied(self, slot: int) -> bool:
+        return self.completion[slot] is not None
+
+
+@dataclass(eq=False)
+class RemotePrefix:
+    """``Prefix.kv`` of this engine: the id the workers hold the prefix by."""
+
+    prefix_id: str
+
+
+class RayTpuEngine(EngineBase):
+    name = "tpu_jax_ray"
+    OPTIONS = {
+        **ENGINE_OPTIONS,
+        "num_workers": 2,  # Ray actors, one per host: the processes of the JAX program
+        "devices_per_worker": 1,  # CPU only: host devices each worker's JAX shows (TPU hosts report their chips)
+        "spread_workers": False,  # one worker per Ray node (a STRICT_SPREAD placement group)
+        "step_timeout_s": 600.0,  # longest wait for any call (the first ones compile)
+        "ray_address": "",  # "" joins the running Ray instance or starts a local, loopback-only one
+        "prefill_workers": 0,  # > 0: disaggregated, prompts prefill on these actors (disagg.py), not the decode workers
+    }
+
+    def __init__(self, model: Model, config: EngineConfig):
+        options = self._check_options(config.options)  # refuse before anything starts
+        if (options["num_workers"] < 1 or options["devices_per_worker"] < 1 or options["step_timeout_s"] <= 0
+                or options["prefill_workers"] < 0):
+            raise InvalidRequest("options num_workers and devices_per_worker must be >= 1, prefill_workers >= 0 "
+                                 "and step_timeout_s > 0")
+        self._refuse_early(model, config)
+        _connect(options["ray_address"])
+        import ray
+
+        group = _group(options["num_workers"], options["devices_per_worker"], options["spread_workers"],
+                       float(options["step_timeout_s"]))
+        worker_config = config.model_copy(update={"options": {k: v for k, v in options.items() if k in ENGINE_OPTIONS}})
+        model_ref = ray.put(model)
+        caps = group.call("capabilities")
+        super().__init__(model, config, Capabilities(
+            dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
+        ), device="")
+        self.group = group
+        self.engine_id = uuid.uuid4().hex
+        self.device = group.call("build", self.engine_id, model_ref, worker_config, what="building the engine") + (
+            f" on {len(group.workers)} Ray workers")
+        self._finalizer = weakref.finalize(self, group.drop, "engines", self.engine_id)
+        self._ids = itertools.count()
+        self.prefill_pool: PrefillPool | None = None
+        if options["prefill_workers"]:
+            self.prefill_pool = PrefillPool(
+                _group(options["prefill_workers"], options["devices_per_worker"], False, float(options["step_timeout_s"]),
+                       independent=True), self.engine_id, model_ref, worker_config)
+            weakref.finalize(self, self.prefill_pool.group.drop, "engines", self.engine_id)
+            self.device += f", prefill on {options['prefill_workers']} more (disaggregated)"
+
+    def _refuse_early(self, model: Model, config: EngineConfig) -> None:
+        """What the kit refuses at construction that does not depend on the workers'
+        platform, and a memory check: the workers share this host when Ray is local,
+        so their weights and caches must fit in its memory."""
+        mc = model.config
+        if config.max_cache_length > mc.max_position_embeddings:
+            raise InvalidRequest(
+                f"max_cache_length {config.max_cache_length} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}")
+        item = 2 if config.dtype in ("bfloat16", "float16") else 4
+        from polyengine.memory import check_fits
+
+        check_fits(f"the {self.name} backend", {
+            "the weights": mc.num_parameters() * item,
+            f"the KV cache of {config.max_slots} slots x {config.max_cache_length} positions":
+                config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(item),
+        })
+
+    def _id(self, kind: str) -> str:
+        return f"{self.engine_id}-{kind}{next(self._ids)}"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def load_params(self) -> str:
+        self.group.call("load", self.engine_id, what="loading the weights")
+        if self.prefill_pool is not None:
+            self.prefill_pool.load()
+        return self.engine_id
+
+    def warmup(self) -> None:
+        self.group.call("warmup", self.engine_id, what="warming up")
+        if self.prefill_pool is not None:
+            self.prefill_pool.warmup()
+
+    def memory_reports(self) -> dict[str, Any]:
+        return self.group.call("memory_reports", self.engine_id)
+
+    def init_decode_state(self) -> RayDecodeState:
+        state_id = self._id("state")
+        self.group.call("init_state", self.engine_id, state_id)
+        n = self.max_concurrent_decodes
+        state = RayDecodeState(n, state_id, [None] * n, [0] * n)
+        weakref.finalize(state, self.group.drop, "states", state_id)
+        return state
+
+    # -- prefixes --------------------------------------------------------------------------
+
+    def _prefix(self, prefix_id: str, prompt: np.ndarray, sampling: SamplingParams, first: int) -> Prefix:
+        handle = RemotePrefix(prefix_id)
+        weakref.finalize(handle, self.group.drop, "prefixes", prefix_id)
+        return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
+                      first_token=first, to_host=self._logits, model_id=self.model_id)
+
+    def _logits(self, handle: RemotePrefix) -> np.ndarray:
+        return self.group.call("prefix_logits", handle.prefix_id)
+
+    def _check_params(self, params: Any) -> None:
+        if params != self.engine_id:
+            raise InvalidRequest("params are not this engine's (pass what its load_params() returned)")
+
+    def prefill(self, *, params, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
+        self._check_params(params)
+        toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
+        if self.prefill_pool is not None:
+            packed, ref = self.prefill_pool.prefill(toks, sampling)
+            result = ResultTokens.from_packed(packed, _LAYOUT)
+            return self._portable_prefix(PortableHandle(ref), toks, sampling, int(result.tokens[0, 0])), result
+        prefix_id = self._id("prefix")
+        packed = self.group.call("prefill", self.engine_id, prefix_id, toks, sampling)
+        result = ResultTokens.from_packed(packed, _LAYOUT)
+        return self._prefix(prefix_id, toks, sampling, int(result.tokens[0, 0])), result
+
+    def _portable_prefix(self, handle: "PortableHandle", prompt, sampling, first: int) -> Prefix:
+        return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
+                      first_token=first, to_host=lambda h: h.portable().last_logits, model_id=self.model_id)
+
+    def insert(self, prefix: Prefix, decode_state: RayDecodeState, slot: int) -> RayDecodeState:
+        state = decode_state
+        self.check_prefix(prefix)
+        slot = self.check_empty_slot(slot, state.is_occupied)
+        if isinstance(prefix.kv, PortableHandle):  # every decode worker reads it from the object store
+            self.group.call("insert_portable", self.engine_id, state.state_id, [slot], prefix.kv.ref, False)
+        else:
+            self.group.call("insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slot)
+        state.completion[slot], state.prompt_len[slot] = 1, prefix.true_length
+        return state
+
+    def bulk_insert(self, prefix: Prefix, decode_state: RayDecodeState, slots: Sequence[int]):
+        state = decode_state
+        self.check_prefix(prefix)
+        slots = self.check_bulk_slots(slots, state.is_occupied)
+        if isinstance(prefix.kv, PortableHandle):
+            packed = self.group.call("insert_portable", self.engine_id, state.state_id, slots, prefix.kv.ref, True)
+        else:
+            packed = self.group.call("bulk_insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots)
+        for slot in slots:
+            state.completion[slot], state.prompt_len[slot] = 1, prefix.true_length
+        return state, ResultTokens.from_packed(packed, _LAYOUT)
+
+    # -- generate --------------------------------------------------------------------------
+
+    def generate(self, params, decode_state: RayDecodeState, *, overrides: Mapping[int, Any] | None = None):
+        self._check_params(params)
+        state = decode_state
+        forced = self.check_overrides(
+            overrides, lambda i: None if state.completion[i] is None else (state.completion[i], 1))
+        for slot, n in enumerate(state.completion):
+            if n is not None and state.prompt_len[slot] + n < self.max_cache_length:
+                state.completion[slot] = n + 1
+        refs = self.group.submit("generate", self.engine_id, state.state_id,
+                                 {s: Override(t, p) for s, (t, p) in forced.items()})
+        # Results are read when the driver reads them: step n+1 is sent before then.
+        return state, ResultTokens.from_packed(refs, _LAYOUT, to_host=lambda r: self.group._gather(r, "generating")[0])
+
+    def free_resource(self, decode_state: RayDecodeState, slot: int) -> RayDecodeState:
+        state = decode_state
+        slot = self.check_slot(slot)
+        if state.completion[slot] is not None:
+            self.group.call("free", self.engine_id, state.state_id, slot)
+            state.completion[slot] = None
+        return state
+
+    # -- portable prefixes ---------------------------------------------------------------
+
+    def export_prefix(self, prefix: Prefix) -> PortablePrefix:
+        self.check_prefix(prefix)
+        if isinstance(prefix.kv, PortableHandle):
+            return prefix.kv.portable()
+        return PortablePrefix.from_bytes(self.group.call("export_prefix", self.engine_id, prefix.kv.prefix_id))
+
+    def import_prefix(self, portable: PortablePrefix) -> Prefix:
+        c = self.model.config
+        portable.check_compatible(
+            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+        )
+        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        if self.prefill_pool is not None:
+            handle = self.prefill_pool.put(portable)
+            return self._portable_prefix(handle, prompt, sampling, self.prefill_pool.first_token(handle))
+        prefix_id = self._id("prefix")
+        first = self.group.call("import_prefix", self.engine_id, prefix_id, portable.to_bytes())
+        return self._prefix(prefix_id, prompt, sampling, int(first[0]))
+
+
+def create_engine(*, model: Model, config: EngineConfig) -> RayTpuEngine:
+    return RayTpuEngine(model, config)

@@ -1,0 +1,155 @@
+"""tpu_jax beside cuda_torch on one workload: decode tokens/s at batch 1 and a full
+batch, prefill tokens/s, and tpu_jax's compile time per program, on this machine's
+JAX devices and again on N CPU host devices (a subprocess started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
+
+    python bench/tpu_jax_throughput.py [--model M] [--slots 8] [--prompt-len 64]
+                                       [--new-tokens 48] [--host-devices 4] [--rounds 2]
+
+Every engine runs through the driver with greedy requests of ``--prompt-len`` tokens:
+prefill tokens/s is the prompt tokens of a full batch over the driver's first step
+(prefill and insert of every request, one decode step); decode tokens/s the remaining
+completion tokens over the time spent generating them. tpu_jax compiles every
+program first (warm-up, timed per program); cuda_torch gets a warm-up request. The
+table prints the CPU model and ISA flags and the load average: with two shared
+cores, compare ratios measured in the same run, never absolute numbers across runs.
+(``polyengine bench`` did not exist in this tree when this was written.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from polyengine import EngineConfig, SamplingParams
+from polyengine.driver import LLM
+from polyengine.models import load_model
+
+
+def _cpu() -> str:
+    name, flags = "?", set()
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
+    return f"{name} ({', '.join(isa)}; {os.cpu_count()} cores)"
+
+
+def _compiles():
+    """Backend compile seconds per program, from JAX's monitoring events."""
+    import jax
+
+    seen: list[tuple[str, float]] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: seen.append((kw.get("fun_name", "?"), secs)) if event.endswith("backend_compile_duration") else None)
+    return seen
+
+
+def measure(engine, slots: int, prompt_len: int, new_tokens: int, batch: int) -> tuple[float, float]:
+    llm = LLM.from_engine(engine, tools=False)
+    vocab = engine.vocab_size
+    prompts = [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(prompt_len)] for i in range(batch)]
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    reqs = [llm.submit(p, sp) for p in prompts]
+    t0 = time.perf_counter()
+    llm.step()
+    t1 = time.perf_counter()
+    llm.scheduler.run_until(lambda: all(r.done for r in reqs))
+    t2 = time.perf_counter()
+    produced = sum(len(r.completion.token_ids) for r in reqs)
+    return batch * prompt_len / (t1 - t0), (produced - 2 * batch) / (t2 - t1)
+
+
+def run_here(args) -> dict:
+    """Every engine of the table on this process's devices; returns the rows."""
+    import jax
+
+    from polyengine.backends.tpu_jax.engine import TpuJaxEngine
+
+    model = load_model(args.model)
+    cfg = EngineConfig(max_slots=args.slots, max_prefill_length=args.prompt_len,
+                       max_cache_length=args.prompt_len + args.new_tokens + 1)
+    seen = _compiles()
+    out = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "rows": []}
+    engines = {"tpu_jax": lambda: TpuJaxEngine(model, cfg.model_copy(update={"options": args.options}))}
+    if not args.jax_only:
+        from polyengine.backends.cuda_torch.engine import TorchEngine
+
+        engines["cuda_torch"] = lambda: TorchEngine(model, cfg)
+    for name, make in engines.items():
+        engine = make()
+        engine.load_params()
+        start = len(seen)
+        t = time.perf_counter()
+        if name == "tpu_jax":
+            engine.warmup()
+            out["warmup_s"] = time.perf_counter() - t
+            # Warm-up compiles prefill and insert once per bucket, in bucket order.
+            buckets = {"prefill_step": iter(engine.buckets), "insert_step": iter(engine.buckets)}
+            names = [n.removeprefix("jit(").removesuffix(")") for n, _ in seen[start:]]
+            out["compile_s"] = [(f"{n} {next(buckets[n])}" if n in buckets else n, secs)
+                                for n, (_, secs) in zip(names, seen[start:])]
+            out["mesh"] = engine.plan.describe()
+        else:
+            LLM.from_engine(engine, tools=False).generate([[5] * 8], SamplingParams(temperature=0, max_tokens=2))
+        for batch in (1, args.slots):
+            best = (0.0, 0.0)
+            for _ in range(args.rounds):
+                pre, dec = measure(engine, args.slots, args.prompt_len, args.new_tokens, batch)
+                best = (max(best[0], pre), max(best[1], dec))
+            out["rows"].append({"backend": name, "batch": batch, "prefill": best[0], "decode": best[1]})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--host-devices", type=int, default=4, help="also run tpu_jax on this many CPU host devices (0: skip)")
+    ap.add_argument("--rounds", type=int, default=2, help="runs per row; the best is kept")
+    ap.add_argument("--options", type=json.loads, default={}, help='tpu_jax engine options as JSON, e.g. \'{"data_parallel": 4}\'')
+    ap.add_argument("--jax-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.json:  # the subprocess of the host-device run
+        print("RESULT " + json.dumps(run_here(args)))
+        return
+    runs = [run_here(args)]
+    if args.host_devices:
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.host_devices}", "JAX_PLATFORMS": "cpu"}
+        cmd = [sys.executable, __file__, "--json", "--jax-only", "--slots", str(args.slots), "--prompt-len", str(args.prompt_len),
+               "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--host-devices", "0",
+               "--options", json.dumps(args.options)] + (["--model", args.model] if args.model else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            sys.exit(proc.stderr[-3000:])
+        runs.append(json.loads(lines[-1][len("RESULT "):]))
+    print(f"cpu: {_cpu()}; load average {os.getloadavg()[0]:.1f} (shared machine: compare ratios, not runs)")
+    print(f"model: {load_model(args.model)!r}; {args.slots} slots, prompts of {args.prompt_len} tokens, "
+          f"{args.new_tokens} new tokens, greedy\n")
+    print("| backend | devices | batch | prefill tok/s | decode tok/s | decode vs cuda_torch |")
+    print("|---|---|---|---|---|---|")
+    base = {r["batch"]: r["decode"] for r in runs[0]["rows"] if r["backend"] == "cuda_torch"}
+    for run in runs:
+        for r in run["rows"]:
+            dev = f"{run['devices']} {run['platform']}" + (f" ({run['mesh']})" if r["backend"] == "tpu_jax" else "")
+            ratio = f"{r['decode'] / base[r['batch']]:.2f}" if r["batch"] in base else "-"
+            print(f"| {r['backend']} | {dev} | {r['batch']} | {r['prefill']:.1f} | {r['decode']:.1f} | {ratio} |")
+    print("\ntpu_jax compile (backend compile seconds per program, in warm-up order):")
+    for run in runs:
+        progs = ", ".join(f"{name}: {secs:.1f}" for name, secs in run["compile_s"])
+        print(f"- {run['devices']} device(s), {run['mesh']}: warm-up {run['warmup_s']:.1f} s: {progs}")
+
+
+if __name__ == "__main__":
+    main()

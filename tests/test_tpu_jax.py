@@ -1,0 +1,286 @@
+"""The tpu_jax backend on this machine's JAX platform (the CPU here): the conformance
+suite, discovery, refusals, the driver, compilation, portable prefixes across
+backends, and the observability switches. Sharding, quantization and Ray have files
+of their own (tests/test_tpu_jax_{sharding,quant,ray}.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import importlib.util  # noqa: E402
+
+jax = pytest.importorskip("jax")
+if importlib.util.find_spec("torchax") is None:  # not importorskip: torchax imports only through compat
+    pytest.skip("torchax is not installed (pip install 'polyengine[tpu]')", allow_module_level=True)
+from polyengine.backends.tpu_jax.compat import import_torchax  # noqa: E402
+
+# Imported before the in-process conformance run: pytester restores sys.modules after
+# it, and torch cannot be imported a second time into one process.
+import_torchax()
+
+import polyengine  # noqa: E402
+from polyengine import EngineConfig, SamplingParams  # noqa: E402
+from polyengine.backends.reference.engine import ReferenceEngine  # noqa: E402
+from polyengine.backends.tpu_jax import plugin  # noqa: E402
+from polyengine.backends.tpu_jax.engine import TpuJaxEngine  # noqa: E402
+from polyengine.driver import LLM  # noqa: E402
+from polyengine.errors import InvalidRequest, UnsupportedFeature  # noqa: E402
+from polyengine.models import load_model  # noqa: E402
+from polyengine.plugins import reset_registry  # noqa: E402
+from polyengine.prefix import PortablePrefix  # noqa: E402
+
+pytest_plugins = ["pytester"]
+CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_less():
+    """The test models are tiny: XLA's optimizations cost more compile time than they
+    save at run time (the suite compiles ~20 programs), so they are off here."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("random:tiny-gqa")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """One engine for the tests that only drive it (its programs compile once)."""
+    return TpuJaxEngine(model, CFG)
+
+
+@pytest.mark.slow
+def test_conformance_suite_passes(pytester, tmp_path):
+    report = tmp_path / "tpu_jax.json"
+    rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "tpu_jax",
+                              "-p", "no:cacheprovider", "--polyengine-report-json", str(report))
+    failed = [r.nodeid for r in rec.getreports("pytest_runtest_logreport") if r.failed]
+    assert not failed, failed
+    doc = json.loads(report.read_text())
+    assert doc["backend"] == "tpu_jax" and doc["device"]["backend"].startswith(("cpu", "tpu", "gpu"))
+    assert doc["capabilities"]["bulk_insert"] and doc["capabilities"]["portable_prefix"]
+
+
+# -- discovery ----------------------------------------------------------------------------
+
+
+def test_listing_backends_imports_no_jax_torch_or_ray():
+    code = ("import sys, polyengine; bs = {b.name: b for b in polyengine.list_backends()}; "
+            "assert bs['tpu_jax'].probe().available and bs['tpu_jax_ray'].probe().available; "
+            "heavy = [m for m in ('jax', 'torch', 'torchax', 'ray') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_present_tpu_ranks_first_and_the_cpu_path_below_cuda_torch(monkeypatch):
+    reset_registry()
+    try:
+        assert polyengine.select_backend("auto").name == "cuda_torch"  # no TPU, no GPU here
+        order = {b.name: b.spec.priority for b in polyengine.list_backends()}
+        assert order["reference"] < order["tpu_jax"] < order["cuda_torch"]
+        monkeypatch.setattr(plugin, "tpu_devices", lambda: ["/dev/vfio/0"])
+        monkeypatch.setattr(plugin, "libtpu_installed", lambda: True)
+        reset_registry()
+        info = polyengine.select_backend("auto")
+        assert info.name == "tpu_jax" and info.probe().accelerator and info.spec.accelerator_priority > 100
+        monkeypatch.setattr(plugin, "libtpu_installed", lambda: False)  # device files alone: no TPU runtime
+        assert not plugin.probe().accelerator and "libtpu" in plugin.probe().reason
+    finally:
+        reset_registry()
+
+
+# -- engine behaviour ---------------------------------------------------------------------
+
+
+def test_greedy_and_sampled_tokens_equal_the_reference_through_the_driver(model, engine):
+    prompts = [[1, 5, 9, 4, 2], [1, 7, 3], [1, 2, 8, 8, 2, 6, 6]]
+    sp = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), SamplingParams(seed=3, max_tokens=9, n=2),
+          SamplingParams(seed=4, temperature=0.7, top_p=0.9, max_tokens=10, logprobs=True, top_logprobs=2)]
+    ref = LLM.from_engine(ReferenceEngine(model, CFG), model.tokenizer, tools=False).generate(prompts, sp)
+    got = LLM.from_engine(engine, model.tokenizer, tools=False).generate(prompts, sp)
+    for a, b in zip(got, ref):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    np.testing.assert_allclose(got[2].outputs[0].logprobs, ref[2].outputs[0].logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize(("options", "phrase"), [
+    ({"quantize": "int4"}, "quantize='int4'"),
+    ({"kv_quantize": "fp8"}, "kv_quantize='fp8'"),
+    ({"attention": "flash"}, "attention='flash'"),
+    ({"platform": "no_such_platform"}, "platform='no_such_platform'"),
+    ({"candidates": 0}, "candidates=0"),
+    ({"tensor_parallel": 4}, "4 devices but only 1"),
+    ({"sharding_rules": {"heads": "pp"}}, "'heads' to 'pp'"),
+    ({"sharding_rules": {"experts": "tp"}}, "'experts'"),
+])
+def test_bad_options_are_refused_before_anything_compiles(model, options, phrase):
+    with pytest.raises(InvalidRequest) as exc:
+        TpuJaxEngine(model, CFG.model_copy(update={"options": options}))
+    assert phrase in str(exc.value)
+
+
+def test_existing_prefix_is_refused_not_ignored(engine):
+    params = engine.load_params()
+    prefix, _ = engine.prefill(params=params, tokens=[1, 2, 3], sampling=SamplingParams(seed=1))
+    with pytest.raises(UnsupportedFeature):
+        engine.prefill(params=params, tokens=[4], sampling=SamplingParams(seed=1), existing_prefix=prefix)
+
+
+def test_no_compilation_after_warmup_whatever_the_workload(model):
+    """Warm-up compiles every bucket; then a randomized mix (prompt lengths over every
+    bucket, n, greedy and sampled requests with every parameter, overrides, frees and
+    re-inserts, exported and imported prefixes) compiles nothing: every program is
+    counted through jax.monitoring's backend-compile event."""
+    compiles: list[str] = []
+
+    def listener(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kw.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        eng = TpuJaxEngine(model, CFG.model_copy(update={"options": {"warmup": True}, "prefill_buckets": (8, 16, 24)}))
+        params = eng.load_params()
+        warm = len(compiles)
+        assert warm > 0
+        state = eng.init_decode_state()
+        rng = np.random.default_rng(0)
+        live: dict[int, int] = {}  # slot -> prompt length
+        for step in range(60):
+            free = [s for s in range(CFG.max_slots) if s not in live]
+            if free and rng.random() < 0.5:
+                n = int(rng.integers(1, len(free) + 1))
+                sp = _random_request(rng, eng.vocab_size, n)
+                prompt = rng.integers(0, eng.vocab_size, int(rng.integers(1, 25))).tolist()
+                prefix, _ = eng.prefill(params=params, tokens=prompt, sampling=sp)
+                if rng.random() < 0.3:
+                    prefix = eng.import_prefix(eng.export_prefix(prefix))
+                slots = [int(s) for s in rng.choice(free, n, replace=False)]
+                if n == 1 and rng.random() < 0.5:
+                    state = eng.insert(prefix, state, slots[0])
+                else:
+                    state, _ = eng.bulk_insert(prefix, state, slots)
+                live.update({s: len(prompt) for s in slots})
+            overrides = {s: int(rng.integers(eng.vocab_size)) for s in live if rng.random() < 0.2}
+            state, result = eng.generate(params, state, overrides=overrides)
+            full = {s for s, n in live.items() if n + result.lengths[s] >= CFG.max_cache_length}
+            assert all(result.valid[s, 0] for s in set(live) - full) and not any(result.valid[s, 0] for s in full)
+            for s in list(live):
+                if rng.random() < 0.15 or s in full:
+                    state = eng.free_resource(state, s)
+                    del live[s]
+        assert compiles[warm:] == [], f"compiled after warm-up: {compiles[warm:]}"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _random_request(rng, vocab: int, n: int) -> SamplingParams:
+    kw = {"seed": int(rng.integers(0, 2**63)), "n": n, "temperature": float(rng.choice([0.0, 0.7, 1.3]))}
+    for key, values in (("top_k", [0, 1, 5, 200]), ("top_p", [1.0, 0.5, 0.95]), ("min_p", [0.0, 0.1]),
+                        ("repetition_penalty", [1.0, 1.3]), ("presence_penalty", [0.0, 0.5]),
+                        ("frequency_penalty", [0.0, -0.5]), ("min_tokens", [0, 3]), ("top_logprobs", [0, 3, 20])):
+        kw[key] = values[int(rng.integers(len(values)))]
+    kw["logprobs"] = kw["top_logprobs"] > 0 or bool(rng.random() < 0.3)
+    if rng.random() < 0.3:
+        kw["logit_bias"] = {int(rng.integers(vocab)): 3.0}
+    if rng.random() < 0.3:
+        kw["stop_token_ids"] = [int(rng.integers(vocab))]
+    return SamplingParams(**kw)
+
+
+# -- portable prefixes across backends ---------------------------------------------------
+
+
+def _continue(engine, prefix, steps: int) -> list[int]:
+    params = engine.load_params()
+    state = engine.insert(prefix, engine.init_decode_state(), 1)
+    tokens = [prefix.first_token]
+    for _ in range(steps):
+        state, result = engine.generate(params, state)
+        tokens.append(int(result.tokens[1, 0]))
+    return tokens
+
+
+@pytest.mark.parametrize("other", ["reference", "cuda_torch"])
+def test_portable_prefixes_cross_backends_both_ways(model, engine, other):
+    """A prefix exported by the reference (or cuda_torch) backend imports and decodes
+    here, and ours there: greedy continuations equal those of the exporting backend."""
+    if other == "reference":
+        peer = ReferenceEngine(model, CFG)
+    else:
+        pytest.importorskip("torch")
+        from polyengine.backends.cuda_torch.engine import TorchEngine
+
+        peer = TorchEngine(model, CFG)
+    prompt, sp = [1, 9, 4, 4, 7, 2], SamplingParams(temperature=0, seed=5, ignore_eos=True)
+    for src, dst in ((peer, engine), (engine, peer)):
+        prefix, _ = src.prefill(params=src.load_params(), tokens=prompt, sampling=sp)
+        want = _continue(src, prefix, 8)
+        data = src.export_prefix(prefix).to_bytes()  # what crosses hosts: safetensors bytes
+        got = _continue(dst, dst.import_prefix(PortablePrefix.from_bytes(data)), 8)
+        assert got == want, (src.name, dst.name)
+
+
+# -- observability -----------------------------------------------------------------------
+
+
+def test_memory_reports_after_load_and_warmup_and_a_trace(model, tmp_path):
+    eng = TpuJaxEngine(model, CFG.model_copy(update={"options": {"trace_dir": str(tmp_path), "trace_steps": 2}}))
+    params = eng.load_params()
+    eng.warmup()
+    for when in ("after weights load", "after warm-up"):
+        report = eng.memory_reports[when]
+        assert report["device_bytes_in_use"] > 0 and report["host_bytes_resident"] > 0, report
+        assert report["host_bytes_limit"] >= report["host_bytes_resident"]
+    assert eng.memory_reports["after warm-up"]["device_bytes_in_use"] >= eng.memory_reports["after weights load"]["device_bytes_in_use"]
+    state = eng.init_decode_state()
+    prefix, _ = eng.prefill(params=params, tokens=[1, 2, 3], sampling=SamplingParams(seed=1))
+    state = eng.insert(prefix, state, 0)
+    for _ in range(3):
+        state, _ = eng.generate(params, state)
+    assert not eng.profiler.tracing and eng.profiler.steps == 2
+    assert list(tmp_path.rglob("*.xplane.pb")), "no trace file written"
+
+
+def test_the_torchax_compatibility_module_adds_only_missing_overloads():
+    import torch
+
+    from polyengine.backends.tpu_jax.compat import REMOVED_OVERLOADS, RemovedOverload, import_torchax
+
+    import_torchax()
+    for op, overload in REMOVED_OVERLOADS:
+        packet = getattr(torch.ops.aten, op)
+        assert hasattr(packet, overload)
+    present = getattr(torch.ops.aten.prod, "dim_int")
+    assert not isinstance(present, RemovedOverload)
+
+
+@pytest.mark.tpu
+def test_on_a_tpu(model):
+    """On TPU hardware: the engine runs on the chips in bfloat16 by default, and its
+    greedy tokens follow the reference's except at bfloat16 near ties (the reference
+    margin at the first divergence is below the conformance suite's bf16 tie_gap)."""
+    from polyengine.sampling import raw_logprobs
+
+    eng = TpuJaxEngine(model, CFG)
+    assert eng.device.startswith("tpu") and eng.dtype == "bfloat16"
+    ref = ReferenceEngine(model, CFG)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = [1, 5, 9, 4, 2]
+    got = LLM.from_engine(eng, tools=False).generate([prompt], sp)[0].outputs[0].token_ids
+    want = LLM.from_engine(ref, tools=False).generate([prompt], sp)[0].outputs[0].token_ids
+    step = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if step is not None:
+        prefix, _ = ref.prefill(params=ref.load_params(), tokens=prompt + want[:step], sampling=SamplingParams(seed=0))
+        top2 = np.sort(raw_logprobs(prefix.host_logits()))[-2:]
+        assert top2[1] - top2[0] < 0.2, (step, got, want)
