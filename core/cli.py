@@ -97,7 +97,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     headers = ("name", "status", "accelerator", "priority", "distribution", "detail")
     table = []
     for r in rows:
-        status = "BROKEN" if r["broken"] else "excluded" if r["excluded"] else ("available" if r["available"] else "unavailable")
+        status = "BROKEN" if r["broken"] else "excluded" if r["excluded"] else (
+            ("available (by name)" if r["by_name_only"] else "available") if r["available"] else "unavailable")
         detail = r["error"] if r["broken"] else r["reason"]
         if not r["available"] and not r["broken"] and not r["excluded"] and r["install_hint"]:
             detail = f"{detail} (fix: {r['install_hint']})"

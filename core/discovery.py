@@ -177,6 +177,7 @@ class BackendInfo:
             "available": self.usable,
             "accelerator": bool(probe.accelerator and self.usable),
             "reason": probe.reason,
+            "by_name_only": bool(probe.by_name_only and self.usable),
             "install_hint": self.install_hint,
             "distribution": self.distribution,
             "version": self.version,

@@ -3,7 +3,7 @@
 ``auto`` ranks only data the specs carry (nothing here knows a backend by name):
 among the backends that can run here, those whose probe reports their accelerator
 present come first, by ``accelerator_priority``; then CPU paths by ``priority``;
-ties by name.
+ties by name. A backend whose probe says ``by_name_only`` is never picked by ``auto``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def select_backend(backend: str = "auto") -> BackendInfo:
         info = backends[backend]
         info.require_usable()
         return info
-    usable = [b for b in backends.values() if b.usable]
+    usable = [b for b in backends.values() if b.usable and not b.probe().by_name_only]
     if not usable:
         why = "; ".join(f"{b.name}: {b.probe().reason or 'unavailable'}" for b in backends.values()) or "no backends are installed"
         hints = sorted({b.install_hint for b in backends.values() if b.install_hint and not b.broken})

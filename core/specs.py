@@ -29,11 +29,14 @@ class Probe:
     ``available``: its dependencies import and it can build an engine here.
     ``accelerator``: the hardware it targets is present (False for CPU paths).
     ``reason``: why it is unavailable, or what it found and will use (shown to users).
+    ``by_name_only``: it can run here, but only when asked for by name; ``backend="auto"``
+    never picks it (a development path, e.g. compiling an accelerator's graphs for the CPU).
     """
 
     available: bool
     accelerator: bool = False
     reason: str = ""
+    by_name_only: bool = False
 
 
 @dataclass(frozen=True)

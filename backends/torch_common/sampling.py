@@ -21,10 +21,12 @@ API
       latest completion token (counts, step + 1).
     - ``override(tokens, mask=None, rows=None)``: replace rows' latest completion
       token (a forced token): penalties then count the forced token; step unchanged.
+    - ``forget(tokens, mask=None, rows=None)``: undo one ``record`` (the token stops
+      counting, step - 1); with ``record`` it rolls a row back over several tokens.
     - ``state`` (:class:`SamplerState`), ``flags`` (:class:`SamplerFlags`).
 
 ``sample(state, logits, rows=None, flags=SamplerFlags(), num_top=0)``,
-``record(state, tokens, mask)``, ``override(state, tokens, mask)``
+``record(state, tokens, mask)``, ``override(state, tokens, mask)``, ``forget(state, tokens, mask)``
     The pure functions underneath (state in, state out), for jit/export-style
     backends that keep the state as a pytree.
 
@@ -68,7 +70,7 @@ from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
 
 from polyengine.backends.torch_common import threefry
 
-__all__ = ["SamplerState", "SamplerFlags", "SampleResult", "TorchSampler", "sample", "record", "override"]
+__all__ = ["SamplerState", "SamplerFlags", "SampleResult", "TorchSampler", "sample", "record", "override", "forget"]
 
 _NEG_INF = float("-inf")
 
@@ -391,6 +393,17 @@ def override(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> S
     )
 
 
+def forget(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> SamplerState:
+    """Undo :func:`record` of ``tokens`` (R,) for the rows where ``mask`` holds: each stops
+    counting and the step goes back by one. ``last_token`` is not restored (the caller
+    records what the row feeds next). A speculative engine forgets the tokens an
+    override discards, newest first, then records the forced token.
+    """
+    r = torch.arange(tokens.shape[0], device=tokens.device)
+    counts = state.counts.index_put((r, tokens), -mask.to(torch.int32), accumulate=True)
+    return replace(state, counts=counts, step=state.step - mask.to(torch.int64))
+
+
 # -- the stateful wrapper -------------------------------------------------------------------
 
 
@@ -538,3 +551,8 @@ class TorchSampler:
         :meth:`record`)."""
         t, m = self._full(tokens, mask, rows)
         self.state = override(self.state, t, m)
+
+    def forget(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+        """Undo one :meth:`record` of the masked rows (same addressing as :meth:`record`)."""
+        t, m = self._full(tokens, mask, rows)
+        self.state = forget(self.state, t, m)

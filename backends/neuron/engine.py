@@ -1,0 +1,362 @@
+"""The neuron engine: the protocol over compiled static-shape graphs.
+
+Construction is NxD's compile-then-load: every graph of every bucket is compiled (or
+loaded from the artifact cache) before the engine exists, so nothing compiles while
+it serves. ``prefill`` pads the prompt to its context-encoding bucket, runs that graph
+and draws the first token; ``insert`` copies the prefix's
+K/V into the slot's row of the cache (seq_id = slot) and installs the request in the
+slot's sampler row; ``generate`` runs one step for a batch bucket of seq_ids: with
+speculation the draft's token-generation graph ``k - 1`` times, then the speculation
+graph; without, the token-generation graph. Sampling happens inside those graphs and
+the step's results come back as one packed int32 buffer. A prefix's first token
+is drawn on the host by the same torch sampler (``TorchSampler``, eager): the
+context-encoding graph returns the logits, as a traced Neuron graph returns its
+outputs to the host anyway.
+
+The host never reads a token to submit a step (the graphs read each slot's latest
+token, position and room from the state), so in async mode (the default) a worker
+thread runs the steps in order while the caller reads earlier ones; insert, free and
+overrides wait for the queued steps first. Overrides roll a slot back on the device
+(:meth:`.state.NeuronDecodeState.rollback`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, check_request
+from polyengine.errors import InvalidRequest
+from polyengine.models import Model
+from polyengine.prefix import PortablePrefix
+from polyengine.sampling import SamplingParams
+from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+
+from polyengine.backends.torch_common.model import TorchWeights
+from polyengine.backends.torch_common.sampling import SamplerState, TorchSampler
+from polyengine.backends.neuron import plugin
+from polyengine.backends.neuron.buckets import Buckets
+from polyengine.backends.neuron.cache import ArtifactCache, GraphKey, default_cache_dir
+from polyengine.backends.neuron.compile import COMPILERS, CompiledGraph
+from polyengine.backends.neuron.graphs import ContextEncoding, TokenGeneration, result_layout
+from polyengine.backends.neuron.speculation import Acceptance, draft_config, draft_weights
+from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, Slot
+
+__all__ = ["NeuronEngine", "create_engine"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DEFAULT_SPECULATION = 2
+
+
+class NeuronEngine(EngineBase):
+    name = "neuron"
+    OPTIONS = {
+        "compiler": "auto",  # "inductor" (CPU compile path), "neuronx" (Neuron devices), "auto": neuronx where usable
+        "cache_dir": "",  # compiled graphs; "" = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron
+        "batch_buckets": (),  # seq_ids per token-generation step; () = (max_slots,)
+        "seq_buckets": (),  # attended cache positions per step; () = see buckets.py
+        "speculation": 0,  # tokens per step: 1 = none, k > 1 = k - 1 drafts verified per step; 0 = 2 (1 for 1-layer models)
+        "draft_layers": 0,  # the draft = the target's first draft_layers layers; 0 = half of them
+        "async_steps": True,  # run steps on a worker thread; the caller reads step n while n+1 runs
+        "threads": 0,  # CPU intra-op threads (0: torch's default)
+    }
+
+    def __init__(self, model: Model, config: EngineConfig):
+        raw = config.options.get("compiler", "auto")
+        compiler = self._pick_compiler(raw if isinstance(raw, str) else "auto")
+        dtypes = ("bfloat16", "float32") if compiler == "neuronx" else ("float32",)
+        super().__init__(model, config, Capabilities(
+            dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
+            bulk_insert=True, portable_prefix=True, async_results=True,
+        ), device=self._describe(compiler))
+        o, c = self.options, model.config
+        k = o["speculation"] or (_DEFAULT_SPECULATION if c.num_hidden_layers > 1 else 1)
+        if not 1 <= k <= 8:
+            raise InvalidRequest(f"option speculation={o['speculation']}: tokens per step must be 1..8 (0: the default)")
+        if o["threads"] < 0:
+            raise InvalidRequest(f"option threads={o['threads']} must be >= 0")
+        self.compiler = compiler
+        self.tokens_per_step = k
+        self.draft = draft_config(c, o["draft_layers"] or max(1, c.num_hidden_layers // 2)) if k > 1 else None
+        self.capabilities = self.capabilities.model_copy(update={"tokens_per_step": k, "async_results": o["async_steps"]})
+        self.buckets = Buckets.plan(config, tokens_per_step=k, batch=o["batch_buckets"], seq=o["seq_buckets"])
+        self.num_top = self.capabilities.max_top_logprobs
+        self.layout = result_layout(k, self.num_top)
+        self.torch_dtype = _DTYPES[self.dtype]
+        self._check_memory()
+        if o["threads"]:
+            torch.set_num_threads(o["threads"])
+        self.cache = ArtifactCache(o["cache_dir"] or default_cache_dir(), compiler)
+        self._weights = TorchWeights.from_model(model, dtype=self.torch_dtype, max_positions=self.buckets.cache)
+        self._names = tuple(sorted(self._weights.tensors))
+        self._draft_weights = draft_weights(self._weights, self.draft) if self.draft else None
+        self._draft_names = tuple(sorted(self._draft_weights.tensors)) if self.draft else ()
+        self.graphs: dict[tuple, CompiledGraph] = {}
+        self._warm_up()
+        self._first = TorchSampler(self.vocab_size, 1, self.eos_token_ids)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="neuron-step") if o["async_steps"] else None
+
+    # -- construction ----------------------------------------------------------------------
+
+    @staticmethod
+    def _pick_compiler(name: str) -> str:
+        if name == "auto":
+            return "neuronx" if plugin.neuron_devices() and plugin.neuronx_installed() else "inductor"
+        if name not in COMPILERS:
+            raise InvalidRequest(f"option compiler={name!r}: use one of {('auto',) + COMPILERS}")
+        if name == "neuronx" and not plugin.neuronx_installed():
+            raise InvalidRequest(f"option compiler='neuronx' needs torch-neuronx: {plugin.NEURONX_HINT}")
+        return name
+
+    @staticmethod
+    def _describe(compiler: str) -> str:
+        if compiler == "neuronx":
+            return f"neuron ({len(plugin.neuron_devices())} device(s), torch_neuronx.trace)"
+        return f"cpu (compile path: torch.export + inductor, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
+
+    def _check_memory(self) -> None:
+        c, cfg, b = self.model.config, self.config, self.buckets
+        item = torch.tensor([], dtype=self.torch_dtype).element_size()
+        needs = {}
+        if self.torch_dtype != torch.float32:  # float32 tensors share the Model's arrays
+            needs[f"{self.dtype} weights"] = c.num_parameters() * item
+        needs[f"the KV cache of {cfg.max_slots} slots x {b.cache} positions"] = cfg.max_slots * b.cache * c.kv_bytes_per_token(item)
+        needs["the sampler's per-slot tables"] = cfg.max_slots * c.vocab_size * 10
+        needs["a context-encoding step"] = b.prefill[-1] * (c.vocab_size + 4 * c.intermediate_size) * 4
+        self.check_memory(needs)
+
+    def _key(self, kind: str, config, bucket: dict) -> GraphKey:
+        return GraphKey.of(kind, config=config, bucket=bucket, dtype=self.dtype, compiler=self.compiler)
+
+    def _warm_up(self) -> None:
+        """Compile (or load) every graph of every bucket, so no call ever compiles."""
+        b, c, k = self.buckets, self.model.config, self.tokens_per_step
+        for p in b.prefill:
+            key = self._key("context", c, {"prompt": p, "positions": b.cache})
+            self.graphs[("context", p)] = self.cache.get(key, ContextEncoding.aliases, lambda p=p: (
+                ContextEncoding(c, self._names, p), self._context_args(p)))
+        for batch in b.batch:
+            for kv in b.seq:
+                self.graphs[("decode", batch, kv)] = self._decode_graph(c, self._weights, self._names, batch, k, kv)
+                if self.draft:
+                    self.graphs[("draft", batch, kv)] = self._decode_graph(
+                        self.draft, self._draft_weights, self._draft_names, batch, 1, kv)
+
+    def _decode_graph(self, config, weights: TorchWeights, names, batch: int, tokens: int, kv: int) -> CompiledGraph:
+        cfg = self.config
+        bucket = {"batch": batch, "tokens": tokens, "kv_len": kv, "positions": self.buckets.cache, "slots": cfg.max_slots,
+                  "max_cache_length": cfg.max_cache_length, "num_top": self.num_top}
+
+        def build():
+            module = TokenGeneration(config, names, batch=batch, tokens=tokens, kv_len=kv,
+                                     max_cache_length=cfg.max_cache_length, num_top=self.num_top)
+            kc, vc = weights.new_cache(cfg.max_slots, self.buckets.cache)
+            r = cfg.max_slots
+            args = [tuple(weights.tensors[n] for n in names), kc, vc, torch.arange(batch),
+                    torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64)]
+            if tokens > 1:
+                args.append(torch.zeros((batch, tokens - 1), dtype=torch.int64))
+            return module, (*args, self._neutral(r))
+
+        return self.cache.get(self._key("token_generation" if tokens == 1 else "speculation", config, bucket),
+                              TokenGeneration.aliases, build)
+
+    def _context_args(self, p: int) -> tuple:
+        return (tuple(self._weights.tensors[n] for n in self._names), torch.zeros((1, p), dtype=torch.int64),
+                torch.tensor([p - 1]))
+
+    def _neutral(self, rows: int) -> dict[str, torch.Tensor]:
+        return SamplerState.neutral(rows, self.vocab_size, self.eos_token_ids).as_dict()
+
+    @property
+    def compile_report(self) -> list[dict[str, Any]]:
+        """Per graph: its name, where it came from (compiled / disk) and the seconds it took."""
+        return [{"graph": "/".join(map(str, name)), "source": g.source, "seconds": round(g.seconds, 3), "path": str(g.path)}
+                for name, g in self.graphs.items()]
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def load_params(self) -> TorchWeights:
+        return self._weights
+
+    def init_decode_state(self) -> NeuronDecodeState:
+        r = self.max_concurrent_decodes
+        k, v = self._weights.new_cache(r, self.buckets.cache)
+        return NeuronDecodeState(
+            r, k, v, TorchSampler(self.vocab_size, r, self.eos_token_ids), torch.zeros(r, dtype=torch.int64),
+            torch.zeros(r, dtype=torch.bool), Acceptance(self.tokens_per_step, torch.device("cpu")), [None] * r)
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def _first_tokens(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams) -> ResultTokens:
+        """Sample 0's first token (step 0) from a prefix's logits, on the host sampler."""
+        self._first.install(0, sampling, prompt)
+        try:
+            return self._rows(self._first.sample(logits[None], num_top=sampling.top_logprobs), 1)
+        finally:
+            self._first.clear(0)
+
+    def _rows(self, res, n: int) -> ResultTokens:
+        return ResultTokens(tokens=res.tokens.reshape(n, 1), valid=np.ones((n, 1), bool), lengths=np.ones(n, np.int32),
+                            logprobs=res.logprobs.reshape(n, 1), top_ids=res.top_ids.reshape(n, 1, -1),
+                            top_logprobs=res.top_logprobs.reshape(n, 1, -1), to_host=_host)
+
+    @torch.no_grad()
+    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
+        if hasattr(tokens, "__len__") and len(tokens) > self.buckets.prefill[-1]:
+            self.buckets.prompt(len(tokens))  # raises, naming the buckets
+        toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
+        n = toks.size
+        p = self.buckets.prompt(n)
+        padded = torch.zeros((1, p), dtype=torch.int64)
+        padded[0, :n] = torch.from_numpy(toks.astype(np.int64))
+        logits, k, v = self.graphs[("context", p)](
+            tuple(params.tensors[name] for name in self._names), padded, torch.tensor([n - 1]))
+        first = self._first_tokens(logits[0], toks, sampling)
+        prefix = Prefix(kv=(k[:, 0, :, :n].clone(), v[:, 0, :, :n].clone()), logits=logits[0], prompt_tokens=toks,
+                        sampling=sampling, backend=self.name, first_token=int(first.tokens[0, 0]), to_host=_host,
+                        model_id=self.model_id)
+        return prefix, first
+
+    # -- insert ----------------------------------------------------------------------------
+
+    def _install(self, prefix: Prefix, state: NeuronDecodeState, slot: int, sample_index: int) -> None:
+        n = prefix.true_length
+        state.k[:, slot, :, :n], state.v[:, slot, :, :n] = prefix.kv
+        state.sampler.install(slot, prefix.sampling, prefix.prompt_tokens, sample_index=sample_index)
+        state.prompt_len[slot], state.occupied[slot] = n, True
+        state.slots[slot] = Slot(prompt_len=n, bound=n + 1)
+
+    @torch.no_grad()
+    def insert(self, prefix: Prefix, decode_state: NeuronDecodeState, slot: int) -> NeuronDecodeState:
+        state = decode_state
+        state.wait()
+        self.check_prefix(prefix)
+        slot = self.check_empty_slot(slot, state.is_occupied)
+        self._install(prefix, state, slot, 0)
+        state.sampler.record(torch.tensor([prefix.first_token]), rows=torch.tensor([slot]))
+        return state
+
+    @torch.no_grad()
+    def bulk_insert(self, prefix: Prefix, decode_state: NeuronDecodeState, slots: Sequence[int]):
+        state = decode_state
+        state.wait()
+        self.check_prefix(prefix)
+        slots = self.check_bulk_slots(slots, state.is_occupied)
+        for i, slot in enumerate(slots):
+            self._install(prefix, state, slot, i)
+        rows = torch.tensor(slots)
+        res = state.sampler.sample(prefix.logits[None].expand(len(slots), -1), rows, num_top=prefix.sampling.top_logprobs)
+        state.sampler.record(res.tokens, rows=rows)
+        return state, self._rows(res, len(slots))
+
+    # -- generate --------------------------------------------------------------------------
+
+    def generate(self, params: TorchWeights, decode_state: NeuronDecodeState, *, overrides: Mapping[int, Any] | None = None):
+        state = decode_state
+        if overrides:
+            state.wait()
+        forced = self.check_overrides(overrides, state.last_result)
+        for slot, (token, position) in forced.items():
+            state.rollback(slot, token, position)
+        busy = [i for i, s in enumerate(state.slots) if s is not None]
+        if not busy:
+            empty = self.layout.pack(np.zeros((state.num_slots, self.tokens_per_step)),
+                                     np.zeros((state.num_slots, self.tokens_per_step)), np.zeros(state.num_slots),
+                                     np.zeros((state.num_slots, self.tokens_per_step)),
+                                     np.zeros((state.num_slots, self.tokens_per_step * self.num_top)),
+                                     np.zeros((state.num_slots, self.tokens_per_step * self.num_top)))
+            state.last = LastStep(empty, self.layout)
+            return state, ResultTokens.from_packed(empty, self.layout)
+        k, limit = self.tokens_per_step, self.max_cache_length
+        batch = self.buckets.batch_for(len(busy))
+        seq_ids = busy + [i for i, s in enumerate(state.slots) if s is None][: batch - len(busy)]
+        # Positions bound - 1 .. bound + k - 2 are written and read: the attended length covers them.
+        kv = self.buckets.seq_for(max(min(state.slots[i].bound, limit) for i in busy) + k - 1)
+        for i in busy:
+            s = state.slots[i]
+            s.bound, s.fresh = min(s.bound + k, limit), False
+
+        def step() -> torch.Tensor:
+            return self._step(params, state, torch.tensor(seq_ids), batch, kv)
+
+        if self._worker is not None:
+            state.pending = self._worker.submit(step)
+            state.last = LastStep(state.pending, self.layout)
+            return state, ResultTokens.from_packed(state.pending, self.layout, to_host=lambda f: f.result().numpy())
+        packed = step()
+        state.last = LastStep(packed, self.layout)
+        return state, ResultTokens.from_packed(packed, self.layout, to_host=_host)
+
+    @torch.no_grad()
+    def _step(self, params: TorchWeights, state: NeuronDecodeState, seq_ids: torch.Tensor, batch: int, kv: int) -> torch.Tensor:
+        """One step on the device: drafts (with speculation), then the decode graph."""
+        s = state.sampler.state
+        extra = ()
+        if self.draft is not None:
+            layers = self.draft.num_hidden_layers
+            weights = tuple(params.tensors[n] for n in self._draft_names)
+            graph, proposal, drafts = self.graphs[("draft", batch, kv)], s.as_dict(), []
+            for _ in range(self.tokens_per_step - 1):
+                _, counts, step, last = graph(weights, state.k[:layers], state.v[:layers], seq_ids, state.occupied,
+                                              state.prompt_len, proposal)
+                proposal = {**proposal, "counts": counts, "step": step, "last_token": last}
+                drafts.append(last[seq_ids])
+            extra = (torch.stack(drafts, dim=1),)
+        packed, counts, step, last = self.graphs[("decode", batch, kv)](
+            tuple(params.tensors[n] for n in self._names), state.k, state.v, seq_ids, state.occupied, state.prompt_len,
+            *extra, s.as_dict())
+        state.sampler.state = replace(s, counts=counts, step=step, last_token=last)
+        if self.draft is not None:
+            k = self.tokens_per_step
+            state.acceptance.add(packed[seq_ids, k: 2 * k])
+        return packed
+
+    def free_resource(self, decode_state: NeuronDecodeState, slot: int) -> NeuronDecodeState:
+        state = decode_state
+        slot = self.check_slot(slot)
+        state.wait()
+        if state.slots[slot] is not None:
+            state.sampler.clear(slot)
+            state.prompt_len[slot], state.occupied[slot] = 0, False
+            state.slots[slot] = None
+        return state
+
+    def speculation_stats(self, decode_state: NeuronDecodeState) -> dict[str, float | int]:
+        """Speculation so far in this state: row-steps, tokens, tokens per step and the
+        share of draft tokens accepted (waits for the queued steps)."""
+        decode_state.wait()
+        return {"tokens_per_step_max": self.tokens_per_step, **decode_state.acceptance.report()}
+
+    # -- portable prefixes -----------------------------------------------------------------
+
+    def export_prefix(self, prefix: Prefix) -> PortablePrefix:
+        self.check_prefix(prefix)
+        k, v = prefix.kv
+        return PortablePrefix(k=_host(k), v=_host(v), prompt_tokens=prefix.prompt_tokens, last_logits=_host(prefix.logits),
+                              sampling=prefix.sampling, model_fingerprint=self.model.fingerprint)
+
+    @torch.no_grad()
+    def import_prefix(self, portable: PortablePrefix) -> Prefix:
+        c = self.model.config
+        portable.check_compatible(fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
+                                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size)
+        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_dtype)  # noqa: E731
+        logits = torch.from_numpy(np.ascontiguousarray(portable.last_logits, dtype=np.float32))
+        first = self._first_tokens(logits, prompt, sampling)
+        return Prefix(kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
+                      backend=self.name, first_token=int(first.tokens[0, 0]), to_host=_host, model_id=self.model_id)
+
+
+def _host(t) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).numpy() if isinstance(
+        t, torch.Tensor) else np.asarray(t)
+
+
+def create_engine(*, model: Model, config: EngineConfig) -> NeuronEngine:
+    return NeuronEngine(model, config)

@@ -1,0 +1,165 @@
+"""The static-shape graphs of the neuron backend, as torch modules.
+
+Each graph is a pure function of its inputs, weights included (as NxD compiles them:
+one artifact serves every checkpoint of the same config). The model is
+:mod:`polyengine.backends.torch_common.model`'s ``forward`` and the sampler is
+:mod:`polyengine.backends.torch_common.sampling`'s ``sample`` with ``SamplerFlags()``
+(every step on), so one graph serves every request. Nothing here knows about the
+engine's host bookkeeping, files or compilers (:mod:`.compile` does those).
+
+Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
+
+``ContextEncoding(config, names, bucket)``
+    ``(weights, tokens (1, P), last (1,))`` -> ``logits (1, V)`` float32 at ``last``,
+    ``k, v (L, 1, kv_heads, P, head_dim)``: the prompt's K/V (pad positions after the
+    prompt hold garbage the engine slices off; causal attention keeps them invisible).
+
+``TokenGeneration(config, names, batch, tokens, kv_len, max_cache_length, num_top)``
+    One decode step for a batch bucket of ``B`` seq_ids, ``T`` tokens per row:
+    ``T = 1`` is token generation, ``T = k`` verifies ``k - 1`` draft tokens in one pass
+    (the speculation graph). Inputs ``(weights, k_cache, v_cache, seq_ids (B,),
+    occupied (R,), prompt_len (R,), [drafts (B, T-1)], sampler state (R rows))``;
+    outputs ``(packed (R, width) int32, counts, step, last_token, k_cache, v_cache)``.
+    Everything per row is derived on the device from the state: the token fed is the
+    slot's ``last_token``, its position ``prompt_len + step - 1``, its room
+    ``max_cache_length - prompt_len - step``. So the host never reads a token to
+    submit the next step. ``packed`` is the step's result in
+    :class:`~polyengine.engine.ResultLayout` ``(k=T, top_n=num_top, logprobs=True)``.
+
+Speculation is exact: the verify pass samples position ``j`` with the slot's own
+stream at step ``step + j`` and the penalty counts of the draft tokens before it, and
+accepts drafts while they equal what it sampled. The accepted tokens are therefore
+the tokens plain decoding draws, for greedy and sampled requests alike (the stream is
+counter-based); only how many arrive per step changes.
+
+Padding: the rows of a batch bucket are distinct seq_ids; rows that are not live
+(empty slots padding the batch, slots whose cache is full) write K/V only into their
+own rows, at positions no live row reads, and record nothing in the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+
+from polyengine.engine import ResultLayout
+from polyengine.models import ModelConfig
+
+from polyengine.backends.torch_common.model import TorchWeights, forward
+from polyengine.backends.torch_common.sampling import SamplerFlags, SamplerState, sample
+
+__all__ = ["ContextEncoding", "TokenGeneration", "SAMPLER_FIELDS", "result_layout"]
+
+SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerState))
+# Every sampling step compiled in: one graph serves any mix of requests.
+_ALL_STEPS = SamplerFlags()
+
+
+def result_layout(tokens: int, num_top: int) -> ResultLayout:
+    return ResultLayout(k=tokens, top_n=num_top, logprobs=True)
+
+
+def _weights(config: ModelConfig, names: tuple[str, ...], tensors) -> TorchWeights:
+    return TorchWeights(config, dict(zip(names, tensors)))
+
+
+class ContextEncoding(torch.nn.Module):
+    """A prompt padded to one prefill bucket; see the module docstring."""
+
+    aliases: tuple[tuple[int, int], ...] = ()  # (input index, output index) updated in place
+
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int):
+        super().__init__()
+        self.config, self.names, self.bucket = config, names, bucket
+
+    def forward(self, weights, tokens, last):
+        c = self.config
+        w = _weights(c, self.names, weights)
+        shape = (c.num_hidden_layers, 1, c.num_key_value_heads, self.bucket, c.head_dim)
+        k = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
+        v = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
+        positions = torch.arange(self.bucket, device=tokens.device)[None]  # (1, P)
+        logits, k, v = forward(w, tokens, positions, k, v, rows=None, logits_at=last)
+        return logits.float(), k, v
+
+
+def _expanded(state: SamplerState, seq_ids: torch.Tensor, fed: torch.Tensor) -> SamplerState:
+    """A ``(B*T)``-row state: row ``(b, j)`` is slot ``seq_ids[b]`` as if the tokens fed
+    after the first (``fed[b, 1..j]``, the drafts) had been accepted: counts include
+    them and the step is ``step + j``. Row ``(b, 0)`` is the slot as it is."""
+    b, t = fed.shape
+    v = state.vocab_size
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return x[seq_ids].repeat_interleave(t, dim=0)
+
+    out = {name: rows(getattr(state, name)) for name in SAMPLER_FIELDS if name not in ("counts", "step", "eos_mask")}
+    counts = state.counts[seq_ids]  # (B, V)
+    if t > 1:
+        ids = torch.arange(v, device=fed.device)
+        seen = (fed[:, 1:, None] == ids).to(torch.int32).cumsum(dim=1)  # (B, T-1, V)
+        counts = torch.cat([counts[:, None], counts[:, None] + seen], dim=1)  # (B, T, V)
+    out["counts"] = counts.reshape(b * t, v)
+    out["step"] = (state.step[seq_ids][:, None] + torch.arange(t, device=fed.device)).reshape(-1)
+    out["eos_mask"] = state.eos_mask
+    return SamplerState(**out)
+
+
+class TokenGeneration(torch.nn.Module):
+    """One decode step (``tokens == 1``) or a speculation verify pass (``tokens == k``)
+    for one batch x sequence bucket; see the module docstring."""
+
+    # k_cache and v_cache (inputs 1, 2) come back as outputs 4, 5: the compiler updates
+    # them in place (the KV cache lives in the decode state, as NxD's aliased buffers).
+    aliases = ((1, 4), (2, 5))
+
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], *, batch: int, tokens: int, kv_len: int,
+                 max_cache_length: int, num_top: int):
+        super().__init__()
+        self.config, self.names = config, names
+        self.batch, self.tokens, self.kv_len = batch, tokens, kv_len
+        self.max_cache_length, self.num_top = max_cache_length, num_top
+
+    def forward(self, weights, k_cache, v_cache, seq_ids, occupied, prompt_len, *rest):
+        drafts, sampler = (rest[0], rest[1]) if self.tokens > 1 else (None, rest[0])
+        st = SamplerState(**sampler)
+        w = _weights(self.config, self.names, weights)
+        t, dev = self.tokens, seq_ids.device
+        step = st.step[seq_ids]  # (B,)
+        total = prompt_len[seq_ids] + step  # prompt + completion, the latest token included
+        room = self.max_cache_length - total  # tokens this slot may still add
+        live = occupied[seq_ids] & (room > 0)
+        fed = st.last_token[seq_ids][:, None]  # (B, 1): the latest token, not yet in the cache
+        if drafts is not None:
+            fed = torch.cat([fed, drafts], dim=1)  # (B, T)
+        # Rows that are not live may sit at any position; clamped, they stay inside their own row.
+        positions = ((total - 1)[:, None] + torch.arange(t, device=dev)).clamp(0, k_cache.shape[3] - 1)
+        logits, k_cache, v_cache = forward(w, fed, positions, k_cache, v_cache, rows=seq_ids, kv_len=self.kv_len)
+        res = sample(_expanded(st, seq_ids, fed), logits.reshape(-1, logits.shape[-1]), None, _ALL_STEPS, self.num_top)
+        drawn = res.tokens.reshape(-1, t)  # (B, T)
+        accepted = torch.ones_like(step)
+        if drafts is not None:  # leading drafts equal to what the target drew
+            accepted = accepted + torch.cumprod((drawn[:, :-1] == drafts).to(torch.int64), dim=1).sum(dim=1)
+        emit = torch.where(live, torch.minimum(accepted, room), torch.zeros_like(room))  # (B,)
+        valid = torch.arange(t, device=dev)[None, :] < emit[:, None]  # (B, T)
+
+        flat_rows = seq_ids.repeat_interleave(t)
+        counts = st.counts.index_put((flat_rows, drawn.reshape(-1)), valid.reshape(-1).to(torch.int32), accumulate=True)
+        new_step = st.step.index_put((seq_ids,), step + emit)
+        latest = drawn.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
+        last_token = st.last_token.index_put((seq_ids,), torch.where(emit > 0, latest, st.last_token[seq_ids]))
+
+        n = self.num_top
+        block = torch.cat([
+            torch.where(valid, drawn, torch.zeros_like(drawn)).to(torch.int32),
+            valid.to(torch.int32),
+            torch.zeros_like(emit, dtype=torch.int32)[:, None],  # lengths: filled for every slot below
+            res.logprobs.to(torch.float32).reshape(-1, t).view(torch.int32),
+            res.top_ids.to(torch.int32).reshape(-1, t * n),
+            res.top_logprobs.to(torch.float32).reshape(-1, t * n).view(torch.int32),
+        ], dim=1)  # (B, width)
+        packed = torch.zeros((occupied.shape[0], block.shape[1]), dtype=torch.int32, device=dev).index_put((seq_ids,), block)
+        lengths = torch.where(occupied, new_step, torch.zeros_like(new_step)).to(torch.int32)[:, None]
+        packed = torch.cat([packed[:, : 2 * t], lengths, packed[:, 2 * t + 1:]], dim=1)  # (R, width)
+        return packed, counts, new_step, last_token, k_cache, v_cache

@@ -1,0 +1,114 @@
+"""The decode state: the KV cache addressed by seq_id, the slots' sampler, and what the
+host knows without reading the device.
+
+Device side (what the graphs read and write): ``k``/``v``
+``[layers, slots, kv_heads, cache positions, head_dim]`` (row = seq_id = slot),
+``prompt_len`` and ``occupied`` per slot, and the sampler's per-slot state (its
+``step`` counts completion tokens and its ``last_token`` is what the slot feeds next).
+
+Host side: per slot the prompt length, an upper bound of prompt + completion (a
+speculation step adds 1..k tokens, and the host does not read how many before it
+submits the next step; the bound picks the sequence bucket), and whether the slot has
+run a step since insert. The previous step's packed result is kept (a future or a
+tensor) so that an override, which must name a position of the slot's last result,
+can be checked and rolled back: that reads the result, which the driver has already
+read by then (it overrides only in lock step).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from polyengine.engine import ResultLayout
+
+from polyengine.backends.torch_common.sampling import TorchSampler
+from polyengine.backends.neuron.speculation import Acceptance
+
+__all__ = ["Slot", "LastStep", "NeuronDecodeState"]
+
+
+@dataclass
+class Slot:
+    prompt_len: int
+    bound: int  # >= prompt + completion (exact after insert and after an override)
+    fresh: bool = True  # no generate step since insert: the last result is the first token
+
+
+@dataclass
+class LastStep:
+    """The previous generate step's packed result, read only when an override needs it."""
+
+    handle: Future | torch.Tensor | np.ndarray
+    layout: ResultLayout
+    _host: dict | None = None
+
+    def fields(self) -> dict[str, np.ndarray]:
+        if self._host is None:
+            h = self.handle
+            buf = h.result() if isinstance(h, Future) else h
+            self._host = self.layout.unpack(np.asarray(buf))
+        return self._host
+
+
+@dataclass
+class NeuronDecodeState:
+    num_slots: int
+    k: torch.Tensor  # (layers, slots, kv_heads, cache positions, head_dim)
+    v: torch.Tensor
+    sampler: TorchSampler
+    prompt_len: torch.Tensor  # (slots,) int64
+    occupied: torch.Tensor  # (slots,) bool
+    acceptance: Acceptance
+    slots: list[Slot | None] = field(default_factory=list)
+    last: LastStep | None = None
+    pending: Future | None = None  # the newest step queued on the worker thread
+
+    def wait(self) -> None:
+        """Let queued steps finish before the host touches the state (their errors
+        surface when their results are read)."""
+        if self.pending is not None:
+            try:
+                self.pending.result()
+            except Exception:
+                pass
+            self.pending = None
+
+    def is_occupied(self, slot: int) -> bool:
+        return self.slots[slot] is not None
+
+    def last_result(self, slot: int) -> tuple[int, int] | None:
+        """``(completion length, tokens in the last result)`` of an occupied slot."""
+        s = self.slots[slot]
+        if s is None:
+            return None
+        if s.fresh:
+            return 1, 1
+        f = self.last.fields()
+        return int(f["lengths"][slot]), int(f["valid"][slot].sum())
+
+    def last_tokens(self, slot: int) -> list[int]:
+        """The tokens of a slot's last result (after a step; not for a fresh slot)."""
+        f = self.last.fields()
+        return [int(t) for t, ok in zip(f["tokens"][slot], f["valid"][slot]) if ok]
+
+    def rollback(self, slot: int, token: int, position: int) -> None:
+        """Force ``token`` at completion ``position`` (inside the last result): forget the
+        tokens from ``position`` on, newest first, then record ``token``. The cache needs
+        no change: positions come from the step count, and the positions past it are
+        rewritten before any query reads them."""
+        length, _ = self.last_result(slot)
+        rows = torch.tensor([slot], dtype=torch.int64)
+        if self.slots[slot].fresh:
+            dropped = [self.sampler.state.last_token[slot:slot + 1]]
+        else:
+            tokens = self.last_tokens(slot)
+            dropped = [torch.tensor([t], dtype=torch.int64) for t in tokens[len(tokens) - (length - position):]]
+        for t in reversed(dropped):
+            self.sampler.forget(t, rows=rows)
+        self.sampler.record(torch.tensor([token], dtype=torch.int64), rows=rows)
+        s = self.slots[slot]
+        s.bound = s.prompt_len + position + 1

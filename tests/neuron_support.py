@@ -1,0 +1,41 @@
+"""What the neuron backend's tests share: one artifact cache per test session.
+
+The conformance suite and the engine tests build many engines of the same few configs;
+sharing one cache directory (through ``POLYENGINE_NEURON_CACHE``, which the suite's
+factory calls read) makes each graph compile once per session. Unless that variable is
+set already, the directory is fresh per session, so CI pays, and measures, the cold
+compiles once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from polyengine import EngineConfig
+
+# The conformance suite's limits: engines built with them reuse the suite's graphs.
+LIMITS = dict(max_slots=4, max_prefill_length=24, max_cache_length=64)
+_DIR: Path | None = None
+
+
+def shared_cache() -> Path:
+    """The session's artifact cache: ``$POLYENGINE_NEURON_CACHE`` when set (subprocesses
+    of a test inherit it), else a fresh directory, removed at exit."""
+    global _DIR
+    if _DIR is None:
+        if os.environ.get("POLYENGINE_NEURON_CACHE"):
+            _DIR = Path(os.environ["POLYENGINE_NEURON_CACHE"])
+        else:
+            _DIR = Path(tempfile.mkdtemp(prefix="polyengine-neuron-cache-"))
+            atexit.register(shutil.rmtree, _DIR, ignore_errors=True)
+            os.environ["POLYENGINE_NEURON_CACHE"] = str(_DIR)
+    return _DIR
+
+
+def config(prefill_buckets: tuple[int, ...] | None = None, **options) -> EngineConfig:
+    """The suite's limits, the session's cache, and ``options`` for the engine."""
+    return EngineConfig(**LIMITS, prefill_buckets=prefill_buckets, options={"cache_dir": str(shared_cache()), **options})

@@ -1,0 +1,42 @@
+"""The conformance suite on the neuron backend's CPU compile path, run exactly as CI
+documents it: ``polyengine conformance --backend neuron`` in its own process, with the
+default options, so two tokens per step (speculation) and asynchronous results are
+what the suite exercises.
+
+It runs first among the neuron tests (file order) and fills the session's artifact
+cache (tests/neuron_support.py), which the engine tests then load from. A process of
+its own, not pytester's in-process run: the inner session's module snapshot would
+drop torch's compiler modules, whose operator registrations cannot be imported twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.slow
+def test_conformance_suite_passes_with_speculation_and_async_results(tmp_path):
+    from neuron_support import shared_cache
+
+    cache = shared_cache()
+    report = tmp_path / "neuron.json"
+    env = {**os.environ, "POLYENGINE_NEURON_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "polyengine.cli", "conformance", "--backend", "neuron", "--report-json", str(report)],
+        capture_output=True, text=True, env=env, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    doc = json.loads(report.read_text())
+    caps = doc["capabilities"]
+    assert doc["backend"] == "neuron" and doc["device"]["backend"].startswith("cpu (compile path")
+    assert caps["tokens_per_step"] == 2 and caps["async_results"] and caps["dtypes"] == ["float32"]
+    assert all(v["failed"] == 0 for v in doc["summary"].values()) and doc["summary"]["contract"]["passed"] > 0
+    kinds = {json.loads(p.read_text())["kind"] for p in cache.glob("*.json")}
+    assert {"context", "speculation", "token_generation"} <= kinds
+    print(proc.stdout[-1200:])

@@ -1,0 +1,249 @@
+"""The neuron engine on its CPU compile path: speculation against plain decoding, async
+against sync, rollback over several tokens, the artifact cache (a warm start and a
+second checkpoint compile nothing) and no recompilation over a random workload.
+
+Engines use the conformance suite's limits and the session's artifact cache
+(tests/neuron_support.py), so they load the graphs the suite compiled; only plain
+token generation (speculation=1) is compiled here. Greedy and sampled streams are
+compared exactly: speculation verifies drafts with the slot's own stream, so it
+changes how many tokens a step yields, never which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from neuron_support import LIMITS, config, shared_cache  # noqa: E402
+
+from polyengine import EngineConfig, Override, SamplingParams  # noqa: E402
+from polyengine.backends.neuron.compile import COUNTS  # noqa: E402
+from polyengine.backends.neuron.engine import NeuronEngine  # noqa: E402
+from polyengine.backends.reference.engine import ReferenceEngine  # noqa: E402
+from polyengine.conformance.models import build_model  # noqa: E402
+from polyengine.driver import LLM  # noqa: E402
+from polyengine.errors import InvalidRequest  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 4, 2], [1, 7, 3], [1, 2, 8, 8, 2, 6, 6, 11, 30, 4, 4, 9], [40, 41]]
+MIXED = [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    SamplingParams(seed=3, max_tokens=25, frequency_penalty=0.6, repetition_penalty=1.2),
+    SamplingParams(seed=4, temperature=0.7, top_p=0.9, top_k=20, max_tokens=30, logprobs=True, top_logprobs=2),
+    SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),  # runs into the cache limit
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("mha_tied")
+
+
+def _generate(engine, prompts=PROMPTS, sampling=MIXED):
+    llm = LLM.from_engine(engine, tools=False)
+    return [c.outputs for c in llm.generate(prompts, sampling)], llm
+
+
+def test_speculative_greedy_equals_plain_greedy_and_reports_acceptance(model):
+    spec, llm = _generate(NeuronEngine(model, config()))
+    plain, _ = _generate(NeuronEngine(model, config(speculation=1)))
+    assert llm.engine.capabilities.tokens_per_step == 2
+    for a, b in zip(spec, plain):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+    np.testing.assert_allclose(spec[2][0].logprobs, plain[2][0].logprobs, atol=1e-5)
+    assert len(spec[3][0].token_ids) == LIMITS["max_cache_length"] - len(PROMPTS[3])  # up to the cache limit
+    stats = llm.engine.speculation_stats(llm.scheduler.state)
+    print("speculation on mha_tied (draft: 1 of 2 layers):", stats)
+    assert stats["row_steps"] > 0 and 1.0 <= stats["tokens_per_step"] <= 2.0
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
+    assert stats["tokens"] == stats["row_steps"] * (1 + stats["acceptance_rate"])
+
+
+def test_plain_greedy_equals_the_reference(model):
+    got, _ = _generate(NeuronEngine(model, config(speculation=1)), PROMPTS[:2], MIXED[:2])
+    want, _ = _generate(ReferenceEngine(model, EngineConfig(**LIMITS)), PROMPTS[:2], MIXED[:2])
+    assert [o[0].token_ids for o in got] == [o[0].token_ids for o in want]
+
+
+def test_async_equals_sync(model):
+    sampling = MIXED[:3] + [SamplingParams(n=2, seed=8, max_tokens=12, presence_penalty=0.4)]
+    runs = []
+    for async_steps in (True, False):
+        eng = NeuronEngine(model, config(async_steps=async_steps))
+        assert eng.capabilities.async_results is async_steps
+        outs, _ = _generate(eng, PROMPTS, sampling)
+        runs.append([[(o.token_ids, o.logprobs) for o in c] for c in outs])
+    assert runs[0] == runs[1]
+
+
+def _reference_forced(model, prompt, sampling, forced_at, token, total):
+    """The reference one token per step, forcing ``token`` at completion ``forced_at``."""
+    ref = ReferenceEngine(model, EngineConfig(**LIMITS))
+    params = ref.load_params()
+    state = ref.init_decode_state()
+    prefix, first = ref.prefill(params=params, tokens=prompt, sampling=sampling)
+    state = ref.insert(prefix, state, 0)
+    out = [int(first.tokens[0, 0])]
+    while len(out) < total:
+        overrides = None
+        if len(out) == forced_at + 1:
+            out[forced_at] = token
+            overrides = {0: Override(token, forced_at)}
+        state, res = ref.generate(params, state, overrides=overrides)
+        out.append(int(res.tokens[0, 0]))
+    return out
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0, frequency_penalty=1.5, repetition_penalty=1.3),
+    SamplingParams(seed=21, temperature=0.9, presence_penalty=0.8, frequency_penalty=0.5),
+], ids=["greedy-penalties", "sampled-penalties"])
+def test_an_override_inside_a_speculative_step_rolls_back_counts_and_cache(model, sampling):
+    """Force a token at the first position of a two-token result: the second is dropped,
+    the penalty counts and the step counter roll back, and what follows equals the
+    reference forced at the same position."""
+    eng = NeuronEngine(model, config(async_steps=False))
+    params, state = eng.load_params(), eng.init_decode_state()
+    prompt = [1, 5, 9, 4, 2]
+    prefix, first = eng.prefill(params=params, tokens=prompt, sampling=sampling)
+    state = eng.insert(prefix, state, 2)
+    out = [int(first.tokens[0, 0])]
+    forced_at, last = None, 1
+    while len(out) < 24:
+        overrides = None
+        if forced_at is None and last == 2 and len(out) >= 6:
+            forced_at = len(out) - 2
+            token = (out[forced_at] + 17) % eng.vocab_size
+            del out[forced_at:]
+            out.append(token)
+            overrides = {2: Override(token, forced_at)}
+        state, res = eng.generate(params, state, overrides=overrides)
+        got = res.row_tokens(2)
+        last = len(got)
+        out.extend(got)
+    assert forced_at is not None, "no step accepted a draft: the test did not reach its case"
+    want = _reference_forced(model, prompt, sampling, forced_at, token, len(out))
+    assert out == want
+
+
+def test_a_second_checkpoint_and_a_warm_start_compile_nothing(model, tmp_path):
+    NeuronEngine(model, config())  # the session cache holds this config (compiled here if run alone)
+    before = dict(COUNTS)
+    other = build_model("mha_tied", seed=99)
+    eng = NeuronEngine(other, config())
+    assert COUNTS == before and {r["source"] for r in eng.compile_report} <= {"compiled", "disk"}
+    # A new process with a fresh Inductor cache, every C++ build recorded (in-process:
+    # one compile thread) and graph compilation disabled: it loads, builds no kernel.
+    code = textwrap.dedent("""
+        import json, torch
+        import torch._inductor.cpp_builder as cb
+        builds, build = [], cb.CppBuilder.build
+        def spy(self):
+            builds.append(self.get_target_file_path())
+            return build(self)
+        cb.CppBuilder.build = spy
+        torch._inductor.standalone_compile = None  # any graph compile would fail here
+        from polyengine import SamplingParams
+        from polyengine.backends.neuron.compile import COUNTS
+        from polyengine.backends.neuron.engine import NeuronEngine
+        from polyengine.conformance.models import build_model
+        from polyengine.driver import LLM
+        from neuron_support import config
+        eng = NeuronEngine(build_model("mha_tied", seed=99), config())
+        out = LLM.from_engine(eng, tools=False).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=6))
+        print(json.dumps({"counts": dict(COUNTS), "sources": sorted({r["source"] for r in eng.compile_report}),
+                          "tokens": out[0].token_ids, "builds": builds}))
+    """)
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "POLYENGINE_NEURON_CACHE": str(shared_cache()), "PYTHONPATH": os.path.dirname(__file__)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines() if "Warning" in line) + proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["counts"].get("compiled", 0) == 0 and doc["sources"] == ["disk"] and len(doc["tokens"]) == 6
+    # Inductor preprocesses its precompiled header once per process (g++ -E, to check
+    # that the header is current); no kernel, header or wrapper is compiled.
+    assert all(path.endswith(".i") for path in doc["builds"]), doc["builds"]
+    want = LLM.from_engine(eng, tools=False).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=6))
+    assert doc["tokens"] == want[0].token_ids
+
+
+def test_a_prompt_beyond_every_bucket_is_refused_naming_them(model):
+    eng = NeuronEngine(model, config())
+    with pytest.raises(InvalidRequest, match=r"fits no context-encoding bucket \(buckets: 24\)"):
+        eng.prefill(params=eng.load_params(), tokens=list(range(1, 26)), sampling=SamplingParams(seed=1))
+
+
+def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatch):
+    """Random prompts over three prefill buckets, single and bulk inserts, frees, overrides
+    anywhere in a slot's last result and mixed sampling: every call runs a graph the
+    warm-up built. Compiling or loading anything afterwards fails the test."""
+    eng = NeuronEngine(model, config(prefill_buckets=(8, 16, 24)))
+    files = sorted(p.name for p in shared_cache().iterdir())
+    before = dict(COUNTS)
+    import polyengine.backends.neuron.cache as cache_mod
+
+    def refuse(*a, **k):
+        raise AssertionError("a graph was compiled or loaded after warm-up")
+
+    monkeypatch.setattr(cache_mod, "compile_graph", refuse)
+    monkeypatch.setattr(cache_mod, "load_graph", refuse)
+    monkeypatch.setattr(torch._inductor, "standalone_compile", refuse)
+    rng = random.Random(20261130)
+    params, state = eng.load_params(), eng.init_decode_state()
+    live: dict[int, list[int]] = {}  # slot -> [prompt length, completion length, tokens in its last result]
+    for _ in range(120):
+        free = [s for s in range(eng.max_concurrent_decodes) if s not in live]
+        if free and rng.random() < 0.4:
+            prompt = [rng.randrange(eng.vocab_size) for _ in range(rng.randint(1, 24))]
+            sp = SamplingParams(seed=rng.randrange(2**64), temperature=rng.choice([0, 0.5, 1.3]),
+                                top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.8]), min_p=rng.choice([0, 0.1]),
+                                frequency_penalty=rng.choice([0, 0.7]), logit_bias={rng.randrange(256): 2.0},
+                                logprobs=True, top_logprobs=rng.randint(0, 5), n=min(len(free), rng.randint(1, 3)))
+            prefix, _ = eng.prefill(params=params, tokens=prompt, sampling=sp)
+            if sp.n == 1:
+                state = eng.insert(prefix, state, free[0])
+            else:
+                state, _ = eng.bulk_insert(prefix, state, free[: sp.n])
+            live.update({s: [len(prompt), 1, 1] for s in free[: sp.n]})
+        if live and rng.random() < 0.15:
+            slot = rng.choice(sorted(live))
+            state = eng.free_resource(state, slot)
+            del live[slot]
+        overrides = {slot: Override(rng.randrange(eng.vocab_size), length - rng.randint(1, last))
+                     for slot, (_, length, last) in live.items() if last and rng.random() < 0.2}
+        state, res = eng.generate(params, state, overrides=overrides)
+        for slot in list(live):
+            live[slot][1:] = [int(res.lengths[slot]), int(res.valid[slot].sum())]
+            if live[slot][0] + live[slot][1] >= eng.max_cache_length:
+                state = eng.free_resource(state, slot)
+                del live[slot]
+    assert COUNTS == before
+    assert sorted(p.name for p in shared_cache().iterdir()) == files
+
+
+@pytest.mark.neuron
+def test_on_neuron_hardware_greedy_equals_the_reference(model, tmp_path):
+    """Where Neuron devices and torch-neuronx are present: the same graphs through
+    torch_neuronx.trace give the reference's greedy tokens."""
+    eng = NeuronEngine(model, EngineConfig(**LIMITS, dtype="float32", options={
+        "compiler": "neuronx", "cache_dir": str(tmp_path)}))
+    got, _ = _generate(eng, PROMPTS[:2], MIXED[:2])
+    want, _ = _generate(ReferenceEngine(model, EngineConfig(**LIMITS)), PROMPTS[:2], MIXED[:2])
+    assert [o[0].token_ids for o in got] == [o[0].token_ids for o in want]
