@@ -74,6 +74,9 @@ def test_speculative_greedy_equals_plain_greedy_and_reports_acceptance(model):
     assert stats["row_steps"] > 0 and 1.0 <= stats["tokens_per_step"] <= 2.0
     assert 0.0 <= stats["acceptance_rate"] <= 1.0
     assert stats["tokens"] == stats["row_steps"] * (1 + stats["acceptance_rate"])
+    report = llm.engine.bench_report()  # the engine's totals: here, its one decode state
+    assert report["speculation_acceptance"] == stats["acceptance_rate"] and report["tokens_per_step"] == 2
+    assert report["speculation_proposed"] == stats["row_steps"] and report["speculation_accepted"] == stats["tokens"] - stats["row_steps"]
 
 
 def test_plain_greedy_equals_the_reference(model):
@@ -148,7 +151,7 @@ def test_a_second_checkpoint_and_a_warm_start_compile_nothing(model, tmp_path):
     before = dict(COUNTS)
     other = build_model("mha_tied", seed=99)
     eng = NeuronEngine(other, config())
-    assert COUNTS == before and {r["source"] for r in eng.compile_report} <= {"compiled", "disk"}
+    assert COUNTS == before and {r["source"] for r in eng.compile_report} == {"memory"}
     # A new process with a fresh Inductor cache, every C++ build recorded (in-process:
     # one compile thread) and graph compilation disabled: it loads, builds no kernel.
     code = textwrap.dedent("""
@@ -169,6 +172,7 @@ def test_a_second_checkpoint_and_a_warm_start_compile_nothing(model, tmp_path):
         eng = NeuronEngine(build_model("mha_tied", seed=99), config())
         out = LLM.from_engine(eng, tools=False).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=6))
         print(json.dumps({"counts": dict(COUNTS), "sources": sorted({r["source"] for r in eng.compile_report}),
+                          "bench": sorted({r["source"] for r in eng.bench_report()["compile"]}),
                           "tokens": out[0].token_ids, "builds": builds}))
     """)
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
@@ -177,11 +181,35 @@ def test_a_second_checkpoint_and_a_warm_start_compile_nothing(model, tmp_path):
     assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines() if "Warning" in line) + proc.stderr[-3000:]
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["counts"].get("compiled", 0) == 0 and doc["sources"] == ["disk"] and len(doc["tokens"]) == 6
+    assert doc["bench"] == ["cache"]
     # Inductor preprocesses its precompiled header once per process (g++ -E, to check
     # that the header is current); no kernel, header or wrapper is compiled.
     assert all(path.endswith(".i") for path in doc["builds"]), doc["builds"]
     want = LLM.from_engine(eng, tools=False).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=6))
     assert doc["tokens"] == want[0].token_ids
+
+
+def test_bench_report_has_a_row_per_graph_and_a_warm_engine_reports_only_cache(model):
+    """The shape ``polyengine bench`` reads: ``compile`` rows (program, bucket, seconds,
+    source) and scalar statistics; a second engine of the same config (another
+    checkpoint) gets every graph from the cache."""
+    before = COUNTS["compiled"]
+    cold = NeuronEngine(model, config()).bench_report()  # compiled here, or loaded if the session has it
+    programs = {("context_encoding", "prompt 24"), ("speculation", "batch 4, kv 65"), ("draft_token_generation", "batch 4, kv 65")}
+    assert {(r["program"], r["bucket"]) for r in cold["compile"]} == programs
+    for row in cold["compile"]:
+        assert set(row) == {"program", "bucket", "seconds", "source"} and row["source"] in ("compiled", "cache")
+        assert isinstance(row["seconds"], float) and row["seconds"] >= 0
+    assert cold["graphs_compiled"] == COUNTS["compiled"] - before == sum(r["source"] == "compiled" for r in cold["compile"])
+    assert all(isinstance(v, (int, float)) for k, v in cold.items() if k != "compile")
+    assert cold["speculation_proposed"] == 0 and cold["tokens_per_step"] == 2
+    warm = NeuronEngine(build_model("mha_tied", seed=99), config()).bench_report()
+    assert [(r["program"], r["bucket"], r["source"]) for r in warm["compile"]] == [
+        (r["program"], r["bucket"], "cache") for r in cold["compile"]]
+    assert warm["graphs_compiled"] == 0 and warm["compile_seconds"] == 0.0 and warm["graphs_from_cache"] == 3
+    plain = NeuronEngine(model, config(speculation=1)).bench_report()
+    assert {r["program"] for r in plain["compile"]} == {"context_encoding", "token_generation"}
+    assert "speculation_acceptance" not in plain
 
 
 def test_a_prompt_beyond_every_bucket_is_refused_naming_them(model):

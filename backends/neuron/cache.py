@@ -96,14 +96,17 @@ class ArtifactCache:
     def path(self, key: GraphKey) -> Path:
         return self.root / f"{key.kind}-{key.digest}.bin"
 
-    def get(self, key: GraphKey, aliases: tuple[tuple[int, int], ...], build: Callable[[], tuple[Any, tuple]]) -> CompiledGraph:
-        """The graph for ``key`` (its ``aliases`` as the graph class declares them);
-        ``build()`` gives ``(module, example_args)`` only when it must be compiled. A file
-        that cannot be loaded (truncated, written by another build) is compiled again."""
+    def get(self, key: GraphKey, aliases: tuple[tuple[int, int], ...],
+            build: Callable[[], tuple[Any, tuple]]) -> tuple[CompiledGraph, str]:
+        """The graph for ``key`` (its ``aliases`` as the graph class declares them) and
+        where it came from: ``"memory"`` (loaded earlier in this process), ``"disk"`` or
+        ``"compiled"``. ``build()`` gives ``(module, example_args)`` only when it must be
+        compiled. A file that cannot be loaded (truncated, written by another build) is
+        compiled again."""
         path = self.path(key)
         graph = _MEMO.get(str(path))
         if graph is not None:
-            return graph
+            return graph, "memory"
         if path.exists():
             try:
                 graph = load_graph(path, aliases, self.compiler)
@@ -116,4 +119,4 @@ class ArtifactCache:
             meta = {**key.description, "compile_seconds": round(graph.seconds, 2)}
             path.with_suffix(".json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
         _MEMO[str(path)] = graph
-        return graph
+        return graph, graph.source

@@ -9,8 +9,8 @@ Two compilers, one interface (:func:`compile_graph` writes an artifact file,
     kernels (``torch._inductor.standalone_compile``, shapes fixed by the example
     inputs); the ``CompiledArtifact`` is saved as one binary file and loaded with
     ``CompiledArtifact.load``. AOTInductor would also do, but pays ~20 s of C++ wrapper
-    compilation per graph on two cores, which the CI budget cannot carry
-    (docs/neuron.md has the numbers).
+    compilation per graph on two cores (measured when this seam was written), which
+    the CI budget cannot carry (docs/neuron.md has what CI compiles and its cost).
 
 ``"neuronx"`` (Neuron devices)
     ``torch_neuronx.trace`` of the same module and inputs (neuronx-cc builds a NEFF),

@@ -22,6 +22,7 @@ overrides wait for the queued steps first. Overrides roll a slot back on the dev
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
@@ -96,6 +97,8 @@ class NeuronEngine(EngineBase):
         self._draft_weights = draft_weights(self._weights, self.draft) if self.draft else None
         self._draft_names = tuple(sorted(self._draft_weights.tensors)) if self.draft else ()
         self.graphs: dict[tuple, CompiledGraph] = {}
+        self._built: dict[tuple, tuple[str, float]] = {}  # graph name -> (where this engine got it, seconds)
+        self._acceptance = Acceptance(k, torch.device("cpu"))  # every step of this engine, for bench_report
         self._warm_up()
         self._first = TorchSampler(self.vocab_size, 1, self.eos_token_ids)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="neuron-step") if o["async_steps"] else None
@@ -137,16 +140,21 @@ class NeuronEngine(EngineBase):
         b, c, k = self.buckets, self.model.config, self.tokens_per_step
         for p in b.prefill:
             key = self._key("context", c, {"prompt": p, "positions": b.cache})
-            self.graphs[("context", p)] = self.cache.get(key, ContextEncoding.aliases, lambda p=p: (
+            self._get(("context", p), key, ContextEncoding.aliases, lambda p=p: (
                 ContextEncoding(c, self._names, p), self._context_args(p)))
         for batch in b.batch:
             for kv in b.seq:
-                self.graphs[("decode", batch, kv)] = self._decode_graph(c, self._weights, self._names, batch, k, kv)
+                self._decode_graph(("decode", batch, kv), c, self._weights, self._names, batch, k, kv)
                 if self.draft:
-                    self.graphs[("draft", batch, kv)] = self._decode_graph(
-                        self.draft, self._draft_weights, self._draft_names, batch, 1, kv)
+                    self._decode_graph(("draft", batch, kv), self.draft, self._draft_weights, self._draft_names, batch, 1, kv)
 
-    def _decode_graph(self, config, weights: TorchWeights, names, batch: int, tokens: int, kv: int) -> CompiledGraph:
+    def _get(self, name: tuple, key: GraphKey, aliases, build) -> None:
+        """Graph ``name`` from the artifact cache, timed and recorded for the reports."""
+        start = time.perf_counter()
+        self.graphs[name], source = self.cache.get(key, aliases, build)
+        self._built[name] = (source, time.perf_counter() - start)
+
+    def _decode_graph(self, name: tuple, config, weights: TorchWeights, names, batch: int, tokens: int, kv: int) -> None:
         cfg = self.config
         bucket = {"batch": batch, "tokens": tokens, "kv_len": kv, "positions": self.buckets.cache, "slots": cfg.max_slots,
                   "max_cache_length": cfg.max_cache_length, "num_top": self.num_top}
@@ -162,8 +170,8 @@ class NeuronEngine(EngineBase):
                 args.append(torch.zeros((batch, tokens - 1), dtype=torch.int64))
             return module, (*args, self._neutral(r))
 
-        return self.cache.get(self._key("token_generation" if tokens == 1 else "speculation", config, bucket),
-                              TokenGeneration.aliases, build)
+        self._get(name, self._key("token_generation" if tokens == 1 else "speculation", config, bucket),
+                  TokenGeneration.aliases, build)
 
     def _context_args(self, p: int) -> tuple:
         return (tuple(self._weights.tensors[n] for n in self._names), torch.zeros((1, p), dtype=torch.int64),
@@ -174,9 +182,42 @@ class NeuronEngine(EngineBase):
 
     @property
     def compile_report(self) -> list[dict[str, Any]]:
-        """Per graph: its name, where it came from (compiled / disk) and the seconds it took."""
-        return [{"graph": "/".join(map(str, name)), "source": g.source, "seconds": round(g.seconds, 3), "path": str(g.path)}
-                for name, g in self.graphs.items()]
+        """Per graph: its name, where this engine got it (``compiled``, ``disk``, or
+        ``memory``: loaded earlier in this process), the seconds that took, its file."""
+        return [{"graph": "/".join(map(str, name)), "source": self._built[name][0],
+                 "seconds": round(self._built[name][1], 3), "path": str(g.path)} for name, g in self.graphs.items()]
+
+    def _program(self, name: tuple) -> tuple[str, str]:
+        """A graph's program and bucket, in words."""
+        if name[0] == "context":
+            return "context_encoding", f"prompt {name[1]}"
+        program = {"draft": "draft_token_generation", "decode": "speculation" if self.tokens_per_step > 1 else "token_generation"}
+        return program[name[0]], f"batch {name[1]}, kv {name[2]}"
+
+    def bench_report(self) -> dict[str, Any]:
+        """What ``polyengine bench`` prints beside its timings: ``"compile"``, one row per
+        graph built or loaded at construction (``program``, ``bucket``, ``seconds``,
+        ``source``: ``"compiled"`` or ``"cache"``, disk or this process's memo), and
+        scalar statistics, the speculation ones over every step this engine ran."""
+        rows = []
+        for name, (src, seconds) in self._built.items():
+            program, bucket = self._program(name)
+            rows.append({"program": program, "bucket": bucket, "seconds": seconds,
+                         "source": "compiled" if src == "compiled" else "cache"})
+        out: dict[str, Any] = {
+            "compile": rows,
+            "graphs_compiled": sum(r["source"] == "compiled" for r in rows),
+            "graphs_from_cache": sum(r["source"] == "cache" for r in rows),
+            "compile_seconds": sum((r["seconds"] for r in rows if r["source"] == "compiled"), 0.0),
+            "tokens_per_step": self.tokens_per_step,
+        }
+        if self.draft is not None:
+            if self._worker is not None:
+                self._worker.submit(lambda: None).result()  # the queued steps have added their counts
+            acc = self._acceptance.report()
+            out.update(speculation_acceptance=acc["acceptance_rate"], speculation_proposed=acc["proposed"],
+                       speculation_accepted=acc["accepted"], speculation_tokens_per_step=acc["tokens_per_step"])
+        return out
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -313,7 +354,9 @@ class NeuronEngine(EngineBase):
         state.sampler.state = replace(s, counts=counts, step=step, last_token=last)
         if self.draft is not None:
             k = self.tokens_per_step
-            state.acceptance.add(packed[seq_ids, k: 2 * k])
+            valid = packed[seq_ids, k: 2 * k]
+            state.acceptance.add(valid)
+            self._acceptance.add(valid)
         return packed
 
     def free_resource(self, decode_state: NeuronDecodeState, slot: int) -> NeuronDecodeState:

@@ -65,13 +65,16 @@ class Acceptance:
         self._totals += torch.stack([valid[:, 0].sum(), valid.sum()]).to(torch.int64)
 
     def report(self) -> dict[str, float | int]:
-        """``row_steps``, ``tokens``, ``tokens_per_step`` and ``acceptance_rate``: the share of
-        draft tokens accepted (tokens past a slot's cache limit are neither)."""
+        """``row_steps``, ``tokens``, ``tokens_per_step``, draft tokens ``proposed``
+        (``k - 1`` a row-step) and ``accepted``, and ``acceptance_rate``, their ratio
+        (drafts cut by a slot's cache limit count as proposed, not accepted)."""
         rows, tokens = (int(x) for x in self._totals.tolist())
         drafts = rows * (self.k - 1)
         return {
             "row_steps": rows,
             "tokens": tokens,
             "tokens_per_step": tokens / rows if rows else 0.0,
+            "proposed": drafts,
+            "accepted": tokens - rows,
             "acceptance_rate": (tokens - rows) / drafts if drafts else 0.0,
         }

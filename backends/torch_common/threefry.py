@@ -24,7 +24,7 @@ is exact and equals the core's uniforms bit for bit; in float32 ``uniforms`` rou
 ``+ 0.5`` to even, bit-equal to rounding the core's value to float32 (and the top
 value to exactly 1.0). ``gumbel`` therefore never goes through a float32 ``u``: it
 builds ``-log(u)`` from float32-exact pieces, so its noise is finite and within a few
-ulps of the reference's (the "float noise" DESIGN.md allows a device sampler).
+ulps of the reference's (the "float noise" docs/design.md allows a device sampler).
 """
 
 from __future__ import annotations
