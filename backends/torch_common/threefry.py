@@ -15,16 +15,15 @@ modulo 2**32 on every backend we target (CPU vector and scalar kernels, CUDA, XL
 where it is defined behaviour), which is exactly Threefry's modular add; the
 arithmetic right shift is made logical with a mask. An int64 formulation (values in
 [0, 2**32), masked after each add) is kept beside it because it avoids any reliance
-on signed wrap-around; it moves twice the bytes and measured slower on CPU (see
-``bench/threefry_torch.py``), and JAX without x64 cannot run it, so int32 is the
-default.
+on signed wrap-around; it moves twice the bytes and measured slower on CPU, and JAX
+without x64 cannot run it, so int32 is the default.
 
 Precision: ``u = ((x >> 8) + 0.5) * 2**-24`` needs 25 significant bits. In float64 it
 is exact and equals the core's uniforms bit for bit; in float32 ``uniforms`` rounds
 ``+ 0.5`` to even, bit-equal to rounding the core's value to float32 (and the top
 value to exactly 1.0). ``gumbel`` therefore never goes through a float32 ``u``: it
 builds ``-log(u)`` from float32-exact pieces, so its noise is finite and within a few
-ulps of the reference's (the "float noise" DESIGN.md allows a device sampler).
+ulps of the reference's (the "float noise" docs/design.md allows a device sampler).
 """
 
 from __future__ import annotations
