@@ -152,7 +152,8 @@ class TpuJaxEngine(EngineBase):
             plan=plan, attention=o["attention"], quantize=o["quantize"], kv_int8=o["kv_quantize"] == "int8",
             num_top=MAX_TOP_LOGPROBS, candidates=o["candidates"])
         kind = devices[0].device_kind if devices else platform
-        self.device = f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()}, {jax.process_count()} process(es))"
+        self.device = (f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()} on {plan.mesh.devices.size} of "
+                       f"{len(devices)} devices, {jax.process_count()} process(es))")
         self._check_memory()
         self.profiler = Profiler(port=o["profiler_port"], trace_dir=o["trace_dir"], trace_steps=o["trace_steps"])
         self.memory_reports: dict[str, dict[str, Any]] = {}
@@ -446,6 +447,7 @@ class TpuJaxEngine(EngineBase):
             "compile": rows,
             "platform": self.plan.mesh.devices.flat[0].platform,
             "devices": int(self.plan.mesh.devices.size),
+            "devices visible": len(self._devices(self.options["platform"])),
             "processes": jax.process_count(),
             "mesh": self.plan.describe(),
             "prefill buckets": ",".join(map(str, self.buckets)),
