@@ -193,9 +193,36 @@ def verdicts(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def builds(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per engine a polyengine row built (slots x prefill x cache): its build time,
+    the programs compiled or loaded from a cache (from the engine's ``bench_report()``), and
+    the engine's other stats. Empty when no row reports more than a build time under 1 s."""
+    lines = []
+    for r in rows:
+        for b in (r.get("details") or {}).get("engine_builds") or []:
+            slots, prefill, cache = b["shape"]
+            line = f"  {r['row']} [{slots} slots, prefill {prefill}, cache {cache}]: built in {b['seconds']:.2f} s"
+            compiled = [c for c in b.get("compile") or [] if c.get("source") == "compiled"]
+            cached = [c for c in b.get("compile") or [] if c.get("source") != "compiled"]
+            if compiled:
+                line += f"; compiled {len(compiled)} ({sum(c['seconds'] for c in compiled):.1f} s): " + ", ".join(
+                    f"{c['program']}[{c['bucket']}] {c['seconds']:.1f} s" for c in compiled)
+            if cached:
+                line += f"; from cache {len(cached)} ({sum(c['seconds'] for c in cached):.2f} s)"
+            stats = {k: v for k, v in b.items() if k not in ("shape", "seconds", "compile")}
+            if stats:
+                line += "; " + ", ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}" for k, v in stats.items())
+            if b.get("compile") or stats or b["seconds"] >= 1.0:
+                lines.append(line)
+    return lines
+
+
 def render(doc: dict[str, Any]) -> str:
     work = Workload.from_dict(doc["workload"])
     parts = [header(doc), "", table(doc["rows"], work), "", verdicts(doc)]
+    built = builds(doc["rows"])
+    if built:
+        parts += ["", "engine builds (construction, compilation, engine stats):", *built]
     notes = [f"  {n}" for n in doc.get("notes", [])]
     fails = [f"  {r['row']} ({part}): {err}" for r in doc["rows"] for part, err in r.get("errors", {}).items() if err]
     if notes:

@@ -25,7 +25,7 @@ from typing import Any
 from polyengine.benchmarks.phases import DecodeRun, ServeRun
 from polyengine.benchmarks.workload import Request
 
-__all__ = ["TimedEngine", "PolyengineSystem"]
+__all__ = ["TimedEngine", "PolyengineSystem", "engine_build"]
 
 _RESULT_FIELDS = ("tokens", "valid", "lengths", "logprobs", "top_ids", "top_logprobs")
 
@@ -99,6 +99,25 @@ class TimedEngine:
         return self._call(self.engine.free_resource, state, slot)
 
 
+def engine_build(engine: Any, shape: tuple[int, int, int], seconds: float) -> dict[str, Any]:
+    """What building one engine cost: its construction time and, when the engine has the
+    optional ``bench_report()``, what that says (``"compile"``: one row per program compiled
+    or loaded from a cache, ``{"program", "bucket", "seconds", "source"}``; other keys are
+    scalar stats). Static-graph backends compile there, so this is their cold/warm start."""
+    return refresh_build({"shape": list(shape), "seconds": seconds}, engine)
+
+
+def refresh_build(build: dict[str, Any], engine: Any) -> dict[str, Any]:
+    """Update ``build`` with the engine's ``bench_report()`` now (its stats grow as it runs)."""
+    report = getattr(engine, "bench_report", None)
+    if callable(report):
+        try:
+            build.update(report())
+        except Exception as exc:  # a broken report must not lose the measurements
+            build["report_error"] = f"{type(exc).__name__}: {exc}"
+    return build
+
+
 class PolyengineSystem:
     """One backend with one dtype and one set of engine options."""
 
@@ -111,6 +130,8 @@ class PolyengineSystem:
         self._key: tuple[int, int, int] | None = None
         self._llm: Any = None
         self.description: dict[str, Any] = {}
+        self.builds: list[dict[str, Any]] = []
+        self._engine: Any = None
 
     # -- engines -------------------------------------------------------------------------
 
@@ -120,12 +141,16 @@ class PolyengineSystem:
 
         key = (slots, prefill_len, cache_len)
         if key != self._key:
-            self._llm = self._key = None
+            self._llm = self._key = self._engine = None
             gc.collect()  # drop the last engine's weights and caches before allocating new ones
             config = dict(max_slots=slots, max_prefill_length=prefill_len, max_cache_length=cache_len,
                           dtype=self.dtype, options=self.options)
+            start = time.perf_counter()
             engine = polyengine.create_engine(self.backend, model=self.model, config=config)
             self._llm = polyengine.LLM.from_engine(TimedEngine(engine), self.model.tokenizer, tools=False)
+            # construction, weights and decode state: a static-graph backend compiles here
+            self.builds.append(engine_build(engine, key, time.perf_counter() - start))
+            self._engine = engine
             self._key = key
             if not self.description:
                 self.description = {
@@ -135,6 +160,7 @@ class PolyengineSystem:
                     "device": getattr(engine, "device", ""),
                     "async_results": engine.capabilities.async_results,
                 }
+            self.description["engine_builds"] = self.builds
         return self._llm
 
     # -- the phases ----------------------------------------------------------------------
@@ -168,6 +194,7 @@ class PolyengineSystem:
         for r in reqs:
             if r.error is not None:
                 raise r.error
+        refresh_build(self.builds[-1], self._engine)
         return reqs, first, {"t0": t0, "ends": ends, "counts": counts, "overhead": overhead}
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeRun:

@@ -68,6 +68,36 @@ def test_polyengine_system_counts_what_it_reports():
     assert system.description["dtype"] == "float32" and system.description["backend"] == "reference"
 
 
+def test_engine_builds_carry_the_engines_bench_report(monkeypatch):
+    """An engine's optional ``bench_report()`` (compile rows, stats) reaches the report,
+    refreshed after each run; a report that raises is recorded, not fatal."""
+    from polyengine.backends.reference.engine import ReferenceEngine
+    from polyengine.benchmarks.report import builds
+    from polyengine.benchmarks.run_polyengine import PolyengineSystem
+
+    calls = []
+
+    def bench_report(self):
+        calls.append(1)
+        return {"compile": [{"program": "prefill", "bucket": "16", "seconds": 1.5, "source": "compiled"},
+                            {"program": "generate", "bucket": "b2", "seconds": 0.01, "source": "cache"}],
+                "acceptance": len(calls) / 10}
+
+    monkeypatch.setattr(ReferenceEngine, "bench_report", bench_report, raising=False)
+    system = PolyengineSystem(model="random:tiny", backend="reference", dtype="float32", options={})
+    system.decode([[40, 41, 42]], 3)
+    (build,) = system.description["engine_builds"]
+    assert build["shape"] == [1, 3, 6] and build["seconds"] > 0
+    assert build["acceptance"] == 0.2 and len(build["compile"]) == 2  # refreshed after the run
+    (line,) = builds([{"row": "reference float32", "details": system.description}])
+    assert "compiled 1 (1.5 s): prefill[16] 1.5 s" in line and "from cache 1" in line and "acceptance: 0.2" in line
+
+    monkeypatch.setattr(ReferenceEngine, "bench_report", lambda self: 1 / 0, raising=False)
+    system = PolyengineSystem(model="random:tiny", backend="reference", dtype="float32", options={})
+    system.decode([[40, 41, 42]], 3)
+    assert "ZeroDivisionError" in system.description["engine_builds"][0]["report_error"]
+
+
 def test_timed_engine_counts_the_first_result_read_as_engine_time():
     import polyengine
     from polyengine import SamplingParams
