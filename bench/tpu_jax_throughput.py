@@ -10,10 +10,12 @@ Every engine runs through the driver with greedy requests of ``--prompt-len`` to
 prefill tokens/s is the prompt tokens of a full batch over the driver's first step
 (prefill and insert of every request, one decode step); decode tokens/s the remaining
 completion tokens over the time spent generating them. tpu_jax compiles every
-program first (warm-up, timed per program); cuda_torch gets a warm-up request. The
-table prints the CPU model and ISA flags and the load average: with two shared
-cores, compare ratios measured in the same run, never absolute numbers across runs.
-(``polyengine bench`` did not exist in this tree when this was written.)
+program first (warm-up; per program and bucket from ``engine.bench_report()``);
+cuda_torch gets a warm-up request. The table prints the CPU model and ISA flags and
+the load average: with two shared cores, compare ratios measured in the same run,
+never absolute numbers across runs. ``polyengine bench`` is the standard workload
+(its phases, peers and JSON report); this script puts tpu_jax on 1 and N host
+devices beside cuda_torch in one table.
 """
 
 from __future__ import annotations
@@ -42,16 +44,6 @@ def _cpu() -> str:
     return f"{name} ({', '.join(isa)}; {os.cpu_count()} cores)"
 
 
-def _compiles():
-    """Backend compile seconds per program, from JAX's monitoring events."""
-    import jax
-
-    seen: list[tuple[str, float]] = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: seen.append((kw.get("fun_name", "?"), secs)) if event.endswith("backend_compile_duration") else None)
-    return seen
-
-
 def measure(engine, slots: int, prompt_len: int, new_tokens: int, batch: int) -> tuple[float, float]:
     llm = LLM.from_engine(engine, tools=False)
     vocab = engine.vocab_size
@@ -76,7 +68,6 @@ def run_here(args) -> dict:
     model = load_model(args.model)
     cfg = EngineConfig(max_slots=args.slots, max_prefill_length=args.prompt_len,
                        max_cache_length=args.prompt_len + args.new_tokens + 1)
-    seen = _compiles()
     out = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "rows": []}
     engines = {"tpu_jax": lambda: TpuJaxEngine(model, cfg.model_copy(update={"options": args.options}))}
     if not args.jax_only:
@@ -86,17 +77,13 @@ def run_here(args) -> dict:
     for name, make in engines.items():
         engine = make()
         engine.load_params()
-        start = len(seen)
-        t = time.perf_counter()
         if name == "tpu_jax":
             engine.warmup()
-            out["warmup_s"] = time.perf_counter() - t
-            # Warm-up compiles prefill and insert once per bucket, in bucket order.
-            buckets = {"prefill_step": iter(engine.buckets), "insert_step": iter(engine.buckets)}
-            names = [n.removeprefix("jit(").removesuffix(")") for n, _ in seen[start:]]
-            out["compile_s"] = [(f"{n} {next(buckets[n])}" if n in buckets else n, secs)
-                                for n, (_, secs) in zip(names, seen[start:])]
-            out["mesh"] = engine.plan.describe()
+            report = engine.bench_report()
+            out["warmup_s"] = report["warm-up seconds"]
+            out["compile_s"] = [(r["program"] + ("" if r["bucket"] == "-" else f" {r['bucket']}"), r["seconds"])
+                                for r in report["compile"]]
+            out["mesh"] = report["mesh"]
         else:
             LLM.from_engine(engine, tools=False).generate([[5] * 8], SamplingParams(temperature=0, max_tokens=2))
         for batch in (1, args.slots):
@@ -145,7 +132,7 @@ def main() -> None:
             dev = f"{run['devices']} {run['platform']}" + (f" ({run['mesh']})" if r["backend"] == "tpu_jax" else "")
             ratio = f"{r['decode'] / base[r['batch']]:.2f}" if r["batch"] in base else "-"
             print(f"| {r['backend']} | {dev} | {r['batch']} | {r['prefill']:.1f} | {r['decode']:.1f} | {ratio} |")
-    print("\ntpu_jax compile (backend compile seconds per program, in warm-up order):")
+    print("\ntpu_jax compile (seconds per program and bucket: trace, lower, XLA compile; in warm-up order):")
     for run in runs:
         progs = ", ".join(f"{name}: {secs:.1f}" for name, secs in run["compile_s"])
         print(f"- {run['devices']} device(s), {run['mesh']}: warm-up {run['warmup_s']:.1f} s: {progs}")

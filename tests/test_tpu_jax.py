@@ -153,6 +153,12 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
         params = eng.load_params()
         warm = len(compiles)
         assert warm > 0
+        report = eng.bench_report()
+        _check_bench_report(report, eng)
+        assert len(report["compile"]) == warm  # every compilation is attributed to the engine
+        # Bucket 8 is this test's own (the module's engine has 16 and 24): compiled here.
+        rows = {(r["program"], r["bucket"]): r["source"] for r in report["compile"]}
+        assert rows[("prefill_step", "8")] == rows[("insert_step", "8")] == "compiled", rows
         state = eng.init_decode_state()
         rng = np.random.default_rng(0)
         live: dict[int, int] = {}  # slot -> prompt length
@@ -180,8 +186,46 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
                     state = eng.free_resource(state, s)
                     del live[s]
         assert compiles[warm:] == [], f"compiled after warm-up: {compiles[warm:]}"
+        assert eng.bench_report()["compile"] == report["compile"]
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _check_bench_report(report: dict, eng: TpuJaxEngine) -> None:
+    """The shape ``polyengine bench`` reads: ``compile`` rows, scalars otherwise."""
+    for row in report["compile"]:
+        assert set(row) == {"program", "bucket", "seconds", "source"}, row
+        assert isinstance(row["program"], str) and isinstance(row["bucket"], str), row
+        assert isinstance(row["seconds"], float) and row["seconds"] >= 0 and row["source"] in ("compiled", "cache"), row
+    scalars = {k: v for k, v in report.items() if k != "compile"}
+    assert all(isinstance(v, (str, int, float)) for v in scalars.values()), scalars
+    assert report["devices"] == 1 and report["mesh"] == eng.plan.describe() and report["warm-up seconds"] > 0
+
+
+def test_the_compile_log_tells_xla_compiles_from_persistent_cache_reads(tmp_path):
+    """bench_report's ``source``: a program read from JAX's persistent compilation
+    cache is ``"cache"``. A subprocess: the cache settings are process-wide."""
+    code = f"""
+import jax, jax.numpy as jnp
+from polyengine.backends.tpu_jax.observe import CompileLog
+jax.config.update("jax_compilation_cache_dir", {str(tmp_path)!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+x = jnp.ones(3)
+def program():  # a new function each time: same HLO, nothing reused in memory
+    def double(x):
+        return x * 2 + 1
+    return jax.jit(double)
+log = CompileLog(per_bucket=("double",))
+with log.track(16):
+    program()(x)
+with log.track(32):
+    program()(x)
+program()(x + 1)  # not tracked
+print([(r["program"], r["bucket"], r["source"]) for r in log.rows])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[('double', '16', 'compiled'), ('double', '32', 'cache')]", out.stderr[-2000:]
 
 
 def _random_request(rng, vocab: int, n: int) -> SamplingParams:

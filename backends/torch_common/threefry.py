@@ -15,9 +15,8 @@ modulo 2**32 on every backend we target (CPU vector and scalar kernels, CUDA, XL
 where it is defined behaviour), which is exactly Threefry's modular add; the
 arithmetic right shift is made logical with a mask. An int64 formulation (values in
 [0, 2**32), masked after each add) is kept beside it because it avoids any reliance
-on signed wrap-around; it moves twice the bytes and measured slower on CPU (see
-``bench/threefry_torch.py``), and JAX without x64 cannot run it, so int32 is the
-default.
+on signed wrap-around; it moves twice the bytes and measured slower on CPU, and JAX
+without x64 cannot run it, so int32 is the default.
 
 Precision: ``u = ((x >> 8) + 0.5) * 2**-24`` needs 25 significant bits. In float64 it
 is exact and equals the core's uniforms bit for bit; in float32 ``uniforms`` rounds

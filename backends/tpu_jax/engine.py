@@ -19,6 +19,7 @@ this process's replica.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -34,7 +35,7 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
-from polyengine.backends.tpu_jax.observe import Profiler, format_report, logger, memory_report
+from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
 from polyengine.backends.tpu_jax.quantize import KV_MODES, KV_SCALE_BYTES, WEIGHT_MODES, quantize_weights
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
@@ -151,10 +152,13 @@ class TpuJaxEngine(EngineBase):
             plan=plan, attention=o["attention"], quantize=o["quantize"], kv_int8=o["kv_quantize"] == "int8",
             num_top=MAX_TOP_LOGPROBS, candidates=o["candidates"])
         kind = devices[0].device_kind if devices else platform
-        self.device = f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()}, {jax.process_count()} process(es))"
+        self.device = (f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()} on {plan.mesh.devices.size} of "
+                       f"{len(devices)} devices, {jax.process_count()} process(es))")
         self._check_memory()
         self.profiler = Profiler(port=o["profiler_port"], trace_dir=o["trace_dir"], trace_steps=o["trace_steps"])
         self.memory_reports: dict[str, dict[str, Any]] = {}
+        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_step"))
+        self.warmup_seconds: float | None = None
         self._params: dict[str, jax.Array] | None = None
         self._spare: TpuDecodeState | None = None
         self._eos_mask = np.zeros(self.vocab_size, bool)
@@ -239,14 +243,17 @@ class TpuJaxEngine(EngineBase):
             state, self._spare = self._spare, None
             return state
         self.load_params()
-        arrays = steps.init_state(self.plan.put(self._eos_mask, ("vocab",)), cfg=self.cfg)
+        with self.compiles.track():
+            arrays = steps.init_state(self.plan.put(self._eos_mask, ("vocab",)), cfg=self.cfg)
         return TpuDecodeState(self.max_concurrent_decodes, arrays, [None] * self.max_concurrent_decodes)
 
     def warmup(self) -> None:
         """Compile every program this engine can run: prefill and insert per bucket,
         bulk insert, generate (with and without overrides), free, and the first token
-        of an imported prefix. Afterwards no request mix compiles anything."""
+        of an imported prefix. Afterwards no request mix compiles anything.
+        ``bench_report()`` tells what each program cost."""
         params = self.load_params()
+        start = time.perf_counter()
         state = self.init_decode_state()
         sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=0, logprobs=True, top_logprobs=1)
         reachable = sorted({self._bucket(n) for n in range(1, self.max_prefill_length + 1)})
@@ -262,6 +269,7 @@ class TpuJaxEngine(EngineBase):
         state = self.free_resource(state, 0)
         jax.block_until_ready((out.tokens, state.arrays))
         self._spare = state
+        self.warmup_seconds = time.perf_counter() - start
         self._report("after warm-up")
 
     # -- prefill ---------------------------------------------------------------------------
@@ -296,9 +304,10 @@ class TpuJaxEngine(EngineBase):
         padded = np.zeros(self._bucket(n), np.int32)
         padded[:n] = toks
         tokens_in, length = self.plan.put_tree((padded, np.int32(n)))
-        k, v, logits = steps.prefill_step(params, tokens_in, length, cfg=self.cfg)
         row = self._row(sampling, toks)
-        result = self._results(steps.first_token_step(logits, row, cfg=self.cfg.sampler))
+        with self.compiles.track(padded.size):
+            k, v, logits = steps.prefill_step(params, tokens_in, length, cfg=self.cfg)
+            result = self._results(steps.first_token_step(logits, row, cfg=self.cfg.sampler))
         prefix = Prefix(
             kv=PrefixArrays(k, v, row), logits=logits, prompt_tokens=toks, sampling=sampling, backend=self.name,
             first_token=int(result.tokens[0, 0]), to_host=self._host, model_id=self.model_id,
@@ -319,8 +328,9 @@ class TpuJaxEngine(EngineBase):
         kv = prefix.kv
         length, order, count, mask, index, tokens = self.plan.put_tree(
             (np.int32(prefix.true_length), order, np.int32(len(slots)), mask, index, tokens))
-        state.arrays = steps.insert_step(
-            state.arrays, kv.k, kv.v, length, kv.row, order, count, mask, index, tokens, cfg=self.cfg)
+        with self.compiles.track(kv.k.shape[2]):  # the prefix's bucket
+            state.arrays = steps.insert_step(
+                state.arrays, kv.k, kv.v, length, kv.row, order, count, mask, index, tokens, cfg=self.cfg)
         for slot in slots:
             state.slots[slot] = _Slot(prompt_len=prefix.true_length, completion=1)
 
@@ -337,8 +347,9 @@ class TpuJaxEngine(EngineBase):
         slots = self.check_bulk_slots(slots, state.is_occupied)
         # Sample i's first token, each from its own stream (sample 0's is prefill's: the
         # same program on the same logits and seed).
-        rows = [steps.first_token_step(prefix.logits, prefix.kv.row, cfg=self.cfg.sampler)] + [
-            self._first(prefix.logits, prefix.sampling, prefix.prompt_tokens, i) for i in range(1, len(slots))]
+        with self.compiles.track():
+            rows = [steps.first_token_step(prefix.logits, prefix.kv.row, cfg=self.cfg.sampler)] + [
+                self._first(prefix.logits, prefix.sampling, prefix.prompt_tokens, i) for i in range(1, len(slots))]
         packed = np.concatenate([self._host(x) for x in rows])
         self._install(prefix, state, slots, [int(t) for t in self.cfg.layout.unpack(packed)["tokens"][:, 0]])
         return state, ResultTokens.from_packed(packed, self.cfg.layout)
@@ -358,7 +369,8 @@ class TpuJaxEngine(EngineBase):
                 s.completion += 1
         self.profiler.before_step()
         tokens, mask = self.plan.put_tree((tokens, mask))
-        state.arrays, packed = steps.generate_step(params, state.arrays, tokens, mask, cfg=self.cfg)
+        with self.compiles.track():
+            state.arrays, packed = steps.generate_step(params, state.arrays, tokens, mask, cfg=self.cfg)
         self.profiler.after_step(packed)
         return state, self._results(packed)
 
@@ -366,7 +378,8 @@ class TpuJaxEngine(EngineBase):
         state = decode_state
         slot = self.check_slot(slot)
         if state.slots[slot] is not None:
-            state.arrays = steps.free_step(state.arrays, self.plan.put(np.int32(slot)), cfg=self.cfg)
+            with self.compiles.track():
+                state.arrays = steps.free_step(state.arrays, self.plan.put(np.int32(slot)), cfg=self.cfg)
             state.slots[slot] = None
         return state
 
@@ -407,12 +420,44 @@ class TpuJaxEngine(EngineBase):
 
         logits = self.plan.put(portable.last_logits)
         row = self._row(sampling, prompt)
-        first = self._results(steps.first_token_step(logits, row, cfg=self.cfg.sampler))
+        with self.compiles.track():
+            first = self._results(steps.first_token_step(logits, row, cfg=self.cfg.sampler))
         return Prefix(
             kv=PrefixArrays(put(portable.k), put(portable.v), row), logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0, 0]), to_host=self._host,
             model_id=self.model_id,
         )
+
+    # -- benchmarks ------------------------------------------------------------------------
+
+    def bench_report(self) -> dict[str, Any]:
+        """What ``polyengine bench`` prints beside the measurements: under ``"compile"``
+        one row per program this engine compiled (``program``, ``bucket``: the prefill
+        bucket for per-bucket programs, ``"-"`` for the others; ``seconds``: tracing,
+        lowering and XLA's compile, as JAX's monitoring events time them; ``source``: ``"compiled"`` by XLA or read from JAX's
+        persistent ``"cache"``), in compile order: with ``warmup=True`` all of them
+        during construction, else each on first use. A program another engine of the
+        same shapes already compiled in this process is reused, not listed. The other
+        keys are scalars: the mesh and devices, warm-up and total compile seconds, and
+        the device memory in use after warm-up (or after the weights load)."""
+        rows = [dict(r) for r in self.compiles.rows]
+        when = "after warm-up" if "after warm-up" in self.memory_reports else "after weights load"
+        in_use = self.memory_reports.get(when, {}).get("device_bytes_in_use")
+        report = {
+            "compile": rows,
+            "platform": self.plan.mesh.devices.flat[0].platform,
+            "devices": int(self.plan.mesh.devices.size),
+            "devices visible": len(self._devices(self.options["platform"])),
+            "processes": jax.process_count(),
+            "mesh": self.plan.describe(),
+            "prefill buckets": ",".join(map(str, self.buckets)),
+            "programs compiled": sum(r["source"] == "compiled" for r in rows),
+            "programs from the persistent cache": sum(r["source"] == "cache" for r in rows),
+            "compile seconds": round(sum(r["seconds"] for r in rows), 3),
+            "warm-up seconds": None if self.warmup_seconds is None else round(self.warmup_seconds, 3),
+            f"device MiB in use {when}": None if in_use is None else round(in_use / 2**20, 1),
+        }
+        return {k: v for k, v in report.items() if v is not None}
 
     def close(self) -> None:
         """End a trace still being written; the arrays go with the engine."""

@@ -8,6 +8,9 @@
 - :class:`Profiler`: the engine options ``profiler_port`` (start JAX's profiler server,
   for TensorBoard or ``jax.profiler`` clients to capture from) and ``trace_dir``
   (write a trace of ``trace_steps`` generate steps, starting with the first).
+- :class:`CompileLog`: the programs an engine compiled, each with its bucket, the
+  seconds it took and whether XLA compiled it or JAX's persistent compilation cache
+  supplied it (``engine.bench_report()["compile"]``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax
 
 from polyengine.memory import available_host_memory, gib
 
-__all__ = ["memory_report", "format_report", "Profiler", "logger"]
+__all__ = ["memory_report", "format_report", "Profiler", "CompileLog", "logger"]
 
 logger = logging.getLogger("polyengine.tpu_jax")
 
@@ -66,6 +69,77 @@ def format_report(report: dict[str, Any]) -> str:
     return (f"{report['platform']} x{report['devices']}: {g(report['device_bytes_in_use'])} in use of "
             f"{g(report['device_bytes_limit'])} ({report['device_source']}); host {g(report['host_bytes_resident'])} "
             f"resident of {g(report['host_bytes_limit'])}")
+
+
+# JAX times a program's compilation in three events, in this order: tracing to a
+# jaxpr, lowering to an MLIR module, and the backend compile (XLA, or a read from the
+# persistent compilation cache, which it reports as a separate event just before).
+_TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_current = threading.local()  # .call: the _Tracked engine call running in this thread
+_listen_lock = threading.Lock()
+_listening = False
+
+
+def _on_event(event: str, **_: Any) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _current.hit = True
+
+
+def _on_duration(event: str, secs: float, **kw: Any) -> None:
+    if event in _TRACE_EVENTS:  # part of the program whose backend compile comes next
+        _current.pending = getattr(_current, "pending", 0.0) + secs
+    if event != _COMPILE_EVENT:
+        return
+    call, hit, pending = getattr(_current, "call", None), getattr(_current, "hit", False), getattr(_current, "pending", 0.0)
+    _current.hit, _current.pending = False, 0.0
+    if call is not None:
+        call.log.record(kw.get("fun_name", "?"), call.bucket, pending + secs, "cache" if hit else "compiled")
+
+
+class _Tracked:
+    __slots__ = ("log", "bucket", "outer")
+
+    def __init__(self, log: "CompileLog", bucket: str):
+        self.log, self.bucket = log, bucket
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_current, "call", None)
+        _current.call, _current.pending = self, 0.0
+
+    def __exit__(self, *exc: Any) -> None:
+        _current.call = self.outer
+
+
+class CompileLog:
+    """The programs compiled while one engine's calls run (``with log.track(bucket):``).
+
+    One process-wide pair of ``jax.monitoring`` listeners (JAX has no per-program
+    hook) hands each compilation to the innermost tracked call running in that thread;
+    a program compiles synchronously inside the call that first needs it, so the
+    attribution is exact. A row's seconds are the program's tracing, lowering and
+    backend compile (or persistent-cache read) together. Programs that exist once per prefill bucket (``per_bucket``)
+    are recorded with the bucket of the call, the others with ``"-"``.
+    """
+
+    def __init__(self, per_bucket: Sequence[str] = ()):
+        global _listening
+        self.per_bucket = frozenset(per_bucket)
+        self.rows: list[dict[str, Any]] = []
+        with _listen_lock:
+            if not _listening:
+                jax.monitoring.register_event_listener(_on_event)
+                jax.monitoring.register_event_duration_secs_listener(_on_duration)
+                _listening = True
+
+    def track(self, bucket: int | str = "-") -> _Tracked:
+        return _Tracked(self, str(bucket))
+
+    def record(self, fun_name: str, bucket: str, seconds: float, source: str) -> None:
+        program = fun_name.removeprefix("jit(").removesuffix(")")
+        self.rows.append({"program": program, "bucket": bucket if program in self.per_bucket else "-",
+                          "seconds": seconds, "source": source})
 
 
 _servers: dict[int, Any] = {}
