@@ -19,8 +19,8 @@ every row of the table alike:
   (tokens the step delivered / its duration): one run, and a median over its steps keeps
   one-time costs of the first step (compilation at a new shape) out.
 
-Every phase but ``long`` runs one shortened warm-up (other prompts, same shapes,
-``warmup_tokens`` new tokens) and then ``repeats`` measured runs; a metric is the median
+Every phase but ``long`` runs one shortened warm-up (other prompts, same shapes and an
+engine sized like the measured run's, ``warmup_tokens`` new tokens) and then ``repeats`` measured runs; a metric is the median
 of the per-run values (``stats.summary`` keeps the samples and their spread).
 """
 
@@ -61,16 +61,19 @@ class System(Protocol):
 
     vocab_size: int
 
-    def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeRun:
-        """Run the prompts as one batch, each to exactly ``new_tokens`` tokens."""
+    def decode(self, prompts: list[list[int]], new_tokens: int, room: int | None = None) -> DecodeRun:
+        """Run the prompts as one batch, each to exactly ``new_tokens`` tokens. ``room``: size
+        the cache for this many new tokens (a warm-up sized like the measured run, so a
+        static-shape system compiles its measured shapes there); None: ``new_tokens``."""
         ...
 
     def prefill(self, prompt: list[int]) -> float:
         """Seconds from the call to the first token on the host."""
         ...
 
-    def serve(self, requests: list[Request], slots: int) -> ServeRun:
-        """Run every request (all submitted at once) with at most ``slots`` at a time."""
+    def serve(self, requests: list[Request], slots: int, sized_for: list[Request] | None = None) -> ServeRun:
+        """Run every request (all submitted at once) with at most ``slots`` at a time;
+        ``sized_for``: size the engine for these requests instead (the warm-up's)."""
         ...
 
 
@@ -103,7 +106,7 @@ def run_standard(system: System, work: Workload, repeats: int, emit: Emit,
     for b in work.batches:
         ps = prompts(vocab, b, work.prompt_len, phase="decode", seed=work.seed)
         runs = _repeat(emit, f"decode b{b}", repeats,
-                       lambda: system.decode(warm[:b], work.warmup_tokens),
+                       lambda: system.decode(warm[:b], work.warmup_tokens, room=work.new_tokens),
                        lambda: system.decode(ps, work.new_tokens))
         metrics["decode_tok_s"][str(b)] = summary([rate(r.decode_tokens, r.decode_seconds) for r in runs])
         metrics["decode_overhead_s_per_step"][str(b)] = _per_step(runs)
@@ -119,7 +122,8 @@ def run_standard(system: System, work: Workload, repeats: int, emit: Emit,
     wreqs = [replace(r, prompt=w[: len(r.prompt)], max_tokens=min(r.max_tokens, work.warmup_tokens))
              for r, w in zip(reqs, prompts(vocab, len(reqs), max(len(r.prompt) for r in reqs), phase="warmup", seed=work.seed))]
     runs = _repeat(emit, f"serve {len(reqs)} requests", repeats,
-                   lambda: system.serve(wreqs, work.serve_slots), lambda: system.serve(reqs, work.serve_slots))
+                   lambda: system.serve(wreqs, work.serve_slots, sized_for=reqs),
+                   lambda: system.serve(reqs, work.serve_slots))
     metrics["serve_e2e_tok_s"] = summary([rate(r.completion_tokens, r.seconds) for r in runs])
     metrics["serve_ttft_p50_s"] = summary([median(r.ttfts) for r in runs])
     metrics["driver_overhead_s_per_step"] = _per_step(runs)

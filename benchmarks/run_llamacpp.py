@@ -144,9 +144,9 @@ class LlamaCppSystem:
 
     # -- the phases -----------------------------------------------------------------------
 
-    def decode(self, prompts_: list[list[int]], new_tokens: int) -> DecodeRun:
+    def decode(self, prompts_: list[list[int]], new_tokens: int, room: int | None = None) -> DecodeRun:
         b, plen = len(prompts_), len(prompts_[0])
-        self._context(b, plen + new_tokens)
+        self._context(b, plen + (new_tokens if room is None else room))
         entries = [(tok, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts_) for pos, tok in enumerate(p)]
         nxt = self._decode(entries)
         stamps = [time.perf_counter()]
@@ -166,8 +166,8 @@ class LlamaCppSystem:
         self._decode([(tok, pos, 0, pos == len(prompt) - 1) for pos, tok in enumerate(prompt)])
         return time.perf_counter() - start
 
-    def serve(self, requests: list[Request], slots: int) -> ServeRun:
-        self._context(slots, max(len(r.prompt) + r.max_tokens for r in requests))
+    def serve(self, requests: list[Request], slots: int, sized_for: list[Request] | None = None) -> ServeRun:
+        self._context(slots, max(len(r.prompt) + r.max_tokens for r in (sized_for or requests)))
         mem = self.lc.llama_get_memory(self.ctx)
         queue = list(range(len(requests)))
         free = list(range(slots))

@@ -197,9 +197,9 @@ class PolyengineSystem:
         refresh_build(self.builds[-1], self._engine)
         return reqs, first, {"t0": t0, "ends": ends, "counts": counts, "overhead": overhead}
 
-    def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeRun:
+    def decode(self, prompts: list[list[int]], new_tokens: int, room: int | None = None) -> DecodeRun:
         plen = len(prompts[0])
-        llm = self.llm(len(prompts), plen, plen + new_tokens)
+        llm = self.llm(len(prompts), plen, plen + (new_tokens if room is None else room))
         reqs, _, t = self._run(llm, [Request(p, new_tokens) for p in prompts])
         produced = sum(len(r.completion.outputs[0].token_ids) for r in reqs)
         # Every request is admitted in the first step (there is a slot for each), so the
@@ -225,11 +225,12 @@ class PolyengineSystem:
         first.tokens  # noqa: B018 - reading the token waits for the device and copies it to the host
         seconds = time.perf_counter() - start
         del prefix
+        refresh_build(self.builds[-1], self._engine)
         return seconds
 
-    def serve(self, requests: list[Request], slots: int) -> ServeRun:
-        longest_prompt = max(len(r.prompt) for r in requests)
-        llm = self.llm(slots, longest_prompt, max(len(r.prompt) + r.max_tokens for r in requests))
+    def serve(self, requests: list[Request], slots: int, sized_for: list[Request] | None = None) -> ServeRun:
+        shape = sized_for or requests
+        llm = self.llm(slots, max(len(r.prompt) for r in shape), max(len(r.prompt) + r.max_tokens for r in shape))
         reqs, first, t = self._run(llm, requests)
         return ServeRun(
             completion_tokens=sum(len(r.completion.outputs[0].token_ids) for r in reqs),

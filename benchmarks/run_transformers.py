@@ -122,7 +122,8 @@ class TransformersSystem:
             raise RuntimeError(f"generate made {out.shape[1] - width} tokens ({len(stamps)} steps), not {new_tokens}")
         return stamps
 
-    def decode(self, prompts: list[list[int]], new_tokens: int) -> DecodeRun:
+    def decode(self, prompts: list[list[int]], new_tokens: int, room: int | None = None) -> DecodeRun:
+        """``room`` is ignored: generate's cache grows as it goes."""
         stamps = self._generate(prompts, new_tokens)
         b = len(prompts)
         return DecodeRun(
@@ -141,7 +142,8 @@ class TransformersSystem:
             int(out.logits[0, -1].argmax())
             return time.perf_counter() - start
 
-    def serve(self, requests: list[Request], slots: int) -> ServeRun:
+    def serve(self, requests: list[Request], slots: int, sized_for: list[Request] | None = None) -> ServeRun:
+        """``sized_for`` is ignored: generate sizes each static batch itself."""
         t0 = time.perf_counter()
         ttfts: list[float] = []
         for at in range(0, len(requests), slots):

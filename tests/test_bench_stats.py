@@ -91,8 +91,9 @@ class ScriptedSystem:
     def __init__(self):
         self.calls: list[tuple[str, int, int]] = []
 
-    def decode(self, ps, new_tokens):
+    def decode(self, ps, new_tokens, room=None):
         self.calls.append(("decode", len(ps), new_tokens))
+        assert room in (None, 128)  # the warm-up is sized like the measured run
         i = sum(1 for c in self.calls if c[:2] == ("decode", len(ps))) - 2  # -1: warm-up
         seconds = (i + 1) * len(ps) if i >= 0 else 99.0
         steps = new_tokens - 1
@@ -103,8 +104,10 @@ class ScriptedSystem:
         self.calls.append(("prefill", len(prompt), 0))
         return [99.0, 2.0, 1.0, 4.0][sum(1 for c in self.calls if c[0] == "prefill") - 1]
 
-    def serve(self, requests, slots):
+    def serve(self, requests, slots, sized_for=None):
         self.calls.append(("serve", len(requests), slots))
+        assert sized_for is None or [len(r.prompt) + r.max_tokens for r in sized_for] == [
+            len(r.prompt) + r.max_tokens for r in serve_requests(STANDARD, 1000)]
         total = sum(r.max_tokens for r in requests)
         return ServeRun(total, 10.0, ttfts=[0.1, 0.2, 0.3], overhead_seconds=2.0, steps=20)
 
@@ -130,7 +133,7 @@ def test_metrics_are_medians_of_per_run_values():
 
 def test_long_rate_is_the_median_step_rate():
     class Long(ScriptedSystem):
-        def decode(self, ps, new_tokens):
+        def decode(self, ps, new_tokens, room=None):
             steps = [5.0] + [0.5] * (new_tokens - 2)  # a slow first step (a compile) is ignored
             return DecodeRun(len(ps) * (new_tokens - 1), sum(steps), steps, [len(ps)] * len(steps))
 
