@@ -29,19 +29,13 @@ import time
 
 from polyengine import EngineConfig, SamplingParams
 from polyengine.driver import LLM
+from polyengine.hostinfo import cpu_flags, cpu_model
 from polyengine.models import load_model
 
 
 def _cpu() -> str:
-    name, flags = "?", set()
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-        for line in f:
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
-    return f"{name} ({', '.join(isa)}; {os.cpu_count()} cores)"
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in cpu_flags()]
+    return f"{cpu_model()} ({', '.join(isa)}; {os.cpu_count()} cores)"
 
 
 def measure(engine, slots: int, prompt_len: int, new_tokens: int, batch: int) -> tuple[float, float]:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from polyengine.engine import Capabilities, EngineConfig, Override, Prefix, ResultTokens
+from polyengine.hostinfo import cpu_model
 from polyengine.models import Model
 from polyengine.sampling import RowState, SamplingParams
 
@@ -167,17 +168,6 @@ def _distribution_of(obj: Any) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 class Harness:
     """Per test class (one backend): the factory, its engines, tolerances and xfails."""
 
@@ -270,7 +260,7 @@ class Harness:
                 out["capabilities"]["sampling_params"] = sorted(caps.sampling_params)
         out["device"] = {
             "platform": platform.platform(),
-            "cpu": _cpu(),
+            "cpu": cpu_model(),
             "python": platform.python_version(),
             "backend": None if engine is None else getattr(engine, "device", None),
         }

@@ -66,6 +66,7 @@ __all__ = [
     "check_prompt",
     "check_request",
     "is_int",
+    "power_buckets",
 ]
 
 
@@ -140,6 +141,22 @@ class EngineConfig(BaseModel):
                     f"({self.max_prefill_length})"
                 )
         return self
+
+    def buckets(self, smallest: int = 16) -> tuple[int, ...]:
+        """The prefill buckets a static-shape backend compiles: ``prefill_buckets`` when
+        set, else powers of two from ``smallest`` below ``max_prefill_length``, then
+        ``max_prefill_length`` itself."""
+        return self.prefill_buckets if self.prefill_buckets is not None else power_buckets(smallest, self.max_prefill_length)
+
+
+def power_buckets(start: int, limit: int) -> tuple[int, ...]:
+    """Powers of two from ``start`` below ``limit``, then ``limit`` itself: the usual
+    bucket ladder of a static-shape backend (prompt lengths, sequence lengths)."""
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return (*out, limit)
 
 
 @dataclass

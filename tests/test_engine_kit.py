@@ -228,3 +228,21 @@ def test_tools_on_a_speculative_engine_keep_driver_and_engine_in_step(model):
     forced_prompt = [1, 2, 3] + out.token_ids[:n + len(block)]
     cont = ref.generate([forced_prompt], SamplingParams(temperature=0, max_tokens=14 - n - len(block), ignore_eos=True))
     assert out.token_ids[n + len(block):] == cont[0].token_ids
+
+
+def test_engine_config_buckets_default_to_powers_of_two_up_to_the_prefill_limit():
+    from polyengine import EngineConfig
+
+    assert EngineConfig(max_prefill_length=100, max_cache_length=200).buckets() == (16, 32, 64, 100)
+    assert EngineConfig(max_prefill_length=64, max_cache_length=200).buckets() == (16, 32, 64)
+    assert EngineConfig(max_prefill_length=8, max_cache_length=20).buckets() == (8,)
+    assert EngineConfig(max_prefill_length=40, max_cache_length=50, prefill_buckets=(8, 40)).buckets() == (8, 40)
+    assert EngineConfig(max_prefill_length=100, max_cache_length=200).buckets(smallest=64) == (64, 100)
+
+
+def test_hostinfo_reads_the_cpu_once():
+    from polyengine import hostinfo
+
+    assert hostinfo.cpu_model() and isinstance(hostinfo.cpu_flags(), frozenset)
+    assert hostinfo.has_bf16_units() == bool({"amx_bf16", "avx512_bf16"} & hostinfo.cpu_flags())
+    assert hostinfo._read.cache_info().currsize == 1

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from polyengine.hostinfo import cpu_flags
+
 __all__ = ["CpuKernels", "FusedDecoder", "load", "quantize_int8", "dequantize_int8", "MAX_ROWS"]
 
 MAX_ROWS = 16
@@ -45,11 +47,7 @@ def _cache_dir() -> Path:
 
 
 def _isa_tag() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
+    flags = " ".join(sorted(cpu_flags()))
     return hashlib.blake2b((platform.machine() + flags).encode(), digest_size=6).hexdigest()
 
 

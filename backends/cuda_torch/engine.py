@@ -28,6 +28,7 @@ import torch
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
+from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -40,26 +41,6 @@ __all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _QUANTIZE = {"": None, "int8": 0, "int8-block32": 32}  # option -> weights per scale (0: a whole row)
-
-
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _default_buckets(limit: int) -> tuple[int, ...]:
-    """Powers of two from 16 up to ``limit`` (and ``limit`` itself)."""
-    out, b = [], 16
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (limit,)
 
 
 @dataclass
@@ -126,7 +107,7 @@ class TorchEngine(EngineBase):
     def __init__(self, model: Model, config: EngineConfig):
         device = self._pick_device(config.options.get("device", ""))
         dtypes = ("bfloat16", "float16", "float32") if device.type == "cuda" else ("float32",)
-        if device.type == "cpu" and {"amx_bf16", "avx512_bf16"} & cpu_flags():
+        if device.type == "cpu" and has_bf16_units():
             dtypes = ("float32", "bfloat16")  # bf16 matmul is fast only with AMX / AVX512-BF16
         super().__init__(model, config, Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
@@ -150,7 +131,7 @@ class TorchEngine(EngineBase):
         self.torch_device = device
         self.torch_dtype = _DTYPES[self.dtype]
         self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
-        self.buckets = config.prefill_buckets or _default_buckets(config.max_prefill_length)
+        self.buckets = config.buckets()
         self._check_memory()
         if o["threads"] and device.type == "cpu":
             torch.set_num_threads(o["threads"])

@@ -22,18 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from polyengine.engine import EngineConfig, is_int
+from polyengine.engine import EngineConfig, is_int, power_buckets
 from polyengine.errors import InvalidRequest
 
 __all__ = ["Buckets"]
-
-
-def _powers(start: int, limit: int) -> tuple[int, ...]:
-    out, b = [], start
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (limit,)
 
 
 def _check(name: str, values: tuple, *, top: int, what: str) -> tuple[int, ...]:
@@ -55,12 +47,12 @@ class Buckets:
     def plan(cls, config: EngineConfig, *, tokens_per_step: int, batch: tuple = (), seq: tuple = ()) -> "Buckets":
         """The buckets of an engine; options that leave a limit uncovered are refused."""
         cache = config.max_cache_length + tokens_per_step - 1
-        prefill = config.prefill_buckets or _powers(64, config.max_prefill_length)
+        prefill = config.prefill_buckets or power_buckets(64, config.max_prefill_length)
         batch = _check("batch_buckets", batch, top=config.max_slots, what="max_slots") if batch else (config.max_slots,)
         if seq:
             seq = _check("seq_buckets", seq, top=cache, what=f"max_cache_length + tokens_per_step - 1 = {cache}")
         else:
-            seq = (cache,) if cache <= 512 else _powers(256, cache)
+            seq = (cache,) if cache <= 512 else power_buckets(256, cache)
         return cls(tuple(prefill), batch, seq, cache)
 
     def prompt(self, length: int) -> int:

@@ -28,6 +28,7 @@ import numpy as np
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, check_request
 from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -39,20 +40,9 @@ from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_rep
 from polyengine.backends.tpu_jax.quantize import KV_MODES, KV_SCALE_BYTES, WEIGHT_MODES, quantize_weights
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
-__all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine", "default_buckets"]
+__all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine"]
 
 _ATTENTION = ("sdpa", "eager")
-
-
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def _dtypes(platform: str) -> tuple[str, ...]:
@@ -63,16 +53,7 @@ def _dtypes(platform: str) -> tuple[str, ...]:
         return ("bfloat16", "float32")
     if platform == "gpu":
         return ("bfloat16", "float32", "float16")
-    return ("float32", "bfloat16") if {"amx_bf16", "avx512_bf16"} & _cpu_flags() else ("float32",)
-
-
-def default_buckets(limit: int) -> tuple[int, ...]:
-    """Powers of two from 16 up to ``limit`` (and ``limit`` itself)."""
-    out, b = [], 16
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (limit,)
+    return ("float32", "bfloat16") if has_bf16_units() else ("float32",)
 
 
 @dataclass
@@ -146,7 +127,7 @@ class TpuJaxEngine(EngineBase):
             model.config, config.max_slots, devices, tensor_parallel=o["tensor_parallel"],
             data_parallel=o["data_parallel"], rules=ShardingRules.with_overrides(o["sharding_rules"]))
         self.plan = plan
-        self.buckets = config.prefill_buckets or default_buckets(config.max_prefill_length)
+        self.buckets = config.buckets()
         self.cfg = steps.StepConfig(
             model=model.config, dtype=self.dtype, slots=config.max_slots, cache_length=config.max_cache_length,
             plan=plan, attention=o["attention"], quantize=o["quantize"], kv_int8=o["kv_quantize"] == "int8",
