@@ -16,6 +16,8 @@ import subprocess
 import sys
 from typing import Any
 
+from polyengine.hostinfo import cpu_flags, cpu_model
+
 __all__ = ["ISA_FLAGS", "cpu_info", "load_average", "package_versions", "has_fast_bf16", "torch_cpu", "llamacpp_install_command"]
 
 # The flags that decide which fast paths exist (matmul widths, bf16/int8 units).
@@ -24,18 +26,7 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vbmi", "avx512
 
 
 def cpu_info() -> dict[str, Any]:
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_model(), cpu_flags()
     mem = None
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
