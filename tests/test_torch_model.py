@@ -191,6 +191,23 @@ def test_fused_projections_equal_separate_ones():
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_causal_prefill_equals_the_masked_one(name):
+    """causal=True (SDPA's causal mode, GQA without repeats) computes what the explicit
+    mask does for a prefill from position 0, pad tokens at the end included."""
+    w = TorchWeights.from_model(_model(name), dtype=torch.float64)
+    toks = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [7, 3, 5, 1, 0, 0, 0]])
+    pos = torch.arange(7)[None].repeat(2, 1)
+    kw = dict(write_mask=torch.tensor([[True] * 7, [True] * 4 + [False] * 3]))
+    masked = forward(w, toks, pos, *w.new_cache(2, 7), **kw)
+    causal = forward(w, toks, pos, *w.new_cache(2, 7), causal=True, **kw)
+    torch.testing.assert_close(masked[0][:, :4], causal[0][:, :4], rtol=1e-12, atol=1e-12)  # live tokens' logits
+    for a, b in zip(masked[1:], causal[1:]):  # the caches (pad writes are no-ops either way)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="causal"):
+        forward(w, toks, pos, *w.new_cache(2, 9), causal=True, **kw)
+
+
 def test_float32_cpu_weights_share_the_models_memory():
     model = _model("mha_tied")
     with warnings.catch_warnings():

@@ -299,7 +299,7 @@ class TorchEngine(EngineBase):
         logits, k, v = forward(
             params, batch.to(dev), positions.to(dev), k, v, rows=None, write_mask=write.to(dev),
             logits_at=torch.tensor([n - 1], device=dev), attention=self.options["attention"], inplace=True,
-            linear=self._linear,
+            linear=self._linear, causal=start == 0,
         )
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         first = self._first_token(logits[0], prompt, sampling)

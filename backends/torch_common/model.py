@@ -269,6 +269,7 @@ def forward(
     inplace: bool = False,
     linear: Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor] | None = None,
     kv_codec: KVCodec | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run ``tokens`` through the model, writing their K/V; returns
     ``(logits, k_cache, v_cache)``, logits ``(B, vocab)`` with ``logits_at`` else
@@ -289,6 +290,11 @@ def forward(
     HF weights. ``kv_codec`` (:class:`KVCodec`) encodes K/V before they are written and
     decodes what attention reads, for caches stored in another dtype; None stores
     them as computed.
+
+    ``causal=True`` promises that batch row b's queries sit at positions ``0..T-1`` and
+    its cache holds nothing before them (a prefill from scratch, ``kv_len == T``): SDPA
+    then runs in its causal mode, which skips the masked half of the scores instead of
+    computing them under an explicit mask (half the attention work at long prompts).
     """
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
@@ -301,6 +307,8 @@ def forward(
     kv_len = cache_len if kv_len is None else int(kv_len)
     if not 1 <= kv_len <= cache_len:
         raise ValueError(f"kv_len {kv_len} must lie in [1, {cache_len}] (the cache length)")
+    if causal and kv_len != seq:
+        raise ValueError(f"causal=True needs kv_len == T (queries at 0..T-1): kv_len {kv_len}, T {seq}")
     if rows is None and b != n_rows:
         raise ValueError(f"rows=None needs one batch row per cache row: batch {b}, cache rows {n_rows}")
     device = tokens.device
@@ -356,9 +364,14 @@ def forward(
             keys = kv_codec.decode("k", layer, keys, cache_rows)
             vals = kv_codec.decode("v", layer, vals, cache_rows)
 
-        qg = q.reshape(b, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * seq, hd)
-        out = _attend(qg, keys, vals, visible, scale, attention)  # (B, nkv, G*T, hd)
-        out = out.reshape(b, nkv, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(b, seq, nh * hd)
+        if causal and attention == "sdpa":
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, is_causal=True, scale=scale,
+                                                 enable_gqa=group > 1)  # (B, nh, T, hd)
+            out = out.transpose(1, 2).reshape(b, seq, nh * hd)
+        else:
+            qg = q.reshape(b, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * seq, hd)
+            out = _attend(qg, keys, vals, visible, scale, attention)  # (B, nkv, G*T, hd)
+            out = out.reshape(b, nkv, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(b, seq, nh * hd)
         x = x + lin(t, out, pre + "self_attn.o_proj")
 
         h = rms_norm(x, t[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
