@@ -106,7 +106,7 @@ def load(threads: int | None = None) -> CpuKernels:
     with _lock:
         if threads in _loaded:
             return _loaded[threads]
-        sources = b"".join(p.read_bytes() for p in sorted(_KERNELS.glob("*.cpp")))
+        sources = b"".join(p.read_bytes() for p in sorted(_KERNELS.iterdir()) if p.suffix in (".cpp", ".h"))
         digest = hashlib.blake2b(sources, digest_size=8).hexdigest()
         path = _cache_dir() / f"cpu-step-{digest}-{_isa_tag()}.so"
         if not path.exists():

@@ -31,14 +31,12 @@ struct pe_dims {
     int threads;
 };
 
-static void proj(const pe_dims *d, const float *x, int M, const void *w, const float *scale,
-                 const float *bias, float *y, long N, long K) {
-    if (!d->int8)
-        linear<float>(x, K, (const float *)w, nullptr, bias, y, N, M, N, K, d->threads);
-    else if (d->group && scale)
-        pe_linear_i8_grouped(x, K, (const int8_t *)w, scale, bias, y, N, M, N, K, d->group, d->threads);
-    else
-        linear<int8_t>(x, K, (const int8_t *)w, scale, bias, y, N, M, N, K, d->threads);
+static int kind_of(const pe_dims *d) { return !d->int8 ? PE_F32 : d->group ? PE_I8_GROUPED : PE_I8; }
+
+// Thread tid's share of the projections that read the same input x (M, K).
+static void proj(const pe_dims *d, const float *x, int M, long K, const pe_seg *segs, int nseg, int tid, int nth) {
+    pe_linear_job job = {x, K, M, K, kind_of(d), d->group, segs, nseg};
+    linear_task(&job, tid, nth);
 }
 
 static void rms_norm(const float *x, const float *w, float *y, long n, float eps) {
@@ -60,6 +58,56 @@ static void rope(float *v, long heads, long hd, const float *cs, const float *sn
     }
 }
 
+// Attention of every (row, head) pair over its cache row, split between the threads.
+struct pe_attn_job {
+    const pe_dims *d;
+    long l;
+    int M;
+    const int *rows, *pos;
+    const float *q, *k_cache, *v_cache;
+    float *att, *scores;
+};
+
+static void attn_task(void *arg, int tid, int nth) {
+    const pe_attn_job *j = (const pe_attn_job *)arg;
+    const pe_dims *d = j->d;
+    const long nh = d->heads, nkv = d->kv_heads, hd = d->head_dim, S = d->cache_len;
+    const long qs = nh * hd, group = nh / nkv;
+    const float scale = 1.f / sqrtf((float)hd);
+    long b, e;
+    pe_share((long)j->M * nh, tid, nth, &b, &e);
+    for (long ma = b; ma < e; ma++) {
+        const long m = ma / nh, a = ma % nh;
+        const long jh = a / group, n = j->pos[m] + 1;
+        const float *qa = j->q + m * qs + a * hd;
+        const float *kb = j->k_cache + ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;
+        const float *vb = j->v_cache + ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;
+        float *sc = j->scores + (m * nh + a) * S;
+        float mx = -INFINITY;
+        const long hv = hd - hd % VW;  // q . k in vector lanes (a scalar loop would be latency-bound)
+        for (long s = 0; s < n; s++) {
+            const float *kr = kb + s * hd;
+            vf acc = (vf){};
+            for (long i = 0; i < hv; i += VW) acc += load_f(qa + i) * load_f(kr + i);
+            float dot = hsum(acc);
+            for (long i = hv; i < hd; i++) dot += qa[i] * kr[i];
+            sc[s] = dot * scale;
+            mx = sc[s] > mx ? sc[s] : mx;
+        }
+        float sum = 0.f;
+        for (long s = 0; s < n; s++) {
+            sc[s] = expf(sc[s] - mx);
+            sum += sc[s];
+        }
+        float *out = j->att + m * qs + a * hd;
+        for (long i = 0; i < hd; i++) out[i] = 0.f;
+        for (long s = 0; s < n; s++) {
+            const float p = sc[s] / sum;
+            for (long i = 0; i < hd; i++) out[i] += p * vb[s * hd + i];
+        }
+    }
+}
+
 extern "C" {
 
 // x: (M, H) in/out (the residual stream: embeddings in, final hidden states out, before
@@ -69,7 +117,7 @@ extern "C" {
 void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
                float *k_cache, float *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
     const long H = d->hidden, I = d->intermediate, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
-    const long qs = nh * hd, kvs = nkv * hd, group = nh / nkv, S = d->cache_len;
+    const long qs = nh * hd, kvs = nkv * hd, S = d->cache_len;
     float *h = scratch;               // (M, H)
     float *q = h + M * H;             // (M, qs)
     float *k = q + M * qs;            // (M, kvs)
@@ -79,55 +127,60 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
     float *u = g + M * I;             // (M, I)
     float *tmp = u + M * I;           // (M, H)
     float *scores = tmp + M * H;      // (M * nh, S)
-    const float scale = 1.f / sqrtf((float)hd);
-    for (long l = 0; l < d->layers; l++) {
-        const pe_layer *w = layers + l;
-        for (int m = 0; m < M; m++) rms_norm(x + m * H, w->input_norm, h + m * H, H, d->eps);
-        proj(d, h, M, w->q, w->q_scale, w->q_bias, q, qs, H);
-        proj(d, h, M, w->k, w->k_scale, w->k_bias, k, kvs, H);
-        proj(d, h, M, w->v, w->v_scale, w->v_bias, v, kvs, H);
-        for (int m = 0; m < M; m++) {
-            const float *cs = rope_cos + (long)pos[m] * (hd / 2), *sn = rope_sin + (long)pos[m] * (hd / 2);
-            rope(q + m * qs, nh, hd, cs, sn);
-            rope(k + m * kvs, nkv, hd, cs, sn);
-            for (long j = 0; j < nkv; j++) {  // write K (after RoPE) and V at (layer, row, head, pos)
-                long off = (((l * d->cache_rows + rows[m]) * nkv + j) * S + pos[m]) * hd;
-                memcpy(k_cache + off, k + m * kvs + j * hd, hd * sizeof(float));
-                memcpy(v_cache + off, v + m * kvs + j * hd, hd * sizeof(float));
+    pe_barrier bar;
+    // One parallel region for the whole step; its phases are separated by bar.wait().
+    // Row-wise work (norms, RoPE and cache writes) is split by row, element-wise work by
+    // element: each thread's share is fixed by (tid, nth), so writes never overlap.
+#pragma omp parallel num_threads(d->threads > 1 ? d->threads : 1)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        long r0, r1, e0, e1;
+        pe_share(M, tid, nth, &r0, &r1);
+        for (long l = 0; l < d->layers; l++) {
+            const pe_layer *w = layers + l;
+            for (long m = r0; m < r1; m++) rms_norm(x + m * H, w->input_norm, h + m * H, H, d->eps);
+            bar.wait(nth);
+            const pe_seg qkv[3] = {{w->q, w->q_scale, w->q_bias, q, qs, qs},
+                                   {w->k, w->k_scale, w->k_bias, k, kvs, kvs},
+                                   {w->v, w->v_scale, w->v_bias, v, kvs, kvs}};
+            proj(d, h, M, H, qkv, 3, tid, nth);
+            bar.wait(nth);
+            for (long m = r0; m < r1; m++) {
+                const float *cs = rope_cos + (long)pos[m] * (hd / 2), *sn = rope_sin + (long)pos[m] * (hd / 2);
+                rope(q + m * qs, nh, hd, cs, sn);
+                rope(k + m * kvs, nkv, hd, cs, sn);
+                for (long j = 0; j < nkv; j++) {  // write K (after RoPE) and V at (layer, row, head, pos)
+                    long off = (((l * d->cache_rows + rows[m]) * nkv + j) * S + pos[m]) * hd;
+                    memcpy(k_cache + off, k + m * kvs + j * hd, hd * sizeof(float));
+                    memcpy(v_cache + off, v + m * kvs + j * hd, hd * sizeof(float));
+                }
             }
+            bar.wait(nth);
+            pe_attn_job aj = {d, l, M, rows, pos, q, k_cache, v_cache, att, scores};
+            attn_task(&aj, tid, nth);
+            bar.wait(nth);
+            const pe_seg o[1] = {{w->o, w->o_scale, w->o_bias, tmp, H, H}};
+            proj(d, att, M, qs, o, 1, tid, nth);
+            bar.wait(nth);
+            for (long m = r0; m < r1; m++) {
+                for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
+                rms_norm(x + m * H, w->post_norm, h + m * H, H, d->eps);
+            }
+            bar.wait(nth);
+            const pe_seg gate_up[2] = {{w->gate, w->gate_scale, w->gate_bias, g, I, I},
+                                       {w->up, w->up_scale, w->up_bias, u, I, I}};
+            proj(d, h, M, H, gate_up, 2, tid, nth);
+            bar.wait(nth);
+            pe_share(M * I, tid, nth, &e0, &e1);
+            for (long i = e0; i < e1; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            bar.wait(nth);
+            const pe_seg down[1] = {{w->down, w->down_scale, w->down_bias, tmp, H, H}};
+            proj(d, g, M, I, down, 1, tid, nth);
+            bar.wait(nth);
+            for (long m = r0; m < r1; m++)
+                for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
+            // the next layer's first phase reads only this thread's rows of x: no barrier
         }
-#pragma omp parallel for num_threads(d->threads) schedule(static) collapse(2)
-        for (int m = 0; m < M; m++)
-            for (long a = 0; a < nh; a++) {
-                const long j = a / group, n = pos[m] + 1;
-                const float *qa = q + m * qs + a * hd;
-                const float *kb = k_cache + ((l * d->cache_rows + rows[m]) * nkv + j) * S * hd;
-                const float *vb = v_cache + ((l * d->cache_rows + rows[m]) * nkv + j) * S * hd;
-                float *sc = scores + (m * nh + a) * S;
-                float mx = -INFINITY;
-                for (long s = 0; s < n; s++) {
-                    float dot = 0.f;
-                    for (long i = 0; i < hd; i++) dot += qa[i] * kb[s * hd + i];
-                    sc[s] = dot * scale;
-                    mx = sc[s] > mx ? sc[s] : mx;
-                }
-                float sum = 0.f;
-                for (long s = 0; s < n; s++) { sc[s] = expf(sc[s] - mx); sum += sc[s]; }
-                float *out = att + m * qs + a * hd;
-                for (long i = 0; i < hd; i++) out[i] = 0.f;
-                for (long s = 0; s < n; s++) {
-                    const float p = sc[s] / sum;
-                    for (long i = 0; i < hd; i++) out[i] += p * vb[s * hd + i];
-                }
-            }
-        proj(d, att, M, w->o, w->o_scale, w->o_bias, tmp, H, qs);
-        for (long i = 0; i < M * H; i++) x[i] += tmp[i];
-        for (int m = 0; m < M; m++) rms_norm(x + m * H, w->post_norm, h + m * H, H, d->eps);
-        proj(d, h, M, w->gate, w->gate_scale, w->gate_bias, g, I, H);
-        proj(d, h, M, w->up, w->up_scale, w->up_bias, u, I, H);
-        for (long i = 0; i < M * I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-        proj(d, g, M, w->down, w->down_scale, w->down_bias, tmp, H, I);
-        for (long i = 0; i < M * H; i++) x[i] += tmp[i];
     }
 }
 
