@@ -104,6 +104,38 @@ def test_cpu_kernels_equal_torch_linear(m, n, k):
         assert (dequantize_int8(q, scale) - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding: half a step
 
 
+@pytest.mark.parametrize("group", [0, 32])
+def test_int8_activation_products(group):
+    """int8 weights against int8 activations (kernels/q8.cpp): one int8 row per row of
+    x is within the activation rounding of the float product; two (the second carrying
+    the first's rounding error) are closer by two orders of magnitude."""
+    from polyengine.backends.cuda_torch.cpu_kernels import dequantize_int8, load, quantize_int8
+
+    kernels = load(2)
+    g = torch.Generator().manual_seed(group + 3)
+    x, w, b = torch.randn(5, 576, generator=g), torch.randn(70, 576, generator=g), torch.randn(70, generator=g)
+    x[:, 7] *= 30  # an outlier channel, as LLM activations have
+    q, scale = quantize_int8(w, group)
+    want = torch.nn.functional.linear(x.double(), dequantize_int8(q, scale).double(), b.double())
+    err = {}
+    for pairs in (1, 2):
+        got = kernels.linear(x, q, b, scale=scale, int8_activations=pairs).double()
+        err[pairs] = float((got - want).norm() / want.norm())
+    assert err[1] < 0.02 and err[2] < err[1] / 50, err
+    with pytest.raises(ValueError, match="multiples of 32"):
+        kernels.linear(x[:, :40], q[:, :40].contiguous(), scale=scale[:, :1].contiguous() if group else scale,
+                       int8_activations=1)
+
+
+@pytest.mark.parametrize(("compute", "expect"), [("auto", 2), ("int8x2", 2), ("int8", 1), ("float", 0)])
+def test_int8_compute_option(model, compute, expect):
+    eng = TorchEngine(model, CFG.model_copy(update={"options": {"quantize": "int8", "int8_compute": compute}}))
+    fits = all(k % 32 == 0 for k in (model.config.hidden_size, model.config.intermediate_size, model.config.q_size))
+    assert eng.int8_activations == (expect if fits else 0)
+    with pytest.raises(InvalidRequest, match="int8_compute"):
+        TorchEngine(model, CFG.model_copy(update={"options": {"quantize": "int8", "int8_compute": "int4"}}))
+
+
 def test_kernels_off_is_the_same_engine(model):
     prompts, sp = [[1, 5, 9, 4, 2], [3, 3, 8]], SamplingParams(seed=5, max_tokens=8)
     runs = []
@@ -122,17 +154,22 @@ def test_int8_weights_on_the_default_model(default_gguf):
     prompts = [real.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
     f32 = TorchEngine(real, cfg)
     report = {}
+    # default int8_compute ("auto": two int8 rows per activation row on this model)
     for mode, bound in (("int8", 0.25), ("int8-block32", 0.05)):
-        report[mode] = _int8_agreement(real, cfg, f32, prompts, mode)
+        report[mode] = _int8_agreement(real, cfg, f32, prompts, {"quantize": mode})
         assert report[mode]["rel_l2"] < bound, report
+    # one int8 row per activation row: faster, about three times the logits error
+    report["int8-block32/int8"] = _int8_agreement(real, cfg, f32, prompts, {"quantize": "int8-block32",
+                                                                              "int8_compute": "int8"})
+    assert report["int8-block32/int8"]["rel_l2"] < 0.25, report
     print("int8 weights vs float32 on the default model:", report)
     assert sum(report["int8-block32"]["agree"]) >= 48
 
 
-def _int8_agreement(real, cfg, f32, prompts, mode):
+def _int8_agreement(real, cfg, f32, prompts, options):
     from polyengine.sampling import raw_logprobs
 
-    i8 = TorchEngine(real, cfg.model_copy(update={"options": {"quantize": mode}}))
+    i8 = TorchEngine(real, cfg.model_copy(update={"options": options}))
     errs = []
     for p in prompts:
         a = f32.prefill(params=f32.load_params(), tokens=p, sampling=SamplingParams(temperature=0, seed=0))[0].host_logits()

@@ -2,18 +2,20 @@
 
 ``kernels/linear.cpp`` holds skinny products ``y = x @ W.T`` for a few rows of ``x``
 (the live slots of a decode step), float32 or int8 weights with per-row or per-group
-scales; ``kernels/decode.cpp`` a whole fused decode step (every layer for the live
-rows, in one call) built on them. Both are compiled once per host ISA with the
+scales; ``kernels/q8.cpp`` int8 weights against activations quantized to int8 per 32
+values (integer dot products: AVX-512 VNNI, AVX-VNNI or AVX2, as the host has);
+``kernels/parallel.h`` the threads; ``kernels/decode.cpp`` a whole fused decode step
+(every layer for the live rows, in one call) built on them. Both are compiled once per host ISA with the
 system's C++ compiler and ``-march=native`` into a cache folder, then called through
 ctypes on the tensors' memory: no Python extension build, no torch headers, a few
 seconds of compiling. Where no compiler works, :func:`load` says why and the engine
 stays on the shared torch forward.
 
-Only the CPU path uses them, for float32 activations: :class:`CpuKernels.linear` for
-at most :data:`MAX_ROWS` rows (beyond that a GEMM library is compute-bound and
-faster), :class:`FusedDecoder` for decode steps. Each is a switch of the engine
-(options ``cpu_kernels`` and ``fused_decode``), kept only because the benchmark shows
-it helps.
+Only the CPU path uses them: :class:`CpuKernels.linear` for at most :data:`MAX_ROWS`
+rows in the shared forward (beyond that a GEMM library is compute-bound and faster)
+and for a fused step's LM head, :class:`FusedDecoder` for decode steps. Each is a
+switch of the engine (options ``cpu_kernels``, ``fused_decode`` and
+``int8_activations``), kept only because the benchmark shows it helps.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import torch
 
 from polyengine.hostinfo import cpu_flags
 
-__all__ = ["CpuKernels", "FusedDecoder", "load", "quantize_int8", "dequantize_int8", "MAX_ROWS"]
+__all__ = ["CpuKernels", "FusedDecoder", "load", "quantize_int8", "dequantize_int8", "q8_fits", "MAX_ROWS", "Q8_BLOCK"]
 
 MAX_ROWS = 16
+Q8_BLOCK = 32  # int8 activations: values per scale (kernels/q8.cpp)
+Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 _KERNELS = Path(__file__).with_name("kernels")
 _SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp
 _lock = threading.Lock()
@@ -61,10 +65,21 @@ class CpuKernels:
     def vector_width(self) -> int:
         return int(self.lib.pe_vector_width())
 
+    @property
+    def q8_isa(self) -> str:
+        """The instructions of the int8-activation products on this host."""
+        return Q8_ISAS[int(self.lib.pe_q8_isa())]
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               scale: torch.Tensor | None = None) -> torch.Tensor:
+               scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               int8_activations: int = 0) -> torch.Tensor:
         """``x @ weight.T (* scale) + bias`` for float32 ``x`` (..., K); ``weight`` (N, K)
-        float32, or int8 with ``scale`` (N,) float32."""
+        float32, or int8 with ``scale`` (N,) or (N, K / group) float32. ``out``: a
+        contiguous float32 buffer of at least M * N elements to write into (a decode
+        step's logits, reused instead of a fresh ~6 MB allocation that faults in its
+        pages each step). ``int8_activations``: with int8 weights, quantize ``x`` to int8
+        per 32 values and use integer dot products (``kernels/q8.cpp``): 1 one int8 row
+        per row of ``x``, 2 a second one carrying the first's rounding error; 0 float32."""
         if not weight.is_contiguous():
             raise ValueError("the CPU kernels need contiguous weights")
         shape = x.shape
@@ -73,9 +88,22 @@ class CpuKernels:
             x2 = x2.contiguous()
         m, k = x2.shape
         n = weight.shape[0]
-        y = torch.empty((m, n), dtype=torch.float32)
+        if out is not None and out.is_contiguous() and out.dtype == torch.float32 and out.numel() >= m * n:
+            y = out.view(-1)[: m * n].view(m, n)
+        else:
+            y = torch.empty((m, n), dtype=torch.float32)
         b = ctypes.c_void_p(bias.data_ptr()) if bias is not None else None
-        if weight.dtype == torch.int8 and scale.dim() == 2:  # blockwise: (N, K / group) scales
+        if weight.dtype == torch.int8 and int8_activations:
+            group = 0 if scale.dim() == 1 else k // scale.shape[1]
+            if k % Q8_BLOCK or group % Q8_BLOCK:
+                raise ValueError(f"int8 activations need K ({k}) and the int8 group ({group}) to be multiples of {Q8_BLOCK}")
+            pairs = 2 if int8_activations == 2 else 1
+            xq = torch.empty(pairs * m * k, dtype=torch.int8)
+            xs = torch.empty(pairs * m * k // Q8_BLOCK + k, dtype=torch.float32)  # scales, then k residuals
+            self.lib.pe_linear_q8(x2.data_ptr(), k, weight.data_ptr(), scale.data_ptr(), b, y.data_ptr(), n, m, n, k,
+                                  group, self.threads, xq.data_ptr(), xs.data_ptr(), pairs,
+                                  xs[pairs * m * k // Q8_BLOCK:].data_ptr())
+        elif weight.dtype == torch.int8 and scale.dim() == 2:  # blockwise: (N, K / group) scales
             group = k // scale.shape[1]
             self.lib.pe_linear_i8_grouped(x2.data_ptr(), k, weight.data_ptr(), scale.data_ptr(), b, y.data_ptr(), n,
                                           m, n, k, group, self.threads)
@@ -118,11 +146,22 @@ def load(threads: int | None = None) -> CpuKernels:
         lib.pe_linear_i8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, int_]
         lib.pe_linear_i8_grouped.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_]
         lib.pe_linear_f32.restype = lib.pe_linear_i8.restype = lib.pe_linear_i8_grouped.restype = None
+        lib.pe_linear_q8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_, ptr, ptr,
+                                     int_, ptr]
+        lib.pe_linear_q8.restype = None
+        lib.pe_q8_isa.restype = ctypes.c_int
         lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         lib.pe_decode.restype = None
         kernels = CpuKernels(lib, threads, path)
         _loaded[threads] = kernels
         return kernels
+
+
+def q8_fits(config, group: int) -> bool:
+    """Whether int8 activations apply: every projection's input size (hidden,
+    intermediate, heads x head_dim) and the int8 weight group are multiples of 32."""
+    return all(k % Q8_BLOCK == 0 for k in (config.hidden_size, config.intermediate_size, config.q_size)) and (
+        group % Q8_BLOCK == 0)
 
 
 def quantize_int8(weight: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +198,8 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_long) for n in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers",
                                              "cache_rows", "cache_len")] + [
-        ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int)]
+        ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
+        ("q8", ctypes.c_int)]
 
 
 class FusedDecoder:
@@ -173,7 +213,7 @@ class FusedDecoder:
     """
 
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
-                 cache_len: int, quantized: bool):
+                 cache_len: int, quantized: bool, int8_activations: int = 0):
         c = config
         self.kernels, self.config = kernels, c
         self._keep: list[torch.Tensor] = []
@@ -209,13 +249,18 @@ class FusedDecoder:
                 setattr(entry, p + "_bias", ptr(tensors.get(name + ".bias")))
         self.dims = _Dims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
                           c.head_dim, c.num_hidden_layers, cache_rows, cache_len, c.rms_norm_eps, int(quantized), group,
-                          kernels.threads)
+                          kernels.threads, int(int8_activations) if quantized else 0)
+        if self.dims.q8 and not q8_fits(config, group):
+            raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
+                             f"of {Q8_BLOCK}")
         self.cos, self.sin = ptr(tensors["rope.cos"]), ptr(tensors["rope.sin"])
         self._scratch: torch.Tensor | None = None
 
     def _scratch_for(self, m: int) -> torch.Tensor:
         c, d = self.config, self.dims
+        kmax = max(c.hidden_size, c.intermediate_size, c.q_size)
         need = m * (2 * c.q_size + 2 * c.kv_size + 2 * c.intermediate_size + 2 * c.hidden_size) + m * d.heads * d.cache_len
+        need += d.threads * kmax + 2 * m * kmax // Q8_BLOCK + (2 * m * kmax + 3) // 4  # int8 activations
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch

@@ -41,6 +41,7 @@ __all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _QUANTIZE = {"": None, "int8": 0, "int8-block32": 32}  # option -> weights per scale (0: a whole row)
+_INT8_COMPUTE = {"auto": 2, "int8x2": 2, "int8": 1, "float": 0}  # option -> int8 rows per activation row
 
 
 @dataclass
@@ -99,6 +100,13 @@ class TorchEngine(EngineBase):
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
         "quantize": "",
+        # with int8 weights on the CPU: "int8" quantizes each decode product's activations to
+        # int8 per 32 values and multiplies with integer dot products (VNNI / AVX2, as
+        # llama.cpp's Q8_0 does); "int8x2" adds a second int8 row carrying the first's
+        # rounding error (twice the integer work, float-like accuracy); "float" keeps them
+        # float32 (weight-only int8, exact up to rounding); "auto" is "int8x2" where every
+        # input size is a multiple of 32, else "float" (docs/cuda_torch.md)
+        "int8_compute": "auto",
         # CUDA: replay the decode forward as a CUDA graph per kv_len bucket (not verified on a GPU
         # in this project's CI, hence off by default; see docs/cuda_torch.md)
         "cuda_graphs": False,
@@ -124,6 +132,8 @@ class TorchEngine(EngineBase):
             raise InvalidRequest(f"option threads={o['threads']} must be >= 0")
         if o["quantize"] not in _QUANTIZE:
             raise InvalidRequest(f"option quantize={o['quantize']!r}: use one of {sorted(_QUANTIZE)}")
+        if o["int8_compute"] not in _INT8_COMPUTE:
+            raise InvalidRequest(f"option int8_compute={o['int8_compute']!r}: use one of {list(_INT8_COMPUTE)}")
         if o["quantize"] and device.type != "cpu":
             raise UnsupportedFeature("quantize='int8' on CUDA", self.name, "int8 weights run on the CPU path only")
         if o["cuda_graphs"] and device.type != "cuda":
@@ -149,9 +159,26 @@ class TorchEngine(EngineBase):
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
                 warnings.warn(f"cuda_torch: the CPU kernels are unavailable ({exc}); using torch's matmul", stacklevel=2)
         self._linear = self._cpu_linear if (self._kernels is not None or o["quantize"]) else None
+        self.int8_activations = self._pick_int8_compute(model.config)
         self._fused = None  # the FusedDecoder, built with the weights when fused_decode applies
+        self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
     # -- construction ----------------------------------------------------------------------
+
+    def _pick_int8_compute(self, config) -> int:
+        """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
+        float32 activations, 1 or 2 (kernels/q8.cpp)."""
+        from polyengine.backends.cuda_torch.cpu_kernels import q8_fits
+
+        o = self.options
+        if not o["quantize"] or o["int8_compute"] == "float":
+            return 0
+        fits = self._kernels is not None and q8_fits(config, _QUANTIZE[o["quantize"]])
+        if o["int8_compute"] != "auto" and not fits:
+            why = ("the CPU kernels are off or unavailable" if self._kernels is None else
+                   "it needs hidden, intermediate and heads x head_dim sizes that are multiples of 32")
+            raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r}", self.name, why)
+        return _INT8_COMPUTE[o["int8_compute"]] if fits else 0
 
     @staticmethod
     def _pick_device(name: str) -> torch.device:
@@ -218,7 +245,8 @@ class TorchEngine(EngineBase):
 
                 self._fused = FusedDecoder(self._kernels, self._weights.tensors, self.model.config,
                                            cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
-                                           quantized=bool(self.options["quantize"]))
+                                           quantized=bool(self.options["quantize"]),
+                                           int8_activations=self.int8_activations)
             self._prefill_sampler = TorchSampler(
                 self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
         return self._weights
@@ -247,7 +275,7 @@ class TorchEngine(EngineBase):
         if q is not None:
             scale = t[name + ".scale"]
             if rows <= MAX_ROWS and self._kernels is not None:
-                return self._kernels.linear(x, q, bias, scale=scale)
+                return self._kernels.linear(x, q, bias, scale=scale, int8_activations=self.int8_activations)
             return torch.nn.functional.linear(x, dequantize_int8(q, scale), bias)
         w = t[name + ".weight"] if name != "lm_head" else t.get("lm_head.weight", t["model.embed_tokens.weight"])
         if rows <= MAX_ROWS and x.dtype == torch.float32:
@@ -460,7 +488,7 @@ class TorchEngine(EngineBase):
         x = t["model.embed_tokens.weight"][state.next_tokens[rows]].contiguous()  # (M, hidden)
         self._fused.step(x, rows, torch.tensor([positions[i] for i in live]), state.k, state.v)
         x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
-        logits = self._cpu_linear(t, x, "lm_head")  # (M, vocab)
+        logits = self._head(t, x)  # (M, vocab)
         res = state.sampler.sample(logits, rows, num_top=num_top)
         state.sampler.record(res.tokens, rows=rows)
         state.next_tokens[rows] = res.tokens
@@ -469,6 +497,18 @@ class TorchEngine(EngineBase):
         top_ids = torch.zeros((n, res.top_ids.shape[1]), dtype=torch.int64).index_put_((rows,), res.top_ids)
         top_lp = torch.zeros((n, res.top_logprobs.shape[1]), dtype=res.top_logprobs.dtype).index_put_((rows,), res.top_logprobs)
         return tokens, logprobs, top_ids, top_lp
+
+    def _head(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The LM head of a fused decode step: the host kernels at any row count (at 32
+        rows they measured ~1.5x torch's GEMM on this shape), into a reused buffer."""
+        if self._logits_buffer is None or self._logits_buffer.numel() < x.shape[0] * self.vocab_size:
+            self._logits_buffer = torch.empty(x.shape[0] * self.vocab_size, dtype=torch.float32)
+        q = t.get("lm_head.qweight")
+        if q is not None:
+            return self._kernels.linear(x, q, t.get("lm_head.bias"), scale=t["lm_head.scale"], out=self._logits_buffer,
+                                        int8_activations=self.int8_activations)
+        w = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+        return self._kernels.linear(x, w, t.get("lm_head.bias"), out=self._logits_buffer)
 
     def free_resource(self, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
         state = decode_state

@@ -29,14 +29,32 @@ struct pe_dims {
     int int8;   // weights are int8 (with scales)
     long group; // int8: weights per scale along a row (0: one scale per row)
     int threads;
+    int q8;     // int8 weights: activations to int8 too (q8.cpp; all K % 32 == 0), as one int8
+                // row per row (1) or two, the second carrying the first's rounding error (2)
 };
 
-static int kind_of(const pe_dims *d) { return !d->int8 ? PE_F32 : d->group ? PE_I8_GROUPED : PE_I8; }
+static int kind_of(const pe_dims *d) {
+    return !d->int8 ? PE_F32 : d->q8 == 2 ? PE_Q8X2 : d->q8 ? PE_Q8 : d->group ? PE_I8_GROUPED : PE_I8;
+}
 
-// Thread tid's share of the projections that read the same input x (M, K).
-static void proj(const pe_dims *d, const float *x, int M, long K, const pe_seg *segs, int nseg, int tid, int nth) {
-    pe_linear_job job = {x, K, M, K, kind_of(d), d->group, segs, nseg};
+// Thread tid's share of the projections that read the same input x (M, K) (for PE_Q8,
+// its int8 form xq/xs, quantized by rows before the barrier that precedes this).
+static void proj(const pe_dims *d, const float *x, const int8_t *xq, const float *xs, int M, long K,
+                 const pe_seg *segs, int nseg, int tid, int nth) {
+    pe_linear_job job = {x, K, M, K, kind_of(d), d->group, segs, nseg, xq, xs};
     linear_task(&job, tid, nth);
+}
+
+// Rows [r0, r1) of x (M, K) to int8 for the next product, when it runs on int8
+// activations (res: K floats of this thread's scratch, for q8 == 2).
+static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, long r1, int8_t *xq, float *xs,
+                          float *res) {
+    if (!d->q8 || r1 <= r0) return;
+    const long p = d->q8;  // int8 rows per row
+    if (p == 2)
+        q8x2_quantize(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), res);
+    else
+        q8_quantize(x + r0 * K, K, (int)(r1 - r0), K, xq + r0 * K, xs + r0 * (K / Q8_BLOCK));
 }
 
 static void rms_norm(const float *x, const float *w, float *y, long n, float eps) {
@@ -113,7 +131,8 @@ extern "C" {
 // x: (M, H) in/out (the residual stream: embeddings in, final hidden states out, before
 // the final norm). rows/pos: each row's cache row and position. scratch: at least
 // M * (q_size + 2 * kv_size + q_size + 2 * intermediate + hidden) floats, plus
-// M * heads * cache_len for the attention scores.
+// M * heads * cache_len for the attention scores, plus threads * kmax + 2M * kmax / 32
+// floats and 2M * kmax bytes for the int8 activations, kmax the longest K of a projection.
 void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
                float *k_cache, float *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
     const long H = d->hidden, I = d->intermediate, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
@@ -127,6 +146,10 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
     float *u = g + M * I;             // (M, I)
     float *tmp = u + M * I;           // (M, H)
     float *scores = tmp + M * H;      // (M * nh, S)
+    const long kmax = I > H ? (I > qs ? I : qs) : (H > qs ? H : qs);
+    float *res = scores + M * nh * S;  // (threads, kmax): q8 == 2 residuals
+    float *xs = res + d->threads * kmax;  // (2M, kmax / 32): int8 activations' scales (q8)
+    int8_t *xq = (int8_t *)(xs + 2 * M * (kmax / 32));  // (2M, kmax)
     pe_barrier bar;
     // One parallel region for the whole step; its phases are separated by bar.wait().
     // Row-wise work (norms, RoPE and cache writes) is split by row, element-wise work by
@@ -139,11 +162,12 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
         for (long l = 0; l < d->layers; l++) {
             const pe_layer *w = layers + l;
             for (long m = r0; m < r1; m++) rms_norm(x + m * H, w->input_norm, h + m * H, H, d->eps);
+            quantize_rows(d, h, H, r0, r1, xq, xs, res + tid * kmax);
             bar.wait(nth);
             const pe_seg qkv[3] = {{w->q, w->q_scale, w->q_bias, q, qs, qs},
                                    {w->k, w->k_scale, w->k_bias, k, kvs, kvs},
                                    {w->v, w->v_scale, w->v_bias, v, kvs, kvs}};
-            proj(d, h, M, H, qkv, 3, tid, nth);
+            proj(d, h, xq, xs, M, H, qkv, 3, tid, nth);
             bar.wait(nth);
             for (long m = r0; m < r1; m++) {
                 const float *cs = rope_cos + (long)pos[m] * (hd / 2), *sn = rope_sin + (long)pos[m] * (hd / 2);
@@ -159,23 +183,32 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
             pe_attn_job aj = {d, l, M, rows, pos, q, k_cache, v_cache, att, scores};
             attn_task(&aj, tid, nth);
             bar.wait(nth);
+            if (d->q8) {
+                quantize_rows(d, att, qs, r0, r1, xq, xs, res + tid * kmax);
+                bar.wait(nth);
+            }
             const pe_seg o[1] = {{w->o, w->o_scale, w->o_bias, tmp, H, H}};
-            proj(d, att, M, qs, o, 1, tid, nth);
+            proj(d, att, xq, xs, M, qs, o, 1, tid, nth);
             bar.wait(nth);
             for (long m = r0; m < r1; m++) {
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
                 rms_norm(x + m * H, w->post_norm, h + m * H, H, d->eps);
             }
+            quantize_rows(d, h, H, r0, r1, xq, xs, res + tid * kmax);
             bar.wait(nth);
             const pe_seg gate_up[2] = {{w->gate, w->gate_scale, w->gate_bias, g, I, I},
                                        {w->up, w->up_scale, w->up_bias, u, I, I}};
-            proj(d, h, M, H, gate_up, 2, tid, nth);
+            proj(d, h, xq, xs, M, H, gate_up, 2, tid, nth);
             bar.wait(nth);
             pe_share(M * I, tid, nth, &e0, &e1);
             for (long i = e0; i < e1; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             bar.wait(nth);
+            if (d->q8) {
+                quantize_rows(d, g, I, r0, r1, xq, xs, res + tid * kmax);
+                bar.wait(nth);
+            }
             const pe_seg down[1] = {{w->down, w->down_scale, w->down_bias, tmp, H, H}};
-            proj(d, g, M, I, down, 1, tid, nth);
+            proj(d, g, xq, xs, M, I, down, 1, tid, nth);
             bar.wait(nth);
             for (long m = r0; m < r1; m++)
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];

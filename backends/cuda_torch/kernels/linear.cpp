@@ -24,14 +24,35 @@ typedef int8_t vb __attribute__((vector_size(VW)));
 
 static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline vf load_w(const float *p) { return load_f(p); }
-static inline vf load_w(const int8_t *p) { vb b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, vf); }
+// int8 -> float32 lanes through the sign-extending conversions (GCC 12 turns
+// __builtin_convertvector on these types into one scalar conversion per lane).
+static inline vf load_w(const int8_t *p) {
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vf);
+#endif
+}
 static inline float wv(const float *p) { return *p; }
 static inline float wv(const int8_t *p) { return (float)*p; }
 
+// Sum of a vector's lanes as a tree of halvings (a lane-by-lane loop is a chain of
+// dependent adds: it dominated the attention scores, one sum per cached position).
 static inline float hsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
+    typedef float vh __attribute__((vector_size(32)));
+    typedef float vq __attribute__((vector_size(16)));
+#if VW == 16
+    vh h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vh h = v;
+#endif
+    vq q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    q = q + __builtin_shufflevector(q, q, 2, 3, 0, 1);
+    return q[0] + q[1];
 }
 
 // MB rows of x against R rows of int8 W with one scale per GROUP weights of a row
@@ -114,6 +135,8 @@ static inline void rows_grouped(const float *x, long ldx, const int8_t *w, long 
     for (; m < M; m++) block_grouped<1, R>(x + m * ldx, ldx, w, K, n0, group, scale, bias, y + m * ldy, ldy);
 }
 
+#include "q8.cpp"
+
 // One projection's output rows in a parallel loop over several projections of one input
 // (q, k and v read the same normed activations; so do gate and up).
 struct pe_seg {
@@ -124,7 +147,42 @@ struct pe_seg {
     long ldy, N;
 };
 
-enum { PE_F32 = 0, PE_I8 = 1, PE_I8_GROUPED = 2 };
+// PE_Q8: int8 weights against int8-quantized activations (q8.cpp; xq/xs set, x unused).
+// PE_Q8X2: the same with each activation row carried as two int8 rows, its quantization
+// and the quantization of what that left over (q8x2_quantize): twice the integer
+// arithmetic, the same weight bytes, ~1/250 of the activation rounding error.
+enum { PE_F32 = 0, PE_I8 = 1, PE_I8_GROUPED = 2, PE_Q8 = 3, PE_Q8X2 = 4 };
+
+// Row m of x (K values) -> rows 2m and 2m + 1 of xq/xs: x ~ xs[2m] * xq[2m] +
+// xs[2m + 1] * xq[2m + 1] blockwise. res: K floats of scratch.
+static void q8x2_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, float *res) {
+    const long nb = K / Q8_BLOCK;
+    for (int m = 0; m < M; m++) {
+        int8_t *q = xq + 2L * m * K;
+        float *sc = xs + 2L * m * nb;
+        q8_quantize(x + m * ldx, ldx, 1, K, q, sc);
+        for (long k = 0; k < K; k++) res[k] = x[m * ldx + k] - sc[k / Q8_BLOCK] * (float)q[k];
+        q8_quantize(res, K, 1, K, q + K, sc + nb);
+    }
+}
+
+// Rows [n0, n1) of one projection against 2M int8 rows (PE_Q8X2): the pairs' products
+// land in a stack buffer, chunk by chunk, and are summed (with the bias) into y.
+static void q8x2_rows(const int8_t *xq, const float *xs, int M, long K, const int8_t *w, const float *scale,
+                      long group, const float *bias, float *y, long ldy, long n0, long n1) {
+    float buf[8192];
+    const int M2 = 2 * M;
+    long chunk = 8192 / M2;
+    if (chunk > Q8_R) chunk -= chunk % Q8_R;
+    const long spr = group ? K / group : 1;  // scales per weight row
+    for (long a = n0; a < n1; a += chunk) {
+        const long b = a + chunk < n1 ? a + chunk : n1, width = b - a;
+        q8_rows(xq, xs, M2, K, w + a * K, scale + a * spr, group, nullptr, buf, width, 0, width);
+        for (int m = 0; m < M; m++)
+            for (long n = 0; n < width; n++)
+                y[m * ldy + a + n] = buf[2 * m * width + n] + buf[(2 * m + 1) * width + n] + (bias ? bias[a + n] : 0.f);
+    }
+}
 
 struct pe_linear_job {
     const float *x;
@@ -132,9 +190,11 @@ struct pe_linear_job {
     int M;
     long K;
     int kind;
-    long group;
+    long group;  // int8 weights per scale along a row (0: one scale per row)
     const pe_seg *segs;
     int nseg;
+    const int8_t *xq;  // PE_Q8: q8_quantize(x)
+    const float *xs;
 };
 
 static const long PE_TILE = (VW == 16) ? 8 : 4;  // weight rows a thread streams together (MB x R accumulators in registers)
@@ -150,6 +210,10 @@ static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) 
         const int8_t *w = (const int8_t *)s->w;
         for (; n + R <= n1; n += R) rows<R>(j->x, j->ldx, w, j->K, n, j->M, s->scale, s->bias, s->y, s->ldy);
         for (; n < n1; n++) rows<1>(j->x, j->ldx, w, j->K, n, j->M, s->scale, s->bias, s->y, s->ldy);
+    } else if (j->kind == PE_Q8) {
+        q8_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
+    } else if (j->kind == PE_Q8X2) {
+        q8x2_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
     } else {
         const int8_t *w = (const int8_t *)s->w;
         for (; n + R <= n1; n += R)
@@ -180,7 +244,7 @@ static void linear_task(void *arg, int tid, int nth) {
 
 static void linear_segs(const float *x, long ldx, int M, long K, int kind, long group, const pe_seg *segs, int nseg,
                         int threads) {
-    pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg};
+    pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg, nullptr, nullptr};
     pe_parallel(linear_task, &job, threads);
 }
 
@@ -206,5 +270,23 @@ void pe_linear_i8_grouped(const float *x, long ldx, const int8_t *w, const float
     pe_seg seg = {w, scale, bias, y, ldy, N};
     linear_segs(x, ldx, M, K, PE_I8_GROUPED, group, &seg, 1, threads);
 }
+
+// int8 weights (scales per row: group 0, or per group of a multiple of 32) against x
+// quantized to int8 per 32 values (q8.cpp); K % 32 == 0. pairs: 2 for PE_Q8X2 (two int8
+// rows per row of x), else 1. Scratch: xq pairs * M * K bytes, xs pairs * M * K / 32
+// floats, res K floats.
+void pe_linear_q8(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
+                  float *y, long ldy, int M, long N, long K, long group, int threads, int8_t *xq, float *xs,
+                  int pairs, float *res) {
+    if (pairs == 2)
+        q8x2_quantize(x, ldx, M, K, xq, xs, res);
+    else
+        q8_quantize(x, ldx, M, K, xq, xs);
+    pe_seg seg = {w, scale, bias, y, ldy, N};
+    pe_linear_job job = {x, ldx, M, K, pairs == 2 ? PE_Q8X2 : PE_Q8, group, &seg, 1, xq, xs};
+    pe_parallel(linear_task, &job, threads);
+}
+
+int pe_q8_isa(void) { return PE_Q8_ISA; }
 
 }
