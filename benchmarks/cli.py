@@ -2,7 +2,8 @@
 
     polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
                      [--peers transformers,llamacpp|none] [--repeats N] [--quick]
-                     [--json PATH] [--parts standard,long] [--llamacpp-threads 1,2] [--cache-dir DIR]
+                     [--json PATH] [--parts standard,long] [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
+                     [--cache-dir DIR]
 
 Plans one job per (system, part), runs each in its own worker subprocess (``jobs``),
 shows progress on stderr, and prints the report (``report``) on stdout. Rows: every
@@ -61,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which parts to run: 'standard' (decode, prefill, serve), 'long' (the full-context batch), "
                         "or both (default); the long batch's prefill is slow on slow systems")
     p.add_argument("--llamacpp-threads", default=None, metavar="N,N", help="thread counts llama.cpp chooses from (default: 1 and 2)")
+    p.add_argument("--llamacpp-quants", default=None, metavar="LIST",
+                   help="llama.cpp settings to run: 'shipped' (the GGUF as it is), F16, F32 (default: all three)")
     p.add_argument("--cache-dir", default=None, help="where converted peer weights are kept (default: ~/.cache/polyengine/bench)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one worker may run (default 7200, 600 with --quick)")
 
@@ -131,6 +134,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
     """The jobs of this run, in order: polyengine rows, then each peer's settings."""
     from polyengine.benchmarks.host import cpu_info, has_fast_bf16
     from polyengine.benchmarks.jobs import Job
+    from polyengine.benchmarks.report import is_int8
     from polyengine.plugins import select_backend
 
     rows: list[Job] = []
@@ -138,6 +142,10 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
         backend = select_backend(name).name  # unknown or unusable: the typed error says why, before any job
         for dtype in args.dtype:
             for options in _options(args.options):
+                if dtype not in (None, "float32") and is_int8(options):
+                    notes.append(f"{backend} {dtype} {json.dumps(options, sort_keys=True)}: skipped, int8 weights are "
+                                 f"measured in float32 engines only")
+                    continue
                 setting = f"{backend} {dtype or 'default'}" + (f" {json.dumps(options, sort_keys=True)}" if options else "")
                 rows.append(Job(f"polyengine {setting}", "polyengine",
                                 dict(model=args.model, backend=backend, dtype=dtype, options=options), "standard",
@@ -172,7 +180,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
             if path is None or path.suffix.lower() != ".gguf":
                 notes.append(f"llama.cpp: skipped, it needs a .gguf file, not {args.model!r}")
                 continue
-            for i, (quant, file) in enumerate(_llamacpp_files(path, cache, notes)):
+            for i, (quant, file) in enumerate(_llamacpp_files(path, cache, notes, _quants(args.llamacpp_quants))):
                 rows.append(Job(f"llama.cpp {quant}", "llamacpp",
                                 dict(model=str(file), threads=_threads(args.llamacpp_threads), quant=quant),
                                 "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0))
@@ -197,15 +205,29 @@ def _prepare_transformers(path: Path, cache: str, notes: list[str]) -> bool:
     return True
 
 
-def _llamacpp_files(path: Path, cache: str, notes: list[str]) -> list[tuple[str, Path]]:
-    """The GGUF as shipped plus its F16 and F32 copies (written once, then cached)."""
+def _quants(arg: str | None) -> set[str]:
+    if arg is None:
+        return {"shipped", "F16", "F32"}
+    got = {q.strip() for q in arg.split(",") if q.strip()}
+    bad = got - {"shipped", "F16", "F32"}
+    if bad or not got:
+        from polyengine.errors import InvalidRequest
+
+        raise InvalidRequest(f"--llamacpp-quants {arg!r}: use a comma-separated subset of shipped, F16, F32")
+    return got
+
+
+def _llamacpp_files(path: Path, cache: str, notes: list[str], quants: set[str] = frozenset({"shipped", "F16", "F32"})
+                    ) -> list[tuple[str, Path]]:
+    """The GGUF as shipped plus its F16 and F32 copies (written once, then cached), as
+    far as ``quants`` asks for them."""
     from polyengine.benchmarks.gguf_convert import converted_gguf, copy_path
     from polyengine.models.gguf_io import read_gguf
 
     shipped = _file_type(read_gguf(path).metadata.get("general.file_type"))
-    files = [(shipped, path)]
+    files = [(shipped, path)] if "shipped" in quants else []
     for kind in ("F16", "F32"):
-        if kind == shipped:
+        if kind == shipped or kind not in quants:
             continue
         try:
             if not copy_path(path, kind, cache).is_file():
@@ -260,6 +282,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     parts = _parts(args.parts)
     jobs = plan(args, notes)
+    if not args.quick and any(job.kind == "polyengine" for job in jobs):
+        from polyengine.benchmarks import limits
+
+        doc["host"]["limits"] = limits.measure(args.model, max(work.batches))  # before any job, never beside one
     for job in jobs:
         job.parts = [p for p in parts if p == "standard" or job.long]
     progress = Progress(sum(len(job.parts) for job in jobs))
@@ -271,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if doc["rows"][-1].pop("interrupted", False):
                 raise KeyboardInterrupt
             doc["host"]["load_end"] = host.load_average()
-            doc["targets"] = report.judge(doc["rows"], work)
+            doc["targets"] = report.judge(doc["rows"], work, doc["host"].get("limits"))
             if args.json:
                 report.write_json(doc, args.json)
         doc["complete"] = True
@@ -279,7 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.note("interrupted: reporting the systems that finished")
         notes.append(f"interrupted by the user during system {len(doc['rows'])} of {len(jobs)}")
     doc["host"]["load_end"] = host.load_average()
-    doc["targets"] = report.judge(doc["rows"], work)
+    doc["targets"] = report.judge(doc["rows"], work, doc["host"].get("limits"))
     return doc
 
 

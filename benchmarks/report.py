@@ -52,6 +52,7 @@ class Target:
     peer_rows: Callable[[dict[str, Any]], bool]
     threshold: float
     strict: bool = False  # above, rather than at least
+    limit: str | None = None  # a host limit (benchmarks/limits.py key, tok/s) that caps what is asked
 
 
 def targets(work: Workload) -> list[Target]:
@@ -59,8 +60,10 @@ def targets(work: Workload) -> list[Target]:
     b1, bmax, plen = str(min(work.batches)), str(max(work.batches)), work.prefill_len
     every = lambda row: True  # noqa: E731
     return [
-        Target(f"float32 decode b{b1} >= 3x transformers", ("decode_tok_s", b1), _float32, "transformers", every, 3.0),
-        Target(f"float32 decode b{bmax} >= 2x transformers", ("decode_tok_s", bmax), _float32, "transformers", every, 2.0),
+        Target(f"float32 decode b{b1} >= 3x transformers", ("decode_tok_s", b1), _float32, "transformers", every, 3.0,
+               limit="fp32_b1_floor_tok_s"),
+        Target(f"float32 decode b{bmax} >= 2x transformers", ("decode_tok_s", bmax), _float32, "transformers", every, 2.0,
+               limit="fp32_gemm_tok_s"),
         Target(f"float32 decode b{bmax} > llama.cpp", ("decode_tok_s", bmax), _float32, "llamacpp", every, 1.0, strict=True),
         Target(f"prefill {plen} >= transformers", ("prefill_tok_s",), every, "transformers", every, 1.0),
         Target(f"int8 decode b{b1} >= llama.cpp Q4_1", ("decode_tok_s", b1), _int8, "llamacpp",
@@ -79,8 +82,13 @@ def metric(row: dict[str, Any], path: tuple[str, ...]) -> float | None:
     return None if node is None else float(node)
 
 
-def judge(rows: list[dict[str, Any]], work: Workload) -> list[dict[str, Any]]:
-    """One verdict per (target, applicable polyengine row), or one line saying why none."""
+def judge(rows: list[dict[str, Any]], work: Workload, limits: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One verdict per (target, applicable polyengine row), or one line saying why none.
+
+    A target with a host limit (``limits``, benchmarks/limits.py) asks for the smaller of
+    threshold x the peer and 80% of the limit: what the host allows, not more."""
+    from polyengine.benchmarks.limits import CAP
+
     out = []
     for t in targets(work):
         peers = [(metric(r, t.metric), r) for r in rows if r["kind"] == t.peer and t.peer_rows(r)]
@@ -99,8 +107,13 @@ def judge(rows: list[dict[str, Any]], work: Workload) -> list[dict[str, Any]]:
                 entry["verdict"] = "not judged: this row has no value"
             else:
                 ratio = v / best[0]
-                ok = ratio > t.threshold if t.strict else ratio >= t.threshold
-                entry.update(peer_row=best[1]["row"], peer_value=best[0], ratio=ratio, passed=ok,
+                need = t.threshold * best[0]
+                cap = (limits or {}).get(t.limit) if t.limit else None
+                if cap is not None and CAP * cap < need:
+                    need = CAP * cap
+                    entry.update(limit=cap, limit_name=t.limit)
+                ok = v > need if t.strict else v >= need
+                entry.update(peer_row=best[1]["row"], peer_value=best[0], ratio=ratio, needed=need, passed=ok,
                              verdict="PASS" if ok else "FAIL")
             out.append(entry)
     return out
@@ -186,10 +199,21 @@ def verdicts(doc: dict[str, Any]) -> str:
             who = f" [{v['row']}]" if v.get("row") else ""
             lines.append(f"  {v['target']}{who}: {v['verdict']}")
             continue
+        capped = (f"; past the host limit, so asked: {_num(v['needed'])} = 80% of {_num(v['limit'])} "
+                  f"({v['limit_name']})" if v.get("limit") is not None else "")
         lines.append(
             f"  {v['target']} [{v['row']}]: {_num(v['value'])} / {_num(v['peer_value'])} ({v['peer_row']}) "
-            f"= {v['ratio']:.2f}x -> {v['verdict']}"
+            f"= {v['ratio']:.2f}x{capped} -> {v['verdict']}"
         )
+    limits = doc["host"].get("limits")
+    if limits and "error" not in limits:
+        lines.append(
+            f"host limits: memory read {limits['read_gb_s']:.1f} GB/s -> float32 batch-1 floor "
+            f"{limits['fp32_b1_floor_tok_s']:.0f} tok/s ({limits['params'] / 1e6:.0f}M parameters); torch float32 GEMM "
+            f"{limits['gemm_gflop_s']:.0f} GFLOP/s at {'x'.join(map(str, limits['gemm_shape']))} -> "
+            f"{limits['fp32_gemm_tok_s']:.0f} tok/s at the largest batch")
+    elif limits:
+        lines.append(f"host limits: {limits['error']}")
     return "\n".join(lines)
 
 

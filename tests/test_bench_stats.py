@@ -179,6 +179,23 @@ def test_targets_compare_with_the_peers_best_setting():
     assert ("float32 decode b1 >= 3x transformers", "pe int8") not in got, "int8 rows are not float32 rows"
 
 
+def test_a_target_past_the_host_limit_asks_for_80_percent_of_it():
+    rows = [
+        _row("polyengine", "pe fp32", decode1=45, decode32=370, dtype="float32"),
+        _row("transformers", "hf bf16", decode1=24, decode32=200),
+    ]
+    limits = {"fp32_b1_floor_tok_s": 55.0, "fp32_gemm_tok_s": 450.0}
+    got = {v["target"]: v for v in report.judge(rows, STANDARD, limits)}
+    b1 = got["float32 decode b1 >= 3x transformers"]  # 3 x 24 = 72 > 55: asks 0.8 x 55 = 44
+    assert b1["needed"] == pytest.approx(44.0) and b1["passed"] and b1["limit"] == 55.0
+    b32 = got["float32 decode b32 >= 2x transformers"]  # 2 x 200 = 400 > 360
+    assert b32["needed"] == pytest.approx(360.0) and b32["passed"]
+    plain = {v["target"]: v for v in report.judge(rows, STANDARD)}
+    assert not plain["float32 decode b1 >= 3x transformers"]["passed"], "without limits the ratio alone decides"
+    low = report.judge(rows, STANDARD, {"fp32_b1_floor_tok_s": 500.0, "fp32_gemm_tok_s": 5000.0})
+    assert all("limit" not in v for v in low), "a limit above what the ratio asks changes nothing"
+
+
 def test_targets_say_why_they_were_not_judged():
     rows = [_row("polyengine", "pe f64", decode1=10, prefill=100, dtype="float64")]
     verdicts = report.judge(rows, STANDARD)

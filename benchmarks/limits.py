@@ -1,0 +1,73 @@
+"""The host's own limits for the cuda_torch targets, measured in the bench run.
+
+A ratio target can ask for more than the host allows: at batch 1 a float32 decode step
+reads every weight once, so it cannot beat memory bandwidth / weight bytes tokens per
+second; at the largest batch it multiplies every weight by every row, so it cannot
+beat torch's float32 GEMM rate / (2 x parameters). Where a target would pass such a
+limit, it becomes 80% of the limit (docs/benchmarks.md). Both are measured here, in a
+subprocess run before any job (never beside one):
+
+- ``read_gb_s``: a float32 sum over a 512 MiB tensor (far larger than any cache) with
+  torch's threads, median of 5: what streaming the weights can reach;
+- ``gemm_gflop_s``: ``F.linear`` of ``(batch, hidden)`` by ``(intermediate, hidden)``
+  float32, the model's widest projection at the largest decode batch, median of 7.
+
+The model's parameter count comes from its config (``Model.config``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+__all__ = ["measure", "CAP"]
+
+CAP = 0.8  # a target past a host limit becomes this fraction of the limit
+
+_SNIPPET = r"""
+import json, sys, time
+import torch
+from polyengine.models.loader import load_model
+
+spec, batch = sys.argv[1] or None, int(sys.argv[2])
+config = load_model(spec).config
+params = config.num_parameters()
+
+def median(fn, n):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+big = torch.ones(128 * 2**20)
+big.sum()
+read = big.numel() * 4 / median(big.sum, 5) / 1e9
+del big
+x = torch.randn(batch, config.hidden_size)
+w = torch.randn(config.intermediate_size, config.hidden_size)
+torch.nn.functional.linear(x, w)
+gemm = 2 * batch * config.hidden_size * config.intermediate_size / median(lambda: torch.nn.functional.linear(x, w), 7) / 1e9
+print(json.dumps({
+    "read_gb_s": read, "gemm_gflop_s": gemm, "gemm_shape": [batch, config.hidden_size, config.intermediate_size],
+    "params": params, "threads": torch.get_num_threads(),
+    "fp32_b1_floor_tok_s": read * 1e9 / (4 * params), "fp32_gemm_tok_s": gemm * 1e9 / (2 * params),
+}))
+"""
+
+
+def measure(model: str | None, batch: int) -> dict[str, Any] | None:
+    """The limits above, or ``{"error": ...}`` where the probe fails; None without torch."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        out = subprocess.run([sys.executable, "-c", _SNIPPET, model or "", str(batch)], capture_output=True,
+                             text=True, timeout=300, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    except subprocess.CalledProcessError as exc:
+        return {"error": f"the limits probe failed: {exc.stderr.strip()[-300:]}"}
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        return {"error": f"the limits probe failed: {type(exc).__name__}: {exc}"}
