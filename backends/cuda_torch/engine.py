@@ -16,8 +16,10 @@ lengths); the tokens stay on the device until the driver reads them.
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -86,6 +88,24 @@ class TorchDecodeState:
         return self.slots[slot] is not None
 
 
+def _on_engine_thread(method):
+    """Run an engine method on the step worker thread when there is one.
+
+    torch's CPU ops run on OpenMP, and libgomp keeps a thread team per calling thread:
+    once the caller's thread and the step worker both have one, it counts more threads
+    than cores and puts idle team threads to sleep, so every parallel op pays futex
+    wake-ups (~1 ms a step at batch 1 in the sampler's ops). With every torch call on one
+    thread there is one team, which spins between ops as it should."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._worker is None or threading.current_thread() is self._worker_thread:
+            return method(self, *args, **kwargs)
+        return self._worker.submit(method, self, *args, **kwargs).result()
+
+    return run
+
+
 class TorchEngine(EngineBase):
     name = "cuda_torch"
     OPTIONS = {
@@ -145,9 +165,11 @@ class TorchEngine(EngineBase):
         self._check_memory()
         if o["threads"] and device.type == "cpu":
             torch.set_num_threads(o["threads"])
-        # CPU: a worker thread runs the steps, so the caller reads step n while n+1 runs.
+        # CPU: a worker thread runs the steps, so the caller reads step n while n+1 runs, and
+        # every other torch call of the engine too (see _on_engine_thread).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="cuda_torch-step") if (
             device.type == "cpu" and o["async_steps"]) else None
+        self._worker_thread = self._worker.submit(threading.current_thread).result() if self._worker else None
         self._weights: TorchWeights | None = None
         self._prefill_sampler: TorchSampler | None = None
         self._kernels = None
@@ -233,6 +255,7 @@ class TorchEngine(EngineBase):
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    @_on_engine_thread
     def load_params(self) -> TorchWeights:
         if self._weights is None:
             self._weights = self._allocating("the weights", lambda: TorchWeights.from_model(
@@ -282,6 +305,7 @@ class TorchEngine(EngineBase):
             return self._kernels.linear(x, w, bias)
         return torch.nn.functional.linear(x, w, bias)
 
+    @_on_engine_thread
     def init_decode_state(self) -> TorchDecodeState:
         weights = self.load_params()
         n = self.max_concurrent_decodes
@@ -311,6 +335,7 @@ class TorchEngine(EngineBase):
         finally:
             sampler.clear(0)
 
+    @_on_engine_thread
     @torch.no_grad()
     def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
@@ -355,6 +380,7 @@ class TorchEngine(EngineBase):
         state.sampler.install(slot, prefix.sampling, prefix.prompt_tokens, sample_index=sample_index)
         state.slots[slot] = _Slot(prompt_len=n, completion=1)
 
+    @_on_engine_thread
     @torch.no_grad()
     def insert(self, prefix: Prefix, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
         state = decode_state
@@ -368,6 +394,7 @@ class TorchEngine(EngineBase):
         state.next_tokens[slot] = prefix.first_token
         return state
 
+    @_on_engine_thread
     @torch.no_grad()
     def bulk_insert(self, prefix: Prefix, decode_state: TorchDecodeState, slots: Sequence[int]):
         state = decode_state
@@ -510,6 +537,7 @@ class TorchEngine(EngineBase):
         w = t.get("lm_head.weight", t["model.embed_tokens.weight"])
         return self._kernels.linear(x, w, t.get("lm_head.bias"), out=self._logits_buffer)
 
+    @_on_engine_thread
     def free_resource(self, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
         state = decode_state
         slot = self.check_slot(slot)
@@ -521,6 +549,7 @@ class TorchEngine(EngineBase):
 
     # -- portable prefixes ---------------------------------------------------------------
 
+    @_on_engine_thread
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
         k, v = prefix.kv
@@ -529,6 +558,7 @@ class TorchEngine(EngineBase):
             last_logits=self._to_host(prefix.logits), sampling=prefix.sampling, model_fingerprint=self.model.fingerprint,
         )
 
+    @_on_engine_thread
     @torch.no_grad()
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
         prompt, sampling = self.check_portable(portable)

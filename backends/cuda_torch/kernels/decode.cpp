@@ -126,6 +126,28 @@ static void attn_task(void *arg, int tid, int nth) {
     }
 }
 
+// -DPE_PROFILE: thread 0 adds each phase's time to pe_phase_ns (read with pe_profile);
+// for finding where a step's time goes, never in a normal build.
+#ifdef PE_PROFILE
+#include <chrono>
+static double pe_phase_ns[8];
+static inline double pe_now() {
+    return (double)std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+#define PE_MARK(i)                                   \
+    if (tid == 0) {                                  \
+        double t_ = pe_now();                        \
+        pe_phase_ns[i] += t_ - pe_t0;                \
+        pe_t0 = t_;                                  \
+    }
+extern "C" void pe_profile(double *out) {
+    for (int i = 0; i < 8; i++) out[i] = pe_phase_ns[i], pe_phase_ns[i] = 0;
+}
+#else
+#define PE_MARK(i)
+#endif
+
 extern "C" {
 
 // x: (M, H) in/out (the residual stream: embeddings in, final hidden states out, before
@@ -157,6 +179,9 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
 #pragma omp parallel num_threads(d->threads > 1 ? d->threads : 1)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#ifdef PE_PROFILE
+        double pe_t0 = pe_now();
+#endif
         long r0, r1, e0, e1;
         pe_share(M, tid, nth, &r0, &r1);
         for (long l = 0; l < d->layers; l++) {
@@ -169,6 +194,7 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
                                    {w->v, w->v_scale, w->v_bias, v, kvs, kvs}};
             proj(d, h, xq, xs, M, H, qkv, 3, tid, nth);
             bar.wait(nth);
+            PE_MARK(1)
             for (long m = r0; m < r1; m++) {
                 const float *cs = rope_cos + (long)pos[m] * (hd / 2), *sn = rope_sin + (long)pos[m] * (hd / 2);
                 rope(q + m * qs, nh, hd, cs, sn);
@@ -180,9 +206,11 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
                 }
             }
             bar.wait(nth);
+            PE_MARK(2)
             pe_attn_job aj = {d, l, M, rows, pos, q, k_cache, v_cache, att, scores};
             attn_task(&aj, tid, nth);
             bar.wait(nth);
+            PE_MARK(3)
             if (d->q8) {
                 quantize_rows(d, att, qs, r0, r1, xq, xs, res + tid * kmax);
                 bar.wait(nth);
@@ -190,6 +218,7 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
             const pe_seg o[1] = {{w->o, w->o_scale, w->o_bias, tmp, H, H}};
             proj(d, att, xq, xs, M, qs, o, 1, tid, nth);
             bar.wait(nth);
+            PE_MARK(4)
             for (long m = r0; m < r1; m++) {
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
                 rms_norm(x + m * H, w->post_norm, h + m * H, H, d->eps);
@@ -200,6 +229,7 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
                                        {w->up, w->up_scale, w->up_bias, u, I, I}};
             proj(d, h, xq, xs, M, H, gate_up, 2, tid, nth);
             bar.wait(nth);
+            PE_MARK(5)
             pe_share(M * I, tid, nth, &e0, &e1);
             for (long i = e0; i < e1; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             bar.wait(nth);
@@ -210,6 +240,7 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
             const pe_seg down[1] = {{w->down, w->down_scale, w->down_bias, tmp, H, H}};
             proj(d, g, xq, xs, M, I, down, 1, tid, nth);
             bar.wait(nth);
+            PE_MARK(6)
             for (long m = r0; m < r1; m++)
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
             // the next layer's first phase reads only this thread's rows of x: no barrier

@@ -202,7 +202,13 @@ static const long PE_TILE = (VW == 16) ? 8 : 4;  // weight rows a thread streams
 static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) {
     const int R = PE_TILE;
     long n = n0;
-    if (j->kind == PE_F32) {
+    if (j->kind == PE_F32 && j->M <= 2) {
+        // memory-bound: one weight row at a time, a single sequential stream, which the
+        // hardware prefetchers follow best (R rows side by side are R short streams;
+        // measured on Zen 4 at batch 1: 13.0 vs 15.0 ms a step's layers, R = 8)
+        const float *w = (const float *)s->w;
+        for (; n < n1; n++) rows<1>(j->x, j->ldx, w, j->K, n, j->M, nullptr, s->bias, s->y, s->ldy);
+    } else if (j->kind == PE_F32) {
         const float *w = (const float *)s->w;
         for (; n + R <= n1; n += R) rows<R>(j->x, j->ldx, w, j->K, n, j->M, nullptr, s->bias, s->y, s->ldy);
         for (; n < n1; n++) rows<1>(j->x, j->ldx, w, j->K, n, j->M, nullptr, s->bias, s->y, s->ldy);
