@@ -220,6 +220,17 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
 #endif
         long r0, r1, e0, e1;
         pe_share(M, tid, nth, &r0, &r1);
+        // tmp (M, H) = in (M, K) @ W^T for the o and down projections, whose input the
+        // threads wrote by element or by head: quantized by rows (q8) after a barrier.
+        auto into_tmp = [&](const float *in, long K, const void *wt, const float *scale, const float *bias) {
+            if (d->q8) {
+                quantize_rows(d, in, K, r0, r1, xq, xs, res + tid * kmax);
+                bar.wait(nth);
+            }
+            const pe_seg seg[1] = {{wt, scale, bias, tmp, H, H}};
+            proj(d, in, xq, xs, M, K, seg, 1, tid, nth);
+            bar.wait(nth);
+        };
         for (long l = 0; l < d->layers; l++) {
             const pe_layer *w = layers + l;
             for (long m = r0; m < r1; m++) rms_norm(x + m * H, w->input_norm, h + m * H, H, d->eps);
@@ -247,13 +258,7 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
             attn_task(&aj, tid, nth);
             bar.wait(nth);
             PE_MARK(3)
-            if (d->q8) {
-                quantize_rows(d, att, qs, r0, r1, xq, xs, res + tid * kmax);
-                bar.wait(nth);
-            }
-            const pe_seg o[1] = {{w->o, w->o_scale, w->o_bias, tmp, H, H}};
-            proj(d, att, xq, xs, M, qs, o, 1, tid, nth);
-            bar.wait(nth);
+            into_tmp(att, qs, w->o, w->o_scale, w->o_bias);
             PE_MARK(4)
             for (long m = r0; m < r1; m++) {
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
@@ -274,13 +279,7 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
             }
             for (; i < e1; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             bar.wait(nth);
-            if (d->q8) {
-                quantize_rows(d, g, I, r0, r1, xq, xs, res + tid * kmax);
-                bar.wait(nth);
-            }
-            const pe_seg down[1] = {{w->down, w->down_scale, w->down_bias, tmp, H, H}};
-            proj(d, g, xq, xs, M, I, down, 1, tid, nth);
-            bar.wait(nth);
+            into_tmp(g, I, w->down, w->down_scale, w->down_bias);
             PE_MARK(6)
             for (long m = r0; m < r1; m++)
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
