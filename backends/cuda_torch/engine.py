@@ -38,6 +38,7 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.torch_common.model import ATTENTION_IMPLS, TorchWeights, forward, rms_norm
 from polyengine.backends.torch_common.sampling import TorchSampler
+from polyengine.backends.torch_common.state import SlotsInFlight
 
 __all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
 
@@ -63,7 +64,7 @@ class _Slot:
 
 
 @dataclass
-class TorchDecodeState:
+class TorchDecodeState(SlotsInFlight):
     num_slots: int
     k: torch.Tensor  # (layers, slots, kv_heads, max_cache_length, head_dim)
     v: torch.Tensor
@@ -74,18 +75,6 @@ class TorchDecodeState:
     graphs: dict = field(default_factory=dict)  # CUDA: kv_len -> (graph, static logits), over this state's buffers
     positions: torch.Tensor | None = None  # CUDA graphs: static (slots, 1) input buffers
     live: torch.Tensor | None = None
-
-    def wait(self) -> None:
-        """Let the step in flight finish (its errors surface when its results are read)."""
-        if self.pending is not None:
-            try:
-                self.pending.result()
-            except Exception:
-                pass
-            self.pending = None
-
-    def is_occupied(self, slot: int) -> bool:
-        return self.slots[slot] is not None
 
 
 def _on_engine_thread(method):

@@ -26,6 +26,7 @@ import torch
 from polyengine.engine import ResultLayout
 
 from polyengine.backends.torch_common.sampling import TorchSampler
+from polyengine.backends.torch_common.state import SlotsInFlight
 from polyengine.backends.neuron.speculation import Acceptance
 
 __all__ = ["Slot", "LastStep", "NeuronDecodeState"]
@@ -55,7 +56,7 @@ class LastStep:
 
 
 @dataclass
-class NeuronDecodeState:
+class NeuronDecodeState(SlotsInFlight):
     num_slots: int
     k: torch.Tensor  # (layers, slots, kv_heads, cache positions, head_dim)
     v: torch.Tensor
@@ -66,19 +67,6 @@ class NeuronDecodeState:
     slots: list[Slot | None] = field(default_factory=list)
     last: LastStep | None = None
     pending: Future | None = None  # the newest step queued on the worker thread
-
-    def wait(self) -> None:
-        """Let queued steps finish before the host touches the state (their errors
-        surface when their results are read)."""
-        if self.pending is not None:
-            try:
-                self.pending.result()
-            except Exception:
-                pass
-            self.pending = None
-
-    def is_occupied(self, slot: int) -> bool:
-        return self.slots[slot] is not None
 
     def last_result(self, slot: int) -> tuple[int, int] | None:
         """``(completion length, tokens in the last result)`` of an occupied slot."""

@@ -9,4 +9,5 @@ nothing imported at backend discovery) may import it.
 - :mod:`.sampling`: ``TorchSampler`` and the pure ``sample``/``record``/``override``
   functions it wraps (the core's sampler semantics, batched over slots).
 - :mod:`.threefry`: the core's Threefry-2x32 random stream in torch, bit-exact.
+- :mod:`.state`: ``SlotsInFlight``, the slots and step-in-flight methods of a decode state.
 """
