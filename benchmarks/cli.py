@@ -205,11 +205,14 @@ def _prepare_transformers(path: Path, cache: str, notes: list[str]) -> bool:
     return True
 
 
-def _quants(arg: str | None) -> set[str]:
+_LLAMACPP_QUANTS = frozenset({"shipped", "F16", "F32"})  # the GGUF as shipped and its two copies
+
+
+def _quants(arg: str | None) -> frozenset[str]:
     if arg is None:
-        return {"shipped", "F16", "F32"}
-    got = {q.strip() for q in arg.split(",") if q.strip()}
-    bad = got - {"shipped", "F16", "F32"}
+        return _LLAMACPP_QUANTS
+    got = frozenset(q.strip() for q in arg.split(",") if q.strip())
+    bad = got - _LLAMACPP_QUANTS
     if bad or not got:
         from polyengine.errors import InvalidRequest
 
@@ -217,7 +220,7 @@ def _quants(arg: str | None) -> set[str]:
     return got
 
 
-def _llamacpp_files(path: Path, cache: str, notes: list[str], quants: set[str] = frozenset({"shipped", "F16", "F32"})
+def _llamacpp_files(path: Path, cache: str, notes: list[str], quants: frozenset[str] = _LLAMACPP_QUANTS
                     ) -> list[tuple[str, Path]]:
     """The GGUF as shipped plus its F16 and F32 copies (written once, then cached), as
     far as ``quants`` asks for them."""

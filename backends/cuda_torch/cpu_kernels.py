@@ -15,7 +15,7 @@ Only the CPU path uses them: :class:`CpuKernels.linear` for at most :data:`MAX_R
 rows in the shared forward (beyond that a GEMM library is compute-bound and faster)
 and for a fused step's LM head, :class:`FusedDecoder` for decode steps. Each is a
 switch of the engine (options ``cpu_kernels``, ``fused_decode`` and
-``int8_activations``), kept only because the benchmark shows it helps.
+``int8_compute``), kept only because the benchmark shows it helps.
 """
 
 from __future__ import annotations

@@ -276,22 +276,24 @@ class TorchEngine(EngineBase):
             g = group if group and w.shape[1] % group == 0 else 0
             tensors[name + ".qweight"], tensors[name + ".scale"] = quantize_int8(w, g)
 
-    def _cpu_linear(self, t: dict[str, torch.Tensor], x: torch.Tensor, name: str) -> torch.Tensor:
-        """A projection on the CPU: the host kernels for the few rows of a decode step,
-        torch's GEMM for prefill; int8 weights when quantized (dequantized for a GEMM)."""
+    def _cpu_linear(self, t: dict[str, torch.Tensor], x: torch.Tensor, name: str, *, any_rows: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """A projection on the CPU: the host kernels for the few rows of a decode step (or
+        for any number with ``any_rows``, writing into ``out``), torch's GEMM for prefill;
+        int8 weights when quantized (dequantized for a GEMM)."""
         from polyengine.backends.cuda_torch.cpu_kernels import MAX_ROWS, dequantize_int8
 
         bias = t.get(name + ".bias")
-        rows = x.numel() // x.shape[-1]
+        on_kernels = self._kernels is not None and (any_rows or x.numel() // x.shape[-1] <= MAX_ROWS)
         q = t.get(name + ".qweight")
         if q is not None:
             scale = t[name + ".scale"]
-            if rows <= MAX_ROWS and self._kernels is not None:
-                return self._kernels.linear(x, q, bias, scale=scale, int8_activations=self.int8_activations)
+            if on_kernels:
+                return self._kernels.linear(x, q, bias, scale=scale, out=out, int8_activations=self.int8_activations)
             return torch.nn.functional.linear(x, dequantize_int8(q, scale), bias)
         w = t[name + ".weight"] if name != "lm_head" else t.get("lm_head.weight", t["model.embed_tokens.weight"])
-        if rows <= MAX_ROWS and x.dtype == torch.float32:
-            return self._kernels.linear(x, w, bias)
+        if on_kernels and x.dtype == torch.float32:
+            return self._kernels.linear(x, w, bias, out=out)
         return torch.nn.functional.linear(x, w, bias)
 
     @_on_engine_thread
@@ -519,12 +521,7 @@ class TorchEngine(EngineBase):
         rows they measured ~1.5x torch's GEMM on this shape), into a reused buffer."""
         if self._logits_buffer is None or self._logits_buffer.numel() < x.shape[0] * self.vocab_size:
             self._logits_buffer = torch.empty(x.shape[0] * self.vocab_size, dtype=torch.float32)
-        q = t.get("lm_head.qweight")
-        if q is not None:
-            return self._kernels.linear(x, q, t.get("lm_head.bias"), scale=t["lm_head.scale"], out=self._logits_buffer,
-                                        int8_activations=self.int8_activations)
-        w = t.get("lm_head.weight", t["model.embed_tokens.weight"])
-        return self._kernels.linear(x, w, t.get("lm_head.bias"), out=self._logits_buffer)
+        return self._cpu_linear(t, x, "lm_head", any_rows=True, out=self._logits_buffer)
 
     @_on_engine_thread
     def free_resource(self, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:

@@ -51,10 +51,7 @@ static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, lon
                           float *res) {
     if (!d->q8 || r1 <= r0) return;
     const long p = d->q8;  // int8 rows per row
-    if (p == 2)
-        q8x2_quantize(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), res);
-    else
-        q8_quantize(x + r0 * K, K, (int)(r1 - r0), K, xq + r0 * K, xs + r0 * (K / Q8_BLOCK));
+    q8_quantize_rows(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), d->q8, res);
 }
 
 static void rms_norm(const float *x, const float *w, float *y, long n, float eps) {

@@ -166,6 +166,15 @@ static void q8x2_quantize(const float *x, long ldx, int M, long K, int8_t *xq, f
     }
 }
 
+// x (M, K) -> pairs int8 rows per row in xq/xs: q8_quantize (pairs 1) or q8x2_quantize
+// (pairs 2; res: K floats of scratch).
+static void q8_quantize_rows(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, int pairs, float *res) {
+    if (pairs == 2)
+        q8x2_quantize(x, ldx, M, K, xq, xs, res);
+    else
+        q8_quantize(x, ldx, M, K, xq, xs);
+}
+
 // Rows [n0, n1) of one projection against 2M int8 rows (PE_Q8X2): the pairs' products
 // land in a stack buffer, chunk by chunk, and are summed (with the bias) into y.
 static void q8x2_rows(const int8_t *xq, const float *xs, int M, long K, const int8_t *w, const float *scale,
@@ -249,8 +258,8 @@ static void linear_task(void *arg, int tid, int nth) {
 }
 
 static void linear_segs(const float *x, long ldx, int M, long K, int kind, long group, const pe_seg *segs, int nseg,
-                        int threads) {
-    pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg, nullptr, nullptr};
+                        int threads, const int8_t *xq = nullptr, const float *xs = nullptr) {
+    pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg, xq, xs};
     pe_parallel(linear_task, &job, threads);
 }
 
@@ -284,13 +293,9 @@ void pe_linear_i8_grouped(const float *x, long ldx, const int8_t *w, const float
 void pe_linear_q8(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
                   float *y, long ldy, int M, long N, long K, long group, int threads, int8_t *xq, float *xs,
                   int pairs, float *res) {
-    if (pairs == 2)
-        q8x2_quantize(x, ldx, M, K, xq, xs, res);
-    else
-        q8_quantize(x, ldx, M, K, xq, xs);
+    q8_quantize_rows(x, ldx, M, K, xq, xs, pairs, res);
     pe_seg seg = {w, scale, bias, y, ldy, N};
-    pe_linear_job job = {x, ldx, M, K, pairs == 2 ? PE_Q8X2 : PE_Q8, group, &seg, 1, xq, xs};
-    pe_parallel(linear_task, &job, threads);
+    linear_segs(x, ldx, M, K, pairs == 2 ? PE_Q8X2 : PE_Q8, group, &seg, 1, threads, xq, xs);
 }
 
 int pe_q8_isa(void) { return PE_Q8_ISA; }
