@@ -11,6 +11,7 @@ and the pieces a backend builds on). The contracts are written out in
 from __future__ import annotations
 
 from polyengine.kit import EngineBase
+from polyengine.options import Option, check_options
 from polyengine.protocol import (
     OPTIONAL_METHODS,
     PROTOCOL_VERSION,
@@ -25,6 +26,7 @@ from polyengine.protocol import (
     protocol_problems,
 )
 from polyengine.results import ResultLayout, ResultTokens
+from polyengine.slots import Slot, SlotTable
 from polyengine.validation import check_prompt, check_request, is_int
 
 __all__ = [
@@ -38,6 +40,10 @@ __all__ = [
     "ResultTokens",
     "Engine",
     "EngineBase",
+    "Option",
+    "check_options",
+    "Slot",
+    "SlotTable",
     "OPTIONAL_METHODS",
     "protocol_members",
     "protocol_problems",

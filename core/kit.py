@@ -15,6 +15,8 @@ from polyengine.errors import InvalidRequest, SlotError, UnsupportedFeature
 from polyengine.protocol import Capabilities, DecodeState, EngineConfig, Override, Prefix
 from polyengine.results import ResultTokens
 from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
+from polyengine.options import check_options
+from polyengine.slots import Slot
 from polyengine.validation import check_request, is_int
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,39 +28,56 @@ __all__ = ["EngineBase"]
 
 class EngineBase:
     """The kit a backend builds on (optional, recommended): the attributes every engine
-    has, the refusals every engine must make, in one place, and the optional methods
-    raising :class:`UnsupportedFeature`. ``docs/backends.md`` has the checklist.
+    has, the refusals every engine must make, in one place, the shared slot flow, and
+    the optional methods raising :class:`UnsupportedFeature`. ``docs/backends.md`` has
+    the checklist.
 
-    ``__init__(model, config, capabilities, device=...)`` refuses, before anything is
-    allocated: an undeclared dtype (UnsupportedFeature), option keys not in ``OPTIONS``
-    or of the wrong type (InvalidRequest), a ``max_cache_length`` beyond the model's
-    positions (InvalidRequest). Then the engine calls :meth:`check_memory` with what it
-    will allocate, and per call :meth:`check_prefill`, :meth:`check_prefix`,
-    :meth:`check_empty_slot`, :meth:`check_bulk_slots`, :meth:`check_overrides`.
+    Construction is one pass, before anything is allocated: ``OPTIONS`` checked
+    (:func:`polyengine.options.check_options`: unknown keys, types, choices, bounds;
+    InvalidRequest), the limits (``max_cache_length`` beyond the model's positions:
+    InvalidRequest), then the capabilities (passed in, or derived from the checked
+    options by :meth:`capabilities_for`, which may look at the device), then the dtype
+    (undeclared: UnsupportedFeature). The engine then calls :meth:`check_memory` with
+    what it will allocate, and per call :meth:`check_prefill`, :meth:`check_prefix`,
+    :meth:`check_portable`, :meth:`check_empty_slot`, :meth:`check_bulk_slots`,
+    :meth:`check_overrides`.
+
+    The slot flow: an engine whose decode state has a :class:`~polyengine.slots.SlotTable`
+    as ``slots`` gets ``insert``, ``bulk_insert`` and ``free_resource`` from the kit
+    (checks first, then its hooks :meth:`_settle`, :meth:`_install` and
+    :meth:`_release`, then the table), so every engine refuses the same things in the
+    same order and a refused call changes nothing.
     """
 
     name: str = "unnamed"
-    # Backend-specific options (EngineConfig.options) this engine accepts, with defaults;
-    # a value must have its default's type (an int is accepted for a float).
+    # Backend-specific options (EngineConfig.options) this engine accepts: name ->
+    # polyengine.options.Option (or a bare default, whose type the value must have).
     OPTIONS: Mapping[str, Any] = {}
+    # What the kit's slot flow records for an inserted slot (a Slot subclass may carry an
+    # engine's own per-slot fields, with defaults).
+    slot_type: type[Slot] = Slot
 
     capabilities: Capabilities
     eos_token_ids: tuple[int, ...] = ()
     model: Any = None
     device: str = "cpu"
 
-    def __init__(self, model: "Model", config: EngineConfig, capabilities: Capabilities, *, device: str = "cpu"):
+    def __init__(self, model: "Model", config: EngineConfig, capabilities: Capabilities | None = None, *,
+                 device: str = "cpu"):
         mc = model.config
-        dtype = config.dtype or capabilities.dtypes[0]
-        if dtype not in capabilities.dtypes:
-            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}")
         self.options = self._check_options(config.options)
         if config.max_cache_length > mc.max_position_embeddings:
             raise InvalidRequest(
                 f"max_cache_length {config.max_cache_length} exceeds the model's max_position_embeddings "
                 f"{mc.max_position_embeddings}; build the engine with max_cache_length <= {mc.max_position_embeddings}"
             )
-        self.model, self.config, self.capabilities, self.device = model, config, capabilities, device
+        self.model, self.config, self.device = model, config, device
+        if capabilities is None:
+            capabilities = self.capabilities_for(model, config)
+        dtype = config.dtype or capabilities.dtypes[0]
+        if dtype not in capabilities.dtypes:
+            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}")
+        self.capabilities = capabilities
         self.dtype = dtype
         self.model_id = model.instance_id
         self.max_concurrent_decodes = config.max_slots
@@ -67,27 +86,15 @@ class EngineBase:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(model.eos_token_ids)
 
+    def capabilities_for(self, model: "Model", config: EngineConfig) -> Capabilities:
+        """What this engine can do with the checked ``self.options`` (and the device they
+        pick), for an engine that does not pass ``capabilities`` to ``__init__``. Runs
+        after the options and limits are checked and before the dtype is."""
+        raise NotImplementedError(f"{type(self).__name__}: pass capabilities to EngineBase.__init__ or override "
+                                  f"capabilities_for")
+
     def _check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(options) - set(self.OPTIONS))
-        if unknown:
-            known = ", ".join(f"{k} (default {v!r})" for k, v in self.OPTIONS.items()) or "none"
-            raise InvalidRequest(f"unknown option(s) {unknown} for backend {self.name!r}; its options: {known}")
-        for key, value in options.items():
-            default = self.OPTIONS[key]
-            want = type(default)
-            ok = (
-                default is None
-                or (want is bool and isinstance(value, bool))
-                or (want is int and is_int(value))
-                or (want is float and (is_int(value) or isinstance(value, float)))
-                or (want not in (bool, int, float) and isinstance(value, want))
-            )
-            if not ok:
-                raise InvalidRequest(
-                    f"option {key!r} of backend {self.name!r} must be a {want.__name__} (like its default "
-                    f"{default!r}), got {value!r}"
-                )
-        return {**self.OPTIONS, **options}
+        return check_options(self.OPTIONS, options, backend=self.name)
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -216,12 +223,56 @@ class EngineBase:
     def _bad_override_slot(slot: object) -> int:
         raise InvalidRequest(f"override keys must be slot indices (ints), got {slot!r}")
 
-    # -- optional methods: undeclared ------------------------------------------------------
+    # -- the slot flow ----------------------------------------------------------------------
+
+    def _settle(self, decode_state: Any) -> Any:
+        """Hook: wait for work in flight that a host change of the state must follow (a
+        step on a worker thread); returns the state. Default: nothing to wait for."""
+        return decode_state
+
+    def _install(self, prefix: Prefix, state: Any, slots: list[int], *, draw: bool) -> ResultTokens | None:
+        """Hook: put ``prefix`` into ``slots`` (checked: distinct, empty, in range): its
+        K/V, and sample ``i`` of the request (its parameters and stream) into
+        ``slots[i]``. With ``draw`` (``bulk_insert``) each slot draws its own first token
+        (sample index ``i``, step 0) and the tokens come back as one row per slot, in the
+        order of ``slots`` (:meth:`ResultTokens.first_tokens`); without (``insert``,
+        one slot) the slot takes ``prefix.first_token``. Never touches ``state.slots``."""
+        raise NotImplementedError(f"{type(self).__name__} uses the kit's insert: implement _install")
+
+    def _release(self, state: Any, slot: int) -> None:
+        """Hook: forget what the engine keeps for an occupied slot that is being freed
+        (its sampler row); default nothing."""
+
+    def insert(self, prefix: Prefix, decode_state: Any, slot: int) -> Any:
+        state = self._settle(decode_state)
+        self.check_prefix(prefix)
+        slot = self.check_empty_slot(slot, state.slots.is_occupied)
+        self._install(prefix, state, [slot], draw=False)
+        state.slots.put(slot, self.slot_type(prefix.true_length))
+        return state
 
     def bulk_insert(
         self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]
     ) -> tuple[DecodeState, ResultTokens]:
-        raise UnsupportedFeature("bulk_insert", self.name)
+        if not self.capabilities.bulk_insert:
+            raise UnsupportedFeature("bulk_insert", self.name)
+        state = self._settle(decode_state)
+        self.check_prefix(prefix)
+        slots = self.check_bulk_slots(slots, state.slots.is_occupied)
+        result = self._install(prefix, state, slots, draw=True)
+        for slot in slots:
+            state.slots.put(slot, self.slot_type(prefix.true_length))
+        return state, result
+
+    def free_resource(self, decode_state: Any, slot: int) -> Any:
+        slot = self.check_slot(slot)
+        state = self._settle(decode_state)
+        if state.slots.is_occupied(slot):
+            self._release(state, slot)
+            state.slots.free(slot)
+        return state
+
+    # -- optional methods: undeclared ------------------------------------------------------
 
     def export_prefix(self, prefix: Prefix) -> "PortablePrefix":
         raise UnsupportedFeature("export_prefix (portable prefixes)", self.name)

@@ -142,6 +142,20 @@ class EngineConfig(BaseModel):
         ``max_prefill_length`` itself."""
         return self.prefill_buckets if self.prefill_buckets is not None else power_buckets(smallest, self.max_prefill_length)
 
+    def bucket_for(self, length: int, smallest: int = 16) -> int:
+        """The smallest of :meth:`buckets` that holds ``length`` tokens; a length beyond
+        every bucket is InvalidRequest naming them (the prefill checks refuse such a
+        prompt first, by ``max_prefill_length``)."""
+        for b in self.buckets(smallest):
+            if b >= length:
+                return b
+        from polyengine.errors import InvalidRequest
+
+        raise InvalidRequest(
+            f"{length} tokens fit no prefill bucket (buckets: {', '.join(map(str, self.buckets(smallest)))}); "
+            f"shorten the prompt or build the engine with larger prefill_buckets"
+        )
+
 
 def power_buckets(start: int, limit: int) -> tuple[int, ...]:
     """Powers of two from ``start`` below ``limit``, then ``limit`` itself: the usual

@@ -153,6 +153,23 @@ class ResultTokens:
     top_ids = property(lambda self: self._get("top_ids"))
     top_logprobs = property(lambda self: self._get("top_logprobs"))
 
+    @classmethod
+    def first_tokens(
+        cls, tokens: Any, logprobs: Any = None, top_ids: Any = None, top_logprobs: Any = None, *,
+        to_host: Callable[[Any], np.ndarray] = np.asarray,
+    ) -> "ResultTokens":
+        """One token per row, each a slot's first (``lengths == 1``): what prefill and
+        bulk_insert return. ``tokens``/``logprobs`` are ``(rows,)``, ``top_ids`` and
+        ``top_logprobs`` ``(rows, n)``, host or device arrays read through ``to_host``."""
+
+        def col(x: Any, rows: int) -> Any:
+            return None if x is None else x.reshape(rows, 1, -1) if len(x.shape) == 2 else x.reshape(rows, 1)
+
+        rows = int(tokens.shape[0])
+        return cls(tokens=tokens.reshape(rows, 1), valid=np.ones((rows, 1), bool), lengths=np.ones(rows, np.int32),
+                   logprobs=col(logprobs, rows), top_ids=col(top_ids, rows), top_logprobs=col(top_logprobs, rows),
+                   to_host=to_host)
+
     @property
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
