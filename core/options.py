@@ -48,13 +48,13 @@ class Option:
             or (want not in (bool, int, float) and isinstance(value, want))
         )
         if not typed:
-            return f"must be a {want.__name__} (like its default {default!r}), got {value!r}"
+            return f"must be a {want.__name__} (like its default {default!r})"
         if self.choices is not None and value not in self.choices:
-            return f"got {value!r}: use one of {', '.join(repr(c) for c in self.choices)}"
+            return f"use one of {', '.join(repr(c) for c in self.choices)}"
         if self.minimum is not None and value < self.minimum:
-            return f"got {value!r}: it must be >= {self.minimum:g}"
+            return f"must be >= {self.minimum:g}"
         if self.maximum is not None and value > self.maximum:
-            return f"got {value!r}: it must be <= {self.maximum:g}"
+            return f"must be <= {self.maximum:g}"
         return self.check(value) if self.check is not None else None
 
 
@@ -79,5 +79,5 @@ def check_options(table: Mapping[str, Any], options: Mapping[str, Any], *, backe
     for key, value in options.items():
         problem = _as_option(table[key]).problem(value)
         if problem is not None:
-            raise InvalidRequest(f"option {key!r} of backend {backend!r} {problem}")
+            raise InvalidRequest(f"option {key}={value!r} of backend {backend!r}: {problem}")
     return {**option_defaults(table), **options}
