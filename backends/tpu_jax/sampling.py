@@ -39,7 +39,7 @@ from jax import lax
 from jax.extend.random import threefry_2x32
 
 from polyengine.errors import InvalidRequest
-from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
+from polyengine.sampling.params import SamplingParams
 
 __all__ = [
     "SamplerState", "SampleResult", "request_row", "neutral_rows", "neutral_state", "sample", "record", "override", "install",
