@@ -35,6 +35,7 @@ from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.torch_common.model import ATTENTION_IMPLS, TorchWeights, forward, rms_norm
 from polyengine.backends.torch_common.sampling import TorchSampler
@@ -199,7 +200,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
             cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(item))
         needs["the sampler's per-slot tables and a step's logits"] = (
-            cfg.max_slots * c.vocab_size * (3 * 8 + 2) + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
+            cfg.max_slots * row_bytes(c.vocab_size, self.sampler_dtype.itemsize) + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
         if self.torch_device.type == "cuda":
             free = torch.cuda.mem_get_info(self.torch_device)[0]
             self.check_memory(needs, where=f"{self.torch_device} memory", available=free)

@@ -36,6 +36,7 @@ from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.torch_common.model import TorchWeights
 from polyengine.backends.torch_common.sampling import SamplerState, TorchSampler
@@ -127,7 +128,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         if self.torch_dtype != torch.float32:  # float32 tensors share the Model's arrays
             needs[f"{self.dtype} weights"] = c.num_parameters() * item
         needs[f"the KV cache of {cfg.max_slots} slots x {b.cache} positions"] = cfg.max_slots * b.cache * c.kv_bytes_per_token(item)
-        needs["the sampler's per-slot tables"] = cfg.max_slots * c.vocab_size * 10
+        needs["the sampler's per-slot tables"] = cfg.max_slots * row_bytes(c.vocab_size)
         needs["a context-encoding step"] = b.prefill[-1] * (c.vocab_size + 4 * c.intermediate_size) * 4
         self.check_memory(needs)
 

@@ -33,6 +33,7 @@ from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
@@ -139,7 +140,7 @@ class TpuJaxEngine(EngineBase):
             f"{self.dtype} weights{' (int8 projections)' if self.cfg.quantize else ''}": weights,
             f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions": cache,
             "the sampler's per-slot tables and a prefill's activations": (
-                cfg.max_slots * c.vocab_size * 13 // plan.dp
+                cfg.max_slots * row_bytes(c.vocab_size) // plan.dp
                 + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4),
         }
 
