@@ -37,7 +37,7 @@ from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 from polyengine.sampling.rows import row_bytes
 
-from polyengine.backends.torch_common.model import ATTENTION_IMPLS, TorchWeights, forward, rms_norm
+from polyengine.backends.torch_common.model import ATTENTION_IMPLS, StepSpec, TorchWeights, forward, rms_norm
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
 
@@ -137,6 +137,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         self._linear = self._cpu_linear if (self._kernels is not None or o["quantize"]) else None
         self.int8_activations = self._pick_int8_compute(model.config)
         self._fused = None  # the FusedDecoder, built with the weights when fused_decode applies
+        self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
     # -- construction ----------------------------------------------------------------------
@@ -206,6 +207,16 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             self.check_memory(needs, where=f"{self.torch_device} memory", available=free)
         else:
             self.check_memory(needs)
+
+    def _spec(self, **choices: Any) -> StepSpec:
+        """The forward's static choices for one bucket, built once and kept: the
+        engine's attention, in-place cache writes, and ``choices`` (kv_len, causal,
+        linear)."""
+        key = tuple(sorted(choices.items(), key=lambda kv: kv[0]))
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = StepSpec(attention=self.options["attention"], inplace=True, **choices)
+        return spec
 
     def _allocating(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run an allocation; a device or host out-of-memory becomes InsufficientMemory."""
@@ -314,9 +325,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         positions = (start + torch.arange(padded, dtype=torch.int64))[None]
         write = (torch.arange(padded) < n)[None]
         logits, k, v = forward(
-            params, batch.to(dev), positions.to(dev), k, v, rows=None, write_mask=write.to(dev),
-            logits_at=torch.tensor([n - 1], device=dev), attention=self.options["attention"], inplace=True,
-            linear=self._linear, causal=start == 0,
+            params, self._spec(causal=start == 0, linear=self._linear), batch.to(dev), positions.to(dev), k, v,
+            rows=None, write_mask=write.to(dev), logits_at=torch.tensor([n - 1], device=dev),
         )
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         first = self._first_token(logits[0], prompt, sampling)
@@ -383,8 +393,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
             else:
                 logits, state.k, state.v = forward(
-                    params, state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
-                    kv_len=kv_len, attention=self.options["attention"], inplace=True, linear=self._linear,
+                    params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[:, None], pos, state.k,
+                    state.v, rows=None, write_mask=live_mask[:, None],
                 )
             res = state.sampler.sample(logits[:, 0], num_top=num_top)
             state.sampler.record(res.tokens, mask=live_mask)
@@ -414,8 +424,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         state.live.copy_(live)
 
         def run() -> torch.Tensor:
-            return forward(params, state.next_tokens[:, None], state.positions, state.k, state.v, rows=None,
-                           write_mask=state.live, kv_len=kv_len, attention=self.options["attention"], inplace=True)[0]
+            return forward(params, self._spec(kv_len=kv_len), state.next_tokens[:, None], state.positions, state.k,
+                           state.v, rows=None, write_mask=state.live)[0]
 
         entry = state.graphs.get(kv_len)
         if entry is None:
