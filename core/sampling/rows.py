@@ -1,7 +1,6 @@
 """The host half of a device sampler: one request as one row of per-slot parameters.
 
-A device sampler (the torch port in ``backends/torch_common/sampling.py``, the JAX port
-in ``backends/tpu_jax/sampling.py``) keeps one row of parameter arrays per slot and
+A device sampler (the torch port the torch backends share, the JAX port of tpu_jax) keeps one row of parameter arrays per slot and
 installs a request's row at insert. Everything about that row that is not device work
 is here, in NumPy, once: the refusals (a request without a seed, token ids outside the
 vocabulary, masks that would leave no token at a step, a sample index beyond the
