@@ -1,11 +1,11 @@
-"""The tpu_jax backend on this machine's JAX platform (the CPU here): the conformance
-suite, discovery, refusals, the driver, compilation, portable prefixes across
-backends, and the observability switches. Sharding, quantization and Ray have files
-of their own (tests/test_tpu_jax_{sharding,quant,ray}.py)."""
+"""The tpu_jax backend on this machine's JAX platform (the CPU here): discovery,
+refusals, compilation, portable prefixes across backends, and the observability
+switches. The whole conformance suite runs on it in tests/test_conformance_cli.py, the
+driver smoke test in tests/test_backend_smoke.py; sharding, quantization and Ray have
+files of their own (tests/test_tpu_jax_{sharding,quant,ray}.py)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -19,8 +19,6 @@ if importlib.util.find_spec("torchax") is None:  # not importorskip: torchax imp
     pytest.skip("torchax is not installed (pip install 'polyengine[tpu]')", allow_module_level=True)
 from polyengine.backends.tpu_jax.compat import import_torchax  # noqa: E402
 
-# Imported before the in-process conformance run: pytester restores sys.modules after
-# it, and torch cannot be imported a second time into one process.
 import_torchax()
 
 import polyengine  # noqa: E402
@@ -36,7 +34,6 @@ from polyengine.prefix import PortablePrefix  # noqa: E402
 
 from imports import assert_imports_light  # noqa: E402
 
-pytest_plugins = ["pytester"]
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64)
 
 
@@ -59,18 +56,6 @@ def model():
 def engine(model):
     """One engine for the tests that only drive it (its programs compile once)."""
     return TpuJaxEngine(model, CFG)
-
-
-@pytest.mark.slow
-def test_conformance_suite_passes(pytester, tmp_path):
-    report = tmp_path / "tpu_jax.json"
-    rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "tpu_jax",
-                              "-p", "no:cacheprovider", "--polyengine-report-json", str(report))
-    failed = [r.nodeid for r in rec.getreports("pytest_runtest_logreport") if r.failed]
-    assert not failed, failed
-    doc = json.loads(report.read_text())
-    assert doc["backend"] == "tpu_jax" and doc["device"]["backend"].startswith(("cpu", "tpu", "gpu"))
-    assert doc["capabilities"]["bulk_insert"] and doc["capabilities"]["portable_prefix"]
 
 
 # -- discovery ----------------------------------------------------------------------------
