@@ -125,7 +125,7 @@ class PolyengineSystem:
         from polyengine.models import load_model
 
         self.backend, self.dtype, self.options = backend, dtype, dict(options)
-        self.model = load_model(model)
+        self.model = load_model(model, exclusive=True)  # one option set: int8 copies are shared, floats released
         self.vocab_size = self.model.config.vocab_size
         self._key: tuple[int, int, int] | None = None
         self._llm: Any = None

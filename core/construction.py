@@ -63,7 +63,7 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
     else:
         from polyengine.models import load_model
 
-        loaded = load_model(model)
+        loaded = load_model(model, exclusive=True)  # for this engine alone (Model.exclusive)
     try:
         engine = factory(model=loaded, config=fitted(loaded.config.max_position_embeddings))
     except PolyengineError:

@@ -1,16 +1,22 @@
 """The compile seam: a graph module and example inputs in, a loaded artifact out.
 
-Two compilers, one interface (:func:`compile_graph` writes an artifact file,
-:func:`load_graph` reads one back without compiling anything):
+Two compilers, one interface (:func:`compile_graph` compiles and returns the graph with
+the function that writes its artifact file, :func:`load_graph` reads one back without
+compiling anything; the artifact cache, ``cache.py``, decides where files go and that
+only this user's intact files are ever loaded: both formats run code when loaded):
 
 ``"inductor"`` (the CPU compile path)
     ``torch.export.export`` captures the graph as a static, verified program (no
     data-dependent control flow); Inductor compiles it ahead of the first call into C++
     kernels (``torch._inductor.standalone_compile``, shapes fixed by the example
     inputs); the ``CompiledArtifact`` is saved as one binary file and loaded with
-    ``CompiledArtifact.load``. AOTInductor would also do, but pays ~20 s of C++ wrapper
+    ``CompiledArtifact.load``, which unpickles torch's cache entries inside it and loads
+    the kernels they carry. AOTInductor's package would load without pickle (a C++
+    loader), but it is a shared library all the same and pays ~20 s of C++ wrapper
     compilation per graph on two cores (measured when this seam was written), which
     the CI budget cannot carry (docs/neuron.md has what CI compiles and its cost).
+    Inductor's own cache (generated code, kernel libraries) is a private directory of
+    this process, removed at exit: nothing another process left there is ever reused.
 
 ``"neuronx"`` (Neuron devices)
     ``torch_neuronx.trace`` of the same module and inputs (neuronx-cc builds a NEFF),
@@ -30,8 +36,10 @@ is asked for.
 
 from __future__ import annotations
 
+import atexit
 import collections
-import os
+import shutil
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -121,7 +129,7 @@ class CompiledGraph:
     and returns the graph's outputs without the aliased ones (those inputs are updated)."""
 
     def __init__(self, fn: Callable[..., Any], aliases: tuple[tuple[int, int], ...], *, returns_aliases: bool,
-                 path: Path, seconds: float, source: str):
+                 path: Path | None, seconds: float, source: str):
         self._fn, self.aliases, self._returns_aliases = fn, aliases, returns_aliases
         self.path, self.seconds, self.source = path, seconds, source
 
@@ -135,60 +143,67 @@ class CompiledGraph:
         return tuple(o for i, o in enumerate(out) if i not in dropped)
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file and rename: concurrent compiles of one key (two
-    processes sharing a cache) never leave a half-written artifact."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+_INDUCTOR_DIR: str | None = None
 
 
-def _kernel_cache(path: Path):
-    """Inductor's own cache (generated code, kernel libraries) beside the artifacts."""
+def _kernel_cache():
+    """Inductor's own cache for this process: a fresh private directory (``mkdtemp``:
+    mode 0700), removed at exit, so no generated code another process left behind is
+    ever loaded; an artifact carries what it needs."""
+    global _INDUCTOR_DIR
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    return temporary_cache_dir(str(path.parent / "inductor"))
+    if _INDUCTOR_DIR is None:
+        _INDUCTOR_DIR = tempfile.mkdtemp(prefix="polyengine-inductor-")
+        atexit.register(shutil.rmtree, _INDUCTOR_DIR, ignore_errors=True)
+    return temporary_cache_dir(_INDUCTOR_DIR)
 
 
 @torch.no_grad()
-def compile_graph(module: torch.nn.Module, args: tuple, path: Path, compiler: str) -> CompiledGraph:
-    """Compile ``module`` for the shapes of ``args``, save it at ``path`` and return it loaded."""
+def compile_graph(module: torch.nn.Module, args: tuple, compiler: str, *,
+                  workdir: Path | None = None) -> tuple[CompiledGraph, Callable[[Path], None]]:
+    """Compile ``module`` for the shapes of ``args``: the loaded graph, and ``save(path)``
+    that writes its artifact (the cache writes it through ``polyengine.cache.store``).
+    ``workdir``: where neuronx-cc keeps its intermediate files."""
     start = time.perf_counter()
     if compiler == "neuronx":
         import torch_neuronx  # the Neuron path only; never imported at module import
 
         leaves, spec = pytree.tree_flatten(args)
-        work = path.with_suffix(".neuronx-work")
-        traced = torch_neuronx.trace(_FlatInputs(module, spec), tuple(leaves), compiler_workdir=str(work))
-        _write_atomic(path, lambda p: torch.jit.save(traced, str(p)))
+        kwargs = {"compiler_workdir": str(workdir)} if workdir is not None else {}
+        traced = torch_neuronx.trace(_FlatInputs(module, spec), tuple(leaves), **kwargs)
         fn, returns = traced, True
+
+        def save(p: Path) -> None:
+            torch.jit.save(traced, str(p))
     elif compiler == "inductor":
         program = _flat_program(_WithAliases(module), args)
-        with _kernel_cache(path), torch._inductor.config.patch(_INDUCTOR_OPTIONS):
+        with _kernel_cache(), torch._inductor.config.patch(_INDUCTOR_OPTIONS):
             artifact = torch._inductor.standalone_compile(
                 program, pytree.tree_leaves(args), dynamic_shapes="from_example_inputs")
-        _write_atomic(path, lambda p: artifact.save(path=str(p), format="binary"))
         fn, returns = artifact, False
+
+        def save(p: Path) -> None:
+            artifact.save(path=str(p), format="binary")
     else:
         raise ValueError(f"unknown compiler {compiler!r}; known: {COMPILERS}")
     COUNTS["compiled"] += 1
-    return CompiledGraph(fn, module.aliases, returns_aliases=returns, path=path,
-                         seconds=time.perf_counter() - start, source="compiled")
+    graph = CompiledGraph(fn, module.aliases, returns_aliases=returns, path=None,
+                          seconds=time.perf_counter() - start, source="compiled")
+    return graph, save
 
 
 def load_graph(path: Path, aliases: tuple[tuple[int, int], ...], compiler: str) -> CompiledGraph:
-    """Load an artifact :func:`compile_graph` wrote; compiles nothing."""
+    """Load an artifact :func:`compile_graph` wrote; compiles nothing. Loading runs code
+    (unpickling, shared libraries): the artifact cache calls it only on a file it has
+    verified (``polyengine.cache.check``)."""
     start = time.perf_counter()
     if compiler == "neuronx":
         import torch_neuronx  # noqa: F401  (registers the Neuron ops torch.jit.load needs)
 
         fn, returns = torch.jit.load(str(path)), True
     else:
-        with _kernel_cache(path):
+        with _kernel_cache():
             fn, returns = torch._inductor.CompiledArtifact.load(path=str(path), format="binary"), False
     COUNTS["loaded"] += 1
     return CompiledGraph(fn, aliases, returns_aliases=returns, path=path,
