@@ -104,7 +104,13 @@ def _build(args: argparse.Namespace):
     if args.dtype:
         cfg["dtype"] = args.dtype
     llm = LLM(model, args.backend, tools=not args.no_tools, **cfg)
-    print(f"backend: {llm.engine.name}", file=sys.stderr, flush=True)
+    from polyengine.construction import speed_paths
+
+    # What runs, each fallback with its fix: the same words as the engine's startup log line.
+    print(f"backend: {llm.engine.name}", file=sys.stderr)
+    for key, value in speed_paths(llm.engine).items():
+        print(f"  {key}: {value}", file=sys.stderr)
+    sys.stderr.flush()
     return llm
 
 

@@ -214,3 +214,43 @@ def test_cuda_graphs_are_refused_on_the_cpu(model):
         pytest.skip("a GPU is present")
     with pytest.raises(UnsupportedFeature, match="CUDA graphs need a CUDA device"):
         TorchEngine(model, CFG.model_copy(update={"options": {"cuda_graphs": True}}))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused-kernels", "torch-fallback"])
+def test_a_decode_step_computes_only_the_live_rows(model, monkeypatch, kernels):
+    """One request in a four-slot engine: every forward (or fused step) runs one row, so a
+    step's cost follows the live requests, not the engine's slot count."""
+    import polyengine.backends.cuda_torch.engine as mod
+    from polyengine.backends.cuda_torch.cpu_kernels import FusedDecoder
+
+    rows: list[int] = []
+    forward, fused = mod.forward, FusedDecoder.step
+
+    def spy_forward(weights, tokens, *args, **kwargs):
+        rows.append(tokens.shape[0])
+        return forward(weights, tokens, *args, **kwargs)
+
+    def spy_fused(self, x, *args):
+        rows.append(x.shape[0])
+        return fused(self, x, *args)
+
+    monkeypatch.setattr(mod, "forward", spy_forward)
+    monkeypatch.setattr(FusedDecoder, "step", spy_fused)
+    with pytest.warns(polyengine.errors.FallbackWarning, match="cpu_kernels=True") if not kernels else _no_warning():
+        eng = TorchEngine(model, CFG.model_copy(update={"options": {"cpu_kernels": kernels}}))
+    assert eng.max_concurrent_decodes == 4
+    LLM.from_engine(eng, tools=False).generate([[1, 5, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(rows) >= 6 and set(rows) == {1}, rows
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def fail_on_fallback():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", polyengine.errors.FallbackWarning)
+            yield
+
+    return fail_on_fallback()

@@ -17,6 +17,7 @@ lengths); the tokens stay on the device until the driver reads them.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import warnings
@@ -175,8 +176,10 @@ class TorchEngine(EngineBase):
                 except KernelsUnavailable as exc:
                     self.kernels_fallback = str(exc)
             if self.kernels_fallback is not None:
-                warnings.warn(f"cuda_torch: decoding on torch's matmul, not the compiled CPU kernels: "
-                              f"{self.kernels_fallback}", FallbackWarning, stacklevel=2)
+                message = (f"cuda_torch: decoding on torch's matmul, not the compiled CPU kernels: "
+                           f"{self.kernels_fallback}")
+                warnings.warn(message, FallbackWarning, stacklevel=2)
+                logging.getLogger(__name__).warning(message)
         self._linear = self._cpu_linear if (self._kernels is not None or o["quantize"]) else None
         self._tiled = None  # the int8 product without the kernels (int8.TiledInt8Linear), made with the weights
         self.int8_activations = self._pick_int8_compute(model.config)
@@ -184,6 +187,14 @@ class TorchEngine(EngineBase):
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
     # -- construction ----------------------------------------------------------------------
+
+    def speed_paths(self) -> dict[str, str]:
+        """What this engine runs on, each fallback with its reason and fix (paths.py): its
+        startup log line, ``polyengine generate``'s stderr."""
+        from polyengine.backends.cuda_torch.paths import describe
+
+        return describe(device=self.torch_device, dtype=self.torch_dtype, options=self.options,
+                        kernels=self._kernels, fallback=self.kernels_fallback, int8_activations=self.int8_activations)
 
     def _pick_int8_compute(self, config) -> int:
         """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for

@@ -50,7 +50,6 @@ from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, Slot
 __all__ = ["NeuronEngine", "create_engine"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_DEFAULT_SPECULATION = 2
 
 
 class NeuronEngine(EngineBase):
@@ -60,7 +59,9 @@ class NeuronEngine(EngineBase):
         "cache_dir": "",  # compiled graphs; "" = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron
         "batch_buckets": (),  # seq_ids per token-generation step; () = (max_slots,)
         "seq_buckets": (),  # attended cache positions per step; () = see buckets.py
-        "speculation": 0,  # tokens per step: 1 = none, k > 1 = k - 1 drafts verified per step; 0 = 2 (1 for 1-layer models)
+        # tokens per step: 1 = plain decoding (the default: measured faster with the built-in
+        # draft, docs/neuron.md), k in 2..8 = k - 1 drafts of the truncated target verified per step
+        "speculation": 1,
         "draft_layers": 0,  # the draft = the target's first draft_layers layers; 0 = half of them
         "async_steps": True,  # run steps on a worker thread; the caller reads step n while n+1 runs
         "threads": 0,  # CPU intra-op threads (0: torch's default)
@@ -75,9 +76,15 @@ class NeuronEngine(EngineBase):
             bulk_insert=True, portable_prefix=True, async_results=True,
         ), device=self._describe(compiler))
         o, c = self.options, model.config
-        k = o["speculation"] or (_DEFAULT_SPECULATION if c.num_hidden_layers > 1 else 1)
+        k = o["speculation"]
         if not 1 <= k <= 8:
-            raise InvalidRequest(f"option speculation={o['speculation']}: tokens per step must be 1..8 (0: the default)")
+            raise InvalidRequest(f"option speculation={k}: tokens per step must be 1 (plain decoding) to 8")
+        if k > 1 and c.num_hidden_layers < 2:
+            raise InvalidRequest(f"option speculation={k} needs a model of 2 layers or more (the draft is the "
+                                 f"target's first layers); this one has {c.num_hidden_layers}: use speculation=1")
+        if k == 1 and o["draft_layers"]:
+            raise InvalidRequest(f"option draft_layers={o['draft_layers']} applies only with speculation >= 2 "
+                                 f"(tokens per step); set speculation too, or leave draft_layers out")
         if o["threads"] < 0:
             raise InvalidRequest(f"option threads={o['threads']} must be >= 0")
         self.compiler = compiler
@@ -403,3 +410,26 @@ def _host(t) -> np.ndarray:
 
 def create_engine(*, model: Model, config: EngineConfig) -> NeuronEngine:
     return NeuronEngine(model, config)
+
+
+def diagnose() -> dict[str, str]:
+    """What ``polyengine backends --verbose`` says of this backend: the compiler an engine
+    with the default options would use here, its artifact cache, and speculation."""
+    from polyengine.errors import UnsafeCache
+
+    compiler = NeuronEngine._pick_compiler("auto")
+    out = {"device": NeuronEngine._describe(compiler)}
+    if compiler == "inductor":
+        out["compiler"] = ("inductor: the CPU compile path (by name only), a development path; on a Neuron instance "
+                           f"install torch-neuronx for neuronx-cc ({plugin.NEURONX_HINT})")
+    else:
+        out["compiler"] = "neuronx: torch_neuronx.trace (neuronx-cc)"
+    try:
+        from polyengine.cache import private_dir
+
+        root = private_dir(default_cache_dir(), what="neuron artifact cache", env="POLYENGINE_NEURON_CACHE")
+        out["cache"] = f"{root} (private; {len(list(root.glob('*.bin')))} artifact(s))"
+    except UnsafeCache as exc:
+        out["cache"] = f"REFUSED: {exc}"
+    out["speculation"] = "off (plain decoding); option speculation=k (2..8) verifies k - 1 drafts per step"
+    return out

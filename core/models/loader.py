@@ -286,7 +286,7 @@ def _load_random(spec: str, dt: np.dtype, progress: Progress | None, seed: int |
         f"RANDOM WEIGHTS: model {source} has random weights (seed {seed}); its output is noise. "
         "Use it for tests and benchmarks only."
     )
-    warnings.warn(message, RandomWeightsWarning, stacklevel=3)
+    warnings.warn(message, RandomWeightsWarning, stacklevel=4)  # _load_random <- _load <- load_model <- caller
     log.warning(message)
     with translating_memory_errors(f"drawing {source}", advice=LOAD_ADVICE):
         weights = random_weights(config, seed=seed, dtype=dt, progress=progress)

@@ -37,7 +37,7 @@ from polyengine.models.config import ModelConfig
 from polyengine.models.model import Model
 
 __all__ = ["WEIGHT_MODES", "check_mode", "quantize_matrix", "dequantize_matrix", "quantized_names",
-           "quantize_model", "has_int8_copies", "int8_bytes", "group_of", "replaced_weights"]
+           "quantize_model", "has_int8_copies", "int8_bytes", "matrix_bytes", "group_of", "replaced_weights"]
 
 # option value -> weights per scale along a row (0: one scale per output row)
 WEIGHT_MODES = {"int8": 0, "int8-block32": 32}
@@ -102,15 +102,17 @@ def quantized_names(config: ModelConfig) -> list[tuple[str, str]]:
     return out
 
 
+def matrix_bytes(shape: tuple[int, int], mode: str) -> int:
+    """The bytes of one ``[out, in]`` matrix's int8 copy under ``mode``: weights and scales."""
+    n, k = shape
+    group = group_of(mode, k)
+    return n * k + 4 * (n * (k // group) if group else n)
+
+
 def int8_bytes(config: ModelConfig, mode: str) -> int:
     """The bytes of the int8 copies ``mode`` makes of ``config``'s matrices (weights and scales)."""
     shapes = config.weight_shapes()
-    total = 0
-    for _, source in quantized_names(config):
-        n, k = shapes[source]
-        group = group_of(mode, k)
-        total += n * k + 4 * (n * (k // group) if group else n)
-    return total
+    return sum(matrix_bytes(shapes[source], mode) for _, source in quantized_names(config))
 
 
 def has_int8_copies(model: Model, mode: str) -> bool:
