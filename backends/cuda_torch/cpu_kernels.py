@@ -8,8 +8,11 @@ values (integer dot products: AVX-512 VNNI, AVX-VNNI or AVX2, as the host has);
 (every layer for the live rows, in one call) built on them. Both are compiled once per host ISA with the
 system's C++ compiler and ``-march=native`` into a cache folder, then called through
 ctypes on the tensors' memory: no Python extension build, no torch headers, a few
-seconds of compiling. Where no compiler works, :func:`load` says why and the engine
-stays on the shared torch forward.
+seconds of compiling. The cache is private to the user and its library is loaded only
+when its signed record matches it (``polyengine.cache``): a damaged, empty, planted or
+foreign file is compiled again, never ``dlopen``'ed. Where the kernels cannot be built
+or loaded, :func:`load` raises :class:`KernelsUnavailable` naming the fix and the engine
+stays on the shared torch forward (with a warning that says so).
 
 Only the CPU path uses them: :class:`CpuKernels.linear` for at most :data:`MAX_ROWS`
 rows in the shared forward (beyond that a GEMM library is compute-bound and faster)
@@ -148,6 +151,17 @@ def _compile(cxx: str, target: Path) -> None:
                                  f"cpu_kernels=False to use torch's matmul without this warning")
 
 
+def cache_entry() -> tuple[Path, list[str]]:
+    """Where this host's library lives in the cache (named by a digest of every kernel
+    source and the CPU's ISA flags) and the sources it is built from."""
+    sources = [p for p in sorted(_KERNELS.iterdir()) if p.suffix in (".cpp", ".h")]
+    digest = hashlib.blake2b(b"".join(p.read_bytes() for p in sources), digest_size=8).hexdigest()
+    try:
+        return _cache_dir() / f"cpu-step-{digest}-{_isa_tag()}.so", [p.name for p in sources]
+    except UnsafeCache as exc:
+        raise KernelsUnavailable(str(exc)) from None
+
+
 def load(threads: int | None = None) -> CpuKernels:
     """The kernels for this host (compiled on first use, cached by source and ISA in a
     private, signed cache: ``polyengine.cache``). Raises :class:`KernelsUnavailable`,
@@ -156,20 +170,14 @@ def load(threads: int | None = None) -> CpuKernels:
     with _lock:
         if threads in _loaded:
             return _loaded[threads]
-        sources = [p for p in sorted(_KERNELS.iterdir()) if p.suffix in (".cpp", ".h")]
-        digest = hashlib.blake2b(b"".join(p.read_bytes() for p in sources), digest_size=8).hexdigest()
-        try:
-            path = _cache_dir() / f"cpu-step-{digest}-{_isa_tag()}.so"
-        except UnsafeCache as exc:
-            raise KernelsUnavailable(str(exc)) from None
+        path, sources = cache_entry()
         record, reason = check(path)
         if record is None:
             cxx = _compiler()
             if reason != "missing":  # damaged, planted or foreign: never dlopen'ed, built again
                 warnings.warn(f"cuda_torch: not loading the cached CPU kernels ({reason}); compiling them again",
                               stacklevel=3)
-            store(path, lambda tmp: _compile(cxx, tmp),
-                  {"sources": [p.name for p in sources], "source_digest": digest, "compiler": cxx})
+            store(path, lambda tmp: _compile(cxx, tmp), {"sources": sources, "compiler": cxx})
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:

@@ -420,16 +420,19 @@ def diagnose() -> dict[str, str]:
     compiler = NeuronEngine._pick_compiler("auto")
     out = {"device": NeuronEngine._describe(compiler)}
     if compiler == "inductor":
-        out["compiler"] = ("inductor: the CPU compile path (by name only), a development path; on a Neuron instance "
-                           f"install torch-neuronx for neuronx-cc ({plugin.NEURONX_HINT})")
+        out["compiler"] = f"inductor: the CPU compile path (by name only); on a Neuron instance: {plugin.NEURONX_HINT}"
     else:
         out["compiler"] = "neuronx: torch_neuronx.trace (neuronx-cc)"
-    try:
-        from polyengine.cache import private_dir
+    root = default_cache_dir()
+    if not root.exists():
+        out["cache"] = f"{root} (created private, mode 0700, at the first compile)"
+    else:
+        try:
+            from polyengine.cache import private_dir
 
-        root = private_dir(default_cache_dir(), what="neuron artifact cache", env="POLYENGINE_NEURON_CACHE")
-        out["cache"] = f"{root} (private; {len(list(root.glob('*.bin')))} artifact(s))"
-    except UnsafeCache as exc:
-        out["cache"] = f"REFUSED: {exc}"
+            private_dir(root, what="neuron artifact cache", env="POLYENGINE_NEURON_CACHE")
+            out["cache"] = f"{root} (private; {len(list(root.glob('*.bin')))} artifact(s))"
+        except UnsafeCache as exc:
+            out["cache"] = f"REFUSED: {exc}"
     out["speculation"] = "off (plain decoding); option speculation=k (2..8) verifies k - 1 drafts per step"
     return out
