@@ -146,10 +146,16 @@ class _Planted:
         return (Path.write_text, (self.marker, "unpickled"))
 
 
-def _fake_compiler(monkeypatch, cache_mod, compile_mod):
-    """Compiling writes a known artifact; loading records what it is handed and unpickles
-    it, as Inductor's loader would (so a planted pickle that reached it would run)."""
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    """An artifact cache of the test's own whose compiler writes a known artifact and whose
+    loader records what it is handed and unpickles it, as Inductor's loader would (so a
+    planted pickle that reached it would run). ``(cache module, cache, calls)``."""
     import pickle
+
+    pytest.importorskip("torch")
+    from polyengine.backends.neuron import cache as cache_mod
+    from polyengine.backends.neuron import compile as compile_mod
 
     calls = {"compiled": 0, "loaded": []}
 
@@ -165,24 +171,19 @@ def _fake_compiler(monkeypatch, cache_mod, compile_mod):
         return compile_mod.CompiledGraph(lambda *a: a, aliases, returns_aliases=False, path=path, seconds=0.0,
                                          source="disk")
 
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setattr(cache_mod, "compile_graph", compile_graph)
     monkeypatch.setattr(cache_mod, "load_graph", load_graph)
     monkeypatch.setattr(cache_mod, "_MEMO", {})
-    return calls
+    return cache_mod, cache_mod.ArtifactCache(tmp_path / "cache", "inductor"), calls
 
 
-def test_a_planted_pickle_where_an_artifact_is_expected_is_never_unpickled(tmp_path, monkeypatch):
+def test_a_planted_pickle_where_an_artifact_is_expected_is_never_unpickled(tmp_path, monkeypatch, fake_cache):
     import hashlib
     import pickle
     import warnings
 
-    pytest.importorskip("torch")
-    from polyengine.backends.neuron import cache as cache_mod
-    from polyengine.backends.neuron import compile as compile_mod
-
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    calls = _fake_compiler(monkeypatch, cache_mod, compile_mod)
-    cache = cache_mod.ArtifactCache(tmp_path / "cache", "inductor")
+    cache_mod, cache, calls = fake_cache
     key = cache_mod.GraphKey("context", (("bucket", 24),))
     path = cache.path(key)
     marker = tmp_path / "pwned"
@@ -206,14 +207,8 @@ def test_a_planted_pickle_where_an_artifact_is_expected_is_never_unpickled(tmp_p
     assert source == "disk" and calls["loaded"] == [path] and not marker.exists()
 
 
-def test_a_damaged_artifact_is_compiled_again(tmp_path, monkeypatch):
-    pytest.importorskip("torch")
-    from polyengine.backends.neuron import cache as cache_mod
-    from polyengine.backends.neuron import compile as compile_mod
-
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    calls = _fake_compiler(monkeypatch, cache_mod, compile_mod)
-    cache = cache_mod.ArtifactCache(tmp_path / "cache", "inductor")
+def test_a_damaged_artifact_is_compiled_again(monkeypatch, fake_cache):
+    cache_mod, cache, calls = fake_cache
     key = cache_mod.GraphKey("token_generation", (("bucket", 4),))
     cache.get(key, (), lambda: (None, ()))
     path = cache.path(key)
