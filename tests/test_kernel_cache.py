@@ -150,3 +150,24 @@ def test_a_cache_others_can_write_is_refused_and_the_engine_says_the_fix(cache):
         eng = TorchEngine(load_model("random:tiny"), EngineConfig(max_slots=1, max_prefill_length=16, max_cache_length=32))
     assert eng.speed_paths()["decode"].endswith("(FALLBACK)") and "chmod 700" in eng.speed_paths()["kernels"]
     assert cache.compiles == 0
+
+
+def test_without_a_compiler_the_engine_warns_with_the_fix_and_says_so_at_startup(cache, monkeypatch, caplog):
+    import logging
+
+    from polyengine import create_engine
+
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_kernels.KernelsUnavailable, match="no C\\+\\+ compiler found.*fix: install one"):
+        cpu_kernels.load(1)
+    with caplog.at_level(logging.INFO, logger="polyengine"), \
+            pytest.warns(FallbackWarning, match="apt-get install g\\+\\+"):
+        eng = create_engine("cuda_torch", model="random:tiny", max_slots=1, max_prefill_length=16,
+                            max_cache_length=32)
+    paths = eng.speed_paths()
+    assert paths["decode"].endswith("(FALLBACK)") and "install one" in paths["kernels"]
+    # the startup lines: a warning naming the fix, and the paths on the polyengine logger
+    assert any(r.levelno == logging.WARNING and "apt-get install g++" in r.getMessage() for r in caplog.records)
+    assert any(r.name == "polyengine" and "backend cuda_torch: device: cpu" in r.getMessage()
+               and "FALLBACK" in r.getMessage() for r in caplog.records)
