@@ -15,8 +15,11 @@ only this user's intact files are ever loaded: both formats run code when loaded
     loader), but it is a shared library all the same and pays ~20 s of C++ wrapper
     compilation per graph on two cores (measured when this seam was written), which
     the CI budget cannot carry (docs/neuron.md has what CI compiles and its cost).
-    Inductor's own cache (generated code, kernel libraries) is a private directory of
-    this process, removed at exit: nothing another process left there is ever reused.
+    The file the cache keeps is a tar bundle: the ``CompiledArtifact`` and the files of
+    Inductor's own cache it needs (generated code, the kernel libraries), so a warm
+    start builds no kernel. Inductor's cache itself is a private directory of this
+    process, removed at exit, filled only from bundles the artifact cache has verified:
+    nothing another process left in a shared directory is ever loaded.
 
 ``"neuronx"`` (Neuron devices)
     ``torch_neuronx.trace`` of the same module and inputs (neuronx-cc builds a NEFF),
@@ -38,12 +41,15 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
+import os
 import shutil
+import tarfile
 import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -144,19 +150,66 @@ class CompiledGraph:
 
 
 _INDUCTOR_DIR: str | None = None
+_ARTIFACT = "artifact.bin"  # the CompiledArtifact inside a bundle; Inductor's files under "inductor/"
+_SKIP = ("locks", "__pycache__")  # transient or derived: never bundled
 
 
-def _kernel_cache():
-    """Inductor's own cache for this process: a fresh private directory (``mkdtemp``:
-    mode 0700), removed at exit, so no generated code another process left behind is
-    ever loaded; an artifact carries what it needs."""
+def _inductor_dir() -> str:
+    """Inductor's cache for this process: a fresh private directory (``mkdtemp``: mode
+    0700), removed at exit."""
     global _INDUCTOR_DIR
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
     if _INDUCTOR_DIR is None:
         _INDUCTOR_DIR = tempfile.mkdtemp(prefix="polyengine-inductor-")
         atexit.register(shutil.rmtree, _INDUCTOR_DIR, ignore_errors=True)
-    return temporary_cache_dir(_INDUCTOR_DIR)
+    return _INDUCTOR_DIR
+
+
+def _kernel_cache():
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    return temporary_cache_dir(_inductor_dir())
+
+
+def _write_bundle(path: Path, artifact) -> None:
+    """``artifact`` and every file of this process's Inductor cache (what it compiled or
+    unpacked so far: a superset of what the artifact needs, so loading it builds nothing)."""
+    root = Path(_inductor_dir())
+    with tempfile.TemporaryDirectory(dir=root.parent) as work:
+        blob = Path(work) / _ARTIFACT
+        artifact.save(path=str(blob), format="binary")
+        with tarfile.open(path, "w") as tar:
+            tar.add(blob, arcname=_ARTIFACT)
+            for f in sorted(root.rglob("*")):
+                if f.is_file() and not f.is_symlink() and not any(part in _SKIP for part in f.relative_to(root).parts):
+                    tar.add(f, arcname=f"inductor/{f.relative_to(root).as_posix()}")
+
+
+@contextlib.contextmanager
+def _read_bundle(path: Path) -> Iterator[Path]:
+    """Unpack a verified bundle's Inductor files into this process's Inductor cache;
+    yields the path of its artifact (in a private scratch folder, removed after)."""
+    root = Path(_inductor_dir())
+    with tempfile.TemporaryDirectory(dir=root.parent, prefix="polyengine-artifact-") as scratch:
+        _unpack(path, root, Path(scratch))
+        yield Path(scratch) / _ARTIFACT
+
+
+def _unpack(path: Path, root: Path, scratch: Path) -> None:
+    with tarfile.open(path) as tar:
+        for member in tar.getmembers():
+            name = Path(member.name)
+            if not member.isfile() or name.is_absolute() or ".." in name.parts:
+                raise ValueError(f"{path}: unexpected member {member.name!r}")
+            if member.name == _ARTIFACT:
+                target = scratch / _ARTIFACT
+            elif name.parts[0] == "inductor" and len(name.parts) > 1:
+                target = root.joinpath(*name.parts[1:])
+            else:
+                raise ValueError(f"{path}: unexpected member {member.name!r}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(member) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.chmod(target, 0o700 if member.mode & 0o100 else 0o600)
 
 
 @torch.no_grad()
@@ -184,7 +237,7 @@ def compile_graph(module: torch.nn.Module, args: tuple, compiler: str, *,
         fn, returns = artifact, False
 
         def save(p: Path) -> None:
-            artifact.save(path=str(p), format="binary")
+            _write_bundle(p, artifact)
     else:
         raise ValueError(f"unknown compiler {compiler!r}; known: {COMPILERS}")
     COUNTS["compiled"] += 1
@@ -203,8 +256,8 @@ def load_graph(path: Path, aliases: tuple[tuple[int, int], ...], compiler: str) 
 
         fn, returns = torch.jit.load(str(path)), True
     else:
-        with _kernel_cache():
-            fn, returns = torch._inductor.CompiledArtifact.load(path=str(path), format="binary"), False
+        with _read_bundle(path) as blob, _kernel_cache():
+            fn, returns = torch._inductor.CompiledArtifact.load(path=str(blob), format="binary"), False
     COUNTS["loaded"] += 1
     return CompiledGraph(fn, aliases, returns_aliases=returns, path=path,
                          seconds=time.perf_counter() - start, source="disk")
