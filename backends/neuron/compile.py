@@ -206,10 +206,17 @@ def _unpack(path: Path, root: Path, scratch: Path) -> None:
                 target = root.joinpath(*name.parts[1:])
             else:
                 raise ValueError(f"{path}: unexpected member {member.name!r}")
+            if target.exists():
+                # Inductor names its files by content, so this one is already here; and it
+                # may be a kernel library loaded in this process, which rewriting in place
+                # would pull from under it (SIGBUS/SIGSEGV): never write over a file.
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            with tar.extractfile(member) as src, open(target, "wb") as dst:
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            with tar.extractfile(member) as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-            os.chmod(target, 0o700 if member.mode & 0o100 else 0o600)
+            os.chmod(tmp, 0o700 if member.mode & 0o100 else 0o600)
+            os.replace(tmp, target)
 
 
 @torch.no_grad()
