@@ -42,7 +42,8 @@ def limits(args) -> dict:
 
 
 def neuron_options(args, cache: str, speculation: int) -> dict:
-    return {"cache_dir": cache, "speculation": speculation, "draft_layers": args.draft_layers}
+    draft = {"draft_layers": args.draft_layers} if speculation > 1 else {}  # refused without speculation
+    return {"cache_dir": cache, "speculation": speculation, **draft}
 
 
 def build_engines(args, cache: str) -> dict:

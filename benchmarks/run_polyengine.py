@@ -125,7 +125,7 @@ class PolyengineSystem:
         from polyengine.models import load_model
 
         self.backend, self.dtype, self.options = backend, dtype, dict(options)
-        self.model = load_model(model)
+        self.model = load_model(model, exclusive=True)  # one option set: int8 copies are shared, floats released
         self.vocab_size = self.model.config.vocab_size
         self._key: tuple[int, int, int] | None = None
         self._llm: Any = None
@@ -138,6 +138,7 @@ class PolyengineSystem:
     def llm(self, slots: int, prefill_len: int, cache_len: int) -> Any:
         """An LLM over a timed engine of this shape (the previous one is released first)."""
         import polyengine
+        from polyengine.construction import speed_paths
 
         key = (slots, prefill_len, cache_len)
         if key != self._key:
@@ -158,6 +159,7 @@ class PolyengineSystem:
                     "dtype": getattr(engine, "dtype", None) or engine.capabilities.dtypes[0],
                     "options": self.options,
                     "device": getattr(engine, "device", ""),
+                    "paths": speed_paths(engine),  # kernels or fallback, int8 path: what this row measured
                     "async_results": engine.capabilities.async_results,
                 }
             self.description["engine_builds"] = self.builds

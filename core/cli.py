@@ -13,7 +13,9 @@ to standard output, from Python or at the file-descriptor level, by any thread (
 plugin's prints), goes to standard error instead. A real Ctrl-C exits with 130.
 
 ``polyengine backends`` imports no torch or jax: it only reads plugin specs and runs
-their cheap probes.
+their cheap probes. ``--verbose`` also calls each available backend's ``diagnose``
+(what an engine would run here: device, ISA, kernel and int8 paths, fallbacks with their
+fix), which imports its framework.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("backends", help="list installed backends and whether they can run here")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also what each available backend would run here: device, ISA, kernel and int8 paths, "
+                        "and the reason and fix for any fallback (imports the frameworks; may build kernels)")
     p.set_defaults(func=_cmd_backends, clean_json=True)
 
     from polyengine import cli_run
@@ -86,7 +91,11 @@ def _add_plugin_commands(sub: Any) -> None:
 def _cmd_backends(args: argparse.Namespace) -> int:
     from polyengine.discovery import list_backends
 
-    rows = [b.to_dict() for b in list_backends()]
+    infos = list_backends()
+    rows = [b.to_dict() for b in infos]
+    if args.verbose:
+        for info, row in zip(infos, rows):
+            row["paths"] = info.diagnose()
     if args.json:
         json.dump(rows, args.out, indent=2)
         args.out.write("\n")
@@ -108,6 +117,11 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths)) + "  " + headers[-1])
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    for r in rows if args.verbose else ():
+        if r["paths"]:
+            print(f"\n{r['name']}:")
+            for key, value in r["paths"].items():
+                print(f"  {key}: {value}")
     return 0
 
 

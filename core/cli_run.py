@@ -95,7 +95,7 @@ def _build(args: argparse.Namespace):
         raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {args.context_length}")
     select_backend(args.backend)  # an unknown or unavailable backend is reported before loading weights
     progress = _Progress()
-    model = load_model(args.model, progress=progress)
+    model = load_model(args.model, progress=progress, exclusive=True)  # for this one engine (Model.exclusive)
     progress.done(model)
     context = min(2048, model.config.max_position_embeddings) if args.context_length is None else args.context_length
     if context < 2:
@@ -104,7 +104,13 @@ def _build(args: argparse.Namespace):
     if args.dtype:
         cfg["dtype"] = args.dtype
     llm = LLM(model, args.backend, tools=not args.no_tools, **cfg)
-    print(f"backend: {llm.engine.name}", file=sys.stderr, flush=True)
+    from polyengine.construction import speed_paths
+
+    # What runs, each fallback with its fix: the same words as the engine's startup log line.
+    print(f"backend: {llm.engine.name}", file=sys.stderr)
+    for key, value in speed_paths(llm.engine).items():
+        print(f"  {key}: {value}", file=sys.stderr)
+    sys.stderr.flush()
     return llm
 
 

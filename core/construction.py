@@ -1,15 +1,40 @@
 """Building an engine: pick the backend, load the model, fit the limits, call the
-backend's factory, and check that what came back speaks the protocol."""
+backend's factory, check that what came back speaks the protocol, and say (log, INFO)
+what it runs on."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from polyengine.errors import InvalidRequest, PluginError, PolyengineError
 from polyengine.memory import as_insufficient
 from polyengine.selection import select_backend
 
-__all__ = ["create_engine", "engine_config"]
+__all__ = ["create_engine", "engine_config", "speed_paths", "describe_engine"]
+
+log = logging.getLogger("polyengine")
+
+
+def speed_paths(engine: Any) -> dict[str, str]:
+    """What ``engine`` runs on: its optional ``speed_paths()`` (path -> words; a fallback
+    says its reason and fix), else its ``device``. Never raises: it is a report."""
+    paths: dict[str, str] = {}
+    method = getattr(engine, "speed_paths", None)
+    if callable(method):
+        try:
+            paths = {str(k): str(v) for k, v in method().items()}
+        except Exception as exc:  # noqa: BLE001 - a report must not fail the engine
+            paths = {"speed_paths": f"failed: {type(exc).__name__}: {exc}"}
+    if "device" not in paths and getattr(engine, "device", None):
+        paths = {"device": str(engine.device), **paths}
+    return paths
+
+
+def describe_engine(engine: Any) -> str:
+    """One line for a log: ``name: path: words; path: words``."""
+    return f"{getattr(engine, 'name', type(engine).__name__)}: " + "; ".join(
+        f"{k}: {v}" for k, v in speed_paths(engine).items())
 
 
 def engine_config(values: dict[str, Any]):
@@ -63,7 +88,7 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
     else:
         from polyengine.models import load_model
 
-        loaded = load_model(model)
+        loaded = load_model(model, exclusive=True)  # for this engine alone (Model.exclusive)
     try:
         engine = factory(model=loaded, config=fitted(loaded.config.max_position_embeddings))
     except PolyengineError:
@@ -87,4 +112,5 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
             f"factory of backend {info.name!r} returned a {type(engine).__name__} that does not implement the "
             f"engine protocol: " + "; ".join(problems),
         )
+    log.info("backend %s", describe_engine(engine))
     return engine

@@ -144,11 +144,15 @@ class BackendInfo:
 
     def load_factory(self) -> Callable[..., Any]:
         spec = self.require_usable()
-        if callable(spec.factory):
-            return spec.factory
-        module, _, attr = spec.factory.partition(":")
-        # Not bounded in time: the engine module imports the backend's framework, which
-        # may legitimately take a while. Whatever it raises is still blamed on the plugin.
+        return self._resolve(spec.factory, "factory")
+
+    def _resolve(self, target: Callable[..., Any] | str, what: str) -> Callable[..., Any]:
+        """A spec's callable, importing ``"module:attribute"`` strings. Not bounded in time:
+        the module imports the backend's framework, which may legitimately take a while.
+        Whatever it raises is still blamed on the plugin."""
+        if callable(target):
+            return target
+        module, _, attr = target.partition(":")
         try:
             obj = importlib.import_module(module)
             for part in attr.split("."):
@@ -159,7 +163,7 @@ class BackendInfo:
             ) from exc
         except AttributeError as exc:
             raise PluginError(
-                self.plugin, self.distribution, f"factory {spec.factory!r} does not exist: {exc}"
+                self.plugin, self.distribution, f"{what} {target!r} does not exist: {exc}"
             ) from exc
         except SystemExit as exc:
             raise PluginError(self.plugin, self.distribution, f"importing {module!r} called sys.exit({exc.code!r})") from None
@@ -168,6 +172,24 @@ class BackendInfo:
                 self.plugin, self.distribution, f"importing {module!r} raised {type(exc).__name__}: {exc}"
             ) from exc
         return obj
+
+    def diagnose(self) -> dict[str, str]:
+        """What the backend would run here (its spec's ``diagnose``), for ``polyengine
+        backends --verbose``; a failure is reported in the result, never raised: a
+        diagnosis must not hide the other backends'."""
+        if not self.usable:
+            return {}
+        if self.spec.diagnose is None:
+            return {"paths": "this backend does not describe its paths (no diagnose in its spec)"}
+        try:
+            result = self._resolve(self.spec.diagnose, "diagnose")()
+        except SystemExit as exc:
+            return {"error": f"diagnose called sys.exit({exc.code!r})"}
+        except Exception as exc:  # noqa: BLE001 - a plugin's bug, reported as such
+            return {"error": f"diagnose raised {type(exc).__name__}: {exc}"}
+        if not isinstance(result, dict):
+            return {"error": f"diagnose returned {type(result).__name__}, expected a dict of str"}
+        return {str(k): str(v) for k, v in result.items()}
 
     def to_dict(self) -> dict[str, Any]:
         probe = self.probe()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 __all__ = [
     "PolyengineError",
+    "UnsafeCache",
+    "FallbackWarning",
     "BackendUnavailable",
     "UnknownBackend",
     "UnsupportedFeature",
@@ -159,3 +161,14 @@ class NumericalError(PolyengineError, ArithmeticError):
 
 class ToolError(PolyengineError, ValueError):
     """A tool refused its input (the tool machine turns this into the tool's output)."""
+
+
+class UnsafeCache(PolyengineError, PermissionError):
+    """A cache directory or file that another user could have written (owned by someone
+    else, or writable by group or others): nothing in it is loaded. The message names the
+    path and the fix (make it private, or point the cache elsewhere)."""
+
+
+class FallbackWarning(UserWarning):
+    """A backend runs a slower path than it could (e.g. torch's matmul instead of its
+    compiled kernels): the message says why and names the fix."""

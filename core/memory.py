@@ -35,6 +35,7 @@ from polyengine.errors import InsufficientMemory
 __all__ = [
     "available_host_memory", "host_memory_limits", "cgroup_available", "check_fits", "simulated_limit",
     "as_insufficient", "translating_memory_errors", "MARGIN_FRACTION", "MARGIN_MIN", "DEFAULT_ADVICE", "gib",
+    "return_freed_memory",
 ]
 
 # Slack on top of what is counted: allocator overhead, temporaries of a step.
@@ -268,3 +269,20 @@ def translating_memory_errors(what: str, *, advice: str = DEFAULT_ADVICE) -> Ite
         yield
     except MemoryError as exc:
         raise as_insufficient(exc, what, advice=advice) from exc
+
+
+def return_freed_memory() -> bool:
+    """Hand memory freed inside the C heap back to the system (glibc's ``malloc_trim``).
+
+    NumPy's arrays of a few MiB come from the heap, and glibc returns freed heap memory
+    to the system only from its top: arrays released in the middle (a Model's float
+    weights once their int8 copies exist) stay resident until trimmed. False where
+    there is no glibc (nothing to do, or no way to do it)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

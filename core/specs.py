@@ -59,6 +59,12 @@ class BackendSpec:
 
     ``tolerances`` and ``xfail`` are ``"package:resource"`` names of the backend's
     conformance tolerance overrides and expected-failure file.
+
+    ``diagnose`` (optional) is a callable or ``"module:attribute"`` string, called only
+    by ``polyengine backends --verbose``: ``diagnose() -> dict[str, str]`` says what an
+    engine with the default options would run on this machine (device, ISA, kernel and
+    int8 paths, and for any fallback its reason and fix). It may import the framework
+    and take seconds (e.g. build kernels); the listing without ``--verbose`` never calls it.
     """
 
     name: str
@@ -73,6 +79,7 @@ class BackendSpec:
     accelerator_priority: int = 0
     tolerances: str | None = None
     xfail: str | None = None
+    diagnose: Callable[[], dict[str, str]] | str | None = None
 
     def problems(self) -> list[str]:
         """What is malformed about this spec (empty when it is fine)."""
@@ -94,6 +101,11 @@ class BackendSpec:
                 out.append(f"factory {self.factory!r} must look like 'package.module:attribute'")
         elif not callable(self.factory):
             out.append("factory must be callable or a 'module:attribute' string")
+        if isinstance(self.diagnose, str):
+            if ":" not in self.diagnose:
+                out.append(f"diagnose {self.diagnose!r} must look like 'package.module:attribute'")
+        elif self.diagnose is not None and not callable(self.diagnose):
+            out.append("diagnose must be callable, a 'module:attribute' string or None")
         for attr in ("priority", "accelerator_priority"):
             val = getattr(self, attr)
             if not isinstance(val, int) or isinstance(val, bool):

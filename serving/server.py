@@ -2,7 +2,8 @@
 
 SIGTERM (or SIGINT) stops accepting connections at once, lets in-flight requests run
 for up to ``shutdown_timeout`` seconds, cancels what is left (which frees its slots),
-stops the engine and returns 0.
+stops the engine and returns 0. A SIGTERM repeated during the stop is part of it: the
+process still ends with 0, never with SIGTERM's default action.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def serve(app: Any, sock: socket.socket, *, shutdown_timeout: float, log_level: 
     print(f"polyengine serve: listening on http://{shown}:{port}", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it shut down on, which would end the process with
     # SIGTERM's default action; a graceful stop exits 0, so that re-raise lands here.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run(sockets=[sock])
+    # From here the process only closes the engine and exits: a repeated SIGTERM (an
+    # orchestrator or a user sending it twice) belongs to the stop already under way.
+    # Restoring the default action let one that landed meanwhile end a clean, bounded
+    # shutdown with -15; a Python handler is not enough either, since the interpreter puts
+    # SIG_DFL back when it finalizes, while SIG_IGN stays to the end.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0 if server.started else 1

@@ -47,21 +47,36 @@ def smollm2_oracle(request, default_gguf):
 
 # -- hardware markers: @pytest.mark.gpu / tpu / neuron skip where the device is absent ---
 
-import glob  # noqa: E402
+# Each marker asks the probe of the backend that targets that hardware, the same probe
+# (and the same accelerator flag) that backend="auto" ranks by: a host auto runs on its
+# TPU (/dev/accelN, /dev/vfio/N with libtpu), GPU or Neuron device runs these tests too.
+# Probes start no runtime (device files, find_spec), so deciding is cheap.
+_MARKERS = {"gpu": "cuda", "tpu": "tpu", "neuron": "neuron"}
 
-# Device files, so that deciding starts no runtime (no CUDA context, no TPU client).
-_HARDWARE = {
-    "gpu": ("/dev/nvidia[0-9]*", "no NVIDIA GPU here (no /dev/nvidiaN)"),
-    "tpu": ("/dev/accel[0-9]*", "no TPU here (no /dev/accelN)"),
-    "neuron": ("/dev/neuron[0-9]*", "no Neuron device here (no /dev/neuronN)"),
-}
+
+def _hardware(kind: str) -> tuple[bool, str]:
+    """(present, why not) for a marker, from the probes of the backends whose spec
+    targets its accelerator kind."""
+    from polyengine import list_backends
+
+    reasons = []
+    for info in list_backends():
+        if info.spec is None or info.spec.accelerator != _MARKERS[kind]:
+            continue
+        probe = info.probe()
+        if probe.available and probe.accelerator:
+            return True, ""
+        reasons.append(f"{info.name}: {probe.reason}")
+    return False, "; ".join(reasons) or f"no installed backend targets {_MARKERS[kind]!r}"
 
 
 def hardware_present(kind: str) -> bool:
-    return bool(glob.glob(_HARDWARE[kind][0]))
+    return _hardware(kind)[0]
 
 
 def pytest_runtest_setup(item):
-    for kind, (_, why) in _HARDWARE.items():
-        if item.get_closest_marker(kind) is not None and not hardware_present(kind):
-            pytest.skip(f"needs hardware marker {kind!r}: {why}")
+    for kind in _MARKERS:
+        if item.get_closest_marker(kind) is not None:
+            present, why = _hardware(kind)
+            if not present:
+                pytest.skip(f"needs hardware marker {kind!r}: {why}")

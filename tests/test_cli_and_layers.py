@@ -145,6 +145,38 @@ def test_backends_json_has_the_documented_fields(capsys):
     assert ref["available"] is True and ref["broken"] is False
 
 
+def test_backends_verbose_says_what_each_backend_would_run(capsys, monkeypatch):
+    """--verbose asks each available backend's diagnose; a backend without one, or whose
+    diagnose fails, is reported as such and the others still answer."""
+    from polyengine import BackendSpec, Probe, hookimpl, register_plugin
+    from polyengine.plugins import reset_registry
+
+    class Quiet:
+        @hookimpl
+        def polyengine_backends(self):
+            ok = lambda: Probe(True, False, "always")  # noqa: E731
+            return [BackendSpec(name="silent_one", description="no diagnose", protocol_version=polyengine.PROTOCOL_VERSION,
+                                probe=ok, factory="x.y:z"),
+                    BackendSpec(name="failing_one", description="a broken diagnose",
+                                protocol_version=polyengine.PROTOCOL_VERSION, probe=ok, factory="x.y:z",
+                                diagnose=lambda: 1 / 0)]
+
+    monkeypatch.setenv("POLYENGINE_BACKENDS", "reference,silent_one,failing_one")
+    reset_registry()
+    register_plugin(Quiet(), "quiet")
+    try:
+        assert main(["backends", "--verbose", "--json"]) == 0
+        rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+        assert rows["reference"]["paths"]["compute"].startswith("NumPy")
+        assert "no diagnose" in rows["silent_one"]["paths"]["paths"]
+        assert rows["failing_one"]["paths"] == {"error": "diagnose raised ZeroDivisionError: division by zero"}
+        assert main(["backends", "--verbose"]) == 0
+        out = capsys.readouterr().out
+        assert "\nreference:\n  device: cpu\n  compute: NumPy" in out
+    finally:
+        reset_registry()
+
+
 def test_backends_table(capsys):
     assert main(["backends"]) == 0
     out = capsys.readouterr().out

@@ -53,3 +53,11 @@ def test_unknown_backend_is_reported_before_loading_weights(capsys):
     assert main(["generate", "--backend", "nosuch", "x"]) == 1
     err = capsys.readouterr().err
     assert "no backend named 'nosuch'" in err and "loading weights" not in err
+
+
+def test_generate_says_which_speed_paths_run(capsys):
+    """The stderr lines under "backend:" are the engine's speed_paths (the reference
+    backend's one path here; cuda_torch's kernels and int8 paths where it runs)."""
+    assert main(["generate", "--model", "random:tiny", "--backend", "reference", "--max-tokens", "2", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert "backend: reference\n  device: cpu (NumPy)\n" in err  # no speed_paths(): its device

@@ -63,20 +63,33 @@ def test_weights_share_the_models_memory_on_the_cpu(model):
 # -- the CPU kernels and int8 weights ----------------------------------------------------
 
 
+def _quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The core's quantizer (the one every backend uses) on a torch matrix."""
+    from polyengine.models.quantize import quantize_matrix
+
+    return tuple(torch.from_numpy(a) for a in quantize_matrix(w.numpy(), group))
+
+
+def dequantize(q, scale):
+    from polyengine.backends.cuda_torch.int8 import dequantize as widen
+
+    return widen(q, scale)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize(("n", "k"), [(7, 13), (64, 576), (130, 48)])
 def test_cpu_kernels_equal_torch_linear(m, n, k):
-    from polyengine.backends.cuda_torch.cpu_kernels import dequantize_int8, load, quantize_int8
+    from polyengine.backends.cuda_torch.cpu_kernels import load
 
     kernels = load(2)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
     for group in (0, 16) if k % 16 == 0 else (0,):
-        q, scale = quantize_int8(w, group)
-        want = torch.nn.functional.linear(x, dequantize_int8(q, scale), b)
+        q, scale = _quantize(w, group)
+        want = torch.nn.functional.linear(x, dequantize(q, scale), b)
         torch.testing.assert_close(kernels.linear(x, q, b, scale=scale), want, rtol=1e-5, atol=1e-4)
-        assert (dequantize_int8(q, scale) - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding: half a step
+        assert (dequantize(q, scale) - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding: half a step
 
 
 @pytest.mark.parametrize("group", [0, 32])
@@ -84,14 +97,14 @@ def test_int8_activation_products(group):
     """int8 weights against int8 activations (kernels/q8.cpp): one int8 row per row of
     x is within the activation rounding of the float product; two (the second carrying
     the first's rounding error) are closer by two orders of magnitude."""
-    from polyengine.backends.cuda_torch.cpu_kernels import dequantize_int8, load, quantize_int8
+    from polyengine.backends.cuda_torch.cpu_kernels import load
 
     kernels = load(2)
     g = torch.Generator().manual_seed(group + 3)
     x, w, b = torch.randn(5, 576, generator=g), torch.randn(70, 576, generator=g), torch.randn(70, generator=g)
     x[:, 7] *= 30  # an outlier channel, as LLM activations have
-    q, scale = quantize_int8(w, group)
-    want = torch.nn.functional.linear(x.double(), dequantize_int8(q, scale).double(), b.double())
+    q, scale = _quantize(w, group)
+    want = torch.nn.functional.linear(x.double(), dequantize(q, scale).double(), b.double())
     err = {}
     for pairs in (1, 2):
         got = kernels.linear(x, q, b, scale=scale, int8_activations=pairs).double()
@@ -176,3 +189,43 @@ def test_cuda_graphs_are_refused_on_the_cpu(model):
         pytest.skip("a GPU is present")
     with pytest.raises(UnsupportedFeature, match="CUDA graphs need a CUDA device"):
         TorchEngine(model, CFG.model_copy(update={"options": {"cuda_graphs": True}}))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused-kernels", "torch-fallback"])
+def test_a_decode_step_computes_only_the_live_rows(model, monkeypatch, kernels):
+    """One request in a four-slot engine: every forward (or fused step) runs one row, so a
+    step's cost follows the live requests, not the engine's slot count."""
+    import polyengine.backends.cuda_torch.engine as mod
+    from polyengine.backends.cuda_torch.cpu_kernels import FusedDecoder
+
+    rows: list[int] = []
+    forward, fused = mod.forward, FusedDecoder.step
+
+    def spy_forward(weights, tokens, *args, **kwargs):
+        rows.append(tokens.shape[0])
+        return forward(weights, tokens, *args, **kwargs)
+
+    def spy_fused(self, x, *args):
+        rows.append(x.shape[0])
+        return fused(self, x, *args)
+
+    monkeypatch.setattr(mod, "forward", spy_forward)
+    monkeypatch.setattr(FusedDecoder, "step", spy_fused)
+    with pytest.warns(polyengine.errors.FallbackWarning, match="cpu_kernels=True") if not kernels else _no_warning():
+        eng = TorchEngine(model, CFG.model_copy(update={"options": {"cpu_kernels": kernels}}))
+    assert eng.max_concurrent_decodes == 4
+    LLM.from_engine(eng, tools=False).generate([[1, 5, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(rows) >= 6 and set(rows) == {1}, rows
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def fail_on_fallback():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", polyengine.errors.FallbackWarning)
+            yield
+
+    return fail_on_fallback()

@@ -3,6 +3,7 @@ buckets, artifact keys, and the sampler rollback it relies on."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,108 @@ def test_artifact_keys_follow_config_bucket_dtype_and_compiler_never_weights():
     # Token ids and RoPE settings reach the graphs as inputs (the EOS mask, the RoPE tables).
     eos = a.config.model_copy(update={"eos_token_ids": (5,), "rope_theta": 1.0})
     assert GraphKey.of("context", config=eos, bucket={"prompt": 24}, dtype="float32", compiler="inductor").digest == key(a)
+
+
+# -- the artifact cache: only this user's intact files are loaded ---------------------------
+
+
+class _Planted:
+    """A pickle that, if anything ever unpickled it, would leave a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "unpickled"))
+
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    """An artifact cache of the test's own whose compiler writes a known artifact and whose
+    loader records what it is handed and unpickles it, as Inductor's loader would (so a
+    planted pickle that reached it would run). ``(cache module, cache, calls)``."""
+    import pickle
+
+    pytest.importorskip("torch")
+    from polyengine.backends.neuron import cache as cache_mod
+    from polyengine.backends.neuron import compile as compile_mod
+
+    calls = {"compiled": 0, "loaded": []}
+
+    def compile_graph(module, args, compiler, *, workdir=None):
+        calls["compiled"] += 1
+        graph = compile_mod.CompiledGraph(lambda *a: a, (), returns_aliases=False, path=None, seconds=0.0,
+                                          source="compiled")
+        return graph, lambda p: p.write_bytes(pickle.dumps({"artifact": "compiled here"}))
+
+    def load_graph(path, aliases, compiler):
+        calls["loaded"].append(path)
+        pickle.loads(path.read_bytes())
+        return compile_mod.CompiledGraph(lambda *a: a, aliases, returns_aliases=False, path=path, seconds=0.0,
+                                         source="disk")
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setattr(cache_mod, "compile_graph", compile_graph)
+    monkeypatch.setattr(cache_mod, "load_graph", load_graph)
+    monkeypatch.setattr(cache_mod, "_MEMO", {})
+    return cache_mod, cache_mod.ArtifactCache(tmp_path / "cache", "inductor"), calls
+
+
+def test_a_planted_pickle_where_an_artifact_is_expected_is_never_unpickled(tmp_path, monkeypatch, fake_cache):
+    import hashlib
+    import pickle
+    import warnings
+
+    cache_mod, cache, calls = fake_cache
+    key = cache_mod.GraphKey("context", (("bucket", 24),))
+    path = cache.path(key)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Planted(marker))
+    path.write_bytes(payload)  # planted, first without a record, then with a forged one
+    for forge in (False, True):
+        if forge:
+            path.write_bytes(payload)
+            side = path.with_name(path.name + ".json")
+            side.write_text(json.dumps({**json.loads(side.read_text()), "size": len(payload),
+                                        "sha256": hashlib.sha256(payload).hexdigest()}))
+            monkeypatch.setattr(cache_mod, "_MEMO", {})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graph, source = cache.get(key, (), lambda: (None, ()))
+        assert source == "compiled" and not marker.exists() and path not in calls["loaded"]
+        assert any("compiling it again" in str(w.message) for w in caught)
+    assert calls["compiled"] == 2
+    monkeypatch.setattr(cache_mod, "_MEMO", {})
+    graph, source = cache.get(key, (), lambda: (None, ()))  # what this user wrote loads
+    assert source == "disk" and calls["loaded"] == [path] and not marker.exists()
+
+
+def test_a_damaged_artifact_is_compiled_again(monkeypatch, fake_cache):
+    cache_mod, cache, calls = fake_cache
+    key = cache_mod.GraphKey("token_generation", (("bucket", 4),))
+    cache.get(key, (), lambda: (None, ()))
+    path = cache.path(key)
+    path.write_bytes(path.read_bytes()[:7])  # truncated
+    monkeypatch.setattr(cache_mod, "_MEMO", {})
+    with pytest.warns(UserWarning, match="truncated or replaced.*compiling it again"):
+        _, source = cache.get(key, (), lambda: (None, ()))
+    assert source == "compiled" and calls["compiled"] == 2 and calls["loaded"] == []
+
+
+def test_an_artifact_cache_others_can_write_is_refused_before_compiling(tmp_path):
+    pytest.importorskip("torch")
+    import os
+
+    from polyengine.backends.neuron.engine import NeuronEngine
+    from polyengine.conformance.models import build_model
+    from polyengine.errors import UnsafeCache
+
+    shared = tmp_path / "shared-cache"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    cfg = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64, options={"cache_dir": str(shared)})
+    with pytest.raises(UnsafeCache, match=f"refusing the neuron artifact cache directory {shared}.*fix: chmod 700"):
+        NeuronEngine(build_model("mha_tied"), cfg)
 
 
 # -- the rollback primitive -----------------------------------------------------------------

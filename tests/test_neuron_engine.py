@@ -3,10 +3,11 @@ against sync, rollback over several tokens, the artifact cache (a warm start and
 second checkpoint compile nothing) and no recompilation over a random workload.
 
 Engines use the conformance suite's limits and the session's artifact cache
-(tests/neuron_support.py), so they load the graphs the suite compiled; only plain
-token generation (speculation=1) is compiled here. Greedy and sampled streams are
-compared exactly: speculation verifies drafts with the slot's own stream, so it
-changes how many tokens a step yields, never which.
+(tests/neuron_support.py), so they load the graphs the suite compiled (plain decoding,
+the default); only speculation's graphs (``speculation=2``, one model) and two more
+prefill buckets are compiled here. Greedy and sampled streams are compared exactly:
+speculation verifies drafts with the slot's own stream, so it changes how many tokens
+a step yields, never which.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def _generate(engine, prompts=PROMPTS, sampling=MIXED):
 
 
 def test_speculative_greedy_equals_plain_greedy_and_reports_acceptance(model):
-    spec, llm = _generate(NeuronEngine(model, config()))
-    plain, _ = _generate(NeuronEngine(model, config(speculation=1)))
+    spec, llm = _generate(NeuronEngine(model, config(speculation=2)))
+    plain, plain_llm = _generate(NeuronEngine(model, config()))
     assert llm.engine.capabilities.tokens_per_step == 2
+    assert plain_llm.engine.capabilities.tokens_per_step == 1  # plain decoding is the default
     for a, b in zip(spec, plain):
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
@@ -77,6 +79,12 @@ def test_speculative_greedy_equals_plain_greedy_and_reports_acceptance(model):
     report = llm.engine.bench_report()  # the engine's totals: here, its one decode state
     assert report["speculation_acceptance"] == stats["acceptance_rate"] and report["tokens_per_step"] == 2
     assert report["speculation_proposed"] == stats["row_steps"] and report["speculation_accepted"] == stats["tokens"] - stats["row_steps"]
+
+
+def test_plain_greedy_equals_the_reference(model):
+    got, _ = _generate(NeuronEngine(model, config()), PROMPTS[:2], MIXED[:2])
+    want, _ = _generate(ReferenceEngine(model, EngineConfig(**LIMITS)), PROMPTS[:2], MIXED[:2])
+    assert [o[0].token_ids for o in got] == [o[0].token_ids for o in want]
 
 
 def test_async_equals_sync(model):
@@ -116,7 +124,7 @@ def test_an_override_inside_a_speculative_step_rolls_back_counts_and_cache(model
     """Force a token at the first position of a two-token result: the second is dropped,
     the penalty counts and the step counter roll back, and what follows equals the
     reference forced at the same position."""
-    eng = NeuronEngine(model, config(async_steps=False))
+    eng = NeuronEngine(model, config(async_steps=False, speculation=2))
     params, state = eng.load_params(), eng.init_decode_state()
     prompt = [1, 5, 9, 4, 2]
     prefix, first = eng.prefill(params=params, tokens=prompt, sampling=sampling)
@@ -188,7 +196,7 @@ def test_bench_report_has_a_row_per_graph_and_a_warm_engine_reports_only_cache(m
     source) and scalar statistics; a second engine of the same config (another
     checkpoint) gets every graph from the cache."""
     before = COUNTS["compiled"]
-    cold = NeuronEngine(model, config()).bench_report()  # compiled here, or loaded if the session has it
+    cold = NeuronEngine(model, config(speculation=2)).bench_report()  # compiled here, or loaded from the session
     programs = {("context_encoding", "prompt 24"), ("speculation", "batch 4, kv 65"), ("draft_token_generation", "batch 4, kv 65")}
     assert {(r["program"], r["bucket"]) for r in cold["compile"]} == programs
     for row in cold["compile"]:
@@ -197,11 +205,11 @@ def test_bench_report_has_a_row_per_graph_and_a_warm_engine_reports_only_cache(m
     assert cold["graphs_compiled"] == COUNTS["compiled"] - before == sum(r["source"] == "compiled" for r in cold["compile"])
     assert all(isinstance(v, (int, float)) for k, v in cold.items() if k != "compile")
     assert cold["speculation_proposed"] == 0 and cold["tokens_per_step"] == 2
-    warm = NeuronEngine(build_model("mha_tied", seed=99), config()).bench_report()
+    warm = NeuronEngine(build_model("mha_tied", seed=99), config(speculation=2)).bench_report()
     assert [(r["program"], r["bucket"], r["source"]) for r in warm["compile"]] == [
         (r["program"], r["bucket"], "cache") for r in cold["compile"]]
     assert warm["graphs_compiled"] == 0 and warm["compile_seconds"] == 0.0 and warm["graphs_from_cache"] == 3
-    plain = NeuronEngine(model, config(speculation=1)).bench_report()
+    plain = NeuronEngine(model, config()).bench_report()
     assert {r["program"] for r in plain["compile"]} == {"context_encoding", "token_generation"}
     assert "speculation_acceptance" not in plain
 
@@ -216,7 +224,7 @@ def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatc
     """Random prompts over three prefill buckets, single and bulk inserts, frees, overrides
     anywhere in a slot's last result and mixed sampling: every call runs a graph the
     warm-up built. Compiling or loading anything afterwards fails the test."""
-    eng = NeuronEngine(model, config(prefill_buckets=(8, 16, 24)))
+    eng = NeuronEngine(model, config(prefill_buckets=(8, 16, 24), speculation=2))  # multi-token results
     files = sorted(p.name for p in shared_cache().iterdir())
     before = dict(COUNTS)
     import polyengine.backends.neuron.cache as cache_mod
@@ -269,3 +277,19 @@ def test_on_neuron_hardware_greedy_equals_the_reference(model, tmp_path):
     got, _ = _generate(eng, PROMPTS[:2], MIXED[:2])
     want, _ = _generate(ReferenceEngine(model, EngineConfig(**LIMITS)), PROMPTS[:2], MIXED[:2])
     assert [o[0].token_ids for o in got] == [o[0].token_ids for o in want]
+
+
+def test_speculation_is_one_option_away_and_refused_where_it_cannot_apply(model):
+    """Plain decoding by default; ``speculation=k`` turns it on; a draft of a 1-layer model,
+    or draft_layers without speculation, is refused before anything compiles."""
+    assert NeuronEngine.OPTIONS["speculation"] == 1
+    one_layer = build_model("mha_tied").config.model_copy(update={"num_hidden_layers": 1})
+    weights = {k: v for k, v in model.weights.items() if not k.startswith("model.layers.1.")}
+    from polyengine.models import Model
+
+    with pytest.raises(InvalidRequest, match="needs a model of 2 layers or more"):
+        NeuronEngine(Model(one_layer, weights), config(speculation=2))
+    with pytest.raises(InvalidRequest, match="draft_layers=1 applies only with speculation >= 2"):
+        NeuronEngine(model, config(draft_layers=1))
+    with pytest.raises(InvalidRequest, match="must be 1 \\(plain decoding\\) to 8"):
+        NeuronEngine(model, config(speculation=0))

@@ -37,7 +37,6 @@ def test_a_prefix_longer_than_this_engine_accepts_is_refused():
 
 
 def test_weights_copy_and_caches_that_do_not_fit_are_refused_before_allocating(monkeypatch):
-    import polyengine.models.loader as loader
 
     model = load_model("random:tiny")
     monkeypatch.setattr("polyengine.memory.available_host_memory", lambda: 300 << 20)

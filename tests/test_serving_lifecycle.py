@@ -150,10 +150,12 @@ def test_sigterm_refuses_new_work_finishes_what_fits_cancels_the_rest_and_exits_
             s.proc.send_signal(signal.SIGTERM)
 
             def refused() -> bool:
+                """New work is refused: the connection is refused, or (accepted by the kernel
+                just before the listener closed) closed without a response."""
                 try:
                     httpx.get(s.url + "/health", timeout=1)
                     return False
-                except httpx.ConnectError:
+                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
                     return True
 
             refused_fast = await asyncio.to_thread(wait_until, refused, grace)
@@ -161,6 +163,8 @@ def test_sigterm_refuses_new_work_finishes_what_fits_cancels_the_rest_and_exits_
             return refused_fast, results, t0
 
     refused_fast, (short, long), t0 = asyncio.run(main())
+    # A second SIGTERM while the server finishes its stop (what stop() sends when the
+    # process is still running) is part of the same stop: exit 0, never -15.
     code = s.stop(timeout=grace + 10)
     took = time.monotonic() - t0
     assert code == 0, s.log()

@@ -15,10 +15,8 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
 
-import numpy as np
 import pytest
 
 # Read when ray is imported: every Ray listener on 127.0.0.1, no token under ~/.ray.

@@ -8,8 +8,11 @@ values (integer dot products: AVX-512 VNNI, AVX-VNNI or AVX2, as the host has);
 (every layer for the live rows, in one call) built on them. Both are compiled once per host ISA with the
 system's C++ compiler and ``-march=native`` into a cache folder, then called through
 ctypes on the tensors' memory: no Python extension build, no torch headers, a few
-seconds of compiling. Where no compiler works, :func:`load` says why and the engine
-stays on the shared torch forward.
+seconds of compiling. The cache is private to the user and its library is loaded only
+when its signed record matches it (``polyengine.cache``): a damaged, empty, planted or
+foreign file is compiled again, never ``dlopen``'ed. Where the kernels cannot be built
+or loaded, :func:`load` raises :class:`KernelsUnavailable` naming the fix and the engine
+stays on the shared torch forward (with a warning that says so).
 
 Only the CPU path uses them: :class:`CpuKernels.linear` for at most :data:`MAX_ROWS`
 rows in the shared forward (beyond that a GEMM library is compute-bound and faster)
@@ -27,27 +30,36 @@ import platform
 import shutil
 import subprocess
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from polyengine.cache import cache_root, check, private_dir, store
+from polyengine.errors import UnsafeCache
 from polyengine.hostinfo import cpu_flags
 
-__all__ = ["CpuKernels", "FusedDecoder", "load", "quantize_int8", "dequantize_int8", "q8_fits", "MAX_ROWS", "Q8_BLOCK"]
+__all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits", "MAX_ROWS", "Q8_BLOCK"]
 
 MAX_ROWS = 16
 Q8_BLOCK = 32  # int8 activations: values per scale (kernels/q8.cpp)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 _KERNELS = Path(__file__).with_name("kernels")
-_SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp
+_SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp, q8.cpp and parallel.h
+_COMPILE_SECONDS = 300
 _lock = threading.Lock()
 _loaded: dict[int, "CpuKernels"] = {}
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("POLYENGINE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "polyengine")
-    return Path(base) / "kernels"
+    """The kernel cache: private to this user (``polyengine.cache``: created 0700, refused
+    when someone else could write it), under ``$POLYENGINE_CACHE`` or ``~/.cache/polyengine``."""
+    return private_dir(cache_root() / "kernels", what="CPU kernel cache")
+
+
+class KernelsUnavailable(RuntimeError):
+    """The kernels cannot be built or loaded here; the message says why and names the fix."""
 
 
 def _isa_tag() -> str:
@@ -115,31 +127,62 @@ class CpuKernels:
         return y.reshape(*shape[:-1], n)
 
 
-def _compile(target: Path) -> None:
+def _compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
-        raise RuntimeError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-I", str(_KERNELS), "-o", str(tmp), str(_SOURCE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        raise RuntimeError(f"compiling {_SOURCE.name} failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-    os.replace(tmp, target)  # atomic: concurrent first uses never load a half-written file
+        raise KernelsUnavailable("no C++ compiler found (g++, c++ or clang++); fix: install one (Debian/Ubuntu: "
+                                 "apt-get install g++; Fedora: dnf install gcc-c++) or set CXX to one")
+    return cxx
+
+
+def _compile(cxx: str, target: Path) -> None:
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-I", str(_KERNELS), "-o", str(target), str(_SOURCE)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise KernelsUnavailable(f"compiling {_SOURCE.name} took over {_COMPILE_SECONDS} s: {' '.join(cmd)}; fix: "
+                                 f"retry on a less busy machine (the result is cached)") from None
+    except OSError as exc:
+        raise KernelsUnavailable(f"running the C++ compiler {cxx} failed ({exc.strerror or exc}); fix: install g++ "
+                                 f"or set CXX to a working compiler") from None
+    if proc.returncode != 0 or not target.exists() or target.stat().st_size == 0:
+        raise KernelsUnavailable(f"compiling {_SOURCE.name} failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}\nfix: "
+                                 f"set CXX to another compiler (g++ >= 9 or clang >= 10), or option "
+                                 f"cpu_kernels=False to use torch's matmul without this warning")
+
+
+def cache_entry() -> tuple[Path, list[str]]:
+    """Where this host's library lives in the cache (named by a digest of every kernel
+    source and the CPU's ISA flags) and the sources it is built from."""
+    sources = [p for p in sorted(_KERNELS.iterdir()) if p.suffix in (".cpp", ".h")]
+    digest = hashlib.blake2b(b"".join(p.read_bytes() for p in sources), digest_size=8).hexdigest()
+    try:
+        return _cache_dir() / f"cpu-step-{digest}-{_isa_tag()}.so", [p.name for p in sources]
+    except UnsafeCache as exc:
+        raise KernelsUnavailable(str(exc)) from None
 
 
 def load(threads: int | None = None) -> CpuKernels:
-    """The kernels for this host (compiled on first use, cached by source and ISA)."""
+    """The kernels for this host (compiled on first use, cached by source and ISA in a
+    private, signed cache: ``polyengine.cache``). Raises :class:`KernelsUnavailable`,
+    whose message names the fix, where they cannot be built or loaded."""
     threads = threads or torch.get_num_threads()
     with _lock:
         if threads in _loaded:
             return _loaded[threads]
-        sources = b"".join(p.read_bytes() for p in sorted(_KERNELS.iterdir()) if p.suffix in (".cpp", ".h"))
-        digest = hashlib.blake2b(sources, digest_size=8).hexdigest()
-        path = _cache_dir() / f"cpu-step-{digest}-{_isa_tag()}.so"
-        if not path.exists():
-            _compile(path)
-        lib = ctypes.CDLL(str(path))
+        path, sources = cache_entry()
+        record, reason = check(path)
+        if record is None:
+            cxx = _compiler()
+            if reason != "missing":  # damaged, planted or foreign: never dlopen'ed, built again
+                warnings.warn(f"cuda_torch: not loading the cached CPU kernels ({reason}); compiling them again",
+                              stacklevel=3)
+            store(path, lambda tmp: _compile(cxx, tmp), {"sources": sources, "compiler": cxx})
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelsUnavailable(f"loading the compiled kernels {path} failed ({exc}); fix: delete that file "
+                                     f"(it is compiled again)") from None
         lib.pe_vector_width.restype = ctypes.c_int
         ptr, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         lib.pe_linear_f32.argtypes = [ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_]
@@ -162,25 +205,6 @@ def q8_fits(config, group: int) -> bool:
     intermediate, heads x head_dim) and the int8 weight group are multiples of 32."""
     return all(k % Q8_BLOCK == 0 for k in (config.hidden_size, config.intermediate_size, config.q_size)) and (
         group % Q8_BLOCK == 0)
-
-
-def quantize_int8(weight: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8: per output channel (``group=0``: ``weight ~ q * scale[:, None]``,
-    scale ``(N,)``) or per block of ``group`` weights along a row (scale ``(N, K/group)``;
-    ``K`` must be a multiple of ``group``)."""
-    w = weight.to(torch.float32)
-    n, k = w.shape
-    blocks = w.reshape(n, k // group, group) if group else w.reshape(n, 1, k)
-    scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / 127.0  # (N, blocks)
-    q = torch.round(blocks / scale[:, :, None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
-    return q.contiguous(), (scale if group else scale[:, 0]).contiguous()
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    if scale.dim() == 1:
-        return q.to(torch.float32) * scale[:, None]
-    return (q.to(torch.float32).reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, k)
 
 
 _PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -17,8 +17,8 @@ lengths); the tokens stay on the device until the driver reads them.
 from __future__ import annotations
 
 import functools
+import logging
 import math
-import subprocess
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Option, Prefix, ResultLayout, ResultTokens, SlotTable
-from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
+from polyengine.errors import FallbackWarning, InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
+from polyengine.models.quantize import WEIGHT_MODES, has_int8_copies, int8_bytes, replaced_weights
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
@@ -44,7 +45,6 @@ from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngi
 __all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_QUANTIZE = {"": None, "int8": 0, "int8-block32": 32}  # option -> weights per scale (0: a whole row)
 _INT8_COMPUTE = {"auto": 2, "int8x2": 2, "int8": 1, "float": 0}  # option -> int8 rows per activation row
 
 
@@ -94,7 +94,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         "fused_decode": Option(True, "CPU: the whole decode step in one host-compiled call (needs cpu_kernels)"),
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
-        "quantize": Option("", "int8 weights: 'int8' (per channel) or 'int8-block32'", choices=tuple(_QUANTIZE)),
+        "quantize": Option("", "int8 weights: 'int8' (per channel) or 'int8-block32'", choices=("", *WEIGHT_MODES)),
         # with int8 weights on the CPU: "int8" quantizes each decode product's activations to
         # int8 per 32 values and multiplies with integer dot products (VNNI / AVX2, as
         # llama.cpp's Q8_0 does); "int8x2" adds a second int8 row carrying the first's
@@ -127,14 +127,27 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         self._weights: TorchWeights | None = None
         self._prefill_sampler: TorchSampler | None = None
         self._kernels = None
-        if device.type == "cpu" and o["cpu_kernels"] and self.torch_dtype == torch.float32:
-            from polyengine.backends.cuda_torch.cpu_kernels import load
+        # Why the host-compiled CPU kernels are not used, with the fix (None: they are, or
+        # they do not apply: CUDA, or a dtype they do not compute).
+        self.kernels_fallback: str | None = None
+        if device.type == "cpu" and self.torch_dtype == torch.float32:
+            if not o["cpu_kernels"]:
+                self.kernels_fallback = ("option cpu_kernels=False; set cpu_kernels=True for the host-compiled "
+                                         "decode kernels")
+            else:
+                from polyengine.backends.cuda_torch.cpu_kernels import KernelsUnavailable, load
 
-            try:
-                self._kernels = load(o["threads"] or None)
-            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-                warnings.warn(f"cuda_torch: the CPU kernels are unavailable ({exc}); using torch's matmul", stacklevel=2)
+                try:
+                    self._kernels = load(o["threads"] or None)
+                except KernelsUnavailable as exc:
+                    self.kernels_fallback = str(exc)
+            if self.kernels_fallback is not None:
+                message = (f"cuda_torch: decoding on torch's matmul, not the compiled CPU kernels: "
+                           f"{self.kernels_fallback}")
+                warnings.warn(message, FallbackWarning, stacklevel=2)
+                logging.getLogger(__name__).warning(message)
         self._linear = self._cpu_linear if (self._kernels is not None or o["quantize"]) else None
+        self._tiled = None  # the int8 product without the kernels (int8.TiledInt8Linear), made with the weights
         self.int8_activations = self._pick_int8_compute(model.config)
         self._fused = None  # the FusedDecoder, built with the weights when fused_decode applies
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
@@ -153,6 +166,14 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
         )
 
+    def speed_paths(self) -> dict[str, str]:
+        """What this engine runs on, each fallback with its reason and fix (paths.py): its
+        startup log line, ``polyengine generate``'s stderr."""
+        from polyengine.backends.cuda_torch.paths import describe
+
+        return describe(device=self.torch_device, dtype=self.torch_dtype, options=self.options,
+                        kernels=self._kernels, fallback=self.kernels_fallback, int8_activations=self.int8_activations)
+
     def _pick_int8_compute(self, config) -> int:
         """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
         float32 activations, 1 or 2 (kernels/q8.cpp)."""
@@ -161,7 +182,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         o = self.options
         if not o["quantize"] or o["int8_compute"] == "float":
             return 0
-        fits = self._kernels is not None and q8_fits(config, _QUANTIZE[o["quantize"]])
+        fits = self._kernels is not None and q8_fits(config, WEIGHT_MODES[o["quantize"]])
         if o["int8_compute"] != "auto" and not fits:
             why = ("the CPU kernels are off or unavailable" if self._kernels is None else
                    "it needs hidden, intermediate and heads x head_dim sizes that are multiples of 32")
@@ -190,14 +211,21 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return f"cpu ({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
 
     def _check_memory(self) -> None:
+        """What this engine allocates, counted as it will be: on the CPU in float32 the
+        Model's arrays are used as they are (nothing new); elsewhere a copy in the compute
+        dtype of every weight the engine keeps float; int8 copies unless the Model already
+        holds them (they are computed once per Model and mode)."""
         c, cfg = self.model.config, self.config
         item = torch.tensor([], dtype=self.torch_dtype).element_size()
         shares_host = self.torch_device.type == "cpu" and self.torch_dtype == torch.float32
+        mode = self.options["quantize"]
+        shapes = c.weight_shapes()
+        kept = set(shapes) - (replaced_weights(c) if mode else set())
         needs = {}
-        if not shares_host:  # on the CPU in float32 the Model's arrays are used as they are
-            needs[f"{self.dtype} weights on {self.torch_device}"] = c.num_parameters() * item
-        if self.options["quantize"]:
-            needs["int8 copies of the projection weights"] = c.num_parameters()
+        if not shares_host:
+            needs[f"{self.dtype} weights on {self.torch_device}"] = sum(math.prod(shapes[n]) for n in kept) * item
+        if mode and not has_int8_copies(self.model, mode):
+            needs[f"int8 copies of the projections and the LM head ({mode})"] = int8_bytes(c, mode)
         needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
             cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(item))
         needs["the sampler's per-slot tables and a step's logits"] = (
@@ -234,11 +262,19 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     @_on_engine_thread
     def load_params(self) -> TorchWeights:
         if self._weights is None:
-            self._weights = self._allocating("the weights", lambda: TorchWeights.from_model(
-                self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length))
-            if self.options["quantize"]:
-                group = _QUANTIZE[self.options["quantize"]]
-                self._allocating("int8 weights", lambda: self._quantize(self._weights.tensors, group))
+            mode = self.options["quantize"]
+            # int8: the float matrices the copies replace are not kept (nor converted); an
+            # exclusive Model releases them too (polyengine.models.quantize).
+            skip = replaced_weights(self.model.config) if mode else frozenset()
+            weights = self._allocating("the weights", lambda: TorchWeights.from_model(
+                self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length,
+                skip=skip))
+            if mode:
+                from polyengine.backends.cuda_torch.int8 import TiledInt8Linear, int8_tensors
+
+                weights.tensors.update(self._allocating("int8 weights", lambda: int8_tensors(self.model, mode)))
+                self._tiled = TiledInt8Linear()
+            self._weights = weights
             if self._kernels is not None and self.options["fused_decode"]:
                 from polyengine.backends.cuda_torch.cpu_kernels import FusedDecoder
 
@@ -250,25 +286,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
         return self._weights
 
-    @staticmethod
-    def _quantize(tensors: dict[str, torch.Tensor], group: int) -> None:
-        """Add ``<name>.qweight`` (int8) and ``<name>.scale`` for every projection and the
-        LM head; the float weights stay (on the CPU they are the Model's own arrays).
-        A matrix whose rows do not divide into groups gets per-channel scales."""
-        from polyengine.backends.cuda_torch.cpu_kernels import quantize_int8
-
-        names = [n[: -len(".weight")] for n in tensors if n.endswith("_proj.weight")]
-        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-        for name, w in [(n, tensors[n + ".weight"]) for n in names] + [("lm_head", head)]:
-            g = group if group and w.shape[1] % group == 0 else 0
-            tensors[name + ".qweight"], tensors[name + ".scale"] = quantize_int8(w, g)
-
     def _cpu_linear(self, t: dict[str, torch.Tensor], x: torch.Tensor, name: str, *, any_rows: bool = False,
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """A projection on the CPU: the host kernels for the few rows of a decode step (or
         for any number with ``any_rows``, writing into ``out``), torch's GEMM for prefill;
-        int8 weights when quantized (dequantized for a GEMM)."""
-        from polyengine.backends.cuda_torch.cpu_kernels import MAX_ROWS, dequantize_int8
+        int8 weights when quantized (widened band by band for torch's GEMM: int8.py)."""
+        from polyengine.backends.cuda_torch.cpu_kernels import MAX_ROWS
 
         bias = t.get(name + ".bias")
         on_kernels = self._kernels is not None and (any_rows or x.numel() // x.shape[-1] <= MAX_ROWS)
@@ -277,7 +300,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             scale = t[name + ".scale"]
             if on_kernels:
                 return self._kernels.linear(x, q, bias, scale=scale, out=out, int8_activations=self.int8_activations)
-            return torch.nn.functional.linear(x, dequantize_int8(q, scale), bias)
+            return self._tiled(x, q, scale, bias)
         w = t[name + ".weight"] if name != "lm_head" else t.get("lm_head.weight", t["model.embed_tokens.weight"])
         if on_kernels and x.dtype == torch.float32:
             return self._kernels.linear(x, w, bias, out=out)
@@ -385,17 +408,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         live_mask = torch.zeros(n, dtype=torch.bool)
         live_mask[live] = True
         live_mask = live_mask.to(dev)
-        if live and self._fused is not None:
-            tokens, logprobs, top_ids, top_lp = self._fused_step(params, state, live, positions, num_top)
-        elif live:
+        if live and not self.options["cuda_graphs"]:
+            tokens, logprobs, top_ids, top_lp = self._live_step(params, state, live, positions, kv_len, num_top)
+        elif live:  # a CUDA graph has static shapes: every slot runs, empty ones write nothing
             pos = torch.tensor(positions, dtype=torch.int64, device=dev)[:, None]
-            if self.options["cuda_graphs"]:
-                logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
-            else:
-                logits, state.k, state.v = forward(
-                    params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[:, None], pos, state.k,
-                    state.v, rows=None, write_mask=live_mask[:, None],
-                )
+            logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
             res = state.sampler.sample(logits[:, 0], num_top=num_top)
             state.sampler.record(res.tokens, mask=live_mask)
             state.next_tokens.copy_(torch.where(live_mask, res.tokens, state.next_tokens))
@@ -443,23 +460,34 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         graph.replay()
         return logits
 
-    def _fused_step(self, params: TorchWeights, state: TorchDecodeState, live: list[int], positions: list[int], num_top: int):
-        """The CPU decode step through the fused kernel: only the live rows are computed,
-        then the final norm, the LM head and the sampler (rows addressed by slot)."""
-        t, n = params.tensors, state.num_slots
-        rows = torch.tensor(live, dtype=torch.int64)
-        x = t["model.embed_tokens.weight"][state.next_tokens[rows]].contiguous()  # (M, hidden)
-        self._fused.step(x, rows, torch.tensor([positions[i] for i in live]), state.k, state.v)
-        x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
-        logits = self._head(t, x)  # (M, vocab)
+    def _live_step(self, params: TorchWeights, state: TorchDecodeState, live: list[int], positions: list[int],
+                   kv_len: int, num_top: int):
+        """A decode step over the live rows only, so that its cost follows the live
+        requests, not the slot count: the fused CPU kernel where it is built, else the
+        shared forward on those rows (their cache rows gathered, unless every slot is
+        live); then the sampler on those rows, the results scattered back to slot order."""
+        t, n, dev = params.tensors, state.num_slots, self.torch_device
+        rows = torch.tensor(live, dtype=torch.int64, device=dev)
+        pos = torch.tensor([positions[i] for i in live], dtype=torch.int64, device=dev)
+        if self._fused is not None:
+            x = t["model.embed_tokens.weight"][state.next_tokens[rows]].contiguous()  # (M, hidden)
+            self._fused.step(x, rows, pos, state.k, state.v)
+            x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
+            logits = self._head(t, x)  # (M, vocab)
+        else:
+            logits, state.k, state.v = forward(
+                params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[rows][:, None],
+                pos[:, None], state.k, state.v, rows=None if len(live) == n else rows,
+            )
+            logits = logits[:, 0]  # (M, vocab)
         res = state.sampler.sample(logits, rows, num_top=num_top)
         state.sampler.record(res.tokens, rows=rows)
         state.next_tokens[rows] = res.tokens
-        tokens = torch.zeros(n, dtype=torch.int64).index_put_((rows,), res.tokens)
-        logprobs = torch.zeros(n, dtype=res.logprobs.dtype).index_put_((rows,), res.logprobs)
-        top_ids = torch.zeros((n, res.top_ids.shape[1]), dtype=torch.int64).index_put_((rows,), res.top_ids)
-        top_lp = torch.zeros((n, res.top_logprobs.shape[1]), dtype=res.top_logprobs.dtype).index_put_((rows,), res.top_logprobs)
-        return tokens, logprobs, top_ids, top_lp
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((n, *values.shape[1:]), dtype=values.dtype, device=dev).index_put_((rows,), values)
+
+        return scatter(res.tokens), scatter(res.logprobs), scatter(res.top_ids), scatter(res.top_logprobs)
 
     def _head(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The LM head of a fused decode step: the host kernels at any row count (at 32

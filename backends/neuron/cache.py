@@ -12,10 +12,15 @@ A key names what a compiled graph depends on and nothing else:
   the source that defines the graphs (``graphs.py`` and ``torch_common``'s model,
   sampler and Threefry), so changed code never loads a stale artifact.
 
-Files: ``<root>/<kind>-<digest>.bin`` (the artifact) and ``.json`` beside it (the key
-in words and the compile time). Writes are atomic, so processes may share a root.
-Within a process, loaded graphs are kept by path, so the many engines a test suite
-builds for one config load each artifact once.
+Files: ``<root>/<kind>-<digest>.bin`` (the artifact) and ``<kind>-<digest>.bin.json``
+beside it (the key in words, the compile time, and the artifact's size, SHA-256 and
+signature). Loading an artifact runs code (Inductor's loader unpickles; TorchScript
+archives too), so the cache follows ``polyengine.cache``: the root is private to this
+user (created 0700; refused, naming the fix, when someone else could write it), and an
+artifact is loaded only when its signed record matches it; a missing, damaged, planted
+or foreign one is compiled again and replaced. Writes are atomic, so this user's
+processes may share a root. Within a process, loaded graphs are kept by path, so the
+many engines a test suite builds for one config load each artifact once.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from polyengine.cache import cache_root, check, private_dir, store
 from polyengine.models import ModelConfig
 
 from polyengine.backends.neuron.compile import CompiledGraph, compile_graph, compiler_version, load_graph
@@ -40,11 +46,11 @@ _MEMO: dict[str, CompiledGraph] = {}
 
 
 def default_cache_dir() -> Path:
-    """``$POLYENGINE_NEURON_CACHE``, else ``$XDG_CACHE_HOME/polyengine/neuron`` (``~/.cache``)."""
+    """``$POLYENGINE_NEURON_CACHE``, else ``neuron`` under polyengine's cache root
+    (``$POLYENGINE_CACHE``, else ``$XDG_CACHE_HOME/polyengine``, else ``~/.cache/polyengine``)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "polyengine" / "neuron"
+    return cache_root() / "neuron"
 
 
 def architecture(config: ModelConfig) -> dict[str, Any]:
@@ -91,7 +97,8 @@ class ArtifactCache:
     """Compiled graphs under one root for one compiler: memory, then disk, then compile."""
 
     def __init__(self, root: Path, compiler: str):
-        self.root, self.compiler = Path(root), compiler
+        self.root = private_dir(root, what="neuron artifact cache", env=f"{CACHE_ENV} (or the option cache_dir)")
+        self.compiler = compiler
 
     def path(self, key: GraphKey) -> Path:
         return self.root / f"{key.kind}-{key.digest}.bin"
@@ -101,22 +108,25 @@ class ArtifactCache:
         """The graph for ``key`` (its ``aliases`` as the graph class declares them) and
         where it came from: ``"memory"`` (loaded earlier in this process), ``"disk"`` or
         ``"compiled"``. ``build()`` gives ``(module, example_args)`` only when it must be
-        compiled. A file that cannot be loaded (truncated, written by another build) is
-        compiled again."""
+        compiled. Only an artifact whose signed record matches it is loaded; any other
+        (missing, damaged, planted, foreign), or one that fails to load, is compiled again
+        and replaces it."""
         path = self.path(key)
         graph = _MEMO.get(str(path))
         if graph is not None:
             return graph, "memory"
-        if path.exists():
+        record, reason = check(path)
+        if record is not None:
             try:
                 graph = load_graph(path, aliases, self.compiler)
             except Exception as exc:
                 warnings.warn(f"neuron: cannot load the compiled graph {path} ({exc!r}); compiling it again", stacklevel=3)
+        elif reason != "missing":
+            warnings.warn(f"neuron: not loading the cached graph {path} ({reason}); compiling it again", stacklevel=3)
         if graph is None:
-            self.root.mkdir(parents=True, exist_ok=True)
             module, args = build()
-            graph = compile_graph(module, args, path, self.compiler)
-            meta = {**key.description, "compile_seconds": round(graph.seconds, 2)}
-            path.with_suffix(".json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+            graph, save = compile_graph(module, args, self.compiler, workdir=path.with_suffix(".neuronx-work"))
+            graph.path = path
+            store(path, save, {**key.description, "compile_seconds": round(graph.seconds, 2)})
         _MEMO[str(path)] = graph
         return graph, graph.source

@@ -1,16 +1,25 @@
 """The compile seam: a graph module and example inputs in, a loaded artifact out.
 
-Two compilers, one interface (:func:`compile_graph` writes an artifact file,
-:func:`load_graph` reads one back without compiling anything):
+Two compilers, one interface (:func:`compile_graph` compiles and returns the graph with
+the function that writes its artifact file, :func:`load_graph` reads one back without
+compiling anything; the artifact cache, ``cache.py``, decides where files go and that
+only this user's intact files are ever loaded: both formats run code when loaded):
 
 ``"inductor"`` (the CPU compile path)
     ``torch.export.export`` captures the graph as a static, verified program (no
     data-dependent control flow); Inductor compiles it ahead of the first call into C++
     kernels (``torch._inductor.standalone_compile``, shapes fixed by the example
     inputs); the ``CompiledArtifact`` is saved as one binary file and loaded with
-    ``CompiledArtifact.load``. AOTInductor would also do, but pays ~20 s of C++ wrapper
+    ``CompiledArtifact.load``, which unpickles torch's cache entries inside it and loads
+    the kernels they carry. AOTInductor's package would load without pickle (a C++
+    loader), but it is a shared library all the same and pays ~20 s of C++ wrapper
     compilation per graph on two cores (measured when this seam was written), which
     the CI budget cannot carry (docs/neuron.md has what CI compiles and its cost).
+    The file the cache keeps is a tar bundle: the ``CompiledArtifact`` and the files of
+    Inductor's own cache it needs (generated code, the kernel libraries), so a warm
+    start builds no kernel. Inductor's cache itself is a private directory of this
+    process, removed at exit, filled only from bundles the artifact cache has verified:
+    nothing another process left in a shared directory is ever loaded.
 
 ``"neuronx"`` (Neuron devices)
     ``torch_neuronx.trace`` of the same module and inputs (neuronx-cc builds a NEFF),
@@ -30,12 +39,17 @@ is asked for.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import os
+import shutil
+import tarfile
+import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -121,7 +135,7 @@ class CompiledGraph:
     and returns the graph's outputs without the aliased ones (those inputs are updated)."""
 
     def __init__(self, fn: Callable[..., Any], aliases: tuple[tuple[int, int], ...], *, returns_aliases: bool,
-                 path: Path, seconds: float, source: str):
+                 path: Path | None, seconds: float, source: str):
         self._fn, self.aliases, self._returns_aliases = fn, aliases, returns_aliases
         self.path, self.seconds, self.source = path, seconds, source
 
@@ -135,61 +149,122 @@ class CompiledGraph:
         return tuple(o for i, o in enumerate(out) if i not in dropped)
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file and rename: concurrent compiles of one key (two
-    processes sharing a cache) never leave a half-written artifact."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+_INDUCTOR_DIR: str | None = None
+_ARTIFACT = "artifact.bin"  # the CompiledArtifact inside a bundle; Inductor's files under "inductor/"
+_SKIP = ("locks", "__pycache__")  # transient or derived: never bundled
 
 
-def _kernel_cache(path: Path):
-    """Inductor's own cache (generated code, kernel libraries) beside the artifacts."""
+def _inductor_dir() -> str:
+    """Inductor's cache for this process: a fresh private directory (``mkdtemp``: mode
+    0700), removed at exit."""
+    global _INDUCTOR_DIR
+    if _INDUCTOR_DIR is None:
+        _INDUCTOR_DIR = tempfile.mkdtemp(prefix="polyengine-inductor-")
+        atexit.register(shutil.rmtree, _INDUCTOR_DIR, ignore_errors=True)
+    return _INDUCTOR_DIR
+
+
+def _kernel_cache():
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    return temporary_cache_dir(str(path.parent / "inductor"))
+    return temporary_cache_dir(_inductor_dir())
+
+
+def _write_bundle(path: Path, artifact) -> None:
+    """``artifact`` and every file of this process's Inductor cache (what it compiled or
+    unpacked so far: a superset of what the artifact needs, so loading it builds nothing)."""
+    root = Path(_inductor_dir())
+    with tempfile.TemporaryDirectory(dir=root.parent) as work:
+        blob = Path(work) / _ARTIFACT
+        artifact.save(path=str(blob), format="binary")
+        with tarfile.open(path, "w") as tar:
+            tar.add(blob, arcname=_ARTIFACT)
+            for f in sorted(root.rglob("*")):
+                if f.is_file() and not f.is_symlink() and not any(part in _SKIP for part in f.relative_to(root).parts):
+                    tar.add(f, arcname=f"inductor/{f.relative_to(root).as_posix()}")
+
+
+@contextlib.contextmanager
+def _read_bundle(path: Path) -> Iterator[Path]:
+    """Unpack a verified bundle's Inductor files into this process's Inductor cache;
+    yields the path of its artifact (in a private scratch folder, removed after)."""
+    root = Path(_inductor_dir())
+    with tempfile.TemporaryDirectory(dir=root.parent, prefix="polyengine-artifact-") as scratch:
+        _unpack(path, root, Path(scratch))
+        yield Path(scratch) / _ARTIFACT
+
+
+def _unpack(path: Path, root: Path, scratch: Path) -> None:
+    with tarfile.open(path) as tar:
+        for member in tar.getmembers():
+            name = Path(member.name)
+            if not member.isfile() or name.is_absolute() or ".." in name.parts:
+                raise ValueError(f"{path}: unexpected member {member.name!r}")
+            if member.name == _ARTIFACT:
+                target = scratch / _ARTIFACT
+            elif name.parts[0] == "inductor" and len(name.parts) > 1:
+                target = root.joinpath(*name.parts[1:])
+            else:
+                raise ValueError(f"{path}: unexpected member {member.name!r}")
+            if target.exists():
+                # Inductor names its files by content, so this one is already here; and it
+                # may be a kernel library loaded in this process, which rewriting in place
+                # would pull from under it (SIGBUS/SIGSEGV): never write over a file.
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            with tar.extractfile(member) as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.chmod(tmp, 0o700 if member.mode & 0o100 else 0o600)
+            os.replace(tmp, target)
 
 
 @torch.no_grad()
-def compile_graph(module: torch.nn.Module, args: tuple, path: Path, compiler: str) -> CompiledGraph:
-    """Compile ``module`` for the shapes of ``args``, save it at ``path`` and return it loaded."""
+def compile_graph(module: torch.nn.Module, args: tuple, compiler: str, *,
+                  workdir: Path | None = None) -> tuple[CompiledGraph, Callable[[Path], None]]:
+    """Compile ``module`` for the shapes of ``args``: the loaded graph, and ``save(path)``
+    that writes its artifact (the cache writes it through ``polyengine.cache.store``).
+    ``workdir``: where neuronx-cc keeps its intermediate files."""
     start = time.perf_counter()
     if compiler == "neuronx":
         import torch_neuronx  # the Neuron path only; never imported at module import
 
         leaves, spec = pytree.tree_flatten(args)
-        work = path.with_suffix(".neuronx-work")
-        traced = torch_neuronx.trace(_FlatInputs(module, spec), tuple(leaves), compiler_workdir=str(work))
-        _write_atomic(path, lambda p: torch.jit.save(traced, str(p)))
+        kwargs = {"compiler_workdir": str(workdir)} if workdir is not None else {}
+        traced = torch_neuronx.trace(_FlatInputs(module, spec), tuple(leaves), **kwargs)
         fn, returns = traced, True
+
+        def save(p: Path) -> None:
+            torch.jit.save(traced, str(p))
     elif compiler == "inductor":
         program = _flat_program(_WithAliases(module), args)
-        with _kernel_cache(path), torch._inductor.config.patch(_INDUCTOR_OPTIONS):
+        with _kernel_cache(), torch._inductor.config.patch(_INDUCTOR_OPTIONS):
             artifact = torch._inductor.standalone_compile(
                 program, pytree.tree_leaves(args), dynamic_shapes="from_example_inputs")
-        _write_atomic(path, lambda p: artifact.save(path=str(p), format="binary"))
         fn, returns = artifact, False
+
+        def save(p: Path) -> None:
+            _write_bundle(p, artifact)
     else:
         raise ValueError(f"unknown compiler {compiler!r}; known: {COMPILERS}")
     COUNTS["compiled"] += 1
-    return CompiledGraph(fn, module.aliases, returns_aliases=returns, path=path,
-                         seconds=time.perf_counter() - start, source="compiled")
+    graph = CompiledGraph(fn, module.aliases, returns_aliases=returns, path=None,
+                          seconds=time.perf_counter() - start, source="compiled")
+    return graph, save
 
 
 def load_graph(path: Path, aliases: tuple[tuple[int, int], ...], compiler: str) -> CompiledGraph:
-    """Load an artifact :func:`compile_graph` wrote; compiles nothing."""
+    """Load an artifact :func:`compile_graph` wrote; compiles nothing. Loading runs code
+    (unpickling, shared libraries): the artifact cache calls it only on a file it has
+    verified (``polyengine.cache.check``)."""
     start = time.perf_counter()
     if compiler == "neuronx":
         import torch_neuronx  # noqa: F401  (registers the Neuron ops torch.jit.load needs)
 
         fn, returns = torch.jit.load(str(path)), True
     else:
-        with _kernel_cache(path):
-            fn, returns = torch._inductor.CompiledArtifact.load(path=str(path), format="binary"), False
+        with _read_bundle(path) as blob, _kernel_cache():
+            fn, returns = torch._inductor.CompiledArtifact.load(path=str(blob), format="binary"), False
     COUNTS["loaded"] += 1
     return CompiledGraph(fn, aliases, returns_aliases=returns, path=path,
                          seconds=time.perf_counter() - start, source="disk")

@@ -52,7 +52,6 @@ from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, Neuron
 __all__ = ["NeuronEngine", "create_engine"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_DEFAULT_SPECULATION = 2
 
 
 class NeuronEngine(TorchSlotsEngine, EngineBase):
@@ -63,8 +62,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         "cache_dir": Option("", "compiled graphs; '' = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron"),
         "batch_buckets": Option((), "seq_ids per token-generation step; () = (max_slots,)"),
         "seq_buckets": Option((), "attended cache positions per step; () = see buckets.py"),
-        "speculation": Option(0, "tokens per step: 1 = none, k > 1 = k - 1 drafts verified per step; 0 = 2 "
-                                 "(1 for 1-layer models)", minimum=0, maximum=8),
+        # 1 = plain decoding, the default: measured faster with the built-in draft (docs/neuron.md)
+        "speculation": Option(1, "tokens per step: 1 = plain decoding, k in 2..8 = k - 1 drafts of the truncated "
+                                 "target verified per step", minimum=1, maximum=8),
         "draft_layers": Option(0, "the draft = the target's first draft_layers layers; 0 = half of them", minimum=0),
         "async_steps": Option(True, "run steps on a worker thread; the caller reads step n while n+1 runs"),
         "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
@@ -74,6 +74,14 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
     def __init__(self, model: Model, config: EngineConfig):
         super().__init__(model, config)
         o, c, k = self.options, model.config, self.tokens_per_step
+        if k > 1 and c.num_hidden_layers < 2:
+            raise InvalidRequest(f"option speculation={k} needs a model of 2 layers or more (the draft is the "
+                                 f"target's first layers); this one has {c.num_hidden_layers}: use speculation=1",
+                                 field="options.speculation")
+        if k == 1 and o["draft_layers"]:
+            raise InvalidRequest(f"option draft_layers={o['draft_layers']} applies only with speculation >= 2 "
+                                 f"(tokens per step); set speculation too, or leave draft_layers out",
+                                 field="options.draft_layers")
         self.draft = draft_config(c, o["draft_layers"] or max(1, c.num_hidden_layers // 2)) if k > 1 else None
         self.buckets = Buckets.plan(config, tokens_per_step=k, batch=o["batch_buckets"], seq=o["seq_buckets"])
         self.num_top = self.capabilities.max_top_logprobs
@@ -100,7 +108,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         o = self.options
         self.compiler = self._pick_compiler(o["compiler"])
         self.device = self._describe(self.compiler)
-        self.tokens_per_step = o["speculation"] or (_DEFAULT_SPECULATION if model.config.num_hidden_layers > 1 else 1)
+        self.tokens_per_step = o["speculation"]
         return Capabilities(
             dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
@@ -359,3 +367,29 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
 
 def create_engine(*, model: Model, config: EngineConfig) -> NeuronEngine:
     return NeuronEngine(model, config)
+
+
+def diagnose() -> dict[str, str]:
+    """What ``polyengine backends --verbose`` says of this backend: the compiler an engine
+    with the default options would use here, its artifact cache, and speculation."""
+    from polyengine.errors import UnsafeCache
+
+    compiler = NeuronEngine._pick_compiler("auto")
+    out = {"device": NeuronEngine._describe(compiler)}
+    if compiler == "inductor":
+        out["compiler"] = f"inductor: the CPU compile path (by name only); on a Neuron instance: {plugin.NEURONX_HINT}"
+    else:
+        out["compiler"] = "neuronx: torch_neuronx.trace (neuronx-cc)"
+    root = default_cache_dir()
+    if not root.exists():
+        out["cache"] = f"{root} (created private, mode 0700, at the first compile)"
+    else:
+        try:
+            from polyengine.cache import private_dir
+
+            private_dir(root, what="neuron artifact cache", env="POLYENGINE_NEURON_CACHE")
+            out["cache"] = f"{root} (private; {len(list(root.glob('*.bin')))} artifact(s))"
+        except UnsafeCache as exc:
+            out["cache"] = f"REFUSED: {exc}"
+    out["speculation"] = "off (plain decoding); option speculation=k (2..8) verifies k - 1 drafts per step"
+    return out

@@ -55,6 +55,7 @@ def polyengine_backends():
             protocol_version=PROTOCOL_VERSION,
             probe=probe,
             factory="polyengine.backends.neuron.engine:create_engine",
+            diagnose="polyengine.backends.neuron.engine:diagnose",
             extra="neuron",
             # Below the reference's 0 as well: on the CPU the probe also says by_name_only,
             # so auto skips it; the priority only orders it in listings.

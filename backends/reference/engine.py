@@ -237,3 +237,8 @@ class ReferenceEngine(EngineBase):
 
 def create_engine(*, model: Model, config: EngineConfig) -> ReferenceEngine:
     return ReferenceEngine(model, config)
+
+
+def diagnose() -> dict[str, str]:
+    """What ``polyengine backends --verbose`` says of this backend: one path, no fallback."""
+    return {"device": "cpu", "compute": f"NumPy {np.__version__}, float64 by default: the oracle (exact, slow)"}

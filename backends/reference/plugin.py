@@ -23,6 +23,7 @@ def polyengine_backends():
             protocol_version=PROTOCOL_VERSION,
             probe=probe,
             factory="polyengine.backends.reference.engine:create_engine",
+            diagnose="polyengine.backends.reference.engine:diagnose",
             extra=None,
             priority=0,
             accelerator=None,

@@ -10,7 +10,7 @@ each batch row uses, pads to its buckets and samples the logits (:mod:`.sampling
 API
 ---
 ``TorchWeights.from_model(model, *, device=None, dtype=torch.float32, fuse_qkv=False,
-fuse_gate_up=False, max_positions=None)``
+fuse_gate_up=False, max_positions=None, skip=frozenset())``
     The model's weights as torch tensors (HF names) plus RoPE cos/sin tables.
     ``weights.tensors`` is a plain dict (a pytree for torch and JAX alike); rebuild
     with ``TorchWeights(config, tensors)``.
@@ -110,6 +110,7 @@ class TorchWeights:
         fuse_qkv: bool = False,
         fuse_gate_up: bool = False,
         max_positions: int | None = None,
+        skip: frozenset[str] = frozenset(),
     ) -> "TorchWeights":
         """Wrap ``model.weights`` without a second host copy.
 
@@ -118,10 +119,15 @@ class TorchWeights:
         copy into the target. Fusing costs one host concatenation per fused matrix
         (the fused tensor is new memory; the Model's arrays stay as they are).
         ``max_positions`` sizes the RoPE tables (default: the model's
-        ``max_position_embeddings``; an engine passes its cache length).
+        ``max_position_embeddings``; an engine passes its cache length). ``skip``: weights
+        the engine keeps in another form (int8 copies) and does not want here; every other
+        weight must be present (one an engine released raises its WeightsError here).
         """
         c = model.config
         src = model.weights
+        for name in c.weight_shapes():
+            if name not in skip:
+                src[name]  # noqa: B018 -- a released weight says why, instead of a KeyError later
         device = torch.device(device) if device is not None else torch.device("cpu")
 
         def put(arr: np.ndarray) -> torch.Tensor:
@@ -143,7 +149,7 @@ class TorchWeights:
                 fused[p + "mlp.gate_up_proj"] = (p + "mlp.gate_proj", p + "mlp.up_proj")
         parts = {name for group in fused.values() for name in group}
         for name, arr in src.items():
-            if name.rsplit(".", 1)[0] not in parts:
+            if name.rsplit(".", 1)[0] not in parts and name not in skip:
                 out[name] = put(arr)
         for target, group in fused.items():
             for kind in ("weight", "bias"):

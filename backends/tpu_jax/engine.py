@@ -30,6 +30,7 @@ from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, Re
 from polyengine.errors import InvalidRequest
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
+from polyengine.models.quantize import matrix_bytes, quantize_model, replaced_weights
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
@@ -39,7 +40,7 @@ from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
 from polyengine.backends.tpu_jax.options import OPTIONS
-from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, quantize_weights
+from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
 __all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine"]
@@ -128,11 +129,13 @@ class TpuJaxEngine(EngineBase):
         c, cfg, plan = self.model.config, self.config, self.plan
         item = np.dtype(steps.JAX_DTYPES[self.dtype]).itemsize
         weights = 0
+        mode = self.cfg.quantize
+        replaced = replaced_weights(c) if mode else frozenset()
         for name, shape in c.weight_shapes().items():
-            quantized = self.cfg.quantize and (name.endswith("_proj.weight") or name == "lm_head.weight")
-            weights += math.prod(shape) * (1 if quantized else item) // plan.shards(param_axes(name, len(shape)), shape)
-        if self.cfg.quantize and c.tie_word_embeddings:
-            weights += c.vocab_size * c.hidden_size  # the int8 copy of the tied head
+            size = matrix_bytes(shape, mode) if name in replaced else math.prod(shape) * item
+            weights += size // plan.shards(param_axes(name, len(shape)), shape)
+        if mode and c.tie_word_embeddings:  # the int8 copy of the tied head
+            weights += matrix_bytes((c.vocab_size, c.hidden_size), mode)
         kv_item, width = (1, c.head_dim + KV_SCALE_BYTES) if self.cfg.kv_int8 else (item, c.head_dim)
         cache_shape = (c.num_hidden_layers, cfg.max_slots, c.num_key_value_heads, cfg.max_cache_length, width)
         cache = 2 * math.prod(cache_shape) * kv_item // plan.shards(steps._CACHE_AXES, cache_shape)
@@ -164,13 +167,15 @@ class TpuJaxEngine(EngineBase):
             from polyengine.backends.torch_common.model import TorchWeights
 
             c = self.model.config
-            w = TorchWeights.from_model(self.model, dtype=torch.float32, max_positions=self.max_cache_length)
+            mode = self.cfg.quantize
+            w = TorchWeights.from_model(self.model, dtype=torch.float32, max_positions=self.max_cache_length,
+                                        skip=replaced_weights(c) if mode else frozenset())
             host = {name: t.numpy() for name, t in w.tensors.items()}
             # RoPE tables from float64 in one rounding (as the shared model builds them).
             angles = np.arange(self.max_cache_length, dtype=np.float64)[:, None] * c.rope_inv_freq()[None, :]
             host["rope.cos"], host["rope.sin"] = np.cos(angles), np.sin(angles)
-            if self.cfg.quantize:
-                host = quantize_weights(host, self.cfg.quantize)
+            if mode:  # the core's quantizer; an exclusive Model releases the floats they replace
+                host.update(quantize_model(self.model, mode))
             dtype = steps.JAX_DTYPES[self.dtype]
             params = {}
             for name, arr in host.items():

@@ -11,6 +11,8 @@
 - :class:`CompileLog`: the programs an engine compiled, each with its bucket, the
   seconds it took and whether XLA compiled it or JAX's persistent compilation cache
   supplied it (``engine.bench_report()["compile"]``).
+- :func:`diagnose`: what ``polyengine backends --verbose`` says of the JAX backends
+  (the devices JAX sees here, and what the int8 options run).
 """
 
 from __future__ import annotations
@@ -179,3 +181,17 @@ class Profiler:
             jax.profiler.stop_trace()
             self.tracing = False
             logger.info("wrote a JAX trace of %d generate steps to %s", self.steps, self.trace_dir)
+
+
+def diagnose() -> dict[str, str]:
+    """The devices an engine with the default options would use here, and its int8 paths."""
+    devices = jax.devices()
+    kind = devices[0].device_kind if devices else "none"
+    out = {"device": f"{devices[0].platform if devices else 'none'}: {len(devices)} device(s) ({kind}); "
+                     f"JAX {jax.__version__}, {jax.process_count()} process(es)"}
+    if devices and devices[0].platform == "cpu":
+        out["note"] = ("no TPU or GPU visible to JAX: XLA's CPU backend (install jax[tpu] on a TPU host; "
+                       "XLA_FLAGS=--xla_force_host_platform_device_count=N for N CPU devices)")
+    out["int8"] = ("off by default; option quantize: int8 weights (XLA dot on the int8 matrix, scaled per channel, "
+                   "or dequantized per block); kv_quantize=int8: an int8 KV cache")
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from polyengine.engine import Option
+from polyengine.models.quantize import WEIGHT_MODES
 
 __all__ = ["OPTIONS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem"]
 
@@ -39,7 +40,7 @@ OPTIONS: dict[str, Option] = {
     "tensor_parallel": Option(0, "devices per tensor-parallel group (heads, MLP); 0 chooses", minimum=0),
     "data_parallel": Option(0, "device groups over the slots; 0 chooses", minimum=0),
     "sharding_rules": Option({}, "logical axis -> 'tp' | 'dp' | None, over the default rules", check=rules_problem),
-    "quantize": Option("", "weights: 'int8' (per channel) or 'int8-block32'", choices=("", "int8", "int8-block32")),
+    "quantize": Option("", "weights: 'int8' (per channel) or 'int8-block32'", choices=("", *WEIGHT_MODES)),
     "kv_quantize": Option("", "'int8': int8 KV cache, a scale per slot, position and KV head", choices=("", "int8")),
     "attention": Option("sdpa", "the shared model's attention path", choices=("sdpa", "eager")),
     "candidates": Option(64, "top-k bound under which top-k/top-p skip the full vocabulary sort", minimum=1),

@@ -67,6 +67,7 @@ def polyengine_backends():
             protocol_version=PROTOCOL_VERSION,
             probe=probe,
             factory="polyengine.backends.tpu_jax.engine:create_engine",
+            diagnose="polyengine.backends.tpu_jax.observe:diagnose",
             extra="tpu",
             # A present TPU ranks first among accelerators (CUDA is 100); on the CPU it
             # ranks below cuda_torch (50) and above the NumPy reference (0).
@@ -81,6 +82,7 @@ def polyengine_backends():
             protocol_version=PROTOCOL_VERSION,
             probe=probe_ray,
             factory="polyengine.backends.tpu_jax.ray_engine:create_engine",
+            diagnose="polyengine.backends.tpu_jax.observe:diagnose",
             extra="tpu",
             priority=-10,
             accelerator=None,

@@ -1,11 +1,11 @@
-"""int8 weights and an int8 KV cache: how they are made, stored and read.
+"""int8 weights and an int8 KV cache: how they are stored and read on the mesh.
 
 Weights (option ``quantize``): every projection and the LM head become ``<name>.qweight``
-(int8, ``[out, in]``) and ``<name>.scale`` (float32): one scale per output channel
-(``"int8"``, absmax / 127 of the row) or one per 32 weights of a row
-(``"int8-block32"``; a matrix whose rows do not divide into blocks keeps per-channel
-scales). The float matrices are dropped; the embedding table stays float (it is a
-lookup). :func:`int8_linear` is the shared model's ``linear`` hook that reads them:
+(int8, ``[out, in]``) and ``<name>.scale`` (float32), made by the core's one quantizer
+and mode table (:mod:`polyengine.models.quantize`, the same as ``cuda_torch``'s): one
+scale per output channel (``"int8"``) or one per 32 weights of a row
+(``"int8-block32"``). The float matrices are dropped; the embedding table stays float
+(it is a lookup). :func:`int8_linear` is the shared model's ``linear`` hook that reads them:
 per channel, the product runs on the int8 matrix cast to the compute dtype and the
 scale multiplies the output (so XLA can fuse the cast into the dot); blockwise, the
 matrix is dequantized first. Accumulation is in the compute dtype.
@@ -28,45 +28,11 @@ states, were measured on the default model.
 
 from __future__ import annotations
 
-import numpy as np
+__all__ = ["KV_MODES", "KV_SCALE_BYTES", "int8_linear", "Int8KVCodec", "kv_encode", "kv_decode"]
 
-__all__ = ["WEIGHT_MODES", "KV_MODES", "KV_SCALE_BYTES", "quantize_weights", "int8_linear", "Int8KVCodec", "kv_encode", "kv_decode"]
-
-# option value -> weights per scale (0: a whole row)
-WEIGHT_MODES = {"": None, "int8": 0, "int8-block32": 32}
 KV_MODES = ("", "int8")
 # The float32 scale of each (position, KV head), stored as int8 bytes after the values.
 KV_SCALE_BYTES = 4
-
-
-def _quantize_matrix(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 of ``w`` (out, in): per row (group 0) or per ``group`` columns."""
-    w = np.asarray(w, np.float32)
-    if group and w.shape[1] % group == 0:
-        blocks = w.reshape(w.shape[0], -1, group)
-        scale = np.abs(blocks).max(axis=2) / 127.0  # (out, in/group)
-        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        q = np.clip(np.rint(blocks / scale[:, :, None]), -127, 127).astype(np.int8).reshape(w.shape)
-        return q, scale
-    scale = np.abs(w).max(axis=1) / 127.0  # (out,)
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    return np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale
-
-
-def quantize_weights(tensors: dict[str, np.ndarray], mode: str) -> dict[str, np.ndarray]:
-    """``tensors`` (HF names, host arrays) with every projection and the LM head as
-    int8 ``qweight`` + ``scale``; the float projection matrices are left out."""
-    group = WEIGHT_MODES[mode]
-    out = {}
-    for name, w in tensors.items():
-        if name.endswith("_proj.weight") or name == "lm_head.weight":
-            base = name[: -len(".weight")]
-            out[base + ".qweight"], out[base + ".scale"] = _quantize_matrix(w, group)
-        else:
-            out[name] = w
-    if "lm_head.qweight" not in out:  # tied: the head reads the embedding table
-        out["lm_head.qweight"], out["lm_head.scale"] = _quantize_matrix(tensors["model.embed_tokens.weight"], group)
-    return out
 
 
 def int8_linear(t, x, name):

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 from polyengine.driver.llm import LLM, Prompt
 from polyengine.driver.outputs import Completion, StreamDelta

@@ -45,7 +45,8 @@ class LLM:
         from polyengine.models import Model, load_model
         from polyengine.construction import create_engine
 
-        loaded = model if isinstance(model, Model) else load_model(model, progress=progress)
+        # Loaded here for this one engine: it may release the float arrays it converts (Model.exclusive).
+        loaded = model if isinstance(model, Model) else load_model(model, progress=progress, exclusive=True)
         engine = create_engine(backend, model=loaded, config=engine_config)
         self._setup(engine, loaded.tokenizer, tools, max_queue)
         self.model = loaded

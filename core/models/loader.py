@@ -127,15 +127,28 @@ def load_model(
     dtype: str | np.dtype = "float32",
     progress: Progress | None = None,
     seed: int | None = None,
+    exclusive: bool = False,
 ) -> Model:
     """Load a model (see the module docstring for what ``spec`` may be).
 
     ``dtype``: ``"float32"`` (default) or ``"float16"`` host weights.
     ``progress(done, total, what)`` is called as tensors load.
     ``seed`` applies to ``random:`` presets only (same as ``?seed=N``).
+    ``exclusive``: the caller hands the Model to exactly one engine and uses its float
+    arrays for nothing else, so that engine may release the ones it keeps in another
+    form (``Model.exclusive``). Applies to a freshly loaded Model only: a Model passed
+    in, or one a plugin's model name returns, is left as it is.
     """
     if isinstance(spec, Model):
         return spec
+    model, fresh = _load(spec, dtype, progress, seed)
+    if exclusive and fresh:
+        model.exclusive = True
+    return model
+
+
+def _load(spec: Any, dtype: str | np.dtype, progress: Progress | None, seed: int | None) -> tuple[Model, bool]:
+    """The Model and whether it was loaded here (False: a plugin's own Model object)."""
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -143,7 +156,7 @@ def load_model(
     if dt not in (np.float32, np.float16):
         raise ModelConfigError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
     if spec is None:
-        return _load_gguf(default_model_path(), dt, progress)
+        return _load_gguf(default_model_path(), dt, progress), True
     text = str(spec)
     if isinstance(spec, str) and not spec.strip():
         raise ModelNotFound(
@@ -151,12 +164,12 @@ def load_model(
             f"it out (no --model, model=None) for the default model"
         )
     if isinstance(spec, str) and spec.startswith("random:"):
-        return _load_random(spec, dt, progress, seed)
+        return _load_random(spec, dt, progress, seed), True
     if seed is not None:
         raise ModelConfigError("seed= applies only to random:<preset> models")
     path = Path(text).expanduser()
     if path.exists():
-        return _load_path(path, dt, progress)
+        return _load_path(path, dt, progress), True
     if isinstance(spec, str):
         from polyengine.discovery import get_registry
 
@@ -165,13 +178,13 @@ def load_model(
             target, plugin = models[spec]
             resolved = target() if callable(target) else target
             if isinstance(resolved, Model):
-                return resolved
+                return resolved, False
             rpath = Path(str(resolved)).expanduser()
             if not rpath.exists():
                 raise ModelNotFound(f"model {spec!r} (plugin {plugin.name!r}) points at {rpath}, which does not exist")
             model = _load_path(rpath, dt, progress)
             model.source = f"{spec} ({rpath})"
-            return model
+            return model, True
         names = ", ".join(sorted(models)) or "none"
     else:
         names = "none"
@@ -273,7 +286,7 @@ def _load_random(spec: str, dt: np.dtype, progress: Progress | None, seed: int |
         f"RANDOM WEIGHTS: model {source} has random weights (seed {seed}); its output is noise. "
         "Use it for tests and benchmarks only."
     )
-    warnings.warn(message, RandomWeightsWarning, stacklevel=3)
+    warnings.warn(message, RandomWeightsWarning, stacklevel=4)  # _load_random <- _load <- load_model <- caller
     log.warning(message)
     with translating_memory_errors(f"drawing {source}", advice=LOAD_ADVICE):
         weights = random_weights(config, seed=seed, dtype=dt, progress=progress)

@@ -1,0 +1,76 @@
+"""int8 weights in torch: the core's quantizer's arrays as tensors, and the product
+without the host-compiled kernels.
+
+The int8 copies come from :func:`polyengine.models.quantize.quantize_model` (the one
+quantizer and mode table every backend uses); here they only become torch tensors that
+share the NumPy arrays' memory. :class:`TiledInt8Linear` multiplies by them where the
+kernels do not (no C++ compiler, option ``cpu_kernels`` off, or more rows than the
+kernels take: prefill): it widens one band of weight rows at a time into a float buffer
+it reuses (about 1 MiB, so it stays in cache) and multiplies that band, instead of
+allocating and writing a float copy of the whole matrix on every call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from polyengine.models import Model
+from polyengine.models.quantize import quantize_model
+
+__all__ = ["int8_tensors", "dequantize", "TiledInt8Linear"]
+
+# Weights widened per band: 2^18 float32 values (1 MiB), a band of rows of any matrix.
+_BAND_ELEMENTS = 1 << 18
+
+
+def int8_tensors(model: Model, mode: str) -> dict[str, torch.Tensor]:
+    """``<name>.qweight`` (int8) and ``<name>.scale`` (float32) for every projection and
+    the LM head, sharing the memory of the core quantizer's arrays (kept with the Model)."""
+    return {name: torch.from_numpy(np.ascontiguousarray(arr)) for name, arr in quantize_model(model, mode).items()}
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` (per row ``(N,)`` or per block ``(N, K / group)``) as ``dtype``."""
+    n, k = q.shape
+    if scale.dim() == 1:
+        return (q.to(torch.float32) * scale[:, None]).to(dtype)
+    return (q.to(torch.float32).reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, k).to(dtype)
+
+
+class TiledInt8Linear:
+    """``x @ dequantize(q, scale).T + bias``, one band of weight rows at a time into one
+    reused float buffer. Not thread-safe: one per engine, called from its thread."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def _band(self, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        need = rows * k
+        if self._buffer is None or self._buffer.numel() < need or self._buffer.dtype != dtype:
+            self._buffer = torch.empty(max(need, _BAND_ELEMENTS), dtype=dtype)
+        return self._buffer[:need].view(rows, k)
+
+    def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = q.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        band = max(1, min(n, _BAND_ELEMENTS // k))
+        yt = torch.empty((n, m), dtype=x.dtype)  # y transposed: each band writes contiguous rows
+        xt = x2.t()
+        blocks = scale.dim() == 2
+        for r in range(0, n, band):
+            rows = min(band, n - r)
+            w = self._band(rows, k, x.dtype)
+            w.copy_(q[r: r + rows])  # widen (a vectorized conversion; a mixed-dtype mul is ~2x slower)
+            if blocks:  # a scale per block of the band's rows
+                w.view(rows, scale.shape[1], -1).mul_(scale[r: r + rows, :, None].to(x.dtype))
+            torch.mm(w, xt, out=yt[r: r + rows])
+        if not blocks:  # a scale per output row: applied once to the output, not to every weight
+            yt.mul_(scale[:, None].to(x.dtype))
+        y = yt.t().contiguous()  # (M, N): a copy of the output only, small next to the weights
+        if bias is not None:
+            y += bias
+        return y.reshape(*lead, n)

@@ -1,0 +1,88 @@
+"""Which speed paths a cuda_torch engine takes here, in words a user can act on.
+
+One description for two callers: an engine's ``speed_paths()`` (its startup log line,
+``polyengine generate``'s stderr) says what that engine runs; :func:`diagnose` (the
+backend's ``polyengine backends --verbose`` entry) says what an engine with the default
+options would run on this machine, building the CPU kernels if they are not cached yet,
+since whether they compile is the question. Every fallback names its reason and its fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polyengine.hostinfo import cpu_flags, cpu_model
+
+__all__ = ["describe", "diagnose"]
+
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def _cpu() -> str:
+    flags = [f for f in _ISA_FLAGS if f in cpu_flags()]
+    return f"{cpu_model()}; {' '.join(flags) or 'no AVX2'}; torch capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any], kernels: Any,
+             fallback: str | None, int8_activations: int | None) -> dict[str, str]:
+    """The paths of an engine (or, with ``int8_activations`` None, of one not built yet)."""
+    out: dict[str, str] = {}
+    if device.type == "cuda":
+        index = device.index or 0
+        out["device"] = f"cuda:{index} ({torch.cuda.get_device_name(index)}, CUDA {torch.version.cuda})"
+        graphs = "replayed from a CUDA graph per kv_len bucket (option cuda_graphs)" if options.get("cuda_graphs") else (
+            "eager (cuda_graphs=False)")
+        out["decode"] = f"the shared torch forward on CUDA, {str(dtype).replace('torch.', '')}, {graphs}"
+        out["int8"] = "not on CUDA (option quantize runs on the CPU path only)"
+        return out
+    out["device"] = f"cpu ({torch.get_num_threads()} threads)"
+    out["cpu"] = _cpu()
+    if dtype != torch.float32:
+        out["decode"] = f"the shared torch forward in {str(dtype).replace('torch.', '')} (the CPU kernels are float32)"
+    elif kernels is not None:
+        fused = options.get("fused_decode", True)
+        out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (kernels/decode.cpp)"
+                         if fused else "the shared torch forward, products on the host-compiled kernels "
+                                       "(fused_decode=False)")
+        out["kernels"] = f"compiled for this CPU ({kernels.vector_width}-float vectors): {kernels.path}"
+    else:
+        out["decode"] = "the shared torch forward on torch's matmul (FALLBACK)"
+        out["kernels"] = f"not used: {fallback}"
+    mode = options.get("quantize", "")
+    if int8_activations is None:  # not built: what int8 would use here
+        if kernels is not None:
+            out["int8"] = (f"off by default; with option quantize: integer dot products on {kernels.q8_isa} where the "
+                           f"model's sizes are multiples of 32 (int8_compute auto), else float activations")
+        else:
+            out["int8"] = ("off by default; with option quantize: torch's matmul on int8 weights widened band by "
+                           "band (no kernels)")
+    elif not mode:
+        out["int8"] = "off (option quantize: int8 or int8-block32)"
+    elif kernels is None:
+        out["int8"] = f"{mode} weights; products on torch's matmul, the weights widened band by band (no kernels)"
+    elif int8_activations:
+        rows = "two int8 rows (int8x2)" if int8_activations == 2 else "one int8 row"
+        out["int8"] = f"{mode} weights x int8 activations ({rows} per row), integer dot products on {kernels.q8_isa}"
+    else:
+        out["int8"] = f"{mode} weights x float32 activations (weights widened in the kernels)"
+    out["prefill"] = "torch's GEMM and SDPA (int8 weights widened band by band)" if mode else "torch's GEMM and SDPA"
+    return out
+
+
+def diagnose() -> dict[str, str]:
+    """What an engine with the default options would run here (``polyengine backends --verbose``)."""
+    from polyengine.backends.cuda_torch.engine import TorchEngine
+
+    device = TorchEngine._pick_device("")
+    kernels, fallback = None, None
+    if device.type == "cpu":
+        from polyengine.backends.cuda_torch.cpu_kernels import KernelsUnavailable, load
+
+        try:
+            kernels = load()
+        except KernelsUnavailable as exc:
+            fallback = str(exc)
+    return describe(device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
+                    options=dict(TorchEngine.OPTIONS), kernels=kernels, fallback=fallback, int8_activations=None)

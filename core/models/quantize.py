@@ -1,0 +1,157 @@
+"""int8 weights: the one quantizer and the one mode table every backend uses.
+
+A backend's option ``quantize`` names a mode of :data:`WEIGHT_MODES`; the backend asks
+:func:`quantize_model` for the int8 copies and only moves them where it computes
+(``cuda_torch`` wraps them as torch tensors, ``tpu_jax`` puts them on its mesh). What is
+quantized: every projection (``*_proj.weight``) and the LM head (the embedding table when
+tied, which itself stays float: it is a lookup). Each matrix ``W`` ``[out, in]`` becomes
+
+- ``<name>.qweight``: int8 ``[out, in]``, ``round(W / scale)`` clipped to [-127, 127]
+  (symmetric: -128 is never used, so negating a weight never overflows);
+- ``<name>.scale``: float32, ``absmax / 127`` of each output row (``"int8"``, shape
+  ``[out]``) or of each block of 32 weights along a row (``"int8-block32"``, shape
+  ``[out, in / 32]``). A matrix whose rows do not divide into blocks gets per-row
+  scales; a block of zeros gets scale 1 (its weights are 0 either way).
+
+``W ~ qweight * scale`` (broadcast per row or per block): :func:`dequantize_matrix`.
+Rounding is half to even, in float32, so the result is the same bits whatever computed
+it; NumPy here, chunked by rows so that the float temporaries stay small whatever the
+matrix (the LM head of a large vocabulary included).
+
+The copies are computed once per :class:`~polyengine.models.Model` and mode and kept
+with it (engines built one after another over one Model share them). A Model loaded
+for exactly one engine (``Model.exclusive``) releases each float matrix as soon as its
+int8 copy exists (``Model.release``): only then does the process hold fewer bytes than
+with float weights. The Model's fingerprint (a hash of the float weights, which portable
+prefixes carry) is computed before anything is released.
+"""
+
+from __future__ import annotations
+
+import weakref
+import numpy as np
+
+from polyengine.errors import InvalidRequest
+from polyengine.memory import return_freed_memory
+from polyengine.models.config import ModelConfig
+from polyengine.models.model import Model
+
+__all__ = ["WEIGHT_MODES", "check_mode", "quantize_matrix", "dequantize_matrix", "quantized_names",
+           "quantize_model", "has_int8_copies", "int8_bytes", "matrix_bytes", "group_of", "replaced_weights"]
+
+# option value -> weights per scale along a row (0: one scale per output row)
+WEIGHT_MODES = {"int8": 0, "int8-block32": 32}
+# Rows quantized at a time: about 4 MiB of float32 temporaries, whatever the matrix.
+_CHUNK_ELEMENTS = 1 << 20
+# Released float bytes after which the freed heap memory is handed back to the system.
+_RETURN_BYTES = 64 << 20
+
+# Model -> mode -> {"<name>.qweight": ..., "<name>.scale": ...}; dies with its Model.
+_CACHE: "weakref.WeakKeyDictionary[Model, dict[str, dict[str, np.ndarray]]]" = weakref.WeakKeyDictionary()
+
+
+def check_mode(mode: str, option: str = "quantize") -> str:
+    """``mode`` if it is ``""`` (no quantization) or a key of :data:`WEIGHT_MODES`."""
+    if mode != "" and mode not in WEIGHT_MODES:
+        raise InvalidRequest(f"option {option}={mode!r}: use one of {['', *WEIGHT_MODES]}")
+    return mode
+
+
+def group_of(mode: str, columns: int) -> int:
+    """Weights per scale for a matrix of ``columns`` inputs under ``mode`` (0: per row)."""
+    group = WEIGHT_MODES[mode]
+    return group if group and columns % group == 0 else 0
+
+
+def quantize_matrix(w: np.ndarray, group: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 of ``w`` ``[out, in]``: per row (``group`` 0, scale ``[out]``) or
+    per ``group`` weights of a row (scale ``[out, in / group]``; ``in`` must divide)."""
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_matrix takes a 2-D matrix, got shape {w.shape}")
+    n, k = w.shape
+    if group and k % group:
+        raise ValueError(f"{k} columns do not divide into blocks of {group}")
+    width = group or k
+    q = np.empty((n, k), np.int8)
+    scale = np.empty((n, k // group) if group else (n,), np.float32)
+    step = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    for r in range(0, n, step):
+        blocks = np.asarray(w[r: r + step], np.float32).reshape(-1, k // width, width)
+        s = np.abs(blocks).max(axis=2) / np.float32(127.0)  # (rows, blocks)
+        s = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
+        q[r: r + step] = np.clip(np.rint(blocks / s[:, :, None]), -127, 127).astype(np.int8).reshape(-1, k)
+        scale[r: r + step] = s if group else s[:, 0]
+    return q, scale
+
+
+def dequantize_matrix(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``qweight * scale`` as float32 ``[out, in]`` (the inverse up to the rounding)."""
+    n, k = q.shape
+    if scale.ndim == 1:
+        return q.astype(np.float32) * scale[:, None]
+    return (q.astype(np.float32).reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, k)
+
+
+def quantized_names(config: ModelConfig) -> list[tuple[str, str]]:
+    """``(name, source)`` for every matrix that is quantized: ``name`` is what the int8
+    entries are called (``<name>.qweight``/``.scale``), ``source`` the float weight they
+    replace (the LM head of a tied model reads the embedding table)."""
+    out = [(n[: -len(".weight")], n) for n in config.weight_shapes() if n.endswith("_proj.weight")]
+    out.append(("lm_head", "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"))
+    return out
+
+
+def matrix_bytes(shape: tuple[int, int], mode: str) -> int:
+    """The bytes of one ``[out, in]`` matrix's int8 copy under ``mode``: weights and scales."""
+    n, k = shape
+    group = group_of(mode, k)
+    return n * k + 4 * (n * (k // group) if group else n)
+
+
+def int8_bytes(config: ModelConfig, mode: str) -> int:
+    """The bytes of the int8 copies ``mode`` makes of ``config``'s matrices (weights and scales)."""
+    shapes = config.weight_shapes()
+    return sum(matrix_bytes(shapes[source], mode) for _, source in quantized_names(config))
+
+
+def has_int8_copies(model: Model, mode: str) -> bool:
+    """Whether :func:`quantize_model` already holds ``model``'s copies for ``mode``."""
+    return mode in _CACHE.get(model, {})
+
+
+def quantize_model(model: Model, mode: str) -> dict[str, np.ndarray]:
+    """The int8 copies of ``model``'s projections and LM head for ``mode`` (see the module
+    docstring), computed on first use and kept with the Model. When the Model is
+    ``exclusive``, every float matrix they replace (the embedding table excepted) is
+    released from ``model.weights`` as soon as its copy exists."""
+    check_mode(mode)
+    if not mode:
+        raise ValueError("quantize_model needs a mode, not ''")
+    per_model = _CACHE.setdefault(model, {})
+    if mode in per_model:
+        return per_model[mode]
+    if model.exclusive:
+        model.fingerprint  # noqa: B018 -- of the float weights, before any is released
+    out: dict[str, np.ndarray] = {}
+    unreturned = 0  # bytes released since memory was last handed back to the system
+    for name, source in quantized_names(model.config):
+        w = model.weights[source]
+        out[name + ".qweight"], out[name + ".scale"] = quantize_matrix(w, group_of(mode, w.shape[1]))
+        if model.exclusive and source != "model.embed_tokens.weight":
+            unreturned += w.nbytes
+            del w
+            model.release([source], why=f"its int8 copy ({mode}) replaced it")
+            if unreturned >= _RETURN_BYTES:  # as it goes, so the float and int8 copies never add up
+                return_freed_memory()
+                unreturned = 0
+    if unreturned:
+        return_freed_memory()
+    per_model[mode] = out
+    return out
+
+
+def replaced_weights(config: ModelConfig) -> frozenset[str]:
+    """The float weights an engine with int8 weights does not keep: every projection and
+    an untied LM head (the embedding table stays, it is a lookup)."""
+    return frozenset(s for _, s in quantized_names(config)) - {"model.embed_tokens.weight"}
