@@ -42,7 +42,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from polyengine._version import PROTOCOL_VERSION
-from polyengine.errors import InvalidRequest, SlotError, UnsupportedFeature
+from polyengine.errors import ContextLengthExceeded, InvalidRequest, SlotError, UnsupportedFeature
+from polyengine.limits import DEFAULT_CONTEXT_LENGTH
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_SAMPLES, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +54,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Capabilities",
     "EngineConfig",
+    "DEFAULT_CONTEXT_LENGTH",
     "Prefix",
     "DecodeState",
     "Override",
@@ -108,7 +110,11 @@ class Capabilities(BaseModel):
 class EngineConfig(BaseModel):
     """Limits and choices fixed when an engine is built.
 
-    ``max_cache_length`` bounds prompt plus completion per slot. ``prefill_buckets``
+    ``max_cache_length`` bounds prompt plus completion per slot (the context length:
+    ``--context-length`` on the command line and the server); its default is
+    :data:`DEFAULT_CONTEXT_LENGTH`, which :func:`polyengine.create_engine` lowers to the
+    model's ``max_position_embeddings`` when that is smaller. ``max_prefill_length``
+    (the longest prompt) defaults to ``max_cache_length - 1``. ``prefill_buckets``
     (ascending) are the padded prompt lengths a static-shape backend compiles; ``None``
     lets the backend choose. ``dtype`` None means the backend's default (the first of
     ``Capabilities.dtypes``). ``options`` holds backend-specific settings; a backend
@@ -118,14 +124,16 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_slots: int = Field(8, ge=1, le=4096)
-    max_prefill_length: int = Field(512, ge=1)
-    max_cache_length: int = Field(1024, ge=2)
+    max_prefill_length: int = Field(None, ge=1)  # type: ignore[assignment]  # None: max_cache_length - 1
+    max_cache_length: int = Field(DEFAULT_CONTEXT_LENGTH, ge=2)
     dtype: str | None = None
     prefill_buckets: tuple[int, ...] | None = None
     options: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _limits(self) -> "EngineConfig":
+        if self.max_prefill_length is None:  # frozen: set once, here, by the one rule
+            object.__setattr__(self, "max_prefill_length", self.max_cache_length - 1)
         if self.max_prefill_length >= self.max_cache_length:
             raise ValueError(
                 f"max_prefill_length ({self.max_prefill_length}) must be smaller than "
@@ -540,25 +548,27 @@ def is_int(value: object) -> bool:
 def check_prompt(
     tokens: Sequence[int] | np.ndarray, *, max_prefill_length: int, vocab_size: int, offset: int = 0
 ) -> np.ndarray:
-    """A prompt as int32, or InvalidRequest saying what is wrong with it."""
+    """A prompt as int32, or InvalidRequest (``field="prompt"``) saying what is wrong
+    with it; a prompt longer than the engine takes is :class:`ContextLengthExceeded`."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
-        raise InvalidRequest(f"prompt tokens must be a flat sequence, got shape {arr.shape}")
+        raise InvalidRequest(f"prompt tokens must be a flat sequence, got shape {arr.shape}", field="prompt")
     if arr.size == 0:
-        raise InvalidRequest("prompt is empty: pass at least one token")
+        raise InvalidRequest("prompt is empty: pass at least one token", field="prompt")
     if not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidRequest(f"prompt tokens must be integers, got dtype {arr.dtype}")
+        raise InvalidRequest(f"prompt tokens must be integers, got dtype {arr.dtype}", field="prompt")
     total = offset + arr.size
     if total > max_prefill_length:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"prompt has {total} tokens but this engine accepts at most {max_prefill_length} "
-            f"(max_prefill_length); shorten it or build the engine with a larger max_prefill_length"
+            f"(max_prefill_length); shorten it or build the engine with a larger max_prefill_length",
+            field="prompt",
         )
     bad = (arr < 0) | (arr >= vocab_size)
     if bad.any():
         raise InvalidRequest(
             f"token id {int(arr[bad][0])} at position {int(np.argmax(bad))} is outside "
-            f"the vocabulary [0, {vocab_size})"
+            f"the vocabulary [0, {vocab_size})", field="prompt",
         )
     return arr.astype(np.int32)
 
@@ -575,27 +585,30 @@ def check_request(
     anything the capabilities do not declare.
     """
     if not isinstance(sampling, SamplingParams):
-        raise InvalidRequest(f"sampling must be SamplingParams, not {type(sampling).__name__}")
+        raise InvalidRequest(f"sampling must be SamplingParams, not {type(sampling).__name__}", field="sampling")
     toks = check_prompt(tokens, max_prefill_length=engine.max_prefill_length, vocab_size=engine.vocab_size, offset=offset)
     caps: Capabilities = engine.capabilities
     missing = sorted((sampling.active_fields() & ENGINE_FIELDS) - caps.sampling_params)
     if missing:
         raise UnsupportedFeature(
             f"sampling parameter(s) {', '.join(missing)}", engine.name,
-            "leave them at their defaults or pick a backend that declares them",
+            "leave them at their defaults or pick a backend that declares them", field=missing[0],
         )
     if sampling.top_logprobs > caps.max_top_logprobs:
-        raise UnsupportedFeature(f"top_logprobs={sampling.top_logprobs}", engine.name, f"at most {caps.max_top_logprobs}")
+        raise UnsupportedFeature(f"top_logprobs={sampling.top_logprobs}", engine.name, f"at most {caps.max_top_logprobs}",
+                                 field="top_logprobs")
     if sampling.n > 1 and not caps.bulk_insert:
-        raise UnsupportedFeature("n > 1 (bulk_insert)", engine.name)
+        raise UnsupportedFeature("n > 1 (bulk_insert)", engine.name, field="n")
     if sampling.n > engine.max_concurrent_decodes:
         raise InvalidRequest(
             f"n={sampling.n} samples need {sampling.n} slots but the engine has "
-            f"{engine.max_concurrent_decodes} (max_slots)"
+            f"{engine.max_concurrent_decodes} (max_slots)", field="n",
         )
-    for tok in (*sampling.logit_bias, *sampling.stop_token_ids):
-        if tok >= engine.vocab_size:
-            raise InvalidRequest(f"token id {tok} in sampling parameters is outside the vocabulary [0, {engine.vocab_size})")
+    for field in ("logit_bias", "stop_token_ids"):
+        for tok in getattr(sampling, field):
+            if tok >= engine.vocab_size:
+                raise InvalidRequest(f"{field}: token id {tok} is outside the vocabulary [0, {engine.vocab_size})",
+                                     field=field)
     return toks, sampling.with_seed()
 
 
@@ -629,12 +642,14 @@ class EngineBase:
         mc = model.config
         dtype = config.dtype or capabilities.dtypes[0]
         if dtype not in capabilities.dtypes:
-            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}")
+            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}",
+                                     field="dtype")
         self.options = self._check_options(config.options)
         if config.max_cache_length > mc.max_position_embeddings:
             raise InvalidRequest(
                 f"max_cache_length {config.max_cache_length} exceeds the model's max_position_embeddings "
                 f"{mc.max_position_embeddings}; build the engine with max_cache_length <= {mc.max_position_embeddings}"
+                f" (--context-length on the command line)", field="max_cache_length",
             )
         self.model, self.config, self.capabilities, self.device = model, config, capabilities, device
         self.dtype = dtype
@@ -649,7 +664,8 @@ class EngineBase:
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             known = ", ".join(f"{k} (default {v!r})" for k, v in self.OPTIONS.items()) or "none"
-            raise InvalidRequest(f"unknown option(s) {unknown} for backend {self.name!r}; its options: {known}")
+            raise InvalidRequest(f"unknown option(s) {unknown} for backend {self.name!r}; its options: {known}",
+                                 field="options")
         for key, value in options.items():
             default = self.OPTIONS[key]
             want = type(default)
@@ -663,7 +679,7 @@ class EngineBase:
             if not ok:
                 raise InvalidRequest(
                     f"option {key!r} of backend {self.name!r} must be a {want.__name__} (like its default "
-                    f"{default!r}), got {value!r}"
+                    f"{default!r}), got {value!r}", field="options",
                 )
         return {**self.OPTIONS, **options}
 
@@ -672,10 +688,13 @@ class EngineBase:
     def check_memory(self, needs: Mapping[str, int], *, where: str = "host memory",
                      available: int | None | Callable[[], int | None] = None) -> int:
         """Refuse, before allocating, what this engine would allocate and cannot fit
-        (:func:`polyengine.memory.check_fits`); ``needs`` maps descriptions to bytes."""
-        from polyengine.memory import check_fits
+        (:func:`polyengine.memory.check_fits`); ``needs`` maps descriptions to bytes.
+        The advice names only dtypes this engine declares (smaller than its own)."""
+        from polyengine.memory import check_fits, engine_advice
 
-        return check_fits(f"the {self.name} backend", needs, where=where, available=available)
+        own = getattr(self, "dtype", None) or (self.config.dtype if getattr(self, "config", None) else None)
+        advice = engine_advice(self.capabilities.dtypes if getattr(self, "capabilities", None) else None, own)
+        return check_fits(f"the {self.name} backend", needs, where=where, available=available, advice=advice)
 
     # -- per-call checks -------------------------------------------------------------------
 
