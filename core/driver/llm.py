@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 
 from polyengine.driver.outputs import Completion, StreamDelta
 from polyengine.driver.scheduler import Request, Scheduler, token_ids
-from polyengine.errors import InvalidRequest
+from polyengine.errors import ContextLengthExceeded, InvalidRequest
 from polyengine.limits import PROMPT_CHARS_PER_TOKEN
 from polyengine.sampling.params import SamplingParams
 
@@ -94,6 +94,11 @@ class LLM:
                     raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
                 return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True,
                                                           max_chars=self.max_prompt_chars))
+            limit = self.engine.max_prefill_length
+            if hasattr(prompt, "__len__") and len(prompt) > limit:  # refused by its length, before reading it
+                raise ContextLengthExceeded(
+                    f"prompt has {len(prompt):,} tokens but this engine accepts at most {limit} (max_prefill_length); "
+                    f"shorten it or build the engine with a larger max_prefill_length")
             try:
                 return None, token_ids(prompt, "prompt")
             except TypeError:
