@@ -37,8 +37,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Override, Prefix, ResultLayout, ResultTokens, check_request
-from polyengine.errors import InvalidRequest, PolyengineError
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Override, Prefix, ResultLayout, ResultTokens
+from polyengine.errors import EngineDead, InvalidRequest, PolyengineError
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -57,8 +57,10 @@ ENGINE_OPTIONS = {
 _LAYOUT = ResultLayout(k=1, top_n=MAX_TOP_LOGPROBS, logprobs=True)
 
 
-class WorkerLost(PolyengineError, RuntimeError):
-    """A worker of a multi-host engine died or stopped answering; the engine is unusable."""
+class WorkerLost(EngineDead):
+    """A worker of a multi-host engine died or stopped answering; the engine is unusable
+    (an :class:`EngineDead`: the driver fails every request and a server's ``/health``
+    answers 503)."""
 
 
 def start_local_ray(**kwargs: Any) -> None:
@@ -83,9 +85,9 @@ def start_local_ray(**kwargs: Any) -> None:
                 "configure_logging": False, **kwargs})
 
 
-def _connect(address: str) -> None:
-    """Join the Ray instance this process is connected to, the one at ``address``, or
-    a new local one on loopback."""
+def _connect(address: str, timeout: float) -> None:
+    """Join the Ray instance this process is connected to, the one at ``address`` (an
+    Unreachable error after ``timeout`` seconds), or a new local one on loopback."""
     if "ray" not in sys.modules and not address:
         start_local_ray()
         return
@@ -94,7 +96,11 @@ def _connect(address: str) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, log_to_driver=False)
+        from polyengine.remote import call_with_deadline, check_reachable
+
+        check_reachable(address, timeout, "the Ray cluster (option ray_address)")
+        call_with_deadline(lambda: ray.init(address=address, log_to_driver=False), timeout, address=address,
+                           what="the Ray cluster (option ray_address)")
     else:
         start_local_ray()
 
@@ -175,7 +181,7 @@ class WorkerGroup:
             raise
 
     def _lose(self, why: str) -> None:
-        self.lost = f"{why}; the engine's workers are gone: build a new engine"
+        self.lost = f"{why} (Ray cluster at {self.cluster}); the engine's workers are gone: build a new engine"
         self.kill()
         raise WorkerLost(self.lost)
 
@@ -274,17 +280,18 @@ class RayTpuEngine(EngineBase):
         "spread_workers": False,  # one worker per Ray node (a STRICT_SPREAD placement group)
         "step_timeout_s": 600.0,  # longest wait for any call (the first ones compile)
         "ray_address": "",  # "" joins the running Ray instance or starts a local, loopback-only one
+        "connect_timeout_s": 30.0,  # joining ray_address: refused, unroutable or silent ends in Unreachable
         "prefill_workers": 0,  # > 0: disaggregated, prompts prefill on these actors (disagg.py), not the decode workers
     }
 
     def __init__(self, model: Model, config: EngineConfig):
         options = self._check_options(config.options)  # refuse before anything starts
         if (options["num_workers"] < 1 or options["devices_per_worker"] < 1 or options["step_timeout_s"] <= 0
-                or options["prefill_workers"] < 0):
+                or options["prefill_workers"] < 0 or options["connect_timeout_s"] <= 0):
             raise InvalidRequest("options num_workers and devices_per_worker must be >= 1, prefill_workers >= 0 "
-                                 "and step_timeout_s > 0")
+                                 "and step_timeout_s, connect_timeout_s > 0", field="options")
         self._refuse_early(model, config)
-        _connect(options["ray_address"])
+        _connect(options["ray_address"], float(options["connect_timeout_s"]))
         import ray
 
         group = _group(options["num_workers"], options["devices_per_worker"], options["spread_workers"],
@@ -441,12 +448,7 @@ class RayTpuEngine(EngineBase):
         return PortablePrefix.from_bytes(self.group.call("export_prefix", self.engine_id, prefix.kv.prefix_id))
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
-        c = self.model.config
-        portable.check_compatible(
-            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-        )
-        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        prompt, sampling = self.check_portable(portable)
         if self.prefill_pool is not None:
             handle = self.prefill_pool.put(portable)
             return self._portable_prefix(handle, prompt, sampling, self.prefill_pool.first_token(handle))
