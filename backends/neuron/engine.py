@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, check_request
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens
 from polyengine.errors import InvalidRequest
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
@@ -385,10 +385,7 @@ class NeuronEngine(EngineBase):
 
     @torch.no_grad()
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
-        c = self.model.config
-        portable.check_compatible(fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
-                                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size)
-        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        prompt, sampling = self.check_portable(portable)
         put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_dtype)  # noqa: E731
         logits = torch.from_numpy(np.ascontiguousarray(portable.last_logits, dtype=np.float32))
         first = self._first_tokens(logits, prompt, sampling)

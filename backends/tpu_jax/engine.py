@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, check_request
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
@@ -383,12 +383,7 @@ class TpuJaxEngine(EngineBase):
         )
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
-        c = self.model.config
-        portable.check_compatible(
-            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-        )
-        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        prompt, sampling = self.check_portable(portable)
         self.load_params()
         n = prompt.size
         dtype = steps.JAX_DTYPES[self.dtype]
