@@ -68,6 +68,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default=None,
                    help="an existing Ray cluster (e.g. ray://head:10001 or 'auto'); default: start a local one on 127.0.0.1")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+    g.add_argument("--ray-connect-timeout", type=float, default=30.0,
+                   help="seconds to reach --ray-address before giving up with an error (default 30)")
 
 
 def _check_deps(extra: Sequence[str] = ()) -> None:
@@ -96,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         from polyengine.serving.replicas import run_replicas
 
         return run_replicas(config, replicas=args.replicas, address=args.ray_address,
-                            replica_cpus=args.replica_cpus, log_level=args.log_level)
+                            replica_cpus=args.replica_cpus, log_level=args.log_level,
+                            connect_timeout=args.ray_connect_timeout)
     _check_deps()
     from polyengine.serving.app import build_app
     from polyengine.serving.config import build_engine

@@ -4,9 +4,16 @@ Each replica hosts the same FastAPI app as the standalone server (``serve.ingres
 with a builder that runs inside the replica) and builds its own AsyncLLM from the
 :class:`ServerConfig` when it starts, so weights load in the replica's process, never
 through Ray's object store. Ray Serve's proxy listens on ``--host``/``--port`` and
-routes each request to a replica; a replica whose queue is full still answers 429.
-Responses carry ``x-polyengine-replica`` (the replica's id); ``/metrics`` is the
-metrics of whichever replica answers (Ray's own metrics cover the cluster).
+routes each request to a replica. Responses carry ``x-polyengine-replica`` (the
+replica's id); ``/metrics`` is the metrics of whichever replica answers (Ray's own
+metrics cover the cluster).
+
+Bounded queue: a replica accepts more requests at once than its engine holds
+(``max_slots + max_queue`` plus :data:`REJECT_HEADROOM`), so when every engine queue
+is full the excess still reaches a replica, which answers 429 at once; Ray Serve's own
+queue in front of the replicas (unbounded by default) is capped at ``max_queue`` per
+caller as a last resort (Ray answers 503 beyond it). A replica whose engine died fails
+Ray Serve's health check, so Ray replaces it.
 
 Local by default: a Ray cluster started here with every listener on 127.0.0.1
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``; without it Ray binds the machine's external
@@ -30,6 +37,13 @@ __all__ = ["run_replicas", "deployment"]
 APP_NAME = "polyengine"
 # The server moves no large objects through Ray; a small store keeps a local cluster light.
 LOCAL_OBJECT_STORE_BYTES = 256 << 20
+# Requests a replica takes beyond what its engine holds, to refuse them itself (429):
+# a refusal takes milliseconds, so this many at once is plenty.
+REJECT_HEADROOM = 64
+# Joining --ray-address: refused, unroutable or silent ends in an error, not a hang.
+CONNECT_TIMEOUT_S = 30.0
+# How often Ray Serve asks a replica whether its engine is alive.
+HEALTH_CHECK_PERIOD_S = 5.0
 
 
 def _keep_replica_grpc_on_loopback() -> None:
@@ -52,6 +66,18 @@ def _keep_replica_grpc_on_loopback() -> None:
     replica_module.add_port_to_grpc_server = on_loopback
 
 
+class Replica:
+    """The deployment class around the app (``serve.ingress`` adds the app as
+    ``self.app``): Ray Serve calls :meth:`check_health` every few seconds and replaces a
+    replica whose check raises."""
+
+    def check_health(self) -> None:
+        state = getattr(getattr(self, "app", None), "state", None)
+        engine = getattr(getattr(state, "polyengine", None), "engine", None)
+        if engine is not None and engine.dead is not None:
+            raise RuntimeError(f"the replica's engine is dead: {engine.dead}")
+
+
 def _app_builder(config: ServerConfig, loopback: bool) -> Callable[[], Any]:
     # serve.ingress runs a plain function (not a partial) inside each replica.
     def build() -> Any:
@@ -70,26 +96,29 @@ def _app_builder(config: ServerConfig, loopback: bool) -> Callable[[], Any]:
 def deployment(config: ServerConfig, *, replicas: int, replica_cpus: float = 1.0, loopback: bool = False) -> Any:
     """The Ray Serve application: ``replicas`` copies of the server app.
 
-    A replica takes up to ``max_slots + max_queue`` requests at once, what its engine
-    runs or queues; beyond that Ray Serve's router holds requests back. Shutdown
-    gives in-flight requests ``shutdown_timeout`` seconds, as the standalone server does.
+    A replica takes up to ``max_slots + max_queue + REJECT_HEADROOM`` requests at once:
+    what its engine runs or queues, and room to answer the rest 429 itself. Ray
+    Serve's router queues at most ``max_queue`` more per caller. Shutdown gives in-flight
+    requests ``shutdown_timeout`` seconds, as the standalone server does.
     ``loopback``: the cluster is local to this machine and must listen on 127.0.0.1 only.
     """
     from ray import serve
 
-    ingress = serve.ingress(_app_builder(config, loopback))()
+    ingress = serve.ingress(_app_builder(config, loopback))(Replica)
     return serve.deployment(
         ingress,
         name=APP_NAME,
         num_replicas=replicas,
         ray_actor_options={"num_cpus": replica_cpus},
-        max_ongoing_requests=config.max_slots + config.max_queue,
+        max_ongoing_requests=config.max_slots + config.max_queue + REJECT_HEADROOM,
+        max_queued_requests=config.max_queue,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=config.shutdown_timeout,
     ).bind()
 
 
 def run_replicas(config: ServerConfig, *, replicas: int, address: str | None = None, replica_cpus: float = 1.0,
-                 log_level: str = "info") -> int:
+                 log_level: str = "info", connect_timeout: float = CONNECT_TIMEOUT_S) -> int:
     """Start (or join) a Ray cluster, run the replicas behind ``config.host:port`` until
     SIGTERM or SIGINT, then shut Serve down gracefully; the exit status."""
     if replicas < 1:
@@ -98,6 +127,8 @@ def run_replicas(config: ServerConfig, *, replicas: int, address: str | None = N
         raise InvalidRequest("--port 0 is not supported with --replicas: Ray Serve's proxy needs a fixed port")
     if replica_cpus < 0:
         raise InvalidRequest("--replica-cpus must be >= 0")
+    if not connect_timeout > 0:
+        raise InvalidRequest("--ray-connect-timeout must be > 0 seconds")
     if address is None:
         cpus = os.cpu_count() or 1
         if replicas * replica_cpus > cpus:
@@ -117,7 +148,12 @@ def run_replicas(config: ServerConfig, *, replicas: int, address: str | None = N
         ray.init(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=verbose,
                  logging_level=level)
     else:
-        ray.init(address=address, log_to_driver=verbose, logging_level=level)
+        from polyengine.remote import call_with_deadline, check_reachable
+
+        what = "the Ray cluster (--ray-address)"
+        check_reachable(address, connect_timeout, what)
+        call_with_deadline(lambda: ray.init(address=address, log_to_driver=verbose, logging_level=level),
+                           connect_timeout, address=address, what=what)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
