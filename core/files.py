@@ -9,6 +9,10 @@ it, :func:`open_regular` opens without blocking and checks the open file itself,
 :func:`read_regular` reads one whole, bounded. The caller chooses the error type
 (``error(message)``), so a weights file gives ``WeightsError`` and a prefix
 ``InvalidRequest``; messages do not repeat the path, which the caller's error names.
+
+The reports a long command writes at its end (``polyengine conformance --report-json``,
+``polyengine bench --json``) are checked before the run (:func:`check_writable`) and
+written so that a failure at the end loses nothing (:func:`write_report`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import stat
 from pathlib import Path
 from typing import IO, Callable
 
-__all__ = ["regular", "open_regular", "read_regular", "file_kind"]
+__all__ = ["regular", "open_regular", "read_regular", "file_kind", "check_writable", "write_report"]
 
 ErrorFactory = Callable[[str], Exception]
 
@@ -81,3 +85,50 @@ def read_regular(path: str | Path, *, limit: int, what: str, error: ErrorFactory
     if len(data) > limit:  # it grew while being read
         raise error(f"the {what} is over {limit:,} bytes")
     return data
+
+
+# -- reports a command writes at the end of a long run ---------------------------------------
+
+
+def check_writable(path: str | Path, *, what: str, error: ErrorFactory) -> Path:
+    """Fail *before* a long run when its report could not be written at ``path``: the
+    folder is created if missing, and a file is created in it (and removed) to prove
+    it, without touching an existing report. ``error(message)`` otherwise."""
+    import tempfile
+
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise error(f"cannot write the {what} to {path}: it is a directory; name a file")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+            pass
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise error(f"cannot write the {what} to {path}: {exc.strerror or exc}; pick another path "
+                    f"(nothing was run)") from None
+    return path
+
+
+def write_report(path: str | Path, text: str, *, what: str) -> Path:
+    """Write ``text`` to ``path``; if that fails now (the disk filled, the folder went
+    away), write it to a new file in the temporary directory instead, say so on standard
+    error, and return where it went: a finished run's results are never lost to a traceback."""
+    import sys
+    import tempfile
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.partial")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)  # a reader never sees half a report
+        return path
+    except OSError as exc:
+        fd, fallback = tempfile.mkstemp(prefix="polyengine-", suffix=f"-{path.name}")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"polyengine: could not write the {what} to {path} ({exc.strerror or exc}); it is in {fallback}",
+              file=sys.stderr, flush=True)
+        return Path(fallback)
