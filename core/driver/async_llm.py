@@ -27,6 +27,7 @@ Boundaries:
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -232,7 +233,7 @@ class AsyncLLM:
 
     def _refusal(self) -> Exception:
         if self._dead is not None:
-            return EngineDead(str(self._dead))
+            return _copy(self._dead)
         return EngineClosed("the engine has stopped and accepts no new requests")
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -249,7 +250,7 @@ class AsyncLLM:
         :meth:`shutdown` began. Cancelling this call cancels the request.
         """
         if self._dead is not None:
-            raise EngineDead(str(self._dead))
+            raise _copy(self._dead)
         if self._closed:
             raise EngineClosed("the engine is shutting down and accepts no new requests")
         text, ids = self.llm.encode(prompt)
@@ -355,12 +356,12 @@ class AsyncLLM:
             self._inbox.clear()
         for command in late:
             if command[0] == "submit":
-                self._call(command[1]._loop, _settle, command[2], EngineDead(str(dead)))
+                self._call(command[1]._loop, _settle, command[2], _copy(dead))
         with self._handles_lock:
             pending = [h for h in self._handles if not h.done]
         now = time.monotonic()
         for handle in pending:  # queued or running: each ends with the error, none waits forever
-            self._call(handle._loop, _dispatch, [(handle, [], (None, EngineDead(str(dead))))], now)
+            self._call(handle._loop, _dispatch, [(handle, [], (None, _copy(dead)))], now)
         self._live.clear()
         self.num_waiting = self.num_running = 0
 
@@ -455,6 +456,18 @@ class AsyncLLM:
             return True
         except RuntimeError:  # the loop is closed
             return False
+
+
+def _copy(dead: EngineDead) -> EngineDead:
+    """The error each waiter gets: of the engine's own type (a ``WorkerLost`` stays one)
+    and message, a fresh object per raise (one object raised in many tasks would
+    collect all their tracebacks)."""
+    try:
+        fresh = copy.copy(dead)
+        fresh.__traceback__ = None
+        return fresh
+    except Exception:  # a subclass that cannot be copied: its base class says the same
+        return EngineDead(str(dead))
 
 
 async def _finished(handle: AsyncRequest) -> None:
