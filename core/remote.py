@@ -50,8 +50,12 @@ def check_reachable(address: str, timeout: float, what: str) -> None:
                           f"and that it is running and reachable from here", address=address) from None
 
 
-def call_with_deadline(fn: Callable[[], Any], timeout: float, *, address: str, what: str) -> Any:
-    """``fn()``'s result, or Unreachable if it has not returned within ``timeout`` seconds.
+_SILENT = "the connection opened but nothing came back: not the service expected there, or it is stuck"
+
+
+def call_with_deadline(fn: Callable[[], Any], timeout: float, *, address: str, what: str, why: str = _SILENT) -> Any:
+    """``fn()``'s result, or Unreachable if it has not returned within ``timeout`` seconds
+    (``why`` says what that probably means).
 
     ``fn`` runs on a daemon thread; Python cannot stop a thread, so a call that hangs
     stays behind until it returns (the error says so: the process should be restarted
@@ -69,9 +73,8 @@ def call_with_deadline(fn: Callable[[], Any], timeout: float, *, address: str, w
 
     threading.Thread(target=run, name=f"polyengine-wait-{what}", daemon=True).start()
     if not done.wait(timeout):
-        raise Unreachable(f"{what} at {address} did not answer within {timeout:g} s (the connection opened but "
-                          f"nothing came back: not the service expected there, or it is stuck); check the address, "
-                          f"and restart this process before trying it again", address=address)
+        raise Unreachable(f"{what} at {address} did not answer within {timeout:g} s ({why}); check it, and restart "
+                          f"this process before trying again", address=address)
     if "error" in box:
         raise box["error"]
     return box.get("result")

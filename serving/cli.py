@@ -70,6 +70,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     g.add_argument("--ray-connect-timeout", type=float, default=30.0,
                    help="seconds to reach --ray-address before giving up with an error (default 30)")
+    g.add_argument("--replica-start-timeout", type=float, default=600.0,
+                   help="seconds for every replica to load its model and answer (default 600)")
 
 
 def _check_deps(extra: Sequence[str] = ()) -> None:
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_replicas(config, replicas=args.replicas, address=args.ray_address,
                             replica_cpus=args.replica_cpus, log_level=args.log_level,
-                            connect_timeout=args.ray_connect_timeout)
+                            connect_timeout=args.ray_connect_timeout, start_timeout=args.replica_start_timeout)
     _check_deps()
     from polyengine.serving.app import build_app
     from polyengine.serving.config import build_engine

@@ -42,6 +42,8 @@ LOCAL_OBJECT_STORE_BYTES = 256 << 20
 REJECT_HEADROOM = 64
 # Joining --ray-address: refused, unroutable or silent ends in an error, not a hang.
 CONNECT_TIMEOUT_S = 30.0
+# Until every replica has built its engine and answers (model loading included).
+START_TIMEOUT_S = 600.0
 # How often Ray Serve asks a replica whether its engine is alive.
 HEALTH_CHECK_PERIOD_S = 5.0
 
@@ -118,7 +120,8 @@ def deployment(config: ServerConfig, *, replicas: int, replica_cpus: float = 1.0
 
 
 def run_replicas(config: ServerConfig, *, replicas: int, address: str | None = None, replica_cpus: float = 1.0,
-                 log_level: str = "info", connect_timeout: float = CONNECT_TIMEOUT_S) -> int:
+                 log_level: str = "info", connect_timeout: float = CONNECT_TIMEOUT_S,
+                 start_timeout: float = START_TIMEOUT_S) -> int:
     """Start (or join) a Ray cluster, run the replicas behind ``config.host:port`` until
     SIGTERM or SIGINT, then shut Serve down gracefully; the exit status."""
     if replicas < 1:
@@ -127,8 +130,8 @@ def run_replicas(config: ServerConfig, *, replicas: int, address: str | None = N
         raise InvalidRequest("--port 0 is not supported with --replicas: Ray Serve's proxy needs a fixed port")
     if replica_cpus < 0:
         raise InvalidRequest("--replica-cpus must be >= 0")
-    if not connect_timeout > 0:
-        raise InvalidRequest("--ray-connect-timeout must be > 0 seconds")
+    if not connect_timeout > 0 or not start_timeout > 0:
+        raise InvalidRequest("--ray-connect-timeout and --replica-start-timeout must be > 0 seconds")
     if address is None:
         cpus = os.cpu_count() or 1
         if replicas * replica_cpus > cpus:
@@ -160,7 +163,14 @@ def run_replicas(config: ServerConfig, *, replicas: int, address: str | None = N
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config={"log_level": log_level.upper()})
         app = deployment(config, replicas=replicas, replica_cpus=replica_cpus, loopback=address is None)
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        from polyengine.remote import call_with_deadline
+
+        # Ray Serve waits for the replicas without a bound (a cluster without room for
+        # them waits forever): bounded here, long enough for a big model to load.
+        call_with_deadline(lambda: serve.run(app, name=APP_NAME, route_prefix="/", blocking=False), start_timeout,
+                           address=address or "the local Ray cluster", what="the Ray Serve replicas",
+                           why=f"{replicas} replica(s) x {replica_cpus} CPUs may not fit the cluster, or loading the "
+                               f"model takes longer: see Ray's log, raise --replica-start-timeout")
         print(f"polyengine serve: {replicas} replica(s) on Ray Serve, listening on "
               f"http://{config.host}:{config.port}", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
