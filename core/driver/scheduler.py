@@ -299,6 +299,8 @@ class Scheduler:
                     break  # a forced token replaces the rest of this step's (speculative) tokens
         except Exception as exc:
             self._fail(req, exc)
+            if isinstance(exc, EngineDead):  # reading the results found the engine gone: not this request's fault
+                raise
 
     def _accept(self, req: Request, s: _Sample, token: int, result: ResultTokens, row: int, j: int) -> bool:
         """Record one token; return whether it was forced in place of the engine's."""
