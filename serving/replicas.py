@@ -11,8 +11,9 @@ metrics cover the cluster).
 Bounded queue: a replica accepts more requests at once than its engine holds
 (``max_slots + max_queue`` plus :data:`REJECT_HEADROOM`), so when every engine queue
 is full the excess still reaches a replica, which answers 429 at once; Ray Serve's own
-queue in front of the replicas (unbounded by default) is capped at ``max_queue`` per
-caller as a last resort (Ray answers 503 beyond it). A replica whose engine died fails
+queue in front of the replicas (unbounded by default, and where requests wait only
+while the router assigns them) is capped at what all replicas take at once, as a last
+resort (Ray answers 503 beyond it). A replica whose engine died fails
 Ray Serve's health check, so Ray replaces it.
 
 Local by default: a Ray cluster started here with every listener on 127.0.0.1
@@ -100,20 +101,23 @@ def deployment(config: ServerConfig, *, replicas: int, replica_cpus: float = 1.0
 
     A replica takes up to ``max_slots + max_queue + REJECT_HEADROOM`` requests at once:
     what its engine runs or queues, and room to answer the rest 429 itself. Ray
-    Serve's router queues at most ``max_queue`` more per caller. Shutdown gives in-flight
+    Serve's router holds at most as many more per caller, while it assigns them. Shutdown gives in-flight
     requests ``shutdown_timeout`` seconds, as the standalone server does.
     ``loopback``: the cluster is local to this machine and must listen on 127.0.0.1 only.
     """
     from ray import serve
 
     ingress = serve.ingress(_app_builder(config, loopback))(Replica)
+    per_replica = config.max_slots + config.max_queue + REJECT_HEADROOM
     return serve.deployment(
         ingress,
         name=APP_NAME,
         num_replicas=replicas,
         ray_actor_options={"num_cpus": replica_cpus},
-        max_ongoing_requests=config.max_slots + config.max_queue + REJECT_HEADROOM,
-        max_queued_requests=config.max_queue,
+        max_ongoing_requests=per_replica,
+        # Requests wait here only until the router hands them to a replica; a burst
+        # larger than every replica takes at once is Ray's to refuse (503).
+        max_queued_requests=replicas * per_replica,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=config.shutdown_timeout,
     ).bind()
