@@ -176,9 +176,30 @@ class WorkerGroup:
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else None
             if isinstance(cause, PolyengineError):
                 raise cause from None
+            # A survivor's collective fails (gloo: connection reset) before Ray reports
+            # the dead peer: if a worker is gone, that is the error, not the symptom.
+            dead = self._dead_worker()
+            if dead is not None:
+                self._lose(f"a worker died while {what} ({dead}; a survivor saw {type(cause or exc).__name__}: "
+                           f"{str(cause or exc).splitlines()[-1][:200]})")
             raise exc.as_instanceof_cause() from None
         except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
             raise
+
+    def _dead_worker(self, timeout: float = 2.0) -> str | None:
+        """Which worker is dead (after a remote error), found by a no-op call to each."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = [w.drop.remote("prefixes", "") for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except RayActorError as exc:
+                    return f"rank {rank}: {type(exc).__name__}"
+        return None
 
     def _lose(self, why: str) -> None:
         self.lost = f"{why} (Ray cluster at {self.cluster}); the engine's workers are gone: build a new engine"
