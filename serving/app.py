@@ -235,11 +235,10 @@ class _State:
                 raise self.api_error(exc, names, what) from None
             raise
         responder = Responder(kind, self.model_name, self.token_text, self.fingerprint)
-        headers = {"x-polyengine-replica": self.replica_id} if self.replica_id else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._events(handles, responder, sp, names, include_usage, what)
-            return EventStream(events, headers=headers)
+            return EventStream(events)
         try:
             done = await _unless_disconnected(request, _results(handles))
         except _ClientGone:
@@ -248,7 +247,7 @@ class _State:
             raise self.api_error(exc, names, what) from None
         if any(o.finish_reason == "cancelled" for c in done for o in c.outputs):
             raise from_polyengine(_closed(), param_of=lambda f: f)
-        return JSONResponse(responder.full(done), headers=headers)
+        return JSONResponse(responder.full(done))
 
     async def _events(self, handles: list[Any], r: Responder, sp: SamplingParams, names: dict[str, str],
                       include_usage: bool, what: str) -> AsyncIterator[bytes]:
@@ -387,13 +386,16 @@ class EventStream(Response):
 
 
 class _Gate:
-    """ASGI middleware: the API key on ``/v1/`` routes, and the request counter."""
+    """ASGI middleware: the API key on ``/v1/`` routes, the request counter, and the
+    replica's id on every ``/v1/`` response (errors and 429s included)."""
 
     def __init__(self, app: Any, state: _State):
         self.app = app
         self.state = state
         key = state.config.api_key
         self._expected = f"Bearer {key}".encode() if key else None
+        replica = state.replica_id
+        self._replica = [(b"x-polyengine-replica", replica.encode())] if replica else []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -408,6 +410,8 @@ class _Gate:
             if message["type"] == "http.response.start" and not started:
                 started = True
                 counter.labels(endpoint, str(message["status"])).inc()
+                if self._replica:
+                    message = {**message, "headers": [*message.get("headers", []), *self._replica]}
             await send(message)
 
         if self._expected is not None:
