@@ -355,11 +355,16 @@ def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -
 def _cmd_bench(args: argparse.Namespace) -> int:
     from polyengine.benchmarks import report
 
+    if args.json:  # a report that cannot be written fails now, not after an hour of measuring
+        from polyengine.errors import InvalidRequest
+        from polyengine.files import check_writable
+
+        check_writable(args.json, what="bench report", error=InvalidRequest)
     doc = run(args)
     print(report.render(doc), flush=True)
     if args.json:
-        report.write_json(doc, args.json)
-        print(f"\nJSON report: {args.json}", flush=True)
+        written = report.write_json(doc, args.json)
+        print(f"\nJSON report: {written}", flush=True)
     if not doc["complete"]:
         return 130
     ok = all(not r["errors"] for r in doc["rows"] if r["kind"] == "polyengine")

@@ -256,10 +256,12 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def write_json(doc: dict[str, Any], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+def write_json(doc: dict[str, Any], path: str | Path) -> Path:
+    """Write the report; if ``path`` fails now, the report goes to a temporary file
+    (named on standard error) rather than being lost. Returns where it went."""
+    from polyengine.files import write_report
+
+    return write_report(path, json.dumps(doc, indent=2, default=str) + "\n", what="bench report")
 
 
 def rss_mib(nbytes: int | None) -> float | None:

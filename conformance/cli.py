@@ -18,6 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from polyengine.errors import InvalidRequest
+from polyengine.files import check_writable, write_report
+
 __all__ = ["add_command", "run_backend", "scoreboard"]
 
 _CELL = {"passed": "pass", "failed": "**FAIL**", "xfailed": "xfail", "skipped": "skip"}
@@ -49,6 +52,8 @@ def run_backend(name: str, *, report_json: str | Path | None = None, keyword: st
     from polyengine.plugins import select_backend
 
     select_backend(name)  # an unknown or unusable backend: say why before pytest starts
+    if report_json:
+        check_writable(report_json, what="JSON report", error=InvalidRequest)
     package_dir = Path(pkg.__file__).resolve().parent
     with tempfile.TemporaryDirectory(prefix="polyengine-conformance-") as tmp:
         ini = Path(tmp) / "pytest.ini"
@@ -82,6 +87,8 @@ def _run_all(args: argparse.Namespace) -> int:
     from polyengine.conformance import SUITE_VERSION
     from polyengine.plugins import list_backends
 
+    if args.report_json:
+        check_writable(args.report_json, what="JSON report", error=InvalidRequest)
     reports: list[dict[str, Any]] = []
     not_run: list[tuple[str, str]] = []
     worst = 0
@@ -107,13 +114,10 @@ def _run_all(args: argparse.Namespace) -> int:
     board = scoreboard(reports, not_run)
     print("\n" + board)
     if args.report_json:
-        out = Path(args.report_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"suite_version": SUITE_VERSION, "runs": reports,
                "not_run": [{"backend": n, "why": why} for n, why in not_run]}
-        out.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
-        md = out.with_name(out.stem + ".scoreboard.md")
-        md.write_text(board + "\n", encoding="utf-8")
+        out = write_report(args.report_json, json.dumps(doc, indent=2, default=str) + "\n", what="JSON report")
+        md = write_report(out.with_name(out.stem + ".scoreboard.md"), board + "\n", what="scoreboard")
         print(f"JSON report: {out}\nscoreboard: {md}")
     if not reports:
         print("polyengine conformance: no backend could run here", file=sys.stderr)

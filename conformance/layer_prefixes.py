@@ -2,7 +2,8 @@
 
 bulk_insert (each slot its own sample, rows in the order given, refusals before any
 change), prefill buckets (padding is invisible), prefix reuse, portable prefixes in
-both directions with the reference, prefixes from other weights refused, and the
+both directions with the reference, prefixes from other weights or with non-finite
+values or ids outside the vocabulary refused, and the
 refusals an engine makes when it is built: unknown options, a cache beyond the model,
 memory that would not fit.
 """
@@ -245,6 +246,43 @@ class PrefixLayer:
                 f"import_prefix accepted a portable prefix made by another model ({_OTHER_MODEL}): it must check the "
                 f"prefix's model_fingerprint (PortablePrefix.check_compatible) and refuse it"
             )
+
+    def test_untrusted_portable_prefix_refused(self, conformance):
+        """A portable prefix is untrusted data: NaN or infinite K/V or logits and prompt
+        ids outside the vocabulary are refused by import_prefix with InvalidRequest
+        (EngineBase.check_portable), never decoded into garbage; the engine goes on."""
+        eng = conformance.engine()
+        if not eng.capabilities.portable_prefix:
+            return  # test_portable_prefix_roundtrip checks the UnsupportedFeature
+        model = build_model(DEFAULT_MODEL)
+        ref = reference_engine(model, conformance.harness.config("float64"))
+        prompt, sampling = conformance.prompt(6, 93), conformance.sampling(93)
+        good = ref.export_prefix(ref.prefill(params=ref.load_params(), tokens=prompt, sampling=sampling)[0])
+
+        def spoiled(name: str, value: float) -> PortablePrefix:
+            bad = PortablePrefix.from_bytes(good.to_bytes())
+            arr = {"k": bad.k, "v": bad.v, "logits": bad.last_logits, "prompt": bad.prompt_tokens}[name]
+            arr.flat[arr.size // 2] = value
+            return bad
+
+        cases = [("NaN in K", spoiled("k", np.nan)), ("+inf in V", spoiled("v", np.inf)),
+                 ("NaN in the last logits", spoiled("logits", np.nan)),
+                 ("-inf in the last logits", spoiled("logits", -np.inf)),
+                 (f"a prompt id {model.config.vocab_size} (outside the vocabulary)",
+                  spoiled("prompt", model.config.vocab_size))]
+        for what, bad in cases:
+            try:
+                eng.import_prefix(bad)
+            except InvalidRequest:
+                continue
+            except Exception as exc:
+                raise AssertionError(f"import_prefix of a prefix with {what} raised {type(exc).__name__} ({exc}); "
+                                     f"expected InvalidRequest (EngineBase.check_portable)") from None
+            raise AssertionError(f"import_prefix accepted a portable prefix with {what}: it must be refused with "
+                                 f"InvalidRequest (EngineBase.check_portable), not decoded into garbage")
+        d = conformance.driver(eng)
+        d.insert_prefix(0, eng.import_prefix(good))
+        assert d.step().valid[0].any(), "slot 0 produced no token from a good prefix after refusing bad ones"
 
     def test_config_refusals(self, conformance):
         """Building an engine refuses, before allocating: an option it does not declare

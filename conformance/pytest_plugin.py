@@ -93,6 +93,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     state = SuiteState()
     path = config.getoption("polyengine_report_json")
+    if path:  # a report that could not be written must fail now, not after the run
+        from polyengine.files import check_writable
+
+        check_writable(path, what="JSON report", error=pytest.UsageError)
     state.report_path = Path(path) if path else None
     config.stash[_STATE] = state
     config.pluginmanager.register(state, "polyengine-conformance-state")
@@ -245,8 +249,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     reports = build_reports(state)
     doc = reports[0] if len(reports) == 1 else {"suite_version": SUITE_VERSION, "runs": reports}
-    state.report_path.parent.mkdir(parents=True, exist_ok=True)
-    state.report_path.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+    from polyengine.files import write_report
+
+    state.report_path = write_report(state.report_path, json.dumps(doc, indent=2, default=str) + "\n",
+                                     what="JSON report")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

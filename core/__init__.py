@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
         Capabilities, DecodeState, Engine, EngineBase, EngineConfig, Override, Prefix, ResultLayout, ResultTokens,
     )
     from polyengine.errors import (
-        BackendUnavailable, EngineClosed, InsufficientMemory, InvalidRequest, ModelConfigError, ModelNotFound,
+        BackendUnavailable, EngineClosed, EngineDead, InsufficientMemory, InvalidRequest, ModelConfigError, ModelNotFound,
         NumericalError, PluginError, PolyengineError, QueueFull, SlotError, UnknownBackend, UnsupportedFeature,
         WeightsError,
     )
@@ -45,7 +45,7 @@ _LAZY = {
     ),
     **dict.fromkeys(
         ("PolyengineError", "BackendUnavailable", "UnknownBackend", "UnsupportedFeature", "InvalidRequest",
-         "SlotError", "QueueFull", "EngineClosed", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound",
+         "SlotError", "QueueFull", "EngineClosed", "EngineDead", "PluginError", "WeightsError", "ModelConfigError", "ModelNotFound",
          "InsufficientMemory", "NumericalError"),
         "polyengine.errors",
     ),
@@ -89,6 +89,7 @@ __all__ = [
     "SlotError",
     "QueueFull",
     "EngineClosed",
+    "EngineDead",
     "PluginError",
     "WeightsError",
     "ModelConfigError",

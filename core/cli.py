@@ -10,7 +10,9 @@ still listed, running it reports the error, and the other commands keep working.
 
 ``--json`` output is only ever JSON: while such a command runs, anything else written
 to standard output, from Python or at the file-descriptor level, by any thread (a
-plugin's prints), goes to standard error instead. A real Ctrl-C exits with 130.
+plugin's prints), goes to standard error instead. A real Ctrl-C exits with 130. A reader
+that closes the output early (``polyengine generate ... | head -c1``) ends the command
+quietly with 141, the status of a command the closed pipe stopped (128 + SIGPIPE).
 
 ``polyengine backends`` imports no torch or jax: it only reads plugin specs and runs
 their cheap probes. ``--verbose`` also calls each available backend's ``diagnose``
@@ -152,7 +154,24 @@ def _stdout_to_stderr() -> Iterator[None]:
             os.close(saved)
 
 
+# 128 + SIGPIPE: what a shell reports for a command that a closed pipe stopped.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly. Standard output is pointed at
+        # /dev/null so that the interpreter's last flush at exit cannot fail again.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     real_stdout = sys.stdout
     buffer = io.StringIO()

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from polyengine.errors import InvalidRequest, PolyengineError
-from polyengine.limits import MAX_CHAT_LINE_CHARS
+from polyengine.limits import DEFAULT_CONTEXT_LENGTH, MAX_CHAT_LINE_CHARS
 
 __all__ = ["add_commands"]
 
@@ -30,7 +30,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
     p.add_argument("--context-length", type=int, default=None,
                    help="prompt + completion tokens per request, the engine's max_cache_length "
-                        "(default: 2048, or the model's limit if smaller)")
+                        f"(default: {DEFAULT_CONTEXT_LENGTH}, or the model's limit if smaller)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens at most")
     p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default 1.0)")
     p.add_argument("--top-p", type=float, default=None)
@@ -97,13 +97,9 @@ def _build(args: argparse.Namespace):
     progress = _Progress()
     model = load_model(args.model, progress=progress, exclusive=True)  # for this one engine (Model.exclusive)
     progress.done(model)
-    context = min(2048, model.config.max_position_embeddings) if args.context_length is None else args.context_length
-    if context < 2:
-        raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {context}")
-    cfg: dict[str, Any] = dict(max_slots=1, max_cache_length=context, max_prefill_length=context - 1)
-    if args.dtype:
-        cfg["dtype"] = args.dtype
-    llm = LLM(model, args.backend, tools=not args.no_tools, **cfg)
+    # One prompt at a time: one slot. The context and dtype defaults are the engine's own.
+    llm = LLM(model, args.backend, tools=not args.no_tools, max_slots=1, max_cache_length=args.context_length,
+              dtype=args.dtype or None)
     from polyengine.construction import speed_paths
 
     # What runs, each fallback with its fix: the same words as the engine's startup log line.

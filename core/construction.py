@@ -46,8 +46,10 @@ def engine_config(values: dict[str, Any]):
     try:
         return EngineConfig(**values)
     except ValidationError as exc:
-        msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        raise InvalidRequest(f"invalid engine config: {msgs}") from None
+        errors = exc.errors()
+        msgs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in errors)
+        loc = errors[0]["loc"]
+        raise InvalidRequest(f"invalid engine config: {msgs}", field=str(loc[0]) if loc else None) from None
 
 
 def create_engine(backend: str = "auto", model: Any = None, config: Any = None, **config_kwargs: Any):
@@ -56,11 +58,12 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
     ``model`` is anything :func:`polyengine.models.load_model` takes (None: the
     embedded default) or an already loaded :class:`polyengine.models.Model`.
     ``config`` is an :class:`EngineConfig` or a dict; keyword arguments override it.
-    Limits left unset are fitted to the model: ``max_cache_length`` defaults to
-    ``min(1024, max_position_embeddings)`` and ``max_prefill_length`` to
-    ``min(512, max_cache_length - 1)``.
+    Limits left unset are fitted to the model, here and nowhere else (the command line
+    and the server pass only what their user set): ``max_cache_length`` defaults to
+    ``min(DEFAULT_CONTEXT_LENGTH, max_position_embeddings)`` and ``max_prefill_length``
+    to ``max_cache_length - 1``. A value of None counts as unset.
     """
-    from polyengine.engine import EngineConfig, protocol_problems
+    from polyengine.engine import DEFAULT_CONTEXT_LENGTH, EngineConfig, protocol_problems
     from polyengine.models import Model
 
     info = select_backend(backend)
@@ -71,14 +74,14 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
         explicit = set(values)
     values.update(config_kwargs)
     explicit |= set(config_kwargs)
-    fields = EngineConfig.model_fields
+    explicit -= {k for k, v in values.items() if v is None}  # None: "not chosen", as --context-length leaves it
 
     def fitted(positions: int | None = None) -> EngineConfig:
-        v = dict(values)
+        v = {k: val for k, val in values.items() if val is not None}
         if "max_cache_length" not in explicit:
-            v["max_cache_length"] = min(fields["max_cache_length"].default, positions or 1 << 62)
+            v["max_cache_length"] = min(DEFAULT_CONTEXT_LENGTH, positions or 1 << 62)
         if "max_prefill_length" not in explicit:
-            v["max_prefill_length"] = min(fields["max_prefill_length"].default, v.get("max_cache_length", 2) - 1)
+            v.pop("max_prefill_length", None)  # EngineConfig derives it from max_cache_length
         return engine_config(v)
 
     fitted()  # refuse a bad config before loading weights

@@ -365,6 +365,16 @@ class PluginRegistry:
                     if info.spec is not None:
                         info.excluded = not self.allowed(info.name)
                     _add(found, info)
+            # A failing optional hook is listed too (its backends, if any, still work), so
+            # `polyengine backends` shows why a plugin's tools or model names are missing.
+            for hook, expected, what in _OPTIONAL_HOOKS:
+                for plugin, result, problem in self._results(hook):
+                    problem = _hook_problem(hook, result, problem, expected)
+                    if problem is not None:
+                        err = PluginError(plugin.name, plugin.distribution,
+                                          f"{problem}; {what} are left out (its backends, if any, still work)")
+                        _add(found, BackendInfo(plugin.name, plugin.name, plugin.distribution, plugin.version,
+                                                error=err))
             self._backends = found
             return found
 
@@ -374,8 +384,7 @@ class PluginRegistry:
             self._discover()
             out = []
             for plugin, result, problem in self._results("polyengine_tools"):
-                if problem is None and not isinstance(result, (list, tuple)):
-                    problem = f"polyengine_tools() returned {type(result).__name__}, expected a list"
+                problem = _hook_problem("polyengine_tools", result, problem, (list, tuple))
                 if problem is not None:
                     _skip(plugin, problem, "its tools")
                     continue
@@ -390,8 +399,7 @@ class PluginRegistry:
             out: dict[str, tuple[Any, _Plugin]] = {}
             clashes: set[str] = set()
             for plugin, result, problem in self._results("polyengine_models"):
-                if problem is None and not isinstance(result, dict):
-                    problem = f"polyengine_models() returned {type(result).__name__}, expected a dict"
+                problem = _hook_problem("polyengine_models", result, problem, dict)
                 if problem is not None:
                     _skip(plugin, problem, "its model names")
                     continue
@@ -404,6 +412,18 @@ class PluginRegistry:
             for name in clashes:
                 del out[name]
             return out
+
+
+# The hooks a plugin may leave out, the type each returns, and what a failure loses.
+_OPTIONAL_HOOKS = (("polyengine_tools", (list, tuple), "its tools"),
+                   ("polyengine_models", dict, "its model names"))
+
+
+def _hook_problem(hook: str, result: Any, problem: str | None, expected: type | tuple[type, ...]) -> str | None:
+    if problem is None and not isinstance(result, expected):
+        want = "a list" if expected is not dict else "a dict"
+        problem = f"{hook}() returned {type(result).__name__}, expected {want}"
+    return problem
 
 
 def _skip(plugin: _Plugin, problem: str, what: str) -> None:

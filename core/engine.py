@@ -13,6 +13,7 @@ from __future__ import annotations
 from polyengine.kit import EngineBase
 from polyengine.options import Option, check_options
 from polyengine.protocol import (
+    DEFAULT_CONTEXT_LENGTH,
     OPTIONAL_METHODS,
     PROTOCOL_VERSION,
     Capabilities,
@@ -33,6 +34,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Capabilities",
     "EngineConfig",
+    "DEFAULT_CONTEXT_LENGTH",
     "Prefix",
     "DecodeState",
     "Override",

@@ -15,9 +15,12 @@ __all__ = [
     "UnknownBackend",
     "UnsupportedFeature",
     "InvalidRequest",
+    "ContextLengthExceeded",
     "SlotError",
     "QueueFull",
     "EngineClosed",
+    "EngineDead",
+    "Unreachable",
     "PluginError",
     "WeightsError",
     "ModelConfigError",
@@ -64,12 +67,15 @@ class UnknownBackend(PolyengineError, LookupError):
 class UnsupportedFeature(PolyengineError, NotImplementedError):
     """The backend does not implement a feature the request asks for.
 
-    Raised before any work starts, so nothing is half done.
+    Raised before any work starts, so nothing is half done. ``field`` names the
+    request field that asks for it when one does (``"min_p"``, ``"n"``), as
+    :class:`InvalidRequest`'s does.
     """
 
-    def __init__(self, feature: str, backend: str | None = None, detail: str = ""):
+    def __init__(self, feature: str, backend: str | None = None, detail: str = "", *, field: str | None = None):
         self.feature = feature
         self.backend = backend
+        self.field = field
         who = f"backend {backend!r}" if backend else "this backend"
         msg = f"{who} does not support {feature}"
         if detail:
@@ -89,6 +95,10 @@ class InvalidRequest(PolyengineError, ValueError):
         self.field = field
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """A prompt (with what it asks to generate) does not fit the engine's context."""
+
+
 class SlotError(InvalidRequest):
     """A slot index is out of range, or the slot is occupied (insert) or empty."""
 
@@ -99,6 +109,24 @@ class QueueFull(PolyengineError, RuntimeError):
 
 class EngineClosed(PolyengineError, RuntimeError):
     """The engine is shutting down or has stopped; it takes no new requests."""
+
+
+class EngineDead(PolyengineError, RuntimeError):
+    """The engine can serve no more requests: its thread died, or a device or worker it
+    needs is gone. Every pending and later request fails with it; build a new engine
+    (a server reports it on ``/health`` so that an orchestrator restarts it)."""
+
+
+class Unreachable(PolyengineError, ConnectionError):
+    """An external system (a Ray cluster, a worker) refused the connection or did not
+    answer within its timeout; ``address`` names it."""
+
+    def __init__(self, message: str, *, address: str | None = None):
+        super().__init__(message)
+        self.address = address
+
+    def __str__(self) -> str:  # OSError's own __str__ would show the args tuple
+        return self.args[0] if self.args else ""
 
 
 class PluginError(PolyengineError, RuntimeError):

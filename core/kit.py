@@ -70,13 +70,15 @@ class EngineBase:
             raise InvalidRequest(
                 f"max_cache_length {config.max_cache_length} exceeds the model's max_position_embeddings "
                 f"{mc.max_position_embeddings}; build the engine with max_cache_length <= {mc.max_position_embeddings}"
+                f" (--context-length on the command line)", field="max_cache_length",
             )
         self.model, self.config, self.device = model, config, device
         if capabilities is None:
             capabilities = self.capabilities_for(model, config)
         dtype = config.dtype or capabilities.dtypes[0]
         if dtype not in capabilities.dtypes:
-            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}")
+            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}",
+                                     field="dtype")
         self.capabilities = capabilities
         self.dtype = dtype
         self.model_id = model.instance_id
@@ -101,10 +103,13 @@ class EngineBase:
     def check_memory(self, needs: Mapping[str, int], *, where: str = "host memory",
                      available: int | None | Callable[[], int | None] = None) -> int:
         """Refuse, before allocating, what this engine would allocate and cannot fit
-        (:func:`polyengine.memory.check_fits`); ``needs`` maps descriptions to bytes."""
-        from polyengine.memory import check_fits
+        (:func:`polyengine.memory.check_fits`); ``needs`` maps descriptions to bytes.
+        The advice names only dtypes this engine declares (smaller than its own)."""
+        from polyengine.memory import check_fits, engine_advice
 
-        return check_fits(f"the {self.name} backend", needs, where=where, available=available)
+        own = getattr(self, "dtype", None) or (self.config.dtype if getattr(self, "config", None) else None)
+        advice = engine_advice(self.capabilities.dtypes if getattr(self, "capabilities", None) else None, own)
+        return check_fits(f"the {self.name} backend", needs, where=where, available=available, advice=advice)
 
     # -- per-call checks -------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ __all__ = [
     "MAX_SAFETENSORS_HEADER", "MAX_TOKEN_CHARS", "MAX_SENTENCEPIECE_SPLITS",
     "MAX_TEMPLATE_BYTES", "MAX_RENDERED_CHARS", "MAX_TEMPLATE_VALUE_ITEMS", "RENDER_SECONDS",
     "MAX_TEXT_CHARS", "PROMPT_CHARS_PER_TOKEN", "MAX_CHAT_LINE_CHARS",
+    "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS",
+    "MAX_PREFIX_BYTES", "DEFAULT_CONTEXT_LENGTH",
     "PLUGIN_TIMEOUT_ENV", "DEFAULT_PLUGIN_SECONDS", "MAX_PLUGIN_OUTPUT_CHARS", "plugin_seconds",
 ]
 
@@ -73,6 +75,23 @@ MAX_TEXT_CHARS = 4 * 1024**2  # one text the tokenizer encodes (~0.7 GB and ~5 s
 # (tokens average ~4 characters); it is refused before tokenizing.
 PROMPT_CHARS_PER_TOKEN = 32
 MAX_CHAT_LINE_CHARS = 1024**2  # one line typed into `polyengine chat`
+
+# -- request lists (SamplingParams): every one is checked at every step or slot -------------
+# Stop strings are matched against each new piece of text of every sample, so their
+# number and length cost every step of the request (OpenAI allows 4, vLLM any).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # one stop string
+MAX_STOP_TOKEN_IDS = 1024  # a set looked up per token
+MAX_LOGIT_BIAS = 1024  # entries; each becomes a row of the slot's bias table
+
+# -- portable prefixes (bytes from another host) ----------------------------------------------
+MAX_PREFIX_BYTES = 16 * 1024**3  # a serialized prefix read with PortablePrefix.from_bytes/load
+
+# -- settings every entry point shares ---------------------------------------------------------
+# The context length (prompt + completion per request) when nobody chose one: the Python
+# API (EngineConfig, create_engine), the command line and the server all take it from
+# here, lowered to the model's max_position_embeddings when that is smaller.
+DEFAULT_CONTEXT_LENGTH = 2048
 
 # -- plugins ----------------------------------------------------------------------------------
 PLUGIN_TIMEOUT_ENV = "POLYENGINE_PLUGIN_TIMEOUT"

@@ -36,17 +36,33 @@ __all__ = [
     "available_host_memory", "host_memory_limits", "cgroup_available", "check_fits", "simulated_limit",
     "as_insufficient", "translating_memory_errors", "MARGIN_FRACTION", "MARGIN_MIN", "DEFAULT_ADVICE", "gib",
     "return_freed_memory",
+    "engine_advice",
 ]
 
 # Slack on top of what is counted: allocator overhead, temporaries of a step.
 MARGIN_FRACTION = 0.10
 MARGIN_MIN = 256 * 1024**2
-# What an engine's user can change, named as the API and the CLI spell it.
-DEFAULT_ADVICE = (
+# What an engine's user can change, named as the API and the CLI spell it. Without an
+# engine to ask, no dtype is named: one the backend does not declare would be refused.
+_SHORTER = (
     "free some memory, or ask for less: a shorter context (max_cache_length=N in Python, --context-length N on "
-    "the command line), fewer slots (max_slots=N in Python; the command line uses one), or a smaller compute "
-    "dtype if the backend declares one (dtype='float32' in Python, --dtype float32 on the command line)"
+    "the command line), fewer slots (max_slots=N in Python; the command line uses one)"
 )
+DEFAULT_ADVICE = _SHORTER + ", or a smaller compute dtype among those the backend declares (dtype= in Python, --dtype)"
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def engine_advice(declared: "tuple[str, ...] | None", current: str | None) -> str:
+    """The advice for an engine that declares ``declared`` dtypes and runs ``current``:
+    a smaller dtype only if it declares one (so the advice can be followed as written)."""
+    if declared is None:
+        return DEFAULT_ADVICE
+    size = _DTYPE_BYTES.get(current or (declared[0] if declared else ""), 0)
+    smaller = [d for d in declared if _DTYPE_BYTES.get(d, size) < size]
+    if not smaller:
+        return _SHORTER
+    d = smaller[0]
+    return _SHORTER + f", or a smaller compute dtype (dtype={d!r} in Python, --dtype {d} on the command line)"
 _RAISE_LIMIT = {
     "ulimit -v": "or raise the address-space limit (ulimit -v)",
     "ulimit -d": "or raise the data-segment limit (ulimit -d)",

@@ -6,6 +6,14 @@ the raw last-position logits (float32); the request's sampling parameters (with 
 concrete seed); and the fingerprint of the model (config and weights) that made it.
 Serialized as safetensors with JSON metadata in the header: never pickle, so a prefix
 from an untrusted peer can be read safely.
+
+A prefix is untrusted data (another host, another backend, a file). Construction
+checks its structure (shapes, dtypes, token ids that are integers representable as
+int32, never wrapped); :meth:`PortablePrefix.check_compatible`, which every engine's
+``import_prefix`` runs through ``EngineBase.check_portable``, checks it against the
+model (fingerprint, shapes, vocabulary) and checks its values (every K, V and logit
+finite): a bad prefix is an ``InvalidRequest`` (``field="prefix"``), never garbage
+decoded from NaN.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from polyengine.errors import InvalidRequest
+from polyengine.limits import MAX_PREFIX_BYTES
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["FORMAT_VERSION", "PortablePrefix"]
@@ -36,38 +45,54 @@ class PortablePrefix:
     version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        self.k = np.ascontiguousarray(self.k, dtype=np.float32)
-        self.v = np.ascontiguousarray(self.v, dtype=np.float32)
-        self.prompt_tokens = np.ascontiguousarray(self.prompt_tokens, dtype=np.int32)
-        self.last_logits = np.ascontiguousarray(self.last_logits, dtype=np.float32)
+        self.k = _floats(self.k, "K")
+        self.v = _floats(self.v, "V")
+        self.prompt_tokens = _token_ids(self.prompt_tokens)
+        self.last_logits = _floats(self.last_logits, "logits")
         if self.k.ndim != 4 or self.k.shape != self.v.shape:
-            raise InvalidRequest(f"prefix K/V must be equal 4-d arrays, got {self.k.shape} and {self.v.shape}")
+            raise _bad(f"prefix K/V must be equal 4-d arrays, got {self.k.shape} and {self.v.shape}")
         if self.k.shape[2] != self.prompt_tokens.shape[0]:
-            raise InvalidRequest(
-                f"prefix K/V hold {self.k.shape[2]} positions but {self.prompt_tokens.shape[0]} prompt tokens"
-            )
+            raise _bad(f"prefix K/V hold {self.k.shape[2]} positions but {self.prompt_tokens.shape[0]} prompt tokens")
+        if self.last_logits.ndim != 1:
+            raise _bad(f"prefix logits must be one row (vocab,), got shape {self.last_logits.shape}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise _bad(f"prefix sampling must be SamplingParams, not {type(self.sampling).__name__}")
         if self.sampling.seed is None:
-            raise InvalidRequest("a portable prefix needs sampling parameters with a concrete seed")
+            raise _bad("a portable prefix needs sampling parameters with a concrete seed")
+        if not isinstance(self.model_fingerprint, str):
+            raise _bad("prefix model_fingerprint must be a string")
 
     @property
     def true_length(self) -> int:
         return int(self.prompt_tokens.shape[0])
 
     def check_compatible(self, *, fingerprint: str, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int) -> None:
-        """Raise InvalidRequest unless this prefix was made by the same model."""
+        """Raise InvalidRequest unless this prefix was made by the same model and holds
+        only finite values and token ids of its vocabulary."""
         if self.version != FORMAT_VERSION:
-            raise InvalidRequest(f"prefix format version {self.version} is not supported (this polyengine reads {FORMAT_VERSION})")
+            raise _bad(f"prefix format version {self.version} is not supported (this polyengine reads {FORMAT_VERSION})")
         if self.model_fingerprint != fingerprint:
-            raise InvalidRequest(
+            raise _bad(
                 f"prefix was made by model {self.model_fingerprint[:12]}..., not this engine's model "
                 f"{fingerprint[:12]}...; import it into an engine running the same weights"
             )
         want = (num_layers, num_kv_heads, head_dim)
         got = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
         if got != want:
-            raise InvalidRequest(f"prefix K/V shape (layers, kv_heads, head_dim) {got} does not match the model's {want}")
+            raise _bad(f"prefix K/V shape (layers, kv_heads, head_dim) {got} does not match the model's {want}")
         if self.last_logits.shape != (vocab_size,):
-            raise InvalidRequest(f"prefix logits have shape {self.last_logits.shape}, expected ({vocab_size},)")
+            raise _bad(f"prefix logits have shape {self.last_logits.shape}, expected ({vocab_size},)")
+        ids = self.prompt_tokens
+        outside = (ids < 0) | (ids >= vocab_size)
+        if outside.any():
+            at = int(np.argmax(outside))
+            raise _bad(f"prefix prompt token {at} is {int(ids[at])}, outside the vocabulary [0, {vocab_size})")
+        for name, arr in (("K", self.k), ("V", self.v), ("logits", self.last_logits)):
+            finite = np.isfinite(arr)
+            if not finite.all():
+                at = np.unravel_index(int(np.argmin(finite)), arr.shape)
+                raise _bad(f"prefix {name} holds a non-finite value ({arr[at]}) at index {tuple(map(int, at))}: "
+                           f"the prefix is corrupt or was made by an overflowing engine; prefill the prompt again")
 
     # -- serialization ------------------------------------------------------------------
 
@@ -92,17 +117,17 @@ class PortablePrefix:
             meta = _header_metadata(data)
             tensors = load(data)
         except (SafetensorError, ValueError, json.JSONDecodeError) as exc:
-            raise InvalidRequest(f"not a polyengine prefix (unreadable safetensors data: {exc})") from None
+            raise _bad(f"not a polyengine prefix (unreadable safetensors data: {exc})") from None
         if meta.get("format") != _FORMAT:
-            raise InvalidRequest(f"not a polyengine prefix (format {meta.get('format')!r})")
+            raise _bad(f"not a polyengine prefix (format {meta.get('format')!r})")
         missing = {"k", "v", "prompt_tokens", "last_logits"} - set(tensors)
         if missing:
-            raise InvalidRequest(f"prefix data lacks tensors {sorted(missing)}")
+            raise _bad(f"prefix data lacks tensors {sorted(missing)}")
         try:
             sampling = SamplingParams.model_validate_json(meta["sampling"])
             version = int(meta["version"])
         except (KeyError, ValueError) as exc:
-            raise InvalidRequest(f"prefix metadata is malformed: {exc}") from None
+            raise _bad(f"prefix metadata is malformed: {exc}") from None
         return cls(
             k=tensors["k"], v=tensors["v"], prompt_tokens=tensors["prompt_tokens"],
             last_logits=tensors["last_logits"], sampling=sampling,
@@ -114,14 +139,49 @@ class PortablePrefix:
 
     @classmethod
     def load(cls, path: str | Path) -> "PortablePrefix":
-        return cls.from_bytes(Path(path).read_bytes())
+        """Read a saved prefix: a regular file of at most ``MAX_PREFIX_BYTES`` (a FIFO,
+        a device or a directory is refused at once, never read)."""
+        from polyengine.files import read_regular
+
+        return cls.from_bytes(read_regular(path, limit=MAX_PREFIX_BYTES, what="portable prefix",
+                                           error=lambda msg: _bad(f"{path}: {msg}")))
+
+
+def _bad(message: str) -> InvalidRequest:
+    return InvalidRequest(message, field="prefix")
+
+
+def _floats(a: np.ndarray, name: str) -> np.ndarray:
+    """A float array as contiguous float32; integers or objects are refused, not cast."""
+    arr = np.asarray(a)
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise _bad(f"prefix {name} must hold floating-point values, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _token_ids(a: np.ndarray) -> np.ndarray:
+    """Prompt ids as int32: integers that int32 represents, never wrapped or truncated."""
+    arr = np.asarray(a)
+    if arr.ndim != 1:
+        raise _bad(f"prefix prompt tokens must be one row, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise _bad(f"prefix prompt tokens must be integers, got dtype {arr.dtype}")
+    info = np.iinfo(np.int32)
+    if arr.size and (arr.min() < info.min or arr.max() > info.max):
+        bad = int(np.argmax((arr < info.min) | (arr > info.max)))
+        raise _bad(f"prefix prompt token {bad} is {int(arr[bad])}, which no vocabulary holds (not an int32)")
+    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def _header_metadata(data: bytes) -> dict[str, str]:
+    """The header's ``__metadata__``: a JSON object of strings, else ValueError."""
     if len(data) < 8:
         raise ValueError("too short")
     n = int.from_bytes(data[:8], "little")
     if n > len(data) - 8:
         raise ValueError("header length past end of data")
     header = json.loads(data[8 : 8 + n])
-    return header.get("__metadata__", {}) or {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("the header's __metadata__ must be an object of strings")
+    return meta

@@ -43,6 +43,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from polyengine._version import PROTOCOL_VERSION
+from polyengine.limits import DEFAULT_CONTEXT_LENGTH
 from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +54,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Capabilities",
     "EngineConfig",
+    "DEFAULT_CONTEXT_LENGTH",
     "Prefix",
     "DecodeState",
     "Override",
@@ -102,7 +104,11 @@ class Capabilities(BaseModel):
 class EngineConfig(BaseModel):
     """Limits and choices fixed when an engine is built.
 
-    ``max_cache_length`` bounds prompt plus completion per slot. ``prefill_buckets``
+    ``max_cache_length`` bounds prompt plus completion per slot (the context length:
+    ``--context-length`` on the command line and the server); its default is
+    :data:`DEFAULT_CONTEXT_LENGTH`, which :func:`polyengine.create_engine` lowers to the
+    model's ``max_position_embeddings`` when that is smaller. ``max_prefill_length``
+    (the longest prompt) defaults to ``max_cache_length - 1``. ``prefill_buckets``
     (ascending) are the padded prompt lengths a static-shape backend compiles; ``None``
     lets the backend choose. ``dtype`` None means the backend's default (the first of
     ``Capabilities.dtypes``). ``options`` holds backend-specific settings; a backend
@@ -112,14 +118,16 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_slots: int = Field(8, ge=1, le=4096)
-    max_prefill_length: int = Field(512, ge=1)
-    max_cache_length: int = Field(1024, ge=2)
+    max_prefill_length: int = Field(None, ge=1)  # type: ignore[assignment]  # None: max_cache_length - 1
+    max_cache_length: int = Field(DEFAULT_CONTEXT_LENGTH, ge=2)
     dtype: str | None = None
     prefill_buckets: tuple[int, ...] | None = None
     options: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _limits(self) -> "EngineConfig":
+        if self.max_prefill_length is None:  # frozen: set once, here, by the one rule
+            object.__setattr__(self, "max_prefill_length", self.max_cache_length - 1)
         if self.max_prefill_length >= self.max_cache_length:
             raise ValueError(
                 f"max_prefill_length ({self.max_prefill_length}) must be smaller than "

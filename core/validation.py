@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.errors import ContextLengthExceeded, InvalidRequest, UnsupportedFeature
 from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,25 +24,27 @@ def is_int(value: object) -> bool:
 def check_prompt(
     tokens: Sequence[int] | np.ndarray, *, max_prefill_length: int, vocab_size: int, offset: int = 0
 ) -> np.ndarray:
-    """A prompt as int32, or InvalidRequest saying what is wrong with it."""
+    """A prompt as int32, or InvalidRequest (``field="prompt"``) saying what is wrong
+    with it; a prompt longer than the engine takes is :class:`ContextLengthExceeded`."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
-        raise InvalidRequest(f"prompt tokens must be a flat sequence, got shape {arr.shape}")
+        raise InvalidRequest(f"prompt tokens must be a flat sequence, got shape {arr.shape}", field="prompt")
     if arr.size == 0:
-        raise InvalidRequest("prompt is empty: pass at least one token")
+        raise InvalidRequest("prompt is empty: pass at least one token", field="prompt")
     if not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidRequest(f"prompt tokens must be integers, got dtype {arr.dtype}")
+        raise InvalidRequest(f"prompt tokens must be integers, got dtype {arr.dtype}", field="prompt")
     total = offset + arr.size
     if total > max_prefill_length:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"prompt has {total} tokens but this engine accepts at most {max_prefill_length} "
-            f"(max_prefill_length); shorten it or build the engine with a larger max_prefill_length"
+            f"(max_prefill_length); shorten it or build the engine with a larger max_prefill_length",
+            field="prompt",
         )
     bad = (arr < 0) | (arr >= vocab_size)
     if bad.any():
         raise InvalidRequest(
             f"token id {int(arr[bad][0])} at position {int(np.argmax(bad))} is outside "
-            f"the vocabulary [0, {vocab_size})"
+            f"the vocabulary [0, {vocab_size})", field="prompt",
         )
     return arr.astype(np.int32)
 
@@ -59,25 +61,28 @@ def check_request(
     anything the capabilities do not declare.
     """
     if not isinstance(sampling, SamplingParams):
-        raise InvalidRequest(f"sampling must be SamplingParams, not {type(sampling).__name__}")
+        raise InvalidRequest(f"sampling must be SamplingParams, not {type(sampling).__name__}", field="sampling")
     toks = check_prompt(tokens, max_prefill_length=engine.max_prefill_length, vocab_size=engine.vocab_size, offset=offset)
     caps: Capabilities = engine.capabilities
     missing = sorted((sampling.active_fields() & ENGINE_FIELDS) - caps.sampling_params)
     if missing:
         raise UnsupportedFeature(
             f"sampling parameter(s) {', '.join(missing)}", engine.name,
-            "leave them at their defaults or pick a backend that declares them",
+            "leave them at their defaults or pick a backend that declares them", field=missing[0],
         )
     if sampling.top_logprobs > caps.max_top_logprobs:
-        raise UnsupportedFeature(f"top_logprobs={sampling.top_logprobs}", engine.name, f"at most {caps.max_top_logprobs}")
+        raise UnsupportedFeature(f"top_logprobs={sampling.top_logprobs}", engine.name, f"at most {caps.max_top_logprobs}",
+                                 field="top_logprobs")
     if sampling.n > 1 and not caps.bulk_insert:
-        raise UnsupportedFeature("n > 1 (bulk_insert)", engine.name)
+        raise UnsupportedFeature("n > 1 (bulk_insert)", engine.name, field="n")
     if sampling.n > engine.max_concurrent_decodes:
         raise InvalidRequest(
             f"n={sampling.n} samples need {sampling.n} slots but the engine has "
-            f"{engine.max_concurrent_decodes} (max_slots)"
+            f"{engine.max_concurrent_decodes} (max_slots)", field="n",
         )
-    for tok in (*sampling.logit_bias, *sampling.stop_token_ids):
-        if tok >= engine.vocab_size:
-            raise InvalidRequest(f"token id {tok} in sampling parameters is outside the vocabulary [0, {engine.vocab_size})")
+    for field in ("logit_bias", "stop_token_ids"):
+        for tok in getattr(sampling, field):
+            if tok >= engine.vocab_size:
+                raise InvalidRequest(f"{field}: token id {tok} is outside the vocabulary [0, {engine.vocab_size})",
+                                     field=field)
     return toks, sampling.with_seed()

@@ -6,31 +6,40 @@ server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /healt
 ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open (probes and
 scrapers carry no key).
 
-Request life: parse and shape-check the body (protocol.py), build SamplingParams (the
-core checks values), check the context limits, submit every prompt, then stream or
-wait. A client that disconnects, streaming or not, cancels its requests at once (their
-slots are free at the next engine step). The app knows nothing about processes or
-signals: server.py runs it with uvicorn, replicas.py on Ray Serve.
+Request life: read the body (bounded in size and time by :class:`_Guard`), then, on a
+worker thread so that a large or slow request never stalls the event loop (``/health``
+included): parse and shape-check it (protocol.py), build SamplingParams and tokenize
+(the core checks values and names the field at fault), then submit every prompt and
+stream or wait. A client that disconnects, streaming or not, cancels its requests at
+once (their slots are free at the next engine step); one that disconnects while
+sending its body is dropped without an error in the log. ``/health`` answers 503 while
+the engine loads, after it died (``AsyncLLM.dead``) and while the server stops. The app
+knows nothing about processes or signals: server.py runs it with uvicorn, replicas.py
+on Ray Serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from polyengine._version import __version__
-from polyengine.errors import InvalidRequest, UnsupportedFeature
-from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
-from polyengine.serving.config import ServerConfig, build_engine
+from polyengine.errors import PolyengineError
+from polyengine.sampling.params import SamplingParams
+from polyengine.serving.config import ServerConfig, build_engine, default_body_limit
 from polyengine.serving.errors import APIError, from_polyengine, invalid
 from polyengine.serving.metrics import CONTENT_TYPE, Metrics
-from polyengine.serving.protocol import ChatRequest, CompletionRequest, chat_messages, parse_body, to_sampling
+from polyengine.serving.protocol import (
+    ChatRequest, CompletionRequest, chat_messages, check_lengths, parse_body, to_sampling,
+)
 from polyengine.serving.responses import Responder, TokenText, sse
 
 __all__ = ["build_app"]
@@ -58,11 +67,16 @@ def build_app(config: ServerConfig, engine: Any = None, model_name: str | None =
 
     app = FastAPI(title="polyengine", version=__version__, lifespan=lifespan)
     app.state.polyengine = state
+    app.add_middleware(_Guard, state=state)  # inner: the key is checked before any body byte is read
     app.add_middleware(_Gate, state=state)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # the client left while sending its body: nobody reads this
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -77,10 +91,14 @@ def build_app(config: ServerConfig, engine: Any = None, model_name: str | None =
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if state.engine is None or state.engine.closed:
-            status = "loading" if state.engine is None else "shutting down"
-            return JSONResponse({"status": status}, status_code=503)
-        return JSONResponse({"status": "ok", "model": state.model_name, "backend": state.engine.engine.name})
+        eng = state.engine
+        if eng is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if eng.dead is not None:  # restart me: every request would fail
+            return JSONResponse({"status": "dead", "error": str(eng.dead)}, status_code=503)
+        if eng.closed:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": state.model_name, "backend": eng.engine.name})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -97,31 +115,16 @@ def build_app(config: ServerConfig, engine: Any = None, model_name: str | None =
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrived = time.monotonic()
-        req = parse_body(await request.body(), CompletionRequest)
-        state.check_model(req.model)
-        sampling, names = to_sampling(req)
-        # A list of strings or of token lists is several prompts; a flat token list is one.
-        several = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
-        prompts = req.prompt if several else [req.prompt]
-        encoded = []
-        for p in prompts:
-            try:
-                encoded.append(state.engine.encode(p)[1])
-            except InvalidRequest as exc:
-                raise invalid(str(exc), "prompt") from None
+        raw = await request.body()
+        req, sampling, names, encoded = await asyncio.to_thread(state.prepare_completion, raw)
         return await state.run(request, "completion", encoded, sampling, names, req, arrived, "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         arrived = time.monotonic()
-        req = parse_body(await request.body(), ChatRequest)
-        state.check_model(req.model)
-        sampling, names = to_sampling(req)
-        try:
-            ids = state.engine.apply_chat_template(chat_messages(req))
-        except InvalidRequest as exc:  # the template refused the conversation
-            raise invalid(str(exc), "messages") from None
-        return await state.run(request, "chat", [ids], sampling, names, req, arrived, "messages")
+        raw = await request.body()
+        req, sampling, names, encoded = await asyncio.to_thread(state.prepare_chat, raw)
+        return await state.run(request, "chat", encoded, sampling, names, req, arrived, "messages")
 
     return app
 
@@ -146,55 +149,79 @@ class _State:
         self.fingerprint = f"polyengine-{__version__}-{engine.engine.name}"
         self.metrics.watch(engine)
 
+    @property
+    def body_limit(self) -> int:
+        """Bytes a request body may have: ``--max-body-bytes``, else the context's default."""
+        if self.config.max_body_bytes is not None:
+            return self.config.max_body_bytes
+        context = self.engine.engine.max_cache_length if self.engine is not None else 0
+        return default_body_limit(context)
+
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r} "
                                 f"(GET /v1/models)", param="model", code="model_not_found")
 
-    def check_limits(self, ids: list[int], sp: SamplingParams, names: dict[str, str], what: str) -> None:
-        """What the driver would refuse without naming the parameter, refused here with it."""
+    # -- preparing a request (on a worker thread: parsing and tokenizing can take long) --
+
+    def _lengths(self, data: dict[str, Any]) -> None:
+        # More prompts than the server holds at once could never all be queued: a retry
+        # would not help, so that is a 400, not a 429.
+        check_lengths(data, max_prompts=self.config.max_slots + self.config.max_queue,
+                      max_prompt_tokens=self.engine.engine.max_prefill_length)
+
+    def prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, SamplingParams, dict[str, str], list[list[int]]]:
+        req = parse_body(raw, CompletionRequest, self._lengths)
+        self.check_model(req.model)
+        sampling, names = to_sampling(req)
+        # A list of strings or of token lists is several prompts; a flat token list is one.
+        several = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+        prompts = req.prompt if several else [req.prompt]
+        with self.blaming(names, "prompt"):
+            return req, sampling, names, [self.engine.encode(p)[1] for p in prompts]
+
+    def prepare_chat(self, raw: bytes) -> tuple[ChatRequest, SamplingParams, dict[str, str], list[list[int]]]:
+        req = parse_body(raw, ChatRequest, self._lengths)
+        self.check_model(req.model)
+        sampling, names = to_sampling(req)
+        with self.blaming(names, "messages"):
+            return req, sampling, names, [self.engine.apply_chat_template(chat_messages(req))]
+
+    @contextlib.contextmanager
+    def blaming(self, names: dict[str, str], what: str) -> Iterator[None]:
+        try:
+            yield
+        except PolyengineError as exc:
+            raise self.api_error(exc, names, what) from None
+
+    def check_context(self, ids: list[int], sp: SamplingParams, names: dict[str, str], what: str) -> None:
+        """The one check the server makes itself, a policy rather than a limit: a prompt
+        plus ``max_tokens`` over the context is refused (as OpenAI and vLLM do), where the
+        Python API would stop the completion at the cache limit. Everything else is the
+        core's to refuse, naming the field."""
         eng = self.engine.engine
         ctx, n = eng.max_cache_length, len(ids)
-        if n == 0:
-            raise invalid(f"{what} is empty: send at least one token", what)
-        if n > eng.max_prefill_length:
-            raise invalid(f"this model's maximum context length is {ctx} tokens and a prompt may have at most "
-                          f"{eng.max_prefill_length}; your {what} has {n} tokens: shorten it", what,
-                          code="context_length_exceeded")
-        if sp.max_tokens is not None and n + sp.max_tokens > ctx:
+        if sp.max_tokens is not None and n <= eng.max_prefill_length and n + sp.max_tokens > ctx:
             mt = names["max_tokens"]
             raise invalid(f"this model's maximum context length is {ctx} tokens; you requested {n + sp.max_tokens} "
                           f"({n} in the {what}, {sp.max_tokens} for the completion): reduce {mt} or the {what}",
                           mt, code="context_length_exceeded")
-        if sp.n > eng.max_concurrent_decodes:
-            raise invalid(f"n={sp.n} samples need {sp.n} slots but the server has {eng.max_concurrent_decodes} "
-                          f"(--max-slots)", names["n"])
-        if sp.stop and self.engine.tokenizer is None:
-            raise invalid("stop strings need a tokenizer and this model has none: use stop_token_ids", names["stop"])
-        for field in ("logit_bias", "stop_token_ids"):
-            bad = [t for t in getattr(sp, field) if t >= eng.vocab_size]
-            if bad:
-                raise invalid(f"{field}: token id {bad[0]} is outside the vocabulary [0, {eng.vocab_size})", field)
 
-    def api_error(self, exc: Exception, sp: SamplingParams, names: dict[str, str], what: str | None = None) -> APIError:
-        """The response for a driver error; ``what`` takes the blame for an InvalidRequest
-        that names no field (the driver's prompt checks: token ids, emptiness)."""
-        caps = self.engine.engine.capabilities
-        unsupported = None
-        if isinstance(exc, UnsupportedFeature):
-            missing = sorted((sp.active_fields() & ENGINE_FIELDS) - caps.sampling_params)
-            if missing:
-                unsupported = missing[0]
-            elif sp.top_logprobs > caps.max_top_logprobs:
-                unsupported = "top_logprobs"
-            elif sp.n > 1 and not caps.bulk_insert:
-                unsupported = "n"
-        return from_polyengine(exc, param_of=lambda f: names.get(f, f) if f else what, unsupported_param=unsupported)
+    def api_error(self, exc: BaseException, names: dict[str, str], what: str | None = None) -> APIError:
+        """The response for a driver error: the field the core blamed, under the name the
+        request used for it; the prompt (or a refusal naming no field) is ``what``."""
+
+        def param_of(field: str | None) -> str | None:
+            if field is None or field in ("prompt", "messages"):
+                return what
+            return names.get(field, field)
+
+        return from_polyengine(exc, param_of=param_of)
 
     async def run(self, request: Request, kind: str, prompts: list[list[int]], sp: SamplingParams,
                   names: dict[str, str], req: Any, arrived: float, what: str) -> Response:
         for ids in prompts:
-            self.check_limits(ids, sp, names, what)
+            self.check_context(ids, sp, names, what)
         handles: list[Any] = []
         try:
             for ids in prompts:
@@ -205,26 +232,25 @@ class _State:
             for h in handles:
                 h.cancel()
             if isinstance(exc, Exception):
-                raise self.api_error(exc, sp, names, what) from None
+                raise self.api_error(exc, names, what) from None
             raise
         responder = Responder(kind, self.model_name, self.token_text, self.fingerprint)
-        headers = {"x-polyengine-replica": self.replica_id} if self.replica_id else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._events(handles, responder, sp, names, include_usage)
-            return EventStream(events, headers=headers)
+            events = self._events(handles, responder, sp, names, include_usage, what)
+            return EventStream(events)
         try:
             done = await _unless_disconnected(request, _results(handles))
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the status is for the logs and metrics
         except Exception as exc:
-            raise self.api_error(exc, sp, names) from None
+            raise self.api_error(exc, names, what) from None
         if any(o.finish_reason == "cancelled" for c in done for o in c.outputs):
             raise from_polyengine(_closed(), param_of=lambda f: f)
-        return JSONResponse(responder.full(done), headers=headers)
+        return JSONResponse(responder.full(done))
 
     async def _events(self, handles: list[Any], r: Responder, sp: SamplingParams, names: dict[str, str],
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, what: str) -> AsyncIterator[bytes]:
         n = sp.n
         merged = _merge(handles)
         offsets = [0] * (len(handles) * n)
@@ -245,7 +271,7 @@ class _State:
                 if include_usage:
                     yield sse(r.usage_chunk([h.completion for h in handles]))
         except Exception as exc:  # the 200 is sent already: report the failure in-band
-            yield sse(self.api_error(exc, sp, names).body())
+            yield sse(self.api_error(exc, names, what).body())
         finally:
             await merged.aclose()
             for h in handles:
@@ -360,13 +386,16 @@ class EventStream(Response):
 
 
 class _Gate:
-    """ASGI middleware: the API key on ``/v1/`` routes, and the request counter."""
+    """ASGI middleware: the API key on ``/v1/`` routes, the request counter, and the
+    replica's id on every ``/v1/`` response (errors and 429s included)."""
 
     def __init__(self, app: Any, state: _State):
         self.app = app
         self.state = state
         key = state.config.api_key
         self._expected = f"Bearer {key}".encode() if key else None
+        replica = state.replica_id
+        self._replica = [(b"x-polyengine-replica", replica.encode())] if replica else []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -381,6 +410,8 @@ class _Gate:
             if message["type"] == "http.response.start" and not started:
                 started = True
                 counter.labels(endpoint, str(message["status"])).inc()
+                if self._replica:
+                    message = {**message, "headers": [*message.get("headers", []), *self._replica]}
             await send(message)
 
         if self._expected is not None:
@@ -394,3 +425,56 @@ class _Gate:
                 await JSONResponse(err.body(), status_code=401)(scope, receive, counting_send)
                 return
         await self.app(scope, receive, counting_send)
+
+
+class _Guard:
+    """ASGI middleware: the request body's bounds, enforced while it is read.
+
+    A Content-Length over ``max_body_bytes`` is answered 413 before one byte of the
+    body is read; a body without one (chunked) is counted as it arrives and refused as
+    soon as it passes the bound, so a huge body costs at most the bound in memory. The
+    whole body must arrive within ``body_timeout`` seconds (else 408): a client that
+    sends a few bytes a minute cannot hold a request open. Both answers close the
+    connection, since the rest of the body is never read.
+    """
+
+    def __init__(self, app: Any, state: "_State"):
+        self.app = app
+        self.state = state
+        self.timeout = state.config.body_timeout
+
+    @staticmethod
+    def _too_large(size: str, limit: int) -> APIError:
+        return APIError(413, f"the request body is {size} bytes; this server accepts at most {limit:,} "
+                             f"(--max-body-bytes)", code="request_too_large", headers={"Connection": "close"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.state.body_limit
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            err = self._too_large(f"{int(declared):,}", limit)
+            return await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
+        deadline = time.monotonic() + self.timeout
+        read, complete = 0, False
+
+        async def guarded() -> Any:
+            nonlocal read, complete
+            if complete:  # later receives only watch for a disconnect: no bound
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.timeout:g} s (--body-timeout)",
+                               code="request_timeout", headers={"Connection": "close"}) from None
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > limit:
+                    raise self._too_large(f"over {limit:,}", limit)
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
+            return message
+
+        await self.app(scope, guarded, send)

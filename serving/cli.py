@@ -14,6 +14,8 @@ import time
 from typing import Any, Sequence
 
 from polyengine.errors import PolyengineError
+from polyengine.limits import DEFAULT_CONTEXT_LENGTH
+from polyengine.serving.config import BODY_BYTES_PER_POSITION, MIN_BODY_BYTES
 
 __all__ = ["add_command", "configure", "main", "run"]
 
@@ -39,13 +41,25 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=128, help="requests waiting for a slot before new ones get 429")
     p.add_argument("--max-slots", type=int, default=8, help="requests decoded together (engine slots)")
     p.add_argument("--context-length", type=int, default=None,
-                   help="prompt + completion tokens per request (default: 2048, or the model's limit if smaller)")
+                   help=f"prompt + completion tokens per request (default: {DEFAULT_CONTEXT_LENGTH}, or the model's "
+                        f"limit if smaller)")
     p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are cancelled")
+    lim = p.add_argument_group("limits on clients (docs/serving.md)")
+    lim.add_argument("--max-body-bytes", type=int, default=None,
+                     help=f"largest request body; larger ones get 413 before they are read (default: "
+                          f"{BODY_BYTES_PER_POSITION} bytes per context position, at least {MIN_BODY_BYTES // 1024**2} MiB)")
+    lim.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a connection has to send a complete request head, from opening or from its "
+                          "previous response; then it is closed (default 10)")
+    lim.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request body has to arrive completely; then 408 (default 30)")
+    lim.add_argument("--idle-timeout", type=float, default=5.0,
+                     help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g = p.add_argument_group("replicas on Ray Serve (needs ray[serve], in polyengine[serve])")
@@ -54,6 +68,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default=None,
                    help="an existing Ray cluster (e.g. ray://head:10001 or 'auto'); default: start a local one on 127.0.0.1")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+    g.add_argument("--ray-connect-timeout", type=float, default=30.0,
+                   help="seconds to reach --ray-address before giving up with an error (default 30)")
+    g.add_argument("--replica-start-timeout", type=float, default=600.0,
+                   help="seconds for every replica to load its model and answer (default 600)")
 
 
 def _check_deps(extra: Sequence[str] = ()) -> None:
@@ -71,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, backend=args.backend, served_model_name=args.served_model_name, host=args.host,
         port=args.port, api_key=args.api_key or os.environ.get("POLYENGINE_API_KEY") or None,
         max_queue=args.max_queue, max_slots=args.max_slots, context_length=args.context_length, dtype=args.dtype,
-        tools=not args.no_tools, shutdown_timeout=args.shutdown_timeout,
+        tools=not args.no_tools, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
     )
     if config.host not in LOOPBACK_HOSTS and not config.api_key:
         print(f"polyengine serve: warning: binding {config.host} without --api-key: anyone who can reach "
@@ -81,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         from polyengine.serving.replicas import run_replicas
 
         return run_replicas(config, replicas=args.replicas, address=args.ray_address,
-                            replica_cpus=args.replica_cpus, log_level=args.log_level)
+                            replica_cpus=args.replica_cpus, log_level=args.log_level,
+                            connect_timeout=args.ray_connect_timeout, start_timeout=args.replica_start_timeout)
     _check_deps()
     from polyengine.serving.app import build_app
     from polyengine.serving.config import build_engine
@@ -101,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(config, engine, name)
     try:
         return serve(app, sock, shutdown_timeout=config.shutdown_timeout, log_level=args.log_level,
-                     access_log=args.access_log)
+                     access_log=args.access_log, header_timeout=config.header_timeout,
+                     idle_timeout=config.idle_timeout, drain=engine.shutdown)
     finally:
         engine.close()  # no-op after a normal shutdown; stops the engine thread if serving failed
 

@@ -13,18 +13,38 @@ from typing import Any
 
 from polyengine.errors import InvalidRequest
 
-__all__ = ["ServerConfig", "build_engine", "LOOPBACK_HOSTS"]
+__all__ = ["ServerConfig", "build_engine", "LOOPBACK_HOSTS", "default_body_limit", "MIN_BODY_BYTES",
+           "BODY_BYTES_PER_POSITION"]
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+# The default body bound follows the context: a prompt the engine can take is at most
+# PROMPT_CHARS_PER_TOKEN (32) characters a position, up to 4 bytes each in UTF-8 JSON;
+# never below 1 MiB (a 2048-position context needs a few hundred KiB at most).
+BODY_BYTES_PER_POSITION = 128
+MIN_BODY_BYTES = 1024**2
+
+
+def default_body_limit(context_length: int) -> int:
+    """``--max-body-bytes`` when the operator did not set it."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_POSITION * context_length)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """``context_length`` is prompt + completion per request (the engine's
-    ``max_cache_length``; default 2048 or the model's limit if smaller), ``max_slots``
-    the requests decoded together, ``max_queue`` the requests waiting for a slot
-    before new ones get 429. ``shutdown_timeout`` bounds how long in-flight requests
-    may run after SIGTERM."""
+    ``max_cache_length``; None: the engine's default, decided in one place,
+    :func:`polyengine.create_engine`), ``max_slots`` the requests decoded together,
+    ``max_queue`` the requests waiting for a slot before new ones get 429.
+    ``shutdown_timeout`` bounds how long in-flight requests may run after SIGTERM.
+
+    Connection limits (docs/serving.md): a request body over ``max_body_bytes`` (None:
+    :func:`default_body_limit` of the context length) gets 413 (refused from its
+    Content-Length, or as soon as the bytes read pass it); a
+    connection that has not sent a complete request head within ``header_timeout``
+    seconds of opening (or of its previous response) is closed; a body that has not
+    arrived within ``body_timeout`` seconds gets 408; an idle keep-alive connection is
+    closed after ``idle_timeout`` seconds."""
 
     model: str | None = None
     backend: str = "auto"
@@ -38,11 +58,20 @@ class ServerConfig:
     dtype: str | None = None
     tools: bool = True
     shutdown_timeout: float = 30.0
+    max_body_bytes: int | None = None
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    idle_timeout: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_slots"):
-            if getattr(self, name) < 1:
-                raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_queue", "max_slots", "max_body_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
+                                     field=name)
+        for name in ("header_timeout", "body_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequest(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}",
+                                     field=name)
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("--context-length must be at least 2")
         if self.shutdown_timeout < 0:
@@ -69,10 +98,7 @@ def build_engine(config: ServerConfig, progress: Any = None) -> tuple[Any, str]:
 
     select_backend(config.backend)  # an unknown or unavailable backend is reported before loading weights
     model = load_model(config.model, progress=progress)
-    context = config.context_length or min(2048, model.config.max_position_embeddings)
-    engine_config: dict[str, Any] = dict(max_slots=config.max_slots, max_cache_length=context,
-                                         max_prefill_length=context - 1)
-    if config.dtype:
-        engine_config["dtype"] = config.dtype
-    llm = LLM(model, config.backend, tools=config.tools, max_queue=config.max_queue, **engine_config)
+    # Only what the operator set: every default (the context length above all) is the engine's.
+    llm = LLM(model, config.backend, tools=config.tools, max_queue=config.max_queue, max_slots=config.max_slots,
+              max_cache_length=config.context_length, dtype=config.dtype or None)
     return AsyncLLM.from_llm(llm), served_name(config, model)

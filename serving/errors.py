@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from polyengine.errors import EngineClosed, InvalidRequest, QueueFull, UnsupportedFeature
+from polyengine.errors import (
+    ContextLengthExceeded, EngineClosed, EngineDead, InvalidRequest, QueueFull, UnsupportedFeature,
+)
 
 __all__ = ["APIError", "from_polyengine", "RETRY_AFTER_S"]
 
@@ -46,21 +48,27 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
-def from_polyengine(exc: BaseException, *, param_of: Callable[[str | None], str | None], unsupported_param: str | None = None) -> APIError:
+def from_polyengine(exc: BaseException, *, param_of: Callable[[str | None], str | None]) -> APIError:
     """The response for an error the driver raised.
 
-    ``param_of`` maps a SamplingParams field to the request parameter that set it
-    (``top_logprobs`` is ``logprobs`` on /v1/completions); ``unsupported_param`` names
-    the parameter an UnsupportedFeature is about (the server works it out from the
-    backend's capabilities).
+    ``param_of`` maps the field the error names (``exc.field``: a SamplingParams field,
+    ``"prompt"``, ``"messages"``) to the request parameter that set it (``top_logprobs``
+    is ``logprobs`` on /v1/completions, ``prompt`` is ``messages`` on chat). The core
+    decides what is wrong and with which field; the server only renames.
     """
+    field = getattr(exc, "field", None)
     if isinstance(exc, QueueFull):
         return APIError(429, f"the server is at capacity: {exc}", type="rate_limit_error",
                         code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, UnsupportedFeature):
-        return APIError(400, str(exc), param=param_of(unsupported_param), code="unsupported_parameter")
+        return APIError(400, str(exc), param=param_of(field), code="unsupported_parameter")
+    if isinstance(exc, ContextLengthExceeded):
+        return APIError(400, str(exc), param=param_of(field), code="context_length_exceeded")
     if isinstance(exc, InvalidRequest):
-        return APIError(400, str(exc), param=param_of(getattr(exc, "field", None)))
+        return APIError(400, str(exc), param=param_of(field))
+    if isinstance(exc, EngineDead):
+        return APIError(503, f"the engine has failed and serves no more requests ({exc}); retry on another "
+                             f"replica or after a restart", type="server_error", code="engine_dead")
     if isinstance(exc, EngineClosed):
         return APIError(503, "the server is shutting down; retry on another replica or later",
                         type="server_error", code="server_shutting_down")

@@ -1,8 +1,10 @@
 """The OpenAI request bodies the server accepts, and their translation to SamplingParams.
 
-Only the shape is checked here (types, unknown or unsupported fields); value ranges
-are the core's (``SamplingParams``), so the server and the Python API refuse the
-same values with the same words. A parameter that cannot be honoured is refused,
+Only the shape is checked here (types, unknown or unsupported fields, the length of
+the lists and strings only the server takes: messages, content parts, ``user``);
+value ranges and the sampler's lists (``stop``, ``stop_token_ids``, ``logit_bias``)
+are the core's (``SamplingParams``), so the server and the Python API refuse the same
+values with the same words, and the core names the field. A parameter that cannot be honoured is refused,
 never ignored: unknown fields, tool calling, structured output, ``echo``, ``suffix``
 and ``best_of`` other than ``n``. ``user`` is accepted: it identifies the caller and
 changes nothing in the output (as in OpenAI's API).
@@ -11,15 +13,22 @@ changes nothing in the output (as in OpenAI's API).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from polyengine.errors import InvalidRequest
+from polyengine.limits import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from polyengine.sampling.params import SamplingParams
 from polyengine.serving.errors import invalid
 
-__all__ = ["CompletionRequest", "ChatRequest", "parse_body", "to_sampling", "chat_messages"]
+__all__ = ["CompletionRequest", "ChatRequest", "parse_body", "check_lengths", "to_sampling", "chat_messages"]
+
+# Bounds on what only the server takes (the body's size bounds the rest): a message list
+# or a string this long is not a conversation but an attempt to make parsing expensive.
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
+MAX_NAME_CHARS = 1024  # model, user, a message's role
 
 # Extra fields (vLLM's names) for sampler features OpenAI's API lacks.
 _EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
@@ -35,7 +44,7 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
-    model: str
+    model: str = Field(max_length=MAX_NAME_CHARS)
     n: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -47,7 +56,7 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -74,12 +83,19 @@ class TextPart(_Strict):
 class ChatMessage(BaseModel):
     # Templates may read fields beyond role and content (name, tool_call_id, ...).
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: str = Field(max_length=MAX_NAME_CHARS)
     content: str | list[TextPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts, got {len(v)}")
+        return v
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -102,14 +118,53 @@ def _param(loc: tuple) -> str:
     return out
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """Decode and shape-check a JSON body; APIError 400 naming the field otherwise."""
+# Every list a body may carry, with its bound, checked on the decoded JSON *before* the
+# request model validates it: validating a million-item list costs the server far more
+# than refusing it (the sampler's bounds are the core's, polyengine.limits).
+LIST_BOUNDS = {"messages": MAX_MESSAGES, "stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
+               "logit_bias": MAX_LOGIT_BIAS}
+
+
+def check_lengths(data: dict[str, Any], *, max_prompts: int, max_prompt_tokens: int) -> None:
+    """Refuse (400 naming the field) a list longer than its bound: :data:`LIST_BOUNDS`,
+    content parts per message, and ``prompt``: at most ``max_prompts`` prompts, each
+    list of token ids at most ``max_prompt_tokens`` long (code context_length_exceeded)."""
+    for field, bound in LIST_BOUNDS.items():
+        value = data.get(field)
+        if isinstance(value, (list, dict)) and len(value) > bound:
+            raise invalid(f"{field}: at most {bound:,} items are accepted, got {len(value):,}", field)
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        for i, m in enumerate(messages):
+            parts = m.get("content") if isinstance(m, dict) else None
+            if isinstance(parts, list) and len(parts) > MAX_CONTENT_PARTS:
+                raise invalid(f"messages[{i}].content: at most {MAX_CONTENT_PARTS} content parts, got {len(parts):,}",
+                              f"messages[{i}].content")
+    prompt = data.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return
+    several = not isinstance(prompt[0], int) or isinstance(prompt[0], bool)
+    if several and len(prompt) > max_prompts:
+        raise invalid(f"{len(prompt):,} prompts in one request, but this server holds at most {max_prompts} requests "
+                      f"at once (--max-slots + --max-queue): send fewer per request", "prompt")
+    for ids in (prompt if several else [prompt]):
+        if isinstance(ids, list) and len(ids) > max_prompt_tokens:
+            raise invalid(f"a prompt of {len(ids):,} token ids cannot fit: this server accepts at most "
+                          f"{max_prompt_tokens} (--context-length): shorten it", "prompt",
+                          code="context_length_exceeded")
+
+
+def parse_body(raw: bytes, model: type[BaseModel], precheck: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """Decode and shape-check a JSON body; APIError 400 naming the field otherwise.
+    ``precheck`` sees the decoded object before the model validates it."""
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise invalid(f"could not parse the request body as JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid(f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    if precheck is not None:
+        precheck(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -155,11 +210,8 @@ def to_sampling(req: _Common) -> tuple[SamplingParams, dict[str, str]]:
             values[field] = getattr(req, field)
     if req.stop is not None:
         values["stop"] = req.stop
-    if req.logit_bias:
-        try:
-            values["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise invalid("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    if req.logit_bias:  # string keys: the core reads them as token ids (and refuses what is not one)
+        values["logit_bias"] = req.logit_bias
     max_tokens = req.max_tokens
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:

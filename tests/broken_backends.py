@@ -218,6 +218,20 @@ class UncheckedImportEngine(ReferenceEngine):
         return super().import_prefix(portable)
 
 
+class TrustingImportEngine(ReferenceEngine):
+    """import_prefix checks the model and the shapes but trusts the values: NaN K/V or
+    logits and ids outside the vocabulary get in (as cuda_torch and tpu_jax once did)."""
+
+    def check_portable(self, portable):
+        import dataclasses
+
+        clean = dataclasses.replace(
+            portable, k=np.nan_to_num(portable.k), v=np.nan_to_num(portable.v),
+            last_logits=np.nan_to_num(portable.last_logits), prompt_tokens=portable.prompt_tokens % self.vocab_size)
+        super().check_portable(clean)
+        return portable.prompt_tokens, portable.sampling.with_seed()
+
+
 class ForeignPrefixEngine(ReferenceEngine):
     """Accepts prefixes made with other weights (no model_id check)."""
 
@@ -419,6 +433,7 @@ BROKEN: dict[str, type] = {
     "broken_prefix_positions": PrefixPositionsEngine,
     "broken_prerope_export": PreRopeExportEngine,
     "broken_unchecked_import": UncheckedImportEngine,
+    "broken_trusting_import": TrustingImportEngine,
     "broken_foreign_prefix": ForeignPrefixEngine,
     "broken_cache_overrun": CacheOverrunEngine,
     "broken_lengths": LengthsEngine,
@@ -466,6 +481,8 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_prerope_export": ("test_portable_prefix_roundtrip", "test_portable_prefix_roundtrip", "kv_rel_l2"),
     "broken_unchecked_import": ("test_portable_prefix_roundtrip", "test_portable_prefix_roundtrip",
                                 "model_fingerprint"),
+    "broken_trusting_import": ("test_untrusted_portable_prefix_refused", "test_untrusted_portable_prefix_refused",
+                               "accepted a portable prefix with NaN in K"),
     "broken_foreign_prefix": ("test_foreign_prefix_refused", "test_foreign_prefix_refused", "expected InvalidRequest"),
     "broken_cache_overrun": ("test_cache_limit", "test_cache_limit", "it must yield exactly"),
     "broken_lengths": ("test_result_lengths", "test_result_lengths", "lengths["),

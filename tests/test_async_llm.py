@@ -145,13 +145,22 @@ def test_bad_requests_fail_at_submit_and_a_full_queue_refuses(model):
 
 
 class FailingGenerate(ReferenceEngine):
-    """generate raises once, after ``ok`` successful calls (a device error mid-run)."""
+    """generate raises once, at the first step after both requests were prefilled (a
+    device error mid-run; counted by prefills, not steps, so that it does not depend on
+    how quickly the second request arrives, and slow enough that the first is still
+    running then)."""
 
-    ok = 3
+    prefills = 0
+    failed = False
+
+    def prefill(self, **kwargs):
+        self.prefills += 1
+        return super().prefill(**kwargs)
 
     def generate(self, params, decode_state, *, overrides=None):
-        self.ok -= 1
-        if self.ok == 0:
+        time.sleep(0.01)  # the first request cannot finish before the second one arrives
+        if self.prefills >= 2 and not self.failed:
+            self.failed = True
             raise RuntimeError("device lost")
         return super().generate(params, decode_state, overrides=overrides)
 

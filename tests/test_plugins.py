@@ -240,11 +240,25 @@ def test_an_untyped_factory_error_is_blamed_on_its_plugin():
 
 
 def test_unset_limits_are_fitted_to_the_model():
+    from polyengine.limits import DEFAULT_CONTEXT_LENGTH
+
     model = tiny_model()  # max_position_embeddings 2048 (the config default)
-    engine = polyengine.create_engine("reference", model=model)
-    assert (engine.max_cache_length, engine.max_prefill_length) == (1024, 512)
+    big = type(model)(model.config.model_copy(update={"max_position_embeddings": 8192}), model.weights, source="big")
+    # One default, decided once: the context length, and the whole context but one for the prompt.
+    assert DEFAULT_CONTEXT_LENGTH == 2048
+    assert (polyengine.EngineConfig().max_cache_length, polyengine.EngineConfig().max_prefill_length) == (2048, 2047)
+    assert polyengine.EngineConfig(max_cache_length=100).max_prefill_length == 99
+    for m in (model, big):
+        engine = polyengine.create_engine("reference", model=m, max_slots=1)
+        assert (engine.max_cache_length, engine.max_prefill_length) == (2048, 2047)
+        engine = polyengine.create_engine("reference", model=m, max_slots=1, max_cache_length=None)  # None: unset
+        assert (engine.max_cache_length, engine.max_prefill_length) == (2048, 2047)
     engine = polyengine.create_engine("reference", model=model, max_cache_length=100)
     assert (engine.max_cache_length, engine.max_prefill_length) == (100, 99)
+    engine = polyengine.create_engine("reference", model=model, config=polyengine.EngineConfig(max_slots=1))
+    assert (engine.max_cache_length, engine.max_prefill_length) == (2048, 2047)
     small = type(model)(model.config.model_copy(update={"max_position_embeddings": 64}), model.weights, source="small")
     engine = polyengine.create_engine("reference", model=small)
+    assert (engine.max_cache_length, engine.max_prefill_length) == (64, 63)
+    engine = polyengine.create_engine("reference", model=small, config=polyengine.EngineConfig())
     assert (engine.max_cache_length, engine.max_prefill_length) == (64, 63)

@@ -128,18 +128,22 @@ def test_sigterm_refuses_new_work_finishes_what_fits_cancels_the_rest_and_exits_
                    test_backends=True)
 
     async def read(stream):
-        """(text after the first event, finish_reason, saw [DONE]) of a stream, however it ends."""
-        text, finish, done = "", None, False
+        """(text after the first event, finish_reason, saw [DONE], in-band error) of a stream, however it ends."""
+        text, finish, done, error = "", None, False, None
         try:
             async for line in stream.lines:
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
-                    c = json.loads(line[6:])["choices"][0]
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        error = event["error"]
+                        continue
+                    c = event["choices"][0]
                     text, finish = text + c["text"], c["finish_reason"] or finish
         except httpx.HTTPError:
             pass  # the server closed the connection: the stream was cut
-        return text, finish, done
+        return text, finish, done, error
 
     async def main():
         async with httpx.AsyncClient(base_url=s.api, timeout=60) as http:
@@ -155,8 +159,8 @@ def test_sigterm_refuses_new_work_finishes_what_fits_cancels_the_rest_and_exits_
                 try:
                     httpx.get(s.url + "/health", timeout=1)
                     return False
-                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
-                    return True
+                except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                    return True  # refused, or accepted just before the listener closed and then dropped
 
             refused_fast = await asyncio.to_thread(wait_until, refused, grace)
             results = await asyncio.wait_for(asyncio.gather(*readers), grace + 10)
@@ -169,6 +173,8 @@ def test_sigterm_refuses_new_work_finishes_what_fits_cancels_the_rest_and_exits_
     took = time.monotonic() - t0
     assert code == 0, s.log()
     assert refused_fast
-    assert short[1] == "length" and short[2]  # finished within the grace period, with [DONE]
-    assert not long[2]  # cut at the deadline
+    assert short[1] == "length" and short[2] and short[3] is None  # finished within the grace period, with [DONE]
+    # Cut at the deadline, and told so in-band (OpenAI's error object), then [DONE].
+    assert long[1] is None and long[3] is not None and long[3]["code"] == "server_shutting_down", long
+    assert long[2]
     assert took < grace + 8, took

@@ -199,7 +199,14 @@ def test_conformance_on_the_ray_engine(cluster, pytester, tmp_path):
 def test_a_dead_worker_fails_requests_in_bounded_time_and_a_new_engine_runs(cluster, model, single_process):
     """Kill one worker's process while a request streams: the stream ends with
     WorkerLost (not a hang) within the bound, further calls fail at once, and a new
-    engine (new workers) generates the right tokens."""
+    engine (new workers) generates the right tokens. Through the AsyncLLM (what the
+    server runs), a lost worker makes the engine dead: the request fails with
+    WorkerLost (an EngineDead), later ones are refused at once, and ``dead`` says so."""
+    import asyncio
+
+    from polyengine.driver import AsyncLLM
+    from polyengine.errors import EngineDead
+
     eng = RayTpuEngine(model, CFG.model_copy(update={"options": {"step_timeout_s": 120}}))
     victim = eng.group.info[1]["pid"]
     llm = LLM.from_engine(eng, tools=False)
@@ -214,4 +221,18 @@ def test_a_dead_worker_fails_requests_in_bounded_time_and_a_new_engine_runs(clus
     assert time.monotonic() - start < 30
     with pytest.raises(WorkerLost):
         eng.init_decode_state()
-    assert _tokens(RayTpuEngine(model, CFG)) == single_process
+    fresh = RayTpuEngine(model, CFG.model_copy(update={"options": {"step_timeout_s": 120}}))
+    assert _tokens(fresh) == single_process
+    served = AsyncLLM.from_llm(LLM.from_engine(fresh, tools=False))
+    os.kill(fresh.group.info[1]["pid"], signal.SIGKILL)
+
+    async def main():
+        request = await asyncio.wait_for(served.submit([1, 5, 9], SamplingParams(max_tokens=4)), 30)
+        with pytest.raises(WorkerLost, match="worker died"):
+            await asyncio.wait_for(request.result(), 60)
+        with pytest.raises(EngineDead, match="worker died"):
+            await asyncio.wait_for(served.submit([1, 2], SamplingParams(max_tokens=2)), 5)
+        await asyncio.wait_for(served.shutdown(timeout=0), 30)
+
+    asyncio.run(main())
+    assert isinstance(served.dead, WorkerLost)

@@ -40,7 +40,7 @@ import numpy as np
 from polyengine.engine import (
     Capabilities, EngineBase, EngineConfig, Option, Override, Prefix, ResultLayout, ResultTokens, SlotTable,
 )
-from polyengine.errors import InvalidRequest, PolyengineError
+from polyengine.errors import EngineDead, InvalidRequest, PolyengineError
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -54,8 +54,10 @@ __all__ = ["RayTpuEngine", "RayDecodeState", "WorkerLost", "WorkerGroup", "creat
 _LAYOUT = ResultLayout(k=1, top_n=MAX_TOP_LOGPROBS, logprobs=True)
 
 
-class WorkerLost(PolyengineError, RuntimeError):
-    """A worker of a multi-host engine died or stopped answering; the engine is unusable."""
+class WorkerLost(EngineDead):
+    """A worker of a multi-host engine died or stopped answering; the engine is unusable
+    (an :class:`EngineDead`: the driver fails every request and a server's ``/health``
+    answers 503)."""
 
 
 def start_local_ray(**kwargs: Any) -> None:
@@ -80,9 +82,9 @@ def start_local_ray(**kwargs: Any) -> None:
                 "configure_logging": False, **kwargs})
 
 
-def _connect(address: str) -> None:
-    """Join the Ray instance this process is connected to, the one at ``address``, or
-    a new local one on loopback."""
+def _connect(address: str, timeout: float) -> None:
+    """Join the Ray instance this process is connected to, the one at ``address`` (an
+    Unreachable error after ``timeout`` seconds), or a new local one on loopback."""
     if "ray" not in sys.modules and not address:
         start_local_ray()
         return
@@ -91,7 +93,11 @@ def _connect(address: str) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, log_to_driver=False)
+        from polyengine.remote import call_with_deadline, check_reachable
+
+        check_reachable(address, timeout, "the Ray cluster (option ray_address)")
+        call_with_deadline(lambda: ray.init(address=address, log_to_driver=False), timeout, address=address,
+                           what="the Ray cluster (option ray_address)")
     else:
         start_local_ray()
 
@@ -167,12 +173,33 @@ class WorkerGroup:
             cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else None
             if isinstance(cause, PolyengineError):
                 raise cause from None
+            # A survivor's collective fails (gloo: connection reset) before Ray reports
+            # the dead peer: if a worker is gone, that is the error, not the symptom.
+            dead = self._dead_worker()
+            if dead is not None:
+                self._lose(f"a worker died while {what} ({dead}; a survivor saw {type(cause or exc).__name__}: "
+                           f"{str(cause or exc).splitlines()[-1][:200]})")
             raise exc.as_instanceof_cause() from None
         except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
             raise
 
+    def _dead_worker(self, timeout: float = 2.0) -> str | None:
+        """Which worker is dead (after a remote error), found by a no-op call to each."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = [w.drop.remote("prefixes", "") for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except RayActorError as exc:
+                    return f"rank {rank}: {type(exc).__name__}"
+        return None
+
     def _lose(self, why: str) -> None:
-        self.lost = f"{why}; the engine's workers are gone: build a new engine"
+        self.lost = f"{why} (Ray cluster at {self.cluster}); the engine's workers are gone: build a new engine"
         self.kill()
         raise WorkerLost(self.lost)
 
@@ -274,6 +301,8 @@ class RayTpuEngine(EngineBase):
         "step_timeout_s": Option(600.0, "longest wait for any call (the first ones compile)", check=lambda v: (
             None if v > 0 else "must be > 0")),
         "ray_address": Option("", "'' joins the running Ray instance or starts a local, loopback-only one"),
+        "connect_timeout_s": Option(30.0, "joining ray_address: refused, unroutable or silent ends in Unreachable",
+                                    check=lambda v: None if v > 0 else "must be > 0"),
         "prefill_workers": Option(0, "> 0: disaggregated, prompts prefill on these actors (disagg.py), not the "
                                      "decode workers", minimum=0),
     }
@@ -309,7 +338,7 @@ class RayTpuEngine(EngineBase):
             f"the KV cache of {config.max_slots} slots x {config.max_cache_length} positions":
                 config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(item),
         })
-        _connect(o["ray_address"])
+        _connect(o["ray_address"], float(o["connect_timeout_s"]))
         self.group = _group(o["num_workers"], o["devices_per_worker"], o["spread_workers"], float(o["step_timeout_s"]))
         caps = self.group.call("capabilities")
         return Capabilities(

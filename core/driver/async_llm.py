@@ -14,6 +14,12 @@ Boundaries:
   request's slots are free before the following ``generate``.
 - An error from the engine's ``generate`` concerns every running request: each of them
   fails with it, and the loop goes on serving new requests.
+- An engine that cannot go on (it raised :class:`~polyengine.errors.EngineDead`, e.g. a
+  lost Ray worker) or an engine thread that dies of anything at all (a backend raising
+  ``SystemExit``, ``KeyboardInterrupt`` or any other ``BaseException``) makes the
+  AsyncLLM *dead*: every pending request (queued, running, or still being submitted)
+  fails with ``EngineDead`` naming the cause, every later ``submit`` raises it, and
+  :attr:`AsyncLLM.dead` says so (the server's ``/health`` answers 503). Nothing hangs.
 - The wrapped :class:`LLM` belongs to the engine thread: do not call its synchronous
   methods while the AsyncLLM runs.
 """
@@ -21,6 +27,7 @@ Boundaries:
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -30,7 +37,7 @@ from typing import Any, AsyncIterator
 from polyengine.driver.llm import LLM, Prompt
 from polyengine.driver.outputs import Completion, StreamDelta
 from polyengine.driver.scheduler import Request
-from polyengine.errors import EngineClosed
+from polyengine.errors import EngineClosed, EngineDead
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["AsyncLLM", "AsyncRequest"]
@@ -207,6 +214,7 @@ class AsyncLLM:
         self._handles_lock = threading.Lock()
         self._closed = False
         self._stopped = False
+        self._dead: EngineDead | None = None
         self.num_waiting = 0  # requests queued for a slot (updated by the engine thread)
         self.num_running = 0  # requests holding slots
         self._thread = threading.Thread(target=self._run, name="polyengine-engine", daemon=True)
@@ -217,6 +225,16 @@ class AsyncLLM:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def dead(self) -> EngineDead | None:
+        """Why the engine can serve no more requests, or None while it can."""
+        return self._dead
+
+    def _refusal(self) -> Exception:
+        if self._dead is not None:
+            return _copy(self._dead)
+        return EngineClosed("the engine has stopped and accepts no new requests")
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return self.llm.encode(prompt)
@@ -231,6 +249,8 @@ class AsyncLLM:
         when ``max_queue`` requests already wait for a slot, EngineClosed after
         :meth:`shutdown` began. Cancelling this call cancels the request.
         """
+        if self._dead is not None:
+            raise _copy(self._dead)
         if self._closed:
             raise EngineClosed("the engine is shutting down and accepts no new requests")
         text, ids = self.llm.encode(prompt)
@@ -242,7 +262,7 @@ class AsyncLLM:
             self._handles.add(handle)
         if not self._post(("submit", handle, queued)):
             self._forget(handle)
-            raise EngineClosed("the engine has stopped and accepts no new requests")
+            raise self._refusal()
         try:
             await queued
         except BaseException:
@@ -318,6 +338,34 @@ class AsyncLLM:
     # -- the engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends this thread, nobody may be left waiting
+            dead = exc if isinstance(exc, EngineDead) else EngineDead(
+                f"the engine thread stopped: {type(exc).__name__}: {exc} (backend {getattr(self.engine, 'name', '?')}); "
+                f"restart the engine")
+            log.error("engine is dead: %s", dead, exc_info=not isinstance(exc, EngineDead))
+            self._die(dead)
+
+    def _die(self, dead: EngineDead) -> None:
+        """Fail everything pending with ``dead`` and refuse everything later."""
+        with self._wakeup:
+            self._dead = dead
+            self._closed = self._stopped = True
+            late = list(self._inbox)
+            self._inbox.clear()
+        for command in late:
+            if command[0] == "submit":
+                self._call(command[1]._loop, _settle, command[2], _copy(dead))
+        with self._handles_lock:
+            pending = [h for h in self._handles if not h.done]
+        now = time.monotonic()
+        for handle in pending:  # queued or running: each ends with the error, none waits forever
+            self._call(handle._loop, _dispatch, [(handle, [], (None, _copy(dead)))], now)
+        self._live.clear()
+        self.num_waiting = self.num_running = 0
+
+    def _serve(self) -> None:
         while True:
             with self._wakeup:
                 while not self._inbox and not self._scheduler.busy:
@@ -340,6 +388,8 @@ class AsyncLLM:
             if self._scheduler.busy:
                 try:
                     self._scheduler.step()
+                except EngineDead:
+                    raise
                 except Exception as exc:  # generate failed: every running request fails with it
                     log.exception("engine step failed; failing %d request(s)", len(self._live))
                     self._fail_running(exc)
@@ -406,6 +456,18 @@ class AsyncLLM:
             return True
         except RuntimeError:  # the loop is closed
             return False
+
+
+def _copy(dead: EngineDead) -> EngineDead:
+    """The error each waiter gets: of the engine's own type (a ``WorkerLost`` stays one)
+    and message, a fresh object per raise (one object raised in many tasks would
+    collect all their tracebacks)."""
+    try:
+        fresh = copy.copy(dead)
+        fresh.__traceback__ = None
+        return fresh
+    except Exception:  # a subclass that cannot be copied: its base class says the same
+        return EngineDead(str(dead))
 
 
 async def _finished(handle: AsyncRequest) -> None:

@@ -7,11 +7,12 @@ token ids. ``chat`` renders the model's own chat template first.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator, Sequence
 
 from polyengine.driver.outputs import Completion, StreamDelta
 from polyengine.driver.scheduler import Request, Scheduler, token_ids
-from polyengine.errors import InvalidRequest
+from polyengine.errors import ContextLengthExceeded, InvalidRequest
 from polyengine.limits import PROMPT_CHARS_PER_TOKEN
 from polyengine.sampling.params import SamplingParams
 
@@ -64,7 +65,8 @@ class LLM:
         self.tokenizer = tokenizer
         self.tools = None
         if not isinstance(tools, (bool, list, tuple)) and tools is not None:
-            raise InvalidRequest(f"tools must be True, False or a list of polyengine.tools.Tool, not {type(tools).__name__}")
+            raise InvalidRequest(f"tools must be True, False or a list of polyengine.tools.Tool, not {type(tools).__name__}",
+                                 field="tools")
         if tools and tokenizer is not None:
             from polyengine.tools import ToolMachine
 
@@ -86,22 +88,33 @@ class LLM:
         return PROMPT_CHARS_PER_TOKEN * self.engine.max_prefill_length
 
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True, max_chars=self.max_prompt_chars))
-        try:
-            return None, token_ids(prompt, "prompt")
-        except TypeError:
-            raise InvalidRequest(f"a prompt must be a string or a sequence of token ids, not {type(prompt).__name__}") from None
+        """A prompt as ``(text or None, token ids)``; every refusal has ``field="prompt"``."""
+        with _blaming("prompt"):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
+                return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True,
+                                                          max_chars=self.max_prompt_chars))
+            limit = self.engine.max_prefill_length
+            if hasattr(prompt, "__len__") and len(prompt) > limit:  # refused by its length, before reading it
+                raise ContextLengthExceeded(
+                    f"prompt has {len(prompt):,} tokens but this engine accepts at most {limit} (max_prefill_length); "
+                    f"shorten it or build the engine with a larger max_prefill_length")
+            try:
+                return None, token_ids(prompt, "prompt")
+            except TypeError:
+                raise InvalidRequest(
+                    f"a prompt must be a string or a sequence of token ids, not {type(prompt).__name__}") from None
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        """Render a conversation with the model's template (generation prompt added) and encode it."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequest("this model has no chat template: use generate() with a raw prompt")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False, max_chars=self.max_prompt_chars,
-                                          what="the rendered conversation"))
+        """Render a conversation with the model's template (generation prompt added) and
+        encode it; every refusal (the template's included) has ``field="messages"``."""
+        with _blaming("messages"):
+            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequest("this model has no chat template: use generate() with a raw prompt")
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+            return list(self.tokenizer.encode(text, add_special_tokens=False, max_chars=self.max_prompt_chars,
+                                              what="the rendered conversation"))
 
     # -- requests --------------------------------------------------------------------------
 
@@ -132,7 +145,7 @@ class LLM:
         batch = self._as_batch(prompts)
         if isinstance(sampling, (list, tuple)):
             if len(sampling) != len(batch):
-                raise InvalidRequest(f"{len(sampling)} sampling parameter sets for {len(batch)} prompts")
+                raise InvalidRequest(f"{len(sampling)} sampling parameter sets for {len(batch)} prompts", field="sampling")
             params = [SamplingParams.coerce(s) for s in sampling]
         else:
             params = [SamplingParams.coerce(sampling)] * len(batch)
@@ -142,7 +155,7 @@ class LLM:
                 text, ids = self.encode(p)
                 reqs.append(self.scheduler.prepare(ids, sp, prompt=text))
             except InvalidRequest as exc:
-                raise type(exc)(f"prompt {i}: {exc}") from None
+                raise type(exc)(f"prompt {i}: {exc}", field=exc.field) from None
         try:
             for req in reqs:
                 while self.scheduler.queue_full:
@@ -191,11 +204,22 @@ class LLM:
             return [prompts]
         if not isinstance(prompts, Sequence) and not hasattr(prompts, "__array__"):
             raise InvalidRequest(f"prompts must be a string, a list of token ids or a list of prompts, "
-                                 f"not {type(prompts).__name__}")
+                                 f"not {type(prompts).__name__}", field="prompt")
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):
             return [prompts]  # one prompt given as token ids
         return prompts
+
+
+@contextlib.contextmanager
+def _blaming(field: str) -> Iterator[None]:
+    """An InvalidRequest raised inside that names no field is about ``field``."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        if exc.field is None:
+            exc.field = field
+        raise
 
 
 class _Stream(Iterator[StreamDelta]):

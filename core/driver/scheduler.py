@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
-from polyengine.errors import InvalidRequest, QueueFull
+from polyengine.errors import EngineDead, InvalidRequest, QueueFull
 from polyengine.memory import as_insufficient, translating_memory_errors
 from polyengine.sampling.params import SamplingParams
 
@@ -40,7 +40,7 @@ def token_ids(tokens: Iterable[Any], what: str) -> list[int]:
     out = []
     for t in tokens:
         if not is_int(t):
-            raise InvalidRequest(f"{what} token ids must be integers, got {t!r} ({type(t).__name__})")
+            raise InvalidRequest(f"{what} token ids must be integers, got {t!r} ({type(t).__name__})", field=what)
         out.append(int(t))
     return out
 
@@ -108,7 +108,7 @@ class Scheduler:
     ):
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
             # 0 would make every submit fail and generate() wait forever for room.
-            raise InvalidRequest(f"max_queue must be an integer of at least 1, got {max_queue!r}")
+            raise InvalidRequest(f"max_queue must be an integer of at least 1, got {max_queue!r}", field="max_queue")
         self.engine = engine
         self._what = f"the {getattr(engine, 'name', type(engine).__name__)} backend"
         with translating_memory_errors(self._what):  # an engine's own allocation failure, typed
@@ -142,7 +142,8 @@ class Scheduler:
         arr, sampling = check_request(eng, token_ids(tokens, "prompt"), sampling)
         tokens = arr.tolist()
         if sampling.stop and self._detok is None:
-            raise InvalidRequest("stop strings need a tokenizer to match text; this model has none (use stop_token_ids)")
+            raise InvalidRequest("stop strings need a tokenizer to match text; this model has none (use stop_token_ids)",
+                                 field="stop")
         req = Request(self, prompt, tokens, sampling)
         room = eng.max_cache_length - len(tokens)
         limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
@@ -215,8 +216,10 @@ class Scheduler:
                     self.state = self.engine.insert(prefix, self.state, slots[0])
                 else:
                     self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
-            except Exception as exc:  # any failure fails this request only
+            except Exception as exc:  # any failure fails this request only...
                 self._fail(req, exc)
+                if isinstance(exc, EngineDead):  # ...unless the engine itself is gone: then the caller must know
+                    raise
                 continue
             req.status = "running"
             for slot, s in zip(slots, req.samples):
@@ -296,6 +299,8 @@ class Scheduler:
                     break  # a forced token replaces the rest of this step's (speculative) tokens
         except Exception as exc:
             self._fail(req, exc)
+            if isinstance(exc, EngineDead):  # reading the results found the engine gone: not this request's fault
+                raise
 
     def _accept(self, req: Request, s: _Sample, token: int, result: ResultTokens, row: int, j: int) -> bool:
         """Record one token; return whether it was forced in place of the engine's."""

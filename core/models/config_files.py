@@ -133,7 +133,7 @@ def config_from_file(path: str | Path) -> "ModelConfig":
     path = Path(path)
     config = config_from_hf(read_json(path, what="config"), source=str(path))
     gen_path = path.with_name("generation_config.json")
-    if gen_path.is_file():
+    if gen_path.exists():  # present but not a plain file is refused by read_json, not ignored
         gen = read_json(gen_path, what="generation config")
         if not isinstance(gen, dict):
             raise ModelConfigError(f"{gen_path}: expected a JSON object, got {type(gen).__name__}")

@@ -38,6 +38,7 @@ from typing import Any, Callable
 import numpy as np
 
 from polyengine.errors import WeightsError
+from polyengine.files import open_regular
 from polyengine.limits import (
     MAX_GGUF_ALIGNMENT,
     MAX_GGUF_ARRAY,
@@ -246,7 +247,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     """Parse a GGUF header (metadata and tensor table); WeightsError says what is wrong."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, what="GGUF file", error=lambda msg: WeightsError(msg, file=path)) as f:
             size = f.seek(0, 2)
             if size < 24:
                 raise WeightsError(f"file is {size} bytes, too short for a GGUF header", file=path)

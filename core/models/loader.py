@@ -41,7 +41,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from polyengine.errors import InsufficientMemory, ModelConfigError, ModelNotFound, WeightsError
+from polyengine.errors import (
+    InsufficientMemory, ModelConfigError, ModelNotFound, PluginError, PolyengineError, WeightsError,
+)
+from polyengine.files import open_regular
 from polyengine.memory import available_host_memory as available_memory, check_fits, translating_memory_errors
 from polyengine.models.config import ModelConfig
 from polyengine.models.metadata import Fields
@@ -176,7 +179,16 @@ def _load(spec: Any, dtype: str | np.dtype, progress: Progress | None, seed: int
         models = get_registry().models()
         if spec in models:
             target, plugin = models[spec]
-            resolved = target() if callable(target) else target
+            try:
+                resolved = target() if callable(target) else target
+            except PolyengineError:
+                raise
+            except KeyboardInterrupt:  # the user's Ctrl-C while it ran
+                raise
+            except BaseException as exc:  # noqa: BLE001 - a plugin's exit or bug must not end the caller
+                what = f"sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+                raise PluginError(plugin.name, plugin.distribution,
+                                  f"resolving model name {spec!r} failed ({what}); other models still load") from None
             if isinstance(resolved, Model):
                 return resolved, False
             rpath = Path(str(resolved)).expanduser()
@@ -196,18 +208,19 @@ def _load(spec: Any, dtype: str | np.dtype, progress: Progress | None, seed: int
 
 
 def _load_path(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
+    if not path.is_dir():  # a file, or something that must not be read as one (FIFO, device)
+        def not_a_model(msg: str) -> ModelNotFound:
+            return ModelNotFound(f"{path}: {msg}; pass a .gguf file or a model folder")
+
+        with open_regular(path, what="model", error=not_a_model) as f:
             try:
-                with open(path, "rb") as f:
-                    magic = f.read(4)
+                magic = f.read(4)
             except OSError as exc:
-                raise ModelNotFound(f"{path} cannot be read ({exc.strerror or exc}); pass a .gguf file or a model "
-                                    f"folder") from None
-            if magic != b"GGUF":
-                raise ModelNotFound(f"{path} is neither a .gguf file nor a model folder")
+                raise not_a_model(f"cannot read it ({exc.strerror or exc})") from None
+        if path.suffix.lower() != ".gguf" and magic != b"GGUF":
+            raise ModelNotFound(f"{path} is neither a .gguf file nor a model folder")
         return _load_gguf(path, dt, progress)
-    if (path / "config.json").is_file():
+    if (path / "config.json").exists():  # present but not a plain file is refused while reading
         return _load_hf_folder(path, dt, progress)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
@@ -248,7 +261,7 @@ def _load_hf_folder(path: Path, dt: np.dtype, progress: Progress | None) -> Mode
     check_memory(config, dt, str(path))
     entries, listing = index_safetensors_folder(path)
     selected = select_entries(entries, config, listing=listing)
-    if (path / "tokenizer.json").is_file():
+    if (path / "tokenizer.json").exists():  # present but not a plain file is refused, not ignored
         tokenizer = Tokenizer.from_pretrained(path)
     else:
         tokenizer = None

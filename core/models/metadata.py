@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from polyengine.errors import ModelConfigError, WeightsError
+from polyengine.files import open_regular
 from polyengine.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
 
 __all__ = ["Fields", "MISSING", "read_json", "json_depth", "contained_file", "require_finite", "shown"]
@@ -103,13 +105,16 @@ def read_json(
     than :data:`MAX_JSON_DEPTH`, with a repeated key, NaN or Infinity, or not UTF-8."""
     path = Path(path)
     fail = (lambda msg: error(msg, file=path)) if error is WeightsError else (lambda msg: error(f"{path}: {msg}"))
-    try:
-        size = path.stat().st_size
+    with open_regular(path, what=what, error=fail) as f:
+        size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
             raise fail(f"the {what} is {size:,} bytes; at most {max_bytes // 1024**2} MiB is accepted (corrupt or not a {what})")
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise fail(f"cannot read the {what}: {exc.strerror or exc}") from None
+        try:
+            raw = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise fail(f"cannot read the {what}: {exc.strerror or exc}") from None
+    if len(raw) > max_bytes:
+        raise fail(f"the {what} grew past {max_bytes // 1024**2} MiB while being read")
 
     def constant(name: str) -> Any:
         raise fail(f"{name} is not valid JSON (numbers must be finite)")

@@ -35,6 +35,7 @@ from typing import Callable
 import numpy as np
 
 from polyengine.errors import WeightsError
+from polyengine.files import open_regular
 from polyengine.limits import MAX_JSON_DEPTH, MAX_SAFETENSORS_HEADER, MAX_TENSOR_DIMS
 from polyengine.models.config import ModelConfig
 from polyengine.models.metadata import contained_file, json_depth, read_json, require_finite, shown
@@ -74,8 +75,9 @@ def read_safetensors_header(path: str | Path) -> dict[str, SafetensorsEntry]:
     """Parse and validate one file's header; WeightsError names the file and tensor."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path, what="safetensors file", error=lambda msg: WeightsError(msg, file=path)) as f:
+            size = f.seek(0, 2)
+            f.seek(0)
             head = f.read(8)
             if len(head) < 8:
                 raise WeightsError(f"file is {size} bytes, too short for a safetensors header", file=path)
@@ -171,16 +173,16 @@ def index_safetensors_folder(folder: str | Path) -> tuple[dict[str, SafetensorsE
     folder = Path(folder)
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
-    if single.is_file():
+    if single.exists():  # present but not a plain file is refused while reading, not ignored
         return read_safetensors_header(single), single
-    if index.is_file():
+    if index.exists():
         weight_map = _weight_map(index)
         shards = {fname: contained_file(folder, fname, listing=index, key=f"weight_map[{name!r}]")
                   for name, fname in weight_map.items()}
         entries: dict[str, SafetensorsEntry] = {}
         for fname in sorted(set(weight_map.values())):
             shard = shards[fname]
-            if not shard.is_file():
+            if not shard.exists():
                 listed = next(k for k, v in weight_map.items() if v == fname)
                 raise WeightsError(f"shard listed in {index.name} is missing", file=shard, tensor=listed)
             for name, entry in read_safetensors_header(shard).items():

@@ -34,7 +34,7 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
-from polyengine.errors import InvalidRequest
+from polyengine.errors import ContextLengthExceeded, InvalidRequest
 from polyengine.limits import MAX_TEXT_CHARS
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "END_OF_TURN_TOKENS", "BYTE_TO_UNICODE", "byte_level_tokenizer",
@@ -80,7 +80,7 @@ def check_text(text: Any, what: str = "prompt", *, max_chars: int | None = None)
         raise InvalidRequest(f"{what} must be a string, not {type(text).__name__}")
     limit = MAX_TEXT_CHARS if max_chars is None else min(max_chars, MAX_TEXT_CHARS)
     if len(text) > limit:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"{what} has {len(text):,} characters; at most {limit:,} are accepted here (it could not fit in "
             f"the context, and tokenizing it would take memory many times its size); shorten it"
         )

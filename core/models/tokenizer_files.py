@@ -38,6 +38,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
 from polyengine.errors import ModelConfigError
+from polyengine.files import read_regular
 from polyengine.limits import (
     MAX_SENTENCEPIECE_SPLITS,
     MAX_TEMPLATE_BYTES,
@@ -100,15 +101,12 @@ _PRE_SPLITS = {
 def hf_tokenizer_parts(folder: Path) -> dict[str, Any]:
     """The :class:`Tokenizer` arguments for an HF folder's tokenizer files."""
     path = folder / "tokenizer.json"
+    raw = read_regular(path, limit=MAX_TOKENIZER_JSON_BYTES, what="tokenizer",
+                       error=lambda msg: ModelConfigError(f"{path}: {msg}"))
     try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise ModelConfigError(f"{path}: cannot read the tokenizer: {exc.strerror or exc}") from None
-    if size > MAX_TOKENIZER_JSON_BYTES:
-        raise ModelConfigError(f"{path}: the tokenizer is {size:,} bytes; at most "
-                               f"{MAX_TOKENIZER_JSON_BYTES // 1024**2} MiB is accepted (corrupt or not a tokenizer)")
-    try:
-        backend = _Backend.from_file(str(path))
+        backend = _Backend.from_str(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelConfigError(f"{path}: the tokenizer is not UTF-8 text (byte {exc.start}); the file is corrupt") from None
     except Exception as exc:  # tokenizers raises plain Exception subclasses
         raise ModelConfigError(f"{path}: cannot load tokenizer: {exc}") from None
     config = _json_object(folder / "tokenizer_config.json")
@@ -116,7 +114,7 @@ def hf_tokenizer_parts(folder: Path) -> dict[str, Any]:
     specials = {k: _token_str(specials_map, k, folder / "special_tokens_map.json") for k in _NAMED_SPECIALS}
     specials.update({k: _token_str(config, k, folder / "tokenizer_config.json") for k in _NAMED_SPECIALS if k in config})
     template_file = folder / "chat_template.jinja"
-    if template_file.is_file():
+    if template_file.exists():  # present but not a plain file is refused, not ignored
         template = _template_file(template_file)
     else:
         template = _pick_template(config.get("chat_template"), folder / "tokenizer_config.json")
@@ -124,7 +122,7 @@ def hf_tokenizer_parts(folder: Path) -> dict[str, Any]:
 
 
 def _json_object(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    if not path.exists():
         return {}
     data = read_json(path, what="tokenizer configuration")
     if not isinstance(data, dict):
@@ -145,16 +143,12 @@ def _token_str(data: dict[str, Any], key: str, path: Path) -> str | None:
 
 
 def _template_file(path: Path) -> str:
+    raw = read_regular(path, limit=MAX_TEMPLATE_BYTES, what="chat template",
+                       error=lambda msg: ModelConfigError(f"{path}: {msg}"))
     try:
-        size = path.stat().st_size
-        if size > MAX_TEMPLATE_BYTES:
-            raise ModelConfigError(f"{path}: the chat template is {size:,} bytes; at most "
-                                   f"{MAX_TEMPLATE_BYTES // 1024:,} KiB is accepted")
-        return path.read_bytes().decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ModelConfigError(f"{path}: the chat template is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise ModelConfigError(f"{path}: cannot read the chat template: {exc.strerror or exc}") from None
 
 
 def _pick_template(value: Any, path: Path) -> str | None:

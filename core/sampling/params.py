@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from polyengine.errors import InvalidRequest
+from polyengine.limits import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 __all__ = ["SamplingParams", "MAX_SAMPLES", "MAX_STEPS", "MAX_TOP_LOGPROBS", "ENGINE_FIELDS"]
 
@@ -82,12 +83,19 @@ class SamplingParams(BaseModel):
     @classmethod
     def _stop_as_tuple(cls, v: Any) -> Any:
         if isinstance(v, str):
-            return (v,)
-        return tuple(v) if isinstance(v, list) else v
+            v = (v,)
+        v = tuple(v) if isinstance(v, list) else v
+        # Counted before the items are validated: a huge list costs nothing to refuse.
+        if isinstance(v, tuple) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+        return v
 
     @field_validator("stop")
     @classmethod
     def _stop_nonempty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        longest = max(map(len, v), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}")
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
         # A lone surrogate (undecodable input bytes) can never appear in decoded text:
@@ -99,7 +107,17 @@ class SamplingParams(BaseModel):
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _ids_as_tuple(cls, v: Any) -> Any:
-        return tuple(v) if isinstance(v, list) else v
+        v = tuple(v) if isinstance(v, list) else v
+        if isinstance(v, tuple) and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(v)}")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_count(cls, v: Any) -> Any:
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(v)}")
+        return v
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -214,6 +232,12 @@ def _first_field(exc: ValidationError) -> str | None:
     return min(found)[1] if found else None
 
 
+def _shown(value: Any, limit: int = 120) -> str:
+    """A value for an error message, shortened: a refused list may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+
+
 def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -226,7 +250,7 @@ def _describe(exc: ValidationError) -> str:
             msg = f"unknown field; known fields: {known}"
         elif "input" in err and err["type"] not in ("missing",) and err["loc"]:
             # A model-level error's input is the whole request, which would drown the message.
-            msg = f"{msg} (got {err['input']!r})"
+            msg = f"{msg} (got {_shown(err['input'])})"
         if err["type"] in _BOUND_ERRORS and err["loc"]:
             allowed = _allowed_range(str(err["loc"][0]))
             if allowed:

@@ -12,7 +12,8 @@ and a ``run(text) -> text`` function; the calculator is built in and plugins add
 tools through the ``polyengine_tools`` hook. A :class:`~polyengine.errors.ToolError`
 from ``run`` becomes the output text ``error: <reason>``, so the model sees why its
 call failed and can carry on; any other exception is a bug in the tool and
-propagates. Forced tokens are never interpreted, so a tool's output cannot start
+propagates (``SystemExit`` as a :class:`~polyengine.errors.PluginError`: it fails the
+request, never the process or the engine thread). Forced tokens are never interpreted, so a tool's output cannot start
 another call.
 """
 
@@ -199,6 +200,8 @@ class ToolMachine:
                     )
             except ToolError as exc:
                 text = f"error: {exc}"
+            except (SystemExit, GeneratorExit) as exc:  # a tool must not end the process or the engine thread
+                raise PluginError(bound.tool.name, None, f"tool run() raised {type(exc).__name__}({exc})") from None
         return [bound.output_start, *(int(t) for t in self._tokenizer.encode(text)), bound.output_end]
 
 
