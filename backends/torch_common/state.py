@@ -18,12 +18,14 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from polyengine.engine import Prefix, ResultTokens
 from polyengine.slots import SlotTable
 
 from polyengine.backends.torch_common.sampling import SampleResult, TorchSampler
+from polyengine.backends.torch_common.transfer import to_device
 
 __all__ = ["SlotsInFlight", "TorchSlotsEngine", "host_array"]
 
@@ -60,7 +62,7 @@ class SlotsInFlight:
         for i, slot in enumerate(slots):
             self.k[:, slot, :, :n], self.v[:, slot, :, :n] = prefix.kv
             self.sampler.install(slot, prefix.sampling, prefix.prompt_tokens, sample_index=i)
-        rows = torch.tensor(slots, dtype=torch.int64, device=self.sampler.device)
+        rows = to_device(np.asarray(slots, np.int64), self.sampler.device)
         res = None
         if draw:
             logits = prefix.logits[None].expand(len(slots), -1)
