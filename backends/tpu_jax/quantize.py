@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from polyengine.backends.tpu_jax.footprint import KV_SCALE_BYTES
+
 __all__ = ["WEIGHT_MODES", "KV_MODES", "KV_SCALE_BYTES", "quantize_weights", "int8_linear", "Int8KVCodec", "kv_encode", "kv_decode"]
 
 # option value -> weights per scale (0: a whole row)
 WEIGHT_MODES = {"": None, "int8": 0, "int8-block32": 32}
 KV_MODES = ("", "int8")
-# The float32 scale of each (position, KV head), stored as int8 bytes after the values.
-KV_SCALE_BYTES = 4
+# KV_SCALE_BYTES (footprint.py): the float32 scale of each (position, KV head), stored as
+# int8 bytes after the values.
 
 
 def _quantize_matrix(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
