@@ -9,13 +9,15 @@ A key names what a compiled graph depends on and nothing else:
   second checkpoint of the same shape reuses every artifact,
 - the compute dtype,
 - the compiler and its version (:func:`.compile.compiler_version`), and a digest of
-  the source that defines the graphs (``graphs.py`` and ``torch_common``'s model,
-  sampler and Threefry), so changed code never loads a stale artifact.
+  the source that defines the graphs (``graphs.py``, the Neuron path's ``nxd.py`` and
+  ``torch_common``'s model, sampler and Threefry), so changed code never loads a stale
+  artifact.
 
 Files: ``<root>/<kind>-<digest>.bin`` (the artifact) and ``.json`` beside it (the key
 in words and the compile time). Writes are atomic, so processes may share a root.
-Within a process, loaded graphs are kept by path, so the many engines a test suite
-builds for one config load each artifact once.
+Within a process, loaded CPU graphs are kept by path, so the many engines a test suite
+builds for one config load each artifact once; a Neuron program, which holds an
+engine's weights and KV cache on the device, is loaded per engine.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from polyengine.backends.neuron.compile import CompiledGraph, compile_graph, com
 __all__ = ["GraphKey", "ArtifactCache", "architecture", "default_cache_dir", "CACHE_ENV"]
 
 CACHE_ENV = "POLYENGINE_NEURON_CACHE"
-_SOURCES = ("neuron/graphs.py", "torch_common/model.py", "torch_common/sampling.py", "torch_common/threefry.py")
+_SOURCES = ("neuron/graphs.py", "neuron/nxd.py", "torch_common/model.py", "torch_common/sampling.py",
+            "torch_common/threefry.py")
 _MEMO: dict[str, CompiledGraph] = {}
 
 
@@ -104,7 +107,10 @@ class ArtifactCache:
         compiled. A file that cannot be loaded (truncated, written by another build) is
         compiled again."""
         path = self.path(key)
-        graph = _MEMO.get(str(path))
+        # A loaded Neuron program holds an engine's weights and KV cache on the device, so
+        # it is never shared between engines; CPU artifacts are stateless and are.
+        shared = self.compiler != "neuronx"
+        graph = _MEMO.get(str(path)) if shared else None
         if graph is not None:
             return graph, "memory"
         if path.exists():
@@ -118,5 +124,6 @@ class ArtifactCache:
             graph = compile_graph(module, args, path, self.compiler)
             meta = {**key.description, "compile_seconds": round(graph.seconds, 2)}
             path.with_suffix(".json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
-        _MEMO[str(path)] = graph
+        if shared:
+            _MEMO[str(path)] = graph
         return graph, graph.source
