@@ -160,7 +160,7 @@ def test_on_tpu_hosts_each_worker_takes_one_hosts_chips(cluster, model, single_p
         used = {n["NodeID"]: n for n in ray.nodes()}
         assert all(used[n]["Resources"]["TPU"] == 4 for n in nodes)
         assert _tokens(eng) == single_process
-        with pytest.raises(InvalidRequest, match="2 TPU host"):
+        with pytest.raises(InvalidRequest, match="need more TPU hosts than the Ray cluster.s 2"):
             RayTpuEngine(model, CFG.model_copy(update={"options": {"num_workers": 3}}))
         eng.group.kill()
     finally:
