@@ -64,7 +64,14 @@ def main(devices: int) -> None:
         logits, tokens, logprobs = run(engine)
         want_logits, want_tokens, want_logprobs = baselines[name]
         params = engine.load_params()
-        cache = engine.init_decode_state().arrays.k
+        arrays = engine.init_decode_state().arrays
+        cache = arrays.k
+        # What device 0 holds, beside what the memory checks (footprint.device_needs) count.
+        needs = engine._needs()
+        held = {"weights": sum(x.addressable_shards[0].data.nbytes for x in params.values()),
+                "cache": sum(x.addressable_shards[0].data.nbytes for x in (arrays.k, arrays.v))}
+        counted = {"weights": next(v for k, v in needs.items() if "weights" in k),
+                   "cache": next(v for k, v in needs.items() if "KV cache" in k)}
         out["meshes"].append({
             "model": name, "options": options, "mesh": dict(engine.plan.mesh.shape),
             "kv_heads": model.config.num_key_value_heads,
@@ -77,7 +84,7 @@ def main(devices: int) -> None:
             "q_proj_shard_shape": list(params["model.layers.0.self_attn.q_proj.weight"].addressable_shards[0].data.shape),
             "cache_spec": list(cache.sharding.spec),
             "cache_shard_shape": list(cache.addressable_shards[0].data.shape),
-            "device": engine.device,
+            "device": engine.device, "device0_bytes": held, "counted_bytes": counted,
         })
     # A mesh the model cannot be split over is refused before anything compiles.
     for name, options in (("random:tiny-gqa", {"tensor_parallel": 4}), ("random:tiny-gqa", {"data_parallel": 3})):

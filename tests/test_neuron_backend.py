@@ -51,14 +51,15 @@ def test_the_backend_modules_never_import_torch_neuronx_without_neuron():
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('torch_neuronx', 'neuronx_cc', 'libneuronxla'):\n"
+        "        if name.split('.')[0] in ('torch_neuronx', 'neuronx_cc', 'libneuronxla', 'neuronx_distributed'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import polyengine.backends.neuron.engine, polyengine.backends.neuron.compile, polyengine.backends.neuron.cache\n"
         "import polyengine.backends.neuron.graphs, polyengine.backends.neuron.speculation, polyengine.backends.neuron.state\n"
+        "import polyengine.backends.neuron.nxd\n"
         "from polyengine.backends.neuron.compile import compiler_version\n"
         "print(compiler_version('inductor'))\n"
-        "print('torch_neuronx' in sys.modules)\n"
+        "print('torch_neuronx' in sys.modules or 'neuronx_distributed' in sys.modules)\n"
     )
     out = _run(code)
     assert out.returncode == 0, out.stderr
@@ -74,10 +75,11 @@ def test_probe_reasons_name_the_active_path(monkeypatch):
     monkeypatch.setattr(plugin, "neuron_devices", lambda: ["/dev/neuron0", "/dev/neuron1"])
     monkeypatch.setattr(plugin, "neuronx_installed", lambda: False)
     p = plugin.probe()
-    assert p.by_name_only and "torch-neuronx is not installed" in p.reason and "pip.repos.neuron.amazonaws.com" in p.reason
+    assert p.by_name_only and "torch-neuronx or neuronx-distributed is not installed" in p.reason
+    assert "pip.repos.neuron.amazonaws.com" in p.reason and "neuronx-distributed" in p.reason
     monkeypatch.setattr(plugin, "neuronx_installed", lambda: True)
     p = plugin.probe()
-    assert p.accelerator and not p.by_name_only and "2 device(s)" in p.reason and "torch_neuronx.trace" in p.reason
+    assert p.accelerator and not p.by_name_only and "2 device(s)" in p.reason and "one NxD model" in p.reason
 
 
 def test_auto_never_picks_the_cpu_path_even_when_it_is_the_only_backend(monkeypatch):

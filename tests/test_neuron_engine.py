@@ -270,8 +270,8 @@ def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatc
 
 @pytest.mark.neuron
 def test_on_neuron_hardware_greedy_equals_the_reference(model, tmp_path):
-    """Where Neuron devices and torch-neuronx are present: the same graphs through
-    torch_neuronx.trace give the reference's greedy tokens."""
+    """Where Neuron devices, torch-neuronx and neuronx-distributed are present: the same
+    graphs as one NxD model on the NeuronCores give the reference's greedy tokens."""
     eng = NeuronEngine(model, EngineConfig(**LIMITS, dtype="float32", options={
         "compiler": "neuronx", "cache_dir": str(tmp_path)}))
     got, _ = _generate(eng, PROMPTS[:2], MIXED[:2])

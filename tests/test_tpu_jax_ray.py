@@ -27,6 +27,7 @@ ray = pytest.importorskip("ray")
 
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
+from polyengine.errors import InvalidRequest  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 
 from polyengine.backends.tpu_jax.ray_engine import RayTpuEngine, WorkerLost  # noqa: E402
@@ -90,7 +91,7 @@ def cluster():
     c.add_node(num_cpus=4, object_store_memory=small)
     ray.init(address=c.address, log_to_driver=False)
     try:
-        yield {"listeners_before": before}
+        yield {"listeners_before": before, "cluster": c}
     finally:
         ray.shutdown()
         c.shutdown()
@@ -135,6 +136,61 @@ def test_workers_spread_over_the_two_nodes(cluster, model, single_process):
     assert len(nodes) == 2 and {n["NodeID"] for n in ray.nodes() if n["Alive"]} == nodes
     assert all(i["devices"] == 4 and i["local_devices"] == 2 for i in eng.group.info)
     assert _tokens(eng) == single_process
+
+
+@pytest.mark.slow
+def test_on_tpu_hosts_each_worker_takes_one_hosts_chips(cluster, model, single_process):
+    """Two nodes carrying Ray's ``TPU`` resource (4 chips each, as a TPU VM registers
+    them) join the simulated cluster: the engine places exactly one worker on each,
+    each holding the host's 4 chips, through a STRICT_SPREAD placement group. (JAX
+    still runs on the CPU here: the resource is what a TPU VM registers, the chips are
+    simulated.)"""
+    c = cluster["cluster"]
+    tpu_nodes = [c.add_node(num_cpus=2, object_store_memory=80 * 2**20, resources={"TPU": 4}) for _ in range(2)]
+    try:
+        c.wait_for_nodes()
+        eng = RayTpuEngine(model, CFG)
+        assert eng.tpu == 4
+        placement = eng.group.placement.bundle_specs
+        assert placement == [{"CPU": 1, "TPU": 4}] * 2
+        nodes = {i["node"] for i in eng.group.info}
+        assert nodes == {n.node_id for n in tpu_nodes}
+        used = {n["NodeID"]: n for n in ray.nodes()}
+        assert all(used[n]["Resources"]["TPU"] == 4 for n in nodes)
+        assert _tokens(eng) == single_process
+        with pytest.raises(InvalidRequest, match="need more TPU hosts than the Ray cluster.s 2"):
+            RayTpuEngine(model, CFG.model_copy(update={"options": {"num_workers": 3}}))
+        eng.group.kill()
+    finally:
+        for node in tpu_nodes:
+            c.remove_node(node)
+    # Without TPU hosts, 'tpu' is refused and 'auto' places CPU workers as before.
+    with pytest.raises(InvalidRequest, match="no node of the Ray cluster has the 'TPU' resource"):
+        RayTpuEngine(model, CFG.model_copy(update={"options": {"accelerator": "tpu"}}))
+
+
+@pytest.mark.slow
+def test_each_node_is_checked_for_the_share_its_workers_hold(cluster, model):
+    """Spread over two nodes, each node holds half of the devices' arrays: the leader
+    checks each node's share against the memory its workers report (here bounded by a
+    simulated limit), not the whole model against one host."""
+    from polyengine.errors import InsufficientMemory
+    from polyengine.memory import MARGIN_MIN, check_fits, simulated_limit
+
+    from polyengine.backends.tpu_jax.footprint import device_needs
+
+    spread = CFG.model_copy(update={"options": {"spread_workers": True}})
+    per_device = sum(device_needs(model.config, CFG, dtype="float32", dp=1, tp=2).values())
+    one_node, whole = per_device, 2 * per_device  # tp=2 over the two nodes' single devices
+    between = MARGIN_MIN + (one_node + whole) // 2
+    with simulated_limit(between):
+        with pytest.raises(InsufficientMemory):  # what checking the whole model on one host refused
+            check_fits("the whole model", {"all": whole})
+        eng = RayTpuEngine(model, spread)  # each node's share fits
+        assert len({i["node"] for i in eng.group.info}) == 2
+    with simulated_limit(MARGIN_MIN + one_node // 2):
+        with pytest.raises(InsufficientMemory, match=r"host memory of Ray node 127\.0\.0\.1 .*1 worker\(s\), 1 device"):
+            RayTpuEngine(model, spread)
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ Each device count runs in a subprocess with ``XLA_FLAGS=--xla_force_host_platfor
 set before JAX starts (tests/_tpu_jax_sharded.py does the work). Bounds: token streams
 (greedy and sampled, n=2 included) identical; prefill logits within 1e-5 of their scale
 and log-probs within 1e-5 (a sharded reduction adds in another order: float32 rounding,
-measured ~1e-7); every weight and cache really split as the mesh says.
+measured ~1e-7); every weight and cache really split as the mesh says, and device 0
+holding exactly the weight and cache bytes the memory checks count for it
+(``footprint.device_needs``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def test_sharded_equals_unsharded(devices):
             assert m["cache_shard_shape"][1] * dp == 8, what  # 8 slots split over dp
         if m["options"].get("sharding_rules", {}).get("vocab") == "tp":
             assert m["embed_spec"][0] == "tp", what
+        # The memory checks (the engine's and the Ray leader's per host) count exactly what a device holds.
+        assert m["device0_bytes"] == m["counted_bytes"], what
     chosen = [m for m in out["meshes"] if not m["options"]]
     if chosen:  # tiny-gqa has 2 KV heads: tp 2, the rest over the slots
         assert chosen[0]["mesh"] == {"dp": devices // 2, "tp": 2}

@@ -1,8 +1,9 @@
 """The cuda_torch engine: the protocol over the shared torch model and sampler.
 
 One PyTorch program for a GPU and the CPU. The decode state owns a preallocated KV
-cache for all its slots (``[layers, slots, kv_heads, max_cache_length, head_dim]``)
-and a batched device sampler whose per-slot parameters are installed at insert. A
+cache for all its slots (``[layers, slots, kv_heads, max_cache_length, head_dim]``),
+a batched device sampler whose per-slot parameters are installed at insert, and a
+device copy of the host's slot counts. A
 prompt is prefilled alone, padded to a bucket, into a scratch cache that becomes the
 prefix; insert copies it into the slot's row. Every generate step runs all slots in
 one forward (rows of empty slots write nothing and are ignored), samples on the
@@ -11,7 +12,12 @@ step, started at once (pinned memory and a non-blocking copy on CUDA; on the CPU
 whole step runs on a worker thread, so the driver reads step n while step n+1 runs).
 
 The host keeps only what it can know without a sync (which slots are live, their
-lengths); the tokens stay on the device until the driver reads them.
+lengths); the tokens stay on the device until the driver reads them. A step takes no
+host data: its live mask, positions and lengths come from the device's copy of the
+slot counts, which insert, free and overrides update with fill kernels or non-blocking
+copies from pinned memory (``torch_common/transfer.py``), so step n+1 is queued while
+step n runs (tested on the CPU with a dispatch mode that flags any host data or sync
+inside a step: ``tests/test_cuda_torch_sync.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from polyengine.sampling.rows import row_bytes
 from polyengine.backends.torch_common.model import ATTENTION_IMPLS, StepSpec, TorchWeights, forward, rms_norm
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
+from polyengine.backends.torch_common.transfer import fill_row, to_device
 
 __all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
 
@@ -56,6 +63,11 @@ class TorchDecodeState(SlotsInFlight):
     sampler: TorchSampler
     next_tokens: torch.Tensor  # (slots,) int64 on the device: what each slot feeds next
     slots: SlotTable  # the host's count: prompt and completion per slot, what a step can know without a sync
+    # The same count on the device, so a step derives its live mask, positions and lengths
+    # there instead of copying the host's lists in (a copy that would wait for the step before).
+    total: torch.Tensor  # (slots,) int64: prompt + completion tokens, 0 when free
+    prompt_len: torch.Tensor  # (slots,) int64
+    occupied: torch.Tensor  # (slots,) bool
     pending: Future | None = None  # the step running on the worker thread (CPU async mode)
     graphs: dict = field(default_factory=dict)  # CUDA: kv_len -> (graph, static logits), over this state's buffers
     positions: torch.Tensor | None = None  # CUDA graphs: static (slots, 1) input buffers
@@ -317,7 +329,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             return k, v, sampler
 
         k, v, sampler = self._allocating("a decode state's KV cache", allocate)
-        return TorchDecodeState(n, k, v, sampler, torch.zeros(n, dtype=torch.int64, device=self.torch_device), SlotTable(n))
+        dev = self.torch_device
+
+        def counts(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=dev)
+
+        return TorchDecodeState(n, k, v, sampler, counts(torch.int64), SlotTable(n), counts(torch.int64),
+                                counts(torch.int64), counts(torch.bool))
 
     # -- prefill ---------------------------------------------------------------------------
 
@@ -343,13 +361,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         k, v = params.new_cache(1, start + padded)
         if existing_prefix is not None:
             k[:, 0, :, :start], v[:, 0, :, :start] = existing_prefix.kv
-        batch = torch.zeros((1, padded), dtype=torch.int64)
-        batch[0, :n] = torch.from_numpy(toks.astype(np.int64))
-        positions = (start + torch.arange(padded, dtype=torch.int64))[None]
-        write = (torch.arange(padded) < n)[None]
+        batch = np.zeros((1, padded), np.int64)
+        batch[0, :n] = toks
+        positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
+        write = (torch.arange(padded, device=dev) < n)[None]
         logits, k, v = forward(
-            params, self._spec(causal=start == 0, linear=self._linear), batch.to(dev), positions.to(dev), k, v,
-            rows=None, write_mask=write.to(dev), logits_at=torch.tensor([n - 1], device=dev),
+            params, self._spec(causal=start == 0, linear=self._linear), to_device(batch, dev), positions, k, v,
+            rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         first = self._first_token(logits[0], prompt, sampling)
@@ -368,7 +386,16 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     free_resource = _on_engine_thread(EngineBase.free_resource)
 
     def _installed(self, state: TorchDecodeState, slots: list[int], first: torch.Tensor, prefix: Prefix) -> None:
-        state.next_tokens[torch.tensor(slots, dtype=torch.int64, device=self.torch_device)] = first
+        state.next_tokens[to_device(np.asarray(slots, np.int64), self.torch_device)] = first
+        for slot in slots:  # the first token counts: prompt + 1
+            fill_row(state.total, slot, prefix.true_length + 1)
+            fill_row(state.prompt_len, slot, prefix.true_length)
+            fill_row(state.occupied, slot, True)
+
+    def _release(self, state: TorchDecodeState, slot: int) -> None:
+        super()._release(state, slot)
+        for counts in (state.total, state.prompt_len, state.occupied):
+            fill_row(counts, slot, 0)
 
     # -- generate --------------------------------------------------------------------------
 
@@ -378,16 +405,18 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         forced = self.check_overrides(overrides, state.slots.last_result)
         for slot, (_, position) in forced.items():
             state.slots.force(slot, position)
+        # slot -> (token, its new prompt + completion count) for the device's copy
+        forced = {slot: (token, state.slots[slot].total) for slot, (token, _) in forced.items()}
         live = state.slots.live(self.max_cache_length)
         positions = [state.slots[i].length if i in live else 0 for i in range(state.num_slots)]
+        # The attended length is a host number (a static choice of the step), not a copy.
         kv_len = min(self.max_cache_length, self.options["kv_block"] * math.ceil((max(positions, default=0) + 1) / self.options["kv_block"]))
         num_top = state.sampler.max_top_logprobs
         state.slots.advance(live)  # what the host can know before the step runs: who advances, by one
-        lengths = state.slots.lengths()
         layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
 
         def step() -> torch.Tensor:
-            return self._step(params, state, forced, live, positions, lengths, kv_len, num_top)
+            return self._step(params, state, forced, live, positions, kv_len, num_top)
 
         if self._worker is not None:
             state.pending = self._worker.submit(step)
@@ -398,21 +427,32 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return state, ResultTokens.from_packed(buf, layout, to_host=lambda t: t.numpy())
 
     @torch.no_grad()
-    def _step(self, params, state: TorchDecodeState, forced, live, positions, lengths, kv_len, num_top) -> torch.Tensor:
+    def _step(self, params, state: TorchDecodeState, forced, live, positions, kv_len, num_top) -> torch.Tensor:
+        """One decode step from device data only: the host's ``live``/``positions`` lists
+        decide Python-level choices (and feed the CPU's fused kernels, where the host is
+        the device), never a tensor the step reads."""
         dev, n = self.torch_device, state.num_slots
         if forced:
-            rows = torch.tensor(list(forced), dtype=torch.int64, device=dev)
-            tokens = torch.tensor([t for t, _ in forced.values()], dtype=torch.int64, device=dev)
+            rows = to_device(np.asarray(list(forced), np.int64), dev)
+            tokens = to_device(np.asarray([t for t, _ in forced.values()], np.int64), dev)
             state.sampler.override(tokens, rows=rows)
             state.next_tokens[rows] = tokens
-        live_mask = torch.zeros(n, dtype=torch.bool)
-        live_mask[live] = True
-        live_mask = live_mask.to(dev)
-        if live and not self.options["cuda_graphs"]:
+            for slot, (_, total) in forced.items():
+                fill_row(state.total, slot, total)
+        live_mask = state.occupied & (state.total < self.max_cache_length)
+        if live and dev.type == "cpu":
+            # The host is the device: only the live rows are computed (the fused kernel,
+            # else the shared forward on those rows), so the cost follows the requests.
             tokens, logprobs, top_ids, top_lp = self._live_step(params, state, live, positions, kv_len, num_top)
-        elif live:  # a CUDA graph has static shapes: every slot runs, empty ones write nothing
-            pos = torch.tensor(positions, dtype=torch.int64, device=dev)[:, None]
-            logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
+        elif live:  # CUDA: every slot runs from device data, empty ones write nothing (no host copy, no sync)
+            pos = torch.where(live_mask, state.total - 1, 0)[:, None]
+            if self.options["cuda_graphs"]:
+                logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
+            else:
+                logits, state.k, state.v = forward(
+                    params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[:, None], pos, state.k,
+                    state.v, rows=None, write_mask=live_mask[:, None],
+                )
             res = state.sampler.sample(logits[:, 0], num_top=num_top)
             state.sampler.record(res.tokens, mask=live_mask)
             state.next_tokens.copy_(torch.where(live_mask, res.tokens, state.next_tokens))
@@ -422,9 +462,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             logprobs = torch.zeros(n, device=dev)
             top_ids = torch.zeros((n, num_top), dtype=torch.int64, device=dev)
             top_lp = torch.zeros((n, num_top), device=dev)
+        state.total += live_mask  # the host's advance(live), on the device
+        lengths = torch.where(state.occupied, state.total - state.prompt_len, 0)  # completion tokens
         return torch.cat([
             tokens.to(torch.int32)[:, None], live_mask.to(torch.int32)[:, None],
-            torch.tensor(lengths, dtype=torch.int32, device=dev)[:, None],
+            lengths.to(torch.int32)[:, None],
             logprobs.to(torch.float32).view(torch.int32)[:, None], top_ids.to(torch.int32),
             top_lp.to(torch.float32).contiguous().view(torch.int32),
         ], dim=1)
@@ -512,8 +554,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
         prompt, sampling = self.check_portable(portable)
         self.load_params()
-        put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_device, self.torch_dtype)  # noqa: E731
-        logits = torch.from_numpy(portable.last_logits).to(self.torch_device, torch.float32)
+        put = lambda a: to_device(np.ascontiguousarray(a), self.torch_device, self.torch_dtype)  # noqa: E731
+        logits = to_device(np.ascontiguousarray(portable.last_logits, np.float32), self.torch_device)
         first = self._first_token(logits, prompt, sampling)
         return Prefix(
             kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,

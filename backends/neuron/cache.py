@@ -9,8 +9,9 @@ A key names what a compiled graph depends on and nothing else:
   second checkpoint of the same shape reuses every artifact,
 - the compute dtype,
 - the compiler and its version (:func:`.compile.compiler_version`), and a digest of
-  the source that defines the graphs (``graphs.py`` and ``torch_common``'s model,
-  sampler and Threefry), so changed code never loads a stale artifact.
+  the source that defines the graphs (``graphs.py``, the Neuron path's ``nxd.py`` and
+  ``torch_common``'s model, sampler and Threefry), so changed code never loads a stale
+  artifact.
 
 Files: ``<root>/<kind>-<digest>.bin`` (the artifact) and ``<kind>-<digest>.bin.json``
 beside it (the key in words, the compile time, and the artifact's size, SHA-256 and
@@ -19,8 +20,10 @@ archives too), so the cache follows ``polyengine.cache``: the root is private to
 user (created 0700; refused, naming the fix, when someone else could write it), and an
 artifact is loaded only when its signed record matches it; a missing, damaged, planted
 or foreign one is compiled again and replaced. Writes are atomic, so this user's
-processes may share a root. Within a process, loaded graphs are kept by path, so the
-many engines a test suite builds for one config load each artifact once.
+processes may share a root. Within a process, loaded CPU graphs are kept by path, so the
+many engines a test suite builds for one config load each artifact once; a Neuron
+program, which holds an engine's weights and KV cache on the device, is loaded per
+engine.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from polyengine.backends.neuron.compile import CompiledGraph, compile_graph, com
 __all__ = ["GraphKey", "ArtifactCache", "architecture", "default_cache_dir", "CACHE_ENV"]
 
 CACHE_ENV = "POLYENGINE_NEURON_CACHE"
-_SOURCES = ("neuron/graphs.py", "torch_common/model.py", "torch_common/sampling.py", "torch_common/threefry.py")
+_SOURCES = ("neuron/graphs.py", "neuron/nxd.py", "torch_common/model.py", "torch_common/sampling.py",
+            "torch_common/threefry.py")
 _MEMO: dict[str, CompiledGraph] = {}
 
 
@@ -112,7 +116,10 @@ class ArtifactCache:
         (missing, damaged, planted, foreign), or one that fails to load, is compiled again
         and replaces it."""
         path = self.path(key)
-        graph = _MEMO.get(str(path))
+        # A loaded Neuron program holds an engine's weights and KV cache on the device, so
+        # it is never shared between engines; CPU artifacts are stateless and are.
+        shared = self.compiler != "neuronx"
+        graph = _MEMO.get(str(path)) if shared else None
         if graph is not None:
             return graph, "memory"
         record, reason = check(path)
@@ -125,8 +132,9 @@ class ArtifactCache:
             warnings.warn(f"neuron: not loading the cached graph {path} ({reason}); compiling it again", stacklevel=3)
         if graph is None:
             module, args = build()
-            graph, save = compile_graph(module, args, self.compiler, workdir=path.with_suffix(".neuronx-work"))
+            graph, save = compile_graph(module, args, self.compiler, workdir=path.with_suffix(".nxd-work"))
             graph.path = path
             store(path, save, {**key.description, "compile_seconds": round(graph.seconds, 2)})
-        _MEMO[str(path)] = graph
+        if shared:
+            _MEMO[str(path)] = graph
         return graph, graph.source

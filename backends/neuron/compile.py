@@ -22,19 +22,22 @@ only this user's intact files are ever loaded: both formats run code when loaded
     nothing another process left in a shared directory is ever loaded.
 
 ``"neuronx"`` (Neuron devices)
-    ``torch_neuronx.trace`` of the same module and inputs (neuronx-cc builds a NEFF),
-    saved with ``torch.jit.save`` and loaded with ``torch.jit.load``. Not run here:
-    no Neuron device or installable torch-neuronx was available (docs/neuron.md).
+    Not a graph but an engine's whole program: :mod:`.nxd` builds every graph of every
+    bucket as one neuronx-distributed model (weights and KV cache kept on the
+    NeuronCores, the cache updated through the compiler's input/output aliasing, tensor
+    parallel over ``tp_degree`` cores), saved with ``torch.jit.save`` and loaded with
+    ``torch.jit.load``; ``module`` is then an :class:`.nxd.ProgramSpec` and the loaded
+    program is :attr:`CompiledGraph.fn`. Not run here: no Neuron device or installable
+    torch-neuronx was available (docs/neuron.md); a recording stand-in checks it.
 
-Aliases (the KV cache): a graph's ``aliases`` pairs an input with the output that is
-its new value. The loaded :class:`CompiledGraph` hides the difference: the CPU
-artifact writes those inputs in place inside the compiled code (the export keeps the
-input mutation and Inductor turns the scatter into an in-place write), the Neuron
-one returns them and the call copies them back. Callers see only the other outputs.
+Aliases (the KV cache, on the CPU compile path): a graph's ``aliases`` pairs an input
+with the output that is its new value; the CPU artifact writes those inputs in place
+inside the compiled code (the export keeps the input mutation and Inductor turns the
+scatter into an in-place write), and callers see only the other outputs.
 
 Every compile and load is counted in :data:`COUNTS` (what the no-recompilation
-tests read); nothing is imported from torch_neuronx unless the "neuronx" compiler
-is asked for.
+tests read); nothing is imported from torch_neuronx or neuronx_distributed unless the
+"neuronx" compiler is asked for.
 """
 
 from __future__ import annotations
@@ -66,18 +69,27 @@ _INDUCTOR_OPTIONS = {"realize_cpu_opcount_threshold": 8}
 COUNTS: collections.Counter[str] = collections.Counter()
 
 
+def _version(distribution: str, module: str) -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version(distribution)
+    except md.PackageNotFoundError:  # importable without metadata (a source tree): the module says
+        import importlib.util
+
+        if importlib.util.find_spec(module) is None:
+            return None
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+
+
 def compiler_version(compiler: str) -> str:
     """What the artifact cache keys on besides the graph: the compiler and what its output
-    depends on (the torch build; for Inductor the CPU's vector ISA, since the kernels use it)."""
+    depends on (the torch build; for Inductor the CPU's vector ISA, since the kernels use it;
+    on Neuron torch-neuronx, neuronx-cc and neuronx-distributed)."""
     if compiler == "neuronx":
-        import importlib.metadata as md
-
-        versions = [f"torch-neuronx {md.version('torch-neuronx')}"]
-        try:
-            versions.append(f"neuronx-cc {md.version('neuronx-cc')}")
-        except md.PackageNotFoundError:
-            pass
-        return f"torch {torch.__version__}; " + "; ".join(versions)
+        found = ((name, _version(name, mod)) for name, mod in (
+            ("torch-neuronx", "torch_neuronx"), ("neuronx-cc", "neuronxcc"), ("neuronx-distributed", "neuronx_distributed")))
+        return f"torch {torch.__version__}; " + "; ".join(f"{name} {v}" for name, v in found if v is not None)
     return f"torch {torch.__version__}; inductor; cpu {torch.backends.cpu.get_cpu_capability()}"
 
 
@@ -95,18 +107,6 @@ class _WithAliases(torch.nn.Module):
             args[arg].copy_(out[res])
         dropped = {res for _, res in self.graph.aliases}
         return tuple(o for i, o in enumerate(out) if i not in dropped)
-
-
-class _FlatInputs(torch.nn.Module):
-    """The graph called with its inputs flattened to a tuple of tensors (what
-    ``torch_neuronx.trace`` takes; the same order :class:`CompiledGraph` passes)."""
-
-    def __init__(self, graph: torch.nn.Module, spec: pytree.TreeSpec):
-        super().__init__()
-        self.graph, self.spec = graph, spec
-
-    def forward(self, *leaves):
-        return self.graph(*pytree.tree_unflatten(list(leaves), self.spec))
 
 
 def _flat_program(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
@@ -138,6 +138,11 @@ class CompiledGraph:
                  path: Path | None, seconds: float, source: str):
         self._fn, self.aliases, self._returns_aliases = fn, aliases, returns_aliases
         self.path, self.seconds, self.source = path, seconds, source
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        """The loaded artifact itself (a Neuron program is called through :mod:`.nxd`)."""
+        return self._fn
 
     def __call__(self, *args):
         out = self._fn(*pytree.tree_leaves(args))
@@ -226,13 +231,11 @@ def compile_graph(module: torch.nn.Module, args: tuple, compiler: str, *,
     that writes its artifact (the cache writes it through ``polyengine.cache.store``).
     ``workdir``: where neuronx-cc keeps its intermediate files."""
     start = time.perf_counter()
-    if compiler == "neuronx":
-        import torch_neuronx  # the Neuron path only; never imported at module import
+    if compiler == "neuronx":  # the Neuron path only; nothing of it is imported at module import
+        from polyengine.backends.neuron.nxd import compile_program
 
-        leaves, spec = pytree.tree_flatten(args)
-        kwargs = {"compiler_workdir": str(workdir)} if workdir is not None else {}
-        traced = torch_neuronx.trace(_FlatInputs(module, spec), tuple(leaves), **kwargs)
-        fn, returns = traced, True
+        traced = compile_program(module, workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="nxd-")))
+        fn, returns = traced, False
 
         def save(p: Path) -> None:
             torch.jit.save(traced, str(p))
@@ -259,9 +262,9 @@ def load_graph(path: Path, aliases: tuple[tuple[int, int], ...], compiler: str) 
     verified (``polyengine.cache.check``)."""
     start = time.perf_counter()
     if compiler == "neuronx":
-        import torch_neuronx  # noqa: F401  (registers the Neuron ops torch.jit.load needs)
+        from polyengine.backends.neuron.nxd import load_program
 
-        fn, returns = torch.jit.load(str(path)), True
+        fn, returns = load_program(path), False
     else:
         with _read_bundle(path) as blob, _kernel_cache():
             fn, returns = torch._inductor.CompiledArtifact.load(path=str(blob), format="binary"), False

@@ -18,6 +18,13 @@ token, position and room from the state), so in async mode (the default) a worke
 thread runs the steps in order while the caller reads earlier ones; insert, free and
 overrides wait for the queued steps first. Overrides roll a slot back on the device
 (:meth:`.state.NeuronDecodeState.rollback`).
+
+Two places for the graphs: the CPU compile path compiles each graph on its own and
+keeps the weights and the KV cache in host tensors passed to every call; on Neuron
+(:mod:`.nxd`) every graph is one model of one NxD program whose weights and KV cache
+live on the NeuronCores (``tp_degree`` of them), moved there once at construction, the
+cache updated in place through the compiler's aliasing and reached from the host only
+by the prefill's K/V through an insert model. The engine's calls are the same.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import numpy as np
 import torch
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Option, Prefix, ResultTokens
-from polyengine.errors import InvalidRequest
+from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -46,6 +53,7 @@ from polyengine.backends.neuron.buckets import Buckets
 from polyengine.backends.neuron.cache import ArtifactCache, GraphKey, default_cache_dir
 from polyengine.backends.neuron.compile import COMPILERS, CompiledGraph
 from polyengine.backends.neuron.graphs import ContextEncoding, TokenGeneration, result_layout
+from polyengine.backends.neuron.nxd import DeviceGraphs
 from polyengine.backends.neuron.speculation import Acceptance, draft_config, draft_weights
 from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, NeuronSlot, NeuronSlots
 
@@ -68,6 +76,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         "draft_layers": Option(0, "the draft = the target's first draft_layers layers; 0 = half of them", minimum=0),
         "async_steps": Option(True, "run steps on a worker thread; the caller reads step n while n+1 runs"),
         "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
+        "tp_degree": Option(1, "NeuronCores the model is split over (tensor parallel, as NxD splits it); neuronx only",
+                            minimum=1),
     }
     slot_type = NeuronSlot
 
@@ -95,6 +105,13 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         self._names = tuple(sorted(self._weights.tensors))
         self._draft_weights = draft_weights(self._weights, self.draft) if self.draft else None
         self._draft_names = tuple(sorted(self._draft_weights.tensors)) if self.draft else ()
+        self.on_device: DeviceGraphs | None = None
+        if self.compiler == "neuronx":
+            self.on_device = DeviceGraphs(
+                weights=self._weights, names=self._names, draft=self.draft, draft_names=self._draft_names,
+                buckets=self.buckets, max_slots=config.max_slots, max_cache_length=config.max_cache_length,
+                tokens_per_step=k, num_top=self.num_top, neutral=self._neutral, dtype=self.dtype, tp=o["tp_degree"])
+        self._live: NeuronDecodeState | None = None  # on Neuron, the decode state that owns the device's cache
         self.graphs: dict[tuple, CompiledGraph] = {}
         self._built: dict[tuple, tuple[str, float]] = {}  # graph name -> (where this engine got it, seconds)
         self._acceptance = Acceptance(k, torch.device("cpu"))  # every step of this engine, for bench_report
@@ -107,7 +124,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
     def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
         o = self.options
         self.compiler = self._pick_compiler(o["compiler"])
-        self.device = self._describe(self.compiler)
+        if o["tp_degree"] > 1 and self.compiler != "neuronx":
+            raise UnsupportedFeature(f"tp_degree={o['tp_degree']} on the CPU compile path", self.name,
+                                     "tensor parallelism splits the model over NeuronCores (compiler='neuronx')")
+        self.device = self._describe(self.compiler, o["tp_degree"])
         self.tokens_per_step = o["speculation"]
         return Capabilities(
             dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
@@ -120,22 +140,29 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         if name == "auto":
             return "neuronx" if plugin.neuron_devices() and plugin.neuronx_installed() else "inductor"
         if name == "neuronx" and not plugin.neuronx_installed():
-            raise InvalidRequest(f"option compiler='neuronx' needs torch-neuronx: {plugin.NEURONX_HINT}")
+            raise InvalidRequest(f"option compiler='neuronx' needs torch-neuronx and neuronx-distributed: {plugin.NEURONX_HINT}")
         return name
 
     @staticmethod
-    def _describe(compiler: str) -> str:
+    def _describe(compiler: str, tp: int = 1) -> str:
         if compiler == "neuronx":
-            return f"neuron ({len(plugin.neuron_devices())} device(s), torch_neuronx.trace)"
+            return f"neuron ({len(plugin.neuron_devices())} device(s); one NxD model on {tp} NeuronCore(s))"
         return f"cpu (compile path: torch.export + inductor, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
 
     def _check_memory(self) -> None:
+        """Host memory: on the CPU path the weights (a copy unless float32) and the KV
+        cache; on Neuron, where the cache lives on the device, the weights and their
+        per-core split while they load. The NeuronCores' own memory is not queried (no
+        runtime API is used before the program loads)."""
         c, cfg, b = self.model.config, self.config, self.buckets
         item = torch.tensor([], dtype=self.torch_dtype).element_size()
         needs = {}
         if self.torch_dtype != torch.float32:  # float32 tensors share the Model's arrays
             needs[f"{self.dtype} weights"] = c.num_parameters() * item
-        needs[f"the KV cache of {cfg.max_slots} slots x {b.cache} positions"] = cfg.max_slots * b.cache * c.kv_bytes_per_token(item)
+        if self.compiler == "neuronx":
+            needs["the weights split per NeuronCore, while they load"] = c.num_parameters() * item
+        else:
+            needs[f"the KV cache of {cfg.max_slots} slots x {b.cache} positions"] = cfg.max_slots * b.cache * c.kv_bytes_per_token(item)
         needs["the sampler's per-slot tables"] = cfg.max_slots * row_bytes(c.vocab_size)
         needs["a context-encoding step"] = b.prefill[-1] * (c.vocab_size + 4 * c.intermediate_size) * 4
         self.check_memory(needs)
@@ -144,7 +171,13 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         return GraphKey.of(kind, config=config, bucket=bucket, dtype=self.dtype, compiler=self.compiler)
 
     def _warm_up(self) -> None:
-        """Compile (or load) every graph of every bucket, so no call ever compiles."""
+        """Compile (or load) every graph of every bucket, so no call ever compiles. On
+        Neuron they are one program; loading it moves the weights to the cores."""
+        if self.on_device is not None:
+            key = self._key("nxd_model", self.model.config, self.on_device.description())
+            self._get(("nxd_model",), key, (), lambda: (self.on_device.spec(), ()))
+            self.on_device.attach(self.graphs[("nxd_model",)].fn)
+            return
         b, c, k = self.buckets, self.model.config, self.tokens_per_step
         for p in b.prefill:
             key = self._key("context", c, {"prompt": p, "positions": b.cache})
@@ -199,6 +232,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         """A graph's program and bucket, in words."""
         if name[0] == "context":
             return "context_encoding", f"prompt {name[1]}"
+        if name[0] == "nxd_model":
+            b = self.buckets
+            return "nxd_model", f"every graph: prompts {list(b.prefill)}, batch {list(b.batch)}, kv {list(b.seq)}"
         program = {"draft": "draft_token_generation", "decode": "speculation" if self.tokens_per_step > 1 else "token_generation"}
         return program[name[0]], f"batch {name[1]}, kv {name[2]}"
 
@@ -233,11 +269,25 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         return self._weights
 
     def init_decode_state(self) -> NeuronDecodeState:
+        """A new decode state. On Neuron the KV cache is the program's (one per engine, on
+        the device), so a new state takes it over and the previous one is retired (using
+        it raises): the cache needs no clearing, since an insert rewrites a slot's row
+        and positions past a slot's length are rewritten before they are read."""
         r = self.max_concurrent_decodes
-        k, v = self._weights.new_cache(r, self.buckets.cache)
-        return NeuronDecodeState(
+        if self.on_device is not None:
+            k = v = None
+            if self._live is not None:
+                self._live.wait()
+                self._live.retired = True
+        else:
+            k, v = self._weights.new_cache(r, self.buckets.cache)
+        state = NeuronDecodeState(
             r, k, v, TorchSampler(self.vocab_size, r, self.eos_token_ids), torch.zeros(r, dtype=torch.int64),
-            torch.zeros(r, dtype=torch.bool), Acceptance(self.tokens_per_step, torch.device("cpu")), NeuronSlots(r))
+            torch.zeros(r, dtype=torch.bool), Acceptance(self.tokens_per_step, torch.device("cpu")), NeuronSlots(r),
+            device=self.on_device)
+        if self.on_device is not None:
+            self._live = state
+        return state
 
     # -- prefill ---------------------------------------------------------------------------
 
@@ -259,8 +309,11 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         p = self.buckets.prompt(n)
         padded = torch.zeros((1, p), dtype=torch.int64)
         padded[0, :n] = torch.from_numpy(toks.astype(np.int64))
-        logits, k, v = self.graphs[("context", p)](
-            tuple(params.tensors[name] for name in self._names), padded, torch.tensor([n - 1]))
+        if self.on_device is not None:
+            logits, k, v = self.on_device.context(padded, torch.tensor([n - 1]))
+        else:
+            logits, k, v = self.graphs[("context", p)](
+                tuple(params.tensors[name] for name in self._names), padded, torch.tensor([n - 1]))
         first = self._first_tokens(logits[0], toks, sampling)
         prefix = Prefix(kv=(k[:, 0, :, :n].clone(), v[:, 0, :, :n].clone()), logits=logits[0], prompt_tokens=toks,
                         sampling=sampling, backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array,
@@ -278,8 +331,13 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
 
     # -- generate --------------------------------------------------------------------------
 
+    def _settle(self, decode_state: NeuronDecodeState) -> NeuronDecodeState:
+        decode_state.check_live()
+        return super()._settle(decode_state)
+
     def generate(self, params: TorchWeights, decode_state: NeuronDecodeState, *, overrides: Mapping[int, Any] | None = None):
         state = decode_state
+        state.check_live()
         if overrides:
             state.wait()
         forced = self.check_overrides(overrides, state.slots.last_result)
@@ -323,16 +381,24 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         if self.draft is not None:
             layers = self.draft.num_hidden_layers
             weights = tuple(params.tensors[n] for n in self._draft_names)
-            graph, proposal, drafts = self.graphs[("draft", batch, kv)], s.as_dict(), []
+            proposal, drafts = s.as_dict(), []
             for _ in range(self.tokens_per_step - 1):
-                _, counts, step, last = graph(weights, state.k[:layers], state.v[:layers], seq_ids, state.occupied,
-                                              state.prompt_len, proposal)
+                if self.on_device is not None:
+                    _, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len, (),
+                                                                  proposal)
+                else:
+                    _, counts, step, last = self.graphs[("draft", batch, kv)](
+                        weights, state.k[:layers], state.v[:layers], seq_ids, state.occupied, state.prompt_len, proposal)
                 proposal = {**proposal, "counts": counts, "step": step, "last_token": last}
                 drafts.append(last[seq_ids])
             extra = (torch.stack(drafts, dim=1),)
-        packed, counts, step, last = self.graphs[("decode", batch, kv)](
-            tuple(params.tensors[n] for n in self._names), state.k, state.v, seq_ids, state.occupied, state.prompt_len,
-            *extra, s.as_dict())
+        if self.on_device is not None:
+            packed, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len, extra,
+                                                               s.as_dict())
+        else:
+            packed, counts, step, last = self.graphs[("decode", batch, kv)](
+                tuple(params.tensors[n] for n in self._names), state.k, state.v, seq_ids, state.occupied,
+                state.prompt_len, *extra, s.as_dict())
         state.sampler.state = replace(s, counts=counts, step=step, last_token=last)
         if self.draft is not None:
             k = self.tokens_per_step

@@ -9,12 +9,12 @@ engine's host bookkeeping, files or compilers (:mod:`.compile` does those).
 
 Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
 
-``ContextEncoding(config, names, bucket)``
+``ContextEncoding(config, names, bucket, linear=None)``
     ``(weights, tokens (1, P), last (1,))`` -> ``logits (1, V)`` float32 at ``last``,
     ``k, v (L, 1, kv_heads, P, head_dim)``: the prompt's K/V (pad positions after the
     prompt hold garbage the engine slices off; causal attention keeps them invisible).
 
-``TokenGeneration(config, names, batch, tokens, kv_len, max_cache_length, num_top)``
+``TokenGeneration(config, names, batch, tokens, kv_len, max_cache_length, num_top, linear=None)``
     One decode step for a batch bucket of ``B`` seq_ids, ``T`` tokens per row:
     ``T = 1`` is token generation, ``T = k`` verifies ``k - 1`` draft tokens in one pass
     (the speculation graph). Inputs ``(weights, k_cache, v_cache, seq_ids (B,),
@@ -31,6 +31,10 @@ stream at step ``step + j`` and the penalty counts of the draft tokens before it
 accepts drafts while they equal what it sampled. The accepted tokens are therefore
 the tokens plain decoding draws, for greedy and sampled requests alike (the stream is
 counter-based); only how many arrive per step changes.
+
+``linear`` is the forward's projection hook (``StepSpec.linear``): None on one core;
+the Neuron path's tensor parallelism passes its sharded projections (:mod:`.nxd`), with
+``config`` then holding one core's share of the heads and MLP width.
 
 Padding: the rows of a batch bucket are distinct seq_ids; rows that are not live
 (empty slots padding the batch, slots whose cache is full) write K/V only into their
@@ -69,9 +73,10 @@ class ContextEncoding(torch.nn.Module):
 
     aliases: tuple[tuple[int, int], ...] = ()  # (input index, output index) updated in place
 
-    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int):
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, linear=None):
         super().__init__()
         self.config, self.names, self.bucket = config, names, bucket
+        self.spec = StepSpec(linear=linear)
 
     def forward(self, weights, tokens, last):
         c = self.config
@@ -80,7 +85,7 @@ class ContextEncoding(torch.nn.Module):
         k = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
         v = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
         positions = torch.arange(self.bucket, device=tokens.device)[None]  # (1, P)
-        logits, k, v = forward(w, StepSpec(), tokens, positions, k, v, rows=None, logits_at=last)
+        logits, k, v = forward(w, self.spec, tokens, positions, k, v, rows=None, logits_at=last)
         return logits.float(), k, v
 
 
@@ -115,11 +120,11 @@ class TokenGeneration(torch.nn.Module):
     aliases = ((1, 4), (2, 5))
 
     def __init__(self, config: ModelConfig, names: tuple[str, ...], *, batch: int, tokens: int, kv_len: int,
-                 max_cache_length: int, num_top: int):
+                 max_cache_length: int, num_top: int, linear=None):
         super().__init__()
         self.config, self.names = config, names
         self.batch, self.tokens, self.kv_len = batch, tokens, kv_len
-        self.spec = StepSpec(kv_len=kv_len)
+        self.spec = StepSpec(kv_len=kv_len, linear=linear)
         self.max_cache_length, self.num_top = max_cache_length, num_top
 
     def forward(self, weights, k_cache, v_cache, seq_ids, occupied, prompt_len, *rest):

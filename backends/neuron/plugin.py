@@ -4,8 +4,9 @@ found with ``importlib.util.find_spec`` and Neuron devices by their device files
 
 Two paths, one backend:
 
-- **Neuron**: torch-neuronx importable and Neuron devices present. The probe reports
-  the accelerator, so ``backend="auto"`` ranks it among accelerators.
+- **Neuron**: torch-neuronx and neuronx-distributed importable and Neuron devices
+  present. The probe reports the accelerator, so ``backend="auto"`` ranks it among
+  accelerators.
 - **CPU compile path**: anywhere PyTorch is installed. It compiles and runs the same
   static-shape graphs on the CPU for development and CI; it is available only when
   asked for by name (``by_name_only``), so ``auto`` never picks it without a device.
@@ -20,8 +21,8 @@ from polyengine import PROTOCOL_VERSION
 from polyengine.plugins import BackendSpec, Probe, hookimpl
 
 NEURONX_HINT = (
-    "install torch-neuronx from AWS's Neuron package index "
-    "(pip install torch-neuronx --extra-index-url https://pip.repos.neuron.amazonaws.com); "
+    "install torch-neuronx and neuronx-distributed from AWS's Neuron package index "
+    "(pip install torch-neuronx neuronx-distributed --extra-index-url https://pip.repos.neuron.amazonaws.com); "
     "the torch-neuronx name on PyPI is a placeholder"
 )
 
@@ -32,7 +33,9 @@ def neuron_devices() -> list[str]:
 
 
 def neuronx_installed() -> bool:
-    return importlib.util.find_spec("torch_neuronx") is not None
+    """torch-neuronx (the compiler's torch front end) and neuronx-distributed (the model
+    the graphs are built as: shared weights and KV cache, tensor parallelism)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("torch_neuronx", "neuronx_distributed"))
 
 
 def probe() -> Probe:
@@ -40,8 +43,10 @@ def probe() -> Probe:
         return Probe(False, False, "PyTorch is not installed")
     devices = neuron_devices()
     if devices and neuronx_installed():
-        return Probe(True, True, f"Neuron: {len(devices)} device(s) ({devices[0]}); graphs compile with torch_neuronx.trace")
-    why = (f"{len(devices)} Neuron device(s) but torch-neuronx is not installed ({NEURONX_HINT})" if devices
+        return Probe(True, True, f"Neuron: {len(devices)} device(s) ({devices[0]}); graphs compile as one NxD model "
+                                 f"(neuronx-distributed, torch_neuronx)")
+    why = (f"{len(devices)} Neuron device(s) but torch-neuronx or neuronx-distributed is not installed ({NEURONX_HINT})"
+           if devices
            else "no Neuron device (no /dev/neuronN)")
     return Probe(True, False, f"{why}: CPU compile path (torch.export + Inductor), by name only", by_name_only=True)
 

@@ -5,6 +5,9 @@ Device side (what the graphs read and write): ``k``/``v``
 ``[layers, slots, kv_heads, cache positions, head_dim]`` (row = seq_id = slot),
 ``prompt_len`` and ``occupied`` per slot, and the sampler's per-slot state (its
 ``step`` counts completion tokens and its ``last_token`` is what the slot feeds next).
+On Neuron ``k``/``v`` are None: the cache is the NxD program's state on the
+NeuronCores (``device``, :class:`~.nxd.DeviceGraphs`), one per engine, so only the
+engine's newest decode state may use it (an older one is ``retired``).
 
 Host side (the kit's :class:`~polyengine.slots.SlotTable`): per slot the prompt length,
 an upper bound of the completion (a speculation step adds 1..k tokens, and the host
@@ -19,11 +22,13 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from polyengine.engine import ResultLayout, Slot, SlotTable
+from polyengine.errors import InvalidRequest
 
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.state import SlotsInFlight
@@ -82,14 +87,27 @@ class NeuronSlots(SlotTable[NeuronSlot]):
 @dataclass
 class NeuronDecodeState(SlotsInFlight):
     num_slots: int
-    k: torch.Tensor  # (layers, slots, kv_heads, cache positions, head_dim)
-    v: torch.Tensor
+    k: torch.Tensor | None  # (layers, slots, kv_heads, cache positions, head_dim); None on Neuron
+    v: torch.Tensor | None
     sampler: TorchSampler
     prompt_len: torch.Tensor  # (slots,) int64
     occupied: torch.Tensor  # (slots,) bool
     acceptance: Acceptance
     slots: NeuronSlots
     pending: Future | None = None  # the newest step queued on the worker thread
+    device: Any = None  # on Neuron, the program whose state is this decode state's KV cache
+    retired: bool = False  # a newer decode state took the device's cache over
+
+    def check_live(self) -> None:
+        if self.retired:
+            raise InvalidRequest("this decode state was replaced by a newer one from init_decode_state(): on Neuron the "
+                                 "KV cache lives on the device, one per engine; use the newest decode state")
+
+    def write_prefix(self, slot: int, prefix) -> None:
+        if self.device is None:
+            super().write_prefix(slot, prefix)
+        else:  # through the program's insert model: the cache never leaves the device
+            self.device.insert(*prefix.kv, slot)
 
     def rollback(self, slot: int, token: int, position: int) -> None:
         """Force ``token`` at completion ``position`` (inside the last result): forget the

@@ -255,7 +255,7 @@ class _Writes:
     pos: torch.Tensor  # (N, 1) int64
     heads: torch.Tensor  # (1, kv_heads) int64
     live: torch.Tensor | None  # (N,) bool, None when every token writes
-    anchor: torch.Tensor | None  # () int64: the first live token (0 if none)
+    anchor: torch.Tensor | None  # (1,) int64: the first live token (0 if none)
     any_live: torch.Tensor | None  # () bool
 
 
@@ -276,7 +276,8 @@ def _write_targets(rows: torch.Tensor, positions: torch.Tensor, write_mask: torc
     if write_mask is None:
         return _Writes(r[:, None], p[:, None], heads, None, None, None)
     live = write_mask.reshape(-1)
-    anchor = torch.argmax(live.to(torch.int32))  # first maximum: the first live token
+    # (1,), not a 0-dim index: eager torch turns a 0-dim index into a Python int, a device sync.
+    anchor = torch.argmax(live.to(torch.int32), dim=0, keepdim=True)  # first maximum: the first live token
     r = torch.where(live, r, r[anchor])
     p = torch.where(live, p, p[anchor])
     return _Writes(r[:, None], p[:, None], heads, live, anchor, live.any())
@@ -285,7 +286,7 @@ def _write_targets(rows: torch.Tensor, positions: torch.Tensor, write_mask: torc
 def _write(cache: torch.Tensor, layer: int, w: _Writes, new: torch.Tensor, inplace: bool) -> torch.Tensor:
     """Scatter ``new`` (N, kv_heads, head_dim) into ``cache[layer]`` at ``w``'s targets."""
     if w.live is not None:
-        old = cache[layer, w.rows[w.anchor, 0], :, w.pos[w.anchor, 0]]  # (kv_heads, head_dim)
+        old = cache[layer, w.rows[w.anchor, 0], :, w.pos[w.anchor, 0]]  # (1, kv_heads, head_dim)
         fill = torch.where(w.any_live, new[w.anchor], old)
         new = torch.where(w.live[:, None, None], new, fill)
     if inplace:

@@ -70,6 +70,7 @@ from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.rows import check_token_ids, request_row
 
 from polyengine.backends.torch_common import threefry
+from polyengine.backends.torch_common.transfer import fill_row, to_device
 
 __all__ = ["SamplerState", "SamplerFlags", "SampleResult", "TorchSampler", "sample", "record", "override", "forget"]
 
@@ -113,7 +114,7 @@ class SamplerState:
 
         eos = torch.zeros(v, dtype=torch.bool, device=device)
         if len(eos_token_ids):
-            eos[torch.tensor(list(eos_token_ids), dtype=torch.int64, device=device)] = True
+            eos[to_device(np.asarray(list(eos_token_ids), np.int64), eos.device)] = True
         i64 = torch.int64
         return cls(
             temperature=full(0.0, dtype), top_k=full(0, i64), top_p=full(1.0, dtype), min_p=full(0.0, dtype),
@@ -443,26 +444,26 @@ class TorchSampler:
         Raises :class:`InvalidRequest` (nothing changed) for a missing seed, ids
         outside the vocabulary, or masks that would leave no token: the core's
         :func:`~polyengine.sampling.rows.request_row` makes the row and every refusal;
-        this only moves it to the device (a few transfers, not one per field).
+        this only moves it to the device (a few non-blocking transfers, not one per field).
         """
         row = self._check_row(row)
         s, dev = self.state, self.device
         r = request_row(params, prompt_tokens, self.vocab_size, self.eos_token_ids, sample_index=sample_index,
                         float_dtype=np.float64 if s.dtype == torch.float64 else np.float32)
-        floats = torch.from_numpy(np.array([r.temperature, r.top_p, r.min_p, r.repetition, r.presence, r.frequency],
-                                           np.float64)).to(device=dev, dtype=s.dtype)
+        floats = to_device(np.array([r.temperature, r.top_p, r.min_p, r.repetition, r.presence, r.frequency],
+                                    np.float64), dev, s.dtype)
         for i, t in enumerate((s.temperature, s.top_p, s.min_p, s.repetition, s.presence, s.frequency)):
             t[row] = floats[i]
-        ints = torch.from_numpy(np.array([r.top_k, r.min_tokens, r.sample_index, 0, 0], np.int64)).to(dev)
+        ints = to_device(np.array([r.top_k, r.min_tokens, r.sample_index, 0, 0], np.int64), dev)
         for i, t in enumerate((s.top_k, s.min_tokens, s.sample_index, s.step, s.last_token)):
             t[row] = ints[i]
-        words = torch.from_numpy(np.array([r.seed_lo, r.seed_hi], np.uint32).view(np.int32)).to(dev)
+        words = to_device(np.array([r.seed_lo, r.seed_hi], np.uint32).view(np.int32), dev)
         s.seed_lo[row], s.seed_hi[row] = words[0], words[1]
-        s.ignore_eos[row] = bool(r.ignore_eos)
-        s.logit_bias[row] = torch.from_numpy(r.logit_bias).to(device=dev, dtype=s.dtype)
-        s.stop_mask[row] = torch.from_numpy(r.stop_mask).to(dev)
-        s.prompt_seen[row] = torch.from_numpy(r.prompt_seen).to(dev)
-        s.counts[row] = 0
+        fill_row(s.ignore_eos, row, bool(r.ignore_eos))
+        s.logit_bias[row] = to_device(r.logit_bias, dev, s.dtype)
+        s.stop_mask[row] = to_device(r.stop_mask, dev)
+        s.prompt_seen[row] = to_device(r.prompt_seen, dev)
+        fill_row(s.counts, row, 0)
         self._params[row] = params
         self.flags = SamplerFlags.of(list(self._params.values()), self.vocab_size)
 

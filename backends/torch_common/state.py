@@ -18,12 +18,14 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from polyengine.engine import Prefix, ResultTokens
 from polyengine.slots import SlotTable
 
 from polyengine.backends.torch_common.sampling import SampleResult, TorchSampler
+from polyengine.backends.torch_common.transfer import to_device
 
 __all__ = ["SlotsInFlight", "TorchSlotsEngine", "host_array"]
 
@@ -50,17 +52,22 @@ class SlotsInFlight:
     def is_occupied(self, slot: int) -> bool:
         return self.slots.is_occupied(slot)
 
+    def write_prefix(self, slot: int, prefix: Prefix) -> None:
+        """The prefix's K/V into ``slot``'s cache row (a state whose cache lives elsewhere
+        overrides this)."""
+        n = prefix.true_length
+        self.k[:, slot, :, :n], self.v[:, slot, :, :n] = prefix.kv
+
     @torch.no_grad()
     def install(self, prefix: Prefix, slots: list[int], *, draw: bool) -> tuple[torch.Tensor, SampleResult | None]:
         """Copy the prefix's K/V into each slot's cache row and install sample ``i`` of the
         request in ``slots[i]``'s sampler row; record each slot's first token (drawn from
         the prefix's logits with ``draw``, else ``prefix.first_token``). Returns the first
         tokens ``(len(slots),)`` on the device and, with ``draw``, the sampler's result."""
-        n = prefix.true_length
         for i, slot in enumerate(slots):
-            self.k[:, slot, :, :n], self.v[:, slot, :, :n] = prefix.kv
+            self.write_prefix(slot, prefix)
             self.sampler.install(slot, prefix.sampling, prefix.prompt_tokens, sample_index=i)
-        rows = torch.tensor(slots, dtype=torch.int64, device=self.sampler.device)
+        rows = to_device(np.asarray(slots, np.int64), self.sampler.device)
         res = None
         if draw:
             logits = prefix.logits[None].expand(len(slots), -1)

@@ -18,7 +18,6 @@ this process's replica.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -30,17 +29,16 @@ from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, Re
 from polyengine.errors import InvalidRequest
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
-from polyengine.models.quantize import matrix_bytes, quantize_model, replaced_weights
+from polyengine.models.quantize import quantize_model, replaced_weights
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
-from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
 from polyengine.backends.tpu_jax.options import OPTIONS
-from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES
+from polyengine.backends.tpu_jax.footprint import device_needs
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
 __all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine"]
@@ -126,26 +124,9 @@ class TpuJaxEngine(EngineBase):
 
     def _needs(self) -> dict[str, int]:
         """Bytes per device of what the engine allocates (weights, caches, sampler tables)."""
-        c, cfg, plan = self.model.config, self.config, self.plan
-        item = np.dtype(steps.JAX_DTYPES[self.dtype]).itemsize
-        weights = 0
-        mode = self.cfg.quantize
-        replaced = replaced_weights(c) if mode else frozenset()
-        for name, shape in c.weight_shapes().items():
-            size = matrix_bytes(shape, mode) if name in replaced else math.prod(shape) * item
-            weights += size // plan.shards(param_axes(name, len(shape)), shape)
-        if mode and c.tie_word_embeddings:  # the int8 copy of the tied head
-            weights += matrix_bytes((c.vocab_size, c.hidden_size), mode)
-        kv_item, width = (1, c.head_dim + KV_SCALE_BYTES) if self.cfg.kv_int8 else (item, c.head_dim)
-        cache_shape = (c.num_hidden_layers, cfg.max_slots, c.num_key_value_heads, cfg.max_cache_length, width)
-        cache = 2 * math.prod(cache_shape) * kv_item // plan.shards(steps._CACHE_AXES, cache_shape)
-        return {
-            f"{self.dtype} weights{' (int8 projections)' if self.cfg.quantize else ''}": weights,
-            f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions": cache,
-            "the sampler's per-slot tables and a prefill's activations": (
-                cfg.max_slots * row_bytes(c.vocab_size) // plan.dp
-                + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4),
-        }
+        plan = self.plan
+        return device_needs(self.model.config, self.config, dtype=self.dtype, dp=plan.dp, tp=plan.tp,
+                            quantize=self.cfg.quantize, kv_int8=self.cfg.kv_int8, rules=dict(plan.rules.pairs))
 
     def _check_memory(self) -> None:
         needs = self._needs()

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 __all__ = ["KV_MODES", "KV_SCALE_BYTES", "int8_linear", "Int8KVCodec", "kv_encode", "kv_decode"]
 
+from polyengine.backends.tpu_jax.footprint import KV_SCALE_BYTES
+
 KV_MODES = ("", "int8")
-# The float32 scale of each (position, KV head), stored as int8 bytes after the values.
-KV_SCALE_BYTES = 4
+# KV_SCALE_BYTES (footprint.py): the float32 scale of each (position, KV head), stored as
+# int8 bytes after the values.
 
 
 def int8_linear(t, x, name):

@@ -17,9 +17,22 @@ flight with :class:`WorkerLost` as soon as Ray reports the actor dead, never lat
 one, are killed, and every later call on this engine raises the same error at once.
 A new engine starts a new set of workers.
 
-Workers are kept per (cluster, worker count, devices, placement) and reused by the
-next engine (the conformance suite builds many): starting one costs a Python process
-with JAX and torch imported, and reused ones keep their compiled programs.
+Placement: on a cluster whose nodes carry Ray's ``TPU`` resource (TPU VMs register
+their chips as it), each worker takes one host's chips (``resources={"TPU": chips}``)
+and a ``STRICT_SPREAD`` placement group puts exactly one worker on each TPU host, so
+each process of the JAX program owns its host's chips. Elsewhere a worker takes one
+CPU, as a CPU JAX process needs (``spread_workers`` still spreads them over nodes).
+
+Memory: each host holds only its workers' share of the weights and the KV cache, so
+the leader checks per Ray node, before any worker allocates, the bytes that node's
+workers will hold (:func:`.footprint.device_needs` times the devices of each) against
+the memory those workers report free. On TPU those shares live in the chips' HBM,
+which each worker checks against its devices' free memory when it builds its engine.
+The leader's own host holds no weights or caches and is not checked against them.
+
+Workers are kept per (cluster, worker count, devices, resources, placement) and reused
+by the next engine (the conformance suite builds many): starting one costs a Python
+process with JAX and torch imported, and reused ones keep their compiled programs.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.tpu_jax.disagg import PortableHandle, PrefillPool
+from polyengine.backends.tpu_jax.footprint import device_needs, mesh_shape
 from polyengine.backends.tpu_jax.options import OPTIONS as ENGINE_OPTIONS
 
 __all__ = ["RayTpuEngine", "RayDecodeState", "WorkerLost", "WorkerGroup", "create_engine", "start_local_ray"]
@@ -109,9 +123,11 @@ class WorkerGroup:
     """N actors that joined one JAX program. ``call`` sends a method to all and returns
     rank 0's answer; any death turns into :class:`WorkerLost` (and kills the rest)."""
 
-    def __init__(self, num_workers: int, devices_per_worker: int, spread: bool, timeout: float, independent: bool = False):
+    def __init__(self, num_workers: int, devices_per_worker: int, spread: bool, timeout: float, independent: bool = False,
+                 tpu: int = 0):
         """``independent``: each actor is a JAX program of its own (prefill workers)
-        instead of one process of a shared one."""
+        instead of one process of a shared one. ``tpu``: the TPU chips each worker
+        takes (a whole host's: one worker per TPU host); 0 on a CPU cluster."""
         import ray
 
         from polyengine.backends.tpu_jax.ray_worker import EngineWorker
@@ -122,16 +138,19 @@ class WorkerGroup:
         # Workers configure JAX as the leader's environment does (JAX_PLATFORMS, JAX_*
         # compilation settings), plus their host device count.
         env = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
-        if devices_per_worker > 1:
+        if devices_per_worker > 1 and not tpu:  # CPU host devices; a TPU host reports its chips
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_worker}"
+        bundle: dict[str, float] = {"CPU": 1, **({"TPU": tpu} if tpu else {})}
         options: dict[str, Any] = {"num_cpus": 1, "runtime_env": {"env_vars": env}, "max_restarts": 0}
+        if tpu:
+            options["resources"] = {"TPU": tpu}
         self.placement = None
-        if spread:
+        if spread or tpu:
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            self.placement = placement_group([{"CPU": 1}] * num_workers, strategy="STRICT_SPREAD")
-            self._gather([self.placement.ready()], "placing the workers on distinct nodes")
+            self.placement = placement_group([dict(bundle)] * num_workers, strategy="STRICT_SPREAD")
+            self._gather([self.placement.ready()], f"placing {num_workers} workers on distinct nodes ({bundle} each)")
         actor = ray.remote(EngineWorker)
         self.workers = []
         for rank in range(num_workers):
@@ -251,16 +270,17 @@ _groups: dict[tuple, WorkerGroup] = {}
 _groups_lock = threading.Lock()
 
 
-def _group(num_workers: int, devices_per_worker: int, spread: bool, timeout: float, independent: bool = False) -> WorkerGroup:
+def _group(num_workers: int, devices_per_worker: int, spread: bool, timeout: float, independent: bool = False,
+           tpu: int = 0) -> WorkerGroup:
     import ray
 
-    key = (ray.get_runtime_context().gcs_address, num_workers, devices_per_worker, spread, independent)
+    key = (ray.get_runtime_context().gcs_address, num_workers, devices_per_worker, spread, independent, tpu)
     with _groups_lock:
         for stale in [k for k, g in _groups.items() if not g.alive()]:
             del _groups[stale]
         group = _groups.get(key)
         if group is None:
-            group = _groups[key] = WorkerGroup(num_workers, devices_per_worker, spread, timeout, independent)
+            group = _groups[key] = WorkerGroup(num_workers, devices_per_worker, spread, timeout, independent, tpu)
         group.timeout = timeout
         return group
 
@@ -294,10 +314,14 @@ class RayTpuEngine(EngineBase):
     # first with the same JAX-free table), plus the leader's own.
     OPTIONS = {
         **ENGINE_OPTIONS,
-        "num_workers": Option(2, "Ray actors, one per host: the processes of the JAX program", minimum=1),
-        "devices_per_worker": Option(1, "CPU only: host devices each worker's JAX shows (TPU hosts report their chips)",
-                                     minimum=1),
-        "spread_workers": Option(False, "one worker per Ray node (a STRICT_SPREAD placement group)"),
+        "num_workers": Option(0, "Ray actors, one per host: the processes of the JAX program; 0 = one per TPU "
+                                 "host where the cluster has TPUs, else 2", minimum=0),
+        "devices_per_worker": Option(1, "CPU only: host devices each worker's JAX shows (a TPU worker takes its "
+                                        "host's chips)", minimum=1),
+        "spread_workers": Option(False, "one worker per Ray node (a STRICT_SPREAD placement group; always on TPU)"),
+        "accelerator": Option("auto", "'auto': workers take Ray's TPU resource where the cluster has it, else a "
+                                      "CPU; 'tpu': require TPU hosts; 'cpu': never ask for TPUs",
+                              choices=("auto", "tpu", "cpu")),
         "step_timeout_s": Option(600.0, "longest wait for any call (the first ones compile)", check=lambda v: (
             None if v > 0 else "must be > 0")),
         "ray_address": Option("", "'' joins the running Ray instance or starts a local, loopback-only one"),
@@ -311,6 +335,7 @@ class RayTpuEngine(EngineBase):
         super().__init__(model, config, device="")
         import ray
 
+        self._check_hosts(model, config)
         options, group = self.options, self.group
         worker_config = config.model_copy(update={"options": {k: v for k, v in options.items() if k in ENGINE_OPTIONS}})
         model_ref = ray.put(model)
@@ -323,28 +348,73 @@ class RayTpuEngine(EngineBase):
         if options["prefill_workers"]:
             self.prefill_pool = PrefillPool(
                 _group(options["prefill_workers"], options["devices_per_worker"], False, float(options["step_timeout_s"]),
-                       independent=True), self.engine_id, model_ref, worker_config)
+                       independent=True, tpu=self.tpu), self.engine_id, model_ref, worker_config)
             weakref.finalize(self, self.prefill_pool.group.drop, "engines", self.engine_id)
             self.device += f", prefill on {options['prefill_workers']} more (disaggregated)"
 
     def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
-        """A memory check first (the workers share this host when Ray is local, so their
-        weights and caches must fit in its memory), then the workers start and report
-        their platform's dtypes."""
-        mc, o = model.config, self.options
-        item = 2 if config.dtype in ("bfloat16", "float16") else 4
-        self.check_memory({
-            "the weights": mc.num_parameters() * item,
-            f"the KV cache of {config.max_slots} slots x {config.max_cache_length} positions":
-                config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(item),
-        })
+        """The workers' layout (TPU hosts or CPUs) and the mesh they will form, checked
+        before any starts; then the workers start, each host's share is checked against
+        the memory its workers report, and they report their platform's dtypes."""
+        o = self.options
         _connect(o["ray_address"], float(o["connect_timeout_s"]))
-        self.group = _group(o["num_workers"], o["devices_per_worker"], o["spread_workers"], float(o["step_timeout_s"]))
+        self.tpu, workers = self._layout(o)
+        # The mesh the workers will form, refused here (naming both numbers) before any starts.
+        mesh_shape(model.config, config.max_slots, workers * (self.tpu or o["devices_per_worker"]),
+                   tensor_parallel=o["tensor_parallel"], data_parallel=o["data_parallel"],
+                   platform="tpu" if self.tpu else "cpu")
+        self.group = _group(workers, o["devices_per_worker"], o["spread_workers"], float(o["step_timeout_s"]),
+                            tpu=self.tpu)
         caps = self.group.call("capabilities")
+        self.platform = caps["platform"]
         return Capabilities(
             dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
         )
+
+    def _layout(self, o: Mapping[str, Any]) -> tuple[int, int]:
+        """``(TPU chips per worker, workers)``: on a cluster with Ray's ``TPU`` resource
+        (option ``accelerator``), one worker per TPU host taking all its chips; else
+        CPU workers (0 chips), ``num_workers`` of them (0: 2)."""
+        import ray
+
+        hosts = [n["Resources"]["TPU"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("TPU", 0) > 0]
+        if o["accelerator"] == "cpu" or (o["accelerator"] == "auto" and not hosts):
+            return 0, o["num_workers"] or 2
+        if not hosts:
+            raise InvalidRequest("option accelerator='tpu', but no node of the Ray cluster has the 'TPU' resource "
+                                 "(Ray registers a TPU VM's chips as it); run on TPU hosts or use accelerator='cpu'")
+        workers = o["num_workers"] or len(hosts) - o["prefill_workers"]
+        if workers < 1 or workers + o["prefill_workers"] > len(hosts):
+            raise InvalidRequest(
+                f"options num_workers={o['num_workers']} and prefill_workers={o['prefill_workers']} need more TPU hosts "
+                f"than the Ray cluster's {len(hosts)}: each worker takes one whole host; use fewer")
+        return int(min(hosts)), workers
+
+    def _check_hosts(self, model: Model, config: EngineConfig) -> None:
+        """Refuse, before any worker allocates, a node whose workers' share does not fit
+        the host memory they report. Only the CPU platform keeps the shares in host
+        memory; on TPU and GPU each worker checks its own devices' free memory for its
+        share when it builds its engine."""
+        if self.platform != "cpu":
+            return
+        o, info = self.options, self.group.info
+        dp, tp = mesh_shape(model.config, config.max_slots, info[0]["devices"], tensor_parallel=o["tensor_parallel"],
+                            data_parallel=o["data_parallel"], platform=self.platform)
+        per_device = device_needs(model.config, config, dtype=self.dtype, dp=dp, tp=tp, quantize=o["quantize"],
+                                  kv_int8=o["kv_quantize"] == "int8", rules=o["sharding_rules"])
+        reports = self.group._gather(self.group.submit("host_memory"), "asking the workers for their free memory")
+        nodes: dict[str, list[dict]] = {}
+        for worker, report in zip(info, reports):
+            nodes.setdefault(worker["node"], []).append({**worker, **report})
+        for node, workers in nodes.items():
+            # Devices of the mesh this node's workers hold (a process may see more than the mesh uses).
+            count = min(sum(w["local_devices"] for w in workers), dp * tp)
+            free = [w["available"] for w in workers if w["available"] is not None]
+            self.check_memory({f"{what} ({len(workers)} worker(s), {count} device(s))": n * count
+                               for what, n in per_device.items()},
+                              where=f"host memory of Ray node {workers[0]['address']} ({node[:12]})",
+                              available=min(free) if free else None)
 
     def _id(self, kind: str) -> str:
         return f"{self.engine_id}-{kind}{next(self._ids)}"

@@ -76,7 +76,15 @@ class EngineWorker:
 
         from polyengine.backends.tpu_jax.engine import _dtypes
 
-        return {"dtypes": _dtypes(jax.devices()[0].platform)}
+        platform = jax.devices()[0].platform
+        return {"dtypes": _dtypes(platform), "platform": platform}
+
+    def host_memory(self) -> dict[str, Any]:
+        """The host memory this worker could still allocate (bytes, None where unknown):
+        what the leader checks this node's share against."""
+        from polyengine.memory import available_host_memory
+
+        return {"available": available_host_memory()}
 
     # -- engines -------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ arrays from host data every process holds.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -36,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from polyengine.errors import InvalidRequest
 from polyengine.models import ModelConfig
 
+from polyengine.backends.tpu_jax.footprint import mesh_axes, mesh_shape, param_axes, shards
 from polyengine.backends.tpu_jax.options import DEFAULT_RULES, LOGICAL_AXES, MESH_AXES, rules_problem
 
 __all__ = ["MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "ShardingRules", "ShardingPlan", "plan_mesh", "param_axes"]
@@ -61,32 +61,6 @@ class ShardingRules:
         return None if logical is None else dict(self.pairs)[logical]
 
 
-def param_axes(name: str, ndim: int) -> tuple[str | None, ...]:
-    """The logical axes of a weight tensor by its HF name (and ``.qweight``/``.scale``
-    of int8 weights, which follow their matrix)."""
-    leaf = name.rsplit(".", 1)[-1]
-    base = name.rsplit(".", 1)[0]
-    if base.startswith("rope"):
-        return ("positions", "head_dim")
-    if base in ("model.embed_tokens", "lm_head"):
-        out, inp = "vocab", "embed"
-    elif base.endswith(("q_proj", "qkv_proj")):
-        out, inp = "heads", "embed"
-    elif base.endswith(("k_proj", "v_proj")):
-        out, inp = "kv_heads", "embed"
-    elif base.endswith("o_proj"):
-        out, inp = "embed", "heads"
-    elif base.endswith(("gate_proj", "up_proj", "gate_up_proj")):
-        out, inp = "mlp", "embed"
-    elif base.endswith("down_proj"):
-        out, inp = "embed", "mlp"
-    else:  # norms
-        return ("embed",)[:ndim]
-    if leaf == "bias" or ndim == 1:  # a bias, or the per-channel scale of an int8 matrix
-        return (out,)
-    return (out, inp)
-
-
 @dataclass(frozen=True)
 class ShardingPlan:
     """A mesh ``(dp, tp)`` and the rules; hashable (a static argument of the steps)."""
@@ -109,13 +83,7 @@ class ShardingPlan:
     def spec(self, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> PartitionSpec:
         """The PartitionSpec of logical ``axes``; with ``shape``, a dimension that the
         mesh axis does not divide stays whole (e.g. a block-scale column count)."""
-        out = []
-        for i, logical in enumerate(axes):
-            axis = self.rules.mesh_axis(logical)
-            if axis is not None and shape is not None and shape[i] % int(self.mesh.shape[axis]):
-                axis = None
-            out.append(axis)
-        return PartitionSpec(*out)
+        return PartitionSpec(*mesh_axes(axes, shape, self.mesh.shape, dict(self.rules.pairs)))
 
     def sharding(self, axes: Sequence[str | None] = (), shape: Sequence[int] | None = None) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(axes, shape))
@@ -126,8 +94,7 @@ class ShardingPlan:
 
     def shards(self, axes: Sequence[str | None], shape: Sequence[int]) -> int:
         """Into how many pieces an array of ``shape`` is split (bytes per device = total / this)."""
-        spec = self.spec(axes, shape)
-        return math.prod(int(self.mesh.shape[a]) for a in spec if a is not None)
+        return shards(axes, shape, self.mesh.shape, dict(self.rules.pairs))
 
     def put(self, value: np.ndarray, axes: Sequence[str | None] = ()) -> jax.Array:
         """Host data (the same in every process) as a global array laid out by ``axes``."""
@@ -151,10 +118,6 @@ class ShardingPlan:
         return f"mesh dp={self.dp} x tp={self.tp}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
-
-
 def plan_mesh(
     config: ModelConfig,
     slots: int,
@@ -164,40 +127,11 @@ def plan_mesh(
     data_parallel: int = 0,
     rules: ShardingRules | None = None,
 ) -> ShardingPlan:
-    """Size the mesh and check the model divides over it, before anything compiles.
-
-    0 means "choose": ``tp`` becomes the largest divisor of the devices left that
-    divides the heads, the KV heads and the MLP width; ``dp`` the largest that divides
-    the devices left and the slots. Explicit sizes are checked, and a mismatch is
-    InvalidRequest naming both numbers.
-    """
-    n = len(devices)
-    tp, dp = int(tensor_parallel), int(data_parallel)
-    if tp < 0 or dp < 0:
-        raise InvalidRequest(f"tensor_parallel ({tp}) and data_parallel ({dp}) must be >= 0 (0 chooses)")
-    splits = {
-        "attention heads (num_attention_heads)": config.num_attention_heads,
-        "KV heads (num_key_value_heads)": config.num_key_value_heads,
-        "MLP width (intermediate_size)": config.intermediate_size,
-    }
-    if tp == 0:
-        room = n // dp if dp else n
-        tp = next(d for d in _divisors(max(room, 1)) if all(size % d == 0 for size in splits.values()))
-    if dp == 0:
-        dp = next(d for d in _divisors(max(n // tp, 1)) if slots % d == 0)
-    if tp * dp > n:
-        raise InvalidRequest(
-            f"a mesh of data_parallel={dp} x tensor_parallel={tp} needs {tp * dp} devices but only {n} "
-            f"are visible ({devices[0].platform if n else 'none'})")
-    for what, size in splits.items():
-        if size % tp:
-            raise InvalidRequest(
-                f"tensor_parallel={tp} does not divide the model's {size} {what}: each device must hold "
-                f"whole heads; use a tensor_parallel that divides {size}")
-    if slots % dp:
-        raise InvalidRequest(
-            f"data_parallel={dp} does not divide the {slots} slots (max_slots): each device group holds "
-            f"slots/dp rows; use a data_parallel that divides {slots}")
+    """Size the mesh (:func:`.footprint.mesh_shape`: 0 chooses, explicit sizes are
+    checked) and lay ``devices`` out on it, before anything compiles."""
+    platform = devices[0].platform if devices else "none"
+    dp, tp = mesh_shape(config, slots, len(devices), tensor_parallel=tensor_parallel, data_parallel=data_parallel,
+                        platform=platform)
     chosen = list(devices[: dp * tp])
     try:
         from jax.experimental import mesh_utils

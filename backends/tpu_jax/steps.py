@@ -40,6 +40,7 @@ from polyengine.models import ModelConfig
 
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax.compat import import_torchax
+from polyengine.backends.tpu_jax.footprint import CACHE_AXES
 from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, Int8KVCodec, int8_linear, kv_encode
 from polyengine.backends.tpu_jax.sharding import ShardingPlan
 
@@ -112,7 +113,7 @@ class DecodeArrays:
 
 
 # Logical axes of each decode-state field (sharding.py maps them to the mesh).
-_CACHE_AXES = ("layers", "slots", "kv_heads", "positions", "head_dim")
+_CACHE_AXES = CACHE_AXES  # the cache is laid out by the axes the memory check counts
 
 
 def _constrain_state(cfg: StepConfig, s: DecodeArrays) -> DecodeArrays:

@@ -1,0 +1,413 @@
+"""The Neuron device path: every graph of an engine as one NxD model on ``tp_degree`` NeuronCores.
+
+On a Neuron instance the graphs of :mod:`.graphs` are not compiled one by one: they
+are the models of one neuronx-distributed ``ModelBuilder`` (NxD's model for
+inference, the one NxD Inference builds), one key per graph and bucket, traced and
+compiled together into one artifact, because only the models of one builder share
+weights and state on the device:
+
+- **Weights** are module parameters: never graph inputs (an input crosses from the
+  host on every call) and never inlined into the NEFFs (ModelBuilder keeps them apart).
+  The artifact therefore holds no checkpoint: one artifact serves every checkpoint of
+  the same architecture, and ``nxd_model.initialize(weights)`` moves an engine's
+  weights to the NeuronCores once, when the engine loads.
+- **The KV cache** is two state parameters (``k_cache``, ``v_cache``) every model that
+  touches it declares under the same names, zeroed on the device by NxD's state
+  initializer and aliased to the output that holds its new value
+  (``input_output_aliases``), so neuronx-cc updates it in place and it never crosses
+  to the host. A prefill's K/V reach it through an insert model per prefill bucket,
+  since the protocol puts the prefix between prefill and insert.
+- **Compiler arguments** per dtype (:data:`COMPILER_ARGS`): ``--auto-cast=none``
+  always, since neuronx-cc otherwise casts float32 matmuls to bfloat16 (a declared
+  float32 would not be float32) and bfloat16 graphs are bfloat16 as written; bfloat16
+  adds ``--enable-mixed-precision-accumulation`` (float32 sums, as NxD builds bf16
+  models); ``--model-type=transformer -O2`` as NxD compiles decoders.
+- **Tensor parallelism** over ``tp_degree`` cores, split as NxD's parallel layers
+  split a decoder (Megatron's column/row scheme): q/k/v and gate/up by output rows
+  (whole heads and MLP units per core), o and down by input columns and then summed
+  over the tensor-parallel process group with NxD's
+  ``reduce_from_tensor_model_parallel_region``; embeddings, norms and the LM head whole
+  on every core (so every core samples the same tokens from the same logits). Each
+  core's graphs are built for its share of the config (:func:`local_config`) and hold
+  its rows of the KV cache; prefill gathers the heads back
+  (``gather_from_tensor_model_parallel_region``) so a prefix is whole, and the insert
+  model keeps each core's heads (``tp_rank``, a one-element weight whose value is the
+  core's rank). :func:`shards` splits the checkpoint, one dict per core, which is what
+  ``initialize`` takes.
+
+Two rules of NxD's runtime shape the models: it routes a call to a model by the shapes
+of its inputs, so decode models of one batch and another attended length get a bucket
+marker input (as NxD Inference's attention mask carries the sequence bucket); and one
+packer unpacks every model's outputs, so every model returns :data:`OUTPUTS` tensors
+before its aliased ones (one-element pads where a graph has fewer).
+
+The sampler's per-slot tables (``counts``, ``logit_bias``, masks: ``slots x vocab``)
+stay graph inputs and outputs: they cross to the device and back every step, the
+transfer still left on this path (docs/neuron.md).
+
+Nothing here ran on a Neuron device (none was available): it is checked against a
+recording stand-in of torch-neuronx and neuronx-distributed (``tests/neuron_standin``)
+that runs the models on the CPU with these semantics: compiler flags parsed (an
+unknown one is an error, and without ``--auto-cast=none`` float32 matmuls are rounded
+to bfloat16), state updated only through aliases, weights and state kept on the
+device and every byte that crosses counted, one thread per core with real
+collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from polyengine.errors import InvalidRequest
+from polyengine.models import ModelConfig
+
+from polyengine.backends.torch_common.model import TorchWeights
+from polyengine.backends.neuron.graphs import SAMPLER_FIELDS, ContextEncoding, TokenGeneration
+
+__all__ = [
+    "COMPILER_ARGS", "OUTPUTS", "compiler_args", "local_config", "local_shape", "shards", "tp_linear", "OnDevice", "ProgramSpec",
+    "DeviceGraphs", "compile_program", "load_program",
+]
+
+COMPILER_ARGS = {
+    "float32": "--model-type=transformer -O2 --auto-cast=none",
+    "bfloat16": "--model-type=transformer -O2 --auto-cast=none --enable-mixed-precision-accumulation",
+}
+OUTPUTS = 4  # every model's non-aliased outputs (NxD unpacks all models with one packer)
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
+_ROW = ("o_proj", "down_proj")  # split by input columns, summed over the cores
+
+
+def compiler_args(dtype: str) -> str:
+    """neuronx-cc's arguments for a graph declared in ``dtype``."""
+    try:
+        return COMPILER_ARGS[dtype]
+    except KeyError:
+        raise InvalidRequest(f"the Neuron path compiles {', '.join(COMPILER_ARGS)}, not {dtype!r}") from None
+
+
+def local_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """One core's share of ``config`` under tensor parallelism ``tp``: its heads, KV
+    heads and MLP units (whole ones: the sizes must divide, else InvalidRequest)."""
+    for what, size in (("attention heads (num_attention_heads)", config.num_attention_heads),
+                       ("KV heads (num_key_value_heads)", config.num_key_value_heads),
+                       ("MLP width (intermediate_size)", config.intermediate_size)):
+        if size % tp:
+            raise InvalidRequest(f"option tp_degree={tp} does not divide the model's {size} {what}: each NeuronCore "
+                                 f"holds whole heads; use a tp_degree that divides {size}")
+    if tp == 1:
+        return config
+    return config.model_copy(update={"num_attention_heads": config.num_attention_heads // tp,
+                                      "num_key_value_heads": config.num_key_value_heads // tp,
+                                      "intermediate_size": config.intermediate_size // tp})
+
+
+def _split(name: str) -> int | None:
+    """The dimension a weight is split along over the cores (None: whole on every core)."""
+    base, leaf = name.rsplit(".", 1)
+    proj = base.rsplit(".", 1)[-1]
+    if proj in _COLUMN:
+        return 0  # weight rows and bias entries: this core's heads / MLP units
+    if proj in _ROW and leaf == "weight":
+        return 1  # the inputs this core's heads / units produce; the bias is added once, after the sum
+    return None
+
+
+def local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape of one core's part of weight ``name``."""
+    dim = None if tp == 1 else _split(name)
+    return shape if dim is None else shape[:dim] + (shape[dim] // tp,) + shape[dim + 1:]
+
+
+def shards(tensors: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` (HF names) split for each of ``tp`` cores."""
+    out = []
+    for rank in range(tp):
+        part = {}
+        for name, t in tensors.items():
+            dim = None if tp == 1 else _split(name)
+            if dim is None:
+                part[name] = t
+            else:
+                size = t.shape[dim] // tp
+                part[name] = t.narrow(dim, rank * size, size).contiguous()
+        out.append(part)
+    return out
+
+
+def tp_linear(tensors: dict[str, torch.Tensor], x: torch.Tensor, name: str) -> torch.Tensor:
+    """The forward's projections on one core (``StepSpec.linear``): its rows of q/k/v and
+    gate/up; its columns of o and down, summed over the tensor-parallel group (NxD's
+    all-reduce) before the bias; the whole LM head."""
+    if name == "lm_head":
+        return F.linear(x, tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]))
+    w, b = tensors[name + ".weight"], tensors.get(name + ".bias")
+    if name.rsplit(".", 1)[-1] in _ROW:
+        from neuronx_distributed.parallel_layers.mappings import reduce_from_tensor_model_parallel_region
+
+        y = reduce_from_tensor_model_parallel_region(F.linear(x, w))
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
+def _gather_heads(x: torch.Tensor) -> torch.Tensor:
+    """``(L, B, heads/tp, P, D)`` on each core -> every core's heads, in rank order."""
+    from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region
+
+    whole = gather_from_tensor_model_parallel_region(x.movedim(2, -1).contiguous())  # heads last: (L, B, P, D, heads)
+    return whole.movedim(-1, 2).contiguous()
+
+
+def _param(name: str) -> str:
+    return name.replace(".", "__")  # parameter names may not contain dots
+
+
+def _pad(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=like.device)
+
+
+class OnDevice(torch.nn.Module):
+    """One graph as NxD traces it, for one core: the weights it reads as parameters
+    (``weights.<name>``), the KV cache as state parameters (``k_cache``, ``v_cache``),
+    a call's data as its inputs. ``forward`` returns :data:`OUTPUTS` tensors, then the
+    caches' new values; :meth:`aliases` ties each cache to its output.
+
+    Kinds: ``context`` (inputs ``tokens (1, P)``, ``last (1,)``; outputs logits, the
+    prompt's K and V with every core's heads), ``decode``/``draft`` (inputs
+    ``seq_ids``, ``occupied``, ``prompt_len``, [``drafts``], the sampler's fields in
+    :data:`~.graphs.SAMPLER_FIELDS` order, the bucket marker ``(kv_len,)``; outputs
+    packed, counts, step, last token; a draft model reads and writes the first
+    ``draft_layers`` layers of the cache), ``insert`` (inputs the prefix's K and V
+    padded to a prefill bucket, ``slot (1,)``; writes them into the slot's cache row).
+    """
+
+    def __init__(self, kind: str, *, graph: torch.nn.Module | None, weights: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 cache: tuple[tuple[int, ...], torch.dtype] | None, draft_layers: int = 0, tp: int = 1):
+        super().__init__()
+        self.kind, self.graph, self.draft_layers, self.tp = kind, graph, draft_layers, tp
+        self.names = tuple(weights)
+        self.weights = torch.nn.ParameterDict({
+            _param(n): torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            for n, (shape, dtype) in weights.items()})
+        if kind == "insert":
+            self.tp_rank = torch.nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+        if cache is not None:
+            shape, dtype = cache
+            self.k_cache = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            self.v_cache = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+
+    def aliases(self) -> dict[torch.nn.Parameter, int]:
+        """The state parameters and the outputs that are their new values."""
+        if self.kind == "context":
+            return {}
+        return {self.k_cache: OUTPUTS, self.v_cache: OUTPUTS + 1}
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.weights[_param(n)] for n in self.names)
+
+    def forward(self, *inputs: torch.Tensor):
+        if self.kind == "context":
+            tokens, last = inputs
+            logits, k, v = self.graph(self._weights(), tokens, last)
+            if self.tp > 1:
+                k, v = _gather_heads(k), _gather_heads(v)
+            return logits, k, v, _pad(tokens)
+        if self.kind == "insert":
+            return self._insert(*inputs)
+        return self._decode(*inputs)
+
+    def _insert(self, k_prefix: torch.Tensor, v_prefix: torch.Tensor, slot: torch.Tensor):
+        heads = self.k_cache.shape[2]  # this core's KV heads
+        mine = self.tp_rank * heads + torch.arange(heads, device=slot.device)  # (heads,)
+        out = []
+        for cache, prefix in ((self.k_cache, k_prefix), (self.v_cache, v_prefix)):
+            row = cache.index_select(1, slot)  # (L, 1, heads, S, D)
+            row = row.slice_scatter(prefix.index_select(2, mine).to(cache.dtype), dim=3, start=0, end=prefix.shape[3])
+            out.append(cache.index_copy(1, slot, row))
+        return slot.to(torch.int32), _pad(slot), _pad(slot), _pad(slot), out[0], out[1]
+
+    def _decode(self, *inputs: torch.Tensor):
+        seq_ids, occupied, prompt_len = inputs[:3]
+        fields = len(SAMPLER_FIELDS)
+        drafts = inputs[3:-1 - fields]
+        sampler = dict(zip(SAMPLER_FIELDS, inputs[-1 - fields:-1]))
+        k, v = self.k_cache, self.v_cache
+        layers = self.draft_layers or k.shape[0]
+        packed, counts, step, last, k_new, v_new = self.graph(self._weights(), k[:layers], v[:layers], seq_ids, occupied,
+                                                              prompt_len, *drafts, sampler)
+        if layers < k.shape[0]:  # the draft writes the target's first layers; the rest stay as they are
+            k_new, v_new = torch.cat([k_new, k[layers:]]), torch.cat([v_new, v[layers:]])
+        return packed, counts, step, last, k_new, v_new
+
+
+@dataclass
+class ProgramSpec:
+    """What one artifact is built from: per key, a factory of its (core-local) module and
+    its example inputs; the cores; the compiler's arguments; the rank-0 checkpoint
+    (NxD's builder asks for a loader; the weights themselves are given at load)."""
+
+    models: dict[str, tuple[Callable[[], OnDevice], tuple[torch.Tensor, ...]]]
+    tp_degree: int
+    # No input is updated in place (the compile seam's aliases): the caches are the program's own state.
+    aliases: ClassVar[tuple] = ()
+    compiler_args: str
+    checkpoint: Callable[[], dict[str, torch.Tensor]]
+
+
+def compile_program(spec: ProgramSpec, workdir: Path) -> Any:
+    """Trace and compile every model of ``spec`` with NxD's ModelBuilder, weights left
+    out (``workdir``: neuronx-cc's intermediate files); return it. The artifact cache
+    saves it (``torch.jit.save``) as a signed entry (``polyengine.cache.store``)."""
+    from neuronx_distributed.trace.model_builder import BaseModelInstance, ModelBuilder
+
+    class Instance(BaseModelInstance):
+        def __init__(self, factory):
+            super().__init__(module_cls=factory, input_output_aliases={})
+
+        def load_module(self):
+            self.module = self.module_cls()
+
+        def get(self, bucket_rank, **kwargs):
+            return self.module, self.module.aliases()
+
+    signatures = {}
+    for key, (_, example) in spec.models.items():  # NxD routes calls by input shapes: each key needs its own
+        shapes = str([list(t.shape) for t in example])
+        if shapes in signatures:
+            raise ValueError(f"models {signatures[shapes]!r} and {key!r} take inputs of the same shapes {shapes}")
+        signatures[shapes] = key
+    builder = ModelBuilder(router=None, tp_degree=spec.tp_degree, checkpoint_loader=spec.checkpoint,
+                           compiler_workdir=str(workdir))
+    for key, (factory, example) in spec.models.items():
+        builder.add(key=key, model_instance=Instance(factory), example_inputs=[example], compiler_args=spec.compiler_args)
+    return builder.trace(initialize_model_weights=False)
+
+
+def load_program(path: Path) -> Any:
+    """An artifact :func:`compile_program` wrote, loaded without weights (``initialize`` next)."""
+    import neuronx_distributed  # noqa: F401  (registers NxD's TorchScript classes)
+    import torch_neuronx  # noqa: F401  (registers the Neuron ops torch.jit.load needs)
+
+    return torch.jit.load(str(path))
+
+
+class DeviceGraphs:
+    """An engine's graphs on the NeuronCores: builds the :class:`ProgramSpec` from the
+    engine's buckets, then, given the compiled program, moves the weights to the cores
+    once and runs the calls. The KV cache lives in the program (one per engine)."""
+
+    def __init__(self, *, weights: TorchWeights, names: tuple[str, ...], draft: ModelConfig | None,
+                 draft_names: tuple[str, ...], buckets, max_slots: int, max_cache_length: int, tokens_per_step: int,
+                 num_top: int, neutral: Callable[[int], dict[str, torch.Tensor]], dtype: str, tp: int):
+        self.config = weights.config
+        self.tp = tp
+        self.local = local_config(self.config, tp)
+        self.draft_local = local_config(draft, tp) if draft is not None else None
+        self.weights, self.names, self.draft, self.draft_names = weights, names, draft, draft_names
+        self.buckets, self.slots, self.max_cache_length = buckets, max_slots, max_cache_length
+        self.k, self.num_top, self.neutral, self.dtype = tokens_per_step, num_top, neutral, dtype
+        self.program: Any = None
+        self._shapes = {n: (local_shape(n, tuple(weights.tensors[n].shape), tp), weights.tensors[n].dtype) for n in names}
+        c = self.local
+        self._cache = ((c.num_hidden_layers, max_slots, c.num_key_value_heads, buckets.cache, c.head_dim), weights.dtype)
+
+    # -- what is compiled ------------------------------------------------------------------
+
+    def description(self) -> dict[str, Any]:
+        """The artifact's bucket plan and cores, for its cache key."""
+        b = self.buckets
+        return {"prefill": list(b.prefill), "batch": list(b.batch), "seq": list(b.seq), "positions": b.cache,
+                "slots": self.slots, "max_cache_length": self.max_cache_length, "tokens_per_step": self.k,
+                "num_top": self.num_top, "draft_layers": self.draft.num_hidden_layers if self.draft else 0,
+                "tp_degree": self.tp, "compiler_args": compiler_args(self.dtype)}
+
+    def _linear(self):
+        return tp_linear if self.tp > 1 else None
+
+    def _decode_inputs(self, batch: int, tokens: int, kv: int) -> tuple[torch.Tensor, ...]:
+        r = self.slots
+        args = [torch.arange(batch), torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64)]
+        if tokens > 1:
+            args.append(torch.zeros((batch, tokens - 1), dtype=torch.int64))
+        sampler = self.neutral(r)
+        return (*args, *(sampler[f] for f in SAMPLER_FIELDS), self.marker(kv))
+
+    @staticmethod
+    def marker(kv: int) -> torch.Tensor:
+        """The bucket marker: its shape says which attended length a decode call is for."""
+        return torch.zeros(kv, dtype=torch.int32)
+
+    def spec(self) -> ProgramSpec:
+        models: dict[str, tuple[Callable[[], OnDevice], tuple]] = {}
+        b, lin = self.buckets, self._linear()
+        draft_shapes = {n: self._shapes[n] for n in self.draft_names}
+        cfg = dict(max_cache_length=self.max_cache_length, num_top=self.num_top, linear=lin)
+        for p in b.prefill:
+            models[f"context_{p}"] = (
+                lambda p=p: OnDevice("context", graph=ContextEncoding(self.local, self.names, p, linear=lin),
+                                     weights=self._shapes, cache=None, tp=self.tp),
+                (torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1])))
+            full = (self.config.num_hidden_layers, 1, self.config.num_key_value_heads, p, self.config.head_dim)
+            models[f"insert_{p}"] = (
+                lambda: OnDevice("insert", graph=None, weights={}, cache=self._cache, tp=self.tp),
+                (torch.zeros(full, dtype=self.weights.dtype), torch.zeros(full, dtype=self.weights.dtype),
+                 torch.zeros(1, dtype=torch.int64)))
+        for batch in b.batch:
+            for kv in b.seq:
+                models[f"decode_{batch}_{kv}"] = (
+                    lambda batch=batch, kv=kv: OnDevice(
+                        "decode", graph=TokenGeneration(self.local, self.names, batch=batch, tokens=self.k, kv_len=kv,
+                                                        **cfg),
+                        weights=self._shapes, cache=self._cache, tp=self.tp),
+                    self._decode_inputs(batch, self.k, kv))
+                if self.draft is not None:
+                    layers = self.draft.num_hidden_layers
+                    models[f"draft_{batch}_{kv}"] = (
+                        lambda batch=batch, kv=kv: OnDevice(
+                            "draft", graph=TokenGeneration(self.draft_local, self.draft_names, batch=batch, tokens=1,
+                                                           kv_len=kv, **cfg),
+                            weights=draft_shapes, cache=self._cache, draft_layers=layers, tp=self.tp),
+                        self._decode_inputs(batch, 1, kv))
+        return ProgramSpec(models, self.tp, compiler_args(self.dtype), lambda: self.checkpoints()[0])
+
+    def checkpoints(self) -> list[dict[str, torch.Tensor]]:
+        """Each core's weights under the models' parameter names (what ``initialize`` takes)."""
+        parts = shards({n: self.weights.tensors[n] for n in self.names}, self.tp)
+        return [{**{f"weights.{_param(n)}": t for n, t in part.items()}, "tp_rank": torch.tensor([rank])}
+                for rank, part in enumerate(parts)]
+
+    # -- running -----------------------------------------------------------------------------
+
+    def attach(self, program: Any) -> None:
+        """Take a loaded program and move the engine's weights to its cores (once)."""
+        program.nxd_model.initialize(self.checkpoints(), torch.tensor([0], dtype=torch.int32))
+        self.program = program
+
+    def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.program(*inputs)
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    def context(self, tokens: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, k, v, _ = self._run(tokens, last)
+        return logits, k, v
+
+    def insert(self, k: torch.Tensor, v: torch.Tensor, slot: int) -> None:
+        """The prefix ``(L, kv_heads, n, D)`` into ``slot``'s cache row, padded to its prefill bucket."""
+        n = k.shape[2]
+        bucket = next(p for p in self.buckets.prefill if p >= n)
+        shape = (k.shape[0], 1, k.shape[1], bucket, k.shape[3])
+        kp, vp = torch.zeros(shape, dtype=self.weights.dtype), torch.zeros(shape, dtype=self.weights.dtype)
+        kp[:, 0, :, :n], vp[:, 0, :, :n] = k, v
+        self._run(kp, vp, torch.tensor([slot]))
+
+    def decode(self, kv: int, seq_ids: torch.Tensor, occupied: torch.Tensor, prompt_len: torch.Tensor,
+               drafts: tuple[torch.Tensor, ...], sampler: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """One decode (or speculation, or draft) call: ``(packed, counts, step, last_token)``;
+        which model runs follows from the inputs' shapes."""
+        return self._run(seq_ids, occupied, prompt_len, *drafts, *(sampler[f] for f in SAMPLER_FIELDS), self.marker(kv))
+
