@@ -77,6 +77,9 @@ class EngineBase:
         dtype = config.dtype or capabilities.dtypes[0]
         if dtype not in capabilities.dtypes:
             raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}")
+        if mc.model_type not in capabilities.architectures:
+            raise UnsupportedFeature(f"architecture {mc.model_type!r}", self.name,
+                                     f"declared architectures: {', '.join(capabilities.architectures)}")
         self.capabilities = capabilities
         self.dtype = dtype
         self.model_id = model.instance_id
