@@ -30,6 +30,7 @@ from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, Re
 from polyengine.errors import InvalidRequest
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
+from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
@@ -114,6 +115,7 @@ class TpuJaxEngine(EngineBase):
         return Capabilities(
             dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
+            architectures=ARCHITECTURES,
         )
 
     @staticmethod
@@ -167,8 +169,9 @@ class TpuJaxEngine(EngineBase):
             w = TorchWeights.from_model(self.model, dtype=torch.float32, max_positions=self.max_cache_length)
             host = {name: t.numpy() for name, t in w.tensors.items()}
             # RoPE tables from float64 in one rounding (as the shared model builds them).
-            angles = np.arange(self.max_cache_length, dtype=np.float64)[:, None] * c.rope_inv_freq()[None, :]
-            host["rope.cos"], host["rope.sin"] = np.cos(angles), np.sin(angles)
+            for kind, (cos, sin) in c.rope_tables(self.max_cache_length).items():
+                prefix = "rope" if kind == "global" else "rope_local"
+                host[prefix + ".cos"], host[prefix + ".sin"] = cos, sin
             if self.cfg.quantize:
                 host = quantize_weights(host, self.cfg.quantize)
             dtype = steps.JAX_DTYPES[self.dtype]

@@ -68,6 +68,12 @@ def param_axes(name: str, ndim: int) -> tuple[str | None, ...]:
     base = name.rsplit(".", 1)[0]
     if base.startswith("rope"):
         return ("positions", "head_dim")
+    if base.endswith(("q_norm", "k_norm")):
+        return ("head_dim",)
+    if base.endswith(".mlp.gate") and ndim == 2:  # the router (experts, embed)
+        return (None, "embed")
+    if ".mlp.experts." in base and ndim == 3:  # stacked experts (experts, out, in)
+        return (None, *param_axes(base.replace(".mlp.experts.", ".mlp.") + "." + leaf, 2))
     if base in ("model.embed_tokens", "lm_head"):
         out, inp = "vocab", "embed"
     elif base.endswith(("q_proj", "qkv_proj")):
