@@ -95,7 +95,7 @@ _GLOBAL_NAMES = {
 }
 # Gemma's norms sit elsewhere (sandwich norms): llama.cpp's ffn_norm is its pre-MLP norm.
 _GEMMA_NAMES = {
-    "attn_post_norm.weight": "post_attention_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
