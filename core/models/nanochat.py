@@ -50,6 +50,7 @@ import numpy as np
 from polyengine.errors import ModelConfigError, WeightsError
 from polyengine.limits import MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB
 from polyengine.models.metadata import Fields, read_json, require_finite, shown
+from polyengine.models.presets import TEMPLATE_TAIL
 
 __all__ = ["nanochat_features", "is_nanochat_folder", "load_nanochat", "read_torch_state_dict", "read_tiktoken_pickle",
            "NANOCHAT_SPECIALS", "NANOCHAT_TEMPLATE", "nanochat_weights"]
@@ -65,13 +66,7 @@ NANOCHAT_TEMPLATE = (
     "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
     "{% elif message['role'] == 'user' %}<|user_start|>{{ ns.system }}{{ message['content'] }}<|user_end|>"
     "{% set ns.system = '' %}"
-    "{% elif message['role'] == 'assistant' %}<|assistant_start|>{{ message['content'] }}<|assistant_end|>"
-    "{% elif message['role'] == 'tool' %}<|output_start|>{{ message['content'] }}<|output_end|>"
-    "{% else %}{{ raise_exception('unknown role ' + message['role']) }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant_start|>{% endif %}"
-)
+) + TEMPLATE_TAIL
 
 _LATER_PARTS = ("value_embeds", "resid_lambdas", "x0_lambdas", "smear", "backout", "ve_gate")
 _STEP = re.compile(r"^model_(\d+)\.pt$")

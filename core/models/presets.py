@@ -28,7 +28,7 @@ from polyengine.errors import ModelConfigError
 from polyengine.models.config import ModelConfig, RopeScaling
 from polyengine.models.tokenizer import Tokenizer, byte_level_tokenizer
 
-__all__ = ["PRESETS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "list_presets", "preset_config", "random_weights", "byte_tokenizer"]
+__all__ = ["PRESETS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "TEMPLATE_TAIL", "list_presets", "preset_config", "random_weights", "byte_tokenizer"]
 
 SPECIAL_TOKENS = (
     "<|bos|>",
@@ -46,11 +46,9 @@ SPECIAL_TOKENS = (
     "<|output_end|>",
 )
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}<|system_start|>{{ message['content'] }}<|system_end|>"
-    "{% elif message['role'] == 'user' %}<|user_start|>{{ message['content'] }}<|user_end|>"
+# nanochat's conversation format after the system and user turns (shared with its own
+# template in polyengine.models.nanochat): assistant and tool turns, the generation prompt.
+TEMPLATE_TAIL = (
     "{% elif message['role'] == 'assistant' %}<|assistant_start|>{{ message['content'] }}<|assistant_end|>"
     "{% elif message['role'] == 'tool' %}<|output_start|>{{ message['content'] }}<|output_end|>"
     "{% else %}{{ raise_exception('unknown role ' + message['role']) }}"
@@ -59,9 +57,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant_start|>{% endif %}"
 )
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system_start|>{{ message['content'] }}<|system_end|>"
+    "{% elif message['role'] == 'user' %}<|user_start|>{{ message['content'] }}<|user_end|>"
+) + TEMPLATE_TAIL
+
 _SPECIAL_ID = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
 _TINY_VOCAB = 288  # >= 256 bytes + the specials, a multiple of 32
 _LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0)
+_GEMMA = dict(rms_norm_eps=1e-6, hidden_act="gelu_tanh", norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+              query_pre_attn_scalar=256.0, tie_word_embeddings=True)
 
 # name -> (description, config fields)
 PRESETS: dict[str, tuple[str, dict]] = {
@@ -142,21 +149,18 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "gemma2-2b": (
         "Gemma-2-2B shape: 26 layers, hidden 2304, GQA 8/4, head_dim 256, local/global, soft-caps (benchmarks)",
         dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-             num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
-             rms_norm_eps=1e-6, hidden_act="gelu_tanh", norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, **_GEMMA,
              sliding_window=4096, layer_types=tuple("sliding_attention" if (i + 1) % 2 else "full_attention"
                                                     for i in range(26)),
-             attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256.0,
-             tie_word_embeddings=True),
+             attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     ),
     "gemma3-270m": (
         "Gemma-3-270M shape: 18 layers, hidden 640, GQA 4/1, head_dim 256, 5 local : 1 global (benchmarks)",
         dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
              num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
-             max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="gelu_tanh", norm_offset=1.0,
-             embed_scale=True, sandwich_norms=True, qk_norm=True, sliding_window=512,
+             max_position_embeddings=32768, **_GEMMA, qk_norm=True, sliding_window=512,
              layer_types=tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(18)),
-             query_pre_attn_scalar=256.0, rope_theta=1000000.0, rope_local_theta=10000.0, tie_word_embeddings=True),
+             rope_theta=1000000.0, rope_local_theta=10000.0),
     ),
     "phi3-mini": (
         "Phi-3-mini-4k shape: 32 layers, hidden 3072, MHA 32 heads, sliding window 2047 (benchmarks)",
