@@ -176,3 +176,22 @@ def test_cuda_graphs_are_refused_on_the_cpu(model):
         pytest.skip("a GPU is present")
     with pytest.raises(UnsupportedFeature, match="CUDA graphs need a CUDA device"):
         TorchEngine(model, CFG.model_copy(update={"options": {"cuda_graphs": True}}))
+
+
+@pytest.mark.parametrize("name", ["mha_tied", "odd_qwen2", "gemma3", "mixtral", "nanochat"])
+def test_fused_cpu_step_only_for_the_llama_family(name):
+    """The fused CPU decode kernel is written for Llama; other architectures decode
+    through the shared forward (never a wrong model), and MoE refuses int8 weights."""
+    from polyengine.conformance.models import build_model
+    from polyengine.errors import UnsupportedFeature
+
+    model = build_model(name)
+    eng = TorchEngine(model, EngineConfig(max_slots=2, max_prefill_length=16, max_cache_length=32,
+                                          options={"device": "cpu"}))
+    eng.load_params()
+    if eng._kernels is not None:
+        assert (eng._fused is not None) == model.config.is_llama_family
+    if model.config.num_experts:
+        with pytest.raises(UnsupportedFeature, match="mixture-of-experts"):
+            TorchEngine(model, EngineConfig(max_slots=2, max_prefill_length=16, max_cache_length=32,
+                                            options={"device": "cpu", "quantize": "int8"}))

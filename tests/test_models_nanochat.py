@@ -124,6 +124,15 @@ def test_checkpoint_folder_loads_and_generates(folder):
     llm = LLM(model=model, backend="reference", max_cache_length=64, max_prefill_length=32)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
     assert out.outputs[0].token_ids
+    # nanochat's tool tokens turn the calculator on: a call is answered with forced tokens.
+    assert llm.tools is not None
+    row = llm.tools.new_row()
+    for t in tok.encode("<|python_start|>6*7<|python_end|>"):
+        row.step(t)
+    forced = []
+    while row.pending:
+        forced.append(row.step(0)[0])
+    assert tok.decode(forced) == "<|output_start|>42<|output_end|>"
 
 
 def test_later_nanochat_checkpoints_are_refused(folder):
