@@ -546,7 +546,7 @@ def forward(
 
     x = F.embedding(tokens, t["model.embed_tokens.weight"])  # (B, T, H)
     if c.embed_scale:  # Gemma: times sqrt(hidden), rounded to the compute dtype as transformers does
-        x = x * torch.tensor(math.sqrt(c.hidden_size), dtype=x.dtype)
+        x = x * x.new_full((), math.sqrt(c.hidden_size))  # an op, not a constant: export lifts no tensor
     if c.embed_norm:  # nanochat
         x = rms_norm(x, None, c.rms_norm_eps)
     sandwich = c.sandwich_norms
