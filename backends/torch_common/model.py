@@ -1,9 +1,14 @@
-"""The Llama-family forward pass as one functional PyTorch function.
+"""The forward pass of every supported architecture as one functional PyTorch function
+of small blocks.
 
 Shared by the torch backends (``cuda_torch`` eager or compiled, ``tpu_jax`` through
 torchax, ``neuron`` through torch.export/AOTInductor). It covers every model the core's
-loader accepts: Llama 2/3 and SmolLM2 (GQA, RoPE scaling none/linear/llama3), Qwen2's
-q/k/v biases, Llama's ``attention_bias``/``mlp_bias``, tied and untied LM heads. It knows
+loader accepts (docs/models.md): Llama 2/3 and SmolLM2 (GQA, RoPE scaling
+none/linear/llama3), Qwen2's biases, Qwen3's q/k norm, Mistral's sliding window, Gemma
+2/3 (scaled embeddings, offset and sandwich norms, GeGLU, local/global layers with their
+own RoPE tables, soft-caps, query scale), Phi-3's long-RoPE, Mixtral's and Qwen3-MoE's
+routed experts, nanochat's GPT (squared ReLU, parameter-free norms); tied and untied
+heads. Each feature is data of the ``ModelConfig`` read by the one block it changes. It knows
 nothing about slots, buckets, requests or sampling: an engine decides which cache row
 each batch row uses, pads to its buckets and samples the logits (:mod:`.sampling`).
 
@@ -42,8 +47,9 @@ logits_at=None) -> (logits, k_cache, v_cache)``
 
 Conventions are HF's and the reference backend's (backends/reference/model.py):
 ``[out, in]`` weights, rotate-half RoPE with ``angle = position * inv_freq`` from
-``ModelConfig.rope_inv_freq()``, K cached after RoPE, GQA head h reading KV head
-``h // (heads / kv_heads)``, SiLU-gated MLP.
+``ModelConfig.rope_tables()`` (per layer kind), K cached after RoPE, GQA head h reading
+KV head ``h // (heads / kv_heads)``. The cache keeps every position; a sliding layer
+masks keys older than its window.
 
 Numerics: RMSNorm runs in float32 for float16/bfloat16 activations (HF's
 LlamaRMSNorm: the mean of squares overflows fp16 and loses bf16's few mantissa bits),
