@@ -204,7 +204,7 @@ class PreRopeExportEngine(ReferenceEngine):
         out = super().export_prefix(prefix)
         k = out.k  # (layers, kv_heads, length, head_dim), after RoPE
         pos = np.arange(k.shape[2])
-        inv = self.load_params().inv_freq
+        inv = self.load_params().inv_freq["global"]
         unrotated = np.stack([rope(layer.transpose(1, 0, 2), -pos, inv).transpose(1, 0, 2) for layer in k])
         out.k = unrotated.astype(np.float32)
         return out
