@@ -21,7 +21,7 @@ from polyengine.hostinfo import cpu_model
 from polyengine.models import Model
 from polyengine.sampling import RowState, SamplingParams
 
-from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, MODEL_SEED, build_model
+from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, MODEL_SEED, architecture_of, build_model
 from polyengine.conformance.oracle import Decision, ReferenceOracle, decide, oracle_for
 from polyengine.conformance.tolerances import Tolerance, Tolerances
 from polyengine.conformance.xfail import XfailList
@@ -312,6 +312,16 @@ class Context:
                 f"dtype {dtype} is not declared (Capabilities.dtypes={list(self.capabilities.dtypes)}); "
                 f"its refusal is tested by test_dtype[{dtype}]"
             )
+
+    def require_architecture(self, model: str) -> None:
+        """Skip a test on a model whose architecture the backend does not declare (its
+        refusal is tested by ``test_architecture``)."""
+        import pytest
+
+        arch = architecture_of(model)
+        if arch not in self.capabilities.architectures:
+            pytest.skip(f"architecture {arch!r} (model {model}) is not declared (Capabilities.architectures="
+                        f"{list(self.capabilities.architectures)}); its refusal is tested by test_architecture[{model}]")
 
     def require_params(self, *names: str) -> None:
         import pytest

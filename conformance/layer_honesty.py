@@ -36,7 +36,7 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.conformance import layer
 from polyengine.conformance.faults import FAULTS, ORDER
-from polyengine.conformance.models import DEFAULT_MODEL, build_model, eos_prompt
+from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, architecture_of, build_model, eos_prompt
 from polyengine.conformance.layer_numerics import BIASED_TOKEN, DTYPES, check_reported_logprobs
 
 
@@ -330,6 +330,27 @@ class HonestyLayer:
             f"the factory built an engine with dtype {dtype}, which Capabilities.dtypes {list(conformance.capabilities.dtypes)} "
             f"does not declare: declare it or raise UnsupportedFeature"
         )
+
+    @pytest.mark.parametrize("model", MODEL_NAMES)
+    def test_architecture(self, conformance, model):
+        """A test model of an undeclared architecture (Capabilities.architectures) is refused
+        with UnsupportedFeature when the engine is built (a declared one runs in the
+        numerics layer)."""
+        arch = architecture_of(model)
+        if arch in conformance.capabilities.architectures:
+            pytest.skip(f"architecture {arch!r} is declared: the numerics layer runs model {model}")
+        harness = conformance.harness
+        try:
+            harness.build(build_model(model), harness.config(None))
+        except UnsupportedFeature:
+            return
+        except Exception as exc:
+            raise AssertionError(f"building an engine for model {model} (architecture {arch!r}, not declared) raised "
+                                 f"{type(exc).__name__} ({exc}); expected UnsupportedFeature") from None
+        raise AssertionError(
+            f"the factory built an engine for architecture {arch!r}, which Capabilities.architectures "
+            f"{list(conformance.capabilities.architectures)} does not declare: declare it (and pass the numerics "
+            f"layer on it) or raise UnsupportedFeature")
 
     def test_driver_stop_conditions(self, conformance):
         """Through LLM.from_engine: either EOS id stops, min_tokens holds EOS and the stop

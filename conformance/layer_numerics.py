@@ -1,7 +1,8 @@
 """Layer 3, numerics: logits, log-probs and greedy tokens against the reference.
 
-Every test model in every declared dtype (dtypes a backend does not declare are
-skipped here, counted apart, and their refusal is tested in the honesty layer). The
+Every test model (one per architecture, conformance/models.py) in every declared
+dtype (dtypes and architectures a backend does not declare are skipped here, counted
+apart, and their refusal is tested in the honesty layer). The
 reference is the float64 NumPy backend; errors are measured per logits row as
 relative L2 and per log-prob as absolute error, against the tolerances in force
 (recorded in the report with their source).
@@ -140,6 +141,7 @@ class NumericsLayer:
     def test_prefill_logits_match_reference(self, conformance, model, dtype):
         """Prefix.host_logits() within logits_rel_l2 of the reference, several prompt lengths."""
         conformance.require_dtype(dtype)
+        conformance.require_architecture(model)
         eng = conformance.engine(model, dtype)
         d = conformance.driver(eng)
         oracle = conformance.oracle(model)
@@ -161,6 +163,7 @@ class NumericsLayer:
         logit_bias and a presence penalty (those the backend declares); the top ids are the
         reference's raw top ids up to ties within the tolerance."""
         conformance.require_dtype(dtype)
+        conformance.require_architecture(model)
         conformance.require_params("logprobs", "top_logprobs")
         eng = conformance.engine(model, dtype)
         k = min(5, eng.capabilities.max_top_logprobs)
@@ -182,6 +185,7 @@ class NumericsLayer:
         """Greedy tokens equal the reference's for GREEDY_STEPS steps from two prompts;
         a divergence is allowed only at a near tie (reported)."""
         conformance.require_dtype(dtype)
+        conformance.require_architecture(model)
         conformance.require_params("temperature")
         eng = conformance.engine(model, dtype)
         greedy = SamplingParams(temperature=0.0, seed=0)

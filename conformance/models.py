@@ -1,6 +1,9 @@
-"""The test models: a few tiny Llama-family shapes made from a seed, no downloads.
+"""The test models: tiny models of every supported architecture, made from a seed, no
+downloads.
 
-Few on purpose, since a compiled backend pays for every new shape:
+Few on purpose, since a compiled backend pays for every new shape; one per
+architecture (``ARCHITECTURE_MODELS``), two layers each, so the numerics layer checks a
+backend on every architecture it declares:
 
 ``mha_tied``     Llama 2 style: multi-head attention (4 heads, 4 KV heads), tied embeddings.
 ``gqa_llama3``   grouped-query attention (4 heads, 2 KV heads), untied, Llama 3.1 RoPE
@@ -8,6 +11,19 @@ Few on purpose, since a compiled backend pays for every new shape:
                  changes short contexts too.
 ``odd_qwen2``    odd sizes (vocab 131, hidden 48, 6 heads of 8, 2 KV heads) and Qwen2's
                  q/k/v biases.
+``qwen3``        per-head q/k RMSNorm.
+``mistral``      sliding-window attention, window 5 (shorter than most test prompts).
+``gemma2``       sliding (window 6) and global layers alternating, attention and final
+                 soft-caps small enough to bite (3 and 5), query scale 24^-1/2,
+                 offset norms, sandwich norms, GeGLU, scaled embeddings.
+``gemma3``       Gemma 3: sliding then global layer (window 5), q/k norm, local RoPE
+                 base 10^4 beside global 10^6.
+``phi3``         long-RoPE with ``original_max_position_embeddings=32`` (long factors
+                 at the suite's cache lengths) and an attention factor.
+``mixtral``      4 experts, top 2, renormalised.
+``qwen3_moe``    4 experts of width 32, top 2, not renormalised, q/k norm.
+``nanochat``     nanochat's GPT: squared ReLU, parameter-free norms, embedding norm,
+                 QK norm, logit soft-cap 15, its rotary convention.
 
 Weights are float32 normals. The scales are chosen so the logits are neither flat nor
 one-hot: projections std 0.1, embeddings and LM head std 0.2 give logits of std ~1.6
@@ -33,7 +49,8 @@ import numpy as np
 
 from polyengine.models import Model, ModelConfig, RopeScaling
 
-__all__ = ["MODEL_NAMES", "DEFAULT_MODEL", "MODEL_SEED", "TIE_IDS", "build_model", "eos_prompt"]
+__all__ = ["MODEL_NAMES", "DEFAULT_MODEL", "MODEL_SEED", "TIE_IDS", "ARCHITECTURE_MODELS", "build_model", "eos_prompt",
+           "architecture_of"]
 
 MODEL_SEED = 20240611
 DEFAULT_MODEL = "mha_tied"
@@ -67,14 +84,51 @@ _SHAPES: dict[str, dict] = {
         tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-6,
     ),
 }
+_rng = np.random.default_rng(31)
+_GQA = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+_SHAPES.update({
+    "qwen3": dict(model_type="qwen3", **_GQA, tie_word_embeddings=True, qk_norm=True, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6),
+    "mistral": dict(model_type="mistral", **_GQA, tie_word_embeddings=False, sliding_window=5),
+    "gemma2": dict(model_type="gemma2", **_GQA, tie_word_embeddings=True, hidden_act="gelu_tanh", norm_offset=1.0,
+                   embed_scale=True, sandwich_norms=True, sliding_window=6,
+                   layer_types=("sliding_attention", "full_attention"), attn_logit_softcapping=3.0,
+                   final_logit_softcapping=5.0, query_pre_attn_scalar=24.0, rms_norm_eps=1e-6),
+    "gemma3": dict(model_type="gemma3_text", **_GQA, tie_word_embeddings=True, hidden_act="gelu_tanh",
+                   norm_offset=1.0, embed_scale=True, sandwich_norms=True, qk_norm=True, sliding_window=5,
+                   layer_types=("sliding_attention", "full_attention"), query_pre_attn_scalar=16.0,
+                   rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6),
+    "phi3": dict(model_type="phi3", **_GQA, tie_word_embeddings=False,
+                 rope_scaling=RopeScaling(rope_type="longrope", original_max_position_embeddings=32,
+                                          short_factor=tuple(1.0 + _rng.random(8)),
+                                          long_factor=tuple(1.0 + 3.0 * _rng.random(8)))),
+    "mixtral": dict(model_type="mixtral", **{**_GQA, "intermediate_size": 48}, tie_word_embeddings=False,
+                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    "qwen3_moe": dict(model_type="qwen3_moe", **_GQA, tie_word_embeddings=False, qk_norm=True, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=False, moe_intermediate_size=32, rms_norm_eps=1e-6),
+    "nanochat": dict(model_type="nanochat", **{**_GQA, "intermediate_size": 256}, hidden_act="relu2", qk_norm=True,
+                     norm_weights=False, embed_norm=True, final_logit_softcapping=15.0,
+                     rms_norm_eps=float(np.finfo(np.float32).eps)),
+})
 MODEL_NAMES: tuple[str, ...] = tuple(_SHAPES)
+# One test model per architecture (the suite checks a backend on each it declares).
+ARCHITECTURE_MODELS: dict[str, str] = {"llama": "mha_tied", "qwen2": "odd_qwen2", "qwen3": "qwen3",
+                                       "mistral": "mistral", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                                       "phi3": "phi3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+                                       "nanochat": "nanochat"}
+
+
+def architecture_of(name: str) -> str:
+    """The model_type of test model ``name`` (without building it)."""
+    return _SHAPES[name].get("model_type", "llama")
 
 
 def _weights(config: ModelConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
     out = {}
     for name, shape in config.weight_shapes().items():
-        if name.endswith("norm.weight"):
-            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        if name.endswith("norm.weight"):  # (offset + w) near 1, not exactly
+            w = 1.0 - config.norm_offset + 0.1 * rng.standard_normal(shape)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             w = 0.2 * rng.standard_normal(shape)
         elif name.endswith(".bias"):

@@ -79,6 +79,10 @@ class EngineBase:
         if dtype not in capabilities.dtypes:
             raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}",
                                      field="dtype")
+        if mc.model_type not in capabilities.architectures:
+            raise UnsupportedFeature(f"architecture {mc.model_type!r}", self.name,
+                                     f"declared architectures: {', '.join(capabilities.architectures)}",
+                                     field="model")
         self.capabilities = capabilities
         self.dtype = dtype
         self.model_id = model.instance_id

@@ -17,7 +17,7 @@ import os
 
 __all__ = [
     "MAX_JSON_BYTES", "MAX_TOKENIZER_JSON_BYTES", "MAX_JSON_DEPTH",
-    "MAX_LAYERS", "MAX_HIDDEN", "MAX_INTERMEDIATE", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_VOCAB", "MAX_POSITIONS",
+    "MAX_LAYERS", "MAX_HIDDEN", "MAX_INTERMEDIATE", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_VOCAB", "MAX_POSITIONS", "MAX_EXPERTS",
     "MAX_GGUF_TENSORS", "MAX_GGUF_METADATA", "MAX_GGUF_KEY_BYTES", "MAX_GGUF_STRING_BYTES",
     "MAX_GGUF_ARRAY", "MAX_GGUF_ARRAY_TOTAL", "MAX_GGUF_NESTING", "MAX_GGUF_ALIGNMENT", "MAX_TENSOR_DIMS",
     "MAX_SAFETENSORS_HEADER", "MAX_TOKEN_CHARS", "MAX_SENTENCEPIECE_SPLITS",
@@ -42,6 +42,7 @@ MAX_HEADS = 1024  # query heads; largest real: 128
 MAX_HEAD_DIM = 1024  # largest real: 256
 MAX_VOCAB = 4_194_304  # 2**22; largest real: 262144 (Gemma 3)
 MAX_POSITIONS = 16_777_216  # 2**24; largest real: 10485760 (Llama 4 Scout)
+MAX_EXPERTS = 1024  # experts per MoE layer; largest real: 384 (Kimi K2)
 
 # -- GGUF header ------------------------------------------------------------------------------
 MAX_GGUF_TENSORS = 65536  # largest real: a few thousand

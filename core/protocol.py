@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from polyengine._version import PROTOCOL_VERSION
 from polyengine.limits import DEFAULT_CONTEXT_LENGTH
+from polyengine.models.config import ARCHITECTURES, LLAMA_FAMILY
 from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,6 +78,10 @@ class Capabilities(BaseModel):
     to the host (they are read through ``to_host``), so the driver dispatches step
     ``n+1`` before it reads step ``n``. ``tokens_per_step``: the most tokens one
     ``generate`` gives a slot (``k`` of ``ResultTokens``; > 1 for speculative decoding).
+    ``architectures``: the ``ModelConfig.model_type`` values the backend computes (a
+    backend that declares none is taken to run the Llama family, ``llama`` and
+    ``qwen2``); a model of any other is refused with :class:`UnsupportedFeature` when
+    the engine is built.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -89,9 +94,15 @@ class Capabilities(BaseModel):
     prefix_reuse: bool = False
     async_results: bool = False
     tokens_per_step: int = Field(1, ge=1, description="k of ResultTokens; >1 for speculation")
+    architectures: tuple[str, ...] = Field(
+        LLAMA_FAMILY, min_length=1,
+        description="model types (ModelConfig.model_type) the backend computes; others are refused at construction")
 
     @model_validator(mode="after")
     def _known_fields(self) -> "Capabilities":
+        unknown_arch = sorted(set(self.architectures) - set(ARCHITECTURES))
+        if unknown_arch:
+            raise ValueError(f"architectures names unknown model types {unknown_arch}; known: {list(ARCHITECTURES)}")
         unknown = self.sampling_params - ENGINE_FIELDS
         if unknown:
             raise ValueError(

@@ -204,7 +204,7 @@ class PreRopeExportEngine(ReferenceEngine):
         out = super().export_prefix(prefix)
         k = out.k  # (layers, kv_heads, length, head_dim), after RoPE
         pos = np.arange(k.shape[2])
-        inv = self.load_params().inv_freq
+        inv = self.load_params().inv_freq["global"]
         unrotated = np.stack([rope(layer.transpose(1, 0, 2), -pos, inv).transpose(1, 0, 2) for layer in k])
         out.k = unrotated.astype(np.float32)
         return out
@@ -310,6 +310,24 @@ class DriftingEngine(ReferenceEngine):
             head = params.lm_head
             params.lm_head = head + 1e-3 * float(np.std(head)) * rng.standard_normal(head.shape).astype(head.dtype)
         return params
+
+
+class FullAttentionEngine(ReferenceEngine):
+    """Ignores sliding windows: every layer attends to the whole context (a cache that
+    keeps everything but forgets to mask)."""
+
+    def load_params(self):
+        params = super().load_params()
+        params.config = params.config.model_copy(update={"sliding_window": None, "layer_types": None})
+        return params
+
+
+class UndeclaredArchitectureEngine(ReferenceEngine):
+    """Declares only the Llama family but builds an engine for any model."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.capabilities = self.capabilities.model_copy(update={"architectures": ("llama", "qwen2")})
 
 
 # -- sampling --------------------------------------------------------------------------------
@@ -443,6 +461,8 @@ BROKEN: dict[str, type] = {
     "broken_no_memory_check": NoMemoryCheckEngine,
     "broken_dtype": DtypeEngine,
     "broken_drift": DriftingEngine,
+    "broken_window": FullAttentionEngine,
+    "broken_architecture": UndeclaredArchitectureEngine,
     "broken_top_p": IgnoresTopPEngine,
     "broken_global_stream": GlobalStreamEngine,
     "broken_slot_stream": SlotStreamEngine,
@@ -493,6 +513,9 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_dtype": ("test_dtype and float16", "test_dtype[float16]", "does not declare"),
     "broken_drift": ("test_prefill_logits_match_reference and mha_tied", "test_prefill_logits_match_reference[mha_tied-float64]",
                      "logits_rel_l2"),
+    "broken_window": ("test_prefill_logits_match_reference and mistral-float64",
+                      "test_prefill_logits_match_reference[mistral-float64]", "logits_rel_l2"),
+    "broken_architecture": ("test_architecture and gemma2", "test_architecture[gemma2]", "does not declare"),
     "broken_top_p": ("test_sampling_support and top_p", "test_sampling_support[top_p]", "does not apply top_p"),
     "broken_global_stream": ("test_same_seed_same_tokens or test_seeded_stream", "test_same_seed_same_tokens",
                              "does not derive its random stream from the request's seed"),

@@ -2,8 +2,9 @@
 branches must pass on it (refusals tested, not skipped).
 
 It is the reference engine in float32 that declares no bulk_insert, no portable
-prefixes, no prefix reuse, no penalties or min_p, and at most 4 top log-probs, and
-refuses each of them with UnsupportedFeature before any work.
+prefixes, no prefix reuse, no penalties or min_p, at most 4 top log-probs and only the
+Llama family (Capabilities' default architectures), and refuses each of the others with
+UnsupportedFeature before any work.
 
 Self-contained on purpose (it imports only polyengine): tests/test_conformance_thirdparty.py
 copies this file into a throwaway third-party package as its engine module.
@@ -26,6 +27,8 @@ class RestrictedEngine(ReferenceEngine):
     def __init__(self, model: Model, config: EngineConfig):
         if config.dtype not in (None, "float32"):
             raise UnsupportedFeature(f"dtype {config.dtype!r}", self.name, "this backend computes in float32 only")
+        if model.config.model_type not in ("llama", "qwen2"):
+            raise UnsupportedFeature(f"architecture {model.config.model_type!r}", self.name, "it runs the Llama family")
         super().__init__(model, config.model_copy(update={"dtype": "float32"}))
         self.capabilities = Capabilities(
             dtypes=("float32",),

@@ -73,6 +73,9 @@ def test_reference_passes_what_catches_the_broken_ones(pytester):
     passed, skipped, failed = rec.listoutcomes()
     ran = {rep.nodeid.rsplit("::", 1)[-1] for rep in passed}
     named = {test for _, test, _ in CAUGHT_BY.values()} | {test for _, _, test, _ in _ALSO}
+    # The reference declares every architecture, so its refusal check is skipped there;
+    # the restricted variant (Llama family only) passes it in tests/test_conformance_honest.py.
+    named = {t for t in named if not t.startswith("test_architecture[")}
     assert named <= ran, f"tests that catch a broken backend did not pass on the reference: {sorted(named - ran)}"
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from polyengine.models.config import ARCHITECTURES
+
 from polyengine.conformance import LAYERS, SUITE_VERSION
 from polyengine.plugins import list_backends
 
@@ -68,11 +70,14 @@ def test_builtin_backend_passes_the_whole_suite(backend, tmp_path):
     assert {t["status"] for t in tests} <= {"passed", "skipped"}
     for layer in LAYERS:
         assert doc["summary"][layer]["passed"] > 0, f"no {layer} test passed"
-    # the only skips are numerics in dtypes the backend does not declare
+    # the only skips are numerics in dtypes the backend does not declare, and the refusal
+    # check of each architecture it declares (every built-in backend declares them all)
     declared = set(doc["capabilities"]["dtypes"])
+    assert set(doc["capabilities"]["architectures"]) == set(ARCHITECTURES)
     for t in tests:
         if t["status"] == "skipped":
-            assert t["layer"] == "numerics" and t["id"].split("-")[-1].rstrip("]") not in declared, t
+            assert (t["layer"] == "numerics" and t["id"].split("-")[-1].rstrip("]") not in declared
+                    or t["id"].startswith("test_architecture[")), t
         assert {"id", "layer", "status", "duration"} <= set(t)
     numeric = [t for t in tests if t["layer"] == "numerics" and t["status"] == "passed"]
     assert numeric and all(t["tolerances"] for t in numeric)

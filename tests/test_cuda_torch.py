@@ -201,9 +201,9 @@ def test_a_decode_step_computes_only_the_live_rows(model, monkeypatch, kernels):
     rows: list[int] = []
     forward, fused = mod.forward, FusedDecoder.step
 
-    def spy_forward(weights, tokens, *args, **kwargs):
+    def spy_forward(weights, spec, tokens, *args, **kwargs):
         rows.append(tokens.shape[0])
-        return forward(weights, tokens, *args, **kwargs)
+        return forward(weights, spec, tokens, *args, **kwargs)
 
     def spy_fused(self, x, *args):
         rows.append(x.shape[0])
@@ -229,3 +229,22 @@ def _no_warning():
             yield
 
     return fail_on_fallback()
+
+
+@pytest.mark.parametrize("name", ["mha_tied", "odd_qwen2", "gemma3", "mixtral", "nanochat"])
+def test_fused_cpu_step_only_for_the_llama_family(name):
+    """The fused CPU decode kernel is written for Llama; other architectures decode
+    through the shared forward (never a wrong model), and MoE refuses int8 weights."""
+    from polyengine.conformance.models import build_model
+    from polyengine.errors import UnsupportedFeature
+
+    model = build_model(name)
+    eng = TorchEngine(model, EngineConfig(max_slots=2, max_prefill_length=16, max_cache_length=32,
+                                          options={"device": "cpu"}))
+    eng.load_params()
+    if eng._kernels is not None:
+        assert (eng._fused is not None) == model.config.is_llama_family
+    if model.config.num_experts:
+        with pytest.raises(UnsupportedFeature, match="mixture-of-experts"):
+            TorchEngine(model, EngineConfig(max_slots=2, max_prefill_length=16, max_cache_length=32,
+                                            options={"device": "cpu", "quantize": "int8"}))

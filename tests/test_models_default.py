@@ -28,7 +28,9 @@ from polyengine.plugins import hookimpl, register_plugin, unregister_plugin
 from imports import assert_imports_light
 
 TINY = ["random:tiny", "random:tiny-gqa", "random:tiny-llama3", "random:tiny-qwen2", "random:tiny-deep"]
-BENCH = ["random:smollm2-135m", "random:llama-1b", "random:llama-7b", "random:llama-8b"]
+BENCH = ["random:smollm2-135m", "random:llama-1b", "random:llama-7b", "random:llama-8b", "random:qwen3-0.6b",
+         "random:mistral-7b", "random:gemma2-2b", "random:gemma3-270m", "random:phi3-mini", "random:mixtral-8x7b",
+         "random:qwen3-moe-small", "random:nanochat-d20"]
 
 
 def _quiet_load(*args, **kwargs) -> Model:
@@ -117,6 +119,9 @@ def test_preset_shapes():
     assert 1.2e9 < params["random:llama-1b"] < 1.3e9
     assert 6.7e9 < params["random:llama-7b"] < 6.8e9
     assert 8.0e9 < params["random:llama-8b"] < 8.1e9
+    assert params["random:gemma3-270m"] == 268_098_176  # exactly the real Gemma 3 270M GGUF (tests/test_gemma3_real.py)
+    assert 5.9e8 < params["random:qwen3-0.6b"] < 6.0e8  # Qwen3-0.6B: 596M with tied embeddings
+    assert 46.6e9 < params["random:mixtral-8x7b"] < 46.8e9  # Mixtral-8x7B: 46.7B
 
 
 def test_random_weights_are_deterministic():

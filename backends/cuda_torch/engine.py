@@ -39,6 +39,7 @@ from polyengine.errors import FallbackWarning, InsufficientMemory, InvalidReques
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.models.quantize import WEIGHT_MODES, has_int8_copies, int8_bytes, replaced_weights
+from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
@@ -103,7 +104,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                                 choices=("float32", "float64")),
         "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
         "cpu_kernels": Option(True, "CPU: decode products through the host-compiled kernels (cpu_kernels.py)"),
-        "fused_decode": Option(True, "CPU: the whole decode step in one host-compiled call (needs cpu_kernels)"),
+        "fused_decode": Option(True, "CPU: the whole decode step in one host-compiled call (needs cpu_kernels; Llama "
+                                     "family only, other architectures use the torch forward)"),
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
         "quantize": Option("", "int8 weights: 'int8' (per channel) or 'int8-block32'", choices=("", *WEIGHT_MODES)),
@@ -124,6 +126,9 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         o, device = self.options, self.torch_device
         if o["quantize"] and device.type != "cpu":
             raise UnsupportedFeature("quantize='int8' on CUDA", self.name, "int8 weights run on the CPU path only")
+        if o["quantize"] and model.config.num_experts:
+            raise UnsupportedFeature("quantize with a mixture-of-experts model", self.name,
+                                     "int8 weights cover dense projections only")
         if o["cuda_graphs"] and device.type != "cuda":
             raise UnsupportedFeature("cuda_graphs on the CPU", self.name, "CUDA graphs need a CUDA device")
         self.torch_dtype = _DTYPES[self.dtype]
@@ -176,6 +181,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
+            architectures=ARCHITECTURES,
         )
 
     def speed_paths(self) -> dict[str, str]:
@@ -255,7 +261,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         key = tuple(sorted(choices.items(), key=lambda kv: kv[0]))
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = StepSpec(attention=self.options["attention"], inplace=True, **choices)
+            spec = self._specs[key] = StepSpec(attention=self.options["attention"], inplace=True, moe="sparse", **choices)
         return spec
 
     def _allocating(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -287,7 +293,9 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 weights.tensors.update(self._allocating("int8 weights", lambda: int8_tensors(self.model, mode)))
                 self._tiled = TiledInt8Linear()
             self._weights = weights
-            if self._kernels is not None and self.options["fused_decode"]:
+            # The fused step is written for the Llama family; other architectures decode
+            # through the shared torch forward (its projections still on the host kernels).
+            if self._kernels is not None and self.options["fused_decode"] and self.model.config.is_llama_family:
                 from polyengine.backends.cuda_torch.cpu_kernels import FusedDecoder
 
                 self._fused = FusedDecoder(self._kernels, self._weights.tensors, self.model.config,

@@ -58,12 +58,11 @@ def default_cache_dir() -> Path:
 
 
 def architecture(config: ModelConfig) -> dict[str, Any]:
-    """The config fields a compiled graph depends on (RoPE settings and token ids are
-    not among them: the RoPE tables and the EOS mask are inputs)."""
-    keep = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-            "tie_word_embeddings", "attention_bias", "mlp_bias")
-    return {k: getattr(config, k) for k in keep}
+    """The config fields a compiled graph depends on (RoPE settings, the context and
+    token ids are not among them: the RoPE tables and the EOS mask are inputs)."""
+    inputs = ("rope_theta", "rope_scaling", "rope_local_theta", "max_position_embeddings", "bos_token_id",
+              "eos_token_ids", "pad_token_id")
+    return config.model_dump(mode="json", exclude=set(inputs))
 
 
 def _source_digest() -> str:

@@ -40,6 +40,7 @@ import torch
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Option, Prefix, ResultTokens
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
+from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
@@ -133,6 +134,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
             bulk_insert=True, portable_prefix=True, async_results=o["async_steps"], tokens_per_step=self.tokens_per_step,
+            architectures=ARCHITECTURES,
         )
 
     @staticmethod

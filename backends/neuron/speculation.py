@@ -39,7 +39,7 @@ def draft_config(config: ModelConfig, layers: int) -> ModelConfig:
             f"option draft_layers={layers}: the draft is the target's first layers, so it needs "
             f"1..{config.num_hidden_layers - 1} of its {config.num_hidden_layers} layers"
         )
-    return config.model_copy(update={"num_hidden_layers": layers})
+    return config.truncated(layers)
 
 
 def draft_weights(weights: TorchWeights, config: ModelConfig) -> TorchWeights:

@@ -15,6 +15,7 @@ import numpy as np
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
 from polyengine.models import Model
+from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import RowState, SamplingParams, sample
 from polyengine.sampling.params import ENGINE_FIELDS
@@ -53,6 +54,7 @@ class ReferenceEngine(EngineBase):
             bulk_insert=True,
             portable_prefix=True,
             prefix_reuse=True,
+            architectures=ARCHITECTURES,
         ), device="cpu (NumPy)")
         self.np_dtype = np.dtype(_DTYPES[self.dtype])
         mc = model.config
@@ -69,7 +71,7 @@ class ReferenceEngine(EngineBase):
 
     def load_params(self) -> ReferenceParams:
         if self._params is None:
-            self._params = ReferenceParams.from_model(self.model, self.np_dtype)
+            self._params = ReferenceParams.from_model(self.model, self.np_dtype, context=self.max_cache_length)
         return self._params
 
     def init_decode_state(self) -> ReferenceDecodeState:

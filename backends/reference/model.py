@@ -1,17 +1,27 @@
-"""The Llama-family forward pass in plain NumPy, written to be read, not to be fast.
+"""The forward pass of every supported architecture in plain NumPy, written to be read,
+not to be fast.
 
 One function runs ``B`` sequences that each append ``T`` tokens to their own KV cache:
 prefill is ``B=1``, a decode step is ``T=1`` over the occupied slots. Projections and
 the MLP are batched over all rows (one read of the weights per step); attention runs
 row by row over exactly that row's cache, so no row can see another's keys.
 
-Conventions are HF's: ``[out, in]`` weights, RMSNorm ``x / sqrt(mean(x^2) + eps) * w``,
-rotate-half RoPE with ``angle = position * inv_freq``, GQA head ``h`` reading KV head
-``h // (heads / kv_heads)``, SiLU-gated MLP. K is cached after RoPE.
+Conventions are HF's: ``[out, in]`` weights, RMSNorm ``x / sqrt(mean(x^2) + eps) *
+(offset + w)`` (no weight for parameter-free norms), rotate-half RoPE with ``angle =
+position * inv_freq`` (per layer kind, cos and sin times the config's attention
+factor), GQA head ``h`` reading KV head ``h // (heads / kv_heads)``. K is cached after
+RoPE. What an architecture changes is data of the :class:`ModelConfig`, read where it
+acts: the embedding (scale, norm), each layer's norms (sandwich), the attention (q/k
+norm, window, scale, soft-cap), the MLP (activation, gating, routed experts) and the
+head (soft-cap). Experts run only on the tokens routed to them.
+
+The cache keeps every position (the full length) and a sliding layer masks the keys
+older than its window.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,31 +31,36 @@ from polyengine.models import Model, ModelConfig
 
 @dataclass
 class ReferenceParams:
-    """The weights in the compute dtype, plus the RoPE frequencies."""
+    """The weights in the compute dtype, plus the RoPE frequencies per layer kind."""
 
     config: ModelConfig
     dtype: np.dtype
     w: dict[str, np.ndarray]
     lm_head: np.ndarray  # (vocab, hidden)
-    inv_freq: np.ndarray  # (head_dim // 2,) float64
+    inv_freq: dict[str, np.ndarray]  # "global"/"local" -> (head_dim // 2,) float64
+    rope_factor: float  # long-RoPE's cos/sin factor (1 otherwise)
 
     @classmethod
-    def from_model(cls, model: Model, dtype: np.dtype) -> "ReferenceParams":
+    def from_model(cls, model: Model, dtype: np.dtype, *, context: int | None = None) -> "ReferenceParams":
+        """``context``: the longest sequence this engine runs (long-RoPE picks its factors by it)."""
+        c = model.config
         w = {name: np.asarray(t, dtype=dtype) for name, t in model.weights.items()}
-        head = w["model.embed_tokens.weight"] if model.config.tie_word_embeddings else w["lm_head.weight"]
-        return cls(model.config, np.dtype(dtype), w, head, model.config.rope_inv_freq())
+        head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
+        inv = {"global": c.rope_inv_freq(context=context), "local": c.rope_inv_freq(local=True, context=context)}
+        return cls(c, np.dtype(dtype), w, head, inv, c.rope_attention_factor())
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, offset: float = 0.0) -> np.ndarray:
     var = np.mean(x * x, axis=-1, keepdims=True)
-    return x / np.sqrt(var + eps) * weight
+    y = x / np.sqrt(var + eps)
+    return y if weight is None else y * (offset + weight)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, factor: float = 1.0) -> np.ndarray:
     """Rotate-half RoPE. x: (N, heads, head_dim); positions: (N,)."""
     angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # (N, head_dim/2)
-    cos = np.concatenate([np.cos(angles), np.cos(angles)], axis=-1)[:, None, :].astype(x.dtype)
-    sin = np.concatenate([np.sin(angles), np.sin(angles)], axis=-1)[:, None, :].astype(x.dtype)
+    cos = (np.concatenate([np.cos(angles), np.cos(angles)], axis=-1) * factor)[:, None, :].astype(x.dtype)
+    sin = (np.concatenate([np.sin(angles), np.sin(angles)], axis=-1) * factor)[:, None, :].astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -57,8 +72,93 @@ def _linear(p: ReferenceParams, x: np.ndarray, name: str) -> np.ndarray:
     return y if bias is None else y + bias
 
 
-def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+def _norm(p: ReferenceParams, x: np.ndarray, name: str) -> np.ndarray:
+    c = p.config
+    return rms_norm(x, p.w.get(name + ".weight"), c.rms_norm_eps, c.norm_offset)
+
+
+def _act(c: ModelConfig, x: np.ndarray) -> np.ndarray:
+    if c.hidden_act == "silu":
+        return x / (1.0 + np.exp(-x))
+    if c.hidden_act == "gelu_tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return np.square(np.maximum(x, 0))  # relu2: nanochat's squared ReLU
+
+
+def _softcap(x: np.ndarray, cap: float | None) -> np.ndarray:
+    return x if cap is None else cap * np.tanh(x / cap)
+
+
+def _mlp(p: ReferenceParams, h: np.ndarray, pre: str) -> np.ndarray:
+    """A dense MLP: ``down(act(gate(h)) * up(h))``, or ``down(relu(up(h))^2)`` ungated."""
+    c = p.config
+    if c.mlp_gated:
+        inner = _act(c, _linear(p, h, pre + "gate_proj")) * _linear(p, h, pre + "up_proj")
+    else:
+        inner = _act(c, _linear(p, h, pre + "up_proj"))
+    return _linear(p, inner, pre + "down_proj")
+
+
+def _moe(p: ReferenceParams, h: np.ndarray, pre: str) -> np.ndarray:
+    """Routed experts: softmax over the router's logits, the top ``k`` per token (ties to
+    the lower expert id), their probabilities renormalised when the model says so; each
+    expert runs on the tokens routed to it only."""
+    c = p.config
+    logits = _linear(p, h, pre + "gate")  # (N, experts)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, : c.num_experts_per_tok]  # (N, k)
+    weights = np.take_along_axis(probs, top, axis=-1)
+    if c.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    for e in range(c.num_experts):
+        rows, slot = np.nonzero(top == e)
+        if rows.size:
+            y = _mlp(p, h[rows], f"{pre}experts.{e}.")
+            out[rows] += weights[rows, slot][:, None] * y
+    return out
+
+
+def _attention(p: ReferenceParams, layer: int, h: np.ndarray, positions: np.ndarray, starts: np.ndarray, t: int,
+               k_caches: list[np.ndarray], v_caches: list[np.ndarray]) -> np.ndarray:
+    c = p.config
+    b = len(starts)
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    group = nh // nkv
+    pre = f"model.layers.{layer}.self_attn."
+    q = _linear(p, h, pre + "q_proj").reshape(b * t, nh, hd)
+    k = _linear(p, h, pre + "k_proj").reshape(b * t, nkv, hd)
+    v = _linear(p, h, pre + "v_proj").reshape(b * t, nkv, hd)
+    if c.qk_norm:
+        q = _norm(p, q, pre + "q_norm")
+        k = _norm(p, k, pre + "k_norm")
+    inv = p.inv_freq[c.layer_rope(layer)]
+    factor = p.rope_factor if c.layer_rope(layer) == "global" else 1.0
+    q = rope(q, positions, inv, factor)
+    k = rope(k, positions, inv, factor)
+    window = c.layer_window(layer)
+    attn = np.empty((b, t, nh, hd), dtype=h.dtype)
+    for row in range(b):
+        s0 = int(starts[row])
+        end = s0 + t
+        rows = slice(row * t, (row + 1) * t)
+        k_caches[row][layer, :, s0:end] = k[rows].transpose(1, 0, 2)
+        v_caches[row][layer, :, s0:end] = v[rows].transpose(1, 0, 2)
+        keys = np.repeat(k_caches[row][layer, :, :end], group, axis=0)  # (nh, end, hd)
+        vals = np.repeat(v_caches[row][layer, :, :end], group, axis=0)
+        qr = q[rows].transpose(1, 0, 2)  # (nh, T, hd)
+        scores = _softcap(qr @ keys.transpose(0, 2, 1) * c.attention_scale, c.attn_logit_softcapping)  # (nh, T, end)
+        # query i sits at position s0 + i and may see keys s with s <= s0 + i (and, in a
+        # sliding layer, s0 + i - s < window)
+        distance = (s0 + np.arange(t))[:, None] - np.arange(end)[None, :]
+        hidden = (distance < 0) if window is None else (distance < 0) | (distance >= window)
+        scores = np.where(hidden[None], -np.inf, scores)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn[row] = (probs @ vals).transpose(1, 0, 2)  # (T, nh, hd)
+    return _linear(p, attn.reshape(b * t, nh * hd), pre + "o_proj")
 
 
 def forward(
@@ -71,40 +171,23 @@ def forward(
     """Append ``tokens`` to each row's cache and return the logits (B, T, vocab)."""
     c = p.config
     b, t = tokens.shape
-    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    group = nh // nkv
     positions = (starts[:, None] + np.arange(t)[None, :]).reshape(-1)  # (B*T,)
     x = p.w["model.embed_tokens.weight"][tokens.reshape(-1)]  # (B*T, hidden)
-    scale = 1.0 / np.sqrt(hd)
+    if c.embed_scale:
+        x = x * np.asarray(math.sqrt(c.hidden_size), dtype=x.dtype)
+    if c.embed_norm:
+        x = rms_norm(x, None, c.rms_norm_eps)
     for layer in range(c.num_hidden_layers):
         pre = f"model.layers.{layer}."
-        h = rms_norm(x, p.w[pre + "input_layernorm.weight"], c.rms_norm_eps)
-        q = _linear(p, h, pre + "self_attn.q_proj").reshape(b * t, nh, hd)
-        k = _linear(p, h, pre + "self_attn.k_proj").reshape(b * t, nkv, hd)
-        v = _linear(p, h, pre + "self_attn.v_proj").reshape(b * t, nkv, hd)
-        q = rope(q, positions, p.inv_freq)
-        k = rope(k, positions, p.inv_freq)
-        attn = np.empty((b, t, nh, hd), dtype=x.dtype)
-        for row in range(b):
-            s0 = int(starts[row])
-            end = s0 + t
-            rows = slice(row * t, (row + 1) * t)
-            k_caches[row][layer, :, s0:end] = k[rows].transpose(1, 0, 2)
-            v_caches[row][layer, :, s0:end] = v[rows].transpose(1, 0, 2)
-            keys = np.repeat(k_caches[row][layer, :, :end], group, axis=0)  # (nh, end, hd)
-            vals = np.repeat(v_caches[row][layer, :, :end], group, axis=0)
-            qr = q[rows].transpose(1, 0, 2)  # (nh, T, hd)
-            scores = qr @ keys.transpose(0, 2, 1) * scale  # (nh, T, end)
-            # query i sits at position s0 + i and may see keys 0 .. s0 + i
-            causal = np.arange(end)[None, :] > (s0 + np.arange(t))[:, None]
-            scores = np.where(causal[None], -np.inf, scores)
-            scores = scores - scores.max(axis=-1, keepdims=True)
-            probs = np.exp(scores)
-            probs /= probs.sum(axis=-1, keepdims=True)
-            attn[row] = (probs @ vals).transpose(1, 0, 2)  # (T, nh, hd)
-        x = x + _linear(p, attn.reshape(b * t, nh * hd), pre + "self_attn.o_proj")
-        h = rms_norm(x, p.w[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        gate = _silu(_linear(p, h, pre + "mlp.gate_proj"))
-        x = x + _linear(p, gate * _linear(p, h, pre + "mlp.up_proj"), pre + "mlp.down_proj")
-    x = rms_norm(x, p.w["model.norm.weight"], c.rms_norm_eps)
-    return (x @ p.lm_head.T).reshape(b, t, -1)
+        h = _norm(p, x, pre + "input_layernorm")
+        out = _attention(p, layer, h, positions, starts, t, k_caches, v_caches)
+        if c.sandwich_norms:
+            out = _norm(p, out, pre + "post_attention_layernorm")
+        x = x + out
+        h = _norm(p, x, pre + ("pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"))
+        out = _moe(p, h, pre + "mlp.") if c.num_experts else _mlp(p, h, pre + "mlp.")
+        if c.sandwich_norms:
+            out = _norm(p, out, pre + "post_feedforward_layernorm")
+        x = x + out
+    x = _norm(p, x, "model.norm")
+    return _softcap(x @ p.lm_head.T, c.final_logit_softcapping).reshape(b, t, -1)

@@ -1,9 +1,14 @@
-"""The Llama-family forward pass as one functional PyTorch function.
+"""The forward pass of every supported architecture as one functional PyTorch function
+of small blocks.
 
 Shared by the torch backends (``cuda_torch`` eager or compiled, ``tpu_jax`` through
 torchax, ``neuron`` through torch.export/AOTInductor). It covers every model the core's
-loader accepts: Llama 2/3 and SmolLM2 (GQA, RoPE scaling none/linear/llama3), Qwen2's
-q/k/v biases, Llama's ``attention_bias``/``mlp_bias``, tied and untied LM heads. It knows
+loader accepts (docs/models.md): Llama 2/3 and SmolLM2 (GQA, RoPE scaling
+none/linear/llama3), Qwen2's biases, Qwen3's q/k norm, Mistral's sliding window, Gemma
+2/3 (scaled embeddings, offset and sandwich norms, GeGLU, local/global layers with their
+own RoPE tables, soft-caps, query scale), Phi-3's long-RoPE, Mixtral's and Qwen3-MoE's
+routed experts, nanochat's GPT (squared ReLU, parameter-free norms); tied and untied
+heads. Each feature is data of the ``ModelConfig`` read by the one block it changes. It knows
 nothing about slots, buckets, requests or sampling: an engine decides which cache row
 each batch row uses, pads to its buckets and samples the logits (:mod:`.sampling`).
 
@@ -42,8 +47,9 @@ logits_at=None) -> (logits, k_cache, v_cache)``
 
 Conventions are HF's and the reference backend's (backends/reference/model.py):
 ``[out, in]`` weights, rotate-half RoPE with ``angle = position * inv_freq`` from
-``ModelConfig.rope_inv_freq()``, K cached after RoPE, GQA head h reading KV head
-``h // (heads / kv_heads)``, SiLU-gated MLP.
+``ModelConfig.rope_tables()`` (per layer kind), K cached after RoPE, GQA head h reading
+KV head ``h // (heads / kv_heads)``. The cache keeps every position; a sliding layer
+masks keys older than its window.
 
 Numerics: RMSNorm runs in float32 for float16/bfloat16 activations (HF's
 LlamaRMSNorm: the mean of squares overflows fp16 and loses bf16's few mantissa bits),
@@ -79,10 +85,11 @@ from polyengine.models import Model, ModelConfig
 
 __all__ = [
     "TorchWeights", "StepSpec", "forward", "attention_block", "mlp_block", "kv_write", "kv_read", "lm_head", "StepModule",
-    "KVCodec", "rms_norm", "ATTENTION_IMPLS",
+    "KVCodec", "rms_norm", "ATTENTION_IMPLS", "MOE_IMPLS", "moe_block",
 ]
 
 ATTENTION_IMPLS = ("sdpa", "eager")
+MOE_IMPLS = ("gather", "sparse")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -145,20 +152,25 @@ class TorchWeights:
             p = f"model.layers.{layer}."
             if fuse_qkv:
                 fused[p + "self_attn.qkv_proj"] = tuple(p + f"self_attn.{n}_proj" for n in "qkv")
-            if fuse_gate_up:
+            if fuse_gate_up and c.mlp_gated and not c.num_experts:
                 fused[p + "mlp.gate_up_proj"] = (p + "mlp.gate_proj", p + "mlp.up_proj")
         parts = {name for group in fused.values() for name in group}
         for name, arr in src.items():
-            if name.rsplit(".", 1)[0] not in parts and name not in skip:
+            if name.rsplit(".", 1)[0] not in parts and name not in skip and ".mlp.experts." not in name:
                 out[name] = put(arr)
         for target, group in fused.items():
             for kind in ("weight", "bias"):
                 if f"{group[0]}.{kind}" in src:
                     out[f"{target}.{kind}"] = put(np.concatenate([src[f"{g}.{kind}"] for g in group]))
+        for layer in range(c.num_hidden_layers if c.num_experts else 0):
+            p = f"model.layers.{layer}.mlp.experts."
+            for proj in ("gate_proj", "up_proj", "down_proj"):  # one (experts, out, in) tensor per projection
+                out[p + proj + ".weight"] = put(np.stack([src[f"{p}{j}.{proj}.weight"] for j in range(c.num_experts)]))
         n = max_positions or c.max_position_embeddings
-        angles = np.arange(n, dtype=np.float64)[:, None] * c.rope_inv_freq()[None, :]  # (n, head_dim/2)
-        out["rope.cos"] = torch.from_numpy(np.cos(angles)).to(device=device, dtype=dtype)
-        out["rope.sin"] = torch.from_numpy(np.sin(angles)).to(device=device, dtype=dtype)
+        for kind, (cos, sin) in c.rope_tables(n).items():
+            prefix = "rope" if kind == "global" else "rope_local"
+            out[prefix + ".cos"] = torch.from_numpy(cos).to(device=device, dtype=dtype)
+            out[prefix + ".sin"] = torch.from_numpy(sin).to(device=device, dtype=dtype)
         return cls(c, out)
 
     @property
@@ -194,12 +206,22 @@ class KVCodec(Protocol):
         ...
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight``, in float32 for half inputs (HF's order)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * (offset + weight)`` (no weight: parameter-free), in
+    float32 for half inputs (HF's order: cast back, then the weight)."""
     dt = x.dtype
     xf = x.float() if dt in _HALF else x
     var = (xf * xf).mean(-1, keepdim=True)
-    return (xf / torch.sqrt(var + eps)).to(dt) * weight
+    y = (xf / torch.sqrt(var + eps)).to(dt)
+    if weight is None:
+        return y
+    return y * (weight + offset) if offset else y * weight
+
+
+def _norm(weights: "TorchWeights", x: torch.Tensor, name: str) -> torch.Tensor:
+    """The model's RMSNorm ``name`` (without ``.weight``): its weight, offset and eps."""
+    c = weights.config
+    return rms_norm(x, weights.tensors.get(name + ".weight"), c.rms_norm_eps, c.norm_offset)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -228,6 +250,11 @@ class StepSpec:
     ``"lm_head"`` even when tied), so an engine routes them to its own kernels or int8
     weights; None is ``F.linear``. ``kv_codec`` (:class:`KVCodec`) encodes K/V before
     they are written and decodes what attention reads; None stores them as computed.
+    ``moe`` (mixture-of-experts models): how routed experts run, each only on the
+    tokens routed to it. ``"sparse"`` groups the tokens per expert (shapes depend on
+    the routing: eager torch only); ``"gather"`` gathers each token's k experts'
+    weights and multiplies them batched (static shapes, for traced programs; it reads
+    ``tokens x k`` expert matrices, so it suits decode steps and small prefills).
     """
 
     kv_len: int | None = None
@@ -236,10 +263,13 @@ class StepSpec:
     inplace: bool = False
     linear: Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor] | None = None
     kv_codec: KVCodec | None = None
+    moe: str = "gather"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.moe not in MOE_IMPLS:
+            raise ValueError(f"moe must be one of {MOE_IMPLS}, got {self.moe!r}")
 
     @property
     def project(self) -> Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor]:
@@ -296,11 +326,14 @@ def _write(cache: torch.Tensor, layer: int, w: _Writes, new: torch.Tensor, inpla
     return cache.index_put((layer_idx, w.rows, w.heads, w.pos), new)
 
 
-def _attend(q, keys, vals, visible, scale, attention):
-    """q (B, kv_heads, G*T, hd), keys/vals (B, kv_heads, S, hd), visible (B, 1, G*T, S)."""
-    if attention == "sdpa":
+def _attend(q, keys, vals, visible, scale, attention, softcap=None):
+    """q (B, kv_heads, G*T, hd), keys/vals (B, kv_heads, S, hd), visible (B, 1, G*T, S).
+    A soft-cap (``cap * tanh(scores / cap)``, Gemma 2) needs the scores: eager then."""
+    if attention == "sdpa" and softcap is None:
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible, scale=scale)
     scores = (q @ keys.transpose(-1, -2)) * scale  # (B, kv_heads, G*T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if q.dtype in _HALF else q.dtype)
     return probs.to(vals.dtype) @ vals
@@ -309,14 +342,14 @@ def _attend(q, keys, vals, visible, scale, attention):
 @dataclass
 class _Call:
     """What every layer of one forward call shares: its shapes, the RoPE rows of its
-    positions, which cache positions each query sees, and where its K/V go."""
+    positions (per table), which cache positions each query sees (per window), and
+    where its K/V go."""
 
     batch: int
     seq: int
     kv_len: int
-    cos: torch.Tensor  # (B, T, 1, head_dim)
-    sin: torch.Tensor
-    visible: torch.Tensor  # (B, 1, G*T, kv_len) bool
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "global"/"local" -> cos, sin (B, T, 1, head_dim)
+    visible: dict[int | None, torch.Tensor]  # window (None: full) -> (B, 1, G*T, kv_len) bool
     rows: torch.Tensor | None  # (B,) cache row of each batch row; None: row b
     cache_rows: torch.Tensor  # (B,) the same, always a tensor
     writes: _Writes
@@ -334,18 +367,24 @@ def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: 
         raise ValueError(f"causal=True needs kv_len == T (queries at 0..T-1): kv_len {kv_len}, T {seq}")
     device = positions.device
     table_pos = positions.clamp(0, t["rope.cos"].shape[0] - 1)
-    cos = t["rope.cos"][table_pos]  # (B, T, hd/2)
-    sin = t["rope.sin"][table_pos]
-    # Key s is visible to a query at position p iff s <= p: the cache index is the
-    # position, and each row reads only its own cache row, so rows never mix.
+    rope = {}
+    for kind, prefix in (("global", "rope"), ("local", "rope_local")):
+        if prefix + ".cos" in t:
+            cos, sin = t[prefix + ".cos"][table_pos], t[prefix + ".sin"][table_pos]  # (B, T, hd/2)
+            rope[kind] = (torch.cat([cos, cos], dim=-1)[:, :, None, :], torch.cat([sin, sin], dim=-1)[:, :, None, :])
+    # Key s is visible to a query at position p iff s <= p (and p - s < window in a
+    # sliding layer): the cache index is the position, and each row reads only its own
+    # cache row, so rows never mix. The cache keeps every position; windows only mask.
     key_pos = torch.arange(kv_len, device=device)
-    visible = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, kv_len)
+    distance = positions[:, :, None] - key_pos[None, None, :]  # (B, T, kv_len)
+    visible = {}
+    for window in {c.layer_window(layer) for layer in range(c.num_hidden_layers)}:
+        seen = distance >= 0 if window is None else (distance >= 0) & (distance < window)
+        # Queries are grouped per KV head as (group, T) so K/V are never repeated.
+        visible[window] = seen.repeat(1, group, 1)[:, None]
     cache_rows = rows if rows is not None else torch.arange(b, device=device)
     return _Call(
-        batch=b, seq=seq, kv_len=kv_len,
-        cos=torch.cat([cos, cos], dim=-1)[:, :, None, :], sin=torch.cat([sin, sin], dim=-1)[:, :, None, :],
-        # Queries are grouped per KV head as (group, T) so K/V are never repeated.
-        visible=visible.repeat(1, group, 1)[:, None], rows=rows, cache_rows=cache_rows,
+        batch=b, seq=seq, kv_len=kv_len, rope=rope, visible=visible, rows=rows, cache_rows=cache_rows,
         writes=_write_targets(cache_rows, positions, write_mask, c.num_key_value_heads),
     )
 
@@ -353,8 +392,10 @@ def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: 
 def attention_block(weights: TorchWeights, spec: StepSpec, call: _Call, layer: int, h: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Self-attention of layer ``layer`` on the normed hidden states ``h`` (B, T, H):
-    projections, RoPE, the KV write (through the codec), attention over the slot's own
-    cache row up to ``kv_len``, the output projection. Returns ``(out, k_cache, v_cache)``."""
+    projections, the per-head q/k norm (Qwen3, Gemma 3, nanochat), RoPE (the layer's
+    table), the KV write (through the codec), attention over the slot's own cache row up
+    to ``kv_len`` (masked to the layer's window; scaled and soft-capped as the config
+    says), the output projection. Returns ``(out, k_cache, v_cache)``."""
     c, t, lin = weights.config, weights.tensors, spec.project
     b, seq = call.batch, call.seq
     nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -366,21 +407,24 @@ def attention_block(weights: TorchWeights, spec: StepSpec, call: _Call, layer: i
         q, k, v = lin(t, h, pre + "q_proj"), lin(t, h, pre + "k_proj"), lin(t, h, pre + "v_proj")
     q = q.reshape(b, seq, nh, hd)
     k = k.reshape(b, seq, nkv, hd)
-    q = q * call.cos + _rotate_half(q) * call.sin  # (B, T, nh, hd)
-    k = k * call.cos + _rotate_half(k) * call.sin  # (B, T, nkv, hd)
+    if c.qk_norm:
+        q, k = _norm(weights, q, pre + "q_norm"), _norm(weights, k, pre + "k_norm")
+    cos, sin = call.rope[c.layer_rope(layer)]
+    q = q * cos + _rotate_half(q) * sin  # (B, T, nh, hd)
+    k = k * cos + _rotate_half(k) * sin  # (B, T, nkv, hd)
 
     k_cache, v_cache = kv_write(spec, call, layer, k.reshape(b * seq, nkv, hd), v.reshape(b * seq, nkv, hd),
                                 k_cache, v_cache)
     keys, vals = kv_read(spec, call, layer, k_cache, v_cache)
 
-    scale = 1.0 / math.sqrt(hd)
-    if spec.causal and spec.attention == "sdpa":
+    scale, window, softcap = c.attention_scale, c.layer_window(layer), c.attn_logit_softcapping
+    if spec.causal and spec.attention == "sdpa" and window is None and softcap is None:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, is_causal=True, scale=scale,
                                              enable_gqa=group > 1)  # (B, nh, T, hd)
         out = out.transpose(1, 2).reshape(b, seq, nh * hd)
     else:
         qg = q.reshape(b, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * seq, hd)
-        out = _attend(qg, keys, vals, call.visible, scale, spec.attention)  # (B, nkv, G*T, hd)
+        out = _attend(qg, keys, vals, call.visible[window], scale, spec.attention, softcap)  # (B, nkv, G*T, hd)
         out = out.reshape(b, nkv, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(b, seq, nh * hd)
     return lin(t, out, pre + "o_proj"), k_cache, v_cache
 
@@ -411,27 +455,75 @@ def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
     return keys, vals
 
 
+def _act(config: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    if config.hidden_act == "silu":
+        return F.silu(x)
+    if config.hidden_act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return torch.square(F.relu(x))  # relu2: nanochat's squared ReLU
+
+
 def mlp_block(weights: TorchWeights, spec: StepSpec, layer: int, h: torch.Tensor) -> torch.Tensor:
-    """The SiLU-gated MLP of layer ``layer`` on the normed hidden states ``h``."""
-    t, lin = weights.tensors, spec.project
+    """The MLP of layer ``layer`` on the normed hidden states ``h``: gated
+    (``down(act(gate) * up)``: SiLU, or GeGLU for Gemma), ungated squared ReLU
+    (nanochat), or routed experts (:func:`moe_block`)."""
+    c, t, lin = weights.config, weights.tensors, spec.project
+    if c.num_experts:
+        return moe_block(weights, spec, layer, h)
     pre = f"model.layers.{layer}.mlp."
+    if not c.mlp_gated:
+        return lin(t, _act(c, lin(t, h, pre + "up_proj")), pre + "down_proj")
     if pre + "gate_up_proj.weight" in t or pre + "gate_up_proj.qweight" in t:
         gate, up = lin(t, h, pre + "gate_up_proj").chunk(2, dim=-1)
     else:
         gate, up = lin(t, h, pre + "gate_proj"), lin(t, h, pre + "up_proj")
-    return lin(t, F.silu(gate) * up, pre + "down_proj")
+    return lin(t, _act(c, gate) * up, pre + "down_proj")
+
+
+def moe_block(weights: TorchWeights, spec: StepSpec, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """Routed experts (Mixtral, Qwen3-MoE): the router's softmax (float32 for half
+    dtypes), the top ``k`` experts per token, their probabilities renormalised when the
+    config says so; each token runs its k experts only (``spec.moe`` says how)."""
+    c, t = weights.config, weights.tensors
+    pre = f"model.layers.{layer}.mlp."
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])  # (N, H)
+    logits = F.linear(x, t[pre + "gate.weight"])  # (N, E)
+    probs = torch.softmax(logits.float() if logits.dtype in _HALF else logits, dim=-1)
+    top_p, top_e = torch.topk(probs, c.num_experts_per_tok, dim=-1)  # (N, k)
+    if c.norm_topk_prob:
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+    top_p = top_p.to(x.dtype)
+    gate_w, up_w, down_w = (t[pre + f"experts.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
+    if spec.moe == "gather":
+        # Each (token, choice) pair multiplies its own expert's matrices: static shapes.
+        g = torch.einsum("nh,nkih->nki", x, gate_w[top_e])  # (N, k, I)
+        u = torch.einsum("nh,nkih->nki", x, up_w[top_e])
+        y = torch.einsum("nki,nkhi->nkh", _act(c, g) * u, down_w[top_e])  # (N, k, H)
+        return (y * top_p[..., None]).sum(dim=1).reshape(shape)
+    out = torch.zeros_like(x)
+    for e in range(c.num_experts):
+        rows, choice = torch.nonzero(top_e == e, as_tuple=True)
+        if rows.numel():
+            xe = x[rows]
+            y = F.linear(_act(c, F.linear(xe, gate_w[e])) * F.linear(xe, up_w[e]), down_w[e])
+            out.index_add_(0, rows, y * top_p[rows, choice][:, None])
+    return out.reshape(shape)
 
 
 def lm_head(weights: TorchWeights, spec: StepSpec, x: torch.Tensor) -> torch.Tensor:
     """The final norm and the LM head (the tied embeddings when there is no head):
-    logits in float32 for half dtypes, else in the compute dtype."""
+    logits in float32 for half dtypes, else in the compute dtype; soft-capped when the
+    config says so (Gemma 2, nanochat)."""
     c, t = weights.config, weights.tensors
-    x = rms_norm(x, t["model.norm.weight"], c.rms_norm_eps)
+    x = _norm(weights, x, "model.norm")
     if spec.linear is None:
         logits = F.linear(x, t.get("lm_head.weight", t["model.embed_tokens.weight"]))  # (B, [T,] vocab)
     else:
         logits = spec.linear(t, x, "lm_head")
-    return logits.float() if logits.dtype in _HALF else logits
+    logits = logits.float() if logits.dtype in _HALF else logits
+    cap = c.final_logit_softcapping
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def forward(
@@ -466,12 +558,19 @@ def forward(
     call = _call(weights, spec, positions, rows, write_mask, k_cache.shape[3])
 
     x = F.embedding(tokens, t["model.embed_tokens.weight"])  # (B, T, H)
+    if c.embed_scale:  # Gemma: times sqrt(hidden), rounded to the compute dtype as transformers does
+        x = x * x.new_full((), math.sqrt(c.hidden_size))  # an op, not a constant: export lifts no tensor
+    if c.embed_norm:  # nanochat
+        x = rms_norm(x, None, c.rms_norm_eps)
+    sandwich = c.sandwich_norms
     for layer in range(k_cache.shape[0]):
         pre = f"model.layers.{layer}."
-        h = rms_norm(x, t[pre + "input_layernorm.weight"], c.rms_norm_eps)
-        out, k_cache, v_cache = attention_block(weights, spec, call, layer, h, k_cache, v_cache)
-        x = x + out
-        x = x + mlp_block(weights, spec, layer, rms_norm(x, t[pre + "post_attention_layernorm.weight"], c.rms_norm_eps))
+        out, k_cache, v_cache = attention_block(weights, spec, call, layer, _norm(weights, x, pre + "input_layernorm"),
+                                                k_cache, v_cache)
+        x = x + (_norm(weights, out, pre + "post_attention_layernorm") if sandwich else out)
+        out = mlp_block(weights, spec, layer, _norm(weights, x, pre + (
+            "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")))
+        x = x + (_norm(weights, out, pre + "post_feedforward_layernorm") if sandwich else out)
     if logits_at is not None:
         x = x[torch.arange(b, device=tokens.device), logits_at]  # (B, H)
     return lm_head(weights, spec, x), k_cache, v_cache

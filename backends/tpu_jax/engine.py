@@ -30,6 +30,7 @@ from polyengine.errors import InvalidRequest
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replaced_weights
+from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
@@ -113,6 +114,7 @@ class TpuJaxEngine(EngineBase):
         return Capabilities(
             dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
+            architectures=ARCHITECTURES,
         )
 
     @staticmethod
@@ -153,8 +155,9 @@ class TpuJaxEngine(EngineBase):
                                         skip=replaced_weights(c) if mode else frozenset())
             host = {name: t.numpy() for name, t in w.tensors.items()}
             # RoPE tables from float64 in one rounding (as the shared model builds them).
-            angles = np.arange(self.max_cache_length, dtype=np.float64)[:, None] * c.rope_inv_freq()[None, :]
-            host["rope.cos"], host["rope.sin"] = np.cos(angles), np.sin(angles)
+            for kind, (cos, sin) in c.rope_tables(self.max_cache_length).items():
+                prefix = "rope" if kind == "global" else "rope_local"
+                host[prefix + ".cos"], host[prefix + ".sin"] = cos, sin
             if mode:  # the core's quantizer; an exclusive Model releases the floats they replace
                 host.update(quantize_model(self.model, mode))
             dtype = steps.JAX_DTYPES[self.dtype]

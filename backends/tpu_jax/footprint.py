@@ -87,6 +87,12 @@ def param_axes(name: str, ndim: int) -> tuple[str | None, ...]:
     base = name.rsplit(".", 1)[0]
     if base.startswith("rope"):
         return ("positions", "head_dim")
+    if base.endswith(("q_norm", "k_norm")):
+        return ("head_dim",)
+    if base.endswith(".mlp.gate") and ndim == 2:  # the router (experts, embed)
+        return (None, "embed")
+    if ".mlp.experts." in base and ndim == 3:  # stacked experts (experts, out, in)
+        return (None, *param_axes(base.replace(".mlp.experts.", ".mlp.") + "." + leaf, 2))
     if base in ("model.embed_tokens", "lm_head"):
         out, inp = "vocab", "embed"
     elif base.endswith(("q_proj", "qkv_proj")):
@@ -141,7 +147,8 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
     if quantize and model.tie_word_embeddings:  # the int8 copy of the tied head
         weights += matrix_bytes((model.vocab_size, model.hidden_size), quantize)
     rope = (config.max_cache_length, model.head_dim // 2)  # the cos and sin tables, in the compute dtype
-    weights += 2 * math.prod(rope) * item // shards(param_axes("rope.cos", 2), rope, mesh, rules)
+    tables = 2 if model.rope_local_theta is not None else 1  # global, and Gemma 3's local (rope_tables)
+    weights += tables * 2 * math.prod(rope) * item // shards(param_axes("rope.cos", 2), rope, mesh, rules)
     kv_item, width = (1, model.head_dim + KV_SCALE_BYTES) if kv_int8 else (item, model.head_dim)
     cache_shape = (model.num_hidden_layers, config.max_slots, model.num_key_value_heads, config.max_cache_length, width)
     cache = 2 * math.prod(cache_shape) * kv_item // shards(CACHE_AXES, cache_shape, mesh, rules)

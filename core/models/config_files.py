@@ -26,15 +26,15 @@ import numpy as np
 from pydantic import ValidationError
 
 from polyengine.errors import ModelConfigError
-from polyengine.limits import MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB
-from polyengine.models.metadata import Fields, read_json
+from polyengine.limits import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB
+from polyengine.models.metadata import Fields, read_json, shown
 
 if TYPE_CHECKING:  # pragma: no cover
     from polyengine.models.config import ModelConfig, RopeScaling
 
-__all__ = ["config_from_hf", "config_from_file", "config_from_gguf", "validation_errors"]
+__all__ = ["config_from_hf", "config_from_file", "config_from_gguf", "validation_errors", "GGUF_ARCHITECTURES"]
 
-_SUPPORTED_ROPE = ("default", "linear", "llama3")
+_SUPPORTED_ROPE = ("default", "linear", "llama3", "longrope")
 
 
 def validation_errors(exc: ValidationError) -> str:
@@ -84,20 +84,26 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
     missing = [k for k in required if not f.has(k)]
     if missing:
         raise ModelConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
-    act = f.string("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-    if f.boolean("use_sliding_window", False):
-        raise ModelConfigError(f"{source}: sliding-window attention is not supported yet")
+    if model_type == "nanochat":
+        return _build({**_nanochat_fields(f), "model_type": "nanochat"}, source)
+    gemma = model_type in ("gemma2", "gemma3_text")
+    act = f.string("hidden_activation", None) if gemma else None
+    act = act or f.string("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+    if act not in _ACTIVATIONS or (act != "silu" and not gemma):
+        raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported for {model_type} (only "
+                               f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
     if f.number("partial_rotary_factor", 1.0, above=0.0, max=1.0) != 1.0:
         raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
+    if f.boolean("use_bidirectional_attention", False):
+        raise ModelConfigError(f"{source}: bidirectional attention (an encoder variant) is not supported")
     vocab = f.integer("vocab_size", min=1, max=MAX_VOCAB)
     hidden = f.integer("hidden_size", min=1, max=MAX_HIDDEN)
     heads = f.integer("num_attention_heads", min=1, max=MAX_HEADS)
+    layers = f.integer("num_hidden_layers", min=1, max=MAX_LAYERS)
     head_dim = f.integer("head_dim", None, min=2, max=MAX_HEAD_DIM)
     if head_dim is None:
         head_dim = hidden // heads
-    theta, scaling = _rope_from_hf(f)
+    theta, scaling, local_theta = _rope_from_hf(f, model_type)
     # LlamaConfig's own defaults apply when a key is absent (BOS 1, EOS 2); Qwen2 has none.
     llama = model_type == "llama"
     pad = f.integer("pad_token_id", None)
@@ -106,7 +112,7 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=f.integer("intermediate_size", min=1, max=MAX_INTERMEDIATE),
-        num_hidden_layers=f.integer("num_hidden_layers", min=1, max=MAX_LAYERS),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=f.integer("num_key_value_heads", heads, min=1, max=heads),
         head_dim=head_dim,
@@ -115,16 +121,114 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
         rms_norm_eps=f.number("rms_norm_eps", 1e-6, above=0.0, max=1.0),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_word_embeddings=f.boolean("tie_word_embeddings", False),
+        rope_local_theta=local_theta,
+        tie_word_embeddings=f.boolean("tie_word_embeddings", gemma),
         # Qwen2's modeling code always builds q/k/v biases and never an MLP bias,
         # whatever the config says; Llama's flags put a bias on all four projections.
-        attention_bias=True if not llama else f.boolean("attention_bias", False),
+        attention_bias=_attention_bias(f, model_type),
         mlp_bias=False if not llama else f.boolean("mlp_bias", False),
         bos_token_id=f.integer("bos_token_id", 1 if llama and vocab > 1 else None, min=0, max=vocab - 1),
         eos_token_ids=tuple(dict.fromkeys(_token_ids(f, "eos_token_id", vocab, (2,) if llama and vocab > 2 else ()))),
         pad_token_id=pad if pad is not None and 0 <= pad < vocab else None,
+        hidden_act=_ACTIVATIONS[act],
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        **_window_fields(f, model_type, layers),
+        **_gemma_fields(f, model_type),
+        **_moe_fields(f, model_type, layers),
     )
     return _build(values, source)
+
+
+def _nanochat_fields(f: Fields) -> dict[str, Any]:
+    """nanochat's GPT written as an HF-style config (what :meth:`ModelConfig.to_hf` writes
+    for it): its fixed features, the sizes from the file."""
+    from polyengine.models.nanochat import nanochat_features
+
+    vocab = f.integer("vocab_size", min=1, max=MAX_VOCAB)
+    heads = f.integer("num_attention_heads", min=1, max=MAX_HEADS)
+    hidden = f.integer("hidden_size", min=1, max=MAX_HIDDEN)
+    return dict(
+        vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
+        intermediate_size=f.integer("intermediate_size", 4 * hidden, min=1, max=MAX_INTERMEDIATE),
+        num_hidden_layers=f.integer("num_hidden_layers", min=1, max=MAX_LAYERS),
+        num_key_value_heads=f.integer("num_key_value_heads", heads, min=1, max=heads),
+        head_dim=f.integer("head_dim", hidden // heads, min=2, max=MAX_HEAD_DIM),
+        max_position_embeddings=f.integer("max_position_embeddings", 2048, min=1, max=MAX_POSITIONS),
+        rope_theta=f.number("rope_theta", 10000.0, above=0.0),
+        bos_token_id=f.integer("bos_token_id", None, min=0, max=vocab - 1),
+        eos_token_ids=tuple(dict.fromkeys(_token_ids(f, "eos_token_id", vocab))),
+        **nanochat_features(),
+    )
+
+
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _attention_bias(f: Fields, model_type: str) -> bool:
+    if model_type == "qwen2":
+        return True
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
+        return f.boolean("attention_bias", False)
+    return False  # Mistral, Mixtral, Gemma 2/3 and Phi-3 have no attention biases
+
+
+def _window_fields(f: Fields, model_type: str, layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types``, as transformers reads them per family:
+    Mistral, Mixtral and Phi-3 slide every layer when ``sliding_window`` is set; Qwen2/3
+    only with ``use_sliding_window`` (layers from ``max_window_layers`` on); Gemma by
+    ``layer_types`` (or its alternation: every 2nd layer global in Gemma 2, every
+    ``sliding_window_pattern``-th in Gemma 3)."""
+    window = f.integer("sliding_window", None, min=1, max=MAX_POSITIONS)
+    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
+    if qwen and not f.boolean("use_sliding_window", False):
+        return {}
+    if window is None or model_type == "llama":
+        if model_type == "llama" and window is not None:
+            raise ModelConfigError(f"{f.source}: sliding_window is not a Llama setting; use model_type 'mistral'")
+        return {}
+    types = f.strings("layer_types", None)
+    if types is not None:
+        bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if bad or len(types) != layers:
+            raise ModelConfigError(f"{f.source}: layer_types must list full_attention/sliding_attention for each of "
+                                   f"the {layers} layers; got {shown(types)}")
+    elif model_type == "gemma2":
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    elif model_type == "gemma3_text":
+        pattern = f.integer("sliding_window_pattern", 6, min=1, max=MAX_LAYERS)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    elif qwen:
+        start = f.integer("max_window_layers", layers, min=0, max=MAX_LAYERS)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    return {"sliding_window": window, "layer_types": None if types is None else tuple(types)}
+
+
+def _gemma_fields(f: Fields, model_type: str) -> dict[str, Any]:
+    if model_type not in ("gemma2", "gemma3_text"):
+        return {}
+    gemma2 = model_type == "gemma2"
+    return dict(
+        norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+        query_pre_attn_scalar=f.number("query_pre_attn_scalar", 256.0, above=0.0),
+        attn_logit_softcapping=f.number("attn_logit_softcapping", 50.0 if gemma2 else None, above=0.0),
+        final_logit_softcapping=f.number("final_logit_softcapping", 30.0 if gemma2 else None, above=0.0),
+    )
+
+
+def _moe_fields(f: Fields, model_type: str, layers: int) -> dict[str, Any]:
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    experts = f.integer("num_local_experts", None, min=1, max=MAX_EXPERTS)
+    if experts is None:
+        experts = f.integer("num_experts", min=1, max=MAX_EXPERTS)
+    out = dict(num_experts=experts, num_experts_per_tok=f.integer("num_experts_per_tok", 2, min=1, max=experts))
+    if model_type == "mixtral":
+        return {**out, "norm_topk_prob": True}  # Mixtral always renormalises the top-k weights
+    if f.integer("decoder_sparse_step", 1, min=1, max=MAX_LAYERS) != 1 or f.integers("mlp_only_layers", [], min=0):
+        raise ModelConfigError(f"{f.source}: Qwen3-MoE with dense layers (decoder_sparse_step != 1 or "
+                               f"mlp_only_layers) is not supported")
+    return {**out, "norm_topk_prob": f.boolean("norm_topk_prob", False),
+            "moe_intermediate_size": f.integer("moe_intermediate_size", min=1, max=MAX_INTERMEDIATE)}
 
 
 def config_from_file(path: str | Path) -> "ModelConfig":
@@ -143,12 +247,24 @@ def config_from_file(path: str | Path) -> "ModelConfig":
     return config
 
 
-def _rope_from_hf(f: Fields) -> "tuple[float, RopeScaling | None]":
+def _rope_from_hf(f: Fields, model_type: str) -> "tuple[float, RopeScaling | None, float | None]":
     """Both spellings: ``rope_scaling`` + ``rope_theta`` (Llama 3 checkpoints, transformers
-    4.x) and ``rope_parameters`` (transformers 5.x ``save_pretrained``)."""
+    4.x) and ``rope_parameters`` (transformers 5.x ``save_pretrained``), whose Gemma 3
+    form is one entry per layer type. Returns the theta, the scaling and the local
+    layers' theta (Gemma 3's ``rope_local_base_freq``)."""
     params = f.mapping("rope_parameters", {})
+    local = None
+    if model_type == "gemma3_text":
+        local = f.number("rope_local_base_freq", 10000.0, above=0.0)
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ModelConfigError(f"{f.source}: per-layer-type rope_parameters are not supported")
+        if model_type != "gemma3_text" or set(params) - {"full_attention", "sliding_attention"}:
+            raise ModelConfigError(f"{f.source}: per-layer-type rope_parameters are only supported for Gemma 3")
+        sliding = Fields(params.get("sliding_attention", {}), f.source, prefix="rope_parameters.sliding_attention.")
+        if (sliding.string("rope_type", None) or "default") != "default":
+            raise ModelConfigError(f"{f.source}: RoPE scaling of sliding layers is not supported")
+        local = sliding.number("rope_theta", local, above=0.0)
+        f = Fields({**f.data, "rope_parameters": params.get("full_attention", {})}, f.source)
+        params = f.mapping("rope_parameters", {})
     theta = f.number("rope_theta", 10000.0, above=0.0)
     if params:
         scaling = Fields(params, f.source, prefix="rope_parameters.")
@@ -156,25 +272,36 @@ def _rope_from_hf(f: Fields) -> "tuple[float, RopeScaling | None]":
     else:
         scaling = Fields(f.mapping("rope_scaling", {}), f.source, prefix="rope_scaling.")
     rope_type = scaling.string("rope_type", None) or scaling.string("type", None) or "default"
-    if rope_type not in _SUPPORTED_ROPE:
+    if rope_type == "su" and model_type == "phi3":
+        rope_type = "longrope"  # Phi-3's early configs name long-RoPE "su"
+    if rope_type not in _SUPPORTED_ROPE or (rope_type == "longrope" and model_type != "phi3"):
         raise ModelConfigError(
-            f"{f.source}: RoPE scaling type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE)}"
+            f"{f.source}: RoPE scaling type {rope_type!r} is not supported for {model_type}; supported: "
+            f"{', '.join(_SUPPORTED_ROPE[:3])}, and longrope for phi3"
         )
     if rope_type == "default":
-        return theta, None
-    keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    extra = sorted(k for k in scaling.data if k not in (*keep, "rope_type", "type", "rope_theta")
+        return theta, None, local
+    keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "short_factor",
+            "long_factor", "attention_factor")
+    extra = sorted(k for k in scaling.data if k not in (*keep, "rope_type", "type", "rope_theta", "partial_rotary_factor")
                    and scaling.data[k] is not None)
     if extra:
         raise ModelConfigError(f"{f.source}: unsupported RoPE scaling fields {extra} for type {rope_type!r}")
-    values: dict[str, Any] = {"factor": scaling.number("factor", above=0.0)}
-    for key in ("low_freq_factor", "high_freq_factor"):
+    values: dict[str, Any] = {}
+    if rope_type != "longrope" or scaling.has("factor"):
+        values["factor"] = scaling.number("factor", above=0.0)
+    for key in ("low_freq_factor", "high_freq_factor", "attention_factor"):
         if scaling.has(key):
             values[key] = scaling.number(key, above=0.0)
-    if scaling.has("original_max_position_embeddings"):
-        values["original_max_position_embeddings"] = scaling.integer(
-            "original_max_position_embeddings", min=1, max=MAX_POSITIONS)
-    return theta, _rope_scaling(rope_type, values, f.source)
+    for key in ("short_factor", "long_factor"):
+        if scaling.has(key):
+            values[key] = tuple(scaling.numbers(key))
+    original = scaling.integer("original_max_position_embeddings", None, min=1, max=MAX_POSITIONS)
+    if original is None and rope_type == "longrope":  # Phi-3 keeps it at the top level
+        original = f.integer("original_max_position_embeddings", None, min=1, max=MAX_POSITIONS)
+    if original is not None:
+        values["original_max_position_embeddings"] = original
+    return theta, _rope_scaling(rope_type, values, f.source), local
 
 
 def _rope_scaling(rope_type: str, values: dict[str, Any], source: str) -> "RopeScaling":
@@ -189,6 +316,11 @@ def _rope_scaling(rope_type: str, values: dict[str, Any], source: str) -> "RopeS
 # -- GGUF metadata --------------------------------------------------------------------------
 
 
+# llama.cpp's architecture names -> our model_type (``llama`` files with experts are Mixtral).
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
+
+
 def config_from_gguf(
     metadata: dict[str, Any],
     *,
@@ -197,16 +329,19 @@ def config_from_gguf(
     attention_bias: bool = False,
     mlp_bias: bool = False,
     source: str = "<gguf>",
+    rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> "ModelConfig":
     """Build from GGUF metadata (``{key: value}``, arrays as lists); see
-    :meth:`ModelConfig.from_gguf` for what only the tensor table tells."""
-    from polyengine.models.config import SUPPORTED_ARCHITECTURES
+    :meth:`ModelConfig.from_gguf` for what only the tensor table tells.
 
+    What llama.cpp fixes in code rather than in the file is fixed the same way here:
+    Gemma 3's local layers use RoPE base 10000 and every 6th layer is global; Gemma's
+    query scale is ``head_dim ** -0.5``."""
     a = Fields(metadata, source)
     arch = a.string("general.architecture", None)
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelConfigError(
-            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     p = f"{arch}."
     hidden = a.integer(p + "embedding_length", min=1, max=MAX_HIDDEN)
@@ -225,32 +360,84 @@ def config_from_gguf(
         vocab = len(tokens)
         if vocab > MAX_VOCAB:
             raise ModelConfigError(f"{source}: tokenizer.ggml.tokens has {vocab:,} entries; at most {MAX_VOCAB:,} are accepted")
+    layers = a.integer(p + "block_count", min=1, max=MAX_LAYERS)
+    experts = a.integer(p + "expert_count", 0, min=0, max=MAX_EXPERTS)
+    model_type = "mixtral" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
     theta = a.number(p + "rope.freq_base", 10000.0, above=0.0)
-    scaling = _rope_from_gguf(a, arch, theta, head_dim, rope_freqs)
+    max_positions = a.integer(p + "context_length", 2048, min=1, max=MAX_POSITIONS)
+    if arch == "phi3" and rope_factors is not None:
+        scaling = _longrope_from_gguf(a, arch, head_dim, rope_factors, max_positions)
+    else:
+        scaling = _rope_from_gguf(a, arch, theta, head_dim, rope_freqs)
     t = "tokenizer.ggml."
     eos = [i for k in ("eos", "eot", "eom") for i in _token_ids(a, f"{t}{k}_token_id", vocab)]
     pad = a.integer(t + "padding_token_id", None)
+    gemma = model_type in ("gemma2", "gemma3_text")
+    window = a.integer(p + "attention.sliding_window", None, min=1, max=MAX_POSITIONS)
+    features: dict[str, Any] = {}
+    if window is not None and model_type in ("gemma2", "gemma3_text", "phi3"):
+        every = 2 if model_type == "gemma2" else 6 if model_type == "gemma3_text" else 0
+        types = None if not every else tuple("sliding_attention" if (i + 1) % every else "full_attention"
+                                             for i in range(layers))
+        features.update(sliding_window=window, layer_types=types)
+    if gemma:
+        features.update(
+            hidden_act="gelu_tanh", norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+            query_pre_attn_scalar=float(head_dim),
+            attn_logit_softcapping=a.number(p + "attn_logit_softcapping", None, above=0.0),
+            final_logit_softcapping=a.number(p + "final_logit_softcapping", None, above=0.0),
+        )
+        if model_type == "gemma3_text":
+            features["rope_local_theta"] = 10000.0
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+        features["qk_norm"] = True
+    if experts:
+        features.update(num_experts=experts,
+                        num_experts_per_tok=a.integer(p + "expert_used_count", min=1, max=experts),
+                        norm_topk_prob=model_type == "mixtral" or a.boolean(p + "expert_weights_norm", False))
+        if model_type == "qwen3_moe":
+            features["moe_intermediate_size"] = a.integer(p + "expert_feed_forward_length", min=1, max=MAX_INTERMEDIATE)
     values = dict(
-        model_type=arch,
+        model_type=model_type,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=a.integer(p + "feed_forward_length", min=1, max=MAX_INTERMEDIATE),
-        num_hidden_layers=a.integer(p + "block_count", min=1, max=MAX_LAYERS),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=a.integer(p + "attention.head_count_kv", heads, min=1, max=heads),
         head_dim=head_dim,
-        max_position_embeddings=a.integer(p + "context_length", 2048, min=1, max=MAX_POSITIONS),
+        max_position_embeddings=max_positions,
         rms_norm_eps=a.number(p + "attention.layer_norm_rms_epsilon", 1e-6, above=0.0, max=1.0),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=tie_word_embeddings,
-        attention_bias=arch == "qwen2" or attention_bias,
-        mlp_bias=arch == "llama" and mlp_bias,
+        attention_bias=arch == "qwen2" or (model_type in ("llama", "qwen3", "qwen3_moe") and attention_bias),
+        mlp_bias=model_type == "llama" and mlp_bias,
         bos_token_id=a.integer(t + "bos_token_id", None, min=0, max=vocab - 1),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         pad_token_id=pad if pad is not None and 0 <= pad < vocab else None,
+        **features,
     )
     return _build(values, source)
+
+
+def _longrope_from_gguf(a: Fields, arch: str, head_dim: int, factors: tuple[np.ndarray, np.ndarray],
+                        max_positions: int) -> "RopeScaling":
+    """Phi-3's long-RoPE: the factors are tensors, the original context and the attention
+    factor metadata."""
+    short, long = (np.asarray(x, dtype=np.float64).reshape(-1) for x in factors)
+    for name, arr in (("rope_factors_short", short), ("rope_factors_long", long)):
+        if arr.shape != (head_dim // 2,):
+            raise ModelConfigError(f"{a.source}: {name} has shape {arr.shape}, expected ({head_dim // 2},)")
+    values: dict[str, Any] = {
+        "short_factor": tuple(float(x) for x in short), "long_factor": tuple(float(x) for x in long),
+        "original_max_position_embeddings": a.integer(f"{arch}.rope.scaling.original_context_length", min=1,
+                                                      max=MAX_POSITIONS),
+    }
+    attn = a.number(f"{arch}.rope.scaling.attn_factor", None, above=0.0)
+    if attn is not None:
+        values["attention_factor"] = attn
+    return _rope_scaling("longrope", values, a.source)
 
 
 # llama.cpp's converter writes Llama 3.1-style scaling only as a tensor of divisors. We

@@ -94,17 +94,72 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_NOT_WEIGHTS = ("rope_freqs.weight",)
+# Gemma's norms sit elsewhere (sandwich norms): llama.cpp's ffn_norm is its pre-MLP norm.
+_GEMMA_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a llama.cpp tensor name, or None if it is not a Llama-family weight."""
+def hf_name(gguf_name: str, model_type: str = "llama") -> str | None:
+    """The HF name of a llama.cpp tensor name (for fused or stacked tensors, the name of
+    the fused tensor: ``self_attn.qkv_proj``, ``mlp.gate_up_proj``, ``mlp.experts.*_proj``),
+    or None if it is not a weight of ``model_type``."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    table = dict(_LAYER_NAMES)
+    if model_type in ("gemma2", "gemma3_text"):
+        table.update(_GEMMA_NAMES)
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
+        table.update(_QK_NORMS)
+    if model_type == "phi3":
+        table.update({"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"})
+    if model_type in ("mixtral", "qwen3_moe"):
+        table.update({"ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+                      "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+                      "ffn_down_exps.weight": "mlp.experts.down_proj.weight"})
+    name = table.get(parts[2])
+    return None if name is None else f"model.layers.{int(parts[1])}.{name}"
+
+
+def _parts(name: str, config: ModelConfig) -> tuple[list[str], int]:
+    """The HF tensors a GGUF tensor holds and how they are joined: ``(names, 0)``
+    concatenated along rows (Phi-3's fused projections), ``(names, -1)`` stacked
+    (experts), ``([name], 0)`` for a plain tensor."""
+    pre, sep, leaf = name.rpartition(".self_attn.qkv_proj.")
+    if sep:
+        return [f"{pre}.self_attn.{p}_proj.{leaf}" for p in "qkv"], 0
+    pre, sep, leaf = name.rpartition(".mlp.gate_up_proj.")
+    if sep:
+        return [f"{pre}.mlp.gate_proj.{leaf}", f"{pre}.mlp.up_proj.{leaf}"], 0
+    pre, sep, proj = name.rpartition(".mlp.experts.")
+    if sep:
+        return [f"{pre}.mlp.experts.{j}.{proj}" for j in range(config.num_experts)], -1
+    return [name], 0
+
+
+def _joined_shape(names: list[str], how: int, expected: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    if any(n not in expected for n in names):
+        return None
+    shapes = [expected[n] for n in names]
+    if how == -1:
+        return (len(shapes), *shapes[0])
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def _split(arr: np.ndarray, names: list[str], how: int, expected: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    if len(names) == 1:
+        return {names[0]: arr}
+    if how == -1:
+        return {n: np.ascontiguousarray(arr[j]) for j, n in enumerate(names)}
+    edges = np.cumsum([expected[n][0] for n in names])[:-1]
+    return {n: np.ascontiguousarray(part) for n, part in zip(names, np.split(arr, edges, axis=0))}
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -158,10 +213,12 @@ class GGUFFile:
             arch = self.architecture
             if not isinstance(arch, str):
                 raise WeightsError(f"general.architecture must be a string, got {arch!r}", file=self.path)
-            if arch not in ("llama", "qwen2"):
+            from polyengine.models.config_files import GGUF_ARCHITECTURES
+
+            if arch not in GGUF_ARCHITECTURES:
                 raise WeightsError(
-                    f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2", file=self.path
-                )
+                    f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}",
+                    file=self.path)
             rope = self.tensors.get("rope_freqs.weight")
             if rope is not None and math.prod(rope.shape) > MAX_HEAD_DIM // 2:
                 # Converted before the config exists: bound it first (quantized data expands).
@@ -174,49 +231,71 @@ class GGUFFile:
                 attention_bias="blk.0.attn_q.bias" in self.tensors,
                 mlp_bias="blk.0.ffn_up.bias" in self.tensors,
                 source=str(self.path),
+                rope_factors=self._rope_factors(),
             )
         return self._config
 
-    def check(self) -> dict[str, str]:
+    def _rope_factors(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Phi-3's long-RoPE factor tensors (short, long), when the file has them."""
+        short, long = self.tensors.get("rope_factors_short.weight"), self.tensors.get("rope_factors_long.weight")
+        if short is None and long is None:
+            return None
+        if short is None or long is None:
+            raise WeightsError("a long-RoPE file needs both rope_factors_short and rope_factors_long", file=self.path)
+        for t in (short, long):
+            if math.prod(t.shape) > MAX_HEAD_DIM // 2:
+                raise WeightsError(f"shape {t.shape}: at most {MAX_HEAD_DIM // 2} RoPE factors", file=self.path,
+                                   tensor=t.name)
+        return self._convert(short, np.dtype(np.float32)), self._convert(long, np.dtype(np.float32))
+
+    def check(self) -> dict[str, tuple[list[str], int]]:
         """Map GGUF names to HF names, checking names, shapes and types before any data
-        is converted. Returns ``{gguf_name: hf_name}`` in file order."""
+        is converted. Returns ``{gguf_name: (hf_names, how)}`` in file order (several
+        names for a fused or stacked tensor, see :func:`_parts`)."""
         config = self.config()
         expected = config.weight_shapes()
-        names: dict[str, str] = {}
+        names: dict[str, tuple[list[str], int]] = {}
         for t in self.tensors.values():
             if t.name in _NOT_WEIGHTS:
                 continue
-            name = hf_name(t.name)
-            if name is None or name not in expected:
+            name = hf_name(t.name, config.model_type)
+            parts, how = _parts(name, config) if name is not None else ([], 0)
+            shape = _joined_shape(parts, how, expected) if parts else None
+            if shape is None:
                 raise WeightsError("unexpected tensor for this architecture/config", file=self.path, tensor=t.name)
-            if t.shape != expected[name]:
-                raise WeightsError(f"shape {t.shape}, expected {expected[name]} ({name})", file=self.path, tensor=t.name)
+            if t.shape != shape:
+                raise WeightsError(f"shape {t.shape}, expected {shape} ({name})", file=self.path, tensor=t.name)
             _require_supported(t, self.path)
-            names[t.name] = name
-        missing = sorted(set(expected) - set(names.values()))
+            names[t.name] = (parts, how)
+        missing = sorted(set(expected) - {n for parts, _ in names.values() for n in parts})
         if missing:
             raise WeightsError(f"{len(missing)} tensor(s) missing", file=self.path, tensor=missing[0])
         return names
 
     def load_weights(self, *, dtype: str | np.dtype = "float32", progress: Progress | None = None) -> dict[str, np.ndarray]:
-        """HF-named weights, one tensor converted at a time."""
+        """HF-named weights, one tensor converted at a time (fused ones split, Gemma's
+        norms back to transformers' convention: llama.cpp stores ``1 + weight``)."""
         dt = np.dtype(dtype)
         if dt not in (np.float32, np.float16):
             raise ValueError(f"dtype must be float32 or float16, got {dt}")
         names = self.check()
         config = self.config()
+        expected = config.weight_shapes()
         permute = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
         out: dict[str, np.ndarray] = {}
         total = len(names)
-        for done, (gname, name) in enumerate(names.items(), 1):
+        for done, (gname, (parts, how)) in enumerate(names.items(), 1):
             arr = self._convert(self.tensors[gname], dt)
-            if config.model_type == "llama":
-                for proj, heads in permute.items():
-                    if f".{proj}." in name:
-                        arr = unpermute_rows(arr, heads)
-            out[name] = arr
+            if config.norm_offset and gname.endswith("norm.weight"):
+                arr = (arr.astype(np.float32) - np.float32(config.norm_offset)).astype(dt)
+            for name, part in _split(arr, parts, how, expected).items():
+                if config.model_type in ("llama", "mixtral"):
+                    for proj, heads in permute.items():
+                        if f".{proj}." in name:
+                            part = unpermute_rows(part, heads)
+                out[name] = part
             if progress is not None:
-                progress(done, total, name)
+                progress(done, total, parts[0])
         return out
 
     def _convert(self, t: GGUFTensor, dtype: np.dtype) -> np.ndarray:

