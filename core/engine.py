@@ -14,6 +14,7 @@ from polyengine.kit import EngineBase
 from polyengine.options import Option, check_options
 from polyengine.protocol import (
     OPTIONAL_METHODS,
+    CAPABILITY_KEYWORDS,
     PROTOCOL_VERSION,
     Capabilities,
     DecodeState,
@@ -45,6 +46,7 @@ __all__ = [
     "Slot",
     "SlotTable",
     "OPTIONAL_METHODS",
+    "CAPABILITY_KEYWORDS",
     "protocol_members",
     "protocol_problems",
     "check_prompt",

@@ -150,7 +150,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             dtypes = ("float32", "bfloat16")  # bf16 matmul is fast only with AMX / AVX512-BF16
         return Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True, token_masks=True,
         )
 
     def _pick_int8_compute(self, config) -> int:
@@ -301,19 +301,23 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def _to_host(self, t: torch.Tensor) -> np.ndarray:
         return t.detach().to("cpu", torch.float32).numpy()
 
-    def _first_token(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams):
+    def _first_token(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams,
+                     token_mask: np.ndarray | None = None):
         """Sample 0's first token (step 0) from a prefix's logits, on the prefill sampler."""
         sampler = self._prefill_sampler
         sampler.install(0, sampling, prompt)
         try:
-            return sampler.sample(logits[None], num_top=sampling.top_logprobs)
+            return sampler.sample(logits[None], num_top=sampling.top_logprobs,
+                                  token_mask=None if token_mask is None else token_mask[None])
         finally:
             sampler.clear(0)
 
     @_on_engine_thread
     @torch.no_grad()
-    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
+    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None,
+                token_mask: np.ndarray | None = None):
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
+        mask = self.check_token_mask(token_mask, sampling)
         n = toks.size
         padded = self.config.bucket_for(n)
         dev = self.torch_device
@@ -329,11 +333,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             rows=None, write_mask=write.to(dev), logits_at=torch.tensor([n - 1], device=dev),
         )
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
-        first = self._first_token(logits[0], prompt, sampling)
+        first = self._first_token(logits[0], prompt, sampling, mask)
         token = int(first.tokens[0])  # the protocol's Prefix carries it on the host
         prefix = Prefix(
             kv=(k[:, 0, :, : start + n], v[:, 0, :, : start + n]), logits=logits[0].float(), prompt_tokens=prompt,
             sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
+            token_mask=mask,
         )
         return prefix, ResultTokens.first_tokens(first.tokens, first.logprobs, first.top_ids, first.top_logprobs,
                                                  to_host=host_array)
@@ -349,10 +354,14 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
     # -- generate --------------------------------------------------------------------------
 
-    def generate(self, params: TorchWeights, decode_state: TorchDecodeState, *, overrides: Mapping[int, Any] | None = None):
+    def generate(self, params: TorchWeights, decode_state: TorchDecodeState, *, overrides: Mapping[int, Any] | None = None,
+                 token_masks: Mapping[int, np.ndarray] | None = None):
         state = decode_state
         state.wait()
         forced = self.check_overrides(overrides, state.slots.last_result)
+        masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
+                                       sampling_of=state.slots.sampling)
+        words = None if masks is None else torch.from_numpy(masks.words)
         for slot, (_, position) in forced.items():
             state.slots.force(slot, position)
         live = state.slots.live(self.max_cache_length)
@@ -364,7 +373,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
 
         def step() -> torch.Tensor:
-            return self._step(params, state, forced, live, positions, lengths, kv_len, num_top)
+            return self._step(params, state, forced, live, positions, lengths, kv_len, num_top, words)
 
         if self._worker is not None:
             state.pending = self._worker.submit(step)
@@ -375,7 +384,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return state, ResultTokens.from_packed(buf, layout, to_host=lambda t: t.numpy())
 
     @torch.no_grad()
-    def _step(self, params, state: TorchDecodeState, forced, live, positions, lengths, kv_len, num_top) -> torch.Tensor:
+    def _step(self, params, state: TorchDecodeState, forced, live, positions, lengths, kv_len, num_top,
+              words: torch.Tensor | None) -> torch.Tensor:
         dev, n = self.torch_device, state.num_slots
         if forced:
             rows = torch.tensor(list(forced), dtype=torch.int64, device=dev)
@@ -386,7 +396,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         live_mask[live] = True
         live_mask = live_mask.to(dev)
         if live and self._fused is not None:
-            tokens, logprobs, top_ids, top_lp = self._fused_step(params, state, live, positions, num_top)
+            tokens, logprobs, top_ids, top_lp = self._fused_step(params, state, live, positions, num_top, words)
         elif live:
             pos = torch.tensor(positions, dtype=torch.int64, device=dev)[:, None]
             if self.options["cuda_graphs"]:
@@ -396,7 +406,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                     params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[:, None], pos, state.k,
                     state.v, rows=None, write_mask=live_mask[:, None],
                 )
-            res = state.sampler.sample(logits[:, 0], num_top=num_top)
+            res = state.sampler.sample(logits[:, 0], num_top=num_top, token_mask=words)
             state.sampler.record(res.tokens, mask=live_mask)
             state.next_tokens.copy_(torch.where(live_mask, res.tokens, state.next_tokens))
             tokens, logprobs, top_ids, top_lp = res.tokens, res.logprobs, res.top_ids, res.top_logprobs
@@ -443,7 +453,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         graph.replay()
         return logits
 
-    def _fused_step(self, params: TorchWeights, state: TorchDecodeState, live: list[int], positions: list[int], num_top: int):
+    def _fused_step(self, params: TorchWeights, state: TorchDecodeState, live: list[int], positions: list[int], num_top: int,
+                    words: torch.Tensor | None):
         """The CPU decode step through the fused kernel: only the live rows are computed,
         then the final norm, the LM head and the sampler (rows addressed by slot)."""
         t, n = params.tensors, state.num_slots
@@ -452,7 +463,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         self._fused.step(x, rows, torch.tensor([positions[i] for i in live]), state.k, state.v)
         x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
         logits = self._head(t, x)  # (M, vocab)
-        res = state.sampler.sample(logits, rows, num_top=num_top)
+        res = state.sampler.sample(logits, rows, num_top=num_top, token_mask=None if words is None else words[rows])
         state.sampler.record(res.tokens, rows=rows)
         state.next_tokens[rows] = res.tokens
         tokens = torch.zeros(n, dtype=torch.int64).index_put_((rows,), res.tokens)
