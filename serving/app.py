@@ -117,11 +117,19 @@ def build_app(config: ServerConfig, engine: Any = None, model_name: str | None =
         req = parse_body(await request.body(), ChatRequest)
         state.check_model(req.model)
         sampling, names = to_sampling(req)
+        tools = None
         try:
-            ids = state.engine.apply_chat_template(chat_messages(req))
-        except InvalidRequest as exc:  # the template refused the conversation
-            raise invalid(str(exc), "messages") from None
-        return await state.run(request, "chat", [ids], sampling, names, req, arrived, "messages")
+            if req.tools is not None or req.tool_choice is not None:
+                ids, constrained, tools, choice = state.engine.tool_chat_prompt(
+                    chat_messages(req), sampling, req.tools, req.tool_choice)
+                if constrained is not sampling:
+                    names = {**names, "structured": "tool_choice"}
+                sampling, tools = constrained, (tools if choice != "none" else None)
+            else:
+                ids = state.engine.apply_chat_template(chat_messages(req))
+        except InvalidRequest as exc:  # bad tools, or the template refused the conversation
+            raise invalid(str(exc), exc.field if exc.field in ("tools", "tool_choice") else "messages") from None
+        return await state.run(request, "chat", [ids], sampling, names, req, arrived, "messages", tools=tools)
 
     return app
 
@@ -192,7 +200,7 @@ class _State:
         return from_polyengine(exc, param_of=lambda f: names.get(f, f) if f else what, unsupported_param=unsupported)
 
     async def run(self, request: Request, kind: str, prompts: list[list[int]], sp: SamplingParams,
-                  names: dict[str, str], req: Any, arrived: float, what: str) -> Response:
+                  names: dict[str, str], req: Any, arrived: float, what: str, tools: list | None = None) -> Response:
         for ids in prompts:
             self.check_limits(ids, sp, names, what)
         handles: list[Any] = []
@@ -207,7 +215,7 @@ class _State:
             if isinstance(exc, Exception):
                 raise self.api_error(exc, sp, names, what) from None
             raise
-        responder = Responder(kind, self.model_name, self.token_text, self.fingerprint)
+        responder = Responder(kind, self.model_name, self.token_text, self.fingerprint, tools=tools)
         headers = {"x-polyengine-replica": self.replica_id} if self.replica_id else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -239,8 +247,8 @@ class _State:
                 idx = p * n + d.index
                 lps = r.logprobs(d.token_ids, d.logprobs, d.top_logprobs, offsets[idx])
                 offsets[idx] += sum(len(r.text_of(t)[0]) for t in d.token_ids)
-                if d.text or d.finish_reason or lps is not None:
-                    yield sse(r.chunk(idx, d.text, d.finish_reason, lps))
+                for chunk in r.stream_chunks(idx, d.text, d.finish_reason, lps):
+                    yield sse(chunk)
             else:
                 if include_usage:
                     yield sse(r.usage_chunk([h.completion for h in handles]))
