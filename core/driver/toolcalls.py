@@ -29,6 +29,8 @@ from polyengine.sampling.params import StructuredOutput
 __all__ = ["ToolCall", "check_tools", "tool_messages", "tool_constraint", "parse_tool_calls", "CALL_OPEN"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# JSON with fixed separators and no free whitespace: a small model cannot wander off into newlines
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 SYSTEM_PROMPT = (
@@ -89,8 +91,7 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]], Any
 def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": {"name": {"const": fn["name"]},
                                              "arguments": fn.get("parameters", {"type": "object"})},
-            "required": ["name", "arguments"], "additionalProperties": False,
-            "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _COMPACT}
 
 
 def tool_constraint(tools: list[dict[str, Any]], choice: Any) -> StructuredOutput | None:
@@ -103,7 +104,7 @@ def tool_constraint(tools: list[dict[str, Any]], choice: Any) -> StructuredOutpu
         return StructuredOutput(grammar=f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json '
                                         + json.dumps(_call_schema(fn)))
     if choice == "required":
-        schema = {"anyOf": [_call_schema(t["function"]) for t in tools]}
+        schema = {"anyOf": [_call_schema(t["function"]) for t in tools], "x-guidance": _COMPACT}
         return StructuredOutput(grammar=f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json ' + json.dumps(schema))
     return None
 

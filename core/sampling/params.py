@@ -68,6 +68,12 @@ class StructuredOutput(BaseModel):
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidRequest(_describe(exc), field="structured") from None
+
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutput":
         set_ = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None]
