@@ -265,8 +265,9 @@ class SamplerLayer:
         produced (prefill, bulk_insert and generate paths, greedy and sampled); a masked
         slot yields one token per step; the stream equals the reference's under the same
         masks composed with the case's parameters, and an unmasked neighbour is unchanged."""
-        if not conformance.capabilities.token_masks:
-            pytest.skip(f"token_masks is not declared ({token_masks.check_undeclared(conformance)} refused masks)")
+        if not conformance.capabilities.token_masks:  # the undeclared path is checked, not skipped
+            conformance.note(f"token_masks not declared: {token_masks.check_undeclared(conformance)} refused masks")
+            return
         token_masks.check_mask_case(conformance, case, salt=list(token_masks.CASES).index(case))
 
     def test_token_mask_refusals(self, conformance):
