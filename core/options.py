@@ -6,7 +6,7 @@ instead of an ``Option`` is a default with no other constraint. :func:`check_opt
 refuses unknown keys, values of another type than the default's (an int is accepted for
 a float), values outside ``choices``, below ``minimum`` or above ``maximum``, and
 whatever the option's own ``check`` says, each with an :class:`InvalidRequest` that names
-the option, the backend and what would be accepted. It imports no framework, so a
+the option, the backend and what would be accepted (its ``field`` is ``options.<key>``). It imports no framework, so a
 leader that forwards options to remote engines (the Ray engine) checks them with the
 same table before anything starts.
 """
@@ -75,9 +75,10 @@ def check_options(table: Mapping[str, Any], options: Mapping[str, Any], *, backe
     unknown = sorted(set(options) - set(table))
     if unknown:
         known = ", ".join(f"{k} (default {_as_option(v).default!r})" for k, v in table.items()) or "none"
-        raise InvalidRequest(f"unknown option(s) {unknown} for backend {backend!r}; its options: {known}")
+        raise InvalidRequest(f"unknown option(s) {unknown} for backend {backend!r}; its options: {known}",
+                             field=f"options.{unknown[0]}")
     for key, value in options.items():
         problem = _as_option(table[key]).problem(value)
         if problem is not None:
-            raise InvalidRequest(f"option {key}={value!r} of backend {backend!r}: {problem}")
+            raise InvalidRequest(f"option {key}={value!r} of backend {backend!r}: {problem}", field=f"options.{key}")
     return {**option_defaults(table), **options}
