@@ -389,14 +389,16 @@ class Context:
         dtype: str | None = None,
         sample_index: int = 0,
         forced: Mapping[int, int] | None = None,
+        masks: Mapping[int, np.ndarray] | None = None,
     ) -> Divergence | None:
-        """The first divergence of ``got`` from the reference's stream, or None.
+        """The first divergence of ``got`` from the reference's stream (``masks``: per
+        completion position, as :meth:`ReferenceOracle.stream`), or None.
 
         A divergence at a near tie (reference margin below ``tie_gap``) is noted for
         the report and returned with ``near_tie=True``: the streams legitimately part
         there, so callers stop comparing but do not fail.
         """
-        want = self.oracle(model).stream(prompt, sampling, len(got), sample_index=sample_index, forced=forced)
+        want = self.oracle(model).stream(prompt, sampling, len(got), sample_index=sample_index, forced=forced, masks=masks)
         d = first_divergence(got, want, self._tie_gap(model, dtype))
         # The measured "error" of a token stream is the reference's margin where the
         # backend left it (0 when it never did): within tie_gap it is a near tie.

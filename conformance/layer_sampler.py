@@ -36,6 +36,7 @@ import pytest
 from polyengine.sampling import RowState, SamplingParams, filtered_probs
 
 from polyengine.conformance import layer
+from polyengine.conformance import masks as token_masks
 from polyengine.conformance.harness import SEEDS
 from polyengine.conformance.models import TIE_IDS
 from polyengine.conformance.faults import FAULTS, ORDER
@@ -257,6 +258,26 @@ class SamplerLayer:
                 f"suite bug: the {setting} setting cannot tell {name} apart (noncentrality {power}, "
                 f"needs {POWER_NONCENTRALITY:g} on some path)"
             )
+
+    @pytest.mark.parametrize("case", list(token_masks.CASES))
+    def test_token_masks(self, conformance, case):
+        """Allowed-token masks (capability ``token_masks``): a masked-out token is never
+        produced (prefill, bulk_insert and generate paths, greedy and sampled); a masked
+        slot yields one token per step; the stream equals the reference's under the same
+        masks composed with the case's parameters, and an unmasked neighbour is unchanged."""
+        if not conformance.capabilities.token_masks:  # the undeclared path is checked, not skipped
+            conformance.note(f"token_masks not declared: {token_masks.check_undeclared(conformance)} refused masks")
+            return
+        token_masks.check_mask_case(conformance, case, salt=list(token_masks.CASES).index(case))
+
+    def test_token_mask_refusals(self, conformance):
+        """Bad masks (wrong length or dtype, no token allowed, an empty slot, only tokens
+        min_tokens masks) raise InvalidRequest before any work; undeclared, masks raise
+        UnsupportedFeature."""
+        if not conformance.capabilities.token_masks:
+            conformance.note(f"token_masks not declared: {token_masks.check_undeclared(conformance)} refused masks")
+            return
+        token_masks.check_mask_refusals(conformance)
 
     def test_same_seed_same_tokens(self, conformance):
         """Two requests with one seed draw the same tokens, whatever the slot and the

@@ -66,7 +66,8 @@ def decide(logits: np.ndarray, row: RowState, eos_token_ids: Sequence[int], faul
     row's Gumbel noise, exactly what :func:`polyengine.sampling.sample` maximises.
     """
     if fault is not None:
-        row = RowState(fault.request(row.params), row.sample_index, row.step, row.prompt_tokens, row.completion_tokens)
+        row = RowState(fault.request(row.params), row.sample_index, row.step, row.prompt_tokens, row.completion_tokens,
+                       row.token_mask)
         x = process_logits(logits, row, eos_token_ids, pipeline=fault.pipeline())
         return Decision(fault.drawer()(x, row), float("nan"))
     x = draw_scores(process_logits(logits, row, eos_token_ids), row)
@@ -119,6 +120,7 @@ class ReferenceOracle:
         sample_index: int = 0,
         forced: Mapping[int, int] | None = None,
         fault: Fault | None = None,
+        masks: Mapping[int, np.ndarray] | None = None,
     ) -> list[Decision]:
         """The first ``steps`` completion tokens a correct backend produces (with a
         ``fault``: a backend with that fault).
@@ -126,7 +128,11 @@ class ReferenceOracle:
         ``forced={j: token}`` makes completion position ``j`` that token, as
         ``generate(overrides=...)`` does when it replaces the token a slot feeds next;
         the step counter still advances over it (forced tokens count).
+        ``masks={j: words}`` samples completion position ``j`` under that allowed-token
+        mask (``prefill(token_mask=...)`` for position 0, ``generate(token_masks=...)``
+        after).
         """
+        masks = dict(masks or {})
         if sampling.seed is None:
             raise ValueError("oracle streams need a seeded request")  # suite bug
         forced = dict(forced or {})
@@ -137,7 +143,8 @@ class ReferenceOracle:
             if step in forced:
                 d = Decision(int(forced[step]), float("inf"), forced=True)
             else:
-                row = RowState(sampling, sample_index, step, np.array(prompt), np.array(completion, np.int64))
+                row = RowState(sampling, sample_index, step, np.array(prompt), np.array(completion, np.int64),
+                               masks.get(step))
                 d = decide(self.logits(prompt + completion), row, self.eos_token_ids, fault)
             out.append(d)
             completion.append(d.token)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
         BackendSpec, Probe, create_engine, hookimpl, list_backends, register_plugin,
         select_backend, unregister_plugin,
     )
-    from polyengine.sampling.params import SamplingParams
+    from polyengine.sampling.params import SamplingParams, StructuredOutput
 
 # Public names and the module that defines each. They load on first use, so importing
 # polyengine (which the conformance pytest plugin does in every pytest run of the
@@ -55,6 +55,7 @@ _LAZY = {
         "polyengine.plugins",
     ),
     "SamplingParams": "polyengine.sampling.params",
+    "StructuredOutput": "polyengine.sampling.params",
 }
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "ResultLayout",
     "ResultTokens",
     "SamplingParams",
+    "StructuredOutput",
     "BackendSpec",
     "Probe",
     "hookimpl",

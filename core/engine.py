@@ -15,6 +15,7 @@ from polyengine.options import Option, check_options
 from polyengine.protocol import (
     DEFAULT_CONTEXT_LENGTH,
     OPTIONAL_METHODS,
+    CAPABILITY_KEYWORDS,
     PROTOCOL_VERSION,
     Capabilities,
     DecodeState,
@@ -47,6 +48,7 @@ __all__ = [
     "Slot",
     "SlotTable",
     "OPTIONAL_METHODS",
+    "CAPABILITY_KEYWORDS",
     "protocol_members",
     "protocol_problems",
     "check_prompt",

@@ -14,6 +14,7 @@ import numpy as np
 from polyengine.errors import InvalidRequest, SlotError, UnsupportedFeature
 from polyengine.protocol import Capabilities, DecodeState, EngineConfig, Override, Prefix
 from polyengine.results import ResultTokens
+from polyengine.sampling.masks import SlotMasks, allows_any, check_mask, full_mask, step_masked_ids
 from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
 from polyengine.options import check_options
 from polyengine.slots import Slot
@@ -40,7 +41,7 @@ class EngineBase:
     (undeclared: UnsupportedFeature). The engine then calls :meth:`check_memory` with
     what it will allocate, and per call :meth:`check_prefill`, :meth:`check_prefix`,
     :meth:`check_portable`, :meth:`check_empty_slot`, :meth:`check_bulk_slots`,
-    :meth:`check_overrides`.
+    :meth:`check_overrides`, :meth:`check_token_mask` and :meth:`check_token_masks`.
 
     The slot flow: an engine whose decode state has a :class:`~polyengine.slots.SlotTable`
     as ``slots`` gets ``insert``, ``bulk_insert`` and ``free_resource`` from the kit
@@ -228,6 +229,56 @@ class EngineBase:
             out[slot] = (token, int(position))
         return out
 
+    def check_token_mask(self, token_mask: Any, sampling: SamplingParams, *, step: int = 0,
+                         what: str = "token_mask") -> np.ndarray | None:
+        """One allowed-token mask (prefill's, for the first token; ``step`` 0) as ``(W,)``
+        int32 words, None for none. Refuses, before any work: masks on an engine that does
+        not declare ``token_masks`` (UnsupportedFeature); a mask that is not
+        ``ceil(vocab_size / 32)`` int32/uint32 words or allows no token, or whose allowed
+        tokens are all masked by ``min_tokens``/``ignore_eos`` at ``step``
+        (InvalidRequest)."""
+        if token_mask is None:
+            return None
+        if not self.capabilities.token_masks:
+            raise UnsupportedFeature("allowed-token masks (token_masks)", self.name,
+                                     "pick a backend that declares Capabilities.token_masks")
+        words = check_mask(token_mask, self.vocab_size, what)
+        if sampling is not None and not allows_any(words, self.vocab_size, step_masked_ids(sampling, step, self.eos_token_ids)):
+            raise InvalidRequest(
+                f"{what} allows only EOS or stop token ids, which min_tokens/ignore_eos mask at completion position "
+                f"{step}: every token would be masked; allow another token, lower min_tokens or drop ignore_eos")
+        return words
+
+    def check_token_masks(
+        self, token_masks: Mapping[int, Any] | None, last_result: Callable[[int], tuple[int, int] | None], *,
+        forced: Mapping[int, tuple[int, int]] | None = None, sampling_of: Callable[[int], Any] | None = None,
+    ) -> SlotMasks | None:
+        """Validate ``generate``'s ``token_masks`` before any work; None when there are none.
+
+        ``last_result`` is as for :meth:`check_overrides` (None: an empty slot, refused);
+        ``forced`` the checked overrides (an override at position ``p`` makes the masked
+        token completion position ``p + 1``); ``sampling_of(slot)`` the slot's request,
+        for the ``min_tokens``/``ignore_eos`` check (see :meth:`check_token_mask`)."""
+        if not token_masks:
+            return None
+        if not self.capabilities.token_masks:
+            raise UnsupportedFeature("allowed-token masks (token_masks)", self.name,
+                                     "pick a backend that declares Capabilities.token_masks")
+        n = self.max_concurrent_decodes
+        words, masked = full_mask(self.vocab_size, n), np.zeros(n, bool)
+        for slot, mask in dict(token_masks).items():
+            if not is_int(slot):
+                raise InvalidRequest(f"token_masks keys must be slot indices (ints), got {slot!r}")
+            slot = self.check_slot(slot)
+            info = last_result(slot)
+            if info is None:
+                raise InvalidRequest(f"token mask for slot {slot}, which is empty")
+            step = forced[slot][1] + 1 if forced and slot in forced else info[0]
+            sampling = sampling_of(slot) if sampling_of is not None else None
+            words[slot] = self.check_token_mask(mask, sampling, step=step, what=f"token mask for slot {slot}")
+            masked[slot] = True
+        return SlotMasks(words, masked)
+
     @staticmethod
     def _bad_override_slot(slot: object) -> int:
         raise InvalidRequest(f"override keys must be slot indices (ints), got {slot!r}")
@@ -257,7 +308,7 @@ class EngineBase:
         self.check_prefix(prefix)
         slot = self.check_empty_slot(slot, state.slots.is_occupied)
         self._install(prefix, state, [slot], draw=False)
-        state.slots.put(slot, self.slot_type(prefix.true_length))
+        state.slots.put(slot, self.slot_type(prefix.true_length, sampling=prefix.sampling))
         return state
 
     def bulk_insert(
@@ -270,7 +321,7 @@ class EngineBase:
         slots = self.check_bulk_slots(slots, state.slots.is_occupied)
         result = self._install(prefix, state, slots, draw=True)
         for slot in slots:
-            state.slots.put(slot, self.slot_type(prefix.true_length))
+            state.slots.put(slot, self.slot_type(prefix.true_length, sampling=prefix.sampling))
         return state, result
 
     def free_resource(self, decode_state: Any, slot: int) -> Any:

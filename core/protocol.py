@@ -61,6 +61,7 @@ __all__ = [
     "Override",
     "Engine",
     "OPTIONAL_METHODS",
+    "CAPABILITY_KEYWORDS",
     "protocol_members",
     "protocol_problems",
     "power_buckets",
@@ -82,6 +83,10 @@ class Capabilities(BaseModel):
     backend that declares none is taken to run the Llama family, ``llama`` and
     ``qwen2``); a model of any other is refused with :class:`UnsupportedFeature` when
     the engine is built.
+    ``token_masks``: ``prefill`` takes ``token_mask`` and ``generate`` takes
+    ``token_masks`` (allowed-token masks for a slot's next token, applied in sampling
+    step 1 on the device); an engine without it refuses masks with
+    :class:`UnsupportedFeature`, and need not have the keywords at all.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -97,6 +102,7 @@ class Capabilities(BaseModel):
     architectures: tuple[str, ...] = Field(
         LLAMA_FAMILY, min_length=1,
         description="model types (ModelConfig.model_type) the backend computes; others are refused at construction")
+    token_masks: bool = False
 
     @model_validator(mode="after")
     def _known_fields(self) -> "Capabilities":
@@ -196,6 +202,8 @@ class Prefix:
     the backend's ``to_host``. ``sampling`` has a concrete ``seed``. ``model_id`` says
     which weights made it (``EngineBase`` uses the model's ``instance_id``): an engine
     refuses a prefix made with other weights rather than decode garbage from it.
+    ``token_mask`` is the allowed-token mask prefill drew the first token under (host
+    int32 words, or None): ``bulk_insert`` draws every sample's first token under it.
     """
 
     kv: Any
@@ -206,6 +214,7 @@ class Prefix:
     first_token: int  # sample 0's first token (step 0)
     to_host: Callable[[Any], np.ndarray] = field(default=np.asarray, repr=False)
     model_id: str = ""
+    token_mask: np.ndarray | None = field(default=None, repr=False)
 
     def host_logits(self) -> np.ndarray:
         """The last prompt position's raw logits as a (vocab,) NumPy array."""
@@ -259,6 +268,9 @@ class Engine(Protocol):
     that lacks one still has the method and raises :class:`UnsupportedFeature`):
     ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
     (``portable_prefix``); and ``existing_prefix`` in prefill (``prefix_reuse``).
+    Optional keywords, each guarded by a capability (:data:`CAPABILITY_KEYWORDS`; an
+    engine that does not declare it may lack the keyword): ``token_mask`` of prefill
+    and ``token_masks`` of generate (``token_masks``).
     """
 
     name: str
@@ -286,13 +298,17 @@ class Engine(Protocol):
         tokens: Sequence[int] | np.ndarray,
         sampling: SamplingParams,
         existing_prefix: Prefix | None = None,
+        token_mask: np.ndarray | None = None,
     ) -> tuple[Prefix, ResultTokens]:
         """Run the prompt (true tokens; the backend pads to its bucket).
 
         Returns the prefix and a one-row :class:`ResultTokens` holding sample 0's first
         token. Raises :class:`InvalidRequest` for an empty or too-long prompt or a token
         id outside the vocabulary, and :class:`UnsupportedFeature` for sampling the
-        backend does not declare, both before any work.
+        backend does not declare, both before any work. ``token_mask`` (capability
+        ``token_masks``): the first token's allowed-token mask, ``ceil(V / 32)`` int32
+        words (:mod:`polyengine.sampling.masks`); the prefix keeps it for
+        ``bulk_insert``.
         """
         ...
 
@@ -302,7 +318,8 @@ class Engine(Protocol):
         ...
 
     def generate(
-        self, params: Any, decode_state: DecodeState, *, overrides: Mapping[int, int | Override] | None = None
+        self, params: Any, decode_state: DecodeState, *, overrides: Mapping[int, int | Override] | None = None,
+        token_masks: Mapping[int, np.ndarray] | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
         """One step for every occupied slot: up to ``tokens_per_step`` tokens each.
 
@@ -310,7 +327,9 @@ class Engine(Protocol):
         token (``valid == 0``). ``overrides={slot: token or Override}`` forces a token
         (see :class:`Override`): it replaces the slot's token at its position, counts as
         a completion token (penalties and ``min_tokens`` see it, the step counter counts
-        it) and is what the slot feeds into this step.
+        it) and is what the slot feeds into this step. ``token_masks={slot: words}``
+        (capability ``token_masks``) allows only the masked-in ids for the slot's next
+        token; a masked slot yields exactly one token in this step.
         """
         ...
 
@@ -345,6 +364,15 @@ OPTIONAL_METHODS: dict[str, str] = {
 }
 
 
+# Optional keyword parameters: (method, keyword) -> the capability that requires it. An
+# engine that does not declare the capability may lack the keyword (an engine written
+# before it existed keeps passing protocol_problems); the caller never passes it then.
+CAPABILITY_KEYWORDS: dict[tuple[str, str], str] = {
+    ("prefill", "token_mask"): "token_masks",
+    ("generate", "token_masks"): "token_masks",
+}
+
+
 @dataclass(frozen=True)
 class _Method:
     name: str
@@ -375,6 +403,7 @@ def protocol_problems(engine: Any) -> list[str]:
     """What ``engine`` lacks or gets wrong of the protocol's surface (empty: none)."""
     attributes, methods = protocol_members()
     problems = [f"attribute {a!r} is missing" for a in attributes if not hasattr(engine, a)]
+    caps = getattr(engine, "capabilities", None)
     for m in methods:
         fn = getattr(engine, m.name, None)
         if not callable(fn):
@@ -394,8 +423,12 @@ def protocol_problems(engine: Any) -> list[str]:
         for p in m.keyword_only:
             if p in params and params[p].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
                 continue
+            guard = CAPABILITY_KEYWORDS.get((m.name, p))
+            if guard is not None and not getattr(caps, guard, False):
+                continue
             if inspect.Parameter.VAR_KEYWORD not in kinds:
-                problems.append(f"{m.name}: needs keyword parameter {p!r}")
+                why = f" (capability {guard!r} is declared)" if guard else ""
+                problems.append(f"{m.name}: needs keyword parameter {p!r}{why}")
         for p in m.defaults_none:
             if p in params and params[p].default is not None:
                 problems.append(f"{m.name}: {p} must default to None")

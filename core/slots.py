@@ -15,7 +15,7 @@ overrides :meth:`SlotTable.last_result` to read it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Iterator, TypeVar
+from typing import Any, Generic, Iterator, TypeVar
 
 __all__ = ["Slot", "SlotTable"]
 
@@ -24,11 +24,13 @@ __all__ = ["Slot", "SlotTable"]
 class Slot:
     """An occupied slot: ``prompt_len`` tokens of prompt, ``completion`` tokens of
     completion so far (forced ones included; the first token counts from insert), the
-    ``last`` of which came in its last result."""
+    ``last`` of which came in its last result; ``sampling`` is the request's
+    ``SamplingParams`` (the kit's insert records it; the token-mask checks read it)."""
 
     prompt_len: int
     completion: int = 1
     last: int = 1
+    sampling: Any = None
 
     @property
     def total(self) -> int:
@@ -107,6 +109,11 @@ class SlotTable(Generic[S]):
         a free one: the input ``EngineBase.check_overrides`` takes."""
         s = self._slots[slot]
         return None if s is None else (s.completion, s.last)
+
+    def sampling(self, slot: int) -> Any:
+        """The request's ``SamplingParams`` in an occupied slot (None if not recorded)."""
+        s = self._slots[slot]
+        return None if s is None else s.sampling
 
     def lengths(self) -> list[int]:
         """Each slot's completion tokens (0 for a free slot): a result's ``lengths``."""

@@ -123,8 +123,8 @@ def build_app(config: ServerConfig, engine: Any = None, model_name: str | None =
     async def chat(request: Request) -> Response:
         arrived = time.monotonic()
         raw = await request.body()
-        req, sampling, names, encoded = await asyncio.to_thread(state.prepare_chat, raw)
-        return await state.run(request, "chat", encoded, sampling, names, req, arrived, "messages")
+        req, sampling, names, encoded, tools = await asyncio.to_thread(state.prepare_chat, raw)
+        return await state.run(request, "chat", encoded, sampling, names, req, arrived, "messages", tools=tools)
 
     return app
 
@@ -180,12 +180,24 @@ class _State:
         with self.blaming(names, "prompt"):
             return req, sampling, names, [self.engine.encode(p)[1] for p in prompts]
 
-    def prepare_chat(self, raw: bytes) -> tuple[ChatRequest, SamplingParams, dict[str, str], list[list[int]]]:
+    def prepare_chat(self, raw: bytes) -> tuple[ChatRequest, SamplingParams, dict[str, str], list[list[int]], list | None]:
+        """The request, its sampling (constrained by ``tool_choice`` where it forces a
+        call), the request's names for the core's fields, the prompt, and the tools whose
+        calls the response parses (None: none)."""
         req = parse_body(raw, ChatRequest, self._lengths)
         self.check_model(req.model)
         sampling, names = to_sampling(req)
-        with self.blaming(names, "messages"):
-            return req, sampling, names, [self.engine.apply_chat_template(chat_messages(req))]
+        tools = None
+        with self.blaming(names, "messages"):  # bad tools are blamed on tools / tool_choice (their field)
+            if req.tools is not None or req.tool_choice is not None:
+                ids, constrained, tools, choice = self.engine.tool_chat_prompt(
+                    chat_messages(req), sampling, req.tools, req.tool_choice)
+                if constrained is not sampling:
+                    names["structured"] = "tool_choice"
+                sampling, tools = constrained, (tools if choice != "none" else None)
+            else:
+                ids = self.engine.apply_chat_template(chat_messages(req))
+        return req, sampling, names, [ids], tools
 
     @contextlib.contextmanager
     def blaming(self, names: dict[str, str], what: str) -> Iterator[None]:
@@ -219,7 +231,7 @@ class _State:
         return from_polyengine(exc, param_of=param_of)
 
     async def run(self, request: Request, kind: str, prompts: list[list[int]], sp: SamplingParams,
-                  names: dict[str, str], req: Any, arrived: float, what: str) -> Response:
+                  names: dict[str, str], req: Any, arrived: float, what: str, tools: list | None = None) -> Response:
         for ids in prompts:
             self.check_context(ids, sp, names, what)
         handles: list[Any] = []
@@ -234,7 +246,7 @@ class _State:
             if isinstance(exc, Exception):
                 raise self.api_error(exc, names, what) from None
             raise
-        responder = Responder(kind, self.model_name, self.token_text, self.fingerprint)
+        responder = Responder(kind, self.model_name, self.token_text, self.fingerprint, tools=tools)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._events(handles, responder, sp, names, include_usage, what)
@@ -265,8 +277,8 @@ class _State:
                 idx = p * n + d.index
                 lps = r.logprobs(d.token_ids, d.logprobs, d.top_logprobs, offsets[idx])
                 offsets[idx] += sum(len(r.text_of(t)[0]) for t in d.token_ids)
-                if d.text or d.finish_reason or lps is not None:
-                    yield sse(r.chunk(idx, d.text, d.finish_reason, lps))
+                for chunk in r.stream_chunks(idx, d.text, d.finish_reason, lps):
+                    yield sse(chunk)
             else:
                 if include_usage:
                     yield sse(r.usage_chunk([h.completion for h in handles]))

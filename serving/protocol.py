@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from polyengine.errors import InvalidRequest
 from polyengine.limits import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from polyengine.sampling.params import SamplingParams
+from polyengine.sampling.params import SamplingParams, StructuredOutput
 from polyengine.serving.errors import invalid
 
 __all__ = ["CompletionRequest", "ChatRequest", "parse_body", "check_lengths", "to_sampling", "chat_messages"]
@@ -188,12 +188,9 @@ def _refuse_unsupported(req: _Common) -> None:
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise invalid("best_of other than n is not supported (no server-side ranking of samples)", "best_of")
     if isinstance(req, ChatRequest):
-        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+        for name in ("functions", "function_call"):
             if getattr(req, name) is not None:
-                raise invalid(f"{name}: tool calling is not supported by this server", name)
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise invalid('response_format: only {"type": "text"} is supported (no structured output)',
-                          "response_format")
+                raise invalid(f"{name} is OpenAI's deprecated form: send tools and tool_choice instead", name)
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -230,6 +227,11 @@ def to_sampling(req: _Common) -> tuple[SamplingParams, dict[str, str]]:
         names["top_logprobs"] = names["logprobs"] = "logprobs"
     if max_tokens is not None:
         values["max_tokens"] = max_tokens
+    if isinstance(req, ChatRequest) and req.response_format is not None:
+        structured = response_format(req.response_format)
+        if structured is not None:
+            values["structured"] = structured
+            names["structured"] = "response_format"
     try:
         sampling = SamplingParams(**values)
     except InvalidRequest as exc:
@@ -237,14 +239,39 @@ def to_sampling(req: _Common) -> tuple[SamplingParams, dict[str, str]]:
     return sampling.with_seed(), names
 
 
+def response_format(fmt: Any) -> StructuredOutput | None:
+    """OpenAI's ``response_format`` as a constraint: ``text`` (none), ``json_object``
+    (any JSON object), ``json_schema`` (``{"name", "schema", "strict"}``; enforced by the
+    grammar whether or not ``strict`` is set)."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise invalid('response_format.json_schema must be {"name": ..., "schema": {...}, "strict": ...}',
+                          "response_format.json_schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise invalid("response_format.json_schema.schema must be a JSON Schema object",
+                          "response_format.json_schema.schema")
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise invalid("response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict")
+        return StructuredOutput(json_schema=schema)
+    raise invalid(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                  "response_format.type")
+
+
 def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     """The conversation as template input: text parts joined, None fields dropped."""
     out = []
     for i, m in enumerate(req.messages):
         msg = m.model_dump(exclude_none=True)
-        if m.content is None:
-            raise invalid(f"messages[{i}].content is missing: every message needs text content",
-                          f"messages[{i}].content")
+        if m.content is None and not (m.role == "assistant" and msg.get("tool_calls")):
+            raise invalid(f"messages[{i}].content is missing: every message needs text content (an assistant "
+                          f"message may carry tool_calls instead)", f"messages[{i}].content")
         if isinstance(m.content, list):
             msg["content"] = "".join(part.text for part in m.content)
         out.append(msg)

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from polyengine.driver.outputs import Completion
+from polyengine.driver.toolcalls import CALL_OPEN, parse_tool_calls
 from polyengine.models.tokenizer import BYTE_TO_UNICODE
 
 __all__ = ["TokenText", "Responder", "sse"]
@@ -64,8 +65,11 @@ class TokenText:
 class Responder:
     """Builds the bodies of one response (its id, creation time, model and kind)."""
 
-    def __init__(self, kind: str, model: str, token_text: TokenText, fingerprint: str):
+    def __init__(self, kind: str, model: str, token_text: TokenText, fingerprint: str, tools: list | None = None):
         self.kind = kind  # "chat" or "completion"
+        self.tools = tools  # offered function tools: completions are parsed for calls
+        self._held: dict[int, str] = {}  # streamed text held back while it may open a tool call
+        self._free: set[int] = set()  # choices whose text cannot be a tool call any more
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -110,6 +114,12 @@ class Responder:
                 choice: dict[str, Any] = {"index": p * n + o.index, "finish_reason": o.finish_reason, "logprobs": lps}
                 if self.kind == "chat":
                     choice["message"] = {"role": "assistant", "content": o.text}
+                    if self.tools:
+                        content, calls = parse_tool_calls(o.text, self.tools)
+                        if calls:
+                            choice["message"] = {"role": "assistant", "content": content,
+                                                 "tool_calls": [c.to_dict() for c in calls]}
+                            choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = o.text
                 choices.append(choice)
@@ -132,6 +142,33 @@ class Responder:
         body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         body["choices"] = [choice]
         return body
+
+    def stream_chunks(self, index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> list[dict[str, Any]]:
+        """The chunks for one stream delta. With tools offered, text that may open a
+        ``<tool_call>`` is held back; at the end held text becomes ``tool_calls`` deltas
+        (one per call, with ``finish_reason`` "tool_calls") or content."""
+        if not self.tools or index in self._free:
+            return [self.chunk(index, text, finish_reason, logprobs)] if text or finish_reason or logprobs is not None else []
+        held = self._held.get(index, "") + text
+        start = held.lstrip()
+        if finish_reason is None:
+            if CALL_OPEN.startswith(start) or start.startswith(CALL_OPEN):
+                self._held[index] = held
+                return []
+            self._free.add(index)
+            self._held.pop(index, None)
+            return [self.chunk(index, held, None, logprobs)]
+        self._held.pop(index, None)
+        content, calls = parse_tool_calls(held, self.tools)
+        if not calls:
+            return [self.chunk(index, held, finish_reason, logprobs)]
+        out = [self.chunk(index, content, None, logprobs)] if content else []
+        for i, call in enumerate(calls):
+            body = self.chunk(index, "", None)
+            body["choices"][0]["delta"] = {"tool_calls": [{"index": i, **call.to_dict()}]}
+            out.append(body)
+        out.append(self.chunk(index, "", "tool_calls"))
+        return out
 
     def usage_chunk(self, completions: list[Completion]) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")

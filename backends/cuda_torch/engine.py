@@ -181,7 +181,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
-            architectures=ARCHITECTURES,
+            architectures=ARCHITECTURES, token_masks=True,
         )
 
     def speed_paths(self) -> dict[str, str]:
@@ -350,19 +350,23 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def _to_host(self, t: torch.Tensor) -> np.ndarray:
         return t.detach().to("cpu", torch.float32).numpy()
 
-    def _first_token(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams):
+    def _first_token(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams,
+                     token_mask: np.ndarray | None = None):
         """Sample 0's first token (step 0) from a prefix's logits, on the prefill sampler."""
         sampler = self._prefill_sampler
         sampler.install(0, sampling, prompt)
         try:
-            return sampler.sample(logits[None], num_top=sampling.top_logprobs)
+            return sampler.sample(logits[None], num_top=sampling.top_logprobs,
+                                  token_mask=None if token_mask is None else token_mask[None])
         finally:
             sampler.clear(0)
 
     @_on_engine_thread
     @torch.no_grad()
-    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
+    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None,
+                token_mask: np.ndarray | None = None):
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
+        mask = self.check_token_mask(token_mask, sampling)
         n = toks.size
         padded = self.config.bucket_for(n)
         dev = self.torch_device
@@ -378,11 +382,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
-        first = self._first_token(logits[0], prompt, sampling)
+        first = self._first_token(logits[0], prompt, sampling, mask)
         token = int(first.tokens[0])  # the protocol's Prefix carries it on the host
         prefix = Prefix(
             kv=(k[:, 0, :, : start + n], v[:, 0, :, : start + n]), logits=logits[0].float(), prompt_tokens=prompt,
             sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
+            token_mask=mask,
         )
         return prefix, ResultTokens.first_tokens(first.tokens, first.logprobs, first.top_ids, first.top_logprobs,
                                                  to_host=host_array)
@@ -407,10 +412,14 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
     # -- generate --------------------------------------------------------------------------
 
-    def generate(self, params: TorchWeights, decode_state: TorchDecodeState, *, overrides: Mapping[int, Any] | None = None):
+    def generate(self, params: TorchWeights, decode_state: TorchDecodeState, *, overrides: Mapping[int, Any] | None = None,
+                 token_masks: Mapping[int, np.ndarray] | None = None):
         state = decode_state
         state.wait()
         forced = self.check_overrides(overrides, state.slots.last_result)
+        masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
+                                       sampling_of=state.slots.sampling)
+        words = None if masks is None else masks.words
         for slot, (_, position) in forced.items():
             state.slots.force(slot, position)
         # slot -> (token, its new prompt + completion count) for the device's copy
@@ -424,7 +433,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
 
         def step() -> torch.Tensor:
-            return self._step(params, state, forced, live, positions, kv_len, num_top)
+            return self._step(params, state, forced, live, positions, kv_len, num_top, words)
 
         if self._worker is not None:
             state.pending = self._worker.submit(step)
@@ -435,11 +444,15 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return state, ResultTokens.from_packed(buf, layout, to_host=lambda t: t.numpy())
 
     @torch.no_grad()
-    def _step(self, params, state: TorchDecodeState, forced, live, positions, kv_len, num_top) -> torch.Tensor:
+    def _step(self, params, state: TorchDecodeState, forced, live, positions, kv_len, num_top,
+              words: np.ndarray | None) -> torch.Tensor:
         """One decode step from device data only: the host's ``live``/``positions`` lists
         decide Python-level choices (and feed the CPU's fused kernels, where the host is
-        the device), never a tensor the step reads."""
+        the device), never a tensor the step reads. ``words``: the step's allowed-token
+        masks (packed bits per slot), copied in like every other host input."""
         dev, n = self.torch_device, state.num_slots
+        if words is not None:
+            words = to_device(words, dev)
         if forced:
             rows = to_device(np.asarray(list(forced), np.int64), dev)
             tokens = to_device(np.asarray([t for t, _ in forced.values()], np.int64), dev)
@@ -451,7 +464,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         if live and dev.type == "cpu":
             # The host is the device: only the live rows are computed (the fused kernel,
             # else the shared forward on those rows), so the cost follows the requests.
-            tokens, logprobs, top_ids, top_lp = self._live_step(params, state, live, positions, kv_len, num_top)
+            tokens, logprobs, top_ids, top_lp = self._live_step(params, state, live, positions, kv_len, num_top, words)
         elif live:  # CUDA: every slot runs from device data, empty ones write nothing (no host copy, no sync)
             pos = torch.where(live_mask, state.total - 1, 0)[:, None]
             if self.options["cuda_graphs"]:
@@ -461,7 +474,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                     params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[:, None], pos, state.k,
                     state.v, rows=None, write_mask=live_mask[:, None],
                 )
-            res = state.sampler.sample(logits[:, 0], num_top=num_top)
+            res = state.sampler.sample(logits[:, 0], num_top=num_top, token_mask=words)
             state.sampler.record(res.tokens, mask=live_mask)
             state.next_tokens.copy_(torch.where(live_mask, res.tokens, state.next_tokens))
             tokens, logprobs, top_ids, top_lp = res.tokens, res.logprobs, res.top_ids, res.top_logprobs
@@ -511,7 +524,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return logits
 
     def _live_step(self, params: TorchWeights, state: TorchDecodeState, live: list[int], positions: list[int],
-                   kv_len: int, num_top: int):
+                   kv_len: int, num_top: int, words: torch.Tensor | None):
         """A decode step over the live rows only, so that its cost follows the live
         requests, not the slot count: the fused CPU kernel where it is built, else the
         shared forward on those rows (their cache rows gathered, unless every slot is
@@ -530,7 +543,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 pos[:, None], state.k, state.v, rows=None if len(live) == n else rows,
             )
             logits = logits[:, 0]  # (M, vocab)
-        res = state.sampler.sample(logits, rows, num_top=num_top)
+        res = state.sampler.sample(logits, rows, num_top=num_top, token_mask=None if words is None else words[rows])
         state.sampler.record(res.tokens, rows=rows)
         state.next_tokens[rows] = res.tokens
 

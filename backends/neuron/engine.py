@@ -43,6 +43,7 @@ from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
+from polyengine.sampling.masks import full_mask
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 from polyengine.sampling.rows import row_bytes
 
@@ -111,7 +112,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             self.on_device = DeviceGraphs(
                 weights=self._weights, names=self._names, draft=self.draft, draft_names=self._draft_names,
                 buckets=self.buckets, max_slots=config.max_slots, max_cache_length=config.max_cache_length,
-                tokens_per_step=k, num_top=self.num_top, neutral=self._neutral, dtype=self.dtype, tp=o["tp_degree"])
+                tokens_per_step=k, num_top=self.num_top, neutral=self._neutral, no_masks=self._no_masks, dtype=self.dtype,
+                tp=o["tp_degree"])
         self._live: NeuronDecodeState | None = None  # on Neuron, the decode state that owns the device's cache
         self.graphs: dict[tuple, CompiledGraph] = {}
         self._built: dict[tuple, tuple[str, float]] = {}  # graph name -> (where this engine got it, seconds)
@@ -135,6 +137,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
             bulk_insert=True, portable_prefix=True, async_results=o["async_steps"], tokens_per_step=self.tokens_per_step,
             architectures=ARCHITECTURES,
+            token_masks=True,
         )
 
     @staticmethod
@@ -208,7 +211,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             kc, vc = weights.new_cache(cfg.max_slots, self.buckets.cache)
             r = cfg.max_slots
             args = [tuple(weights.tensors[n] for n in names), kc, vc, torch.arange(batch),
-                    torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64)]
+                    torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64), *self._no_masks(r)]
             if tokens > 1:
                 args.append(torch.zeros((batch, tokens - 1), dtype=torch.int64))
             return module, (*args, self._neutral(r))
@@ -219,6 +222,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
     def _context_args(self, p: int) -> tuple:
         return (tuple(self._weights.tensors[n] for n in self._names), torch.zeros((1, p), dtype=torch.int64),
                 torch.tensor([p - 1]))
+
+    def _no_masks(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask inputs of a step without masks: every token allowed, no slot masked."""
+        return (torch.from_numpy(full_mask(self.vocab_size, rows)), torch.zeros(rows, dtype=torch.bool))
 
     def _neutral(self, rows: int) -> dict[str, torch.Tensor]:
         return SamplerState.neutral(rows, self.vocab_size, self.eos_token_ids).as_dict()
@@ -293,20 +300,24 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
 
     # -- prefill ---------------------------------------------------------------------------
 
-    def _first_tokens(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams) -> ResultTokens:
+    def _first_tokens(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams,
+                      token_mask: np.ndarray | None = None) -> ResultTokens:
         """Sample 0's first token (step 0) from a prefix's logits, on the host sampler."""
         self._first.install(0, sampling, prompt)
         try:
-            res = self._first.sample(logits[None], num_top=sampling.top_logprobs)
+            res = self._first.sample(logits[None], num_top=sampling.top_logprobs,
+                                     token_mask=None if token_mask is None else token_mask[None])
         finally:
             self._first.clear(0)
         return ResultTokens.first_tokens(res.tokens, res.logprobs, res.top_ids, res.top_logprobs, to_host=host_array)
 
     @torch.no_grad()
-    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
+    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None,
+                token_mask: np.ndarray | None = None):
         if hasattr(tokens, "__len__") and len(tokens) > self.buckets.prefill[-1]:
             self.buckets.prompt(len(tokens))  # raises, naming the buckets
         toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
+        mask = self.check_token_mask(token_mask, sampling)
         n = toks.size
         p = self.buckets.prompt(n)
         padded = torch.zeros((1, p), dtype=torch.int64)
@@ -316,10 +327,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         else:
             logits, k, v = self.graphs[("context", p)](
                 tuple(params.tensors[name] for name in self._names), padded, torch.tensor([n - 1]))
-        first = self._first_tokens(logits[0], toks, sampling)
+        first = self._first_tokens(logits[0], toks, sampling, mask)
         prefix = Prefix(kv=(k[:, 0, :, :n].clone(), v[:, 0, :, :n].clone()), logits=logits[0], prompt_tokens=toks,
                         sampling=sampling, backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array,
-                        model_id=self.model_id)
+                        model_id=self.model_id, token_mask=mask)
         return prefix, first
 
     # -- insert, bulk_insert, free_resource: the kit's flow over torch_common's hooks --------
@@ -337,12 +348,17 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         decode_state.check_live()
         return super()._settle(decode_state)
 
-    def generate(self, params: TorchWeights, decode_state: NeuronDecodeState, *, overrides: Mapping[int, Any] | None = None):
+    def generate(self, params: TorchWeights, decode_state: NeuronDecodeState, *, overrides: Mapping[int, Any] | None = None,
+                 token_masks: Mapping[int, np.ndarray] | None = None):
         state = decode_state
         state.check_live()
-        if overrides:
+        if overrides or token_masks:
             state.wait()
         forced = self.check_overrides(overrides, state.slots.last_result)
+        masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
+                                       sampling_of=state.slots.sampling)
+        mask_in = self._no_masks(state.num_slots) if masks is None else (
+            torch.from_numpy(masks.words), torch.from_numpy(masks.masked))
         for slot, (token, position) in forced.items():
             state.rollback(slot, token, position)
         busy = state.slots.occupied()
@@ -362,10 +378,11 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         kv = self.buckets.seq_for(max(min(state.slots[i].total, limit) for i in busy) + k - 1)
         for i in busy:
             s = state.slots[i]
-            s.completion, s.fresh = min(s.total + k, limit) - s.prompt_len, False
+            gain = 1 if masks is not None and masks.masked[i] else k  # a masked slot yields one token
+            s.completion, s.fresh = min(s.total + gain, limit) - s.prompt_len, False
 
         def step() -> torch.Tensor:
-            return self._step(params, state, torch.tensor(seq_ids), batch, kv)
+            return self._step(params, state, torch.tensor(seq_ids), batch, kv, mask_in)
 
         if self._worker is not None:
             state.pending = self._worker.submit(step)
@@ -376,7 +393,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         return state, ResultTokens.from_packed(packed, self.layout, to_host=host_array)
 
     @torch.no_grad()
-    def _step(self, params: TorchWeights, state: NeuronDecodeState, seq_ids: torch.Tensor, batch: int, kv: int) -> torch.Tensor:
+    def _step(self, params: TorchWeights, state: NeuronDecodeState, seq_ids: torch.Tensor, batch: int, kv: int,
+              mask_in: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """One step on the device: drafts (with speculation), then the decode graph."""
         s = state.sampler.state
         extra = ()
@@ -386,21 +404,22 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             proposal, drafts = s.as_dict(), []
             for _ in range(self.tokens_per_step - 1):
                 if self.on_device is not None:
-                    _, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len, (),
-                                                                  proposal)
+                    _, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len,
+                                                                  self._no_masks(state.num_slots), (), proposal)
                 else:
                     _, counts, step, last = self.graphs[("draft", batch, kv)](
-                        weights, state.k[:layers], state.v[:layers], seq_ids, state.occupied, state.prompt_len, proposal)
+                        weights, state.k[:layers], state.v[:layers], seq_ids, state.occupied, state.prompt_len,
+                        *self._no_masks(state.num_slots), proposal)
                 proposal = {**proposal, "counts": counts, "step": step, "last_token": last}
                 drafts.append(last[seq_ids])
             extra = (torch.stack(drafts, dim=1),)
         if self.on_device is not None:
-            packed, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len, extra,
-                                                               s.as_dict())
+            packed, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len, mask_in,
+                                                               extra, s.as_dict())
         else:
             packed, counts, step, last = self.graphs[("decode", batch, kv)](
                 tuple(params.tensors[n] for n in self._names), state.k, state.v, seq_ids, state.occupied,
-                state.prompt_len, *extra, s.as_dict())
+                state.prompt_len, *mask_in, *extra, s.as_dict())
         state.sampler.state = replace(s, counts=counts, step=step, last_token=last)
         if self.draft is not None:
             k = self.tokens_per_step

@@ -18,7 +18,8 @@ Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
     One decode step for a batch bucket of ``B`` seq_ids, ``T`` tokens per row:
     ``T = 1`` is token generation, ``T = k`` verifies ``k - 1`` draft tokens in one pass
     (the speculation graph). Inputs ``(weights, k_cache, v_cache, seq_ids (B,),
-    occupied (R,), prompt_len (R,), [drafts (B, T-1)], sampler state (R rows))``;
+    occupied (R,), prompt_len (R,), token_mask (R, W) int32, masked (R,) bool,
+    [drafts (B, T-1)], sampler state (R rows))``;
     outputs ``(packed (R, width) int32, counts, step, last_token, k_cache, v_cache)``.
     Everything per row is derived on the device from the state: the token fed is the
     slot's ``last_token``, its position ``prompt_len + step - 1``, its room
@@ -35,6 +36,11 @@ counter-based); only how many arrive per step changes.
 ``linear`` is the forward's projection hook (``StepSpec.linear``): None on one core;
 the Neuron path's tensor parallelism passes its sharded projections (:mod:`.nxd`), with
 ``config`` then holding one core's share of the heads and MLP width.
+
+Allowed-token masks are inputs of every token-generation graph (all bits set and
+``masked`` False when a step has none, so nothing recompiles): a masked slot's mask
+applies to its first position, and the slot emits exactly that one token (the protocol's
+rule for masked slots; its drafts are discarded).
 
 Padding: the rows of a batch bucket are distinct seq_ids; rows that are not live
 (empty slots padding the batch, slots whose cache is full) write K/V only into their
@@ -127,7 +133,7 @@ class TokenGeneration(torch.nn.Module):
         self.spec = StepSpec(kv_len=kv_len, linear=linear)
         self.max_cache_length, self.num_top = max_cache_length, num_top
 
-    def forward(self, weights, k_cache, v_cache, seq_ids, occupied, prompt_len, *rest):
+    def forward(self, weights, k_cache, v_cache, seq_ids, occupied, prompt_len, token_mask, masked, *rest):
         drafts, sampler = (rest[0], rest[1]) if self.tokens > 1 else (None, rest[0])
         st = SamplerState(**sampler)
         w = _weights(self.config, self.names, weights)
@@ -142,11 +148,17 @@ class TokenGeneration(torch.nn.Module):
         # Rows that are not live may sit at any position; clamped, they stay inside their own row.
         positions = ((total - 1)[:, None] + torch.arange(t, device=dev)).clamp(0, k_cache.shape[3] - 1)
         logits, k_cache, v_cache = forward(w, self.spec, fed, positions, k_cache, v_cache, rows=seq_ids)
-        res = sample(_expanded(st, seq_ids, fed), logits.reshape(-1, logits.shape[-1]), None, _ALL_STEPS, self.num_top)
+        words = token_mask[seq_ids]  # (B, W): the mask applies to each slot's first position only
+        if t > 1:
+            first = (torch.arange(t, device=dev) == 0)[None, :, None]
+            words = torch.where(first, words[:, None, :], torch.full_like(words[:, None, :], -1)).reshape(-1, words.shape[-1])
+        res = sample(_expanded(st, seq_ids, fed), logits.reshape(-1, logits.shape[-1]), None, _ALL_STEPS, self.num_top,
+                     words)
         drawn = res.tokens.reshape(-1, t)  # (B, T)
         accepted = torch.ones_like(step)
-        if drafts is not None:  # leading drafts equal to what the target drew
+        if drafts is not None:  # leading drafts equal to what the target drew; a masked slot takes one token
             accepted = accepted + torch.cumprod((drawn[:, :-1] == drafts).to(torch.int64), dim=1).sum(dim=1)
+            accepted = torch.where(masked[seq_ids], torch.ones_like(accepted), accepted)
         emit = torch.where(live, torch.minimum(accepted, room), torch.zeros_like(room))  # (B,)
         valid = torch.arange(t, device=dev)[None, :] < emit[:, None]  # (B, T)
 

@@ -232,14 +232,14 @@ class OnDevice(torch.nn.Module):
         return slot.to(torch.int32), _pad(slot), _pad(slot), _pad(slot), out[0], out[1]
 
     def _decode(self, *inputs: torch.Tensor):
-        seq_ids, occupied, prompt_len = inputs[:3]
+        seq_ids, occupied, prompt_len, token_mask, masked = inputs[:5]
         fields = len(SAMPLER_FIELDS)
-        drafts = inputs[3:-1 - fields]
+        drafts = inputs[5:-1 - fields]
         sampler = dict(zip(SAMPLER_FIELDS, inputs[-1 - fields:-1]))
         k, v = self.k_cache, self.v_cache
         layers = self.draft_layers or k.shape[0]
         packed, counts, step, last, k_new, v_new = self.graph(self._weights(), k[:layers], v[:layers], seq_ids, occupied,
-                                                              prompt_len, *drafts, sampler)
+                                                              prompt_len, token_mask, masked, *drafts, sampler)
         if layers < k.shape[0]:  # the draft writes the target's first layers; the rest stay as they are
             k_new, v_new = torch.cat([k_new, k[layers:]]), torch.cat([v_new, v[layers:]])
         return packed, counts, step, last, k_new, v_new
@@ -303,7 +303,8 @@ class DeviceGraphs:
 
     def __init__(self, *, weights: TorchWeights, names: tuple[str, ...], draft: ModelConfig | None,
                  draft_names: tuple[str, ...], buckets, max_slots: int, max_cache_length: int, tokens_per_step: int,
-                 num_top: int, neutral: Callable[[int], dict[str, torch.Tensor]], dtype: str, tp: int):
+                 num_top: int, neutral: Callable[[int], dict[str, torch.Tensor]],
+                 no_masks: Callable[[int], tuple[torch.Tensor, torch.Tensor]], dtype: str, tp: int):
         self.config = weights.config
         self.tp = tp
         self.local = local_config(self.config, tp)
@@ -311,6 +312,7 @@ class DeviceGraphs:
         self.weights, self.names, self.draft, self.draft_names = weights, names, draft, draft_names
         self.buckets, self.slots, self.max_cache_length = buckets, max_slots, max_cache_length
         self.k, self.num_top, self.neutral, self.dtype = tokens_per_step, num_top, neutral, dtype
+        self.no_masks = no_masks  # the allowed-token mask inputs of a step without masks
         self.program: Any = None
         self._shapes = {n: (local_shape(n, tuple(weights.tensors[n].shape), tp), weights.tensors[n].dtype) for n in names}
         c = self.local
@@ -331,7 +333,8 @@ class DeviceGraphs:
 
     def _decode_inputs(self, batch: int, tokens: int, kv: int) -> tuple[torch.Tensor, ...]:
         r = self.slots
-        args = [torch.arange(batch), torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64)]
+        args = [torch.arange(batch), torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64),
+                *self.no_masks(r)]
         if tokens > 1:
             args.append(torch.zeros((batch, tokens - 1), dtype=torch.int64))
         sampler = self.neutral(r)
@@ -406,8 +409,10 @@ class DeviceGraphs:
         self._run(kp, vp, torch.tensor([slot]))
 
     def decode(self, kv: int, seq_ids: torch.Tensor, occupied: torch.Tensor, prompt_len: torch.Tensor,
-               drafts: tuple[torch.Tensor, ...], sampler: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+               masks: tuple[torch.Tensor, torch.Tensor], drafts: tuple[torch.Tensor, ...],
+               sampler: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """One decode (or speculation, or draft) call: ``(packed, counts, step, last_token)``;
         which model runs follows from the inputs' shapes."""
-        return self._run(seq_ids, occupied, prompt_len, *drafts, *(sampler[f] for f in SAMPLER_FIELDS), self.marker(kv))
+        return self._run(seq_ids, occupied, prompt_len, *masks, *drafts, *(sampler[f] for f in SAMPLER_FIELDS),
+                         self.marker(kv))
 

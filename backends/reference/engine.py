@@ -54,7 +54,7 @@ class ReferenceEngine(EngineBase):
             bulk_insert=True,
             portable_prefix=True,
             prefix_reuse=True,
-            architectures=ARCHITECTURES,
+            architectures=ARCHITECTURES, token_masks=True,
         ), device="cpu (NumPy)")
         self.np_dtype = np.dtype(_DTYPES[self.dtype])
         mc = model.config
@@ -97,8 +97,10 @@ class ReferenceEngine(EngineBase):
         tokens: Sequence[int] | np.ndarray,
         sampling: SamplingParams,
         existing_prefix: Prefix | None = None,
+        token_mask: np.ndarray | None = None,
     ) -> tuple[Prefix, ResultTokens]:
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
+        mask = self.check_token_mask(token_mask, sampling)
         total = start + toks.size
         # Pad to the bucket (when configured) the way a static-shape backend would:
         # pad tokens sit after the true ones, so causality keeps them out of every
@@ -121,8 +123,9 @@ class ReferenceEngine(EngineBase):
             backend=self.name,
             first_token=-1,
             model_id=self.model_id,
+            token_mask=mask,
         )
-        out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32))])
+        out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32), mask)])
         prefix.first_token = int(out.tokens[0])
         return prefix, self._result(out)
 
@@ -132,7 +135,8 @@ class ReferenceEngine(EngineBase):
         out = None
         if draw:
             empty = np.zeros(0, np.int32)
-            rows = [RowState(prefix.sampling, i, 0, prefix.prompt_tokens, empty) for i in range(len(slots))]
+            rows = [RowState(prefix.sampling, i, 0, prefix.prompt_tokens, empty, prefix.token_mask)
+                    for i in range(len(slots))]
             out = self._sample([prefix.logits] * len(slots), rows)
         n = prefix.true_length
         for i, slot in enumerate(slots):
@@ -149,10 +153,14 @@ class ReferenceEngine(EngineBase):
     # -- generate --------------------------------------------------------------------------
 
     def generate(
-        self, params: ReferenceParams, decode_state: ReferenceDecodeState, *, overrides: Mapping[int, int] | None = None
+        self, params: ReferenceParams, decode_state: ReferenceDecodeState, *, overrides: Mapping[int, int] | None = None,
+        token_masks: Mapping[int, np.ndarray] | None = None,
     ) -> tuple[ReferenceDecodeState, ResultTokens]:
         state = decode_state
-        for slot, (tok, position) in self.check_overrides(overrides, state.slots.last_result).items():
+        forced = self.check_overrides(overrides, state.slots.last_result)
+        masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
+                                       sampling_of=state.slots.sampling)
+        for slot, (tok, position) in forced.items():
             self._force(state, slot, tok, position)
 
         n = state.num_slots
@@ -171,6 +179,7 @@ class ReferenceEngine(EngineBase):
             for i in live:
                 row = state.rows[i]
                 row.step = len(row.completion_tokens)
+                row.token_mask = masks.words[i] if masks is not None and masks.masked[i] else None
                 rows.append(row)
             out = self._sample(list(logits), rows)
             for j, i in enumerate(live):

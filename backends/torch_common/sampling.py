@@ -15,8 +15,9 @@ API
       parameters (``params.seed`` resolved), its prompt (for the repetition penalty)
       and its stream position; step 0, no completion tokens yet.
     - ``clear(row)``: back to neutral (greedy, no penalties, no masks).
-    - ``sample(logits, rows=None, *, num_top=None) -> SampleResult``: one token per row
-      of ``logits`` (B, V); ``rows`` (B,) maps them to sampler rows (None: row b).
+    - ``sample(logits, rows=None, *, num_top=None, token_mask=None) -> SampleResult``: one
+      token per row of ``logits`` (B, V); ``rows`` (B,) maps them to sampler rows (None:
+      row b); ``token_mask`` (B, ceil(V/32)) int32 allowed-token words of this step.
     - ``record(tokens, mask=None, rows=None)``: accepted tokens become each row's
       latest completion token (counts, step + 1).
     - ``override(tokens, mask=None, rows=None)``: replace rows' latest completion
@@ -25,7 +26,7 @@ API
       counting, step - 1); with ``record`` it rolls a row back over several tokens.
     - ``state`` (:class:`SamplerState`), ``flags`` (:class:`SamplerFlags`).
 
-``sample(state, logits, rows=None, flags=SamplerFlags(), num_top=0)``,
+``sample(state, logits, rows=None, flags=SamplerFlags(), num_top=0, token_mask=None)``,
 ``record(state, tokens, mask)``, ``override(state, tokens, mask)``, ``forget(state, tokens, mask)``
     The pure functions underneath (state in, state out), for jit/export-style
     backends that keep the state as a pytree.
@@ -156,6 +157,7 @@ class SamplerFlags:
     instead of sorting the whole vocabulary). ``None`` sorts the whole vocabulary.
     """
 
+    token_mask: bool = True  # an allowed-token mask is given (rows of all ones change nothing)
     greedy: bool = True  # some row has temperature 0
     sampling: bool = True  # some row has temperature > 0 (False: the greedy fast path)
     bias: bool = True  # some row has logit_bias
@@ -259,12 +261,24 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t[rows]
 
 
+def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed allowed-token masks (B, W) int32 as (B, vocab_size) bools: bit ``j`` of word
+    ``w`` is token ``32 w + j`` (:mod:`polyengine.sampling.masks`)."""
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = torch.bitwise_and(torch.bitwise_right_shift(words.to(torch.int32)[:, :, None], bits), 1)  # (B, W, 32)
+    return allowed.reshape(words.shape[0], -1)[:, :vocab_size] != 0
+
+
 # -- the steps, in the specification's order ----------------------------------------------
 
 
-def penalised_logits(state: SamplerState, logits: torch.Tensor, rows: torch.Tensor | None, flags: SamplerFlags) -> torch.Tensor:
-    """Steps 1-2: logit bias, EOS/stop masking, repetition then presence/frequency."""
+def penalised_logits(state: SamplerState, logits: torch.Tensor, rows: torch.Tensor | None, flags: SamplerFlags,
+                     token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 1-2: the allowed-token mask, logit bias, EOS/stop masking, repetition then
+    presence/frequency."""
     x = logits.to(state.dtype)  # (B, V)
+    if flags.token_mask and token_mask is not None:
+        x = x.masked_fill(~allowed_tokens(token_mask, x.shape[-1]), _NEG_INF)
     if flags.bias:
         x = x + _rows(state.logit_bias, rows)
     if flags.eos_mask:
@@ -337,15 +351,17 @@ def sample(
     rows: torch.Tensor | None = None,  # (B,) int64 sampler row of each logits row
     flags: SamplerFlags = SamplerFlags(),
     num_top: int = 0,
+    token_mask: torch.Tensor | None = None,  # (B, W) int32 allowed-token words of this step
 ) -> SampleResult:
-    """One token per row of ``logits`` with that row's parameters and stream."""
+    """One token per row of ``logits`` with that row's parameters and stream; tokens a
+    row's ``token_mask`` leaves out are never drawn."""
     b, v = logits.shape
     if v != state.vocab_size:
         raise ValueError(f"logits have {v} columns but the sampler's vocabulary is {state.vocab_size}")
     # Reported log-probs are the raw model's, before any processing; a full pass over the
     # vocabulary, skipped when no row reports them.
     raw = log_softmax(logits.to(state.dtype)) if flags.logprobs or num_top else None
-    x = penalised_logits(state, logits, rows, flags)
+    x = penalised_logits(state, logits, rows, flags, token_mask)
     # Step 3 for greedy rows; rows not installed are greedy too, but nobody reads them.
     tokens = argmax_lowest(x) if flags.greedy or not flags.sampling else None
     if flags.sampling:
@@ -487,11 +503,17 @@ class TorchSampler:
 
     # -- per step -------------------------------------------------------------------------
 
-    def sample(self, logits: torch.Tensor, rows: torch.Tensor | None = None, *, num_top: int | None = None) -> SampleResult:
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor | None = None, *, num_top: int | None = None,
+               token_mask: torch.Tensor | np.ndarray | None = None) -> SampleResult:
         """Sample ``logits`` (B, V); ``num_top`` defaults to :attr:`max_top_logprobs`
-        (a static-shape engine passes a fixed value instead)."""
+        (a static-shape engine passes a fixed value instead); ``token_mask`` (B, W)
+        allowed-token words for this step (host or device; None: no mask)."""
         n = self.max_top_logprobs if num_top is None else num_top
-        return sample(self.state, logits, rows, self.flags, n)
+        if token_mask is None:
+            return sample(self.state, logits, rows, replace(self.flags, token_mask=False), n)
+        if isinstance(token_mask, np.ndarray):
+            token_mask = torch.from_numpy(np.ascontiguousarray(token_mask, np.int32))
+        return sample(self.state, logits, rows, self.flags, n, token_mask.to(logits.device))
 
     def _full(self, tokens: torch.Tensor, mask: torch.Tensor | None, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens, mask)`` over all rows from a batch addressed by ``rows``."""

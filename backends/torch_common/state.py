@@ -71,7 +71,8 @@ class SlotsInFlight:
         res = None
         if draw:
             logits = prefix.logits[None].expand(len(slots), -1)
-            res = self.sampler.sample(logits, rows, num_top=prefix.sampling.top_logprobs)
+            mask = None if prefix.token_mask is None else np.repeat(prefix.token_mask[None], len(slots), axis=0)
+            res = self.sampler.sample(logits, rows, num_top=prefix.sampling.top_logprobs, token_mask=mask)
             first = res.tokens
         else:
             first = torch.full((len(slots),), prefix.first_token, dtype=torch.int64, device=self.sampler.device)
@@ -106,8 +107,6 @@ class TorchSlotsEngine:
 def host_array(t: Any) -> Any:
     """A tensor (any device, any dtype) or array as a host NumPy array, floats widened
     to float32 (bfloat16 has no NumPy dtype)."""
-    import numpy as np
-
     if isinstance(t, torch.Tensor):
         t = t.detach()
         if t.is_floating_point() and t.dtype != torch.float64:

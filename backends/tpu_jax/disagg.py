@@ -68,10 +68,12 @@ class PrefillPool:
     def warmup(self) -> None:
         self._all("warmup", "warming up the prefill workers")
 
-    def prefill(self, tokens: np.ndarray, sampling: SamplingParams) -> tuple[np.ndarray, Any]:
-        """Prefill on the next worker: (first token's packed row, portable bytes' ref)."""
+    def prefill(self, tokens: np.ndarray, sampling: SamplingParams,
+                token_mask: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
+        """Prefill on the next worker (the first token under ``token_mask``): (first
+        token's packed row, portable bytes' ref)."""
         packed, data = self.group.submit_one(next(self._next), "prefill_portable", self.engine_id, tokens, sampling,
-                                             num_returns=2)
+                                             token_mask, num_returns=2)
         return self.group._gather([packed], "prefilling")[0], data
 
     def put(self, portable: PortablePrefix) -> PortableHandle:

@@ -33,6 +33,7 @@ from polyengine.models.quantize import quantize_model, replaced_weights
 from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
+from polyengine.sampling.masks import full_mask
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.tpu_jax import sampling as smp
@@ -114,7 +115,7 @@ class TpuJaxEngine(EngineBase):
         return Capabilities(
             dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
-            architectures=ARCHITECTURES,
+            architectures=ARCHITECTURES, token_masks=True,
         )
 
     @staticmethod
@@ -230,12 +231,21 @@ class TpuJaxEngine(EngineBase):
     def _results(self, packed: Any) -> ResultTokens:
         return ResultTokens.from_packed(packed, self.cfg.layout, to_host=self._host, start_copy=self._start_copy)
 
-    def _first(self, logits: jax.Array, sampling: SamplingParams, prompt: np.ndarray, sample_index: int = 0) -> jax.Array:
-        """Sample ``sample_index``'s first token from a prefix's logits: packed (1, width)."""
-        return steps.first_token_step(logits, self._row(sampling, prompt, sample_index), cfg=self.cfg.sampler)
+    def _mask_in(self, words: np.ndarray | None, rows: int = 1) -> jax.Array:
+        """Allowed-token words as a step's input, ``(rows, W)``; None: every token allowed
+        (the same executable either way)."""
+        return self.plan.put(full_mask(self.vocab_size, rows) if words is None else words.reshape(rows, -1))
 
-    def prefill(self, *, params, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
+    def _first(self, logits: jax.Array, sampling: SamplingParams, prompt: np.ndarray, sample_index: int = 0,
+               token_mask: np.ndarray | None = None) -> jax.Array:
+        """Sample ``sample_index``'s first token from a prefix's logits: packed (1, width)."""
+        return steps.first_token_step(logits, self._row(sampling, prompt, sample_index), self._mask_in(token_mask),
+                                      cfg=self.cfg.sampler)
+
+    def prefill(self, *, params, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None,
+                token_mask: np.ndarray | None = None):
         toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
+        mask = self.check_token_mask(token_mask, sampling)
         n = toks.size
         padded = np.zeros(self.config.bucket_for(n), np.int32)
         padded[:n] = toks
@@ -243,10 +253,10 @@ class TpuJaxEngine(EngineBase):
         row = self._row(sampling, toks)
         with self.compiles.track(padded.size):
             k, v, logits = steps.prefill_step(params, tokens_in, length, cfg=self.cfg)
-            result = self._results(steps.first_token_step(logits, row, cfg=self.cfg.sampler))
+            result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
         prefix = Prefix(
             kv=PrefixArrays(k, v, row), logits=logits, prompt_tokens=toks, sampling=sampling, backend=self.name,
-            first_token=int(result.tokens[0, 0]), to_host=self._host, model_id=self.model_id,
+            first_token=int(result.tokens[0, 0]), to_host=self._host, model_id=self.model_id, token_mask=mask,
         )
         return prefix, result
 
@@ -258,8 +268,10 @@ class TpuJaxEngine(EngineBase):
             # Sample i's first token, each from its own stream (sample 0's is prefill's: the
             # same program on the same logits and seed).
             with self.compiles.track():
-                rows = [steps.first_token_step(prefix.logits, prefix.kv.row, cfg=self.cfg.sampler)] + [
-                    self._first(prefix.logits, prefix.sampling, prefix.prompt_tokens, i) for i in range(1, len(slots))]
+                rows = [steps.first_token_step(prefix.logits, prefix.kv.row, self._mask_in(prefix.token_mask),
+                                               cfg=self.cfg.sampler)] + [
+                    self._first(prefix.logits, prefix.sampling, prefix.prompt_tokens, i, prefix.token_mask)
+                    for i in range(1, len(slots))]
             packed = np.concatenate([self._host(x) for x in rows])
             result = ResultTokens.from_packed(packed, self.cfg.layout)
             first = [int(t) for t in result.tokens[:, 0]]
@@ -287,9 +299,12 @@ class TpuJaxEngine(EngineBase):
 
     # -- generate --------------------------------------------------------------------------
 
-    def generate(self, params, decode_state: TpuDecodeState, *, overrides: Mapping[int, Any] | None = None):
+    def generate(self, params, decode_state: TpuDecodeState, *, overrides: Mapping[int, Any] | None = None,
+                 token_masks: Mapping[int, np.ndarray] | None = None):
         state = decode_state
         forced = self.check_overrides(overrides, state.slots.last_result)
+        masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
+                                       sampling_of=state.slots.sampling)
         r = self.max_concurrent_decodes
         tokens, mask = np.zeros(r, np.int32), np.zeros(r, bool)
         for slot, (token, _) in forced.items():  # one token per step: the position is the latest
@@ -298,8 +313,9 @@ class TpuJaxEngine(EngineBase):
         state.slots.advance(state.slots.live(self.max_cache_length))
         self.profiler.before_step()
         tokens, mask = self.plan.put_tree((tokens, mask))
+        words = self._mask_in(None if masks is None else masks.words, r)
         with self.compiles.track():
-            state.arrays, packed = steps.generate_step(params, state.arrays, tokens, mask, cfg=self.cfg)
+            state.arrays, packed = steps.generate_step(params, state.arrays, tokens, mask, words, cfg=self.cfg)
         self.profiler.after_step(packed)
         return state, self._results(packed)
 
@@ -336,7 +352,7 @@ class TpuJaxEngine(EngineBase):
         logits = self.plan.put(portable.last_logits)
         row = self._row(sampling, prompt)
         with self.compiles.track():
-            first = self._results(steps.first_token_step(logits, row, cfg=self.cfg.sampler))
+            first = self._results(steps.first_token_step(logits, row, self._mask_in(None), cfg=self.cfg.sampler))
         return Prefix(
             kv=PrefixArrays(put(portable.k), put(portable.v), row), logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0, 0]), to_host=self._host,

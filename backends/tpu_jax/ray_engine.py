@@ -369,7 +369,7 @@ class RayTpuEngine(EngineBase):
         self.platform = caps["platform"]
         return Capabilities(
             dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True, token_masks=True,
         )
 
     def _layout(self, o: Mapping[str, Any]) -> tuple[int, int]:
@@ -445,11 +445,12 @@ class RayTpuEngine(EngineBase):
 
     # -- prefixes --------------------------------------------------------------------------
 
-    def _prefix(self, prefix_id: str, prompt: np.ndarray, sampling: SamplingParams, first: int) -> Prefix:
+    def _prefix(self, prefix_id: str, prompt: np.ndarray, sampling: SamplingParams, first: int,
+                token_mask: np.ndarray | None = None) -> Prefix:
         handle = RemotePrefix(prefix_id)
         weakref.finalize(handle, self.group.drop, "prefixes", prefix_id)
         return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
-                      first_token=first, to_host=self._logits, model_id=self.model_id)
+                      first_token=first, to_host=self._logits, model_id=self.model_id, token_mask=token_mask)
 
     def _logits(self, handle: RemotePrefix) -> np.ndarray:
         return self.group.call("prefix_logits", handle.prefix_id)
@@ -458,27 +459,32 @@ class RayTpuEngine(EngineBase):
         if params != self.engine_id:
             raise InvalidRequest("params are not this engine's (pass what its load_params() returned)")
 
-    def prefill(self, *, params, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
+    def prefill(self, *, params, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None,
+                token_mask: np.ndarray | None = None):
         self._check_params(params)
         toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
+        mask = self.check_token_mask(token_mask, sampling)
         if self.prefill_pool is not None:
-            packed, ref = self.prefill_pool.prefill(toks, sampling)
+            packed, ref = self.prefill_pool.prefill(toks, sampling, mask)
             result = ResultTokens.from_packed(packed, _LAYOUT)
-            return self._portable_prefix(PortableHandle(ref), toks, sampling, int(result.tokens[0, 0])), result
+            return self._portable_prefix(PortableHandle(ref), toks, sampling, int(result.tokens[0, 0]), mask), result
         prefix_id = self._id("prefix")
-        packed = self.group.call("prefill", self.engine_id, prefix_id, toks, sampling)
+        packed = self.group.call("prefill", self.engine_id, prefix_id, toks, sampling, mask)
         result = ResultTokens.from_packed(packed, _LAYOUT)
-        return self._prefix(prefix_id, toks, sampling, int(result.tokens[0, 0])), result
+        return self._prefix(prefix_id, toks, sampling, int(result.tokens[0, 0]), mask), result
 
-    def _portable_prefix(self, handle: "PortableHandle", prompt, sampling, first: int) -> Prefix:
+    def _portable_prefix(self, handle: "PortableHandle", prompt, sampling, first: int,
+                         token_mask: np.ndarray | None = None) -> Prefix:
         return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
-                      first_token=first, to_host=lambda h: h.portable().last_logits, model_id=self.model_id)
+                      first_token=first, to_host=lambda h: h.portable().last_logits, model_id=self.model_id,
+                      token_mask=token_mask)
 
     # -- insert, bulk_insert, free_resource: the kit's flow (refusals here), the work remote --
 
     def _install(self, prefix: Prefix, state: RayDecodeState, slots: list[int], *, draw: bool) -> ResultTokens | None:
         if isinstance(prefix.kv, PortableHandle):  # every decode worker reads it from the object store
-            packed = self.group.call("insert_portable", self.engine_id, state.state_id, slots, prefix.kv.ref, draw)
+            packed = self.group.call("insert_portable", self.engine_id, state.state_id, slots, prefix.kv.ref, draw,
+                                     prefix.token_mask)
         elif draw:
             packed = self.group.call("bulk_insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots)
         else:
@@ -490,13 +496,17 @@ class RayTpuEngine(EngineBase):
 
     # -- generate --------------------------------------------------------------------------
 
-    def generate(self, params, decode_state: RayDecodeState, *, overrides: Mapping[int, Any] | None = None):
+    def generate(self, params, decode_state: RayDecodeState, *, overrides: Mapping[int, Any] | None = None,
+                 token_masks: Mapping[int, np.ndarray] | None = None):
         self._check_params(params)
         state = decode_state
         forced = self.check_overrides(overrides, state.slots.last_result)
+        masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
+                                       sampling_of=state.slots.sampling)
         state.slots.advance(state.slots.live(self.max_cache_length))
         refs = self.group.submit("generate", self.engine_id, state.state_id,
-                                 {s: Override(t, p) for s, (t, p) in forced.items()})
+                                 {s: Override(t, p) for s, (t, p) in forced.items()},
+                                 None if masks is None else {i: masks.words[i] for i in masks.slots})
         # Results are read when the driver reads them: step n+1 is sent before then.
         return state, ResultTokens.from_packed(refs, _LAYOUT, to_host=lambda r: self.group._gather(r, "generating")[0])
 

@@ -114,9 +114,10 @@ class EngineWorker:
         r = result
         return engine.cfg.layout.pack(r.tokens, r.valid, r.lengths, r.logprobs, r.top_ids, r.top_logprobs)
 
-    def prefill(self, engine_id: str, prefix_id: str, tokens: np.ndarray, sampling) -> np.ndarray | None:
+    def prefill(self, engine_id: str, prefix_id: str, tokens: np.ndarray, sampling,
+                token_mask: np.ndarray | None = None) -> np.ndarray | None:
         engine = self.engines[engine_id]
-        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling)
+        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling, token_mask=token_mask)
         self.prefixes[prefix_id] = prefix
         return self._packed(engine, first)
 
@@ -131,9 +132,11 @@ class EngineWorker:
         self.states[state_id], first = engine.bulk_insert(self.prefixes[prefix_id], self.states[state_id], slots)
         return self._packed(engine, first)
 
-    def generate(self, engine_id: str, state_id: str, overrides: Mapping[int, Any]) -> np.ndarray | None:
+    def generate(self, engine_id: str, state_id: str, overrides: Mapping[int, Any],
+                 token_masks: Mapping[int, np.ndarray] | None = None) -> np.ndarray | None:
         engine = self.engines[engine_id]
-        self.states[state_id], result = engine.generate(engine.load_params(), self.states[state_id], overrides=overrides)
+        self.states[state_id], result = engine.generate(engine.load_params(), self.states[state_id], overrides=overrides,
+                                                        token_masks=token_masks)
         return self._packed(engine, result)
 
     def free(self, engine_id: str, state_id: str, slot: int) -> None:
@@ -153,22 +156,26 @@ class EngineWorker:
 
     # -- disaggregated serving: prefixes as portable bytes through the object store -------
 
-    def prefill_portable(self, engine_id: str, tokens: np.ndarray, sampling) -> tuple[np.ndarray | None, bytes]:
+    def prefill_portable(self, engine_id: str, tokens: np.ndarray, sampling,
+                         token_mask: np.ndarray | None = None) -> tuple[np.ndarray | None, bytes]:
         """Prefill and export at once (a prefill worker): the first token's packed row
         for the leader and the portable prefix's safetensors bytes for the object store
         (the caller asks for two returns, so the bytes stay there until a decode worker
         needs them). The device copy is dropped."""
         engine = self.engines[engine_id]
-        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling)
+        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling, token_mask=token_mask)
         return self._packed(engine, first), engine.export_prefix(prefix).to_bytes()
 
-    def insert_portable(self, engine_id: str, state_id: str, slots: Sequence[int], data: bytes, bulk: bool):
+    def insert_portable(self, engine_id: str, state_id: str, slots: Sequence[int], data: bytes, bulk: bool,
+                        token_mask: np.ndarray | None = None):
         """Import a portable prefix (Ray hands over the bytes from the object store) and
-        insert it: into ``slots[0]`` (insert) or every slot (bulk_insert)."""
+        insert it: into ``slots[0]`` (insert) or every slot (bulk_insert, each sample's
+        first token drawn under ``token_mask``, the mask its prefill had)."""
         from polyengine.prefix import PortablePrefix
 
         engine = self.engines[engine_id]
         prefix = engine.import_prefix(PortablePrefix.from_bytes(data))
+        prefix.token_mask = token_mask
         if not bulk:
             self.states[state_id] = engine.insert(prefix, self.states[state_id], slots[0])
             return None

@@ -225,11 +225,24 @@ def _renormalise(logp: jax.Array, keep: jax.Array) -> jax.Array:
 # -- the steps, in the specification's order -----------------------------------------------
 
 
-def penalised_logits(s: SamplerState, logits: jax.Array) -> jax.Array:
-    """Steps 1-2: logit bias, EOS/stop masking, repetition then presence/frequency.
+def allowed_tokens(words: jax.Array, vocab_size: int) -> jax.Array:
+    """Packed allowed-token masks (B, W) int32 as (B, vocab_size) bools: bit ``j`` of word
+    ``w`` is token ``32 w + j`` (:mod:`polyengine.sampling.masks`)."""
+    bits = jnp.arange(32, dtype=jnp.int32)
+    allowed = (jnp.right_shift(words.astype(jnp.int32)[:, :, None], bits) & 1) != 0  # (B, W, 32)
+    return allowed.reshape(words.shape[0], -1)[:, :vocab_size]
 
-    Elementwise over (B, V), so always computed: XLA fuses them into one pass."""
-    x = logits.astype(jnp.float32) + s.logit_bias
+
+def penalised_logits(s: SamplerState, logits: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+    """Steps 1-2: the allowed-token mask, logit bias, EOS/stop masking, repetition then
+    presence/frequency.
+
+    Elementwise over (B, V), so always computed: XLA fuses them into one pass (a step
+    without masks passes all bits set)."""
+    x = logits.astype(jnp.float32)
+    if token_mask is not None:
+        x = jnp.where(allowed_tokens(token_mask, x.shape[-1]), x, _NEG_INF)
+    x = x + s.logit_bias
     early = (s.step < s.min_tokens)[:, None]
     eos = s.eos_mask[None, :]
     masked = (early & (eos | s.stop_mask)) | (s.ignore_eos[:, None] & eos)
@@ -292,16 +305,18 @@ def filtered_logprobs(s: SamplerState, x: jax.Array, drawing: jax.Array, candida
     return jnp.where(mp > 0, _renormalise(logp, keep), logp)
 
 
-def sample(s: SamplerState, logits: jax.Array, live: jax.Array, *, num_top: int, candidates: int) -> SampleResult:
+def sample(s: SamplerState, logits: jax.Array, live: jax.Array, *, num_top: int, candidates: int,
+           token_mask: jax.Array | None = None) -> SampleResult:
     """One token per row of ``logits`` (B, V) with that row's parameters and stream.
 
     ``live`` (B,) marks the rows whose tokens are used: only they switch the drawing,
     filtering and top-log-prob paths on. ``num_top`` is the static width of the top
-    log-probs (rows that ask fewer read a prefix of it).
+    log-probs (rows that ask fewer read a prefix of it). ``token_mask`` (B, W) int32:
+    this step's allowed-token words (an input array, so masks never recompile).
     """
     b, v = logits.shape
     raw = log_softmax(logits.astype(jnp.float32))  # reported log-probs: before any processing
-    x = penalised_logits(s, logits)
+    x = penalised_logits(s, logits, token_mask)
     greedy = argmax_lowest(x)
     drawing = live & (s.temperature > 0)
 

@@ -207,12 +207,14 @@ def prefill_step(params, tokens, length, *, cfg: StepConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def first_token_step(logits, row: smp.SamplerState, *, cfg: SampleConfig):
+def first_token_step(logits, row: smp.SamplerState, token_mask, *, cfg: SampleConfig):
     """A request's first token from its prefix's logits (vocab,): the one-row packed result
-    for the sample ``row`` names (step 0). One executable per vocabulary size serves
-    prefill, bulk_insert (one call per sample) and imported prefixes, so the same
-    logits and seed give the same first token on every path."""
-    res = smp.sample(row, logits[None].astype(jnp.float32), jnp.ones(1, bool), num_top=cfg.num_top, candidates=cfg.candidates)
+    for the sample ``row`` names (step 0), under ``token_mask`` (1, W) (all bits set: no
+    mask). One executable per vocabulary size serves prefill, bulk_insert (one call per
+    sample) and imported prefixes, so the same logits and seed give the same first token
+    on every path."""
+    res = smp.sample(row, logits[None].astype(jnp.float32), jnp.ones(1, bool), num_top=cfg.num_top,
+                     candidates=cfg.candidates, token_mask=token_mask)
     one = jnp.ones(1, jnp.int32)
     return pack(cfg, res, one, one)
 
@@ -247,8 +249,9 @@ def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.Sample
 
 
 @_jit(donate=("state",))
-def generate_step(params, state: DecodeArrays, override_tokens, override_mask, *, cfg: StepConfig):
-    """One decode step for every occupied slot (its cache not full), overrides first."""
+def generate_step(params, state: DecodeArrays, override_tokens, override_mask, token_mask, *, cfg: StepConfig):
+    """One decode step for every occupied slot (its cache not full), overrides first;
+    ``token_mask`` (R, W) int32 allowed-token words (all bits set where a slot has none)."""
     sampler = smp.override(state.sampler, override_tokens, override_mask)
     feed = jnp.where(override_mask, override_tokens, state.next_tokens)
     total = state.prompt_len + state.completion
@@ -257,7 +260,7 @@ def generate_step(params, state: DecodeArrays, override_tokens, override_mask, *
     logits, k, v = run_model(
         cfg, params, feed[:, None], positions[:, None], state.k, state.v, write_mask=live[:, None],
         int8_cache=cfg.kv_int8)
-    res = smp.sample(sampler, logits[:, 0], live, num_top=cfg.num_top, candidates=cfg.candidates)
+    res = smp.sample(sampler, logits[:, 0], live, num_top=cfg.num_top, candidates=cfg.candidates, token_mask=token_mask)
     sampler = smp.record(sampler, res.tokens, live)
     completion = state.completion + live.astype(jnp.int32)
     state = replace(state, k=k, v=v, next_tokens=jnp.where(live, res.tokens, feed), completion=completion, sampler=sampler)

@@ -242,6 +242,10 @@ class AsyncLLM:
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         return self.llm.apply_chat_template(messages, **kwargs)
 
+    def tool_chat_prompt(self, messages: list[dict[str, Any]], sampling: SamplingParams, tools: Any,
+                         tool_choice: Any) -> tuple[list[int], SamplingParams, list[dict[str, Any]], Any]:
+        return self.llm.tool_chat_prompt(messages, sampling, tools, tool_choice)
+
     async def submit(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> AsyncRequest:
         """Validate and queue one request; return its handle once it is queued.
 

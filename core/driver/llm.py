@@ -71,8 +71,14 @@ class LLM:
             from polyengine.tools import ToolMachine
 
             self.tools = ToolMachine.create(tokenizer, None if tools is True else list(tools))
+        grammars = None
+        if tokenizer is not None and getattr(engine.capabilities, "token_masks", False):
+            from polyengine.driver.structured import Grammars
+
+            grammars = Grammars(tokenizer, engine.vocab_size, engine.eos_token_ids)
         self.scheduler = Scheduler(
             engine,
+            grammars=grammars,
             detokenizer_factory=(lambda ids: tokenizer.detokenizer(ids)) if tokenizer is not None else None,
             tool_factory=self.tools.new_row if self.tools is not None else None,
             skip_token_ids=frozenset(tokenizer.special_token_ids) if tokenizer is not None else frozenset(),
@@ -191,9 +197,41 @@ class LLM:
             if not req.done:
                 req.cancel()
 
-    def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None) -> Completion:
-        """Answer a conversation (a list of ``{"role", "content"}`` messages)."""
-        return self.generate([self.apply_chat_template(messages)], sampling)[0]
+    def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None, *,
+             tools: Sequence[dict[str, Any]] | None = None, tool_choice: Any = None) -> Completion:
+        """Answer a conversation (a list of ``{"role", "content"}`` messages).
+
+        ``tools``: OpenAI function definitions (``{"type": "function", "function": {"name",
+        "description", "parameters"}}``); ``tool_choice``: ``"auto"`` (default with tools),
+        ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``
+        (the last two enforced by a grammar). Calls the model makes come back in each
+        output's ``tool_calls`` with ``finish_reason == "tool_calls"``
+        (:mod:`polyengine.driver.toolcalls` has the format)."""
+        if tools is None and tool_choice is None:
+            return self.generate([self.apply_chat_template(messages)], sampling)[0]
+        from polyengine.driver.toolcalls import parse_tool_calls
+
+        ids, sp, tools, choice = self.tool_chat_prompt(messages, SamplingParams.coerce(sampling), tools, tool_choice)
+        done = self.generate([ids], sp)[0]
+        if choice != "none":
+            for out in done.outputs:
+                content, calls = parse_tool_calls(out.text, tools)
+                if calls:
+                    out.text, out.tool_calls, out.finish_reason = content or "", calls, "tool_calls"
+        return done
+
+    def tool_chat_prompt(self, messages: list[dict[str, Any]], sampling: SamplingParams, tools: Any,
+                         tool_choice: Any) -> tuple[list[int], SamplingParams, list[dict[str, Any]], Any]:
+        """A conversation with tools as prompt ids, the request's sampling (constrained to
+        a call when ``tool_choice`` forces one), the checked tools and the choice."""
+        from polyengine.driver.toolcalls import prepare_chat
+
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template: use generate() with a raw prompt")
+        text, sp, tools, choice = prepare_chat(self.tokenizer, messages, sampling, tools, tool_choice)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False, max_chars=self.max_prompt_chars,
+                                         what="the rendered conversation"))
+        return ids, sp, tools, choice
 
     def stream_chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None) -> Iterator[StreamDelta]:
         return self.stream(self.apply_chat_template(messages), sampling)

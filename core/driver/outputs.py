@@ -48,6 +48,7 @@ class CompletionOutput:
     forced: list[int] = field(default_factory=list)
     logprobs: list[float | None] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    tool_calls: list[Any] | None = None  # ToolCall objects parsed by LLM.chat(tools=...)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -7,9 +7,16 @@ token into text, tool actions and stop decisions. Requests join and leave betwee
 steps, so a short request never waits for a long one.
 
 Per token, in order: the tool machine may replace the engine's token with a forced one
-(fed back through ``overrides``); then the stop checks run: EOS / end-of-turn (unless
-``ignore_eos``), ``stop_token_ids``, stop strings (none of them before ``min_tokens``),
-then ``max_tokens`` and the cache limit (prompt + completion <= ``max_cache_length``).
+(fed back through ``overrides``); a constrained sample's grammar advances over it; then
+the stop checks run: EOS / end-of-turn (unless ``ignore_eos``), ``stop_token_ids``, stop
+strings (none of them before ``min_tokens``), the grammar's completion, then
+``max_tokens`` and the cache limit (prompt + completion <= ``max_cache_length``).
+
+Structured output (``SamplingParams.structured``, :mod:`.structured`): each step's
+allowed-token masks are computed for every constrained slot (llguidance's threads, one
+buffer) right before ``generate``, and passed as ``token_masks``; the first token's mask
+goes to ``prefill``. A mask needs the token before it, so while a constrained slot runs
+the loop is in lock step.
 
 Thread safety: every public method takes one re-entrant lock, so several threads may
 submit, step and cancel; whichever thread steps advances every request.
@@ -23,11 +30,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
-from polyengine.errors import EngineDead, InvalidRequest, QueueFull
+from polyengine.errors import EngineDead, InvalidRequest, QueueFull, UnsupportedFeature
 from polyengine.memory import as_insufficient, translating_memory_errors
+from polyengine.sampling.masks import allows_any, step_masked_ids
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["Request", "Scheduler"]
@@ -53,6 +63,7 @@ class _Sample:
     limit: int  # completion tokens at most
     slot: int | None = None
     out: CompletionOutput = field(default=None)  # type: ignore[assignment]
+    grammar: Any | None = None  # a GrammarRow for a constrained request
 
     @property
     def finished(self) -> bool:
@@ -105,6 +116,7 @@ class Scheduler:
         tool_factory: Callable[[], Any] | None = None,
         skip_token_ids: frozenset[int] = frozenset(),
         max_queue: int = 1024,
+        grammars: Any | None = None,
     ):
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
             # 0 would make every submit fail and generate() wait forever for room.
@@ -117,6 +129,8 @@ class Scheduler:
         self._detok = detokenizer_factory
         self._tool = tool_factory
         self._skip = skip_token_ids
+        self._grammars = grammars  # a structured.Grammars (the model's tokenizer), or None
+        self._masks: np.ndarray | None = None  # (slots, W) mask buffer, made on first use
         self.max_queue = max_queue
         self._queue: deque[Request] = deque()
         self._slots: dict[int, tuple[Request, _Sample]] = {}
@@ -144,12 +158,14 @@ class Scheduler:
         if sampling.stop and self._detok is None:
             raise InvalidRequest("stop strings need a tokenizer to match text; this model has none (use stop_token_ids)",
                                  field="stop")
+        grammar = self._grammar_for(sampling)
         req = Request(self, prompt, tokens, sampling)
         room = eng.max_cache_length - len(tokens)
         limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         for i in range(sampling.n):
             detok = self._detok(tokens) if self._detok else None
-            s = _Sample(i, TextStream(detok, sampling.stop, self._skip), self._tool() if self._tool else None, limit)
+            s = _Sample(i, TextStream(detok, sampling.stop, self._skip), self._tool() if self._tool else None, limit,
+                        grammar=grammar() if grammar else None)
             s.out = CompletionOutput(
                 index=i,
                 logprobs=[] if sampling.logprobs else None,
@@ -157,6 +173,44 @@ class Scheduler:
             )
             req.samples.append(s)
         return req
+
+    def _grammar_for(self, sampling: SamplingParams) -> Callable[[], Any] | None:
+        """A factory of grammar rows for a constrained request (compiled now, so a bad
+        constraint is refused at submit), or None."""
+        spec = sampling.structured
+        if spec is None:
+            return None
+        if not getattr(self.engine.capabilities, "token_masks", False):
+            raise UnsupportedFeature("structured output (allowed-token masks)", self.engine.name,
+                                     "pick a backend that declares Capabilities.token_masks")
+        if self._grammars is None:
+            raise InvalidRequest("structured output needs the model's tokenizer; this model has none", field="structured")
+        self._grammars.compile(spec)
+        return lambda: self._grammars.row(spec)
+
+    def _mask_rows(self, samples: list[_Sample]) -> np.ndarray:
+        if self._masks is None:
+            self._masks = self._grammars.buffer(self.engine.max_concurrent_decodes)
+        rows = {s.slot if s.slot is not None else i: s.grammar for i, s in enumerate(samples)}
+        self._grammars.fill(rows, self._masks)
+        return self._masks
+
+    def _step_masks(self) -> dict[int, np.ndarray] | None:
+        """This step's masks for every running constrained sample; a sample whose grammar
+        leaves only tokens min_tokens/ignore_eos mask finishes here ("stop")."""
+        live = [(req, s) for req, s in self._slots.values() if s.grammar is not None and not s.finished]
+        if not live:
+            return None
+        buf = self._mask_rows([s for _, s in live])
+        out = {}
+        for req, s in live:
+            sp, step = req.sampling, len(s.out.token_ids)
+            if (step < sp.min_tokens or sp.ignore_eos) and not allows_any(
+                    buf[s.slot], self._grammars.vocab_size, step_masked_ids(sp, step, self.engine.eos_token_ids)):
+                self._finish(req, s, "stop")
+                continue
+            out[s.slot] = buf[s.slot]
+        return out or None
 
     def enqueue(self, req: Request) -> None:
         """Queue a prepared request; QueueFull when ``max_queue`` requests are waiting."""
@@ -211,7 +265,11 @@ class Scheduler:
             self._queue.popleft()
             slots = free[: req.sampling.n]
             try:
-                prefix, first = self.engine.prefill(params=self.params, tokens=req.prompt_tokens, sampling=req.sampling)
+                extra = {}
+                if req.samples[0].grammar is not None:  # every sample's grammar starts in the same state
+                    extra["token_mask"] = self._mask_rows(req.samples[:1])[0].copy()
+                prefix, first = self.engine.prefill(params=self.params, tokens=req.prompt_tokens, sampling=req.sampling,
+                                                    **extra)
                 if req.sampling.n == 1:
                     self.state = self.engine.insert(prefix, self.state, slots[0])
                 else:
@@ -251,8 +309,14 @@ class Scheduler:
                 self._pending = None  # its rows belong to requests that are gone
                 return bool(self._queue)
             overrides, self._overrides = self._overrides, {}
+            extra = {}
+            masks = self._step_masks() if self._grammars is not None else None
+            if masks:
+                extra["token_masks"] = masks
+            if not self._slots:
+                return bool(self._queue)
             with translating_memory_errors(self._what):
-                self.state, result = self.engine.generate(self.params, self.state, overrides=overrides)
+                self.state, result = self.engine.generate(self.params, self.state, overrides=overrides, **extra)
             previous, self._pending = self._pending, (result, dict(self._slots))
             if previous is not None:
                 self._process(*previous)
@@ -266,6 +330,8 @@ class Scheduler:
         caps = self.engine.capabilities
         if not caps.async_results or self._overrides:
             return False
+        if any(s.grammar is not None for _, s in self._slots.values()):
+            return False  # the next mask needs this step's token
         tools = [s.tool for _, s in self._slots.values() if s.tool is not None]
         # A forced token is due: the pending result's token must be replaced first. With
         # several tokens per step a forced token may fall inside a stale result, so
@@ -313,6 +379,8 @@ class Scheduler:
                 self._overrides[s.slot] = Override(chosen, len(s.out.token_ids))
                 token = chosen
         out, sp = s.out, req.sampling
+        if s.grammar is not None:
+            s.grammar.consume(token)  # forced tokens too: the grammar sees the whole completion
         out.token_ids.append(token)
         out.forced.append(1 if forced else 0)
         lp = None
@@ -333,6 +401,8 @@ class Scheduler:
         text = "" if reason else s.text.push(token, check_stop=may_stop and not forced)
         if reason is None and s.text.stopped_by is not None:
             reason, stop_reason = "stop", s.text.stopped_by
+        if reason is None and s.grammar is not None and s.grammar.done:
+            reason = "stop"  # the grammar is complete: nothing but EOS could follow
         if reason is None and n >= s.limit:
             reason = "length"
         lps = None if out.logprobs is None else [lp]

@@ -1,6 +1,6 @@
 """Sampling: request parameters, the counter-based random stream and the reference sampler."""
 
-from polyengine.sampling.params import SamplingParams
+from polyengine.sampling.params import SamplingParams, StructuredOutput
 from polyengine.sampling.sampler import (
     PIPELINE,
     SAMPLING_ORDER,
@@ -17,6 +17,7 @@ from polyengine.sampling.threefry import gumbel, threefry2x32, uniforms
 
 __all__ = [
     "SamplingParams",
+    "StructuredOutput",
     "RowState",
     "SampleOutput",
     "sample",

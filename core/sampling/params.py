@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from polyengine.errors import InvalidRequest
 from polyengine.limits import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
-__all__ = ["SamplingParams", "MAX_SAMPLES", "MAX_STEPS", "MAX_TOP_LOGPROBS", "ENGINE_FIELDS"]
+__all__ = ["SamplingParams", "StructuredOutput", "MAX_SAMPLES", "MAX_STEPS", "MAX_TOP_LOGPROBS", "ENGINE_FIELDS"]
 
 # The counter's second word is ``step + 2**20 * sample_index`` (32 bits), which bounds both.
 MAX_STEPS = 1 << 20
@@ -46,8 +46,45 @@ ENGINE_FIELDS = frozenset(
         "seed",
     }
 )
-# The other fields (n, max_tokens, stop, stop_token_ids) are the driver's: stop logic
-# and fan-out over bulk_insert, on top of any backend.
+# The other fields (n, max_tokens, stop, stop_token_ids, structured) are the driver's:
+# stop logic, fan-out over bulk_insert and grammars (as token masks), on top of any backend.
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the completion's text, enforced by the driver's grammar engine
+    (``pip install 'polyengine[structured]'``) through per-step allowed-token masks.
+
+    Exactly one of: ``json_schema`` (a JSON Schema object: the completion is one JSON
+    value valid under it), ``json_object`` (any JSON object), ``regex``, ``grammar`` (a
+    Lark grammar in llguidance's dialect, which may embed ``%json {schema}``), ``choice``
+    (one of these strings). The completion ends when the constraint is complete
+    (``finish_reason`` "stop") or earlier by the other stop conditions.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidRequest(_describe(exc), field="structured") from None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutput":
+        set_ = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError(f"structured needs exactly one of json_schema, json_object, regex, grammar, choice; got "
+                             f"{', '.join(set_) or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice needs at least one string")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -78,6 +115,8 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=1 << 64)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    # the driver's: a grammar the completion must follow (allowed-token masks per step)
+    structured: StructuredOutput | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from polyengine.errors import InvalidRequest, NumericalError
+from polyengine.sampling.masks import unpack_mask
 from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.threefry import gumbel
 
@@ -51,6 +52,8 @@ class RowState:
     ``step`` counts completion tokens before the one being sampled, forced tokens
     included (it addresses the random stream and gates ``min_tokens``).
     ``params.seed`` must already be resolved (``SamplingParams.with_seed``).
+    ``token_mask`` is the allowed-token mask of this step (packed int32 words,
+    :mod:`.masks`), or None for none; it belongs to one step, not to the request.
     """
 
     params: SamplingParams
@@ -58,6 +61,7 @@ class RowState:
     step: int = 0
     prompt_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     completion_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    token_mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.prompt_tokens = _token_array(self.prompt_tokens, "prompt_tokens")
@@ -140,6 +144,12 @@ def _top_p_keep(logp: np.ndarray, top_p: float) -> np.ndarray:
 # of the order, quoted by the conformance suite's messages.
 
 
+def apply_token_mask(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
+    if row.token_mask is not None:
+        x[~unpack_mask(row.token_mask, x.shape[0])] = -np.inf
+    return x
+
+
 def apply_logit_bias(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> np.ndarray:
     p = row.params
     if p.logit_bias:
@@ -194,8 +204,8 @@ def apply_temperature(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]
         )
     if not np.any(x > -np.inf):
         raise InvalidRequest(
-            "every token is masked at this step (min_tokens/ignore_eos mask the EOS and stop "
-            "token ids, and nothing else is left); lower min_tokens or drop ignore_eos"
+            "every token is masked at this step (the allowed-token mask, and min_tokens/ignore_eos masking the "
+            "EOS and stop token ids, leave nothing); lower min_tokens, drop ignore_eos or allow more tokens"
         )
     t = row.params.temperature
     if t == 0.0:
@@ -231,6 +241,7 @@ def apply_min_p(x: np.ndarray, row: RowState, eos_token_ids: Sequence[int]) -> n
 
 Step = Callable[[np.ndarray, RowState, Sequence[int]], np.ndarray]
 PIPELINE: tuple[tuple[str, Step], ...] = (
+    ("token_mask", apply_token_mask),
     ("logit_bias", apply_logit_bias),
     ("eos_masks", apply_eos_masks),
     ("repetition_penalty", apply_repetition_penalty),
@@ -242,7 +253,7 @@ PIPELINE: tuple[tuple[str, Step], ...] = (
 )
 
 SAMPLING_ORDER = (
-    "1. logit_bias added to the raw logits; EOS ids and the request's stop_token_ids masked while "
+    "1. tokens outside the step's allowed-token mask set to -inf; logit_bias added; EOS ids and the request's stop_token_ids masked while "
     "step < min_tokens, EOS ids always with ignore_eos; "
     "2. repetition_penalty over the set of prompt and completion tokens (positive logits divided, negative "
     "multiplied), then presence/frequency penalties over the completion's token counts; "

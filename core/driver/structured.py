@@ -1,0 +1,146 @@
+"""Structured output in the driver: constraints compiled by llguidance, one matcher per
+sample, and the per-step allowed-token masks the engine applies on the device.
+
+The boundary: the engine knows only masks (``prefill(token_mask=...)``,
+``generate(token_masks=...)``, capability ``token_masks``); this module knows grammars.
+llguidance (``pip install 'polyengine[structured]'``, a Rust library with no torch) is
+imported only when a constrained request is made, so the core runs without it.
+
+Per request: :meth:`Grammars.compile` turns a :class:`~polyengine.sampling.params.StructuredOutput`
+into llguidance's grammar text (cached by the constraint, checked once against the
+tokenizer: a bad schema or an unsupported feature is :class:`InvalidRequest` naming
+llguidance's reason). Per sample: a :class:`GrammarRow` (an ``LLMatcher``) consumes
+every token the sample accepts, forced ones included, and says when the grammar is
+complete. Per step: :meth:`Grammars.fill` writes every constrained slot's mask into one
+``(slots, W)`` buffer with llguidance's thread pool (the GIL released), which is what
+``generate`` takes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import numpy as np
+
+from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.sampling.masks import mask_words
+from polyengine.sampling.params import StructuredOutput
+
+__all__ = ["Grammars", "GrammarRow", "grammar_text", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'polyengine[structured]'"
+_CACHE = 256  # compiled grammars kept per tokenizer
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401
+    except ImportError:
+        raise UnsupportedFeature(
+            "structured output (response_format, tools)", None,
+            f"the grammar engine llguidance is not installed; {INSTALL_HINT}") from None
+    return llguidance
+
+
+def grammar_text(spec: StructuredOutput) -> tuple[str, str]:
+    """``(format, text)`` of a constraint, as llguidance's ``grammar_from`` takes them."""
+    if spec.json_schema is not None:
+        return "json_schema", json.dumps(spec.json_schema)  # key order kept: properties come out in it
+    if spec.json_object:
+        return "json_schema", json.dumps({"type": "object"})
+    if spec.regex is not None:
+        return "regex", spec.regex
+    if spec.choice is not None:
+        return "lark", "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+    return "lark", spec.grammar or ""
+
+
+class GrammarRow:
+    """One sample's grammar state (an llguidance matcher)."""
+
+    def __init__(self, matcher: Any):
+        self.matcher = matcher
+
+    def consume(self, token: int) -> None:
+        """Advance over an accepted token; InvalidRequest when the grammar refuses it (a
+        forced token the grammar does not allow, or a backend that ignored the mask)."""
+        if not self.matcher.consume_token(int(token)):
+            raise InvalidRequest(f"token {token} does not follow the request's grammar: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing but EOS."""
+        return bool(self.matcher.is_stopped())
+
+
+class Grammars:
+    """The grammar engine of one tokenizer: compiles constraints (cached), makes matchers,
+    fills masks. Thread-safe: the server's submit thread compiles, the engine thread steps."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._tokenizer, self.vocab_size, self.eos = tokenizer, int(vocab_size), [int(t) for t in eos_token_ids]
+        self.words = mask_words(vocab_size)
+        self._ll: Any = None
+        self._lltok: Any = None
+        self._executor: Any = None
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _load(self) -> Any:
+        if self._lltok is None:
+            ll = _llguidance()
+            if self._tokenizer is None:
+                raise InvalidRequest("structured output needs the model's tokenizer; this model has none")
+            backend = self._tokenizer.backend
+            self._lltok = ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos or None)
+            self._executor = ll.LLExecutor()
+            self._ll = ll
+        return self._ll
+
+    def compile(self, spec: StructuredOutput) -> str:
+        """llguidance's grammar for ``spec`` (cached); InvalidRequest (field
+        ``structured``) naming what is wrong with a bad or unsupported constraint."""
+        key = grammar_text(spec)
+        with self._lock:
+            ll = self._load()
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            fmt, text = key
+            try:
+                # JSON with fixed separators and no free whitespace: a small model cannot
+                # wander into endless newlines (a schema's own "x-guidance" overrides this)
+                grammar = (ll.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS) if fmt == "json_schema"
+                           else ll.grammar_from(fmt, text))
+            except Exception as exc:  # llguidance raises ValueError/RuntimeError for malformed input
+                raise InvalidRequest(f"invalid {fmt.replace('_', ' ')}: {exc}", field="structured") from None
+            is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, self._lltok)
+            if is_error:
+                raise InvalidRequest(f"invalid {fmt.replace('_', ' ')}: {messages[0]}", field="structured")
+            self._cache[key] = grammar
+            if len(self._cache) > _CACHE:
+                self._cache.popitem(last=False)
+            return grammar
+
+    def row(self, spec: StructuredOutput) -> GrammarRow:
+        grammar = self.compile(spec)
+        matcher = self._ll.LLMatcher(self._lltok, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"the constraint cannot start: {matcher.get_error()}", field="structured")
+        return GrammarRow(matcher)
+
+    def buffer(self, rows: int) -> np.ndarray:
+        return np.full((rows, self.words), -1, np.int32)
+
+    def fill(self, rows: dict[int, GrammarRow], out: np.ndarray) -> None:
+        """Each ``rows`` entry's next-token mask into ``out[slot]``, in parallel."""
+        if rows:
+            from llguidance.numpy import fill_next_token_bitmask_par
+
+            fill_next_token_bitmask_par(self._executor, [(r.matcher, slot) for slot, r in rows.items()], out)
