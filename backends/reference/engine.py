@@ -119,6 +119,7 @@ class ReferenceEngine(EngineBase):
             backend=self.name,
             first_token=-1,
             model_id=self.model_id,
+            nbytes=self.kv_bytes(total),
         )
         out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32))])
         prefix.first_token = int(out.tokens[0])
@@ -217,7 +218,7 @@ class ReferenceEngine(EngineBase):
         return Prefix(
             kv=(portable.k.astype(self.np_dtype), portable.v.astype(self.np_dtype)), logits=logits,
             prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=first,
-            model_id=self.model_id,
+            model_id=self.model_id, nbytes=self.kv_bytes(prompt.size),
         )
 
     # -- helpers ---------------------------------------------------------------------------
