@@ -8,7 +8,9 @@ worker (round robin), which prefills it and exports the protocol's portable pref
 model fingerprint): its safetensors bytes stay in Ray's object store, never pickled,
 and only the first token's packed row comes back to the leader. The prefix handle is
 the bytes' ``ObjectRef``; ``insert`` passes it to every decode worker, Ray moves the
-bytes to their nodes, and each imports (checking the fingerprint) and inserts. Since
+bytes to their nodes, and each imports (checking the fingerprint) and inserts. A prompt
+that continues a prefix (``existing_prefix``) goes to a prefill worker with that
+prefix's ref: the worker imports it, continues it, and exports the longer prefix. Since
 the hand-off is the portable format, a prefix exported by any backend (the reference,
 cuda_torch) can be inserted here, and ours there.
 
@@ -68,10 +70,13 @@ class PrefillPool:
     def warmup(self) -> None:
         self._all("warmup", "warming up the prefill workers")
 
-    def prefill(self, tokens: np.ndarray, sampling: SamplingParams) -> tuple[np.ndarray, Any]:
-        """Prefill on the next worker: (first token's packed row, portable bytes' ref)."""
-        packed, data = self.group.submit_one(next(self._next), "prefill_portable", self.engine_id, tokens, sampling,
-                                             num_returns=2)
+    def prefill(self, tokens: np.ndarray, sampling: SamplingParams,
+                existing: PortableHandle | None = None) -> tuple[np.ndarray, Any]:
+        """Prefill on the next worker: (first token's packed row, portable bytes' ref).
+        ``existing``: a prefix of this pool the tokens continue; its bytes go from the
+        object store to the worker, which imports it first."""
+        args = (self.engine_id, tokens, sampling) + (() if existing is None else (existing.ref,))
+        packed, data = self.group.submit_one(next(self._next), "prefill_portable", *args, num_returns=2)
         return self.group._gather([packed], "prefilling")[0], data
 
     def put(self, portable: PortablePrefix) -> PortableHandle:
