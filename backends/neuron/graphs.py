@@ -20,7 +20,7 @@ Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
     head_dim), start (1,), tokens (1, P), last (1,))`` -> ``logits (1, V)`` at ``last``,
     ``k, v (L, 1, kv_heads, Q + P, head_dim)``: the prefix's ``start`` positions, then
     the prompt's at ``start ..`` (positions past ``start + last`` hold garbage the engine
-    slices off). The prefix tensors are inputs, never written.
+    slices off). The prefix tensors are inputs, copied, never written.
 
 ``TokenGeneration(config, names, batch, tokens, kv_len, max_cache_length, num_top)``
     One decode step for a batch bucket of ``B`` seq_ids, ``T`` tokens per row:
@@ -106,10 +106,11 @@ class ContextContinuation(torch.nn.Module):
         w = _weights(self.config, self.names, weights)
         pad = prefix_k.new_zeros(prefix_k.shape[:3] + (self.bucket,) + prefix_k.shape[4:])
         k, v = torch.cat([prefix_k, pad], dim=3), torch.cat([prefix_v, pad], dim=3)
-        index = torch.arange(self.bucket, device=tokens.device)[None]  # (1, P)
-        # Pad tokens (after last) write nothing and sit at positions no live query reads.
-        logits, k, v = forward(w, StepSpec(), tokens, start[:, None] + index, k, v, rows=None,
-                               write_mask=index <= last[:, None], logits_at=last)
+        positions = start[:, None] + torch.arange(self.bucket, device=tokens.device)[None]  # (1, P)
+        # Pad tokens (after last) write past the prompt, where no live query reads and the
+        # engine slices off (as in ContextEncoding): no write mask, whose anchor would be a
+        # data-dependent index the export cannot capture.
+        logits, k, v = forward(w, StepSpec(), tokens, positions, k, v, rows=None, logits_at=last)
         return logits.float(), k, v
 
 
