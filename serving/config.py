@@ -24,7 +24,9 @@ class ServerConfig:
     ``max_cache_length``; default 2048 or the model's limit if smaller), ``max_slots``
     the requests decoded together, ``max_queue`` the requests waiting for a slot
     before new ones get 429. ``shutdown_timeout`` bounds how long in-flight requests
-    may run after SIGTERM."""
+    may run after SIGTERM. ``prefix_cache_mib`` and ``prefill_chunk`` are the driver's
+    (``EngineConfig.prefix_cache_bytes`` in MiB, ``EngineConfig.prefill_chunk``; None:
+    their defaults, 0: off)."""
 
     model: str | None = None
     backend: str = "auto"
@@ -38,6 +40,8 @@ class ServerConfig:
     dtype: str | None = None
     tools: bool = True
     shutdown_timeout: float = 30.0
+    prefix_cache_mib: float | None = None
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_slots"):
@@ -45,6 +49,10 @@ class ServerConfig:
                 raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("--context-length must be at least 2")
+        if self.prefix_cache_mib is not None and self.prefix_cache_mib < 0:
+            raise InvalidRequest("--prefix-cache-mib must be >= 0 (0 turns the prefix cache off)")
+        if self.prefill_chunk is not None and self.prefill_chunk < 0:
+            raise InvalidRequest("--prefill-chunk must be >= 0 (0 prefills whole prompts at once)")
         if self.shutdown_timeout < 0:
             raise InvalidRequest("--shutdown-timeout must be >= 0 seconds")
         if not 0 <= self.port < 65536:
@@ -74,5 +82,9 @@ def build_engine(config: ServerConfig, progress: Any = None) -> tuple[Any, str]:
                                          max_prefill_length=context - 1)
     if config.dtype:
         engine_config["dtype"] = config.dtype
+    if config.prefix_cache_mib is not None:
+        engine_config["prefix_cache_bytes"] = int(config.prefix_cache_mib * 2**20)
+    if config.prefill_chunk is not None:
+        engine_config["prefill_chunk"] = config.prefill_chunk
     llm = LLM(model, config.backend, tools=config.tools, max_queue=config.max_queue, **engine_config)
     return AsyncLLM.from_llm(llm), served_name(config, model)

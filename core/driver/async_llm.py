@@ -218,6 +218,11 @@ class AsyncLLM:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def prefix_cache(self) -> Any:
+        """The driver's prefix cache (its ``stats`` may be read from any thread), or None when off."""
+        return self._scheduler.prefix_cache
+
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return self.llm.encode(prompt)
 
