@@ -87,6 +87,18 @@ def _itl(gaps: list[float]) -> dict[str, float]:
     return {"median": median(gaps), "p99": percentile(gaps, 99), "max": max(gaps)}
 
 
+def _on_off(emit: Emit, title: str, labels: tuple[str, str], warm: Callable[[bool], object],
+            run: Callable[[bool], object]) -> dict[str, object]:
+    """Warm up, then run, with the feature on (``labels[0]``) and off (``labels[1]``)."""
+    out = {}
+    for on, label in zip((True, False), labels):
+        emit(f"prefix: {title}", f"warm-up ({label})")
+        warm(on)
+        emit(f"prefix: {title}", label)
+        out[label] = run(on)
+    return out
+
+
 def run_prefix(system: PrefixSystem, work: Workload, emit: Emit, notes: list[str],
                done: Callable[[dict], None] = lambda metrics: None) -> dict:
     """Every workload the system implements; returns the metrics (plain numbers)."""
@@ -94,14 +106,11 @@ def run_prefix(system: PrefixSystem, work: Workload, emit: Emit, notes: list[str
     small = replace(work, shared_requests=min(3, work.shared_requests), turn_conversations=1)
     metrics: dict = {}
     name = type(system).__name__
+    cache = ("cache", "no_cache")
     if hasattr(system, "shared"):
-        out = {}
-        for cache in (True, False):
-            label = "cache" if cache else "no_cache"
-            emit("prefix: shared prefix", f"warm-up ({label})")
-            system.shared(*shared_prompts(small, vocab, "warmup"), small.shared_new_tokens, cache)
-            emit("prefix: shared prefix", label)
-            out[label] = system.shared(*shared_prompts(work, vocab), work.shared_new_tokens, cache)
+        out = _on_off(emit, "shared prefix", cache,
+                      lambda on: system.shared(*shared_prompts(small, vocab, "warmup"), small.shared_new_tokens, on),
+                      lambda on: system.shared(*shared_prompts(work, vocab), work.shared_new_tokens, on))
         metrics["prefix_shared_ttft_p50_s"] = {k: median(v) for k, v in out.items()}
         metrics["prefix_shared_ttft_p90_s"] = {k: percentile(v, 90) for k, v in out.items()}
         metrics["prefix_shared_ttft_samples_s"] = out
@@ -109,40 +118,26 @@ def run_prefix(system: PrefixSystem, work: Workload, emit: Emit, notes: list[str
     else:
         notes.append(f"{name}: no shared-prefix run (it has no way to reuse a prompt's K/V)")
     if hasattr(system, "turns"):
-        out = {}
-        for cache in (True, False):
-            label = "cache" if cache else "no_cache"
-            emit("prefix: multi-turn", f"warm-up ({label})")
-            system.turns(*turn_prompts(small, vocab, "warmup"), small.turn_answer, cache)
-            emit("prefix: multi-turn", label)
-            out[label] = [median(t) for t in system.turns(*turn_prompts(work, vocab), work.turn_answer, cache)]
-        metrics["prefix_turn_ttft_s"] = out
+        out = _on_off(emit, "multi-turn", cache,
+                      lambda on: system.turns(*turn_prompts(small, vocab, "warmup"), small.turn_answer, on),
+                      lambda on: system.turns(*turn_prompts(work, vocab), work.turn_answer, on))
+        metrics["prefix_turn_ttft_s"] = {k: [median(t) for t in v] for k, v in out.items()}
         done(metrics)
     if hasattr(system, "loaded"):
-        itl, ttft = {}, {}
-        for chunked in (True, False):
-            label = "chunked" if chunked else "whole"
-            emit("prefix: long prompt under load", f"warm-up ({label})")
-            system.loaded(*loaded_prompts(work, vocab, "warmup"), work.loaded_margin, chunked)
-            emit("prefix: long prompt under load", label)
-            run = system.loaded(*loaded_prompts(work, vocab), work.loaded_margin, chunked)
-            itl[label], ttft[label] = _itl(run.gaps), run.prompt_ttft
-            if chunked:
-                metrics["prefix_loaded_chunk"] = run.chunk
-        metrics["prefix_loaded_itl_s"] = itl
-        metrics["prefix_loaded_ttft_s"] = ttft
+        out = _on_off(emit, "long prompt under load", ("chunked", "whole"),
+                      lambda on: system.loaded(*loaded_prompts(work, vocab, "warmup"), work.loaded_margin, on),
+                      lambda on: system.loaded(*loaded_prompts(work, vocab), work.loaded_margin, on))
+        metrics["prefix_loaded_itl_s"] = {k: _itl(run.gaps) for k, run in out.items()}
+        metrics["prefix_loaded_ttft_s"] = {k: run.prompt_ttft for k, run in out.items()}
+        metrics["prefix_loaded_chunk"] = out["chunked"].chunk
         done(metrics)
     else:
         notes.append(f"{name}: no long-prompt-under-load run (no scheduler adds a prompt to running streams)")
     if hasattr(system, "serve_cache"):
         reqs = serve_requests(work, vocab)
-        out = {}
-        for cache in (True, False):
-            label = "cache" if cache else "no_cache"
-            emit("prefix: serve", label)
-            system.serve_cache(reqs[: min(4, len(reqs))], work.serve_slots, reqs, cache)
-            run = system.serve_cache(reqs, work.serve_slots, None, cache)
-            out[label] = rate(run.completion_tokens, run.seconds)
-        metrics["prefix_serve_e2e_tok_s"] = out
+        out = _on_off(emit, "serve", cache,
+                      lambda on: system.serve_cache(reqs[: min(4, len(reqs))], work.serve_slots, reqs, on),
+                      lambda on: system.serve_cache(reqs, work.serve_slots, None, on))
+        metrics["prefix_serve_e2e_tok_s"] = {k: rate(run.completion_tokens, run.seconds) for k, run in out.items()}
         done(metrics)
     return metrics

@@ -213,18 +213,24 @@ def test_gguf_copies_keep_metadata_and_values(tmp_path):
     np.testing.assert_array_equal(np.asarray(tensors["blk.0.attn_norm.weight"].data), norm)
 
 
-@pytest.mark.slow
-def test_quick_bench_runs_transformers_on_a_tiny_random_model(tmp_path):
+def _bench_with_transformers(tmp_path: Path, part: str) -> tuple[dict, str]:
+    """``bench --quick --parts PART`` of the reference backend beside transformers, on a
+    tiny random HF model (transformers loads it from its folder)."""
     pytest.importorskip("transformers")
     from _oracle import hf_model
 
     folder = tmp_path / "tiny-hf"
     hf_model("llama3", vocab=131).save_pretrained(folder)
-    out = tmp_path / "out.json"
+    out = tmp_path / f"{part}.json"
     code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--model", str(folder), "--peers", "transformers",
-                                   "--parts", "standard", "--json", str(out), "--cache-dir", str(tmp_path / "cache")], tmp_path)
+                                   "--parts", part, "--json", str(out), "--cache-dir", str(tmp_path / "cache")], tmp_path)
     assert code == 0, stdout + stderr
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text()), stdout
+
+
+@pytest.mark.slow
+def test_quick_bench_runs_transformers_on_a_tiny_random_model(tmp_path):
+    doc, _ = _bench_with_transformers(tmp_path, "standard")
     peers = [r for r in doc["rows"] if r["kind"] == "transformers"]
     assert peers and all(not r["errors"] for r in peers), [r.get("tracebacks") for r in peers]
     fp32 = next(r for r in peers if r["details"]["dtype"] == "float32")
@@ -252,16 +258,7 @@ def test_quick_prefix_part_reports_every_workload_and_its_targets(tmp_path):
     and serve with the cache on and off, each number where the report documents it, the
     in-row targets judged; transformers runs the two workloads it can (its own K/V reuse)
     and says why not the third."""
-    pytest.importorskip("transformers")
-    from _oracle import hf_model
-
-    folder = tmp_path / "tiny-hf"
-    hf_model("llama3", vocab=131).save_pretrained(folder)
-    out = tmp_path / "prefix.json"
-    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--model", str(folder), "--peers", "transformers",
-                                   "--parts", "prefix", "--json", str(out), "--cache-dir", str(tmp_path / "cache")], tmp_path)
-    assert code == 0, stdout + stderr
-    doc = json.loads(out.read_text())
+    doc, stdout = _bench_with_transformers(tmp_path, "prefix")
     ours = next(r for r in doc["rows"] if r["kind"] == "polyengine")
     m = ours["metrics"]
     for key in ("prefix_shared_ttft_p50_s", "prefix_shared_ttft_p90_s", "prefix_serve_e2e_tok_s"):
