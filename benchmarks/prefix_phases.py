@@ -13,8 +13,8 @@ generator) and the standard serve phase again:
 - **long prompt under load**: streams decode; a long prompt arrives; the streams'
   inter-token latency (ITL: the gaps between a stream's successive tokens) from
   ``loaded_margin`` steps before the arrival to ``loaded_margin`` steps after the long
-  prompt's first token, median, p99 and max, with chunked prefill and without; also that
-  prompt's TTFT.
+  prompt's first token, median, p99 and max, with chunked prefill and without; also the
+  median of the gaps before the arrival (the streams' own pace) and that prompt's TTFT.
 - **serve**: the standard serve phase with the cache on and off (end-to-end tok/s):
   what the cache costs a workload it cannot help.
 
@@ -42,6 +42,7 @@ Emit = Callable[[str, str], None]
 @dataclass
 class LoadedRun:
     gaps: list[float]  # the running streams' inter-token gaps in the window
+    before: list[float]  # those that ended before the prompt arrived: the streams' own pace
     prompt_ttft: float  # the arriving prompt's time to first token
     chunk: int = 0  # the chunk size it ran with (0: whole prompts)
 
@@ -83,8 +84,9 @@ def loaded_prompts(work: Workload, vocab: int, phase: str = "loaded") -> tuple[l
     return streams, prompts(vocab, 1, work.loaded_prompt, phase=phase, seed=work.seed + 1)[0]
 
 
-def _itl(gaps: list[float]) -> dict[str, float]:
-    return {"median": median(gaps), "p99": percentile(gaps, 99), "max": max(gaps)}
+def _itl(run: LoadedRun) -> dict[str, float]:
+    gaps = run.gaps
+    return {"median": median(gaps), "p99": percentile(gaps, 99), "max": max(gaps), "before": median(run.before)}
 
 
 def _on_off(emit: Emit, title: str, labels: tuple[str, str], warm: Callable[[bool], object],
@@ -127,7 +129,7 @@ def run_prefix(system: PrefixSystem, work: Workload, emit: Emit, notes: list[str
         out = _on_off(emit, "long prompt under load", ("chunked", "whole"),
                       lambda on: system.loaded(*loaded_prompts(work, vocab, "warmup"), work.loaded_margin, on),
                       lambda on: system.loaded(*loaded_prompts(work, vocab), work.loaded_margin, on))
-        metrics["prefix_loaded_itl_s"] = {k: _itl(run.gaps) for k, run in out.items()}
+        metrics["prefix_loaded_itl_s"] = {k: _itl(run) for k, run in out.items()}
         metrics["prefix_loaded_ttft_s"] = {k: run.prompt_ttft for k, run in out.items()}
         metrics["prefix_loaded_chunk"] = out["chunked"].chunk
         done(metrics)

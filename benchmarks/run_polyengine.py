@@ -331,5 +331,6 @@ class PolyengineSystem:
         for r in reqs:
             r.cancel()
         gaps = [b - a for s, w in zip(stamps, window) for a, b in zip(s, s[1:]) if a >= w]
+        pace = [b - a for s, w in zip(stamps, window) for a, b in zip(s, s[1:]) if a >= w and b <= arrived]
         refresh_build(self.builds[-1], self._engine)
-        return LoadedRun(gaps=gaps, prompt_ttft=ttft, chunk=llm.scheduler.prefiller.chunk)
+        return LoadedRun(gaps=gaps, before=pace, prompt_ttft=ttft, chunk=llm.scheduler.prefiller.chunk)

@@ -267,9 +267,9 @@ def test_quick_prefix_part_reports_every_workload_and_its_targets(tmp_path):
     assert [len(m["prefix_turn_ttft_s"][k]) for k in ("cache", "no_cache")] == [QUICK.turns] * 2
     assert set(m["prefix_loaded_itl_s"]) == {"chunked", "whole"} and m["prefix_loaded_chunk"] > 0
     for itl in m["prefix_loaded_itl_s"].values():
-        assert 0 < itl["median"] <= itl["p99"] <= itl["max"]
+        assert 0 < itl["median"] <= itl["p99"] <= itl["max"] and 0 < itl["before"] <= itl["max"]
     judged = {v["target"] for v in doc["targets"] if v.get("kind") == "self" and v["row"] == ours["row"]}
-    assert len(judged) == 4 and "prefix caching and chunked prefill" in stdout
+    assert len(judged) == 5 and "prefix caching and chunked prefill" in stdout
     peer = next(r for r in doc["rows"] if r["kind"] == "transformers" and r["details"]["dtype"] == "float32")
     assert not peer["errors"], peer.get("tracebacks")
     assert set(peer["metrics"]["prefix_shared_ttft_p50_s"]) == {"cache", "no_cache"}

@@ -208,7 +208,8 @@ class PrefillLog:
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_streams_decode(tiny):
     """Two streams decode; a 57-token prompt arrives: it is prefilled in pieces of at most
     8 tokens, one chunk's worth per step, and the running streams get a token in every
-    step meanwhile. With nothing decoding, a prompt's pieces run in one step."""
+    step meanwhile. With nothing decoding, the prompt is one piece (there is no pace to
+    keep, and small pieces cost more)."""
     base = make(tiny, prefill_chunk=8, prefix_cache_bytes=0, max_slots=3)
     log = PrefillLog(base.engine)
     llm = LLM.from_engine(log, tools=False)
@@ -229,7 +230,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_streams_decode(tiny):
     log2 = PrefillLog(alone.engine)
     solo = LLM.from_engine(log2, tools=False)
     solo.generate([list(range(3, 60))], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert [n for _, n, _ in log2.calls] == [8] * 7 + [1] and {s for s, _, _ in log2.calls} == {0}
+    assert [n for _, n, _ in log2.calls] == [57]
     assert long.completion.token_ids == solo.generate([list(range(3, 60))], long.sampling)[0].token_ids
 
 

@@ -14,11 +14,13 @@ prefix (``existing_prefix``, capability ``prefix_reuse``):
   second of two prompts sharing a system prompt leaves an entry that the third one
   continues. Every completed prompt's prefix is cached (a conversation's next turn
   starts with it).
-- **Chunked prefill**: pieces end at multiples of ``prefill_chunk`` tokens (absolute
-  positions, so prompts that share their start share their cuts), so no piece is longer
-  than the chunk. While other requests decode, the scheduler runs at most one chunk's
-  worth of prompt tokens per step, between decode steps, and running streams keep their
-  pace; with nothing decoding, a prompt's pieces run back to back.
+- **Chunked prefill**: while other requests decode, pieces also end at every multiple
+  of ``prefill_chunk`` tokens (absolute positions), so no piece is longer than the
+  chunk, and the scheduler runs at most one chunk's worth of prompt tokens per step,
+  between decode steps: running streams keep their pace. With nothing decoding there is
+  no pace to keep, and the rest of the prompt runs as one piece (small pieces cost more
+  per token: on the CPU a 64-token piece costs about twice a long prefill's per-token
+  time).
 
 Pieces other than the last are prefilled with a neutral request (greedy would do as well:
 nobody samples from them); the last one with the request's own parameters.
@@ -48,10 +50,10 @@ _PIECE = SamplingParams(seed=0)
 
 @dataclass
 class PrefillJob:
-    """One request's prefill in progress: ``cuts`` are the ends of the pieces still to
-    run (ascending, the last is the prompt's length), ``prefix`` covers ``done`` tokens
-    (the cache entry's, then each piece's), ``cached`` tokens came from the cache (the
-    held entry, referenced until the first piece has continued it)."""
+    """One request's prefill in progress: ``cuts`` are the places a piece must end
+    (ascending: where the cache wants an entry, and the prompt's length), ``prefix``
+    covers ``done`` tokens (the cache entry's, then each piece's), ``cached`` tokens came
+    from the cache (the held entry, referenced until the first piece has continued it)."""
 
     tokens: list[int]
     sampling: SamplingParams
@@ -62,10 +64,11 @@ class PrefillJob:
     cached: int
     held: CacheEntry | None = None
 
-    @property
-    def next_piece(self) -> int:
-        """Tokens of the next piece."""
-        return self.cuts[0] - self.done
+    def next_end(self, chunk: int) -> int:
+        """Where the next piece ends: the next cut, or sooner at a multiple of ``chunk``
+        (0: no chunking)."""
+        end = self.cuts[0]
+        return min(end, (self.done // chunk + 1) * chunk) if chunk else end
 
 
 class Prefiller:
@@ -93,8 +96,12 @@ class Prefiller:
 
     def step_budget(self, decoding: bool) -> int | None:
         """Prompt tokens one scheduler step may prefill: a chunk while streams decode,
-        no bound otherwise (None)."""
+        no bound otherwise (None: pieces are not chunked either)."""
         return self.chunk if self.chunk and decoding else None
+
+    def next_piece(self, job: PrefillJob, budget: int | None) -> int:
+        """Tokens of the job's next piece under a step's ``budget`` (chunked when bounded)."""
+        return job.next_end(self.chunk if budget is not None else 0) - job.done
 
     def start(self, tokens: list[int], sampling: SamplingParams) -> PrefillJob:
         """Plan a prompt's pieces (looking it up in the cache, holding the entry found)."""
@@ -106,18 +113,17 @@ class Prefiller:
             split = min(matched, n - 1) // self.block * self.block
             if split > have:
                 keep.add(split)
-        cuts = {n, *keep}
-        if self.chunk:
-            cuts.update(range((have // self.chunk + 1) * self.chunk, n, self.chunk))
-        return PrefillJob(list(tokens), sampling, sorted(c for c in cuts if c > have), frozenset(keep), prefix,
-                          have, have, held)
+        return PrefillJob(list(tokens), sampling, sorted({n, *keep}), frozenset(keep), prefix, have, have, held)
 
-    def advance(self, job: PrefillJob) -> tuple[Prefix, ResultTokens] | None:
-        """Run the job's next piece; after the last, its prefix and first token."""
-        end, final = job.cuts[0], len(job.cuts) == 1
+    def advance(self, job: PrefillJob, budget: int | None = None) -> tuple[Prefix, ResultTokens] | None:
+        """Run the job's next piece (chunked under a step's ``budget``, see
+        :meth:`step_budget`); after the last, its prefix and first token."""
+        end = job.done + self.next_piece(job, budget)
+        final = end == len(job.tokens)
         prefix, first = self.engine.prefill(params=self.params, tokens=job.tokens[job.done: end],
                                             sampling=job.sampling if final else _PIECE, existing_prefix=job.prefix)
-        job.cuts.pop(0)
+        if end == job.cuts[0]:
+            job.cuts.pop(0)
         job.prefix, job.done = prefix, end
         self._release(job)  # continued: the entry is not needed any more
         if self.cache is not None and end >= self.block and (final or end in job.keep):

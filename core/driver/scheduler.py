@@ -7,11 +7,11 @@ token into text, tool actions and stop decisions. Requests join and leave betwee
 steps, so a short request never waits for a long one.
 
 Prefill goes through :class:`~polyengine.driver.prefill.Prefiller`: from the longest
-cached prefix of the prompt (the prefix cache), in pieces of at most
-``prefill_chunk`` tokens. While streams decode, a step prefills at most one chunk's
-worth of prompt tokens before its ``generate``, so a long prompt arriving never stalls
-the running streams for its whole prefill; the request being prefilled holds its place
-at the head of the queue (first come, first served) until its last piece is inserted.
+cached prefix of the prompt (the prefix cache), and, while streams decode, in pieces of
+at most ``prefill_chunk`` tokens, at most one chunk's worth per step before its
+``generate``, so a long prompt arriving never stalls the running streams for its whole
+prefill; the request being prefilled holds its place at the head of the queue (first
+come, first served) until its last piece is inserted.
 
 Per token, in order: the tool machine may replace the engine's token with a forced one
 (fed back through ``overrides``); then the stop checks run: EOS / end-of-turn (unless
@@ -227,12 +227,14 @@ class Scheduler:
         budget = self.prefiller.step_budget(decoding=bool(self._slots))
         while self._filling is not None or self._start_next():
             req, job = self._filling
+            step_budget = budget
             if budget is not None:
-                if job.next_piece > budget:
+                piece = self.prefiller.next_piece(job, budget)
+                if piece > budget:
                     return  # the next piece runs next step
-                budget -= job.next_piece
+                budget -= piece
             try:
-                done = self.prefiller.advance(job)
+                done = self.prefiller.advance(job, step_budget)
                 if done is None:
                     continue
                 prefix, first = done
