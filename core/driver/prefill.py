@@ -80,7 +80,7 @@ class Prefiller:
         self.cache, self.chunk, self.block = cache, int(chunk), int(block)
 
     @classmethod
-    def for_engine(cls, engine: Any, params: Any, *, block: int = CACHE_BLOCK) -> "Prefiller":
+    def for_engine(cls, engine: Any, params: Any) -> "Prefiller":
         """The cache and chunk size the engine was built for (``EngineConfig``'s
         ``prefix_cache_bytes`` and ``prefill_chunk``); both off without ``prefix_reuse``."""
         if not engine.capabilities.prefix_reuse:
@@ -92,7 +92,7 @@ class Prefiller:
         model = getattr(engine, "model", None)
         per_token = model.config.kv_bytes_per_token(4) if model is not None else 1
         cache = PrefixCache(budget, estimate=lambda p: p.true_length * per_token) if budget else None
-        return cls(engine, params, cache=cache, chunk=chunk, block=block)
+        return cls(engine, params, cache=cache, chunk=chunk)
 
     def step_budget(self, decoding: bool) -> int | None:
         """Prompt tokens one scheduler step may prefill: a chunk while streams decode,

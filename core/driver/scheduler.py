@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
-from polyengine.driver.prefill import CACHE_BLOCK, PrefillJob, Prefiller
+from polyengine.driver.prefill import PrefillJob, Prefiller
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
 from polyengine.errors import InvalidRequest, QueueFull
@@ -114,7 +114,6 @@ class Scheduler:
         tool_factory: Callable[[], Any] | None = None,
         skip_token_ids: frozenset[int] = frozenset(),
         max_queue: int = 1024,
-        cache_block: int = CACHE_BLOCK,
     ):
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
             # 0 would make every submit fail and generate() wait forever for room.
@@ -133,7 +132,7 @@ class Scheduler:
         self._overrides: dict[int, Override] = {}
         self._pending: tuple[ResultTokens, dict[int, tuple[Request, _Sample]]] | None = None
         self._eos = frozenset(engine.eos_token_ids)
-        self.prefiller = Prefiller.for_engine(engine, self.params, block=cache_block)
+        self.prefiller = Prefiller.for_engine(engine, self.params)
         self._filling: tuple[Request, PrefillJob] | None = None  # the request whose prefill runs in pieces
         self._lock = threading.RLock()
         # Requests whose stream was dropped unread: cancelled when the lock is next taken.
