@@ -72,20 +72,35 @@ def test_lru_eviction_within_the_budget_never_touches_entries_in_use():
     assert cache.stats.hits == 3 and cache.stats.hit_tokens == 6
 
 
-def test_entries_nobody_shared_go_before_shared_ones():
-    """The segmented LRU: a shared entry (continued once, or filed where prompts part)
-    outlives more recent entries nobody shared."""
+def test_entries_of_one_prompt_go_before_entries_where_prompts_part():
+    """The two segments: an entry cut where prompts part outlives more recent entries
+    filed for one prompt; among those, a hit makes an entry the most recent."""
     cache = PrefixCache(30)
     system = cache.insert(FakePrefix((1, 2)), shared=True)
     cache.insert(FakePrefix((1, 2, 3)))
     cache.insert(FakePrefix((4, 5)))
-    cache.insert(FakePrefix((6, 7)))  # evicts (1, 2, 3): the oldest entry nobody shared
+    cache.insert(FakePrefix((6, 7)))  # evicts (1, 2, 3): the oldest entry of one prompt
     assert system in cache.entries() and cache.lookup([1, 2, 3, 9]) == (system, 2)
     used = cache.lookup([4, 5, 9])[0]
     cache.acquire(used)
     cache.release(used)
-    cache.insert(FakePrefix((8, 9)))  # evicts (6, 7); (4, 5) was continued: shared now
+    cache.insert(FakePrefix((8, 9)))  # evicts (6, 7): (4, 5) was continued since
     assert {e.prefix.prompt_tokens for e in cache.entries()} == {(1, 2), (4, 5), (8, 9)}
+    assert not used.shared  # a hit refreshes an entry; it does not move it to the other segment
+
+
+def test_an_entry_a_newer_one_extends_goes_first():
+    """A conversation's previous turn, once its next turn is filed, is the least recent
+    entry of its segment; an entry where prompts part is never demoted that way."""
+    cache = PrefixCache(50)
+    turn1 = cache.insert(FakePrefix((1, 2)))
+    other = cache.insert(FakePrefix((7, 8)))
+    system = cache.insert(FakePrefix((4, 4)), shared=True)
+    cache.insert(FakePrefix((1, 2, 3, 4)))  # extends turn1: turn1 goes first now
+    assert cache.entries()[0] is turn1
+    cache.insert(FakePrefix((4, 4, 5)))  # extends the shared entry, which keeps its place
+    cache.insert(FakePrefix((9, 9)))  # room for one more: turn1 leaves, not the older `other`
+    assert turn1 not in cache.entries() and other in cache.entries() and system in cache.entries()
 
 
 def test_an_entry_filed_twice_is_kept_once():
@@ -232,6 +247,26 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_streams_decode(tiny):
     solo.generate([list(range(3, 60))], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert [n for _, n, _ in log2.calls] == [57]
     assert long.completion.token_ids == solo.generate([list(range(3, 60))], long.sampling)[0].token_ids
+
+
+def test_conversations_under_memory_pressure_continue_their_latest_turn(tiny):
+    """Four conversations taking turns, a budget below their working set (their latest
+    turns plus the new ones): every turn after the first continues the conversation's
+    previous prompt (superseded turns are evicted first), and the answers equal
+    uncached ones."""
+    per_token = tiny.config.kv_bytes_per_token(8)
+    on = make(tiny, prefix_cache_bytes=150 * per_token)
+    off = make(tiny, prefix_cache_bytes=0, prefill_chunk=0)
+    rng = np.random.default_rng(1)
+    convs = [rng.integers(3, 280, 8).tolist() for _ in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for turn in range(4):
+        for c, prompt in enumerate(convs):
+            got = on.generate([prompt], sp)[0]
+            assert got.token_ids == off.generate([prompt], sp)[0].token_ids
+            assert got.usage.cached_tokens == (0 if turn == 0 else len(prompt) - 8), (turn, c)
+            convs[c] = prompt + got.token_ids + rng.integers(3, 280, 4).tolist()
+    assert on.scheduler.prefix_cache.stats.evictions > 0
 
 
 def test_eviction_under_memory_pressure_keeps_the_budget_and_the_output(tiny):

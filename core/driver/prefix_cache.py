@@ -18,11 +18,14 @@ Memory: an entry costs ``Prefix.nbytes`` (the engine's count, padding included; 
 estimate from the model when the engine gives none). The cache never holds more than
 its budget (``EngineConfig.prefix_cache_bytes``, which the engine's memory check
 counted). Entries in use (referenced by a request whose prefill will continue them)
-are never evicted. The others leave least recently used first, in two segments (a
-segmented LRU): entries not shared yet (a prompt's own prefix, filed in case the same
-conversation comes back) go before shared ones (continued at least once, or cut where
-two prompts part). Under pressure, a stream of one-off prompts then pushes out other
-one-off prompts, not the system prompt every request continues.
+are never evicted. The others leave least recently used first (a hit makes an entry
+the most recent), in two segments: entries filed for one prompt (its own prefix, in case
+its conversation comes back) go before entries cut where two prompts part, which are
+known to be shared. A one-prompt entry that a newer entry extends (a conversation's
+previous turn, once the next turn is filed) becomes the least recent: the conversation
+will continue the newer one. Under pressure, a stream of one-off prompts then pushes out
+other one-off prompts, not the system prompt every request continues, and conversations
+lose their superseded turns before their latest ones.
 
 Single-threaded: the scheduler calls it under its lock. ``stats`` are plain counters
 that a metrics scraper on another thread may read at any time.
@@ -71,7 +74,7 @@ class CacheEntry:
     length: int
     nbytes: int
     refs: int = 0
-    shared: bool = False  # continued at least once, or filed where prompts part
+    shared: bool = False  # filed where two prompts part (known to begin several)
     node: _Node | None = field(default=None, repr=False)
 
 
@@ -132,7 +135,6 @@ class PrefixCache:
         """Take a reference to an entry (it cannot be evicted until :meth:`release`) and
         count it as a hit; returns its prefix."""
         entry.refs += 1
-        entry.shared = True
         self._lru.move_to_end(entry)
         self.stats.hits += 1
         self.stats.hit_tokens += entry.length
@@ -162,14 +164,19 @@ class PrefixCache:
         node = self._path(tokens, create=True)
         entry = node.entry = CacheEntry(prefix, len(tokens), nbytes, shared=shared, node=node)
         self._lru[entry] = None
+        below = self._entry_below(node)
+        if below is not None and not below.shared:
+            # A one-prompt entry that this one extends (a conversation's previous turn):
+            # the next turn will continue this one, so that one goes first.
+            self._lru.move_to_end(below, last=False)
         self.stats.inserts += 1
         self.stats.bytes += nbytes
         self.stats.entries = len(self._lru)
         return entry
 
     def _make_room(self, nbytes: int) -> bool:
-        """Evict entries not in use until ``nbytes`` fit: those not shared yet, least
-        recently used first, then the shared ones, least recently used first."""
+        """Evict entries not in use until ``nbytes`` fit: those filed for one prompt,
+        least recently used first, then those where prompts part, least recently used first."""
         if self.stats.bytes + nbytes <= self.budget:
             return True
         free = sum(e.nbytes for e in self._lru if e.refs == 0)
@@ -218,6 +225,14 @@ class PrefixCache:
             mid.children[child.edge[0]] = child
             node, at = mid, at + n
         return node
+
+    @staticmethod
+    def _entry_below(node: _Node) -> CacheEntry | None:
+        """The longest entry that is a proper prefix of ``node``'s prompt."""
+        node = node.parent
+        while node is not None and node.entry is None:
+            node = node.parent
+        return None if node is None else node.entry
 
     def _remove(self, entry: CacheEntry) -> None:
         del self._lru[entry]
