@@ -2,7 +2,7 @@
 
     polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
                      [--peers transformers,llamacpp|none] [--repeats N] [--quick]
-                     [--json PATH] [--parts standard,long] [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
+                     [--json PATH] [--parts standard,long,prefix] [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
                      [--cache-dir DIR]
 
 Plans one job per (system, part), runs each in its own worker subprocess (``jobs``),
@@ -14,6 +14,9 @@ not installed, or cannot read the model, is skipped with a note that says so. Th
 full-context batch (``long``) runs for every polyengine row and for one setting per
 peer (transformers float32, llama.cpp's file as shipped): it is the slowest part, and
 its point is polyengine's memory at full context, with a peer beside it for scale.
+The ``prefix`` part (prefix caching and chunked prefill, ``prefix_phases``) runs when
+asked for, for every polyengine row and transformers float32 (whose runner reuses a
+system prompt's or a conversation's K/V itself).
 
 Exit status: 0 when every polyengine row ran (peers may fail: their failures are in
 the report), 1 otherwise, 130 when interrupted (the systems that finished are reported). Targets are reported, never turned into an exit status: this
@@ -58,9 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="measured runs per phase; the median is reported (default 3, 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="a tiny workload that runs in seconds (for tests and smoke checks)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
-    p.add_argument("--parts", default="standard,long", metavar="standard,long",
+    p.add_argument("--parts", default="standard,long", metavar="standard,long,prefix",
                    help="which parts to run: 'standard' (decode, prefill, serve), 'long' (the full-context batch), "
-                        "or both (default); the long batch's prefill is slow on slow systems")
+                        "'prefix' (prefix caching and chunked prefill: shared prefix, multi-turn, long prompt under "
+                        "load), comma-separated (default: standard,long); the long batch's prefill is slow on slow "
+                        "systems")
     p.add_argument("--llamacpp-threads", default=None, metavar="N,N", help="thread counts llama.cpp chooses from (default: 1 and 2)")
     p.add_argument("--llamacpp-quants", default=None, metavar="LIST",
                    help="llama.cpp settings to run: 'shipped' (the GGUF as it is), F16, F32 (default: all three)")
@@ -106,9 +111,12 @@ def _parts(raw: str) -> list[str]:
     from polyengine.errors import InvalidRequest
 
     parts = [p.strip() for p in raw.split(",") if p.strip()]
-    if not parts or set(parts) - {"standard", "long"}:
-        raise InvalidRequest(f"--parts takes 'standard', 'long' or both (comma-separated), not {raw!r}")
-    return [p for p in ("standard", "long") if p in parts]
+    if not parts or set(parts) - set(_PARTS):
+        raise InvalidRequest(f"--parts takes {', '.join(_PARTS)} (comma-separated), not {raw!r}")
+    return [p for p in _PARTS if p in parts]
+
+
+_PARTS = ("standard", "long", "prefix")
 
 
 def _threads(raw: str | None) -> list[int]:
@@ -169,7 +177,8 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
                 label = {"float32": "fp32", "bfloat16": "bf16"}[dt]
                 rows.append(Job(f"transformers {label}", "transformers",
                                 dict(model=str(path), dtype=dt, cache_dir=cache), "standard",
-                                {"system": "transformers", "setting": f"{label} generate"}, long=dt == "float32"))
+                                {"system": "transformers", "setting": f"{label} generate"}, long=dt == "float32",
+                                prefix=dt == "float32"))
         else:
             if importlib.util.find_spec("llama_cpp") is None:
                 from polyengine.benchmarks.host import llamacpp_install_command
@@ -183,7 +192,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
             for i, (quant, file) in enumerate(_llamacpp_files(path, cache, notes, _quants(args.llamacpp_quants))):
                 rows.append(Job(f"llama.cpp {quant}", "llamacpp",
                                 dict(model=str(file), threads=_threads(args.llamacpp_threads), quant=quant),
-                                "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0))
+                                "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0, prefix=False))
     return rows
 
 
@@ -290,7 +299,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         doc["host"]["limits"] = limits.measure(args.model, max(work.batches))  # before any job, never beside one
     for job in jobs:
-        job.parts = [p for p in parts if p == "standard" or job.long]
+        job.parts = [p for p in parts if p == "standard" or (p == "long" and job.long) or (p == "prefix" and job.prefix)]
+    if "prefix" in parts and any(job.kind == "llamacpp" for job in jobs):
+        notes.append("llama.cpp: the prefix part is not run for it (its runner has no shared-prefix, multi-turn or "
+                     "loaded workloads yet)")
     progress = Progress(sum(len(job.parts) for job in jobs))
     for n in notes:
         progress.note(n)
@@ -313,7 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -> dict[str, Any]:
-    """One table row: the job's standard part, then (if that worked) its long part."""
+    """One table row: the job's standard part, then (if that worked) its long and prefix parts."""
     from polyengine.benchmarks.jobs import run_job
     from polyengine.benchmarks.stats import MIB
 
@@ -333,11 +345,14 @@ def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -
             break  # a system that failed its standard part would fail the long one too
         progress.end_job()
         row["details"] = row["details"] or res.get("system", {})
+        row.setdefault("notes", []).extend(res.get("notes") or [])
         if job.kind == "llamacpp" and "threads" in row["details"]:  # the long batch reuses the choice
             job.params["chosen"] = [row["details"]["threads"], row["details"]["threads_batch"]]
         rss = res["peak_rss_bytes"] / MIB
         if part == "long":
             row["metrics"].update(res["metrics"], long_peak_rss_mib=rss)
+        elif part == "prefix":
+            row["metrics"].update(res["metrics"], prefix_peak_rss_mib=rss)
         else:
             row["metrics"].update(res["metrics"], peak_rss_mib=rss)
             row["load_seconds"] = res.get("load_seconds")

@@ -32,6 +32,7 @@ class Job:
     part: str  # standard | long
     meta: dict[str, Any] = field(default_factory=dict)  # copied into the report row (peer, setting)
     long: bool = True  # whether this system runs the full-context batch (in a second worker)
+    prefix: bool = True  # whether it runs the prefix part (prefix caching, chunked prefill)
     parts: list[str] = field(default_factory=lambda: ["standard", "long"])  # what this run asks of it
 
 

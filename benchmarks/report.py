@@ -10,6 +10,10 @@ Which polyengine rows a target judges: "float32" targets judge rows whose engine
 reports dtype float32 and whose options do not ask for int8; the int8 target judges
 rows whose options mention int8 in a key or value (e.g. ``{"weights": "int8"}``); the
 prefill target judges every polyengine row.
+
+The prefix part's targets (issue 23) are ratios within one row, measured in the same
+worker: TTFT with the prefix cache over TTFT without, the chunked run's p99 inter-token
+latency over its median, serve throughput with the cache over without.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Callable
 from polyengine.benchmarks.stats import MIB
 from polyengine.benchmarks.workload import Workload
 
-__all__ = ["SCHEMA", "Target", "targets", "judge", "render", "write_json", "is_int8"]
+__all__ = ["SCHEMA", "Target", "SelfTarget", "SELF_TARGETS", "targets", "judge", "render", "write_json", "is_int8"]
 
 SCHEMA = "polyengine-bench/1"
 
@@ -71,6 +75,48 @@ def targets(work: Workload) -> list[Target]:
     ]
 
 
+@dataclass(frozen=True)
+class SelfTarget:
+    """A ratio of two metrics of one polyengine row: ``metric / base`` at most (or at
+    least) ``threshold``."""
+
+    name: str
+    metric: tuple[str, ...]
+    base: tuple[str, ...]
+    threshold: float
+    at_most: bool = True
+
+
+SELF_TARGETS = (
+    SelfTarget("shared prefix TTFT p50 with the cache <= 1/5 without", ("prefix_shared_ttft_p50_s", "cache"),
+               ("prefix_shared_ttft_p50_s", "no_cache"), 0.2),
+    SelfTarget("shared prefix TTFT p90 with the cache <= 1/5 without", ("prefix_shared_ttft_p90_s", "cache"),
+               ("prefix_shared_ttft_p90_s", "no_cache"), 0.2),
+    SelfTarget("long prompt under load, chunked: ITL p99 <= 3x median", ("prefix_loaded_itl_s", "chunked", "p99"),
+               ("prefix_loaded_itl_s", "chunked", "median"), 3.0),
+    SelfTarget("long prompt under load, chunked: ITL p99 <= 3x the streams' pace before it arrived",
+               ("prefix_loaded_itl_s", "chunked", "p99"), ("prefix_loaded_itl_s", "chunked", "before"), 3.0),
+    SelfTarget("serve throughput with the cache >= 0.95x without (unchanged within noise)",
+               ("prefix_serve_e2e_tok_s", "cache"), ("prefix_serve_e2e_tok_s", "no_cache"), 0.95, at_most=False),
+)
+
+
+def _judge_self(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for t in SELF_TARGETS:
+        for r in rows:
+            if r["kind"] != "polyengine":
+                continue
+            v, b = metric(r, t.metric), metric(r, t.base)
+            if v is None or b is None:
+                continue  # the row did not run the prefix part
+            ratio = v / b if b else float("inf")
+            ok = ratio <= t.threshold if t.at_most else ratio >= t.threshold
+            out.append({"target": t.name, "row": r["row"], "value": v, "base": b, "ratio": ratio,
+                        "threshold": t.threshold, "passed": ok, "verdict": "PASS" if ok else "FAIL", "kind": "self"})
+    return out
+
+
 def metric(row: dict[str, Any], path: tuple[str, ...]) -> float | None:
     node: Any = row.get("metrics") or {}
     for key in path:
@@ -116,7 +162,7 @@ def judge(rows: list[dict[str, Any]], work: Workload, limits: dict[str, Any] | N
                 entry.update(peer_row=best[1]["row"], peer_value=best[0], ratio=ratio, needed=need, passed=ok,
                              verdict="PASS" if ok else "FAIL")
             out.append(entry)
-    return out
+    return out + _judge_self(rows)
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -166,6 +212,48 @@ def table(rows: list[dict[str, Any]], work: Workload) -> str:
     return "\n".join([line([h for h, _ in cols]), sep] + [line(c) for c in cells])
 
 
+def _pair(row: dict[str, Any], key: str, a: str, b: str, scale: float = 1e3) -> str:
+    vals = (row.get("metrics") or {}).get(key) or {}
+    if a not in vals and b not in vals:
+        return "-"
+    return " / ".join(_num(None if vals.get(x) is None else vals[x] * scale) for x in (a, b))
+
+
+def _turns(row: dict[str, Any], which: str) -> str:
+    vals = ((row.get("metrics") or {}).get("prefix_turn_ttft_s") or {}).get(which)
+    return "-" if not vals else " / ".join(_num(v * 1e3) for v in vals)
+
+
+def _itl(row: dict[str, Any], which: str) -> str:
+    vals = ((row.get("metrics") or {}).get("prefix_loaded_itl_s") or {}).get(which)
+    return "-" if not vals else " / ".join(_num(vals[k] * 1e3) for k in ("median", "p99", "max"))
+
+
+def prefix_table(rows: list[dict[str, Any]]) -> str:
+    """The prefix part: one line per row that ran it (``a / b`` cells: with / without)."""
+    ran = [r for r in rows if any(k.startswith("prefix_") and k != "prefix_peak_rss_mib" for k in r.get("metrics") or {})]
+    if not ran:
+        return ""
+    cols = [
+        ("system", lambda r: r["system"]), ("setting", lambda r: r["setting"]),
+        ("shared TTFT p50 ms cache / none", lambda r: _pair(r, "prefix_shared_ttft_p50_s", "cache", "no_cache")),
+        ("shared TTFT p90 ms cache / none", lambda r: _pair(r, "prefix_shared_ttft_p90_s", "cache", "no_cache")),
+        ("turn TTFT ms, cache (per turn)", lambda r: _turns(r, "cache")),
+        ("turn TTFT ms, none (per turn)", lambda r: _turns(r, "no_cache")),
+        ("loaded ITL ms chunked p50/p99/max", lambda r: _itl(r, "chunked")),
+        ("loaded ITL ms whole p50/p99/max", lambda r: _itl(r, "whole")),
+        ("long prompt TTFT ms chunked / whole", lambda r: _pair(r, "prefix_loaded_ttft_s", "chunked", "whole")),
+        ("serve tok/s cache / none", lambda r: _pair(r, "prefix_serve_e2e_tok_s", "cache", "no_cache", 1.0)),
+    ]
+    cells = [[c(r) for _, c in cols] for r in ran]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, (h, _) in enumerate(cols)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    chunks = {r["metrics"].get("prefix_loaded_chunk") for r in ran} - {None}
+    tail = f"chunked runs: prefill_chunk {', '.join(map(str, sorted(chunks)))}" if chunks else ""
+    return "\n".join([line([h for h, _ in cols]), sep] + [line(c) for c in cells] + ([tail] if tail else []))
+
+
 def header(doc: dict[str, Any]) -> str:
     host, work = doc["host"], Workload.from_dict(doc["workload"])
     torch = host.get("torch")
@@ -195,6 +283,10 @@ def header(doc: dict[str, Any]) -> str:
 def verdicts(doc: dict[str, Any]) -> str:
     lines = ["targets (ratio = this row / the peer's best setting in this run):"]
     for v in doc["targets"]:
+        if v.get("kind") == "self":
+            lines.append(f"  {v['target']} [{v['row']}]: {v['value']:.4g} / {v['base']:.4g} = {v['ratio']:.3f} "
+                         f"-> {v['verdict']}")
+            continue
         if v.get("ratio") is None:
             who = f" [{v['row']}]" if v.get("row") else ""
             lines.append(f"  {v['target']}{who}: {v['verdict']}")
@@ -243,11 +335,15 @@ def builds(rows: list[dict[str, Any]]) -> list[str]:
 
 def render(doc: dict[str, Any]) -> str:
     work = Workload.from_dict(doc["workload"])
-    parts = [header(doc), "", table(doc["rows"], work), "", verdicts(doc)]
+    parts = [header(doc), "", table(doc["rows"], work)]
+    prefix = prefix_table(doc["rows"])
+    if prefix:
+        parts += ["", "prefix caching and chunked prefill (prefix part):", prefix]
+    parts += ["", verdicts(doc)]
     built = builds(doc["rows"])
     if built:
         parts += ["", "engine builds (construction, compilation, engine stats):", *built]
-    notes = [f"  {n}" for n in doc.get("notes", [])]
+    notes = [f"  {n}" for n in doc.get("notes", [])] + [f"  {n}" for r in doc["rows"] for n in r.get("notes") or []]
     fails = [f"  {r['row']} ({part}): {err}" for r in doc["rows"] for part, err in r.get("errors", {}).items() if err]
     if notes:
         parts += ["", "notes:", *notes]

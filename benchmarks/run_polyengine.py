@@ -135,22 +135,27 @@ class PolyengineSystem:
 
     # -- engines -------------------------------------------------------------------------
 
-    def llm(self, slots: int, prefill_len: int, cache_len: int) -> Any:
-        """An LLM over a timed engine of this shape (the previous one is released first)."""
+    def llm(self, slots: int, prefill_len: int, cache_len: int, *, prefix_cache: bool = True,
+            prefill_chunk: int | None = None) -> Any:
+        """An LLM over a timed engine of this shape (the previous one is released first).
+        ``prefix_cache`` False builds it with ``prefix_cache_bytes=0``; ``prefill_chunk``
+        as ``EngineConfig.prefill_chunk`` (None: the default)."""
         import polyengine
         from polyengine.construction import speed_paths
 
-        key = (slots, prefill_len, cache_len)
+        key = (slots, prefill_len, cache_len, prefix_cache, prefill_chunk)
         if key != self._key:
             self._llm = self._key = self._engine = None
             gc.collect()  # drop the last engine's weights and caches before allocating new ones
             config = dict(max_slots=slots, max_prefill_length=prefill_len, max_cache_length=cache_len,
-                          dtype=self.dtype, options=self.options)
+                          dtype=self.dtype, options=self.options, prefill_chunk=prefill_chunk)
+            if not prefix_cache:
+                config["prefix_cache_bytes"] = 0
             start = time.perf_counter()
             engine = polyengine.create_engine(self.backend, model=self.model, config=config)
             self._llm = polyengine.LLM.from_engine(TimedEngine(engine), self.model.tokenizer, tools=False)
             # construction, weights and decode state: a static-graph backend compiles here
-            self.builds.append(engine_build(engine, key, time.perf_counter() - start))
+            self.builds.append(engine_build(engine, key[:3], time.perf_counter() - start))
             self._engine = engine
             self._key = key
             if not self.description:
@@ -230,9 +235,14 @@ class PolyengineSystem:
         refresh_build(self.builds[-1], self._engine)
         return seconds
 
-    def serve(self, requests: list[Request], slots: int, sized_for: list[Request] | None = None) -> ServeRun:
+    def serve_cache(self, requests: list[Request], slots: int, sized_for: list[Request] | None, cache: bool) -> ServeRun:
+        return self.serve(requests, slots, sized_for, prefix_cache=cache)
+
+    def serve(self, requests: list[Request], slots: int, sized_for: list[Request] | None = None,
+              prefix_cache: bool = True) -> ServeRun:
         shape = sized_for or requests
-        llm = self.llm(slots, max(len(r.prompt) for r in shape), max(len(r.prompt) + r.max_tokens for r in shape))
+        llm = self.llm(slots, max(len(r.prompt) for r in shape), max(len(r.prompt) + r.max_tokens for r in shape),
+                       prefix_cache=prefix_cache)
         reqs, first, t = self._run(llm, requests)
         return ServeRun(
             completion_tokens=sum(len(r.completion.outputs[0].token_ids) for r in reqs),
@@ -241,3 +251,88 @@ class PolyengineSystem:
             overhead_seconds=t["overhead"],
             steps=len(t["ends"]),
         )
+
+    # -- the prefix part (benchmarks/prefix_phases.py) ----------------------------------------
+
+    def _first_token(self, llm: Any, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+        """One request alone: seconds from submitting it to its first token on the host
+        (the end of its admission: the last piece prefilled, inserted, its token read),
+        and its completion (greedy, EOS ignored)."""
+        from polyengine import SamplingParams
+
+        timed: TimedEngine = llm.engine
+        start = time.perf_counter()
+        req = llm.submit(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+        while not req.samples[0].out.token_ids:
+            llm.step()
+        ttft = timed.admitted_at - start
+        while not req.done:
+            llm.step()
+        if req.error is not None:
+            raise req.error
+        return ttft, req.completion.token_ids
+
+    def shared(self, system: list[int], users: list[list[int]], new_tokens: int, cache: bool) -> list[float]:
+        longest = len(system) + max(len(u) for u in users)
+        llm = self.llm(8, longest, longest + new_tokens, prefix_cache=cache)
+        out = [self._first_token(llm, system + u, new_tokens)[0] for u in users]
+        refresh_build(self.builds[-1], self._engine)
+        return out
+
+    def turns(self, firsts: list[list[int]], users: list[list[list[int]]], answer: int, cache: bool) -> list[list[float]]:
+        longest = max(len(f) for f in firsts) + len(users) * (answer + max(len(u) for t in users for u in t))
+        llm = self.llm(8, longest, longest + answer, prefix_cache=cache)
+        convs, out = [list(f) for f in firsts], []
+        for turn in range(len(users) + 1):
+            times = []
+            for c, prompt in enumerate(convs):
+                ttft, completion = self._first_token(llm, prompt, answer)
+                times.append(ttft)
+                if turn < len(users):
+                    convs[c] = prompt + completion + users[turn][c]
+            out.append(times)
+        refresh_build(self.builds[-1], self._engine)
+        return out
+
+    def loaded(self, streams: list[list[int]], prompt: list[int], margin: int, chunked: bool) -> "LoadedRun":
+        from polyengine import SamplingParams
+        from polyengine.benchmarks.prefix_phases import LoadedRun
+        from polyengine.driver.prefill import DEFAULT_PREFILL_CHUNK
+
+        chunk = None if chunked else 0
+        steps = 2 * margin + 8 + (-(-len(prompt) // DEFAULT_PREFILL_CHUNK) if chunked else 1)
+        cache_len = max(len(prompt) + 2, max(len(s) for s in streams) + steps + 2)
+        llm = self.llm(len(streams) + 1, len(prompt), cache_len, prefill_chunk=chunk)
+        sp = SamplingParams(temperature=0, max_tokens=cache_len - max(len(s) for s in streams), ignore_eos=True)
+        reqs = [llm.submit(s, sp) for s in streams]
+        got = [0] * len(reqs)
+        stamps: list[list[float]] = [[] for _ in reqs]
+
+        def step() -> None:
+            llm.step()
+            now = time.perf_counter()
+            for i, r in enumerate(reqs):
+                n = len(r.samples[0].out.token_ids)
+                if n > got[i]:
+                    got[i] = n
+                    stamps[i].append(now)
+
+        while min(len(s) for s in stamps) < margin + 1:
+            step()
+        window = [s[-margin - 1] for s in stamps]  # margin gaps before the arrival
+        arrived = time.perf_counter()
+        timed: TimedEngine = llm.engine
+        before = timed.admitted_at
+        long = llm.submit(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        while not long.samples[0].out.token_ids:
+            step()
+        ttft = timed.admitted_at - arrived if timed.admitted_at != before else time.perf_counter() - arrived
+        after = [len(s) for s in stamps]
+        while min(len(s) - a for s, a in zip(stamps, after)) < margin:
+            step()
+        for r in reqs:
+            r.cancel()
+        gaps = [b - a for s, w in zip(stamps, window) for a, b in zip(s, s[1:]) if a >= w]
+        pace = [b - a for s, w in zip(stamps, window) for a, b in zip(s, s[1:]) if a >= w and b <= arrived]
+        refresh_build(self.builds[-1], self._engine)
+        return LoadedRun(gaps=gaps, before=pace, prompt_ttft=ttft, chunk=llm.scheduler.prefiller.chunk)

@@ -16,6 +16,12 @@ that copy in the dtype asked for (float32, or bfloat16 on CPUs with bf16 units).
   batches of ``slots`` in arrival order, left-padded to the batch's longest prompt,
   each batch generating as many tokens as its longest request asks; only the tokens
   the requests asked for are counted, and a request's first token is its batch's.
+- the prefix part (shared prefix, multi-turn): a request's TTFT is one forward pass
+  to its first token; "with the cache" keeps the K/V (``past_key_values``) of the
+  system prompt (prefilled by the first request, inside its time), which each request
+  copies (``copy.deepcopy``, timed), or of the conversation's last prompt, which the
+  next turn extends; either way the request runs only its new tokens. Answers are generated greedily outside the timed part.
+  transformers has no scheduler, so the long-prompt-under-load workload is not run.
 
 This module imports torch and transformers: only a worker subprocess imports it.
 """
@@ -152,6 +158,54 @@ class TransformersSystem:
             ttfts += [stamps[0] - t0] * len(batch)
         return ServeRun(completion_tokens=sum(r.max_tokens for r in requests),
                         seconds=time.perf_counter() - t0, ttfts=ttfts)
+
+
+    # -- the prefix part (benchmarks/prefix_phases.py) ------------------------------------
+
+    def _first(self, tokens: list[int], past: Any = None) -> Any:
+        """One forward pass to the first token; returns the K/V cache it leaves."""
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([tokens], dtype=torch.long), past_key_values=past, use_cache=True,
+                             logits_to_keep=1)
+            int(out.logits[0, -1].argmax())
+        return out.past_key_values
+
+    def shared(self, system: list[int], users: list[list[int]], new_tokens: int, cache: bool) -> list[float]:
+        import copy
+
+        base, out = None, []
+        for user in users:
+            start = time.perf_counter()
+            if not cache:
+                self._first(system + user)
+            else:
+                if base is None:
+                    base = self._first(system)
+                self._first(user, copy.deepcopy(base))
+            out.append(time.perf_counter() - start)
+        return out
+
+    def turns(self, firsts: list[list[int]], users: list[list[list[int]]], answer: int, cache: bool) -> list[list[float]]:
+        torch = self.torch
+        out: list[list[float]] = [[] for _ in range(len(users) + 1)]
+        for c, first in enumerate(firsts):
+            prompt, past, seen = list(first), None, 0
+            for turn in range(len(users) + 1):
+                start = time.perf_counter()
+                if cache and past is not None:  # the conversation's own cache: extended in place
+                    past = self._first(prompt[seen:], past)
+                else:
+                    past = self._first(prompt)
+                out[turn].append(time.perf_counter() - start)
+                seen = len(prompt)
+                if turn < len(users):
+                    with torch.inference_mode():
+                        ids = self.model.generate(
+                            input_ids=torch.tensor([prompt], dtype=torch.long), max_new_tokens=answer,
+                            min_new_tokens=answer, do_sample=False, pad_token_id=self.pad)
+                    prompt = prompt + ids[0, len(prompt):].tolist() + users[turn][c]
+        return out
 
 
 if __name__ == "__main__":  # python -m ... MODEL CACHE_DIR: convert once, before any measured worker

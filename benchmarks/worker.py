@@ -59,8 +59,15 @@ def run_job(job: dict[str, Any], send: Any) -> dict[str, Any]:
     system = build_system(job["kind"], job["params"])
     load_seconds = time.perf_counter() - start
     send({"event": "system", "details": getattr(system, "description", {})})
+    notes: list[str] = []
     if job["part"] == "long":
         metrics = run_long(system, work, emit)
+    elif job["part"] == "prefix":
+        from polyengine.benchmarks.prefix_phases import run_prefix
+
+        metrics = run_prefix(system, work, emit, notes,
+                             done=lambda m: send({"event": "partial", "metrics": m,
+                                                  "details": getattr(system, "description", {})}))
     else:
         metrics = run_standard(system, work, job["repeats"], emit,
                                done=lambda m: send({"event": "partial", "metrics": m,
@@ -71,6 +78,7 @@ def run_job(job: dict[str, Any], send: Any) -> dict[str, Any]:
         "system": getattr(system, "description", {}),
         "load_seconds": load_seconds,
         "peak_rss_bytes": peak_rss_bytes(),
+        "notes": notes,
     }
 
 

@@ -1,11 +1,13 @@
 """Layer 2, contract (continued): prefixes and the engine's construction.
 
 bulk_insert (each slot its own sample, rows in the order given, refusals before any
-change), prefill buckets (padding is invisible), prefix reuse, portable prefixes in
-both directions with the reference, prefixes from other weights or with non-finite
-values or ids outside the vocabulary refused, and the
-refusals an engine makes when it is built: unknown options, a cache beyond the model,
-memory that would not fit.
+change), prefill buckets (padding is invisible), prefix reuse (at every bucket edge and
+chunk boundary, in chains of continuations, the prefix left as it was, the first token
+drawn with the continuing request's own parameters: what the driver's prefix cache and
+chunked prefill build on), portable prefixes in both directions with the reference,
+prefixes from other weights or with non-finite values or ids outside the vocabulary
+refused, and the refusals an engine makes when it is built: unknown options, a cache
+beyond the model, memory that would not fit.
 """
 
 from __future__ import annotations
@@ -157,6 +159,119 @@ class PrefixLayer:
                                 "(positions of the continuation must start where the prefix ends)")
         div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling, what="first token after prefix reuse")
         assert div is None or div.near_tie, f"prefix reuse: {div.describe()}"
+
+    def test_prefix_reuse_at_bucket_edges(self, conformance):
+        """Continuing a prefix is exact wherever the cut falls: prefixes of 1, 7, 8, 9, 15,
+        16, 17 and 23 tokens (the edges of the buckets 8/16/24 and their neighbours)
+        continued by one token and up to max_prefill_length, and whole prompts prefilled
+        as chains of chunks of 4 and of 8 tokens (every intermediate prefix checked), on
+        engines of every prefill-bucket variant; the continued prefix's stream, greedy
+        and seeded (with a repetition penalty over the whole prompt where declared),
+        equals the reference's."""
+        if not conformance.capabilities.prefix_reuse:
+            pytest.skip("prefix_reuse is not declared; its refusal is tested by test_prefix_reuse")
+        dtype, limit = conformance.dtype, LIMITS["max_prefill_length"]
+        whole = conformance.prompt(limit, 83)
+        oracle = conformance.oracle()
+        probe = conformance.sampling(83, temperature=0.0)
+        edges = (1, 7, 8, 9, 15, 16, 17, limit - 1)
+        for variant in VARIANTS:
+            eng = conformance.engine(DEFAULT_MODEL, dtype, variant)
+            d = conformance.driver(eng)
+            buckets = VARIANTS[variant].get("prefill_buckets")
+            where = f"prefill_buckets={buckets}" if buckets else "the backend's own prefill buckets"
+
+            def check(prefix, first, end: int, what: str) -> None:
+                assert list(np.asarray(prefix.prompt_tokens)) == whole[:end], (
+                    f"{what}: the continued prefix holds prompt {list(prefix.prompt_tokens)}, expected the first "
+                    f"{end} tokens")
+                conformance.within("logits_rel_l2", rel_l2(prefix.host_logits(), oracle.logits(whole[:end])), dtype,
+                                   DEFAULT_MODEL, what=f"{what} ({where}): logits vs the reference")
+                div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole[:end], probe, what=what)
+                assert div is None or div.near_tie, f"{what} ({where}): first token: {div.describe()}"
+
+            for cut in edges:
+                head, _ = d.prefill(whole[:cut], probe)
+                for end in sorted({cut + 1, limit}):
+                    tail, first = eng.prefill(params=d.params, tokens=whole[cut:end], sampling=probe, existing_prefix=head)
+                    check(tail, first, end, f"a prefix of {cut} tokens continued to {end}")
+            for chunk in (4, 8):
+                prefix = None
+                for start in range(0, limit, chunk):
+                    end = min(start + chunk, limit)
+                    prefix, first = eng.prefill(params=d.params, tokens=whole[start:end], sampling=probe,
+                                                existing_prefix=prefix)
+                    check(prefix, first, end, f"chunks of {chunk} tokens, the prefix after token {end}")
+            self._streams_after_chunks(conformance, eng, whole, where)
+
+    @staticmethod
+    def _streams_after_chunks(conformance, eng, whole: list[int], where: str) -> None:
+        """A prompt prefilled in chunks of 8 then decoded: greedy and seeded streams equal
+        the reference's for the whole prompt (the penalty counts every chunk's tokens)."""
+        penalty = {"repetition_penalty": 1.3} if conformance.declares("repetition_penalty") else {}
+        for salt, sampling in ((84, conformance.sampling(84, temperature=0.0, **penalty)),
+                               (85, conformance.sampling(85, **penalty))):
+            d = conformance.driver(eng)
+            prefix = None
+            for start in range(0, len(whole), 8):
+                prefix, first = eng.prefill(params=d.params, tokens=whole[start:start + 8], sampling=sampling,
+                                            existing_prefix=prefix)
+            d.insert_prefix(0, prefix, first)
+            while len(d.tokens[0]) < 5:
+                d.step()
+            what = f"a prompt prefilled in chunks of 8 ({where}), then decoded with seed {sampling.seed}"
+            div = conformance.compare_to_oracle(d.tokens[0][:5], whole, sampling, what=what)
+            assert div is None or div.near_tie, f"{what}: {div.describe()}"
+
+    def test_prefix_reuse_leaves_the_prefix(self, conformance):
+        """Continuing a prefix leaves it as it was: continued twice with the same tokens it
+        gives the same logits, with other tokens the reference's, and inserted afterwards
+        it decodes as if never continued. Each continuation's first token and stream
+        follow the continuing request's own parameters, never those the prefix was made
+        with (a prefix cache shares one prefix between requests)."""
+        if not conformance.capabilities.prefix_reuse:
+            pytest.skip("prefix_reuse is not declared; its refusal is tested by test_prefix_reuse")
+        eng, dtype = conformance.engine(), conformance.dtype
+        d = conformance.driver(eng)
+        oracle = conformance.oracle()
+        head_prompt, head_sampling = conformance.prompt(9, 101), conformance.sampling(101)
+        head, _ = d.prefill(head_prompt, head_sampling)
+        kept = (list(np.asarray(head.prompt_tokens)), head.sampling, head.host_logits().copy())
+        tails = {"greedy": (conformance.prompt(6, 102), conformance.sampling(102, temperature=0.0)),
+                 "seeded": (conformance.prompt(6, 103), conformance.sampling(103, temperature=1.3))}
+        runs = {}
+        for name in ("greedy", "seeded", "greedy again"):
+            tail, sampling = tails[name.split()[0]]
+            prefix, first = eng.prefill(params=d.params, tokens=tail, sampling=sampling, existing_prefix=head)
+            runs[name] = prefix
+            whole = head_prompt + tail
+            conformance.within("logits_rel_l2", rel_l2(prefix.host_logits(), oracle.logits(whole)), dtype,
+                               DEFAULT_MODEL, what=f"the {name} continuation of one prefix vs the reference")
+            div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling, what=f"{name} continuation")
+            if div is not None and not div.near_tie:
+                leaked = oracle.stream(whole, head_sampling, 1)[0]
+                hint = (" (it is the token the prefix's own parameters draw: the continuation sampled with the "
+                        "sampling of the prefix it continues)" if div.got == leaked.token else "")
+                raise AssertionError(f"the {name} continuation's first token{hint}: {div.describe()}")
+        conformance.within("bucket_rel_l2", rel_l2(runs["greedy again"].host_logits(), runs["greedy"].host_logits()),
+                           dtype, what="one prefix continued twice with the same tokens (the second must equal the first)")
+        assert list(np.asarray(head.prompt_tokens)) == kept[0] and head.sampling == kept[1], (
+            "continuing a prefix changed its prompt tokens or its sampling parameters: a prefix stays as it was")
+        conformance.within("bucket_rel_l2", rel_l2(head.host_logits(), kept[2]), dtype,
+                           what="a prefix's logits after it was continued three times vs before")
+        for slot, (prefix, prompt, sampling) in enumerate((
+                (head, head_prompt, head_sampling),
+                (runs["seeded"], head_prompt + tails["seeded"][0], tails["seeded"][1]))):
+            d.insert_prefix(slot, prefix)
+        while min(len(d.tokens[0]), len(d.tokens[1])) < 5:
+            d.step()
+        div = conformance.compare_to_oracle(d.tokens[0][:5], head_prompt, head_sampling,
+                                            what="the prefix inserted after it was continued")
+        assert div is None or div.near_tie, (
+            f"a prefix inserted after it was continued decodes differently (continuing it changed it): {div.describe()}")
+        div = conformance.compare_to_oracle(d.tokens[1][:5], head_prompt + tails["seeded"][0], tails["seeded"][1],
+                                            what="a continued prefix inserted")
+        assert div is None or div.near_tie, f"a continued prefix, inserted: {div.describe()}"
 
     def test_foreign_prefix_refused(self, conformance):
         """A prefix made with other weights (another model's engine of this backend) is

@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["EngineBase"]
 
+# Bytes per element of the dtypes engines name (Prefix.nbytes, the prefix cache's default budget).
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
 
 class EngineBase:
     """The kit a backend builds on (optional, recommended): the attributes every engine
@@ -92,6 +95,7 @@ class EngineBase:
         self.max_cache_length = config.max_cache_length
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(model.eos_token_ids)
+        self.prefix_cache_bytes = self._prefix_cache_budget(config)
 
     def capabilities_for(self, model: "Model", config: EngineConfig) -> Capabilities:
         """What this engine can do with the checked ``self.options`` (and the device they
@@ -103,15 +107,35 @@ class EngineBase:
     def _check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         return check_options(self.OPTIONS, options, backend=self.name)
 
+    def kv_bytes(self, positions: int) -> int:
+        """Bytes of K and V for ``positions`` cache positions in this engine's dtype: what
+        a prefix of that many positions (its bucket, for a padded one) holds
+        (``Prefix.nbytes``)."""
+        return int(positions) * self.model.config.kv_bytes_per_token(_ITEMSIZE.get(self.dtype, 4))
+
+    def _prefix_cache_budget(self, config: EngineConfig) -> int:
+        """The driver's prefix cache budget on this engine (``EngineConfig.prefix_cache_bytes``):
+        none without prefix reuse; unset, as many bytes as the slots' KV cache."""
+        if not self.capabilities.prefix_reuse:
+            return 0
+        if config.prefix_cache_bytes is not None:
+            return config.prefix_cache_bytes
+        return self.kv_bytes(config.max_slots * config.max_cache_length)
+
     # -- memory ----------------------------------------------------------------------------
 
     def check_memory(self, needs: Mapping[str, int], *, where: str = "host memory",
                      available: int | None | Callable[[], int | None] = None) -> int:
         """Refuse, before allocating, what this engine would allocate and cannot fit
-        (:func:`polyengine.memory.check_fits`); ``needs`` maps descriptions to bytes.
-        The advice names only dtypes this engine declares (smaller than its own)."""
+        (:func:`polyengine.memory.check_fits`); ``needs`` maps descriptions to bytes. The
+        driver's prefix cache budget (``prefix_cache_bytes``), which lives where the
+        engine keeps its prefixes, is counted with them. The advice names only dtypes
+        this engine declares (smaller than its own)."""
         from polyengine.memory import check_fits, engine_advice
 
+        budget = getattr(self, "prefix_cache_bytes", 0)
+        if budget:
+            needs = {**needs, "the driver's prefix cache (prefix_cache_bytes; 0 turns it off)": budget}
         own = getattr(self, "dtype", None) or (self.config.dtype if getattr(self, "config", None) else None)
         advice = engine_advice(self.capabilities.dtypes if getattr(self, "capabilities", None) else None, own)
         return check_fits(f"the {self.name} backend", needs, where=where, available=available, advice=advice)

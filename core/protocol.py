@@ -130,6 +130,14 @@ class EngineConfig(BaseModel):
     lets the backend choose. ``dtype`` None means the backend's default (the first of
     ``Capabilities.dtypes``). ``options`` holds backend-specific settings; a backend
     refuses keys it does not declare (``EngineBase.OPTIONS``).
+
+    Two settings belong to the driver that runs on the engine, and are here so the
+    engine can account for them where its memory is (docs/prefix-caching.md):
+    ``prefix_cache_bytes`` bounds the K/V the driver's prefix cache may keep (None: as
+    much as the slots' KV cache holds; 0: no cache), counted by the engine's memory
+    check; ``prefill_chunk`` is the most prompt tokens one prefill call runs while
+    other requests decode (None: the measured default; 0: whole prompts at once).
+    Both need ``Capabilities.prefix_reuse`` and are off without it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -140,6 +148,8 @@ class EngineConfig(BaseModel):
     dtype: str | None = None
     prefill_buckets: tuple[int, ...] | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    prefix_cache_bytes: int | None = Field(None, ge=0)
+    prefill_chunk: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _limits(self) -> "EngineConfig":
@@ -204,6 +214,15 @@ class Prefix:
     refuses a prefix made with other weights rather than decode garbage from it.
     ``token_mask`` is the allowed-token mask prefill drew the first token under (host
     int32 words, or None): ``bulk_insert`` draws every sample's first token under it.
+
+    ``nbytes`` is the memory its K/V hold where the engine keeps them (padding
+    included), which the driver's prefix cache counts against its budget; 0 means the
+    engine does not say (the driver then estimates it from the model).
+
+    A prefix stays valid for the life of the engine that made it: no later call
+    (prefill, insert, bulk_insert, generate, free_resource, in any order) changes it,
+    ``prefill(existing_prefix=p)`` leaves ``p`` as it was, and it may be inserted any
+    number of times, into any free slot, each time behaving as at its first insert.
     """
 
     kv: Any
@@ -215,6 +234,7 @@ class Prefix:
     to_host: Callable[[Any], np.ndarray] = field(default=np.asarray, repr=False)
     model_id: str = ""
     token_mask: np.ndarray | None = field(default=None, repr=False)
+    nbytes: int = 0
 
     def host_logits(self) -> np.ndarray:
         """The last prompt position's raw logits as a (vocab,) NumPy array."""

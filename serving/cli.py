@@ -44,6 +44,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"prompt + completion tokens per request (default: {DEFAULT_CONTEXT_LENGTH}, or the model's "
                         f"limit if smaller)")
     p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
+    p.add_argument("--prefix-cache-mib", type=float, default=None,
+                   help="memory the prefix cache may hold, MiB (default: as much as the slots' KV cache; 0: off)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens prefilled per step while other requests decode (default 64; 0: whole prompts)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
@@ -91,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_slots=args.max_slots, context_length=args.context_length, dtype=args.dtype,
         tools=not args.no_tools, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
+        prefix_cache_mib=args.prefix_cache_mib, prefill_chunk=args.prefill_chunk,
     )
     if config.host not in LOOPBACK_HOSTS and not config.api_key:
         print(f"polyengine serve: warning: binding {config.host} without --api-key: anyone who can reach "

@@ -44,7 +44,9 @@ class ServerConfig:
     connection that has not sent a complete request head within ``header_timeout``
     seconds of opening (or of its previous response) is closed; a body that has not
     arrived within ``body_timeout`` seconds gets 408; an idle keep-alive connection is
-    closed after ``idle_timeout`` seconds."""
+    closed after ``idle_timeout`` seconds. ``prefix_cache_mib`` and ``prefill_chunk``
+    are the driver's (``EngineConfig.prefix_cache_bytes`` in MiB,
+    ``EngineConfig.prefill_chunk``; None: their defaults, 0: off)."""
 
     model: str | None = None
     backend: str = "auto"
@@ -62,6 +64,8 @@ class ServerConfig:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     idle_timeout: float = 5.0
+    prefix_cache_mib: float | None = None
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_slots", "max_body_bytes"):
@@ -74,6 +78,10 @@ class ServerConfig:
                                      field=name)
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("--context-length must be at least 2")
+        if self.prefix_cache_mib is not None and self.prefix_cache_mib < 0:
+            raise InvalidRequest("--prefix-cache-mib must be >= 0 (0 turns the prefix cache off)")
+        if self.prefill_chunk is not None and self.prefill_chunk < 0:
+            raise InvalidRequest("--prefill-chunk must be >= 0 (0 prefills whole prompts at once)")
         if self.shutdown_timeout < 0:
             raise InvalidRequest("--shutdown-timeout must be >= 0 seconds")
         if not 0 <= self.port < 65536:
@@ -99,6 +107,11 @@ def build_engine(config: ServerConfig, progress: Any = None) -> tuple[Any, str]:
     select_backend(config.backend)  # an unknown or unavailable backend is reported before loading weights
     model = load_model(config.model, progress=progress)
     # Only what the operator set: every default (the context length above all) is the engine's.
+    extra: dict[str, Any] = {}
+    if config.prefix_cache_mib is not None:
+        extra["prefix_cache_bytes"] = int(config.prefix_cache_mib * 2**20)
+    if config.prefill_chunk is not None:
+        extra["prefill_chunk"] = config.prefill_chunk
     llm = LLM(model, config.backend, tools=config.tools, max_queue=config.max_queue, max_slots=config.max_slots,
-              max_cache_length=config.context_length, dtype=config.dtype or None)
+              max_cache_length=config.context_length, dtype=config.dtype or None, **extra)
     return AsyncLLM.from_llm(llm), served_name(config, model)

@@ -13,6 +13,14 @@ Exposed at ``GET /metrics``:
 - ``polyengine_time_to_first_token_seconds``: from the request's arrival at the server
   to its first token; ``polyengine_inter_token_latency_seconds``: between a request's
   successive steps that gave it tokens; ``polyengine_request_duration_seconds``.
+- The driver's prefix cache (docs/prefix-caching.md), read at each scrape:
+  ``polyengine_prefix_cache_queries_total`` (prompts looked up) and
+  ``polyengine_prefix_cache_query_tokens_total`` (their tokens),
+  ``polyengine_prefix_cache_hits_total`` (prompts that continued a cached prefix) and
+  ``polyengine_prefix_cache_hit_tokens_total`` (prompt tokens it supplied),
+  ``polyengine_prefix_cache_evictions_total``; gauges ``polyengine_prefix_cache_bytes``,
+  ``polyengine_prefix_cache_entries`` and ``polyengine_prefix_cache_budget_bytes``
+  (0 when the cache is off).
 """
 
 from __future__ import annotations
@@ -50,9 +58,10 @@ class Metrics:
                                   buckets=_LATENCY_BUCKETS, registry=r)
 
     def watch(self, engine: "AsyncLLM") -> None:
-        """Read the engine's queue and slot counts at every scrape."""
+        """Read the engine's queue and slot counts, and its prefix cache, at every scrape."""
         self.queue_depth.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
+        self.registry.register(_PrefixCacheCollector(engine))
 
     def track(self, handle: "AsyncRequest", arrived: float) -> None:
         """Record an engine request's tokens and timing when it ends (also after a disconnect)."""
@@ -76,3 +85,33 @@ class Metrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's counters as Prometheus metrics, read from the cache's own
+    cumulative counts at each scrape (the engine thread updates them)."""
+
+    _COUNTERS = (
+        ("queries", "prompts looked up in the prefix cache"),
+        ("query_tokens", "prompt tokens looked up in the prefix cache"),
+        ("hits", "prompts that continued a cached prefix"),
+        ("hit_tokens", "prompt tokens whose K/V came from the prefix cache"),
+        ("evictions", "prefixes evicted from the prefix cache"),
+    )
+
+    def __init__(self, engine: "AsyncLLM"):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        cache = self.engine.prefix_cache
+        stats = None if cache is None else cache.stats
+        for name, doc in self._COUNTERS:
+            yield CounterMetricFamily(f"polyengine_prefix_cache_{name}", doc, value=getattr(stats, name, 0))
+        yield GaugeMetricFamily("polyengine_prefix_cache_bytes", "bytes of K/V the prefix cache holds",
+                                value=getattr(stats, "bytes", 0))
+        yield GaugeMetricFamily("polyengine_prefix_cache_entries", "prefixes the prefix cache holds",
+                                value=getattr(stats, "entries", 0))
+        yield GaugeMetricFamily("polyengine_prefix_cache_budget_bytes", "the prefix cache's budget (0: off)",
+                                value=0 if cache is None else cache.budget)

@@ -176,7 +176,11 @@ class Responder:
         return body
 
 
-def usage(completions: list[Completion]) -> dict[str, int]:
+def usage(completions: list[Completion]) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt
+    tokens the prefix cache supplied."""
     prompt = sum(c.usage.prompt_tokens for c in completions)
     done = sum(c.usage.completion_tokens for c in completions)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    cached = sum(c.usage.cached_tokens for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}

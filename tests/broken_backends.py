@@ -10,6 +10,7 @@ against is the very one caught here.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import numpy as np
@@ -241,6 +242,39 @@ class ForeignPrefixEngine(ReferenceEngine):
         return prefix
 
 
+class ContinuationEdgeEngine(ReferenceEngine):
+    """Continuing a prefix that fills a bucket of 8 (its length a multiple of 8) copies one
+    position too few of its K/V: an off-by-one where the prefix ends at a bucket edge."""
+
+    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
+        if existing_prefix is not None and existing_prefix.true_length % 8 == 0:
+            k, v = (a.copy() for a in existing_prefix.kv)
+            k[:, :, -1], v[:, :, -1] = 0, 0
+            existing_prefix = dataclasses.replace(existing_prefix, kv=(k, v))
+        return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
+
+
+class ContinuationSamplingEngine(ReferenceEngine):
+    """A continuation samples with the parameters of the prefix it continues (a cache that
+    kept the first request's sampler row)."""
+
+    def check_prefill(self, tokens, sampling, existing_prefix=None):
+        toks, sampling, start = super().check_prefill(tokens, sampling, existing_prefix)
+        return toks, (sampling if existing_prefix is None else existing_prefix.sampling), start
+
+
+class ContinuationConsumesEngine(ReferenceEngine):
+    """Continuing a prefix takes its K/V over (a buffer donated to the continuation): the
+    prefix is left zeroed."""
+
+    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
+        out = super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
+        if existing_prefix is not None:
+            for a in existing_prefix.kv:
+                a[...] = 0
+        return out
+
+
 class CacheOverrunEngine(ReferenceEngine):
     """An off-by-one at the cache limit: one token more than max_cache_length allows
     (the last one is sampled but never fed, so the cache itself does not overflow)."""
@@ -455,6 +489,9 @@ BROKEN: dict[str, type] = {
     "broken_unchecked_import": UncheckedImportEngine,
     "broken_trusting_import": TrustingImportEngine,
     "broken_foreign_prefix": ForeignPrefixEngine,
+    "broken_continuation_edge": ContinuationEdgeEngine,
+    "broken_continuation_sampling": ContinuationSamplingEngine,
+    "broken_continuation_consumes": ContinuationConsumesEngine,
     "broken_cache_overrun": CacheOverrunEngine,
     "broken_lengths": LengthsEngine,
     "broken_valid_gaps": ValidGapsEngine,
@@ -500,6 +537,12 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_bulk_partial": ("test_bulk_insert_refusals", "test_bulk_insert_refusals", "must change nothing"),
     "broken_padded_logits": ("test_prefill_bucket_invariance", "test_prefill_bucket_invariance", "bucket_rel_l2"),
     "broken_prefix_positions": ("test_prefix_reuse", "test_prefix_reuse", "positions of the continuation"),
+    "broken_continuation_edge": ("test_prefix_reuse_at_bucket_edges", "test_prefix_reuse_at_bucket_edges",
+                                 "a prefix of 8 tokens continued"),
+    "broken_continuation_sampling": ("test_prefix_reuse_leaves_the_prefix", "test_prefix_reuse_leaves_the_prefix",
+                                     "sampling of the prefix it continues"),
+    "broken_continuation_consumes": ("test_prefix_reuse_leaves_the_prefix", "test_prefix_reuse_leaves_the_prefix",
+                                     "continuation of one prefix vs the reference"),
     "broken_prerope_export": ("test_portable_prefix_roundtrip", "test_portable_prefix_roundtrip", "kv_rel_l2"),
     "broken_unchecked_import": ("test_portable_prefix_roundtrip", "test_portable_prefix_roundtrip",
                                 "model_fingerprint"),

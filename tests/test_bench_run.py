@@ -213,18 +213,24 @@ def test_gguf_copies_keep_metadata_and_values(tmp_path):
     np.testing.assert_array_equal(np.asarray(tensors["blk.0.attn_norm.weight"].data), norm)
 
 
-@pytest.mark.slow
-def test_quick_bench_runs_transformers_on_a_tiny_random_model(tmp_path):
+def _bench_with_transformers(tmp_path: Path, part: str) -> tuple[dict, str]:
+    """``bench --quick --parts PART`` of the reference backend beside transformers, on a
+    tiny random HF model (transformers loads it from its folder)."""
     pytest.importorskip("transformers")
     from _oracle import hf_model
 
     folder = tmp_path / "tiny-hf"
     hf_model("llama3", vocab=131).save_pretrained(folder)
-    out = tmp_path / "out.json"
+    out = tmp_path / f"{part}.json"
     code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--model", str(folder), "--peers", "transformers",
-                                   "--parts", "standard", "--json", str(out), "--cache-dir", str(tmp_path / "cache")], tmp_path)
+                                   "--parts", part, "--json", str(out), "--cache-dir", str(tmp_path / "cache")], tmp_path)
     assert code == 0, stdout + stderr
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text()), stdout
+
+
+@pytest.mark.slow
+def test_quick_bench_runs_transformers_on_a_tiny_random_model(tmp_path):
+    doc, _ = _bench_with_transformers(tmp_path, "standard")
     peers = [r for r in doc["rows"] if r["kind"] == "transformers"]
     assert peers and all(not r["errors"] for r in peers), [r.get("tracebacks") for r in peers]
     fp32 = next(r for r in peers if r["details"]["dtype"] == "float32")
@@ -245,3 +251,26 @@ def test_parts_and_peers_alone(tmp_path):
     assert code == 0 and "no polyengine row in this run applies" in stdout, stdout + stderr
     code, _, stderr = _bench(["--quick", "--parts", "middle"], tmp_path)
     assert code == 1 and "--parts" in stderr
+
+
+def test_quick_prefix_part_reports_every_workload_and_its_targets(tmp_path):
+    """``--parts prefix``: the shared prefix, the conversations, the long prompt under load
+    and serve with the cache on and off, each number where the report documents it, the
+    in-row targets judged; transformers runs the two workloads it can (its own K/V reuse)
+    and says why not the third."""
+    doc, stdout = _bench_with_transformers(tmp_path, "prefix")
+    ours = next(r for r in doc["rows"] if r["kind"] == "polyengine")
+    m = ours["metrics"]
+    for key in ("prefix_shared_ttft_p50_s", "prefix_shared_ttft_p90_s", "prefix_serve_e2e_tok_s"):
+        assert set(m[key]) == {"cache", "no_cache"} and all(v > 0 for v in m[key].values()), key
+    assert len(m["prefix_shared_ttft_samples_s"]["cache"]) == QUICK.shared_requests
+    assert [len(m["prefix_turn_ttft_s"][k]) for k in ("cache", "no_cache")] == [QUICK.turns] * 2
+    assert set(m["prefix_loaded_itl_s"]) == {"chunked", "whole"} and m["prefix_loaded_chunk"] > 0
+    for itl in m["prefix_loaded_itl_s"].values():
+        assert 0 < itl["median"] <= itl["p99"] <= itl["max"] and 0 < itl["before"] <= itl["max"]
+    judged = {v["target"] for v in doc["targets"] if v.get("kind") == "self" and v["row"] == ours["row"]}
+    assert len(judged) == 5 and "prefix caching and chunked prefill" in stdout
+    peer = next(r for r in doc["rows"] if r["kind"] == "transformers" and r["details"]["dtype"] == "float32")
+    assert not peer["errors"], peer.get("tracebacks")
+    assert set(peer["metrics"]["prefix_shared_ttft_p50_s"]) == {"cache", "no_cache"}
+    assert "prefix_loaded_itl_s" not in peer["metrics"] and any("long-prompt" in n for n in peer["notes"])

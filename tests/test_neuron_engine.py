@@ -197,7 +197,8 @@ def test_bench_report_has_a_row_per_graph_and_a_warm_engine_reports_only_cache(m
     checkpoint) gets every graph from the cache."""
     before = COUNTS["compiled"]
     cold = NeuronEngine(model, config(speculation=2)).bench_report()  # compiled here, or loaded from the session
-    programs = {("context_encoding", "prompt 24"), ("speculation", "batch 4, kv 65"), ("draft_token_generation", "batch 4, kv 65")}
+    programs = {("context_encoding", "prompt 24"), ("context_continuation", "prefix 24, prompt 24"),
+                ("speculation", "batch 4, kv 65"), ("draft_token_generation", "batch 4, kv 65")}
     assert {(r["program"], r["bucket"]) for r in cold["compile"]} == programs
     for row in cold["compile"]:
         assert set(row) == {"program", "bucket", "seconds", "source"} and row["source"] in ("compiled", "cache")
@@ -208,9 +209,9 @@ def test_bench_report_has_a_row_per_graph_and_a_warm_engine_reports_only_cache(m
     warm = NeuronEngine(build_model("mha_tied", seed=99), config(speculation=2)).bench_report()
     assert [(r["program"], r["bucket"], r["source"]) for r in warm["compile"]] == [
         (r["program"], r["bucket"], "cache") for r in cold["compile"]]
-    assert warm["graphs_compiled"] == 0 and warm["compile_seconds"] == 0.0 and warm["graphs_from_cache"] == 3
+    assert warm["graphs_compiled"] == 0 and warm["compile_seconds"] == 0.0 and warm["graphs_from_cache"] == 4
     plain = NeuronEngine(model, config()).bench_report()
-    assert {r["program"] for r in plain["compile"]} == {"context_encoding", "token_generation"}
+    assert {r["program"] for r in plain["compile"]} == {"context_encoding", "context_continuation", "token_generation"}
     assert "speculation_acceptance" not in plain
 
 
@@ -221,7 +222,8 @@ def test_a_prompt_beyond_every_bucket_is_refused_naming_them(model):
 
 
 def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatch):
-    """Random prompts over three prefill buckets, single and bulk inserts, frees, overrides
+    """Random prompts over three prefill buckets, prompts continuing any earlier prefix
+    (continued ones too) at any length, single and bulk inserts, frees, overrides
     anywhere in a slot's last result and mixed sampling: every call runs a graph the
     warm-up built. Compiling or loading anything afterwards fails the test."""
     eng = NeuronEngine(model, config(prefill_buckets=(8, 16, 24), speculation=2))  # multi-token results
@@ -238,20 +240,28 @@ def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatc
     rng = random.Random(20261130)
     params, state = eng.load_params(), eng.init_decode_state()
     live: dict[int, list[int]] = {}  # slot -> [prompt length, completion length, tokens in its last result]
+    made: list = []  # earlier prefixes, which stay valid and may be continued
+    continued = 0
     for _ in range(120):
         free = [s for s in range(eng.max_concurrent_decodes) if s not in live]
         if free and rng.random() < 0.4:
-            prompt = [rng.randrange(eng.vocab_size) for _ in range(rng.randint(1, 24))]
+            head = rng.choice(made) if made and rng.random() < 0.5 else None
+            if head is not None and head.true_length >= 24:
+                head = None
+            room = 24 - (0 if head is None else head.true_length)
+            continued += head is not None
+            prompt = [rng.randrange(eng.vocab_size) for _ in range(rng.randint(1, room))]
             sp = SamplingParams(seed=rng.randrange(2**64), temperature=rng.choice([0, 0.5, 1.3]),
                                 top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.8]), min_p=rng.choice([0, 0.1]),
                                 frequency_penalty=rng.choice([0, 0.7]), logit_bias={rng.randrange(256): 2.0},
                                 logprobs=True, top_logprobs=rng.randint(0, 5), n=min(len(free), rng.randint(1, 3)))
-            prefix, _ = eng.prefill(params=params, tokens=prompt, sampling=sp)
+            prefix, _ = eng.prefill(params=params, tokens=prompt, sampling=sp, existing_prefix=head)
+            made.append(prefix)
             if sp.n == 1:
                 state = eng.insert(prefix, state, free[0])
             else:
                 state, _ = eng.bulk_insert(prefix, state, free[: sp.n])
-            live.update({s: [len(prompt), 1, 1] for s in free[: sp.n]})
+            live.update({s: [prefix.true_length, 1, 1] for s in free[: sp.n]})
         if live and rng.random() < 0.15:
             slot = rng.choice(sorted(live))
             state = eng.free_resource(state, slot)
@@ -264,7 +274,7 @@ def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatc
             if live[slot][0] + live[slot][1] >= eng.max_cache_length:
                 state = eng.free_resource(state, slot)
                 del live[slot]
-    assert COUNTS == before
+    assert COUNTS == before and continued > 5
     assert sorted(p.name for p in shared_cache().iterdir()) == files
 
 

@@ -27,7 +27,7 @@ from polyengine.backends.reference.engine import ReferenceEngine  # noqa: E402
 from polyengine.backends.tpu_jax import plugin  # noqa: E402
 from polyengine.backends.tpu_jax.engine import TpuJaxEngine  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
-from polyengine.errors import InvalidRequest, UnsupportedFeature  # noqa: E402
+from polyengine.errors import InvalidRequest  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.plugins import reset_registry  # noqa: E402
 from polyengine.prefix import PortablePrefix  # noqa: E402
@@ -102,18 +102,32 @@ def test_bad_options_are_refused_before_anything_compiles(model, options, phrase
     assert phrase in str(exc.value)
 
 
-def test_existing_prefix_is_refused_not_ignored(engine):
-    params = engine.load_params()
-    prefix, _ = engine.prefill(params=params, tokens=[1, 2, 3], sampling=SamplingParams(seed=1))
-    with pytest.raises(UnsupportedFeature):
-        engine.prefill(params=params, tokens=[4], sampling=SamplingParams(seed=1), existing_prefix=prefix)
+@pytest.mark.parametrize("buckets", [(8, 16, 24), (24,), (5, 7, 24)])
+def test_continuation_pairs_are_exactly_the_reachable_ones(model, buckets):
+    """Warm-up's (prefix bucket, new tokens bucket) pairs equal those found by running
+    every chain of continuations a request can make (prefix lengths and buckets as the
+    engine stores them), with no pair left out and none extra."""
+    eng = TpuJaxEngine(model, CFG.model_copy(update={"prefill_buckets": buckets}))
+    limit, bucket = CFG.max_prefill_length, eng.config.bucket_for
+    seen, states = set(), {(bucket(s), s) for s in range(1, limit)}
+    todo = list(states)
+    while todo:
+        p, s = todo.pop()
+        for n in range(1, limit - s + 1):
+            seen.add((p, bucket(n)))
+            nxt = (eng.continued_bucket(p, bucket(n)), s + n)
+            if s + n < limit and nxt not in states:
+                states.add(nxt)
+                todo.append(nxt)
+    assert eng.continuation_pairs() == sorted(seen)
 
 
 def test_no_compilation_after_warmup_whatever_the_workload(model):
     """Warm-up compiles every bucket; then a randomized mix (prompt lengths over every
     bucket, n, greedy and sampled requests with every parameter, overrides, frees and
-    re-inserts, exported and imported prefixes) compiles nothing: every program is
-    counted through jax.monitoring's backend-compile event."""
+    re-inserts, exported and imported prefixes, prompts continuing earlier prefixes,
+    continued ones included, at any length) compiles nothing: every program is counted
+    through jax.monitoring's backend-compile event."""
     compiles: list[str] = []
 
     def listener(event, seconds, **kw):
@@ -135,21 +149,27 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
         state = eng.init_decode_state()
         rng = np.random.default_rng(0)
         live: dict[int, int] = {}  # slot -> prompt length
-        for step in range(60):
+        made: list = []  # prefixes that may be continued (any earlier one: they stay valid)
+        for step in range(80):
             free = [s for s in range(CFG.max_slots) if s not in live]
             if free and rng.random() < 0.5:
                 n = int(rng.integers(1, len(free) + 1))
                 sp = _random_request(rng, eng.vocab_size, n)
-                prompt = rng.integers(0, eng.vocab_size, int(rng.integers(1, 25))).tolist()
-                prefix, _ = eng.prefill(params=params, tokens=prompt, sampling=sp)
+                head = made[int(rng.integers(len(made)))] if made and rng.random() < 0.5 else None
+                room = CFG.max_prefill_length - (0 if head is None else head.true_length)
+                if room < 1:
+                    head, room = None, CFG.max_prefill_length
+                prompt = rng.integers(0, eng.vocab_size, int(rng.integers(1, room + 1))).tolist()
+                prefix, _ = eng.prefill(params=params, tokens=prompt, sampling=sp, existing_prefix=head)
                 if rng.random() < 0.3:
                     prefix = eng.import_prefix(eng.export_prefix(prefix))
+                made.append(prefix)
                 slots = [int(s) for s in rng.choice(free, n, replace=False)]
                 if n == 1 and rng.random() < 0.5:
                     state = eng.insert(prefix, state, slots[0])
                 else:
                     state, _ = eng.bulk_insert(prefix, state, slots)
-                live.update({s: len(prompt) for s in slots})
+                live.update({s: prefix.true_length for s in slots})
             overrides = {s: int(rng.integers(eng.vocab_size)) for s in live if rng.random() < 0.2}
             state, result = eng.generate(params, state, overrides=overrides)
             full = {s for s, n in live.items() if n + result.lengths[s] >= CFG.max_cache_length}

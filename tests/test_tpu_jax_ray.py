@@ -198,17 +198,41 @@ def test_disaggregated_greedy_output_equals_interleaved(cluster, model):
     """Prompts prefilled on a prefill worker and handed over as portable prefixes
     through the object store decode to the same greedy tokens as prompts prefilled
     on the decode workers themselves (n=2 included: bulk_insert of a handed-over
-    prefix)."""
+    prefix), and so do prompts that share a 17-token start, prefilled in chunks of 4
+    (a stream decodes meanwhile) through the driver's prefix cache: each piece continues
+    a prefix the pool exported (the prefill worker imports, continues and exports it),
+    and the later prompts continue the cached shared start."""
     greedy = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2, logprobs=True)]
     prompts = [[1, 5, 9, 4, 2], [3, 3, 8, 1, 7, 7, 2, 9, 10, 11]]
-    run = lambda eng: [[o.token_ids for o in c.outputs] for c in LLM.from_engine(eng, tools=False).generate(prompts, greedy)]  # noqa: E731
+    shared = list(range(40, 57))
+    chunked = [shared + [5 + i, 9, 2 * i + 1] for i in range(3)]
+
+    def run(eng, batch=prompts, sampling=greedy):
+        return [[o.token_ids for o in c.outputs] for c in LLM.from_engine(eng, tools=False).generate(batch, sampling)]
+
     interleaved = run(RayTpuEngine(model, CFG))
     eng = RayTpuEngine(model, CFG.model_copy(update={"options": {"prefill_workers": 1}}))
     assert "disaggregated" in eng.device
     prefix, _ = eng.prefill(params=eng.load_params(), tokens=prompts[0], sampling=greedy[0])
     assert type(prefix.kv).__name__ == "PortableHandle" and isinstance(ray.get(prefix.kv.ref), bytes)
     assert run(eng) == interleaved
+    whole = RayTpuEngine(model, CFG.model_copy(update={"prefix_cache_bytes": 0, "prefill_chunk": 0}))
+    want = [run(whole, [p], greedy[:1])[0] for p in chunked]
+    pieces = RayTpuEngine(model, CFG.model_copy(update={"options": {"prefill_workers": 1}, "prefill_chunk": 4}))
+    llm = LLM.from_engine(pieces, tools=False)
+    stream = llm.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    llm.step()
+    got = []
+    for p in chunked:
+        req = llm.submit(p, greedy[0])
+        while not req.done:
+            llm.step()
+        got.append(req.completion)
+    assert not stream.done  # it decoded the whole time: every prompt went in pieces of 4
+    stream.cancel()
+    assert [[c.token_ids] for c in got] == want
+    assert [c.usage.cached_tokens for c in got] == [0, 0, 16] and llm.scheduler.prefix_cache.stats.hits == 1
 
 
 @pytest.mark.slow

@@ -388,6 +388,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             kv=(k[:, 0, :, : start + n], v[:, 0, :, : start + n]), logits=logits[0].float(), prompt_tokens=prompt,
             sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
             token_mask=mask,
+            nbytes=self.kv_bytes(start + padded),  # the view keeps its whole buffer alive
         )
         return prefix, ResultTokens.first_tokens(first.tokens, first.logprobs, first.top_ids, first.top_logprobs,
                                                  to_host=host_array)
@@ -581,6 +582,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return Prefix(
             kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0]), to_host=self._to_host, model_id=self.model_id,
+            nbytes=self.kv_bytes(prompt.size),
         )
 
 

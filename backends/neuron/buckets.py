@@ -4,6 +4,9 @@ Three kinds, as NxD has them:
 
 - **prefill** (context encoding): padded prompt lengths. ``EngineConfig.prefill_buckets``,
   else powers of two from 64 below ``max_prefill_length``, then ``max_prefill_length``.
+  A prompt that continues a prefix (``existing_prefix``) runs the graph of its pair
+  (prefix bucket, prompt bucket), both from this list: every pair with room for one
+  more token than the prefix's shortest, within ``max_prefill_length`` (``continuations``).
 - **batch** (token generation): how many seq_ids one step runs. Option
   ``batch_buckets``, else ``(max_slots,)``: NxD's one compiled batch size, a partial
   batch padded with unused seq_ids. Smaller buckets save work when few slots are busy.
@@ -42,6 +45,7 @@ class Buckets:
     batch: tuple[int, ...]
     seq: tuple[int, ...]
     cache: int  # cache positions per slot
+    continuations: tuple[tuple[int, int], ...] = ()  # (prefix bucket, prompt bucket) pairs
 
     @classmethod
     def plan(cls, config: EngineConfig, *, tokens_per_step: int, batch: tuple = (), seq: tuple = ()) -> "Buckets":
@@ -53,7 +57,13 @@ class Buckets:
             seq = _check("seq_buckets", seq, top=cache, what=f"max_cache_length + tokens_per_step - 1 = {cache}")
         else:
             seq = (cache,) if cache <= 512 else power_buckets(256, cache)
-        return cls(tuple(prefill), batch, seq, cache)
+        prefill = tuple(prefill)
+        # A prefix of true length s sits in the prefill bucket of s (prefixes are kept
+        # unpadded); the shortest one a bucket holds is one past the bucket below it.
+        shortest = dict(zip(prefill, (1, *(b + 1 for b in prefill[:-1]))))
+        limit = config.max_prefill_length
+        pairs = tuple((q, p) for q in prefill for p in prefill if shortest[q] + shortest[p] <= limit)
+        return cls(prefill, batch, seq, cache, pairs)
 
     def prompt(self, length: int) -> int:
         """The prefill bucket for a prompt of ``length`` tokens."""
@@ -74,4 +84,5 @@ class Buckets:
         return next(b for b in self.seq if b >= positions)
 
     def describe(self) -> str:
-        return f"prefill {self.prefill}, batch {self.batch}, sequence {self.seq}, cache {self.cache} positions per slot"
+        return (f"prefill {self.prefill}, continuations {self.continuations}, batch {self.batch}, sequence {self.seq}, "
+                f"cache {self.cache} positions per slot")

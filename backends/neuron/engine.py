@@ -3,7 +3,8 @@
 Construction is NxD's compile-then-load: every graph of every bucket is compiled (or
 loaded from the artifact cache) before the engine exists, so nothing compiles while
 it serves. ``prefill`` pads the prompt to its context-encoding bucket, runs that graph
-and draws the first token; ``insert`` copies the prefix's
+and draws the first token (a prompt continuing a prefix runs the continuation graph of
+its (prefix bucket, prompt bucket) pair); ``insert`` copies the prefix's
 K/V into the slot's row of the cache (seq_id = slot) and installs the request in the
 slot's sampler row; ``generate`` runs one step for a batch bucket of seq_ids: with
 speculation the draft's token-generation graph ``k - 1`` times, then the speculation
@@ -54,7 +55,7 @@ from polyengine.backends.neuron import plugin
 from polyengine.backends.neuron.buckets import Buckets
 from polyengine.backends.neuron.cache import ArtifactCache, GraphKey, default_cache_dir
 from polyengine.backends.neuron.compile import COMPILERS, CompiledGraph
-from polyengine.backends.neuron.graphs import ContextEncoding, TokenGeneration, result_layout
+from polyengine.backends.neuron.graphs import ContextContinuation, ContextEncoding, TokenGeneration, result_layout
 from polyengine.backends.neuron.nxd import DeviceGraphs
 from polyengine.backends.neuron.speculation import Acceptance, draft_config, draft_weights
 from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, NeuronSlot, NeuronSlots
@@ -136,8 +137,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
             bulk_insert=True, portable_prefix=True, async_results=o["async_steps"], tokens_per_step=self.tokens_per_step,
-            architectures=ARCHITECTURES,
-            token_masks=True,
+            architectures=ARCHITECTURES, token_masks=True,
+            # continuation graphs (ContextContinuation) on the CPU compile path; the NxD
+            # program has no continuation model yet, so the Neuron path refuses existing_prefix
+            prefix_reuse=self.compiler != "neuronx",
         )
 
     @staticmethod
@@ -188,6 +191,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             key = self._key("context", c, {"prompt": p, "positions": b.cache})
             self._get(("context", p), key, ContextEncoding.aliases, lambda p=p: (
                 ContextEncoding(c, self._names, p), self._context_args(p)))
+        for q, p in b.continuations:
+            key = self._key("continuation", c, {"prefix": q, "prompt": p, "positions": b.cache})
+            self._get(("continuation", q, p), key, ContextContinuation.aliases, lambda q=q, p=p: (
+                ContextContinuation(c, self._names, q, p), self._continuation_args(q, p)))
         for batch in b.batch:
             for kv in b.seq:
                 self._decode_graph(("decode", batch, kv), c, self._weights, self._names, batch, k, kv)
@@ -227,6 +234,12 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         """The mask inputs of a step without masks: every token allowed, no slot masked."""
         return (torch.from_numpy(full_mask(self.vocab_size, rows)), torch.zeros(rows, dtype=torch.bool))
 
+    def _continuation_args(self, q: int, p: int) -> tuple:
+        c = self.model.config
+        kv = torch.zeros((c.num_hidden_layers, 1, c.num_key_value_heads, q, c.head_dim), dtype=self.torch_dtype)
+        return (tuple(self._weights.tensors[n] for n in self._names), kv, kv.clone(), torch.tensor([0]),
+                torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1]))
+
     def _neutral(self, rows: int) -> dict[str, torch.Tensor]:
         return SamplerState.neutral(rows, self.vocab_size, self.eos_token_ids).as_dict()
 
@@ -244,6 +257,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         if name[0] == "nxd_model":
             b = self.buckets
             return "nxd_model", f"every graph: prompts {list(b.prefill)}, batch {list(b.batch)}, kv {list(b.seq)}"
+        if name[0] == "continuation":
+            return "context_continuation", f"prefix {name[1]}, prompt {name[2]}"
         program = {"draft": "draft_token_generation", "decode": "speculation" if self.tokens_per_step > 1 else "token_generation"}
         return program[name[0]], f"batch {name[1]}, kv {name[2]}"
 
@@ -316,22 +331,40 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                 token_mask: np.ndarray | None = None):
         if hasattr(tokens, "__len__") and len(tokens) > self.buckets.prefill[-1]:
             self.buckets.prompt(len(tokens))  # raises, naming the buckets
-        toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
+        toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         mask = self.check_token_mask(token_mask, sampling)
         n = toks.size
         p = self.buckets.prompt(n)
         padded = torch.zeros((1, p), dtype=torch.int64)
         padded[0, :n] = torch.from_numpy(toks.astype(np.int64))
-        if self.on_device is not None:
-            logits, k, v = self.on_device.context(padded, torch.tensor([n - 1]))
-        else:
-            logits, k, v = self.graphs[("context", p)](
-                tuple(params.tensors[name] for name in self._names), padded, torch.tensor([n - 1]))
-        first = self._first_tokens(logits[0], toks, sampling, mask)
-        prefix = Prefix(kv=(k[:, 0, :, :n].clone(), v[:, 0, :, :n].clone()), logits=logits[0], prompt_tokens=toks,
-                        sampling=sampling, backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array,
-                        model_id=self.model_id, token_mask=mask)
+        weights = tuple(params.tensors[name] for name in self._names)
+        if existing_prefix is None:
+            prompt = toks
+            if self.on_device is not None:
+                logits, k, v = self.on_device.context(padded, torch.tensor([n - 1]))
+            else:
+                logits, k, v = self.graphs[("context", p)](weights, padded, torch.tensor([n - 1]))
+        else:  # CPU compile path only (prefix_reuse is not declared on the Neuron path)
+            prompt = np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
+            q = self.buckets.prompt(start)
+            head_k, head_v = (self._padded(x, q) for x in existing_prefix.kv)
+            logits, k, v = self.graphs[("continuation", q, p)](weights, head_k, head_v, torch.tensor([start]), padded,
+                                                               torch.tensor([n - 1]))
+        first = self._first_tokens(logits[0], prompt, sampling, mask)
+        total = prompt.size
+        prefix = Prefix(kv=(k[:, 0, :, :total].clone(), v[:, 0, :, :total].clone()), logits=logits[0],
+                        prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=int(first.tokens[0, 0]),
+                        to_host=host_array, model_id=self.model_id, token_mask=mask, nbytes=self.kv_bytes(total))
         return prefix, first
+
+    @staticmethod
+    def _padded(kv: torch.Tensor, bucket: int) -> torch.Tensor:
+        """A prefix's K or V (layers, kv_heads, length, head_dim) as the continuation
+        graph's input (layers, 1, kv_heads, bucket, head_dim): a new tensor, so the prefix
+        itself is never an input the graph could touch."""
+        out = kv.new_zeros(kv.shape[:2] + (bucket,) + kv.shape[3:])
+        out[:, :, : kv.shape[2]] = kv
+        return out[:, None]
 
     # -- insert, bulk_insert, free_resource: the kit's flow over torch_common's hooks --------
 
@@ -449,7 +482,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         logits = torch.from_numpy(np.ascontiguousarray(portable.last_logits, dtype=np.float32))
         first = self._first_tokens(logits, prompt, sampling)
         return Prefix(kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
-                      backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id)
+                      backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id,
+                      nbytes=self.kv_bytes(prompt.size))
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> NeuronEngine:

@@ -14,6 +14,14 @@ Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
     ``k, v (L, 1, kv_heads, P, head_dim)``: the prompt's K/V (pad positions after the
     prompt hold garbage the engine slices off; causal attention keeps them invisible).
 
+``ContextContinuation(config, names, prefix_bucket, bucket)``
+    A prompt continuing a prefix (``existing_prefix``), one graph per (prefix bucket
+    ``Q``, prompt bucket ``P``): ``(weights, prefix_k, prefix_v (L, 1, kv_heads, Q,
+    head_dim), start (1,), tokens (1, P), last (1,))`` -> ``logits (1, V)`` at ``last``,
+    ``k, v (L, 1, kv_heads, Q + P, head_dim)``: the prefix's ``start`` positions, then
+    the prompt's at ``start ..`` (positions past ``start + last`` hold garbage the engine
+    slices off). The prefix tensors are inputs, copied, never written.
+
 ``TokenGeneration(config, names, batch, tokens, kv_len, max_cache_length, num_top, linear=None)``
     One decode step for a batch bucket of ``B`` seq_ids, ``T`` tokens per row:
     ``T = 1`` is token generation, ``T = k`` verifies ``k - 1`` draft tokens in one pass
@@ -59,7 +67,7 @@ from polyengine.models import ModelConfig
 from polyengine.backends.torch_common.model import StepSpec, TorchWeights, forward
 from polyengine.backends.torch_common.sampling import SamplerFlags, SamplerState, sample
 
-__all__ = ["ContextEncoding", "TokenGeneration", "SAMPLER_FIELDS", "result_layout"]
+__all__ = ["ContextEncoding", "ContextContinuation", "TokenGeneration", "SAMPLER_FIELDS", "result_layout"]
 
 SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerState))
 # Every sampling step compiled in: one graph serves any mix of requests.
@@ -92,6 +100,28 @@ class ContextEncoding(torch.nn.Module):
         v = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
         positions = torch.arange(self.bucket, device=tokens.device)[None]  # (1, P)
         logits, k, v = forward(w, self.spec, tokens, positions, k, v, rows=None, logits_at=last)
+        return logits.float(), k, v
+
+
+class ContextContinuation(torch.nn.Module):
+    """A prompt continuing a prefix, for one (prefix bucket, prompt bucket) pair; see the
+    module docstring."""
+
+    aliases: tuple[tuple[int, int], ...] = ()
+
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], prefix_bucket: int, bucket: int):
+        super().__init__()
+        self.config, self.names, self.prefix_bucket, self.bucket = config, names, prefix_bucket, bucket
+
+    def forward(self, weights, prefix_k, prefix_v, start, tokens, last):
+        w = _weights(self.config, self.names, weights)
+        pad = prefix_k.new_zeros(prefix_k.shape[:3] + (self.bucket,) + prefix_k.shape[4:])
+        k, v = torch.cat([prefix_k, pad], dim=3), torch.cat([prefix_v, pad], dim=3)
+        positions = start[:, None] + torch.arange(self.bucket, device=tokens.device)[None]  # (1, P)
+        # Pad tokens (after last) write past the prompt, where no live query reads and the
+        # engine slices off (as in ContextEncoding): no write mask, whose anchor would be a
+        # data-dependent index the export cannot capture.
+        logits, k, v = forward(w, StepSpec(), tokens, positions, k, v, rows=None, logits_at=last)
         return logits.float(), k, v
 
 

@@ -124,6 +124,7 @@ class ReferenceEngine(EngineBase):
             first_token=-1,
             model_id=self.model_id,
             token_mask=mask,
+            nbytes=self.kv_bytes(total),
         )
         out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32), mask)])
         prefix.first_token = int(out.tokens[0])
@@ -228,7 +229,7 @@ class ReferenceEngine(EngineBase):
         return Prefix(
             kv=(portable.k.astype(self.np_dtype), portable.v.astype(self.np_dtype)), logits=logits,
             prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=first,
-            model_id=self.model_id,
+            model_id=self.model_id, nbytes=self.kv_bytes(prompt.size),
         )
 
     # -- helpers ---------------------------------------------------------------------------

@@ -8,7 +8,9 @@ worker (round robin), which prefills it and exports the protocol's portable pref
 model fingerprint): its safetensors bytes stay in Ray's object store, never pickled,
 and only the first token's packed row comes back to the leader. The prefix handle is
 the bytes' ``ObjectRef``; ``insert`` passes it to every decode worker, Ray moves the
-bytes to their nodes, and each imports (checking the fingerprint) and inserts. Since
+bytes to their nodes, and each imports (checking the fingerprint) and inserts. A prompt
+that continues a prefix (``existing_prefix``) goes to a prefill worker with that
+prefix's ref: the worker imports it, continues it, and exports the longer prefix. Since
 the hand-off is the portable format, a prefix exported by any backend (the reference,
 cuda_torch) can be inserted here, and ours there.
 
@@ -69,11 +71,14 @@ class PrefillPool:
         self._all("warmup", "warming up the prefill workers")
 
     def prefill(self, tokens: np.ndarray, sampling: SamplingParams,
-                token_mask: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
+                existing: PortableHandle | None = None, token_mask: np.ndarray | None = None
+                ) -> tuple[np.ndarray, Any]:
         """Prefill on the next worker (the first token under ``token_mask``): (first
-        token's packed row, portable bytes' ref)."""
-        packed, data = self.group.submit_one(next(self._next), "prefill_portable", self.engine_id, tokens, sampling,
-                                             token_mask, num_returns=2)
+        token's packed row, portable bytes' ref). ``existing``: a prefix of this pool the
+        tokens continue; its bytes go from the object store to the worker, which imports
+        it first."""
+        args = (self.engine_id, tokens, sampling, None if existing is None else existing.ref, token_mask)
+        packed, data = self.group.submit_one(next(self._next), "prefill_portable", *args, num_returns=2)
         return self.group._gather([packed], "prefilling")[0], data
 
     def put(self, portable: PortablePrefix) -> PortableHandle:

@@ -100,7 +100,7 @@ class TpuJaxEngine(EngineBase):
         self._check_memory()
         self.profiler = Profiler(port=o["profiler_port"], trace_dir=o["trace_dir"], trace_steps=o["trace_steps"])
         self.memory_reports: dict[str, dict[str, Any]] = {}
-        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_step"))
+        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_step", "continue_step"))
         self.warmup_seconds: float | None = None
         self._params: dict[str, jax.Array] | None = None
         self._spare: TpuDecodeState | None = None
@@ -114,7 +114,7 @@ class TpuJaxEngine(EngineBase):
         self.device = platform = self.devices[0].platform if self.devices else "cpu"
         return Capabilities(
             dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True,
         )
 
@@ -188,7 +188,8 @@ class TpuJaxEngine(EngineBase):
         return TpuDecodeState(self.max_concurrent_decodes, arrays, SlotTable(self.max_concurrent_decodes))
 
     def warmup(self) -> None:
-        """Compile every program this engine can run: prefill and insert per bucket,
+        """Compile every program this engine can run: prefill and insert per bucket, the
+        continuation of a prefix per reachable (prefix bucket, new tokens bucket) pair,
         bulk insert, generate (with and without overrides), free, and the first token
         of an imported prefix. Afterwards no request mix compiles anything.
         ``bench_report()`` tells what each program cost."""
@@ -198,10 +199,17 @@ class TpuJaxEngine(EngineBase):
         sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=0, logprobs=True, top_logprobs=1)
         reachable = sorted({self.config.bucket_for(n) for n in range(1, self.max_prefill_length + 1)})
         prefix = None
+        made = {}
         for bucket in reachable:
             prefix, _ = self.prefill(params=params, tokens=[0] * min(bucket, self.max_prefill_length), sampling=sampling)
+            made[bucket] = prefix
             state = self.insert(prefix, state, 0)
             state = self.free_resource(state, 0)
+        # The program depends on the buckets, not on the lengths inside them: any prefix
+        # of bucket P continued with one token padded to bucket T compiles the pair.
+        for p, t in self.continuation_pairs():
+            with self.compiles.track(f"{p}+{t}"):
+                self._continue(params, made[p].kv, 1, np.zeros(1, np.int32), t)
         imported = self.import_prefix(self.export_prefix(prefix))
         state, _ = self.bulk_insert(imported, state, [0])
         state, _ = self.generate(params, state, overrides={0: 0})
@@ -244,21 +252,74 @@ class TpuJaxEngine(EngineBase):
 
     def prefill(self, *, params, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None,
                 token_mask: np.ndarray | None = None):
-        toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
+        toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         mask = self.check_token_mask(token_mask, sampling)
         n = toks.size
-        padded = np.zeros(self.config.bucket_for(n), np.int32)
-        padded[:n] = toks
-        tokens_in, length = self.plan.put_tree((padded, np.int32(n)))
-        row = self._row(sampling, toks)
-        with self.compiles.track(padded.size):
-            k, v, logits = steps.prefill_step(params, tokens_in, length, cfg=self.cfg)
-            result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
+        bucket = self.config.bucket_for(n)
+        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
+        row = self._row(sampling, prompt)
+        if existing_prefix is None:
+            padded = np.zeros(bucket, np.int32)
+            padded[:n] = toks
+            tokens_in, length = self.plan.put_tree((padded, np.int32(n)))
+            with self.compiles.track(bucket):
+                k, v, logits = steps.prefill_step(params, tokens_in, length, cfg=self.cfg)
+                result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
+        else:
+            kv = existing_prefix.kv
+            with self.compiles.track(f"{kv.k.shape[2]}+{bucket}"):
+                k, v, logits = self._continue(params, kv, start, toks, bucket)
+                result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
         prefix = Prefix(
-            kv=PrefixArrays(k, v, row), logits=logits, prompt_tokens=toks, sampling=sampling, backend=self.name,
+            kv=PrefixArrays(k, v, row), logits=logits, prompt_tokens=prompt, sampling=sampling, backend=self.name,
             first_token=int(result.tokens[0, 0]), to_host=self._host, model_id=self.model_id, token_mask=mask,
+            nbytes=self.kv_bytes(k.shape[2]),
         )
         return prefix, result
+
+    # -- prefix reuse: one program per (prefix bucket, new tokens bucket) -----------------------
+
+    def continued_bucket(self, prefix_bucket: int, new_bucket: int) -> int:
+        """The bucket a continued prefix is stored in: the one that holds both buckets
+        (within ``max_prefill_length``). A function of the pair only, so the pair picks one
+        program and the insert program of an existing bucket takes the result."""
+        return self.config.bucket_for(min(prefix_bucket + new_bucket, self.max_prefill_length))
+
+    def continuation_pairs(self) -> list[tuple[int, int]]:
+        """Every (prefix bucket, new tokens bucket) pair a request can reach: a prefix of
+        true length ``s`` in bucket ``P`` (prefill stores it in the smallest bucket that
+        holds it, a continuation in :meth:`continued_bucket`, which may be larger)
+        continued with ``n`` tokens, ``s + n <= max_prefill_length``. Warm-up compiles
+        these and no others."""
+        buckets, limit = self.config.buckets(), self.max_prefill_length
+        smallest = {b: s for s, b in ((1, buckets[0]), *((p + 1, b) for p, b in zip(buckets, buckets[1:])))
+                    if s < limit}  # the shortest prompt prefill stores in each bucket
+        changed = True
+        while changed:  # continuations may store shorter prefixes in larger buckets
+            changed = False
+            for p, s in list(smallest.items()):
+                for t in buckets:
+                    n = 1 if t == buckets[0] else buckets[buckets.index(t) - 1] + 1
+                    if s + n >= limit:
+                        break
+                    out = self.continued_bucket(p, t)
+                    if s + n < smallest.get(out, limit):
+                        smallest[out], changed = s + n, True
+        pairs = []
+        for p, s in sorted(smallest.items()):
+            for t in buckets:
+                n = 1 if t == buckets[0] else buckets[buckets.index(t) - 1] + 1
+                if s + n <= limit:
+                    pairs.append((p, t))
+        return pairs
+
+    def _continue(self, params, kv: PrefixArrays, start: int, toks: np.ndarray, bucket: int):
+        """Dispatch :func:`~.steps.continue_step` for ``toks`` after ``start`` positions of ``kv``."""
+        padded = np.zeros(bucket, np.int32)
+        padded[: toks.size] = toks
+        tokens_in, length, start_in = self.plan.put_tree((padded, np.int32(toks.size), np.int32(start)))
+        out = self.continued_bucket(kv.k.shape[2], bucket)
+        return steps.continue_step(params, kv.k, kv.v, start_in, tokens_in, length, cfg=self.cfg, out_bucket=out)
 
     # -- insert, bulk_insert, free_resource: the kit's flow over these hooks ----------------
 
@@ -356,7 +417,7 @@ class TpuJaxEngine(EngineBase):
         return Prefix(
             kv=PrefixArrays(put(portable.k), put(portable.v), row), logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0, 0]), to_host=self._host,
-            model_id=self.model_id,
+            model_id=self.model_id, nbytes=self.kv_bytes(self.config.bucket_for(n)),
         )
 
     # -- benchmarks ------------------------------------------------------------------------

@@ -369,7 +369,7 @@ class RayTpuEngine(EngineBase):
         self.platform = caps["platform"]
         return Capabilities(
             dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True, token_masks=True,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True, token_masks=True,
         )
 
     def _layout(self, o: Mapping[str, Any]) -> tuple[int, int]:
@@ -445,12 +445,13 @@ class RayTpuEngine(EngineBase):
 
     # -- prefixes --------------------------------------------------------------------------
 
-    def _prefix(self, prefix_id: str, prompt: np.ndarray, sampling: SamplingParams, first: int,
+    def _prefix(self, prefix_id: str, prompt: np.ndarray, sampling: SamplingParams, first: int, nbytes: int,
                 token_mask: np.ndarray | None = None) -> Prefix:
         handle = RemotePrefix(prefix_id)
         weakref.finalize(handle, self.group.drop, "prefixes", prefix_id)
         return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
-                      first_token=first, to_host=self._logits, model_id=self.model_id, token_mask=token_mask)
+                      first_token=first, to_host=self._logits, model_id=self.model_id, nbytes=nbytes,
+                      token_mask=token_mask)
 
     def _logits(self, handle: RemotePrefix) -> np.ndarray:
         return self.group.call("prefix_logits", handle.prefix_id)
@@ -464,20 +465,29 @@ class RayTpuEngine(EngineBase):
         self._check_params(params)
         toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
         mask = self.check_token_mask(token_mask, sampling)
+        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         if self.prefill_pool is not None:
-            packed, ref = self.prefill_pool.prefill(toks, sampling, mask)
+            head = None if existing_prefix is None else self._portable_handle(existing_prefix)
+            packed, ref = self.prefill_pool.prefill(toks, sampling, head, mask)
             result = ResultTokens.from_packed(packed, _LAYOUT)
-            return self._portable_prefix(PortableHandle(ref), toks, sampling, int(result.tokens[0, 0]), mask), result
+            return self._portable_prefix(PortableHandle(ref), prompt, sampling, int(result.tokens[0, 0]), mask), result
         prefix_id = self._id("prefix")
-        packed = self.group.call("prefill", self.engine_id, prefix_id, toks, sampling, mask)
+        head = None if existing_prefix is None else existing_prefix.kv.prefix_id
+        packed, nbytes = self.group.call("prefill", self.engine_id, prefix_id, toks, sampling, head, mask)
         result = ResultTokens.from_packed(packed, _LAYOUT)
-        return self._prefix(prefix_id, toks, sampling, int(result.tokens[0, 0]), mask), result
+        return self._prefix(prefix_id, prompt, sampling, int(result.tokens[0, 0]), nbytes, mask), result
+
+    def _portable_handle(self, prefix: Prefix) -> "PortableHandle":
+        """A disaggregated engine's prefixes are all portable bytes in the object store."""
+        assert isinstance(prefix.kv, PortableHandle), "check_prefix admits only this engine's prefixes"
+        return prefix.kv
 
     def _portable_prefix(self, handle: "PortableHandle", prompt, sampling, first: int,
                          token_mask: np.ndarray | None = None) -> Prefix:
+        # The object store holds the float32 K/V of the prompt's positions.
         return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
                       first_token=first, to_host=lambda h: h.portable().last_logits, model_id=self.model_id,
-                      token_mask=token_mask)
+                      nbytes=prompt.size * self.model.config.kv_bytes_per_token(4), token_mask=token_mask)
 
     # -- insert, bulk_insert, free_resource: the kit's flow (refusals here), the work remote --
 
@@ -525,7 +535,7 @@ class RayTpuEngine(EngineBase):
             return self._portable_prefix(handle, prompt, sampling, self.prefill_pool.first_token(handle))
         prefix_id = self._id("prefix")
         first = self.group.call("import_prefix", self.engine_id, prefix_id, portable.to_bytes())
-        return self._prefix(prefix_id, prompt, sampling, int(first[0]))
+        return self._prefix(prefix_id, prompt, sampling, int(first[0]), int(first[1]))
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> RayTpuEngine:

@@ -115,11 +115,16 @@ class EngineWorker:
         return engine.cfg.layout.pack(r.tokens, r.valid, r.lengths, r.logprobs, r.top_ids, r.top_logprobs)
 
     def prefill(self, engine_id: str, prefix_id: str, tokens: np.ndarray, sampling,
-                token_mask: np.ndarray | None = None) -> np.ndarray | None:
+                existing_id: str | None = None, token_mask: np.ndarray | None = None) -> tuple[np.ndarray, int] | None:
+        """Prefill (continuing the prefix held as ``existing_id``, if given; the first
+        token under ``token_mask``); rank 0 returns the first token's packed row and the
+        bytes the prefix holds."""
         engine = self.engines[engine_id]
-        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling, token_mask=token_mask)
+        existing = None if existing_id is None else self.prefixes[existing_id]
+        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling,
+                                       existing_prefix=existing, token_mask=token_mask)
         self.prefixes[prefix_id] = prefix
-        return self._packed(engine, first)
+        return None if self.rank else (self._packed(engine, first), prefix.nbytes)
 
     def prefix_logits(self, prefix_id: str) -> np.ndarray | None:
         return None if self.rank else self.prefixes[prefix_id].host_logits()
@@ -152,18 +157,24 @@ class EngineWorker:
         engine = self.engines[engine_id]
         prefix = engine.import_prefix(PortablePrefix.from_bytes(data))
         self.prefixes[prefix_id] = prefix
-        return None if self.rank else np.asarray([prefix.first_token], np.int32)
+        return None if self.rank else np.asarray([prefix.first_token, prefix.nbytes], np.int64)
 
     # -- disaggregated serving: prefixes as portable bytes through the object store -------
 
     def prefill_portable(self, engine_id: str, tokens: np.ndarray, sampling,
-                         token_mask: np.ndarray | None = None) -> tuple[np.ndarray | None, bytes]:
+                         existing: bytes | None = None, token_mask: np.ndarray | None = None
+                         ) -> tuple[np.ndarray | None, bytes]:
         """Prefill and export at once (a prefill worker): the first token's packed row
         for the leader and the portable prefix's safetensors bytes for the object store
         (the caller asks for two returns, so the bytes stay there until a decode worker
-        needs them). The device copy is dropped."""
+        needs them). The device copy is dropped. ``existing``: a portable prefix's bytes
+        (Ray hands them over from the object store) that the tokens continue."""
+        from polyengine.prefix import PortablePrefix
+
         engine = self.engines[engine_id]
-        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling, token_mask=token_mask)
+        head = None if existing is None else engine.import_prefix(PortablePrefix.from_bytes(existing))
+        prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling,
+                                       existing_prefix=head, token_mask=token_mask)
         return self._packed(engine, first), engine.export_prefix(prefix).to_bytes()
 
     def insert_portable(self, engine_id: str, state_id: str, slots: Sequence[int], data: bytes, bulk: bool,

@@ -14,7 +14,8 @@ dispatched back to back, with no host sync between them.
 Compilation: every step is a module-level function jitted with :class:`StepConfig` as
 a static argument (hashable: model config, dtype, quantization, the sharding plan),
 so executables are shared by every engine with the same config, and prefill and insert
-are built once per prefill bucket (the bucket is the padded prompt's shape). Steps that update the
+are built once per prefill bucket (the bucket is the padded prompt's shape), the
+continuation of a prefix once per (prefix bucket, new tokens bucket). Steps that update the
 decode state donate it (``donate_argnames="state"``): XLA writes the KV cache in
 place. After :meth:`TpuJaxEngine.warmup <polyengine.backends.tpu_jax.engine.TpuJaxEngine.warmup>`
 nothing compiles again, whatever the mix of requests: sampling parameters are arrays,
@@ -45,7 +46,8 @@ from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, Int8KVCodec, in
 from polyengine.backends.tpu_jax.sharding import ShardingPlan
 
 __all__ = [
-    "StepConfig", "SampleConfig", "DecodeArrays", "run_model", "pack", "init_state", "prefill_step", "insert_step",
+    "StepConfig", "SampleConfig", "DecodeArrays", "run_model", "pack", "init_state", "prefill_step", "continue_step",
+    "insert_step",
     "generate_step", "free_step", "first_token_step", "JAX_DTYPES",
 ]
 
@@ -201,6 +203,36 @@ def prefill_step(params, tokens, length, *, cfg: StepConfig):
     positions = jnp.arange(t, dtype=jnp.int32)
     logits, k, v = run_model(
         cfg, params, tokens[None], positions[None], k0, k0, write_mask=(positions < length)[None],
+        logits_at=(length - 1)[None])
+    axes = ("layers", "kv_heads", "positions", "head_dim")
+    return cfg.plan.constrain(k[:, 0], axes), cfg.plan.constrain(v[:, 0], axes), cfg.plan.constrain(logits[0].astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out_bucket"))
+def continue_step(params, prefix_k, prefix_v, start, tokens, length, *, cfg: StepConfig, out_bucket: int):
+    """Continue a prefix with more prompt tokens (``existing_prefix``): one program per
+    (prefix bucket ``P``, new tokens bucket ``T``), whose output bucket ``out_bucket`` the
+    engine derives from that pair (:meth:`TpuJaxEngine.continued_bucket`), so the pair
+    alone picks the program.
+
+    ``prefix_k``/``prefix_v`` (layers, kv_heads, P, head_dim) hold ``start`` live
+    positions; ``tokens`` (T,) hold ``length`` live tokens, which go to positions
+    ``start ..``. Returns K/V ``(layers, kv_heads, out_bucket, head_dim)`` holding
+    ``start + length`` live positions, and the last live token's raw logits (vocab,).
+    The prefix's arrays are read, never written (a prefix stays valid after it was
+    continued): the program copies them into a fresh cache of ``out_bucket`` positions.
+    """
+    c, t = cfg.model, tokens.shape[0]
+    axes = ("layers", None, "kv_heads", "positions", "head_dim")
+    shape = (c.num_hidden_layers, 1, c.num_key_value_heads, out_bucket, c.head_dim)
+    put = lambda x: cfg.plan.constrain(lax.dynamic_update_slice(  # noqa: E731
+        jnp.zeros(shape, cfg.jax_dtype), x[:, None].astype(cfg.jax_dtype), (0, 0, 0, 0, 0)), axes)
+    k0, v0 = put(prefix_k), put(prefix_v)
+    # Live positions stay below start + length <= out_bucket; a pad token's position may
+    # pass it (its RoPE row is clamped and its K/V write is redirected: it changes nothing).
+    index = jnp.arange(t, dtype=jnp.int32)
+    logits, k, v = run_model(
+        cfg, params, tokens[None], (start + index)[None], k0, v0, write_mask=(index < length)[None],
         logits_at=(length - 1)[None])
     axes = ("layers", "kv_heads", "positions", "head_dim")
     return cfg.plan.constrain(k[:, 0], axes), cfg.plan.constrain(v[:, 0], axes), cfg.plan.constrain(logits[0].astype(jnp.float32))

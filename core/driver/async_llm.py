@@ -236,6 +236,10 @@ class AsyncLLM:
             return _copy(self._dead)
         return EngineClosed("the engine has stopped and accepts no new requests")
 
+    def prefix_cache(self) -> Any:
+        """The driver's prefix cache (its ``stats`` may be read from any thread), or None when off."""
+        return self._scheduler.prefix_cache
+
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return self.llm.encode(prompt)
 

@@ -15,18 +15,23 @@ __all__ = ["Completion", "CompletionOutput", "StreamDelta", "Usage"]
 
 @dataclass
 class Usage:
+    """Token counts of a request; ``cached_tokens`` of its prompt tokens came from the
+    prefix cache (their K/V were not computed again)."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

@@ -6,6 +6,13 @@ bulk_insert), runs one ``generate`` for every occupied slot, and turns each slot
 token into text, tool actions and stop decisions. Requests join and leave between
 steps, so a short request never waits for a long one.
 
+Prefill goes through :class:`~polyengine.driver.prefill.Prefiller`: from the longest
+cached prefix of the prompt (the prefix cache), and, while streams decode, in pieces of
+at most ``prefill_chunk`` tokens, at most one chunk's worth per step before its
+``generate``, so a long prompt arriving never stalls the running streams for its whole
+prefill; the request being prefilled holds its place at the head of the queue (first
+come, first served) until its last piece is inserted.
+
 Per token, in order: the tool machine may replace the engine's token with a forced one
 (fed back through ``overrides``); a constrained sample's grammar advances over it; then
 the stop checks run: EOS / end-of-turn (unless ``ignore_eos``), ``stop_token_ids``, stop
@@ -33,6 +40,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
+from polyengine.driver.prefill import PrefillJob, Prefiller
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
 from polyengine.errors import EngineDead, InvalidRequest, QueueFull, UnsupportedFeature
@@ -82,6 +90,7 @@ class Request:
         self.events: deque[StreamDelta] = deque()
         self.error: Exception | None = None  # why it failed (typed for anything a caller caused)
         self.status = "queued"  # queued -> running -> finished | cancelled | failed
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self._scheduler = scheduler
 
     @property
@@ -103,7 +112,7 @@ class Request:
             prompt_token_ids=list(self.prompt_tokens),
             outputs=outs,
             seed=int(self.sampling.seed),
-            usage=Usage(len(self.prompt_tokens), sum(len(o.token_ids) for o in outs)),
+            usage=Usage(len(self.prompt_tokens), sum(len(o.token_ids) for o in outs), self.cached_tokens),
         )
 
 
@@ -137,6 +146,8 @@ class Scheduler:
         self._overrides: dict[int, Override] = {}
         self._pending: tuple[ResultTokens, dict[int, tuple[Request, _Sample]]] | None = None
         self._eos = frozenset(engine.eos_token_ids)
+        self.prefiller = Prefiller.for_engine(engine, self.params)
+        self._filling: tuple[Request, PrefillJob] | None = None  # the request whose prefill runs in pieces
         self._lock = threading.RLock()
         # Requests whose stream was dropped unread: cancelled when the lock is next taken.
         self._abandoned: deque[Request] = deque()
@@ -230,6 +241,9 @@ class Scheduler:
                 return
             if req in self._queue:
                 self._queue.remove(req)
+            if self._filling is not None and self._filling[0] is req:
+                self.prefiller.abandon(self._filling[1])
+                self._filling = None
             for s in req.samples:
                 if not s.finished:
                     s.out.finish_reason = "cancelled"
@@ -250,41 +264,71 @@ class Scheduler:
     def busy(self) -> bool:
         with self._lock:
             self._reap()
-            return bool(self._queue or self._slots or self._pending)
+            return bool(self._queue or self._slots or self._pending or self._filling)
 
     @property
     def free_slots(self) -> list[int]:
         return [i for i in range(self.engine.max_concurrent_decodes) if i not in self._slots]
 
+    @property
+    def prefix_cache(self) -> Any:
+        """The prefix cache (:class:`~polyengine.driver.prefix_cache.PrefixCache`), or None when off."""
+        return self.prefiller.cache
+
     def _admit(self) -> None:
-        while self._queue:
-            req = self._queue[0]
-            free = self.free_slots
-            if len(free) < req.sampling.n:
-                return  # first come, first served: no overtaking
-            self._queue.popleft()
-            slots = free[: req.sampling.n]
+        """Prefill and insert queued requests, in order: while streams decode, at most one
+        chunk's worth of prompt tokens this step (the rest next step)."""
+        budget = self.prefiller.step_budget(decoding=bool(self._slots))
+        while self._filling is not None or self._start_next():
+            req, job = self._filling
+            step_budget = budget
+            if budget is not None:
+                piece = self.prefiller.next_piece(job, budget)
+                if piece > budget:
+                    return  # the next piece runs next step
+                budget -= piece
             try:
-                extra = {}
-                if req.samples[0].grammar is not None:  # every sample's grammar starts in the same state
-                    extra["token_mask"] = self._mask_rows(req.samples[:1])[0].copy()
-                prefix, first = self.engine.prefill(params=self.params, tokens=req.prompt_tokens, sampling=req.sampling,
-                                                    **extra)
+                done = self.prefiller.advance(job, step_budget)
+                if done is None:
+                    continue
+                prefix, first = done
+                slots = self.free_slots[: req.sampling.n]
                 if req.sampling.n == 1:
                     self.state = self.engine.insert(prefix, self.state, slots[0])
                 else:
                     self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
             except Exception as exc:  # any failure fails this request only...
+                self._filling = None
+                self.prefiller.abandon(job)
                 self._fail(req, exc)
                 if isinstance(exc, EngineDead):  # ...unless the engine itself is gone: then the caller must know
                     raise
                 continue
+            self._filling = None
             req.status = "running"
             for slot, s in zip(slots, req.samples):
                 s.slot = slot
                 self._slots[slot] = (req, s)
             for row, s in enumerate(req.samples):
                 self._on_token(req, s, first, row)
+
+    def _start_next(self) -> bool:
+        """Start the head request's prefill once its slots are free (first come, first
+        served: no overtaking); whether one started."""
+        while self._queue and len(self.free_slots) >= self._queue[0].sampling.n:
+            req = self._queue.popleft()
+            try:
+                mask = None
+                if req.samples[0].grammar is not None:  # every sample's grammar starts in the same state
+                    mask = self._mask_rows(req.samples[:1])[0].copy()
+                job = self.prefiller.start(req.prompt_tokens, req.sampling, token_mask=mask)
+            except Exception as exc:  # fails this request only
+                self._fail(req, exc)
+                continue
+            req.cached_tokens = job.cached
+            self._filling = (req, job)
+            return True
+        return False
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -307,7 +351,7 @@ class Scheduler:
             self._admit()
             if not self._slots:
                 self._pending = None  # its rows belong to requests that are gone
-                return bool(self._queue)
+                return bool(self._queue or self._filling)
             overrides, self._overrides = self._overrides, {}
             extra = {}
             masks = self._step_masks() if self._grammars is not None else None
@@ -323,7 +367,7 @@ class Scheduler:
             if not self._may_pipeline():
                 self._process(*self._pending)
                 self._pending = None
-            return bool(self._queue or self._slots or self._pending)
+            return bool(self._queue or self._slots or self._pending or self._filling)
 
     def _may_pipeline(self) -> bool:
         """Whether the next step may be dispatched before the last one is read."""

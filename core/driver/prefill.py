@@ -1,0 +1,146 @@
+"""How the driver prefills a prompt: from the longest cached prefix, in pieces.
+
+The scheduler hands each admitted request to a :class:`Prefiller`, which plans its
+prefill as pieces, each one ``engine.prefill`` call that continues the previous piece's
+prefix (``existing_prefix``, capability ``prefix_reuse``):
+
+- **The prefix cache** (:mod:`.prefix_cache`) gives the longest cached prefix of the
+  prompt; the first piece continues it. At least one prompt token is always prefilled
+  again, so the request's first token is drawn with its own sampling parameters from
+  its own prefix: a cached prefix (which may carry another request's parameters) is
+  continued, never inserted. When the prompt shares more tokens with some cached
+  prompt than the longest entry covers, the prompt is cut where that shared run ends
+  (rounded down to :data:`CACHE_BLOCK` tokens) and the prefix there is cached too: the
+  second of two prompts sharing a system prompt leaves an entry that the third one
+  continues. Every completed prompt's prefix is cached (a conversation's next turn
+  starts with it).
+- **Chunked prefill**: while other requests decode, pieces also end at every multiple
+  of ``prefill_chunk`` tokens (absolute positions), so no piece is longer than the
+  chunk, and the scheduler runs at most one chunk's worth of prompt tokens per step,
+  between decode steps: running streams keep their pace. With nothing decoding there is
+  no pace to keep, and the rest of the prompt runs as one piece (small pieces cost more
+  per token: on the CPU a 64-token piece costs about twice a long prefill's per-token
+  time).
+
+Pieces other than the last are prefilled with a neutral request (greedy would do as well:
+nobody samples from them); the last one with the request's own parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from polyengine.driver.prefix_cache import CacheEntry, PrefixCache
+from polyengine.protocol import EngineConfig, Prefix
+from polyengine.results import ResultTokens
+from polyengine.sampling.params import SamplingParams
+
+__all__ = ["DEFAULT_PREFILL_CHUNK", "CACHE_BLOCK", "PrefillJob", "Prefiller"]
+
+# Prompt tokens per prefill piece while other requests decode (EngineConfig.prefill_chunk
+# unset). Measured in docs/prefix-caching.md ("Choosing the chunk size").
+DEFAULT_PREFILL_CHUNK = 64
+# Prompts shorter than this are not cached, and a cut where prompts part is rounded down
+# to a multiple of it (so near-identical prompts share one entry, not one each).
+CACHE_BLOCK = 16
+# The request of a piece whose first token nobody reads.
+_PIECE = SamplingParams(seed=0)
+
+
+@dataclass
+class PrefillJob:
+    """One request's prefill in progress: ``cuts`` are the places a piece must end
+    (ascending: where the cache wants an entry, and the prompt's length), ``prefix``
+    covers ``done`` tokens (the cache entry's, then each piece's), ``cached`` tokens came
+    from the cache (the held entry, referenced until the first piece has continued it)."""
+
+    tokens: list[int]
+    sampling: SamplingParams
+    cuts: list[int]
+    keep: frozenset[int]  # cuts whose prefix goes into the cache (where prompts part)
+    prefix: Prefix | None
+    done: int
+    cached: int
+    held: CacheEntry | None = None
+    token_mask: Any = None  # the allowed-token mask of the request's first token (structured output), or None
+
+    def next_end(self, chunk: int) -> int:
+        """Where the next piece ends: the next cut, or sooner at a multiple of ``chunk``
+        (0: no chunking)."""
+        end = self.cuts[0]
+        return min(end, (self.done // chunk + 1) * chunk) if chunk else end
+
+
+class Prefiller:
+    """Prefills for one engine: its prefix cache (None: off) and chunk size (0: off)."""
+
+    def __init__(self, engine: Any, params: Any, *, cache: PrefixCache | None = None, chunk: int = 0,
+                 block: int = CACHE_BLOCK):
+        self.engine, self.params = engine, params
+        self.cache, self.chunk, self.block = cache, int(chunk), int(block)
+
+    @classmethod
+    def for_engine(cls, engine: Any, params: Any) -> "Prefiller":
+        """The cache and chunk size the engine was built for (``EngineConfig``'s
+        ``prefix_cache_bytes`` and ``prefill_chunk``); both off without ``prefix_reuse``."""
+        if not engine.capabilities.prefix_reuse:
+            return cls(engine, params)
+        config = getattr(engine, "config", None)
+        chunk = config.prefill_chunk if isinstance(config, EngineConfig) else None
+        chunk = DEFAULT_PREFILL_CHUNK if chunk is None else chunk
+        budget = int(getattr(engine, "prefix_cache_bytes", 0) or 0)
+        model = getattr(engine, "model", None)
+        per_token = model.config.kv_bytes_per_token(4) if model is not None else 1
+        cache = PrefixCache(budget, estimate=lambda p: p.true_length * per_token) if budget else None
+        return cls(engine, params, cache=cache, chunk=chunk)
+
+    def step_budget(self, decoding: bool) -> int | None:
+        """Prompt tokens one scheduler step may prefill: a chunk while streams decode,
+        no bound otherwise (None: pieces are not chunked either)."""
+        return self.chunk if self.chunk and decoding else None
+
+    def next_piece(self, job: PrefillJob, budget: int | None) -> int:
+        """Tokens of the job's next piece under a step's ``budget`` (chunked when bounded)."""
+        return job.next_end(self.chunk if budget is not None else 0) - job.done
+
+    def start(self, tokens: list[int], sampling: SamplingParams, token_mask: Any = None) -> PrefillJob:
+        """Plan a prompt's pieces (looking it up in the cache, holding the entry found);
+        ``token_mask`` constrains the first token, drawn by the last piece."""
+        n, held, prefix, have, keep = len(tokens), None, None, 0, set()
+        if self.cache is not None:
+            entry, matched = self.cache.lookup(tokens)
+            if entry is not None:
+                held, prefix, have = entry, self.cache.acquire(entry), entry.length
+            split = min(matched, n - 1) // self.block * self.block
+            if split > have:
+                keep.add(split)
+        return PrefillJob(list(tokens), sampling, sorted({n, *keep}), frozenset(keep), prefix, have, have, held,
+                          token_mask)
+
+    def advance(self, job: PrefillJob, budget: int | None = None) -> tuple[Prefix, ResultTokens] | None:
+        """Run the job's next piece (chunked under a step's ``budget``, see
+        :meth:`step_budget`); after the last, its prefix and first token."""
+        end = job.done + self.next_piece(job, budget)
+        final = end == len(job.tokens)
+        extra = {"token_mask": job.token_mask} if final and job.token_mask is not None else {}
+        prefix, first = self.engine.prefill(params=self.params, tokens=job.tokens[job.done: end],
+                                            sampling=job.sampling if final else _PIECE, existing_prefix=job.prefix,
+                                            **extra)
+        if end == job.cuts[0]:
+            job.cuts.pop(0)
+        job.prefix, job.done = prefix, end
+        self._release(job)  # continued: the entry is not needed any more
+        if self.cache is not None and end >= self.block and (final or end in job.keep):
+            self.cache.insert(prefix, shared=end in job.keep)
+        return (prefix, first) if final else None
+
+    def abandon(self, job: PrefillJob) -> None:
+        """A request that will not finish its prefill (cancelled, failed) lets go of its entry."""
+        self._release(job)
+        job.cuts.clear()
+
+    def _release(self, job: PrefillJob) -> None:
+        if job.held is not None:
+            self.cache.release(job.held)
+            job.held = None

@@ -1,0 +1,254 @@
+"""The driver's prefix cache: prefixes of earlier prompts, found by longest match.
+
+An entry is a whole :class:`~polyengine.protocol.Prefix` the engine made (its K/V from
+position 0, wherever the engine keeps them), filed under its prompt tokens in a radix
+tree (a trie whose edges are runs of token ids). A new prompt walks the tree once and
+gets two answers: the longest entry that is a proper prefix of it (the driver continues
+that entry with the rest of the prompt, always at least one token, so the first token
+is drawn with the new request's own sampling), and how far the prompt matches any
+cached prompt at all (the driver may prefill up to that point as a separate piece and
+file it, so the next prompt sharing it finds an entry there).
+
+Entries are whole prefixes, not shared blocks: an entry of 512 tokens and one of 544
+that extends it each hold their own K/V. The engine protocol has no paged cache to
+share blocks in, and a prefix is valid for its engine's life (docs/design.md), so an
+entry is safe to continue whatever happened since it was made.
+
+Memory: an entry costs ``Prefix.nbytes`` (the engine's count, padding included; an
+estimate from the model when the engine gives none). The cache never holds more than
+its budget (``EngineConfig.prefix_cache_bytes``, which the engine's memory check
+counted). Entries in use (referenced by a request whose prefill will continue them)
+are never evicted. The others leave least recently used first (a hit makes an entry
+the most recent), in two segments: entries filed for one prompt (its own prefix, in case
+its conversation comes back) go before entries cut where two prompts part, which are
+known to be shared. A one-prompt entry that a newer entry extends (a conversation's
+previous turn, once the next turn is filed) becomes the least recent: the conversation
+will continue the newer one. Under pressure, a stream of one-off prompts then pushes out
+other one-off prompts, not the system prompt every request continues, and conversations
+lose their superseded turns before their latest ones.
+
+Single-threaded: the scheduler calls it under its lock. ``stats`` are plain counters
+that a metrics scraper on another thread may read at any time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+__all__ = ["CacheEntry", "CacheStats", "PrefixCache"]
+
+
+@dataclass
+class CacheStats:
+    """Cumulative counts since the cache was made, and its size now."""
+
+    queries: int = 0  # prompts looked up
+    query_tokens: int = 0  # their tokens
+    hits: int = 0  # prompts that continued an entry
+    hit_tokens: int = 0  # prompt tokens whose K/V came from an entry
+    inserts: int = 0
+    evictions: int = 0
+    bytes: int = 0
+    entries: int = 0
+
+
+class _Node:
+    """A radix tree node: ``edge`` is the run of token ids from its parent to it, so its
+    depth is the length of the prompt it stands for."""
+
+    __slots__ = ("edge", "parent", "children", "entry", "depth")
+
+    def __init__(self, edge: tuple[int, ...], parent: "_Node | None", depth: int):
+        self.edge, self.parent, self.depth = edge, parent, depth
+        self.children: dict[int, _Node] = {}
+        self.entry: CacheEntry | None = None
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """One cached prefix: ``length`` prompt tokens; ``refs`` requests about to continue it."""
+
+    prefix: Any  # polyengine.protocol.Prefix
+    length: int
+    nbytes: int
+    refs: int = 0
+    shared: bool = False  # filed where two prompts part (known to begin several)
+    node: _Node | None = field(default=None, repr=False)
+
+
+def _common(tokens: Sequence[int], at: int, edge: tuple[int, ...]) -> int:
+    """How many leading tokens of ``tokens[at:]`` equal ``edge``'s."""
+    if tuple(tokens[at: at + len(edge)]) == edge:
+        return len(edge)
+    n = 0
+    for a, b in zip(tokens[at:], edge):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+class PrefixCache:
+    """Cached prefixes under a byte budget. ``estimate(prefix)`` sizes a prefix whose
+    engine left ``nbytes`` at 0."""
+
+    def __init__(self, budget: int, *, estimate: Callable[[Any], int] | None = None):
+        if budget < 0:
+            raise ValueError(f"a prefix cache budget must be >= 0 bytes, got {budget}")
+        self.budget = int(budget)
+        self._estimate = estimate
+        self._root = _Node((), None, 0)
+        self._lru: OrderedDict[CacheEntry, None] = OrderedDict()  # oldest use first
+        self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[CacheEntry | None, int]:
+        """``(entry, matched)`` for a prompt: the longest entry shorter than the prompt
+        whose tokens begin it (None if none), and how many of the prompt's leading tokens
+        some cached prompt shares (at least the entry's length). Counts one query; a hit
+        is counted when the caller :meth:`acquire`\\ s the entry."""
+        self.stats.queries += 1
+        self.stats.query_tokens += len(tokens)
+        node, at, best = self._root, 0, None
+        while True:
+            if node.entry is not None and node.depth < len(tokens):
+                best = node.entry
+            if at == len(tokens):
+                break
+            child = node.children.get(tokens[at])
+            if child is None:
+                break
+            n = _common(tokens, at, child.edge)
+            at += n
+            if n < len(child.edge):
+                break
+            node = child
+        return best, at
+
+    def acquire(self, entry: CacheEntry) -> Any:
+        """Take a reference to an entry (it cannot be evicted until :meth:`release`) and
+        count it as a hit; returns its prefix."""
+        entry.refs += 1
+        self._lru.move_to_end(entry)
+        self.stats.hits += 1
+        self.stats.hit_tokens += entry.length
+        return entry.prefix
+
+    def release(self, entry: CacheEntry) -> None:
+        entry.refs -= 1
+        if entry.refs < 0:
+            raise RuntimeError("prefix cache entry released more often than acquired")
+
+    # -- insertion and eviction ----------------------------------------------------------------
+
+    def insert(self, prefix: Any, *, shared: bool = False) -> CacheEntry | None:
+        """File ``prefix`` under its prompt tokens; returns its entry, or None when it does
+        not fit the budget even after evicting every entry not in use. ``shared``: it is
+        known to begin several prompts (evicted after the entries that are not). An entry
+        already filed under the same tokens stays (marked used) and the new prefix is dropped."""
+        tokens = tuple(int(t) for t in prefix.prompt_tokens)
+        nbytes = int(getattr(prefix, "nbytes", 0) or (self._estimate(prefix) if self._estimate else 0))
+        node = self._path(tokens, create=False)
+        if node is not None and node.entry is not None:
+            node.entry.shared = node.entry.shared or shared
+            self._lru.move_to_end(node.entry)
+            return node.entry
+        if nbytes > self.budget or not self._make_room(nbytes):
+            return None
+        node = self._path(tokens, create=True)
+        entry = node.entry = CacheEntry(prefix, len(tokens), nbytes, shared=shared, node=node)
+        self._lru[entry] = None
+        below = self._entry_below(node)
+        if below is not None and not below.shared:
+            # A one-prompt entry that this one extends (a conversation's previous turn):
+            # the next turn will continue this one, so that one goes first.
+            self._lru.move_to_end(below, last=False)
+        self.stats.inserts += 1
+        self.stats.bytes += nbytes
+        self.stats.entries = len(self._lru)
+        return entry
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict entries not in use until ``nbytes`` fit: those filed for one prompt,
+        least recently used first, then those where prompts part, least recently used first."""
+        if self.stats.bytes + nbytes <= self.budget:
+            return True
+        free = sum(e.nbytes for e in self._lru if e.refs == 0)
+        if self.stats.bytes - free + nbytes > self.budget:
+            return False  # even evicting everything not in use would not make room
+        idle = [e for e in self._lru if e.refs == 0]
+        for entry in [e for e in idle if not e.shared] + [e for e in idle if e.shared]:
+            if self.stats.bytes + nbytes <= self.budget:
+                break
+            self._remove(entry)
+            self.stats.evictions += 1
+        return True
+
+    def clear(self) -> None:
+        """Drop every entry not in use (counted as evictions)."""
+        for entry in [e for e in self._lru if e.refs == 0]:
+            self._remove(entry)
+            self.stats.evictions += 1
+
+    def entries(self) -> list[CacheEntry]:
+        """Every entry, least recently used first."""
+        return list(self._lru)
+
+    # -- the tree ----------------------------------------------------------------------------
+
+    def _path(self, tokens: tuple[int, ...], *, create: bool) -> _Node | None:
+        """The node standing for ``tokens`` (splitting an edge or adding a leaf with
+        ``create``), or None when it is not in the tree."""
+        node, at = self._root, 0
+        while at < len(tokens):
+            child = node.children.get(tokens[at])
+            if child is None:
+                if not create:
+                    return None
+                leaf = node.children[tokens[at]] = _Node(tokens[at:], node, len(tokens))
+                return leaf
+            n = _common(tokens, at, child.edge)
+            if n == len(child.edge):
+                node, at = child, at + n
+                continue
+            if not create:
+                return None
+            mid = _Node(child.edge[:n], node, node.depth + n)  # split the edge where the prompts part
+            node.children[tokens[at]] = mid
+            child.edge, child.parent = child.edge[n:], mid
+            mid.children[child.edge[0]] = child
+            node, at = mid, at + n
+        return node
+
+    @staticmethod
+    def _entry_below(node: _Node) -> CacheEntry | None:
+        """The longest entry that is a proper prefix of ``node``'s prompt."""
+        node = node.parent
+        while node is not None and node.entry is None:
+            node = node.parent
+        return None if node is None else node.entry
+
+    def _remove(self, entry: CacheEntry) -> None:
+        del self._lru[entry]
+        self.stats.bytes -= entry.nbytes
+        self.stats.entries = len(self._lru)
+        node = entry.node
+        node.entry, entry.node = None, None
+        # Prune leaves that no longer lead to an entry, then merge a node left with one child.
+        while node.parent is not None and node.entry is None and not node.children:
+            del node.parent.children[node.edge[0]]
+            node = node.parent
+        if node.parent is not None and node.entry is None and len(node.children) == 1:
+            (child,) = node.children.values()
+            node.edge, node.depth, node.entry = node.edge + child.edge, child.depth, child.entry
+            node.children = child.children
+            for grandchild in node.children.values():
+                grandchild.parent = node
+            if node.entry is not None:
+                node.entry.node = node
