@@ -169,6 +169,13 @@ class Prefix:
     the backend's ``to_host``. ``sampling`` has a concrete ``seed``. ``model_id`` says
     which weights made it (``EngineBase`` uses the model's ``instance_id``): an engine
     refuses a prefix made with other weights rather than decode garbage from it.
+
+    A prefix stays valid, unchanged, for the life of the engine that made it: no later
+    call (prefill, insert, generate, free, in any order) invalidates it, and prefill
+    with ``existing_prefix`` never changes the prefix it continues. It may be inserted
+    again, into any free slot, any number of times (also through ``bulk_insert``), and
+    each insert behaves exactly as its first: a backend that donates its buffers at
+    insert copies on reuse. (docs/design.md, Prefixes.)
     """
 
     kv: Any
@@ -386,6 +393,11 @@ class Engine(Protocol):
     that lacks one still has the method and raises :class:`UnsupportedFeature`):
     ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
     (``portable_prefix``); and ``existing_prefix`` in prefill (``prefix_reuse``).
+
+    Prefixes belong to the caller: a :class:`Prefix` stays valid for the engine's life
+    whatever later calls do (prefilling ahead of free slots is allowed), and an
+    inserted prefix may be inserted again and behaves as at its first insert. A refused
+    call changes nothing.
     """
 
     name: str
