@@ -36,7 +36,7 @@ def add_command(sub: Any) -> None:
     p.add_argument("-k", dest="keyword", metavar="EXPR", default=None,
                    help="run only tests matching the pytest -k expression (layers match layer_<name>, e.g. layer_contract)")
     p.add_argument("--differential-examples", metavar="N", type=int, default=None,
-                   help="random programs per configuration in the differential layer (default 8): more to look longer")
+                   help="random programs per configuration in the differential layer (default 10): more to look longer")
     p.add_argument("--differential-seed", metavar="SEED", type=int, default=None,
                    help="the differential layer's seed: another one draws other programs")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")

@@ -22,8 +22,6 @@ draws other programs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from polyengine.conformance import layer
@@ -35,7 +33,7 @@ __all__ = ["PROGRAMS", "EXAMPLES", "STEPS", "run_programs"]
 
 # model, or model-variant: the engines the other layers build already
 PROGRAMS = (*MODEL_NAMES, *(f"{DEFAULT_MODEL}-{v}" for v in VARIANTS if v != "standard"))
-EXAMPLES = 8  # programs per configuration in a default run
+EXAMPLES = 10  # programs per configuration in a default run
 STEPS = 25  # calls per program at most (a generate call runs up to 8 steps)
 # Seconds Hypothesis may spend shrinking a failing program (its own default is 300; it
 # lets users change it, hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS).
@@ -74,9 +72,9 @@ def _shared(conformance, model: str, variant: str):
     return mirror, mirror_params, oracle, foreign
 
 
-def run_programs(conformance, program: str, *, examples: int, seed: int, test_id: str) -> None:
+def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: str) -> None:
     """Run ``examples`` seeded random programs on one configuration; raise AssertionError
-    with the shrunk failing program."""
+    with the shrunk failing program (``rerun``: the options that run it again)."""
     import importlib.util
 
     if importlib.util.find_spec("hypothesis") is None:
@@ -87,6 +85,7 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, test_id
     from hypothesis import HealthCheck, Phase, Verbosity, settings
     from hypothesis import seed as use_seed
     from hypothesis.errors import Flaky
+    from hypothesis.internal.conjecture import engine as conjecture
     from hypothesis.stateful import run_state_machine_as_test
 
     from polyengine.conformance.programs import Program, ProgramFailure, ProgramRun
@@ -102,16 +101,13 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, test_id
     config = settings(
         max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None,
         suppress_health_check=list(HealthCheck), report_multiple_bugs=False, phases=(Phase.generate, Phase.shrink),
-        verbosity=Verbosity.debug if os.environ.get("PE_DIFF_DEBUG") else Verbosity.quiet, print_blob=False,
+        verbosity=Verbosity.quiet, print_blob=False,
     )
 
     def factory() -> Program:
         return Program(run)
 
-    how = (f"seed {seed}, {examples} programs; the run is deterministic: `-k \"{test_id}\"` with the same "
-           f"--polyengine-differential-seed and --polyengine-differential-examples runs it again")
-    from hypothesis.internal.conjecture import engine as conjecture
-
+    how = f"seed {seed}, {examples} programs: the run is deterministic, {rerun} runs it again"
     shrink_seconds, conjecture.MAX_SHRINKING_SECONDS = conjecture.MAX_SHRINKING_SECONDS, SHRINK_SECONDS
     try:
         run_state_machine_as_test(use_seed(seed)(factory), settings=config)
@@ -151,4 +147,7 @@ class DifferentialLayer:
         examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
         base = request.config.getoption("polyengine_differential_seed", None)
         seed = (SEEDS["differential"] if base is None else base) + PROGRAMS.index(program)
-        run_programs(conformance, program, examples=examples, seed=seed, test_id=conformance.test_id)
+        rerun = f'-k "{conformance.test_id}"' + "".join(
+            f" --polyengine-differential-{name} {value}" for name, value in (("examples", examples), ("seed", base))
+            if value is not None and (name, value) != ("examples", EXAMPLES))
+        run_programs(conformance, program, examples=examples, seed=seed, rerun=rerun)

@@ -174,6 +174,8 @@ class Judge:
 
     def _read(self, p: Pending, after_next: bool) -> None:
         d, r = self.d, p.result
+        if after_next:
+            self.run.count("results read after the next step")
         where = f"the result of [{p.call}]" + (" (read after the next generate was dispatched)" if after_next else "")
         try:
             tokens, valid, lengths = np.asarray(r.tokens), np.asarray(r.valid, bool), np.asarray(r.lengths)

@@ -1,36 +1,26 @@
-"""Random protocol programs, run on the backend and on the reference, compared call by call.
+"""Random programs of protocol calls, run on the backend and on the reference.
 
-A program is a sequence of protocol calls drawn by Hypothesis' stateful testing
-(:class:`Program`, a ``RuleBasedStateMachine``): prefill (with and without
-``existing_prefix``), insert, bulk_insert, generate (with and without overrides, its
-results read at once or after the next step is dispatched), free_resource,
-export_prefix and import_prefix, each request with its own sampling parameters drawn
-over every field the backend declares, and refused calls mixed in (bad, occupied or
-repeated slots, bad overrides beside good ones, too long or empty prompts, ids outside
-the vocabulary, undeclared parameters and features, prefixes of other weights).
+A program (:class:`Program`, Hypothesis' ``RuleBasedStateMachine`` with one rule) is a
+sequence of steps, each one call drawn with weights (:attr:`Program.CALLS`) and its
+arguments made by :class:`~polyengine.conformance.program_draws.Draw` from the step's
+seed: start a request as the driver does (prefill, then insert or bulk_insert), prefill
+ahead (with and without ``existing_prefix``), insert a kept prefix (again: reuse),
+bulk_insert, generate (results read at once or after the next step is dispatched),
+generate with overrides, free_resource, export_prefix, import_prefix, and refused calls
+mixed in (bad, occupied or repeated slots, bad overrides beside good ones, too long or
+empty prompts, ids outside the vocabulary, undeclared parameters and features, prefixes
+of other weights).
 
 Every call runs on the backend and on a **mirror**: the reference engine restricted to
 the backend's declared capabilities (:func:`polyengine.conformance.oracle.mirror_engine`),
-which receives the same slot and prefix calls. Where one refuses a call, the other must
-refuse it too, with the same error type (or a subclass of it), and a refused call
-changes nothing: the program's model of the slots stays as it was, and every later
-output is still compared with the reference's. Values come from the oracle, per request
-(its prompt, sampling parameters, sample index and forced tokens), so a backend with
-several tokens per step is compared token by token, never step by step:
+which receives the same slot and prefix calls but never generates. Where one refuses a
+call the other must refuse it too, with the same error type (or a subclass), and a
+refused call changes nothing: the program's model of the slots stays as it was, and
+every later output is still compared. The values are judged by
+:class:`~polyengine.conformance.program_checks.Judge` against the oracle, per request.
 
-* every token exactly; where the backend leaves the reference's stream, the
-  reference's margin there must be below ``tie_gap`` (a near tie) or the token must sit
-  within ``support_slack`` of a top-k/top-p/min-p boundary; then the divergence is
-  reported and that request is no longer compared;
-* ``valid`` and ``lengths`` of every row (valid tokens first, 1..tokens_per_step of
-  them for a slot with room, none for an empty or full slot);
-* reported log-probs within ``logprob_abs``, top log-probs' values, ids and order (up
-  to ties within the tolerance);
-* prefix logits within ``logits_rel_l2``; exported K/V within ``kv_rel_l2``, with
-  the prompt ids and the seed.
-
-The program keeps a log in the protocol's own calls; :class:`ProgramFailure` carries
-it, so a failure prints a program a reader can replay by hand.
+The program keeps a log in the protocol's own calls, annotated with what the backend
+returned; a failure's message ends with it, so it can be replayed by hand.
 """
 
 from __future__ import annotations
@@ -67,7 +57,7 @@ class PrefixEntry:
     first: int  # sample 0's first token, as the backend drew it
     diverged: bool  # sample 0's first token left the reference's (a near tie): not compared
     prefills_at: int  # prefills the program had run when this prefix was made
-    inserts: int = 0  # how many times it went into a slot (insert, or each slot of a bulk_insert)
+    inserts: int = 0  # insert and bulk_insert calls that took it
 
 
 @dataclass
@@ -94,7 +84,6 @@ class ProgramRun:
     foreign: Callable[[], tuple[Prefix, Prefix, PortablePrefix]]  # another model's prefixes and export
     dims: Dims = field(init=False)
     log: list[str] = field(default_factory=list)
-    programs: int = 0
     counts: dict[str, int] = field(default_factory=dict)  # what the programs compared, for the report
     first_failure: tuple[str, list[str]] | None = None  # the first failing program's message and log
 
@@ -125,8 +114,7 @@ class Program(Judge, RuleBasedStateMachine):
     def __init__(self, run: ProgramRun):
         super().__init__()
         self.run, self.d = run, run.dims
-        run.programs += 1
-        run.log = [f"state = engine.init_decode_state()  # program {run.programs}: {run.describe}"]
+        run.log = [f"state = engine.init_decode_state()  # {run.describe}"]
         run.oracle.clear()
         self.state = run.engine.init_decode_state()
         self.mstate = run.mirror.init_decode_state()
@@ -179,7 +167,7 @@ class Program(Judge, RuleBasedStateMachine):
     # a small budget into programs of one call kind); shrinking goes towards the first.
     # A call that is not possible yet (an insert before any prefill) does nothing.
     CALLS = tuple(name for name, weight in (
-        ("start_request", 4), ("generate", 5), ("generate_with_overrides", 3), ("prefill", 2), ("insert", 2),
+        ("start_request", 4), ("generate", 5), ("generate_with_overrides", 3), ("prefill", 2), ("insert", 3),
         ("free", 2), ("bulk_insert", 1), ("export", 1), ("import_prefix", 1), ("prefill_refused", 1),
     ) for _ in range(weight))
 
@@ -256,6 +244,8 @@ class Program(Judge, RuleBasedStateMachine):
             lambda: run.mirror.prefill(params=run.mirror_params, tokens=list(prompt), sampling=sampling,
                                        existing_prefix=base.mirror if base else None),
         )
+        if out is not None and base is not None:
+            self._used(base, "continued")
         self.prefills += 1
         if out is None:
             return None
@@ -286,7 +276,7 @@ class Program(Judge, RuleBasedStateMachine):
 
     def _prefix_notes(self, entry: PrefixEntry) -> list[str]:
         """What happened to a prefix since it was made that the protocol says must not
-        matter (docs/design.md, Slot rules): later prefills, earlier inserts."""
+        matter (docs/design.md, Prefixes): later prefills, earlier inserts."""
         notes = []
         if self.prefills > entry.prefills_at:
             notes.append(f"{self.prefills - entry.prefills_at} prefill call(s) ran after {entry.label} was made (a "
@@ -295,6 +285,14 @@ class Program(Judge, RuleBasedStateMachine):
             notes.append(f"{entry.label} had been inserted {entry.inserts} time(s) before (an inserted prefix may be "
                          f"inserted again, into any free slot, and behaves as at its first insert)")
         return notes
+
+    def _used(self, entry: PrefixEntry, use: str) -> None:
+        """Count, for the report, a prefix used (inserted, continued, exported) after later
+        prefills or after an insert: the two rules of docs/design.md's Prefixes."""
+        if self.prefills > entry.prefills_at:
+            self.run.count(f"prefixes {use} after later prefills")
+        if entry.inserts:
+            self.run.count(f"prefixes {use} after an insert")
 
     def _origin(self, entry: PrefixEntry, slot: int, how: str) -> str:
         return f"request {entry.label} in slot {slot} ({how})"
@@ -328,6 +326,7 @@ class Program(Judge, RuleBasedStateMachine):
             return
         self.state = out[0]
         notes = self._prefix_notes(entry)
+        self._used(entry, "inserted")
         entry.inserts += 1
         self.slots[slot] = SlotTrack(self._origin(entry, slot, "insert"), entry.prompt, entry.sampling, 0,
                                      [entry.first], compared=not entry.diverged, notes=tuple(notes))
@@ -366,6 +365,7 @@ class Program(Judge, RuleBasedStateMachine):
                        f"got tokens {tokens.tolist()}, valid {valid.tolist()}, lengths {lengths.tolist()}")
         firsts = []
         notes = self._prefix_notes(entry)
+        self._used(entry, "inserted")
         entry.inserts += 1
         for i, slot in enumerate(slots):
             track = SlotTrack(self._origin(entry, slot, f"bulk_insert sample {i}, row {i} of the result"), entry.prompt,
@@ -411,6 +411,7 @@ class Program(Judge, RuleBasedStateMachine):
             self._fail(f"`generate(overrides={overrides!r})` raised {type(exc).__name__} ({exc}); every override "
                        f"names an occupied slot, a token of the vocabulary and a position inside the slot's last "
                        f"result, which the protocol accepts")
+        self.run.count("overrides applied", len(overrides))
         for slot, ov in overrides.items():
             ov = ov if isinstance(ov, Override) else Override(ov)
             track = self.slots[slot]
@@ -503,6 +504,7 @@ class Program(Judge, RuleBasedStateMachine):
             return
         where = f"`{label} = engine.export_prefix({entry.label})`"
         notes = self._prefix_notes(entry)
+        self._used(entry, "exported")
         try:
             data_bytes = out[0].to_bytes()
             portable = PortablePrefix.from_bytes(data_bytes)

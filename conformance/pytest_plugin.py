@@ -93,7 +93,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--polyengine-differential-examples", metavar="N", type=int, default=None,
-        help="random programs per configuration in the differential layer (default 8): more to look longer",
+        help="random programs per configuration in the differential layer (default 10): more to look longer",
     )
     group.addoption(
         "--polyengine-differential-seed", metavar="SEED", type=int, default=None,
