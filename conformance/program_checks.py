@@ -176,6 +176,7 @@ class Judge:
         d, r = self.d, p.result
         if after_next:
             self.run.count("results read after the next step")
+            self._annotate(p.call, "read after the next generate")
         where = f"the result of [{p.call}]" + (" (read after the next generate was dispatched)" if after_next else "")
         try:
             tokens, valid, lengths = np.asarray(r.tokens), np.asarray(r.valid, bool), np.asarray(r.lengths)
@@ -216,8 +217,7 @@ class Judge:
             if m:
                 track.last = m
                 shown.append(f"{s}: {[int(t) for t in tokens[s, :m]]}")
-        self._annotate(p.call, ("read after the next generate; " if after_next else "")
-                       + ("slot " + ", ".join(shown) if shown else "no tokens"))
+        self._annotate(p.call, "slot " + ", ".join(shown) if shown else "no tokens")
 
 
     def _within(self, quantity: str, measured: float, what: str, notes: list[str] | tuple[str, ...] = ()) -> None:
