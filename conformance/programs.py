@@ -86,9 +86,27 @@ class ProgramRun:
     log: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # what the programs compared, for the report
     first_failure: tuple[str, list[str]] | None = None  # the first failing program's message and log
+    _kept: tuple[Any, Any] | None = None  # the last good program's decode states (backend, mirror)
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
+
+    def fresh_states(self) -> tuple[Any, Any]:
+        """The decode states a program starts from: those of the last program that ended
+        well, every slot freed (a freed slot behaves as a fresh one, so this costs the
+        backend no allocation and checks reuse across programs too), else new ones (after
+        a failure, or the first time: a broken state must not spoil the shrinking)."""
+        states, self._kept = self._kept, None
+        if states is None:
+            return self.engine.init_decode_state(), self.mirror.init_decode_state()
+        state, mstate = states
+        for slot in range(self.dims.slots):
+            state = self.engine.free_resource(state, slot)
+            mstate = self.mirror.free_resource(mstate, slot)
+        return state, mstate
+
+    def keep_states(self, state: Any, mstate: Any) -> None:
+        self._kept = (state, mstate)
 
     def __post_init__(self) -> None:
         e, caps = self.engine, self.engine.capabilities
@@ -114,10 +132,9 @@ class Program(Judge, RuleBasedStateMachine):
     def __init__(self, run: ProgramRun):
         super().__init__()
         self.run, self.d = run, run.dims
-        run.log = [f"state = engine.init_decode_state()  # {run.describe}"]
+        run.log = [f"state = engine.init_decode_state()  # {run.describe} (programs reuse one state, every slot freed)"]
         run.oracle.clear()
-        self.state = run.engine.init_decode_state()
-        self.mstate = run.mirror.init_decode_state()
+        self.state, self.mstate = run.fresh_states()
         self.prefixes: list[PrefixEntry] = []
         self.portables: list[PortableEntry] = []
         self.slots: dict[int, SlotTrack] = {}
@@ -573,3 +590,5 @@ class Program(Judge, RuleBasedStateMachine):
         # the first one is the one to report).
         if self.pending and not self.failed:
             self._read_pending()
+        if not self.failed:
+            self.run.keep_states(self.state, self.mstate)
