@@ -10,8 +10,8 @@ Configurations: each test model (``mha_tied``, ``gqa_llama3``, ``odd_qwen2``) in
 standard engine, and the default model in the two prefill-bucket variants, all in the
 backend's first declared dtype: the engines the other layers build already, so a
 compiled backend compiles nothing new for this layer (its first use of a bucket the
-other layers did not reach compiles once, never once per program). Every program
-starts from a fresh decode state of the same engine.
+other layers did not reach compiles once, never once per program). The programs share
+one decode state, every slot freed between them (``ProgramRun.fresh_states``).
 
 Budget and reproduction: ``EXAMPLES`` programs per configuration, seeded (``SEEDS``),
 so a run is deterministic and a failure in CI reproduces by running the same test

@@ -84,7 +84,7 @@ def _add_plugin_commands(sub: Any) -> None:
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
-    from polyengine.plugins import list_backends
+    from polyengine.discovery import list_backends
 
     rows = [b.to_dict() for b in list_backends()]
     if args.json:

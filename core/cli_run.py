@@ -89,7 +89,7 @@ def _build(args: argparse.Namespace):
     from polyengine.driver import LLM
     from polyengine.models import load_model
 
-    from polyengine.plugins import select_backend
+    from polyengine.selection import select_backend
 
     if args.context_length is not None and args.context_length < 2:
         raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {args.context_length}")

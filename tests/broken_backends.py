@@ -18,7 +18,7 @@ from polyengine import PROTOCOL_VERSION
 from polyengine.backends.reference.engine import ReferenceEngine
 from polyengine.backends.reference.model import rope
 from polyengine.conformance.faults import FAULTS
-from polyengine.engine import ResultLayout, ResultTokens
+from polyengine.engine import ResultLayout, ResultTokens, Slot
 from polyengine.plugins import BackendSpec, Probe, hookimpl
 from polyengine.sampling import RowState, raw_logprobs, sample
 from polyengine.sampling.params import ENGINE_FIELDS
@@ -127,10 +127,10 @@ class OverridePenaltyEngine(ReferenceEngine):
     so the penalties count the token that was replaced."""
 
     @staticmethod
-    def _force(s, token, position):
-        sampled = int(s.row.completion_tokens[position])
-        ReferenceEngine._force(s, token, position)
-        s.row.completion_tokens[-1] = sampled
+    def _force(state, slot, token, position):
+        sampled = int(state.rows[slot].completion_tokens[position])
+        ReferenceEngine._force(state, slot, token, position)
+        state.rows[slot].completion_tokens[-1] = sampled
 
 
 class UncheckedOverridesEngine(ReferenceEngine):
@@ -143,15 +143,11 @@ class UncheckedOverridesEngine(ReferenceEngine):
 class SharedFirstTokenEngine(ReferenceEngine):
     """bulk_insert hands sample 0's first token to every slot instead of drawing sample i."""
 
-    def bulk_insert(self, prefix, decode_state, slots):
-        slots = self.check_bulk_slots(slots, decode_state.is_occupied)
-        for i, slot in enumerate(slots):
-            self._install(prefix, decode_state, slot, i, prefix.first_token)
+    def _install(self, prefix, state, slots, *, draw):
+        super()._install(prefix, state, slots, draw=False)
         n = len(slots)
-        return decode_state, ResultTokens(
-            tokens=np.full((n, 1), prefix.first_token, np.int32), valid=np.ones((n, 1), bool),
-            lengths=np.ones(n, np.int32),
-        )
+        return ResultTokens(tokens=np.full((n, 1), prefix.first_token, np.int32), valid=np.ones((n, 1), bool),
+                            lengths=np.ones(n, np.int32)) if draw else None
 
 
 class BulkOrderEngine(ReferenceEngine):
@@ -171,7 +167,8 @@ class BulkPartialEngine(ReferenceEngine):
         firsts = []
         for i, slot in enumerate(slots):
             slot = self.check_empty_slot(slot, decode_state.is_occupied)  # checked only when its turn comes
-            self._install(prefix, decode_state, slot, i, prefix.first_token)
+            self._install(prefix, decode_state, [slot], draw=False)
+            decode_state.slots.put(slot, Slot(prefix.true_length))
             firsts.append(prefix.first_token)
         n = len(firsts)
         return decode_state, ResultTokens(tokens=np.array(firsts, np.int32).reshape(n, 1), valid=np.ones((n, 1), bool),
@@ -234,8 +231,9 @@ class CacheOverrunEngine(ReferenceEngine):
     """An off-by-one at the cache limit: one token more than max_cache_length allows
     (the last one is sampled but never fed, so the cache itself does not overflow)."""
 
-    def _has_room(self, s):
-        return s.total <= self.max_cache_length and s.length < self.max_cache_length
+    def _live(self, state):
+        return [i for i in state.slots.occupied()
+                if state.slots[i].total <= self.max_cache_length and state.slots[i].length < self.max_cache_length]
 
 
 class LengthsEngine(ReferenceEngine):
@@ -327,10 +325,12 @@ class GlobalStreamEngine(ReferenceEngine):
 class SlotStreamEngine(ReferenceEngine):
     """Keys each slot's stream by seed + slot (a per-slot generator)."""
 
-    def _install(self, prefix, state, slot, sample_index, first):
-        super()._install(prefix, state, slot, sample_index, first)
-        row = state.slots[slot].row
-        row.params = row.params.model_copy(update={"seed": (row.params.seed + slot) % (1 << 64)})
+    def _install(self, prefix, state, slots, *, draw):
+        out = super()._install(prefix, state, slots, draw=draw)
+        for slot in slots:
+            row = state.rows[slot]
+            row.params = row.params.model_copy(update={"seed": (row.params.seed + slot) % (1 << 64)})
+        return out
 
 
 class SilentParamEngine(ReferenceEngine):
@@ -427,8 +427,8 @@ class BucketPadPrefixEngine(ReferenceEngine):
     _pad = 0
 
     def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        if existing_prefix is not None and self.buckets is not None:
-            self._pad = self._bucket(existing_prefix.true_length) - existing_prefix.true_length
+        if existing_prefix is not None and self.config.prefill_buckets is not None:
+            self._pad = self.config.bucket_for(existing_prefix.true_length) - existing_prefix.true_length
         try:
             return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
         finally:
@@ -467,14 +467,9 @@ class OverridesAppliedWhileCheckedEngine(ReferenceEngine):
 
     def generate(self, params, decode_state, *, overrides=None):
         state = decode_state
-
-        def last(i):
-            s = state.slots[i]
-            return None if s is None else (s.row.completion_tokens.size, s.last)
-
         for slot, value in dict(overrides or {}).items():
-            for s, (token, position) in self.check_overrides({slot: value}, last).items():
-                self._force(state.slots[s], token, position)
+            for s, (token, position) in self.check_overrides({slot: value}, state.slots.last_result).items():
+                self._force(state, s, token, position)
         return super().generate(params, state)
 
 
@@ -530,8 +525,7 @@ class SharedResultBufferEngine(AsyncEngine):
     def generate(self, params, decode_state, *, overrides=None):
         self._wait()
         state, layout = decode_state, self._layout
-        self.check_overrides(overrides, lambda i: None if state.slots[i] is None else (
-            state.slots[i].row.completion_tokens.size, state.slots[i].last))
+        self.check_overrides(overrides, state.slots.last_result)
 
         def step():
             _, r = ReferenceEngine.generate(self, params, state, overrides=overrides)

@@ -168,9 +168,9 @@ class AsyncEngine(ReferenceEngine):
         self._wait()
         state = decode_state
         # Refusals come before any work, on the caller's thread.
-        self.check_overrides(overrides, lambda i: None if state.slots[i] is None else (state.slots[i].row.completion_tokens.size, state.slots[i].last))
-        live = [s for s in state.slots if s is not None]
-        layout = ResultLayout(k=1, top_n=max((s.row.params.top_logprobs for s in live), default=0), logprobs=True)
+        self.check_overrides(overrides, state.slots.last_result)
+        live = state.slots.occupied()
+        layout = ResultLayout(k=1, top_n=max((state.rows[i].params.top_logprobs for i in live), default=0), logprobs=True)
 
         def step():
             _, r = ReferenceEngine.generate(self, params, state, overrides=overrides)
@@ -287,14 +287,15 @@ class DonatedEngine(ReferenceEngine):
         prefix.kv = _Donatable(k, v, n)
         return prefix, first
 
-    def _install(self, prefix, state, slot, sample_index, first):
+    def _install(self, prefix, state, slots, *, draw):
         kv = prefix.kv
-        if isinstance(kv, _Donatable) and not kv.donated:
-            state.k[slot], state.v[slot] = kv.k, kv.v
-            kv.donated = True
-        else:  # copy on reuse, into a fresh buffer: the slot's may be another prefix's donated one
-            state.k[slot], state.v[slot] = np.zeros_like(state.k[slot]), np.zeros_like(state.v[slot])
-        super()._install(prefix, state, slot, sample_index, first)
+        for slot in slots:
+            if isinstance(kv, _Donatable) and not kv.donated:
+                state.k[slot], state.v[slot] = kv.k, kv.v
+                kv.donated = True
+            else:  # copy on reuse, into a fresh buffer: the slot's may be another prefix's donated one
+                state.k[slot], state.v[slot] = np.zeros_like(state.k[slot]), np.zeros_like(state.v[slot])
+        return super()._install(prefix, state, slots, draw=draw)
 
 
 class SpeculativeEngine(ReferenceEngine):
@@ -307,29 +308,29 @@ class SpeculativeEngine(ReferenceEngine):
         super().__init__(model, config)
         self.capabilities = self.capabilities.model_copy(update={"tokens_per_step": self.K})
 
-    def _accepted(self, s) -> int:
-        return 1 + (s.row.params.seed + 7 * s.row.completion_tokens.size) % self.K
+    def _accepted(self, row) -> int:
+        return 1 + (row.params.seed + 7 * row.completion_tokens.size) % self.K
 
     def generate(self, params, decode_state, *, overrides=None):
         state = decode_state
-        forced = self.check_overrides(
-            overrides, lambda i: None if state.slots[i] is None else (state.slots[i].row.completion_tokens.size, state.slots[i].last))
+        forced = self.check_overrides(overrides, state.slots.last_result)
         for slot, (token, position) in forced.items():
-            self._force(state.slots[slot], token, position)
+            self._force(state, slot, token, position)
         n = state.num_slots
-        want = {i: self._accepted(s) for i, s in enumerate(state.slots) if s is not None}
+        want = {i: self._accepted(state.rows[i]) for i in state.slots.occupied()}
         cols: dict[int, list[tuple]] = {i: [] for i in want}
-        top_n = max((state.slots[i].row.params.top_logprobs for i in want), default=0)
+        top_n = max((state.rows[i].params.top_logprobs for i in want), default=0)
         for r in range(self.K):
             active = [i for i, m in want.items() if m > r]
             hidden = {i: state.slots[i] for i in range(n) if i not in active}
             for i in hidden:
-                state.slots[i] = None
+                state.slots.free(i)
             try:
                 _, res = ReferenceEngine.generate(self, params, state)
             finally:
                 for i, s in hidden.items():
-                    state.slots[i] = s
+                    if s is not None:
+                        state.slots.put(i, s)
             for i in active:
                 if res.valid[i, 0]:
                     k = res.top_ids.shape[2]
@@ -339,10 +340,9 @@ class SpeculativeEngine(ReferenceEngine):
         top_ids, top_lp = np.full((n, self.K, top_n), -1, np.int32), np.full((n, self.K, top_n), -np.inf, np.float32)
         lengths = np.zeros(n, np.int32)
         for i, got in cols.items():
-            s = state.slots[i]
-            lengths[i] = s.row.completion_tokens.size
+            lengths[i] = state.rows[i].completion_tokens.size
             if got:
-                s.last = len(got)
+                state.slots[i].last = len(got)
             for j, (t, lp, ids, vals) in enumerate(got):
                 tokens[i, j], valid[i, j], logprobs[i, j] = t, True, lp
                 top_ids[i, j, : ids.size], top_lp[i, j, : vals.size] = ids, vals

@@ -18,6 +18,8 @@ import pytest
 from polyengine.benchmarks.jobs import Job, run_job
 from polyengine.benchmarks.workload import QUICK, STANDARD, Request
 
+from imports import assert_imports_light
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,11 +42,8 @@ def test_no_heavy_imports_and_the_core_does_not_import_the_benchmarks():
         import polyengine.benchmarks.worker, polyengine.benchmarks.run_polyengine
         import polyengine.benchmarks.run_transformers, polyengine.benchmarks.run_llamacpp
         import polyengine.benchmarks.gguf_convert, polyengine.benchmarks.host
-        heavy = sorted(m for m in ("torch", "transformers", "llama_cpp", "jax") if m in sys.modules)
-        print(heavy)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert_imports_light(code, heavy=("torch", "transformers", "llama_cpp", "jax"))
     for path in (ROOT / "core").rglob("*.py"):
         assert "polyengine.benchmarks" not in path.read_text(encoding="utf-8"), f"{path} imports the benchmarks"
 

@@ -3,8 +3,6 @@ of the way of every other pytest run."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
@@ -12,6 +10,8 @@ from polyengine.conformance.models import MODEL_NAMES
 from polyengine.conformance.suite import suite_test_names
 from polyengine.conformance.tolerances import ConformanceConfigError, Tolerances
 from polyengine.conformance.xfail import XfailList
+
+from imports import assert_imports_light
 
 pytest_plugins = ["pytester"]
 
@@ -158,14 +158,9 @@ def test_plugin_is_inert_in_other_test_runs(pytester):
 
 
 def test_plugin_imports_nothing_of_the_suite():
-    code = (
-        "import sys, polyengine.conformance.pytest_plugin\n"
-        "heavy = [m for m in ('torch', 'jax', 'scipy', 'polyengine.conformance.suite', "
-        "'polyengine.backends.reference.engine', 'polyengine.driver') if m in sys.modules]\n"
-        "print(heavy)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert_imports_light("import polyengine.conformance.pytest_plugin", heavy=(
+        "torch", "jax", "scipy", "polyengine.conformance.suite", "polyengine.backends.reference.engine",
+        "polyengine.driver"))
 
 
 def test_layers_select_with_k(pytester):

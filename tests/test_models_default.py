@@ -25,6 +25,8 @@ from polyengine.models import (
 from polyengine.models import loader
 from polyengine.plugins import hookimpl, register_plugin, unregister_plugin
 
+from imports import assert_imports_light
+
 TINY = ["random:tiny", "random:tiny-gqa", "random:tiny-llama3", "random:tiny-qwen2", "random:tiny-deep"]
 BENCH = ["random:smollm2-135m", "random:llama-1b", "random:llama-7b", "random:llama-8b"]
 
@@ -77,12 +79,7 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
 
 
 def test_importing_models_stays_light():
-    code = (
-        "import sys, polyengine.models; "
-        "heavy = [m for m in ('torch', 'jax', 'ray', 'transformers', 'gguf', 'safetensors') if m in sys.modules]; "
-        "assert not heavy, heavy"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_imports_light("import polyengine.models", heavy=("torch", "jax", "ray", "transformers", "gguf", "safetensors"))
 
 
 # -- random presets -------------------------------------------------------------------------------

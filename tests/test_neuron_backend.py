@@ -3,7 +3,6 @@ buckets, artifact keys, and the sampler rollback it relies on."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ import pytest
 from polyengine import EngineConfig
 from polyengine.errors import BackendUnavailable, InvalidRequest
 from polyengine.plugins import reset_registry, select_backend
+
+from imports import assert_imports_light
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,12 +34,11 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_listing_backends_imports_neither_torch_nor_torch_neuronx():
-    out = _run("import json, sys\nfrom polyengine.plugins import list_backends\n"
-               "rows = {b.name: b.to_dict() for b in list_backends()}\n"
-               "print(json.dumps([rows['neuron'], sorted(m for m in ('torch', 'torch_neuronx') if m in sys.modules)]))")
-    assert out.returncode == 0, out.stderr
-    row, heavy = json.loads(out.stdout.strip().splitlines()[-1])
-    assert heavy == []
+    assert_imports_light("from polyengine.plugins import list_backends; [b.to_dict() for b in list_backends()]",
+                         heavy=("torch", "torch_neuronx"))
+    from polyengine.plugins import list_backends
+
+    row = {b.name: b.to_dict() for b in list_backends()}["neuron"]
     assert row["available"] and not row["accelerator"] and row["by_name_only"]
     assert "CPU compile path" in row["reason"] and "/dev/neuron" in row["reason"]
 

@@ -21,7 +21,15 @@ from polyengine.backends.reference.model import forward as reference_forward
 from polyengine.conformance.models import build_model
 from polyengine.models import Model, ModelConfig, RopeScaling
 
-from polyengine.backends.torch_common.model import StepModule, TorchWeights, forward
+from polyengine.backends.torch_common.model import StepModule, StepSpec, TorchWeights, forward
+
+from _legacy_forward import forward as legacy_forward
+
+
+def run(w, tokens, positions, k_cache, v_cache, *, rows=None, write_mask=None, logits_at=None, **spec):
+    """:func:`forward` with the spec's choices as keywords (kv_len, attention, causal, ...)."""
+    return forward(w, StepSpec(**spec), tokens, positions, k_cache, v_cache, rows=rows, write_mask=write_mask,
+                   logits_at=logits_at)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
@@ -118,8 +126,8 @@ def test_batched_prefill_and_decode_equal_reference(name, dtype, attention):
         mask[i, : len(p)] = True
     positions = torch.arange(bucket)[None, :].expand(3, bucket)
     lengths = [len(p) for p in prompts]
-    all_logits, _, _ = forward(w, tokens, positions, k_cache, v_cache, rows=rows, write_mask=mask, attention=attention)
-    logits, k_cache, v_cache = forward(
+    all_logits, _, _ = run(w, tokens, positions, k_cache, v_cache, rows=rows, write_mask=mask, attention=attention)
+    logits, k_cache, v_cache = run(
         w, tokens, positions, k_cache, v_cache, rows=rows, write_mask=mask,
         logits_at=torch.tensor(lengths) - 1, attention=attention,
     )
@@ -133,7 +141,7 @@ def test_batched_prefill_and_decode_equal_reference(name, dtype, attention):
         pad_position = 3 if step % 2 == 0 else lengths[0]  # odd steps: row 2's own next cell
         toks = rng.integers(0, vocab, 4)
         positions = torch.tensor([[lengths[0]], [lengths[1]], [lengths[2]], [pad_position]])
-        logits, k_cache, v_cache = forward(
+        logits, k_cache, v_cache = run(
             w, torch.from_numpy(toks)[:, None], positions, k_cache, v_cache, rows=batch_rows,
             write_mask=torch.tensor([[True], [True], [True], [False]]), kv_len=16, attention=attention,
         )
@@ -156,7 +164,7 @@ def test_tokens_far_into_the_context_equal_reference(name):
     w = TorchWeights.from_model(model, dtype=torch.float64)
     k_cache, v_cache = w.new_cache(1, 208)
     toks = np.random.default_rng(1).integers(0, model.config.vocab_size, 6)
-    logits, _, _ = forward(w, torch.from_numpy(toks)[None], torch.arange(200, 206)[None], k_cache, v_cache)
+    logits, _, _ = run(w, torch.from_numpy(toks)[None], torch.arange(200, 206)[None], k_cache, v_cache)
     ref = _Reference(model, torch.float64, 208)
     _close(logits[0], ref.run(ref.add(), toks.tolist(), 200), torch.float64)
 
@@ -170,8 +178,8 @@ def test_in_place_and_functional_updates_agree():
     args = (torch.tensor([[5, 6, 7]]), torch.tensor([[4, 5, 6]]))
     kw = dict(rows=torch.tensor([1]), write_mask=torch.tensor([[True, True, False]]))
     k_in, v_in = k0.clone(), v0.clone()
-    out_f = forward(w, *args, k0, v0, **kw)
-    out_i = forward(w, *args, k_in, v_in, inplace=True, **kw)
+    out_f = run(w, *args, k0, v0, **kw)
+    out_i = run(w, *args, k_in, v_in, inplace=True, **kw)
     assert out_i[1] is k_in and out_i[2] is v_in  # mutated and returned
     assert not torch.equal(k_in, k0)  # ... and the functional call left its inputs alone
     for a, b in zip(out_f, out_i):
@@ -186,8 +194,8 @@ def test_fused_projections_equal_separate_ones():
     assert "model.layers.1.mlp.gate_up_proj.bias" in fused.tensors
     assert "model.layers.0.self_attn.q_proj.weight" not in fused.tensors
     toks, pos = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
-    a = forward(plain, toks, pos, *plain.new_cache(1, 8))[0]
-    b = forward(fused, toks, pos, *fused.new_cache(1, 8))[0]
+    a = run(plain, toks, pos, *plain.new_cache(1, 8))[0]
+    b = run(fused, toks, pos, *fused.new_cache(1, 8))[0]
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -199,13 +207,13 @@ def test_causal_prefill_equals_the_masked_one(name):
     toks = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [7, 3, 5, 1, 0, 0, 0]])
     pos = torch.arange(7)[None].repeat(2, 1)
     kw = dict(write_mask=torch.tensor([[True] * 7, [True] * 4 + [False] * 3]))
-    masked = forward(w, toks, pos, *w.new_cache(2, 7), **kw)
-    causal = forward(w, toks, pos, *w.new_cache(2, 7), causal=True, **kw)
+    masked = run(w, toks, pos, *w.new_cache(2, 7), **kw)
+    causal = run(w, toks, pos, *w.new_cache(2, 7), causal=True, **kw)
     torch.testing.assert_close(masked[0][:, :4], causal[0][:, :4], rtol=1e-12, atol=1e-12)  # live tokens' logits
     for a, b in zip(masked[1:], causal[1:]):  # the caches (pad writes are no-ops either way)
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="causal"):
-        forward(w, toks, pos, *w.new_cache(2, 9), causal=True, **kw)
+        run(w, toks, pos, *w.new_cache(2, 9), causal=True, **kw)
 
 
 def test_float32_cpu_weights_share_the_models_memory():
@@ -229,8 +237,8 @@ def test_bfloat16_runs_close_to_float32():
     toks, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.arange(5)[None]
     w32 = TorchWeights.from_model(model)
     w16 = TorchWeights.from_model(model, dtype=torch.bfloat16)
-    a = forward(w32, toks, pos, *w32.new_cache(1, 8))[0]
-    b, k16, _ = forward(w16, toks, pos, *w16.new_cache(1, 8))
+    a = run(w32, toks, pos, *w32.new_cache(1, 8))[0]
+    b, k16, _ = run(w16, toks, pos, *w16.new_cache(1, 8))
     assert b.dtype == torch.float32 and k16.dtype == torch.bfloat16
     assert (b - a).abs().max() <= 0.05 * a.abs().max()
 
@@ -251,7 +259,7 @@ def test_export_prefill_and_decode_steps():
         torch.tensor([[True], [False], [True]]), torch.zeros(3, dtype=torch.int64),
     )
     for args in (prefill, decode):
-        module = StepModule(w, kv_len=16)
+        module = StepModule(w, StepSpec(kv_len=16))
         program = torch.export.export(module, args)
         want = module(*args)
         for a, b in zip(program.module()(*args), want):
@@ -266,11 +274,11 @@ def test_bad_static_arguments_are_refused():
     k, v = w.new_cache(2, 8)
     toks, pos = torch.tensor([[1]]), torch.tensor([[0]])
     with pytest.raises(ValueError, match="attention"):
-        forward(w, toks, pos, k, v, rows=torch.tensor([0]), attention="flash")
+        run(w, toks, pos, k, v, rows=torch.tensor([0]), attention="flash")
     with pytest.raises(ValueError, match="kv_len"):
-        forward(w, toks, pos, k, v, rows=torch.tensor([0]), kv_len=9)
+        run(w, toks, pos, k, v, rows=torch.tensor([0]), kv_len=9)
     with pytest.raises(ValueError, match="rows=None"):
-        forward(w, toks, pos, k, v)
+        run(w, toks, pos, k, v)
 
 
 class _DoublingCodec:
@@ -299,11 +307,55 @@ def test_kv_codec_encodes_writes_and_decodes_reads(rows):
     pos = torch.arange(3)[None].expand(2, 3)
     cache_rows = None if rows is None else torch.tensor(rows)
     plain_k, plain_v = w.new_cache(2 if rows is None else 3, 8)
-    want, plain_k, plain_v = forward(w, toks, pos, plain_k, plain_v, rows=cache_rows)
+    want, plain_k, plain_v = run(w, toks, pos, plain_k, plain_v, rows=cache_rows)
     codec = _DoublingCodec()
     k, v = w.new_cache(2 if rows is None else 3, 8)
-    got, k, v = forward(w, toks, pos, k, v, rows=cache_rows, kv_codec=codec)
+    got, k, v = run(w, toks, pos, k, v, rows=cache_rows, kv_codec=codec)
     assert torch.equal(got, want)
     assert torch.equal(k, plain_k * 2) and torch.equal(v, plain_v * 2)
     expect = [0, 0, 0, 1, 1, 1] if rows is None else [2, 2, 2, 0, 0, 0]
     assert ("encode", "k", expect) in codec.rows and ("decode", "v", [0, 1] if rows is None else rows) in codec.rows
+
+
+def _plain_linear(t, x, name):
+    """A linear hook doing what F.linear on the HF weights does (the head tied or not)."""
+    w = t.get("lm_head.weight", t["model.embed_tokens.weight"]) if name == "lm_head" else t[name + ".weight"]
+    return torch.nn.functional.linear(x, w, t.get(name + ".bias"))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("path", ["prefill", "prefill_causal", "decode_rows", "decode_all_rows", "int8_codec_fused"])
+def test_blocks_are_bit_exact_against_the_forward_they_replaced(name, path):
+    """The forward as small blocks over a StepSpec computes exactly (bit for bit) what the
+    single function it replaced did (tests/_legacy_forward.py), on every path an engine
+    uses: bucketed prefill with pad tokens, causal prefill, decode over chosen cache rows
+    with a kv_len bound, decode over every row with a write mask, fused projections with
+    a codec and a linear hook."""
+    model = MODELS[name]()
+    fused = path == "int8_codec_fused"
+    w = TorchWeights.from_model(model, fuse_qkv=fused, fuse_gate_up=fused)
+    torch.manual_seed(3)
+    k0, v0 = w.new_cache(3, 16)
+    k0.normal_(), v0.normal_()
+    linear = _plain_linear if fused else None
+    codec = _DoublingCodec() if fused else None
+    if path in ("prefill", "prefill_causal"):
+        causal = path == "prefill_causal"
+        n = 8
+        toks = torch.tensor([[5, 9, 2, 7, 1, 0, 0, 0]])
+        args = (toks, torch.arange(n)[None])
+        kw = dict(rows=None if causal else torch.tensor([1]), write_mask=None if causal else torch.arange(n)[None] < 5,
+                  logits_at=torch.tensor([4]))
+        k, v = (w.new_cache(1, n) if causal else (k0.clone(), v0.clone()))
+        spec = dict(causal=causal, kv_len=n if causal else None)
+    else:
+        rows = torch.tensor([2, 0]) if path == "decode_rows" else None
+        b = 2 if rows is not None else 3
+        args = (torch.tensor([[4], [6], [3]])[:b], torch.tensor([[9], [4], [12]])[:b])
+        kw = dict(rows=rows, write_mask=torch.tensor([[True], [False], [True]])[:b])
+        k, v = k0.clone(), v0.clone()
+        spec = dict(kv_len=13)
+    want = legacy_forward(w, *args, k.clone(), v.clone(), **kw, **spec, linear=linear, kv_codec=codec)
+    got = forward(w, StepSpec(**spec, linear=linear, kv_codec=codec), *args, k.clone(), v.clone(), **kw)
+    for a, b_ in zip(got, want):
+        assert a.dtype == b_.dtype and torch.equal(a, b_)

@@ -76,6 +76,11 @@ def cluster():
         ray.shutdown()
     before = _public_listeners()
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths are length-limited
+    # Ray records the cluster's address in its default temp folder whatever temp_dir says,
+    # and fails if that folder does not exist (a fresh machine, or another run removed it).
+    from ray._common.utils import get_ray_address_file
+
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     # The workers inherit JAX_* settings: tiny models compile faster unoptimized.
     optimizations = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"

@@ -23,22 +23,23 @@ import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Option, Prefix, ResultLayout, ResultTokens, SlotTable
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+from polyengine.sampling.rows import row_bytes
 
-from polyengine.backends.torch_common.model import ATTENTION_IMPLS, TorchWeights, forward, rms_norm
+from polyengine.backends.torch_common.model import ATTENTION_IMPLS, StepSpec, TorchWeights, forward, rms_norm
 from polyengine.backends.torch_common.sampling import TorchSampler
-from polyengine.backends.torch_common.state import SlotsInFlight
+from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
 
 __all__ = ["TorchEngine", "TorchDecodeState", "create_engine"]
 
@@ -48,29 +49,13 @@ _INT8_COMPUTE = {"auto": 2, "int8x2": 2, "int8": 1, "float": 0}  # option -> int
 
 
 @dataclass
-class _Slot:
-    prompt_len: int
-    completion: int  # completion tokens so far, forced ones included
-    last: int = 1  # tokens in the slot's last result
-
-    @property
-    def total(self) -> int:
-        return self.prompt_len + self.completion
-
-    @property
-    def length(self) -> int:
-        """Cache positions filled: the prompt and every completion token but the latest."""
-        return self.total - 1
-
-
-@dataclass
 class TorchDecodeState(SlotsInFlight):
     num_slots: int
     k: torch.Tensor  # (layers, slots, kv_heads, max_cache_length, head_dim)
     v: torch.Tensor
     sampler: TorchSampler
     next_tokens: torch.Tensor  # (slots,) int64 on the device: what each slot feeds next
-    slots: list[_Slot | None] = field(default_factory=list)
+    slots: SlotTable  # the host's count: prompt and completion per slot, what a step can know without a sync
     pending: Future | None = None  # the step running on the worker thread (CPU async mode)
     graphs: dict = field(default_factory=dict)  # CUDA: kv_len -> (graph, static logits), over this state's buffers
     positions: torch.Tensor | None = None  # CUDA graphs: static (slots, 1) input buffers
@@ -95,62 +80,42 @@ def _on_engine_thread(method):
     return run
 
 
-class TorchEngine(EngineBase):
+class TorchEngine(TorchSlotsEngine, EngineBase):
     name = "cuda_torch"
     OPTIONS = {
-        "device": "",  # "" picks cuda:0 where a GPU is visible, else the CPU
-        "attention": "sdpa",  # or "eager"
-        "async_steps": True,  # CPU: run each step on a worker thread (results read later)
-        "kv_block": 64,  # attention reads the cache up to the longest slot, rounded up to this
-        "sampler_dtype": "float32",  # float64 for bit-for-bit greedy ties with the reference
-        "threads": 0,  # CPU intra-op threads (0: torch's default)
-        "cpu_kernels": True,  # CPU: decode products through the host-compiled kernels (cpu_kernels.py)
-        "fused_decode": True,  # CPU: the whole decode step in one host-compiled call (needs cpu_kernels)
+        "device": Option("", "'' picks cuda:0 where a GPU is visible, else the CPU; or 'cuda[:N]' / 'cpu'"),
+        "attention": Option("sdpa", "attention implementation", choices=ATTENTION_IMPLS),
+        "async_steps": Option(True, "CPU: run each step on a worker thread (results read later)"),
+        "kv_block": Option(64, "attention reads the cache up to the longest slot, rounded up to this", minimum=1),
+        "sampler_dtype": Option("float32", "float64 for bit-for-bit greedy ties with the reference",
+                                choices=("float32", "float64")),
+        "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
+        "cpu_kernels": Option(True, "CPU: decode products through the host-compiled kernels (cpu_kernels.py)"),
+        "fused_decode": Option(True, "CPU: the whole decode step in one host-compiled call (needs cpu_kernels)"),
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
-        "quantize": "",
+        "quantize": Option("", "int8 weights: 'int8' (per channel) or 'int8-block32'", choices=tuple(_QUANTIZE)),
         # with int8 weights on the CPU: "int8" quantizes each decode product's activations to
         # int8 per 32 values and multiplies with integer dot products (VNNI / AVX2, as
         # llama.cpp's Q8_0 does); "int8x2" adds a second int8 row carrying the first's
         # rounding error (twice the integer work, float-like accuracy); "float" keeps them
         # float32 (weight-only int8, exact up to rounding); "auto" is "int8x2" where every
         # input size is a multiple of 32, else "float" (docs/cuda_torch.md)
-        "int8_compute": "auto",
+        "int8_compute": Option("auto", "activations of int8 products on the CPU", choices=tuple(_INT8_COMPUTE)),
         # CUDA: replay the decode forward as a CUDA graph per kv_len bucket (not verified on a GPU
         # in this project's CI, hence off by default; see docs/cuda_torch.md)
-        "cuda_graphs": False,
+        "cuda_graphs": Option(False, "CUDA: replay decode steps as CUDA graphs (never run on a GPU here)"),
     }
 
     def __init__(self, model: Model, config: EngineConfig):
-        device = self._pick_device(config.options.get("device", ""))
-        dtypes = ("bfloat16", "float16", "float32") if device.type == "cuda" else ("float32",)
-        if device.type == "cpu" and has_bf16_units():
-            dtypes = ("float32", "bfloat16")  # bf16 matmul is fast only with AMX / AVX512-BF16
-        super().__init__(model, config, Capabilities(
-            dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
-        ), device=self._describe(device))
-        o = self.options
-        if o["attention"] not in ATTENTION_IMPLS:
-            raise InvalidRequest(f"option attention={o['attention']!r}: use one of {ATTENTION_IMPLS}")
-        if o["sampler_dtype"] not in ("float32", "float64"):
-            raise InvalidRequest(f"option sampler_dtype={o['sampler_dtype']!r}: use float32 or float64")
-        if o["kv_block"] < 1:
-            raise InvalidRequest(f"option kv_block={o['kv_block']} must be >= 1")
-        if o["threads"] < 0:
-            raise InvalidRequest(f"option threads={o['threads']} must be >= 0")
-        if o["quantize"] not in _QUANTIZE:
-            raise InvalidRequest(f"option quantize={o['quantize']!r}: use one of {sorted(_QUANTIZE)}")
-        if o["int8_compute"] not in _INT8_COMPUTE:
-            raise InvalidRequest(f"option int8_compute={o['int8_compute']!r}: use one of {list(_INT8_COMPUTE)}")
+        super().__init__(model, config)
+        o, device = self.options, self.torch_device
         if o["quantize"] and device.type != "cpu":
             raise UnsupportedFeature("quantize='int8' on CUDA", self.name, "int8 weights run on the CPU path only")
         if o["cuda_graphs"] and device.type != "cuda":
             raise UnsupportedFeature("cuda_graphs on the CPU", self.name, "CUDA graphs need a CUDA device")
-        self.torch_device = device
         self.torch_dtype = _DTYPES[self.dtype]
         self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
-        self.buckets = config.buckets()
         self._check_memory()
         if o["threads"] and device.type == "cpu":
             torch.set_num_threads(o["threads"])
@@ -172,9 +137,21 @@ class TorchEngine(EngineBase):
         self._linear = self._cpu_linear if (self._kernels is not None or o["quantize"]) else None
         self.int8_activations = self._pick_int8_compute(model.config)
         self._fused = None  # the FusedDecoder, built with the weights when fused_decode applies
+        self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
     # -- construction ----------------------------------------------------------------------
+
+    def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
+        device = self.torch_device = self._pick_device(self.options["device"])
+        self.device = self._describe(device)
+        dtypes = ("bfloat16", "float16", "float32") if device.type == "cuda" else ("float32",)
+        if device.type == "cpu" and has_bf16_units():
+            dtypes = ("float32", "bfloat16")  # bf16 matmul is fast only with AMX / AVX512-BF16
+        return Capabilities(
+            dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
+        )
 
     def _pick_int8_compute(self, config) -> int:
         """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
@@ -224,12 +201,22 @@ class TorchEngine(EngineBase):
         needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
             cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(item))
         needs["the sampler's per-slot tables and a step's logits"] = (
-            cfg.max_slots * c.vocab_size * (3 * 8 + 2) + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
+            cfg.max_slots * row_bytes(c.vocab_size, self.sampler_dtype.itemsize) + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
         if self.torch_device.type == "cuda":
             free = torch.cuda.mem_get_info(self.torch_device)[0]
             self.check_memory(needs, where=f"{self.torch_device} memory", available=free)
         else:
             self.check_memory(needs)
+
+    def _spec(self, **choices: Any) -> StepSpec:
+        """The forward's static choices for one bucket, built once and kept: the
+        engine's attention, in-place cache writes, and ``choices`` (kv_len, causal,
+        linear)."""
+        key = tuple(sorted(choices.items(), key=lambda kv: kv[0]))
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = StepSpec(attention=self.options["attention"], inplace=True, **choices)
+        return spec
 
     def _allocating(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run an allocation; a device or host out-of-memory becomes InsufficientMemory."""
@@ -307,12 +294,9 @@ class TorchEngine(EngineBase):
             return k, v, sampler
 
         k, v, sampler = self._allocating("a decode state's KV cache", allocate)
-        return TorchDecodeState(n, k, v, sampler, torch.zeros(n, dtype=torch.int64, device=self.torch_device), [None] * n)
+        return TorchDecodeState(n, k, v, sampler, torch.zeros(n, dtype=torch.int64, device=self.torch_device), SlotTable(n))
 
     # -- prefill ---------------------------------------------------------------------------
-
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
 
     def _to_host(self, t: torch.Tensor) -> np.ndarray:
         return t.detach().to("cpu", torch.float32).numpy()
@@ -331,7 +315,7 @@ class TorchEngine(EngineBase):
     def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         n = toks.size
-        padded = self._bucket(n)
+        padded = self.config.bucket_for(n)
         dev = self.torch_device
         k, v = params.new_cache(1, start + padded)
         if existing_prefix is not None:
@@ -341,9 +325,8 @@ class TorchEngine(EngineBase):
         positions = (start + torch.arange(padded, dtype=torch.int64))[None]
         write = (torch.arange(padded) < n)[None]
         logits, k, v = forward(
-            params, batch.to(dev), positions.to(dev), k, v, rows=None, write_mask=write.to(dev),
-            logits_at=torch.tensor([n - 1], device=dev), attention=self.options["attention"], inplace=True,
-            linear=self._linear, causal=start == 0,
+            params, self._spec(causal=start == 0, linear=self._linear), batch.to(dev), positions.to(dev), k, v,
+            rows=None, write_mask=write.to(dev), logits_at=torch.tensor([n - 1], device=dev),
         )
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         first = self._first_token(logits[0], prompt, sampling)
@@ -352,70 +335,32 @@ class TorchEngine(EngineBase):
             kv=(k[:, 0, :, : start + n], v[:, 0, :, : start + n]), logits=logits[0].float(), prompt_tokens=prompt,
             sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
         )
-        return prefix, self._rows(first, lengths=[1])
+        return prefix, ResultTokens.first_tokens(first.tokens, first.logprobs, first.top_ids, first.top_logprobs,
+                                                 to_host=host_array)
 
-    def _rows(self, res, lengths: Sequence[int]) -> ResultTokens:
-        m = int(res.tokens.shape[0])
-        return ResultTokens(
-            tokens=res.tokens.reshape(m, 1), valid=np.ones((m, 1), bool), lengths=np.asarray(lengths, np.int32),
-            logprobs=res.logprobs.reshape(m, 1), top_ids=res.top_ids.reshape(m, 1, -1),
-            top_logprobs=res.top_logprobs.reshape(m, 1, -1), to_host=_host_array,
-        )
+    # -- insert, bulk_insert, free_resource: the kit's flow over torch_common's hooks --------
 
-    # -- insert ----------------------------------------------------------------------------
+    insert = _on_engine_thread(torch.no_grad()(EngineBase.insert))
+    bulk_insert = _on_engine_thread(torch.no_grad()(EngineBase.bulk_insert))
+    free_resource = _on_engine_thread(EngineBase.free_resource)
 
-    @torch.no_grad()
-    def _install(self, prefix: Prefix, state: TorchDecodeState, slot: int, sample_index: int) -> None:
-        n = prefix.true_length
-        state.k[:, slot, :, :n], state.v[:, slot, :, :n] = prefix.kv
-        state.sampler.install(slot, prefix.sampling, prefix.prompt_tokens, sample_index=sample_index)
-        state.slots[slot] = _Slot(prompt_len=n, completion=1)
-
-    @_on_engine_thread
-    @torch.no_grad()
-    def insert(self, prefix: Prefix, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
-        state = decode_state
-        state.wait()
-        self.check_prefix(prefix)
-        slot = self.check_empty_slot(slot, state.is_occupied)
-        self._install(prefix, state, slot, 0)
-        first = torch.tensor([prefix.first_token], dtype=torch.int64, device=self.torch_device)
-        rows = torch.tensor([slot], device=self.torch_device)
-        state.sampler.record(first, rows=rows)
-        state.next_tokens[slot] = prefix.first_token
-        return state
-
-    @_on_engine_thread
-    @torch.no_grad()
-    def bulk_insert(self, prefix: Prefix, decode_state: TorchDecodeState, slots: Sequence[int]):
-        state = decode_state
-        state.wait()
-        self.check_prefix(prefix)
-        slots = self.check_bulk_slots(slots, state.is_occupied)
-        for i, slot in enumerate(slots):
-            self._install(prefix, state, slot, i)
-        rows = torch.tensor(slots, dtype=torch.int64, device=self.torch_device)
-        logits = prefix.logits[None].expand(len(slots), -1)
-        res = state.sampler.sample(logits, rows, num_top=prefix.sampling.top_logprobs)
-        state.sampler.record(res.tokens, rows=rows)
-        state.next_tokens[rows] = res.tokens
-        return state, self._rows(res, lengths=[1] * len(slots))
+    def _installed(self, state: TorchDecodeState, slots: list[int], first: torch.Tensor, prefix: Prefix) -> None:
+        state.next_tokens[torch.tensor(slots, dtype=torch.int64, device=self.torch_device)] = first
 
     # -- generate --------------------------------------------------------------------------
 
     def generate(self, params: TorchWeights, decode_state: TorchDecodeState, *, overrides: Mapping[int, Any] | None = None):
         state = decode_state
         state.wait()
-        forced = self.check_overrides(
-            overrides, lambda i: None if state.slots[i] is None else (state.slots[i].completion, state.slots[i].last))
-        live = [i for i, s in enumerate(state.slots) if s is not None and s.total < self.max_cache_length]
+        forced = self.check_overrides(overrides, state.slots.last_result)
+        for slot, (_, position) in forced.items():
+            state.slots.force(slot, position)
+        live = state.slots.live(self.max_cache_length)
         positions = [state.slots[i].length if i in live else 0 for i in range(state.num_slots)]
         kv_len = min(self.max_cache_length, self.options["kv_block"] * math.ceil((max(positions, default=0) + 1) / self.options["kv_block"]))
         num_top = state.sampler.max_top_logprobs
-        for i in live:  # what the host can know before the step runs: who advances, by one
-            state.slots[i].completion += 1
-            state.slots[i].last = 1
-        lengths = [0 if s is None else s.completion for s in state.slots]
+        state.slots.advance(live)  # what the host can know before the step runs: who advances, by one
+        lengths = state.slots.lengths()
         layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
 
         def step() -> torch.Tensor:
@@ -448,8 +393,8 @@ class TorchEngine(EngineBase):
                 logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
             else:
                 logits, state.k, state.v = forward(
-                    params, state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
-                    kv_len=kv_len, attention=self.options["attention"], inplace=True, linear=self._linear,
+                    params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[:, None], pos, state.k,
+                    state.v, rows=None, write_mask=live_mask[:, None],
                 )
             res = state.sampler.sample(logits[:, 0], num_top=num_top)
             state.sampler.record(res.tokens, mask=live_mask)
@@ -479,8 +424,8 @@ class TorchEngine(EngineBase):
         state.live.copy_(live)
 
         def run() -> torch.Tensor:
-            return forward(params, state.next_tokens[:, None], state.positions, state.k, state.v, rows=None,
-                           write_mask=state.live, kv_len=kv_len, attention=self.options["attention"], inplace=True)[0]
+            return forward(params, self._spec(kv_len=kv_len), state.next_tokens[:, None], state.positions, state.k,
+                           state.v, rows=None, write_mask=state.live)[0]
 
         entry = state.graphs.get(kv_len)
         if entry is None:
@@ -523,16 +468,6 @@ class TorchEngine(EngineBase):
             self._logits_buffer = torch.empty(x.shape[0] * self.vocab_size, dtype=torch.float32)
         return self._cpu_linear(t, x, "lm_head", any_rows=True, out=self._logits_buffer)
 
-    @_on_engine_thread
-    def free_resource(self, decode_state: TorchDecodeState, slot: int) -> TorchDecodeState:
-        state = decode_state
-        slot = self.check_slot(slot)
-        state.wait()
-        if state.slots[slot] is not None:
-            state.sampler.clear(slot)
-            state.slots[slot] = None
-        return state
-
     # -- portable prefixes ---------------------------------------------------------------
 
     @_on_engine_thread
@@ -556,10 +491,6 @@ class TorchEngine(EngineBase):
             kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0]), to_host=self._to_host, model_id=self.model_id,
         )
-
-
-def _host_array(t) -> np.ndarray:
-    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
 
 
 def _copy_to_host_async(buf: torch.Tensor):

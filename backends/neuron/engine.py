@@ -25,27 +25,29 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, check_request
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Option, Prefix, ResultTokens
 from polyengine.errors import InvalidRequest
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.torch_common.model import TorchWeights
 from polyengine.backends.torch_common.sampling import SamplerState, TorchSampler
+from polyengine.backends.torch_common.state import TorchSlotsEngine, host_array
 from polyengine.backends.neuron import plugin
 from polyengine.backends.neuron.buckets import Buckets
 from polyengine.backends.neuron.cache import ArtifactCache, GraphKey, default_cache_dir
 from polyengine.backends.neuron.compile import COMPILERS, CompiledGraph
 from polyengine.backends.neuron.graphs import ContextEncoding, TokenGeneration, result_layout
 from polyengine.backends.neuron.speculation import Acceptance, draft_config, draft_weights
-from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, Slot
+from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, NeuronSlot, NeuronSlots
 
 __all__ = ["NeuronEngine", "create_engine"]
 
@@ -53,37 +55,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DEFAULT_SPECULATION = 2
 
 
-class NeuronEngine(EngineBase):
+class NeuronEngine(TorchSlotsEngine, EngineBase):
     name = "neuron"
     OPTIONS = {
-        "compiler": "auto",  # "inductor" (CPU compile path), "neuronx" (Neuron devices), "auto": neuronx where usable
-        "cache_dir": "",  # compiled graphs; "" = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron
-        "batch_buckets": (),  # seq_ids per token-generation step; () = (max_slots,)
-        "seq_buckets": (),  # attended cache positions per step; () = see buckets.py
-        "speculation": 0,  # tokens per step: 1 = none, k > 1 = k - 1 drafts verified per step; 0 = 2 (1 for 1-layer models)
-        "draft_layers": 0,  # the draft = the target's first draft_layers layers; 0 = half of them
-        "async_steps": True,  # run steps on a worker thread; the caller reads step n while n+1 runs
-        "threads": 0,  # CPU intra-op threads (0: torch's default)
+        "compiler": Option("auto", "'inductor' (CPU compile path), 'neuronx' (Neuron devices), 'auto': neuronx where usable",
+                           choices=("auto",) + COMPILERS),
+        "cache_dir": Option("", "compiled graphs; '' = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron"),
+        "batch_buckets": Option((), "seq_ids per token-generation step; () = (max_slots,)"),
+        "seq_buckets": Option((), "attended cache positions per step; () = see buckets.py"),
+        "speculation": Option(0, "tokens per step: 1 = none, k > 1 = k - 1 drafts verified per step; 0 = 2 "
+                                 "(1 for 1-layer models)", minimum=0, maximum=8),
+        "draft_layers": Option(0, "the draft = the target's first draft_layers layers; 0 = half of them", minimum=0),
+        "async_steps": Option(True, "run steps on a worker thread; the caller reads step n while n+1 runs"),
+        "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
     }
+    slot_type = NeuronSlot
 
     def __init__(self, model: Model, config: EngineConfig):
-        raw = config.options.get("compiler", "auto")
-        compiler = self._pick_compiler(raw if isinstance(raw, str) else "auto")
-        dtypes = ("bfloat16", "float32") if compiler == "neuronx" else ("float32",)
-        super().__init__(model, config, Capabilities(
-            dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
-            bulk_insert=True, portable_prefix=True, async_results=True,
-        ), device=self._describe(compiler))
-        o, c = self.options, model.config
-        k = o["speculation"] or (_DEFAULT_SPECULATION if c.num_hidden_layers > 1 else 1)
-        if not 1 <= k <= 8:
-            raise InvalidRequest(f"option speculation={o['speculation']}: tokens per step must be 1..8 (0: the default)")
-        if o["threads"] < 0:
-            raise InvalidRequest(f"option threads={o['threads']} must be >= 0")
-        self.compiler = compiler
-        self.tokens_per_step = k
+        super().__init__(model, config)
+        o, c, k = self.options, model.config, self.tokens_per_step
         self.draft = draft_config(c, o["draft_layers"] or max(1, c.num_hidden_layers // 2)) if k > 1 else None
-        self.capabilities = self.capabilities.model_copy(update={"tokens_per_step": k, "async_results": o["async_steps"]})
         self.buckets = Buckets.plan(config, tokens_per_step=k, batch=o["batch_buckets"], seq=o["seq_buckets"])
         self.num_top = self.capabilities.max_top_logprobs
         self.layout = result_layout(k, self.num_top)
@@ -91,7 +82,7 @@ class NeuronEngine(EngineBase):
         self._check_memory()
         if o["threads"]:
             torch.set_num_threads(o["threads"])
-        self.cache = ArtifactCache(o["cache_dir"] or default_cache_dir(), compiler)
+        self.cache = ArtifactCache(o["cache_dir"] or default_cache_dir(), self.compiler)
         self._weights = TorchWeights.from_model(model, dtype=self.torch_dtype, max_positions=self.buckets.cache)
         self._names = tuple(sorted(self._weights.tensors))
         self._draft_weights = draft_weights(self._weights, self.draft) if self.draft else None
@@ -105,12 +96,21 @@ class NeuronEngine(EngineBase):
 
     # -- construction ----------------------------------------------------------------------
 
+    def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
+        o = self.options
+        self.compiler = self._pick_compiler(o["compiler"])
+        self.device = self._describe(self.compiler)
+        self.tokens_per_step = o["speculation"] or (_DEFAULT_SPECULATION if model.config.num_hidden_layers > 1 else 1)
+        return Capabilities(
+            dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
+            sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
+            bulk_insert=True, portable_prefix=True, async_results=o["async_steps"], tokens_per_step=self.tokens_per_step,
+        )
+
     @staticmethod
     def _pick_compiler(name: str) -> str:
         if name == "auto":
             return "neuronx" if plugin.neuron_devices() and plugin.neuronx_installed() else "inductor"
-        if name not in COMPILERS:
-            raise InvalidRequest(f"option compiler={name!r}: use one of {('auto',) + COMPILERS}")
         if name == "neuronx" and not plugin.neuronx_installed():
             raise InvalidRequest(f"option compiler='neuronx' needs torch-neuronx: {plugin.NEURONX_HINT}")
         return name
@@ -128,7 +128,7 @@ class NeuronEngine(EngineBase):
         if self.torch_dtype != torch.float32:  # float32 tensors share the Model's arrays
             needs[f"{self.dtype} weights"] = c.num_parameters() * item
         needs[f"the KV cache of {cfg.max_slots} slots x {b.cache} positions"] = cfg.max_slots * b.cache * c.kv_bytes_per_token(item)
-        needs["the sampler's per-slot tables"] = cfg.max_slots * c.vocab_size * 10
+        needs["the sampler's per-slot tables"] = cfg.max_slots * row_bytes(c.vocab_size)
         needs["a context-encoding step"] = b.prefill[-1] * (c.vocab_size + 4 * c.intermediate_size) * 4
         self.check_memory(needs)
 
@@ -229,7 +229,7 @@ class NeuronEngine(EngineBase):
         k, v = self._weights.new_cache(r, self.buckets.cache)
         return NeuronDecodeState(
             r, k, v, TorchSampler(self.vocab_size, r, self.eos_token_ids), torch.zeros(r, dtype=torch.int64),
-            torch.zeros(r, dtype=torch.bool), Acceptance(self.tokens_per_step, torch.device("cpu")), [None] * r)
+            torch.zeros(r, dtype=torch.bool), Acceptance(self.tokens_per_step, torch.device("cpu")), NeuronSlots(r))
 
     # -- prefill ---------------------------------------------------------------------------
 
@@ -237,14 +237,10 @@ class NeuronEngine(EngineBase):
         """Sample 0's first token (step 0) from a prefix's logits, on the host sampler."""
         self._first.install(0, sampling, prompt)
         try:
-            return self._rows(self._first.sample(logits[None], num_top=sampling.top_logprobs), 1)
+            res = self._first.sample(logits[None], num_top=sampling.top_logprobs)
         finally:
             self._first.clear(0)
-
-    def _rows(self, res, n: int) -> ResultTokens:
-        return ResultTokens(tokens=res.tokens.reshape(n, 1), valid=np.ones((n, 1), bool), lengths=np.ones(n, np.int32),
-                            logprobs=res.logprobs.reshape(n, 1), top_ids=res.top_ids.reshape(n, 1, -1),
-                            top_logprobs=res.top_logprobs.reshape(n, 1, -1), to_host=_host)
+        return ResultTokens.first_tokens(res.tokens, res.logprobs, res.top_ids, res.top_logprobs, to_host=host_array)
 
     @torch.no_grad()
     def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
@@ -259,41 +255,18 @@ class NeuronEngine(EngineBase):
             tuple(params.tensors[name] for name in self._names), padded, torch.tensor([n - 1]))
         first = self._first_tokens(logits[0], toks, sampling)
         prefix = Prefix(kv=(k[:, 0, :, :n].clone(), v[:, 0, :, :n].clone()), logits=logits[0], prompt_tokens=toks,
-                        sampling=sampling, backend=self.name, first_token=int(first.tokens[0, 0]), to_host=_host,
+                        sampling=sampling, backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array,
                         model_id=self.model_id)
         return prefix, first
 
-    # -- insert ----------------------------------------------------------------------------
+    # -- insert, bulk_insert, free_resource: the kit's flow over torch_common's hooks --------
 
-    def _install(self, prefix: Prefix, state: NeuronDecodeState, slot: int, sample_index: int) -> None:
-        n = prefix.true_length
-        state.k[:, slot, :, :n], state.v[:, slot, :, :n] = prefix.kv
-        state.sampler.install(slot, prefix.sampling, prefix.prompt_tokens, sample_index=sample_index)
-        state.prompt_len[slot], state.occupied[slot] = n, True
-        state.slots[slot] = Slot(prompt_len=n, bound=n + 1)
+    def _installed(self, state: NeuronDecodeState, slots: list[int], first: torch.Tensor, prefix: Prefix) -> None:
+        state.prompt_len[slots], state.occupied[slots] = prefix.true_length, True
 
-    @torch.no_grad()
-    def insert(self, prefix: Prefix, decode_state: NeuronDecodeState, slot: int) -> NeuronDecodeState:
-        state = decode_state
-        state.wait()
-        self.check_prefix(prefix)
-        slot = self.check_empty_slot(slot, state.is_occupied)
-        self._install(prefix, state, slot, 0)
-        state.sampler.record(torch.tensor([prefix.first_token]), rows=torch.tensor([slot]))
-        return state
-
-    @torch.no_grad()
-    def bulk_insert(self, prefix: Prefix, decode_state: NeuronDecodeState, slots: Sequence[int]):
-        state = decode_state
-        state.wait()
-        self.check_prefix(prefix)
-        slots = self.check_bulk_slots(slots, state.is_occupied)
-        for i, slot in enumerate(slots):
-            self._install(prefix, state, slot, i)
-        rows = torch.tensor(slots)
-        res = state.sampler.sample(prefix.logits[None].expand(len(slots), -1), rows, num_top=prefix.sampling.top_logprobs)
-        state.sampler.record(res.tokens, rows=rows)
-        return state, self._rows(res, len(slots))
+    def _release(self, state: NeuronDecodeState, slot: int) -> None:
+        super()._release(state, slot)
+        state.prompt_len[slot], state.occupied[slot] = 0, False
 
     # -- generate --------------------------------------------------------------------------
 
@@ -301,37 +274,38 @@ class NeuronEngine(EngineBase):
         state = decode_state
         if overrides:
             state.wait()
-        forced = self.check_overrides(overrides, state.last_result)
+        forced = self.check_overrides(overrides, state.slots.last_result)
         for slot, (token, position) in forced.items():
             state.rollback(slot, token, position)
-        busy = [i for i, s in enumerate(state.slots) if s is not None]
+        busy = state.slots.occupied()
         if not busy:
             empty = self.layout.pack(np.zeros((state.num_slots, self.tokens_per_step)),
                                      np.zeros((state.num_slots, self.tokens_per_step)), np.zeros(state.num_slots),
                                      np.zeros((state.num_slots, self.tokens_per_step)),
                                      np.zeros((state.num_slots, self.tokens_per_step * self.num_top)),
                                      np.zeros((state.num_slots, self.tokens_per_step * self.num_top)))
-            state.last = LastStep(empty, self.layout)
+            state.slots.last = LastStep(empty, self.layout)
             return state, ResultTokens.from_packed(empty, self.layout)
         k, limit = self.tokens_per_step, self.max_cache_length
         batch = self.buckets.batch_for(len(busy))
-        seq_ids = busy + [i for i, s in enumerate(state.slots) if s is None][: batch - len(busy)]
-        # Positions bound - 1 .. bound + k - 2 are written and read: the attended length covers them.
-        kv = self.buckets.seq_for(max(min(state.slots[i].bound, limit) for i in busy) + k - 1)
+        seq_ids = busy + state.slots.free_slots()[: batch - len(busy)]
+        # Positions total - 1 .. total + k - 2 are written and read (total: the slot's bound of
+        # prompt + completion): the attended length covers them.
+        kv = self.buckets.seq_for(max(min(state.slots[i].total, limit) for i in busy) + k - 1)
         for i in busy:
             s = state.slots[i]
-            s.bound, s.fresh = min(s.bound + k, limit), False
+            s.completion, s.fresh = min(s.total + k, limit) - s.prompt_len, False
 
         def step() -> torch.Tensor:
             return self._step(params, state, torch.tensor(seq_ids), batch, kv)
 
         if self._worker is not None:
             state.pending = self._worker.submit(step)
-            state.last = LastStep(state.pending, self.layout)
+            state.slots.last = LastStep(state.pending, self.layout)
             return state, ResultTokens.from_packed(state.pending, self.layout, to_host=lambda f: f.result().numpy())
         packed = step()
-        state.last = LastStep(packed, self.layout)
-        return state, ResultTokens.from_packed(packed, self.layout, to_host=_host)
+        state.slots.last = LastStep(packed, self.layout)
+        return state, ResultTokens.from_packed(packed, self.layout, to_host=host_array)
 
     @torch.no_grad()
     def _step(self, params: TorchWeights, state: NeuronDecodeState, seq_ids: torch.Tensor, batch: int, kv: int) -> torch.Tensor:
@@ -359,16 +333,6 @@ class NeuronEngine(EngineBase):
             self._acceptance.add(valid)
         return packed
 
-    def free_resource(self, decode_state: NeuronDecodeState, slot: int) -> NeuronDecodeState:
-        state = decode_state
-        slot = self.check_slot(slot)
-        state.wait()
-        if state.slots[slot] is not None:
-            state.sampler.clear(slot)
-            state.prompt_len[slot], state.occupied[slot] = 0, False
-            state.slots[slot] = None
-        return state
-
     def speculation_stats(self, decode_state: NeuronDecodeState) -> dict[str, float | int]:
         """Speculation so far in this state: row-steps, tokens, tokens per step and the
         share of draft tokens accepted (waits for the queued steps)."""
@@ -380,25 +344,17 @@ class NeuronEngine(EngineBase):
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
         k, v = prefix.kv
-        return PortablePrefix(k=_host(k), v=_host(v), prompt_tokens=prefix.prompt_tokens, last_logits=_host(prefix.logits),
+        return PortablePrefix(k=host_array(k), v=host_array(v), prompt_tokens=prefix.prompt_tokens, last_logits=host_array(prefix.logits),
                               sampling=prefix.sampling, model_fingerprint=self.model.fingerprint)
 
     @torch.no_grad()
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
-        c = self.model.config
-        portable.check_compatible(fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
-                                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size)
-        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        prompt, sampling = self.check_portable(portable)
         put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_dtype)  # noqa: E731
         logits = torch.from_numpy(np.ascontiguousarray(portable.last_logits, dtype=np.float32))
         first = self._first_tokens(logits, prompt, sampling)
         return Prefix(kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
-                      backend=self.name, first_token=int(first.tokens[0, 0]), to_host=_host, model_id=self.model_id)
-
-
-def _host(t) -> np.ndarray:
-    return t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype).numpy() if isinstance(
-        t, torch.Tensor) else np.asarray(t)
+                      backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id)
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> NeuronEngine:

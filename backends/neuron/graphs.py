@@ -46,7 +46,7 @@ import torch
 from polyengine.engine import ResultLayout
 from polyengine.models import ModelConfig
 
-from polyengine.backends.torch_common.model import TorchWeights, forward
+from polyengine.backends.torch_common.model import StepSpec, TorchWeights, forward
 from polyengine.backends.torch_common.sampling import SamplerFlags, SamplerState, sample
 
 __all__ = ["ContextEncoding", "TokenGeneration", "SAMPLER_FIELDS", "result_layout"]
@@ -80,7 +80,7 @@ class ContextEncoding(torch.nn.Module):
         k = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
         v = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
         positions = torch.arange(self.bucket, device=tokens.device)[None]  # (1, P)
-        logits, k, v = forward(w, tokens, positions, k, v, rows=None, logits_at=last)
+        logits, k, v = forward(w, StepSpec(), tokens, positions, k, v, rows=None, logits_at=last)
         return logits.float(), k, v
 
 
@@ -119,6 +119,7 @@ class TokenGeneration(torch.nn.Module):
         super().__init__()
         self.config, self.names = config, names
         self.batch, self.tokens, self.kv_len = batch, tokens, kv_len
+        self.spec = StepSpec(kv_len=kv_len)
         self.max_cache_length, self.num_top = max_cache_length, num_top
 
     def forward(self, weights, k_cache, v_cache, seq_ids, occupied, prompt_len, *rest):
@@ -135,7 +136,7 @@ class TokenGeneration(torch.nn.Module):
             fed = torch.cat([fed, drafts], dim=1)  # (B, T)
         # Rows that are not live may sit at any position; clamped, they stay inside their own row.
         positions = ((total - 1)[:, None] + torch.arange(t, device=dev)).clamp(0, k_cache.shape[3] - 1)
-        logits, k_cache, v_cache = forward(w, fed, positions, k_cache, v_cache, rows=seq_ids, kv_len=self.kv_len)
+        logits, k_cache, v_cache = forward(w, self.spec, fed, positions, k_cache, v_cache, rows=seq_ids)
         res = sample(_expanded(st, seq_ids, fed), logits.reshape(-1, logits.shape[-1]), None, _ALL_STEPS, self.num_top)
         drawn = res.tokens.reshape(-1, t)  # (B, T)
         accepted = torch.ones_like(step)

@@ -6,10 +6,10 @@ Device side (what the graphs read and write): ``k``/``v``
 ``prompt_len`` and ``occupied`` per slot, and the sampler's per-slot state (its
 ``step`` counts completion tokens and its ``last_token`` is what the slot feeds next).
 
-Host side: per slot the prompt length, an upper bound of prompt + completion (a
-speculation step adds 1..k tokens, and the host does not read how many before it
-submits the next step; the bound picks the sequence bucket), and whether the slot has
-run a step since insert. The previous step's packed result is kept (a future or a
+Host side (the kit's :class:`~polyengine.slots.SlotTable`): per slot the prompt length,
+an upper bound of the completion (a speculation step adds 1..k tokens, and the host
+does not read how many before it submits the next step; the bound picks the sequence
+bucket), and whether the slot has run a step since insert. The previous step's packed result is kept (a future or a
 tensor) so that an override, which must name a position of the slot's last result,
 can be checked and rolled back: that reads the result, which the driver has already
 read by then (it overrides only in lock step).
@@ -18,24 +18,24 @@ read by then (it overrides only in lock step).
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from polyengine.engine import ResultLayout
+from polyengine.engine import ResultLayout, Slot, SlotTable
 
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.state import SlotsInFlight
 from polyengine.backends.neuron.speculation import Acceptance
 
-__all__ = ["Slot", "LastStep", "NeuronDecodeState"]
+__all__ = ["NeuronSlot", "NeuronSlots", "LastStep", "NeuronDecodeState"]
 
 
 @dataclass
-class Slot:
-    prompt_len: int
-    bound: int  # >= prompt + completion (exact after insert and after an override)
+class NeuronSlot(Slot):
+    """``completion`` is an upper bound (exact after insert and after an override)."""
+
     fresh: bool = True  # no generate step since insert: the last result is the first token
 
 
@@ -55,22 +55,17 @@ class LastStep:
         return self._host
 
 
-@dataclass
-class NeuronDecodeState(SlotsInFlight):
-    num_slots: int
-    k: torch.Tensor  # (layers, slots, kv_heads, cache positions, head_dim)
-    v: torch.Tensor
-    sampler: TorchSampler
-    prompt_len: torch.Tensor  # (slots,) int64
-    occupied: torch.Tensor  # (slots,) bool
-    acceptance: Acceptance
-    slots: list[Slot | None] = field(default_factory=list)
-    last: LastStep | None = None
-    pending: Future | None = None  # the newest step queued on the worker thread
+class NeuronSlots(SlotTable[NeuronSlot]):
+    """The slot table whose exact counts, after a step, are in that step's result."""
+
+    def __init__(self, num_slots: int):
+        super().__init__(num_slots)
+        self.last: LastStep | None = None  # the previous generate step's result
 
     def last_result(self, slot: int) -> tuple[int, int] | None:
-        """``(completion length, tokens in the last result)`` of an occupied slot."""
-        s = self.slots[slot]
+        """``(completion length, tokens in the last result)`` of an occupied slot (reads
+        the previous step's result unless the slot has not run one)."""
+        s = self[slot]
         if s is None:
             return None
         if s.fresh:
@@ -83,20 +78,32 @@ class NeuronDecodeState(SlotsInFlight):
         f = self.last.fields()
         return [int(t) for t, ok in zip(f["tokens"][slot], f["valid"][slot]) if ok]
 
+
+@dataclass
+class NeuronDecodeState(SlotsInFlight):
+    num_slots: int
+    k: torch.Tensor  # (layers, slots, kv_heads, cache positions, head_dim)
+    v: torch.Tensor
+    sampler: TorchSampler
+    prompt_len: torch.Tensor  # (slots,) int64
+    occupied: torch.Tensor  # (slots,) bool
+    acceptance: Acceptance
+    slots: NeuronSlots
+    pending: Future | None = None  # the newest step queued on the worker thread
+
     def rollback(self, slot: int, token: int, position: int) -> None:
         """Force ``token`` at completion ``position`` (inside the last result): forget the
         tokens from ``position`` on, newest first, then record ``token``. The cache needs
         no change: positions come from the step count, and the positions past it are
         rewritten before any query reads them."""
-        length, _ = self.last_result(slot)
+        length, _ = self.slots.last_result(slot)
         rows = torch.tensor([slot], dtype=torch.int64)
         if self.slots[slot].fresh:
             dropped = [self.sampler.state.last_token[slot:slot + 1]]
         else:
-            tokens = self.last_tokens(slot)
+            tokens = self.slots.last_tokens(slot)
             dropped = [torch.tensor([t], dtype=torch.int64) for t in tokens[len(tokens) - (length - position):]]
         for t in reversed(dropped):
             self.sampler.forget(t, rows=rows)
         self.sampler.record(torch.tensor([token], dtype=torch.int64), rows=rows)
-        s = self.slots[slot]
-        s.bound = s.prompt_len + position + 1
+        self.slots[slot].completion = position + 1

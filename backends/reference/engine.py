@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import RowState, SamplingParams, sample
@@ -27,30 +27,19 @@ _DTYPES = {"float64": np.float64, "float32": np.float32}
 
 
 @dataclass
-class _Slot:
-    row: RowState  # sampler state: params, sample index, step, prompt, completion so far
-    length: int  # cache positions filled
-    next_token: int  # what the next generate step feeds
-    last: int = 1  # tokens in the slot's last result (an override may replace any of them)
-
-    @property
-    def total(self) -> int:
-        """Prompt plus completion tokens (what max_cache_length bounds)."""
-        return self.row.prompt_tokens.size + self.row.completion_tokens.size
-
-
-@dataclass
 class ReferenceDecodeState:
     num_slots: int
     k: list[np.ndarray]  # per slot (layers, kv_heads, max_cache_length, head_dim)
     v: list[np.ndarray]
-    slots: list[_Slot | None] = field(default_factory=list)
+    slots: SlotTable  # the kit's host record: prompt and completion counts, last result
+    rows: list[RowState | None] = field(default_factory=list)  # sampler state: params, prompt, completion so far
+    next_token: list[int] = field(default_factory=list)  # what each slot's next generate step feeds
 
     def occupied(self) -> list[int]:
-        return [i for i, s in enumerate(self.slots) if s is not None]
+        return self.slots.occupied()
 
     def is_occupied(self, slot: int) -> bool:
-        return self.slots[slot] is not None
+        return self.slots.is_occupied(slot)
 
 
 class ReferenceEngine(EngineBase):
@@ -74,7 +63,6 @@ class ReferenceEngine(EngineBase):
             f"the KV caches of {config.max_slots} slots x {config.max_cache_length} positions":
                 config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(self.np_dtype.itemsize),
         })
-        self.buckets = config.prefill_buckets
         self._params: ReferenceParams | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -91,17 +79,12 @@ class ReferenceEngine(EngineBase):
             num_slots=n,
             k=[np.zeros(shape, self.np_dtype) for _ in range(n)],
             v=[np.zeros(shape, self.np_dtype) for _ in range(n)],
-            slots=[None] * n,
+            slots=SlotTable(n), rows=[None] * n, next_token=[0] * n,
         )
 
     def _cache_shape(self, length: int) -> tuple[int, int, int, int]:
         c = self.model.config
         return (c.num_hidden_layers, c.num_key_value_heads, length, c.head_dim)
-
-    def _bucket(self, length: int) -> int:
-        if self.buckets is None:
-            return length
-        return next(b for b in self.buckets if b >= length)
 
     # -- prefill -------------------------------------------------------------------------
 
@@ -118,7 +101,7 @@ class ReferenceEngine(EngineBase):
         # Pad to the bucket (when configured) the way a static-shape backend would:
         # pad tokens sit after the true ones, so causality keeps them out of every
         # true position, and their cache entries are dropped below.
-        padded = self._bucket(total) - start
+        padded = (total if self.config.prefill_buckets is None else self.config.bucket_for(total)) - start
         shape = self._cache_shape(start + padded)
         k, v = np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype)
         if existing_prefix is not None:
@@ -139,34 +122,27 @@ class ReferenceEngine(EngineBase):
         )
         out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32))])
         prefix.first_token = int(out.tokens[0])
-        return prefix, self._result(out, lengths=[1])
+        return prefix, self._result(out)
 
-    # -- insert ----------------------------------------------------------------------------
+    # -- insert (the kit's flow: checks, then _install, then the slot table) ---------------
 
-    def _install(self, prefix: Prefix, state: ReferenceDecodeState, slot: int, sample_index: int, first: int) -> None:
+    def _install(self, prefix: Prefix, state: ReferenceDecodeState, slots: list[int], *, draw: bool):
+        out = None
+        if draw:
+            empty = np.zeros(0, np.int32)
+            rows = [RowState(prefix.sampling, i, 0, prefix.prompt_tokens, empty) for i in range(len(slots))]
+            out = self._sample([prefix.logits] * len(slots), rows)
         n = prefix.true_length
-        state.k[slot][:, :, :n] = prefix.kv[0]
-        state.v[slot][:, :, :n] = prefix.kv[1]
-        row = RowState(prefix.sampling, sample_index, 1, prefix.prompt_tokens, np.array([first], np.int32))
-        state.slots[slot] = _Slot(row=row, length=n, next_token=first)
-
-    def insert(self, prefix: Prefix, decode_state: ReferenceDecodeState, slot: int) -> ReferenceDecodeState:
-        self.check_prefix(prefix)
-        slot = self.check_empty_slot(slot, decode_state.is_occupied)
-        self._install(prefix, decode_state, slot, 0, prefix.first_token)
-        return decode_state
-
-    def bulk_insert(
-        self, prefix: Prefix, decode_state: ReferenceDecodeState, slots: Sequence[int]
-    ) -> tuple[ReferenceDecodeState, ResultTokens]:
-        self.check_prefix(prefix)
-        slots = self.check_bulk_slots(slots, decode_state.is_occupied)
-        empty = np.zeros(0, np.int32)
-        rows = [RowState(prefix.sampling, i, 0, prefix.prompt_tokens, empty) for i in range(len(slots))]
-        out = self._sample([prefix.logits] * len(slots), rows)
         for i, slot in enumerate(slots):
-            self._install(prefix, decode_state, slot, i, int(out.tokens[i]))
-        return decode_state, self._result(out, lengths=[1] * len(slots))
+            first = int(out.tokens[i]) if draw else prefix.first_token
+            state.k[slot][:, :, :n] = prefix.kv[0]
+            state.v[slot][:, :, :n] = prefix.kv[1]
+            state.rows[slot] = RowState(prefix.sampling, i, 1, prefix.prompt_tokens, np.array([first], np.int32))
+            state.next_token[slot] = first
+        return self._result(out) if draw else None
+
+    def _release(self, state: ReferenceDecodeState, slot: int) -> None:
+        state.rows[slot] = None
 
     # -- generate --------------------------------------------------------------------------
 
@@ -174,62 +150,54 @@ class ReferenceEngine(EngineBase):
         self, params: ReferenceParams, decode_state: ReferenceDecodeState, *, overrides: Mapping[int, int] | None = None
     ) -> tuple[ReferenceDecodeState, ResultTokens]:
         state = decode_state
-        forced = self.check_overrides(
-            overrides, lambda i: None if state.slots[i] is None else (state.slots[i].row.completion_tokens.size, state.slots[i].last)
-        )
-        for slot, (tok, position) in forced.items():
-            self._force(state.slots[slot], tok, position)
+        for slot, (tok, position) in self.check_overrides(overrides, state.slots.last_result).items():
+            self._force(state, slot, tok, position)
 
         n = state.num_slots
-        live = [i for i in state.occupied() if self._has_room(state.slots[i])]
+        live = self._live(state)
         tokens = np.zeros((n, 1), np.int32)
         valid = np.zeros((n, 1), bool)
-        lengths = np.array([0 if s is None else len(s.row.completion_tokens) for s in state.slots], np.int32)
-        top_n = max([state.slots[i].row.params.top_logprobs for i in live], default=0)
+        top_n = max([state.rows[i].params.top_logprobs for i in live], default=0)
         logprobs = np.zeros((n, 1), np.float32)
         top_ids = np.full((n, 1, top_n), -1, np.int32)
         top_lp = np.full((n, 1, top_n), -np.inf, np.float32)
         if live:
-            batch = np.array([[state.slots[i].next_token] for i in live], np.int64)
+            batch = np.array([[state.next_token[i]] for i in live], np.int64)
             starts = np.array([state.slots[i].length for i in live])
             logits = self._forward(params, batch, starts, [state.k[i] for i in live], [state.v[i] for i in live])[:, 0]
             rows = []
             for i in live:
-                s = state.slots[i]
-                s.row.step = len(s.row.completion_tokens)
-                rows.append(s.row)
+                row = state.rows[i]
+                row.step = len(row.completion_tokens)
+                rows.append(row)
             out = self._sample(list(logits), rows)
             for j, i in enumerate(live):
-                s = state.slots[i]
-                tok = int(out.tokens[j])
-                s.length += 1
-                s.next_token, s.last = tok, 1
-                s.row.completion_tokens = np.append(s.row.completion_tokens, tok).astype(np.int32)
-                tokens[i, 0], valid[i, 0], lengths[i] = tok, True, len(s.row.completion_tokens)
+                row, tok = state.rows[i], int(out.tokens[j])
+                state.next_token[i] = tok
+                row.completion_tokens = np.append(row.completion_tokens, tok).astype(np.int32)
+                tokens[i, 0], valid[i, 0] = tok, True
                 logprobs[i, 0] = out.logprobs[j]
                 k = out.top_ids.shape[1]
                 top_ids[i, 0, :k] = out.top_ids[j]
                 top_lp[i, 0, :k] = out.top_logprobs[j]
+            state.slots.advance(live)
+        lengths = np.array(state.slots.lengths(), np.int32)
         return state, ResultTokens(
             tokens=tokens, valid=valid, lengths=lengths, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lp
         )
 
-    def _has_room(self, s: _Slot) -> bool:
-        """A slot whose prompt plus completion fills max_cache_length gets no more tokens."""
-        return s.total < self.max_cache_length
+    def _live(self, state: ReferenceDecodeState) -> list[int]:
+        """Occupied slots with room for another token (prompt plus completion below max_cache_length)."""
+        return state.slots.live(self.max_cache_length)
 
     @staticmethod
-    def _force(s: _Slot, token: int, position: int) -> None:
+    def _force(state: ReferenceDecodeState, slot: int, token: int, position: int) -> None:
         """Make ``token`` completion token ``position``, dropping what followed it: the
         cache then holds the prompt and the completion tokens fed before it."""
-        s.row.completion_tokens = np.append(s.row.completion_tokens[:position], token).astype(np.int32)
-        s.length = s.row.prompt_tokens.size + position
-        s.next_token = token
-
-    def free_resource(self, decode_state: ReferenceDecodeState, slot: int) -> ReferenceDecodeState:
-        slot = self.check_slot(slot)
-        decode_state.slots[slot] = None
-        return decode_state
+        row = state.rows[slot]
+        row.completion_tokens = np.append(row.completion_tokens[:position], token).astype(np.int32)
+        state.slots.force(slot, position)
+        state.next_token[slot] = token
 
     # -- portable prefixes -----------------------------------------------------------------
 
@@ -262,16 +230,9 @@ class ReferenceEngine(EngineBase):
         return sample(np.stack(logits), rows, self.eos_token_ids)
 
     @staticmethod
-    def _result(out, lengths: list[int]) -> ResultTokens:
-        rows = out.tokens.shape[0]
-        return ResultTokens(
-            tokens=out.tokens.reshape(rows, 1).astype(np.int32),
-            valid=np.ones((rows, 1), bool),
-            lengths=np.asarray(lengths, np.int32),
-            logprobs=out.logprobs.reshape(rows, 1).astype(np.float32),
-            top_ids=out.top_ids.reshape(rows, 1, -1).astype(np.int32),
-            top_logprobs=out.top_logprobs.reshape(rows, 1, -1).astype(np.float32),
-        )
+    def _result(out) -> ResultTokens:
+        return ResultTokens.first_tokens(out.tokens.astype(np.int32), out.logprobs.astype(np.float32),
+                                         out.top_ids.astype(np.int32), out.top_logprobs.astype(np.float32))
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> ReferenceEngine:

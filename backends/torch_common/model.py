@@ -15,21 +15,28 @@ fuse_gate_up=False, max_positions=None)``
     ``weights.tensors`` is a plain dict (a pytree for torch and JAX alike); rebuild
     with ``TorchWeights(config, tensors)``.
 
-``forward(weights, tokens, positions, k_cache, v_cache, *, rows=None, write_mask=None,
-logits_at=None, kv_len=None, attention="sdpa", inplace=False) -> (logits, k_cache, v_cache)``
+``StepSpec(kv_len=None, attention="sdpa", causal=False, inplace=False, linear=None, kv_codec=None)``
+    The static choices of a forward (frozen, hashable): an engine builds one per bucket
+    and keeps it; a traced backend compiles one program per spec and shape.
+
+``forward(weights, spec, tokens, positions, k_cache, v_cache, *, rows=None, write_mask=None,
+logits_at=None) -> (logits, k_cache, v_cache)``
     Appends ``tokens`` (B, T) at ``positions`` (B, T) to cache rows ``rows`` (B,) and
     returns their logits. Caches are ``[layers, rows, kv_heads, S, head_dim]`` with
     cache index == absolute position. A query at position p sees keys at positions
-    <= p of its own cache row only (and < ``kv_len``). ``write_mask`` (B, T) False
+    <= p of its own cache row only (and < ``spec.kv_len``). ``write_mask`` (B, T) False
     marks pad tokens: they never change the cache. ``logits_at`` (B,) picks one token
-    per row, so prefill computes (B, vocab), not (B, T, vocab).
+    per row, so prefill computes (B, vocab), not (B, T, vocab). It is the embedding,
+    then per layer :func:`attention_block` (which uses :func:`kv_write` and
+    :func:`kv_read`) and :func:`mlp_block`, then :func:`lm_head`: small blocks an
+    architecture changes one at a time.
 
 ``KVCodec``
-    The optional ``kv_codec`` of ``forward``: how K/V are stored in a cache of another
+    The optional ``kv_codec`` of a spec: how K/V are stored in a cache of another
     dtype (e.g. int8 with per-row scales): ``encode`` before each cache write,
     ``decode`` after each cache read. None stores them as computed.
 
-``StepModule(weights, *, kv_len=None, attention="sdpa", inplace=False)``
+``StepModule(weights, spec=StepSpec())``
     ``forward`` as an ``nn.Module`` with the weights as buffers (no copies), for
     ``torch.export.export``, AOTInductor and ``torchax.interop.JittableModule``.
 
@@ -70,7 +77,10 @@ import torch.nn.functional as F
 
 from polyengine.models import Model, ModelConfig
 
-__all__ = ["TorchWeights", "forward", "StepModule", "KVCodec", "rms_norm", "ATTENTION_IMPLS"]
+__all__ = [
+    "TorchWeights", "StepSpec", "forward", "attention_block", "mlp_block", "kv_write", "kv_read", "lm_head", "StepModule",
+    "KVCodec", "rms_norm", "ATTENTION_IMPLS",
+]
 
 ATTENTION_IMPLS = ("sdpa", "eager")
 _HALF = (torch.float16, torch.bfloat16)
@@ -195,6 +205,41 @@ def _linear(t: dict[str, torch.Tensor], x: torch.Tensor, name: str) -> torch.Ten
     return F.linear(x, t[name + ".weight"], t.get(name + ".bias"))
 
 
+@dataclass(frozen=True)
+class StepSpec:
+    """The static choices of a forward: what its program depends on besides its inputs'
+    shapes. An engine builds one per bucket (and keeps it), a traced backend compiles
+    one program per spec and shape, and every choice a caller has is here, not in a
+    switch inside the forward.
+
+    ``kv_len``: static bound on the attended cache positions (None: the whole cache).
+    ``attention``: ``"sdpa"`` or ``"eager"``. ``causal``: the call is a prefill from
+    scratch (batch row b's queries at positions ``0..T-1``, nothing cached before them,
+    ``kv_len == T``), so SDPA runs in its causal mode and skips the masked half.
+    ``inplace``: cache writes with ``index_put_`` (eager CUDA/CPU) instead of out of
+    place (caches in, caches out, as JAX and export need). ``linear(tensors, x, name)``
+    replaces every projection and the LM head (``name`` without ``.weight``; the head is
+    ``"lm_head"`` even when tied), so an engine routes them to its own kernels or int8
+    weights; None is ``F.linear``. ``kv_codec`` (:class:`KVCodec`) encodes K/V before
+    they are written and decodes what attention reads; None stores them as computed.
+    """
+
+    kv_len: int | None = None
+    attention: str = "sdpa"
+    causal: bool = False
+    inplace: bool = False
+    linear: Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor] | None = None
+    kv_codec: KVCodec | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+
+    @property
+    def project(self) -> Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor]:
+        return self.linear or _linear
+
+
 @dataclass
 class _Writes:
     """Where each token's K/V goes: flat (N,) cache rows and positions, pad tokens
@@ -254,8 +299,137 @@ def _attend(q, keys, vals, visible, scale, attention):
     return probs.to(vals.dtype) @ vals
 
 
+@dataclass
+class _Call:
+    """What every layer of one forward call shares: its shapes, the RoPE rows of its
+    positions, which cache positions each query sees, and where its K/V go."""
+
+    batch: int
+    seq: int
+    kv_len: int
+    cos: torch.Tensor  # (B, T, 1, head_dim)
+    sin: torch.Tensor
+    visible: torch.Tensor  # (B, 1, G*T, kv_len) bool
+    rows: torch.Tensor | None  # (B,) cache row of each batch row; None: row b
+    cache_rows: torch.Tensor  # (B,) the same, always a tensor
+    writes: _Writes
+
+
+def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: torch.Tensor | None,
+          write_mask: torch.Tensor | None, cache_len: int) -> _Call:
+    c, t = weights.config, weights.tensors
+    b, seq = positions.shape
+    group = c.num_attention_heads // c.num_key_value_heads
+    kv_len = cache_len if spec.kv_len is None else int(spec.kv_len)
+    if not 1 <= kv_len <= cache_len:
+        raise ValueError(f"kv_len {kv_len} must lie in [1, {cache_len}] (the cache length)")
+    if spec.causal and kv_len != seq:
+        raise ValueError(f"causal=True needs kv_len == T (queries at 0..T-1): kv_len {kv_len}, T {seq}")
+    device = positions.device
+    table_pos = positions.clamp(0, t["rope.cos"].shape[0] - 1)
+    cos = t["rope.cos"][table_pos]  # (B, T, hd/2)
+    sin = t["rope.sin"][table_pos]
+    # Key s is visible to a query at position p iff s <= p: the cache index is the
+    # position, and each row reads only its own cache row, so rows never mix.
+    key_pos = torch.arange(kv_len, device=device)
+    visible = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, kv_len)
+    cache_rows = rows if rows is not None else torch.arange(b, device=device)
+    return _Call(
+        batch=b, seq=seq, kv_len=kv_len,
+        cos=torch.cat([cos, cos], dim=-1)[:, :, None, :], sin=torch.cat([sin, sin], dim=-1)[:, :, None, :],
+        # Queries are grouped per KV head as (group, T) so K/V are never repeated.
+        visible=visible.repeat(1, group, 1)[:, None], rows=rows, cache_rows=cache_rows,
+        writes=_write_targets(cache_rows, positions, write_mask, c.num_key_value_heads),
+    )
+
+
+def attention_block(weights: TorchWeights, spec: StepSpec, call: _Call, layer: int, h: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Self-attention of layer ``layer`` on the normed hidden states ``h`` (B, T, H):
+    projections, RoPE, the KV write (through the codec), attention over the slot's own
+    cache row up to ``kv_len``, the output projection. Returns ``(out, k_cache, v_cache)``."""
+    c, t, lin = weights.config, weights.tensors, spec.project
+    b, seq = call.batch, call.seq
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    group = nh // nkv
+    pre = f"model.layers.{layer}.self_attn."
+    if pre + "qkv_proj.weight" in t or pre + "qkv_proj.qweight" in t:
+        q, k, v = lin(t, h, pre + "qkv_proj").split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+    else:
+        q, k, v = lin(t, h, pre + "q_proj"), lin(t, h, pre + "k_proj"), lin(t, h, pre + "v_proj")
+    q = q.reshape(b, seq, nh, hd)
+    k = k.reshape(b, seq, nkv, hd)
+    q = q * call.cos + _rotate_half(q) * call.sin  # (B, T, nh, hd)
+    k = k * call.cos + _rotate_half(k) * call.sin  # (B, T, nkv, hd)
+
+    k_cache, v_cache = kv_write(spec, call, layer, k.reshape(b * seq, nkv, hd), v.reshape(b * seq, nkv, hd),
+                                k_cache, v_cache)
+    keys, vals = kv_read(spec, call, layer, k_cache, v_cache)
+
+    scale = 1.0 / math.sqrt(hd)
+    if spec.causal and spec.attention == "sdpa":
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, is_causal=True, scale=scale,
+                                             enable_gqa=group > 1)  # (B, nh, T, hd)
+        out = out.transpose(1, 2).reshape(b, seq, nh * hd)
+    else:
+        qg = q.reshape(b, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * seq, hd)
+        out = _attend(qg, keys, vals, call.visible, scale, spec.attention)  # (B, nkv, G*T, hd)
+        out = out.reshape(b, nkv, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(b, seq, nh * hd)
+    return lin(t, out, pre + "o_proj"), k_cache, v_cache
+
+
+def kv_write(spec: StepSpec, call: _Call, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
+             k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one layer's new K/V (N, kv_heads, head_dim) at the call's targets (pad tokens
+    redirected so they change nothing), encoded by the spec's codec."""
+    if spec.kv_codec is not None:
+        k_new = spec.kv_codec.encode("k", layer, k_new, call.writes.rows[:, 0])
+        v_new = spec.kv_codec.encode("v", layer, v_new, call.writes.rows[:, 0])
+    return _write(k_cache, layer, call.writes, k_new, spec.inplace), _write(v_cache, layer, call.writes, v_new, spec.inplace)
+
+
+def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
+            v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values (B, kv_heads, kv_len, head_dim) each batch row attends to: a
+    view of the cache when batch row b is cache row b, else a gather; decoded."""
+    if call.rows is None:
+        keys = k_cache[layer, :, :, : call.kv_len]  # a view
+        vals = v_cache[layer, :, :, : call.kv_len]
+    else:
+        keys = k_cache[layer, call.rows, :, : call.kv_len]  # gathered copy
+        vals = v_cache[layer, call.rows, :, : call.kv_len]
+    if spec.kv_codec is not None:
+        keys = spec.kv_codec.decode("k", layer, keys, call.cache_rows)
+        vals = spec.kv_codec.decode("v", layer, vals, call.cache_rows)
+    return keys, vals
+
+
+def mlp_block(weights: TorchWeights, spec: StepSpec, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """The SiLU-gated MLP of layer ``layer`` on the normed hidden states ``h``."""
+    t, lin = weights.tensors, spec.project
+    pre = f"model.layers.{layer}.mlp."
+    if pre + "gate_up_proj.weight" in t or pre + "gate_up_proj.qweight" in t:
+        gate, up = lin(t, h, pre + "gate_up_proj").chunk(2, dim=-1)
+    else:
+        gate, up = lin(t, h, pre + "gate_proj"), lin(t, h, pre + "up_proj")
+    return lin(t, F.silu(gate) * up, pre + "down_proj")
+
+
+def lm_head(weights: TorchWeights, spec: StepSpec, x: torch.Tensor) -> torch.Tensor:
+    """The final norm and the LM head (the tied embeddings when there is no head):
+    logits in float32 for half dtypes, else in the compute dtype."""
+    c, t = weights.config, weights.tensors
+    x = rms_norm(x, t["model.norm.weight"], c.rms_norm_eps)
+    if spec.linear is None:
+        logits = F.linear(x, t.get("lm_head.weight", t["model.embed_tokens.weight"]))  # (B, [T,] vocab)
+    else:
+        logits = spec.linear(t, x, "lm_head")
+    return logits.float() if logits.dtype in _HALF else logits
+
+
 def forward(
     weights: TorchWeights,
+    spec: StepSpec,
     tokens: torch.Tensor,  # (B, T) int
     positions: torch.Tensor,  # (B, T) int64, absolute position of each token
     k_cache: torch.Tensor,  # (layers, rows, kv_heads, S, head_dim)
@@ -264,14 +438,8 @@ def forward(
     rows: torch.Tensor | None = None,  # (B,) int64 cache row of each batch row; None: row b
     write_mask: torch.Tensor | None = None,  # (B, T) bool, False for pad tokens
     logits_at: torch.Tensor | None = None,  # (B,) int64 index into T
-    kv_len: int | None = None,  # static bound on the attended cache positions
-    attention: str = "sdpa",
-    inplace: bool = False,
-    linear: Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor] | None = None,
-    kv_codec: KVCodec | None = None,
-    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run ``tokens`` through the model, writing their K/V; returns
+    """Run ``tokens`` through the model under ``spec``, writing their K/V; returns
     ``(logits, k_cache, v_cache)``, logits ``(B, vocab)`` with ``logits_at`` else
     ``(B, T, vocab)``.
 
@@ -283,134 +451,38 @@ def forward(
     may carry any position (their RoPE index is clamped) and their logits are garbage.
     ``rows=None`` means batch row b uses cache row b (needs ``B == cache rows``) and
     saves a gather of the cache rows every layer.
-
-    ``linear(tensors, x, name)`` replaces every projection and the LM head (``name``
-    without ``.weight``; the head is ``"lm_head"`` even when tied), so an engine can
-    route them to its own kernels or quantized weights; None is ``F.linear`` on the
-    HF weights. ``kv_codec`` (:class:`KVCodec`) encodes K/V before they are written and
-    decodes what attention reads, for caches stored in another dtype; None stores
-    them as computed.
-
-    ``causal=True`` promises that batch row b's queries sit at positions ``0..T-1`` and
-    its cache holds nothing before them (a prefill from scratch, ``kv_len == T``): SDPA
-    then runs in its causal mode, which skips the masked half of the scores instead of
-    computing them under an explicit mask (half the attention work at long prompts).
     """
-    if attention not in ATTENTION_IMPLS:
-        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
-    c = weights.config
-    t = weights.tensors
-    b, seq = tokens.shape
-    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    group = nh // nkv
-    n_layers, n_rows, _, cache_len, _ = k_cache.shape
-    kv_len = cache_len if kv_len is None else int(kv_len)
-    if not 1 <= kv_len <= cache_len:
-        raise ValueError(f"kv_len {kv_len} must lie in [1, {cache_len}] (the cache length)")
-    if causal and kv_len != seq:
-        raise ValueError(f"causal=True needs kv_len == T (queries at 0..T-1): kv_len {kv_len}, T {seq}")
-    if rows is None and b != n_rows:
-        raise ValueError(f"rows=None needs one batch row per cache row: batch {b}, cache rows {n_rows}")
-    device = tokens.device
-
-    table_pos = positions.clamp(0, t["rope.cos"].shape[0] - 1)
-    cos = t["rope.cos"][table_pos]  # (B, T, hd/2)
-    sin = t["rope.sin"][table_pos]
-    cos = torch.cat([cos, cos], dim=-1)[:, :, None, :]  # (B, T, 1, hd)
-    sin = torch.cat([sin, sin], dim=-1)[:, :, None, :]
-
-    # Key s is visible to a query at position p iff s <= p: the cache index is the
-    # position, and each row reads only its own cache row, so rows never mix.
-    key_pos = torch.arange(kv_len, device=device)
-    visible = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, kv_len)
-    # Queries are grouped per KV head as (group, T) so K/V are never repeated.
-    visible = visible.repeat(1, group, 1)[:, None]  # (B, 1, G*T, kv_len)
-
-    cache_rows = rows if rows is not None else torch.arange(b, device=device)
-    writes = _write_targets(cache_rows, positions, write_mask, nkv)
-    scale = 1.0 / math.sqrt(hd)
-    fused_qkv = "model.layers.0.self_attn.qkv_proj.weight" in t or "model.layers.0.self_attn.qkv_proj.qweight" in t
-    fused_mlp = "model.layers.0.mlp.gate_up_proj.weight" in t or "model.layers.0.mlp.gate_up_proj.qweight" in t
-    lin = linear or _linear
+    c, t = weights.config, weights.tensors
+    b = tokens.shape[0]
+    if rows is None and b != k_cache.shape[1]:
+        raise ValueError(f"rows=None needs one batch row per cache row: batch {b}, cache rows {k_cache.shape[1]}")
+    call = _call(weights, spec, positions, rows, write_mask, k_cache.shape[3])
 
     x = F.embedding(tokens, t["model.embed_tokens.weight"])  # (B, T, H)
-    for layer in range(n_layers):
+    for layer in range(k_cache.shape[0]):
         pre = f"model.layers.{layer}."
         h = rms_norm(x, t[pre + "input_layernorm.weight"], c.rms_norm_eps)
-        if fused_qkv:
-            q, k, v = lin(t, h, pre + "self_attn.qkv_proj").split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        else:
-            q = lin(t, h, pre + "self_attn.q_proj")
-            k = lin(t, h, pre + "self_attn.k_proj")
-            v = lin(t, h, pre + "self_attn.v_proj")
-        q = q.reshape(b, seq, nh, hd)
-        k = k.reshape(b, seq, nkv, hd)
-        q = q * cos + _rotate_half(q) * sin  # (B, T, nh, hd)
-        k = k * cos + _rotate_half(k) * sin  # (B, T, nkv, hd)
-
-        k_new, v_new = k.reshape(b * seq, nkv, hd), v.reshape(b * seq, nkv, hd)
-        if kv_codec is not None:
-            k_new = kv_codec.encode("k", layer, k_new, writes.rows[:, 0])
-            v_new = kv_codec.encode("v", layer, v_new, writes.rows[:, 0])
-        k_cache = _write(k_cache, layer, writes, k_new, inplace)
-        v_cache = _write(v_cache, layer, writes, v_new, inplace)
-        if rows is None:
-            keys = k_cache[layer, :, :, :kv_len]  # (B, nkv, kv_len, hd), a view
-            vals = v_cache[layer, :, :, :kv_len]
-        else:
-            keys = k_cache[layer, rows, :, :kv_len]  # gathered copy
-            vals = v_cache[layer, rows, :, :kv_len]
-        if kv_codec is not None:
-            keys = kv_codec.decode("k", layer, keys, cache_rows)
-            vals = kv_codec.decode("v", layer, vals, cache_rows)
-
-        if causal and attention == "sdpa":
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, is_causal=True, scale=scale,
-                                                 enable_gqa=group > 1)  # (B, nh, T, hd)
-            out = out.transpose(1, 2).reshape(b, seq, nh * hd)
-        else:
-            qg = q.reshape(b, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * seq, hd)
-            out = _attend(qg, keys, vals, visible, scale, attention)  # (B, nkv, G*T, hd)
-            out = out.reshape(b, nkv, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(b, seq, nh * hd)
-        x = x + lin(t, out, pre + "self_attn.o_proj")
-
-        h = rms_norm(x, t[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        if fused_mlp:
-            gate, up = lin(t, h, pre + "mlp.gate_up_proj").chunk(2, dim=-1)
-        else:
-            gate = lin(t, h, pre + "mlp.gate_proj")
-            up = lin(t, h, pre + "mlp.up_proj")
-        x = x + lin(t, F.silu(gate) * up, pre + "mlp.down_proj")
-
+        out, k_cache, v_cache = attention_block(weights, spec, call, layer, h, k_cache, v_cache)
+        x = x + out
+        x = x + mlp_block(weights, spec, layer, rms_norm(x, t[pre + "post_attention_layernorm.weight"], c.rms_norm_eps))
     if logits_at is not None:
-        x = x[torch.arange(b, device=device), logits_at]  # (B, H)
-    x = rms_norm(x, t["model.norm.weight"], c.rms_norm_eps)
-    if linear is None:
-        logits = F.linear(x, t.get("lm_head.weight", t["model.embed_tokens.weight"]))  # (B, [T,] vocab)
-    else:
-        logits = linear(t, x, "lm_head")
-    if logits.dtype in _HALF:
-        logits = logits.float()
-    return logits, k_cache, v_cache
+        x = x[torch.arange(b, device=tokens.device), logits_at]  # (B, H)
+    return lm_head(weights, spec, x), k_cache, v_cache
 
 
 class StepModule(torch.nn.Module):
     """:func:`forward` as a module: weights registered as buffers (shared, not copied),
-    the static choices fixed at construction.
+    the static choices (a :class:`StepSpec`) fixed at construction.
 
     ``module(tokens, positions, k_cache, v_cache, rows=None, write_mask=None,
     logits_at=None)`` returns ``(logits, k_cache, v_cache)``. Export one module per
     bucket shape with ``torch.export.export(module, args)``.
     """
 
-    def __init__(self, weights: TorchWeights, *, kv_len: int | None = None, attention: str = "sdpa", inplace: bool = False):
+    def __init__(self, weights: TorchWeights, spec: StepSpec = StepSpec()):
         super().__init__()
-        if attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
         self.config = weights.config
-        self.kv_len = kv_len
-        self.attention = attention
-        self.inplace = inplace
+        self.spec = spec
         # Buffer names may not contain dots; keep the HF name beside each one.
         self._names = {}
         for name, tensor in weights.tensors.items():
@@ -422,7 +494,5 @@ class StepModule(torch.nn.Module):
         return TorchWeights(self.config, {name: getattr(self, buf) for buf, name in self._names.items()})
 
     def forward(self, tokens, positions, k_cache, v_cache, rows=None, write_mask=None, logits_at=None):
-        return forward(
-            self.weights(), tokens, positions, k_cache, v_cache, rows=rows, write_mask=write_mask,
-            logits_at=logits_at, kv_len=self.kv_len, attention=self.attention, inplace=self.inplace,
-        )
+        return forward(self.weights(), self.spec, tokens, positions, k_cache, v_cache, rows=rows,
+                       write_mask=write_mask, logits_at=logits_at)

@@ -66,7 +66,8 @@ import numpy as np
 import torch
 
 from polyengine.errors import InvalidRequest
-from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
+from polyengine.sampling.params import SamplingParams
+from polyengine.sampling.rows import check_token_ids, request_row
 
 from polyengine.backends.torch_common import threefry
 
@@ -407,12 +408,6 @@ def forget(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> Sam
 # -- the stateful wrapper -------------------------------------------------------------------
 
 
-def _check_ids(ids: np.ndarray, vocab: int, what: str) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        bad = ids[(ids < 0) | (ids >= vocab)][0]
-        raise InvalidRequest(f"{what} holds token id {int(bad)}, outside the vocabulary [0, {vocab})")
-
-
 class TorchSampler:
     """Per-row sampler state on a device plus host mirrors of the parameters.
 
@@ -426,7 +421,7 @@ class TorchSampler:
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"the sampler works in float32 or float64, not {dtype}")
         eos = np.asarray(list(eos_token_ids), dtype=np.int64)
-        _check_ids(eos, vocab_size, "eos_token_ids")
+        check_token_ids(eos, vocab_size, "eos_token_ids")
         self.vocab_size = vocab_size
         self.num_rows = num_rows
         self.eos_token_ids = tuple(int(i) for i in eos)
@@ -442,67 +437,34 @@ class TorchSampler:
             raise InvalidRequest(f"sampler row {row} is outside [0, {self.num_rows})")
         return int(row)
 
-    def _check_request(self, params: SamplingParams, prompt: np.ndarray, sample_index: int) -> None:
-        v = self.vocab_size
-        if params.seed is None:
-            raise InvalidRequest(
-                "the request has no seed: resolve it with SamplingParams.with_seed() when it is admitted"
-            )
-        if not 0 <= sample_index < MAX_SAMPLES:
-            raise InvalidRequest(f"sample_index {sample_index} is outside [0, {MAX_SAMPLES})")
-        _check_ids(np.fromiter(params.logit_bias, dtype=np.int64, count=len(params.logit_bias)), v, "logit_bias")
-        _check_ids(np.asarray(params.stop_token_ids, dtype=np.int64), v, "stop_token_ids")
-        _check_ids(prompt, v, "prompt tokens")
-        # The device cannot raise mid-step, so refuse up front what would leave a step
-        # with every token masked (the reference raises then).
-        eos = set(self.eos_token_ids)
-        if (params.min_tokens > 0 and len(eos | set(params.stop_token_ids)) >= v) or (params.ignore_eos and len(eos) >= v):
-            raise InvalidRequest(
-                "every token is masked at this step (min_tokens/ignore_eos mask the EOS and stop "
-                "token ids, and nothing else is left); lower min_tokens or drop ignore_eos"
-            )
-
     def install(self, row: int, params: SamplingParams, prompt_tokens: Sequence[int] | np.ndarray, *, sample_index: int = 0) -> None:
         """Put a request in ``row``: its parameters, prompt and stream, at step 0.
 
         Raises :class:`InvalidRequest` (nothing changed) for a missing seed, ids
-        outside the vocabulary, or masks that would leave no token.
+        outside the vocabulary, or masks that would leave no token: the core's
+        :func:`~polyengine.sampling.rows.request_row` makes the row and every refusal;
+        this only moves it to the device (a few transfers, not one per field).
         """
         row = self._check_row(row)
-        prompt = np.asarray(prompt_tokens, dtype=np.int64).reshape(-1)
-        self._check_request(params, prompt, sample_index)
         s, dev = self.state, self.device
-        lo, hi = threefry.split_seed(params.seed)
-        # A positive temperature below the dtype's smallest normal would round to 0 and
-        # turn the row greedy; clamped, it still sends every non-maximal token to ~-inf
-        # and leaves tied maxima to the draw, as the reference's tiny temperature does.
-        temperature = max(params.temperature, torch.finfo(s.dtype).tiny) if params.temperature > 0 else 0.0
-        floats = torch.tensor(
-            [temperature, params.top_p, params.min_p, params.repetition_penalty,
-             params.presence_penalty, params.frequency_penalty], dtype=torch.float64,
-        ).to(device=dev, dtype=s.dtype)
+        r = request_row(params, prompt_tokens, self.vocab_size, self.eos_token_ids, sample_index=sample_index,
+                        float_dtype=np.float64 if s.dtype == torch.float64 else np.float32)
+        floats = torch.from_numpy(np.array([r.temperature, r.top_p, r.min_p, r.repetition, r.presence, r.frequency],
+                                           np.float64)).to(device=dev, dtype=s.dtype)
         for i, t in enumerate((s.temperature, s.top_p, s.min_p, s.repetition, s.presence, s.frequency)):
             t[row] = floats[i]
-        ints = torch.tensor([params.top_k, params.min_tokens, sample_index, 0, 0], dtype=torch.int64).to(dev)
+        ints = torch.from_numpy(np.array([r.top_k, r.min_tokens, r.sample_index, 0, 0], np.int64)).to(dev)
         for i, t in enumerate((s.top_k, s.min_tokens, s.sample_index, s.step, s.last_token)):
             t[row] = ints[i]
-        words = torch.tensor([threefry.int32_bits(lo), threefry.int32_bits(hi)], dtype=torch.int32).to(dev)
+        words = torch.from_numpy(np.array([r.seed_lo, r.seed_hi], np.uint32).view(np.int32)).to(dev)
         s.seed_lo[row], s.seed_hi[row] = words[0], words[1]
-        s.ignore_eos[row] = bool(params.ignore_eos)
-        bias = np.zeros(self.vocab_size, dtype=np.float64)
-        for tok, b in params.logit_bias.items():
-            bias[tok] += b
-        s.logit_bias[row] = torch.from_numpy(bias).to(device=dev, dtype=s.dtype)
-        s.stop_mask[row] = self._dense_mask(params.stop_token_ids)
-        s.prompt_seen[row] = self._dense_mask(prompt)
+        s.ignore_eos[row] = bool(r.ignore_eos)
+        s.logit_bias[row] = torch.from_numpy(r.logit_bias).to(device=dev, dtype=s.dtype)
+        s.stop_mask[row] = torch.from_numpy(r.stop_mask).to(dev)
+        s.prompt_seen[row] = torch.from_numpy(r.prompt_seen).to(dev)
         s.counts[row] = 0
         self._params[row] = params
         self.flags = SamplerFlags.of(list(self._params.values()), self.vocab_size)
-
-    def _dense_mask(self, ids) -> torch.Tensor:
-        mask = np.zeros(self.vocab_size, dtype=bool)
-        mask[np.asarray(ids, dtype=np.int64)] = True
-        return torch.from_numpy(mask).to(self.device)
 
     def clear(self, row: int) -> None:
         """Return ``row`` to the neutral state (greedy, nothing active)."""

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from polyengine.sampling.rows import split_seed  # the core's; re-exported for the port's users
+
 __all__ = ["threefry2x32", "threefry2x32_int64", "uniforms", "gumbel", "gumbel_from_bits", "counter_hi", "split_seed", "int32_bits"]
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -110,12 +112,6 @@ def threefry2x32_int64(k0: torch.Tensor, k1: torch.Tensor, x0: torch.Tensor, x1:
         y1 += group + 1
         y1 &= _MASK32
     return y0, y1
-
-
-def split_seed(seed: int) -> tuple[int, int]:
-    """A 64-bit seed as its key words ``(seed mod 2**32, seed >> 32)``."""
-    seed = int(seed)
-    return seed & _MASK32, (seed >> 32) & _MASK32
 
 
 def counter_hi(step: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:

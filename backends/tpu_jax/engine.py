@@ -20,30 +20,29 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import jax
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, check_request
-from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
+from polyengine.errors import InvalidRequest
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
-from polyengine.backends.tpu_jax.quantize import KV_MODES, KV_SCALE_BYTES, WEIGHT_MODES, quantize_weights
+from polyengine.backends.tpu_jax.options import OPTIONS
+from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, quantize_weights
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
 __all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine"]
-
-_ATTENTION = ("sdpa", "eager")
-
 
 def _dtypes(platform: str) -> tuple[str, ...]:
     """What this platform computes well: bfloat16 first on a TPU; on the CPU float32,
@@ -54,16 +53,6 @@ def _dtypes(platform: str) -> tuple[str, ...]:
     if platform == "gpu":
         return ("bfloat16", "float32", "float16")
     return ("float32", "bfloat16") if has_bf16_units() else ("float32",)
-
-
-@dataclass
-class _Slot:
-    prompt_len: int
-    completion: int  # completion tokens so far, forced ones included
-
-    @property
-    def total(self) -> int:
-        return self.prompt_len + self.completion
 
 
 @dataclass
@@ -82,56 +71,28 @@ class TpuDecodeState:
 
     num_slots: int
     arrays: steps.DecodeArrays
-    slots: list[_Slot | None] = field(default_factory=list)
+    slots: SlotTable  # occupancy and counts, what the host knows without a sync
 
     def is_occupied(self, slot: int) -> bool:
-        return self.slots[slot] is not None
+        return self.slots.is_occupied(slot)
 
 
 class TpuJaxEngine(EngineBase):
     name = "tpu_jax"
-    OPTIONS = {
-        "platform": "",  # "" is JAX's default backend (TPU, else GPU, else CPU); or "cpu", "tpu", "gpu"
-        "tensor_parallel": 0,  # devices per tensor-parallel group (heads, MLP); 0 chooses
-        "data_parallel": 0,  # device groups over the slots; 0 chooses
-        "sharding_rules": {},  # logical axis -> "tp" | "dp" | None, over sharding.DEFAULT_RULES
-        "quantize": "",  # weights: "int8" (per channel) or "int8-block32"
-        "kv_quantize": "",  # "int8": int8 KV cache, a scale per slot, position and KV head
-        "attention": "sdpa",  # or "eager" (the shared model's two attention paths)
-        "candidates": 64,  # top-k bound under which top-k/top-p skip the full vocabulary sort
-        "warmup": False,  # compile every bucket when the weights load (else on first use)
-        "profiler_port": 0,  # start JAX's profiler server on this port
-        "trace_dir": "",  # write a JAX trace of the first trace_steps generate steps here
-        "trace_steps": 16,
-    }
+    OPTIONS = OPTIONS
 
     def __init__(self, model: Model, config: EngineConfig):
-        o = {**self.OPTIONS, **config.options}
-        devices = self._devices(o["platform"]) if isinstance(o["platform"], str) else []
-        platform = devices[0].platform if devices else "cpu"
-        dtypes = _dtypes(platform)
-        super().__init__(model, config, Capabilities(
-            dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
-        ), device=platform)
-        o = self.options
-        for key, allowed in (("quantize", tuple(WEIGHT_MODES)), ("kv_quantize", KV_MODES), ("attention", _ATTENTION)):
-            if o[key] not in allowed:
-                raise InvalidRequest(f"option {key}={o[key]!r}: use one of {allowed}")
-        for key in ("candidates", "trace_steps"):
-            if o[key] < 1:
-                raise InvalidRequest(f"option {key}={o[key]} must be >= 1")
-        if not 0 <= o["profiler_port"] < 65536:
-            raise InvalidRequest(f"option profiler_port={o['profiler_port']} is not a port number")
+        super().__init__(model, config)
+        o, devices = self.options, self.devices
         plan = plan_mesh(
             model.config, config.max_slots, devices, tensor_parallel=o["tensor_parallel"],
             data_parallel=o["data_parallel"], rules=ShardingRules.with_overrides(o["sharding_rules"]))
         self.plan = plan
-        self.buckets = config.buckets()
         self.cfg = steps.StepConfig(
             model=model.config, dtype=self.dtype, slots=config.max_slots, cache_length=config.max_cache_length,
             plan=plan, attention=o["attention"], quantize=o["quantize"], kv_int8=o["kv_quantize"] == "int8",
             num_top=MAX_TOP_LOGPROBS, candidates=o["candidates"])
+        platform = devices[0].platform if devices else "cpu"
         kind = devices[0].device_kind if devices else platform
         self.device = (f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()} on {plan.mesh.devices.size} of "
                        f"{len(devices)} devices, {jax.process_count()} process(es))")
@@ -146,6 +107,14 @@ class TpuJaxEngine(EngineBase):
         self._eos_mask[list(self.eos_token_ids)] = True
 
     # -- construction ----------------------------------------------------------------------
+
+    def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
+        self.devices = self._devices(self.options["platform"])
+        self.device = platform = self.devices[0].platform if self.devices else "cpu"
+        return Capabilities(
+            dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
+        )
 
     @staticmethod
     def _devices(platform: str) -> list[Any]:
@@ -171,7 +140,7 @@ class TpuJaxEngine(EngineBase):
             f"{self.dtype} weights{' (int8 projections)' if self.cfg.quantize else ''}": weights,
             f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions": cache,
             "the sampler's per-slot tables and a prefill's activations": (
-                cfg.max_slots * c.vocab_size * 13 // plan.dp
+                cfg.max_slots * row_bytes(c.vocab_size) // plan.dp
                 + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4),
         }
 
@@ -226,7 +195,7 @@ class TpuJaxEngine(EngineBase):
         self.load_params()
         with self.compiles.track():
             arrays = steps.init_state(self.plan.put(self._eos_mask, ("vocab",)), cfg=self.cfg)
-        return TpuDecodeState(self.max_concurrent_decodes, arrays, [None] * self.max_concurrent_decodes)
+        return TpuDecodeState(self.max_concurrent_decodes, arrays, SlotTable(self.max_concurrent_decodes))
 
     def warmup(self) -> None:
         """Compile every program this engine can run: prefill and insert per bucket,
@@ -237,7 +206,7 @@ class TpuJaxEngine(EngineBase):
         start = time.perf_counter()
         state = self.init_decode_state()
         sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=0, logprobs=True, top_logprobs=1)
-        reachable = sorted({self._bucket(n) for n in range(1, self.max_prefill_length + 1)})
+        reachable = sorted({self.config.bucket_for(n) for n in range(1, self.max_prefill_length + 1)})
         prefix = None
         for bucket in reachable:
             prefix, _ = self.prefill(params=params, tokens=[0] * min(bucket, self.max_prefill_length), sampling=sampling)
@@ -254,9 +223,6 @@ class TpuJaxEngine(EngineBase):
         self._report("after warm-up")
 
     # -- prefill ---------------------------------------------------------------------------
-
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
 
     def _row(self, sampling: SamplingParams, prompt: np.ndarray, sample_index: int = 0) -> smp.SamplerState:
         row = smp.request_row(sampling, prompt, self.vocab_size, self.eos_token_ids)
@@ -282,7 +248,7 @@ class TpuJaxEngine(EngineBase):
     def prefill(self, *, params, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None):
         toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
         n = toks.size
-        padded = np.zeros(self._bucket(n), np.int32)
+        padded = np.zeros(self.config.bucket_for(n), np.int32)
         padded[:n] = toks
         tokens_in, length = self.plan.put_tree((padded, np.int32(n)))
         row = self._row(sampling, toks)
@@ -295,9 +261,21 @@ class TpuJaxEngine(EngineBase):
         )
         return prefix, result
 
-    # -- insert ----------------------------------------------------------------------------
+    # -- insert, bulk_insert, free_resource: the kit's flow over these hooks ----------------
 
-    def _install(self, prefix: Prefix, state: TpuDecodeState, slots: list[int], first: list[int]) -> None:
+    def _install(self, prefix: Prefix, state: TpuDecodeState, slots: list[int], *, draw: bool) -> ResultTokens | None:
+        result = None
+        if draw:
+            # Sample i's first token, each from its own stream (sample 0's is prefill's: the
+            # same program on the same logits and seed).
+            with self.compiles.track():
+                rows = [steps.first_token_step(prefix.logits, prefix.kv.row, cfg=self.cfg.sampler)] + [
+                    self._first(prefix.logits, prefix.sampling, prefix.prompt_tokens, i) for i in range(1, len(slots))]
+            packed = np.concatenate([self._host(x) for x in rows])
+            result = ResultTokens.from_packed(packed, self.cfg.layout)
+            first = [int(t) for t in result.tokens[:, 0]]
+        else:
+            first = [prefix.first_token]
         r = self.max_concurrent_decodes
         order = np.zeros(r, np.int32)
         order[: len(slots)] = slots
@@ -312,57 +290,29 @@ class TpuJaxEngine(EngineBase):
         with self.compiles.track(kv.k.shape[2]):  # the prefix's bucket
             state.arrays = steps.insert_step(
                 state.arrays, kv.k, kv.v, length, kv.row, order, count, mask, index, tokens, cfg=self.cfg)
-        for slot in slots:
-            state.slots[slot] = _Slot(prompt_len=prefix.true_length, completion=1)
+        return result
 
-    def insert(self, prefix: Prefix, decode_state: TpuDecodeState, slot: int) -> TpuDecodeState:
-        state = decode_state
-        self.check_prefix(prefix)
-        slot = self.check_empty_slot(slot, state.is_occupied)
-        self._install(prefix, state, [slot], [prefix.first_token])
-        return state
-
-    def bulk_insert(self, prefix: Prefix, decode_state: TpuDecodeState, slots: Sequence[int]):
-        state = decode_state
-        self.check_prefix(prefix)
-        slots = self.check_bulk_slots(slots, state.is_occupied)
-        # Sample i's first token, each from its own stream (sample 0's is prefill's: the
-        # same program on the same logits and seed).
+    def _release(self, state: TpuDecodeState, slot: int) -> None:
         with self.compiles.track():
-            rows = [steps.first_token_step(prefix.logits, prefix.kv.row, cfg=self.cfg.sampler)] + [
-                self._first(prefix.logits, prefix.sampling, prefix.prompt_tokens, i) for i in range(1, len(slots))]
-        packed = np.concatenate([self._host(x) for x in rows])
-        self._install(prefix, state, slots, [int(t) for t in self.cfg.layout.unpack(packed)["tokens"][:, 0]])
-        return state, ResultTokens.from_packed(packed, self.cfg.layout)
+            state.arrays = steps.free_step(state.arrays, self.plan.put(np.int32(slot)), cfg=self.cfg)
 
     # -- generate --------------------------------------------------------------------------
 
     def generate(self, params, decode_state: TpuDecodeState, *, overrides: Mapping[int, Any] | None = None):
         state = decode_state
-        forced = self.check_overrides(
-            overrides, lambda i: None if state.slots[i] is None else (state.slots[i].completion, 1))
+        forced = self.check_overrides(overrides, state.slots.last_result)
         r = self.max_concurrent_decodes
         tokens, mask = np.zeros(r, np.int32), np.zeros(r, bool)
         for slot, (token, _) in forced.items():  # one token per step: the position is the latest
             tokens[slot], mask[slot] = token, True
-        for s in state.slots:  # what the host knows without a sync: who advances, by one
-            if s is not None and s.total < self.max_cache_length:
-                s.completion += 1
+        # What the host knows without a sync: who advances, by one.
+        state.slots.advance(state.slots.live(self.max_cache_length))
         self.profiler.before_step()
         tokens, mask = self.plan.put_tree((tokens, mask))
         with self.compiles.track():
             state.arrays, packed = steps.generate_step(params, state.arrays, tokens, mask, cfg=self.cfg)
         self.profiler.after_step(packed)
         return state, self._results(packed)
-
-    def free_resource(self, decode_state: TpuDecodeState, slot: int) -> TpuDecodeState:
-        state = decode_state
-        slot = self.check_slot(slot)
-        if state.slots[slot] is not None:
-            with self.compiles.track():
-                state.arrays = steps.free_step(state.arrays, self.plan.put(np.int32(slot)), cfg=self.cfg)
-            state.slots[slot] = None
-        return state
 
     # -- portable prefixes ---------------------------------------------------------------
 
@@ -383,19 +333,14 @@ class TpuJaxEngine(EngineBase):
         )
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
-        c = self.model.config
-        portable.check_compatible(
-            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-        )
-        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        prompt, sampling = self.check_portable(portable)
         self.load_params()
         n = prompt.size
         dtype = steps.JAX_DTYPES[self.dtype]
         axes = ("layers", "kv_heads", "positions", "head_dim")
 
         def put(a):  # pad to the bucket, as prefill's prefixes are
-            padded = np.zeros(a.shape[:2] + (self._bucket(n),) + a.shape[3:], dtype)
+            padded = np.zeros(a.shape[:2] + (self.config.bucket_for(n),) + a.shape[3:], dtype)
             padded[:, :, :n] = a
             return self.plan.put(padded, axes)
 
@@ -431,7 +376,7 @@ class TpuJaxEngine(EngineBase):
             "devices visible": len(self._devices(self.options["platform"])),
             "processes": jax.process_count(),
             "mesh": self.plan.describe(),
-            "prefill buckets": ",".join(map(str, self.buckets)),
+            "prefill buckets": ",".join(map(str, self.config.buckets())),
             "programs compiled": sum(r["source"] == "compiled" for r in rows),
             "programs from the persistent cache": sum(r["source"] == "cache" for r in rows),
             "compile seconds": round(sum(r["seconds"] for r in rows), 3),

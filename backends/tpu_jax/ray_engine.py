@@ -32,12 +32,14 @@ import time
 import uuid
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Override, Prefix, ResultLayout, ResultTokens, check_request
+from polyengine.engine import (
+    Capabilities, EngineBase, EngineConfig, Option, Override, Prefix, ResultLayout, ResultTokens, SlotTable,
+)
 from polyengine.errors import InvalidRequest, PolyengineError
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
@@ -45,15 +47,10 @@ from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.tpu_jax.disagg import PortableHandle, PrefillPool
+from polyengine.backends.tpu_jax.options import OPTIONS as ENGINE_OPTIONS
 
 __all__ = ["RayTpuEngine", "RayDecodeState", "WorkerLost", "WorkerGroup", "create_engine", "start_local_ray"]
 
-# The single-host engine's options (forwarded to every worker's engine), by name and
-# default; kept here so the leader validates them without importing JAX.
-ENGINE_OPTIONS = {
-    "platform": "", "tensor_parallel": 0, "data_parallel": 0, "sharding_rules": {}, "quantize": "", "kv_quantize": "",
-    "attention": "sdpa", "candidates": 64, "warmup": False, "profiler_port": 0, "trace_dir": "", "trace_steps": 16,
-}
 _LAYOUT = ResultLayout(k=1, top_n=MAX_TOP_LOGPROBS, logprobs=True)
 
 
@@ -251,11 +248,10 @@ class RayDecodeState:
 
     num_slots: int
     state_id: str
-    completion: list[int | None] = field(default_factory=list)  # None: empty slot
-    prompt_len: list[int] = field(default_factory=list)
+    slots: SlotTable
 
     def is_occupied(self, slot: int) -> bool:
-        return self.completion[slot] is not None
+        return self.slots.is_occupied(slot)
 
 
 @dataclass(eq=False)
@@ -267,36 +263,28 @@ class RemotePrefix:
 
 class RayTpuEngine(EngineBase):
     name = "tpu_jax_ray"
+    # The single-host engine's options (forwarded to every worker's engine, checked here
+    # first with the same JAX-free table), plus the leader's own.
     OPTIONS = {
         **ENGINE_OPTIONS,
-        "num_workers": 2,  # Ray actors, one per host: the processes of the JAX program
-        "devices_per_worker": 1,  # CPU only: host devices each worker's JAX shows (TPU hosts report their chips)
-        "spread_workers": False,  # one worker per Ray node (a STRICT_SPREAD placement group)
-        "step_timeout_s": 600.0,  # longest wait for any call (the first ones compile)
-        "ray_address": "",  # "" joins the running Ray instance or starts a local, loopback-only one
-        "prefill_workers": 0,  # > 0: disaggregated, prompts prefill on these actors (disagg.py), not the decode workers
+        "num_workers": Option(2, "Ray actors, one per host: the processes of the JAX program", minimum=1),
+        "devices_per_worker": Option(1, "CPU only: host devices each worker's JAX shows (TPU hosts report their chips)",
+                                     minimum=1),
+        "spread_workers": Option(False, "one worker per Ray node (a STRICT_SPREAD placement group)"),
+        "step_timeout_s": Option(600.0, "longest wait for any call (the first ones compile)", check=lambda v: (
+            None if v > 0 else "must be > 0")),
+        "ray_address": Option("", "'' joins the running Ray instance or starts a local, loopback-only one"),
+        "prefill_workers": Option(0, "> 0: disaggregated, prompts prefill on these actors (disagg.py), not the "
+                                     "decode workers", minimum=0),
     }
 
     def __init__(self, model: Model, config: EngineConfig):
-        options = self._check_options(config.options)  # refuse before anything starts
-        if (options["num_workers"] < 1 or options["devices_per_worker"] < 1 or options["step_timeout_s"] <= 0
-                or options["prefill_workers"] < 0):
-            raise InvalidRequest("options num_workers and devices_per_worker must be >= 1, prefill_workers >= 0 "
-                                 "and step_timeout_s > 0")
-        self._refuse_early(model, config)
-        _connect(options["ray_address"])
+        super().__init__(model, config, device="")
         import ray
 
-        group = _group(options["num_workers"], options["devices_per_worker"], options["spread_workers"],
-                       float(options["step_timeout_s"]))
+        options, group = self.options, self.group
         worker_config = config.model_copy(update={"options": {k: v for k, v in options.items() if k in ENGINE_OPTIONS}})
         model_ref = ray.put(model)
-        caps = group.call("capabilities")
-        super().__init__(model, config, Capabilities(
-            dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
-        ), device="")
-        self.group = group
         self.engine_id = uuid.uuid4().hex
         self.device = group.call("build", self.engine_id, model_ref, worker_config, what="building the engine") + (
             f" on {len(group.workers)} Ray workers")
@@ -310,23 +298,24 @@ class RayTpuEngine(EngineBase):
             weakref.finalize(self, self.prefill_pool.group.drop, "engines", self.engine_id)
             self.device += f", prefill on {options['prefill_workers']} more (disaggregated)"
 
-    def _refuse_early(self, model: Model, config: EngineConfig) -> None:
-        """What the kit refuses at construction that does not depend on the workers'
-        platform, and a memory check: the workers share this host when Ray is local,
-        so their weights and caches must fit in its memory."""
-        mc = model.config
-        if config.max_cache_length > mc.max_position_embeddings:
-            raise InvalidRequest(
-                f"max_cache_length {config.max_cache_length} exceeds the model's max_position_embeddings "
-                f"{mc.max_position_embeddings}")
+    def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
+        """A memory check first (the workers share this host when Ray is local, so their
+        weights and caches must fit in its memory), then the workers start and report
+        their platform's dtypes."""
+        mc, o = model.config, self.options
         item = 2 if config.dtype in ("bfloat16", "float16") else 4
-        from polyengine.memory import check_fits
-
-        check_fits(f"the {self.name} backend", {
+        self.check_memory({
             "the weights": mc.num_parameters() * item,
             f"the KV cache of {config.max_slots} slots x {config.max_cache_length} positions":
                 config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(item),
         })
+        _connect(o["ray_address"])
+        self.group = _group(o["num_workers"], o["devices_per_worker"], o["spread_workers"], float(o["step_timeout_s"]))
+        caps = self.group.call("capabilities")
+        return Capabilities(
+            dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=False, async_results=True,
+        )
 
     def _id(self, kind: str) -> str:
         return f"{self.engine_id}-{kind}{next(self._ids)}"
@@ -351,7 +340,7 @@ class RayTpuEngine(EngineBase):
         state_id = self._id("state")
         self.group.call("init_state", self.engine_id, state_id)
         n = self.max_concurrent_decodes
-        state = RayDecodeState(n, state_id, [None] * n, [0] * n)
+        state = RayDecodeState(n, state_id, SlotTable(n))
         weakref.finalize(state, self.group.drop, "states", state_id)
         return state
 
@@ -386,51 +375,31 @@ class RayTpuEngine(EngineBase):
         return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
                       first_token=first, to_host=lambda h: h.portable().last_logits, model_id=self.model_id)
 
-    def insert(self, prefix: Prefix, decode_state: RayDecodeState, slot: int) -> RayDecodeState:
-        state = decode_state
-        self.check_prefix(prefix)
-        slot = self.check_empty_slot(slot, state.is_occupied)
-        if isinstance(prefix.kv, PortableHandle):  # every decode worker reads it from the object store
-            self.group.call("insert_portable", self.engine_id, state.state_id, [slot], prefix.kv.ref, False)
-        else:
-            self.group.call("insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slot)
-        state.completion[slot], state.prompt_len[slot] = 1, prefix.true_length
-        return state
+    # -- insert, bulk_insert, free_resource: the kit's flow (refusals here), the work remote --
 
-    def bulk_insert(self, prefix: Prefix, decode_state: RayDecodeState, slots: Sequence[int]):
-        state = decode_state
-        self.check_prefix(prefix)
-        slots = self.check_bulk_slots(slots, state.is_occupied)
-        if isinstance(prefix.kv, PortableHandle):
-            packed = self.group.call("insert_portable", self.engine_id, state.state_id, slots, prefix.kv.ref, True)
-        else:
+    def _install(self, prefix: Prefix, state: RayDecodeState, slots: list[int], *, draw: bool) -> ResultTokens | None:
+        if isinstance(prefix.kv, PortableHandle):  # every decode worker reads it from the object store
+            packed = self.group.call("insert_portable", self.engine_id, state.state_id, slots, prefix.kv.ref, draw)
+        elif draw:
             packed = self.group.call("bulk_insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots)
-        for slot in slots:
-            state.completion[slot], state.prompt_len[slot] = 1, prefix.true_length
-        return state, ResultTokens.from_packed(packed, _LAYOUT)
+        else:
+            packed = self.group.call("insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots[0])
+        return ResultTokens.from_packed(packed, _LAYOUT) if draw else None
+
+    def _release(self, state: RayDecodeState, slot: int) -> None:
+        self.group.call("free", self.engine_id, state.state_id, slot)
 
     # -- generate --------------------------------------------------------------------------
 
     def generate(self, params, decode_state: RayDecodeState, *, overrides: Mapping[int, Any] | None = None):
         self._check_params(params)
         state = decode_state
-        forced = self.check_overrides(
-            overrides, lambda i: None if state.completion[i] is None else (state.completion[i], 1))
-        for slot, n in enumerate(state.completion):
-            if n is not None and state.prompt_len[slot] + n < self.max_cache_length:
-                state.completion[slot] = n + 1
+        forced = self.check_overrides(overrides, state.slots.last_result)
+        state.slots.advance(state.slots.live(self.max_cache_length))
         refs = self.group.submit("generate", self.engine_id, state.state_id,
                                  {s: Override(t, p) for s, (t, p) in forced.items()})
         # Results are read when the driver reads them: step n+1 is sent before then.
         return state, ResultTokens.from_packed(refs, _LAYOUT, to_host=lambda r: self.group._gather(r, "generating")[0])
-
-    def free_resource(self, decode_state: RayDecodeState, slot: int) -> RayDecodeState:
-        state = decode_state
-        slot = self.check_slot(slot)
-        if state.completion[slot] is not None:
-            self.group.call("free", self.engine_id, state.state_id, slot)
-            state.completion[slot] = None
-        return state
 
     # -- portable prefixes ---------------------------------------------------------------
 
@@ -441,12 +410,7 @@ class RayTpuEngine(EngineBase):
         return PortablePrefix.from_bytes(self.group.call("export_prefix", self.engine_id, prefix.kv.prefix_id))
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
-        c = self.model.config
-        portable.check_compatible(
-            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-        )
-        prompt, sampling = check_request(self, portable.prompt_tokens, portable.sampling)
+        prompt, sampling = self.check_portable(portable)
         if self.prefill_pool is not None:
             handle = self.prefill_pool.put(portable)
             return self._portable_prefix(handle, prompt, sampling, self.prefill_pool.first_token(handle))

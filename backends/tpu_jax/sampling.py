@@ -15,9 +15,10 @@ top log-probs) run under ``lax.cond`` on predicates computed from the live rows,
 greedy batch pays for none of them and nothing recompiles when the mix changes. Rows
 that are not live never switch a path on.
 
-Host side: :func:`request_row` turns one request into a one-row :class:`SamplerState`
-of NumPy arrays (checked first: seed, ids in the vocabulary, masks that would leave no
-token), which a step installs into the rows it names (:func:`install`).
+Host side: the core's :func:`polyengine.sampling.rows.request_row` makes a request's row
+and every refusal (seed, ids in the vocabulary, masks that would leave no token);
+:func:`request_row` here puts it in this port's one-row :class:`SamplerState`, which a
+step installs into the rows it names (:func:`install`).
 
 Precision: float32 throughout (JAX runs without x64). A token can differ from the
 reference's only where two candidates' perturbed scores, or a top-p/min-p boundary,
@@ -38,8 +39,9 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry_2x32
 
-from polyengine.errors import InvalidRequest
-from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
+from polyengine.sampling.params import SamplingParams
+from polyengine.sampling.rows import request_row as core_row
+from polyengine.sampling.rows import split_seed
 
 __all__ = [
     "SamplerState", "SampleResult", "request_row", "neutral_rows", "neutral_state", "sample", "record", "override", "install",
@@ -47,8 +49,6 @@ __all__ = [
 ]
 
 _NEG_INF = -jnp.inf
-_MASK32 = (1 << 32) - 1
-_TINY = float(np.finfo(np.float32).tiny)
 
 
 @jax.tree_util.register_dataclass
@@ -98,12 +98,6 @@ class SampleResult:
 # -- host side: requests as rows ---------------------------------------------------------------
 
 
-def split_seed(seed: int) -> tuple[int, int]:
-    """A 64-bit seed as its key words ``(seed mod 2**32, seed >> 32)``."""
-    seed = int(seed)
-    return seed & _MASK32, (seed >> 32) & _MASK32
-
-
 def neutral_rows(num_rows: int, vocab_size: int, eos_token_ids: Sequence[int]) -> SamplerState:
     """NumPy rows that are greedy, unpenalised and unmasked, at step 0."""
     r, v = num_rows, vocab_size
@@ -135,48 +129,16 @@ def neutral_state(num_rows: int, eos_mask: jax.Array) -> SamplerState:
     )
 
 
-def _check_ids(ids: np.ndarray, vocab: int, what: str) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        bad = ids[(ids < 0) | (ids >= vocab)][0]
-        raise InvalidRequest(f"{what} holds token id {int(bad)}, outside the vocabulary [0, {vocab})")
-
-
 def request_row(
     params: SamplingParams, prompt_tokens: Sequence[int] | np.ndarray, vocab_size: int, eos_token_ids: Sequence[int]
 ) -> SamplerState:
     """One request as a one-row NumPy :class:`SamplerState` at step 0 (sample index 0;
-    :func:`install` sets each row's own). Raises InvalidRequest, before any device
-    work, for what a step cannot refuse mid-flight: no seed, ids outside the vocabulary,
-    or masks that would leave no token."""
-    v = vocab_size
-    if params.seed is None:
-        raise InvalidRequest("the request has no seed: resolve it with SamplingParams.with_seed() when it is admitted")
-    prompt = np.asarray(prompt_tokens, np.int64).reshape(-1)
-    _check_ids(np.fromiter(params.logit_bias, np.int64, len(params.logit_bias)), v, "logit_bias")
-    _check_ids(np.asarray(params.stop_token_ids, np.int64), v, "stop_token_ids")
-    _check_ids(prompt, v, "prompt tokens")
-    eos = set(int(t) for t in eos_token_ids)
-    if (params.min_tokens > 0 and len(eos | set(params.stop_token_ids)) >= v) or (params.ignore_eos and len(eos) >= v):
-        raise InvalidRequest(
-            "every token is masked at this step (min_tokens/ignore_eos mask the EOS and stop token ids, and "
-            "nothing else is left); lower min_tokens or drop ignore_eos"
-        )
-    row = neutral_rows(1, v, eos_token_ids)
-    lo, hi = split_seed(params.seed)
-    # A positive temperature below float32's smallest normal would round to 0 and turn
-    # the row greedy; clamped, it still leaves tied maxima to the draw (as the reference).
-    row.temperature[0] = max(params.temperature, _TINY) if params.temperature > 0 else 0.0
-    row.top_k[0], row.top_p[0], row.min_p[0] = params.top_k, params.top_p, params.min_p
-    row.repetition[0], row.presence[0] = params.repetition_penalty, params.presence_penalty
-    row.frequency[0], row.min_tokens[0] = params.frequency_penalty, params.min_tokens
-    row.ignore_eos[0], row.top_logprobs[0] = params.ignore_eos, params.top_logprobs
-    row.seed_lo[0], row.seed_hi[0] = lo, hi
-    bias = np.zeros(v, np.float64)
-    for tok, b in params.logit_bias.items():
-        bias[tok] += b
-    row.logit_bias[0] = bias
-    row.stop_mask[0, np.asarray(params.stop_token_ids, np.int64)] = True
-    row.prompt_seen[0, prompt] = True
+    :func:`install` sets each row's own): the core's row
+    (:func:`polyengine.sampling.rows.request_row`, which makes every refusal before any
+    device work) in this port's dtypes, with zero counts."""
+    row = neutral_rows(1, vocab_size, eos_token_ids)
+    for name, value in core_row(params, prompt_tokens, vocab_size, eos_token_ids, float_dtype=np.float32).as_dict().items():
+        getattr(row, name)[0] = value
     return row
 
 

@@ -36,15 +36,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from polyengine.errors import InvalidRequest
 from polyengine.models import ModelConfig
 
-__all__ = ["MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "ShardingRules", "ShardingPlan", "plan_mesh", "param_axes"]
+from polyengine.backends.tpu_jax.options import DEFAULT_RULES, LOGICAL_AXES, MESH_AXES, rules_problem
 
-MESH_AXES = ("dp", "tp")
-# Every logical axis an array of this backend is described with.
-LOGICAL_AXES = ("layers", "slots", "heads", "kv_heads", "mlp", "embed", "vocab", "positions", "head_dim")
-DEFAULT_RULES: dict[str, str | None] = {
-    "layers": None, "slots": "dp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
-    "embed": None, "vocab": None, "positions": None, "head_dim": None,
-}
+__all__ = ["MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "ShardingRules", "ShardingPlan", "plan_mesh", "param_axes"]
 
 
 @dataclass(frozen=True)
@@ -57,16 +51,11 @@ class ShardingRules:
     def with_overrides(cls, overrides: Mapping[str, Any] | None = None) -> "ShardingRules":
         """``DEFAULT_RULES`` updated by ``overrides`` (the ``sharding_rules`` option);
         unknown logical or mesh axes are refused with InvalidRequest."""
-        rules = dict(DEFAULT_RULES)
-        for logical, axis in dict(overrides or {}).items():
-            if logical not in LOGICAL_AXES:
-                raise InvalidRequest(
-                    f"option sharding_rules names logical axis {logical!r}; the logical axes are {', '.join(LOGICAL_AXES)}")
-            if axis is not None and axis not in MESH_AXES:
-                raise InvalidRequest(
-                    f"option sharding_rules maps {logical!r} to {axis!r}; use a mesh axis ({', '.join(MESH_AXES)}) or None")
-            rules[logical] = axis
-        return cls(tuple(sorted(rules.items())))
+        overrides = dict(overrides or {})
+        problem = rules_problem(overrides)
+        if problem:
+            raise InvalidRequest(f"option sharding_rules {problem}")
+        return cls(tuple(sorted({**DEFAULT_RULES, **overrides}.items())))
 
     def mesh_axis(self, logical: str | None) -> str | None:
         return None if logical is None else dict(self.pairs)[logical]

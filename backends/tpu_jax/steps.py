@@ -140,15 +140,14 @@ def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, l
     import_torchax()
     from torchax.interop import call_torch
 
-    from polyengine.backends.torch_common.model import TorchWeights, forward
+    from polyengine.backends.torch_common.model import StepSpec, TorchWeights, forward
 
-    codec = Int8KVCodec(cfg.jax_dtype) if int8_cache else None
+    spec = StepSpec(attention=cfg.attention, linear=int8_linear if cfg.quantize else None,
+                    kv_codec=Int8KVCodec(cfg.jax_dtype) if int8_cache else None)
 
     def torch_side(tensors, tokens, positions, k, v, write_mask, logits_at):
-        return forward(
-            TorchWeights(cfg.model, tensors), tokens, positions, k, v, write_mask=write_mask, logits_at=logits_at,
-            attention=cfg.attention, linear=int8_linear if cfg.quantize else None, kv_codec=codec,
-        )
+        return forward(TorchWeights(cfg.model, tensors), spec, tokens, positions, k, v, write_mask=write_mask,
+                       logits_at=logits_at)
 
     with jax.default_matmul_precision(cfg.precision):
         return call_torch(torch_side, params, tokens, positions, k, v, write_mask, logits_at)

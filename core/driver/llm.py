@@ -43,7 +43,7 @@ class LLM:
         **engine_config: Any,
     ):
         from polyengine.models import Model, load_model
-        from polyengine.plugins import create_engine
+        from polyengine.construction import create_engine
 
         loaded = model if isinstance(model, Model) else load_model(model, progress=progress)
         engine = create_engine(backend, model=loaded, config=engine_config)

@@ -158,7 +158,7 @@ def load_model(
     if path.exists():
         return _load_path(path, dt, progress)
     if isinstance(spec, str):
-        from polyengine.plugins import get_registry
+        from polyengine.discovery import get_registry
 
         models = get_registry().models()
         if spec in models:

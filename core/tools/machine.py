@@ -84,7 +84,7 @@ def available_tools() -> list[Tool]:
     import warnings
 
     from polyengine.discovery import PluginWarning
-    from polyengine.plugins import get_registry  # plugins discovery is only needed here
+    from polyengine.discovery import get_registry  # plugins discovery is only needed here
 
     tools = [CALCULATOR]
     for tool in get_registry().tools():

@@ -1,0 +1,50 @@
+"""The tpu_jax engine's options, and the sharding rules they may override.
+
+Imports no JAX: the single-host engine checks its options with this table, and the Ray
+leader (``ray_engine.py``) checks the same table before it starts a worker, then forwards
+the options to every worker's engine. ``polyengine.options.check_options`` does the
+checking; the rules' vocabulary (mesh axes, logical axes, defaults) is here because the
+``sharding_rules`` option is written in it (:mod:`.sharding` uses it for the mesh).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyengine.engine import Option
+
+__all__ = ["OPTIONS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem"]
+
+MESH_AXES = ("dp", "tp")
+# Every logical axis an array of this backend is described with.
+LOGICAL_AXES = ("layers", "slots", "heads", "kv_heads", "mlp", "embed", "vocab", "positions", "head_dim")
+DEFAULT_RULES: dict[str, str | None] = {
+    "layers": None, "slots": "dp", "heads": "tp", "kv_heads": "tp", "mlp": "tp",
+    "embed": None, "vocab": None, "positions": None, "head_dim": None,
+}
+
+
+def rules_problem(overrides: dict[str, Any]) -> str | None:
+    """What is wrong with a ``sharding_rules`` value (logical axis -> mesh axis or None)."""
+    for logical, axis in overrides.items():
+        if logical not in LOGICAL_AXES:
+            return f"names logical axis {logical!r}; the logical axes are {', '.join(LOGICAL_AXES)}"
+        if axis is not None and axis not in MESH_AXES:
+            return f"maps {logical!r} to {axis!r}; use a mesh axis ({', '.join(MESH_AXES)}) or None"
+    return None
+
+
+OPTIONS: dict[str, Option] = {
+    "platform": Option("", "'' is JAX's default backend (TPU, else GPU, else CPU); or 'cpu', 'tpu', 'gpu'"),
+    "tensor_parallel": Option(0, "devices per tensor-parallel group (heads, MLP); 0 chooses", minimum=0),
+    "data_parallel": Option(0, "device groups over the slots; 0 chooses", minimum=0),
+    "sharding_rules": Option({}, "logical axis -> 'tp' | 'dp' | None, over the default rules", check=rules_problem),
+    "quantize": Option("", "weights: 'int8' (per channel) or 'int8-block32'", choices=("", "int8", "int8-block32")),
+    "kv_quantize": Option("", "'int8': int8 KV cache, a scale per slot, position and KV head", choices=("", "int8")),
+    "attention": Option("sdpa", "the shared model's attention path", choices=("sdpa", "eager")),
+    "candidates": Option(64, "top-k bound under which top-k/top-p skip the full vocabulary sort", minimum=1),
+    "warmup": Option(False, "compile every bucket when the weights load (else on first use)"),
+    "profiler_port": Option(0, "start JAX's profiler server on this port", minimum=0, maximum=65535),
+    "trace_dir": Option("", "write a JAX trace of the first trace_steps generate steps here"),
+    "trace_steps": Option(16, "generate steps the trace covers", minimum=1),
+}

@@ -1,0 +1,281 @@
+"""The backend kit: :class:`EngineBase`, what every backend builds on.
+
+The attributes every engine has, the refusals every engine must make (in one place),
+and the optional methods raising :class:`UnsupportedFeature`. ``docs/backends.md`` has
+the checklist.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from polyengine.errors import InvalidRequest, SlotError, UnsupportedFeature
+from polyengine.protocol import Capabilities, DecodeState, EngineConfig, Override, Prefix
+from polyengine.results import ResultTokens
+from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
+from polyengine.options import check_options
+from polyengine.slots import Slot
+from polyengine.validation import check_request, is_int
+
+if TYPE_CHECKING:  # pragma: no cover
+    from polyengine.models import Model
+    from polyengine.prefix import PortablePrefix
+
+__all__ = ["EngineBase"]
+
+
+class EngineBase:
+    """The kit a backend builds on (optional, recommended): the attributes every engine
+    has, the refusals every engine must make, in one place, the shared slot flow, and
+    the optional methods raising :class:`UnsupportedFeature`. ``docs/backends.md`` has
+    the checklist.
+
+    Construction is one pass, before anything is allocated: ``OPTIONS`` checked
+    (:func:`polyengine.options.check_options`: unknown keys, types, choices, bounds;
+    InvalidRequest), the limits (``max_cache_length`` beyond the model's positions:
+    InvalidRequest), then the capabilities (passed in, or derived from the checked
+    options by :meth:`capabilities_for`, which may look at the device), then the dtype
+    (undeclared: UnsupportedFeature). The engine then calls :meth:`check_memory` with
+    what it will allocate, and per call :meth:`check_prefill`, :meth:`check_prefix`,
+    :meth:`check_portable`, :meth:`check_empty_slot`, :meth:`check_bulk_slots`,
+    :meth:`check_overrides`.
+
+    The slot flow: an engine whose decode state has a :class:`~polyengine.slots.SlotTable`
+    as ``slots`` gets ``insert``, ``bulk_insert`` and ``free_resource`` from the kit
+    (checks first, then its hooks :meth:`_settle`, :meth:`_install` and
+    :meth:`_release`, then the table), so every engine refuses the same things in the
+    same order and a refused call changes nothing.
+    """
+
+    name: str = "unnamed"
+    # Backend-specific options (EngineConfig.options) this engine accepts: name ->
+    # polyengine.options.Option (or a bare default, whose type the value must have).
+    OPTIONS: Mapping[str, Any] = {}
+    # What the kit's slot flow records for an inserted slot (a Slot subclass may carry an
+    # engine's own per-slot fields, with defaults).
+    slot_type: type[Slot] = Slot
+
+    capabilities: Capabilities
+    eos_token_ids: tuple[int, ...] = ()
+    model: Any = None
+    device: str = "cpu"
+
+    def __init__(self, model: "Model", config: EngineConfig, capabilities: Capabilities | None = None, *,
+                 device: str = "cpu"):
+        mc = model.config
+        self.options = self._check_options(config.options)
+        if config.max_cache_length > mc.max_position_embeddings:
+            raise InvalidRequest(
+                f"max_cache_length {config.max_cache_length} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}; build the engine with max_cache_length <= {mc.max_position_embeddings}"
+            )
+        self.model, self.config, self.device = model, config, device
+        if capabilities is None:
+            capabilities = self.capabilities_for(model, config)
+        dtype = config.dtype or capabilities.dtypes[0]
+        if dtype not in capabilities.dtypes:
+            raise UnsupportedFeature(f"dtype {dtype!r}", self.name, f"declared dtypes: {', '.join(capabilities.dtypes)}")
+        self.capabilities = capabilities
+        self.dtype = dtype
+        self.model_id = model.instance_id
+        self.max_concurrent_decodes = config.max_slots
+        self.max_prefill_length = config.max_prefill_length
+        self.max_cache_length = config.max_cache_length
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = tuple(model.eos_token_ids)
+
+    def capabilities_for(self, model: "Model", config: EngineConfig) -> Capabilities:
+        """What this engine can do with the checked ``self.options`` (and the device they
+        pick), for an engine that does not pass ``capabilities`` to ``__init__``. Runs
+        after the options and limits are checked and before the dtype is."""
+        raise NotImplementedError(f"{type(self).__name__}: pass capabilities to EngineBase.__init__ or override "
+                                  f"capabilities_for")
+
+    def _check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        return check_options(self.OPTIONS, options, backend=self.name)
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def check_memory(self, needs: Mapping[str, int], *, where: str = "host memory",
+                     available: int | None | Callable[[], int | None] = None) -> int:
+        """Refuse, before allocating, what this engine would allocate and cannot fit
+        (:func:`polyengine.memory.check_fits`); ``needs`` maps descriptions to bytes."""
+        from polyengine.memory import check_fits
+
+        return check_fits(f"the {self.name} backend", needs, where=where, available=available)
+
+    # -- per-call checks -------------------------------------------------------------------
+
+    def check_prefill(
+        self, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams, existing_prefix: Prefix | None = None
+    ) -> tuple[np.ndarray, SamplingParams, int]:
+        """Everything prefill must refuse before work: ``existing_prefix`` without the
+        capability or from elsewhere, a bad prompt, undeclared sampling. Returns the
+        prompt (int32), the request with a seed, and the number of positions the
+        existing prefix already holds."""
+        start = 0
+        if existing_prefix is not None:
+            if not self.capabilities.prefix_reuse:
+                raise UnsupportedFeature("prefix reuse (existing_prefix)", self.name)
+            self.check_prefix(existing_prefix)
+            start = existing_prefix.true_length
+        toks, sampling = check_request(self, tokens, sampling, offset=start)
+        return toks, sampling, start
+
+    def check_prefix(self, prefix: Prefix) -> Prefix:
+        """A prefix this engine made (backend and weights) that fits its limits."""
+        if not isinstance(prefix, Prefix) or prefix.backend != self.name:
+            raise InvalidRequest(
+                f"prefix was made by backend {getattr(prefix, 'backend', None)!r}; move prefixes "
+                f"between backends with export_prefix/import_prefix"
+            )
+        if prefix.model_id != self.model_id:
+            raise InvalidRequest(
+                "prefix was made with other weights than this engine's model; prefill it again here "
+                "(or import a portable prefix, which checks the model fingerprint)"
+            )
+        if prefix.true_length > self.max_prefill_length:
+            raise InvalidRequest(
+                f"prefix holds {prefix.true_length} tokens but this engine accepts at most "
+                f"{self.max_prefill_length} (max_prefill_length)"
+            )
+        return prefix
+
+    def check_portable(self, portable: "PortablePrefix") -> tuple[np.ndarray, SamplingParams]:
+        """A portable prefix made for this engine's model (fingerprint and shapes) whose
+        prompt and request this engine accepts: returns the prompt (int32) and the
+        request with its seed, for ``import_prefix``."""
+        c = self.model.config
+        portable.check_compatible(
+            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+        )
+        return check_request(self, portable.prompt_tokens, portable.sampling)
+
+    def check_token(self, token: object, what: str) -> int:
+        """A token id (an integer inside the vocabulary) as an int, else InvalidRequest."""
+        if not is_int(token):
+            raise InvalidRequest(f"{what} must be an integer token id, got {token!r}")
+        if not 0 <= token < self.vocab_size:
+            raise InvalidRequest(f"{what} {token} is outside the vocabulary [0, {self.vocab_size})")
+        return int(token)
+
+    def check_slot(self, slot: int) -> int:
+        if not is_int(slot):
+            raise SlotError(f"slot must be an int, not {type(slot).__name__}")
+        if not 0 <= slot < self.max_concurrent_decodes:
+            raise SlotError(
+                f"slot {slot} is out of range: this engine has slots 0.."
+                f"{self.max_concurrent_decodes - 1}"
+            )
+        return int(slot)
+
+    def check_empty_slot(self, slot: int, occupied: Callable[[int], bool]) -> int:
+        """An in-range, empty slot (insert's target), else SlotError."""
+        slot = self.check_slot(slot)
+        if occupied(slot):
+            raise SlotError(f"slot {slot} is occupied; free_resource it before inserting")
+        return slot
+
+    def check_bulk_slots(self, slots: Sequence[int], occupied: Callable[[int], bool]) -> list[int]:
+        """bulk_insert's targets: a non-empty list of distinct, in-range, empty slots."""
+        try:
+            slots = list(slots)
+        except TypeError:
+            raise SlotError(f"bulk_insert needs a sequence of slots, got {slots!r}") from None
+        if not slots or len(slots) > MAX_SAMPLES:
+            raise SlotError(f"bulk_insert needs 1..{MAX_SAMPLES} slots, got {len(slots)}")
+        checked = [self.check_empty_slot(s, occupied) for s in slots]
+        if len(set(checked)) != len(checked):
+            raise SlotError(f"bulk_insert needs distinct slots, got {checked}")
+        return checked
+
+    def check_overrides(
+        self, overrides: Mapping[int, int | Override] | None, last_result: Callable[[int], tuple[int, int] | None]
+    ) -> dict[int, tuple[int, int]]:
+        """Validate ``generate``'s overrides before any work: ``{slot: (token, position)}``.
+
+        ``last_result(slot)`` gives an occupied slot's ``(completion length, tokens in its
+        last result)`` and None for an empty slot; the position must fall inside that
+        last result (see :class:`Override`).
+        """
+        out: dict[int, tuple[int, int]] = {}
+        for slot, value in dict(overrides or {}).items():
+            slot = self.check_slot(slot) if is_int(slot) else self._bad_override_slot(slot)
+            info = last_result(slot)
+            if info is None:
+                raise InvalidRequest(f"override for slot {slot}, which is empty")
+            length, last = info
+            ov = value if isinstance(value, Override) else Override(value)
+            token = self.check_token(ov.token, f"override for slot {slot}")
+            position = length - 1 if ov.position is None else ov.position
+            if not is_int(position) or not length - last <= position <= length - 1:
+                raise InvalidRequest(
+                    f"override for slot {slot} at completion position {ov.position!r}: it must replace one of the "
+                    f"tokens of the slot's last result, positions {length - last}..{length - 1}"
+                )
+            out[slot] = (token, int(position))
+        return out
+
+    @staticmethod
+    def _bad_override_slot(slot: object) -> int:
+        raise InvalidRequest(f"override keys must be slot indices (ints), got {slot!r}")
+
+    # -- the slot flow ----------------------------------------------------------------------
+
+    def _settle(self, decode_state: Any) -> Any:
+        """Hook: wait for work in flight that a host change of the state must follow (a
+        step on a worker thread); returns the state. Default: nothing to wait for."""
+        return decode_state
+
+    def _install(self, prefix: Prefix, state: Any, slots: list[int], *, draw: bool) -> ResultTokens | None:
+        """Hook: put ``prefix`` into ``slots`` (checked: distinct, empty, in range): its
+        K/V, and sample ``i`` of the request (its parameters and stream) into
+        ``slots[i]``. With ``draw`` (``bulk_insert``) each slot draws its own first token
+        (sample index ``i``, step 0) and the tokens come back as one row per slot, in the
+        order of ``slots`` (:meth:`ResultTokens.first_tokens`); without (``insert``,
+        one slot) the slot takes ``prefix.first_token``. Never touches ``state.slots``."""
+        raise NotImplementedError(f"{type(self).__name__} uses the kit's insert: implement _install")
+
+    def _release(self, state: Any, slot: int) -> None:
+        """Hook: forget what the engine keeps for an occupied slot that is being freed
+        (its sampler row); default nothing."""
+
+    def insert(self, prefix: Prefix, decode_state: Any, slot: int) -> Any:
+        state = self._settle(decode_state)
+        self.check_prefix(prefix)
+        slot = self.check_empty_slot(slot, state.slots.is_occupied)
+        self._install(prefix, state, [slot], draw=False)
+        state.slots.put(slot, self.slot_type(prefix.true_length))
+        return state
+
+    def bulk_insert(
+        self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]
+    ) -> tuple[DecodeState, ResultTokens]:
+        if not self.capabilities.bulk_insert:
+            raise UnsupportedFeature("bulk_insert", self.name)
+        state = self._settle(decode_state)
+        self.check_prefix(prefix)
+        slots = self.check_bulk_slots(slots, state.slots.is_occupied)
+        result = self._install(prefix, state, slots, draw=True)
+        for slot in slots:
+            state.slots.put(slot, self.slot_type(prefix.true_length))
+        return state, result
+
+    def free_resource(self, decode_state: Any, slot: int) -> Any:
+        slot = self.check_slot(slot)
+        state = self._settle(decode_state)
+        if state.slots.is_occupied(slot):
+            self._release(state, slot)
+            state.slots.free(slot)
+        return state
+
+    # -- optional methods: undeclared ------------------------------------------------------
+
+    def export_prefix(self, prefix: Prefix) -> "PortablePrefix":
+        raise UnsupportedFeature("export_prefix (portable prefixes)", self.name)
+
+    def import_prefix(self, portable: "PortablePrefix") -> Prefix:
+        raise UnsupportedFeature("import_prefix (portable prefixes)", self.name)

@@ -1,0 +1,395 @@
+"""The engine protocol's types and its one declaration: prefill -> insert into a slot ->
+generate -> free_resource.
+
+The :class:`Engine` Protocol names every member (required and optional);
+:func:`protocol_problems` derives its checks from that class, and the plugin system
+(``create_engine``) and the conformance suite both use it. The contracts themselves are
+written out in ``docs/design.md``; :mod:`polyengine.results` holds what a call returns,
+:mod:`polyengine.validation` the request checks, :mod:`polyengine.kit` the base class a
+backend builds on (``polyengine.engine`` re-exports all of them).
+
+The boundary: the driver owns requests, text, stop conditions and tools; an engine
+owns weights, KV caches, slots and the per-slot sampler. Nothing here imports an
+array framework: handles a backend returns (``Prefix.kv``, ``DecodeState``, device
+arrays inside ``ResultTokens``) are opaque to the core.
+
+Lifecycle of one request
+------------------------
+1. ``prefill(params=..., tokens=..., sampling=...)`` runs the prompt (padded to the
+   backend's bucket by the backend itself) and returns a :class:`Prefix` plus the first
+   token of sample 0 (step 0).
+2. ``insert(prefix, state, slot)`` copies the prefix's cache into a free slot and
+   installs the request's sampling parameters and stream there; the slot's next input
+   is that first token. ``bulk_insert(prefix, state, slots)`` gives sample ``i`` of the
+   request to ``slots[i]`` and samples each slot's own first token.
+3. ``generate(params, state, overrides=...)`` advances every occupied slot by one step
+   and returns up to ``capabilities.tokens_per_step`` new tokens per slot.
+4. ``free_resource(state, slot)`` empties the slot; until the next insert it reports
+   ``valid == 0``.
+
+Concurrency: an engine is driven by one thread. The methods are not re-entrant; a
+backend may run work asynchronously (``ResultTokens`` may still be on the device when
+``generate`` returns, see ``Capabilities.async_results``) but each call must observe
+the effects of the previous one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from polyengine._version import PROTOCOL_VERSION
+from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from polyengine.prefix import PortablePrefix
+    from polyengine.results import ResultTokens
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Capabilities",
+    "EngineConfig",
+    "Prefix",
+    "DecodeState",
+    "Override",
+    "Engine",
+    "OPTIONAL_METHODS",
+    "protocol_members",
+    "protocol_problems",
+    "power_buckets",
+]
+
+
+class Capabilities(BaseModel):
+    """What a backend can do. The driver and the conformance suite read only this;
+    nothing branches on a backend's name.
+
+    ``sampling_params`` names the :class:`SamplingParams` fields the backend's sampler
+    honours; a request that sets any other engine-side field is refused with
+    :class:`UnsupportedFeature` before work starts (:func:`check_request`).
+    ``async_results``: ``generate`` returns before its results are computed or copied
+    to the host (they are read through ``to_host``), so the driver dispatches step
+    ``n+1`` before it reads step ``n``. ``tokens_per_step``: the most tokens one
+    ``generate`` gives a slot (``k`` of ``ResultTokens``; > 1 for speculative decoding).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtypes: tuple[str, ...] = Field(min_length=1, description="compute dtypes, e.g. float64; the first is the default")
+    sampling_params: frozenset[str] = ENGINE_FIELDS
+    max_top_logprobs: int = Field(20, ge=0)
+    bulk_insert: bool = False
+    portable_prefix: bool = False
+    prefix_reuse: bool = False
+    async_results: bool = False
+    tokens_per_step: int = Field(1, ge=1, description="k of ResultTokens; >1 for speculation")
+
+    @model_validator(mode="after")
+    def _known_fields(self) -> "Capabilities":
+        unknown = self.sampling_params - ENGINE_FIELDS
+        if unknown:
+            raise ValueError(
+                f"sampling_params names fields that are not engine-side sampling fields: "
+                f"{sorted(unknown)}; engine-side fields are {sorted(ENGINE_FIELDS)}"
+            )
+        return self
+
+
+class EngineConfig(BaseModel):
+    """Limits and choices fixed when an engine is built.
+
+    ``max_cache_length`` bounds prompt plus completion per slot. ``prefill_buckets``
+    (ascending) are the padded prompt lengths a static-shape backend compiles; ``None``
+    lets the backend choose. ``dtype`` None means the backend's default (the first of
+    ``Capabilities.dtypes``). ``options`` holds backend-specific settings; a backend
+    refuses keys it does not declare (``EngineBase.OPTIONS``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_slots: int = Field(8, ge=1, le=4096)
+    max_prefill_length: int = Field(512, ge=1)
+    max_cache_length: int = Field(1024, ge=2)
+    dtype: str | None = None
+    prefill_buckets: tuple[int, ...] | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _limits(self) -> "EngineConfig":
+        if self.max_prefill_length >= self.max_cache_length:
+            raise ValueError(
+                f"max_prefill_length ({self.max_prefill_length}) must be smaller than "
+                f"max_cache_length ({self.max_cache_length}) to leave room for a completion"
+            )
+        if self.prefill_buckets is not None:
+            b = self.prefill_buckets
+            if not b or list(b) != sorted(set(b)) or b[0] < 1:
+                raise ValueError(f"prefill_buckets must be ascending positive lengths, got {b}")
+            if b[-1] < self.max_prefill_length:
+                raise ValueError(
+                    f"the largest prefill bucket ({b[-1]}) must cover max_prefill_length "
+                    f"({self.max_prefill_length})"
+                )
+        return self
+
+    def buckets(self, smallest: int = 16) -> tuple[int, ...]:
+        """The prefill buckets a static-shape backend compiles: ``prefill_buckets`` when
+        set, else powers of two from ``smallest`` below ``max_prefill_length``, then
+        ``max_prefill_length`` itself."""
+        return self.prefill_buckets if self.prefill_buckets is not None else power_buckets(smallest, self.max_prefill_length)
+
+    def bucket_for(self, length: int, smallest: int = 16) -> int:
+        """The smallest of :meth:`buckets` that holds ``length`` tokens; a length beyond
+        every bucket is InvalidRequest naming them (the prefill checks refuse such a
+        prompt first, by ``max_prefill_length``)."""
+        for b in self.buckets(smallest):
+            if b >= length:
+                return b
+        from polyengine.errors import InvalidRequest
+
+        raise InvalidRequest(
+            f"{length} tokens fit no prefill bucket (buckets: {', '.join(map(str, self.buckets(smallest)))}); "
+            f"shorten the prompt or build the engine with larger prefill_buckets"
+        )
+
+
+def power_buckets(start: int, limit: int) -> tuple[int, ...]:
+    """Powers of two from ``start`` below ``limit``, then ``limit`` itself: the usual
+    bucket ladder of a static-shape backend (prompt lengths, sequence lengths)."""
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return (*out, limit)
+
+
+@dataclass
+class Prefix:
+    """A prefilled request, ready to insert into a slot.
+
+    ``kv`` and ``logits`` are backend handles (device arrays, remote refs, ...).
+    ``logits`` are the last prompt position's raw logits, kept so ``bulk_insert`` can
+    draw each sample's own first token; ``host_logits()`` copies them to the host with
+    the backend's ``to_host``. ``sampling`` has a concrete ``seed``. ``model_id`` says
+    which weights made it (``EngineBase`` uses the model's ``instance_id``): an engine
+    refuses a prefix made with other weights rather than decode garbage from it.
+
+    A prefix stays valid, unchanged, for the life of the engine that made it: no later
+    call (prefill, insert, generate, free, in any order) invalidates it, and prefill
+    with ``existing_prefix`` never changes the prefix it continues. It may be inserted
+    again, into any free slot, any number of times (also through ``bulk_insert``), and
+    each insert behaves exactly as its first: a backend that donates its buffers at
+    insert copies on reuse. (docs/design.md, Prefixes.)
+    """
+
+    kv: Any
+    logits: Any
+    prompt_tokens: np.ndarray  # (true_length,) int32
+    sampling: SamplingParams
+    backend: str
+    first_token: int  # sample 0's first token (step 0)
+    to_host: Callable[[Any], np.ndarray] = field(default=np.asarray, repr=False)
+    model_id: str = ""
+
+    def host_logits(self) -> np.ndarray:
+        """The last prompt position's raw logits as a (vocab,) NumPy array."""
+        return np.asarray(self.to_host(self.logits)).reshape(-1)
+
+    @property
+    def true_length(self) -> int:
+        return int(self.prompt_tokens.shape[0])
+
+
+@runtime_checkable
+class DecodeState(Protocol):
+    """A backend's per-slot decode state (KV caches, positions, sampler state).
+
+    Opaque to the core. ``num_slots`` equals the engine's ``max_concurrent_decodes``.
+    """
+
+    num_slots: int
+
+
+class Override(NamedTuple):
+    """A token forced into a slot by ``generate(overrides={slot: Override(...)})``.
+
+    ``position`` is the forced token's index in the slot's completion (0-based: the
+    number of completion tokens before it). It must fall inside the slot's last
+    result (its last step's tokens, or the first token after an insert): the forced
+    token replaces the token at ``position``, the tokens after it in that result are
+    discarded (the engine rolls its cache, counts and step counter back to them), and
+    the forced token is what the slot feeds next. ``None`` means the slot's latest
+    token (``lengths - 1``), the only position a one-token-per-step engine has. A bare
+    int in ``overrides`` is ``Override(token)``.
+    """
+
+    token: int
+    position: int | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The protocol every backend implements (JetStream's vocabulary, typed).
+
+    Attributes: ``name``; ``capabilities``; ``max_concurrent_decodes`` (slots),
+    ``max_prefill_length`` (longest prompt), ``max_cache_length`` (prompt plus
+    completion per slot); ``vocab_size``; ``eos_token_ids`` (masked by
+    ``min_tokens``/``ignore_eos``); ``model`` (the :class:`~polyengine.models.Model` it
+    serves, read by the driver and the suite; None for an engine that holds none
+    locally); ``device`` (a human-readable description of where it computes, e.g.
+    ``"cuda:0 (NVIDIA H100)"``).
+
+    Optional methods, each guarded by a capability (:data:`OPTIONAL_METHODS`; an engine
+    that lacks one still has the method and raises :class:`UnsupportedFeature`):
+    ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
+    (``portable_prefix``); and ``existing_prefix`` in prefill (``prefix_reuse``).
+
+    Prefixes belong to the caller: a :class:`Prefix` stays valid for the engine's life
+    whatever later calls do (prefilling ahead of free slots is allowed), and an
+    inserted prefix may be inserted again and behaves as at its first insert. A refused
+    call changes nothing.
+    """
+
+    name: str
+    capabilities: Capabilities
+    max_concurrent_decodes: int
+    max_prefill_length: int
+    max_cache_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model: Any
+    device: str
+
+    def load_params(self) -> Any:
+        """Return the weights handle every other call takes (device-resident)."""
+        ...
+
+    def init_decode_state(self) -> DecodeState:
+        """A fresh state with every slot empty."""
+        ...
+
+    def prefill(
+        self,
+        *,
+        params: Any,
+        tokens: Sequence[int] | np.ndarray,
+        sampling: SamplingParams,
+        existing_prefix: Prefix | None = None,
+    ) -> tuple[Prefix, ResultTokens]:
+        """Run the prompt (true tokens; the backend pads to its bucket).
+
+        Returns the prefix and a one-row :class:`ResultTokens` holding sample 0's first
+        token. Raises :class:`InvalidRequest` for an empty or too-long prompt or a token
+        id outside the vocabulary, and :class:`UnsupportedFeature` for sampling the
+        backend does not declare, both before any work.
+        """
+        ...
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Install the prefix (sample 0) in an empty slot. Occupied or out-of-range
+        slots raise :class:`SlotError`; the state is then unchanged."""
+        ...
+
+    def generate(
+        self, params: Any, decode_state: DecodeState, *, overrides: Mapping[int, int | Override] | None = None
+    ) -> tuple[DecodeState, ResultTokens]:
+        """One step for every occupied slot: up to ``tokens_per_step`` tokens each.
+
+        A slot whose prompt plus completion has reached ``max_cache_length`` gets no
+        token (``valid == 0``). ``overrides={slot: token or Override}`` forces a token
+        (see :class:`Override`): it replaces the slot's token at its position, counts as
+        a completion token (penalties and ``min_tokens`` see it, the step counter counts
+        it) and is what the slot feeds into this step.
+        """
+        ...
+
+    def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Empty a slot. Freeing an empty slot is allowed; out of range is SlotError."""
+        ...
+
+    def bulk_insert(
+        self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]
+    ) -> tuple[DecodeState, ResultTokens]:
+        """Give sample ``i`` of the request to ``slots[i]`` (each draws its own first
+        token: sample index ``i``, step 0); one result row per entry of ``slots``, in
+        the order given. Distinct, empty, in-range slots only (else SlotError, state
+        unchanged). Capability ``bulk_insert``."""
+        ...
+
+    def export_prefix(self, prefix: Prefix) -> "PortablePrefix":
+        """The prefix as host data any backend can import. Capability ``portable_prefix``."""
+        ...
+
+    def import_prefix(self, portable: "PortablePrefix") -> Prefix:
+        """A prefix from a portable one made by any backend for the same model (its
+        fingerprint is checked). Capability ``portable_prefix``."""
+        ...
+
+
+# Optional method -> the capability that says it works (else it raises UnsupportedFeature).
+OPTIONAL_METHODS: dict[str, str] = {
+    "bulk_insert": "bulk_insert",
+    "export_prefix": "portable_prefix",
+    "import_prefix": "portable_prefix",
+}
+
+
+@dataclass(frozen=True)
+class _Method:
+    name: str
+    positional: tuple[str, ...]
+    keyword_only: tuple[str, ...]
+    defaults_none: tuple[str, ...]
+
+
+def protocol_members() -> tuple[tuple[str, ...], tuple[_Method, ...]]:
+    """The protocol's attribute names and methods (parameter names after ``self``),
+    read from the :class:`Engine` class: the one declaration everything checks against."""
+    attributes = tuple(a for a in Engine.__annotations__)
+    methods = []
+    for name, fn in vars(Engine).items():
+        if name.startswith("_") or not inspect.isfunction(fn):
+            continue
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        methods.append(_Method(
+            name,
+            tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY),
+            tuple(p.name for p in params if p.default is None),
+        ))
+    return attributes, tuple(methods)
+
+
+def protocol_problems(engine: Any) -> list[str]:
+    """What ``engine`` lacks or gets wrong of the protocol's surface (empty: none)."""
+    attributes, methods = protocol_members()
+    problems = [f"attribute {a!r} is missing" for a in attributes if not hasattr(engine, a)]
+    for m in methods:
+        fn = getattr(engine, m.name, None)
+        if not callable(fn):
+            hint = f" (optional, capability {OPTIONAL_METHODS[m.name]!r}: raise UnsupportedFeature)" if m.name in OPTIONAL_METHODS else ""
+            problems.append(f"method {m.name!r} is missing{hint}")
+            continue
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+            continue
+        kinds = {p.kind for p in params.values()}
+        for p in m.positional:
+            if inspect.Parameter.VAR_POSITIONAL in kinds:
+                break
+            if p not in params or params[p].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY):
+                problems.append(f"{m.name}: needs positional parameter {p!r}")
+        for p in m.keyword_only:
+            if p in params and params[p].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+                continue
+            if inspect.Parameter.VAR_KEYWORD not in kinds:
+                problems.append(f"{m.name}: needs keyword parameter {p!r}")
+        for p in m.defaults_none:
+            if p in params and params[p].default is not None:
+                problems.append(f"{m.name}: {p} must default to None")
+    return problems

@@ -1,0 +1,83 @@
+"""Request validation: one sequence for the driver (before it queues a request) and for
+engines (before any work), so both refuse the same things with the same messages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from polyengine.protocol import Capabilities
+
+__all__ = ["is_int", "check_prompt", "check_request"]
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool: what token ids and slots must be."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_prompt(
+    tokens: Sequence[int] | np.ndarray, *, max_prefill_length: int, vocab_size: int, offset: int = 0
+) -> np.ndarray:
+    """A prompt as int32, or InvalidRequest saying what is wrong with it."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidRequest(f"prompt tokens must be a flat sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidRequest("prompt is empty: pass at least one token")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequest(f"prompt tokens must be integers, got dtype {arr.dtype}")
+    total = offset + arr.size
+    if total > max_prefill_length:
+        raise InvalidRequest(
+            f"prompt has {total} tokens but this engine accepts at most {max_prefill_length} "
+            f"(max_prefill_length); shorten it or build the engine with a larger max_prefill_length"
+        )
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        raise InvalidRequest(
+            f"token id {int(arr[bad][0])} at position {int(np.argmax(bad))} is outside "
+            f"the vocabulary [0, {vocab_size})"
+        )
+    return arr.astype(np.int32)
+
+
+def check_request(
+    engine: Any, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams, *, offset: int = 0
+) -> tuple[np.ndarray, SamplingParams]:
+    """Validate a request against an engine's limits and capabilities, before any work.
+
+    The one sequence shared by the driver (before it queues a request) and
+    :class:`EngineBase` (for callers that drive an engine directly). Returns the prompt
+    as int32 and the request with a concrete seed. Raises :class:`InvalidRequest` for a
+    bad prompt or token ids outside the vocabulary, :class:`UnsupportedFeature` for
+    anything the capabilities do not declare.
+    """
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequest(f"sampling must be SamplingParams, not {type(sampling).__name__}")
+    toks = check_prompt(tokens, max_prefill_length=engine.max_prefill_length, vocab_size=engine.vocab_size, offset=offset)
+    caps: Capabilities = engine.capabilities
+    missing = sorted((sampling.active_fields() & ENGINE_FIELDS) - caps.sampling_params)
+    if missing:
+        raise UnsupportedFeature(
+            f"sampling parameter(s) {', '.join(missing)}", engine.name,
+            "leave them at their defaults or pick a backend that declares them",
+        )
+    if sampling.top_logprobs > caps.max_top_logprobs:
+        raise UnsupportedFeature(f"top_logprobs={sampling.top_logprobs}", engine.name, f"at most {caps.max_top_logprobs}")
+    if sampling.n > 1 and not caps.bulk_insert:
+        raise UnsupportedFeature("n > 1 (bulk_insert)", engine.name)
+    if sampling.n > engine.max_concurrent_decodes:
+        raise InvalidRequest(
+            f"n={sampling.n} samples need {sampling.n} slots but the engine has "
+            f"{engine.max_concurrent_decodes} (max_slots)"
+        )
+    for tok in (*sampling.logit_bias, *sampling.stop_token_ids):
+        if tok >= engine.vocab_size:
+            raise InvalidRequest(f"token id {tok} in sampling parameters is outside the vocabulary [0, {engine.vocab_size})")
+    return toks, sampling.with_seed()
