@@ -30,7 +30,7 @@ def add_command(sub: Any) -> None:
     p = sub.add_parser(
         "conformance",
         help="run the conformance suite on a backend (or on all of them)",
-        description="Run the conformance suite (layers: surface, contract, numerics, sampler, honesty) "
+        description="Run the conformance suite (layers: surface, contract, numerics, sampler, honesty, differential) "
                     "on a registered backend. Same tests as `pytest --pyargs polyengine.conformance "
                     "--polyengine-backend NAME`.",
     )
@@ -38,13 +38,18 @@ def add_command(sub: Any) -> None:
     p.add_argument("--report-json", metavar="PATH", default=None, help="write the JSON report here")
     p.add_argument("-k", dest="keyword", metavar="EXPR", default=None,
                    help="run only tests matching the pytest -k expression (layers match layer_<name>, e.g. layer_contract)")
+    p.add_argument("--differential-examples", metavar="N", type=int, default=None,
+                   help="random programs per configuration in the differential layer (default 10): more to look longer")
+    p.add_argument("--differential-seed", metavar="SEED", type=int, default=None,
+                   help="the differential layer's seed: another one draws other programs")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per test, and skip reasons")
     p.set_defaults(func=_cmd_conformance)
 
 
 def run_backend(name: str, *, report_json: str | Path | None = None, keyword: str | None = None,
-                exitfirst: bool = False, verbose: bool = False) -> int:
+                exitfirst: bool = False, verbose: bool = False, differential_examples: int | None = None,
+                differential_seed: int | None = None) -> int:
     """Run the suite on one registered backend in this process; return pytest's exit code."""
     import pytest
 
@@ -73,14 +78,22 @@ def run_backend(name: str, *, report_json: str | Path | None = None, keyword: st
             args += ["-k", keyword]
         if exitfirst:
             args.append("-x")
+        if differential_examples is not None:
+            args += ["--polyengine-differential-examples", str(differential_examples)]
+        if differential_seed is not None:
+            args += ["--polyengine-differential-seed", str(differential_seed)]
         return int(pytest.main(args))
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
     if args.backend != "all":
         return run_backend(args.backend, report_json=args.report_json, keyword=args.keyword,
-                           exitfirst=args.exitfirst, verbose=args.verbose)
+                           exitfirst=args.exitfirst, verbose=args.verbose, **_differential(args))
     return _run_all(args)
+
+
+def _differential(args: argparse.Namespace) -> dict[str, Any]:
+    return {"differential_examples": args.differential_examples, "differential_seed": args.differential_seed}
 
 
 def _run_all(args: argparse.Namespace) -> int:
@@ -105,7 +118,7 @@ def _run_all(args: argparse.Namespace) -> int:
             path = Path(tmp) / f"{info.name}.json"
             print(f"\n### polyengine conformance --backend {info.name}", flush=True)
             code = run_backend(info.name, report_json=path, keyword=args.keyword,
-                               exitfirst=args.exitfirst, verbose=args.verbose)
+                               exitfirst=args.exitfirst, verbose=args.verbose, **_differential(args))
             worst = max(worst, 0 if code == 0 else 1)
             if path.is_file():
                 reports.append(json.loads(path.read_text(encoding="utf-8")))

@@ -21,13 +21,13 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from polyengine.engine import EngineConfig, Prefix
+from polyengine.engine import Capabilities, EngineConfig, Prefix
 from polyengine.models import Model
 from polyengine.sampling import RowState, SamplingParams, draw_scores, process_logits, raw_logprobs
 
 from polyengine.conformance.faults import Fault
 
-__all__ = ["Decision", "ReferenceOracle", "oracle_for", "decide", "reference_engine", "reference_logits"]
+__all__ = ["Decision", "ReferenceOracle", "oracle_for", "decide", "reference_engine", "reference_logits", "mirror_engine"]
 
 # Long enough for any prompt plus completion the suite builds (the test engines hold 64).
 _ORACLE_LIMITS = EngineConfig(max_slots=1, max_prefill_length=192, max_cache_length=256)
@@ -48,6 +48,28 @@ def reference_engine(model: Model, config: EngineConfig):
     from polyengine.backends.reference.engine import ReferenceEngine
 
     return ReferenceEngine(model, config)
+
+
+def mirror_engine(model: Model, config: EngineConfig, capabilities: Capabilities):
+    """The reference engine (float64, ``config``'s limits and buckets) declaring no more
+    than ``capabilities``: the same sampling parameters, ``max_top_logprobs``, and
+    optional features. The differential layer runs every program call on it beside the
+    backend, so a call the backend must refuse is one this engine refuses, with the
+    error a backend must raise (undeclared features raise UnsupportedFeature)."""
+    from polyengine.engine import EngineBase
+
+    engine = reference_engine(model, config.model_copy(update={"dtype": "float64"}))
+    engine.capabilities = engine.capabilities.model_copy(update={
+        "sampling_params": capabilities.sampling_params, "max_top_logprobs": capabilities.max_top_logprobs,
+        "bulk_insert": capabilities.bulk_insert, "portable_prefix": capabilities.portable_prefix,
+        "prefix_reuse": capabilities.prefix_reuse,
+    })
+    undeclared = {"bulk_insert": not capabilities.bulk_insert, "export_prefix": not capabilities.portable_prefix,
+                  "import_prefix": not capabilities.portable_prefix}
+    for method, missing in undeclared.items():
+        if missing:  # the kit's own refusal, as a backend without the feature has it
+            setattr(engine, method, getattr(EngineBase, method).__get__(engine))
+    return engine
 
 
 def reference_logits(model: Model, prompt: Sequence[int]) -> np.ndarray:
@@ -87,6 +109,11 @@ class ReferenceOracle:
         self.engine = reference_engine(model, _ORACLE_LIMITS)
         self.params = self.engine.load_params()
         self._prefixes: dict[tuple[int, ...], Prefix] = {}
+
+    def clear(self) -> None:
+        """Forget every cached context (an oracle of random programs would otherwise
+        keep each one's K/V for good)."""
+        self._prefixes.clear()
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Float64 logits ``(vocab,)`` of the last position after ``tokens``."""

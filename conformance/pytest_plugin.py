@@ -9,8 +9,11 @@ collected. Then it:
   collected with ``--polyengine-backend`` (``pytest --pyargs polyengine.conformance``);
 * at collection, fails with a usage error naming a required fixture a
   ``BackendConformance`` subclass lacks, or a backend the registry cannot provide;
-* orders the suite's tests by layer (surface, contract, numerics, sampler, honesty)
+* orders the suite's tests by layer (surface, contract, numerics, sampler, honesty,
+  differential)
   so the first failure explains the rest, and lets ``-k layer_<name>`` select a layer;
+* passes the differential layer its budget (``--polyengine-differential-examples``,
+  ``--polyengine-differential-seed``);
 * records each test's layer, status, duration, tolerances and measured errors, prints
   a table per layer, and writes the JSON report (``--polyengine-report-json``).
 """
@@ -87,6 +90,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--polyengine-report-json", metavar="PATH", default=None,
         help="write the conformance report (per test: layer, status, tolerance, measured error) as JSON",
+    )
+    group.addoption(
+        "--polyengine-differential-examples", metavar="N", type=int, default=None,
+        help="random programs per configuration in the differential layer (default 10): more to look longer",
+    )
+    group.addoption(
+        "--polyengine-differential-seed", metavar="SEED", type=int, default=None,
+        help="the differential layer's seed (default: the suite's, reported in the JSON report): others draw other programs",
     )
 
 
@@ -281,13 +292,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 def format_table(summary: dict[str, dict[str, int]]) -> list[str]:
     """The per-layer table (passed / failed / xfailed / skipped), skips in their own column."""
-    head = f"{'layer':<10}" + "".join(f"{s:>9}" for s in STATUSES)
+    head = f"{'layer':<12}" + "".join(f"{s:>9}" for s in STATUSES)
     rows = [head]
     totals = dict.fromkeys(STATUSES, 0)
     for layer in LAYERS:
         counts = summary.get(layer, {})
         for s in STATUSES:
             totals[s] += counts.get(s, 0)
-        rows.append(f"{layer:<10}" + "".join(f"{counts.get(s, 0):>9}" for s in STATUSES))
-    rows.append(f"{'total':<10}" + "".join(f"{totals[s]:>9}" for s in STATUSES))
+        rows.append(f"{layer:<12}" + "".join(f"{counts.get(s, 0):>9}" for s in STATUSES))
+    rows.append(f"{'total':<12}" + "".join(f"{totals[s]:>9}" for s in STATUSES))
     return rows

@@ -37,6 +37,7 @@ import pytest
 from polyengine.conformance import LAYER_ATTR
 from polyengine.conformance.harness import Context, Harness
 from polyengine.conformance.layer_contract import ContractLayer
+from polyengine.conformance.layer_differential import DifferentialLayer
 from polyengine.conformance.layer_honesty import HonestyLayer
 from polyengine.conformance.layer_numerics import NumericsLayer
 from polyengine.conformance.layer_prefixes import PrefixLayer
@@ -48,8 +49,10 @@ __all__ = ["BackendConformance", "REQUIRED_FIXTURES", "suite_test_names", "suite
 REQUIRED_FIXTURES = ("engine_factory",)
 
 
-class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, NumericsLayer, SamplerLayer, HonestyLayer):
-    """Every conformance test, in layers (surface, contract, numerics, sampler, honesty).
+class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, NumericsLayer, SamplerLayer, HonestyLayer,
+                         DifferentialLayer):
+    """Every conformance test, in layers (surface, contract, numerics, sampler, honesty,
+    differential).
 
     Not collected itself (its name does not start with ``Test``); subclass it.
     """

@@ -291,6 +291,11 @@ class Engine(Protocol):
     Optional keywords, each guarded by a capability (:data:`CAPABILITY_KEYWORDS`; an
     engine that does not declare it may lack the keyword): ``token_mask`` of prefill
     and ``token_masks`` of generate (``token_masks``).
+
+    Prefixes belong to the caller: a :class:`Prefix` stays valid for the engine's life
+    whatever later calls do (prefilling ahead of free slots is allowed), and an
+    inserted prefix may be inserted again and behaves as at its first insert. A refused
+    call changes nothing.
     """
 
     name: str

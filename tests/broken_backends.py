@@ -19,12 +19,12 @@ from polyengine import PROTOCOL_VERSION
 from polyengine.backends.reference.engine import ReferenceEngine
 from polyengine.backends.reference.model import rope
 from polyengine.conformance.faults import FAULTS
-from polyengine.engine import ResultTokens, Slot
+from polyengine.engine import ResultLayout, ResultTokens, Slot
 from polyengine.plugins import BackendSpec, Probe, hookimpl
 from polyengine.sampling import RowState, raw_logprobs, sample
 from polyengine.sampling.params import ENGINE_FIELDS
 
-from honest_backends import HONEST
+from honest_backends import HONEST, AsyncEngine
 from restricted_backend import RestrictedEngine
 
 # -- surface ---------------------------------------------------------------------------------
@@ -452,6 +452,182 @@ class TopLogprobsCapEngine(ReferenceEngine):
             self.capabilities = caps
 
 
+# -- found by the differential layer: each breaks a rule only where no example test looks ------
+
+
+class LiveBatchLogprobsEngine(ReferenceEngine):
+    """Gathers each slot's log-probs from the step's packed rows by its index among the live
+    slots, off by one: a request alone reads its own row, in a live batch each slot reads
+    its neighbour's log-probs and top log-probs."""
+
+    def generate(self, params, decode_state, *, overrides=None):
+        state, r = super().generate(params, decode_state, overrides=overrides)
+        live = [i for i in range(r.tokens.shape[0]) if r.valid[i].any()]
+        if len(live) < 2:
+            return state, r
+        src = live[1:] + live[:1]
+        lp, ids, top = r.logprobs.copy(), r.top_ids.copy(), r.top_logprobs.copy()
+        lp[live], ids[live], top[live] = r.logprobs[src], r.top_ids[src], r.top_logprobs[src]
+        return state, ResultTokens(tokens=r.tokens, valid=r.valid, lengths=r.lengths, logprobs=lp, top_ids=ids,
+                                   top_logprobs=top)
+
+
+class GqaExportEngine(ReferenceEngine):
+    """Exports K/V from its grouped-attention layout with the KV heads in reverse order (a
+    transposed (groups, kv_heads) view): right for multi-head attention, where every KV
+    head is its own group, wrong under grouped-query attention."""
+
+    def export_prefix(self, prefix):
+        out = super().export_prefix(prefix)
+        c = self.model.config
+        if c.num_key_value_heads < c.num_attention_heads:
+            out.k, out.v = out.k[:, ::-1].copy(), out.v[:, ::-1].copy()
+        return out
+
+
+class BucketPadPrefixEngine(ReferenceEngine):
+    """With prefill buckets, continues an existing prefix after its padded length: the new
+    tokens take positions from the prefix's bucket on and attend its pad positions (zero
+    K/V). Without buckets nothing is padded, and it is right."""
+
+    _pad = 0
+
+    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
+        if existing_prefix is not None and self.config.prefill_buckets is not None:
+            self._pad = self.config.bucket_for(existing_prefix.true_length) - existing_prefix.true_length
+        try:
+            return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
+        finally:
+            self._pad = 0
+
+    def _forward(self, params, tokens, starts, k_caches, v_caches):
+        if not self._pad:
+            return super()._forward(params, tokens, starts, k_caches, v_caches)
+        start, n, pad = int(starts[0]), tokens.shape[1], self._pad
+        k, v = k_caches[0], v_caches[0]
+        shape = k.shape[:2] + (start + pad + n,) + k.shape[3:]
+        kk, vv = np.zeros(shape, k.dtype), np.zeros(shape, v.dtype)
+        kk[:, :, :start], vv[:, :, :start] = k[:, :, :start], v[:, :, :start]
+        logits = super()._forward(params, tokens, np.array([start + pad]), [kk], [vv])
+        k[:, :, start:start + n], v[:, :, start:start + n] = kk[:, :, start + pad:], vv[:, :, start + pad:]
+        return logits
+
+
+class BatchFilterEngine(ReferenceEngine):
+    """Filters a generate step's rows with one batch-wide top_k/top_p/min_p, the first live
+    slot's: each slot's own parameters only when its neighbours' are the same."""
+
+    def _sample(self, logits, rows):
+        if len(rows) > 1:
+            lead = rows[0].params
+            same = {"top_k": lead.top_k, "top_p": lead.top_p, "min_p": lead.min_p}
+            rows = [RowState(r.params.model_copy(update=same), r.sample_index, r.step, r.prompt_tokens,
+                             r.completion_tokens) for r in rows]
+        return super()._sample(logits, rows)
+
+
+class OverridesAppliedWhileCheckedEngine(ReferenceEngine):
+    """Checks and applies generate's overrides one at a time: when a later entry is refused,
+    the earlier ones are already applied (their slots rolled back and forced), though the
+    call raised."""
+
+    def generate(self, params, decode_state, *, overrides=None):
+        state = decode_state
+        for slot, value in dict(overrides or {}).items():
+            for s, (token, position) in self.check_overrides({slot: value}, state.slots.last_result).items():
+                self._force(state, s, token, position)
+        return super().generate(params, state)
+
+
+class SharedScratchPrefixEngine(ReferenceEngine):
+    """Keeps a prefix's K/V in one engine-wide prefill scratch buffer instead of copying it
+    out: the next prefill overwrites the K/V of a prefix that was not inserted yet."""
+
+    _scratch = None
+
+    def prefill(self, **kw):
+        prefix, first = super().prefill(**kw)
+        if self._scratch is None:
+            shape = self._cache_shape(self.max_prefill_length)
+            self._scratch = (np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype))
+        n = prefix.true_length
+        k, v = self._scratch
+        k[:, :, :n], v[:, :, :n] = prefix.kv
+        prefix.kv = (k[:, :, :n], v[:, :, :n])
+        return prefix, first
+
+
+class ZeroedPrefixEngine(ReferenceEngine):
+    """Donates a prefix's K/V buffer at insert (as jax.jit(donate_argnames=...) would) and
+    forgets that the caller still holds the prefix: after its first insert the prefix
+    reads zeros, so inserting it again (or continuing or exporting it) goes wrong."""
+
+    @staticmethod
+    def _donate(prefix):
+        for a in prefix.kv:
+            a[...] = 0.0
+
+    def insert(self, prefix, decode_state, slot):
+        state = super().insert(prefix, decode_state, slot)
+        self._donate(prefix)
+        return state
+
+    def bulk_insert(self, prefix, decode_state, slots):
+        out = super().bulk_insert(prefix, decode_state, slots)
+        self._donate(prefix)
+        return out
+
+
+class SharedResultBufferEngine(AsyncEngine):
+    """Packs every step's results into one reused host buffer, which a result reads once the
+    queued steps are done: a result read after the next step was dispatched (as the
+    driver reads step n) shows step n+1's tokens."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self._layout = ResultLayout(k=1, top_n=self.capabilities.max_top_logprobs, logprobs=True)
+        self._buffer = np.zeros((config.max_slots, self._layout.width), np.int32)
+
+    def generate(self, params, decode_state, *, overrides=None):
+        self._wait()
+        state, layout = decode_state, self._layout
+        self.check_overrides(overrides, state.slots.last_result)
+
+        def step():
+            _, r = ReferenceEngine.generate(self, params, state, overrides=overrides)
+            n, top = r.tokens.shape[0], r.top_ids.shape[2]
+            ids, lps = np.full((n, 1, layout.top_n), -1, np.int32), np.full((n, 1, layout.top_n), -np.inf, np.float32)
+            ids[:, :, :top], lps[:, :, :top] = r.top_ids, r.top_logprobs
+            self._buffer[...] = layout.pack(r.tokens, r.valid, r.lengths, r.logprobs, ids, lps)
+
+        self._pending = self._worker.submit(step)
+
+        def read(_):
+            self._wait()
+            return self._buffer.copy()
+
+        return state, ResultTokens.from_packed(None, layout, to_host=read)
+
+
+class SeedLowWordOnSecondPathEngine(ReferenceEngine):
+    """bulk_insert and import_prefix put the request's seed through a 32-bit table and keep
+    only its low word there (insert and prefill keep all 64 bits)."""
+
+    @staticmethod
+    def _low(sampling):
+        return sampling.model_copy(update={"seed": sampling.seed & 0xFFFFFFFF})
+
+    def bulk_insert(self, prefix, decode_state, slots):
+        return super().bulk_insert(dataclasses.replace(prefix, sampling=self._low(prefix.sampling)), decode_state, slots)
+
+    def import_prefix(self, portable):
+        full = portable.sampling
+        portable.sampling = self._low(full)
+        prefix = super().import_prefix(portable)  # its first token drawn from the low word
+        prefix.sampling = full
+        return prefix
+
+
 def _faulty(fault_name: str) -> type:
     """The reference engine whose sampler has one of the suite's FAULTS."""
     fault = FAULTS[fault_name]
@@ -510,6 +686,16 @@ BROKEN: dict[str, type] = {
     "broken_top_logprobs_order": TopLogprobsOrderEngine,
     "broken_top_logprobs_cap": TopLogprobsCapEngine,
     **{f"broken_{name}": _faulty(name) for name in FAULTS},
+    # caught by the differential layer
+    "broken_live_batch_logprobs": LiveBatchLogprobsEngine,
+    "broken_gqa_export": GqaExportEngine,
+    "broken_bucket_pad_prefix": BucketPadPrefixEngine,
+    "broken_batch_filter": BatchFilterEngine,
+    "broken_override_half_applied": OverridesAppliedWhileCheckedEngine,
+    "broken_prefix_scratch": SharedScratchPrefixEngine,
+    "broken_prefix_zeroed": ZeroedPrefixEngine,
+    "broken_result_buffer": SharedResultBufferEngine,
+    "broken_seed_second_path": SeedLowWordOnSecondPathEngine,
 }
 
 # backend -> (-k selection that runs only the test meant to catch it, the test that must
@@ -614,6 +800,24 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
                                    "the temperature is ignored"),
     "broken_seed_low_word_only": ("test_seeded_stream", "test_seeded_stream_matches_reference",
                                   "only the low 32 bits of the seed"),
+    # the differential layer's (each found by random programs; the phrase is from its failure message)
+    "broken_live_batch_logprobs": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                                   "log-probs of completion token"),
+    "broken_gqa_export": ("test_differential and gqa_llama3", "test_differential[gqa_llama3]", "exported K/V"),
+    "broken_bucket_pad_prefix": ("test_differential and mha_tied-buckets", "test_differential[mha_tied-buckets]",
+                                 "(continuing P"),
+    "broken_batch_filter": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                            "the reference draws"),
+    "broken_override_half_applied": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                                     "a refused call must change nothing"),
+    "broken_prefix_scratch": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                              "prefill call(s) ran after"),
+    "broken_prefix_zeroed": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                             "had been inserted"),
+    "broken_result_buffer": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                             "read after the next generate was dispatched"),
+    "broken_seed_second_path": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                                "the reference draws"),
 }
 assert set(CAUGHT_BY) == set(BROKEN), sorted(set(CAUGHT_BY) ^ set(BROKEN))
 

@@ -15,7 +15,8 @@ engine with one legitimate difference:
   thread (``async_results``; the driver pipelines its steps).
 - ``honest_no_logprobs``: declares no log-probs.
 - ``honest_kv_pool``: the engine owns the KV pool; the decode state is a handle.
-- ``honest_donated``: insert consumes the prefix (its KV is donated to the slot).
+- ``honest_donated``: the first insert of a prefix donates its cache buffer to the slot
+  (no copy); a prefix inserted again is copied (the protocol lets it be reused).
 - ``honest_speculative``: up to three tokens per step, a varying number accepted.
 
 ``restricted`` (tests/restricted_backend.py) is the variant that declares little.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from polyengine.backends.reference.engine import ReferenceEngine
-from polyengine.engine import Prefix, ResultLayout, ResultTokens
+from polyengine.engine import ResultLayout, ResultTokens
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.sampling.params import ENGINE_FIELDS
 
@@ -173,7 +174,12 @@ class AsyncEngine(ReferenceEngine):
 
         def step():
             _, r = ReferenceEngine.generate(self, params, state, overrides=overrides)
-            return layout.pack(r.tokens, r.valid, r.lengths, r.logprobs, r.top_ids, r.top_logprobs)
+            # the step sizes its top log-probs by the slots with room: a full slot may have asked more
+            n, top = r.tokens.shape[0], r.top_ids.shape[2]
+            ids = np.full((n, 1, layout.top_n), -1, np.int32)
+            lps = np.full((n, 1, layout.top_n), -np.inf, np.float32)
+            ids[:, :, :top], lps[:, :, :top] = r.top_ids, r.top_logprobs
+            return layout.pack(r.tokens, r.valid, r.lengths, r.logprobs, ids, lps)
 
         self._pending = self._worker.submit(step)
         return state, ResultTokens.from_packed(self._pending, layout, to_host=lambda future: future.result())
@@ -251,23 +257,45 @@ class KVPoolEngine(ReferenceEngine):
         return decode_state
 
 
+@dataclass
+class _Donatable:
+    """A prefix's K/V in a whole cache buffer (as a static-shape backend prefills it), and
+    whether a slot has taken the buffer over."""
+
+    k: np.ndarray  # (layers, kv_heads, max_cache_length, head_dim)
+    v: np.ndarray
+    n: int  # prompt positions
+    donated: bool = False
+
+    def __getitem__(self, i: int) -> np.ndarray:  # the prompt positions, as the reference reads them
+        return (self.k, self.v)[i][:, :, : self.n]
+
+
 class DonatedEngine(ReferenceEngine):
-    """insert and bulk_insert consume the prefix: its KV now belongs to the slot."""
+    """The first insert of a prefix donates its cache buffer to the slot: no copy, the slot
+    decodes in the prefix's buffer, past its prompt positions (which nothing writes again,
+    so the prefix stays valid for export and existing_prefix). A prefix inserted again
+    (or a slot that takes an imported prefix) gets a buffer of its own, copied: the
+    protocol lets a prefix be inserted any number of times."""
 
-    def check_prefix(self, prefix):
-        if isinstance(prefix, Prefix) and prefix.kv is None:
-            raise InvalidRequest("this prefix was inserted already: its KV was donated to a slot; prefill again")
-        return super().check_prefix(prefix)
+    def prefill(self, **kw):
+        prefix, first = super().prefill(**kw)
+        shape = self._cache_shape(self.max_cache_length)
+        k, v = np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype)
+        n = prefix.true_length
+        k[:, :, :n], v[:, :, :n] = prefix.kv
+        prefix.kv = _Donatable(k, v, n)
+        return prefix, first
 
-    def insert(self, prefix, decode_state, slot):
-        state = super().insert(prefix, decode_state, slot)
-        prefix.kv = None
-        return state
-
-    def bulk_insert(self, prefix, decode_state, slots):
-        out = super().bulk_insert(prefix, decode_state, slots)
-        prefix.kv = None
-        return out
+    def _install(self, prefix, state, slots, *, draw):
+        kv = prefix.kv
+        for slot in slots:
+            if isinstance(kv, _Donatable) and not kv.donated:
+                state.k[slot], state.v[slot] = kv.k, kv.v
+                kv.donated = True
+            else:  # copy on reuse, into a fresh buffer: the slot's may be another prefix's donated one
+                state.k[slot], state.v[slot] = np.zeros_like(state.k[slot]), np.zeros_like(state.v[slot])
+        return super()._install(prefix, state, slots, draw=draw)
 
 
 class SpeculativeEngine(ReferenceEngine):

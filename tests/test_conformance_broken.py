@@ -50,6 +50,20 @@ def test_broken_backend_is_caught(pytester, broken_registered, backend):
     failures = _failures(rec)
     assert test in failures, f"{backend} was not caught by {test}; failures: {sorted(failures)}"
     assert phrase in failures[test], f"{backend}: the message of {test} does not name the fault: {failures[test]}"
+    if test.startswith("test_differential"):
+        _assert_shows_a_short_program(backend, failures[test])
+
+
+def _assert_shows_a_short_program(backend: str, message: str) -> None:
+    """The differential layer's message ends with the shrunk program that reproduces the
+    failure, as protocol calls, the failing one marked."""
+    assert "the program that fails, shrunk" in message, f"{backend}: no program in the message: {message}"
+    program = message.split("the program that fails, shrunk", 1)[1]
+    calls = [line.strip() for line in program.splitlines() if line.strip().startswith("[")]
+    assert calls[0].startswith("[0] state = engine.init_decode_state()"), message
+    assert any("engine.prefill(" in c or "engine.import_prefix(" in c for c in calls), message
+    assert sum("<-- fails here" in c for c in calls) == 1, message
+    assert len(calls) <= 20, f"{backend}: the program was not shrunk to a short one ({len(calls)} calls):\n{message}"
 
 
 _ALSO = [(backend, *entry) for backend, entries in sorted(ALSO_CAUGHT_BY.items()) for entry in entries]
@@ -88,3 +102,4 @@ def test_every_rule_row_names_a_caught_backend():
     table = (Path(__file__).resolve().parents[1] / "docs" / "conformance.md").read_text(encoding="utf-8")
     rows = set(re.findall(r"`(broken_[a-z0-9_]+)`", table))
     assert rows == set(CAUGHT_BY), f"in the table only: {sorted(rows - set(CAUGHT_BY))}; in CAUGHT_BY only: {sorted(set(CAUGHT_BY) - rows)}"
+

@@ -21,6 +21,8 @@ from polyengine.models.config import ARCHITECTURES
 from polyengine.conformance import LAYERS, SUITE_VERSION
 from polyengine.plugins import list_backends
 
+from differential_report import assert_programs_exercised
+
 AVAILABLE = [b.name for b in list_backends() if b.distribution == "polyengine" and not b.broken and b.probe().available]
 # Backends whose whole-suite run lives in their own test file, beside what it needs there (a
 # compile cache shared with the engine tests, a Ray cluster the module starts once): run
@@ -84,6 +86,7 @@ def test_builtin_backend_passes_the_whole_suite(backend, tmp_path):
     for t in numeric:
         for tol in t["tolerances"].values():
             assert tol["value"] > 0 and tol["source"] and tol["measured"] <= tol["value"]
+    assert_programs_exercised(tests)
     # the terminal table, one row per layer
     assert all(line in out for line in ("layer", *LAYERS, "total"))
 

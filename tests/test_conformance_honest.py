@@ -16,6 +16,7 @@ import polyengine.conformance.suite  # noqa: F401  (kept in pytester's module sn
 from polyengine.plugins import register_plugin, unregister_plugin
 
 from broken_backends import PLUGIN
+from differential_report import assert_programs_exercised
 from honest_backends import HONEST
 
 pytest_plugins = ["pytester"]
@@ -58,3 +59,5 @@ def test_honest_backend_passes_the_whole_suite(pytester, registered, tmp_path, b
     unexpected = [t["id"] for t in tests if t["status"] == "skipped" and not t["id"].startswith(allowed)]
     assert not unexpected, f"{backend}: skipped beyond undeclared features: {unexpected}"
     assert sum(t["status"] == "passed" for t in tests) >= 60
+    assert_programs_exercised(tests)
+

@@ -56,7 +56,7 @@ def test_extras_ship_with_their_backends():
     """An extra exists only beside the backend (or command) it installs."""
     extras = set(_pyproject()["project"]["optional-dependencies"])
     backends = {p.name for p in (ROOT / "backends").iterdir() if (p / "plugin.py").exists()}
-    known = {"test", "all", "serve"} | {"cuda" if b == "cuda_torch" else "tpu" if b == "tpu_jax" else b for b in backends}
+    known = {"test", "all", "serve", "conformance"} | {"cuda" if b == "cuda_torch" else "tpu" if b == "tpu_jax" else b for b in backends}
     assert extras <= known, f"extras without their backend: {sorted(extras - known)}"
 
 

@@ -1,0 +1,153 @@
+"""Layer 6, differential: random protocol programs, run on the backend and the reference.
+
+The other layers check each rule at one configuration; this one explores the
+protocol's state space. Hypothesis draws programs of protocol calls (see
+:mod:`polyengine.conformance.programs` for what a program holds and what is compared),
+runs each on the backend and on the reference, and compares every output. A failing
+program is shrunk to a short one, which the failure message prints as code.
+
+Configurations: each test model (``mha_tied``, ``gqa_llama3``, ``odd_qwen2``) in the
+standard engine, and the default model in the two prefill-bucket variants, all in the
+backend's first declared dtype: the engines the other layers build already, so a
+compiled backend compiles nothing new for this layer (its first use of a bucket the
+other layers did not reach compiles once, never once per program). The programs share
+one decode state, every slot freed between them (``ProgramRun.fresh_states``).
+
+Budget and reproduction: ``EXAMPLES`` programs per configuration, seeded (``SEEDS``),
+so a run is deterministic and a failure in CI reproduces by running the same test
+again. ``--polyengine-differential-examples N`` runs more programs (also
+``polyengine conformance --differential-examples N``); ``--polyengine-differential-seed``
+draws other programs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from polyengine.conformance import layer
+from polyengine.conformance.harness import SEEDS, VARIANTS
+from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, build_model
+from polyengine.conformance.oracle import ReferenceOracle, mirror_engine, reference_engine
+
+__all__ = ["PROGRAMS", "EXAMPLES", "STEPS", "run_programs"]
+
+# model, or model-variant: the engines the other layers build already
+PROGRAMS = (*MODEL_NAMES, *(f"{DEFAULT_MODEL}-{v}" for v in VARIANTS if v != "standard"))
+EXAMPLES = 10  # programs per configuration in a default run
+STEPS = 25  # calls per program at most (a generate call runs up to 8 steps)
+# Seconds Hypothesis may spend shrinking a failing program (its own default is 300; it
+# lets users change it, hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS).
+# The program printed is the shortest found by then.
+SHRINK_SECONDS = 10
+
+
+def _configuration(program: str) -> tuple[str, str]:
+    model, _, variant = program.partition("-")
+    return model, variant or "standard"
+
+
+def _shared(conformance, model: str, variant: str):
+    """The mirror and the oracle of a configuration, and another model's prefixes (for
+    the refusals of foreign prefixes), built once per test class."""
+    harness, dtype = conformance.harness, conformance.dtype
+    key = ("differential", model, variant)
+    if key not in harness.cache:
+        engine = conformance.engine(model, dtype, variant)
+        mirror = mirror_engine(build_model(model), harness.config(dtype, variant), engine.capabilities)
+        harness.cache[key] = (mirror, mirror.load_params(), ReferenceOracle(build_model(model)))
+    mirror, mirror_params, oracle = harness.cache[key]
+
+    def foreign():
+        fkey = ("differential-foreign", model)
+        if fkey not in harness.cache:
+            other = next(m for m in MODEL_NAMES if m != model)
+            other_engine = conformance.engine(other, dtype)
+            prompt, sampling = conformance.prompt(5, 85, other), conformance.sampling(85)
+            theirs, _ = other_engine.prefill(params=conformance.harness.params(other_engine), tokens=prompt, sampling=sampling)
+            ref = reference_engine(build_model(other), harness.config("float64"))
+            ref_prefix, _ = ref.prefill(params=ref.load_params(), tokens=prompt, sampling=sampling)
+            harness.cache[fkey] = (theirs, ref_prefix, ref.export_prefix(ref_prefix))
+        return harness.cache[fkey]
+
+    return mirror, mirror_params, oracle, foreign
+
+
+def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: str) -> None:
+    """Run ``examples`` seeded random programs on one configuration; raise AssertionError
+    with the shrunk failing program (``rerun``: the options that run it again)."""
+    import importlib.util
+
+    if importlib.util.find_spec("hypothesis") is None:
+        raise AssertionError(
+            "the differential layer draws its programs with Hypothesis, which is not installed: "
+            "pip install 'polyengine[conformance]' (pytest and hypothesis)"
+        )
+    from hypothesis import HealthCheck, Phase, Verbosity, settings
+    from hypothesis import seed as use_seed
+    from hypothesis.errors import Flaky
+    from hypothesis.internal.conjecture import engine as conjecture
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from polyengine.conformance.programs import Program, ProgramFailure, ProgramRun
+
+    model, variant = _configuration(program)
+    dtype = conformance.dtype
+    engine = conformance.engine(model, dtype, variant)
+    mirror, mirror_params, oracle, foreign = _shared(conformance, model, variant)
+    buckets = VARIANTS[variant].get("prefill_buckets")
+    describe = f"model {model}, {dtype}, prefill_buckets={buckets}"
+    run = ProgramRun(conformance, engine, conformance.harness.params(engine), mirror, mirror_params, oracle, model, dtype,
+                     describe, foreign)
+    config = settings(
+        max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None,
+        suppress_health_check=list(HealthCheck), report_multiple_bugs=False, phases=(Phase.generate, Phase.shrink),
+        verbosity=Verbosity.quiet, print_blob=False,
+    )
+
+    def factory() -> Program:
+        return Program(run)
+
+    how = f"seed {seed}, {examples} programs: the run is deterministic, {rerun} runs it again"
+    shrink_seconds, conjecture.MAX_SHRINKING_SECONDS = conjecture.MAX_SHRINKING_SECONDS, SHRINK_SECONDS
+    try:
+        run_state_machine_as_test(use_seed(seed)(factory), settings=config)
+        conformance.record.setdefault("statistics", {})["programs"] = {
+            "seed": seed, "programs": examples, **run.counts}
+    except ProgramFailure as exc:
+        # Hypothesis runs the shrunk program last: run.log is its log.
+        raise AssertionError(
+            f"{exc}\n\nthe program that fails, shrunk ({describe}; {how}); r is each call's ResultTokens, "
+            f"P<i> its prefixes, X<i> its exports, [i] the call numbers the message names:\n{_listing(run.log)}"
+        ) from None
+    except Flaky as exc:
+        message, log = run.first_failure or (str(exc), [])
+        raise AssertionError(
+            f"a program failed, and did not fail when run again ({describe}; {how}): the backend's outputs for a "
+            f"seeded program are not deterministic ({type(exc).__name__}). The first failure:\n{message}\n\nits "
+            f"program:\n{_listing(log)}"
+        ) from None
+    finally:
+        conjecture.MAX_SHRINKING_SECONDS = shrink_seconds
+
+
+def _listing(log: list[str]) -> str:
+    return "\n".join(f"  [{i}] {line}" for i, line in enumerate(log))
+
+
+@layer("differential")
+class DifferentialLayer:
+    @pytest.mark.parametrize("program", PROGRAMS)
+    def test_differential(self, conformance, program, request):
+        """Random programs of protocol calls (prefill with and without existing_prefix,
+        insert, bulk_insert, generate with and without overrides, free_resource,
+        export_prefix/import_prefix, refusals mixed in; per-request sampling over every
+        declared field) give the reference's outputs: tokens (near ties reported),
+        valid, lengths, log-probs, top log-probs, exported K/V, refusal types, and a
+        refused call changes nothing."""
+        examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
+        base = request.config.getoption("polyengine_differential_seed", None)
+        seed = (SEEDS["differential"] if base is None else base) + PROGRAMS.index(program)
+        rerun = f'-k "{conformance.test_id}"' + "".join(
+            f" --polyengine-differential-{name} {value}" for name, value in (("examples", examples), ("seed", base))
+            if value is not None and (name, value) != ("examples", EXAMPLES))
+        run_programs(conformance, program, examples=examples, seed=seed, rerun=rerun)

@@ -1,0 +1,594 @@
+"""Random programs of protocol calls, run on the backend and on the reference.
+
+A program (:class:`Program`, Hypothesis' ``RuleBasedStateMachine`` with one rule) is a
+sequence of steps, each one call drawn with weights (:attr:`Program.CALLS`) and its
+arguments made by :class:`~polyengine.conformance.program_draws.Draw` from the step's
+seed: start a request as the driver does (prefill, then insert or bulk_insert), prefill
+ahead (with and without ``existing_prefix``), insert a kept prefix (again: reuse),
+bulk_insert, generate (results read at once or after the next step is dispatched),
+generate with overrides, free_resource, export_prefix, import_prefix, and refused calls
+mixed in (bad, occupied or repeated slots, bad overrides beside good ones, too long or
+empty prompts, ids outside the vocabulary, undeclared parameters and features, prefixes
+of other weights).
+
+Every call runs on the backend and on a **mirror**: the reference engine restricted to
+the backend's declared capabilities (:func:`polyengine.conformance.oracle.mirror_engine`),
+which receives the same slot and prefix calls but never generates. Where one refuses a
+call the other must refuse it too, with the same error type (or a subclass), and a
+refused call changes nothing: the program's model of the slots stays as it was, and
+every later output is still compared. The values are judged by
+:class:`~polyengine.conformance.program_checks.Judge` against the oracle, per request.
+
+The program keeps a log in the protocol's own calls, annotated with what the backend
+returned; a failure's message ends with it, so it can be replayed by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+from polyengine.engine import Override, Prefix
+from polyengine.errors import PolyengineError
+from polyengine.prefix import PortablePrefix
+from polyengine.sampling import SamplingParams
+
+from polyengine.conformance.program_checks import Judge, Pending, ProgramFailure, SlotTrack
+from polyengine.conformance.program_draws import STEPS_PER_GENERATE, Dims, Draw, show
+from polyengine.conformance.stats import rel_l2
+
+__all__ = ["ProgramRun", "Program", "ProgramFailure"]
+
+
+# -- what the program knows ----------------------------------------------------------------------
+
+
+@dataclass
+class PrefixEntry:
+    label: str
+    backend: Prefix
+    mirror: Prefix
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    first: int  # sample 0's first token, as the backend drew it
+    diverged: bool  # sample 0's first token left the reference's (a near tie): not compared
+    prefills_at: int  # prefills the program had run when this prefix was made
+    inserts: int = 0  # insert and bulk_insert calls that took it
+
+
+@dataclass
+class PortableEntry:
+    label: str
+    data: bytes  # the backend's export, serialized
+    prompt: tuple[int, ...]
+
+
+@dataclass
+class ProgramRun:
+    """Everything one differential test shares across its programs: the backend's engine,
+    the mirror, the oracle, the tolerances, and the log of the program running now."""
+
+    context: Any  # polyengine.conformance.harness.Context
+    engine: Any
+    params: Any
+    mirror: Any
+    mirror_params: Any
+    oracle: Any  # a ReferenceOracle of this program's own (its cache is cleared per program)
+    model: str
+    dtype: str
+    describe: str  # the configuration, for messages
+    foreign: Callable[[], tuple[Prefix, Prefix, PortablePrefix]]  # another model's prefixes and export
+    dims: Dims = field(init=False)
+    log: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # what the programs compared, for the report
+    first_failure: tuple[str, list[str]] | None = None  # the first failing program's message and log
+    _kept: tuple[Any, Any] | None = None  # the last good program's decode states (backend, mirror)
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counts[what] = self.counts.get(what, 0) + n
+
+    def fresh_states(self) -> tuple[Any, Any]:
+        """The decode states a program starts from: those of the last program that ended
+        well, every slot freed (a freed slot behaves as a fresh one, so this costs the
+        backend no allocation and checks reuse across programs too), else new ones (after
+        a failure, or the first time: a broken state must not spoil the shrinking)."""
+        states, self._kept = self._kept, None
+        if states is None:
+            return self.engine.init_decode_state(), self.mirror.init_decode_state()
+        state, mstate = states
+        for slot in range(self.dims.slots):
+            state = self.engine.free_resource(state, slot)
+            mstate = self.mirror.free_resource(mstate, slot)
+        return state, mstate
+
+    def keep_states(self, state: Any, mstate: Any) -> None:
+        self._kept = (state, mstate)
+
+    def __post_init__(self) -> None:
+        e, caps = self.engine, self.engine.capabilities
+        self.dims = Dims(
+            vocab=int(e.vocab_size), slots=int(e.max_concurrent_decodes), max_prefill=int(e.max_prefill_length),
+            max_cache=int(e.max_cache_length), tokens_per_step=int(caps.tokens_per_step),
+            eos=tuple(int(t) for t in self.oracle.eos_token_ids), declared=frozenset(caps.sampling_params),
+            max_top_logprobs=int(caps.max_top_logprobs), bulk_insert=bool(caps.bulk_insert),
+            portable_prefix=bool(caps.portable_prefix), prefix_reuse=bool(caps.prefix_reuse),
+        )
+        ctx = self.context
+        self.tol = {q: ctx.tolerance(q, self.dtype, self.model).value
+                    for q in ("tie_gap", "logprob_abs", "logits_rel_l2", "kv_rel_l2", "support_slack")}
+
+
+# -- the machine ---------------------------------------------------------------------------------
+
+
+class Program(Judge, RuleBasedStateMachine):
+    """One random program: each rule is one protocol call (or a few generate steps) run
+    on the backend and the mirror, its outputs compared with the oracle's."""
+
+    def __init__(self, run: ProgramRun):
+        super().__init__()
+        self.run, self.d = run, run.dims
+        run.log = [f"state = engine.init_decode_state()  # {run.describe} (programs reuse one state, every slot freed)"]
+        run.oracle.clear()
+        self.state, self.mstate = run.fresh_states()
+        self.prefixes: list[PrefixEntry] = []
+        self.portables: list[PortableEntry] = []
+        self.slots: dict[int, SlotTrack] = {}
+        self.pending: list[Pending] = []
+        self.prefills = 0
+        self.refused = 0
+        self.failed = False
+        self.emptied = False  # a slot was freed: generate on an empty state is worth a look then
+
+    # -- running a call on both ----------------------------------------------------------------
+
+    def _both(self, at: int, backend: Callable[[], Any], mirror: Callable[[], Any]) -> tuple[Any, Any] | None:
+        """Run a call on the backend and on the mirror: both results, or None when both
+        refused it with the same error type; anything else fails the program."""
+        try:
+            got, got_exc = backend(), None
+        except Exception as exc:  # the backend's verdict, judged against the reference's below
+            got, got_exc = None, exc
+        try:
+            want, want_exc = mirror(), None
+        except PolyengineError as exc:
+            want, want_exc = None, exc
+        what = self.run.log[at].split("  #")[0].strip()
+        if got_exc is None and want_exc is None:
+            return got, want
+        if got_exc is not None and want_exc is not None:
+            if isinstance(got_exc, type(want_exc)):
+                self.refused += 1
+                self.run.count("refusals compared")
+                self._annotate(at, f"refused: {type(got_exc).__name__}")
+                return None
+            self._annotate(at, f"raised {type(got_exc).__name__}")
+            self._fail(f"`{what}` raised {type(got_exc).__name__} ({got_exc}); the reference refuses this call with "
+                       f"{type(want_exc).__name__} ({want_exc}): a refusal must have the protocol's error type "
+                       f"(docs/design.md, Refusals)")
+        if want_exc is not None:
+            self._annotate(at, "accepted")
+            self._fail(f"`{what}` was accepted; the reference refuses it with {type(want_exc).__name__}: {want_exc}")
+        self._annotate(at, f"raised {type(got_exc).__name__}")
+        self._fail(f"`{what}` raised {type(got_exc).__name__}: {got_exc}; the reference accepts this call")
+        return None  # unreachable
+
+    # -- the calls ----------------------------------------------------------------------------
+
+    # The calls a program makes, with their weights. One Hypothesis rule draws them (a
+    # rule per call would be picked by Hypothesis' "swarm" selection, which turns most of
+    # a small budget into programs of one call kind); shrinking goes towards the first.
+    # A call that is not possible yet (an insert before any prefill) does nothing.
+    CALLS = tuple(name for name, weight in (
+        ("start_request", 4), ("generate", 5), ("generate_with_overrides", 3), ("prefill", 2), ("insert", 3),
+        ("free", 2), ("bulk_insert", 1), ("export", 1), ("import_prefix", 1), ("prefill_refused", 1),
+    ) for _ in range(weight))
+
+    @rule(call=st.sampled_from(CALLS), seed=st.integers(0, (1 << 32) - 1))
+    def step(self, call: str, seed: int) -> None:
+        getattr(self, call)(Draw(seed))
+
+    def start_request(self, draw: Draw) -> None:
+        """What the driver does: prefill a request, then insert it into a free slot (or
+        bulk_insert its n samples into n free slots)."""
+        d = self.d
+        sampling = draw.sampling(d)
+        prompt = draw.tokens(d, 1, d.max_prefill)
+        order = draw.order(d.slots)
+        entry = self._prefill(prompt, sampling, None)
+        free = [s for s in order if s not in self.slots]
+        if entry is None or not free:
+            return
+        if sampling.n > 1 and d.bulk_insert and len(free) >= sampling.n:
+            self._bulk_insert(entry, free[: sampling.n])
+        else:
+            self._insert(entry, free[0])
+
+    def prefill(self, draw: Draw) -> None:
+        """A prefill whose prefix is kept for later (prefill ahead), maybe continuing one
+        (``existing_prefix``; without ``prefix_reuse`` a refusal, then drawn less often)."""
+        d = self.d
+        sampling = draw.sampling(d)
+        continued = draw.chance(0.4 if d.prefix_reuse else 0.1)
+        index = draw.index()
+        base = self.prefixes[index % len(self.prefixes)] if continued and self.prefixes else None
+        room = d.max_prefill - (len(base.prompt) if base else 0)
+        self._prefill(draw.tokens(d, 1, max(1, room)), sampling, base)
+
+    def prefill_refused(self, draw: Draw) -> None:
+        """A prefill the protocol refuses: a bad prompt, a bad id in the parameters, or
+        ``existing_prefix`` pushing the prompt past ``max_prefill_length``."""
+        d = self.d
+        kinds = ["empty prompt", "prompt too long", "token id = vocab_size", "token id -1", "logit_bias id = vocab_size",
+                 "existing_prefix makes it too long"]
+        kind = draw.choice(kinds)
+        prompt = draw.tokens(d, 1, d.max_prefill)
+        sampling = SamplingParams(seed=draw.seed())
+        over, at, index = draw.integer(1, 3), draw.index(), draw.index()
+        if kind == kinds[-1] and not self.prefixes:
+            kind = kinds[1]
+        base = None
+        if kind == "empty prompt":
+            prompt = []
+        elif kind == "prompt too long":
+            prompt = (prompt * (d.max_prefill + 1))[: d.max_prefill + over]
+        elif kind == "token id = vocab_size":
+            prompt[at % len(prompt)] = d.vocab
+        elif kind == "token id -1":
+            prompt[at % len(prompt)] = -1
+        elif kind == "logit_bias id = vocab_size":
+            sampling = sampling.model_copy(update={"logit_bias": {d.vocab: 1.0}})
+        else:
+            base = self.prefixes[index % len(self.prefixes)]
+            prompt = (prompt * d.max_prefill)[: d.max_prefill - len(base.prompt) + 1]
+        self._prefill(prompt, sampling, base)
+
+    def _prefill(self, prompt: list[int], sampling: SamplingParams, base: PrefixEntry | None) -> PrefixEntry | None:
+        run = self.run
+        self._read_pending()
+        label = f"P{len(self.prefixes)}"
+        notes = self._prefix_notes(base) if base else []
+        extra = f", existing_prefix={base.label}" if base else ""
+        at = self._say(f"{label}, r = engine.prefill(params=params, tokens={prompt}, sampling={show(sampling)}{extra})")
+        out = self._both(
+            at,
+            lambda: run.engine.prefill(params=run.params, tokens=list(prompt), sampling=sampling,
+                                       existing_prefix=base.backend if base else None),
+            lambda: run.mirror.prefill(params=run.mirror_params, tokens=list(prompt), sampling=sampling,
+                                       existing_prefix=base.mirror if base else None),
+        )
+        if out is not None and base is not None:
+            self._used(base, "continued")
+        self.prefills += 1
+        if out is None:
+            return None
+        (prefix, result), (mprefix, _) = out
+        full = tuple((base.prompt if base else ()) + tuple(int(t) for t in prompt))
+        where = f"`{label}, r = engine.prefill(...)`"
+        got_prompt = tuple(int(t) for t in np.asarray(prefix.prompt_tokens))
+        if got_prompt != full:
+            self._fail(f"{where}: the prefix holds prompt {list(got_prompt)}, expected {list(full)}"
+                       + (f" ({base.label}'s prompt, then the new tokens)" if base else ""))
+        tokens, valid, lengths = np.asarray(result.tokens), np.asarray(result.valid, bool), np.asarray(result.lengths)
+        if tokens.shape[0] != 1 or not valid[0, 0] or valid[0].sum() != 1 or lengths.tolist() != [1]:
+            self._fail(f"{where}: the result must hold one row with one valid token and lengths [1]; got tokens "
+                       f"{tokens.tolist()}, valid {valid.tolist()}, lengths {lengths.tolist()}")
+        first = int(tokens[0, 0])
+        if int(prefix.first_token) != first:
+            self._fail(f"{where}: Prefix.first_token is {int(prefix.first_token)} but the result's token is {first}")
+        logits = run.oracle.logits(list(full))
+        err = rel_l2(np.asarray(prefix.host_logits(), np.float64), logits)
+        self._within("logits_rel_l2", err, f"{where}: Prefix.host_logits() vs the reference's logits for its prompt"
+                     + (f" (continuing {base.label})" if base else ""), notes)
+        track = SlotTrack(label, full, sampling, 0, [])
+        self._check_token(where, track, 0, first, result, 0, 0)
+        entry = PrefixEntry(label, prefix, mprefix, full, sampling, first, not track.compared, self.prefills)
+        self.prefixes.append(entry)
+        self._annotate(at, f"first token {first}")
+        return entry
+
+    def _prefix_notes(self, entry: PrefixEntry) -> list[str]:
+        """What happened to a prefix since it was made that the protocol says must not
+        matter (docs/design.md, Prefixes): later prefills, earlier inserts."""
+        notes = []
+        if self.prefills > entry.prefills_at:
+            notes.append(f"{self.prefills - entry.prefills_at} prefill call(s) ran after {entry.label} was made (a "
+                         f"Prefix stays valid and unchanged for the life of its engine, whatever later calls do)")
+        if entry.inserts:
+            notes.append(f"{entry.label} had been inserted {entry.inserts} time(s) before (an inserted prefix may be "
+                         f"inserted again, into any free slot, and behaves as at its first insert)")
+        return notes
+
+    def _used(self, entry: PrefixEntry, use: str) -> None:
+        """Count, for the report, a prefix used (inserted, continued, exported) after later
+        prefills or after an insert: the two rules of docs/design.md's Prefixes."""
+        if self.prefills > entry.prefills_at:
+            self.run.count(f"prefixes {use} after later prefills")
+        if entry.inserts:
+            self.run.count(f"prefixes {use} after an insert")
+
+    def _origin(self, entry: PrefixEntry, slot: int, how: str) -> str:
+        return f"request {entry.label} in slot {slot} ({how})"
+
+    def insert(self, draw: Draw) -> None:
+        """A kept prefix into a slot (maybe occupied or out of range: refused), now and
+        then another model's prefix (refused)."""
+        run, d = self.run, self.d
+        foreign = draw.chance(0.08)
+        index = draw.index()
+        slot = draw.integer(0, d.slots - 1) if draw.chance(0.8) else draw.integer(-1, d.slots + 1)
+        if not self.prefixes:
+            return
+        entry = self.prefixes[index % len(self.prefixes)]
+        self._read_pending()
+        if foreign:
+            theirs, mirrors, _ = run.foreign()
+            at = self._say(f"state = engine.insert(<a prefix of another model>, state, {slot})")
+            self._both(at, lambda: run.engine.insert(theirs, self.state, slot),
+                       lambda: run.mirror.insert(mirrors, self.mstate, slot))
+            self._fail_if_accepted(at, "a prefix made with other weights")
+            return
+        self._insert(entry, slot)
+
+    def _insert(self, entry: PrefixEntry, slot: int) -> None:
+        run = self.run
+        at = self._say(f"state = engine.insert({entry.label}, state, {slot})")
+        out = self._both(at, lambda: run.engine.insert(entry.backend, self.state, slot),
+                         lambda: run.mirror.insert(entry.mirror, self.mstate, slot))
+        if out is None:
+            return
+        self.state = out[0]
+        notes = self._prefix_notes(entry)
+        self._used(entry, "inserted")
+        entry.inserts += 1
+        self.slots[slot] = SlotTrack(self._origin(entry, slot, "insert"), entry.prompt, entry.sampling, 0,
+                                     [entry.first], compared=not entry.diverged, notes=tuple(notes))
+
+    def _fail_if_accepted(self, at: int, what: str) -> None:
+        if "refused" not in self.run.log[at]:
+            self._fail(f"`{self.run.log[at].strip()}`: {what} was accepted (the reference refuses it)")
+
+    def bulk_insert(self, draw: Draw) -> None:
+        """A kept prefix into free slots, or (one time in five) into a slot list the
+        protocol refuses: occupied, repeated, out of range or empty."""
+        d = self.d
+        index, order, count = draw.index(), draw.order(d.slots), draw.integer(1, d.slots)
+        anything = [draw.integer(-1, d.slots) for _ in range(draw.integer(0, d.slots + 1))]
+        good = not draw.chance(0.2)
+        if not self.prefixes:
+            return
+        entry = self.prefixes[index % len(self.prefixes)]
+        free = [s for s in order if s not in self.slots]
+        self._read_pending()
+        self._bulk_insert(entry, free[:count] if free and good else anything)
+
+    def _bulk_insert(self, entry: PrefixEntry, slots: list[int]) -> None:
+        run = self.run
+        at = self._say(f"state, r = engine.bulk_insert({entry.label}, state, {slots})")
+        out = self._both(at, lambda: run.engine.bulk_insert(entry.backend, self.state, list(slots)),
+                         lambda: run.mirror.bulk_insert(entry.mirror, self.mstate, list(slots)))
+        if out is None:
+            return
+        (self.state, result), _ = out
+        where = f"`state, r = engine.bulk_insert({entry.label}, state, {slots})`"
+        tokens, valid, lengths = np.asarray(result.tokens), np.asarray(result.valid, bool), np.asarray(result.lengths)
+        n = len(slots)
+        if tokens.shape[0] != n or not valid[:, 0].all() or valid.sum() != n or lengths.tolist() != [1] * n:
+            self._fail(f"{where}: the result must hold one row per slot given ({n}), each one valid token with lengths 1; "
+                       f"got tokens {tokens.tolist()}, valid {valid.tolist()}, lengths {lengths.tolist()}")
+        firsts = []
+        notes = self._prefix_notes(entry)
+        self._used(entry, "inserted")
+        entry.inserts += 1
+        for i, slot in enumerate(slots):
+            track = SlotTrack(self._origin(entry, slot, f"bulk_insert sample {i}, row {i} of the result"), entry.prompt,
+                              entry.sampling, i, [], compared=not (i == 0 and entry.diverged), notes=tuple(notes))
+            tok = int(tokens[i, 0])
+            self._check_token(where, track, 0, tok, result, i, 0)
+            track.tokens.append(tok)
+            self.slots[slot] = track
+            firsts.append(tok)
+        self._annotate(at, f"first tokens {firsts}")
+
+    def generate(self, draw: Draw) -> None:
+        """Steps as the driver runs them: each result read at once, or (pipelined) after
+        the next step is dispatched."""
+        steps, pipelined = draw.integer(1, STEPS_PER_GENERATE), draw.chance(0.5)
+        if self.slots or self.pending or self.emptied:  # a fresh state is not worth a step
+            self._steps(steps, pipelined)
+
+    def generate_with_overrides(self, draw: Draw) -> None:
+        """A step forcing tokens into some slots, each at a position inside the slot's
+        last result; sometimes beside an override the protocol refuses (then the whole
+        call is refused and changes nothing)."""
+        run = self.run
+        picks = draw.overrides(self.d)
+        after = draw.integer(0, STEPS_PER_GENERATE)
+        if not self.slots:
+            return
+        self._read_pending()  # overrides need the last results: the driver forces in lock step
+        overrides, bad, mirror_overrides = self._overrides(*picks)
+        if not overrides:
+            return
+        at = self._say(f"state, r{len(self.run.log)} = engine.generate(params, state, overrides={overrides!r})")
+        if bad:
+            self._both(at, lambda: run.engine.generate(run.params, self.state, overrides=overrides),
+                       lambda: run.mirror.generate(run.mirror_params, self.mstate, overrides=mirror_overrides))
+            self._fail_if_accepted(at, "an override outside the protocol's bounds")
+            self._steps(after, False)  # the refused call changed nothing: the slots go on as before
+            return
+        try:
+            self.state, result = run.engine.generate(run.params, self.state, overrides=overrides)
+        except Exception as exc:
+            self._annotate(at, f"raised {type(exc).__name__}")
+            self._fail(f"`generate(overrides={overrides!r})` raised {type(exc).__name__} ({exc}); every override "
+                       f"names an occupied slot, a token of the vocabulary and a position inside the slot's last "
+                       f"result, which the protocol accepts")
+        self.run.count("overrides applied", len(overrides))
+        for slot, ov in overrides.items():
+            ov = ov if isinstance(ov, Override) else Override(ov)
+            track = self.slots[slot]
+            position = len(track.tokens) - 1 if ov.position is None else ov.position
+            del track.tokens[position:]
+            track.tokens.append(int(ov.token))
+            track.origin += f"; token {ov.token} forced at completion position {position}"
+        self.pending.append(Pending(result, at))
+        self._read_pending()
+        self._steps(after, False)
+
+    def _steps(self, steps: int, pipelined: bool) -> None:
+        run = self.run
+        for _ in range(steps):
+            at = self._say(f"state, r{len(self.run.log)} = engine.generate(params, state)")
+            try:
+                self.state, result = run.engine.generate(run.params, self.state)
+            except Exception as exc:
+                self._annotate(at, f"raised {type(exc).__name__}")
+                self._fail(f"`generate()` raised {type(exc).__name__}: {exc}")
+            self.pending.append(Pending(result, at))
+            self._read_pending(keep_last=pipelined)
+
+    def _overrides(self, picked, refusal: str | None, index: int) -> tuple[dict[int, Any], bool, dict[int, Any]]:
+        """Overrides (drawn by :meth:`Draw.overrides`) for the picked slots that are
+        occupied and have room, each inside the slot's last result (a bare token for the
+        latest), plus the ``refusal`` kind of :data:`OVERRIDE_REFUSALS` if any; whether
+        the call must be refused; and what the mirror is sent (its slots hold one token
+        each: it never generates). Slots at the cache limit get none: whether a step that
+        gave them no token is their last result is not specified."""
+        d = self.d
+        live = [s for s, t in sorted(self.slots.items()) if len(t.prompt) + len(t.tokens) < d.max_cache]
+        overrides: dict[Any, Any] = {}
+        mirror: dict[Any, Any] = {}
+        for s, back, token, bare in picked:
+            if s not in live:
+                continue
+            t = self.slots[s]
+            back %= t.last
+            position = len(t.tokens) - 1 - back
+            overrides[s] = token if back == 0 and bare else Override(token, position)
+            mirror[s] = token
+        bad, kind = refusal is not None, refusal
+        if bad:
+            empty = [s for s in range(d.slots) if s not in self.slots]
+            target = live[index % len(live)] if live else None
+            if kind == "slot = max_slots" or (target is None and kind != "empty slot") or (kind == "empty slot" and not empty):
+                overrides[d.slots] = mirror[d.slots] = 3
+            elif kind == "empty slot":
+                s = empty[index % len(empty)]
+                overrides[s] = mirror[s] = 3
+            elif kind.startswith("token"):
+                token = {"token = vocab_size": d.vocab, "token -1": -1, "token 3.0": 3.0}[kind]
+                overrides[target] = mirror[target] = token
+            else:
+                t = self.slots[target]
+                position = len(t.tokens) if kind == "position after the last" else len(t.tokens) - t.last - 1
+                overrides[target] = Override(3, position)
+                mirror[target] = Override(3, 1)  # past the mirror slot's only token
+        return overrides, bad, mirror
+
+    def free(self, draw: Draw) -> None:
+        """free_resource of an occupied slot, mostly; of an empty or out-of-range one else."""
+        run, d = self.run, self.d
+        index, any_slot, occupied_one = draw.index(), draw.integer(-1, d.slots), draw.chance(0.7)
+        if not (self.slots or self.emptied):
+            return
+        occupied = sorted(self.slots)
+        slot = occupied[index % len(occupied)] if occupied and occupied_one else any_slot
+        self._read_pending()
+        at = self._say(f"state = engine.free_resource(state, {slot})")
+        out = self._both(at, lambda: run.engine.free_resource(self.state, slot),
+                         lambda: run.mirror.free_resource(self.mstate, slot))
+        if out is not None:
+            self.state = out[0]
+            self.emptied |= self.slots.pop(slot, None) is not None
+
+    def export(self, draw: Draw) -> None:
+        """export_prefix of a kept prefix, checked against the reference's K/V."""
+        run = self.run
+        index = draw.index()
+        if not self.prefixes:
+            return
+        entry = self.prefixes[index % len(self.prefixes)]
+        self._read_pending()
+        label = f"X{len(self.portables)}"
+        at = self._say(f"{label} = engine.export_prefix({entry.label})")
+        out = self._both(at, lambda: run.engine.export_prefix(entry.backend), lambda: run.mirror.export_prefix(entry.mirror))
+        if out is None:
+            return
+        where = f"`{label} = engine.export_prefix({entry.label})`"
+        notes = self._prefix_notes(entry)
+        self._used(entry, "exported")
+        try:
+            data_bytes = out[0].to_bytes()
+            portable = PortablePrefix.from_bytes(data_bytes)
+        except Exception as exc:
+            self._fail(f"{where}: the portable prefix does not survive to_bytes/from_bytes: {type(exc).__name__}: {exc}", notes)
+        want_k, want_v = run.oracle.kv(list(entry.prompt))
+        if portable.k.shape != want_k.shape:
+            self._fail(f"{where}: exported K/V have shape {portable.k.shape}, the format's is (layers, kv_heads, "
+                       f"true_length, head_dim) = {want_k.shape} (no padding, one entry per KV head)", notes)
+        err = max(rel_l2(portable.k.ravel(), want_k.ravel()), rel_l2(portable.v.ravel(), want_v.ravel()))
+        self._within("kv_rel_l2", err, f"{where}: exported K/V vs the reference's (K after rotate-half RoPE, per KV "
+                                       f"head in the model's order)", notes)
+        self._within("logits_rel_l2", rel_l2(portable.last_logits, run.oracle.logits(list(entry.prompt))),
+                     f"{where}: exported last logits vs the reference's", notes)
+        if tuple(portable.prompt_tokens.tolist()) != entry.prompt or portable.sampling.seed != entry.sampling.seed:
+            self._fail(f"{where}: the portable prefix must carry the prompt ids and the request's seed "
+                       f"({entry.sampling.seed}); it holds {portable.prompt_tokens.tolist()} and seed {portable.sampling.seed}")
+        self.portables.append(PortableEntry(label, data_bytes, entry.prompt))
+
+    def import_prefix(self, draw: Draw) -> None:
+        """import_prefix of the reference's export of a kept prefix, of this backend's own
+        export, or (refused) of another model's."""
+        run = self.run
+        source, index = draw.choice(["reference", "own", "foreign"]), draw.index()
+        if not (self.prefixes or self.portables):
+            return
+        if source == "own" and not self.portables or source == "reference" and not self.prefixes:
+            source = "own" if self.portables else "reference"
+        self._read_pending()
+        if source == "own":
+            entry = self.portables[index % len(self.portables)]
+            payload, name = entry.data, entry.label
+        elif source == "reference":
+            entry = self.prefixes[index % len(self.prefixes)]
+            # the reference's own export (the class's method: the mirror may not declare it)
+            exported = type(run.mirror).export_prefix(run.mirror, entry.mirror)
+            payload, name = exported.to_bytes(), f"reference.export_prefix({entry.label})"
+        else:
+            payload, name = run.foreign()[2].to_bytes(), "<another model's portable prefix>"
+        label = f"P{len(self.prefixes)}"
+        at = self._say(f"{label} = engine.import_prefix({name})")
+        out = self._both(at, lambda: run.engine.import_prefix(PortablePrefix.from_bytes(payload)),
+                         lambda: run.mirror.import_prefix(PortablePrefix.from_bytes(payload)))
+        if source == "foreign":
+            self._fail_if_accepted(at, "a portable prefix of another model")
+        if out is None:
+            return
+        prefix, mprefix = out
+        portable = PortablePrefix.from_bytes(payload)
+        prompt = tuple(int(t) for t in portable.prompt_tokens)
+        where = f"`{label} = engine.import_prefix({name})`"
+        if tuple(int(t) for t in np.asarray(prefix.prompt_tokens)) != prompt or prefix.sampling.seed != portable.sampling.seed:
+            self._fail(f"{where}: the imported prefix must keep the portable prefix's prompt and seed")
+        self._within("logits_rel_l2", rel_l2(np.asarray(prefix.host_logits(), np.float64), run.oracle.logits(list(prompt))),
+                     f"{where}: Prefix.host_logits() vs the reference's")
+        # An import has no result row: its first token is judged, its log-probs are not reported.
+        track = SlotTrack(label, prompt, portable.sampling.model_copy(update={"logprobs": False, "top_logprobs": 0}), 0, [])
+        first = int(prefix.first_token)
+        self._check_token(where, track, 0, first, None, 0, 0)
+        self.prefixes.append(PrefixEntry(label, prefix, mprefix, prompt, portable.sampling, first, not track.compared,
+                                         self.prefills))
+        self._annotate(at, f"first token {first}")
+
+    def teardown(self) -> None:
+        # Read what is left, so a fault in the last step is seen too (not after a failure:
+        # the first one is the one to report).
+        if self.pending and not self.failed:
+            self._read_pending()
+        if not self.failed:
+            self.run.keep_states(self.state, self.mstate)
