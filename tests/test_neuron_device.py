@@ -95,10 +95,10 @@ def assert_cache_stays_on_the_device(calls: list[dict], cache_bytes: int) -> Non
 def test_compiler_arguments_aliases_and_a_weightless_artifact(standin, model, tmp_path):
     from neuronx_distributed._device import parse_flags
 
-    eng = _engine(model, tmp_path)
+    eng = _engine(model, tmp_path, speculation=2)  # every kind of model: the draft's too
     (trace,) = standin.traces
     assert trace["tp_degree"] == 1
-    assert set(trace["models"]) == {"context_24", "insert_24", "decode_4_65", "draft_4_65"}  # speculation k=2
+    assert set(trace["models"]) == {"context_24", "insert_24", "decode_4_65", "draft_4_65"}
     for key, m in trace["models"].items():
         assert m["flags"] == {"--model-type": "transformer", "-O": "-O2", "--auto-cast": "none"}, key
         if key.startswith("context"):
@@ -120,7 +120,7 @@ def test_compiler_arguments_aliases_and_a_weightless_artifact(standin, model, tm
 
 
 def test_greedy_equals_the_reference_and_the_cache_never_leaves_the_device(standin, model, tmp_path):
-    eng = _engine(model, tmp_path)
+    eng = _engine(model, tmp_path, speculation=2)
     got = _tokens(eng)
     want = _tokens(ReferenceEngine(model, EngineConfig(**LIMITS)))
     assert got == want
@@ -143,7 +143,7 @@ def test_a_second_checkpoint_loads_the_artifact_and_moves_only_its_weights(stand
 def test_sampled_streams_and_speculation_agree_on_the_device(standin, model, tmp_path):
     sampled = [SamplingParams(seed=3, max_tokens=14, frequency_penalty=0.6, repetition_penalty=1.2),
                SamplingParams(seed=4, temperature=0.7, top_p=0.9, top_k=20, max_tokens=14, n=2)]
-    spec = _tokens(_engine(model, tmp_path), sampled, PROMPTS[:2])
+    spec = _tokens(_engine(model, tmp_path, speculation=2), sampled, PROMPTS[:2])
     plain = _tokens(_engine(model, tmp_path, speculation=1), sampled, PROMPTS[:2])
     assert spec == plain
 
