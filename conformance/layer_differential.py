@@ -6,9 +6,13 @@ protocol's state space. Hypothesis draws programs of protocol calls (see
 runs each on the backend and on the reference, and compares every output. A failing
 program is shrunk to a short one, which the failure message prints as code.
 
-Configurations: each test model (``mha_tied``, ``gqa_llama3``, ``odd_qwen2``) in the
-standard engine, and the default model in the two prefill-bucket variants, all in the
-backend's first declared dtype: the engines the other layers build already, so a
+Configurations: each test model in the standard engine, and the default model in the
+two prefill-bucket variants, all in the backend's first declared dtype. The three shape
+models (``mha_tied``, ``gqa_llama3``, ``odd_qwen2``: MHA, GQA, odd sizes) and the
+bucket variants run ``EXAMPLES`` programs each; each further architecture's model runs
+``ARCHITECTURE_EXAMPLES`` (its layers, not the protocol, are what differs, and the
+numerics layer checks those at length), which keeps the layer's CI time near what it
+was before the architectures came. These are the engines the other layers build already, so a
 compiled backend compiles nothing new for this layer (its first use of a bucket the
 other layers did not reach compiles once, never once per program). The programs share
 one decode state, every slot freed between them (``ProgramRun.fresh_states``).
@@ -29,11 +33,13 @@ from polyengine.conformance.harness import SEEDS, VARIANTS
 from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, build_model
 from polyengine.conformance.oracle import ReferenceOracle, mirror_engine, reference_engine
 
-__all__ = ["PROGRAMS", "EXAMPLES", "STEPS", "run_programs"]
+__all__ = ["PROGRAMS", "EXAMPLES", "ARCHITECTURE_EXAMPLES", "SHAPE_MODELS", "STEPS", "run_programs"]
 
 # model, or model-variant: the engines the other layers build already
 PROGRAMS = (*MODEL_NAMES, *(f"{DEFAULT_MODEL}-{v}" for v in VARIANTS if v != "standard"))
 EXAMPLES = 10  # programs per configuration in a default run
+ARCHITECTURE_EXAMPLES = 3  # ... per further architecture's model (scaled with --polyengine-differential-examples)
+SHAPE_MODELS = ("mha_tied", "gqa_llama3", "odd_qwen2")
 STEPS = 25  # calls per program at most (a generate call runs up to 8 steps)
 # Seconds Hypothesis may spend shrinking a failing program (its own default is 300; it
 # lets users change it, hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS).
@@ -145,6 +151,8 @@ class DifferentialLayer:
         valid, lengths, log-probs, top log-probs, exported K/V, refusal types, and a
         refused call changes nothing."""
         examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
+        if _configuration(program)[0] not in SHAPE_MODELS:
+            examples = max(1, examples * ARCHITECTURE_EXAMPLES // EXAMPLES)
         base = request.config.getoption("polyengine_differential_seed", None)
         seed = (SEEDS["differential"] if base is None else base) + PROGRAMS.index(program)
         rerun = f'-k "{conformance.test_id}"' + "".join(
