@@ -150,6 +150,7 @@ class DifferentialLayer:
         declared field) give the reference's outputs: tokens (near ties reported),
         valid, lengths, log-probs, top log-probs, exported K/V, refusal types, and a
         refused call changes nothing."""
+        conformance.require_architecture(_configuration(program)[0])
         examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
         if _configuration(program)[0] not in SHAPE_MODELS:
             examples = max(1, examples * ARCHITECTURE_EXAMPLES // EXAMPLES)
