@@ -11,6 +11,7 @@ each kind of mistake it must catch, planted in a step, is caught.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,10 +22,11 @@ from polyengine import EngineConfig, Override, SamplingParams  # noqa: E402
 from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
 from polyengine.backends.reference.engine import ReferenceEngine  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
+from polyengine.sampling.masks import pack_mask  # noqa: E402
 
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64)
 # The torch path, on this thread (a dispatch mode is thread-local).
-TORCH_PATH = {"cpu_kernels": False, "fused_decode": False, "async_steps": False}
+TORCH_PATH = {"cpu_kernels": False, "fused_decode": False, "async_steps": False, "live_rows": False}
 REQUESTS = [
     ([1, 5, 9, 4, 2], SamplingParams(temperature=0, max_tokens=20)),
     ([3, 3, 8], SamplingParams(seed=7, temperature=0.9, top_p=0.9, top_k=12, frequency_penalty=0.5,
@@ -66,15 +68,20 @@ def test_steps_inserts_and_overrides_take_no_host_data_and_never_sync(model):
         state = eng.insert(prefix, state, 2)  # a request joins while steps are queued
         state, res = eng.generate(params, state, overrides={0: Override(11, 4)})  # a forced token
         results.append(res)
+        allowed = np.zeros(eng.vocab_size, dtype=bool)
+        allowed[[3, 9, 20]] = True
+        state, res = eng.generate(params, state, token_masks={2: pack_mask(allowed)})  # structured output's mask
+        results.append(res)
         state = eng.free_resource(state, 1)
         state, res = eng.generate(params, state)
         results.append(res)
     assert probe.findings == [], "\n".join(probe.findings)
     # The lengths the device counted equal the host's count (read after the probe): slot 0
     # was forced at its latest position (4), which keeps its count, then advanced.
-    assert [int(r.lengths[0]) for r in results] == [3, 4, 5, 6, 7]
+    assert [int(r.lengths[0]) for r in results] == [3, 4, 5, 6, 7, 8]
+    assert int(results[4].tokens[2, 0]) in (3, 9, 20)
     assert int(results[-1].valid[1, 0]) == 0 and int(results[-1].lengths[1]) == 0
-    assert int(results[-1].lengths[2]) == 3
+    assert int(results[-1].lengths[2]) == 4
 
 
 def test_the_device_counts_give_the_reference_tokens_with_an_override_and_a_full_cache(model):
@@ -101,7 +108,7 @@ def test_the_probe_flags_a_step_that_brings_host_data_in_or_syncs(model, monkeyp
     params, state = _started(eng)
     step = TorchEngine._step
 
-    def planted(self, params, state, forced, live, positions, kv_len, num_top):
+    def planted(self, params, state, forced, live, positions, kv_len, num_top, words):
         if mistake == "torch.tensor of host lists":
             (torch.tensor(positions, device=self.torch_device) + 1).sum()
         elif mistake == "from_numpy":
@@ -114,7 +121,7 @@ def test_the_probe_flags_a_step_that_brings_host_data_in_or_syncs(model, monkeyp
             mask = torch.zeros(state.num_slots, dtype=torch.bool)
             mask[live] = True
             state.next_tokens.masked_fill(mask.to(self.torch_device), 0)
-        return step(self, params, state, forced, live, positions, kv_len, num_top)
+        return step(self, params, state, forced, live, positions, kv_len, num_top, words)
 
     monkeypatch.setattr(TorchEngine, "_step", planted)
     with probing(_device_tensors(eng, params, state)) as probe:

@@ -106,6 +106,9 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         "cpu_kernels": Option(True, "CPU: decode products through the host-compiled kernels (cpu_kernels.py)"),
         "fused_decode": Option(True, "CPU: the whole decode step in one host-compiled call (needs cpu_kernels; Llama "
                                      "family only, other architectures use the torch forward)"),
+        # CPU: a step computes the live slots' rows only (its cost follows the requests);
+        # off, it runs every slot from device data as CUDA does (what tests/test_cuda_torch_sync.py probes)
+        "live_rows": Option(True, "CPU: decode only the live slots' rows (False: every slot, as on CUDA)"),
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
         "quantize": Option("", "int8 weights: 'int8' (per channel) or 'int8-block32'", choices=("", *WEIGHT_MODES)),
@@ -462,7 +465,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             for slot, (_, total) in forced.items():
                 fill_row(state.total, slot, total)
         live_mask = state.occupied & (state.total < self.max_cache_length)
-        if live and dev.type == "cpu":
+        if live and dev.type == "cpu" and (self.options["live_rows"] or self._fused is not None):
             # The host is the device: only the live rows are computed (the fused kernel,
             # else the shared forward on those rows), so the cost follows the requests.
             tokens, logprobs, top_ids, top_lp = self._live_step(params, state, live, positions, kv_len, num_top, words)
