@@ -222,7 +222,7 @@ def every_refusal_names_its_field(tmp):
         "stop_token_ids": lambda: llm.generate(["hi"], {"stop_token_ids": [10_000]}),
         "messages": lambda: llm.chat([{"role": "user", "content": "x" * 100_000}]),
         "max_cache_length": lambda: pe.LLM("random:tiny", "reference", max_cache_length=100_000),
-        "options": lambda: pe.LLM("random:tiny", "reference", options={"nope": 1}),
+        "options.nope": lambda: pe.LLM("random:tiny", "reference", options={"nope": 1}),
         "dtype": lambda: pe.LLM("random:tiny", "reference", dtype="int3"),
     }
     for field, call in expect.items():

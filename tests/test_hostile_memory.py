@@ -56,15 +56,16 @@ def _register_greedy_backend(where: str):
                 np.ones(2**43, np.uint8)
             return super().init_decode_state()
 
-        def prefill(self, *, params, tokens, sampling, existing_prefix=None):
+        def prefill(self, *, params, tokens, sampling, existing_prefix=None, token_mask=None):
             if where == "prefill":
                 np.ones(2**43, np.uint8)
-            return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
+            return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix,
+                                   token_mask=token_mask)
 
-        def generate(self, params, decode_state, *, overrides=None):
+        def generate(self, params, decode_state, *, overrides=None, token_masks=None):
             if where == "generate":
                 np.ones(2**43, np.uint8)
-            return super().generate(params, decode_state, overrides=overrides)
+            return super().generate(params, decode_state, overrides=overrides, token_masks=token_masks)
 
     class Plugin:
         @pe.hookimpl
