@@ -292,7 +292,7 @@ def test_on_neuron_hardware_greedy_equals_the_reference(model, tmp_path):
 def test_speculation_is_one_option_away_and_refused_where_it_cannot_apply(model):
     """Plain decoding by default; ``speculation=k`` turns it on; a draft of a 1-layer model,
     or draft_layers without speculation, is refused before anything compiles."""
-    assert NeuronEngine.OPTIONS["speculation"] == 1
+    assert NeuronEngine.OPTIONS["speculation"].default == 1
     one_layer = build_model("mha_tied").config.model_copy(update={"num_hidden_layers": 1})
     weights = {k: v for k, v in model.weights.items() if not k.startswith("model.layers.1.")}
     from polyengine.models import Model
@@ -301,5 +301,5 @@ def test_speculation_is_one_option_away_and_refused_where_it_cannot_apply(model)
         NeuronEngine(Model(one_layer, weights), config(speculation=2))
     with pytest.raises(InvalidRequest, match="draft_layers=1 applies only with speculation >= 2"):
         NeuronEngine(model, config(draft_layers=1))
-    with pytest.raises(InvalidRequest, match="must be 1 \\(plain decoding\\) to 8"):
+    with pytest.raises(InvalidRequest, match="speculation=0 of backend .neuron.: must be >= 1"):
         NeuronEngine(model, config(speculation=0))

@@ -236,6 +236,7 @@ class AsyncLLM:
             return _copy(self._dead)
         return EngineClosed("the engine has stopped and accepts no new requests")
 
+    @property
     def prefix_cache(self) -> Any:
         """The driver's prefix cache (its ``stats`` may be read from any thread), or None when off."""
         return self._scheduler.prefix_cache
