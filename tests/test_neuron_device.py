@@ -113,7 +113,7 @@ def test_compiler_arguments_aliases_and_a_weightless_artifact(standin, model, tm
     assert init["bytes"] == sum(t.numel() * t.element_size() for t in eng._weights.tensors.values()) + 8  # + tp_rank
     assert parse_flags(eng.on_device.description()["compiler_args"])["--auto-cast"] == "none"
     # bfloat16 as declared: no auto-cast, float32 accumulation.
-    _engine(model, tmp_path, dtype="bfloat16")
+    _engine(model, tmp_path, dtype="bfloat16", speculation=2)
     flags = standin.traces[-1]["models"]["decode_4_65"]["flags"]
     assert flags == {"--model-type": "transformer", "-O": "-O2", "--auto-cast": "none",
                      "--enable-mixed-precision-accumulation": True}
