@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from polyengine.engine import EngineConfig, is_int, power_buckets
-from polyengine.errors import InvalidRequest
+from polyengine.errors import ContextLengthExceeded, InvalidRequest
 
 __all__ = ["Buckets"]
 
@@ -70,9 +70,10 @@ class Buckets:
         for b in self.prefill:
             if b >= length:
                 return b
-        raise InvalidRequest(
+        raise ContextLengthExceeded(  # the prompt is longer than this engine takes, as check_prompt says
             f"prompt of {length} tokens fits no context-encoding bucket (buckets: "
-            f"{', '.join(map(str, self.prefill))}); shorten it or build the engine with larger prefill_buckets"
+            f"{', '.join(map(str, self.prefill))}); shorten it or build the engine with larger prefill_buckets",
+            field="prompt",
         )
 
     def batch_for(self, rows: int) -> int:
