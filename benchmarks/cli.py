@@ -3,11 +3,13 @@
     polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
                      [--peers transformers,llamacpp|none] [--repeats N] [--quick]
                      [--json PATH] [--parts standard,long,prefix] [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
-                     [--cache-dir DIR]
+                     [--cache-dir DIR] [--isa auto,avx512,avx2,scalar|all]
 
 Plans one job per (system, part), runs each in its own worker subprocess (``jobs``),
 shows progress on stderr, and prints the report (``report``) on stdout. Rows: every
-combination of ``--backend``, ``--dtype`` and ``--options``; transformers in float32
+combination of ``--backend``, ``--dtype``, ``--options`` and, for cuda_torch, ``--isa`` (each
+forced ISA path of the CPU kernels its own row; every row reports the ISA path it ran
+and the share of the host's limits it reached); transformers in float32
 (and bfloat16 where the CPU has bf16 units); llama.cpp on the GGUF as shipped and its
 F16/F32 copies (``gguf_convert``), each with its best thread counts. A peer that is
 not installed, or cannot read the model, is skipped with a note that says so. The
@@ -70,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-quants", default=None, metavar="LIST",
                    help="llama.cpp settings to run: 'shipped' (the GGUF as it is), F16, F32 (default: all three)")
     p.add_argument("--cache-dir", default=None, help="where converted peer weights are kept (default: ~/.cache/polyengine/bench)")
+    p.add_argument("--isa", default=None, metavar="LIST",
+                   help="cuda_torch: run each ISA path of the CPU kernels as its own row, comma-separated from "
+                        "auto, avx512, avx2, scalar; 'all' is every forced path this CPU executes (also with "
+                        "--quick, the host's limits are measured then)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one worker may run (default 7200, 600 with --quick)")
 
 
@@ -117,6 +123,30 @@ def _parts(raw: str) -> list[str]:
 
 
 _PARTS = ("standard", "long", "prefix")
+_ISA_BACKENDS = ("cuda_torch",)  # backends with an engine option isa
+
+
+def _isas(raw: str | None) -> list[str | None]:
+    """``--isa``'s paths in order, each checked against this CPU before any job; [None]
+    without it (the engine's default)."""
+    from polyengine.errors import InvalidRequest
+    from polyengine.hostinfo import ISA_PATHS, missing_for, runnable_isas
+
+    if raw is None:
+        return [None]
+    out: list[str] = []
+    for name in (n.strip().lower() for n in raw.split(",") if n.strip()):
+        for isa in runnable_isas() if name == "all" else [name]:
+            if isa not in ("auto", *ISA_PATHS):
+                raise InvalidRequest(f"--isa {raw!r}: {isa!r} is no ISA path; use auto, {', '.join(ISA_PATHS)} or all")
+            if isa != "auto" and missing_for(isa):
+                raise InvalidRequest(f"--isa {isa}: this CPU cannot execute it (it lacks {', '.join(missing_for(isa))}); "
+                                     f"it runs {', '.join(runnable_isas())}, or use --isa all")
+            if isa not in out:
+                out.append(isa)
+    if not out:
+        raise InvalidRequest(f"--isa {raw!r} names no ISA path; use auto, {', '.join(ISA_PATHS)} or all")
+    return out
 
 
 def _threads(raw: str | None) -> list[int]:
@@ -146,10 +176,13 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
     from polyengine.plugins import select_backend
 
     rows: list[Job] = []
+    isas = _isas(getattr(args, "isa", None))
     for name in [] if args.backend == ["none"] else args.backend:
         backend = select_backend(name).name  # unknown or unusable: the typed error says why, before any job
+        if isas != [None] and backend not in _ISA_BACKENDS:
+            notes.append(f"{backend}: --isa not applied, it is an option of {', '.join(_ISA_BACKENDS)} only")
         for dtype in args.dtype:
-            for options in _options(args.options):
+            for options in _with_isas(_options(args.options), isas, backend):
                 if dtype not in (None, "float32") and is_int8(options):
                     notes.append(f"{backend} {dtype} {json.dumps(options, sort_keys=True)}: skipped, int8 weights are "
                                  f"measured in float32 engines only")
@@ -194,6 +227,17 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
                                 dict(model=str(file), threads=_threads(args.llamacpp_threads), quant=quant),
                                 "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0, prefix=False))
     return rows
+
+
+def _with_isas(options: list[dict[str, Any]], isas: list[str | None], backend: str) -> list[dict[str, Any]]:
+    """Each option set once per ``--isa`` path (cuda_torch), the path as option ``isa``."""
+    from polyengine.errors import InvalidRequest
+
+    if isas == [None] or backend not in _ISA_BACKENDS:
+        return options
+    if any("isa" in o for o in options):
+        raise InvalidRequest("--isa and an --options object with 'isa' both choose the ISA path; give one of them")
+    return [{**o, "isa": isa} for o in options for isa in isas]
 
 
 def _prepare_transformers(path: Path, cache: str, notes: list[str]) -> bool:
@@ -294,10 +338,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     parts = _parts(args.parts)
     jobs = plan(args, notes)
-    if not args.quick and any(job.kind == "polyengine" for job in jobs):
+    if (not args.quick or getattr(args, "isa", None)) and any(job.kind == "polyengine" for job in jobs):
         from polyengine.benchmarks import limits
 
         doc["host"]["limits"] = limits.measure(args.model, max(work.batches))  # before any job, never beside one
+    if args.quick and doc["host"].get("limits"):
+        notes.append("host limits measured with --quick (asked for by --isa): the quick workload's rates are far "
+                     "from them, so its shares only show the columns work")
     for job in jobs:
         job.parts = [p for p in parts if p == "standard" or (p == "long" and job.long) or (p == "prefix" and job.prefix)]
     if "prefix" in parts and any(job.kind == "llamacpp" for job in jobs):
@@ -309,6 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for job in jobs:
             doc["rows"].append(_run_row(job, work, repeats, timeout, progress))
+            _add_paths(doc["rows"][-1], work, doc["host"].get("limits"))
             if doc["rows"][-1].pop("interrupted", False):
                 raise KeyboardInterrupt
             doc["host"]["load_end"] = host.load_average()
@@ -322,6 +370,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc["host"]["load_end"] = host.load_average()
     doc["targets"] = report.judge(doc["rows"], work, doc["host"].get("limits"))
     return doc
+
+
+def _add_paths(row: dict[str, Any], work: Any, limits: dict[str, Any] | None) -> None:
+    """A polyengine row's ISA path and share of the host's limits (report.isa/reached)."""
+    from polyengine.benchmarks import report
+
+    if row["kind"] == "polyengine":
+        row["isa"] = report.isa(row)
+        row["limits_reached"] = report.reached(row, work, limits)
 
 
 def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -> dict[str, Any]:

@@ -12,7 +12,12 @@ subprocess run before any job (never beside one):
 - ``gemm_gflop_s``: ``F.linear`` of ``(batch, hidden)`` by ``(intermediate, hidden)``
   float32, the model's widest projection at the largest decode batch, median of 7.
 
-The model's parameter count comes from its config (``Model.config``).
+The model's parameter count comes from its config (``Model.config``), and the bytes a
+decode step streams per weight kind (``weight_bytes``: float32, bfloat16, float16 at
+4/2/2 bytes a parameter; each int8 mode's copies with their scales, which replace every
+projection and the LM head) from it too.
+
+``report.reached`` turns a row's numbers into the share of these limits it reached.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ _SNIPPET = r"""
 import json, sys, time
 import torch
 from polyengine.models.loader import load_model
+from polyengine.models.quantize import WEIGHT_MODES, int8_bytes
 
 spec, batch = sys.argv[1] or None, int(sys.argv[2])
 config = load_model(spec).config
@@ -53,6 +59,8 @@ print(json.dumps({
     "read_gb_s": read, "gemm_gflop_s": gemm, "gemm_shape": [batch, config.hidden_size, config.intermediate_size],
     "params": params, "threads": torch.get_num_threads(),
     "fp32_b1_floor_tok_s": read * 1e9 / (4 * params), "fp32_gemm_tok_s": gemm * 1e9 / (2 * params),
+    "weight_bytes": {"float32": 4 * params, "bfloat16": 2 * params, "float16": 2 * params,
+                     **{mode: int8_bytes(config, mode) for mode in WEIGHT_MODES}},
 }))
 """
 
@@ -71,3 +79,4 @@ def measure(model: str | None, batch: int) -> dict[str, Any] | None:
         return {"error": f"the limits probe failed: {exc.stderr.strip()[-300:]}"}
     except (subprocess.SubprocessError, ValueError, IndexError) as exc:
         return {"error": f"the limits probe failed: {type(exc).__name__}: {exc}"}
+

@@ -26,7 +26,8 @@ from typing import Any, Callable
 from polyengine.benchmarks.stats import MIB
 from polyengine.benchmarks.workload import Workload
 
-__all__ = ["SCHEMA", "Target", "SelfTarget", "SELF_TARGETS", "targets", "judge", "render", "write_json", "is_int8"]
+__all__ = ["SCHEMA", "Target", "SelfTarget", "SELF_TARGETS", "targets", "judge", "render", "write_json", "is_int8",
+           "isa", "reached"]
 
 SCHEMA = "polyengine-bench/1"
 
@@ -165,6 +166,36 @@ def judge(rows: list[dict[str, Any]], work: Workload, limits: dict[str, Any] | N
     return out + _judge_self(rows)
 
 
+def isa(row: dict[str, Any]) -> str | None:
+    """The CPU kernels' ISA path a polyengine row ran ("avx512", "avx2", "scalar"), from
+    its engine's ``speed_paths()``; None where it reports none (a fallback, another
+    backend)."""
+    words = ((row.get("details") or {}).get("paths") or {}).get("isa")
+    return words.split()[0] if words else None
+
+
+def reached(row: dict[str, Any], work: Workload, limits: dict[str, Any] | None) -> dict[str, float] | None:
+    """The share of the host's limits (benchmarks/limits.py) a polyengine row reached:
+    batch-1 decode against the bandwidth floor of the weights it streams (its int8
+    mode's copies, else its dtype's bytes a parameter), the largest batch's decode and
+    prefill against torch's float32 GEMM rate, all in tok/s. None where the limits were
+    not measured; a key is absent where the row has no value. Prefill may pass 1: its
+    products are far taller than the GEMM probe's."""
+    if not limits or "error" in limits or "weight_bytes" not in limits:
+        return None
+    b1, bmax = str(min(work.batches)), str(max(work.batches))
+    kind = (row.get("params") or {}).get("options", {}).get("quantize") or _dtype(row) or "float32"
+    out: dict[str, float] = {}
+    v = metric(row, ("decode_tok_s", b1))
+    if v is not None and kind in limits["weight_bytes"]:
+        out[f"b{b1}_of_bandwidth_floor"] = v * limits["weight_bytes"][kind] / (limits["read_gb_s"] * 1e9)
+    for name, path in ((f"b{bmax}_of_torch_gemm", ("decode_tok_s", bmax)), ("prefill_of_torch_gemm", ("prefill_tok_s",))):
+        v = metric(row, path)
+        if v is not None:
+            out[name] = v / limits["fp32_gemm_tok_s"]
+    return out
+
+
 # -- text ----------------------------------------------------------------------------------
 
 
@@ -188,7 +219,15 @@ def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]
     def rss(key: str, part: str) -> Callable[[dict[str, Any]], str]:
         return lambda row: "FAIL" if row.get("errors", {}).get(part) else _num((row.get("metrics") or {}).get(key))
 
-    cols = [("system", lambda r: r["system"]), ("setting", lambda r: r["setting"])]
+    def share(row: dict[str, Any]) -> str:
+        got = row.get("limits_reached")
+        if not got:
+            return "-"
+        keys = (f"b{min(work.batches)}_of_bandwidth_floor", f"b{max(work.batches)}_of_torch_gemm", "prefill_of_torch_gemm")
+        return " / ".join("-" if got.get(k) is None else f"{got[k]:.2f}" for k in keys)
+
+    cols = [("system", lambda r: r["system"]), ("setting", lambda r: r["setting"]),
+            ("ISA", lambda r: r.get("isa") or "-")]
     cols += [(f"decode b{b} tok/s", m("decode_tok_s", str(b))) for b in work.batches]
     cols += [
         (f"prefill {work.prefill_len} tok/s", m("prefill_tok_s")),
@@ -198,6 +237,7 @@ def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]
         ("peak RSS MiB", rss("peak_rss_mib", "standard")),
         (f"b{work.long_batch}x{work.long_context} decode tok/s", m("long_decode_tok_s")),
         (f"b{work.long_batch}x{work.long_context} RSS MiB", rss("long_peak_rss_mib", "long")),
+        (f"of host limits b{min(work.batches)}/b{max(work.batches)}/prefill", share),
     ]
     return cols
 
@@ -206,7 +246,7 @@ def table(rows: list[dict[str, Any]], work: Workload) -> str:
     cols = _columns(work)
     cells = [[c[1](r) for c in cols] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h) for i, (h, _) in enumerate(cols)]
-    right = lambda i: i >= 2  # noqa: E731 - numbers right-aligned
+    right = lambda i: i >= 3  # noqa: E731 - numbers right-aligned
     line = lambda vals: "| " + " | ".join(v.rjust(w) if right(i) else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths))) + " |"  # noqa: E731
     sep = "|" + "|".join(("-" * (w + 1) + ":") if right(i) else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
     return "\n".join([line([h for h, _ in cols]), sep] + [line(c) for c in cells])
@@ -303,7 +343,9 @@ def verdicts(doc: dict[str, Any]) -> str:
             f"host limits: memory read {limits['read_gb_s']:.1f} GB/s -> float32 batch-1 floor "
             f"{limits['fp32_b1_floor_tok_s']:.0f} tok/s ({limits['params'] / 1e6:.0f}M parameters); torch float32 GEMM "
             f"{limits['gemm_gflop_s']:.0f} GFLOP/s at {'x'.join(map(str, limits['gemm_shape']))} -> "
-            f"{limits['fp32_gemm_tok_s']:.0f} tok/s at the largest batch")
+            f"{limits['fp32_gemm_tok_s']:.0f} tok/s at the largest batch; a row's 'of host limits' column: its "
+            f"batch-1 decode over the bandwidth floor of the weights it streams, its largest batch and prefill over "
+            f"that GEMM rate")
     elif limits:
         lines.append(f"host limits: {limits['error']}")
     return "\n".join(lines)

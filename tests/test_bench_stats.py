@@ -196,6 +196,54 @@ def test_a_target_past_the_host_limit_asks_for_80_percent_of_it():
     assert all("limit" not in v for v in low), "a limit above what the ratio asks changes nothing"
 
 
+def test_each_row_reports_its_isa_and_share_of_the_host_limits():
+    """b1 over the bandwidth floor of the bytes the row streams (its int8 mode's copies,
+    else its dtype's), b32 and prefill over torch's GEMM rate; none without limits."""
+    limits = {"read_gb_s": 20.0, "fp32_gemm_tok_s": 400.0, "weight_bytes": {"float32": 4e8, "int8": 1.1e8}}
+    fp32 = _row("polyengine", "pe fp32", decode1=40, decode32=300, prefill=800, dtype="float32")
+    fp32["details"]["paths"] = {"isa": "avx2 (forced by option isa, -march=haswell)"}
+    int8 = _row("polyengine", "pe int8", decode1=90, dtype="float32", options={"quantize": "int8", "isa": "scalar"})
+    assert report.isa(fp32) == "avx2" and report.isa(int8) is None
+    assert report.reached(fp32, STANDARD, limits) == pytest.approx(
+        {"b1_of_bandwidth_floor": 40 * 4e8 / 20e9, "b32_of_torch_gemm": 0.75, "prefill_of_torch_gemm": 2.0})
+    assert report.reached(int8, STANDARD, limits) == pytest.approx({"b1_of_bandwidth_floor": 90 * 1.1e8 / 20e9})
+    assert report.reached(fp32, STANDARD, None) is None and report.reached(fp32, STANDARD, {"error": "x"}) is None
+    fp32.update(isa="avx2", limits_reached=report.reached(fp32, STANDARD, limits))
+    head, _, line = report.table([fp32], STANDARD).splitlines()
+    assert "| ISA " in head and "of host limits b1/b32/prefill" in head
+    assert "| avx2 " in line and "0.80 / 0.75 / 2.00 |" in line
+
+
+def test_isa_rows_are_expanded_and_checked_before_any_job(monkeypatch):
+    """``--isa``: each path a row of its own (cuda_torch only); 'all' every forced path
+    this CPU runs; a path it cannot run, or an ISA chosen twice, is refused up front."""
+    import argparse
+
+    from polyengine.benchmarks import cli
+    from polyengine.errors import InvalidRequest
+
+    monkeypatch.setattr("polyengine.hostinfo.runnable_isas", lambda: ("avx2", "scalar"))
+    monkeypatch.setattr("polyengine.hostinfo.missing_for", lambda isa: ("avx512f",) if isa == "avx512" else ())
+    assert cli._isas(None) == [None]
+    assert cli._isas("auto,all,scalar") == ["auto", "avx2", "scalar"]
+    with pytest.raises(InvalidRequest, match=r"lacks avx512f\); it runs avx2, scalar"):
+        cli._isas("avx512")
+    with pytest.raises(InvalidRequest, match="'neon' is no ISA path"):
+        cli._isas("neon")
+    with pytest.raises(InvalidRequest, match="give one of them"):
+        cli._with_isas([{"isa": "avx2"}], ["scalar"], "cuda_torch")
+
+    def plan(backend, isa):
+        args = argparse.Namespace(backend=[backend], dtype=[None], options=['{"quantize": "int8"}'], isa=isa,
+                                  peers="none", model="random:tiny", cache_dir=None)
+        notes: list[str] = []
+        return [job.params["options"] for job in cli.plan(args, notes)], notes
+
+    assert plan("cuda_torch", "all")[0] == [{"quantize": "int8", "isa": "avx2"}, {"quantize": "int8", "isa": "scalar"}]
+    options, notes = plan("reference", "all")
+    assert options == [{"quantize": "int8"}] and "--isa not applied" in notes[0]
+
+
 def test_targets_say_why_they_were_not_judged():
     rows = [_row("polyengine", "pe f64", decode1=10, prefill=100, dtype="float64")]
     verdicts = report.judge(rows, STANDARD)

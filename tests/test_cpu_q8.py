@@ -1,9 +1,11 @@
 """The int8 x int8 (Q8_0-style) CPU kernels in ``backends/cuda_torch/kernels/q8.cpp``.
 
-Each build is a wrapper that includes ``linear.cpp`` then ``q8.cpp``, compiled with the
-flags ``cpu_kernels._compile`` uses; the host build (``-march=native``) takes the best
-path this CPU has, and ``-march=haswell`` (AVX2), ``-march=x86-64`` (plain C++) and a
-capped native build (``-DPE_Q8_MAX_ISA=2``: 256-bit VNNI) run the lower paths here.
+The builds are the engine's own libraries, one per ISA path this CPU executes
+(``cpu_kernels.load(isa=...)``, engine option ``isa``: "auto" is ``-march=native``, the
+best path this CPU has; "avx512", "avx2" and "scalar" the forced lower ones, shared with
+tests/test_cuda_torch.py through the kernel cache), plus one build of this file's own: a
+capped native wrapper of ``linear.cpp`` and ``q8.cpp`` (``-DPE_Q8_MAX_ISA=2``: 256-bit
+VNNI), a path no ISA option selects on an AVX-512 host.
 
 Checked: the activation quantization equals a torch reference exactly (scales and
 values, round half to even); the products equal a float64 product of the dequantized
@@ -23,7 +25,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from polyengine.hostinfo import cpu_flags  # noqa: E402
+from polyengine.backends.cuda_torch import cpu_kernels  # noqa: E402
+from polyengine.hostinfo import cpu_flags, missing_for  # noqa: E402
+
+from isa_paths import ISAS, kernels_for  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parent.parent / "backends" / "cuda_torch" / "kernels"
 ISA = {"avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
@@ -50,8 +55,8 @@ def _build(folder: Path, name: str, *flags: str) -> Path:
     return out
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+def _load(path: Path | ctypes.CDLL) -> ctypes.CDLL:
+    lib = path if isinstance(path, ctypes.CDLL) else ctypes.CDLL(str(path))
     lib.pe_q8_isa.restype = _int
     lib.pe_q8_isa.argtypes = []
     lib.pe_q8_quantize.restype = None
@@ -67,15 +72,13 @@ def _has(*flags: str) -> bool:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
-    """name -> library; 'native' always, the lower paths this host can run."""
-    folder = tmp_path_factory.mktemp("q8")
-    libs = {"native": _load(_build(folder, "native", "-march=native"))}
+    """name -> library: 'native' (isa auto) always, every forced ISA path this CPU runs,
+    and the 256-bit VNNI cap where the CPU has AVX-512 VNNI."""
+    libs = {"native": _load(kernels_for("auto").lib)}
+    libs.update((isa, _load(kernels_for(isa).lib)) for isa in ISAS[1:] if not missing_for(isa))
     if _has("avx512_vnni", "avx512vl", "avx2"):
-        libs["vnni256"] = _load(_build(folder, "vnni256", "-march=native", "-DPE_Q8_MAX_ISA=2"))
-    if _has("avx2", "fma", "bmi2"):
-        libs["avx2"] = _load(_build(folder, "avx2", "-march=haswell"))
-    libs["scalar"] = _load(_build(folder, "scalar", "-march=x86-64") if _has("sse2") else
-                           _build(folder, "scalar", "-DPE_Q8_MAX_ISA=0"))
+        folder = tmp_path_factory.mktemp("q8")
+        libs["vnni256"] = _load(_build(folder, "vnni256", *cpu_kernels.isa_flags("auto"), "-DPE_Q8_MAX_ISA=2"))
     return libs
 
 
@@ -142,7 +145,8 @@ def test_isa_paths(builds):
         assert native == ISA["avxvnni"]
     elif _has("avx2"):
         assert native == ISA["avx2"]
-    want = {"vnni256": ISA["avxvnni"], "avx2": ISA["avx2"], "scalar": ISA["scalar"]}
+    want = {"vnni256": ISA["avxvnni"], "avx2": ISA["avx2"], "scalar": ISA["scalar"],
+            "avx512": ISA["avx512vnni"] if _has("avx512_vnni") else ISA["avx2"]}
     for name, lib in builds.items():
         if name in want:
             assert lib.pe_q8_isa() == want[name], name

@@ -15,8 +15,10 @@ import polyengine  # noqa: E402
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
-from polyengine.errors import InvalidRequest  # noqa: E402
+from polyengine.errors import InvalidRequest, UnsupportedFeature  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
+
+from isa_paths import ISAS, kernels_for  # noqa: E402
 
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64)
 
@@ -36,6 +38,7 @@ def test_auto_picks_cuda_torch_over_the_reference():
     ({"sampler_dtype": "float16"}, "sampler_dtype"),
     ({"device": "tpu"}, "device='tpu'"),
     ({"kv_block": 0}, "kv_block=0"),
+    ({"isa": "neon"}, "isa='neon'"),
 ])
 def test_bad_options_are_refused(model, options, phrase):
     with pytest.raises(InvalidRequest) as exc:
@@ -76,12 +79,25 @@ def dequantize(q, scale):
     return widen(q, scale)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_isa_path_is_what_it_says(isa):
+    """A forced path's library is compiled for that instruction set (read from the
+    library itself), "auto" for the best this CPU runs; each is its own cache entry."""
+    from polyengine.backends.cuda_torch.cpu_kernels import cache_entry
+    from polyengine.hostinfo import runnable_isas
+
+    kernels = kernels_for(isa)
+    assert kernels.isa == (runnable_isas()[0] if isa == "auto" else isa)
+    assert kernels.vector_width == (16 if kernels.isa == "avx512" else 8)
+    assert kernels.path == cache_entry(isa)[0] and f"cpu-step-{isa}-" in kernels.path.name
+    assert len({cache_entry(i)[0] for i in ISAS}) == len(ISAS)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize(("n", "k"), [(7, 13), (64, 576), (130, 48)])
-def test_cpu_kernels_equal_torch_linear(m, n, k):
-    from polyengine.backends.cuda_torch.cpu_kernels import load
-
-    kernels = load(2)
+def test_cpu_kernels_equal_torch_linear(m, n, k, isa):
+    kernels = kernels_for(isa)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
@@ -92,14 +108,13 @@ def test_cpu_kernels_equal_torch_linear(m, n, k):
         assert (dequantize(q, scale) - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding: half a step
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("group", [0, 32])
-def test_int8_activation_products(group):
+def test_int8_activation_products(group, isa):
     """int8 weights against int8 activations (kernels/q8.cpp): one int8 row per row of
     x is within the activation rounding of the float product; two (the second carrying
     the first's rounding error) are closer by two orders of magnitude."""
-    from polyengine.backends.cuda_torch.cpu_kernels import load
-
-    kernels = load(2)
+    kernels = kernels_for(isa)
     g = torch.Generator().manual_seed(group + 3)
     x, w, b = torch.randn(5, 576, generator=g), torch.randn(70, 576, generator=g), torch.randn(70, generator=g)
     x[:, 7] *= 30  # an outlier channel, as LLM activations have
@@ -124,13 +139,36 @@ def test_int8_compute_option(model, compute, expect):
         TorchEngine(model, CFG.model_copy(update={"options": {"quantize": "int8", "int8_compute": "int4"}}))
 
 
-def test_kernels_off_is_the_same_engine(model):
+def _generate(model, options, prompts, sp):
+    eng = TorchEngine(model, CFG.model_copy(update={"options": options}))
+    return eng, [c.token_ids for c in LLM.from_engine(eng, tools=False).generate(prompts, sp)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernels_off_is_the_same_engine(model, isa):
+    """The fused step and products of each ISA path decode what the torch forward does."""
+    kernels_for(isa)  # skips where this CPU cannot execute the path
     prompts, sp = [[1, 5, 9, 4, 2], [3, 3, 8]], SamplingParams(seed=5, max_tokens=8)
-    runs = []
-    for on in (True, False):
-        eng = TorchEngine(model, CFG.model_copy(update={"options": {"cpu_kernels": on}}))
-        runs.append([c.token_ids for c in LLM.from_engine(eng, tools=False).generate(prompts, sp)])
-    assert runs[0] == runs[1]
+    eng, on = _generate(model, {"isa": isa}, prompts, sp)
+    assert eng._fused is not None and eng._kernels.requested == isa
+    assert eng.speed_paths()["isa"].startswith(eng._kernels.isa + " (")
+    with pytest.warns(polyengine.errors.FallbackWarning, match="cpu_kernels=False"):
+        assert on == _generate(model, {"cpu_kernels": False}, prompts, sp)[1]
+
+
+def test_a_forced_isa_the_cpu_lacks_is_refused(model, monkeypatch):
+    """Forcing a path this CPU cannot execute names what it lacks and what it runs, before
+    anything is compiled or loaded; a forced path where the kernels do not run is refused."""
+    from polyengine.backends.cuda_torch import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "missing_for", lambda isa: ("avx512f", "avx512bw") if isa == "avx512" else ())
+    monkeypatch.setattr(cpu_kernels, "runnable_isas", lambda: ("avx2", "scalar"))
+    with pytest.raises(UnsupportedFeature, match=r"isa='avx512'.*lacks avx512f, avx512bw; it runs isa 'avx2', "
+                                                 r"'scalar'") as exc:
+        TorchEngine(model, CFG.model_copy(update={"options": {"isa": "avx512"}}))
+    assert exc.value.feature == "isa='avx512'"
+    with pytest.raises(UnsupportedFeature, match="cpu_kernels=True"):
+        TorchEngine(model, CFG.model_copy(update={"options": {"isa": "scalar", "cpu_kernels": False}}))
 
 
 @pytest.mark.slow

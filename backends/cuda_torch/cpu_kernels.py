@@ -5,10 +5,12 @@
 scales; ``kernels/q8.cpp`` int8 weights against activations quantized to int8 per 32
 values (integer dot products: AVX-512 VNNI, AVX-VNNI or AVX2, as the host has);
 ``kernels/parallel.h`` the threads; ``kernels/decode.cpp`` a whole fused decode step
-(every layer for the live rows, in one call) built on them. Both are compiled once per host ISA with the
-system's C++ compiler and ``-march=native`` into a cache folder, then called through
+(every layer for the live rows, in one call) built on them. They are compiled once per host
+and ISA path with the system's C++ compiler into a cache folder, then called through
 ctypes on the tensors' memory: no Python extension build, no torch headers, a few
-seconds of compiling. The cache is private to the user and its library is loaded only
+seconds of compiling. The ISA path (engine option ``isa``, :data:`ISA_FLAGS`) is
+``-march=native`` by default ("auto"), or a lower instruction set forced so that every
+path is tested and measured on any host that executes it: "avx512", "avx2", "scalar". The cache is private to the user and its library is loaded only
 when its signed record matches it (``polyengine.cache``): a damaged, empty, planted or
 foreign file is compiled again, never ``dlopen``'ed. Where the kernels cannot be built
 or loaded, :func:`load` raises :class:`KernelsUnavailable` naming the fix and the engine
@@ -37,14 +39,17 @@ from pathlib import Path
 import torch
 
 from polyengine.cache import cache_root, check, private_dir, store
-from polyengine.errors import UnsafeCache
-from polyengine.hostinfo import cpu_flags
+from polyengine.errors import UnsafeCache, UnsupportedFeature
+from polyengine.hostinfo import ISA_PATHS, cpu_flags, missing_for, runnable_isas
 
-__all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits", "MAX_ROWS", "Q8_BLOCK"]
+__all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits", "isa_flags", "check_isa",
+           "ISA_CHOICES", "MAX_ROWS", "Q8_BLOCK"]
 
 MAX_ROWS = 16
 Q8_BLOCK = 32  # int8 activations: values per scale (kernels/q8.cpp)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
+ISA_CHOICES = ("auto", *ISA_PATHS)
+_COMPILED_ISAS = {2: "avx512", 1: "avx2", 0: "scalar"}  # pe_isa(): what the library was compiled with
 _KERNELS = Path(__file__).with_name("kernels")
 _SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp, q8.cpp and parallel.h
 _COMPILE_SECONDS = 300
@@ -67,11 +72,63 @@ def _isa_tag() -> str:
     return hashlib.blake2b((platform.machine() + flags).encode(), digest_size=6).hexdigest()
 
 
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def check_isa(isa: str) -> None:
+    """Refuse an ISA path this CPU cannot execute (its library would die with SIGILL),
+    naming what the CPU lacks and the paths it does run."""
+    if isa == "auto":
+        return
+    if isa not in ISA_PATHS:
+        raise ValueError(f"unknown ISA path {isa!r}; choose from {', '.join(ISA_CHOICES)}")
+    missing = missing_for(isa)
+    if missing:
+        raise UnsupportedFeature(
+            f"isa={isa!r}", "cuda_torch",
+            f"this CPU lacks {', '.join(missing)}; it runs isa {', '.join(repr(i) for i in runnable_isas())} "
+            f"(or 'auto', the best of them)")
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of an ISA path (docs/decisions.md, "forced ISA paths").
+
+    "auto" is ``-march=native``: everything this CPU has. A forced path names a fixed
+    target so that its instructions are those of the hosts it stands for, whatever the
+    host it runs on: "avx2" is ``-march=haswell`` (AVX2, FMA: the AVX2-only hosts; no
+    AVX-VNNI even where the host has it), "scalar" ``-march=x86-64`` (SSE2, the vector
+    extensions' 8-float fallback), "avx512" ``-march=skylake-avx512`` plus VNNI and BF16
+    where this CPU has them (never AMX). Each keeps ``-mtune=native``, so a forced path
+    differs from "auto" in its instructions, not in its scheduling."""
+    if isa == "auto":
+        return ["-march=native"]
+    if not _x86():
+        return []  # off x86 only "scalar" exists: the compiler's default target
+    march = {"avx512": "skylake-avx512", "avx2": "haswell", "scalar": "x86-64"}[isa]
+    flags = [f"-march={march}", "-mtune=native"]
+    if isa == "avx512":
+        flags += [f for flag, f in (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"))
+                  if flag in cpu_flags()]
+    return flags
+
+
 @dataclass
 class CpuKernels:
     lib: ctypes.CDLL
     threads: int
     path: Path
+    requested: str = "auto"  # the ISA path asked for (option isa)
+
+    @property
+    def isa(self) -> str:
+        """The instruction set the library was compiled for ("avx512", "avx2", "scalar"):
+        read from the library, so it says what runs, not what was asked."""
+        return _COMPILED_ISAS[int(self.lib.pe_isa())]
+
+    @property
+    def flags(self) -> list[str]:
+        return isa_flags(self.requested)
 
     @property
     def vector_width(self) -> int:
@@ -135,8 +192,8 @@ def _compiler() -> str:
     return cxx
 
 
-def _compile(cxx: str, target: Path) -> None:
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-I", str(_KERNELS), "-o", str(target), str(_SOURCE)]
+def _compile(cxx: str, target: Path, isa: str = "auto") -> None:
+    cmd = [cxx, "-O3", *isa_flags(isa), "-fopenmp", "-shared", "-fPIC", "-I", str(_KERNELS), "-o", str(target), str(_SOURCE)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_SECONDS)
     except subprocess.TimeoutExpired:
@@ -151,39 +208,45 @@ def _compile(cxx: str, target: Path) -> None:
                                  f"cpu_kernels=False to use torch's matmul without this warning")
 
 
-def cache_entry() -> tuple[Path, list[str]]:
-    """Where this host's library lives in the cache (named by a digest of every kernel
-    source and the CPU's ISA flags) and the sources it is built from."""
+def cache_entry(isa: str = "auto") -> tuple[Path, list[str]]:
+    """Where this host's library for ISA path ``isa`` lives in the cache (named by a
+    digest of every kernel source, the CPU's ISA flags and the path's compiler flags)
+    and the sources it is built from."""
     sources = [p for p in sorted(_KERNELS.iterdir()) if p.suffix in (".cpp", ".h")]
-    digest = hashlib.blake2b(b"".join(p.read_bytes() for p in sources), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(b"".join(p.read_bytes() for p in sources) + " ".join(isa_flags(isa)).encode(),
+                             digest_size=8).hexdigest()
     try:
-        return _cache_dir() / f"cpu-step-{digest}-{_isa_tag()}.so", [p.name for p in sources]
+        return _cache_dir() / f"cpu-step-{isa}-{digest}-{_isa_tag()}.so", [p.name for p in sources]
     except UnsafeCache as exc:
         raise KernelsUnavailable(str(exc)) from None
 
 
-def load(threads: int | None = None) -> CpuKernels:
-    """The kernels for this host (compiled on first use, cached by source and ISA in a
-    private, signed cache: ``polyengine.cache``). Raises :class:`KernelsUnavailable`,
-    whose message names the fix, where they cannot be built or loaded."""
+def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
+    """The kernels for this host and ISA path ``isa`` (:data:`ISA_CHOICES`; compiled on
+    first use, cached by source, CPU and path in a private, signed cache:
+    ``polyengine.cache``). Raises :class:`UnsupportedFeature` for a path this CPU cannot
+    execute, and :class:`KernelsUnavailable`, whose message names the fix, where they
+    cannot be built or loaded."""
+    check_isa(isa)
     threads = threads or torch.get_num_threads()
     with _lock:
-        if threads in _loaded:
-            return _loaded[threads]
-        path, sources = cache_entry()
+        if (threads, isa) in _loaded:
+            return _loaded[threads, isa]
+        path, sources = cache_entry(isa)
         record, reason = check(path)
         if record is None:
             cxx = _compiler()
             if reason != "missing":  # damaged, planted or foreign: never dlopen'ed, built again
                 warnings.warn(f"cuda_torch: not loading the cached CPU kernels ({reason}); compiling them again",
                               stacklevel=3)
-            store(path, lambda tmp: _compile(cxx, tmp), {"sources": sources, "compiler": cxx})
+            store(path, lambda tmp: _compile(cxx, tmp, isa), {"sources": sources, "compiler": cxx, "isa": isa,
+                                                             "flags": isa_flags(isa)})
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
             raise KernelsUnavailable(f"loading the compiled kernels {path} failed ({exc}); fix: delete that file "
                                      f"(it is compiled again)") from None
-        lib.pe_vector_width.restype = ctypes.c_int
+        lib.pe_vector_width.restype = lib.pe_isa.restype = ctypes.c_int
         ptr, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         lib.pe_linear_f32.argtypes = [ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_]
         lib.pe_linear_i8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, int_]
@@ -195,8 +258,8 @@ def load(threads: int | None = None) -> CpuKernels:
         lib.pe_q8_isa.restype = ctypes.c_int
         lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         lib.pe_decode.restype = None
-        kernels = CpuKernels(lib, threads, path)
-        _loaded[threads] = kernels
+        kernels = CpuKernels(lib, threads, path, isa)
+        _loaded[threads, isa] = kernels
         return kernels
 
 

@@ -104,6 +104,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                                 choices=("float32", "float64")),
         "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
         "cpu_kernels": Option(True, "CPU: decode products through the host-compiled kernels (cpu_kernels.py)"),
+        # the instruction set of the host-compiled kernels: "auto" the best this CPU runs
+        # (-march=native); a lower one forced tests and measures that path on a bigger host
+        # (cpu_kernels.isa_flags, docs/cuda_torch.md); one this CPU cannot execute is refused
+        "isa": Option("auto", "CPU: ISA path of the host-compiled kernels", choices=("auto", "avx512", "avx2", "scalar")),
         "fused_decode": Option(True, "CPU: the whole decode step in one host-compiled call (needs cpu_kernels; Llama "
                                      "family only, other architectures use the torch forward)"),
         # CPU: a step computes the live slots' rows only (its cost follows the requests);
@@ -135,6 +139,15 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         if o["cuda_graphs"] and device.type != "cuda":
             raise UnsupportedFeature("cuda_graphs on the CPU", self.name, "CUDA graphs need a CUDA device")
         self.torch_dtype = _DTYPES[self.dtype]
+        if o["isa"] != "auto":  # a forced path must run, or the row measuring it measures something else
+            if device.type != "cpu" or self.torch_dtype != torch.float32 or not o["cpu_kernels"]:
+                raise UnsupportedFeature(
+                    f"isa={o['isa']!r} here", self.name, "the ISA path chooses the host-compiled CPU kernels, which "
+                    "run on the CPU in float32 with cpu_kernels=True; drop the option or use device='cpu', "
+                    "dtype float32")
+            from polyengine.backends.cuda_torch.cpu_kernels import check_isa
+
+            check_isa(o["isa"])
         self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
         self._check_memory()
         if o["threads"] and device.type == "cpu":
@@ -158,8 +171,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 from polyengine.backends.cuda_torch.cpu_kernels import KernelsUnavailable, load
 
                 try:
-                    self._kernels = load(o["threads"] or None)
+                    self._kernels = load(o["threads"] or None, o["isa"])
                 except KernelsUnavailable as exc:
+                    if o["isa"] != "auto":
+                        raise UnsupportedFeature(f"isa={o['isa']!r}", self.name, str(exc)) from None
                     self.kernels_fallback = str(exc)
             if self.kernels_fallback is not None:
                 message = (f"cuda_torch: decoding on torch's matmul, not the compiled CPU kernels: "

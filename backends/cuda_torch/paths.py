@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from polyengine.hostinfo import cpu_flags, cpu_model
+from polyengine.hostinfo import cpu_flags, cpu_model, runnable_isas
 
 __all__ = ["describe", "diagnose"]
 
@@ -46,6 +46,7 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
         out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (kernels/decode.cpp)"
                          if fused else "the shared torch forward, products on the host-compiled kernels "
                                        "(fused_decode=False)")
+        out["isa"] = _isa(kernels)
         out["kernels"] = f"compiled for this CPU ({kernels.vector_width}-float vectors): {kernels.path}"
     else:
         out["decode"] = "the shared torch forward on torch's matmul (FALLBACK)"
@@ -69,6 +70,13 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
         out["int8"] = f"{mode} weights x float32 activations (weights widened in the kernels)"
     out["prefill"] = "torch's GEMM and SDPA (int8 weights widened band by band)" if mode else "torch's GEMM and SDPA"
     return out
+
+
+def _isa(kernels: Any) -> str:
+    """The kernels' ISA path: what the library was compiled for, how it was chosen."""
+    how = ("auto: the best this CPU runs, -march=native" if kernels.requested == "auto" else
+           f"forced by option isa, {' '.join(kernels.flags) or 'the compiler default'}")
+    return f"{kernels.isa} ({how}; int8 products on {kernels.q8_isa}; others here: option isa={'/'.join(runnable_isas())})"
 
 
 def diagnose() -> dict[str, str]:

@@ -7,8 +7,9 @@
 // applies every row of x to it while the rows sit in L1, so the bytes read per step
 // are the weights' size whatever M is. int8 weights read a quarter of the bytes.
 //
-// Built at first use with the host's compiler and -march=native (see cpu_kernels.py):
-// GCC's vector extensions become AVX-512, AVX2 or SSE code for the CPU it runs on.
+// Built at first use with the host's compiler and -march=native, or a lower target forced
+// by the engine option isa (see cpu_kernels.py): GCC's vector extensions become
+// AVX-512, AVX2 or SSE code for that target; pe_isa says which.
 #include <stdint.h>
 #include <string.h>
 #include "parallel.h"
@@ -266,6 +267,16 @@ static void linear_segs(const float *x, long ldx, int M, long K, int kind, long 
 extern "C" {
 
 int pe_vector_width(void) { return VW; }
+// The instruction set compiled in: 2 AVX-512, 1 AVX2 with FMA, 0 neither (SSE or plain C++).
+int pe_isa(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 void pe_linear_f32(const float *x, long ldx, const float *w, const float *bias, float *y, long ldy,
                    int M, long N, long K, int threads) {
