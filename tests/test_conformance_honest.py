@@ -52,12 +52,13 @@ def test_honest_backend_passes_the_whole_suite(pytester, registered, tmp_path, b
             crash = getattr(rep.longrepr, "reprcrash", None)
             failed[rep.nodeid.rsplit("::", 1)[-1]] = crash.message if crash else str(rep.longrepr)
     assert not failed, f"{backend}: the suite rejects a correct backend: {failed}"
-    tests = json.loads(report.read_text())["tests"]
+    doc = json.loads(report.read_text())
+    tests = doc["tests"]
     # test_architecture skips each architecture the backend declares (the numerics layer runs it).
     allowed = ("test_prefill_logits", "test_decode_logprobs", "test_greedy_matches",
                "test_architecture") + _EXPECTED_SKIPS.get(backend, ())
     unexpected = [t["id"] for t in tests if t["status"] == "skipped" and not t["id"].startswith(allowed)]
     assert not unexpected, f"{backend}: skipped beyond undeclared features: {unexpected}"
     assert sum(t["status"] == "passed" for t in tests) >= 60
-    assert_programs_exercised(tests)
+    assert_programs_exercised(tests, token_masks=doc["capabilities"]["token_masks"])
 
