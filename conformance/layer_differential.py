@@ -144,6 +144,7 @@ class DifferentialLayer:
         declared field) give the reference's outputs: tokens (near ties reported),
         valid, lengths, log-probs, top log-probs, exported K/V, refusal types, and a
         refused call changes nothing."""
+        conformance.require_architecture(_configuration(program)[0])
         examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
         base = request.config.getoption("polyengine_differential_seed", None)
         seed = (SEEDS["differential"] if base is None else base) + PROGRAMS.index(program)
