@@ -6,8 +6,9 @@ protocol's state space. Hypothesis draws programs of protocol calls (see
 runs each on the backend and on the reference, and compares every output. A failing
 program is shrunk to a short one, which the failure message prints as code.
 
-Configurations: each test model (``mha_tied``, ``gqa_llama3``, ``odd_qwen2``) in the
-standard engine, and the default model in the two prefill-bucket variants, all in the
+Configurations: each test model (``mha_tied``, ``gqa_llama3``, ``odd_qwen2`` and one
+per further architecture; those of undeclared architectures skipped) in the standard
+engine, and the default model in the two prefill-bucket variants, all in the
 backend's first declared dtype: the engines the other layers build already, so a
 compiled backend compiles nothing new for this layer (its first use of a bucket the
 other layers did not reach compiles once, never once per program). The programs share
@@ -141,9 +142,10 @@ class DifferentialLayer:
         """Random programs of protocol calls (prefill with and without existing_prefix,
         insert, bulk_insert, generate with and without overrides, free_resource,
         export_prefix/import_prefix, refusals mixed in; per-request sampling over every
-        declared field) give the reference's outputs: tokens (near ties reported),
-        valid, lengths, log-probs, top log-probs, exported K/V, refusal types, and a
-        refused call changes nothing."""
+        declared field; allowed-token masks where declared) give the reference's
+        outputs: tokens (near ties reported), valid, lengths, log-probs, top log-probs,
+        exported K/V, refusal types, and a refused call changes nothing; a masked-out
+        token is never produced and a masked slot yields one token per step."""
         conformance.require_architecture(_configuration(program)[0])
         examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
         base = request.config.getoption("polyengine_differential_seed", None)
