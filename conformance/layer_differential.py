@@ -132,7 +132,11 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
 
 
 def _listing(log: list[str]) -> str:
-    return "\n".join(f"  [{i}] {line}" for i, line in enumerate(log))
+    lines = "\n".join(f"  [{i}] {line}" for i, line in enumerate(log))
+    if "token_mask" in lines:
+        lines += ("\n(a token mask: mask(ids) is polyengine.sampling.masks.pack_mask of the vocabulary with those ids "
+                  "allowed, mask(all_but=ids) with every other id allowed, words(w) the int32 words themselves)")
+    return lines
 
 
 @layer("differential")
