@@ -6,7 +6,7 @@ protocol's state space. Hypothesis draws programs of protocol calls (see
 runs each on the backend and on the reference, and compares every output. A failing
 program is shrunk to a short one, which the failure message prints as code.
 
-Configurations: each test model in the standard engine, and the default model in the
+Configurations: each test model (those of undeclared architectures skipped) in the standard engine, and the default model in the
 two prefill-bucket variants, all in the backend's first declared dtype. The three shape
 models (``mha_tied``, ``gqa_llama3``, ``odd_qwen2``: MHA, GQA, odd sizes) and the
 bucket variants run ``EXAMPLES`` programs each; each further architecture's model runs
@@ -137,7 +137,11 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
 
 
 def _listing(log: list[str]) -> str:
-    return "\n".join(f"  [{i}] {line}" for i, line in enumerate(log))
+    lines = "\n".join(f"  [{i}] {line}" for i, line in enumerate(log))
+    if "token_mask" in lines:
+        lines += ("\n(a token mask: mask(ids) is polyengine.sampling.masks.pack_mask of the vocabulary with those ids "
+                  "allowed, mask(all_but=ids) with every other id allowed, words(w) the int32 words themselves)")
+    return lines
 
 
 @layer("differential")
@@ -147,9 +151,10 @@ class DifferentialLayer:
         """Random programs of protocol calls (prefill with and without existing_prefix,
         insert, bulk_insert, generate with and without overrides, free_resource,
         export_prefix/import_prefix, refusals mixed in; per-request sampling over every
-        declared field) give the reference's outputs: tokens (near ties reported),
-        valid, lengths, log-probs, top log-probs, exported K/V, refusal types, and a
-        refused call changes nothing."""
+        declared field; allowed-token masks where declared) give the reference's
+        outputs: tokens (near ties reported), valid, lengths, log-probs, top log-probs,
+        exported K/V, refusal types, and a refused call changes nothing; a masked-out
+        token is never produced and a masked slot yields one token per step."""
         conformance.require_architecture(_configuration(program)[0])
         examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
         if _configuration(program)[0] not in SHAPE_MODELS:

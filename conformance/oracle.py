@@ -62,7 +62,7 @@ def mirror_engine(model: Model, config: EngineConfig, capabilities: Capabilities
     engine.capabilities = engine.capabilities.model_copy(update={
         "sampling_params": capabilities.sampling_params, "max_top_logprobs": capabilities.max_top_logprobs,
         "bulk_insert": capabilities.bulk_insert, "portable_prefix": capabilities.portable_prefix,
-        "prefix_reuse": capabilities.prefix_reuse,
+        "prefix_reuse": capabilities.prefix_reuse, "token_masks": capabilities.token_masks,
     })
     undeclared = {"bulk_insert": not capabilities.bulk_insert, "export_prefix": not capabilities.portable_prefix,
                   "import_prefix": not capabilities.portable_prefix}

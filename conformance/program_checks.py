@@ -16,15 +16,16 @@ that the protocol says must not matter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from polyengine.engine import ResultTokens
 from polyengine.sampling import RowState, SamplingParams
+from polyengine.sampling.masks import unpack_mask
 
 from polyengine.conformance.oracle import decide
-from polyengine.conformance.program_draws import show
+from polyengine.conformance.program_draws import show, show_mask
 from polyengine.conformance.stats import boundary_tokens
 
 __all__ = ["ProgramFailure", "SlotTrack", "Pending", "Judge", "wins_when_shifted"]
@@ -46,6 +47,7 @@ class SlotTrack:
     last: int = 1  # tokens in the slot's last result
     compared: bool = True  # False once the backend left the reference's stream at a near tie
     notes: tuple[str, ...] = ()  # what happened to its prefix that must not matter, for messages
+    masks: dict[int, np.ndarray] = field(default_factory=dict)  # completion position -> its allowed-token mask
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Pending:
 
     result: ResultTokens
     call: int  # the log line of the call
+    masked: frozenset[int] = frozenset()  # slots given a token mask in this step (each yields one token)
 
 
 def wins_when_shifted(logits: np.ndarray, row: RowState, eos, token: int, shift: float) -> bool:
@@ -103,11 +106,19 @@ class Judge:
         """Completion token ``j`` of a request (the track's tokens before it are the context)
         against the reference's decision there, then its reported log-probs."""
         run, d = self.run, self.d
+        mask = track.masks.get(j)
+        if mask is not None:
+            run.count("tokens checked against their mask")
+            if not unpack_mask(mask, d.vocab)[token]:
+                self._fail(f"{where}: completion token #{j} of {track.origin} is {token}, which its allowed-token "
+                           f"mask leaves out (a masked-out id is -inf from sampling step 1 on: no bias, penalty, "
+                           f"temperature or filter brings it back; docs/design.md, Allowed-token masks)", track.notes)
         if not track.compared:
             return
         context = list(track.prompt) + track.tokens[:j]
         logits = run.oracle.logits(context)
-        row_state = RowState(track.sampling, track.sample_index, j, np.array(track.prompt), np.array(track.tokens[:j], np.int64))
+        row_state = RowState(track.sampling, track.sample_index, j, np.array(track.prompt), np.array(track.tokens[:j], np.int64),
+                             mask)
         want = decide(logits, row_state, d.eos)
         run.count("tokens compared")
         if token != want.token:
@@ -125,9 +136,10 @@ class Judge:
                 track.compared = False
                 return
             run.context.measure("tie_gap", gap, run.dtype, run.model, where=label)
+            under = "" if mask is None else f", under the token mask {show_mask(mask, d.vocab)}"
             self._fail(f"{label} is {token}; the reference draws {want.token} there (its margin {gap:.3g} is above "
                        f"tie_gap {run.tol['tie_gap']:g}; request {show(track.sampling)}, sample {track.sample_index}, "
-                       f"prompt of {len(track.prompt)} tokens)", track.notes)
+                       f"prompt of {len(track.prompt)} tokens{under})", track.notes)
         if track.sampling.logprobs:
             self._check_logprobs(where, track, j, token, context, result, row, col)
 
@@ -207,6 +219,10 @@ class Judge:
                 self._fail(f"{where}: slot {s} ({track.origin}) has room for {room} more token(s) and reported {m} "
                            f"(a generate step gives every occupied slot with room 1..tokens_per_step tokens, never "
                            f"past max_cache_length)")
+            if s in p.masked and room > 0 and m != 1:
+                self._fail(f"{where}: slot {s} ({track.origin}) was given a token mask in this step and yielded {m} "
+                           f"tokens; a masked slot yields exactly one token in that step, whatever tokens_per_step "
+                           f"(the mask is for its next token only; docs/design.md, Allowed-token masks)")
             if int(lengths[s]) != len(track.tokens) + m:
                 self._fail(f"{where}: lengths[{s}] is {int(lengths[s])}; slot {s} ({track.origin}) held "
                            f"{len(track.tokens)} completion token(s) and got {m} more")

@@ -8,6 +8,12 @@ lowest option everywhere, a one-token prompt, a greedy request with seed 0. Noth
 here depends on the program's state: an index into a list that grows as the program
 runs is drawn from a fixed range and taken modulo the list's length, so a step means
 the same whatever the steps before it did.
+
+Allowed-token masks (only where the engine declares ``token_masks``) are drawn after
+every other argument of a step, from the same generator, so a step's other arguments
+are the same whether or not the engine declares them. A mask is drawn as a
+:class:`MaskDraw` (which ids, and whether it must also exclude the token the unmasked
+draw would pick); the program fits it to the slot it is for, where it knows that token.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from polyengine.sampling import SamplingParams
+from polyengine.sampling.masks import mask_words, unpack_mask
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.conformance.models import TIE_IDS
 
-__all__ = ["Dims", "Draw", "STEPS_PER_GENERATE", "OVERRIDE_REFUSALS", "show"]
+__all__ = ["Dims", "Draw", "MaskDraw", "STEPS_PER_GENERATE", "OVERRIDE_REFUSALS", "MASK_DENSITIES",
+           "GENERATE_MASK_REFUSALS", "PREFILL_MASK_REFUSALS", "show", "show_mask"]
 
 STEPS_PER_GENERATE = 8  # generate steps one call may run (programs must reach deep into the cache)
 # Below these the processed logits overflow any float format (x / 1e-320 is inf): the
@@ -38,6 +46,14 @@ _ACTIVE: dict[str, Any] = {
 # Overrides the protocol refuses (generate must refuse the whole call, applying none).
 OVERRIDE_REFUSALS = ("token = vocab_size", "token -1", "token 3.0", "slot = max_slots", "empty slot",
                      "position after the last", "position before the last result")
+# How many ids a drawn mask allows: a single one (a grammar's forced token), a few (an
+# enum), about half, all but a few (a grammar that forbids a handful of ids).
+MASK_DENSITIES = ("one", "few", "half", "all but a few")
+# Masks the protocol refuses (InvalidRequest, before any work). "only ids masked there":
+# the mask allows only ids that min_tokens/ignore_eos mask at that completion position.
+# "no token allowed" includes, with an odd vocabulary, bits set only past its end.
+PREFILL_MASK_REFUSALS = ("wrong length", "wrong dtype", "no token allowed", "only ids masked there")
+GENERATE_MASK_REFUSALS = (*PREFILL_MASK_REFUSALS, "empty slot")
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,7 @@ class Dims:
     bulk_insert: bool
     portable_prefix: bool
     prefix_reuse: bool
+    token_masks: bool = False
 
     @property
     def undeclared(self) -> tuple[str, ...]:
@@ -64,6 +81,20 @@ class Dims:
     def special_tokens(self) -> list[int]:
         """Ids worth a bias or a stop: the vocabulary's ends, the exact-tie ids, the EOS ids."""
         return sorted({0, self.vocab - 1, *TIE_IDS, *self.eos})
+
+
+@dataclass(frozen=True)
+class MaskDraw:
+    """An allowed-token mask as drawn, before the program fits it to a slot (see
+    ``Program._fit_mask``): the ``allowed`` ids ``(V,)``; ``bite``: also exclude the
+    token the unmasked sampler would pick there, so the mask changes the stream; and
+    ``spare``, the id to allow (or the first allowed one after it) when nothing the step
+    may produce is left (a mask must allow a token that min_tokens/ignore_eos leave)."""
+
+    density: str
+    allowed: np.ndarray
+    bite: bool
+    spare: int
 
 
 class Draw:
@@ -161,6 +192,42 @@ class Draw:
         n = self.integer(2, d.slots + 1) if self.chance(0.15) else 1
         return SamplingParams(**values, n=n, seed=self.seed())
 
+    def mask(self, d: Dims) -> MaskDraw:
+        """An allowed-token mask of one of :data:`MASK_DENSITIES` (ids often the special
+        ones: the vocabulary's ends, the tie ids, EOS), half of them biting."""
+        density = self.choice(MASK_DENSITIES)
+        allowed = np.zeros(d.vocab, bool)
+        if density == "one":
+            allowed[self.token(d)] = True
+        elif density == "few":
+            allowed[[self.token(d) for _ in range(self.integer(2, 8))]] = True
+        elif density == "half":
+            allowed = self.rng.random(d.vocab) < 0.5
+        else:
+            allowed[:] = True
+            allowed[[self.token(d) for _ in range(self.integer(1, 4))]] = False
+        return MaskDraw(density, allowed, self.chance(0.5), self.integer(0, d.vocab - 1))
+
+    def slot_masks(self, d: Dims) -> dict[int, MaskDraw]:
+        """A mask for each slot, or none, half and half (the program keeps those of
+        occupied slots with room)."""
+        return {s: self.mask(d) for s in range(d.slots) if self.chance(0.5)}
+
+    def step_masks(self, d: Dims, steps: int) -> list[dict[int, MaskDraw]] | None:
+        """Per generate step, the slots' masks (most steps some, some none), for two
+        calls in five on an engine that declares ``token_masks``; else None."""
+        if not (d.token_masks and self.chance(0.4)):
+            return None
+        return [self.slot_masks(d) if self.chance(0.7) else {} for _ in range(steps)]
+
+    def mask_refusal(self, d: Dims, kinds: Sequence[str], p: float) -> tuple[str, int, int, MaskDraw] | None:
+        """With probability ``p`` (on an engine that declares ``token_masks``) a mask the
+        protocol refuses: its kind, a variant, an index choosing its slot, and a drawn
+        mask to spoil."""
+        if not (d.token_masks and self.chance(p)):
+            return None
+        return self.choice(kinds), self.integer(0, 1), self.index(), self.mask(d)
+
     def overrides(self, d: Dims) -> tuple[list[tuple[int, int, int, bool]], str | None, int]:
         """Per picked slot (slot, tokens back from the latest, token, bare int), an
         override the protocol refuses (its kind, or None) and an index choosing its slot."""
@@ -169,6 +236,24 @@ class Draw:
                  for s in picked]
         refusal = self.choice(OVERRIDE_REFUSALS) if self.chance(0.35) else None
         return picks, refusal, self.index()
+
+
+def show_mask(mask: Any, vocab: int) -> str:
+    """A mask as code: ``mask([ids])`` (``polyengine.sampling.masks.pack_mask`` of a
+    vocabulary allowing those ids), ``mask(all_but=[ids])``, ``words([...])`` (the int32
+    words themselves), or the raw array of a mask the protocol refuses."""
+    a = np.asarray(mask)
+    if a.dtype != np.int32 or a.shape != (mask_words(vocab),):
+        return f"np.array({a.tolist()!r}, np.{a.dtype})"
+    allowed = unpack_mask(a, vocab)
+    ids, off = np.flatnonzero(allowed).tolist(), np.flatnonzero(~allowed).tolist()
+    if not ids:
+        return f"words({a.tolist()!r})"
+    if len(ids) <= 12:
+        return f"mask({ids})"
+    if len(off) <= 12:
+        return f"mask(all_but={off})"
+    return f"words({a.tolist()!r})"
 
 
 def show(sp: SamplingParams) -> str:

@@ -9,7 +9,9 @@ bulk_insert, generate (results read at once or after the next step is dispatched
 generate with overrides, free_resource, export_prefix, import_prefix, and refused calls
 mixed in (bad, occupied or repeated slots, bad overrides beside good ones, too long or
 empty prompts, ids outside the vocabulary, undeclared parameters and features, prefixes
-of other weights).
+of other weights). On an engine that declares ``token_masks``, prefills and generate
+steps carry allowed-token masks now and then, and refused masks are mixed in
+(:mod:`polyengine.conformance.program_masks`).
 
 Every call runs on the backend and on a **mirror**: the reference engine restricted to
 the backend's declared capabilities (:func:`polyengine.conformance.oracle.mirror_engine`),
@@ -38,7 +40,9 @@ from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 
 from polyengine.conformance.program_checks import Judge, Pending, ProgramFailure, SlotTrack
-from polyengine.conformance.program_draws import STEPS_PER_GENERATE, Dims, Draw, show
+from polyengine.conformance.program_draws import (GENERATE_MASK_REFUSALS, PREFILL_MASK_REFUSALS, STEPS_PER_GENERATE, Dims,
+                                                  Draw, MaskDraw, show, show_mask)
+from polyengine.conformance.program_masks import MaskCalls
 from polyengine.conformance.stats import rel_l2
 
 __all__ = ["ProgramRun", "Program", "ProgramFailure"]
@@ -58,6 +62,7 @@ class PrefixEntry:
     diverged: bool  # sample 0's first token left the reference's (a near tie): not compared
     prefills_at: int  # prefills the program had run when this prefix was made
     inserts: int = 0  # insert and bulk_insert calls that took it
+    mask: np.ndarray | None = None  # the allowed-token mask its first tokens are drawn under
 
 
 @dataclass
@@ -116,6 +121,7 @@ class ProgramRun:
             eos=tuple(int(t) for t in self.oracle.eos_token_ids), declared=frozenset(caps.sampling_params),
             max_top_logprobs=int(caps.max_top_logprobs), bulk_insert=bool(caps.bulk_insert),
             portable_prefix=bool(caps.portable_prefix), prefix_reuse=bool(caps.prefix_reuse),
+            token_masks=bool(getattr(caps, "token_masks", False)),
         )
         ctx = self.context
         self.tol = {q: ctx.tolerance(q, self.dtype, self.model).value
@@ -125,7 +131,7 @@ class ProgramRun:
 # -- the machine ---------------------------------------------------------------------------------
 
 
-class Program(Judge, RuleBasedStateMachine):
+class Program(Judge, MaskCalls, RuleBasedStateMachine):
     """One random program: each rule is one protocol call (or a few generate steps) run
     on the backend and the mirror, its outputs compared with the oracle's."""
 
@@ -199,7 +205,8 @@ class Program(Judge, RuleBasedStateMachine):
         sampling = draw.sampling(d)
         prompt = draw.tokens(d, 1, d.max_prefill)
         order = draw.order(d.slots)
-        entry = self._prefill(prompt, sampling, None)
+        mask = draw.mask(d) if d.token_masks and draw.chance(0.3) else None
+        entry = self._prefill(prompt, sampling, None, mask)
         free = [s for s in order if s not in self.slots]
         if entry is None or not free:
             return
@@ -217,11 +224,14 @@ class Program(Judge, RuleBasedStateMachine):
         index = draw.index()
         base = self.prefixes[index % len(self.prefixes)] if continued and self.prefixes else None
         room = d.max_prefill - (len(base.prompt) if base else 0)
-        self._prefill(draw.tokens(d, 1, max(1, room)), sampling, base)
+        prompt = draw.tokens(d, 1, max(1, room))
+        mask = draw.mask(d) if d.token_masks and draw.chance(0.3) else None
+        self._prefill(prompt, sampling, base, mask)
 
     def prefill_refused(self, draw: Draw) -> None:
-        """A prefill the protocol refuses: a bad prompt, a bad id in the parameters, or
-        ``existing_prefix`` pushing the prompt past ``max_prefill_length``."""
+        """A prefill the protocol refuses: a bad prompt, a bad id in the parameters,
+        ``existing_prefix`` pushing the prompt past ``max_prefill_length``, or (half of
+        them, where ``token_masks`` is declared) a good prompt with a bad mask."""
         d = self.d
         kinds = ["empty prompt", "prompt too long", "token id = vocab_size", "token id -1", "logit_bias id = vocab_size",
                  "existing_prefix makes it too long"]
@@ -229,6 +239,13 @@ class Program(Judge, RuleBasedStateMachine):
         prompt = draw.tokens(d, 1, d.max_prefill)
         sampling = SamplingParams(seed=draw.seed())
         over, at, index = draw.integer(1, 3), draw.index(), draw.index()
+        refusal = draw.mask_refusal(d, PREFILL_MASK_REFUSALS, 0.5)
+        if refusal is not None:
+            words, sampling, kind = self._refused_prefill_mask(refusal, sampling)
+            self._prefill(prompt, sampling, None, words)
+            self._fail_if_accepted(len(self.run.log) - 1, f"a token mask the protocol refuses ({kind})")
+            self.run.count("mask refusals compared")
+            return
         if kind == kinds[-1] and not self.prefixes:
             kind = kinds[1]
         base = None
@@ -247,19 +264,27 @@ class Program(Judge, RuleBasedStateMachine):
             prompt = (prompt * d.max_prefill)[: d.max_prefill - len(base.prompt) + 1]
         self._prefill(prompt, sampling, base)
 
-    def _prefill(self, prompt: list[int], sampling: SamplingParams, base: PrefixEntry | None) -> PrefixEntry | None:
+    def _prefill(self, prompt: list[int], sampling: SamplingParams, base: PrefixEntry | None,
+                 mask: MaskDraw | np.ndarray | None = None) -> PrefixEntry | None:
+        """Prefill on both (``mask``: a drawn mask, fitted to the first token here, or
+        the words of a refused one), then compare the prefix and the first token."""
         run = self.run
         self._read_pending()
         label = f"P{len(self.prefixes)}"
         notes = self._prefix_notes(base) if base else []
-        extra = f", existing_prefix={base.label}" if base else ""
+        full = tuple((base.prompt if base else ()) + tuple(int(t) for t in prompt))
+        if isinstance(mask, MaskDraw):
+            mask = self._fit_mask(mask, full, [], sampling, 0)
+        masked = {} if mask is None else {"token_mask": mask}  # no keyword at all without a mask
+        extra = (f", existing_prefix={base.label}" if base else "") + (
+            f", token_mask={show_mask(mask, self.d.vocab)}" if mask is not None else "")
         at = self._say(f"{label}, r = engine.prefill(params=params, tokens={prompt}, sampling={show(sampling)}{extra})")
         out = self._both(
             at,
             lambda: run.engine.prefill(params=run.params, tokens=list(prompt), sampling=sampling,
-                                       existing_prefix=base.backend if base else None),
+                                       existing_prefix=base.backend if base else None, **masked),
             lambda: run.mirror.prefill(params=run.mirror_params, tokens=list(prompt), sampling=sampling,
-                                       existing_prefix=base.mirror if base else None),
+                                       existing_prefix=base.mirror if base else None, **masked),
         )
         if out is not None and base is not None:
             self._used(base, "continued")
@@ -267,7 +292,10 @@ class Program(Judge, RuleBasedStateMachine):
         if out is None:
             return None
         (prefix, result), (mprefix, _) = out
-        full = tuple((base.prompt if base else ()) + tuple(int(t) for t in prompt))
+        if mask is not None:
+            run.count("prefill masks")
+            if base is not None:
+                run.count("prefill masks continuing a prefix")
         where = f"`{label}, r = engine.prefill(...)`"
         got_prompt = tuple(int(t) for t in np.asarray(prefix.prompt_tokens))
         if got_prompt != full:
@@ -284,9 +312,9 @@ class Program(Judge, RuleBasedStateMachine):
         err = rel_l2(np.asarray(prefix.host_logits(), np.float64), logits)
         self._within("logits_rel_l2", err, f"{where}: Prefix.host_logits() vs the reference's logits for its prompt"
                      + (f" (continuing {base.label})" if base else ""), notes)
-        track = SlotTrack(label, full, sampling, 0, [])
+        track = SlotTrack(label, full, sampling, 0, [], masks=self._first_masks(mask))
         self._check_token(where, track, 0, first, result, 0, 0)
-        entry = PrefixEntry(label, prefix, mprefix, full, sampling, first, not track.compared, self.prefills)
+        entry = PrefixEntry(label, prefix, mprefix, full, sampling, first, not track.compared, self.prefills, mask=mask)
         self.prefixes.append(entry)
         self._annotate(at, f"first token {first}")
         return entry
@@ -346,7 +374,8 @@ class Program(Judge, RuleBasedStateMachine):
         self._used(entry, "inserted")
         entry.inserts += 1
         self.slots[slot] = SlotTrack(self._origin(entry, slot, "insert"), entry.prompt, entry.sampling, 0,
-                                     [entry.first], compared=not entry.diverged, notes=tuple(notes))
+                                     [entry.first], compared=not entry.diverged, notes=tuple(notes),
+                                     masks=self._first_masks(entry.mask))
 
     def _fail_if_accepted(self, at: int, what: str) -> None:
         if "refused" not in self.run.log[at]:
@@ -381,12 +410,15 @@ class Program(Judge, RuleBasedStateMachine):
             self._fail(f"{where}: the result must hold one row per slot given ({n}), each one valid token with lengths 1; "
                        f"got tokens {tokens.tolist()}, valid {valid.tolist()}, lengths {lengths.tolist()}")
         firsts = []
+        if entry.mask is not None:
+            self.run.count("bulk_insert samples under the prefix's mask", n)
         notes = self._prefix_notes(entry)
         self._used(entry, "inserted")
         entry.inserts += 1
         for i, slot in enumerate(slots):
             track = SlotTrack(self._origin(entry, slot, f"bulk_insert sample {i}, row {i} of the result"), entry.prompt,
-                              entry.sampling, i, [], compared=not (i == 0 and entry.diverged), notes=tuple(notes))
+                              entry.sampling, i, [], compared=not (i == 0 and entry.diverged), notes=tuple(notes),
+                              masks=self._first_masks(entry.mask))
             tok = int(tokens[i, 0])
             self._check_token(where, track, 0, tok, result, i, 0)
             track.tokens.append(tok)
@@ -396,10 +428,16 @@ class Program(Judge, RuleBasedStateMachine):
 
     def generate(self, draw: Draw) -> None:
         """Steps as the driver runs them: each result read at once, or (pipelined) after
-        the next step is dispatched."""
+        the next step is dispatched; where ``token_masks`` is declared, two calls in five
+        give some slots masks at some steps (read in lock step before a masked step, as
+        a grammar needs), a few of them first a call with a mask the protocol refuses."""
         steps, pipelined = draw.integer(1, STEPS_PER_GENERATE), draw.chance(0.5)
+        masks = draw.step_masks(self.d, steps)
+        refusal = draw.mask_refusal(self.d, GENERATE_MASK_REFUSALS, 0.25) if masks else None
         if self.slots or self.pending or self.emptied:  # a fresh state is not worth a step
-            self._steps(steps, pipelined)
+            if refusal is not None:
+                self._refused_generate_masks(refusal, masks[0])
+            self._steps(steps, pipelined, masks)
 
     def generate_with_overrides(self, draw: Draw) -> None:
         """A step forcing tokens into some slots, each at a position inside the slot's
@@ -408,26 +446,36 @@ class Program(Judge, RuleBasedStateMachine):
         run = self.run
         picks = draw.overrides(self.d)
         after = draw.integer(0, STEPS_PER_GENERATE)
+        plan = draw.slot_masks(self.d) if self.d.token_masks and draw.chance(0.4) else {}
         if not self.slots:
             return
         self._read_pending()  # overrides need the last results: the driver forces in lock step
         overrides, bad, mirror_overrides = self._overrides(*picks)
         if not overrides:
             return
-        at = self._say(f"state, r{len(self.run.log)} = engine.generate(params, state, overrides={overrides!r})")
+        # masks in the same call are for the token after the forced one (or the next one);
+        # beside a refused override, only slots without one get a mask (their position is sure)
         if bad:
-            self._both(at, lambda: run.engine.generate(run.params, self.state, overrides=overrides),
+            masks = self._live_masks({s: m for s, m in plan.items() if s not in overrides})
+        else:
+            masks = self._live_masks(plan, {s: self._completion_after(self.slots[s].tokens, ov)
+                                            for s, ov in overrides.items()})
+        masked = {"token_masks": masks} if masks else {}
+        shown = f", token_masks={self.show_masks(masks)}" if masks else ""
+        at = self._say(f"state, r{len(self.run.log)} = engine.generate(params, state, overrides={overrides!r}{shown})")
+        if bad:  # refused for the override; the mirror, whose slots hold one token, is not given the masks
+            self._both(at, lambda: run.engine.generate(run.params, self.state, overrides=overrides, **masked),
                        lambda: run.mirror.generate(run.mirror_params, self.mstate, overrides=mirror_overrides))
             self._fail_if_accepted(at, "an override outside the protocol's bounds")
             self._steps(after, False)  # the refused call changed nothing: the slots go on as before
             return
         try:
-            self.state, result = run.engine.generate(run.params, self.state, overrides=overrides)
+            self.state, result = run.engine.generate(run.params, self.state, overrides=overrides, **masked)
         except Exception as exc:
             self._annotate(at, f"raised {type(exc).__name__}")
-            self._fail(f"`generate(overrides={overrides!r})` raised {type(exc).__name__} ({exc}); every override "
-                       f"names an occupied slot, a token of the vocabulary and a position inside the slot's last "
-                       f"result, which the protocol accepts")
+            self._fail(f"`generate(overrides={overrides!r}{shown})` raised {type(exc).__name__} ({exc}); every "
+                       f"override names an occupied slot, a token of the vocabulary and a position inside the slot's "
+                       f"last result, and every mask allows a token, which the protocol accepts")
         self.run.count("overrides applied", len(overrides))
         for slot, ov in overrides.items():
             ov = ov if isinstance(ov, Override) else Override(ov)
@@ -435,21 +483,32 @@ class Program(Judge, RuleBasedStateMachine):
             position = len(track.tokens) - 1 if ov.position is None else ov.position
             del track.tokens[position:]
             track.tokens.append(int(ov.token))
+            track.masks = {j: w for j, w in track.masks.items() if j < position}
             track.origin += f"; token {ov.token} forced at completion position {position}"
-        self.pending.append(Pending(result, at))
+        self._record_masks(masks)
+        if masks:
+            self.run.count("masks beside overrides", len(masks))
+        self.pending.append(Pending(result, at, frozenset(masks)))
         self._read_pending()
         self._steps(after, False)
 
-    def _steps(self, steps: int, pipelined: bool) -> None:
+    def _steps(self, steps: int, pipelined: bool, masks: list[dict[int, MaskDraw]] | None = None) -> None:
         run = self.run
-        for _ in range(steps):
-            at = self._say(f"state, r{len(self.run.log)} = engine.generate(params, state)")
+        for k in range(steps):
+            step_masks: dict[int, Any] = {}
+            if masks and masks[k]:
+                self._read_pending()  # a mask is for a slot's next position: the program knows it in lock step
+                step_masks = self._live_masks(masks[k])
+            masked = {"token_masks": step_masks} if step_masks else {}
+            shown = f"token_masks={self.show_masks(step_masks)}" if step_masks else ""
+            at = self._say(f"state, r{len(self.run.log)} = engine.generate(params, state{', ' if shown else ''}{shown})")
             try:
-                self.state, result = run.engine.generate(run.params, self.state)
+                self.state, result = run.engine.generate(run.params, self.state, **masked)
             except Exception as exc:
                 self._annotate(at, f"raised {type(exc).__name__}")
-                self._fail(f"`generate()` raised {type(exc).__name__}: {exc}")
-            self.pending.append(Pending(result, at))
+                self._fail(f"`generate({shown})` raised {type(exc).__name__}: {exc}")
+            self._record_masks(step_masks)
+            self.pending.append(Pending(result, at, frozenset(step_masks)))
             self._read_pending(keep_last=pipelined)
 
     def _overrides(self, picked, refusal: str | None, index: int) -> tuple[dict[int, Any], bool, dict[int, Any]]:

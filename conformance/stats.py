@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from polyengine.sampling import RowState, SamplingParams, filtered_probs
+from polyengine.sampling.masks import unpack_mask
 
 __all__ = [
     "rel_l2", "chi2_sf", "GoodnessOfFit", "goodness_of_fit", "noncentrality", "allowed_tokens", "boundary_tokens",
@@ -170,7 +171,7 @@ def _moved(row: RowState, top_p: float, min_p: float) -> RowState:
         "top_p": min(1.0, max(1e-12, top_p)) if p.top_p < 1.0 else 1.0,
         "min_p": min(1.0, max(0.0, min_p)) if p.min_p > 0.0 else 0.0,
     })
-    return RowState(moved, row.sample_index, row.step, row.prompt_tokens, row.completion_tokens)
+    return RowState(moved, row.sample_index, row.step, row.prompt_tokens, row.completion_tokens, row.token_mask)
 
 
 def _top_k_near_tie(logits: np.ndarray, row: RowState, slack: float) -> np.ndarray:
@@ -180,6 +181,8 @@ def _top_k_near_tie(logits: np.ndarray, row: RowState, slack: float) -> np.ndarr
     near = np.zeros(logits.shape[0], bool)
     if 0 < p.top_k < logits.shape[0]:
         x = np.asarray(logits, np.float64) / (p.temperature or 1.0)
+        if row.token_mask is not None:  # the k-th among the ids the mask allows
+            x = np.where(unpack_mask(row.token_mask, x.shape[0]), x, -np.inf)
         v = np.sort(x)[::-1]
         band = 2 * slack * max(1.0, abs(v[p.top_k - 1]))
         if v[p.top_k - 1] - v[p.top_k] <= band:

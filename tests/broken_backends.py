@@ -22,6 +22,7 @@ from polyengine.conformance.faults import FAULTS
 from polyengine.engine import ResultLayout, ResultTokens, Slot
 from polyengine.plugins import BackendSpec, Probe, hookimpl
 from polyengine.sampling import RowState, raw_logprobs, sample
+from polyengine.sampling.masks import SlotMasks, full_mask, mask_words
 from polyengine.sampling.params import ENGINE_FIELDS
 
 from honest_backends import HONEST, AsyncEngine
@@ -452,6 +453,36 @@ class TopLogprobsCapEngine(ReferenceEngine):
             self.capabilities = caps
 
 
+# -- allowed-token masks ---------------------------------------------------------------------
+
+
+class MaskOneStepLateEngine(ReferenceEngine):
+    """Applies generate's token masks one step late (each call's masks reach the sampler
+    with the next call, as a mask buffer copied after its step was queued would): a step
+    samples under the masks of the call before it. Refusals and prefill's mask are on time."""
+
+    _late = None
+
+    def check_token_masks(self, token_masks, last_result, **kw):
+        now = super().check_token_masks(token_masks, last_result, **kw)
+        late, self._late = self._late, now
+        return late
+
+
+class MaskLenientLengthEngine(ReferenceEngine):
+    """Fits a token mask of the wrong length to ceil(V / 32) words (truncated, or padded
+    with zero words) instead of refusing it, as a converter into a fixed buffer would."""
+
+    def check_token_mask(self, token_mask, sampling, **kw):
+        a = None if token_mask is None else np.asarray(token_mask)
+        w = mask_words(self.vocab_size)
+        if a is not None and a.ndim == 1 and a.dtype in (np.int32, np.uint32) and a.shape[0] != w:
+            fitted = np.zeros(w, a.dtype)
+            fitted[: min(w, a.shape[0])] = a[:w]
+            token_mask = fitted
+        return super().check_token_mask(token_mask, sampling, **kw)
+
+
 # -- found by the differential layer: each breaks a rule only where no example test looks ------
 
 
@@ -522,7 +553,7 @@ class BatchFilterEngine(ReferenceEngine):
             lead = rows[0].params
             same = {"top_k": lead.top_k, "top_p": lead.top_p, "min_p": lead.min_p}
             rows = [RowState(r.params.model_copy(update=same), r.sample_index, r.step, r.prompt_tokens,
-                             r.completion_tokens) for r in rows]
+                             r.completion_tokens, r.token_mask) for r in rows]
         return super()._sample(logits, rows)
 
 
@@ -628,13 +659,44 @@ class SeedLowWordOnSecondPathEngine(ReferenceEngine):
         return prefix
 
 
+class MaskLiveRowsEngine(ReferenceEngine):
+    """Gathers a step's token masks by each occupied slot's index among the occupied slots
+    (a compact batch reading the dense per-slot mask rows as if they were compact): right
+    while the occupied slots are 0..n-1, wrong once a slot below an occupied one is empty."""
+
+    def check_token_masks(self, token_masks, last_result, **kw):
+        masks = super().check_token_masks(token_masks, last_result, **kw)
+        if masks is None:
+            return None
+        n = self.max_concurrent_decodes
+        words, masked = full_mask(self.vocab_size, n), np.zeros(n, bool)
+        for row, slot in enumerate(s for s in range(n) if last_result(s) is not None):
+            words[slot], masked[slot] = masks.words[row], masks.masked[row]
+        return SlotMasks(words, masked)
+
+
+class MaskContinuationEngine(ReferenceEngine):
+    """prefill continuing a prefix (existing_prefix) checks its token_mask but does not
+    carry it to the continuation's last piece: that first token, and the bulk_insert
+    samples of the new prefix, are drawn unmasked. A plain prefill applies its mask."""
+
+    def prefill(self, *, params, tokens, sampling, existing_prefix=None, token_mask=None):
+        if existing_prefix is not None and token_mask is not None:
+            _, checked, _ = self.check_prefill(tokens, sampling, existing_prefix)
+            self.check_token_mask(token_mask, checked)
+            token_mask = None
+        return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix,
+                               token_mask=token_mask)
+
+
 def _faulty(fault_name: str) -> type:
     """The reference engine whose sampler has one of the suite's FAULTS."""
     fault = FAULTS[fault_name]
 
     class FaultyEngine(ReferenceEngine):
         def _sample(self, logits, rows):
-            rows = [RowState(fault.request(r.params), r.sample_index, r.step, r.prompt_tokens, r.completion_tokens) for r in rows]
+            rows = [RowState(fault.request(r.params), r.sample_index, r.step, r.prompt_tokens, r.completion_tokens,
+                             r.token_mask) for r in rows]
             return sample(np.stack(logits), rows, self.eos_token_ids, pipeline=fault.pipeline(), draw=fault.drawer())
 
     FaultyEngine.__doc__ = fault.message
@@ -685,6 +747,8 @@ BROKEN: dict[str, type] = {
     "broken_processed_logprobs": ProcessedLogprobsEngine,
     "broken_top_logprobs_order": TopLogprobsOrderEngine,
     "broken_top_logprobs_cap": TopLogprobsCapEngine,
+    "broken_mask_one_step_late": MaskOneStepLateEngine,
+    "broken_mask_lenient_length": MaskLenientLengthEngine,
     **{f"broken_{name}": _faulty(name) for name in FAULTS},
     # caught by the differential layer
     "broken_live_batch_logprobs": LiveBatchLogprobsEngine,
@@ -696,6 +760,8 @@ BROKEN: dict[str, type] = {
     "broken_prefix_zeroed": ZeroedPrefixEngine,
     "broken_result_buffer": SharedResultBufferEngine,
     "broken_seed_second_path": SeedLowWordOnSecondPathEngine,
+    "broken_mask_live_rows": MaskLiveRowsEngine,
+    "broken_mask_continuation": MaskContinuationEngine,
 }
 
 # backend -> (-k selection that runs only the test meant to catch it, the test that must
@@ -759,6 +825,9 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_top_logprobs_order": (_HONESTY + "top_logprobs", "test_sampling_parameter[top_logprobs]",
                                   "not in descending order"),
     "broken_top_logprobs_cap": ("test_top_logprobs_limit", "test_top_logprobs_limit", "UnsupportedFeature"),
+    "broken_mask_one_step_late": ("test_token_masks and greedy", "test_token_masks[greedy]",
+                                  "allowed-token mask leaves out"),
+    "broken_mask_lenient_length": ("test_token_mask_refusals", "test_token_mask_refusals", "with wrong length was accepted"),
     # the sampler faults of polyengine.conformance.faults
     "broken_bias_after_temperature": (_HONESTY + "logit_bias", "test_sampling_parameter[logit_bias]",
                                       "logit_bias is applied after the temperature division"),
@@ -818,6 +887,10 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
                              "read after the next generate was dispatched"),
     "broken_seed_second_path": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
                                 "the reference draws"),
+    "broken_mask_live_rows": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                              "allowed-token mask leaves out"),
+    "broken_mask_continuation": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
+                                 "allowed-token mask leaves out"),
 }
 assert set(CAUGHT_BY) == set(BROKEN), sorted(set(CAUGHT_BY) ^ set(BROKEN))
 
@@ -847,14 +920,19 @@ ALSO_CAUGHT_BY = {
 }
 
 
+def _takes(method, keyword: str) -> bool:
+    params = inspect.signature(method).parameters.values()
+    return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _factory(name: str, cls: type):
     named = type(cls.__name__, (cls,), {"name": name, "__doc__": cls.__doc__})
 
     def create_engine(*, model, config):
         engine = named(model, config)
-        if "token_masks" not in inspect.signature(engine.generate).parameters:
-            # a variant written before masks: it does not declare them (the suite then checks
-            # that path), as a third-party engine of that time would not
+        if not (_takes(engine.generate, "token_masks") and _takes(engine.prefill, "token_mask")):
+            # a variant written before masks (either keyword missing): it does not declare
+            # them (the suite then checks that path), as a third-party engine of that time would not
             engine.capabilities = engine.capabilities.model_copy(update={"token_masks": False})
         return engine
 

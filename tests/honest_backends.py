@@ -17,7 +17,13 @@ engine with one legitimate difference:
 - ``honest_kv_pool``: the engine owns the KV pool; the decode state is a handle.
 - ``honest_donated``: the first insert of a prefix donates its cache buffer to the slot
   (no copy); a prefix inserted again is copied (the protocol lets it be reused).
-- ``honest_speculative``: up to three tokens per step, a varying number accepted.
+- ``honest_speculative``: up to three tokens per step, a varying number accepted (one
+  for a slot given a token mask).
+
+Every variant but ``honest_no_logprobs`` and ``honest_kv_pool`` also declares
+allowed-token masks (``token_masks``): those whose ``generate`` differs from the
+reference's map or check them their own way (slot rows, the worker thread, speculation);
+the two that do not keep the undeclared path checked.
 
 ``restricted`` (tests/restricted_backend.py) is the variant that declares little.
 """
@@ -109,8 +115,8 @@ class _LeftPadded:
 class LeftPadEngine(ReferenceEngine):
     BUCKET = 8
 
-    def prefill(self, *, params, tokens, sampling, existing_prefix=None):
-        prefix, first = super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
+    def prefill(self, **kw):
+        prefix, first = super().prefill(**kw)
         k, v = prefix.kv
         pad = -k.shape[2] % self.BUCKET
         junk = np.full(k.shape[:2] + (pad,) + k.shape[3:], 7.0, k.dtype)
@@ -137,14 +143,18 @@ class PermutedEngine(ReferenceEngine):
     def free_resource(self, decode_state, slot):
         return super().free_resource(decode_state, self._row(slot))
 
-    def generate(self, params, decode_state, *, overrides=None):
+    def _rows(self, per_slot):
         mapped = {}
-        for slot, token in (overrides or {}).items():
+        for slot, value in (per_slot or {}).items():
             try:
-                mapped[self._row(slot)] = token
+                mapped[self._row(slot)] = value
             except InvalidRequest:
-                mapped[slot] = token  # refused below with the caller's slot number
-        state, r = super().generate(params, decode_state, overrides=mapped)
+                mapped[slot] = value  # refused below with the caller's slot number
+        return mapped
+
+    def generate(self, params, decode_state, *, overrides=None, token_masks=None):
+        state, r = super().generate(params, decode_state, overrides=self._rows(overrides),
+                                    token_masks=self._rows(token_masks))
         order = [self._row(s) for s in range(self.max_concurrent_decodes)]
         return state, ResultTokens(tokens=r.tokens[order], valid=r.valid[order], lengths=r.lengths[order],
                                    logprobs=r.logprobs[order], top_ids=r.top_ids[order], top_logprobs=r.top_logprobs[order])
@@ -164,16 +174,17 @@ class AsyncEngine(ReferenceEngine):
             self._pending.result()
             self._pending = None
 
-    def generate(self, params, decode_state, *, overrides=None):
+    def generate(self, params, decode_state, *, overrides=None, token_masks=None):
         self._wait()
         state = decode_state
         # Refusals come before any work, on the caller's thread.
-        self.check_overrides(overrides, state.slots.last_result)
+        forced = self.check_overrides(overrides, state.slots.last_result)
+        self.check_token_masks(token_masks, state.slots.last_result, forced=forced, sampling_of=state.slots.sampling)
         live = state.slots.occupied()
         layout = ResultLayout(k=1, top_n=max((state.rows[i].params.top_logprobs for i in live), default=0), logprobs=True)
 
         def step():
-            _, r = ReferenceEngine.generate(self, params, state, overrides=overrides)
+            _, r = ReferenceEngine.generate(self, params, state, overrides=overrides, token_masks=token_masks)
             # the step sizes its top log-probs by the slots with room: a full slot may have asked more
             n, top = r.tokens.shape[0], r.top_ids.shape[2]
             ids = np.full((n, 1, layout.top_n), -1, np.int32)
@@ -311,13 +322,17 @@ class SpeculativeEngine(ReferenceEngine):
     def _accepted(self, row) -> int:
         return 1 + (row.params.seed + 7 * row.completion_tokens.size) % self.K
 
-    def generate(self, params, decode_state, *, overrides=None):
+    def generate(self, params, decode_state, *, overrides=None, token_masks=None):
         state = decode_state
         forced = self.check_overrides(overrides, state.slots.last_result)
+        masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
+                                       sampling_of=state.slots.sampling)
         for slot, (token, position) in forced.items():
             self._force(state, slot, token, position)
         n = state.num_slots
-        want = {i: self._accepted(state.rows[i]) for i in state.slots.occupied()}
+        masked = [] if masks is None else masks.slots
+        # a masked slot accepts one token: the mask is for its next token only
+        want = {i: 1 if i in masked else self._accepted(state.rows[i]) for i in state.slots.occupied()}
         cols: dict[int, list[tuple]] = {i: [] for i in want}
         top_n = max((state.rows[i].params.top_logprobs for i in want), default=0)
         for r in range(self.K):
@@ -326,7 +341,8 @@ class SpeculativeEngine(ReferenceEngine):
             for i in hidden:
                 state.slots.free(i)
             try:
-                _, res = ReferenceEngine.generate(self, params, state)
+                first = {i: masks.words[i] for i in masked} if r == 0 else None
+                _, res = ReferenceEngine.generate(self, params, state, token_masks=first)
             finally:
                 for i, s in hidden.items():
                     if s is not None:

@@ -24,7 +24,8 @@ pytest_plugins = ["pytester"]
 # What a variant legitimately skips: numerics in the dtypes and architectures it does not
 # declare, and checks of features it does not declare (their refusal is tested elsewhere).
 _EXPECTED_SKIPS = {
-    "restricted": ("test_bulk_insert_refusals", "test_override_counts_for_penalties",  # no bulk_insert, no penalties
+    "restricted": ("test_differential[",  # the configurations of the architectures it does not declare
+                   "test_bulk_insert_refusals", "test_override_counts_for_penalties",  # no bulk_insert, no penalties
                    "test_prefix_reuse_at_bucket_edges", "test_prefix_reuse_leaves_the_prefix",  # no prefix_reuse
                    "test_sampling_support[min_p]", "test_sampling_support[combined]", "test_sampling_support[penalties]",
                    "test_sampling_distribution[min_p]", "test_sampling_distribution[combined]",
@@ -52,13 +53,13 @@ def test_honest_backend_passes_the_whole_suite(pytester, registered, tmp_path, b
             crash = getattr(rep.longrepr, "reprcrash", None)
             failed[rep.nodeid.rsplit("::", 1)[-1]] = crash.message if crash else str(rep.longrepr)
     assert not failed, f"{backend}: the suite rejects a correct backend: {failed}"
-    tests = json.loads(report.read_text())["tests"]
-    # test_architecture skips each architecture the backend declares (the numerics layer runs it);
-    # the numerics and differential layers skip the models of the architectures it does not.
+    doc = json.loads(report.read_text())
+    tests = doc["tests"]
+    # test_architecture skips each architecture the backend declares (the numerics layer runs it).
     allowed = ("test_prefill_logits", "test_decode_logprobs", "test_greedy_matches",
-               "test_architecture", "test_differential") + _EXPECTED_SKIPS.get(backend, ())
+               "test_architecture") + _EXPECTED_SKIPS.get(backend, ())
     unexpected = [t["id"] for t in tests if t["status"] == "skipped" and not t["id"].startswith(allowed)]
     assert not unexpected, f"{backend}: skipped beyond undeclared features: {unexpected}"
     assert sum(t["status"] == "passed" for t in tests) >= 60
-    assert_programs_exercised(tests)
+    assert_programs_exercised(tests, token_masks=doc["capabilities"]["token_masks"])
 
