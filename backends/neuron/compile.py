@@ -65,6 +65,18 @@ COMPILERS = ("inductor", "neuronx")
 # reductions (the Gumbel argmax, the top-p sort), so inlined it was generated again and
 # again: 103 CPU seconds to compile the sampler alone, 18 with chains of 8 ops stored.
 _INDUCTOR_OPTIONS = {"realize_cpu_opcount_threshold": 8}
+# POLYENGINE_NEURON_FAST_COMPILE=1: Inductor writes scalar C++ (no vector ISA), which
+# compiles ~30% faster and runs slower; for test runs, where compiling dominates (the
+# project's tests set it: tests/conftest.py). Part of the artifact cache key.
+FAST_COMPILE_ENV = "POLYENGINE_NEURON_FAST_COMPILE"
+
+
+def _fast_compile() -> bool:
+    return os.environ.get(FAST_COMPILE_ENV, "") == "1"
+
+
+def _inductor_options() -> dict:
+    return {**_INDUCTOR_OPTIONS, **({"cpp.vec_isa_ok": False} if _fast_compile() else {})}
 # "compiled": graphs compiled in this process; "loaded": artifacts read from disk.
 COUNTS: collections.Counter[str] = collections.Counter()
 
@@ -90,7 +102,8 @@ def compiler_version(compiler: str) -> str:
         found = ((name, _version(name, mod)) for name, mod in (
             ("torch-neuronx", "torch_neuronx"), ("neuronx-cc", "neuronxcc"), ("neuronx-distributed", "neuronx_distributed")))
         return f"torch {torch.__version__}; " + "; ".join(f"{name} {v}" for name, v in found if v is not None)
-    return f"torch {torch.__version__}; inductor; cpu {torch.backends.cpu.get_cpu_capability()}"
+    vector = "scalar (fast compile)" if _fast_compile() else torch.backends.cpu.get_cpu_capability()
+    return f"torch {torch.__version__}; inductor; cpu {vector}"
 
 
 class _WithAliases(torch.nn.Module):
@@ -241,7 +254,7 @@ def compile_graph(module: torch.nn.Module, args: tuple, compiler: str, *,
             torch.jit.save(traced, str(p))
     elif compiler == "inductor":
         program = _flat_program(_WithAliases(module), args)
-        with _kernel_cache(), torch._inductor.config.patch(_INDUCTOR_OPTIONS):
+        with _kernel_cache(), torch._inductor.config.patch(_inductor_options()):
             artifact = torch._inductor.standalone_compile(
                 program, pytree.tree_leaves(args), dynamic_shapes="from_example_inputs")
         fn, returns = artifact, False
@@ -266,7 +279,7 @@ def load_graph(path: Path, aliases: tuple[tuple[int, int], ...], compiler: str) 
 
         fn, returns = load_program(path), False
     else:
-        with _read_bundle(path) as blob, _kernel_cache():
+        with _read_bundle(path) as blob, _kernel_cache(), torch._inductor.config.patch(_inductor_options()):
             fn, returns = torch._inductor.CompiledArtifact.load(path=str(blob), format="binary"), False
     COUNTS["loaded"] += 1
     return CompiledGraph(fn, aliases, returns_aliases=returns, path=path,
