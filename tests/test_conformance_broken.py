@@ -46,7 +46,11 @@ def _failures(rec) -> dict[str, str]:
 @pytest.mark.parametrize("backend", sorted(CAUGHT_BY))
 def test_broken_backend_is_caught(pytester, broken_registered, backend):
     selection, test, phrase = CAUGHT_BY[backend]
-    rec = _run(pytester, backend, selection)
+    # The differential layer's catches get 40 programs, not the default 10: in CI's long
+    # session two broken backends drew 10 programs that passed (caught in a fresh
+    # process with the same seed; the cause is not found yet, docs/conformance.md).
+    extra = ("--polyengine-differential-examples", "40") if test.startswith("test_differential") else ()
+    rec = _run(pytester, backend, selection, *extra)
     failures = _failures(rec)
     assert test in failures, f"{backend} was not caught by {test}; failures: {sorted(failures)}"
     assert phrase in failures[test], f"{backend}: the message of {test} does not name the fault: {failures[test]}"
