@@ -43,9 +43,8 @@ SHAPE_MODELS = ("mha_tied", "gqa_llama3", "odd_qwen2")
 STEPS = 25  # calls per program at most (a generate call runs up to 8 steps)
 # Seconds Hypothesis may spend shrinking a failing program (its own default is 300; it
 # lets users change it, hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS).
-# The program printed is the shortest found by then. 10 s left programs of 20+ calls
-# for two broken backends when CI's two cores were busy; a clean shrink takes 2-8 s.
-SHRINK_SECONDS = 30
+# The program printed is the shortest found by then.
+SHRINK_SECONDS = 10
 
 
 def _configuration(program: str) -> tuple[str, str]:
