@@ -83,3 +83,18 @@ def pytest_runtest_setup(item):
             present, why = _hardware(kind)
             if not present:
                 pytest.skip(f"needs hardware marker {kind!r}: {why}")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Start the neuron conformance run in the background as soon as its test is
+    selected (tests/neuron_support.py, start_suite): it compiles for minutes on one
+    core while the rest of the session runs on the other."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return
+    if any(item.nodeid.endswith("test_neuron_conformance.py::test_conformance_suite_passes_with_the_default_options")
+           for item in items):
+        from neuron_support import start_suite
+
+        start_suite()

@@ -39,3 +39,30 @@ def shared_cache() -> Path:
 def config(prefill_buckets: tuple[int, ...] | None = None, **options) -> EngineConfig:
     """The suite's limits, the session's cache, and ``options`` for the engine."""
     return EngineConfig(**LIMITS, prefill_buckets=prefill_buckets, options={"cache_dir": str(shared_cache()), **options})
+
+
+_SUITE: dict | None = None
+
+
+def start_suite() -> dict:
+    """``polyengine conformance --backend neuron`` in a process of its own, started once
+    per session: by the conftest as soon as the test that checks it is collected, so
+    its compiling (minutes, mostly one core) overlaps the rest of the test session on
+    the machine's other core; the test waits for it. Returns the process and the paths
+    of its report and output."""
+    global _SUITE
+    if _SUITE is None:
+        import subprocess
+        import sys
+
+        cache = shared_cache()
+        out = Path(tempfile.mkdtemp(prefix="polyengine-neuron-suite-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        report, log = out / "neuron.json", open(out / "output.txt", "w")
+        env = {**os.environ, "POLYENGINE_NEURON_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "polyengine.cli", "conformance", "--backend", "neuron", "--report-json", str(report)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        atexit.register(lambda: proc.poll() is None and proc.kill())
+        _SUITE = {"proc": proc, "report": report, "output": out / "output.txt", "cache": cache}
+    return _SUITE

@@ -12,9 +12,7 @@ drop torch's compiler modules, whose operator registrations cannot be imported t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
@@ -23,15 +21,17 @@ pytest.importorskip("torch")
 
 @pytest.mark.slow
 def test_conformance_suite_passes_with_the_default_options(tmp_path):
-    from neuron_support import shared_cache
+    from neuron_support import start_suite
 
-    cache = shared_cache()
-    report = tmp_path / "neuron.json"
-    env = {**os.environ, "POLYENGINE_NEURON_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "polyengine.cli", "conformance", "--backend", "neuron", "--report-json", str(report)],
-        capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    suite = start_suite()  # started when this test was collected (tests/conftest.py)
+    proc, report, cache = suite["proc"], suite["report"], suite["cache"]
+    try:
+        proc.wait(timeout=1800)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    out = suite["output"].read_text()
+    assert proc.returncode == 0, out[-6000:]
     doc = json.loads(report.read_text())
     caps = doc["capabilities"]
     assert doc["backend"] == "neuron" and doc["device"]["backend"].startswith("cpu (compile path")
@@ -39,4 +39,4 @@ def test_conformance_suite_passes_with_the_default_options(tmp_path):
     assert all(v["failed"] == 0 for v in doc["summary"].values()) and doc["summary"]["contract"]["passed"] > 0
     kinds = {json.loads(p.read_text())["kind"] for p in cache.glob("*.json")}
     assert {"context", "token_generation"} <= kinds
-    print(proc.stdout[-1200:])
+    print(out[-1200:])
