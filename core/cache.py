@@ -120,13 +120,20 @@ def user_key() -> bytes:
     try:
         folder = private_dir(_config_dir(), what="configuration", env="XDG_CONFIG_HOME")
         path = folder / "cache-key"
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass
-        else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_bytes(KEY_BYTES))
+        if not path.exists():
+            # Written whole under a name of this process's own, then linked into place:
+            # a process starting at the same moment sees no key or a complete one, never a
+            # half-written file, and the first link wins for everyone.
+            tmp = folder / f".cache-key.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(secrets.token_bytes(KEY_BYTES))
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
         st = os.stat(path)
         if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077 or st.st_size != KEY_BYTES:
             raise UnsafeCache(f"the cache key {path} must be {KEY_BYTES} bytes, yours, mode 0600 (it is "

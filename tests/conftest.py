@@ -85,12 +85,59 @@ def pytest_runtest_setup(item):
                 pytest.skip(f"needs hardware marker {kind!r}: {why}")
 
 
+def pytest_configure(config):
+    """One private scratch folder per test session, made before ``pytest -n 2`` starts
+    its workers (they inherit the variable), removed when the session ends: the neuron
+    tests' shared artifact cache and background conformance run live there
+    (tests/neuron_support.py)."""
+    if hasattr(config, "workerinput") or os.environ.get("POLYENGINE_TEST_SESSION"):
+        return
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="polyengine-tests-")
+    os.environ["POLYENGINE_TEST_SESSION"] = path
+    config._polyengine_session_dir = path
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_polyengine_session_dir", None)
+    if path is not None:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop("POLYENGINE_TEST_SESSION", None)
+
+
+# Run last, in this order: the neuron conformance test, which only waits for the run
+# started at collection (so by then it has compiled beside everything else), then the
+# neuron engine tests, which load the graphs that run cached.
+_LAST = ("test_neuron_conformance.py", "test_neuron_engine.py")
+
+
+# Test files that start a local Ray cluster: under ``pytest -n 2`` they share one worker,
+# so that two clusters never start at once on two cores.
+_RAY = ("test_tpu_jax_ray.py", "test_serving_ray.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """Start the neuron conformance run in the background as soon as its test is
     selected (tests/neuron_support.py, start_suite): it compiles for minutes on one
-    core while the rest of the session runs on the other."""
+    core while the rest of the session runs on the other. Every ``pytest -n 2`` worker
+    collects the same items and orders them alike (xdist requires it); with
+    ``--dist loadgroup`` (the README's command) each file is one group, run on one
+    worker, so module fixtures (compiled engines, servers) are built once."""
     import importlib.util
 
+    for item in items:
+        name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group("ray" if name in _RAY else name))
+
+    def rank(item):
+        name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        return _LAST.index(name) + 1 if name in _LAST else 0
+
+    items.sort(key=rank)  # stable: the order within each group stays
     if config.option.collectonly or importlib.util.find_spec("torch") is None:
         return
     if any(item.nodeid.endswith("test_neuron_conformance.py::test_conformance_suite_passes_with_the_default_options")

@@ -141,6 +141,25 @@ def test_the_key_is_private_and_stable(tmp_path):
     assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
 
 
+def test_processes_making_the_key_at_once_all_read_the_same_whole_key(tmp_path):
+    """Test workers (pytest -n 2) or servers starting cold at the same moment: each gets the
+    one key on disk, with no warning, never a half-written file."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('error'); "
+            "from polyengine.cache import user_key; print(user_key().hex())")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    keys = {out.strip() for out, _ in outs}
+    path = tmp_path / "config" / "polyengine" / "cache-key"
+    assert keys == {path.read_bytes().hex()}
+    assert [p.name for p in path.parent.iterdir()] == ["cache-key"]  # no temporary file left
+
+
 def test_a_key_others_can_read_is_not_used(tmp_path):
     user_key()
     path = tmp_path / "config" / "polyengine" / "cache-key"

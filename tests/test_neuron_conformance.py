@@ -12,7 +12,6 @@ drop torch's compiler modules, whose operator registrations cannot be imported t
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
@@ -21,17 +20,12 @@ pytest.importorskip("torch")
 
 @pytest.mark.slow
 def test_conformance_suite_passes_with_the_default_options(tmp_path):
-    from neuron_support import start_suite
+    from neuron_support import wait_suite
 
-    suite = start_suite()  # started when this test was collected (tests/conftest.py)
-    proc, report, cache = suite["proc"], suite["report"], suite["cache"]
-    try:
-        proc.wait(timeout=1800)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    suite = wait_suite()  # started when this test was collected (tests/conftest.py)
     out = suite["output"].read_text()
-    assert proc.returncode == 0, out[-6000:]
+    assert suite["returncode"] == 0, out[-6000:]
+    report, cache = suite["report"], suite["cache"]
     doc = json.loads(report.read_text())
     caps = doc["capabilities"]
     assert doc["backend"] == "neuron" and doc["device"]["backend"].startswith("cpu (compile path")
