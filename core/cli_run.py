@@ -37,6 +37,50 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (random and reported if omitted)")
     p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
+    add_engine_config_args(p)
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r} (e.g. --option isa=avx2)")
+    try:
+        parsed = json.loads(value)  # numbers, booleans, lists: [128, 1024]
+    except ValueError:
+        parsed = value  # a bare word is a string: isa=avx2
+    return key.strip(), parsed
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r} (e.g. 128,1024)") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one token count (e.g. 128,1024)")
+    return values
+
+
+def add_engine_config_args(p: argparse.ArgumentParser) -> None:
+    """The engine settings the commands that build one share (generate, chat, serve):
+    backend options (`polyengine backends --verbose` lists each backend's, which refuses
+    an unknown one naming the field) and the static prefill shapes."""
+    p.add_argument("--option", dest="options", action="append", type=_option, default=[], metavar="KEY=VALUE",
+                   help="a backend option, repeatable; VALUE is JSON or a bare word (e.g. --option isa=avx2, "
+                        "--option seq_buckets=[1024]; `polyengine backends --verbose` lists them)")
+    p.add_argument("--prefill-buckets", type=_buckets, default=None, metavar="N,N,...",
+                   help="prompt lengths compiled as static prefill shapes, for backends that compile them "
+                        "(neuron, tpu_jax); default: powers of two up to the context")
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields from :func:`add_engine_config_args`'s flags, only those given."""
+    out: dict[str, Any] = {}
+    if args.options:
+        out["options"] = dict(args.options)
+    if args.prefill_buckets is not None:
+        out["prefill_buckets"] = args.prefill_buckets
+    return out
 
 
 def add_commands(sub: Any) -> None:
@@ -99,7 +143,7 @@ def _build(args: argparse.Namespace):
     progress.done(model)
     # One prompt at a time: one slot. The context and dtype defaults are the engine's own.
     llm = LLM(model, args.backend, tools=not args.no_tools, max_slots=1, max_cache_length=args.context_length,
-              dtype=args.dtype or None)
+              dtype=args.dtype or None, **engine_config_kwargs(args))
     from polyengine.construction import speed_paths
 
     # What runs, each fallback with its fix: the same words as the engine's startup log line.

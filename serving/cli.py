@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from polyengine.cli_run import add_engine_config_args
 from polyengine.errors import PolyengineError
 from polyengine.limits import DEFAULT_CONTEXT_LENGTH
 from polyengine.serving.config import BODY_BYTES_PER_POSITION, MIN_BODY_BYTES
@@ -51,6 +52,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
+    add_engine_config_args(p)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are cancelled")
     lim = p.add_argument_group("limits on clients (docs/serving.md)")
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         tools=not args.no_tools, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
         prefix_cache_mib=args.prefix_cache_mib, prefill_chunk=args.prefill_chunk,
+        options=dict(args.options), prefill_buckets=args.prefill_buckets,
     )
     if config.host not in LOOPBACK_HOSTS and not config.api_key:
         print(f"polyengine serve: warning: binding {config.host} without --api-key: anyone who can reach "

@@ -46,7 +46,8 @@ class ServerConfig:
     arrived within ``body_timeout`` seconds gets 408; an idle keep-alive connection is
     closed after ``idle_timeout`` seconds. ``prefix_cache_mib`` and ``prefill_chunk``
     are the driver's (``EngineConfig.prefix_cache_bytes`` in MiB,
-    ``EngineConfig.prefill_chunk``; None: their defaults, 0: off)."""
+    ``EngineConfig.prefill_chunk``; None: their defaults, 0: off); ``options`` and
+    ``prefill_buckets`` go to ``EngineConfig`` as given (``--option``, ``--prefill-buckets``)."""
 
     model: str | None = None
     backend: str = "auto"
@@ -66,6 +67,8 @@ class ServerConfig:
     idle_timeout: float = 5.0
     prefix_cache_mib: float | None = None
     prefill_chunk: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    prefill_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_slots", "max_body_bytes"):
@@ -112,6 +115,10 @@ def build_engine(config: ServerConfig, progress: Any = None) -> tuple[Any, str]:
         extra["prefix_cache_bytes"] = int(config.prefix_cache_mib * 2**20)
     if config.prefill_chunk is not None:
         extra["prefill_chunk"] = config.prefill_chunk
+    if config.options:
+        extra["options"] = dict(config.options)
+    if config.prefill_buckets is not None:
+        extra["prefill_buckets"] = tuple(config.prefill_buckets)
     llm = LLM(model, config.backend, tools=config.tools, max_queue=config.max_queue, max_slots=config.max_slots,
               max_cache_length=config.context_length, dtype=config.dtype or None, **extra)
     return AsyncLLM.from_llm(llm), served_name(config, model)

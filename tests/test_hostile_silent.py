@@ -145,3 +145,24 @@ def test_cli_refuses_what_it_used_to_reinterpret(tmp_path):
         assert "Traceback" not in proc.stderr, (args, proc.stderr)
         for word in words:
             assert word in proc.stderr, (args, word, proc.stderr)
+
+
+def test_cli_engine_flags_reach_the_engine_or_are_refused_by_name(tmp_path):
+    """``--option KEY=VALUE`` and ``--prefill-buckets`` (generate, chat, serve): the
+    value reaches the backend (the startup report names the forced path), an option the
+    backend lacks is refused with its option list, and a malformed flag is a usage error."""
+    base = ["generate", "--model", "random:tiny", "--raw", "--max-tokens", "2"]
+    proc = polyengine(tmp_path, *base, "--backend", "cuda_torch", "--option", "isa=scalar", "hi")
+    assert proc.returncode == 0, proc.stderr
+    assert "isa: scalar (forced by option isa" in proc.stderr
+    proc = polyengine(tmp_path, *base, "--backend", "cuda_torch", "--option", "isa_level=scalar", "hi")
+    assert proc.returncode == 1 and "unknown option(s) ['isa_level']" in proc.stderr and "isa (default" in proc.stderr
+    proc = polyengine(tmp_path, *base, "--backend", "reference", "--context-length", "16", "--prefill-buckets", "8,16",
+                      "hi there friend")
+    assert proc.returncode == 0, proc.stderr
+    proc = polyengine(tmp_path, *base, "--backend", "reference", "--prefill-buckets", "4", "hi")
+    assert proc.returncode == 1 and "largest prefill bucket (4) must cover max_prefill_length" in proc.stderr
+    for flag, value, words in (("--option", "isa", "KEY=VALUE"), ("--prefill-buckets", "8,x", "comma-separated"),
+                               ("--prefill-buckets", ",", "at least one")):
+        proc = polyengine(tmp_path, *base, "--backend", "reference", flag, value, "hi")
+        assert proc.returncode == 2 and words in proc.stderr, (flag, value, proc.stderr)

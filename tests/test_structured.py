@@ -203,24 +203,36 @@ _SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 
            "required": ["n", "ok"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("backend", ["reference", "cuda_torch", "tpu_jax"])
+# What each backend's server needs beyond the common flags. neuron compiles a graph per
+# static shape: one prefill bucket and one attention length (whole prompts, no prefix
+# cache) make its server's warm-up two graphs instead of the default's dozen.
+_SERVE_FLAGS = {
+    "reference": [], "cuda_torch": [], "tpu_jax": [],
+    "neuron": ["--prefill-buckets", "1024", "--option", "seq_buckets=[1024]", "--prefill-chunk", "0"],
+}
+
+
+@pytest.mark.parametrize("backend", sorted(_SERVE_FLAGS))
 def test_response_format_and_tool_calls_through_the_openai_client_on_every_backend(backend, tmp_path):
     """A tiny random model behind ``polyengine serve`` on each built-in backend: a
     ``json_schema`` response validates and a forced tool call parses into ``tool_calls``,
-    through the official ``openai`` client (the masks run on the backend's device path).
-    The tool prompt (the Hermes tool list, ~700 tokens) needs a 1024-token context. Not
-    neuron in CI: its server compiles its own graphs (50 s even at a 64-token context,
-    where a schema request passed); its masks are the conformance suite's
-    (test_token_masks and the differential layer), and the server path above the engine
-    is the same code for every backend."""
+    through the official ``openai`` client (the masks run on the backend's device path:
+    neuron's on its CPU compile path's graphs). The tool prompt (the Hermes tool list,
+    ~700 tokens) needs a 1024-token context."""
     openai = pytest.importorskip("openai")
     from live_server import LiveServer
 
-    # tpu_jax: XLA's optimizations off for a tiny model (as the CLI suite runs it)
-    env = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"} if backend == "tpu_jax" else None
+    env = None
+    if backend == "tpu_jax":  # XLA's optimizations off for a tiny model (as the CLI suite runs it)
+        env = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    elif backend == "neuron":  # the session's artifact cache (tests/neuron_support.py)
+        from neuron_support import shared_cache
+
+        env = {"POLYENGINE_NEURON_CACHE": str(shared_cache())}
     model, context = "random:tiny-llama3", "1024"
     s = LiveServer(["--model", model, "--backend", backend, "--max-slots", "2", "--context-length", context,
-                    "--prefix-cache-mib", "0"], tmp_path / "server.log", start_timeout=600, env=env)
+                    "--prefix-cache-mib", "0", *_SERVE_FLAGS[backend]], tmp_path / "server.log", start_timeout=900,
+                   env=env)
     try:
         client = openai.OpenAI(base_url=s.api, api_key="unused", max_retries=0, timeout=300)
         msgs = [{"role": "user", "content": "Pick one."}]
