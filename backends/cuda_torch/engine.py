@@ -47,6 +47,7 @@ from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.torch_common.model import ATTENTION_IMPLS, StepSpec, TorchWeights, forward, rms_norm
 from polyengine.backends.torch_common.sampling import TorchSampler
+from polyengine.backends.torch_common.hostmem import release_row
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
 from polyengine.backends.torch_common.transfer import fill_row, to_device
 
@@ -112,6 +113,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                                      "family only, other architectures use the torch forward)"),
         # CPU: a step computes the live slots' rows only (its cost follows the requests);
         # off, it runs every slot from device data as CUDA does (what tests/test_cuda_torch_sync.py probes)
+        # CPU: the KV cache is an anonymous memory map, pages made as slots write them and
+        # handed back when a slot is freed (torch_common/hostmem.py); "reserve" holds
+        # every slot's full context from the start (torch.zeros), as on CUDA
+        "kv_memory": Option("grow", "CPU: KV cache pages held as used ('grow') or all from the start ('reserve')",
+                            choices=("grow", "reserve")),
         "live_rows": Option(True, "CPU: decode only the live slots' rows (False: every slot, as on CUDA)"),
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
@@ -350,7 +356,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         n = self.max_concurrent_decodes
 
         def allocate():
-            k, v = weights.new_cache(n, self.max_cache_length)
+            k, v = weights.new_cache(n, self.max_cache_length, lazy=self.options["kv_memory"] == "grow")
             sampler = TorchSampler(self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
             return k, v, sampler
 
@@ -428,6 +434,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         super()._release(state, slot)
         for counts in (state.total, state.prompt_len, state.occupied):
             fill_row(counts, slot, 0)
+        release_row(state.k, slot)  # kv_memory "grow": the slot's pages go back (0 bytes otherwise)
+        release_row(state.v, slot)
 
     # -- generate --------------------------------------------------------------------------
 

@@ -185,10 +185,16 @@ class TorchWeights:
     def max_positions(self) -> int:
         return int(self.tensors["rope.cos"].shape[0])
 
-    def new_cache(self, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed K and V caches ``[layers, rows, kv_heads, length, head_dim]``."""
+    def new_cache(self, rows: int, length: int, *, lazy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V caches ``[layers, rows, kv_heads, length, head_dim]``; with
+        ``lazy``, on a Linux host, backed by pages made on first write and given back per
+        row (:mod:`.hostmem`)."""
         c = self.config
         shape = (c.num_hidden_layers, rows, c.num_key_value_heads, length, c.head_dim)
+        if lazy:
+            from polyengine.backends.torch_common.hostmem import new_cache_tensor
+
+            return (new_cache_tensor(shape, self.dtype, self.device), new_cache_tensor(shape, self.dtype, self.device))
         return (torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device))
 

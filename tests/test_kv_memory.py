@@ -1,0 +1,101 @@
+"""cuda_torch's KV cache on the host: pages held as the slots write them, handed back
+when a slot is freed (option ``kv_memory``, backends/torch_common/hostmem.py), with
+the tokens of the cache that holds every slot's full context from the start."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from polyengine import EngineConfig, SamplingParams  # noqa: E402
+from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
+from polyengine.backends.torch_common.hostmem import lazy, new_cache_tensor, release_row, resident_bytes  # noqa: E402
+from polyengine.models import load_model  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages given back with madvise: Linux")
+PAGE = 4096
+
+
+def _engine(mode: str, **options) -> TorchEngine:
+    model = load_model("random:tiny")  # 2 layers, 4 KV heads of 16: 128 KiB a (layer, slot) at 512 positions
+    cfg = EngineConfig(max_slots=4, max_cache_length=512, options={"kv_memory": mode, **options})
+    return TorchEngine(model, cfg)
+
+
+def _run(eng: TorchEngine, probe=None) -> list[list[int]]:
+    """A long sampled request in slot 0, freed; then two short ones in slots 0 and 2
+    (slot 0's pages given back in between), one greedy, one sampled; returns every
+    slot's tokens."""
+    params, state = eng.load_params(), eng.init_decode_state()
+    out = []
+    for round_, (slots, steps) in enumerate((([0], 300), ([0, 2], 40))):
+        got = {s: [] for s in slots}
+        for i, slot in enumerate(slots):
+            sp = SamplingParams(temperature=0.9 if (i + round_) % 2 == 0 else 0, seed=7 + i + round_, max_tokens=steps + 1)
+            prefix, _ = eng.prefill(params=params, tokens=[3 + i, 9, 27, 81, 5, 11][: 4 + i], sampling=sp)
+            state = eng.insert(prefix, state, slot)
+            got[slot].append(int(prefix.first_token))
+        for _ in range(steps):
+            state, res = eng.generate(params, state)
+            for slot in slots:
+                got[slot].append(int(res.tokens[slot, 0]))
+        if probe is not None:
+            probe("decoded", state, slots)
+        for slot in slots:
+            state = eng.free_resource(state, slot)
+        if probe is not None:
+            probe("freed", state, slots)
+        out += [got[s] for s in slots]
+    return out
+
+
+def test_grown_cache_holds_what_the_slots_wrote_and_gives_freed_slots_back():
+    seen = {}
+
+    def probe(when, state, slots):
+        state.wait()
+        seen[(when, tuple(slots))] = resident_bytes(state.k) + resident_bytes(state.v)
+
+    eng = _engine("grow")
+    state = eng.init_decode_state()
+    full = 2 * state.k.numel() * state.k.element_size()
+    assert lazy(state.k) and lazy(state.v) and resident_bytes(state.k) + resident_bytes(state.v) == 0
+    tokens = _run(eng, probe)
+    # slot 0 wrote 4 + 301 positions: per (layer, head) run of 32 KiB, 305 x 64 B -> 5 pages
+    long = 2 * 2 * 4 * 5 * PAGE  # K and V, 2 layers, 4 heads
+    assert seen[("decoded", (0,))] == long < full / 4
+    assert seen[("freed", (0,))] == 0  # every page of slot 0 given back
+    assert 0 < seen[("decoded", (0, 2))] <= 2 * 2 * 2 * 4 * PAGE  # two short rows: a page per (K/V, layer, head)
+    assert seen[("freed", (0, 2))] == 0
+    ref = _run(_engine("reserve"))  # every slot's full context from the start, as before
+    assert tokens == ref
+    assert len(tokens[0]) == 301 and len(set(tokens[0])) > 1
+
+
+def test_the_reserved_cache_holds_every_slot_from_the_start():
+    state = _engine("reserve").init_decode_state()
+    assert not lazy(state.k) and release_row(state.k, 0) == 0
+    assert resident_bytes(state.k) == state.k.numel() * state.k.element_size()
+
+
+def test_the_live_rows_off_path_and_the_torch_forward_read_zeros_where_nothing_was_written():
+    """The CUDA-shaped step (every slot computed, writes masked) and the torch forward
+    (no kernels) over a grown cache give the reserved cache's tokens."""
+    for options in ({"live_rows": False}, {"cpu_kernels": False}):
+        assert _run(_engine("grow", **options)) == _run(_engine("reserve", **options)), options
+
+
+def test_release_keeps_pages_shared_with_a_neighbouring_row():
+    t = new_cache_tensor((2, 3, 1, 100, 4), torch.float32, torch.device("cpu"))  # runs of 1600 B: no whole page
+    t.fill_(1.5)
+    assert release_row(t, 1) == 0 and bool((t == 1.5).all())
+    big = new_cache_tensor((2, 3, 1, 1024, 8), torch.float32, torch.device("cpu"))  # runs of 32 KiB: 8 pages each
+    big.fill_(2.0)
+    assert release_row(big, 1) == 2 * 8 * PAGE
+    assert bool((big[:, 1] == 0).all()) and bool((big[:, 0] == 2).all()) and bool((big[:, 2] == 2).all())
+    assert resident_bytes(big) == 2 * 2 * 8 * PAGE
+    np.testing.assert_array_equal(big[:, 1].numpy(), np.zeros((2, 1, 1024, 8), np.float32))
