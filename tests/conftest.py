@@ -114,24 +114,15 @@ def pytest_unconfigure(config):
 _LAST = ("test_neuron_conformance.py", "test_neuron_engine.py")
 
 
-# Test files that start a local Ray cluster: under ``pytest -n 2`` they share one worker,
-# so that two clusters never start at once on two cores.
-_RAY = ("test_tpu_jax_ray.py", "test_serving_ray.py")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
     """Start the neuron conformance run in the background as soon as its test is
     selected (tests/neuron_support.py, start_suite): it compiles for minutes on one
     core while the rest of the session runs on the other. Every ``pytest -n 2`` worker
     collects the same items and orders them alike (xdist requires it); with
-    ``--dist loadgroup`` (the README's command) each file is one group, run on one
-    worker, so module fixtures (compiled engines, servers) are built once."""
+    ``--dist loadfile`` (the README's command) each file runs on one worker, so module
+    fixtures (compiled engines, servers, a Ray cluster) are built once."""
     import importlib.util
-
-    for item in items:
-        name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group("ray" if name in _RAY else name))
 
     def rank(item):
         name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
