@@ -16,6 +16,8 @@ from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
 from polyengine.backends.torch_common.hostmem import lazy, new_cache_tensor, release_row, resident_bytes  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 
+from isa_paths import ISAS, kernels_for  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages given back with madvise: Linux")
 PAGE = 4096
 
@@ -99,3 +101,61 @@ def test_release_keeps_pages_shared_with_a_neighbouring_row():
     assert bool((big[:, 1] == 0).all()) and bool((big[:, 0] == 2).all()) and bool((big[:, 2] == 2).all())
     assert resident_bytes(big) == 2 * 2 * 8 * PAGE
     np.testing.assert_array_equal(big[:, 1].numpy(), np.zeros((2, 1, 1024, 8), np.float32))
+
+
+# -- kv_dtype: K/V stored as bfloat16 or float16 under float32 compute ------------------------
+
+
+def _logits_run(eng: TorchEngine, steps: int = 24):
+    """Greedy decode of one prompt in slot 1; returns (tokens, last step's logprobs of
+    the top tokens, the state)."""
+    params, state = eng.load_params(), eng.init_decode_state()
+    prefix, _ = eng.prefill(params=params, tokens=[5, 17, 33, 2, 9, 41, 7], sampling=SamplingParams(
+        temperature=0, logprobs=True, top_logprobs=5, max_tokens=steps + 1))
+    state = eng.insert(prefix, state, 1)
+    tokens, lps = [int(prefix.first_token)], []
+    for _ in range(steps):
+        state, res = eng.generate(params, state)
+        tokens.append(int(res.tokens[1, 0]))
+        lps.append(np.asarray(res.top_logprobs[1, 0], np.float64))
+    state.wait()
+    return tokens, np.stack(lps), state
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_a_narrow_kv_cache_stores_half_the_bytes_and_decodes_like_float32(kv, isa):
+    """On every ISA path the host runs (the fused step's conversions are vector code of
+    each path's width: scalar SSE2, AVX2's F16C, AVX-512)."""
+    kernels_for(isa)  # skips a path this CPU cannot execute, naming the flags it lacks
+    narrow = {path: _logits_run(_engine("grow", kv_dtype=kv, **opts))
+              for path, opts in (("fused", {"isa": isa}), ("torch", {"cpu_kernels": False}))}
+    full_tokens, full_lps, full_state = _logits_run(_engine("grow"))
+    for path, (tokens, lps, state) in narrow.items():
+        assert state.k.dtype == state.v.dtype == getattr(torch, kv), path
+        assert state.k.element_size() * 2 == full_state.k.element_size()
+        # the rounding of K/V moves log-probs by far less than the model's own gaps
+        np.testing.assert_allclose(lps, full_lps, atol=0.05 if kv == "bfloat16" else 0.01, err_msg=path)
+        assert tokens[:8] == full_tokens[:8], path
+    # the fused step and the torch forward (through the codec) store and read the same values
+    np.testing.assert_allclose(narrow["fused"][1], narrow["torch"][1], atol=2e-3)
+    assert narrow["fused"][0] == narrow["torch"][0]
+    f, t = narrow["fused"][2], narrow["torch"][2]
+    written = slice(0, 7 + 24)
+    np.testing.assert_allclose(f.k[:, 1, :, written].float().numpy(), t.k[:, 1, :, written].float().numpy(),
+                               atol=1e-2, rtol=1e-2)
+    # and the narrow values are the float32 engine's, rounded
+    np.testing.assert_allclose(f.k[:, 1, :, written].float().numpy(), full_state.k[:, 1, :, written].numpy(),
+                               atol=2e-2, rtol=1e-2 if kv == "bfloat16" else 2e-3)
+
+
+def test_a_narrow_kv_cache_is_refused_where_compute_is_not_float32():
+    from polyengine.errors import UnsupportedFeature
+
+    model = load_model("random:tiny")
+    with pytest.raises(UnsupportedFeature, match="kv_dtype='float16' with dtype bfloat16"):
+        TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype="bfloat16",
+                                        options={"kv_dtype": "float16"}))
+    eng = TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype="bfloat16",
+                                          options={"kv_dtype": "bfloat16"}))  # the compute dtype itself: fine
+    assert eng.init_decode_state().k.dtype == torch.bfloat16

@@ -286,7 +286,11 @@ class _Dims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_long) for n in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers",
                                              "cache_rows", "cache_len")] + [
         ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
-        ("q8", ctypes.c_int)]
+        ("q8", ctypes.c_int), ("kv_type", ctypes.c_int)]
+
+
+# The KV cache element types the fused step reads and writes (decode.cpp's PE_KV_*).
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class FusedDecoder:
@@ -300,8 +304,9 @@ class FusedDecoder:
     """
 
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
-                 cache_len: int, quantized: bool, int8_activations: int = 0):
+                 cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32):
         c = config
+        self.kv_dtype = kv_dtype
         self.kernels, self.config = kernels, c
         self._keep: list[torch.Tensor] = []
 
@@ -336,7 +341,7 @@ class FusedDecoder:
                 setattr(entry, p + "_bias", ptr(tensors.get(name + ".bias")))
         self.dims = _Dims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
                           c.head_dim, c.num_hidden_layers, cache_rows, cache_len, c.rms_norm_eps, int(quantized), group,
-                          kernels.threads, int(int8_activations) if quantized else 0)
+                          kernels.threads, int(int8_activations) if quantized else 0, KV_TYPES[kv_dtype])
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")
@@ -355,10 +360,12 @@ class FusedDecoder:
     def step(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor) -> torch.Tensor:
         """``x`` (M, hidden) float32 embeddings of the tokens fed, in place -> the last
-        layer's hidden states; ``rows``/``positions`` (M,) int32; caches float32."""
+        layer's hidden states; ``rows``/``positions`` (M,) int32; caches of the
+        decoder's ``kv_dtype`` (float32, bfloat16 or float16)."""
         m = x.shape[0]
-        if not (x.is_contiguous() and x.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("the fused decoder needs contiguous float32 activations and caches")
+        if not (x.is_contiguous() and x.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k_cache.dtype == v_cache.dtype == self.kv_dtype):
+            raise ValueError(f"the fused decoder needs contiguous float32 activations and {self.kv_dtype} caches")
         rows = rows.to(torch.int32).contiguous()
         positions = positions.to(torch.int32).contiguous()
         scratch = self._scratch_for(m)

@@ -45,7 +45,8 @@ from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 from polyengine.sampling.rows import row_bytes
 
-from polyengine.backends.torch_common.model import ATTENTION_IMPLS, StepSpec, TorchWeights, forward, rms_norm
+from polyengine.backends.torch_common.model import (ATTENTION_IMPLS, CastKVCodec, StepSpec, TorchWeights, forward,
+                                                   rms_norm)
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.hostmem import release_row
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
@@ -118,6 +119,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # every slot's full context from the start (torch.zeros), as on CUDA
         "kv_memory": Option("grow", "CPU: KV cache pages held as used ('grow') or all from the start ('reserve')",
                             choices=("grow", "reserve")),
+        # K/V stored narrower than float32 compute (half the cache's memory and reads):
+        # rounded to nearest even on write, widened on read (fused step and torch forward alike)
+        "kv_dtype": Option("auto", "KV cache element type: 'auto' (the compute dtype), 'bfloat16' or 'float16'",
+                           choices=("auto", "bfloat16", "float16")),
         "live_rows": Option(True, "CPU: decode only the live slots' rows (False: every slot, as on CUDA)"),
         # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
         # 32 weights of a row (closer to float32); float32 accumulation either way
@@ -154,6 +159,16 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             from polyengine.backends.cuda_torch.cpu_kernels import check_isa
 
             check_isa(o["isa"])
+        self.kv_dtype = self.torch_dtype if o["kv_dtype"] == "auto" else _DTYPES[o["kv_dtype"]]
+        if self.kv_dtype != self.torch_dtype and self.torch_dtype != torch.float32:
+            raise UnsupportedFeature(
+                f"kv_dtype={o['kv_dtype']!r} with dtype {self.dtype}", self.name,
+                "a narrower KV cache is kept for float32 compute only; use kv_dtype='auto' (the compute dtype)")
+        # The forward's codec when K/V are narrower than compute: the decode state's cache
+        # stores them narrow; a prefill's own cache stores the rounded values in float32.
+        self._kv_codecs = (None, None) if self.kv_dtype == self.torch_dtype else (
+            CastKVCodec(self.kv_dtype, self.kv_dtype, self.torch_dtype),
+            CastKVCodec(self.kv_dtype, self.torch_dtype, self.torch_dtype))
         self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
         self._check_memory()
         if o["threads"] and device.type == "cpu":
@@ -269,7 +284,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         if mode and not has_int8_copies(self.model, mode):
             needs[f"int8 copies of the projections and the LM head ({mode})"] = int8_bytes(c, mode)
         needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
-            cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(item))
+            cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(self.kv_dtype.itemsize))
         needs["the sampler's per-slot tables and a step's logits"] = (
             cfg.max_slots * row_bytes(c.vocab_size, self.sampler_dtype.itemsize) + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
         if self.torch_device.type == "cuda":
@@ -325,7 +340,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 self._fused = FusedDecoder(self._kernels, self._weights.tensors, self.model.config,
                                            cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
                                            quantized=bool(self.options["quantize"]),
-                                           int8_activations=self.int8_activations)
+                                           int8_activations=self.int8_activations, kv_dtype=self.kv_dtype)
             self._prefill_sampler = TorchSampler(
                 self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
         return self._weights
@@ -356,7 +371,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         n = self.max_concurrent_decodes
 
         def allocate():
-            k, v = weights.new_cache(n, self.max_cache_length, lazy=self.options["kv_memory"] == "grow")
+            k, v = weights.new_cache(n, self.max_cache_length, lazy=self.options["kv_memory"] == "grow",
+                                     dtype=self.kv_dtype)
             sampler = TorchSampler(self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
             return k, v, sampler
 
@@ -402,7 +418,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
         write = (torch.arange(padded, device=dev) < n)[None]
         logits, k, v = forward(
-            params, self._spec(causal=start == 0, linear=self._linear), to_device(batch, dev), positions, k, v,
+            params, self._spec(causal=start == 0, linear=self._linear, kv_codec=self._kv_codecs[1]),
+            to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
@@ -498,8 +515,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
             else:
                 logits, state.k, state.v = forward(
-                    params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[:, None], pos, state.k,
-                    state.v, rows=None, write_mask=live_mask[:, None],
+                    params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codecs[0]),
+                    state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
                 )
             res = state.sampler.sample(logits[:, 0], num_top=num_top, token_mask=words)
             state.sampler.record(res.tokens, mask=live_mask)
@@ -531,8 +548,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         state.live.copy_(live)
 
         def run() -> torch.Tensor:
-            return forward(params, self._spec(kv_len=kv_len), state.next_tokens[:, None], state.positions, state.k,
-                           state.v, rows=None, write_mask=state.live)[0]
+            return forward(params, self._spec(kv_len=kv_len, kv_codec=self._kv_codecs[0]), state.next_tokens[:, None],
+                           state.positions, state.k, state.v, rows=None, write_mask=state.live)[0]
 
         entry = state.graphs.get(kv_len)
         if entry is None:
@@ -566,8 +583,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             logits = self._head(t, x)  # (M, vocab)
         else:
             logits, state.k, state.v = forward(
-                params, self._spec(kv_len=kv_len, linear=self._linear), state.next_tokens[rows][:, None],
-                pos[:, None], state.k, state.v, rows=None if len(live) == n else rows,
+                params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codecs[0]),
+                state.next_tokens[rows][:, None], pos[:, None], state.k, state.v, rows=None if len(live) == n else rows,
             )
             logits = logits[:, 0]  # (M, vocab)
         res = state.sampler.sample(logits, rows, num_top=num_top, token_mask=None if words is None else words[rows])

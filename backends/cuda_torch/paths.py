@@ -69,7 +69,20 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
     else:
         out["int8"] = f"{mode} weights x float32 activations (weights widened in the kernels)"
     out["prefill"] = "torch's GEMM and SDPA (int8 weights widened band by band)" if mode else "torch's GEMM and SDPA"
+    out["kv cache"] = _kv(options, dtype)
     return out
+
+
+def _kv(options: dict[str, Any], dtype: torch.dtype) -> str:
+    """The CPU KV cache: its element type and how its memory is held."""
+    kv, memory = options.get("kv_dtype", "auto"), options.get("kv_memory", "grow")
+    kv = kv if isinstance(kv, str) else "auto"  # diagnose passes the option table itself: the defaults
+    memory = memory if isinstance(memory, str) else "grow"
+    kind = str(dtype).replace("torch.", "") if kv == "auto" else f"{kv} (option kv_dtype; compute {str(dtype).replace('torch.', '')})"
+    held = ("pages held as the slots write them, handed back on free (kv_memory=grow)" if memory == "grow" else
+            "every slot's full context held from the start (kv_memory=reserve)")
+    hint = "; kv_dtype=bfloat16/float16 halves it" if kv == "auto" and dtype == torch.float32 else ""
+    return f"{kind}, {held}{hint}"
 
 
 def _isa(kernels: Any) -> str:

@@ -85,7 +85,7 @@ from polyengine.models import Model, ModelConfig
 
 __all__ = [
     "TorchWeights", "StepSpec", "forward", "attention_block", "mlp_block", "kv_write", "kv_read", "lm_head", "StepModule",
-    "KVCodec", "rms_norm", "ATTENTION_IMPLS", "MOE_IMPLS", "moe_block",
+    "KVCodec", "CastKVCodec", "rms_norm", "ATTENTION_IMPLS", "MOE_IMPLS", "moe_block",
 ]
 
 ATTENTION_IMPLS = ("sdpa", "eager")
@@ -185,18 +185,20 @@ class TorchWeights:
     def max_positions(self) -> int:
         return int(self.tensors["rope.cos"].shape[0])
 
-    def new_cache(self, rows: int, length: int, *, lazy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed K and V caches ``[layers, rows, kv_heads, length, head_dim]``; with
-        ``lazy``, on a Linux host, backed by pages made on first write and given back per
-        row (:mod:`.hostmem`)."""
+    def new_cache(self, rows: int, length: int, *, lazy: bool = False,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V caches ``[layers, rows, kv_heads, length, head_dim]`` of
+        ``dtype`` (default: the compute dtype); with ``lazy``, on a Linux host, backed by
+        pages made on first write and given back per row (:mod:`.hostmem`)."""
         c = self.config
         shape = (c.num_hidden_layers, rows, c.num_key_value_heads, length, c.head_dim)
+        dtype = dtype or self.dtype
         if lazy:
             from polyengine.backends.torch_common.hostmem import new_cache_tensor
 
-            return (new_cache_tensor(shape, self.dtype, self.device), new_cache_tensor(shape, self.dtype, self.device))
-        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device))
+            return (new_cache_tensor(shape, dtype, self.device), new_cache_tensor(shape, dtype, self.device))
+        return (torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device))
 
 
 class KVCodec(Protocol):
@@ -210,6 +212,25 @@ class KVCodec(Protocol):
     def decode(self, which: str, layer: int, stored: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``stored`` (B, kv_heads, S, head_dim) read from cache ``rows`` (B,) -> compute dtype."""
         ...
+
+
+@dataclass(frozen=True)
+class CastKVCodec:
+    """K/V kept at a narrower float type than the compute dtype (``kv``: bfloat16 or
+    float16): written rounded to ``kv`` and stored as ``store`` (``kv`` for a decode
+    state's cache; the compute dtype for a prefill's own cache, so that the prefix it
+    hands over holds exactly the values the decode cache will), read back widened to
+    ``compute``."""
+
+    kv: torch.dtype
+    store: torch.dtype
+    compute: torch.dtype
+
+    def encode(self, which: str, layer: int, new: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return new.to(self.kv).to(self.store)
+
+    def decode(self, which: str, layer: int, stored: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return stored.to(self.compute)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:

@@ -7,7 +7,8 @@
 // the engine's KV cache tensor, the RoPE tables), so it computes the same function in
 // the same order up to float rounding; tests compare it with the shared forward.
 //
-// Layouts: x (M, H) row-major; KV cache [layers, rows, kv_heads, S, head_dim];
+// Layouts: x (M, H) row-major; KV cache [layers, rows, kv_heads, S, head_dim] of float32,
+// bfloat16 or float16 (pe_dims.kv_type);
 // RoPE tables (positions, head_dim/2); weights [out, in]. Attention for a row reads
 // its own cache row at positions 0..pos (the token just written included).
 #include <math.h>
@@ -31,7 +32,66 @@ struct pe_dims {
     int threads;
     int q8;     // int8 weights: activations to int8 too (q8.cpp; all K % 32 == 0), as one int8
                 // row per row (1) or two, the second carrying the first's rounding error (2)
+    int kv_type;  // the KV cache's elements: PE_KV_F32, PE_KV_BF16 or PE_KV_F16 (option kv_dtype)
 };
+
+// The KV cache's element types. Written from float32 with round-to-nearest-even, as
+// torch's .to(bfloat16/float16) does (so this step and the torch forward store the same
+// bits), and widened back to float32 where attention reads them.
+enum { PE_KV_F32 = 0, PE_KV_BF16 = 1, PE_KV_F16 = 2 };
+typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
+typedef _Float16 vh __attribute__((vector_size(VW * 2)));
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);  // NaN stays a (quiet) NaN
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+// n floats of src into the cache at element offset off.
+static inline void kv_store(const pe_dims *d, void *cache, long off, const float *src, long n) {
+    if (d->kv_type == PE_KV_F32) {
+        memcpy((float *)cache + off, src, n * sizeof(float));
+    } else if (d->kv_type == PE_KV_BF16) {
+        uint16_t *dst = (uint16_t *)cache + off;
+        for (long i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
+    } else {
+        _Float16 *dst = (_Float16 *)cache + off;
+        for (long i = 0; i < n; i++) dst[i] = (_Float16)src[i];
+    }
+}
+
+// VW cache elements at element offset off, widened to float32.
+static inline vf kv_load(int kv_type, const void *cache, long off) {
+    if (kv_type == PE_KV_F32) return load_f((const float *)cache + off);
+    if (kv_type == PE_KV_BF16) {
+        vu16 h;
+        memcpy(&h, (const uint16_t *)cache + off, sizeof h);
+        vu32 b = __builtin_convertvector(h, vu32) << 16;
+        vf f;
+        memcpy(&f, &b, sizeof f);
+        return f;
+    }
+    vh h;
+    memcpy(&h, (const _Float16 *)cache + off, sizeof h);
+    return __builtin_convertvector(h, vf);
+}
+
+static inline float kv_at(int kv_type, const void *cache, long off) {
+    if (kv_type == PE_KV_F32) return ((const float *)cache)[off];
+    if (kv_type == PE_KV_BF16) return from_bf16(((const uint16_t *)cache)[off]);
+    return (float)((const _Float16 *)cache)[off];
+}
 
 static int kind_of(const pe_dims *d) {
     return !d->int8 ? PE_F32 : d->q8 == 2 ? PE_Q8X2 : d->q8 ? PE_Q8 : d->group ? PE_I8_GROUPED : PE_I8;
@@ -107,7 +167,8 @@ struct pe_attn_job {
     long l;
     int M;
     const int *rows, *pos;
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;
     float *att, *scores;
 };
 
@@ -123,17 +184,17 @@ static void attn_task(void *arg, int tid, int nth) {
         const long m = ma / nh, a = ma % nh;
         const long jh = a / group, n = j->pos[m] + 1;
         const float *qa = j->q + m * qs + a * hd;
-        const float *kb = j->k_cache + ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;
-        const float *vb = j->v_cache + ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;
+        const long base = ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;  // element offset
+        const int kt = d->kv_type;
         float *sc = j->scores + (m * nh + a) * S;
         float mx = -INFINITY;
         const long hv = hd - hd % VW;  // q . k in vector lanes (a scalar loop would be latency-bound)
         for (long s = 0; s < n; s++) {
-            const float *kr = kb + s * hd;
+            const long kr = base + s * hd;
             vf acc = (vf){};
-            for (long i = 0; i < hv; i += VW) acc += load_f(qa + i) * load_f(kr + i);
+            for (long i = 0; i < hv; i += VW) acc += load_f(qa + i) * kv_load(kt, j->k_cache, kr + i);
             float dot = hsum(acc);
-            for (long i = hv; i < hd; i++) dot += qa[i] * kr[i];
+            for (long i = hv; i < hd; i++) dot += qa[i] * kv_at(kt, j->k_cache, kr + i);
             sc[s] = dot * scale;
             mx = sc[s] > mx ? sc[s] : mx;
         }
@@ -152,9 +213,23 @@ static void attn_task(void *arg, int tid, int nth) {
         }
         float *out = j->att + m * qs + a * hd;
         for (long i = 0; i < hd; i++) out[i] = 0.f;
-        for (long s = 0; s < n; s++) {
-            const float p = sc[s] / sum;
-            for (long i = 0; i < hd; i++) out[i] += p * vb[s * hd + i];
+        if (kt == PE_KV_F32) {
+            const float *vb = (const float *)j->v_cache + base;
+            for (long s = 0; s < n; s++) {
+                const float p = sc[s] / sum;
+                for (long i = 0; i < hd; i++) out[i] += p * vb[s * hd + i];
+            }
+        } else {
+            for (long s = 0; s < n; s++) {
+                const float p = sc[s] / sum;
+                const long vr = base + s * hd;
+                long i = 0;
+                for (; i < hv; i += VW) {
+                    vf o = load_f(out + i) + p * kv_load(kt, j->v_cache, vr + i);
+                    memcpy(out + i, &o, sizeof o);
+                }
+                for (; i < hd; i++) out[i] += p * kv_at(kt, j->v_cache, vr + i);
+            }
         }
     }
 }
@@ -189,7 +264,7 @@ extern "C" {
 // M * heads * cache_len for the attention scores, plus threads * kmax + 2M * kmax / 32
 // floats and 2M * kmax bytes for the int8 activations, kmax the longest K of a projection.
 void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
-               float *k_cache, float *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
+               void *k_cache, void *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
     const long H = d->hidden, I = d->intermediate, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
     const long qs = nh * hd, kvs = nkv * hd, S = d->cache_len;
     float *h = scratch;               // (M, H)
@@ -245,8 +320,8 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
                 rope(k + m * kvs, nkv, hd, cs, sn);
                 for (long j = 0; j < nkv; j++) {  // write K (after RoPE) and V at (layer, row, head, pos)
                     long off = (((l * d->cache_rows + rows[m]) * nkv + j) * S + pos[m]) * hd;
-                    memcpy(k_cache + off, k + m * kvs + j * hd, hd * sizeof(float));
-                    memcpy(v_cache + off, v + m * kvs + j * hd, hd * sizeof(float));
+                    kv_store(d, k_cache, off, k + m * kvs + j * hd, hd);
+                    kv_store(d, v_cache, off, v + m * kvs + j * hd, hd);
                 }
             }
             bar.wait(nth);
