@@ -77,8 +77,13 @@ def check_options(table: Mapping[str, Any], options: Mapping[str, Any], *, backe
         known = ", ".join(f"{k} (default {_as_option(v).default!r})" for k, v in table.items()) or "none"
         raise InvalidRequest(f"unknown option(s) {unknown} for backend {backend!r}; its options: {known}",
                              field=f"options.{unknown[0]}")
+    checked = {}
     for key, value in options.items():
-        problem = _as_option(table[key]).problem(value)
+        spec = _as_option(table[key])
+        if isinstance(spec.default, tuple) and isinstance(value, list):
+            value = tuple(value)  # JSON (--option, --options, a config file) has lists, not tuples
+        problem = spec.problem(value)
         if problem is not None:
             raise InvalidRequest(f"option {key}={value!r} of backend {backend!r}: {problem}", field=f"options.{key}")
-    return {**option_defaults(table), **options}
+        checked[key] = value
+    return {**option_defaults(table), **checked}

@@ -55,7 +55,7 @@ def test_reference_and_kit_engines_satisfy_the_protocol(model):
 
 class _Kit(EngineBase):
     name = "kit"
-    OPTIONS = {"graphs": True, "block": 16, "scale": 1.0}
+    OPTIONS = {"graphs": True, "block": 16, "scale": 1.0, "buckets": ()}
 
     def __init__(self, model, config):
         super().__init__(model, config, Capabilities(dtypes=("float32", "bfloat16"), bulk_insert=True))
@@ -66,6 +66,7 @@ class _Kit(EngineBase):
     ({"options": {"graph": True}}, InvalidRequest, "unknown option(s) ['graph']"),
     ({"options": {"graphs": "yes"}}, InvalidRequest, "must be a bool"),
     ({"options": {"block": 1.5}}, InvalidRequest, "must be a int"),
+    ({"options": {"buckets": "128"}}, InvalidRequest, "must be a tuple"),
     ({"max_cache_length": 10**6}, InvalidRequest, "exceeds the model's max_position_embeddings"),
 ])
 def test_construction_refusals(model, changes, error, phrase):
@@ -76,7 +77,10 @@ def test_construction_refusals(model, changes, error, phrase):
 
 def test_options_take_defaults_and_accept_ints_for_floats(model):
     eng = _Kit(model, CFG.model_copy(update={"options": {"scale": 2, "graphs": False}}))
-    assert eng.options == {"graphs": False, "block": 16, "scale": 2}
+    assert eng.options == {"graphs": False, "block": 16, "scale": 2, "buckets": ()}
+    # JSON has lists, not tuples (--option buckets=[128,1024], a config file): taken as a tuple
+    eng = _Kit(model, CFG.model_copy(update={"options": {"buckets": [128, 1024]}}))
+    assert eng.options["buckets"] == (128, 1024)
     assert eng.dtype == "float32" and eng.device == "cpu" and eng.model is model
 
 

@@ -27,7 +27,12 @@ SLOTS, QUEUE, CONTEXT = 4, 8, 256
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = LiveServer(["--model", MODEL, "--backend", "reference", "--max-slots", str(SLOTS), "--max-queue", str(QUEUE),
-                    "--context-length", str(CONTEXT), "--api-key", KEY],
+                    "--context-length", str(CONTEXT), "--api-key", KEY,
+                    # keep-alive connections stay open between a client's requests, even on a
+                    # loaded machine (pytest -n 2): a close racing the next request is the
+                    # client's ReadError, and the connection limits have tests of their own
+                    # (test_hostile_server.py)
+                    "--idle-timeout", "120", "--header-timeout", "120"],
                    tmp_path_factory.mktemp("serve") / "server.log")
     yield s
     assert s.stop() == 0, s.log()
