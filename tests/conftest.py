@@ -90,6 +90,12 @@ def pytest_configure(config):
     its workers (they inherit the variable), removed when the session ends: the neuron
     tests' shared artifact cache and background conformance run live there
     (tests/neuron_support.py)."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers and not os.environ.get("OMP_NUM_THREADS"):
+        # pytest -n N: the cores shared out, not N teams of every core each. The CPU
+        # kernels wait at spinning barriers between phases, which an oversubscribed host
+        # turns into whole time slices lost; the subprocesses a test starts inherit it.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     if hasattr(config, "workerinput") or os.environ.get("POLYENGINE_TEST_SESSION"):
         return
     import tempfile

@@ -86,6 +86,11 @@ def cluster():
     small = 80 * 2**20
     # Logical CPUs (a worker reserves one): room for the worker groups the tests keep
     # alive at once (two workers, two spread ones, a prefill worker, replacements).
+    # Ray starts its workers at niceness 15; beside the other test worker (pytest -n 2)
+    # and the background neuron run they got the leftovers of the CPU, and this file took
+    # 18 minutes. The raylets read RAY_* settings from their environment.
+    niceness = os.environ.get("RAY_worker_niceness")
+    os.environ["RAY_worker_niceness"] = "0"
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "object_store_memory": small, "include_dashboard": False, "temp_dir": temp})
     c.add_node(num_cpus=4, object_store_memory=small)
@@ -95,6 +100,10 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+        if niceness is None:
+            os.environ.pop("RAY_worker_niceness", None)
+        else:
+            os.environ["RAY_worker_niceness"] = niceness
         shutil.rmtree(temp, ignore_errors=True)
         if optimizations is None:
             os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
@@ -270,8 +279,12 @@ def test_conformance_on_the_ray_engine(cluster, pytester, tmp_path):
     # that engine), so here only the shape models do.
     from differential_report import SHAPE_MODELS_ONLY
 
+    # The differential layer at 4 programs per configuration, not 10: the workers run
+    # tpu_jax's engine, whose own run (test_conformance_cli.py) draws the full budget; here
+    # the programs check what Ray adds (transport, async results, worker state).
     rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "tpu_jax_ray",
                               "-p", "no:cacheprovider", "--polyengine-report-json", str(report),
+                              "--polyengine-differential-examples", "4",
                               "-k", f"not test_sampling_support and not test_sampling_distribution and {SHAPE_MODELS_ONLY}")
     failed = [r.nodeid for r in rec.getreports("pytest_runtest_logreport") if r.failed]
     assert not failed, failed
