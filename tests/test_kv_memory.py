@@ -159,3 +159,16 @@ def test_a_narrow_kv_cache_is_refused_where_compute_is_not_float32():
     eng = TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype="bfloat16",
                                           options={"kv_dtype": "bfloat16"}))  # the compute dtype itself: fine
     assert eng.init_decode_state().k.dtype == torch.bfloat16
+
+
+def test_a_grown_cache_copies_and_pickles_like_any_tensor():
+    """Its storage is its own region only (the guard pages around it are not part of it):
+    deepcopy and pickle read the storage whole."""
+    import copy
+    import pickle
+
+    t = new_cache_tensor((2, 3, 1, 100, 4), torch.float32, torch.device("cpu"))
+    t[1, 2, 0, 7] = 3.0
+    assert t.untyped_storage().nbytes() <= t.numel() * 4 + PAGE
+    for other in (copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
+        assert torch.equal(other, t)

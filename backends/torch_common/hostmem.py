@@ -53,14 +53,15 @@ def new_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     # A guard page on each side, mapped PROT_NONE: the kernel merges neighbouring
     # anonymous maps of the same protection into one region, and the cache's own region
     # is what /proc/self/smaps reports for it (resident_bytes).
+    # The tensor's storage is the region between them only: whatever reads a tensor's
+    # whole storage (pickle, deepcopy) never touches a guard page.
     span = -(-nbytes // _PAGE) * _PAGE
     mm = mmap.mmap(-1, span + 2 * _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(mm, dtype=torch.uint8)
-    base = whole.data_ptr()
-    for start in (base, base + _PAGE + span):
+    inner = torch.frombuffer(memoryview(mm)[_PAGE:_PAGE + span], dtype=torch.uint8)  # keeps mm alive
+    for start in (inner.data_ptr() - _PAGE, inner.data_ptr() + span):
         if _libc().mprotect(ctypes.c_void_p(start), ctypes.c_size_t(_PAGE), 0) != 0:  # PROT_NONE
             raise OSError(ctypes.get_errno(), "mprotect of a KV cache guard page failed")
-    t = whole[_PAGE:_PAGE + nbytes].view(dtype).view(shape)
+    t = inner[:nbytes].view(dtype).view(shape)
     with _LOCK:
         for key in [k for k, ref in _MAPS.items() if ref() is None]:
             del _MAPS[key]
