@@ -188,8 +188,14 @@ def test_int8_weights_on_the_default_model(default_gguf):
     report["int8-block32/int8"] = _int8_agreement(real, cfg, f32, prompts, {"quantize": "int8-block32",
                                                                               "int8_compute": "int8"})
     assert report["int8-block32/int8"]["rel_l2"] < 0.25, report
-    print("int8 weights vs float32 on the default model:", report)
+    # bfloat16 weights (option weight_dtype), float32 or bfloat16 activations
+    for name, options, bound in (("bfloat16", {"weight_dtype": "bfloat16"}, 0.02),
+                                 ("bfloat16/bf16", {"weight_dtype": "bfloat16", "bf16_compute": "bf16"}, 0.02)):
+        report[name] = _int8_agreement(real, cfg, f32, prompts, options)
+        assert 0 < report[name]["rel_l2"] < bound, report
+    print("int8 and bfloat16 weights vs float32 on the default model:", report)
     assert sum(report["int8-block32"]["agree"]) >= 48
+    assert sum(report["bfloat16"]["agree"]) >= 48
 
 
 def _int8_agreement(real, cfg, f32, prompts, options):

@@ -135,20 +135,28 @@ class CpuKernels:
         return int(self.lib.pe_vector_width())
 
     @property
+    def bf16_dot(self) -> str:
+        """The instructions of bfloat16-activation products (option bf16_compute "bf16")."""
+        return "avx512-bf16 vdpbf16ps" if self.lib.pe_bf16_dot() else "float32 fma"
+
+    @property
     def q8_isa(self) -> str:
         """The instructions of the int8-activation products on this host."""
         return Q8_ISAS[int(self.lib.pe_q8_isa())]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               int8_activations: int = 0) -> torch.Tensor:
+               int8_activations: int = 0, bf16_activations: bool = False) -> torch.Tensor:
         """``x @ weight.T (* scale) + bias`` for float32 ``x`` (..., K); ``weight`` (N, K)
-        float32, or int8 with ``scale`` (N,) or (N, K / group) float32. ``out``: a
+        float32, bfloat16 (widened exactly in the kernels, float32 products), or int8 with
+        ``scale`` (N,) or (N, K / group) float32. ``out``: a
         contiguous float32 buffer of at least M * N elements to write into (a decode
         step's logits, reused instead of a fresh ~6 MB allocation that faults in its
         pages each step). ``int8_activations``: with int8 weights, quantize ``x`` to int8
         per 32 values and use integer dot products (``kernels/q8.cpp``): 1 one int8 row
-        per row of ``x``, 2 a second one carrying the first's rounding error; 0 float32."""
+        per row of ``x``, 2 a second one carrying the first's rounding error; 0 float32.
+        ``bf16_activations``: with bfloat16 weights, round ``x`` to bfloat16 and multiply
+        pairs with vdpbf16ps where the ISA path has it (``pe_bf16_dot``)."""
         if not weight.is_contiguous():
             raise ValueError("the CPU kernels need contiguous weights")
         shape = x.shape
@@ -176,6 +184,12 @@ class CpuKernels:
             group = k // scale.shape[1]
             self.lib.pe_linear_i8_grouped(x2.data_ptr(), k, weight.data_ptr(), scale.data_ptr(), b, y.data_ptr(), n,
                                           m, n, k, group, self.threads)
+        elif weight.dtype == torch.bfloat16 and bf16_activations:
+            xb = torch.empty(m * k, dtype=torch.bfloat16)
+            self.lib.pe_linear_bf16dot(x2.data_ptr(), k, weight.data_ptr(), b, y.data_ptr(), n, m, n, k, self.threads,
+                                       xb.data_ptr())
+        elif weight.dtype == torch.bfloat16:
+            self.lib.pe_linear_bf16(x2.data_ptr(), k, weight.data_ptr(), b, y.data_ptr(), n, m, n, k, self.threads)
         elif weight.dtype == torch.int8:
             self.lib.pe_linear_i8(x2.data_ptr(), k, weight.data_ptr(), scale.data_ptr(), b, y.data_ptr(), n,
                                   m, n, k, self.threads)
@@ -251,7 +265,12 @@ def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
         lib.pe_linear_f32.argtypes = [ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_]
         lib.pe_linear_i8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, int_]
         lib.pe_linear_i8_grouped.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_]
+        lib.pe_linear_bf16.argtypes = lib.pe_linear_f32.argtypes
         lib.pe_linear_f32.restype = lib.pe_linear_i8.restype = lib.pe_linear_i8_grouped.restype = None
+        lib.pe_linear_bf16.restype = None
+        lib.pe_linear_bf16dot.argtypes = [*lib.pe_linear_f32.argtypes, ptr]
+        lib.pe_linear_bf16dot.restype = None
+        lib.pe_bf16_dot.restype = ctypes.c_int
         lib.pe_linear_q8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_, ptr, ptr,
                                      int_, ptr]
         lib.pe_linear_q8.restype = None
@@ -286,7 +305,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_long) for n in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers",
                                              "cache_rows", "cache_len")] + [
         ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
-        ("q8", ctypes.c_int), ("kv_type", ctypes.c_int)]
+        ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int)]
 
 
 # The KV cache element types the fused step reads and writes (decode.cpp's PE_KV_*).
@@ -297,14 +316,16 @@ class FusedDecoder:
     """A whole decode step on the CPU in one call (``kernels/decode.cpp``).
 
     Built once per engine over the weights dict of :class:`TorchWeights` (float32, or
-    with the engine's int8 ``.qweight``/``.scale`` entries) and the decode state's cache
+    with the engine's int8 ``.qweight``/``.scale`` entries, or its bfloat16 ``.qweight``
+    entries without scales: option ``weight_dtype``) and the decode state's cache
     shape; :meth:`step` advances M rows by one token each, writing their K/V into the
     cache tensors, and returns the hidden states after the last layer (before the final
     norm). Holds references to every tensor it points at.
     """
 
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
-                 cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32):
+                 cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32,
+                 bf16_activations: bool = False):
         c = config
         self.kv_dtype = kv_dtype
         self.kernels, self.config = kernels, c
@@ -313,12 +334,14 @@ class FusedDecoder:
         def ptr(t: torch.Tensor | None) -> int | None:
             if t is None:
                 return None
-            if not t.is_contiguous() or t.dtype not in (torch.float32, torch.int8):
-                raise ValueError(f"the fused decoder needs contiguous float32/int8 tensors, got {t.dtype}")
+            if not t.is_contiguous() or t.dtype not in (torch.float32, torch.int8, torch.bfloat16):
+                raise ValueError(f"the fused decoder needs contiguous float32/int8/bfloat16 tensors, got {t.dtype}")
             self._keep.append(t)
             return t.data_ptr()
 
         group = 0
+        # quantized: int8 weights with scales, or bfloat16 ones (no scales)
+        narrow = tensors[f"model.layers.0.{_NAMES['q']}.qweight"].dtype if quantized else torch.float32
         self.layers = (_Layer * c.num_hidden_layers)()
         for i in range(c.num_hidden_layers):
             pre = f"model.layers.{i}."
@@ -327,7 +350,9 @@ class FusedDecoder:
             entry.post_norm = ptr(tensors[pre + "post_attention_layernorm.weight"])
             for p in _PROJECTIONS:
                 name = pre + _NAMES[p]
-                if quantized:
+                if narrow == torch.bfloat16:
+                    setattr(entry, p, ptr(tensors[name + ".qweight"]))
+                elif quantized:
                     scale = tensors[name + ".scale"]
                     g = 0 if scale.dim() == 1 else tensors[name + ".qweight"].shape[1] // scale.shape[1]
                     if i == 0 and p == "q":
@@ -340,8 +365,10 @@ class FusedDecoder:
                     setattr(entry, p, ptr(tensors[name + ".weight"]))
                 setattr(entry, p + "_bias", ptr(tensors.get(name + ".bias")))
         self.dims = _Dims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-                          c.head_dim, c.num_hidden_layers, cache_rows, cache_len, c.rms_norm_eps, int(quantized), group,
-                          kernels.threads, int(int8_activations) if quantized else 0, KV_TYPES[kv_dtype])
+                          c.head_dim, c.num_hidden_layers, cache_rows, cache_len, c.rms_norm_eps,
+                          int(narrow == torch.int8), group, kernels.threads,
+                          int(int8_activations) if narrow == torch.int8 else 0, KV_TYPES[kv_dtype],
+                          (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0)
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")

@@ -38,7 +38,7 @@ from polyengine.engine import Capabilities, EngineBase, EngineConfig, Option, Pr
 from polyengine.errors import FallbackWarning, InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
-from polyengine.models.quantize import WEIGHT_MODES, has_int8_copies, int8_bytes, replaced_weights
+from polyengine.models.quantize import WEIGHT_MODES, has_int8_copies, int8_bytes, quantized_names, replaced_weights
 from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -134,6 +134,17 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # float32 (weight-only int8, exact up to rounding); "auto" is "int8x2" where every
         # input size is a multiple of 32, else "float" (docs/cuda_torch.md)
         "int8_compute": Option("auto", "activations of int8 products on the CPU", choices=tuple(_INT8_COMPUTE)),
+        # CPU, float32 compute: the projections and the LM head stored as bfloat16 (rounded
+        # to nearest even once, at load; the float32 matrices are not kept), widened exactly
+        # in the products: half the bytes a decode step streams, float32 arithmetic
+        "weight_dtype": Option("auto", "CPU, float32 compute: projection weights stored as 'bfloat16' ('auto': the "
+                                       "compute dtype)", choices=("auto", "bfloat16")),
+        # with bfloat16 weights: "bf16" rounds each decode product's input rows to bfloat16
+        # and multiplies pairs with AVX512-BF16's vdpbf16ps (twice float32's products per
+        # instruction; the same products in float32 on paths without it); "float" keeps
+        # float32 activations (exact products of the rounded weights)
+        "bf16_compute": Option("float", "with weight_dtype bfloat16: decode products' activations, 'float' or "
+                                        "'bf16'", choices=("float", "bf16")),
         # CUDA: replay the decode forward as a CUDA graph per kv_len bucket (not verified on a GPU
         # in this project's CI, hence off by default; see docs/cuda_torch.md)
         "cuda_graphs": Option(False, "CUDA: replay decode steps as CUDA graphs (never run on a GPU here)"),
@@ -147,6 +158,22 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         if o["quantize"] and model.config.num_experts:
             raise UnsupportedFeature("quantize with a mixture-of-experts model", self.name,
                                      "int8 weights cover dense projections only")
+        if o["weight_dtype"] != "auto":
+            why = None
+            if o["quantize"]:
+                why = "int8 weights already replace the float ones; choose one of quantize and weight_dtype"
+            elif device.type != "cpu":
+                why = "bfloat16 weights under float32 compute run on the CPU path; on CUDA use dtype bfloat16"
+            elif model.config.num_experts:
+                why = "it stores dense projections only, not a mixture of experts'"
+            elif self.dtype != "float32":
+                why = f"it narrows float32 weights, and this engine computes in {self.dtype}; use dtype float32"
+            if why:
+                raise UnsupportedFeature(f"weight_dtype={o['weight_dtype']!r} here", self.name, why)
+        elif o["bf16_compute"] != "float":
+            raise UnsupportedFeature(f"bf16_compute={o['bf16_compute']!r} without bfloat16 weights", self.name,
+                                     "it chooses the activations of bfloat16 weights' products; add "
+                                     "weight_dtype='bfloat16'")
         if o["cuda_graphs"] and device.type != "cuda":
             raise UnsupportedFeature("cuda_graphs on the CPU", self.name, "CUDA graphs need a CUDA device")
         self.torch_dtype = _DTYPES[self.dtype]
@@ -202,9 +229,16 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                            f"{self.kernels_fallback}")
                 warnings.warn(message, FallbackWarning, stacklevel=2)
                 logging.getLogger(__name__).warning(message)
-        self._linear = self._cpu_linear if (self._kernels is not None or o["quantize"]) else None
-        self._tiled = None  # the int8 product without the kernels (int8.TiledInt8Linear), made with the weights
+        # the projections' weights are int8 (quantize) or bfloat16 (weight_dtype) copies, ".qweight"
+        self._narrow = bool(o["quantize"]) or o["weight_dtype"] != "auto"
+        self._linear = self._cpu_linear if (self._kernels is not None or self._narrow) else None
+        self._tiled = None  # the narrow product without the kernels (int8.TiledInt8Linear), made with the weights
         self.int8_activations = self._pick_int8_compute(model.config)
+        # decode products of bfloat16 weights on bfloat16 activations (option bf16_compute)
+        self.bf16_activations = o["bf16_compute"] == "bf16"
+        if self.bf16_activations and self._kernels is None:
+            raise UnsupportedFeature("bf16_compute='bf16'", self.name, "it runs in the host-compiled CPU kernels, "
+                                     f"which are not used here ({self.kernels_fallback})")
         self._fused = None  # the FusedDecoder, built with the weights when fused_decode applies
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
@@ -277,12 +311,15 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         shares_host = self.torch_device.type == "cpu" and self.torch_dtype == torch.float32
         mode = self.options["quantize"]
         shapes = c.weight_shapes()
-        kept = set(shapes) - (replaced_weights(c) if mode else set())
+        kept = set(shapes) - (replaced_weights(c) if mode or self.options["weight_dtype"] != "auto" else set())
         needs = {}
         if not shares_host:
             needs[f"{self.dtype} weights on {self.torch_device}"] = sum(math.prod(shapes[n]) for n in kept) * item
         if mode and not has_int8_copies(self.model, mode):
             needs[f"int8 copies of the projections and the LM head ({mode})"] = int8_bytes(c, mode)
+        if self.options["weight_dtype"] == "bfloat16":
+            needs["bfloat16 copies of the projections and the LM head"] = sum(
+                math.prod(shapes[source]) for _, source in quantized_names(c)) * 2
         needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
             cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(self.kv_dtype.itemsize))
         needs["the sampler's per-slot tables and a step's logits"] = (
@@ -320,9 +357,9 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def load_params(self) -> TorchWeights:
         if self._weights is None:
             mode = self.options["quantize"]
-            # int8: the float matrices the copies replace are not kept (nor converted); an
-            # exclusive Model releases them too (polyengine.models.quantize).
-            skip = replaced_weights(self.model.config) if mode else frozenset()
+            # int8 or bfloat16 copies: the float matrices they replace are not kept (nor
+            # converted); an exclusive Model releases them too (polyengine.models.quantize).
+            skip = replaced_weights(self.model.config) if self._narrow else frozenset()
             weights = self._allocating("the weights", lambda: TorchWeights.from_model(
                 self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length,
                 skip=skip))
@@ -330,6 +367,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 from polyengine.backends.cuda_torch.int8 import TiledInt8Linear, int8_tensors
 
                 weights.tensors.update(self._allocating("int8 weights", lambda: int8_tensors(self.model, mode)))
+            elif self._narrow:
+                from polyengine.backends.cuda_torch.int8 import bf16_tensors
+
+                weights.tensors.update(self._allocating("bfloat16 weights", lambda: bf16_tensors(self.model)))
+            if self._narrow:
+                from polyengine.backends.cuda_torch.int8 import TiledInt8Linear
+
                 self._tiled = TiledInt8Linear()
             self._weights = weights
             # The fused step is written for the Llama family; other architectures decode
@@ -339,8 +383,9 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
                 self._fused = FusedDecoder(self._kernels, self._weights.tensors, self.model.config,
                                            cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
-                                           quantized=bool(self.options["quantize"]),
-                                           int8_activations=self.int8_activations, kv_dtype=self.kv_dtype)
+                                           quantized=self._narrow,
+                                           int8_activations=self.int8_activations, kv_dtype=self.kv_dtype,
+                                           bf16_activations=self.bf16_activations)
             self._prefill_sampler = TorchSampler(
                 self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
         return self._weights
@@ -349,16 +394,17 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """A projection on the CPU: the host kernels for the few rows of a decode step (or
         for any number with ``any_rows``, writing into ``out``), torch's GEMM for prefill;
-        int8 weights when quantized (widened band by band for torch's GEMM: int8.py)."""
+        int8 or bfloat16 weights when narrowed (widened band by band for torch's GEMM: int8.py)."""
         from polyengine.backends.cuda_torch.cpu_kernels import MAX_ROWS
 
         bias = t.get(name + ".bias")
         on_kernels = self._kernels is not None and (any_rows or x.numel() // x.shape[-1] <= MAX_ROWS)
         q = t.get(name + ".qweight")
         if q is not None:
-            scale = t[name + ".scale"]
+            scale = t.get(name + ".scale")  # None: bfloat16 weights
             if on_kernels:
-                return self._kernels.linear(x, q, bias, scale=scale, out=out, int8_activations=self.int8_activations)
+                return self._kernels.linear(x, q, bias, scale=scale, out=out, int8_activations=self.int8_activations,
+                                            bf16_activations=self.bf16_activations)
             return self._tiled(x, q, scale, bias)
         w = t[name + ".weight"] if name != "lm_head" else t.get("lm_head.weight", t["model.embed_tokens.weight"])
         if on_kernels and x.dtype == torch.float32:

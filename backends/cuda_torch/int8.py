@@ -1,5 +1,5 @@
-"""int8 weights in torch: the core's quantizer's arrays as tensors, and the product
-without the host-compiled kernels.
+"""int8 and bfloat16 weights in torch: the core's quantizer's arrays as tensors, bfloat16
+copies (option ``weight_dtype``), and their product without the host-compiled kernels.
 
 The int8 copies come from :func:`polyengine.models.quantize.quantize_model` (the one
 quantizer and mode table every backend uses); here they only become torch tensors that
@@ -16,18 +16,45 @@ import numpy as np
 import torch
 
 from polyengine.models import Model
-from polyengine.models.quantize import quantize_model
+from polyengine.memory import return_freed_memory
+from polyengine.models.quantize import quantize_model, quantized_names
 
-__all__ = ["int8_tensors", "dequantize", "TiledInt8Linear"]
+__all__ = ["int8_tensors", "bf16_tensors", "dequantize", "TiledInt8Linear"]
 
 # Weights widened per band: 2^18 float32 values (1 MiB), a band of rows of any matrix.
 _BAND_ELEMENTS = 1 << 18
+# Released float bytes after which the freed heap memory is handed back to the system.
+_RETURN_BYTES = 64 << 20
 
 
 def int8_tensors(model: Model, mode: str) -> dict[str, torch.Tensor]:
     """``<name>.qweight`` (int8) and ``<name>.scale`` (float32) for every projection and
     the LM head, sharing the memory of the core quantizer's arrays (kept with the Model)."""
     return {name: torch.from_numpy(np.ascontiguousarray(arr)) for name, arr in quantize_model(model, mode).items()}
+
+
+def bf16_tensors(model: Model) -> dict[str, torch.Tensor]:
+    """``<name>.qweight`` as bfloat16 (no scale; round to nearest even, torch's
+    ``.to(torch.bfloat16)``) for every projection and the LM head: the names and sources
+    of the int8 copies (``quantized_names``). An exclusive Model releases each float
+    matrix as its copy exists (the embedding table excepted: it stays a float32 lookup)."""
+    out: dict[str, torch.Tensor] = {}
+    if model.exclusive:
+        model.fingerprint  # noqa: B018 -- of the float weights, before any is released
+    unreturned = 0  # bytes released since memory was last handed back to the system
+    for name, source in quantized_names(model.config):
+        w = model.weights[source]
+        out[name + ".qweight"] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
+        if model.exclusive and source != "model.embed_tokens.weight":
+            unreturned += w.nbytes
+            del w
+            model.release([source], why="its bfloat16 copy (option weight_dtype) replaced it")
+            if unreturned >= _RETURN_BYTES:  # as it goes, so the float and bfloat16 copies never add up
+                return_freed_memory()
+                unreturned = 0
+    if unreturned:
+        return_freed_memory()
+    return out
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -51,8 +78,9 @@ class TiledInt8Linear:
             self._buffer = torch.empty(max(need, _BAND_ELEMENTS), dtype=dtype)
         return self._buffer[:need].view(rows, k)
 
-    def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+    def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``q``: int8 with ``scale`` (per row or per block), or bfloat16 without one."""
         n, k = q.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
@@ -60,7 +88,7 @@ class TiledInt8Linear:
         band = max(1, min(n, _BAND_ELEMENTS // k))
         yt = torch.empty((n, m), dtype=x.dtype)  # y transposed: each band writes contiguous rows
         xt = x2.t()
-        blocks = scale.dim() == 2
+        blocks = scale is not None and scale.dim() == 2
         for r in range(0, n, band):
             rows = min(band, n - r)
             w = self._band(rows, k, x.dtype)
@@ -68,7 +96,7 @@ class TiledInt8Linear:
             if blocks:  # a scale per block of the band's rows
                 w.view(rows, scale.shape[1], -1).mul_(scale[r: r + rows, :, None].to(x.dtype))
             torch.mm(w, xt, out=yt[r: r + rows])
-        if not blocks:  # a scale per output row: applied once to the output, not to every weight
+        if scale is not None and not blocks:  # a scale per output row: applied once to the output
             yt.mul_(scale[:, None].to(x.dtype))
         y = yt.t().contiguous()  # (M, N): a copy of the output only, small next to the weights
         if bias is not None:

@@ -52,6 +52,7 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
         out["decode"] = "the shared torch forward on torch's matmul (FALLBACK)"
         out["kernels"] = f"not used: {fallback}"
     mode = options.get("quantize", "")
+    mode = mode if isinstance(mode, str) else ""  # diagnose passes the option table itself: the defaults
     if int8_activations is None:  # not built: what int8 would use here
         if kernels is not None:
             out["int8"] = (f"off by default; with option quantize: integer dot products on {kernels.q8_isa} where the "
@@ -68,7 +69,24 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
         out["int8"] = f"{mode} weights x int8 activations ({rows} per row), integer dot products on {kernels.q8_isa}"
     else:
         out["int8"] = f"{mode} weights x float32 activations (weights widened in the kernels)"
-    out["prefill"] = "torch's GEMM and SDPA (int8 weights widened band by band)" if mode else "torch's GEMM and SDPA"
+    narrow = options.get("weight_dtype", "auto")
+    narrow = narrow if isinstance(narrow, str) else "auto"  # diagnose passes the option table itself
+    if mode:
+        out["weights"] = f"int8 ({mode}) projections and LM head"
+    elif narrow == "bfloat16":
+        if kernels is None:
+            how = "float32 products, widened band by band for torch's matmul"
+        elif options.get("bf16_compute") == "bf16":
+            how = f"decode products on activations rounded to bfloat16 (bf16_compute=bf16): {kernels.bf16_dot}"
+        else:
+            how = "float32 products, widened in the kernels (bf16_compute=float)"
+        out["weights"] = f"bfloat16 projections and LM head (option weight_dtype), {how}"
+    else:
+        out["weights"] = f"{str(dtype).replace('torch.', '')}" + (
+            "; weight_dtype=bfloat16 halves the bytes a step streams" if dtype == torch.float32 else "")
+    widened = "int8" if mode else "bfloat16" if narrow == "bfloat16" else ""
+    out["prefill"] = f"torch's GEMM and SDPA ({widened} weights widened band by band)" if widened else (
+        "torch's GEMM and SDPA")
     out["kv cache"] = _kv(options, dtype)
     return out
 

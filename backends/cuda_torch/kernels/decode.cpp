@@ -1,5 +1,5 @@
 // One decode step of the Llama-family model on the CPU, fused: every layer for M rows
-// (the live slots) in one call, float32 activations, float32 or int8 weights.
+// (the live slots) in one call, float32 activations, float32, bfloat16 or int8 weights.
 //
 // Why: the shared torch forward issues ~50 small tensor ops per layer; at one token per
 // slot their dispatch costs more than the arithmetic. Here the whole step is plain
@@ -33,30 +33,15 @@ struct pe_dims {
     int q8;     // int8 weights: activations to int8 too (q8.cpp; all K % 32 == 0), as one int8
                 // row per row (1) or two, the second carrying the first's rounding error (2)
     int kv_type;  // the KV cache's elements: PE_KV_F32, PE_KV_BF16 or PE_KV_F16 (option kv_dtype)
+    int bf16;     // float weights stored as bfloat16 (option weight_dtype; int8 is 0), against float32
+                  // activations (1) or activations rounded to bfloat16 (2, option bf16_compute "bf16")
 };
 
 // The KV cache's element types. Written from float32 with round-to-nearest-even, as
 // torch's .to(bfloat16/float16) does (so this step and the torch forward store the same
 // bits), and widened back to float32 where attention reads them.
 enum { PE_KV_F32 = 0, PE_KV_BF16 = 1, PE_KV_F16 = 2 };
-typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
-typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
 typedef _Float16 vh __attribute__((vector_size(VW * 2)));
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);  // NaN stays a (quiet) NaN
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
 
 // n floats of src into the cache at element offset off.
 static inline void kv_store(const pe_dims *d, void *cache, long off, const float *src, long n) {
@@ -74,14 +59,7 @@ static inline void kv_store(const pe_dims *d, void *cache, long off, const float
 // VW cache elements at element offset off, widened to float32.
 static inline vf kv_load(int kv_type, const void *cache, long off) {
     if (kv_type == PE_KV_F32) return load_f((const float *)cache + off);
-    if (kv_type == PE_KV_BF16) {
-        vu16 h;
-        memcpy(&h, (const uint16_t *)cache + off, sizeof h);
-        vu32 b = __builtin_convertvector(h, vu32) << 16;
-        vf f;
-        memcpy(&f, &b, sizeof f);
-        return f;
-    }
+    if (kv_type == PE_KV_BF16) return widen_bf16((const uint16_t *)cache + off);
     vh h;
     memcpy(&h, (const _Float16 *)cache + off, sizeof h);
     return __builtin_convertvector(h, vf);
@@ -94,7 +72,7 @@ static inline float kv_at(int kv_type, const void *cache, long off) {
 }
 
 static int kind_of(const pe_dims *d) {
-    return !d->int8 ? PE_F32 : d->q8 == 2 ? PE_Q8X2 : d->q8 ? PE_Q8 : d->group ? PE_I8_GROUPED : PE_I8;
+    return !d->int8 ? (d->bf16 == 2 ? PE_BF16DOT : d->bf16 ? PE_BF16 : PE_F32) : d->q8 == 2 ? PE_Q8X2 : d->q8 ? PE_Q8 : d->group ? PE_I8_GROUPED : PE_I8;
 }
 
 // Thread tid's share of the projections that read the same input x (M, K) (for PE_Q8,
@@ -105,10 +83,17 @@ static void proj(const pe_dims *d, const float *x, const int8_t *xq, const float
     linear_task(&job, tid, nth);
 }
 
-// Rows [r0, r1) of x (M, K) to int8 for the next product, when it runs on int8
-// activations (res: K floats of this thread's scratch, for q8 == 2).
+// Whether a product's input rows are converted first (int8, or bfloat16 into xq).
+static inline bool converts_rows(const pe_dims *d) { return d->q8 || d->bf16 == 2; }
+
+// Rows [r0, r1) of x (M, K) to int8 (or bfloat16) for the next product, when it runs on
+// int8 (bfloat16) activations (res: K floats of this thread's scratch, for q8 == 2).
 static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, long r1, int8_t *xq, float *xs,
                           float *res) {
+    if (d->bf16 == 2 && r1 > r0) {
+        bf16_rows(x + r0 * K, K, (int)(r1 - r0), K, (uint16_t *)xq + r0 * K);
+        return;
+    }
     if (!d->q8 || r1 <= r0) return;
     const long p = d->q8;  // int8 rows per row
     q8_quantize_rows(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), d->q8, res);
@@ -295,7 +280,7 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
         // tmp (M, H) = in (M, K) @ W^T for the o and down projections, whose input the
         // threads wrote by element or by head: quantized by rows (q8) after a barrier.
         auto into_tmp = [&](const float *in, long K, const void *wt, const float *scale, const float *bias) {
-            if (d->q8) {
+            if (converts_rows(d)) {
                 quantize_rows(d, in, K, r0, r1, xq, xs, res + tid * kmax);
                 bar.wait(nth);
             }

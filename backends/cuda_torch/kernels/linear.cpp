@@ -1,5 +1,5 @@
 // Skinny matrix products for the CPU decode step: y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
-// M small (the live slots), weights float32 or int8 with a per-row scale.
+// M small (the live slots), weights float32, bfloat16, or int8 with a per-row scale.
 //
 // Why: a decode step is bound by streaming the weights from memory, and a one-row
 // product through a general GEMM library streams them well below the memory
@@ -40,6 +40,46 @@ static inline vf load_w(const int8_t *p) {
 }
 static inline float wv(const float *p) { return *p; }
 static inline float wv(const int8_t *p) { return (float)*p; }
+
+// float32 -> bfloat16 with round-to-nearest-even, as torch's .to(bfloat16) (the same bits).
+static inline uint16_t to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);  // NaN stays a (quiet) NaN
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+// bfloat16 weights (option weight_dtype): the upper half of each float32 weight's bits,
+// rounded to nearest even when stored; widened here exactly (a zero-extend and a shift),
+// so the products are float32 products of the rounded weights. Half the bytes to stream.
+struct bf16w {
+    uint16_t bits;
+};
+typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
+static inline vf widen_bf16(const uint16_t *p) {
+    vu16 h;
+    memcpy(&h, p, sizeof h);
+    vu32 b = __builtin_convertvector(h, vu32) << 16;
+    vf f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+static inline vf load_w(const bf16w *p) { return widen_bf16(&p->bits); }
+static inline float wv(const bf16w *p) {
+    uint32_t b = (uint32_t)p->bits << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
 
 // Sum of a vector's lanes as a tree of halvings (a lane-by-lane loop is a chain of
 // dependent adds: it dominated the attention scores, one sum per cached position).
@@ -138,6 +178,68 @@ static inline void rows_grouped(const float *x, long ldx, const int8_t *w, long 
 
 #include "q8.cpp"
 
+// bfloat16 weights against activations rounded to bfloat16 (option bf16_compute "bf16"):
+// each product's input rows are rounded once (bf16_rows), then every pair of k values
+// is one step of AVX512-BF16's vdpbf16ps (32 products per instruction, twice the
+// float32 FMA's) where the ISA path has it; elsewhere the same products in float32 (a
+// bfloat16 times a bfloat16 is exact in float32), summed in another order.
+static void bf16_rows(const float *x, long ldx, int M, long K, uint16_t *xb) {
+    for (int m = 0; m < M; m++)
+        for (long k = 0; k < K; k++) xb[m * K + k] = to_bf16(x[m * ldx + k]);
+}
+
+template <int MB, int R>
+static inline void block_bf16dot(const uint16_t *xb, long K, const uint16_t *w, long n0, const float *bias, float *y,
+                                 long ldy) {
+    long k = 0;
+    float sums[MB][R];
+#if defined(__AVX512BF16__)
+    __m512 acc[MB][R];
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wr[R];
+        for (int r = 0; r < R; r++) wr[r] = (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k);
+        for (int m = 0; m < MB; m++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * K + k);
+            for (int r = 0; r < R; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wr[r]);
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) sums[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+#else
+    vf acc[MB][R];
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = (vf){};
+    for (; k + VW <= K; k += VW) {
+        vf wr[R];
+        for (int r = 0; r < R; r++) wr[r] = widen_bf16(w + (n0 + r) * K + k);
+        for (int m = 0; m < MB; m++) {
+            vf xv = widen_bf16(xb + m * K + k);
+            for (int r = 0; r < R; r++) acc[m][r] += xv * wr[r];
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) sums[m][r] = hsum(acc[m][r]);
+#endif
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) {
+            float s = sums[m][r];
+            for (long kk = k; kk < K; kk++) s += from_bf16(xb[m * K + kk]) * from_bf16(w[(n0 + r) * K + kk]);
+            if (bias) s += bias[n0 + r];
+            y[m * ldy + n0 + r] = s;
+        }
+}
+
+template <int R>
+static inline void rows_bf16dot(const uint16_t *xb, int M, long K, const uint16_t *w, long n0, const float *bias,
+                                float *y, long ldy) {
+    const int MB = (VW == 16) ? 3 : 2;
+    int m = 0;
+    for (; m + MB <= M; m += MB) block_bf16dot<MB, R>(xb + m * K, K, w, n0, bias, y + m * ldy, ldy);
+    for (; m < M; m++) block_bf16dot<1, R>(xb + m * K, K, w, n0, bias, y + m * ldy, ldy);
+}
+
 // One projection's output rows in a parallel loop over several projections of one input
 // (q, k and v read the same normed activations; so do gate and up).
 struct pe_seg {
@@ -152,7 +254,9 @@ struct pe_seg {
 // PE_Q8X2: the same with each activation row carried as two int8 rows, its quantization
 // and the quantization of what that left over (q8x2_quantize): twice the integer
 // arithmetic, the same weight bytes, ~1/250 of the activation rounding error.
-enum { PE_F32 = 0, PE_I8 = 1, PE_I8_GROUPED = 2, PE_Q8 = 3, PE_Q8X2 = 4 };
+// PE_BF16: bfloat16 weights against float32 activations (bf16w); PE_BF16DOT: against
+// activations rounded to bfloat16 (bf16_rows into xq, read as uint16_t; block_bf16dot).
+enum { PE_F32 = 0, PE_I8 = 1, PE_I8_GROUPED = 2, PE_Q8 = 3, PE_Q8X2 = 4, PE_BF16 = 5, PE_BF16DOT = 6 };
 
 // Row m of x (K values) -> rows 2m and 2m + 1 of xq/xs: x ~ xs[2m] * xq[2m] +
 // xs[2m + 1] * xq[2m + 1] blockwise. res: K floats of scratch.
@@ -209,19 +313,34 @@ struct pe_linear_job {
 
 static const long PE_TILE = (VW == 16) ? 8 : 4;  // weight rows a thread streams together (MB x R accumulators in registers)
 
-static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) {
+// Rows [n0, n1) of float weights (float32 or bf16w) without scales.
+template <typename W>
+static void float_rows(const pe_linear_job *j, const pe_seg *s, const W *w, long n0, long n1) {
     const int R = PE_TILE;
     long n = n0;
-    if (j->kind == PE_F32 && j->M <= 2) {
+    if (j->M <= 2) {
         // memory-bound: one weight row at a time, a single sequential stream, which the
         // hardware prefetchers follow best (R rows side by side are R short streams;
         // measured on Zen 4 at batch 1: 13.0 vs 15.0 ms a step's layers, R = 8)
-        const float *w = (const float *)s->w;
         for (; n < n1; n++) rows<1>(j->x, j->ldx, w, j->K, n, j->M, nullptr, s->bias, s->y, s->ldy);
-    } else if (j->kind == PE_F32) {
-        const float *w = (const float *)s->w;
-        for (; n + R <= n1; n += R) rows<R>(j->x, j->ldx, w, j->K, n, j->M, nullptr, s->bias, s->y, s->ldy);
-        for (; n < n1; n++) rows<1>(j->x, j->ldx, w, j->K, n, j->M, nullptr, s->bias, s->y, s->ldy);
+        return;
+    }
+    for (; n + R <= n1; n += R) rows<R>(j->x, j->ldx, w, j->K, n, j->M, nullptr, s->bias, s->y, s->ldy);
+    for (; n < n1; n++) rows<1>(j->x, j->ldx, w, j->K, n, j->M, nullptr, s->bias, s->y, s->ldy);
+}
+
+static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) {
+    const int R = PE_TILE;
+    long n = n0;
+    if (j->kind == PE_F32) {
+        float_rows(j, s, (const float *)s->w, n0, n1);
+    } else if (j->kind == PE_BF16) {
+        float_rows(j, s, (const bf16w *)s->w, n0, n1);
+    } else if (j->kind == PE_BF16DOT) {
+        const uint16_t *xb = (const uint16_t *)j->xq, *w = (const uint16_t *)s->w;
+        if (j->M > 2)
+            for (; n + R <= n1; n += R) rows_bf16dot<R>(xb, j->M, j->K, w, n, s->bias, s->y, s->ldy);
+        for (; n < n1; n++) rows_bf16dot<1>(xb, j->M, j->K, w, n, s->bias, s->y, s->ldy);
     } else if (j->kind == PE_I8) {
         const int8_t *w = (const int8_t *)s->w;
         for (; n + R <= n1; n += R) rows<R>(j->x, j->ldx, w, j->K, n, j->M, s->scale, s->bias, s->y, s->ldy);
@@ -282,6 +401,30 @@ void pe_linear_f32(const float *x, long ldx, const float *w, const float *bias, 
                    int M, long N, long K, int threads) {
     pe_seg seg = {w, nullptr, bias, y, ldy, N};
     linear_segs(x, ldx, M, K, PE_F32, 0, &seg, 1, threads);
+}
+
+// w: bfloat16 bits (N, K).
+void pe_linear_bf16(const float *x, long ldx, const uint16_t *w, const float *bias, float *y, long ldy,
+                    int M, long N, long K, int threads) {
+    pe_seg seg = {w, nullptr, bias, y, ldy, N};
+    linear_segs(x, ldx, M, K, PE_BF16, 0, &seg, 1, threads);
+}
+
+// The same against x rounded to bfloat16 (xb: M * K uint16_t of scratch).
+void pe_linear_bf16dot(const float *x, long ldx, const uint16_t *w, const float *bias, float *y, long ldy,
+                       int M, long N, long K, int threads, uint16_t *xb) {
+    bf16_rows(x, ldx, M, K, xb);
+    pe_seg seg = {w, nullptr, bias, y, ldy, N};
+    linear_segs(x, ldx, M, K, PE_BF16DOT, 0, &seg, 1, threads, (const int8_t *)xb);
+}
+
+// 1 where the bf16 products run on vdpbf16ps (AVX512-BF16), 0 where in float32.
+int pe_bf16_dot(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 void pe_linear_i8(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
