@@ -12,10 +12,9 @@ the reserved cache measured in the same turns.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
+
+from fresh_process import run_fresh
 
 ROWS = {
     "reserve (all slots' full context from the start)": {"kv_memory": "reserve"},
@@ -40,12 +39,6 @@ print(json.dumps({"seconds": seconds, "tokens": sum(len(c.token_ids) for c in ou
 """
 
 
-def _run(options: dict, tokens: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(options), str(tokens)], capture_output=True,
-                          text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"the run with options {options} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -56,7 +49,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in ROWS}
     for _ in range(args.repeats):
         for name, options in ROWS.items():
-            runs[name].append(_run(options, args.tokens))
+            runs[name].append(run_fresh(_CHILD, options, str(args.tokens)))
     base = [r["seconds"] for r in runs[next(iter(ROWS))]]
     print(f"32 requests x {args.tokens} new tokens at batch 32, default model, float32; medians of {args.repeats}")
     print("| KV cache | decode tok/s | time vs reserve (same turn) | peak RSS MiB |")

@@ -15,10 +15,9 @@ and each row's b1 and b32 time against float32 weights measured in the same turn
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
+
+from fresh_process import run_fresh
 
 ROWS = {
     "float32 weights": {},
@@ -50,12 +49,6 @@ print(json.dumps(out))
 """
 
 
-def _run(options: dict, tokens: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(options), str(tokens)], capture_output=True,
-                          text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"the run with options {options} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -66,7 +59,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in ROWS}
     for _ in range(args.repeats):
         for name, options in ROWS.items():
-            runs[name].append(_run(options, args.tokens))
+            runs[name].append(run_fresh(_CHILD, options, str(args.tokens)))
     base = runs[next(iter(ROWS))]
     print(f"default model, float32 compute, 32 slots; {args.tokens} new tokens a request; medians of {args.repeats}")
     print("| weights | decode b1 tok/s | b1 vs float32 | b32 tok/s | b32 vs float32 | prefill 1024 tok/s | peak RSS MiB |")

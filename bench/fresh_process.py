@@ -1,0 +1,19 @@
+"""One benchmark configuration in a fresh Python process, so that its peak resident
+memory (``VmHWM``) is its own: the scripts that compare memory (kv_memory.py,
+weight_dtype.py) run their child code through :func:`run_fresh`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run_fresh(child: str, options: dict, *args: str, timeout: float = 1800) -> dict:
+    """Run ``child`` (Python source; it reads the options as JSON from ``sys.argv[1]``
+    and ``args`` after them, and prints one JSON object last) and return that object."""
+    proc = subprocess.run([sys.executable, "-c", child, json.dumps(options), *args], capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"the run with options {options} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
