@@ -21,7 +21,7 @@ from isa_paths import ISAS, kernels_for  # noqa: E402
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 20])
+@pytest.mark.parametrize("m", [1, 3, 20])  # one row at a time, MB-row blocks, beyond MAX_ROWS
 def test_bf16_products_are_float32_products_of_the_rounded_weights(isa, m):
     kernels = kernels_for(isa)
     g = torch.Generator().manual_seed(m)
@@ -36,7 +36,7 @@ def test_bf16_products_are_float32_products_of_the_rounded_weights(isa, m):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 20])
+@pytest.mark.parametrize("m", [1, 3, 20])  # one row at a time, MB-row blocks, beyond MAX_ROWS
 def test_bf16_activation_products_are_products_of_the_rounded_rows(isa, m):
     """bf16_compute "bf16": x rounded to bfloat16 (nearest even, torch's rounding), every
     product exact, summed in float32: vdpbf16ps where the path has AVX512-BF16."""
@@ -60,7 +60,7 @@ def _engine(model, **options) -> TorchEngine:
     return TorchEngine(model, EngineConfig(max_slots=3, max_cache_length=128, options=options))
 
 
-def _greedy(eng: TorchEngine, steps: int = 20):
+def _greedy(eng: TorchEngine, steps: int = 12):
     """Greedy decode of two prompts in slots 0 and 2 (a batch of two live rows); returns
     each slot's tokens and the log-probs of its top tokens at every step."""
     params, state = eng.load_params(), eng.init_decode_state()
