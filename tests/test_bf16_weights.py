@@ -138,3 +138,6 @@ def test_bf16_weights_are_refused_where_they_do_not_apply():
                                             options={"weight_dtype": "bfloat16", **options}))
     with pytest.raises(UnsupportedFeature, match="add weight_dtype='bfloat16'"):
         TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, options={"bf16_compute": "bf16"}))
+    # likewise the activations of int8 products without int8 weights (it was ignored)
+    with pytest.raises(UnsupportedFeature, match="add quantize='int8'"):
+        TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, options={"int8_compute": "int8"}))

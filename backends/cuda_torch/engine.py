@@ -271,6 +271,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         from polyengine.backends.cuda_torch.cpu_kernels import q8_fits
 
         o = self.options
+        if not o["quantize"] and o["int8_compute"] != "auto":
+            raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r} without int8 weights", self.name,
+                                     "it chooses the activations of int8 weights' products; add quantize='int8' or "
+                                     "'int8-block32'")
         if not o["quantize"] or o["int8_compute"] == "float":
             return 0
         fits = self._kernels is not None and q8_fits(config, WEIGHT_MODES[o["quantize"]])
