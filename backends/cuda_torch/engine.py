@@ -197,6 +197,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             CastKVCodec(self.kv_dtype, self.kv_dtype, self.torch_dtype),
             CastKVCodec(self.kv_dtype, self.torch_dtype, self.torch_dtype))
         self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
+        # the projections' weights are int8 (quantize) or bfloat16 (weight_dtype) copies, ".qweight"
+        self._narrow = bool(o["quantize"]) or o["weight_dtype"] != "auto"
         self._check_memory()
         if o["threads"] and device.type == "cpu":
             torch.set_num_threads(o["threads"])
@@ -229,8 +231,6 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                            f"{self.kernels_fallback}")
                 warnings.warn(message, FallbackWarning, stacklevel=2)
                 logging.getLogger(__name__).warning(message)
-        # the projections' weights are int8 (quantize) or bfloat16 (weight_dtype) copies, ".qweight"
-        self._narrow = bool(o["quantize"]) or o["weight_dtype"] != "auto"
         self._linear = self._cpu_linear if (self._kernels is not None or self._narrow) else None
         self._tiled = None  # the narrow product without the kernels (int8.TiledInt8Linear), made with the weights
         self.int8_activations = self._pick_int8_compute(model.config)
@@ -315,7 +315,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         shares_host = self.torch_device.type == "cpu" and self.torch_dtype == torch.float32
         mode = self.options["quantize"]
         shapes = c.weight_shapes()
-        kept = set(shapes) - (replaced_weights(c) if mode or self.options["weight_dtype"] != "auto" else set())
+        kept = set(shapes) - (replaced_weights(c) if self._narrow else set())
         needs = {}
         if not shares_host:
             needs[f"{self.dtype} weights on {self.torch_device}"] = sum(math.prod(shapes[n]) for n in kept) * item

@@ -16,15 +16,12 @@ import numpy as np
 import torch
 
 from polyengine.models import Model
-from polyengine.memory import return_freed_memory
-from polyengine.models.quantize import quantize_model, quantized_names
+from polyengine.models.quantize import quantize_model, replace_matrices
 
 __all__ = ["int8_tensors", "bf16_tensors", "dequantize", "TiledInt8Linear"]
 
 # Weights widened per band: 2^18 float32 values (1 MiB), a band of rows of any matrix.
 _BAND_ELEMENTS = 1 << 18
-# Released float bytes after which the freed heap memory is handed back to the system.
-_RETURN_BYTES = 64 << 20
 
 
 def int8_tensors(model: Model, mode: str) -> dict[str, torch.Tensor]:
@@ -36,24 +33,14 @@ def int8_tensors(model: Model, mode: str) -> dict[str, torch.Tensor]:
 def bf16_tensors(model: Model) -> dict[str, torch.Tensor]:
     """``<name>.qweight`` as bfloat16 (no scale; round to nearest even, torch's
     ``.to(torch.bfloat16)``) for every projection and the LM head: the names and sources
-    of the int8 copies (``quantized_names``). An exclusive Model releases each float
-    matrix as its copy exists (the embedding table excepted: it stays a float32 lookup)."""
+    of the int8 copies. An exclusive Model releases each float matrix as its copy exists
+    (``replace_matrices``; the embedding table stays a float32 lookup)."""
     out: dict[str, torch.Tensor] = {}
-    if model.exclusive:
-        model.fingerprint  # noqa: B018 -- of the float weights, before any is released
-    unreturned = 0  # bytes released since memory was last handed back to the system
-    for name, source in quantized_names(model.config):
-        w = model.weights[source]
+
+    def bf16(name: str, w: np.ndarray) -> None:
         out[name + ".qweight"] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
-        if model.exclusive and source != "model.embed_tokens.weight":
-            unreturned += w.nbytes
-            del w
-            model.release([source], why="its bfloat16 copy (option weight_dtype) replaced it")
-            if unreturned >= _RETURN_BYTES:  # as it goes, so the float and bfloat16 copies never add up
-                return_freed_memory()
-                unreturned = 0
-    if unreturned:
-        return_freed_memory()
+
+    replace_matrices(model, bf16, why="its bfloat16 copy (option weight_dtype) replaced it")
     return out
 
 

@@ -37,7 +37,8 @@ from polyengine.models.config import ModelConfig
 from polyengine.models.model import Model
 
 __all__ = ["WEIGHT_MODES", "check_mode", "quantize_matrix", "dequantize_matrix", "quantized_names",
-           "quantize_model", "has_int8_copies", "int8_bytes", "matrix_bytes", "group_of", "replaced_weights"]
+           "quantize_model", "replace_matrices", "has_int8_copies", "int8_bytes", "matrix_bytes", "group_of",
+           "replaced_weights"]
 
 # option value -> weights per scale along a row (0: one scale per output row)
 WEIGHT_MODES = {"int8": 0, "int8-block32": 32}
@@ -131,24 +132,38 @@ def quantize_model(model: Model, mode: str) -> dict[str, np.ndarray]:
     per_model = _CACHE.setdefault(model, {})
     if mode in per_model:
         return per_model[mode]
+    out: dict[str, np.ndarray] = {}
+
+    def int8(name: str, w: np.ndarray) -> None:
+        out[name + ".qweight"], out[name + ".scale"] = quantize_matrix(w, group_of(mode, w.shape[1]))
+
+    replace_matrices(model, int8, why=f"its int8 copy ({mode}) replaced it")
+    per_model[mode] = out
+    return out
+
+
+def replace_matrices(model: Model, copy, *, why: str) -> None:
+    """Call ``copy(name, matrix)`` for every projection and the LM head
+    (:func:`quantized_names`), releasing each float matrix from an exclusive Model as soon
+    as its copy exists (the embedding table excepted: it stays a lookup), with ``why``
+    as the reason a later read is refused. The fingerprint is computed first; the freed
+    memory is handed back every 64 MiB, so the float matrices and their copies never add
+    up. The one place int8 copies (here) and cuda_torch's bfloat16 copies are made."""
     if model.exclusive:
         model.fingerprint  # noqa: B018 -- of the float weights, before any is released
-    out: dict[str, np.ndarray] = {}
     unreturned = 0  # bytes released since memory was last handed back to the system
     for name, source in quantized_names(model.config):
         w = model.weights[source]
-        out[name + ".qweight"], out[name + ".scale"] = quantize_matrix(w, group_of(mode, w.shape[1]))
+        copy(name, w)
         if model.exclusive and source != "model.embed_tokens.weight":
             unreturned += w.nbytes
             del w
-            model.release([source], why=f"its int8 copy ({mode}) replaced it")
-            if unreturned >= _RETURN_BYTES:  # as it goes, so the float and int8 copies never add up
+            model.release([source], why=why)
+            if unreturned >= _RETURN_BYTES:
                 return_freed_memory()
                 unreturned = 0
     if unreturned:
         return_freed_memory()
-    per_model[mode] = out
-    return out
 
 
 def replaced_weights(config: ModelConfig) -> frozenset[str]:
