@@ -104,9 +104,30 @@ def _power(base: Number, exponent: Number) -> Number:
     return base**exponent
 
 
+def _refuse_non_arithmetic(node: ast.AST) -> None:
+    """Refuse any node that is not a number or an allowed operator, anywhere in the tree,
+    before anything is computed: otherwise ``0 / 0 / __import__('os')`` divides by zero
+    (left to right) before the walk reaches the call it must refuse."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Constant):
+            if type(sub.value) not in (int, float):
+                raise ToolError(f"only numbers are allowed, not {type(sub.value).__name__} literals")
+        elif isinstance(sub, ast.UnaryOp):
+            if type(sub.op) not in _UNARY:
+                raise ToolError(f"operator {type(sub.op).__name__} is not allowed; allowed: {_ALLOWED}")
+        elif isinstance(sub, ast.BinOp):
+            if type(sub.op) not in _BINARY:
+                raise ToolError(f"operator {type(sub.op).__name__} is not allowed; allowed: {_ALLOWED}")
+        elif not isinstance(sub, ast.operator | ast.unaryop):
+            what = _REFUSED_NAMES.get(type(sub), f"{type(sub).__name__} expressions")
+            raise ToolError(f"{what} are not allowed; allowed: {_ALLOWED}")
+
+
 def _walk(node: ast.AST, depth: int) -> Number:
     if depth > MAX_DEPTH:
         raise ToolError(f"expression is nested too deeply (over {MAX_DEPTH} levels)")
+    if depth == 0:
+        _refuse_non_arithmetic(node)
     if isinstance(node, ast.Constant):
         value = node.value
         if type(value) not in (int, float):  # bool is an int subclass: exact type check
