@@ -141,3 +141,81 @@ def test_bf16_weights_are_refused_where_they_do_not_apply():
     # likewise the activations of int8 products without int8 weights (it was ignored)
     with pytest.raises(UnsupportedFeature, match="add quantize='int8'"):
         TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, options={"int8_compute": "int8"}))
+
+
+# -- prefill on bfloat16 operands (option prefill_compute) ------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "int8", "int8-block32"])
+def test_bf16_prefill_products_round_each_operand_once(mode):
+    """compute=bfloat16: x rounded to bfloat16; bfloat16 weights as they are, int8 ones
+    widened (per-block scales applied in float32, then rounded once; per-row scales
+    applied to the output); the product rounded to bfloat16; across bands of rows."""
+    from polyengine.backends.cuda_torch.int8 import TiledInt8Linear, dequantize
+
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 40, 3000, 96  # n * k > one band (2^18 values): two bands
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    if mode == "bfloat16":
+        q, scale = torch.randn(n, k, generator=g).to(torch.bfloat16), None
+        w = q.double()
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand((n,) if mode == "int8" else (n, k // 32), generator=g) * 0.01
+        # per-row: the integer weights exactly (their scale is applied to the output);
+        # per-block: the float32 product of weight and scale, rounded to bfloat16 once
+        w = q.double() if mode == "int8" else dequantize(q, scale).to(torch.bfloat16).double()
+    tiled = TiledInt8Linear()
+    got = tiled(x, q, scale, b, compute=torch.bfloat16)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    exact = x.to(torch.bfloat16).double() @ w.t()  # the rounded operands' product, in float64
+    if mode == "int8":
+        exact = exact * scale.double()
+    # the product's own rounding to bfloat16 (at most 2^-9 of it; float32 sums a little
+    # more), then the bias in float32
+    err = (got.double() - exact - b.double()).abs()
+    assert bool((err <= 2 ** -8 * exact.abs() + 1e-5 * float(exact.abs().max())).all()), float(err.max())
+    floats = tiled(x, q, scale, b)  # float32 operands: another function
+    assert (got - floats).abs().max() > 1e-3 * floats.abs().max()
+
+
+def test_prefill_compute_auto_is_bf16_where_the_cpu_has_bf16_units(monkeypatch):
+    import polyengine.backends.cuda_torch.engine as mod
+
+    model = load_model("random:tiny-gqa")
+    bf16_rows, int8_rows = {"weight_dtype": "bfloat16", "bf16_compute": "bf16"}, {"quantize": "int8",
+                                                                                   "int8_compute": "int8"}
+    for units, options, want in (
+            (True, bf16_rows, torch.bfloat16), (True, int8_rows, torch.bfloat16),
+            (False, bf16_rows, torch.float32), (False, int8_rows, torch.float32), (True, {}, torch.float32),
+            # float32 activations in decode (or int8x2's float-like two rows): float32 prefill
+            (True, {"weight_dtype": "bfloat16"}, torch.float32), (True, {"quantize": "int8"}, torch.float32),
+            (True, {**bf16_rows, "prefill_compute": "float"}, torch.float32),
+            (False, {"quantize": "int8-block32", "prefill_compute": "bf16"}, torch.bfloat16)):
+        monkeypatch.setattr(mod, "has_bf16_units", lambda: units)
+        assert _engine(model, **options).prefill_compute == want, (units, options)
+    with pytest.raises(UnsupportedFeature, match="add weight_dtype='bfloat16' or quantize"):
+        _engine(model, prefill_compute="bf16")
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "no-kernels"])
+def test_bf16_prefill_moves_the_logits_a_little_and_decodes_on(kernels):
+    """A prompt longer than the kernels' rows (16) is prefilled on bfloat16 operands when
+    forced: logits near the float32 operands' (not equal), the prefix decodes on."""
+    model = load_model("random:tiny-gqa")
+    prompt = [int(t) for t in np.random.default_rng(0).integers(1, model.config.vocab_size, 40)]
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    runs = {}
+    for compute in ("float", "bf16"):
+        eng = _engine(model, weight_dtype="bfloat16", prefill_compute=compute, cpu_kernels=kernels)
+        assert ("bfloat16 operands" in eng.speed_paths()["prefill"]) == (compute == "bf16")
+        params, state = eng.load_params(), eng.init_decode_state()
+        prefix, _ = eng.prefill(params=params, tokens=prompt, sampling=sp)
+        logits = np.asarray(prefix.host_logits(), np.float64)
+        state = eng.insert(prefix, state, 1)
+        for _ in range(4):
+            state, res = eng.generate(params, state)
+            assert 0 <= int(res.tokens[1, 0]) < model.config.vocab_size
+        runs[compute] = logits
+    a, b = runs["float"], runs["bf16"]
+    assert 0 < np.abs(a - b).max() < 0.05 * np.abs(a).max()

@@ -16,6 +16,7 @@ from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
 from polyengine.errors import InvalidRequest, UnsupportedFeature  # noqa: E402
+from polyengine.hostinfo import has_bf16_units  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 
 from isa_paths import ISAS, kernels_for  # noqa: E402
@@ -177,7 +178,13 @@ def test_int8_weights_on_the_default_model(default_gguf):
     relative error and greedy agreement, with the bounds docs/cuda_torch.md states."""
     real = load_model(default_gguf)
     cfg = EngineConfig(max_slots=2, max_prefill_length=64, max_cache_length=128)
-    prompts = [real.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
+    prompts = [real.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time", (
+        "The river rose through the night, and by morning the old stone bridge at the edge of the village was "
+        "under water. The baker, who had crossed it every day for forty years, stood at the bank and"))]
+    # the last prompt (over 16 tokens) is prefilled on torch's GEMM, not the kernels: with
+    # bf16_compute=bf16 or int8_compute=int8, on bfloat16 operands where this CPU has
+    # bfloat16 units (option prefill_compute auto)
+    assert len(prompts[-1]) > 16
     f32 = TorchEngine(real, cfg)
     report = {}
     # default int8_compute ("auto": two int8 rows per activation row on this model)
@@ -190,7 +197,11 @@ def test_int8_weights_on_the_default_model(default_gguf):
     assert report["int8-block32/int8"]["rel_l2"] < 0.25, report
     # bfloat16 weights (option weight_dtype), float32 or bfloat16 activations
     for name, options, bound in (("bfloat16", {"weight_dtype": "bfloat16"}, 0.02),
-                                 ("bfloat16/bf16", {"weight_dtype": "bfloat16", "bf16_compute": "bf16"}, 0.02)):
+                                 # bfloat16 activations, in prefill too where it runs on bfloat16
+                                 # operands: on long prompts 0.005-0.04 (moved that much by a
+                                 # 1e-6 relative change of one product: measured, docs/cuda_torch.md)
+                                 ("bfloat16/bf16", {"weight_dtype": "bfloat16", "bf16_compute": "bf16"},
+                                  0.06 if has_bf16_units() else 0.02)):
         report[name] = _int8_agreement(real, cfg, f32, prompts, options)
         assert 0 < report[name]["rel_l2"] < bound, report
     print("int8 and bfloat16 weights vs float32 on the default model:", report)

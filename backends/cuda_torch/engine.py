@@ -145,6 +145,16 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # float32 activations (exact products of the rounded weights)
         "bf16_compute": Option("float", "with weight_dtype bfloat16: decode products' activations, 'float' or "
                                         "'bf16'", choices=("float", "bf16")),
+        # CPU prefill products on int8 or bfloat16 weights (more rows than the kernels take):
+        # "bf16" multiplies bfloat16 operands on torch's bfloat16 GEMM (AVX512-BF16 or AMX
+        # units: ~4x its float32 GEMM on this project's host), rounding activations, weights
+        # (int8 ones after their scales) and products to bfloat16; "float" widens the weights
+        # for the float32 GEMM; "auto" is "bf16" where decode's activations are already that
+        # coarse (bf16_compute "bf16", int8_compute "int8") and the CPU has bfloat16 units
+        # (hostinfo.has_bf16_units), else "float". Decode steps are not affected.
+        "prefill_compute": Option("auto", "CPU prefill products on int8/bfloat16 weights: 'float', 'bf16', or 'auto' "
+                                          "(bf16 with bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 "
+                                          "units)", choices=("auto", "float", "bf16")),
         # CUDA: replay the decode forward as a CUDA graph per kv_len bucket (not verified on a GPU
         # in this project's CI, hence off by default; see docs/cuda_torch.md)
         "cuda_graphs": Option(False, "CUDA: replay decode steps as CUDA graphs (never run on a GPU here)"),
@@ -239,6 +249,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         if self.bf16_activations and self._kernels is None:
             raise UnsupportedFeature("bf16_compute='bf16'", self.name, "it runs in the host-compiled CPU kernels, "
                                      f"which are not used here ({self.kernels_fallback})")
+        self.prefill_compute = self._pick_prefill_compute()
+        # prefill's products: decode's, with the GEMM operands of option prefill_compute
+        self._prefill_linear = self._linear if self._linear is None or self.prefill_compute == self.torch_dtype else (
+            functools.partial(self._cpu_linear, compute=self.prefill_compute))
         self._fused = None  # the FusedDecoder, built with the weights when fused_decode applies
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
@@ -263,7 +277,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         from polyengine.backends.cuda_torch.paths import describe
 
         return describe(device=self.torch_device, dtype=self.torch_dtype, options=self.options,
-                        kernels=self._kernels, fallback=self.kernels_fallback, int8_activations=self.int8_activations)
+                        kernels=self._kernels, fallback=self.kernels_fallback, int8_activations=self.int8_activations,
+                        prefill_compute=self.prefill_compute)
 
     def _pick_int8_compute(self, config) -> int:
         """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
@@ -394,11 +409,26 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
         return self._weights
 
+    def _pick_prefill_compute(self) -> torch.dtype:
+        """The operand dtype of prefill's GEMMs on narrowed weights (option prefill_compute)."""
+        choice = self.options["prefill_compute"]
+        if choice == "bf16" and not self._narrow:
+            raise UnsupportedFeature("prefill_compute='bf16' without int8 or bfloat16 weights", self.name,
+                                     "it chooses the GEMM operands of narrowed weights; add weight_dtype='bfloat16' "
+                                     "or quantize, or drop the option")
+        # auto: prefill's activations as precise as the decode products' (bfloat16 rows,
+        # or one int8 row per 32 values: both 8 significant bits), on bfloat16 units only
+        coarse = self.bf16_activations or self.int8_activations == 1
+        if choice == "bf16" or (choice == "auto" and coarse and has_bf16_units()):
+            return torch.bfloat16
+        return self.torch_dtype
+
     def _cpu_linear(self, t: dict[str, torch.Tensor], x: torch.Tensor, name: str, *, any_rows: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, compute: torch.dtype | None = None) -> torch.Tensor:
         """A projection on the CPU: the host kernels for the few rows of a decode step (or
         for any number with ``any_rows``, writing into ``out``), torch's GEMM for prefill;
-        int8 or bfloat16 weights when narrowed (widened band by band for torch's GEMM: int8.py)."""
+        int8 or bfloat16 weights when narrowed (widened band by band for torch's GEMM: int8.py,
+        on ``compute`` operands: option prefill_compute)."""
         from polyengine.backends.cuda_torch.cpu_kernels import MAX_ROWS
 
         bias = t.get(name + ".bias")
@@ -409,7 +439,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             if on_kernels:
                 return self._kernels.linear(x, q, bias, scale=scale, out=out, int8_activations=self.int8_activations,
                                             bf16_activations=self.bf16_activations)
-            return self._tiled(x, q, scale, bias)
+            return self._tiled(x, q, scale, bias, compute=compute)
         w = t[name + ".weight"] if name != "lm_head" else t.get("lm_head.weight", t["model.embed_tokens.weight"])
         if on_kernels and x.dtype == torch.float32:
             return self._kernels.linear(x, w, bias, out=out)
@@ -468,7 +498,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
         write = (torch.arange(padded, device=dev) < n)[None]
         logits, k, v = forward(
-            params, self._spec(causal=start == 0, linear=self._linear, kv_codec=self._kv_codecs[1]),
+            params, self._spec(causal=start == 0, linear=self._prefill_linear, kv_codec=self._kv_codecs[1]),
             to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )

@@ -54,38 +54,54 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 class TiledInt8Linear:
     """``x @ dequantize(q, scale).T + bias``, one band of weight rows at a time into one
-    reused float buffer. Not thread-safe: one per engine, called from its thread."""
+    reused float buffer. Not thread-safe: one per engine, called from its thread.
+
+    ``compute=torch.bfloat16`` runs the GEMM on bfloat16 operands (option
+    ``prefill_compute``: torch's bfloat16 GEMM, on AVX512-BF16 or AMX units where the CPU
+    has them, is ~4x its float32 one here): ``x`` is rounded to bfloat16, each widened
+    band (``q * scale`` in float32) is rounded once to bfloat16, the product comes back
+    rounded to bfloat16 and is widened to ``x``'s dtype; per-row scales and the bias are
+    applied after, in ``x``'s dtype. bfloat16 weights need no band: they are the operand."""
 
     def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
     def _band(self, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         need = rows * k
-        if self._buffer is None or self._buffer.numel() < need or self._buffer.dtype != dtype:
-            self._buffer = torch.empty(max(need, _BAND_ELEMENTS), dtype=dtype)
-        return self._buffer[:need].view(rows, k)
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < need:
+            buffer = self._buffers[dtype] = torch.empty(max(need, _BAND_ELEMENTS), dtype=dtype)
+        return buffer[:need].view(rows, k)
 
     def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``q``: int8 with ``scale`` (per row or per block), or bfloat16 without one."""
+                 bias: torch.Tensor | None = None, *, compute: torch.dtype | None = None) -> torch.Tensor:
+        """``q``: int8 with ``scale`` (per row or per block), or bfloat16 without one;
+        ``compute``: the GEMM's operand dtype (None: ``x``'s)."""
         n, k = q.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        band = max(1, min(n, _BAND_ELEMENTS // k))
-        yt = torch.empty((n, m), dtype=x.dtype)  # y transposed: each band writes contiguous rows
-        xt = x2.t()
-        blocks = scale is not None and scale.dim() == 2
-        for r in range(0, n, band):
-            rows = min(band, n - r)
-            w = self._band(rows, k, x.dtype)
-            w.copy_(q[r: r + rows])  # widen (a vectorized conversion; a mixed-dtype mul is ~2x slower)
-            if blocks:  # a scale per block of the band's rows
-                w.view(rows, scale.shape[1], -1).mul_(scale[r: r + rows, :, None].to(x.dtype))
-            torch.mm(w, xt, out=yt[r: r + rows])
-        if scale is not None and not blocks:  # a scale per output row: applied once to the output
-            yt.mul_(scale[:, None].to(x.dtype))
-        y = yt.t().contiguous()  # (M, N): a copy of the output only, small next to the weights
+        compute = compute or x.dtype
+        if q.dtype == compute and scale is None:  # bfloat16 weights on bfloat16 operands: no band
+            y = torch.nn.functional.linear(x2.to(compute), q).to(x.dtype)
+        else:
+            band = max(1, min(n, _BAND_ELEMENTS // k))
+            yt = torch.empty((n, m), dtype=compute)  # y transposed: each band writes contiguous rows
+            xt = x2.to(compute).t()
+            blocks = scale is not None and scale.dim() == 2
+            for r in range(0, n, band):
+                rows = min(band, n - r)
+                w = self._band(rows, k, x.dtype)
+                w.copy_(q[r: r + rows])  # widen (a vectorized conversion; a mixed-dtype mul is ~2x slower)
+                if blocks:  # a scale per block of the band's rows
+                    w.view(rows, scale.shape[1], -1).mul_(scale[r: r + rows, :, None].to(x.dtype))
+                if compute != x.dtype:  # rounded once, into a second reused buffer
+                    w = self._band(rows, k, compute).copy_(w)
+                torch.mm(w, xt, out=yt[r: r + rows])
+            yt = yt.to(x.dtype)
+            if scale is not None and not blocks:  # a scale per output row: applied once to the output
+                yt.mul_(scale[:, None].to(x.dtype))
+            y = yt.t().contiguous()  # (M, N): a copy of the output only, small next to the weights
         if bias is not None:
             y += bias
         return y.reshape(*lead, n)

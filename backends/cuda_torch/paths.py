@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from polyengine.hostinfo import cpu_flags, cpu_model, runnable_isas
+from polyengine.hostinfo import cpu_flags, cpu_model, has_bf16_units, runnable_isas
+from polyengine.options import option_defaults
 
 __all__ = ["describe", "diagnose"]
 
@@ -26,8 +27,10 @@ def _cpu() -> str:
 
 
 def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any], kernels: Any,
-             fallback: str | None, int8_activations: int | None) -> dict[str, str]:
-    """The paths of an engine (or, with ``int8_activations`` None, of one not built yet)."""
+             fallback: str | None, int8_activations: int | None,
+             prefill_compute: torch.dtype | None = None) -> dict[str, str]:
+    """The paths of an engine (or, with ``int8_activations`` None, of one not built yet);
+    ``options`` are values (the defaults for one not built)."""
     out: dict[str, str] = {}
     if device.type == "cuda":
         index = device.index or 0
@@ -52,7 +55,6 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
         out["decode"] = "the shared torch forward on torch's matmul (FALLBACK)"
         out["kernels"] = f"not used: {fallback}"
     mode = options.get("quantize", "")
-    mode = mode if isinstance(mode, str) else ""  # diagnose passes the option table itself: the defaults
     if int8_activations is None:  # not built: what int8 would use here
         if kernels is not None:
             out["int8"] = (f"off by default; with option quantize: integer dot products on {kernels.q8_isa} where the "
@@ -70,7 +72,6 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
     else:
         out["int8"] = f"{mode} weights x float32 activations (weights widened in the kernels)"
     narrow = options.get("weight_dtype", "auto")
-    narrow = narrow if isinstance(narrow, str) else "auto"  # diagnose passes the option table itself
     if mode:
         out["weights"] = f"int8 ({mode}) projections and LM head"
     elif narrow == "bfloat16":
@@ -84,9 +85,8 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
     else:
         out["weights"] = f"{str(dtype).replace('torch.', '')}" + (
             "; weight_dtype=bfloat16 halves the bytes a step streams" if dtype == torch.float32 else "")
-    widened = "int8" if mode else "bfloat16" if narrow == "bfloat16" else ""
-    out["prefill"] = f"torch's GEMM and SDPA ({widened} weights widened band by band)" if widened else (
-        "torch's GEMM and SDPA")
+    out["prefill"] = _prefill(mode or ("bfloat16" if narrow == "bfloat16" else ""), int8_activations is None,
+                              prefill_compute)
     out["kv cache"] = _kv(options, dtype)
     return out
 
@@ -94,13 +94,27 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
 def _kv(options: dict[str, Any], dtype: torch.dtype) -> str:
     """The CPU KV cache: its element type and how its memory is held."""
     kv, memory = options.get("kv_dtype", "auto"), options.get("kv_memory", "grow")
-    kv = kv if isinstance(kv, str) else "auto"  # diagnose passes the option table itself: the defaults
-    memory = memory if isinstance(memory, str) else "grow"
     kind = str(dtype).replace("torch.", "") if kv == "auto" else f"{kv} (option kv_dtype; compute {str(dtype).replace('torch.', '')})"
     held = ("pages held as the slots write them, handed back on free (kv_memory=grow)" if memory == "grow" else
             "every slot's full context held from the start (kv_memory=reserve)")
     hint = "; kv_dtype=bfloat16/float16 halves it" if kv == "auto" and dtype == torch.float32 else ""
     return f"{kind}, {held}{hint}"
+
+
+def _prefill(narrow: str, unbuilt: bool, compute: torch.dtype | None) -> str:
+    """Prefill's products: torch's GEMM, on bfloat16 operands or float32 for narrowed weights."""
+    units = has_bf16_units()
+    if unbuilt:  # what option prefill_compute's auto picks here
+        return ("torch's GEMM and SDPA; int8 or bfloat16 weights widened to float32, or " +
+                ("on bfloat16 operands with bf16_compute=bf16 or int8_compute=int8 (prefill_compute auto; this CPU "
+                 "has bfloat16 units)" if units else "float32 here whatever the options (prefill_compute auto; no "
+                                                      "bfloat16 units here)"))
+    if not narrow:
+        return "torch's GEMM and SDPA"
+    if compute == torch.bfloat16:
+        why = "bfloat16 units here" if units else "forced; this CPU has no bfloat16 units, so it is slow here"
+        return f"torch's GEMM on bfloat16 operands ({narrow} weights; prefill_compute=bf16: {why}) and SDPA"
+    return f"torch's GEMM ({narrow} weights widened band by band to float32; prefill_compute=float) and SDPA"
 
 
 def _isa(kernels: Any) -> str:
@@ -124,4 +138,4 @@ def diagnose() -> dict[str, str]:
         except KernelsUnavailable as exc:
             fallback = str(exc)
     return describe(device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
-                    options=dict(TorchEngine.OPTIONS), kernels=kernels, fallback=fallback, int8_activations=None)
+                    options=option_defaults(TorchEngine.OPTIONS), kernels=kernels, fallback=fallback, int8_activations=None)
