@@ -34,13 +34,14 @@ ROWS = {
 
 _CHILD = r"""
 import json, sys, time
+import polyengine
 from polyengine import SamplingParams
 from polyengine.driver import LLM
 opts, tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 llm = LLM(None, "cuda_torch", max_slots=32, max_cache_length=2048, options=opts)
 prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(32)]
 llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
-out = {}
+out = {"module": polyengine.__file__, "kernels": llm.engine.speed_paths().get("kernels", "")}
 for name, batch in (("b1", prompts[:1]), ("b32", prompts)):
     t = time.perf_counter()
     res = llm.generate(batch, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))

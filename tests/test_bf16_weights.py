@@ -219,3 +219,38 @@ def test_bf16_prefill_moves_the_logits_a_little_and_decodes_on(kernels):
         runs[compute] = logits
     a, b = runs["float"], runs["bf16"]
     assert 0 < np.abs(a - b).max() < 0.05 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-qwen2"])  # tiny-qwen2: q/k/v biases
+def test_fused_projections_are_slices_of_one_matrix_and_compute_the_same(preset):
+    """Option fuse_projections: q/k/v and gate/up of each layer as row slices of one
+    bfloat16 matrix (the torch forward multiplies them in one GEMM), no memory added, the
+    same logits and tokens as separate matrices, in prefill (float32 or bfloat16 operands)
+    and through the torch forward's decode."""
+    model = load_model(f"random:{preset}")
+    prompt = [int(t) for t in np.random.default_rng(1).integers(1, model.config.vocab_size, 40)]
+    for compute in ("float", "bf16"):
+        runs = {}
+        for fuse in (True, False):
+            eng = _engine(model, weight_dtype="bfloat16", prefill_compute=compute, fuse_projections=fuse,
+                          fused_decode=False)
+            t = eng.load_params().tensors
+            pre = "model.layers.0."
+            assert (pre + "self_attn.qkv_proj.qweight" in t) == fuse and (pre + "mlp.gate_up_proj.qweight" in t) == fuse
+            if fuse:
+                whole = t[pre + "mlp.gate_up_proj.qweight"]
+                assert t[pre + "mlp.up_proj.qweight"].untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                assert (pre + "self_attn.qkv_proj.bias" in t) == (pre + "self_attn.q_proj.bias" in t)
+            runs[fuse] = _greedy(eng, steps=6), _prefill_logits(eng, prompt)
+        (tokens, lps), logits = runs[True]
+        (tokens2, lps2), logits2 = runs[False]
+        assert tokens == tokens2, compute
+        for slot in lps:
+            np.testing.assert_allclose(lps[slot], lps2[slot], atol=1e-4)
+        # bfloat16 operands: a GEMM of another shape may round a product the other way
+        np.testing.assert_allclose(logits, logits2, atol=1e-4 if compute == "float" else 2e-2 * np.abs(logits2).max())
+
+
+def _prefill_logits(eng: TorchEngine, prompt: list[int]) -> np.ndarray:
+    prefix, _ = eng.prefill(params=eng.load_params(), tokens=prompt, sampling=SamplingParams(temperature=0))
+    return np.asarray(prefix.host_logits(), np.float64)

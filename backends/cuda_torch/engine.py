@@ -155,6 +155,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         "prefill_compute": Option("auto", "CPU prefill products on int8/bfloat16 weights: 'float', 'bf16', or 'auto' "
                                           "(bf16 with bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 "
                                           "units)", choices=("auto", "float", "bf16")),
+        # bfloat16 weights: each layer's q/k/v (gate/up) stored as slices of one matrix, so
+        # the torch forward (prefill) multiplies them in one GEMM; no memory added
+        "fuse_projections": Option(True, "bfloat16 weights: q/k/v and gate/up as one matrix each for the torch "
+                                         "forward's GEMMs (prefill)"),
         # CUDA: replay the decode forward as a CUDA graph per kv_len bucket (not verified on a GPU
         # in this project's CI, hence off by default; see docs/cuda_torch.md)
         "cuda_graphs": Option(False, "CUDA: replay decode steps as CUDA graphs (never run on a GPU here)"),
@@ -387,9 +391,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
                 weights.tensors.update(self._allocating("int8 weights", lambda: int8_tensors(self.model, mode)))
             elif self._narrow:
-                from polyengine.backends.cuda_torch.int8 import bf16_tensors
+                from polyengine.backends.cuda_torch.int8 import bf16_tensors, fuse_shared_inputs
 
                 weights.tensors.update(self._allocating("bfloat16 weights", lambda: bf16_tensors(self.model)))
+                if self.options["fuse_projections"]:
+                    fuse_shared_inputs(weights.tensors, self.model.config.num_hidden_layers)
             if self._narrow:
                 from polyengine.backends.cuda_torch.int8 import TiledInt8Linear
 

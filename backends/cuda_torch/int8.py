@@ -18,7 +18,7 @@ import torch
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replace_matrices
 
-__all__ = ["int8_tensors", "bf16_tensors", "dequantize", "TiledInt8Linear"]
+__all__ = ["int8_tensors", "bf16_tensors", "fuse_shared_inputs", "dequantize", "TiledInt8Linear"]
 
 # Weights widened per band: 2^18 float32 values (1 MiB), a band of rows of any matrix.
 _BAND_ELEMENTS = 1 << 18
@@ -42,6 +42,37 @@ def bf16_tensors(model: Model) -> dict[str, torch.Tensor]:
 
     replace_matrices(model, bf16, why="its bfloat16 copy (option weight_dtype) replaced it")
     return out
+
+
+# Projections that read the same input, and the one matrix the torch forward takes for
+# them when present (torch_common.model: ``qkv_proj``, ``gate_up_proj``).
+_SHARED_INPUT = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                 ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+
+
+def fuse_shared_inputs(tensors: dict[str, torch.Tensor], layers: int) -> None:
+    """Each layer's bfloat16 q/k/v (and gate/up) as row slices of one matrix, added as
+    ``qkv_proj`` (``gate_up_proj``), with their biases concatenated likewise: the torch
+    forward then runs one GEMM where it ran three (two), converting their input once
+    (prefill on bfloat16 operands); the kernels read the slices, which are contiguous.
+    No memory is added: the separate matrices are replaced by the slices."""
+    for layer in range(layers):
+        for fused, parts in _SHARED_INPUT:
+            names = [f"model.layers.{layer}.{part}" for part in parts]
+            weights = [tensors.get(n + ".qweight") for n in names]
+            if any(w is None or w.dtype != torch.bfloat16 for w in weights):
+                continue
+            whole = torch.cat(weights)
+            row = 0
+            for n, w in zip(names, weights):
+                tensors[n + ".qweight"] = whole[row: row + w.shape[0]]
+                row += w.shape[0]
+            tensors[f"model.layers.{layer}.{fused}.qweight"] = whole
+            biases = [tensors.get(n + ".bias") for n in names]
+            if any(b is not None for b in biases):
+                tensors[f"model.layers.{layer}.{fused}.bias"] = torch.cat([
+                    b if b is not None else torch.zeros(w.shape[0], dtype=torch.float32)
+                    for b, w in zip(biases, weights)])
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
