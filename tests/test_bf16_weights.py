@@ -128,6 +128,23 @@ def test_bf16_weights_replace_the_float32_matrices():
     assert eng.speed_paths()["weights"].startswith("bfloat16")
 
 
+def test_engines_of_one_exclusive_model_share_its_bf16_copies():
+    """The float32 matrices of an exclusive Model are released once copied, so a second
+    engine (another configuration, as `polyengine bench` builds per phase) must find the
+    copies the first made, not read the released matrices (a WeightsError before)."""
+    model = load_model("random:tiny-llama3", exclusive=True)
+    first = _engine(model, weight_dtype="bfloat16").load_params().tensors
+    second_eng = TorchEngine(model, EngineConfig(max_slots=3, max_cache_length=64,
+                                                 options={"weight_dtype": "bfloat16", "fuse_projections": False}))
+    second = second_eng.load_params().tensors
+    name = "model.layers.0.mlp.down_proj.qweight"
+    assert first[name].data_ptr() == second[name].data_ptr()  # shared, not copied again
+    assert "model.layers.0.mlp.gate_up_proj.qweight" in first
+    assert "model.layers.0.mlp.gate_up_proj.qweight" not in second
+    tokens, _ = _greedy(second_eng, steps=3)
+    assert all(len(t) == 4 for t in tokens.values())
+
+
 def test_bf16_weights_are_refused_where_they_do_not_apply():
     model = load_model("random:tiny")
     for options, dtype, phrase in (({"quantize": "int8"}, "float32", "choose one of quantize and weight_dtype"),

@@ -47,6 +47,7 @@ from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.torch_common.model import (ATTENTION_IMPLS, CastKVCodec, StepSpec, TorchWeights, forward,
                                                    rms_norm)
+from polyengine.backends.cuda_torch.int8 import has_bf16_copies
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.hostmem import release_row
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
@@ -340,7 +341,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             needs[f"{self.dtype} weights on {self.torch_device}"] = sum(math.prod(shapes[n]) for n in kept) * item
         if mode and not has_int8_copies(self.model, mode):
             needs[f"int8 copies of the projections and the LM head ({mode})"] = int8_bytes(c, mode)
-        if self.options["weight_dtype"] == "bfloat16":
+        if self.options["weight_dtype"] == "bfloat16" and not has_bf16_copies(self.model):
             needs["bfloat16 copies of the projections and the LM head"] = sum(
                 math.prod(shapes[source]) for _, source in quantized_names(c)) * 2
         needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
@@ -391,11 +392,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
                 weights.tensors.update(self._allocating("int8 weights", lambda: int8_tensors(self.model, mode)))
             elif self._narrow:
-                from polyengine.backends.cuda_torch.int8 import bf16_tensors, fuse_shared_inputs
+                from polyengine.backends.cuda_torch.int8 import bf16_tensors
 
-                weights.tensors.update(self._allocating("bfloat16 weights", lambda: bf16_tensors(self.model)))
-                if self.options["fuse_projections"]:
-                    fuse_shared_inputs(weights.tensors, self.model.config.num_hidden_layers)
+                weights.tensors.update(self._allocating("bfloat16 weights", lambda: bf16_tensors(
+                    self.model, fused=self.options["fuse_projections"])))
             if self._narrow:
                 from polyengine.backends.cuda_torch.int8 import TiledInt8Linear
 

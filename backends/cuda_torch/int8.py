@@ -12,13 +12,15 @@ allocating and writing a float copy of the whole matrix on every call.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replace_matrices
 
-__all__ = ["int8_tensors", "bf16_tensors", "fuse_shared_inputs", "dequantize", "TiledInt8Linear"]
+__all__ = ["int8_tensors", "bf16_tensors", "has_bf16_copies", "dequantize", "TiledInt8Linear"]
 
 # Weights widened per band: 2^18 float32 values (1 MiB), a band of rows of any matrix.
 _BAND_ELEMENTS = 1 << 18
@@ -30,19 +32,11 @@ def int8_tensors(model: Model, mode: str) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(np.ascontiguousarray(arr)) for name, arr in quantize_model(model, mode).items()}
 
 
-def bf16_tensors(model: Model) -> dict[str, torch.Tensor]:
-    """``<name>.qweight`` as bfloat16 (no scale; round to nearest even, torch's
-    ``.to(torch.bfloat16)``) for every projection and the LM head: the names and sources
-    of the int8 copies. An exclusive Model releases each float matrix as its copy exists
-    (``replace_matrices``; the embedding table stays a float32 lookup)."""
-    out: dict[str, torch.Tensor] = {}
-
-    def bf16(name: str, w: np.ndarray) -> None:
-        out[name + ".qweight"] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
-
-    replace_matrices(model, bf16, why="its bfloat16 copy (option weight_dtype) replaced it")
-    return out
-
+# Model -> its bfloat16 copies (fused layout, below); they die with the Model. Kept so
+# that every engine of one Model shares them, as the int8 copies are shared (the float
+# matrices of an exclusive Model are released once copied, so a second engine could
+# not copy them again).
+_BF16: "weakref.WeakKeyDictionary[Model, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 # Projections that read the same input, and the one matrix the torch forward takes for
 # them when present (torch_common.model: ``qkv_proj``, ``gate_up_proj``).
@@ -50,17 +44,46 @@ _SHARED_INPUT = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj",
                  ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
 
 
-def fuse_shared_inputs(tensors: dict[str, torch.Tensor], layers: int) -> None:
-    """Each layer's bfloat16 q/k/v (and gate/up) as row slices of one matrix, added as
-    ``qkv_proj`` (``gate_up_proj``), with their biases concatenated likewise: the torch
-    forward then runs one GEMM where it ran three (two), converting their input once
-    (prefill on bfloat16 operands); the kernels read the slices, which are contiguous.
-    No memory is added: the separate matrices are replaced by the slices."""
-    for layer in range(layers):
+def has_bf16_copies(model: Model) -> bool:
+    """Whether :func:`bf16_tensors` already holds ``model``'s bfloat16 copies."""
+    return model in _BF16
+
+
+def bf16_tensors(model: Model, *, fused: bool = True) -> dict[str, torch.Tensor]:
+    """``<name>.qweight`` as bfloat16 (no scale; round to nearest even, torch's
+    ``.to(torch.bfloat16)``) for every projection and the LM head: the names and sources
+    of the int8 copies. Made on first use and kept with the Model (every engine of it
+    shares them); an exclusive Model releases each float matrix as its copy exists
+    (``replace_matrices``; the embedding table stays a float32 lookup).
+
+    Each layer's q/k/v (gate/up) are row slices of one matrix; ``fused`` adds that matrix
+    as ``qkv_proj`` (``gate_up_proj``), with their biases concatenated likewise, so the
+    torch forward runs one GEMM where it ran three (two) and converts their input once
+    (option ``fuse_projections``); the kernels read the slices, which are contiguous.
+    Either way no memory is added: the separate matrices are the slices."""
+    out = _BF16.get(model)
+    if out is None:
+        out = {}
+
+        def bf16(name: str, w: np.ndarray) -> None:
+            out[name + ".qweight"] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
+
+        replace_matrices(model, bf16, why="its bfloat16 copy (option weight_dtype) replaced it")
+        _fuse_shared_inputs(out, model)
+        _BF16[model] = out
+    fused_names = {f"model.layers.{layer}.{name}" for layer in range(model.config.num_hidden_layers)
+                   for name, _ in _SHARED_INPUT}
+    return dict(out) if fused else {k: v for k, v in out.items() if k.rpartition(".")[0] not in fused_names}
+
+
+def _fuse_shared_inputs(tensors: dict[str, torch.Tensor], model: Model) -> None:
+    """Replace each layer's q/k/v (gate/up) bfloat16 matrices by row slices of one
+    concatenated matrix, added under the fused name with the concatenated biases."""
+    for layer in range(model.config.num_hidden_layers):
         for fused, parts in _SHARED_INPUT:
             names = [f"model.layers.{layer}.{part}" for part in parts]
             weights = [tensors.get(n + ".qweight") for n in names]
-            if any(w is None or w.dtype != torch.bfloat16 for w in weights):
+            if any(w is None for w in weights):
                 continue
             whole = torch.cat(weights)
             row = 0
@@ -68,11 +91,11 @@ def fuse_shared_inputs(tensors: dict[str, torch.Tensor], layers: int) -> None:
                 tensors[n + ".qweight"] = whole[row: row + w.shape[0]]
                 row += w.shape[0]
             tensors[f"model.layers.{layer}.{fused}.qweight"] = whole
-            biases = [tensors.get(n + ".bias") for n in names]
+            biases = [model.weights.get(n + ".bias") for n in names]
             if any(b is not None for b in biases):
-                tensors[f"model.layers.{layer}.{fused}.bias"] = torch.cat([
-                    b if b is not None else torch.zeros(w.shape[0], dtype=torch.float32)
-                    for b, w in zip(biases, weights)])
+                tensors[f"model.layers.{layer}.{fused}.bias"] = torch.from_numpy(np.concatenate([
+                    np.asarray(b, np.float32) if b is not None else np.zeros(w.shape[0], np.float32)
+                    for b, w in zip(biases, weights)]))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
