@@ -71,9 +71,10 @@ def bf16_tensors(model: Model, *, fused: bool = True) -> dict[str, torch.Tensor]
         replace_matrices(model, bf16, why="its bfloat16 copy (option weight_dtype) replaced it")
         _fuse_shared_inputs(out, model)
         _BF16[model] = out
-    fused_names = {f"model.layers.{layer}.{name}" for layer in range(model.config.num_hidden_layers)
-                   for name, _ in _SHARED_INPUT}
-    return dict(out) if fused else {k: v for k, v in out.items() if k.rpartition(".")[0] not in fused_names}
+    if fused:
+        return dict(out)
+    suffixes = tuple("." + name for name, _ in _SHARED_INPUT)
+    return {k: v for k, v in out.items() if not k.rpartition(".")[0].endswith(suffixes)}
 
 
 def _fuse_shared_inputs(tensors: dict[str, torch.Tensor], model: Model) -> None:
