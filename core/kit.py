@@ -107,11 +107,17 @@ class EngineBase:
     def _check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         return check_options(self.OPTIONS, options, backend=self.name)
 
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one K or V element as this engine keeps them (its cache and its
+        prefixes): the compute dtype's, unless a backend stores K/V narrower."""
+        return _ITEMSIZE.get(self.dtype, 4)
+
     def kv_bytes(self, positions: int) -> int:
-        """Bytes of K and V for ``positions`` cache positions in this engine's dtype: what
-        a prefix of that many positions (its bucket, for a padded one) holds
-        (``Prefix.nbytes``)."""
-        return int(positions) * self.model.config.kv_bytes_per_token(_ITEMSIZE.get(self.dtype, 4))
+        """Bytes of K and V for ``positions`` cache positions as this engine keeps them
+        (:attr:`kv_itemsize`): what a prefix of that many positions (its bucket, for a
+        padded one) holds (``Prefix.nbytes``)."""
+        return int(positions) * self.model.config.kv_bytes_per_token(self.kv_itemsize)
 
     def _prefix_cache_budget(self, config: EngineConfig) -> int:
         """The driver's prefix cache budget on this engine (``EngineConfig.prefix_cache_bytes``):

@@ -149,6 +149,42 @@ def test_a_narrow_kv_cache_stores_half_the_bytes_and_decodes_like_float32(kv, is
                                atol=2e-2, rtol=1e-2 if kv == "bfloat16" else 2e-3)
 
 
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_a_prefix_keeps_its_kv_in_the_kv_dtype_and_gives_its_pages_back_when_dropped(kv):
+    """A prefill's own cache is in the KV dtype (half the bytes of the float32 one the
+    prefix used to keep, and of the driver's prefix cache budget), holding the values the
+    float32 prefill computes, rounded; its pages are a map of their own, unmapped when
+    the prefix is dropped (the heap keeps no hole of it)."""
+    import gc
+    import weakref
+
+    from polyengine.backends.torch_common import hostmem
+
+    narrow, full = _engine("grow", kv_dtype=kv), _engine("grow")
+    tokens, sp = [5, 17, 33, 2, 9, 41, 7], SamplingParams(temperature=0, max_tokens=4)
+    p_narrow, _ = narrow.prefill(params=narrow.load_params(), tokens=tokens, sampling=sp)
+    p_full, _ = full.prefill(params=full.load_params(), tokens=tokens, sampling=sp)
+    for a, b in zip(p_narrow.kv, p_full.kv):
+        assert a.dtype == getattr(torch, kv) and b.dtype == torch.float32
+        assert a.shape == b.shape
+        # layer 0 reads nothing rounded before it: exactly the float32 values, rounded
+        assert torch.equal(a[0], b[0].to(a.dtype))
+        np.testing.assert_allclose(a.float().numpy(), b.numpy(), atol=3e-2, rtol=1e-2)
+    assert p_narrow.nbytes * 2 == p_full.nbytes == full.kv_bytes(narrow.config.bucket_for(len(tokens)))
+    assert narrow.kv_itemsize == 2 and narrow.prefix_cache_bytes * 2 == full.prefix_cache_bytes
+    # continuing a narrow prefix (a prefix cache hit, a chunk) copies it as it is
+    more, _ = narrow.prefill(params=narrow.load_params(), tokens=[8, 8], sampling=sp, existing_prefix=p_narrow)
+    assert torch.equal(more.kv[0][:, :, : len(tokens)], p_narrow.kv[0])
+    # and the decode cache receives the prefix's bytes unchanged
+    state = narrow.insert(p_narrow, narrow.init_decode_state(), 2)
+    assert torch.equal(state.k[:, 2, :, : len(tokens)], p_narrow.kv[0])
+    mapping = weakref.ref(hostmem._map_of(p_narrow.kv[0]))
+    assert mapping() is not None
+    del p_narrow, more, a
+    gc.collect()
+    assert mapping() is None
+
+
 def test_a_narrow_kv_cache_is_refused_where_compute_is_not_float32():
     from polyengine.errors import UnsupportedFeature
 

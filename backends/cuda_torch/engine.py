@@ -206,11 +206,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             raise UnsupportedFeature(
                 f"kv_dtype={o['kv_dtype']!r} with dtype {self.dtype}", self.name,
                 "a narrower KV cache is kept for float32 compute only; use kv_dtype='auto' (the compute dtype)")
-        # The forward's codec when K/V are narrower than compute: the decode state's cache
-        # stores them narrow; a prefill's own cache stores the rounded values in float32.
-        self._kv_codecs = (None, None) if self.kv_dtype == self.torch_dtype else (
-            CastKVCodec(self.kv_dtype, self.kv_dtype, self.torch_dtype),
-            CastKVCodec(self.kv_dtype, self.torch_dtype, self.torch_dtype))
+        # The forward's codec when K/V are narrower than compute: every cache, the decode
+        # state's and a prefill's own (so its Prefix), stores them narrow; attention reads
+        # them widened to the compute dtype.
+        self._kv_codec = None if self.kv_dtype == self.torch_dtype else CastKVCodec(
+            self.kv_dtype, self.kv_dtype, self.torch_dtype)
         self.sampler_dtype = torch.float64 if o["sampler_dtype"] == "float64" else torch.float32
         # the projections' weights are int8 (quantize) or bfloat16 (weight_dtype) copies, ".qweight"
         self._narrow = bool(o["quantize"]) or o["weight_dtype"] != "auto"
@@ -263,6 +263,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
     # -- construction ----------------------------------------------------------------------
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Option kv_dtype's element size (a prefix and the decode cache keep K/V in it)."""
+        narrow = {"bfloat16": 2, "float16": 2}.get(self.options["kv_dtype"])
+        return narrow or super().kv_itemsize
 
     def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
         device = self.torch_device = self._pick_device(self.options["device"])
@@ -496,7 +502,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         n = toks.size
         padded = self.config.bucket_for(n)
         dev = self.torch_device
-        k, v = params.new_cache(1, start + padded)
+        # The prefix's own cache, in the KV dtype (what the decode cache will hold, bit for
+        # bit); on a Linux host a memory map of its own, so a prefix dropped (the driver's
+        # prefix cache evicts them in any order) gives its pages back at once instead of
+        # leaving holes in the heap that the process keeps (hostmem.py).
+        k, v = params.new_cache(1, start + padded, lazy=True, dtype=self.kv_dtype)
         if existing_prefix is not None:
             k[:, 0, :, :start], v[:, 0, :, :start] = existing_prefix.kv
         batch = np.zeros((1, padded), np.int64)
@@ -504,7 +514,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
         write = (torch.arange(padded, device=dev) < n)[None]
         logits, k, v = forward(
-            params, self._spec(causal=start == 0, linear=self._prefill_linear, kv_codec=self._kv_codecs[1]),
+            params, self._spec(causal=start == 0, linear=self._prefill_linear, kv_codec=self._kv_codec),
             to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )
@@ -601,7 +611,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 logits = self._graph_forward(params, state, pos, live_mask[:, None], kv_len)
             else:
                 logits, state.k, state.v = forward(
-                    params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codecs[0]),
+                    params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codec),
                     state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
                 )
             res = state.sampler.sample(logits[:, 0], num_top=num_top, token_mask=words)
@@ -634,7 +644,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         state.live.copy_(live)
 
         def run() -> torch.Tensor:
-            return forward(params, self._spec(kv_len=kv_len, kv_codec=self._kv_codecs[0]), state.next_tokens[:, None],
+            return forward(params, self._spec(kv_len=kv_len, kv_codec=self._kv_codec), state.next_tokens[:, None],
                            state.positions, state.k, state.v, rows=None, write_mask=state.live)[0]
 
         entry = state.graphs.get(kv_len)
@@ -669,7 +679,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             logits = self._head(t, x)  # (M, vocab)
         else:
             logits, state.k, state.v = forward(
-                params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codecs[0]),
+                params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codec),
                 state.next_tokens[rows][:, None], pos[:, None], state.k, state.v, rows=None if len(live) == n else rows,
             )
             logits = logits[:, 0]  # (M, vocab)
@@ -705,7 +715,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
         prompt, sampling = self.check_portable(portable)
         self.load_params()
-        put = lambda a: to_device(np.ascontiguousarray(a), self.torch_device, self.torch_dtype)  # noqa: E731
+        put = lambda a: to_device(np.ascontiguousarray(a), self.torch_device, self.kv_dtype)  # noqa: E731
         logits = to_device(np.ascontiguousarray(portable.last_logits, np.float32), self.torch_device)
         first = self._first_token(logits, prompt, sampling)
         return Prefix(

@@ -217,10 +217,10 @@ class KVCodec(Protocol):
 @dataclass(frozen=True)
 class CastKVCodec:
     """K/V kept at a narrower float type than the compute dtype (``kv``: bfloat16 or
-    float16): written rounded to ``kv`` and stored as ``store`` (``kv`` for a decode
-    state's cache; the compute dtype for a prefill's own cache, so that the prefix it
-    hands over holds exactly the values the decode cache will), read back widened to
-    ``compute``."""
+    float16): written rounded to ``kv`` and stored as ``store`` (``kv`` itself for
+    cuda_torch's caches, a prefill's own included, so a prefix holds exactly the values,
+    and the bytes, the decode cache will; a wider ``store`` keeps the rounded values at
+    the wider type), read back widened to ``compute``."""
 
     kv: torch.dtype
     store: torch.dtype
