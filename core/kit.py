@@ -96,6 +96,12 @@ class EngineBase:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = tuple(model.eos_token_ids)
         self.prefix_cache_bytes = self._prefix_cache_budget(config)
+        # The default budget on a cache that grows with use is the room the slots leave:
+        # the driver's cached prefixes and the slots' K/V together stay within what a
+        # cache reserved for every slot would hold (the driver shrinks the cache as the
+        # slots grow). An explicit prefix_cache_bytes is a budget of its own.
+        self.prefix_cache_shares_kv = bool(
+            self.prefix_cache_bytes and config.prefix_cache_bytes is None and self.kv_grows_with_use())
 
     def capabilities_for(self, model: "Model", config: EngineConfig) -> Capabilities:
         """What this engine can do with the checked ``self.options`` (and the device they
@@ -119,9 +125,18 @@ class EngineBase:
         padded one) holds (``Prefix.nbytes``)."""
         return int(positions) * self.model.config.kv_bytes_per_token(self.kv_itemsize)
 
+    def kv_grows_with_use(self) -> bool:
+        """Whether this engine's decode cache holds memory only as the slots fill it (and
+        gives a freed slot's back) rather than every slot's full context from the start.
+        Such an engine's default prefix cache shares the slots' bytes
+        (``prefix_cache_shares_kv``). Runs after the options are checked and the
+        capabilities (and so the device) are chosen."""
+        return False
+
     def _prefix_cache_budget(self, config: EngineConfig) -> int:
         """The driver's prefix cache budget on this engine (``EngineConfig.prefix_cache_bytes``):
-        none without prefix reuse; unset, as many bytes as the slots' KV cache."""
+        none without prefix reuse; unset, as many bytes as the slots' KV cache (less what
+        the slots hold, on a cache that grows: ``prefix_cache_shares_kv``)."""
         if not self.capabilities.prefix_reuse:
             return 0
         if config.prefix_cache_bytes is not None:
@@ -140,7 +155,7 @@ class EngineBase:
         from polyengine.memory import check_fits, engine_advice
 
         budget = getattr(self, "prefix_cache_bytes", 0)
-        if budget:
+        if budget and not getattr(self, "prefix_cache_shares_kv", False):  # shared: within the KV cache's bytes
             needs = {**needs, "the driver's prefix cache (prefix_cache_bytes; 0 turns it off)": budget}
         own = getattr(self, "dtype", None) or (self.config.dtype if getattr(self, "config", None) else None)
         advice = engine_advice(self.capabilities.dtypes if getattr(self, "capabilities", None) else None, own)

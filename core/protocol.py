@@ -134,8 +134,8 @@ class EngineConfig(BaseModel):
     Two settings belong to the driver that runs on the engine, and are here so the
     engine can account for them where its memory is (docs/prefix-caching.md):
     ``prefix_cache_bytes`` bounds the K/V the driver's prefix cache may keep (None: as
-    much as the slots' KV cache holds; 0: no cache), counted by the engine's memory
-    check; ``prefill_chunk`` is the most prompt tokens one prefill call runs while
+    much as the slots' KV cache holds, less what the slots hold now on a cache that
+    grows with use; 0: no cache), counted by the engine's memory check; ``prefill_chunk`` is the most prompt tokens one prefill call runs while
     other requests decode (None: the measured default; 0: whole prompts at once).
     Both need ``Capabilities.prefix_reuse`` and are off without it.
     """

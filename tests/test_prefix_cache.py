@@ -103,6 +103,23 @@ def test_an_entry_a_newer_one_extends_goes_first():
     assert turn1 not in cache.entries() and other in cache.entries() and system in cache.entries()
 
 
+def test_resize_evicts_in_eviction_order_down_to_the_new_budget_and_keeps_entries_in_use():
+    cache = PrefixCache(100)
+    a, b, c, d = (cache.insert(FakePrefix((i, i + 1)), shared=i == 1) for i in (1, 3, 5, 7))
+    cache.acquire(c)  # in use: stays whatever the budget
+    cache.resize(25)
+    # one-prompt entries first, least recently used first (b, then d); the shared a last
+    assert [e.prefix.prompt_tokens for e in cache.entries()] == [(1, 2), (5, 6)]
+    assert cache.budget == 25 and cache.stats.bytes == 20 and cache.stats.evictions == 2
+    cache.resize(-5)  # counts as 0: everything not in use goes, the held entry stays over it
+    assert cache.budget == 0 and [e.prefix.prompt_tokens for e in cache.entries()] == [(5, 6)]
+    assert cache.insert(FakePrefix((9, 9))) is None  # no room: not filed
+    cache.release(c)
+    cache.resize(100)  # growing evicts nothing and makes room again
+    assert cache.stats.bytes == 10 and cache.insert(FakePrefix((9, 9))) is not None
+    assert (a, b, d) and cache.stats.evictions == 3
+
+
 def test_an_entry_filed_twice_is_kept_once():
     cache = PrefixCache(100)
     first = cache.insert(FakePrefix((1, 2, 3)))
@@ -354,3 +371,44 @@ def test_engines_without_prefix_reuse_run_without_cache_or_chunks():
     assert llm.scheduler.prefix_cache is None and llm.scheduler.prefiller.chunk == 0
     out = llm.generate([list(range(1, 30))], SamplingParams(max_tokens=3))[0]
     assert out.token_ids == [sum(range(1, 30)) % 50, (sum(range(1, 30)) + 1) % 50, (sum(range(1, 30)) + 2) % 50]
+
+
+def test_on_a_cache_that_grows_the_default_budget_is_what_the_slots_leave(tiny):
+    """cuda_torch's host cache grows with use (kv_memory "grow"): its default prefix
+    budget shares the slots' bytes, so cached prefixes and the slots' K/V together never
+    exceed a reserved cache's (the memory check counts the cache once). Long requests
+    push the cached prompts out as they grow; output equals the uncached engine's. An
+    explicit budget, or a reserved cache, keeps a budget of its own."""
+    pytest.importorskip("torch")
+    base = dict(max_slots=2, max_prefill_length=96, max_cache_length=128, options={"cpu_kernels": False})
+    grow = LLM(tiny, backend="cuda_torch", tools=False, **base)
+    eng, cache = grow.engine, grow.scheduler.prefix_cache
+    slots_kv = eng.kv_bytes(2 * 128)
+    assert eng.prefix_cache_shares_kv and eng.prefix_cache_bytes == slots_kv
+    for other in (dict(prefix_cache_bytes=slots_kv), dict(options={"cpu_kernels": False, "kv_memory": "reserve"})):
+        separate = LLM(tiny, backend="cuda_torch", tools=False, **{**base, **other}).engine
+        assert not separate.prefix_cache_shares_kv
+        # counted beside the cache; shared, it lies within the KV cache's own bytes (counted once)
+        assert separate.check_memory({}) - eng.check_memory({}) == separate.prefix_cache_bytes == slots_kv
+    off = LLM(tiny, backend="cuda_torch", tools=False, prefix_cache_bytes=0, **base)
+    rng = np.random.default_rng(3)
+    short = [rng.integers(3, 280, 40).tolist() for _ in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for p in short:
+        assert grow.generate([p], sp)[0].token_ids == off.generate([p], sp)[0].token_ids
+    assert len(cache) == 3 and cache.stats.evictions == 0
+    long_sp = SamplingParams(temperature=0.8, seed=4, max_tokens=60, ignore_eos=True)
+    reqs = [grow.submit(rng.integers(3, 280, 60).tolist(), long_sp) for _ in range(2)]
+    seen = 0
+    while not all(r.done for r in reqs):
+        # what the slots hold when the step starts sizes the cache for that step
+        in_use = sum(len(r.prompt_tokens) + len(s.out.token_ids) for r, s in grow.scheduler._slots.values())
+        grow.step()
+        assert cache.budget == max(0, slots_kv - eng.kv_bytes(in_use))
+        assert cache.stats.bytes <= max(cache.budget, 0) or all(e.refs for e in cache.entries())
+        seen = max(seen, in_use)
+    assert seen >= 2 * 100 and cache.stats.evictions >= 2  # 240 of 256 positions at the end: little room left
+    for r in reqs:
+        assert r.completion.outputs[0].token_ids == off.generate([r.prompt_tokens], long_sp)[0].token_ids
+    grow.step()
+    assert cache.budget == slots_kv  # nothing runs: the whole budget again

@@ -264,6 +264,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
     # -- construction ----------------------------------------------------------------------
 
+    def kv_grows_with_use(self) -> bool:
+        """kv_memory "grow" on a host whose cache pages come with use (hostmem.py)."""
+        from polyengine.backends.torch_common.hostmem import grows_with_use
+
+        return self.options["kv_memory"] == "grow" and grows_with_use(self.torch_device)
+
     @property
     def kv_itemsize(self) -> int:
         """Option kv_dtype's element size (a prefix and the decode cache keep K/V in it)."""

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-__all__ = ["new_cache_tensor", "release_row", "resident_bytes", "lazy"]
+__all__ = ["new_cache_tensor", "release_row", "resident_bytes", "lazy", "grows_with_use"]
 
 _PAGE = mmap.PAGESIZE
 # data_ptr -> the map behind a lazily backed cache tensor, weakly: the map lives as long as
@@ -35,14 +35,16 @@ _MAPS: dict[int, weakref.ref] = {}
 _LOCK = threading.Lock()
 
 
-def _supported(device: torch.device) -> bool:
-    return device.type == "cpu" and sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")
+def grows_with_use(device: torch.device) -> bool:
+    """Whether :func:`new_cache_tensor` on ``device`` holds pages only as they are written."""
+    return torch.device(device).type == "cpu" and sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")
+
 
 
 def new_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor of ``shape``; on a Linux host, backed by pages made on first write."""
     device = torch.device(device)
-    if not _supported(device):
+    if not grows_with_use(device):
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = 1
     for n in shape:

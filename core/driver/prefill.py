@@ -79,6 +79,10 @@ class Prefiller:
                  block: int = CACHE_BLOCK):
         self.engine, self.params = engine, params
         self.cache, self.chunk, self.block = cache, int(chunk), int(block)
+        # The engine's default budget on a cache that grows with use: what the slots leave
+        # of it (EngineBase.prefix_cache_shares_kv), so the budget follows the slots' lengths.
+        self.shares_kv = cache is not None and bool(getattr(engine, "prefix_cache_shares_kv", False))
+        self._cap = cache.budget if cache is not None else 0
 
     @classmethod
     def for_engine(cls, engine: Any, params: Any) -> "Prefiller":
@@ -94,6 +98,12 @@ class Prefiller:
         per_token = model.config.kv_bytes_per_token(4) if model is not None else 1
         cache = PrefixCache(budget, estimate=lambda p: p.true_length * per_token) if budget else None
         return cls(engine, params, cache=cache, chunk=chunk)
+
+    def fit(self, positions: int) -> None:
+        """The slots hold K/V for ``positions`` cache positions now: on an engine whose
+        prefix cache shares their bytes, the cache shrinks (or may grow again) to the rest."""
+        if self.shares_kv:
+            self.cache.resize(self._cap - self.engine.kv_bytes(positions))
 
     def step_budget(self, decoding: bool) -> int | None:
         """Prompt tokens one scheduler step may prefill: a chunk while streams decode,

@@ -182,13 +182,25 @@ class PrefixCache:
         free = sum(e.nbytes for e in self._lru if e.refs == 0)
         if self.stats.bytes - free + nbytes > self.budget:
             return False  # even evicting everything not in use would not make room
+        self._evict_to(self.budget - nbytes)
+        return True
+
+    def _evict_to(self, target: int) -> None:
+        """Evict entries not in use until at most ``target`` bytes stay: those filed for one
+        prompt, least recently used first, then those where prompts part."""
         idle = [e for e in self._lru if e.refs == 0]
         for entry in [e for e in idle if not e.shared] + [e for e in idle if e.shared]:
-            if self.stats.bytes + nbytes <= self.budget:
+            if self.stats.bytes <= target:
                 break
             self._remove(entry)
             self.stats.evictions += 1
-        return True
+
+    def resize(self, budget: int) -> None:
+        """A new budget (negative counts as 0): entries not in use leave, in eviction order,
+        until the rest fit. Entries in use stay even over it (their requests continue
+        them); an insert is filed only where it fits, as always."""
+        self.budget = max(0, int(budget))
+        self._evict_to(self.budget)
 
     def clear(self) -> None:
         """Drop every entry not in use (counted as evictions)."""

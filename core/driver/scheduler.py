@@ -348,6 +348,8 @@ class Scheduler:
             if self._pending is not None and not self._may_pipeline():
                 self._process(*self._pending)
                 self._pending = None
+            if self.prefiller.shares_kv:  # the slots' K/V as of now: a prefix cache sharing their bytes gets the rest
+                self.prefiller.fit(sum(len(r.prompt_tokens) + len(s.out.token_ids) for r, s in self._slots.values()))
             self._admit()
             if not self._slots:
                 self._pending = None  # its rows belong to requests that are gone
