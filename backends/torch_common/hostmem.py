@@ -40,7 +40,6 @@ def grows_with_use(device: torch.device) -> bool:
     return torch.device(device).type == "cpu" and sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")
 
 
-
 def new_cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor of ``shape``; on a Linux host, backed by pages made on first write."""
     device = torch.device(device)
