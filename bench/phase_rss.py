@@ -52,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     from polyengine.benchmarks.run_polyengine import PolyengineSystem
     from polyengine.benchmarks.workload import STANDARD
 
-    rows = [("start", None, _status()["VmRSS"], _status()["VmRSS"])]
+    now = _status()
+    rows = [("start", None, now["VmHWM"], now["VmRSS"])]
     system = PolyengineSystem(model=args.model, backend=args.backend, dtype=args.dtype,
                               options=json.loads(args.options))
-    rows.append(("model loaded", None, _status()["VmHWM"], _status()["VmRSS"]))
+    now = _status()
+    rows.append(("model loaded", None, now["VmHWM"], now["VmRSS"]))
     for name in ("decode", "prefill", "serve"):
         run = getattr(system, name)
 

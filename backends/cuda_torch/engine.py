@@ -273,8 +273,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     @property
     def kv_itemsize(self) -> int:
         """Option kv_dtype's element size (a prefix and the decode cache keep K/V in it)."""
-        narrow = {"bfloat16": 2, "float16": 2}.get(self.options["kv_dtype"])
-        return narrow or super().kv_itemsize
+        kv = self.options["kv_dtype"]
+        return super().kv_itemsize if kv == "auto" else _DTYPES[kv].itemsize
 
     def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
         device = self.torch_device = self._pick_device(self.options["device"])

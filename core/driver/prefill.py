@@ -82,7 +82,6 @@ class Prefiller:
         # The engine's default budget on a cache that grows with use: what the slots leave
         # of it (EngineBase.prefix_cache_shares_kv), so the budget follows the slots' lengths.
         self.shares_kv = cache is not None and bool(getattr(engine, "prefix_cache_shares_kv", False))
-        self._cap = cache.budget if cache is not None else 0
 
     @classmethod
     def for_engine(cls, engine: Any, params: Any) -> "Prefiller":
@@ -103,7 +102,7 @@ class Prefiller:
         """The slots hold K/V for ``positions`` cache positions now: on an engine whose
         prefix cache shares their bytes, the cache shrinks (or may grow again) to the rest."""
         if self.shares_kv:
-            self.cache.resize(self._cap - self.engine.kv_bytes(positions))
+            self.cache.resize(self.engine.prefix_cache_bytes - self.engine.kv_bytes(positions))
 
     def step_budget(self, decoding: bool) -> int | None:
         """Prompt tokens one scheduler step may prefill: a chunk while streams decode,
