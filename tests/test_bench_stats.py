@@ -144,7 +144,7 @@ def test_long_rate_is_the_median_step_rate():
 # -- targets ---------------------------------------------------------------------------------
 
 
-def _row(kind, name, decode1=None, decode32=None, prefill=None, dtype=None, options=None, quant=None):
+def _row(kind, name, decode1=None, decode32=None, prefill=None, dtype=None, options=None, quant=None, rss=None):
     metrics = {"decode_tok_s": {}}
     if decode1 is not None:
         metrics["decode_tok_s"]["1"] = {"median": decode1}
@@ -152,54 +152,182 @@ def _row(kind, name, decode1=None, decode32=None, prefill=None, dtype=None, opti
         metrics["decode_tok_s"]["32"] = {"median": decode32}
     if prefill is not None:
         metrics["prefill_tok_s"] = {"median": prefill}
+    if rss is not None:
+        metrics["peak_rss_mib"] = rss  # a plain number, as cli.py stores it
     return {"row": name, "kind": kind, "system": kind, "setting": name, "metrics": metrics, "errors": {},
             "details": {"dtype": dtype} if dtype else {}, "params": {"options": options or {}, "quant": quant}}
 
 
+B1 = "float32 decode b1 >= 80% of the bandwidth floor (or 3x transformers, the lower)"
+INT8 = "int8 decode b1 >= llama.cpp Q4_1"
+F16 = "best decode b32 >= llama.cpp F16"
+HF32 = "best decode b32 >= 2x transformers"
+PREFILL = "best prefill 1024 >= transformers' best"
+RSS = "lowest peak RSS <= transformers' lowest"
+
+
+def _by_target(verdicts):
+    out = {}
+    for v in verdicts:
+        out.setdefault(v["target"], []).append(v)
+    return out
+
+
+def test_the_targets_are_issue_27s():
+    assert [t.name for t in report.targets(STANDARD)] == [B1, INT8, F16, HF32, PREFILL, RSS]
+    quick = [t.name for t in report.targets(QUICK)]
+    assert quick[0].startswith("float32 decode b1 ") and quick[2] == "best decode b4 >= llama.cpp F16"
+    assert quick[4] == f"best prefill {QUICK.prefill_len} >= transformers' best"
+
+
 def test_targets_compare_with_the_peers_best_setting():
     rows = [
-        _row("polyengine", "pe fp32", decode1=90, decode32=600, prefill=800, dtype="float32"),
-        _row("polyengine", "pe int8", decode1=100, dtype="float32", options={"weights": "int8"}),
-        _row("transformers", "hf fp32", decode1=20, decode32=250, prefill=700),
-        _row("transformers", "hf bf16", decode1=30, decode32=300, prefill=2000),
-        _row("llamacpp", "llama Q4_1", decode1=95, decode32=140, quant="Q4_1"),
+        _row("polyengine", "pe fp32", decode1=90, decode32=600, prefill=800, dtype="float32", rss=900),
+        _row("polyengine", "pe int8", decode1=100, decode32=500, dtype="float32", options={"weights": "int8"}, rss=700),
+        _row("transformers", "hf fp32", decode1=20, decode32=250, prefill=700, rss=1200),
+        _row("transformers", "hf bf16", decode1=30, decode32=300, prefill=2000, rss=800),
+        _row("llamacpp", "llama Q4_1", decode1=95, decode32=700, quant="Q4_1", rss=300),
         _row("llamacpp", "llama F16", decode1=50, decode32=600, quant="F16"),
     ]
-    got = {(v["target"], v["row"]): v for v in report.judge(rows, STANDARD)}
-    b1 = got[("float32 decode b1 >= 3x transformers", "pe fp32")]
-    assert b1["peer_row"] == "hf bf16" and b1["ratio"] == pytest.approx(3.0) and b1["passed"]
-    b32 = got[("float32 decode b32 >= 2x transformers", "pe fp32")]
-    assert b32["ratio"] == pytest.approx(2.0) and b32["passed"]
-    above = got[("float32 decode b32 > llama.cpp", "pe fp32")]
-    assert above["ratio"] == pytest.approx(1.0) and not above["passed"], "'above' is strict"
-    pre = got[("prefill 1024 >= transformers", "pe fp32")]
-    assert pre["peer_row"] == "hf bf16" and not pre["passed"]
-    int8 = got[("int8 decode b1 >= llama.cpp Q4_1", "pe int8")]
-    assert int8["peer_row"] == "llama Q4_1" and int8["passed"]
-    assert ("float32 decode b1 >= 3x transformers", "pe int8") not in got, "int8 rows are not float32 rows"
+    got = _by_target(report.judge(rows, STANDARD))
+    (b1,) = got[B1]  # int8 rows are not float32 rows
+    assert b1["row"] == "pe fp32" and b1["peer_row"] == "hf bf16" and b1["ratio"] == pytest.approx(3.0)
+    assert b1["needed"] == pytest.approx(90.0) and b1["passed"] and "limit" not in b1
+    (int8,) = got[INT8]
+    assert int8["row"] == "pe int8" and int8["peer_row"] == "llama Q4_1" and int8["passed"]
+    (f16,) = got[F16]  # the best b32 row only; llama.cpp's Q4_1 (700) is not its peer
+    assert f16["row"] == "pe fp32" and f16["best_of"] == ["pe fp32", "pe int8"]
+    assert f16["peer_row"] == "llama F16" and f16["ratio"] == pytest.approx(1.0) and f16["passed"], "at least"
+    (hf32,) = got[HF32]
+    assert hf32["row"] == "pe fp32" and hf32["peer_row"] == "hf bf16" and hf32["needed"] == pytest.approx(600.0)
+    assert hf32["passed"]
+    (pre,) = got[PREFILL]
+    assert pre["best_of"] == ["pe fp32"] and pre["peer_row"] == "hf bf16" and not pre["passed"]
+    (rss,) = got[RSS]  # llama.cpp's 300 MiB is no peer of this target
+    assert rss["row"] == "pe int8" and rss["peer_row"] == "hf bf16" and rss["ratio"] == pytest.approx(0.875)
+    assert rss["passed"] and rss["best_of"] == ["pe fp32", "pe int8"]
+
+
+def test_bfloat16_weight_rows_are_not_judged_as_float32():
+    """A ``weight_dtype: bfloat16`` row computes in float32 but streams half the bytes."""
+    bf16 = _row("polyengine", "pe bf16 weights", decode1=80, decode32=900, dtype="float32",
+                options={"weight_dtype": "bfloat16", "bf16_compute": "bf16"})
+    rows = [
+        _row("polyengine", "pe fp32", decode1=50, decode32=300, dtype="float32"),
+        _row("polyengine", "pe fp32 asked", decode1=50, dtype="float32", options={"weight_dtype": "float32"}),
+        _row("polyengine", "pe auto", decode1=50, dtype="float32", options={"weight_dtype": "auto"}),
+        _row("polyengine", "pe bf16", decode1=50, dtype="bfloat16"),
+        bf16,
+        _row("transformers", "hf", decode1=10, decode32=100),
+    ]
+    got = _by_target(report.judge(rows, STANDARD))
+    assert {v["row"] for v in got[B1]} == {"pe fp32", "pe fp32 asked", "pe auto"}
+    assert got[HF32][0]["row"] == "pe bf16 weights", "the best-row targets judge any dtype"
+    (alone,) = _by_target(report.judge([bf16, rows[-1]], STANDARD))[B1]
+    assert alone == {"target": B1, "row": None, "verdict": "no polyengine row in this run applies"}
+
+
+def test_the_best_row_targets_judge_only_the_best_row():
+    rows = [
+        _row("polyengine", "pe slow", decode32=300, prefill=100, rss=500),
+        _row("polyengine", "pe fast", decode32=500, prefill=900, rss=900),
+        _row("polyengine", "pe none"),  # no values: not among those compared
+        _row("transformers", "hf", decode32=200, prefill=800, rss=600),
+        _row("llamacpp", "llama F16", decode32=450, quant="F16"),
+    ]
+    verdicts = report.judge(rows, STANDARD)
+    got = _by_target(verdicts)
+    for name, row in ((F16, "pe fast"), (HF32, "pe fast"), (PREFILL, "pe fast"), (RSS, "pe slow")):
+        (v,) = got[name]
+        assert v["row"] == row and v["passed"], name
+        assert v["best_of"] == ["pe slow", "pe fast"], name
+    assert not any(v["row"] == "pe slow" for name in (F16, HF32, PREFILL) for v in got[name]), \
+        "the weaker row would fail; it is not judged"
+    nothing = _by_target(report.judge([rows[2], *rows[3:]], STANDARD))
+    assert nothing[F16] == [{"target": F16, "row": None, "verdict": "not judged: no polyengine row has this value"}]
+    text = report.verdicts({"targets": verdicts, "host": {}})
+    assert f"  {F16} [pe fast, best of 2]: 500 / 450 (llama F16) = 1.11x; asked at least 450 = 1x the peer -> PASS" \
+        in text
+
+
+def test_peak_rss_is_lower_is_better():
+    hf = [_row("transformers", "hf fp32", rss=1200.0), _row("transformers", "hf bf16", rss=750.0)]
+
+    def rss(*ours):
+        rows = [_row("polyengine", f"pe {i}", rss=m) for i, m in enumerate(ours)] + hf
+        (v,) = _by_target(report.judge(rows, STANDARD))[RSS]
+        return v
+
+    v = rss(900.0, 700.0)
+    assert v["row"] == "pe 1" and v["peer_row"] == "hf bf16" and v["needed"] == 750.0 and v["passed"]
+    assert v["lower_is_better"] and v["ratio"] == pytest.approx(700 / 750)
+    v = rss(800.0, 900.0)  # above transformers' lowest, though below its highest
+    assert v["row"] == "pe 0" and v["peer_value"] == 750.0 and not v["passed"] and v["verdict"] == "FAIL"
+    assert rss(750.0)["passed"], "equal is at most"
+    text = report.verdicts({"targets": [rss(800.0)], "host": {}})
+    assert "800 / 750 (hf bf16) = 1.07x; asked at most 750 = 1x the peer -> FAIL" in text
+
+
+def test_the_f16_target_ignores_q4_1_and_f32_rows():
+    ours = _row("polyengine", "pe", decode32=500)
+    rows = [ours, _row("llamacpp", "llama Q4_1", decode32=1000, quant="Q4_1"),
+            _row("llamacpp", "llama F32", decode32=900, quant="F32"),
+            _row("llamacpp", "llama F16 1 thread", decode32=300, quant="F16"),
+            _row("llamacpp", "llama F16 2 threads", decode32=400, quant="F16")]
+    (v,) = _by_target(report.judge(rows, STANDARD))[F16]
+    assert v["peer_row"] == "llama F16 2 threads" and v["ratio"] == pytest.approx(1.25) and v["passed"]
+    (v,) = _by_target(report.judge(rows[:3], STANDARD))[F16]
+    assert v["verdict"] == "not judged: no llamacpp row has this value" and "passed" not in v
 
 
 def test_a_target_past_the_host_limit_asks_for_80_percent_of_it():
     rows = [
         _row("polyengine", "pe fp32", decode1=45, decode32=370, dtype="float32"),
         _row("transformers", "hf bf16", decode1=24, decode32=200),
+        _row("llamacpp", "llama F16", decode32=400, quant="F16"),
     ]
     limits = {"fp32_b1_floor_tok_s": 55.0, "fp32_gemm_tok_s": 450.0}
     got = {v["target"]: v for v in report.judge(rows, STANDARD, limits)}
-    b1 = got["float32 decode b1 >= 3x transformers"]  # 3 x 24 = 72 > 55: asks 0.8 x 55 = 44
+    b1 = got[B1]  # 3 x 24 = 72 > 0.8 x 55 = 44: asks 44
     assert b1["needed"] == pytest.approx(44.0) and b1["passed"] and b1["limit"] == 55.0
-    b32 = got["float32 decode b32 >= 2x transformers"]  # 2 x 200 = 400 > 360
-    assert b32["needed"] == pytest.approx(360.0) and b32["passed"]
+    assert b1["limit_name"] == "fp32_b1_floor_tok_s" and b1["peer_row"] == "hf bf16"
+    b32 = got[HF32]  # 2 x 200 = 400 > 0.8 x 450 = 360
+    assert b32["needed"] == pytest.approx(360.0) and b32["passed"] and b32["limit_name"] == "fp32_gemm_tok_s"
+    f16 = got[F16]  # llama.cpp's measured value is within the host's reach: not capped
+    assert f16["needed"] == pytest.approx(400.0) and not f16["passed"] and "limit" not in f16
     plain = {v["target"]: v for v in report.judge(rows, STANDARD)}
-    assert not plain["float32 decode b1 >= 3x transformers"]["passed"], "without limits the ratio alone decides"
+    assert not plain[B1]["passed"] and plain[B1]["needed"] == pytest.approx(72.0), "without limits 3x decides"
     low = report.judge(rows, STANDARD, {"fp32_b1_floor_tok_s": 500.0, "fp32_gemm_tok_s": 5000.0})
     assert all("limit" not in v for v in low), "a limit above what the ratio asks changes nothing"
+    text = report.verdicts({"targets": [b1], "host": {}})
+    assert "45.0 / 24.0 (hf bf16) = 1.88x; asked at least 44.0 = 80% of 55.0 (fp32_b1_floor_tok_s) -> PASS" in text
+
+
+def test_the_float32_target_without_transformers_asks_80_percent_of_the_floor():
+    rows = [_row("polyengine", "pe fast", decode1=45, decode32=400, dtype="float32"),
+            _row("polyengine", "pe slow", decode1=40, dtype="float32")]
+    limits = {"fp32_b1_floor_tok_s": 55.0, "fp32_gemm_tok_s": 450.0}
+    got = _by_target(report.judge(rows, STANDARD, limits))
+    fast, slow = got[B1]
+    assert fast["needed"] == pytest.approx(44.0) and fast["passed"] and fast["limit"] == 55.0
+    assert fast["peer_row"] is None and fast["peer_value"] is None and fast["ratio"] is None
+    assert slow["needed"] == pytest.approx(44.0) and not slow["passed"]
+    (hf32,) = got[HF32]  # 2x transformers needs transformers: its limit only caps
+    assert hf32["verdict"] == "not judged: no transformers row has this value" and "passed" not in hf32
+    text = report.verdicts({"targets": got[B1], "host": {}})
+    assert f"  {B1} [pe fast]: 45.0, no peer value; asked at least 44.0 = 80% of 55.0 (fp32_b1_floor_tok_s) -> PASS" \
+        in text
+    (none,) = _by_target(report.judge(rows[:1], STANDARD))[B1]
+    assert none["verdict"] == ("not judged: no transformers row has this value and the host limit "
+                               "fp32_b1_floor_tok_s was not measured")
 
 
 def test_each_row_reports_its_isa_and_share_of_the_host_limits():
     """b1 over the bandwidth floor of the bytes the row streams (its int8 mode's copies,
-    else its dtype's), b32 and prefill over torch's GEMM rate; none without limits."""
-    limits = {"read_gb_s": 20.0, "fp32_gemm_tok_s": 400.0, "weight_bytes": {"float32": 4e8, "int8": 1.1e8}}
+    else its weight_dtype's or its dtype's), b32 and prefill over torch's GEMM rate; none
+    without limits."""
+    limits = {"read_gb_s": 20.0, "fp32_gemm_tok_s": 400.0,
+              "weight_bytes": {"float32": 4e8, "bfloat16": 2e8, "int8": 1.1e8}}
     fp32 = _row("polyengine", "pe fp32", decode1=40, decode32=300, prefill=800, dtype="float32")
     fp32["details"]["paths"] = {"isa": "avx2 (forced by option isa, -march=haswell)"}
     int8 = _row("polyengine", "pe int8", decode1=90, dtype="float32", options={"quantize": "int8", "isa": "scalar"})
@@ -207,6 +335,8 @@ def test_each_row_reports_its_isa_and_share_of_the_host_limits():
     assert report.reached(fp32, STANDARD, limits) == pytest.approx(
         {"b1_of_bandwidth_floor": 40 * 4e8 / 20e9, "b32_of_torch_gemm": 0.75, "prefill_of_torch_gemm": 2.0})
     assert report.reached(int8, STANDARD, limits) == pytest.approx({"b1_of_bandwidth_floor": 90 * 1.1e8 / 20e9})
+    bf16 = _row("polyengine", "pe bf16", decode1=80, dtype="float32", options={"weight_dtype": "bfloat16"})
+    assert report.reached(bf16, STANDARD, limits) == pytest.approx({"b1_of_bandwidth_floor": 80 * 2e8 / 20e9})
     assert report.reached(fp32, STANDARD, None) is None and report.reached(fp32, STANDARD, {"error": "x"}) is None
     fp32.update(isa="avx2", limits_reached=report.reached(fp32, STANDARD, limits))
     head, _, line = report.table([fp32], STANDARD).splitlines()
@@ -245,11 +375,16 @@ def test_isa_rows_are_expanded_and_checked_before_any_job(monkeypatch):
 
 
 def test_targets_say_why_they_were_not_judged():
-    rows = [_row("polyengine", "pe f64", decode1=10, prefill=100, dtype="float64")]
+    rows = [_row("polyengine", "pe f64", decode1=10, prefill=100, dtype="float64", rss=300)]
     verdicts = report.judge(rows, STANDARD)
     text = {v["target"]: v["verdict"] for v in verdicts}
-    assert text["float32 decode b1 >= 3x transformers"] == "no polyengine row in this run applies"
-    assert text["prefill 1024 >= transformers"] == "not judged: no transformers row has this value"
+    assert set(text) == {B1, INT8, F16, HF32, PREFILL, RSS}
+    assert text[B1] == text[INT8] == "no polyengine row in this run applies"
+    assert text[F16] == text[HF32] == "not judged: no polyengine row has this value"
+    assert text[PREFILL] == "not judged: no transformers row has this value"
+    assert text[RSS] == "not judged: no transformers row has this value"
+    rendered = report.verdicts({"targets": verdicts, "host": {}})
+    assert f"  {PREFILL} [pe f64]: not judged: no transformers row has this value" in rendered
 
 
 def test_int8_rows_are_recognised_by_their_options():
