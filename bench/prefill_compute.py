@@ -1,7 +1,8 @@
 """Prefill speed of cuda_torch on the CPU by weight storage and GEMM operands: float32
 weights; bfloat16 weights on float32 operands, on bfloat16 operands with separate and
 with fused q/k/v and gate/up matrices (options ``prefill_compute``,
-``fuse_projections``); int8-block32 weights on bfloat16 operands. One process, every
+``fuse_projections``); int8-block32 weights on bfloat16 operands; each causal attention
+on torch's SDPA or the host kernel (option ``prefill_attention``). One process, every
 engine built first, then a 1024-token prompt (``--tokens``) prefilled by each engine in
 turns; the table shows each row's median and the median of its per-turn ratio to
 float32 (docs/cuda_torch.md, "Prefill on bfloat16 operands").
@@ -18,15 +19,21 @@ import time
 import numpy as np
 
 ROWS = {
-    "float32 weights": {},
+    "float32 weights, SDPA": {"prefill_attention": "sdpa"},
+    "float32 weights, attention kernel (float32)": {"prefill_attention": "kernel"},
     "bfloat16 weights, prefill_compute float": {"weight_dtype": "bfloat16", "bf16_compute": "bf16",
-                                                "prefill_compute": "float"},
-    "bfloat16 weights, bf16 operands, fuse_projections off": {"weight_dtype": "bfloat16", "bf16_compute": "bf16",
-                                                              "prefill_compute": "bf16", "fuse_projections": False},
-    "bfloat16 weights, bf16 operands (fuse_projections on)": {"weight_dtype": "bfloat16", "bf16_compute": "bf16",
-                                                              "prefill_compute": "bf16"},
-    "int8-block32 weights, bf16 operands": {"quantize": "int8-block32", "int8_compute": "int8",
-                                            "prefill_compute": "bf16"},
+                                                "prefill_compute": "float", "prefill_attention": "sdpa"},
+    "bfloat16 weights, bf16 operands, fuse_projections off, SDPA": {
+        "weight_dtype": "bfloat16", "bf16_compute": "bf16", "prefill_compute": "bf16", "fuse_projections": False,
+        "prefill_attention": "sdpa"},
+    "bfloat16 weights, bf16 operands (fuse_projections on), SDPA": {
+        "weight_dtype": "bfloat16", "bf16_compute": "bf16", "prefill_compute": "bf16", "prefill_attention": "sdpa"},
+    "bfloat16 weights, bf16 operands, attention kernel (bfloat16)": {
+        "weight_dtype": "bfloat16", "bf16_compute": "bf16", "prefill_compute": "bf16", "prefill_attention": "kernel"},
+    "int8-block32 weights, bf16 operands, SDPA": {"quantize": "int8-block32", "int8_compute": "int8",
+                                                  "prefill_compute": "bf16", "prefill_attention": "sdpa"},
+    "int8-block32 weights, bf16 operands, attention kernel (bfloat16)": {
+        "quantize": "int8-block32", "int8_compute": "int8", "prefill_compute": "bf16", "prefill_attention": "kernel"},
 }
 
 

@@ -51,7 +51,7 @@ Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 ISA_CHOICES = ("auto", *ISA_PATHS)
 _COMPILED_ISAS = {2: "avx512", 1: "avx2", 0: "scalar"}  # pe_isa(): what the library was compiled with
 _KERNELS = Path(__file__).with_name("kernels")
-_SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp, q8.cpp and parallel.h
+_SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp, q8.cpp, prefill_attn.cpp and parallel.h
 _COMPILE_SECONDS = 300
 _lock = threading.Lock()
 _loaded: dict[int, "CpuKernels"] = {}
@@ -143,6 +143,49 @@ class CpuKernels:
     def q8_isa(self) -> str:
         """The instructions of the int8-activation products on this host."""
         return Q8_ISAS[int(self.lib.pe_q8_isa())]
+
+    @property
+    def attention_bf16(self) -> bool:
+        """Whether :meth:`prefill_attention` has its bfloat16 path (vdpbf16ps) here."""
+        return bool(self.lib.pe_pa_bf16())
+
+    def prefill_attention_fits(self, head_dim: int, bf16: bool) -> str | None:
+        """None where :meth:`prefill_attention` runs heads of ``head_dim``, else why not."""
+        if bf16 and not self.attention_bf16:
+            return f"the {self.isa} kernels have no bfloat16 dot products (AVX512-BF16)"
+        unit = 16 if bf16 else self.vector_width
+        if head_dim % unit:
+            return f"head_dim {head_dim} is not a multiple of {unit} (the kernel's vector width)"
+        return None
+
+    def prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
+                          bf16: bool = False) -> torch.Tensor:
+        """Causal attention of a prefill from position 0 (``kernels/prefill_attn.cpp``):
+        ``q`` (T, heads, head_dim) float32 with contiguous heads, ``keys``/``vals``
+        (kv_heads, T, head_dim) float32 with contiguous head_dim; returns (T, heads *
+        head_dim). ``bf16``: q, k, v and the softmax weights rounded to bfloat16, products
+        summed in float32 by vdpbf16ps; else float32 throughout."""
+        t, nh, hd = q.shape
+        nkv = keys.shape[0]
+        why = self.prefill_attention_fits(hd, bf16)
+        if why is not None:
+            raise ValueError(f"prefill attention kernel: {why}")
+        if keys.shape != vals.shape or keys.shape[1] != t or keys.shape[2] != hd or nh % nkv:
+            raise ValueError(f"prefill attention kernel: q {tuple(q.shape)} does not fit keys {tuple(keys.shape)} "
+                             f"/ values {tuple(vals.shape)}")
+        if q.dtype != torch.float32 or keys.dtype != torch.float32 or vals.dtype != torch.float32:
+            raise ValueError("prefill attention kernel: q, keys and values must be float32")
+        if q.stride(2) != 1 or q.stride(1) != hd:
+            q = q.contiguous()
+        if keys.stride() != vals.stride() or keys.stride(2) != 1:
+            keys, vals = keys.contiguous(), vals.contiguous()
+        out = torch.empty((t, nh * hd), dtype=torch.float32)
+        rc = self.lib.pe_prefill_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), vals.data_ptr(), keys.stride(0),
+                                           keys.stride(1), out.data_ptr(), t, nh, nkv, hd, scale, int(bf16),
+                                           self.threads)
+        if rc != 0:
+            raise ValueError(f"prefill attention kernel refused q {tuple(q.shape)}, keys {tuple(keys.shape)}")
+        return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -277,6 +320,9 @@ def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
         lib.pe_q8_isa.restype = ctypes.c_int
         lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         lib.pe_decode.restype = None
+        lib.pe_prefill_attention.argtypes = [ptr, long_, ptr, ptr, long_, long_, ptr, int_, int_, int_, int_,
+                                             ctypes.c_float, int_, int_]
+        lib.pe_prefill_attention.restype = lib.pe_pa_bf16.restype = ctypes.c_int
         kernels = CpuKernels(lib, threads, path, isa)
         _loaded[threads, isa] = kernels
         return kernels

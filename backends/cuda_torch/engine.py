@@ -156,6 +156,14 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         "prefill_compute": Option("auto", "CPU prefill products on int8/bfloat16 weights: 'float', 'bf16', or 'auto' "
                                           "(bf16 with bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 "
                                           "units)", choices=("auto", "float", "bf16")),
+        # CPU: a prefill's causal attention (a prompt from position 0) on the host-compiled
+        # kernel (kernels/prefill_attn.cpp: float32 FMAs, or bfloat16 operands on vdpbf16ps
+        # where prefill's GEMMs take bfloat16 operands) instead of torch's SDPA; "auto" uses
+        # it on the AVX-512 kernels, where it measured faster than SDPA, and where the
+        # engine's attention is "sdpa"
+        "prefill_attention": Option("auto", "CPU prefill's causal attention: 'kernel' (host-compiled), 'sdpa' "
+                                            "(torch), or 'auto' (kernel on AVX-512 kernels)",
+                                    choices=("auto", "kernel", "sdpa")),
         # bfloat16 weights: each layer's q/k/v (gate/up) stored as slices of one matrix, so
         # the torch forward (prefill) multiplies them in one GEMM; no memory added
         "fuse_projections": Option(True, "bfloat16 weights: q/k/v and gate/up as one matrix each for the torch "
@@ -258,6 +266,9 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # prefill's products: decode's, with the GEMM operands of option prefill_compute
         self._prefill_linear = self._linear if self._linear is None or self.prefill_compute == self.torch_dtype else (
             functools.partial(self._cpu_linear, compute=self.prefill_compute))
+        # prefill's causal attention on the kernel (option prefill_attention): None (SDPA),
+        # "float32" or "bfloat16" (operands, as prefill_compute's)
+        self.prefill_attention = self._pick_prefill_attention(model.config)
         self._fused = None  # the FusedDecoder, built with the weights when fused_decode applies
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
@@ -295,7 +306,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
         return describe(device=self.torch_device, dtype=self.torch_dtype, options=self.options,
                         kernels=self._kernels, fallback=self.kernels_fallback, int8_activations=self.int8_activations,
-                        prefill_compute=self.prefill_compute)
+                        prefill_compute=self.prefill_compute, prefill_attention=self.prefill_attention)
 
     def _pick_int8_compute(self, config) -> int:
         """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
@@ -441,6 +452,36 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             return torch.bfloat16
         return self.torch_dtype
 
+    def _pick_prefill_attention(self, config) -> str | None:
+        """The operands of a prefill's causal attention on the host kernel (option
+        prefill_attention): "bfloat16" where prefill's GEMMs take bfloat16 operands and the
+        kernels have vdpbf16ps, else "float32"; None for torch's SDPA."""
+        choice = self.options["prefill_attention"]
+        if choice == "sdpa":
+            return None
+        if self._kernels is None:
+            if choice == "kernel":
+                why = (f"it runs in the host-compiled CPU kernels, which are not used here ({self.kernels_fallback})"
+                       if self.kernels_fallback else "it runs in the host-compiled CPU kernels (CPU, float32 compute)")
+                raise UnsupportedFeature("prefill_attention='kernel'", self.name, why)
+            return None
+        bf16 = self.prefill_compute == torch.bfloat16 and self._kernels.attention_bf16
+        why = self._kernels.prefill_attention_fits(config.head_dim, bf16)
+        if why is not None:
+            if choice == "kernel":
+                raise UnsupportedFeature("prefill_attention='kernel'", self.name, why)
+            return None
+        if choice == "auto" and (self._kernels.vector_width < 16 or self.options["attention"] != "sdpa"):
+            return None  # the 8-float paths measured slower than torch's SDPA on an AVX-512 host
+        return "bfloat16" if bf16 else "float32"
+
+    def _kernel_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+        """StepSpec.causal_attention on the host kernel, one batch row at a time."""
+        bf16 = self.prefill_attention == "bfloat16"
+        b, t, nh, hd = q.shape
+        rows = [self._kernels.prefill_attention(q[i], keys[i], vals[i], scale, bf16=bf16) for i in range(b)]
+        return (rows[0] if b == 1 else torch.stack(rows)).reshape(b, t, nh * hd)
+
     def _cpu_linear(self, t: dict[str, torch.Tensor], x: torch.Tensor, name: str, *, any_rows: bool = False,
                     out: torch.Tensor | None = None, compute: torch.dtype | None = None) -> torch.Tensor:
         """A projection on the CPU: the host kernels for the few rows of a decode step (or
@@ -520,7 +561,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
         write = (torch.arange(padded, device=dev) < n)[None]
         logits, k, v = forward(
-            params, self._spec(causal=start == 0, linear=self._prefill_linear, kv_codec=self._kv_codec),
+            params, self._spec(causal=start == 0, linear=self._prefill_linear, kv_codec=self._kv_codec,
+                               causal_attention=self._kernel_attention if start == 0 and self.prefill_attention else None),
             to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )

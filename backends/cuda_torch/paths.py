@@ -28,7 +28,7 @@ def _cpu() -> str:
 
 def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any], kernels: Any,
              fallback: str | None, int8_activations: int | None,
-             prefill_compute: torch.dtype | None = None) -> dict[str, str]:
+             prefill_compute: torch.dtype | None = None, prefill_attention: str | None = None) -> dict[str, str]:
     """The paths of an engine (or, with ``int8_activations`` None, of one not built yet);
     ``options`` are values (the defaults for one not built)."""
     out: dict[str, str] = {}
@@ -87,6 +87,7 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
             "; weight_dtype=bfloat16 halves the bytes a step streams" if dtype == torch.float32 else "")
     out["prefill"] = _prefill(mode or ("bfloat16" if narrow == "bfloat16" else ""), int8_activations is None,
                               prefill_compute)
+    out["prefill"] += "; causal attention " + _prefill_attention(kernels, int8_activations is None, prefill_attention)
     out["kv cache"] = _kv(options, dtype)
     return out
 
@@ -105,16 +106,27 @@ def _prefill(narrow: str, unbuilt: bool, compute: torch.dtype | None) -> str:
     """Prefill's products: torch's GEMM, on bfloat16 operands or float32 for narrowed weights."""
     units = has_bf16_units()
     if unbuilt:  # what option prefill_compute's auto picks here
-        return ("torch's GEMM and SDPA; int8 or bfloat16 weights widened to float32, or " +
+        return ("torch's GEMM; int8 or bfloat16 weights widened to float32, or " +
                 ("on bfloat16 operands with bf16_compute=bf16 or int8_compute=int8 (prefill_compute auto; this CPU "
                  "has bfloat16 units)" if units else "float32 here whatever the options (prefill_compute auto; no "
                                                       "bfloat16 units here)"))
     if not narrow:
-        return "torch's GEMM and SDPA"
+        return "torch's GEMM"
     if compute == torch.bfloat16:
         why = "bfloat16 units here" if units else "forced; this CPU has no bfloat16 units, so it is slow here"
-        return f"torch's GEMM on bfloat16 operands ({narrow} weights; prefill_compute=bf16: {why}) and SDPA"
-    return f"torch's GEMM ({narrow} weights widened band by band to float32; prefill_compute=float) and SDPA"
+        return f"torch's GEMM on bfloat16 operands ({narrow} weights; prefill_compute=bf16: {why})"
+    return f"torch's GEMM ({narrow} weights widened band by band to float32; prefill_compute=float)"
+
+
+def _prefill_attention(kernels: Any, unbuilt: bool, choice: str | None) -> str:
+    """Where a prefill's causal attention runs (option prefill_attention)."""
+    if unbuilt:  # what auto picks here
+        return ("on the host kernel (prefill_attention auto: AVX-512 kernels)" if kernels is not None
+                and kernels.vector_width == 16 else "on torch's SDPA (prefill_attention auto: no AVX-512 kernels here)")
+    if choice is None:
+        return "on torch's SDPA"
+    how = "bfloat16 operands on vdpbf16ps, float32 sums" if choice == "bfloat16" else "float32"
+    return f"on the host kernel (kernels/prefill_attn.cpp, {how}; option prefill_attention)"
 
 
 def _isa(kernels: Any) -> str:

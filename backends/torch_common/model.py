@@ -20,7 +20,7 @@ fuse_gate_up=False, max_positions=None, skip=frozenset())``
     ``weights.tensors`` is a plain dict (a pytree for torch and JAX alike); rebuild
     with ``TorchWeights(config, tensors)``.
 
-``StepSpec(kv_len=None, attention="sdpa", causal=False, inplace=False, linear=None, kv_codec=None)``
+``StepSpec(kv_len=None, attention="sdpa", causal=False, inplace=False, linear=None, kv_codec=None, moe="gather", causal_attention=None)``
     The static choices of a forward (frozen, hashable): an engine builds one per bucket
     and keeps it; a traced backend compiles one program per spec and shape.
 
@@ -282,6 +282,10 @@ class StepSpec:
     the routing: eager torch only); ``"gather"`` gathers each token's k experts'
     weights and multiplies them batched (static shapes, for traced programs; it reads
     ``tokens x k`` expert matrices, so it suits decode steps and small prefills).
+    ``causal_attention(q, keys, vals, scale)``: with ``causal``, replaces SDPA's causal
+    attention on layers without a window or soft-cap (an engine's own kernel): ``q``
+    (B, T, heads, head_dim) after RoPE, ``keys``/``vals`` (B, kv_heads, T, head_dim) as
+    decoded from the cache; returns (B, T, heads * head_dim).
     """
 
     kv_len: int | None = None
@@ -291,6 +295,7 @@ class StepSpec:
     linear: Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor] | None = None
     kv_codec: KVCodec | None = None
     moe: str = "gather"
+    causal_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_IMPLS:
@@ -445,7 +450,9 @@ def attention_block(weights: TorchWeights, spec: StepSpec, call: _Call, layer: i
     keys, vals = kv_read(spec, call, layer, k_cache, v_cache)
 
     scale, window, softcap = c.attention_scale, c.layer_window(layer), c.attn_logit_softcapping
-    if spec.causal and spec.attention == "sdpa" and window is None and softcap is None:
+    if spec.causal and spec.causal_attention is not None and window is None and softcap is None:
+        out = spec.causal_attention(q, keys, vals, scale)  # (B, T, nh * hd)
+    elif spec.causal and spec.attention == "sdpa" and window is None and softcap is None:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, is_causal=True, scale=scale,
                                              enable_gqa=group > 1)  # (B, nh, T, hd)
         out = out.transpose(1, 2).reshape(b, seq, nh * hd)

@@ -346,3 +346,5 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
 }
 
 }
+
+#include "prefill_attn.cpp"
