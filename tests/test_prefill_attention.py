@@ -165,9 +165,9 @@ def test_auto_picks_the_kernel_on_avx512_kernels_only(model):
     auto = TorchEngine(model, CFG)
     kern = kernels_for("auto")
     assert auto.prefill_attention == ("float32" if kern.vector_width == 16 else None)
-    avx2 = kernels_for("avx2")
+    kernels_for("avx2")  # skips where this CPU cannot execute the path
     eng = TorchEngine(model, CFG.model_copy(update={"options": {"isa": "avx2"}}))
-    assert eng._kernels is avx2 and eng.prefill_attention is None
+    assert eng._kernels.isa == "avx2" and eng.prefill_attention is None
     assert "causal attention on torch's SDPA" in eng.speed_paths()["prefill"]
     forced = TorchEngine(model, CFG.model_copy(update={"options": {"isa": "avx2", "prefill_attention": "kernel"}}))
     assert forced.prefill_attention == "float32"
