@@ -149,6 +149,13 @@ class CpuKernels:
         """Whether :meth:`prefill_attention` has its bfloat16 path (vdpbf16ps) here."""
         return bool(self.lib.pe_pa_bf16())
 
+    @property
+    def attention_by_default(self) -> bool:
+        """Whether option prefill_attention's auto picks :meth:`prefill_attention` on these
+        kernels: the 16-float (AVX-512) paths, where it measured faster than torch's SDPA;
+        the 8-float ones measured slower than torch's AVX-512 SDPA on that host."""
+        return self.vector_width == 16
+
     def prefill_attention_fits(self, head_dim: int, bf16: bool) -> str | None:
         """None where :meth:`prefill_attention` runs heads of ``head_dim``, else why not."""
         if bf16 and not self.attention_bf16:

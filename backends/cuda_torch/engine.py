@@ -471,8 +471,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             if choice == "kernel":
                 raise UnsupportedFeature("prefill_attention='kernel'", self.name, why)
             return None
-        if choice == "auto" and (self._kernels.vector_width < 16 or self.options["attention"] != "sdpa"):
-            return None  # the 8-float paths measured slower than torch's SDPA on an AVX-512 host
+        if choice == "auto" and (not self._kernels.attention_by_default or self.options["attention"] != "sdpa"):
+            return None
         return "bfloat16" if bf16 else "float32"
 
     def _kernel_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:

@@ -122,7 +122,7 @@ def _prefill_attention(kernels: Any, unbuilt: bool, choice: str | None) -> str:
     """Where a prefill's causal attention runs (option prefill_attention)."""
     if unbuilt:  # what auto picks here
         return ("on the host kernel (prefill_attention auto: AVX-512 kernels)" if kernels is not None
-                and kernels.vector_width == 16 else "on torch's SDPA (prefill_attention auto: no AVX-512 kernels here)")
+                and kernels.attention_by_default else "on torch's SDPA (prefill_attention auto: no AVX-512 kernels here)")
     if choice is None:
         return "on torch's SDPA"
     how = "bfloat16 operands on vdpbf16ps, float32 sums" if choice == "bfloat16" else "float32"

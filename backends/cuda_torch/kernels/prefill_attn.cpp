@@ -35,7 +35,8 @@ struct pe_pa_job {
     long blocks;       // key blocks of VW (float32) or 16 (bfloat16) per KV head
     float *kf;         // float32 packed K
     uint16_t *kb, *vb; // bfloat16 packed K, V
-    float *scratch;    // per thread: rows x hd outputs, rows x (PA_KEY_VECS * VW) weights, 2 x rows
+    float *scratch;    // per thread: PA_ROWS x hd outputs, PA_ROWS x (PA_KEY_VECS * VW) weights, the
+                       // PA_ROWS maxima and sums, then a task's rows of q as bfloat16 pairs
     long scratch_per_thread;
     std::atomic<long> next;
     pe_barrier bar;
