@@ -12,6 +12,7 @@ fixture routes them here).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import threading
@@ -49,7 +50,8 @@ def _signature(inputs) -> str:
 @dataclass
 class _Compiled:
     """One model as the stand-in "compiled" it: the module (a template: its parameters are
-    replaced per core and call), flags, states by output index, weights and states specs."""
+    replaced per call, in a copy per core, see :class:`Executor`), flags, states by output
+    index, weights and states specs."""
 
     key: str
     module: torch.nn.Module
@@ -186,6 +188,11 @@ class Executor:
         self.nxd_model = NxDModel(compiled, tp)
         self.id = next(self._ids)
         self._pool = ThreadPoolExecutor(tp, thread_name_prefix="standin-core") if tp > 1 else None
+        # A program per core, as each NeuronCore loads its own: functional_call swaps a module's
+        # parameters in place while it runs, so cores running one module object at once in
+        # their threads would compute with each other's weights.
+        self._modules = {key: [c.module] + [copy.deepcopy(c.module) for _ in range(tp - 1)]
+                         for key, c in compiled.items()}
         self._lock = threading.Lock()
 
     def __call__(self, *inputs: torch.Tensor):
@@ -207,7 +214,7 @@ class Executor:
                 # Each call sees a copy of the state: only what an alias returns is kept.
                 params.update({n: nxd.state[rank][n].clone() for n in compiled.states})
                 with rank_context(_Context(tp=nxd.tp, rank=rank, group=group)):
-                    return _run(compiled.module, params, inputs, compiled.flags)
+                    return _run(self._modules[compiled.key][rank], params, inputs, compiled.flags)
 
             outs = list(self._pool.map(core, range(nxd.tp))) if self._pool else [core(0)]
             for rank, out in enumerate(outs):
