@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     is stopped keeps what it measured; Ctrl-C stops the run and reports the systems
     that finished (``complete`` is false then).
     """
-    from polyengine.benchmarks import host, report
+    from polyengine.benchmarks import host, limits, report
     from polyengine.benchmarks.progress import Progress
     from polyengine.benchmarks.workload import QUICK, STANDARD
 
@@ -339,8 +339,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = _parts(args.parts)
     jobs = plan(args, notes)
     if (not args.quick or getattr(args, "isa", None)) and any(job.kind == "polyengine" for job in jobs):
-        from polyengine.benchmarks import limits
-
         doc["host"]["limits"] = limits.measure(args.model, max(work.batches))  # before any job, never beside one
     if args.quick and doc["host"].get("limits"):
         notes.append("host limits measured with --quick (asked for by --isa): the quick workload's rates are far "
@@ -353,9 +351,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     progress = Progress(sum(len(job.parts) for job in jobs))
     for n in notes:
         progress.note(n)
+    probing = bool(doc["host"].get("limits")) and "error" not in doc["host"]["limits"]
+    last_read = doc["host"]["limits"].get("read_gb_s") if probing else None  # probed right before the next job
     try:
         for job in jobs:
+            probe = probing and job.kind == "polyengine"
+            if probe and last_read is None:
+                last_read = limits.measure_read()
             doc["rows"].append(_run_row(job, work, repeats, timeout, progress))
+            if probe:  # the bandwidth of the minutes this row ran in (limits.for_row)
+                after = limits.measure_read()
+                doc["rows"][-1]["read_probes_gb_s"] = [last_read, after]
+                last_read = after
+            else:
+                last_read = None
             _add_paths(doc["rows"][-1], work, doc["host"].get("limits"))
             if doc["rows"][-1].pop("interrupted", False):
                 raise KeyboardInterrupt

@@ -8,7 +8,12 @@ limit, it becomes 80% of the limit (docs/benchmarks.md). Both are measured here,
 subprocess run before any job (never beside one):
 
 - ``read_gb_s``: a float32 sum over a 512 MiB tensor (far larger than any cache) with
-  torch's threads, median of 5: what streaming the weights can reach;
+  torch's threads, median of 5: what streaming the weights can reach. A shared host's
+  bandwidth drifts during a half-hour run (one probe before the jobs read 56 GB/s where
+  the same probe read 36-38 before and after), so ``measure_read`` probes again right
+  before and right after each polyengine row (never beside a job), and the row's floor
+  (``for_row``) uses the mean of its two probes: the bandwidth of the minutes its batch-1
+  decode ran in;
 - ``gemm_gflop_s``: ``F.linear`` of ``(batch, hidden)`` by ``(intermediate, hidden)``
   float32, the model's widest projection at the largest decode batch, median of 7.
 
@@ -27,19 +32,13 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["measure", "CAP"]
+__all__ = ["measure", "measure_read", "for_row", "CAP"]
 
 CAP = 0.8  # a target past a host limit becomes this fraction of the limit
 
-_SNIPPET = r"""
+_READ = r"""
 import json, sys, time
 import torch
-from polyengine.models.loader import load_model
-from polyengine.models.quantize import WEIGHT_MODES, int8_bytes
-
-spec, batch = sys.argv[1] or None, int(sys.argv[2])
-config = load_model(spec).config
-params = config.num_parameters()
 
 def median(fn, n):
     ts = []
@@ -51,6 +50,15 @@ big = torch.ones(128 * 2**20)
 big.sum()
 read = big.numel() * 4 / median(big.sum, 5) / 1e9
 del big
+"""
+
+_SNIPPET = _READ + r"""
+from polyengine.models.loader import load_model
+from polyengine.models.quantize import WEIGHT_MODES, int8_bytes
+
+spec, batch = sys.argv[1] or None, int(sys.argv[2])
+config = load_model(spec).config
+params = config.num_parameters()
 x = torch.randn(batch, config.hidden_size)
 w = torch.randn(config.intermediate_size, config.hidden_size)
 torch.nn.functional.linear(x, w)
@@ -63,6 +71,31 @@ print(json.dumps({
                      **{mode: int8_bytes(config, mode) for mode in WEIGHT_MODES}},
 }))
 """
+
+
+def measure_read() -> float | None:
+    """``read_gb_s`` alone, in a fresh subprocess (a few seconds); None where it fails.
+    Call it only between jobs, never beside one."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _READ + "\nprint(json.dumps(read))"], capture_output=True,
+                             text=True, timeout=120, check=True).stdout
+        return float(json.loads(out.strip().splitlines()[-1]))
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def for_row(limits: dict[str, Any] | None, row: dict[str, Any]) -> dict[str, Any] | None:
+    """``limits`` as they held for ``row``: where the row has read probes of its own
+    (``read_probes_gb_s``, taken right before and after it), ``read_gb_s`` is their mean
+    and the float32 batch-1 floor scales with it; otherwise ``limits`` unchanged."""
+    probes = [p for p in row.get("read_probes_gb_s") or () if p]
+    if not probes or not limits or "error" in limits or not limits.get("read_gb_s"):
+        return limits
+    read = sum(probes) / len(probes)
+    out = {**limits, "read_gb_s": read}
+    if "fp32_b1_floor_tok_s" in limits:
+        out["fp32_b1_floor_tok_s"] = limits["fp32_b1_floor_tok_s"] * read / limits["read_gb_s"]
+    return out
 
 
 def measure(model: str | None, batch: int) -> dict[str, Any] | None:

@@ -25,7 +25,9 @@ and name the rows it was chosen from (``best_of``).
 
 A target with a host limit (benchmarks/limits.py) asks for at most ``CAP`` (80%) of
 it: the smaller of threshold x the peer and 80% of the limit; the float32 b1 target
-asks for 80% of the bandwidth floor alone when no transformers row ran.
+asks for 80% of the bandwidth floor alone when no transformers row ran. The floor a row
+is judged by (and its "of host limits" share) comes from the memory reads probed right
+before and after that row (``limits.for_row``), not from the one before all jobs.
 
 The prefix part's targets (issue 23) are ratios within one row, measured in the same
 worker: TTFT with the prefix cache over TTFT without, the chunked run's p99 inter-token
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from polyengine.benchmarks.limits import CAP
+from polyengine.benchmarks.limits import CAP, for_row
 from polyengine.benchmarks.stats import MIB
 from polyengine.benchmarks.workload import Workload
 
@@ -194,6 +196,7 @@ def _verdict(t: Target, row: dict[str, Any], best: tuple[float, dict[str, Any]] 
     if v is None:
         entry["verdict"] = "not judged: this row has no value"
         return entry
+    limits = for_row(limits, row)  # the bandwidth probed around this row, where it was
     need, limit = _asked(t, None if best is None else best[0], limits)
     if need is None:
         entry["verdict"] = f"not judged: no {t.peer} row has this value" + (
@@ -201,6 +204,8 @@ def _verdict(t: Target, row: dict[str, Any], best: tuple[float, dict[str, Any]] 
         return entry
     if limit is not None:
         entry.update(limit=limit, limit_name=t.limit)
+        if row.get("read_probes_gb_s") and t.limit == "fp32_b1_floor_tok_s":
+            entry["read_probes_gb_s"] = row["read_probes_gb_s"]
     if t.lower_is_better:
         entry["lower_is_better"] = True
     ok = v <= need if t.lower_is_better else v >= need
@@ -257,6 +262,7 @@ def reached(row: dict[str, Any], work: Workload, limits: dict[str, Any] | None) 
     products are far taller than the GEMM probe's."""
     if not limits or "error" in limits or "weight_bytes" not in limits:
         return None
+    limits = for_row(limits, row)
     b1, bmax = str(min(work.batches)), str(max(work.batches))
     options = (row.get("params") or {}).get("options") or {}
     narrow = options.get("weight_dtype") if options.get("weight_dtype") not in (None, "auto") else None
@@ -415,17 +421,22 @@ def verdicts(doc: dict[str, Any]) -> str:
             got = f"{_num(v['value'])} / {_num(v['peer_value'])} ({v['peer_row']}) = {ratio}"
         basis = (f"{CAP:.0%} of {_num(v['limit'])} ({v['limit_name']})" if v.get("limit") is not None
                  else f"{v['threshold']:g}x the peer")
+        if v.get("read_probes_gb_s"):
+            basis += ", read " + " / ".join("-" if p is None else f"{p:.1f}" for p in v["read_probes_gb_s"]) + \
+                " GB/s right before / after the row"
+
         bound = "at most" if v.get("lower_is_better") else "at least"
         lines.append(f"  {v['target']} [{who}]: {got}; asked {bound} {_num(v['needed'])} = {basis} -> {v['verdict']}")
     limits = doc["host"].get("limits")
     if limits and "error" not in limits:
         lines.append(
-            f"host limits: memory read {limits['read_gb_s']:.1f} GB/s -> float32 batch-1 floor "
+            f"host limits: memory read {limits['read_gb_s']:.1f} GB/s before the jobs -> float32 batch-1 floor "
             f"{limits['fp32_b1_floor_tok_s']:.0f} tok/s ({limits['params'] / 1e6:.0f}M parameters); torch float32 GEMM "
             f"{limits['gemm_gflop_s']:.0f} GFLOP/s at {'x'.join(map(str, limits['gemm_shape']))} -> "
             f"{limits['fp32_gemm_tok_s']:.0f} tok/s at the largest batch; a row's 'of host limits' column: its "
             f"batch-1 decode over the bandwidth floor of the weights it streams, its largest batch and prefill over "
-            f"that GEMM rate")
+            f"that GEMM rate (the floor from the mean of the reads probed right before and after the row, "
+            f"where they were)")
     elif limits:
         lines.append(f"host limits: {limits['error']}")
     return "\n".join(lines)

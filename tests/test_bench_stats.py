@@ -322,6 +322,56 @@ def test_the_float32_target_without_transformers_asks_80_percent_of_the_floor():
                                "fp32_b1_floor_tok_s was not measured")
 
 
+def test_a_row_is_judged_by_the_bandwidth_probed_around_it():
+    """The float32 floor of a row with read probes of its own is the mean of them (the
+    run-start probe can be far off on a shared host); its share of the floor too."""
+    limits = {"read_gb_s": 56.0, "fp32_b1_floor_tok_s": 104.0, "fp32_gemm_tok_s": 450.0,
+              "weight_bytes": {"float32": 4 * 134.5e6}}
+    row = _row("polyengine", "pe fp32", decode1=58.8, dtype="float32")
+    hf = _row("transformers", "hf bf16", decode1=24.6)
+    (before,) = _by_target(report.judge([row, hf], STANDARD, limits))[B1]
+    assert before["needed"] == pytest.approx(3 * 24.6) and not before["passed"]
+    row["read_probes_gb_s"] = [36.0, 38.0]
+    (v,) = _by_target(report.judge([row, hf], STANDARD, limits))[B1]
+    assert v["limit"] == pytest.approx(104.0 * 37 / 56) and v["needed"] == pytest.approx(0.8 * 104.0 * 37 / 56)
+    assert v["passed"] and v["read_probes_gb_s"] == [36.0, 38.0]
+    assert "read 36.0 / 38.0 GB/s right before / after the row -> PASS" in report.verdicts({"targets": [v], "host": {}})
+    assert report.reached(row, STANDARD, limits)["b1_of_bandwidth_floor"] == pytest.approx(58.8 * 4 * 134.5e6 / 37e9)
+    row["read_probes_gb_s"] = [None, 40.0]  # a probe that failed counts for nothing
+    (v,) = _by_target(report.judge([row, hf], STANDARD, limits))[B1]
+    assert v["limit"] == pytest.approx(104.0 * 40 / 56)
+
+
+def test_the_run_probes_bandwidth_right_before_and_after_each_polyengine_row(monkeypatch):
+    """One probe between two polyengine rows serves both; a peer row in between makes
+    the next polyengine row probe afresh; peer rows get none."""
+    import argparse
+
+    from polyengine.benchmarks import cli, limits
+    from polyengine.benchmarks.jobs import Job
+
+    events: list[str] = []
+    reads = iter([50.0, 37.0, 36.0, 39.0, 38.0])
+    monkeypatch.setattr(limits, "measure", lambda model, batch: events.append("limits") or {
+        "read_gb_s": 50.0, "fp32_b1_floor_tok_s": 90.0, "fp32_gemm_tok_s": 400.0, "weight_bytes": {}})
+    monkeypatch.setattr(limits, "measure_read", lambda: events.append("read") or next(reads))
+    jobs = [Job(f"{kind} {i}", kind, {}, "standard", parts=["standard"])
+            for i, kind in enumerate(["polyengine", "polyengine", "transformers", "polyengine"])]
+    monkeypatch.setattr(cli, "plan", lambda args, notes: jobs)
+
+    def run_row(job, work, repeats, timeout, progress):
+        events.append(job.row)
+        return _row(job.kind, job.row, decode1=50, dtype="float32")
+
+    monkeypatch.setattr(cli, "_run_row", run_row)
+    args = argparse.Namespace(quick=False, repeats=1, timeout=None, parts="standard", isa=None, model="random:tiny",
+                              json=None)
+    doc = cli.run(args)
+    assert events == ["limits", "polyengine 0", "read", "polyengine 1", "read", "transformers 2", "read",
+                      "polyengine 3", "read"]
+    assert [r.get("read_probes_gb_s") for r in doc["rows"]] == [[50.0, 50.0], [50.0, 37.0], None, [36.0, 39.0]]
+
+
 def test_each_row_reports_its_isa_and_share_of_the_host_limits():
     """b1 over the bandwidth floor of the bytes the row streams (its int8 mode's copies,
     else its weight_dtype's or its dtype's), b32 and prefill over torch's GEMM rate; none
