@@ -48,6 +48,7 @@ from polyengine.sampling.rows import row_bytes
 from polyengine.backends.torch_common.model import (ATTENTION_IMPLS, CastKVCodec, StepSpec, TorchWeights, forward,
                                                    rms_norm)
 from polyengine.backends.cuda_torch.int8 import has_bf16_copies
+from polyengine.backends.cuda_torch.paths import bf16_units
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.hostmem import release_row
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
@@ -152,7 +153,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # (int8 ones after their scales) and products to bfloat16; "float" widens the weights
         # for the float32 GEMM; "auto" is "bf16" where decode's activations are already that
         # coarse (bf16_compute "bf16", int8_compute "int8") and the CPU has bfloat16 units
-        # (hostinfo.has_bf16_units), else "float". Decode steps are not affected.
+        # (paths.bf16_units: none where isa forces avx2 or scalar), else "float". Decode
+        # steps are not affected.
         "prefill_compute": Option("auto", "CPU prefill products on int8/bfloat16 weights: 'float', 'bf16', or 'auto' "
                                           "(bf16 with bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 "
                                           "units)", choices=("auto", "float", "bf16")),
@@ -448,7 +450,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # auto: prefill's activations as precise as the decode products' (bfloat16 rows,
         # or one int8 row per 32 values: both 8 significant bits), on bfloat16 units only
         coarse = self.bf16_activations or self.int8_activations == 1
-        if choice == "bf16" or (choice == "auto" and coarse and has_bf16_units()):
+        if choice == "bf16" or (choice == "auto" and coarse and bf16_units(self.options["isa"])):
             return torch.bfloat16
         return self.torch_dtype
 

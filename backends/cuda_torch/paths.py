@@ -16,7 +16,7 @@ import torch
 from polyengine.hostinfo import cpu_flags, cpu_model, has_bf16_units, runnable_isas
 from polyengine.options import option_defaults
 
-__all__ = ["describe", "diagnose"]
+__all__ = ["describe", "diagnose", "bf16_units"]
 
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
@@ -86,7 +86,7 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
         out["weights"] = f"{str(dtype).replace('torch.', '')}" + (
             "; weight_dtype=bfloat16 halves the bytes a step streams" if dtype == torch.float32 else "")
     out["prefill"] = _prefill(mode or ("bfloat16" if narrow == "bfloat16" else ""), int8_activations is None,
-                              prefill_compute)
+                              prefill_compute, options.get("isa", "auto"))
     out["prefill"] += "; causal attention " + _prefill_attention(kernels, int8_activations is None, prefill_attention)
     out["kv cache"] = _kv(options, dtype)
     return out
@@ -102,18 +102,30 @@ def _kv(options: dict[str, Any], dtype: torch.dtype) -> str:
     return f"{kind}, {held}{hint}"
 
 
-def _prefill(narrow: str, unbuilt: bool, compute: torch.dtype | None) -> str:
+def bf16_units(isa: str) -> bool:
+    """Whether the engine's auto choices count on bfloat16 units (AMX or AVX512-BF16):
+    the host's, except where option ``isa`` forces a path below avx512: "avx2" and
+    "scalar" run as a host of that kind would, which has none (docs/decisions.md,
+    "forced ISA paths")."""
+    return has_bf16_units() and isa in ("auto", "avx512")
+
+
+def _prefill(narrow: str, unbuilt: bool, compute: torch.dtype | None, isa: str) -> str:
     """Prefill's products: torch's GEMM, on bfloat16 operands or float32 for narrowed weights."""
-    units = has_bf16_units()
+    units = bf16_units(isa)
     if unbuilt:  # what option prefill_compute's auto picks here
         return ("torch's GEMM; int8 or bfloat16 weights widened to float32, or " +
                 ("on bfloat16 operands with bf16_compute=bf16 or int8_compute=int8 (prefill_compute auto; this CPU "
                  "has bfloat16 units)" if units else "float32 here whatever the options (prefill_compute auto; no "
-                                                      "bfloat16 units here)"))
+                                                      "bfloat16 units here" +
+                                                      (f", as on the hosts isa {isa!r} stands for)" if
+                                                       has_bf16_units() else ")")))
     if not narrow:
         return "torch's GEMM"
     if compute == torch.bfloat16:
-        why = "bfloat16 units here" if units else "forced; this CPU has no bfloat16 units, so it is slow here"
+        why = "bfloat16 units here" if units else (
+            "forced; this CPU has no bfloat16 units, so it is slow here" if not has_bf16_units() else
+            f"forced; the hosts isa {isa!r} stands for have no bfloat16 units")
         return f"torch's GEMM on bfloat16 operands ({narrow} weights; prefill_compute=bf16: {why})"
     return f"torch's GEMM ({narrow} weights widened band by band to float32; prefill_compute=float)"
 
