@@ -3,7 +3,7 @@
     polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
                      [--peers transformers,llamacpp|none] [--repeats N] [--quick]
                      [--json PATH] [--parts standard,long,prefix] [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
-                     [--cache-dir DIR] [--isa auto,avx512,avx2,scalar|all]
+                     [--cache-dir DIR] [--isa auto,avx512,avx2,scalar|all] [--emulate avx2] [--llamacpp-lib DIR]
 
 Plans one job per (system, part), runs each in its own worker subprocess (``jobs``),
 shows progress on stderr, and prints the report (``report``) on stdout. Rows: every
@@ -11,7 +11,8 @@ combination of ``--backend``, ``--dtype``, ``--options`` and, for cuda_torch, ``
 forced ISA path of the CPU kernels its own row; every row reports the ISA path it ran
 and the share of the host's limits it reached); transformers in float32
 (and bfloat16 where the CPU has bf16 units); llama.cpp on the GGUF as shipped and its
-F16/F32 copies (``gguf_convert``), each with its best thread counts. A peer that is
+F16/F32 copies (``gguf_convert``), each with its best thread counts. ``--emulate avx2``
+runs every system as on an AVX2-only host (``host.EMULATIONS``). A peer that is
 not installed, or cannot read the model, is skipped with a note that says so. The
 full-context batch (``long``) runs for every polyengine row and for one setting per
 peer (transformers float32, llama.cpp's file as shipped): it is the slowest part, and
@@ -76,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cuda_torch: run each ISA path of the CPU kernels as its own row, comma-separated from "
                         "auto, avx512, avx2, scalar; 'all' is every forced path this CPU executes (also with "
                         "--quick, the host's limits are measured then)")
+    p.add_argument("--emulate", default=None, choices=("avx2",),
+                   help="run every system as on an AVX2-only host: cuda_torch on isa avx2, torch restricted to AVX2 in "
+                        "every worker and probe, transformers in float32 only, llama.cpp on the libraries of "
+                        "--llamacpp-lib (built for AVX2; one built for AVX-512 is refused)")
+    p.add_argument("--llamacpp-lib", default=None, metavar="DIR",
+                   help="a folder with llama.cpp's libraries (libllama.so and its ggml libraries) for llama-cpp-python "
+                        "to load instead of its own, e.g. a build for the --emulate host kind")
     p.add_argument("--timeout", type=float, default=None, help="seconds one worker may run (default 7200, 600 with --quick)")
 
 
@@ -170,13 +178,22 @@ def _model_file(model: str | None) -> tuple[Path | None, str]:
 
 def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
     """The jobs of this run, in order: polyengine rows, then each peer's settings."""
-    from polyengine.benchmarks.host import cpu_info, has_fast_bf16
+    from polyengine.benchmarks.host import EMULATIONS, cpu_info, emulated_cpu_info, has_fast_bf16, package_versions
     from polyengine.benchmarks.jobs import Job
+    from polyengine.errors import InvalidRequest
     from polyengine.benchmarks.report import is_int8
     from polyengine.plugins import select_backend
 
     rows: list[Job] = []
+    emulate = getattr(args, "emulate", None)
+    env = dict(EMULATIONS[emulate]["env"]) if emulate else {}
+    info = emulated_cpu_info(cpu_info(), emulate)
     isas = _isas(getattr(args, "isa", None))
+    if emulate:
+        want = EMULATIONS[emulate]["isa"]
+        if isas not in ([None], [want]):
+            raise InvalidRequest(f"--emulate {emulate} runs cuda_torch on isa {want!r}; drop --isa (or give --isa {want})")
+        isas = [want]
     for name in [] if args.backend == ["none"] else args.backend:
         backend = select_backend(name).name  # unknown or unusable: the typed error says why, before any job
         if isas != [None] and backend not in _ISA_BACKENDS:
@@ -190,7 +207,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
                 setting = f"{backend} {dtype or 'default'}" + (f" {json.dumps(options, sort_keys=True)}" if options else "")
                 rows.append(Job(f"polyengine {setting}", "polyengine",
                                 dict(model=args.model, backend=backend, dtype=dtype, options=options), "standard",
-                                {"system": "polyengine", "setting": setting}))
+                                {"system": "polyengine", "setting": setting}, env=env))
 
     path, _ = _model_file(args.model)
     cache = str(_cache_dir(args.cache_dir))
@@ -205,13 +222,15 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
                 continue
             if not _prepare_transformers(path, cache, notes):
                 continue
-            dtypes = ["float32"] + (["bfloat16"] if has_fast_bf16(cpu_info()) else [])
+            dtypes = ["float32"] + (["bfloat16"] if has_fast_bf16(info) else [])
+            if emulate and has_fast_bf16(cpu_info()):
+                notes.append(f"transformers: float32 only, as on an {emulate}-only host (no bfloat16 units there)")
             for dt in dtypes:
                 label = {"float32": "fp32", "bfloat16": "bf16"}[dt]
                 rows.append(Job(f"transformers {label}", "transformers",
                                 dict(model=str(path), dtype=dt, cache_dir=cache), "standard",
                                 {"system": "transformers", "setting": f"{label} generate"}, long=dt == "float32",
-                                prefix=dt == "float32"))
+                                prefix=dt == "float32", env=env))
         else:
             if importlib.util.find_spec("llama_cpp") is None:
                 from polyengine.benchmarks.host import llamacpp_install_command
@@ -222,11 +241,36 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
             if path is None or path.suffix.lower() != ".gguf":
                 notes.append(f"llama.cpp: skipped, it needs a .gguf file, not {args.model!r}")
                 continue
+            lib = _llamacpp_lib(getattr(args, "llamacpp_lib", None))
+            if emulate and lib is None:
+                from polyengine.benchmarks.host import llamacpp_lib_command
+
+                notes.append(f"llama.cpp: skipped, --emulate {emulate} needs its libraries built for that host kind "
+                             f"(--llamacpp-lib DIR); build them with: "
+                             + llamacpp_lib_command(info, package_versions(("llama_cpp_python",)).get("llama_cpp_python")))
+                continue
+            lib_env = {**env, "LLAMA_CPP_LIB_PATH": str(lib)} if lib else env
+            forbid = list(EMULATIONS[emulate]["llamacpp_forbid"]) if emulate else []
             for i, (quant, file) in enumerate(_llamacpp_files(path, cache, notes, _quants(args.llamacpp_quants))):
                 rows.append(Job(f"llama.cpp {quant}", "llamacpp",
-                                dict(model=str(file), threads=_threads(args.llamacpp_threads), quant=quant),
-                                "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0, prefix=False))
+                                dict(model=str(file), threads=_threads(args.llamacpp_threads), quant=quant,
+                                     forbid=forbid),
+                                "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0, prefix=False,
+                                env=lib_env))
     return rows
+
+
+def _llamacpp_lib(arg: str | None) -> Path | None:
+    """``--llamacpp-lib``: a folder holding libllama.so, resolved; refused up front otherwise."""
+    if arg is None:
+        return None
+    from polyengine.errors import InvalidRequest
+
+    folder = Path(arg).expanduser().resolve()
+    if not (folder / "libllama.so").is_file():
+        raise InvalidRequest(f"--llamacpp-lib {arg!r}: no libllama.so in {folder}; give the folder a llama.cpp build "
+                             f"put its libraries in (its build/bin)")
+    return folder
 
 
 def _with_isas(options: list[dict[str, Any]], isas: list[str | None], backend: str) -> list[dict[str, Any]]:
@@ -316,6 +360,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from polyengine.benchmarks.workload import QUICK, STANDARD
 
     work = QUICK if args.quick else STANDARD
+    emulate = getattr(args, "emulate", None)
+    env = dict(host.EMULATIONS[emulate]["env"]) if emulate else {}
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
         from polyengine.errors import InvalidRequest
@@ -328,7 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "complete": False,
         "host": {"cpu": host.cpu_info(), "load_start": host.load_average(), "versions": host.package_versions(),
-                 "torch": host.torch_cpu()},  # torch's probe runs before any job, never beside one
+                 "torch": host.torch_cpu(env)},  # torch's probe runs before any job, never beside one
         "model": _model_file(args.model)[1],
         "workload": work.to_dict(),
         "repeats": repeats,
@@ -338,10 +384,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     parts = _parts(args.parts)
     jobs = plan(args, notes)
-    if (not args.quick or getattr(args, "isa", None)) and any(job.kind == "polyengine" for job in jobs):
-        doc["host"]["limits"] = limits.measure(args.model, max(work.batches))  # before any job, never beside one
+    if emulate:
+        lib = _llamacpp_lib(getattr(args, "llamacpp_lib", None))
+        doc["host"]["emulated"] = {"kind": emulate, "isa": host.emulated_cpu_info(doc["host"]["cpu"], emulate)["isa"],
+                                   "env": env, "llamacpp_lib": None if lib is None else str(lib)}
+    if (not args.quick or getattr(args, "isa", None) or emulate) and any(job.kind == "polyengine" for job in jobs):
+        doc["host"]["limits"] = limits.measure(args.model, max(work.batches), env)  # before any job, never beside one
     if args.quick and doc["host"].get("limits"):
-        notes.append("host limits measured with --quick (asked for by --isa): the quick workload's rates are far "
+        notes.append("host limits measured with --quick (asked for by --isa or --emulate): the quick workload's rates are far "
                      "from them, so its shares only show the columns work")
     for job in jobs:
         job.parts = [p for p in parts if p == "standard" or (p == "long" and job.long) or (p == "prefix" and job.prefix)]
@@ -357,10 +407,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for job in jobs:
             probe = probing and job.kind == "polyengine"
             if probe and last_read is None:
-                last_read = limits.measure_read()
+                last_read = limits.measure_read(env)
             doc["rows"].append(_run_row(job, work, repeats, timeout, progress))
             if probe:  # the bandwidth of the minutes this row ran in (limits.for_row)
-                after = limits.measure_read()
+                after = limits.measure_read(env)
                 doc["rows"][-1]["read_probes_gb_s"] = [last_read, after]
                 last_read = after
             else:

@@ -18,7 +18,8 @@ from typing import Any
 
 from polyengine.hostinfo import cpu_flags, cpu_model
 
-__all__ = ["ISA_FLAGS", "cpu_info", "load_average", "package_versions", "has_fast_bf16", "torch_cpu", "llamacpp_install_command"]
+__all__ = ["ISA_FLAGS", "EMULATIONS", "cpu_info", "emulated_cpu_info", "load_average", "package_versions", "has_fast_bf16",
+           "torch_cpu", "llamacpp_install_command", "llamacpp_lib_command"]
 
 # The flags that decide which fast paths exist (matmul widths, bf16/int8 units).
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -69,6 +70,45 @@ def llamacpp_install_command(info: dict[str, Any]) -> str:
     return f'CMAKE_ARGS="{" ".join(flags)}" pip install llama-cpp-python'
 
 
+# Host kinds a run can emulate (``polyengine bench --emulate KIND``; docs/benchmarks.md,
+# "An AVX2-only host, emulated"): every system of the run restricted to the instructions
+# such a host has, on this one. ``flags``: the ISA_FLAGS such a host has (at most);
+# ``env``: what restricts torch in each worker and probe (ATen's vectorized kernels,
+# MKL's GEMM, oneDNN's bf16 GEMM: their documented switches); ``llamacpp_forbid``: CPU
+# features llama.cpp's system info must not report (its library is built for the kind);
+# ``isa``: cuda_torch's option ``isa`` for the kind.
+EMULATIONS: dict[str, dict[str, Any]] = {
+    "avx2": {
+        "flags": ("avx2", "fma", "f16c"),
+        "env": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        "llamacpp_forbid": ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_INT8"),
+        "isa": "avx2",
+    },
+}
+
+
+def emulated_cpu_info(info: dict[str, Any], kind: str | None) -> dict[str, Any]:
+    """``info`` as the host kind ``kind`` (EMULATIONS) would report it: its ISA flags only
+    (those this CPU has); ``info`` itself for None."""
+    if kind is None:
+        return info
+    return {**info, "isa": [f for f in info.get("isa", ()) if f in EMULATIONS[kind]["flags"]]}
+
+
+def llamacpp_lib_command(info: dict[str, Any], version: str | None) -> str:
+    """Shell commands that build llama.cpp's libraries for the ISA flags of ``info``, from
+    llama-cpp-python's own source (the library its bindings were written against), into
+    a folder for ``--llamacpp-lib`` (llama-cpp-python loads it through
+    LLAMA_CPP_LIB_PATH)."""
+    isa = set(info.get("isa", ()))
+    flags = ["-DGGML_NATIVE=OFF"] + [f"-D{o}=ON" for flag, opts in _GGML_OPTIONS if flag in isa for o in opts]
+    pin = f"=={version}" if version else ""
+    src = f"llama_cpp_python-{version}" if version else "llama_cpp_python-*"
+    return (f"pip download --no-deps --no-binary :all: llama-cpp-python{pin} -d lcp && tar xzf lcp/*.tar.gz -C lcp && "
+            f"cmake -S lcp/{src} -B lcp/build -DCMAKE_BUILD_TYPE=Release {' '.join(flags)} -DLLAVA_BUILD=OFF && "
+            f"cmake --build lcp/build -j --target llama   # then: --llamacpp-lib lcp/build/bin")
+
+
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -92,8 +132,9 @@ _TORCH_SNIPPET = (
 )
 
 
-def torch_cpu() -> dict[str, Any] | None:
-    """torch's CPU capability, thread count and version, or None without torch.
+def torch_cpu(env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """torch's CPU capability, thread count and version, or None without torch; with
+    ``env`` (an emulation's) set in its process.
 
     Run before any job, never beside one: on a small host it would skew the timings.
     """
@@ -103,7 +144,7 @@ def torch_cpu() -> dict[str, Any] | None:
 
     try:
         out = subprocess.run([sys.executable, "-c", _TORCH_SNIPPET], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
+                             timeout=120, check=True, env={**os.environ, **(env or {})}).stdout
         return json.loads(out.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError) as exc:
         return {"capability": f"unknown (the torch probe failed: {type(exc).__name__})"}

@@ -34,6 +34,7 @@ class Job:
     long: bool = True  # whether this system runs the full-context batch (in a second worker)
     prefix: bool = True  # whether it runs the prefix part (prefix caching, chunked prefill)
     parts: list[str] = field(default_factory=lambda: ["standard", "long"])  # what this run asks of it
+    env: dict[str, str] = field(default_factory=dict)  # set in its worker's environment (an emulation's, a library)
 
 
 def _tail(log: Any, limit: int = 2000) -> str:
@@ -53,7 +54,7 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
         proc = subprocess.Popen(
             [sys.executable, "-m", "polyengine.benchmarks.worker", str(write_fd)],
             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **job.env},
         )
         os.close(write_fd)
         timed_out = threading.Event()

@@ -28,6 +28,7 @@ projection and the LM head) from it too.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -73,12 +74,16 @@ print(json.dumps({
 """
 
 
-def measure_read() -> float | None:
-    """``read_gb_s`` alone, in a fresh subprocess (a few seconds); None where it fails.
-    Call it only between jobs, never beside one."""
+def _env(env: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, **(env or {})}
+
+
+def measure_read(env: dict[str, str] | None = None) -> float | None:
+    """``read_gb_s`` alone, in a fresh subprocess (a few seconds; ``env``: an emulation's,
+    set in it); None where it fails. Call it only between jobs, never beside one."""
     try:
         out = subprocess.run([sys.executable, "-c", _READ + "\nprint(json.dumps(read))"], capture_output=True,
-                             text=True, timeout=120, check=True).stdout
+                             text=True, timeout=120, check=True, env=_env(env)).stdout
         return float(json.loads(out.strip().splitlines()[-1]))
     except (subprocess.SubprocessError, ValueError, IndexError):
         return None
@@ -98,15 +103,17 @@ def for_row(limits: dict[str, Any] | None, row: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def measure(model: str | None, batch: int) -> dict[str, Any] | None:
-    """The limits above, or ``{"error": ...}`` where the probe fails; None without torch."""
+def measure(model: str | None, batch: int, env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """The limits above, or ``{"error": ...}`` where the probe fails; None without torch.
+    ``env``: an emulation's (``host.EMULATIONS``), set in the probe's process, so the GEMM
+    rate is the emulated host's."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
         return None
     try:
         out = subprocess.run([sys.executable, "-c", _SNIPPET, model or "", str(batch)], capture_output=True,
-                             text=True, timeout=300, check=True).stdout
+                             text=True, timeout=300, check=True, env=_env(env)).stdout
         return json.loads(out.strip().splitlines()[-1])
     except subprocess.CalledProcessError as exc:
         return {"error": f"the limits probe failed: {exc.stderr.strip()[-300:]}"}

@@ -394,6 +394,12 @@ def header(doc: dict[str, Any]) -> str:
         f"long {work.long_batch} x {work.long_context} tokens",
         f"each value: median of {doc['repeats']} runs after one warm-up (long: one run, median step)",
     ]
+    emulated = host.get("emulated")
+    if emulated:
+        env = " ".join(f"{k}={v}" for k, v in emulated["env"].items())
+        lines.append(f"EMULATED: an {emulated['kind']}-only host on this CPU (ISA {' '.join(emulated['isa'])}): "
+                     f"cuda_torch on isa {emulated['kind']}, every worker's torch under {env}, llama.cpp on "
+                     f"{emulated.get('llamacpp_lib') or 'no library given (not run)'}; same cores, caches and memory")
     if not doc.get("complete", True):
         lines.append("INCOMPLETE: the run was stopped before every system ran")
     busy = host.get("load_start") and host["cpu"]["usable_cores"] and host["load_start"][0] > 0.5 * host["cpu"]["usable_cores"]

@@ -50,9 +50,28 @@ def _quiet_log(level: int, text: bytes, user_data: object) -> None:
         sys.stderr.write(text.decode("utf-8", errors="replace"))
 
 
+def cpu_features(info: str) -> set[str]:
+    """The CPU features llama.cpp's system info reports as on ("AVX2 = 1" -> "AVX2")."""
+    out = set()
+    for part in info.split("|"):
+        name, _, value = part.rpartition("=")
+        name = name.split(":")[-1].strip()
+        if name and value.strip() == "1":
+            out.add(name)
+    return out
+
+
+def _library(lc: Any) -> str:
+    """The folder llama-cpp-python loaded libllama from (LLAMA_CPP_LIB_PATH, else its own)."""
+    import os
+    from pathlib import Path
+
+    return os.environ.get("LLAMA_CPP_LIB_PATH") or str(Path(lc.__file__).parent / "lib")
+
+
 class LlamaCppSystem:
     def __init__(self, *, model: str, quant: str, threads: list[int] | int = (1, 2),
-                 chosen: tuple[int, int] | None = None):
+                 chosen: tuple[int, int] | None = None, forbid: list[str] | tuple[str, ...] = ()):
         import llama_cpp as lc
 
         self.lc = lc
@@ -61,6 +80,14 @@ class LlamaCppSystem:
         self._log = lc.llama_log_callback(_quiet_log)
         lc.llama_log_set(self._log, None)
         lc.llama_backend_init()
+        # ``forbid``: features an emulated host lacks (``--emulate``): a library built with
+        # them would measure this CPU, not that host kind
+        info = lc.llama_print_system_info().decode("utf-8", errors="replace")
+        found = sorted(cpu_features(info) & set(forbid))
+        if found:
+            raise RuntimeError(f"the llama.cpp library loaded ({_library(lc)}) uses {', '.join(found)}, which the "
+                               f"emulated host lacks; build one without them and pass its folder as --llamacpp-lib "
+                               f"(docs/benchmarks.md)")
         params = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(model.encode(), params)
         if not self.model:
@@ -80,6 +107,8 @@ class LlamaCppSystem:
             "thread_candidates": candidates,
             "llama_cpp_python": importlib.metadata.version("llama_cpp_python"),
             "file": model,
+            "library": _library(lc),
+            "cpu_features": sorted(cpu_features(info)),
         }
 
     # -- contexts and batches -------------------------------------------------------------

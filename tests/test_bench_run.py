@@ -275,3 +275,80 @@ def test_quick_prefix_part_reports_every_workload_and_its_targets(tmp_path):
     assert not peer["errors"], peer.get("tracebacks")
     assert set(peer["metrics"]["prefix_shared_ttft_p50_s"]) == {"cache", "no_cache"}
     assert "prefix_loaded_itl_s" not in peer["metrics"] and any("long-prompt" in n for n in peer["notes"])
+
+
+def test_emulate_avx2_restricts_every_worker_and_probe(tmp_path):
+    """``--emulate avx2`` on a tiny model: the cuda_torch row runs isa avx2 with torch
+    itself restricted to AVX2 in its worker (its paths say so), and the header, torch's
+    probe and the limits say which host kind was emulated."""
+    from polyengine.hostinfo import runnable_isas
+
+    if "avx2" not in runnable_isas():
+        pytest.skip("this CPU does not run AVX2")
+    out = tmp_path / "emu.json"
+    code, stdout, stderr = _bench(["--quick", "--backend", "cuda_torch", "--model", "random:tiny", "--peers", "none",
+                                   "--parts", "standard", "--emulate", "avx2", "--json", str(out)], tmp_path)
+    assert code == 0, stdout + stderr
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["isa"] == "avx2" and row["params"]["options"] == {"isa": "avx2"}
+    assert "torch capability AVX2" in row["details"]["paths"]["cpu"], row["details"]["paths"]
+    assert doc["host"]["torch"]["capability"] == "AVX2"
+    emulated = doc["host"]["emulated"]
+    assert emulated["kind"] == "avx2" and emulated["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert not {"avx512f", "avx512_bf16"} & set(emulated["isa"])
+    assert "read_gb_s" in doc["host"]["limits"] and len(row["read_probes_gb_s"]) == 2
+    assert "EMULATED: an avx2-only host" in stdout
+
+
+def test_emulate_plans_peers_as_on_that_host(monkeypatch, tmp_path):
+    """transformers in float32 only, llama.cpp only on a library folder given for the
+    host kind (skipped, with the build commands, without one), whose features it
+    checks; --isa other than the kind's is refused."""
+    import argparse
+
+    from polyengine.benchmarks import cli, host
+    from polyengine.benchmarks.run_llamacpp import cpu_features
+    from polyengine.errors import InvalidRequest
+
+    avx512 = {**host.cpu_info(), "isa": ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16"]}
+    monkeypatch.setattr(host, "cpu_info", lambda: avx512)
+    monkeypatch.setattr(cli, "_model_file", lambda model: (Path(tmp_path / "m.gguf"), "m.gguf"))
+    monkeypatch.setattr(cli, "_prepare_transformers", lambda path, cache, notes: True)
+    monkeypatch.setattr(cli, "_llamacpp_files", lambda path, cache, notes, quants: [("Q4_1", path)])
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # every peer "installed"
+
+    def plan(**kw):
+        args = argparse.Namespace(backend=["none"], dtype=[None], options=None, isa=None, peers="transformers,llamacpp",
+                                  model=None, cache_dir=str(tmp_path), llamacpp_threads=None, llamacpp_quants=None,
+                                  emulate="avx2", llamacpp_lib=None)
+        for k, v in kw.items():
+            setattr(args, k, v)
+        notes: list[str] = []
+        return cli.plan(args, notes), notes
+
+    jobs, notes = plan()
+    assert [j.row for j in jobs] == ["transformers fp32"] and jobs[0].env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert any("float32 only" in n for n in notes)
+    (skip,) = [n for n in notes if n.startswith("llama.cpp")]
+    assert "--llamacpp-lib" in skip and "-DGGML_AVX2=ON" in skip and "AVX512" not in skip
+    with pytest.raises(InvalidRequest, match="no libllama.so"):
+        plan(llamacpp_lib=str(tmp_path))
+    (tmp_path / "libllama.so").write_bytes(b"")
+    jobs, _ = plan(llamacpp_lib=str(tmp_path))
+    lcpp = jobs[-1]
+    assert lcpp.env["LLAMA_CPP_LIB_PATH"] == str(tmp_path.resolve()) and "AVX512" in lcpp.params["forbid"]
+    with pytest.raises(InvalidRequest, match="drop --isa"):
+        plan(isa="avx512", backend=["none"])
+    jobs, notes = plan(emulate=None)
+    assert [j.row for j in jobs][:2] == ["transformers fp32", "transformers bf16"] and not jobs[0].env
+    info = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VBMI = 0 | LLAMAFILE = 1 | "
+    assert cpu_features(info) == {"SSE3", "AVX2", "AVX512", "LLAMAFILE"}
+
+
+def test_llamacpp_refuses_a_library_with_features_the_emulated_host_lacks(default_gguf):
+    pytest.importorskip("llama_cpp")
+    from polyengine.benchmarks.run_llamacpp import LlamaCppSystem
+
+    with pytest.raises(RuntimeError, match="uses SSE3, which the emulated host lacks"):
+        LlamaCppSystem(model=str(default_gguf), quant="Q4_1", threads=1, forbid=["SSE3"])

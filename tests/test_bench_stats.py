@@ -352,9 +352,9 @@ def test_the_run_probes_bandwidth_right_before_and_after_each_polyengine_row(mon
 
     events: list[str] = []
     reads = iter([50.0, 37.0, 36.0, 39.0, 38.0])
-    monkeypatch.setattr(limits, "measure", lambda model, batch: events.append("limits") or {
+    monkeypatch.setattr(limits, "measure", lambda model, batch, env=None: events.append("limits") or {
         "read_gb_s": 50.0, "fp32_b1_floor_tok_s": 90.0, "fp32_gemm_tok_s": 400.0, "weight_bytes": {}})
-    monkeypatch.setattr(limits, "measure_read", lambda: events.append("read") or next(reads))
+    monkeypatch.setattr(limits, "measure_read", lambda env=None: events.append("read") or next(reads))
     jobs = [Job(f"{kind} {i}", kind, {}, "standard", parts=["standard"])
             for i, kind in enumerate(["polyengine", "polyengine", "transformers", "polyengine"])]
     monkeypatch.setattr(cli, "plan", lambda args, notes: jobs)
