@@ -180,13 +180,12 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
     """The jobs of this run, in order: polyengine rows, then each peer's settings."""
     from polyengine.benchmarks.host import EMULATIONS, cpu_info, emulated_cpu_info, has_fast_bf16, package_versions
     from polyengine.benchmarks.jobs import Job
-    from polyengine.errors import InvalidRequest
     from polyengine.benchmarks.report import is_int8
+    from polyengine.errors import InvalidRequest
     from polyengine.plugins import select_backend
 
     rows: list[Job] = []
-    emulate = getattr(args, "emulate", None)
-    env = dict(EMULATIONS[emulate]["env"]) if emulate else {}
+    emulate, env = _emulation(args)
     info = emulated_cpu_info(cpu_info(), emulate)
     isas = _isas(getattr(args, "isa", None))
     if emulate:
@@ -258,6 +257,14 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
                                 "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0, prefix=False,
                                 env=lib_env))
     return rows
+
+
+def _emulation(args: argparse.Namespace) -> tuple[str | None, dict[str, str]]:
+    """``--emulate``: the host kind and the environment every worker and probe runs in."""
+    from polyengine.benchmarks.host import EMULATIONS
+
+    kind = getattr(args, "emulate", None)
+    return kind, dict(EMULATIONS[kind]["env"]) if kind else {}
 
 
 def _llamacpp_lib(arg: str | None) -> Path | None:
@@ -360,8 +367,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from polyengine.benchmarks.workload import QUICK, STANDARD
 
     work = QUICK if args.quick else STANDARD
-    emulate = getattr(args, "emulate", None)
-    env = dict(host.EMULATIONS[emulate]["env"]) if emulate else {}
+    emulate, env = _emulation(args)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
         from polyengine.errors import InvalidRequest
