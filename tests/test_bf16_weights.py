@@ -168,7 +168,7 @@ def test_bf16_prefill_products_round_each_operand_once(mode):
     """compute=bfloat16: x rounded to bfloat16; bfloat16 weights as they are, int8 ones
     widened (per-block scales applied in float32, then rounded once; per-row scales
     applied to the output); the product rounded to bfloat16; across bands of rows."""
-    from polyengine.backends.cuda_torch.int8 import TiledInt8Linear, dequantize
+    from polyengine.backends.cpu.int8 import TiledInt8Linear, dequantize
 
     g = torch.Generator().manual_seed(3)
     m, n, k = 40, 3000, 96  # n * k > one band (2^18 values): two bands
@@ -197,7 +197,7 @@ def test_bf16_prefill_products_round_each_operand_once(mode):
 
 
 def test_prefill_compute_auto_is_bf16_where_the_cpu_has_bf16_units(monkeypatch):
-    import polyengine.backends.cuda_torch.paths as mod
+    import polyengine.backends.cpu.plan as mod
     from polyengine import hostinfo
     from polyengine.backends.cuda_torch import paths
 

@@ -1,4 +1,4 @@
-"""The int8 x int8 (Q8_0-style) CPU kernels in ``backends/cuda_torch/kernels/q8.cpp``.
+"""The int8 x int8 (Q8_0-style) CPU kernels in ``backends/cpu/csrc/q8.cpp``.
 
 The builds are the engine's own libraries, one per ISA path this CPU executes
 (``cpu_kernels.load(isa=...)``, engine option ``isa``: "auto" is ``-march=native``, the

@@ -75,7 +75,7 @@ def _quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q, scale):
-    from polyengine.backends.cuda_torch.int8 import dequantize as widen
+    from polyengine.backends.cpu.int8 import dequantize as widen
 
     return widen(q, scale)
 
@@ -84,7 +84,7 @@ def dequantize(q, scale):
 def test_each_isa_path_is_what_it_says(isa):
     """A forced path's library is compiled for that instruction set (read from the
     library itself), "auto" for the best this CPU runs; each is its own cache entry."""
-    from polyengine.backends.cuda_torch.cpu_kernels import cache_entry
+    from polyengine.backends.cpu.kernels import cache_entry
     from polyengine.hostinfo import runnable_isas
 
     kernels = kernels_for(isa)
@@ -251,7 +251,7 @@ def test_a_decode_step_computes_only_the_live_rows(model, monkeypatch, kernels):
     """One request in a four-slot engine: every forward (or fused step) runs one row, so a
     step's cost follows the live requests, not the engine's slot count."""
     import polyengine.backends.cuda_torch.engine as mod
-    from polyengine.backends.cuda_torch.cpu_kernels import FusedDecoder
+    from polyengine.backends.cpu.kernels import FusedDecoder
 
     rows: list[int] = []
     forward, fused = mod.forward, FusedDecoder.step

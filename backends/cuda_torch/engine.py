@@ -47,8 +47,8 @@ from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.torch_common.model import (ATTENTION_IMPLS, CastKVCodec, StepSpec, TorchWeights, forward,
                                                    rms_norm)
-from polyengine.backends.cuda_torch.int8 import has_bf16_copies
-from polyengine.backends.cuda_torch.paths import bf16_units
+from polyengine.backends.cpu.int8 import has_bf16_copies
+from polyengine.backends.cpu.plan import bf16_units
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.hostmem import release_row
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
@@ -159,7 +159,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                                           "(bf16 with bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 "
                                           "units)", choices=("auto", "float", "bf16")),
         # CPU: a prefill's causal attention (a prompt from position 0) on the host-compiled
-        # kernel (kernels/prefill_attn.cpp: float32 FMAs, or bfloat16 operands on vdpbf16ps
+        # kernel (csrc/prefill_attn.cpp: float32 FMAs, or bfloat16 operands on vdpbf16ps
         # where prefill's GEMMs take bfloat16 operands) instead of torch's SDPA; "auto" uses
         # it on the AVX-512 kernels, where it measured faster than SDPA, and where the
         # engine's attention is "sdpa"
@@ -208,7 +208,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                     f"isa={o['isa']!r} here", self.name, "the ISA path chooses the host-compiled CPU kernels, which "
                     "run on the CPU in float32 with cpu_kernels=True; drop the option or use device='cpu', "
                     "dtype float32")
-            from polyengine.backends.cuda_torch.cpu_kernels import check_isa
+            from polyengine.backends.cpu.kernels import check_isa
 
             check_isa(o["isa"])
         self.kv_dtype = self.torch_dtype if o["kv_dtype"] == "auto" else _DTYPES[o["kv_dtype"]]
@@ -243,7 +243,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 self.kernels_fallback = ("option cpu_kernels=False; set cpu_kernels=True for the host-compiled "
                                          "decode kernels")
             else:
-                from polyengine.backends.cuda_torch.cpu_kernels import KernelsUnavailable, load
+                from polyengine.backends.cpu.kernels import KernelsUnavailable, load
 
                 try:
                     self._kernels = load(o["threads"] or None, o["isa"])
@@ -304,7 +304,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def speed_paths(self) -> dict[str, str]:
         """What this engine runs on, each fallback with its reason and fix (paths.py): its
         startup log line, ``polyengine generate``'s stderr."""
-        from polyengine.backends.cuda_torch.paths import describe
+        from polyengine.backends.cpu.plan import describe
 
         return describe(device=self.torch_device, dtype=self.torch_dtype, options=self.options,
                         kernels=self._kernels, fallback=self.kernels_fallback, int8_activations=self.int8_activations,
@@ -312,8 +312,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
     def _pick_int8_compute(self, config) -> int:
         """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
-        float32 activations, 1 or 2 (kernels/q8.cpp)."""
-        from polyengine.backends.cuda_torch.cpu_kernels import q8_fits
+        float32 activations, 1 or 2 (csrc/q8.cpp)."""
+        from polyengine.backends.cpu.kernels import q8_fits
 
         o = self.options
         if not o["quantize"] and o["int8_compute"] != "auto":
@@ -413,23 +413,23 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length,
                 skip=skip))
             if mode:
-                from polyengine.backends.cuda_torch.int8 import TiledInt8Linear, int8_tensors
+                from polyengine.backends.cpu.int8 import TiledInt8Linear, int8_tensors
 
                 weights.tensors.update(self._allocating("int8 weights", lambda: int8_tensors(self.model, mode)))
             elif self._narrow:
-                from polyengine.backends.cuda_torch.int8 import bf16_tensors
+                from polyengine.backends.cpu.int8 import bf16_tensors
 
                 weights.tensors.update(self._allocating("bfloat16 weights", lambda: bf16_tensors(
                     self.model, fused=self.options["fuse_projections"])))
             if self._narrow:
-                from polyengine.backends.cuda_torch.int8 import TiledInt8Linear
+                from polyengine.backends.cpu.int8 import TiledInt8Linear
 
                 self._tiled = TiledInt8Linear()
             self._weights = weights
             # The fused step is written for the Llama family; other architectures decode
             # through the shared torch forward (its projections still on the host kernels).
             if self._kernels is not None and self.options["fused_decode"] and self.model.config.is_llama_family:
-                from polyengine.backends.cuda_torch.cpu_kernels import FusedDecoder
+                from polyengine.backends.cpu.kernels import FusedDecoder
 
                 self._fused = FusedDecoder(self._kernels, self._weights.tensors, self.model.config,
                                            cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
@@ -490,7 +490,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         for any number with ``any_rows``, writing into ``out``), torch's GEMM for prefill;
         int8 or bfloat16 weights when narrowed (widened band by band for torch's GEMM: int8.py,
         on ``compute`` operands: option prefill_compute)."""
-        from polyengine.backends.cuda_torch.cpu_kernels import MAX_ROWS
+        from polyengine.backends.cpu.kernels import MAX_ROWS
 
         bias = t.get(name + ".bias")
         on_kernels = self._kernels is not None and (any_rows or x.numel() // x.shape[-1] <= MAX_ROWS)

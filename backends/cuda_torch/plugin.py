@@ -51,7 +51,7 @@ def polyengine_backends():
             protocol_version=PROTOCOL_VERSION,
             probe=probe,
             factory="polyengine.backends.cuda_torch.engine:create_engine",
-            diagnose="polyengine.backends.cuda_torch.paths:diagnose",
+            diagnose="polyengine.backends.cpu.plan:diagnose",
             extra="cuda",
             # Above the NumPy reference on any CPU; a present GPU ranks it among accelerators.
             priority=50,

@@ -1,10 +1,10 @@
 """The CPU decode step, compiled for the host at first use.
 
-``kernels/linear.cpp`` holds skinny products ``y = x @ W.T`` for a few rows of ``x``
+``csrc/linear.cpp`` holds skinny products ``y = x @ W.T`` for a few rows of ``x``
 (the live slots of a decode step), float32 or int8 weights with per-row or per-group
-scales; ``kernels/q8.cpp`` int8 weights against activations quantized to int8 per 32
+scales; ``csrc/q8.cpp`` int8 weights against activations quantized to int8 per 32
 values (integer dot products: AVX-512 VNNI, AVX-VNNI or AVX2, as the host has);
-``kernels/parallel.h`` the threads; ``kernels/decode.cpp`` a whole fused decode step
+``csrc/parallel.h`` the threads; ``csrc/decode.cpp`` a whole fused decode step
 (every layer for the live rows, in one call) built on them. They are compiled once per host
 and ISA path with the system's C++ compiler into a cache folder, then called through
 ctypes on the tensors' memory: no Python extension build, no torch headers, a few
@@ -46,11 +46,11 @@ __all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits"
            "ISA_CHOICES", "MAX_ROWS", "Q8_BLOCK"]
 
 MAX_ROWS = 16
-Q8_BLOCK = 32  # int8 activations: values per scale (kernels/q8.cpp)
+Q8_BLOCK = 32  # int8 activations: values per scale (csrc/q8.cpp)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 ISA_CHOICES = ("auto", *ISA_PATHS)
 _COMPILED_ISAS = {2: "avx512", 1: "avx2", 0: "scalar"}  # pe_isa(): what the library was compiled with
-_KERNELS = Path(__file__).with_name("kernels")
+_KERNELS = Path(__file__).with_name("csrc")
 _SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp, q8.cpp, prefill_attn.cpp and parallel.h
 _COMPILE_SECONDS = 300
 _lock = threading.Lock()
@@ -167,7 +167,7 @@ class CpuKernels:
 
     def prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
                           bf16: bool = False) -> torch.Tensor:
-        """Causal attention of a prefill from position 0 (``kernels/prefill_attn.cpp``):
+        """Causal attention of a prefill from position 0 (``csrc/prefill_attn.cpp``):
         ``q`` (T, heads, head_dim) float32 with contiguous heads, ``keys``/``vals``
         (kv_heads, T, head_dim) float32 with contiguous head_dim; returns (T, heads *
         head_dim). ``bf16``: q, k, v and the softmax weights rounded to bfloat16, products
@@ -203,7 +203,7 @@ class CpuKernels:
         contiguous float32 buffer of at least M * N elements to write into (a decode
         step's logits, reused instead of a fresh ~6 MB allocation that faults in its
         pages each step). ``int8_activations``: with int8 weights, quantize ``x`` to int8
-        per 32 values and use integer dot products (``kernels/q8.cpp``): 1 one int8 row
+        per 32 values and use integer dot products (``csrc/q8.cpp``): 1 one int8 row
         per row of ``x``, 2 a second one carrying the first's rounding error; 0 float32.
         ``bf16_activations``: with bfloat16 weights, round ``x`` to bfloat16 and multiply
         pairs with vdpbf16ps where the ISA path has it (``pe_bf16_dot``)."""
@@ -366,7 +366,7 @@ KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class FusedDecoder:
-    """A whole decode step on the CPU in one call (``kernels/decode.cpp``).
+    """A whole decode step on the CPU in one call (``csrc/decode.cpp``).
 
     Built once per engine over the weights dict of :class:`TorchWeights` (float32, or
     with the engine's int8 ``.qweight``/``.scale`` entries, or its bfloat16 ``.qweight``

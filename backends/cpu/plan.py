@@ -46,7 +46,7 @@ def describe(*, device: torch.device, dtype: torch.dtype, options: dict[str, Any
         out["decode"] = f"the shared torch forward in {str(dtype).replace('torch.', '')} (the CPU kernels are float32)"
     elif kernels is not None:
         fused = options.get("fused_decode", True)
-        out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (kernels/decode.cpp)"
+        out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (csrc/decode.cpp)"
                          if fused else "the shared torch forward, products on the host-compiled kernels "
                                        "(fused_decode=False)")
         out["isa"] = _isa(kernels)
@@ -138,7 +138,7 @@ def _prefill_attention(kernels: Any, unbuilt: bool, choice: str | None) -> str:
     if choice is None:
         return "on torch's SDPA"
     how = "bfloat16 operands on vdpbf16ps, float32 sums" if choice == "bfloat16" else "float32"
-    return f"on the host kernel (kernels/prefill_attn.cpp, {how}; option prefill_attention)"
+    return f"on the host kernel (csrc/prefill_attn.cpp, {how}; option prefill_attention)"
 
 
 def _isa(kernels: Any) -> str:
@@ -155,7 +155,7 @@ def diagnose() -> dict[str, str]:
     device = TorchEngine._pick_device("")
     kernels, fallback = None, None
     if device.type == "cpu":
-        from polyengine.backends.cuda_torch.cpu_kernels import KernelsUnavailable, load
+        from polyengine.backends.cpu.kernels import KernelsUnavailable, load
 
         try:
             kernels = load()
