@@ -331,7 +331,7 @@ def diagnose() -> dict[str, str]:
     compile is the question."""
     from polyengine.options import option_defaults
 
-    from polyengine.backends.cpu.engine import CpuEngine
+    from polyengine.backends.cpu.options import OPTIONS
 
-    plan = CpuPlan.resolve(option_defaults(CpuEngine.OPTIONS), None, CpuHost.detect(), dtype=torch.float32)
+    plan = CpuPlan.resolve(option_defaults(OPTIONS), None, CpuHost.detect(), dtype=torch.float32)
     return plan.describe()

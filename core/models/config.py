@@ -275,6 +275,12 @@ class ModelConfig(BaseModel):
             return False
         return proj != "o_proj" or self.model_type == "llama"
 
+    @property
+    def head_weight(self) -> str:
+        """The tensor the LM head multiplies by: the embedding table of a tied model, else
+        ``lm_head.weight`` (the one place this is chosen)."""
+        return "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the model needs, HF names and layouts (``[out, in]``). Experts are
         ``mlp.experts.{j}.{gate,up,down}_proj.weight`` with the router ``mlp.gate.weight``
