@@ -182,7 +182,9 @@ def test_pruning_removes_only_old_builds_of_its_own_kind(cxx, tmp_path):
     tag, other = build._isa_tag(), "0123456789ab"
     old = [folder / f"cpu-step-auto-{'1' * 16}-{tag}.so", folder / f"cpu-step-auto-{'1' * 16}-{tag}.so.json",
            folder / f".cpu-step-auto-{'2' * 16}-{tag}.so.4242.tmp"]  # a killed compile's leftover
-    kept = [folder / f"cpu-step-auto-{'3' * 16}-{tag}.so",  # loaded a minute ago
+    recent = [folder / f"cpu-step-auto-{'3' * 16}-{tag}.so",  # loaded a minute ago
+              folder / f".cpu-step-auto-{'8' * 16}-{tag}.so.4343.tmp"]  # a compile under way
+    kept = [*recent,
             folder / f"cpu-step-avx2-{'4' * 16}-{tag}.so",  # another ISA path
             folder / f"cpu-step-auto-{'5' * 16}-{other}.so",  # another CPU sharing the cache
             folder / f"cpu-step-auto-{'6' * 16}-{tag}.so.bak",  # a name the cache never writes
@@ -193,8 +195,8 @@ def test_pruning_removes_only_old_builds_of_its_own_kind(cxx, tmp_path):
     for p in old + kept:
         p.write_bytes(b"x")
     link.symlink_to(outside)
-    _age(*old, *kept[1:], link)
-    _age(kept[0], seconds=60)
+    _age(*old, *kept[len(recent):], link)
+    _age(*recent, seconds=60)
     current = _load().path
     assert cxx.compiles == 1
     assert not any(p.exists() for p in old)
