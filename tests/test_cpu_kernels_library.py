@@ -16,6 +16,7 @@ import ctypes
 import fcntl
 import os
 import re
+import shutil
 import subprocess
 import time
 
@@ -175,6 +176,19 @@ def test_a_compiler_upgrade_builds_anew_and_prunes_the_old_build(cxx):
     third = _load().path
     assert cxx.compiles == 3 and not first.exists() and not _record(first).exists()
     assert second.exists() and third.exists()
+
+
+def test_without_a_compiler_a_build_of_the_same_sources_still_loads(cxx, monkeypatch):
+    """The key needs the compiler's version; with no compiler left, the build of the same
+    sources and flags is loaded (as before the version joined the key), and where there is
+    none the refusal says to install a compiler."""
+    built = _load().path
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert _load().path == built and cxx.compiles == 1
+    monkeypatch.setattr(build, "source_digest", lambda isa="auto": "0" * 16)  # edited sources
+    with pytest.raises(kernels.KernelsUnavailable, match="no C\\+\\+ compiler found.*fix: install one"):
+        _load()
 
 
 def test_pruning_removes_only_old_builds_of_its_own_kind(cxx, tmp_path):

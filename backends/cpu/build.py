@@ -15,6 +15,10 @@ headers beside it (one part each: ``docs/cpu-kernels.md``). A build is a cache e
 - ``<cpu>`` is a digest of this CPU's ISA flags (a cache shared by several hosts keeps
   one build per CPU kind).
 
+Without a compiler (none installed any more) the newest intact build of the same sources
+and flags for this CPU is loaded, whichever compiler made it: its record keeps the
+sources' digest apart (:func:`source_digest`).
+
 Builds of one kind (the same ``<isa>`` and ``<cpu>``) with another digest are the old
 builds: :func:`prune` removes them when a new build lands, once nobody has loaded them
 for :data:`PRUNE_UNUSED_S` (a load marks its build used), so two installs used in turn
@@ -40,12 +44,12 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from polyengine.cache import cache_root, private_dir
+from polyengine.cache import cache_root, check, private_dir
 from polyengine.errors import UnsafeCache
 from polyengine.hostinfo import cpu_flags
 
-__all__ = ["KernelsUnavailable", "isa_flags", "compiler", "compiler_version", "compile_library", "cache_entry",
-           "cache_lock", "mark_used", "prune", "SOURCE", "PRUNE_UNUSED_S"]
+__all__ = ["KernelsUnavailable", "isa_flags", "compiler", "compiler_version", "compile_library", "source_digest",
+           "cache_entry", "cache_lock", "mark_used", "prune", "SOURCE", "PRUNE_UNUSED_S"]
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "polyengine_cpu.cpp"  # the one translation unit: includes every header of csrc/
@@ -156,18 +160,45 @@ def _sources() -> list[Path]:
     return [p for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h")]
 
 
+def source_digest(isa: str = "auto") -> str:
+    """A digest of every kernel source and the compiler flags of ISA path ``isa``: the
+    cache key less the compiler (kept in each build's record)."""
+    code = b"".join(p.read_bytes() for p in _sources()) + " ".join(isa_flags(isa)).encode()
+    return hashlib.blake2b(code, digest_size=8).hexdigest()
+
+
 def cache_entry(isa: str = "auto") -> tuple[Path, list[str]]:
     """Where this host's library for ISA path ``isa`` lives in the cache (named by a
     digest of every kernel source, the path's compiler flags and the compiler's version,
-    and the CPU's ISA flags) and the sources it is built from."""
-    sources = _sources()
-    key = b"".join(p.read_bytes() for p in sources) + " ".join(isa_flags(isa)).encode()
-    key += b"\0" + compiler_version(compiler()).encode()
-    digest = hashlib.blake2b(key, digest_size=8).hexdigest()
+    and the CPU's ISA flags) and the sources it is built from. Without a compiler, the
+    newest intact build of the same sources and flags for this CPU, whichever compiler
+    made it (none: :class:`KernelsUnavailable` saying to install one)."""
+    names = [p.name for p in _sources()]
+    code = source_digest(isa)
     try:
-        return _cache_dir() / f"cpu-step-{isa}-{digest}-{_isa_tag()}.so", [p.name for p in sources]
+        folder = _cache_dir()
     except UnsafeCache as exc:
         raise KernelsUnavailable(str(exc)) from None
+    try:
+        version = compiler_version(compiler())
+    except KernelsUnavailable:
+        built = _built_before(folder, isa, code)
+        if built is None:
+            raise
+        return built, names
+    digest = hashlib.blake2b(f"{code}\0{version}".encode(), digest_size=8).hexdigest()
+    return folder / f"cpu-step-{isa}-{digest}-{_isa_tag()}.so", names
+
+
+def _built_before(folder: Path, isa: str, code: str) -> Path | None:
+    ours = re.compile(rf"cpu-step-{re.escape(isa)}-[0-9a-f]{{16}}-{_isa_tag()}\.so")
+    found = []
+    for entry in os.scandir(folder):
+        if ours.fullmatch(entry.name):
+            record, _ = check(entry.path)
+            if record is not None and record.get("source_digest") == code:
+                found.append(Path(entry.path))
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
 @contextlib.contextmanager

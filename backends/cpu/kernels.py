@@ -43,7 +43,7 @@ from polyengine.errors import UnsupportedFeature
 from polyengine.hostinfo import ISA_PATHS, missing_for, runnable_isas
 
 from polyengine.backends.cpu.build import (KernelsUnavailable, cache_entry, cache_lock, compile_library, compiler,
-                                           compiler_version, isa_flags, mark_used, prune)
+                                           compiler_version, isa_flags, mark_used, prune, source_digest)
 
 __all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits", "isa_flags", "check_isa",
            "check_layout", "cache_entry", "ISA_CHOICES", "MAX_ROWS", "Q8_BLOCK"]
@@ -228,8 +228,8 @@ def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
                     warnings.warn(f"cpu: not loading the cached CPU kernels ({reason}); compiling them again",
                                   stacklevel=3)
                 store(path, lambda tmp: compile_library(cxx, tmp, isa),
-                      {"sources": sources, "compiler": cxx, "compiler_version": compiler_version(cxx), "isa": isa,
-                       "flags": isa_flags(isa)})
+                      {"sources": sources, "source_digest": source_digest(isa), "compiler": cxx,
+                       "compiler_version": compiler_version(cxx), "isa": isa, "flags": isa_flags(isa)})
             mark_used(path)
             try:
                 lib = ctypes.CDLL(str(path))
