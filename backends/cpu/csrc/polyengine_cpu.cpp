@@ -1,6 +1,7 @@
-// The CPU kernels as one library: this file includes every part (one concept per header)
-// and holds the C ABI that kernels.py calls through ctypes; nothing else is exported.
-// kernels.py compiles this one file, once per host, ISA path and compiler (see there).
+// The CPU kernels as one library: this file includes every part (one concept per header,
+// each including what it uses; their functions are static or inline) and holds the C ABI
+// that kernels.py calls through ctypes. build.py compiles this one file, once per host,
+// ISA path and compiler (its flags and cache key are there).
 //
 //   simd.h          the ISA path's vector types, loads, bfloat16 rounding, hsum, vexp
 //   parallel.h      OpenMP threads with spinning barriers
@@ -44,6 +45,12 @@ static const pe_field_layout pe_layouts[] = {
     PE_FIELD(pe_dims, int8), PE_FIELD(pe_dims, group), PE_FIELD(pe_dims, threads), PE_FIELD(pe_dims, q8),
     PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16),
 };
+// A field appended to a struct and not to the table (nor to Python's mirror) would escape
+// the check: the table's last field must end its struct.
+static_assert(offsetof(pe_layer, down_bias) + sizeof(pe_layer::down_bias) == sizeof(pe_layer),
+              "pe_layer has a field after down_bias: list it in pe_layouts and in kernels.py's _Layer");
+static_assert(offsetof(pe_dims, bf16) + sizeof(pe_dims::bf16) == sizeof(pe_dims),
+              "pe_dims has a field after bf16: list it in pe_layouts and in kernels.py's _Dims");
 
 extern "C" {
 
