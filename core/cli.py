@@ -96,8 +96,11 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     infos = list_backends()
     rows = [b.to_dict() for b in infos]
     if args.verbose:
+        from polyengine.options import option_rows
+
         for info, row in zip(infos, rows):
             row["paths"] = info.diagnose()
+            row["options"] = option_rows(info.option_table())
     if args.json:
         json.dump(rows, args.out, indent=2)
         args.out.write("\n")
@@ -120,10 +123,14 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
     for r in rows if args.verbose else ():
-        if r["paths"]:
+        if r["paths"] or r["options"]:
             print(f"\n{r['name']}:")
             for key, value in r["paths"].items():
                 print(f"  {key}: {value}")
+        if r["options"]:
+            print(f"  options (--option KEY=VALUE):")
+            for o in r["options"]:
+                print(f"    {o['name']}={o['default']!r}: {o['help']}")
     return 0
 
 

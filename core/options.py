@@ -82,6 +82,17 @@ def _owners(names: list[str], backend: str) -> str:
                    for name, owners in sorted(found.items()))
 
 
+def option_rows(table: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A backend's option table as rows (name, default, help, choices) for listings
+    (``polyengine backends --verbose``)."""
+    rows = []
+    for key, spec in table.items():
+        o = _as_option(spec)
+        rows.append({"name": key, "default": o.default, "help": getattr(o, "help", "") or "",
+                     "choices": list(o.choices) if getattr(o, "choices", None) else None})
+    return rows
+
+
 def check_options(table: Mapping[str, Any], options: Mapping[str, Any], *, backend: str) -> dict[str, Any]:
     """``options`` checked against ``table``, with every unset option at its default.
 

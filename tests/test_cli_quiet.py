@@ -34,3 +34,15 @@ def test_chat_exits_on_slash_exit_and_prints_no_prompt_text_when_piped():
                 stdin="/exit\nthis line is never read\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""  # no "you> ", and nothing was sent to the model
+
+
+def test_backends_verbose_lists_each_backends_options():
+    import json
+
+    proc = _run(["backends", "--verbose", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    cpu = {o["name"]: o for o in rows["cpu"]["options"]}
+    assert cpu["isa"]["default"] == "auto" and "avx2" in cpu["isa"]["choices"]
+    assert {o["name"] for o in rows["cuda_torch"]["options"]} >= {"device", "cuda_graphs"}
+    assert "quantize" in {o["name"] for o in rows["tpu_jax"]["options"]}

@@ -75,6 +75,7 @@ def polyengine_backends():
             accelerator="tpu",
             accelerator_priority=300,
             tolerances="polyengine.backends.tpu_jax:conformance.toml",
+            options="polyengine.backends.tpu_jax.options:OPTIONS",
         ),
         BackendSpec(
             name="tpu_jax_ray",
@@ -87,5 +88,6 @@ def polyengine_backends():
             priority=-10,
             accelerator=None,
             tolerances="polyengine.backends.tpu_jax:conformance.toml",
+            options="polyengine.backends.tpu_jax.options:OPTIONS",
         ),
     ]
