@@ -7,7 +7,7 @@ bench's worker builds) in this process and resets the kernel's high-water mark
 sets the peak, what it started from and what it left behind; the last lines show what
 stays after every engine is released, and what of it is free heap (``malloc_trim``).
 
-    python bench/phase_rss.py --options '{"weight_dtype": "bfloat16", "bf16_compute": "bf16", "kv_dtype": "bfloat16"}'
+    python benchmarks/scripts/phase_rss.py --options '{"weight_dtype": "bfloat16", "bf16_compute": "bf16", "kv_dtype": "bfloat16"}'
 
 Linux only (``/proc``). Memory, not time: a busy host does not change what it prints.
 """

@@ -1,6 +1,6 @@
 """Decode speed with a JSON schema against unconstrained decoding, batch 1 and 32.
 
-    python bench/structured_decode.py [--backend cuda_torch] [--model M] [--batches 1,32]
+    python benchmarks/scripts/structured_decode.py [--backend cuda_torch] [--model M] [--batches 1,32]
                                       [--new-tokens 96] [--repeats 3] [--quick]
 
 Each batch runs the same chat prompts twice through ``polyengine.LLM``: unconstrained

@@ -6,7 +6,7 @@ the peak resident memory (``VmHWM``) is that row's alone. The configurations run
 turns, ``--repeats`` times, and the table shows the medians and each one's time against
 the reserved cache measured in the same turns.
 
-    python bench/kv_memory.py [--repeats 3] [--tokens 256]
+    python benchmarks/scripts/kv_memory.py [--repeats 3] [--tokens 256]
 """
 
 from __future__ import annotations

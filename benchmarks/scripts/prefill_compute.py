@@ -7,7 +7,7 @@ engine built first, then a 1024-token prompt (``--tokens``) prefilled by each en
 turns; the table shows each row's median and the median of its per-turn ratio to
 float32 (docs/cuda_torch.md, "Prefill on bfloat16 operands").
 
-    python bench/prefill_compute.py [--repeats 5] [--tokens 1024]
+    python benchmarks/scripts/prefill_compute.py [--repeats 5] [--tokens 1024]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import statistics
 import time
 
 import numpy as np
+
+BACKEND = "cuda_torch"  # the backend with the CPU's prefill options
 
 ROWS = {
     "float32 weights, SDPA": {"prefill_attention": "sdpa"},
@@ -38,8 +40,7 @@ ROWS = {
 
 
 def main() -> None:
-    from polyengine import EngineConfig, SamplingParams
-    from polyengine.backends.cuda_torch.engine import TorchEngine
+    from polyengine import EngineConfig, SamplingParams, create_engine
     from polyengine.models import default_model_path, load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -52,7 +53,7 @@ def main() -> None:
     greedy = SamplingParams(temperature=0)
     engines = {}
     for name, options in ROWS.items():
-        eng = TorchEngine(model, cfg.model_copy(update={"options": options}))
+        eng = create_engine(BACKEND, model, cfg.model_copy(update={"options": options}))
         params = eng.load_params()
         eng.prefill(params=params, tokens=prompt, sampling=greedy)  # warm-up: buffers, oneDNN's kernels
         engines[name] = eng, params

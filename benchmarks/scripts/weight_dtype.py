@@ -11,7 +11,7 @@ request (b1) and of 32 together (b32, ``ignore_eos``), and a prefill of a 1024-t
 prompt (the second of two). The configurations run in turns, ``--repeats`` times; the table shows medians
 and each row's b1 and b32 time against float32 weights measured in the same turns.
 
-    python bench/weight_dtype.py [--repeats 3] [--tokens 64]
+    python benchmarks/scripts/weight_dtype.py [--repeats 3] [--tokens 64]
 """
 
 from __future__ import annotations

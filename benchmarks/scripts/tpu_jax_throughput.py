@@ -3,7 +3,7 @@ batch, prefill tokens/s, and tpu_jax's compile time per program, on this machine
 JAX devices and again on N CPU host devices (a subprocess started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
 
-    python bench/tpu_jax_throughput.py [--model M] [--slots 8] [--prompt-len 64]
+    python benchmarks/scripts/tpu_jax_throughput.py [--model M] [--slots 8] [--prompt-len 64]
                                        [--new-tokens 48] [--host-devices 4] [--rounds 2]
 
 Every engine runs through the driver with greedy requests of ``--prompt-len`` tokens:
@@ -57,17 +57,15 @@ def run_here(args) -> dict:
     """Every engine of the table on this process's devices; returns the rows."""
     import jax
 
-    from polyengine.backends.tpu_jax.engine import TpuJaxEngine
+    from polyengine import create_engine
 
     model = load_model(args.model)
     cfg = EngineConfig(max_slots=args.slots, max_prefill_length=args.prompt_len,
                        max_cache_length=args.prompt_len + args.new_tokens + 1)
     out = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "rows": []}
-    engines = {"tpu_jax": lambda: TpuJaxEngine(model, cfg.model_copy(update={"options": args.options}))}
+    engines = {"tpu_jax": lambda: create_engine("tpu_jax", model, cfg.model_copy(update={"options": args.options}))}
     if not args.jax_only:
-        from polyengine.backends.cuda_torch.engine import TorchEngine
-
-        engines["cuda_torch"] = lambda: TorchEngine(model, cfg)
+        engines["cuda_torch"] = lambda: create_engine("cuda_torch", model, cfg)
     for name, make in engines.items():
         engine = make()
         engine.load_params()
