@@ -25,12 +25,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from polyengine.backends.cuda_torch import cpu_kernels  # noqa: E402
+from polyengine.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from polyengine.hostinfo import cpu_flags, missing_for  # noqa: E402
 
 from isa_paths import ISAS, kernels_for  # noqa: E402
 
-KERNELS = Path(__file__).resolve().parent.parent / "backends" / "cuda_torch" / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "backends" / "cpu" / "csrc"
 ISA = {"avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
 RTOL = 1e-5
 

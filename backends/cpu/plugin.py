@@ -26,6 +26,7 @@ def polyengine_backends():
             probe=probe,
             factory="polyengine.backends.cpu.engine:create_engine",
             diagnose="polyengine.backends.cpu.plan:diagnose",
+            options="polyengine.backends.cpu.options:OPTIONS",
             extra="cpu",
             # The best CPU path: above cuda_torch's device path run on a CPU and the NumPy oracle.
             priority=60,

@@ -83,12 +83,13 @@ import torch.nn.functional as F
 
 from polyengine.models import Model, ModelConfig
 
+from polyengine.backends.torch_common.options import ATTENTION_IMPLS
+
 __all__ = [
     "TorchWeights", "StepSpec", "forward", "attention_block", "mlp_block", "kv_write", "kv_read", "lm_head", "StepModule",
     "KVCodec", "CastKVCodec", "rms_norm", "ATTENTION_IMPLS", "MOE_IMPLS", "moe_block",
 ]
 
-ATTENTION_IMPLS = ("sdpa", "eager")
 MOE_IMPLS = ("gather", "sparse")
 _HALF = (torch.float16, torch.bfloat16)
 
