@@ -153,7 +153,7 @@ def _parts(raw: str) -> list[str]:
 
 
 _PARTS = ("standard", "long", "prefix")
-_ISA_BACKENDS = ("cuda_torch",)  # backends with an engine option isa
+_ISA_BACKENDS = ("cpu",)  # backends with an engine option isa
 
 
 def _isas(raw: str | None) -> list[str | None]:
@@ -303,7 +303,7 @@ def _llamacpp_lib(arg: str | None) -> Path | None:
 
 
 def _with_isas(options: list[dict[str, Any]], isas: list[str | None], backend: str) -> list[dict[str, Any]]:
-    """Each option set once per ``--isa`` path (cuda_torch), the path as option ``isa``."""
+    """Each option set once per ``--isa`` path (the cpu backend), the path as option ``isa``."""
     from polyengine.errors import InvalidRequest
 
     if isas == [None] or backend not in _ISA_BACKENDS:

@@ -302,7 +302,7 @@ def test_quick_prefix_part_reports_every_workload_and_its_targets(tmp_path):
 
 
 def test_emulate_avx2_restricts_every_worker_and_probe(tmp_path):
-    """``--emulate avx2`` on a tiny model: the cuda_torch row runs isa avx2 with torch
+    """``--emulate avx2`` on a tiny model: the cpu row runs isa avx2 with torch
     itself restricted to AVX2 in its worker (its paths say so), and the header, torch's
     probe and the limits say which host kind was emulated."""
     from polyengine.hostinfo import runnable_isas

@@ -486,7 +486,7 @@ def test_each_row_reports_its_isa_and_share_of_the_host_limits():
 
 
 def test_isa_rows_are_expanded_and_checked_before_any_job(monkeypatch):
-    """``--isa``: each path a row of its own (cuda_torch only); 'all' every forced path
+    """``--isa``: each path a row of its own (the cpu backend only); 'all' every forced path
     this CPU runs; a path it cannot run, or an ISA chosen twice, is refused up front."""
     import argparse
 
@@ -502,7 +502,7 @@ def test_isa_rows_are_expanded_and_checked_before_any_job(monkeypatch):
     with pytest.raises(InvalidRequest, match="'neon' is no ISA path"):
         cli._isas("neon")
     with pytest.raises(InvalidRequest, match="give one of them"):
-        cli._with_isas([{"isa": "avx2"}], ["scalar"], "cuda_torch")
+        cli._with_isas([{"isa": "avx2"}], ["scalar"], "cpu")
 
     def plan(backend, isa):
         args = argparse.Namespace(backend=[backend], dtype=[None], options=['{"quantize": "int8"}'], isa=isa,
@@ -510,7 +510,7 @@ def test_isa_rows_are_expanded_and_checked_before_any_job(monkeypatch):
         notes: list[str] = []
         return [job.params["options"] for job in cli.plan(args, notes)], notes
 
-    assert plan("cuda_torch", "all")[0] == [{"quantize": "int8", "isa": "avx2"}, {"quantize": "int8", "isa": "scalar"}]
+    assert plan("cpu", "all")[0] == [{"quantize": "int8", "isa": "avx2"}, {"quantize": "int8", "isa": "scalar"}]
     options, notes = plan("reference", "all")
     assert options == [{"quantize": "int8"}] and "--isa not applied" in notes[0]
 

@@ -1,4 +1,4 @@
-"""The installed wheel against the source checkout: cuda_torch's decode (b1, b32) and
+"""The installed wheel against the source checkout: the cpu backend's decode (b1, b32) and
 prefill speed on the CPU, each configuration run under both interpreters in turns, in
 the same run on the same host (the issue's target: "the installed wheel as fast as the
 source checkout").

@@ -1,7 +1,7 @@
 """The neuron backend's costs on this machine: compile time per graph and bucket (cold,
 into a fresh artifact cache), the same engines built again from the warm cache (a new
 process: it loads, compiles nothing), and decode tokens/s at batch 1 and a full batch
-with and without speculation, beside cuda_torch on the same workload through
+with and without speculation, beside the cpu backend on the same workload through
 ``polyengine.LLM``, with the speculation acceptance rate.
 
     python benchmarks/scripts/neuron_compile.py [--model M] [--slots 4] [--prompt-len 32]
@@ -84,7 +84,7 @@ def throughput(args, cache: str) -> tuple[list[dict], dict]:
     setups = {
         f"neuron speculation={args.speculation}": dict(backend="neuron", options=neuron_options(args, cache, args.speculation)),
         "neuron speculation=1": dict(backend="neuron", options=neuron_options(args, cache, 1)),
-        "cuda_torch": dict(backend="cuda_torch"),
+        "cpu": dict(backend="cpu"),
     }
     rows, report = [], {}
     for name, kw in setups.items():
@@ -152,9 +152,9 @@ def main() -> None:
     for name in cold["build_s"]:
         print(f"\nengine construction, {name}: cold {cold['build_s'][name]:.1f} s (graphs compiled/loaded: "
               f"{cold['counts'][name]}), warm {warm['build_s'][name]:.2f} s in a new process ({warm['counts'][name]})", end="")
-    print("\n\n| engine | batch | decode tok/s | vs cuda_torch |")
+    print("\n\n| engine | batch | decode tok/s | vs cpu |")
     print("|---|---|---|---|")
-    base = {r["batch"]: r["decode"] for r in rows if r["engine"] == "cuda_torch"}
+    base = {r["batch"]: r["decode"] for r in rows if r["engine"] == "cpu"}
     for r in rows:
         print(f"| {r['engine']} | {r['batch']} | {r['decode']:.1f} | {r['decode'] / base[r['batch']]:.2f} |")
     for name, stats in report.items():

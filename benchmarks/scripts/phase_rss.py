@@ -39,7 +39,7 @@ def _reset_peak() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", default="cuda_torch")
+    ap.add_argument("--backend", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--options", default="{}", help="engine options, JSON")
     ap.add_argument("--repeats", type=int, default=1)

@@ -1,11 +1,11 @@
-"""Prefill speed of cuda_torch on the CPU by weight storage and GEMM operands: float32
+"""Prefill speed of the cpu backend by weight storage and GEMM operands: float32
 weights; bfloat16 weights on float32 operands, on bfloat16 operands with separate and
 with fused q/k/v and gate/up matrices (options ``prefill_compute``,
 ``fuse_projections``); int8-block32 weights on bfloat16 operands; each causal attention
 on torch's SDPA or the host kernel (option ``prefill_attention``). One process, every
 engine built first, then a 1024-token prompt (``--tokens``) prefilled by each engine in
 turns; the table shows each row's median and the median of its per-turn ratio to
-float32 (docs/cuda_torch.md, "Prefill on bfloat16 operands").
+float32 (docs/benchmarks/2026-11-cpu-paths.md, "Prefill on bfloat16 operands").
 
     python benchmarks/scripts/prefill_compute.py [--repeats 5] [--tokens 1024]
 """
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-BACKEND = "cuda_torch"  # the backend with the CPU's prefill options
+BACKEND = "cpu"
 
 ROWS = {
     "float32 weights, SDPA": {"prefill_attention": "sdpa"},

@@ -1,4 +1,4 @@
-"""tpu_jax beside cuda_torch on one workload: decode tokens/s at batch 1 and a full
+"""tpu_jax beside the cpu backend on one workload: decode tokens/s at batch 1 and a full
 batch, prefill tokens/s, and tpu_jax's compile time per program, on this machine's
 JAX devices and again on N CPU host devices (a subprocess started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
@@ -11,11 +11,11 @@ prefill tokens/s is the prompt tokens of a full batch over the driver's first st
 (prefill and insert of every request, one decode step); decode tokens/s the remaining
 completion tokens over the time spent generating them. tpu_jax compiles every
 program first (warm-up; per program and bucket from ``engine.bench_report()``);
-cuda_torch gets a warm-up request. The table prints the CPU model and ISA flags and
+cpu gets a warm-up request. The table prints the CPU model and ISA flags and
 the load average: with two shared cores, compare ratios measured in the same run,
 never absolute numbers across runs. ``polyengine bench`` is the standard workload
 (its phases, peers and JSON report); this script puts tpu_jax on 1 and N host
-devices beside cuda_torch in one table.
+devices beside the cpu backend in one table.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def run_here(args) -> dict:
     out = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "rows": []}
     engines = {"tpu_jax": lambda: create_engine("tpu_jax", model, cfg.model_copy(update={"options": args.options}))}
     if not args.jax_only:
-        engines["cuda_torch"] = lambda: create_engine("cuda_torch", model, cfg)
+        engines["cpu"] = lambda: create_engine("cpu", model, cfg)
     for name, make in engines.items():
         engine = make()
         engine.load_params()
@@ -116,9 +116,9 @@ def main() -> None:
     print(f"cpu: {_cpu()}; load average {os.getloadavg()[0]:.1f} (shared machine: compare ratios, not runs)")
     print(f"model: {load_model(args.model)!r}; {args.slots} slots, prompts of {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens, greedy\n")
-    print("| backend | devices | batch | prefill tok/s | decode tok/s | decode vs cuda_torch |")
+    print("| backend | devices | batch | prefill tok/s | decode tok/s | decode vs cpu |")
     print("|---|---|---|---|---|---|")
-    base = {r["batch"]: r["decode"] for r in runs[0]["rows"] if r["backend"] == "cuda_torch"}
+    base = {r["batch"]: r["decode"] for r in runs[0]["rows"] if r["backend"] == "cpu"}
     for run in runs:
         for r in run["rows"]:
             dev = f"{run['devices']} {run['platform']}" + (f" ({run['mesh']})" if r["backend"] == "tpu_jax" else "")
