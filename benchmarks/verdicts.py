@@ -121,19 +121,13 @@ def load(path: str | Path) -> TargetSet:
     from polyengine.errors import InvalidRequest
     from polyengine.files import read_regular
 
-    source = str(path)
+    source, suffix = str(path), Path(path).suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise _refuse(source, f"the file must end in .toml or .json, not {suffix or 'nothing'!r}")
     raw = read_regular(Path(path).expanduser(), limit=_LIMIT, what=f"targets file {source}", error=InvalidRequest)
-    suffix = Path(path).suffix.lower()
     try:
-        if suffix == ".toml":
-            data = tomllib.loads(raw.decode("utf-8"))
-        elif suffix == ".json":
-            data = json.loads(raw)
-        else:
-            raise _refuse(source, f"the file must end in .toml or .json, not {suffix or 'nothing'!r}")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        if isinstance(exc, InvalidRequest):
-            raise
+        data = tomllib.loads(raw.decode("utf-8")) if suffix == ".toml" else json.loads(raw)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise _refuse(source, f"not valid {suffix[1:].upper()}: {exc}") from None
     if not isinstance(data, dict):
         raise _refuse(source, "the file must hold a table (a JSON object)")
