@@ -199,7 +199,6 @@ def test_bf16_prefill_products_round_each_operand_once(mode):
 def test_prefill_compute_auto_is_bf16_where_the_cpu_has_bf16_units(monkeypatch):
     import polyengine.backends.cpu.plan as mod
     from polyengine import hostinfo
-    from polyengine.backends.cpu import plan as paths
 
     model = load_model("random:tiny-gqa")
     bf16_rows, int8_rows = {"weight_dtype": "bfloat16", "bf16_compute": "bf16"}, {"quantize": "int8",
@@ -212,7 +211,7 @@ def test_prefill_compute_auto_is_bf16_where_the_cpu_has_bf16_units(monkeypatch):
             (True, {**bf16_rows, "prefill_compute": "float"}, torch.float32),
             (False, {"quantize": "int8-block32", "prefill_compute": "bf16"}, torch.bfloat16)):
         monkeypatch.setattr(mod, "has_bf16_units", lambda: units)
-        assert _engine(model, **options).prefill_compute == want, (units, options)
+        assert _engine(model, **options).plan.prefill_compute == want, (units, options)
     # a forced path below avx512 runs as its hosts would: no bfloat16 units for auto
     monkeypatch.setattr(mod, "has_bf16_units", lambda: True)
     runnable = hostinfo.runnable_isas()
@@ -222,9 +221,8 @@ def test_prefill_compute_auto_is_bf16_where_the_cpu_has_bf16_units(monkeypatch):
         eng = _engine(model, **int8_rows, isa=isa)
         assert eng.plan.prefill_compute == want, isa
         if want == torch.float32:
-            assert f"as on the hosts isa '{isa}' stands for" in paths.describe(
-                device=torch.device("cpu"), dtype=torch.float32, options={**eng.options}, kernels=eng._kernels,
-                fallback=None, int8_activations=None)["prefill"]
+            unbuilt = mod.CpuPlan.resolve(eng.options, None, mod.CpuHost.detect(), dtype=torch.float32)
+            assert f"as on the hosts isa '{isa}' stands for" in unbuilt.describe()["prefill"]
     forced = _engine(model, **int8_rows, isa="scalar", prefill_compute="bf16")
     assert forced.plan.prefill_compute == torch.bfloat16
     assert "the hosts isa 'scalar' stands for have no bfloat16 units" in forced.speed_paths()["prefill"]

@@ -26,7 +26,7 @@ from polyengine.sampling.masks import pack_mask  # noqa: E402
 
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64)
 # The torch path, on this thread (a dispatch mode is thread-local).
-TORCH_PATH = {"cpu_kernels": False, "fused_decode": False, "async_steps": False, "live_rows": False}
+TORCH_PATH = {"device": "cpu"}  # the device path, run on the CPU as a stand-in
 REQUESTS = [
     ([1, 5, 9, 4, 2], SamplingParams(temperature=0, max_tokens=20)),
     ([3, 3, 8], SamplingParams(seed=7, temperature=0.9, top_p=0.9, top_k=12, frequency_penalty=0.5,

@@ -4,9 +4,10 @@ compiled again, and a cache directory others can write is refused with the fix.
 
 Each test has a private cache of its own and a stand-in compiler (``CXX``) that copies
 the real library, built once for this host, to its ``-o`` target and counts its runs, so
-a rebuild costs a copy, not a compile. A damaged entry is made before anything at its
-path is loaded in this process: truncating a library some process has mapped is what
-SIGBUSes that process, and is exactly what the cache must never lead to.
+a rebuild costs a copy, not a compile (``--version``, asked for the cache key, is not
+counted). A damaged entry is made before anything at its path is loaded in this
+process: truncating a library some process has mapped is what SIGBUSes that process,
+and is exactly what the cache must never lead to.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def cache(tmp_path, monkeypatch, real_library):
     log = tmp_path / "compiles.log"
     cxx = tmp_path / "fake-c++"
     cxx.write_text("#!/bin/sh\n"
+                   '[ "$1" = --version ] && { echo "fake-c++ 1.0"; exit 0; }\n'
                    'while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
                    f"echo compiled >> '{log}'\n"
                    f"cp '{real_library}' \"$out\"\n")
@@ -158,7 +160,7 @@ def test_without_a_compiler_the_engine_warns_with_the_fix_and_says_so_at_startup
     from polyengine import create_engine
 
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(cpu_kernels.KernelsUnavailable, match="no C\\+\\+ compiler found.*fix: install one"):
         cpu_kernels.load(1)
     with caplog.at_level(logging.INFO, logger="polyengine"), \

@@ -151,7 +151,7 @@ class CpuEngine(TorchEngine):
                 return kernels.linear(x, q, bias, scale=scale, out=out, int8_activations=plan.int8_activations,
                                       bf16_activations=plan.bf16_activations)
             return self._tiled(x, q, scale, bias, compute=compute)
-        w = t[name + ".weight"] if name != "lm_head" else t.get("lm_head.weight", t["model.embed_tokens.weight"])
+        w = t[name + ".weight"] if name != "lm_head" else t[self.model.config.head_weight]
         if on_kernels and x.dtype == torch.float32:
             return kernels.linear(x, w, bias, out=out)
         return torch.nn.functional.linear(x, w, bias)

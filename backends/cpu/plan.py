@@ -119,7 +119,7 @@ class CpuPlan:
         if self.dtype != torch.float32:
             out["decode"] = f"the shared torch forward in {_name(self.dtype)} (the CPU kernels are float32)"
         elif k is not None:
-            out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (csrc/decode.cpp)"
+            out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (csrc/decode.h)"
                              if self.fused_decode else "the shared torch forward, products on the host-compiled "
                              "kernels (" + ("fused_decode=False" if self.for_model else "not the Llama family") + ")")
             how = ("auto: the best this CPU runs, -march=native" if k.requested == "auto" else
@@ -194,7 +194,7 @@ class CpuPlan:
         if self.prefill_attention is None:
             return "on torch's SDPA"
         how = "bfloat16 operands on vdpbf16ps, float32 sums" if self.prefill_attention == "bfloat16" else "float32"
-        return f"on the host kernel (csrc/prefill_attn.cpp, {how}; option prefill_attention)"
+        return f"on the host kernel (csrc/prefill_attn.h, {how}; option prefill_attention)"
 
     def _kv(self) -> str:
         """The KV cache: its element type and how its memory is held."""
@@ -267,7 +267,7 @@ def _kernels(o: Mapping[str, Any], dtype: torch.dtype) -> tuple[CpuKernels | Non
 
 def _int8_activations(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None) -> int:
     """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
-    float32 activations, 1 or 2 (csrc/q8.cpp)."""
+    float32 activations, 1 or 2 (csrc/q8.h)."""
     if not o["quantize"] and o["int8_compute"] != "auto":
         raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r} without int8 weights", BACKEND,
                                  "it chooses the activations of int8 weights' products; add quantize='int8' or "
@@ -331,7 +331,7 @@ def diagnose() -> dict[str, str]:
     compile is the question."""
     from polyengine.options import option_defaults
 
-    from polyengine.backends.cpu.engine import CpuEngine
+    from polyengine.backends.cpu.options import OPTIONS
 
-    plan = CpuPlan.resolve(option_defaults(CpuEngine.OPTIONS), None, CpuHost.detect(), dtype=torch.float32)
+    plan = CpuPlan.resolve(option_defaults(OPTIONS), None, CpuHost.detect(), dtype=torch.float32)
     return plan.describe()

@@ -45,7 +45,7 @@ class ReferenceParams:
         """``context``: the longest sequence this engine runs (long-RoPE picks its factors by it)."""
         c = model.config
         w = {name: np.asarray(t, dtype=dtype) for name, t in model.weights.items()}
-        head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
+        head = w[c.head_weight]
         inv = {"global": c.rope_inv_freq(context=context), "local": c.rope_inv_freq(local=True, context=context)}
         return cls(c, np.dtype(dtype), w, head, inv, c.rope_attention_factor())
 

@@ -43,7 +43,7 @@ from polyengine.backends.torch_common.model import CastKVCodec, StepSpec, TorchW
 from polyengine.backends.torch_common.options import SHARED_OPTIONS
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
-from polyengine.backends.torch_common.transfer import fill_row, to_device
+from polyengine.backends.torch_common.transfer import fill_row, pack_results, to_device
 
 __all__ = ["TorchEngine", "TorchDecodeState", "StepInputs", "TORCH_DTYPES", "on_engine_thread"]
 
@@ -374,12 +374,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             top_lp = torch.zeros((n, num_top), device=dev)
         state.total += live_mask  # the host's advance(live), on the device
         lengths = torch.where(state.occupied, state.total - state.prompt_len, 0)  # completion tokens
-        return torch.cat([
-            tokens.to(torch.int32)[:, None], live_mask.to(torch.int32)[:, None],
-            lengths.to(torch.int32)[:, None],
-            logprobs.to(torch.float32).view(torch.int32)[:, None], top_ids.to(torch.int32),
-            top_lp.to(torch.float32).contiguous().view(torch.int32),
-        ], dim=1)
+        return pack_results(ResultLayout(k=1, top_n=num_top, logprobs=True), tokens=tokens, valid=live_mask,
+                            lengths=lengths, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lp)
 
     def _decode(self, params: TorchWeights, state: TorchDecodeState, live_mask: torch.Tensor, step: StepInputs):
         """The device path: every slot runs from device data, empty ones write nothing

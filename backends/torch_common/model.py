@@ -553,7 +553,7 @@ def lm_head(weights: TorchWeights, spec: StepSpec, x: torch.Tensor) -> torch.Ten
     c, t = weights.config, weights.tensors
     x = _norm(weights, x, "model.norm")
     if spec.linear is None:
-        logits = F.linear(x, t.get("lm_head.weight", t["model.embed_tokens.weight"]))  # (B, [T,] vocab)
+        logits = F.linear(x, t[weights.config.head_weight])  # (B, [T,] vocab)
     else:
         logits = spec.linear(t, x, "lm_head")
     logits = logits.float() if logits.dtype in _HALF else logits

@@ -99,7 +99,7 @@ def quantized_names(config: ModelConfig) -> list[tuple[str, str]]:
     entries are called (``<name>.qweight``/``.scale``), ``source`` the float weight they
     replace (the LM head of a tied model reads the embedding table)."""
     out = [(n[: -len(".weight")], n) for n in config.weight_shapes() if n.endswith("_proj.weight")]
-    out.append(("lm_head", "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"))
+    out.append(("lm_head", config.head_weight))
     return out
 
 
