@@ -22,7 +22,7 @@ from typing import Any, Callable
 from polyengine.benchmarks import verdicts
 from polyengine.benchmarks.limits import for_row
 from polyengine.benchmarks.stats import MIB
-from polyengine.benchmarks.verdicts import metric
+from polyengine.benchmarks.verdicts import metric, number_text
 from polyengine.benchmarks.workload import Workload
 
 __all__ = ["SCHEMA", "render", "write_json", "isa", "reached", "table", "header", "limits_line", "builds"]
@@ -66,12 +66,6 @@ def reached(row: dict[str, Any], work: Workload, limits: dict[str, Any] | None) 
 # -- text ----------------------------------------------------------------------------------
 
 
-def _num(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
-
-
 def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
     def m(*path: str, scale: float = 1.0, ours_only: bool = False) -> Callable[[dict[str, Any]], str]:
         def cell(row: dict[str, Any]) -> str:
@@ -80,11 +74,11 @@ def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]
             v = metric(row, path)
             if v is None and row.get("errors", {}).get("long" if path[0].startswith("long") else "standard"):
                 return "error"  # a stopped worker keeps the phases it finished; this one it did not
-            return _num(None if v is None else v * scale)
+            return number_text(None if v is None else v * scale)
         return cell
 
     def rss(key: str, part: str) -> Callable[[dict[str, Any]], str]:
-        return lambda row: "error" if row.get("errors", {}).get(part) else _num((row.get("metrics") or {}).get(key))
+        return lambda row: "error" if row.get("errors", {}).get(part) else number_text((row.get("metrics") or {}).get(key))
 
     def share(row: dict[str, Any]) -> str:
         got = row.get("limits_reached")
@@ -123,17 +117,17 @@ def _pair(row: dict[str, Any], key: str, a: str, b: str, scale: float = 1e3) -> 
     vals = (row.get("metrics") or {}).get(key) or {}
     if a not in vals and b not in vals:
         return "-"
-    return " / ".join(_num(None if vals.get(x) is None else vals[x] * scale) for x in (a, b))
+    return " / ".join(number_text(None if vals.get(x) is None else vals[x] * scale) for x in (a, b))
 
 
 def _turns(row: dict[str, Any], which: str) -> str:
     vals = ((row.get("metrics") or {}).get("prefix_turn_ttft_s") or {}).get(which)
-    return "-" if not vals else " / ".join(_num(v * 1e3) for v in vals)
+    return "-" if not vals else " / ".join(number_text(v * 1e3) for v in vals)
 
 
 def _itl(row: dict[str, Any], which: str) -> str:
     vals = ((row.get("metrics") or {}).get("prefix_loaded_itl_s") or {}).get(which)
-    return "-" if not vals else " / ".join(_num(vals[k] * 1e3) for k in ("median", "p99", "max"))
+    return "-" if not vals else " / ".join(number_text(vals[k] * 1e3) for k in ("median", "p99", "max"))
 
 
 def prefix_table(rows: list[dict[str, Any]]) -> str:

@@ -59,7 +59,7 @@ from polyengine.benchmarks.limits import CAP, for_row
 from polyengine.benchmarks.workload import Workload
 
 __all__ = ["Compare", "WithinRow", "TargetSet", "load", "judge", "text", "metric", "is_int8", "METRICS",
-           "HOST_LIMITS", "ROWS", "dtype"]
+           "HOST_LIMITS", "ROWS", "dtype", "number_text"]
 
 # The first part of a metric path: what a row's ``metrics`` holds (docs/benchmarks.md).
 METRICS = frozenset({
@@ -357,7 +357,8 @@ def judge(sets: list[TargetSet], rows: list[dict[str, Any]], work: Workload,
     return out
 
 
-def _num(x: float | None) -> str:
+def number_text(x: float | None) -> str:
+    """A value as the report prints it: one decimal below 100, whole above, "-" for none."""
     if x is None:
         return "-"
     return f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
@@ -370,17 +371,17 @@ def _line(v: dict[str, Any]) -> str:
         return f"  {v['target']}" + (f" [{v['row']}]" if v.get("row") else "") + f": {v['verdict']}"
     who = v["row"] + (f", best of {len(v['best_of'])}" if len(v.get("best_of") or ()) > 1 else "")
     if v.get("peer_value") is None:
-        got = f"{_num(v['value'])}, no peer value"
+        got = f"{number_text(v['value'])}, no peer value"
     else:
         ratio = "-" if v.get("ratio") is None else f"{v['ratio']:.2f}x"
-        got = f"{_num(v['value'])} / {_num(v['peer_value'])} ({v['peer_row']}) = {ratio}"
-    basis = (f"{CAP:.0%} of {_num(v['limit'])} ({v['limit_name']})" if v.get("limit") is not None
+        got = f"{number_text(v['value'])} / {number_text(v['peer_value'])} ({v['peer_row']}) = {ratio}"
+    basis = (f"{CAP:.0%} of {number_text(v['limit'])} ({v['limit_name']})" if v.get("limit") is not None
              else f"{v['threshold']:g}x the peer")
     if v.get("read_probes_gb_s"):
         basis += ", read " + " / ".join("-" if p is None else f"{p:.1f}" for p in v["read_probes_gb_s"]) + \
             " GB/s right before / after the row"
     bound = "at most" if v.get("lower_is_better") else "at least"
-    return f"  {v['target']} [{who}]: {got}; asked {bound} {_num(v['needed'])} = {basis} -> {v['verdict']}"
+    return f"  {v['target']} [{who}]: {got}; asked {bound} {number_text(v['needed'])} = {basis} -> {v['verdict']}"
 
 
 def text(verdicts: list[dict[str, Any]], titles: dict[str, str] | None = None) -> str:
