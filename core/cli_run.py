@@ -37,6 +37,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (random and reported if omitted)")
     p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no loading lines, speed-path report or seed on stderr (errors and warnings still show)")
     add_engine_config_args(p)
 
 
@@ -85,7 +87,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("generate", help="complete one prompt with a model, streaming to stdout")
-    p.add_argument("prompt", help="the prompt (a user message when the model has a chat template)")
+    p.add_argument("prompt", help="the prompt (a user message when the model has a chat template); '-' reads it "
+                                  "from standard input")
     _engine_args(p)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
@@ -138,14 +141,17 @@ def _build(args: argparse.Namespace):
     if args.context_length is not None and args.context_length < 2:
         raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {args.context_length}")
     select_backend(args.backend)  # an unknown or unavailable backend is reported before loading weights
-    progress = _Progress()
+    progress = None if args.quiet else _Progress()
     model = load_model(args.model, progress=progress, exclusive=True)  # for this one engine (Model.exclusive)
-    progress.done(model)
+    if progress is not None:
+        progress.done(model)
     # One prompt at a time: one slot. The context and dtype defaults are the engine's own.
     llm = LLM(model, args.backend, tools=not args.no_tools, max_slots=1, max_cache_length=args.context_length,
               dtype=args.dtype or None, **engine_config_kwargs(args))
     from polyengine.construction import speed_paths
 
+    if args.quiet:
+        return llm
     # What runs, each fallback with its fix: the same words as the engine's startup log line.
     print(f"backend: {llm.engine.name}", file=sys.stderr)
     for key, value in speed_paths(llm.engine).items():
@@ -166,6 +172,8 @@ def _sampling(args: argparse.Namespace):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompt == "-":  # as cat, sort and llama.cpp's -f - do: the prompt from standard input
+        args.prompt = sys.stdin.read()
     sampling = _sampling(args)
     llm = _build(args)
     tok = llm.tokenizer
@@ -187,7 +195,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    print(f"(seed {sampling.seed})", file=sys.stderr)
+    if not args.quiet and sampling.temperature != 0:  # greedy output does not depend on the seed
+        print(f"(seed {sampling.seed})", file=sys.stderr)
     return 0
 
 
@@ -217,10 +226,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
-    print("chat: /reset clears the history, Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
+    if not args.quiet:
+        print("chat: /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
     while True:
         try:
-            line = _read_line("you> ")
+            line = _read_line("you> " if sys.stdin.isatty() else "")  # no prompt text when input is piped
         except KeyboardInterrupt:
             print(file=sys.stderr)
             continue
@@ -232,6 +242,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if not line.strip():
             continue
+        if line.strip() in ("/exit", "/quit", "/bye"):
+            return 0
         if line.strip() == "/reset":
             history = list(base)
             print("(history cleared)", file=sys.stderr)

@@ -36,7 +36,7 @@ __all__ = [
     "available_host_memory", "host_memory_limits", "cgroup_available", "check_fits", "simulated_limit",
     "as_insufficient", "translating_memory_errors", "MARGIN_FRACTION", "MARGIN_MIN", "DEFAULT_ADVICE", "gib",
     "return_freed_memory",
-    "engine_advice",
+    "engine_advice", "check_weights_fit", "LOAD_ADVICE",
 ]
 
 # Slack on top of what is counted: allocator overhead, temporaries of a step.
@@ -302,3 +302,20 @@ def return_freed_memory() -> bool:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(trim(0))
+
+
+# What a user loading a model can change (the host copy is float32 whatever the file's
+# quantization, so a smaller quantization of the same model does not help).
+LOAD_ADVICE = (
+    "free some memory, or use a smaller model (one with fewer parameters: weights are held as float32 whatever "
+    "the file's quantization; from Python, load_model(..., dtype='float16') halves that)"
+)
+
+
+def check_weights_fit(config, dtype, what: str) -> None:
+    """Refuse (before allocating) a model's weights (``config``: a ModelConfig, in
+    ``dtype``, a NumPy dtype) that would not fit in available memory."""
+    import numpy as np
+
+    check_fits(what, {f"its {np.dtype(dtype)} weights": config.num_parameters() * np.dtype(dtype).itemsize},
+               advice=LOAD_ADVICE)

@@ -3,17 +3,19 @@ engines (before any work), so both refuse the same things with the same messages
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from polyengine.errors import ContextLengthExceeded, InvalidRequest, UnsupportedFeature
+from polyengine.limits import MAX_TEXT_CHARS
 from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from polyengine.protocol import Capabilities
 
-__all__ = ["is_int", "check_prompt", "check_request"]
+__all__ = ["is_int", "check_prompt", "check_request", "check_text"]
 
 
 def is_int(value: object) -> bool:
@@ -86,3 +88,26 @@ def check_request(
                 raise InvalidRequest(f"{field}: token id {tok} is outside the vocabulary [0, {engine.vocab_size})",
                                      field=field)
     return toks, sampling.with_seed()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: Any, what: str = "prompt", *, max_chars: int | None = None) -> str:
+    """``text`` if it is a ``str`` of valid Unicode within ``max_chars`` (at most
+    :data:`MAX_TEXT_CHARS`); else InvalidRequest saying what is wrong and where."""
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{what} must be a string, not {type(text).__name__}")
+    limit = MAX_TEXT_CHARS if max_chars is None else min(max_chars, MAX_TEXT_CHARS)
+    if len(text) > limit:
+        raise ContextLengthExceeded(
+            f"{what} has {len(text):,} characters; at most {limit:,} are accepted here (it could not fit in "
+            f"the context, and tokenizing it would take memory many times its size); shorten it"
+        )
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise InvalidRequest(
+            f"{what} is not valid Unicode: a lone surrogate {bad.group()!r} at character {bad.start()} (undecodable "
+            f"bytes, e.g. text that was not UTF-8); pass UTF-8 text"
+        )
+    return text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from polyengine.models.config_files import config_from_hf
 from polyengine.models import Model, ModelConfig
 
 LLAMA3_ROPE = {
@@ -48,7 +49,7 @@ def hf_model(shape: str, vocab: int = 131, seed: int = 0):
 
 
 def polyengine_twin(hf) -> Model:
-    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    cfg = config_from_hf(hf.config.to_dict())
     weights = {k: v.detach().float().numpy().copy() for k, v in hf.state_dict().items()}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)

@@ -44,3 +44,18 @@ def test_backends_never_import_each_other():
     for own, other in (("cpu", "cuda_torch"), ("cuda_torch", "cpu")):
         for path in (ROOT / "backends" / own).glob("*.py"):
             assert not {m for m in _imports(path) if m.startswith(f"polyengine.backends.{other}")}, path
+
+
+def test_core_models_has_no_import_cycle():
+    """Every import between core/models modules, at the top or inside a function, goes
+    one way: config as data, its readers above it, the loader above them."""
+    mods = {}
+    for path in (ROOT / "core" / "models").glob("*.py"):
+        if path.name != "__init__.py":
+            mods[f"polyengine.models.{path.stem}"] = {m for m in _imports(path) if m.startswith("polyengine.models.")}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(d == goal or (d not in seen and reaches(d, goal, seen | {d})) for d in mods.get(start, ()))
+
+    cyclic = sorted(m for m in mods if reaches(m, m, {m}))
+    assert not cyclic, f"modules on an import cycle: {cyclic}"

@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from polyengine.models.config_files import config_from_hf  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.backends.reference.model import ReferenceParams, forward  # noqa: E402
 
@@ -131,7 +132,7 @@ def test_phi3_short_factors_within_the_original_context():
     hf = _hf("phi3")
     from polyengine.models import Model, ModelConfig
 
-    config = ModelConfig.from_hf(hf.config.to_dict())
+    config = config_from_hf(hf.config.to_dict())
     model = Model(config, _expected(hf, config))
     tokens = np.arange(3, 15)
     with torch.no_grad():

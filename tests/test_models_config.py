@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from polyengine.models.config_files import config_from_hf, config_from_file, config_from_gguf
 from polyengine.errors import ModelConfigError
 from polyengine.models import ModelConfig, RopeScaling
 
@@ -76,7 +77,7 @@ def _hf_config(tmp_path, raw):
 
 def _ours(tmp_path, raw):
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    return ModelConfig.from_file(tmp_path / "config.json")
+    return config_from_file(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -119,23 +120,23 @@ def test_rope_inverse_frequencies_match_transformers(tmp_path, case):
 
 
 def test_both_rope_spellings_give_the_same_config(tmp_path):
-    old = ModelConfig.from_hf(LLAMA31_OLD)
-    new = ModelConfig.from_hf(LLAMA31_NEW)
+    old = config_from_hf(LLAMA31_OLD)
+    new = config_from_hf(LLAMA31_NEW)
     assert old == new
     assert old.rope_scaling == RopeScaling(rope_type="llama3", **_LLAMA3_SCALING)
 
 
 def test_to_hf_round_trips_and_transformers_reads_it(tmp_path):
     for raw in (LLAMA31_NEW, QWEN25_05B, HEAD_DIM, SMOLLM2_135M):
-        ours = ModelConfig.from_hf(raw)
-        assert ModelConfig.from_hf(ours.to_hf()) == ours
+        ours = config_from_hf(raw)
+        assert config_from_hf(ours.to_hf()) == ours
         assert _ours(tmp_path, ours.to_hf()) == ours
         hf = _hf_config(tmp_path, ours.to_hf())
         assert hf.num_key_value_heads == ours.num_key_value_heads
 
 
 def test_qwen2_always_has_qkv_bias_and_no_mlp_bias():
-    cfg = ModelConfig.from_hf({**QWEN25_05B, "attention_bias": False, "mlp_bias": True})
+    cfg = config_from_hf({**QWEN25_05B, "attention_bias": False, "mlp_bias": True})
     assert cfg.attention_bias and not cfg.mlp_bias
     shapes = cfg.weight_shapes()
     assert "model.layers.0.self_attn.q_proj.bias" in shapes
@@ -145,7 +146,7 @@ def test_qwen2_always_has_qkv_bias_and_no_mlp_bias():
 def test_generation_config_adds_eos_ids(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**SMOLLM2_135M, "eos_token_id": 2}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5], "bos_token_id": 1}))
-    assert ModelConfig.from_file(tmp_path / "config.json").eos_token_ids == (2, 5)
+    assert config_from_file(tmp_path / "config.json").eos_token_ids == (2, 5)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +170,7 @@ def test_generation_config_adds_eos_ids(tmp_path):
 )
 def test_refusals_name_the_problem(raw, words):
     with pytest.raises(ModelConfigError) as info:
-        ModelConfig.from_hf(raw, source="cfg.json")
+        config_from_hf(raw, source="cfg.json")
     for word in words:
         assert word in str(info.value)
 
@@ -177,7 +178,7 @@ def test_refusals_name_the_problem(raw, words):
 def test_unreadable_config_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="config.json"):
-        ModelConfig.from_file(tmp_path / "config.json")
+        config_from_file(tmp_path / "config.json")
 
 
 # -- GGUF metadata ---------------------------------------------------------------------
@@ -201,29 +202,29 @@ GGUF_META = {
 
 
 def test_from_gguf_metadata():
-    cfg = ModelConfig.from_gguf(GGUF_META, tie_word_embeddings=True)
-    want = ModelConfig.from_hf(SMOLLM2_135M)
+    cfg = config_from_gguf(GGUF_META, tie_word_embeddings=True)
+    want = config_from_hf(SMOLLM2_135M)
     assert cfg.model_copy(update={"eos_token_ids": (2,)}) == want
     assert cfg.eos_token_ids == (2, 7)
 
 
 def test_from_gguf_linear_scaling_and_refusals():
-    lin = ModelConfig.from_gguf(
+    lin = config_from_gguf(
         {**GGUF_META, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, tie_word_embeddings=False
     )
     assert lin.rope_scaling == RopeScaling(rope_type="linear", factor=4.0)
     with pytest.raises(ModelConfigError, match="yarn"):
-        ModelConfig.from_gguf({**GGUF_META, "llama.rope.scaling.type": "yarn"}, tie_word_embeddings=True)
+        config_from_gguf({**GGUF_META, "llama.rope.scaling.type": "yarn"}, tie_word_embeddings=True)
     with pytest.raises(ModelConfigError, match="'falcon'.*llama"):
-        ModelConfig.from_gguf({**GGUF_META, "general.architecture": "falcon"}, tie_word_embeddings=True)
+        config_from_gguf({**GGUF_META, "general.architecture": "falcon"}, tie_word_embeddings=True)
     with pytest.raises(ModelConfigError, match="llama.block_count"):
-        ModelConfig.from_gguf({k: v for k, v in GGUF_META.items() if k != "llama.block_count"}, tie_word_embeddings=True)
+        config_from_gguf({k: v for k, v in GGUF_META.items() if k != "llama.block_count"}, tie_word_embeddings=True)
     with pytest.raises(ModelConfigError, match="partial RoPE"):
-        ModelConfig.from_gguf({**GGUF_META, "llama.rope.dimension_count": 32}, tie_word_embeddings=True)
+        config_from_gguf({**GGUF_META, "llama.rope.dimension_count": 32}, tie_word_embeddings=True)
 
 
 def test_from_gguf_recognises_llama3_rope_freqs():
-    want = ModelConfig.from_hf(LLAMA31_OLD)
+    want = config_from_hf(LLAMA31_OLD)
     base = want.model_copy(update={"rope_scaling": None}).rope_inv_freq()
     divisors = (base / want.rope_inv_freq()).astype(np.float32)  # what llama.cpp's converter stores
     meta = {
@@ -231,8 +232,8 @@ def test_from_gguf_recognises_llama3_rope_freqs():
         "llama.block_count": 32, "llama.attention.head_count": 32, "llama.attention.head_count_kv": 8,
         "llama.rope.freq_base": 500000.0, "llama.vocab_size": 128256, "llama.context_length": 131072,
     }
-    got = ModelConfig.from_gguf(meta, tie_word_embeddings=False, rope_freqs=divisors)
+    got = config_from_gguf(meta, tie_word_embeddings=False, rope_freqs=divisors)
     assert got.rope_scaling == want.rope_scaling
     with pytest.raises(ModelConfigError, match="rope_freqs"):
-        ModelConfig.from_gguf(meta, tie_word_embeddings=False, rope_freqs=divisors[::-1].copy())
-    assert ModelConfig.from_gguf(meta, tie_word_embeddings=False, rope_freqs=np.ones(64)).rope_scaling is None
+        config_from_gguf(meta, tie_word_embeddings=False, rope_freqs=divisors[::-1].copy())
+    assert config_from_gguf(meta, tie_word_embeddings=False, rope_freqs=np.ones(64)).rope_scaling is None

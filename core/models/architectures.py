@@ -15,7 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Architecture", "TABLE", "by_gguf_name"]
+__all__ = ["Architecture", "TABLE", "by_gguf_name", "NANOCHAT_FEATURES"]
+
+# The ModelConfig fields every nanochat GPT shares (its sizes come from its metadata):
+# squared-ReLU MLP, QK norm, parameter-free RMSNorm at float32's epsilon, a norm after
+# the embedding, an untied head, logit soft-capping at 15.
+NANOCHAT_FEATURES = dict(hidden_act="relu2", qk_norm=True, norm_weights=False, embed_norm=True,
+                         final_logit_softcapping=15.0, rms_norm_eps=1.1920928955078125e-07,
+                         tie_word_embeddings=False)
 
 
 @dataclass(frozen=True)

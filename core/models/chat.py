@@ -34,6 +34,7 @@ import jinja2.nodes
 
 from polyengine import limits
 from polyengine.errors import InvalidRequest
+from polyengine.validation import check_text
 from polyengine.models.sandbox import BoundedEnvironment, TemplateLimit, bound_filters, run_bounded, size_of
 
 __all__ = ["ChatTemplate", "ChatTemplateError"]
@@ -216,7 +217,6 @@ class ChatTemplate:
     def _admit(self, variables: dict[str, Any]) -> dict[int, int]:
         """Measure the inputs once (the renderer counts them by identity afterwards) and
         refuse a conversation whose text alone would exceed the output bound."""
-        from polyengine.models.tokenizer import check_text
 
         cap = limits.MAX_RENDERED_CHARS
         known: dict[int, int] = {}

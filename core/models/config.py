@@ -164,48 +164,9 @@ class ModelConfig(BaseModel):
         return self
 
     # -- construction -----------------------------------------------------------------
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
-        """Build from an HF ``config.json`` dict; unsupported models and malformed values
-        are refused by name (:mod:`polyengine.models.config_files`)."""
-        from polyengine.models.config_files import config_from_hf
-
-        return config_from_hf(hf, source=source)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
-        """Read a ``config.json``; a ``generation_config.json`` beside it adds its EOS ids
-        (instruct checkpoints often list their end-of-turn token only there)."""
-        from polyengine.models.config_files import config_from_file
-
-        return config_from_file(path)
-
-    @classmethod
-    def from_gguf(
-        cls,
-        metadata: dict[str, Any],
-        *,
-        tie_word_embeddings: bool,
-        rope_freqs: np.ndarray | None = None,
-        attention_bias: bool = False,
-        mlp_bias: bool = False,
-        source: str = "<gguf>",
-        rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
-    ) -> "ModelConfig":
-        """Build from GGUF metadata (``{key: value}``, arrays as lists).
-
-        What only the tensor table tells: ``tie_word_embeddings`` (the file lacks
-        ``output.weight``), ``rope_freqs`` (the ``rope_freqs.weight`` tensor that llama.cpp
-        writes instead of metadata for Llama 3.1-style scaling: per-frequency divisors),
-        ``rope_factors`` (Phi-3's ``rope_factors_short``/``_long`` tensors),
-        and whether a ``llama`` file has attention/MLP biases (``qwen2`` always has q/k/v ones).
-        """
-        from polyengine.models.config_files import config_from_gguf
-
-        return config_from_gguf(metadata, tie_word_embeddings=tie_word_embeddings, rope_freqs=rope_freqs,
-                                attention_bias=attention_bias, mlp_bias=mlp_bias, source=source,
-                                rope_factors=rope_factors)
+    # A ModelConfig is data: reading one from a file is polyengine.models.config_files
+    # (config_from_hf, config_from_file, config_from_gguf, build_config), which imports
+    # this module, never the other way round.
 
     def truncated(self, layers: int) -> "ModelConfig":
         """This config with its first ``layers`` layers (a self-speculation draft)."""

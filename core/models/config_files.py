@@ -20,20 +20,19 @@ Decisions (see also :mod:`polyengine.models.config`):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
 from polyengine.errors import ModelConfigError
-from polyengine.models.architectures import TABLE, Architecture, by_gguf_name
+from polyengine.models.architectures import NANOCHAT_FEATURES, TABLE, Architecture, by_gguf_name
 from polyengine.limits import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB
+from polyengine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from polyengine.models.metadata import Fields, read_json, shown
 
-if TYPE_CHECKING:  # pragma: no cover
-    from polyengine.models.config import ModelConfig, RopeScaling
 
-__all__ = ["config_from_hf", "config_from_file", "config_from_gguf", "validation_errors", "GGUF_ARCHITECTURES"]
+__all__ = ["config_from_hf", "config_from_file", "config_from_gguf", "build_config", "validation_errors", "GGUF_ARCHITECTURES"]
 
 _SUPPORTED_ROPE = ("default", "linear", "llama3", "longrope")
 
@@ -42,9 +41,9 @@ def validation_errors(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
 
 
-def _build(values: dict[str, Any], source: str) -> "ModelConfig":
-    from polyengine.models.config import ModelConfig
-
+def build_config(values: dict[str, Any], source: str) -> "ModelConfig":
+    """A ModelConfig from field values read out of ``source``; a value the model refuses
+    is a ModelConfigError naming the file and the field."""
     try:
         return ModelConfig(**values)
     except ValidationError as exc:
@@ -62,8 +61,6 @@ def _token_ids(f: Fields, key: str, vocab: int, default: tuple[int, ...] = ()) -
 
 def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
     """Build from an HF ``config.json`` dict; unsupported models are refused by name."""
-    from polyengine.models.config import SUPPORTED_ARCHITECTURES
-
     if not isinstance(hf, dict):
         raise ModelConfigError(f"{source}: expected a JSON object, got {type(hf).__name__}")
     f = Fields(hf, source)
@@ -86,7 +83,7 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
     if missing:
         raise ModelConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
     if model_type == "nanochat":
-        return _build({**_nanochat_fields(f), "model_type": "nanochat"}, source)
+        return build_config({**_nanochat_fields(f), "model_type": "nanochat"}, source)
     arch = TABLE[model_type]
     hf_names = {ours: hf for hf, ours in _ACTIVATIONS.items()}
     act = f.string("hidden_activation", None) if arch.gemma else None
@@ -139,13 +136,12 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
         **_gemma_fields(f, arch),
         **_moe_fields(f, arch, layers),
     )
-    return _build(values, source)
+    return build_config(values, source)
 
 
 def _nanochat_fields(f: Fields) -> dict[str, Any]:
     """nanochat's GPT written as an HF-style config (what :meth:`ModelConfig.to_hf` writes
     for it): its fixed features, the sizes from the file."""
-    from polyengine.models.nanochat import nanochat_features
 
     vocab = f.integer("vocab_size", min=1, max=MAX_VOCAB)
     heads = f.integer("num_attention_heads", min=1, max=MAX_HEADS)
@@ -160,7 +156,7 @@ def _nanochat_fields(f: Fields) -> dict[str, Any]:
         rope_theta=f.number("rope_theta", 10000.0, above=0.0),
         bos_token_id=f.integer("bos_token_id", None, min=0, max=vocab - 1),
         eos_token_ids=tuple(dict.fromkeys(_token_ids(f, "eos_token_id", vocab))),
-        **nanochat_features(),
+        **NANOCHAT_FEATURES,
     )
 
 
@@ -297,8 +293,6 @@ def _rope_from_hf(f: Fields, arch: Architecture) -> "tuple[float, RopeScaling | 
 
 
 def _rope_scaling(rope_type: str, values: dict[str, Any], source: str) -> "RopeScaling":
-    from polyengine.models.config import RopeScaling
-
     try:
         return RopeScaling(rope_type=rope_type, **values)
     except ValidationError as exc:
@@ -322,8 +316,13 @@ def config_from_gguf(
     source: str = "<gguf>",
     rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> "ModelConfig":
-    """Build from GGUF metadata (``{key: value}``, arrays as lists); see
-    :meth:`ModelConfig.from_gguf` for what only the tensor table tells.
+    """Build from GGUF metadata (``{key: value}``, arrays as lists).
+
+    What only the tensor table tells: ``tie_word_embeddings`` (the file lacks
+    ``output.weight``), ``rope_freqs`` (the ``rope_freqs.weight`` tensor that llama.cpp
+    writes instead of metadata for Llama 3.1-style scaling: per-frequency divisors),
+    ``rope_factors`` (Phi-3's ``rope_factors_short``/``_long`` tensors), and whether a
+    ``llama`` file has attention/MLP biases (``qwen2`` always has q/k/v ones).
 
     What llama.cpp fixes in code rather than in the file is fixed the same way here:
     Gemma 3's local layers use RoPE base 10000 and every 6th layer is global; Gemma's
@@ -386,7 +385,7 @@ def config_from_gguf(
         pad_token_id=pad if pad is not None and 0 <= pad < vocab else None,
         **features,
     )
-    return _build(values, source)
+    return build_config(values, source)
 
 
 def _gguf_features(a: Fields, p: str, arch: Architecture, head_dim: int, layers: int, experts: int) -> dict[str, Any]:
@@ -447,8 +446,6 @@ _LLAMA3_CANDIDATES = tuple(
 
 
 def _rope_from_gguf(a: Fields, arch: str, theta: float, head_dim: int, rope_freqs: np.ndarray | None) -> "RopeScaling | None":
-    from polyengine.models.config import ModelConfig, RopeScaling
-
     source = a.source
     kind = a.string(f"{arch}.rope.scaling.type", "none")
     factor = a.number(f"{arch}.rope.scaling.factor", None, above=0.0)

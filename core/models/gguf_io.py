@@ -52,6 +52,7 @@ from polyengine.limits import (
     MAX_TENSOR_DIMS,
 )
 from polyengine.models.config import ModelConfig
+from polyengine.models.config_files import GGUF_ARCHITECTURES, config_from_gguf
 from polyengine.models.metadata import Fields, require_finite
 from polyengine.models.safetensors_io import widen_bf16
 
@@ -213,8 +214,6 @@ class GGUFFile:
             arch = self.architecture
             if not isinstance(arch, str):
                 raise WeightsError(f"general.architecture must be a string, got {arch!r}", file=self.path)
-            from polyengine.models.config_files import GGUF_ARCHITECTURES
-
             if arch not in GGUF_ARCHITECTURES:
                 raise WeightsError(
                     f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}",
@@ -224,7 +223,7 @@ class GGUFFile:
                 # Converted before the config exists: bound it first (quantized data expands).
                 raise WeightsError(f"shape {rope.shape}: a RoPE divisor table has at most {MAX_HEAD_DIM // 2} "
                                    f"entries (head_dim / 2)", file=self.path, tensor=rope.name)
-            self._config = ModelConfig.from_gguf(
+            self._config = config_from_gguf(
                 self.metadata,
                 tie_word_embeddings="output.weight" not in self.tensors,
                 rope_freqs=None if rope is None else self._convert(rope, np.dtype(np.float32)),

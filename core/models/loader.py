@@ -47,8 +47,10 @@ from polyengine.errors import (
     InsufficientMemory, ModelConfigError, ModelNotFound, PluginError, PolyengineError, WeightsError,
 )
 from polyengine.files import open_regular
-from polyengine.memory import available_host_memory as available_memory, check_fits, translating_memory_errors
+from polyengine.memory import LOAD_ADVICE, available_host_memory as available_memory, check_fits, translating_memory_errors
+from polyengine.memory import check_weights_fit as check_memory
 from polyengine.models.config import ModelConfig
+from polyengine.models.config_files import config_from_file
 from polyengine.models.metadata import Fields
 from polyengine.models.model import Model
 
@@ -78,19 +80,6 @@ _RANDOM_RE = re.compile(r"^random:(?P<name>[A-Za-z0-9_.-]+)(?:\?seed=(?P<seed>-?
 class RandomWeightsWarning(UserWarning):
     """The loaded model has random weights: its output is noise."""
 
-
-# What a user loading a model can change (the host copy is float32 whatever the file's
-# quantization, so a smaller quantization of the same model does not help).
-LOAD_ADVICE = (
-    "free some memory, or use a smaller model (one with fewer parameters: weights are held as float32 whatever "
-    "the file's quantization; from Python, load_model(..., dtype='float16') halves that)"
-)
-
-
-def check_memory(config: ModelConfig, dtype: np.dtype, what: str) -> None:
-    """Refuse (before allocating) weights that would not fit in available memory."""
-    check_fits(what, {f"its {np.dtype(dtype)} weights": config.num_parameters() * np.dtype(dtype).itemsize},
-               advice=LOAD_ADVICE)
 
 
 def _check_vocabulary(config: ModelConfig, tokenizer: Any, source: str) -> None:
@@ -263,7 +252,7 @@ def _load_hf_folder(path: Path, dt: np.dtype, progress: Progress | None) -> Mode
     from polyengine.models.safetensors_io import index_safetensors_folder, load_safetensors, select_entries
     from polyengine.models.tokenizer import Tokenizer
 
-    config = ModelConfig.from_file(path / "config.json")
+    config = config_from_file(path / "config.json")
     check_memory(config, dt, str(path))
     entries, listing = index_safetensors_folder(path)
     selected = select_entries(entries, config, listing=listing)

@@ -72,11 +72,11 @@ _STEP = re.compile(r"^model_(\d+)\.pt$")
 
 
 def nanochat_features() -> dict[str, Any]:
-    """The ModelConfig fields every nanochat GPT shares (its sizes come from its metadata)."""
-    return dict(
-        hidden_act="relu2", qk_norm=True, norm_weights=False, embed_norm=True, final_logit_softcapping=15.0,
-        rms_norm_eps=float(np.finfo(np.float32).eps), tie_word_embeddings=False,
-    )
+    """The ModelConfig fields every nanochat GPT shares (its sizes come from its metadata):
+    its row of the architecture table."""
+    from polyengine.models.architectures import NANOCHAT_FEATURES
+
+    return dict(NANOCHAT_FEATURES)
 
 
 def is_nanochat_folder(path: Path) -> bool:
@@ -94,7 +94,7 @@ def _latest(folder: Path) -> tuple[Path, Path]:
 
 def nanochat_config(meta_path: Path, *, eos: tuple[int, ...] = (), bos: int | None = None):
     """The ModelConfig of a nanochat ``meta_<step>.json``."""
-    from polyengine.models.config_files import _build
+    from polyengine.models.config_files import build_config
 
     meta = read_json(meta_path, what="nanochat metadata")
     if not isinstance(meta, dict):
@@ -116,7 +116,7 @@ def nanochat_config(meta_path: Path, *, eos: tuple[int, ...] = (), bos: int | No
         head_dim=hidden // heads, max_position_embeddings=f.integer("sequence_len", min=1, max=MAX_POSITIONS),
         bos_token_id=bos, eos_token_ids=eos, **nanochat_features(),
     )
-    return _build(values, str(meta_path))
+    return build_config(values, str(meta_path))
 
 
 def nanochat_weights(state: dict[str, np.ndarray], config, *, source: str) -> dict[str, np.ndarray]:
@@ -152,7 +152,7 @@ def nanochat_weights(state: dict[str, np.ndarray], config, *, source: str) -> di
 
 def load_nanochat(folder: Path, dt: np.dtype, progress: Callable | None = None):
     """A nanochat checkpoint folder (see the module docstring) as a :class:`Model`."""
-    from polyengine.models.loader import check_memory
+    from polyengine.memory import check_weights_fit
     from polyengine.models.model import Model
 
     model_path, meta_path = _latest(folder)
@@ -165,7 +165,7 @@ def load_nanochat(folder: Path, dt: np.dtype, progress: Callable | None = None):
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
         raise ModelConfigError(f"{tok_path}: {tokenizer.vocab_size} tokens, the model's vocab_size is "
                                f"{config.vocab_size}: the tokenizer does not belong to these weights")
-    check_memory(config, dt, str(folder))
+    check_weights_fit(config, dt, str(folder))
     state = read_torch_state_dict(model_path)
     weights = {k: require_finite(v.astype(dt), file=model_path, tensor=k)
                for k, v in nanochat_weights(state, config, source=str(model_path)).items()}

@@ -36,6 +36,9 @@ from tokenizers.models import BPE
 
 from polyengine.errors import ContextLengthExceeded, InvalidRequest
 from polyengine.limits import MAX_TEXT_CHARS
+from polyengine.models.chat import ChatTemplate, ChatTemplateError
+from polyengine.models.tokenizer_files import BYTE_TO_UNICODE, gguf_tokenizer_parts, hf_tokenizer_parts
+from polyengine.validation import check_text
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "END_OF_TURN_TOKENS", "BYTE_TO_UNICODE", "byte_level_tokenizer",
            "check_text"]
@@ -54,43 +57,6 @@ END_OF_TURN_TOKENS = (
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (byte-level BPE's alphabet)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-BYTE_TO_UNICODE = _bytes_to_unicode()
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def check_text(text: Any, what: str = "prompt", *, max_chars: int | None = None) -> str:
-    """``text`` if it is a ``str`` of valid Unicode within ``max_chars`` (at most
-    :data:`MAX_TEXT_CHARS`); else InvalidRequest saying what is wrong and where."""
-    if not isinstance(text, str):
-        raise InvalidRequest(f"{what} must be a string, not {type(text).__name__}")
-    limit = MAX_TEXT_CHARS if max_chars is None else min(max_chars, MAX_TEXT_CHARS)
-    if len(text) > limit:
-        raise ContextLengthExceeded(
-            f"{what} has {len(text):,} characters; at most {limit:,} are accepted here (it could not fit in "
-            f"the context, and tokenizing it would take memory many times its size); shorten it"
-        )
-    bad = _SURROGATE.search(text)
-    if bad is not None:
-        raise InvalidRequest(
-            f"{what} is not valid Unicode: a lone surrogate {bad.group()!r} at character {bad.start()} (undecodable "
-            f"bytes, e.g. text that was not UTF-8); pass UTF-8 text"
-        )
-    return text
 
 
 class Tokenizer:
@@ -139,14 +105,12 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "Tokenizer":
         """From an HF folder: ``tokenizer.json`` plus the optional config files."""
-        from polyengine.models.tokenizer_files import hf_tokenizer_parts
 
         return cls(**hf_tokenizer_parts(Path(folder)))
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any], *, source: str = "<gguf>") -> "Tokenizer":
         """From a GGUF's ``tokenizer.ggml.*`` metadata (``gpt2`` BPE or ``llama`` SentencePiece)."""
-        from polyengine.models.tokenizer_files import gguf_tokenizer_parts
 
         return cls(**gguf_tokenizer_parts(metadata, source))
 
@@ -182,7 +146,6 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render ``messages`` with the model's own template, as transformers'
         ``apply_chat_template(..., tokenize=False)`` does."""
-        from polyengine.models.chat import ChatTemplate, ChatTemplateError
 
         if self.chat_template is None:
             raise ChatTemplateError(f"tokenizer from {self.source} has no chat template")

@@ -48,9 +48,8 @@ from polyengine.limits import (
     MAX_VOCAB,
 )
 from polyengine.models.metadata import Fields, read_json, shown
-from polyengine.models.tokenizer import BYTE_TO_UNICODE
 
-__all__ = ["gguf_tokenizer_parts", "hf_tokenizer_parts"]
+__all__ = ["gguf_tokenizer_parts", "hf_tokenizer_parts", "BYTE_TO_UNICODE"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +97,22 @@ _PRE_SPLITS = {
 
 # -- HF folders ---------------------------------------------------------------------------
 
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (byte-level BPE's alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+BYTE_TO_UNICODE = _bytes_to_unicode()
 
 def hf_tokenizer_parts(folder: Path) -> dict[str, Any]:
     """The :class:`Tokenizer` arguments for an HF folder's tokenizer files."""
