@@ -1,29 +1,36 @@
 """``polyengine bench``: the standard workload on polyengine backends and on the peers.
 
     polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
-                     [--peers transformers,llamacpp|none] [--repeats N] [--quick]
+                     [--peers transformers,llamacpp|none] [--repeats N] [--quick] [--targets FILE ...]
                      [--json PATH] [--parts standard,long,prefix] [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
                      [--cache-dir DIR] [--isa auto,avx512,avx2,scalar|all] [--emulate avx2] [--llamacpp-lib DIR]
 
 Plans one job per (system, part), runs each in its own worker subprocess (``jobs``),
 shows progress on stderr, and prints the report (``report``) on stdout. Rows: every
-combination of ``--backend``, ``--dtype``, ``--options`` and, for cuda_torch, ``--isa`` (each
-forced ISA path of the CPU kernels its own row; every row reports the ISA path it ran
-and the share of the host's limits it reached); transformers in float32
-(and bfloat16 where the CPU has bf16 units); llama.cpp on the GGUF as shipped and its
-F16/F32 copies (``gguf_convert``), each with its best thread counts. ``--emulate avx2``
-runs every system as on an AVX2-only host (``host.EMULATIONS``). A peer that is
-not installed, or cannot read the model, is skipped with a note that says so. The
-full-context batch (``long``) runs for every polyengine row and for one setting per
-peer (transformers float32, llama.cpp's file as shipped): it is the slowest part, and
-its point is polyengine's memory at full context, with a peer beside it for scale.
+combination of ``--backend``, ``--dtype``, ``--options`` and, for the backends with an
+``isa`` option, ``--isa`` (each forced ISA path of the CPU kernels its own row; every
+row reports the ISA path it ran and the share of the host's limits it reached);
+transformers in float32 (and bfloat16 where the CPU has bf16 units); llama.cpp on the
+GGUF as shipped and its F16/F32 copies (``gguf_convert``), each with its best thread
+counts. Peers run by default, except with ``--quick`` (a smoke run of polyengine alone,
+under a minute on the default model; ``--peers`` adds them). ``--emulate avx2`` runs
+every system as on an AVX2-only host (``host.EMULATIONS``): the backend's ``isa`` option
+reaches polyengine's own kernels only, this also restricts torch's code and the peers.
+A peer that is not installed, or cannot read the model, is skipped with a note that says
+so. The full-context batch (``long``) runs for every polyengine row and for one setting
+per peer (transformers float32, llama.cpp's file as shipped): it is the slowest part,
+and its point is polyengine's memory at full context, with a peer beside it for scale.
 The ``prefix`` part (prefix caching and chunked prefill, ``prefix_phases``) runs when
 asked for, for every polyengine row and transformers float32 (whose runner reuses a
 system prompt's or a conversation's K/V itself).
 
+Targets are judged only when ``--targets FILE`` names them (``verdicts``: TOML or JSON;
+the project's own in ``benchmarks/targets/``); the report then has a PASS/FAIL line per
+verdict, and never otherwise.
+
 Exit status: 0 when every polyengine row ran (peers may fail: their failures are in
-the report), 1 otherwise, 130 when interrupted (the systems that finished are reported). Targets are reported, never turned into an exit status: this
-is a measurement, not a test.
+the report), 1 otherwise, 130 when interrupted (the systems that finished are reported).
+Verdicts never change the exit status: this is a measurement, not a test.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_command", "main", "PEERS"]
+__all__ = ["add_command", "add_arguments", "run", "plan", "PEERS"]
 
 PEERS = ("transformers", "llamacpp")
 _INSTALL = {"transformers": "pip install torch==2.13.0 transformers accelerate"}
@@ -59,10 +66,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", nargs="+", default=[None], metavar="D", help="engine dtype(s) (default: the backend's)")
     p.add_argument("--options", action="append", default=None, metavar="JSON",
                    help='engine options as a JSON object, e.g. \'{"weights": "int8"}\'; repeat for several rows')
-    p.add_argument("--peers", default="transformers,llamacpp",
-                   help="comma-separated peers to run when installed (transformers, llamacpp), or 'none'")
+    p.add_argument("--peers", default=None,
+                   help="comma-separated peers to run when installed (transformers, llamacpp), or 'none' "
+                        "(default: both; with --quick: none)")
     p.add_argument("--repeats", type=int, default=None, help="measured runs per phase; the median is reported (default 3, 1 with --quick)")
-    p.add_argument("--quick", action="store_true", help="a tiny workload that runs in seconds (for tests and smoke checks)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny workload, polyengine alone unless --peers names peers: under a minute on the default "
+                        "model (a smoke check; its numbers are not the standard workload's)")
+    p.add_argument("--targets", action="append", default=None, metavar="FILE",
+                   help="judge the run against the targets in FILE (.toml or .json; repeatable) and print a PASS/FAIL "
+                        "line per verdict; the project's own: benchmarks/targets/*.toml (docs/benchmarks.md#targets)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
     p.add_argument("--parts", default="standard,long", metavar="standard,long,prefix",
                    help="which parts to run: 'standard' (decode, prefill, serve), 'long' (the full-context batch), "
@@ -74,11 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp settings to run: 'shipped' (the GGUF as it is), F16, F32 (default: all three)")
     p.add_argument("--cache-dir", default=None, help="where converted peer weights are kept (default: ~/.cache/polyengine/bench)")
     p.add_argument("--isa", default=None, metavar="LIST",
-                   help="cuda_torch: run each ISA path of the CPU kernels as its own row, comma-separated from "
+                   help="backends with an isa option (cpu): run each ISA path of the CPU kernels as its own row, "
+                        "comma-separated from "
                         "auto, avx512, avx2, scalar; 'all' is every forced path this CPU executes (also with "
                         "--quick, the host's limits are measured then)")
     p.add_argument("--emulate", default=None, choices=("avx2",),
-                   help="run every system as on an AVX2-only host: cuda_torch on isa avx2, torch restricted to AVX2 in "
+                   help="run every system as on an AVX2-only host: the cpu backend on isa avx2, torch restricted to AVX2 in "
                         "every worker and probe, transformers in float32 only, llama.cpp on the libraries of "
                         "--llamacpp-lib (built for AVX2; one built for AVX-512 is refused)")
     p.add_argument("--llamacpp-lib", default=None, metavar="DIR",
@@ -121,6 +135,14 @@ def _peers(raw: str) -> list[str]:
     return names
 
 
+def _peers_arg(args: argparse.Namespace) -> str:
+    """``--peers`` as given, else both peers, or none with ``--quick`` (its minute is polyengine's)."""
+    given = getattr(args, "peers", None)
+    if given is not None:
+        return given
+    return "none" if getattr(args, "quick", False) else ",".join(PEERS)
+
+
 def _parts(raw: str) -> list[str]:
     from polyengine.errors import InvalidRequest
 
@@ -131,7 +153,7 @@ def _parts(raw: str) -> list[str]:
 
 
 _PARTS = ("standard", "long", "prefix")
-_ISA_BACKENDS = ("cuda_torch",)  # backends with an engine option isa
+_ISA_BACKENDS = ("cpu",)  # backends with an engine option isa
 
 
 def _isas(raw: str | None) -> list[str | None]:
@@ -180,7 +202,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
     """The jobs of this run, in order: polyengine rows, then each peer's settings."""
     from polyengine.benchmarks.host import EMULATIONS, cpu_info, emulated_cpu_info, has_fast_bf16, package_versions
     from polyengine.benchmarks.jobs import Job
-    from polyengine.benchmarks.report import is_int8
+    from polyengine.benchmarks.verdicts import is_int8
     from polyengine.errors import InvalidRequest
     from polyengine.plugins import select_backend
 
@@ -191,7 +213,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
     if emulate:
         want = EMULATIONS[emulate]["isa"]
         if isas not in ([None], [want]):
-            raise InvalidRequest(f"--emulate {emulate} runs cuda_torch on isa {want!r}; drop --isa (or give --isa {want})")
+            raise InvalidRequest(f"--emulate {emulate} runs the CPU kernels on isa {want!r}; drop --isa (or give --isa {want})")
         isas = [want]
     for name in [] if args.backend == ["none"] else args.backend:
         backend = select_backend(name).name  # unknown or unusable: the typed error says why, before any job
@@ -210,7 +232,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
 
     path, _ = _model_file(args.model)
     cache = str(_cache_dir(args.cache_dir))
-    for peer in _peers(args.peers):
+    for peer in _peers(_peers_arg(args)):
         if peer == "transformers":
             missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
             if missing:
@@ -281,7 +303,7 @@ def _llamacpp_lib(arg: str | None) -> Path | None:
 
 
 def _with_isas(options: list[dict[str, Any]], isas: list[str | None], backend: str) -> list[dict[str, Any]]:
-    """Each option set once per ``--isa`` path (cuda_torch), the path as option ``isa``."""
+    """Each option set once per ``--isa`` path (the cpu backend), the path as option ``isa``."""
     from polyengine.errors import InvalidRequest
 
     if isas == [None] or backend not in _ISA_BACKENDS:
@@ -362,7 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     is stopped keeps what it measured; Ctrl-C stops the run and reports the systems
     that finished (``complete`` is false then).
     """
-    from polyengine.benchmarks import host, limits, report
+    from polyengine.benchmarks import host, limits, report, verdicts
     from polyengine.benchmarks.progress import Progress
     from polyengine.benchmarks.workload import QUICK, STANDARD
 
@@ -374,6 +396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         raise InvalidRequest(f"--repeats must be at least 1, got {repeats}")
     timeout = args.timeout if args.timeout is not None else (600.0 if args.quick else 7200.0)
+    sets = [verdicts.load(path) for path in getattr(args, "targets", None) or []]  # refused before any job
     notes: list[str] = []
     doc: dict[str, Any] = {
         "schema": report.SCHEMA,
@@ -386,6 +409,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": repeats,
         "rows": [],
         "notes": notes,
+        "targets_from": [s.source for s in sets],
+        "target_titles": {s.source: s.title for s in sets},
         "targets": [],
     }
     parts = _parts(args.parts)
@@ -425,7 +450,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if doc["rows"][-1].pop("interrupted", False):
                 raise KeyboardInterrupt
             doc["host"]["load_end"] = host.load_average()
-            doc["targets"] = report.judge(doc["rows"], work, doc["host"].get("limits"))
+            doc["targets"] = verdicts.judge(sets, doc["rows"], work, doc["host"].get("limits"))
             if args.json:
                 report.write_json(doc, args.json)
         doc["complete"] = True
@@ -433,7 +458,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.note("interrupted: reporting the systems that finished")
         notes.append(f"interrupted by the user during system {len(doc['rows'])} of {len(jobs)}")
     doc["host"]["load_end"] = host.load_average()
-    doc["targets"] = report.judge(doc["rows"], work, doc["host"].get("limits"))
+    doc["targets"] = verdicts.judge(sets, doc["rows"], work, doc["host"].get("limits"))
     return doc
 
 
@@ -506,18 +531,3 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 130
     ok = all(not r["errors"] for r in doc["rows"] if r["kind"] == "polyengine")
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The script form (``bench/throughput.py``): the same command without the ``polyengine`` prefix."""
-    from polyengine.errors import PolyengineError
-
-    parser = argparse.ArgumentParser(prog="bench/throughput.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return _cmd_bench(args)
-    except PolyengineError as exc:
-        print(f"polyengine bench: error: {exc}", file=sys.stderr)
-        return 1

@@ -188,6 +188,8 @@ def _engine(ctx: "Check", model, **config):
     options = dict(config.pop("options", {}))
     if ctx.backend == "neuron" and ctx.dry_run:
         options.setdefault("compiler", "inductor")
+    if ctx.backend == "cuda_torch" and ctx.dry_run:
+        options.setdefault("device", "cpu")  # the device path's CPU stand-in: without a GPU it refuses
     return create_engine(backend=ctx.backend, model=model, config=EngineConfig(**config, options=options))
 
 

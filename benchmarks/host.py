@@ -76,7 +76,7 @@ def llamacpp_install_command(info: dict[str, Any]) -> str:
 # ``env``: what restricts torch in each worker and probe (ATen's vectorized kernels,
 # MKL's GEMM, oneDNN's bf16 GEMM: their documented switches); ``llamacpp_forbid``: CPU
 # features llama.cpp's system info must not report (its library is built for the kind);
-# ``isa``: cuda_torch's option ``isa`` for the kind.
+# ``isa``: the cpu backend's option ``isa`` for the kind.
 EMULATIONS: dict[str, dict[str, Any]] = {
     "avx2": {
         "flags": ("avx2", "fma", "f16c"),

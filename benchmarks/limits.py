@@ -1,10 +1,11 @@
-"""The host's own limits for the cuda_torch targets, measured in the bench run.
+"""The host's own limits (memory read bandwidth, torch's float32 GEMM rate), measured in the bench run.
 
 A ratio target can ask for more than the host allows: at batch 1 a float32 decode step
 reads every weight once, so it cannot beat memory bandwidth / weight bytes tokens per
 second; at the largest batch it multiplies every weight by every row, so it cannot
-beat torch's float32 GEMM rate / (2 x parameters). Where a target would pass such a
-limit, it becomes 80% of the limit (docs/benchmarks.md). Both are measured here, in a
+beat torch's float32 GEMM rate / (2 x parameters). A target of a targets file may cap
+what it asks at 80% of such a limit (``host_limit``; docs/benchmarks.md#targets), and
+every polyengine row reports its share of them. Both are measured here, in a
 subprocess run before any job (never beside one):
 
 - ``read_gb_s``: a float32 sum over a 512 MiB tensor (far larger than any cache) with

@@ -1,4 +1,4 @@
-"""The benchmark's arithmetic: statistics, the workload, what a metric means, the targets.
+"""The benchmark's arithmetic: statistics, the workload, what a metric means, the targets files.
 
 No timing is asserted anywhere: speed belongs in benchmark tables, never in tests.
 A fake system with scripted durations checks that every metric is the median of the
@@ -7,10 +7,13 @@ per-run values, in the units the report says.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from polyengine.benchmarks import report
+from polyengine.benchmarks import report, verdicts
 from polyengine.benchmarks.phases import DecodeRun, ServeRun, run_long, run_standard
 from polyengine.benchmarks.stats import median, percentile, rate, spread, summary
 from polyengine.benchmarks.workload import QUICK, STANDARD, Workload, prompts, serve_requests
@@ -173,11 +176,97 @@ def _by_target(verdicts):
     return out
 
 
-def test_the_targets_are_issue_27s():
-    assert [t.name for t in report.targets(STANDARD)] == [B1, INT8, F16, HF32, PREFILL, RSS]
-    quick = [t.name for t in report.targets(QUICK)]
+TARGETS = Path(__file__).resolve().parents[1] / "benchmarks" / "targets"
+ROUND2 = verdicts.load(TARGETS / "cpu-round2.toml")
+
+
+def _judge(rows, work, limits=None):
+    return verdicts.judge([ROUND2], rows, work, limits)
+
+
+def test_the_projects_cpu_targets_are_sized_to_the_workload():
+    assert [v["target"] for v in _judge([], STANDARD)] == [B1, INT8, F16, HF32, PREFILL, RSS]
+    quick = [v["target"] for v in _judge([], QUICK)]
     assert quick[0].startswith("float32 decode b1 ") and quick[2] == "best decode b4 >= llama.cpp F16"
     assert quick[4] == f"best prefill {QUICK.prefill_len} >= transformers' best"
+    assert ROUND2.title == "CPU speed, second round" and not ROUND2.within_row
+    assert all(v["source"] == ROUND2.source for v in _judge([], STANDARD))
+
+
+def test_a_json_targets_file_reads_as_its_toml_twin(tmp_path):
+    import tomllib
+
+    data = tomllib.loads((TARGETS / "cpu-round2.toml").read_text())
+    (tmp_path / "round2.json").write_text(json.dumps(data))
+    twin = verdicts.load(tmp_path / "round2.json")
+    assert twin.compare == ROUND2.compare and twin.title == ROUND2.title
+
+
+@pytest.mark.parametrize("body, message", [
+    ('[[compare]]\nname = "x"\nmetric = "decode_tok_s.1"\npeer = "transformers"\nratio = 1\nspeed = 2',
+     r"compare #1 \('x'\): unknown key\(s\) \['speed'\]"),
+    ('[[compare]]\nname = "x"\nmetric = "decode_toks.1"\npeer = "transformers"\nratio = 1', "is no metric"),
+    ('[[compare]]\nname = "x"\nmetric = "decode_tok_s.{batch}"\npeer = "transformers"\nratio = 1',
+     r"names \['batch'\]; the workload fills in"),
+    ('[[compare]]\nname = "x"\nmetric = "decode_tok_s.1"\npeer = "vllm"\nratio = 1', "peer must be one of"),
+    ('[[compare]]\nname = "x"\nmetric = "decode_tok_s.1"\npeer = "transformers"', "missing ratio"),
+    ('[[compare]]\nname = "x"\nmetric = "decode_tok_s.1"\npeer = "transformers"\nratio = -1',
+     "ratio must be a positive number"),
+    ('[[compare]]\nname = "x"\nmetric = "peak_rss_mib"\npeer = "transformers"\nratio = 1\nbetter = "lower"\n'
+     'host_limit = "fp32_gemm_tok_s"', "drop host_limit"),
+    ('[[within_row]]\nname = "x"\nmetric = "prefill_tok_s"\nbase = "prefill_tok_s"', "exactly one of at_most"),
+    ('title = "nothing"', "no \\[\\[compare\\]\\] or \\[\\[within_row\\]\\] target"),
+    ('[[compare]\nname = "x"', "not valid TOML"),
+])
+def test_a_malformed_targets_file_is_refused_with_what_is_wrong(tmp_path, body, message):
+    from polyengine.errors import InvalidRequest
+
+    path = tmp_path / "t.toml"
+    path.write_text(body)
+    with pytest.raises(InvalidRequest, match=message):
+        verdicts.load(path)
+
+
+def test_a_targets_file_must_be_toml_or_json_and_exist(tmp_path):
+    from polyengine.errors import InvalidRequest
+
+    (tmp_path / "t.yaml").write_text("x: 1")
+    with pytest.raises(InvalidRequest, match="must end in .toml or .json"):
+        verdicts.load(tmp_path / "t.yaml")
+    with pytest.raises(InvalidRequest, match="targets file"):
+        verdicts.load(tmp_path / "missing.toml")
+
+
+def test_within_row_targets_and_a_peer_setting_by_dtype(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('''
+[[compare]]
+name = "prefill {prefill_len} >= 1.5x transformers float32"
+metric = "prefill_tok_s"
+peer = "transformers"
+peer_setting = "float32"
+ratio = 1.5
+
+[[within_row]]
+name = "serve with the cache >= 0.95x without"
+metric = "prefix_serve_e2e_tok_s.cache"
+base = "prefix_serve_e2e_tok_s.no_cache"
+at_least = 0.95
+''')
+    mine = verdicts.load(path)
+    ours = _row("polyengine", "pe", prefill=800)
+    ours["metrics"]["prefix_serve_e2e_tok_s"] = {"cache": 96.0, "no_cache": 100.0}
+    hf32 = _row("transformers", "hf fp32", prefill=500)
+    hf32["params"]["dtype"] = "float32"
+    hf16 = _row("transformers", "hf bf16", prefill=2000)
+    hf16["params"]["dtype"] = "bfloat16"
+    cmp, within = verdicts.judge([mine], [ours, hf32, hf16], STANDARD)
+    assert cmp["target"] == "prefill 1024 >= 1.5x transformers float32" and cmp["peer_row"] == "hf fp32"
+    assert cmp["needed"] == pytest.approx(750.0) and cmp["passed"]
+    assert within["kind"] == "self" and within["ratio"] == pytest.approx(0.96) and within["passed"]
+    text = verdicts.text([cmp, within], {mine.source: "mine"})
+    assert text.splitlines()[0].startswith(f"targets from {mine.source} (mine)")
+    assert "  serve with the cache >= 0.95x without [pe]: 96 / 100 = 0.960 -> PASS" in text
 
 
 def test_targets_compare_with_the_peers_best_setting():
@@ -189,7 +278,7 @@ def test_targets_compare_with_the_peers_best_setting():
         _row("llamacpp", "llama Q4_1", decode1=95, decode32=700, quant="Q4_1", rss=300),
         _row("llamacpp", "llama F16", decode1=50, decode32=600, quant="F16"),
     ]
-    got = _by_target(report.judge(rows, STANDARD))
+    got = _by_target(_judge(rows, STANDARD))
     (b1,) = got[B1]  # int8 rows are not float32 rows
     assert b1["row"] == "pe fp32" and b1["peer_row"] == "hf bf16" and b1["ratio"] == pytest.approx(3.0)
     assert b1["needed"] == pytest.approx(90.0) and b1["passed"] and "limit" not in b1
@@ -220,11 +309,12 @@ def test_bfloat16_weight_rows_are_not_judged_as_float32():
         bf16,
         _row("transformers", "hf", decode1=10, decode32=100),
     ]
-    got = _by_target(report.judge(rows, STANDARD))
+    got = _by_target(_judge(rows, STANDARD))
     assert {v["row"] for v in got[B1]} == {"pe fp32", "pe fp32 asked", "pe auto"}
     assert got[HF32][0]["row"] == "pe bf16 weights", "the best-row targets judge any dtype"
-    (alone,) = _by_target(report.judge([bf16, rows[-1]], STANDARD))[B1]
-    assert alone == {"target": B1, "row": None, "verdict": "no polyengine row in this run applies"}
+    (alone,) = _by_target(_judge([bf16, rows[-1]], STANDARD))[B1]
+    assert alone == {"target": B1, "row": None, "verdict": "no polyengine row in this run applies",
+                     "source": ROUND2.source}
 
 
 def test_the_best_row_targets_judge_only_the_best_row():
@@ -235,17 +325,18 @@ def test_the_best_row_targets_judge_only_the_best_row():
         _row("transformers", "hf", decode32=200, prefill=800, rss=600),
         _row("llamacpp", "llama F16", decode32=450, quant="F16"),
     ]
-    verdicts = report.judge(rows, STANDARD)
-    got = _by_target(verdicts)
+    judged = _judge(rows, STANDARD)
+    got = _by_target(judged)
     for name, row in ((F16, "pe fast"), (HF32, "pe fast"), (PREFILL, "pe fast"), (RSS, "pe slow")):
         (v,) = got[name]
         assert v["row"] == row and v["passed"], name
         assert v["best_of"] == ["pe slow", "pe fast"], name
     assert not any(v["row"] == "pe slow" for name in (F16, HF32, PREFILL) for v in got[name]), \
         "the weaker row would fail; it is not judged"
-    nothing = _by_target(report.judge([rows[2], *rows[3:]], STANDARD))
-    assert nothing[F16] == [{"target": F16, "row": None, "verdict": "not judged: no polyengine row has this value"}]
-    text = report.verdicts({"targets": verdicts, "host": {}})
+    nothing = _by_target(_judge([rows[2], *rows[3:]], STANDARD))
+    assert nothing[F16] == [{"target": F16, "row": None, "verdict": "not judged: no polyengine row has this value",
+                             "source": ROUND2.source}]
+    text = verdicts.text(judged)
     assert f"  {F16} [pe fast, best of 2]: 500 / 450 (llama F16) = 1.11x; asked at least 450 = 1x the peer -> PASS" \
         in text
 
@@ -255,7 +346,7 @@ def test_peak_rss_is_lower_is_better():
 
     def rss(*ours):
         rows = [_row("polyengine", f"pe {i}", rss=m) for i, m in enumerate(ours)] + hf
-        (v,) = _by_target(report.judge(rows, STANDARD))[RSS]
+        (v,) = _by_target(_judge(rows, STANDARD))[RSS]
         return v
 
     v = rss(900.0, 700.0)
@@ -264,7 +355,7 @@ def test_peak_rss_is_lower_is_better():
     v = rss(800.0, 900.0)  # above transformers' lowest, though below its highest
     assert v["row"] == "pe 0" and v["peer_value"] == 750.0 and not v["passed"] and v["verdict"] == "FAIL"
     assert rss(750.0)["passed"], "equal is at most"
-    text = report.verdicts({"targets": [rss(800.0)], "host": {}})
+    text = verdicts.text([rss(800.0)])
     assert "800 / 750 (hf bf16) = 1.07x; asked at most 750 = 1x the peer -> FAIL" in text
 
 
@@ -274,9 +365,9 @@ def test_the_f16_target_ignores_q4_1_and_f32_rows():
             _row("llamacpp", "llama F32", decode32=900, quant="F32"),
             _row("llamacpp", "llama F16 1 thread", decode32=300, quant="F16"),
             _row("llamacpp", "llama F16 2 threads", decode32=400, quant="F16")]
-    (v,) = _by_target(report.judge(rows, STANDARD))[F16]
+    (v,) = _by_target(_judge(rows, STANDARD))[F16]
     assert v["peer_row"] == "llama F16 2 threads" and v["ratio"] == pytest.approx(1.25) and v["passed"]
-    (v,) = _by_target(report.judge(rows[:3], STANDARD))[F16]
+    (v,) = _by_target(_judge(rows[:3], STANDARD))[F16]
     assert v["verdict"] == "not judged: no llamacpp row has this value" and "passed" not in v
 
 
@@ -287,7 +378,7 @@ def test_a_target_past_the_host_limit_asks_for_80_percent_of_it():
         _row("llamacpp", "llama F16", decode32=400, quant="F16"),
     ]
     limits = {"fp32_b1_floor_tok_s": 55.0, "fp32_gemm_tok_s": 450.0}
-    got = {v["target"]: v for v in report.judge(rows, STANDARD, limits)}
+    got = {v["target"]: v for v in _judge(rows, STANDARD, limits)}
     b1 = got[B1]  # 3 x 24 = 72 > 0.8 x 55 = 44: asks 44
     assert b1["needed"] == pytest.approx(44.0) and b1["passed"] and b1["limit"] == 55.0
     assert b1["limit_name"] == "fp32_b1_floor_tok_s" and b1["peer_row"] == "hf bf16"
@@ -295,11 +386,11 @@ def test_a_target_past_the_host_limit_asks_for_80_percent_of_it():
     assert b32["needed"] == pytest.approx(360.0) and b32["passed"] and b32["limit_name"] == "fp32_gemm_tok_s"
     f16 = got[F16]  # llama.cpp's measured value is within the host's reach: not capped
     assert f16["needed"] == pytest.approx(400.0) and not f16["passed"] and "limit" not in f16
-    plain = {v["target"]: v for v in report.judge(rows, STANDARD)}
+    plain = {v["target"]: v for v in _judge(rows, STANDARD)}
     assert not plain[B1]["passed"] and plain[B1]["needed"] == pytest.approx(72.0), "without limits 3x decides"
-    low = report.judge(rows, STANDARD, {"fp32_b1_floor_tok_s": 500.0, "fp32_gemm_tok_s": 5000.0})
+    low = _judge(rows, STANDARD, {"fp32_b1_floor_tok_s": 500.0, "fp32_gemm_tok_s": 5000.0})
     assert all("limit" not in v for v in low), "a limit above what the ratio asks changes nothing"
-    text = report.verdicts({"targets": [b1], "host": {}})
+    text = verdicts.text([b1])
     assert "45.0 / 24.0 (hf bf16) = 1.88x; asked at least 44.0 = 80% of 55.0 (fp32_b1_floor_tok_s) -> PASS" in text
 
 
@@ -307,17 +398,17 @@ def test_the_float32_target_without_transformers_asks_80_percent_of_the_floor():
     rows = [_row("polyengine", "pe fast", decode1=45, decode32=400, dtype="float32"),
             _row("polyengine", "pe slow", decode1=40, dtype="float32")]
     limits = {"fp32_b1_floor_tok_s": 55.0, "fp32_gemm_tok_s": 450.0}
-    got = _by_target(report.judge(rows, STANDARD, limits))
+    got = _by_target(_judge(rows, STANDARD, limits))
     fast, slow = got[B1]
     assert fast["needed"] == pytest.approx(44.0) and fast["passed"] and fast["limit"] == 55.0
     assert fast["peer_row"] is None and fast["peer_value"] is None and fast["ratio"] is None
     assert slow["needed"] == pytest.approx(44.0) and not slow["passed"]
     (hf32,) = got[HF32]  # 2x transformers needs transformers: its limit only caps
     assert hf32["verdict"] == "not judged: no transformers row has this value" and "passed" not in hf32
-    text = report.verdicts({"targets": got[B1], "host": {}})
+    text = verdicts.text(got[B1])
     assert f"  {B1} [pe fast]: 45.0, no peer value; asked at least 44.0 = 80% of 55.0 (fp32_b1_floor_tok_s) -> PASS" \
         in text
-    (none,) = _by_target(report.judge(rows[:1], STANDARD))[B1]
+    (none,) = _by_target(_judge(rows[:1], STANDARD))[B1]
     assert none["verdict"] == ("not judged: no transformers row has this value and the host limit "
                                "fp32_b1_floor_tok_s was not measured")
 
@@ -329,16 +420,16 @@ def test_a_row_is_judged_by_the_bandwidth_probed_around_it():
               "weight_bytes": {"float32": 4 * 134.5e6}}
     row = _row("polyengine", "pe fp32", decode1=58.8, dtype="float32")
     hf = _row("transformers", "hf bf16", decode1=24.6)
-    (before,) = _by_target(report.judge([row, hf], STANDARD, limits))[B1]
+    (before,) = _by_target(_judge([row, hf], STANDARD, limits))[B1]
     assert before["needed"] == pytest.approx(3 * 24.6) and not before["passed"]
     row["read_probes_gb_s"] = [36.0, 38.0]
-    (v,) = _by_target(report.judge([row, hf], STANDARD, limits))[B1]
+    (v,) = _by_target(_judge([row, hf], STANDARD, limits))[B1]
     assert v["limit"] == pytest.approx(104.0 * 37 / 56) and v["needed"] == pytest.approx(0.8 * 104.0 * 37 / 56)
     assert v["passed"] and v["read_probes_gb_s"] == [36.0, 38.0]
-    assert "read 36.0 / 38.0 GB/s right before / after the row -> PASS" in report.verdicts({"targets": [v], "host": {}})
+    assert "read 36.0 / 38.0 GB/s right before / after the row -> PASS" in verdicts.text([v])
     assert report.reached(row, STANDARD, limits)["b1_of_bandwidth_floor"] == pytest.approx(58.8 * 4 * 134.5e6 / 37e9)
     row["read_probes_gb_s"] = [None, 40.0]  # a probe that failed counts for nothing
-    (v,) = _by_target(report.judge([row, hf], STANDARD, limits))[B1]
+    (v,) = _by_target(_judge([row, hf], STANDARD, limits))[B1]
     assert v["limit"] == pytest.approx(104.0 * 40 / 56)
 
 
@@ -395,7 +486,7 @@ def test_each_row_reports_its_isa_and_share_of_the_host_limits():
 
 
 def test_isa_rows_are_expanded_and_checked_before_any_job(monkeypatch):
-    """``--isa``: each path a row of its own (cuda_torch only); 'all' every forced path
+    """``--isa``: each path a row of its own (the cpu backend only); 'all' every forced path
     this CPU runs; a path it cannot run, or an ISA chosen twice, is refused up front."""
     import argparse
 
@@ -411,7 +502,7 @@ def test_isa_rows_are_expanded_and_checked_before_any_job(monkeypatch):
     with pytest.raises(InvalidRequest, match="'neon' is no ISA path"):
         cli._isas("neon")
     with pytest.raises(InvalidRequest, match="give one of them"):
-        cli._with_isas([{"isa": "avx2"}], ["scalar"], "cuda_torch")
+        cli._with_isas([{"isa": "avx2"}], ["scalar"], "cpu")
 
     def plan(backend, isa):
         args = argparse.Namespace(backend=[backend], dtype=[None], options=['{"quantize": "int8"}'], isa=isa,
@@ -419,27 +510,27 @@ def test_isa_rows_are_expanded_and_checked_before_any_job(monkeypatch):
         notes: list[str] = []
         return [job.params["options"] for job in cli.plan(args, notes)], notes
 
-    assert plan("cuda_torch", "all")[0] == [{"quantize": "int8", "isa": "avx2"}, {"quantize": "int8", "isa": "scalar"}]
+    assert plan("cpu", "all")[0] == [{"quantize": "int8", "isa": "avx2"}, {"quantize": "int8", "isa": "scalar"}]
     options, notes = plan("reference", "all")
     assert options == [{"quantize": "int8"}] and "--isa not applied" in notes[0]
 
 
 def test_targets_say_why_they_were_not_judged():
     rows = [_row("polyengine", "pe f64", decode1=10, prefill=100, dtype="float64", rss=300)]
-    verdicts = report.judge(rows, STANDARD)
-    text = {v["target"]: v["verdict"] for v in verdicts}
+    judged = _judge(rows, STANDARD)
+    text = {v["target"]: v["verdict"] for v in judged}
     assert set(text) == {B1, INT8, F16, HF32, PREFILL, RSS}
     assert text[B1] == text[INT8] == "no polyengine row in this run applies"
     assert text[F16] == text[HF32] == "not judged: no polyengine row has this value"
     assert text[PREFILL] == "not judged: no transformers row has this value"
     assert text[RSS] == "not judged: no transformers row has this value"
-    rendered = report.verdicts({"targets": verdicts, "host": {}})
+    rendered = verdicts.text(judged)
     assert f"  {PREFILL} [pe f64]: not judged: no transformers row has this value" in rendered
 
 
 def test_int8_rows_are_recognised_by_their_options():
-    assert report.is_int8({"weights": "int8"}) and report.is_int8({"int8_weights": True})
-    assert not report.is_int8({}) and not report.is_int8({"weights": "float32"})
+    assert verdicts.is_int8({"weights": "int8"}) and verdicts.is_int8({"int8_weights": True})
+    assert not verdicts.is_int8({}) and not verdicts.is_int8({"weights": "float32"})
 
 
 def test_llamacpp_build_flags_follow_the_detected_isa():

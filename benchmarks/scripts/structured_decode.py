@@ -1,6 +1,6 @@
 """Decode speed with a JSON schema against unconstrained decoding, batch 1 and 32.
 
-    python bench/structured_decode.py [--backend cuda_torch] [--model M] [--batches 1,32]
+    python benchmarks/scripts/structured_decode.py [--backend cpu] [--model M] [--batches 1,32]
                                       [--new-tokens 96] [--repeats 3] [--quick]
 
 Each batch runs the same chat prompts twice through ``polyengine.LLM``: unconstrained
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyengine.hostinfo import cpu_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="cuda_torch")
+    p.add_argument("--backend", default="cpu")
     p.add_argument("--model", default=None)
     p.add_argument("--batches", default="1,32")
     p.add_argument("--new-tokens", type=int, default=96)

@@ -1,4 +1,4 @@
-"""Peak memory and decode time of cuda_torch's CPU KV cache options, in one table.
+"""Peak memory and decode time of the cpu backend's KV cache options, in one table.
 
 Each row is one engine (32 slots x 2048 positions, the default model, float32) decoding
 32 requests of 256 tokens together (``ignore_eos``), in a fresh process each, so that
@@ -6,7 +6,7 @@ the peak resident memory (``VmHWM``) is that row's alone. The configurations run
 turns, ``--repeats`` times, and the table shows the medians and each one's time against
 the reserved cache measured in the same turns.
 
-    python bench/kv_memory.py [--repeats 3] [--tokens 256]
+    python benchmarks/scripts/kv_memory.py [--repeats 3] [--tokens 256]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import json, sys, time
 from polyengine import SamplingParams
 from polyengine.driver import LLM
 opts, tokens = json.loads(sys.argv[1]), int(sys.argv[2])
-llm = LLM(None, "cuda_torch", max_slots=32, max_cache_length=2048, options=opts)
+llm = LLM(None, "cpu", max_slots=32, max_cache_length=2048, options=opts)
 prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(32)]
 llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
 t = time.perf_counter()

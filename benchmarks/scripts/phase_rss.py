@@ -7,7 +7,7 @@ bench's worker builds) in this process and resets the kernel's high-water mark
 sets the peak, what it started from and what it left behind; the last lines show what
 stays after every engine is released, and what of it is free heap (``malloc_trim``).
 
-    python bench/phase_rss.py --options '{"weight_dtype": "bfloat16", "bf16_compute": "bf16", "kv_dtype": "bfloat16"}'
+    python benchmarks/scripts/phase_rss.py --options '{"weight_dtype": "bfloat16", "bf16_compute": "bf16", "kv_dtype": "bfloat16"}'
 
 Linux only (``/proc``). Memory, not time: a busy host does not change what it prints.
 """
@@ -39,7 +39,7 @@ def _reset_peak() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", default="cuda_torch")
+    ap.add_argument("--backend", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--options", default="{}", help="engine options, JSON")
     ap.add_argument("--repeats", type=int, default=1)

@@ -1,9 +1,9 @@
 """Load test of ``polyengine serve``: requests/s, output tokens/s, time to first token and
 inter-token latency at several numbers of concurrent clients.
 
-    python bench/serve_load.py [--backend auto] [--model M] [--clients 1 8 32]
+    python benchmarks/scripts/serve_load.py [--backend auto] [--model M] [--clients 1 8 32]
                                [--requests-per-client 2] [--max-tokens 32] [--max-slots 8]
-    python bench/serve_load.py --url http://127.0.0.1:8000 --model-name NAME   # a running server
+    python benchmarks/scripts/serve_load.py --url http://127.0.0.1:8000 --model-name NAME   # a running server
 
 Without ``--url`` it starts ``python -m polyengine.serving --port 0`` itself (the
 default model, ``--backend auto``: the fastest backend installed) and stops it with

@@ -1,6 +1,6 @@
 """Cost of the torch sampler per decode step: the Threefry stream and whole sample() calls.
 
-    python bench/torch_sampler_step.py [--rows 1 8 32] [--vocab 49152] [--repeat 9] [--threads N] [--compile]
+    python benchmarks/scripts/torch_sampler_step.py [--rows 1 8 32] [--vocab 49152] [--repeat 9] [--threads N] [--compile]
 
 For each row count, milliseconds per step (the minimum over ``--repeat`` runs, then
 the median in brackets: with two shared cores the minimum is the better estimate of

@@ -1,13 +1,13 @@
-"""Prefill speed of cuda_torch on the CPU by weight storage and GEMM operands: float32
+"""Prefill speed of the cpu backend by weight storage and GEMM operands: float32
 weights; bfloat16 weights on float32 operands, on bfloat16 operands with separate and
 with fused q/k/v and gate/up matrices (options ``prefill_compute``,
 ``fuse_projections``); int8-block32 weights on bfloat16 operands; each causal attention
 on torch's SDPA or the host kernel (option ``prefill_attention``). One process, every
 engine built first, then a 1024-token prompt (``--tokens``) prefilled by each engine in
 turns; the table shows each row's median and the median of its per-turn ratio to
-float32 (docs/cuda_torch.md, "Prefill on bfloat16 operands").
+float32 (docs/benchmarks/2026-11-cpu-paths.md, "Prefill on bfloat16 operands").
 
-    python bench/prefill_compute.py [--repeats 5] [--tokens 1024]
+    python benchmarks/scripts/prefill_compute.py [--repeats 5] [--tokens 1024]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import statistics
 import time
 
 import numpy as np
+
+BACKEND = "cpu"
 
 ROWS = {
     "float32 weights, SDPA": {"prefill_attention": "sdpa"},
@@ -38,8 +40,7 @@ ROWS = {
 
 
 def main() -> None:
-    from polyengine import EngineConfig, SamplingParams
-    from polyengine.backends.cuda_torch.engine import TorchEngine
+    from polyengine import EngineConfig, SamplingParams, create_engine
     from polyengine.models import default_model_path, load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -52,7 +53,7 @@ def main() -> None:
     greedy = SamplingParams(temperature=0)
     engines = {}
     for name, options in ROWS.items():
-        eng = TorchEngine(model, cfg.model_copy(update={"options": options}))
+        eng = create_engine(BACKEND, model, cfg.model_copy(update={"options": options}))
         params = eng.load_params()
         eng.prefill(params=params, tokens=prompt, sampling=greedy)  # warm-up: buffers, oneDNN's kernels
         engines[name] = eng, params

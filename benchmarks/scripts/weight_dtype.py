@@ -1,4 +1,4 @@
-"""Decode and prefill speed and peak memory of cuda_torch's weight storage on the CPU, in
+"""Decode and prefill speed and peak memory of the cpu backend's weight storage, in
 one table: float32 weights, bfloat16 weights under float32 compute (option
 ``weight_dtype``; with float32 or bfloat16 activations, option ``bf16_compute``) and
 int8-block32 (option ``quantize``), and prefill on bfloat16 GEMM operands (option
@@ -11,7 +11,7 @@ request (b1) and of 32 together (b32, ``ignore_eos``), and a prefill of a 1024-t
 prompt (the second of two). The configurations run in turns, ``--repeats`` times; the table shows medians
 and each row's b1 and b32 time against float32 weights measured in the same turns.
 
-    python bench/weight_dtype.py [--repeats 3] [--tokens 64]
+    python benchmarks/scripts/weight_dtype.py [--repeats 3] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import polyengine
 from polyengine import SamplingParams
 from polyengine.driver import LLM
 opts, tokens = json.loads(sys.argv[1]), int(sys.argv[2])
-llm = LLM(None, "cuda_torch", max_slots=32, max_cache_length=2048, options=opts)
+llm = LLM(None, "cpu", max_slots=32, max_cache_length=2048, options=opts)
 prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(32)]
 llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
 out = {"module": polyengine.__file__, "kernels": llm.engine.speed_paths().get("kernels", "")}

@@ -1,9 +1,9 @@
-"""tpu_jax beside cuda_torch on one workload: decode tokens/s at batch 1 and a full
+"""tpu_jax beside the cpu backend on one workload: decode tokens/s at batch 1 and a full
 batch, prefill tokens/s, and tpu_jax's compile time per program, on this machine's
 JAX devices and again on N CPU host devices (a subprocess started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
 
-    python bench/tpu_jax_throughput.py [--model M] [--slots 8] [--prompt-len 64]
+    python benchmarks/scripts/tpu_jax_throughput.py [--model M] [--slots 8] [--prompt-len 64]
                                        [--new-tokens 48] [--host-devices 4] [--rounds 2]
 
 Every engine runs through the driver with greedy requests of ``--prompt-len`` tokens:
@@ -11,11 +11,11 @@ prefill tokens/s is the prompt tokens of a full batch over the driver's first st
 (prefill and insert of every request, one decode step); decode tokens/s the remaining
 completion tokens over the time spent generating them. tpu_jax compiles every
 program first (warm-up; per program and bucket from ``engine.bench_report()``);
-cuda_torch gets a warm-up request. The table prints the CPU model and ISA flags and
+cpu gets a warm-up request. The table prints the CPU model and ISA flags and
 the load average: with two shared cores, compare ratios measured in the same run,
 never absolute numbers across runs. ``polyengine bench`` is the standard workload
 (its phases, peers and JSON report); this script puts tpu_jax on 1 and N host
-devices beside cuda_torch in one table.
+devices beside the cpu backend in one table.
 """
 
 from __future__ import annotations
@@ -57,17 +57,15 @@ def run_here(args) -> dict:
     """Every engine of the table on this process's devices; returns the rows."""
     import jax
 
-    from polyengine.backends.tpu_jax.engine import TpuJaxEngine
+    from polyengine import create_engine
 
     model = load_model(args.model)
     cfg = EngineConfig(max_slots=args.slots, max_prefill_length=args.prompt_len,
                        max_cache_length=args.prompt_len + args.new_tokens + 1)
     out = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "rows": []}
-    engines = {"tpu_jax": lambda: TpuJaxEngine(model, cfg.model_copy(update={"options": args.options}))}
+    engines = {"tpu_jax": lambda: create_engine("tpu_jax", model, cfg.model_copy(update={"options": args.options}))}
     if not args.jax_only:
-        from polyengine.backends.cuda_torch.engine import TorchEngine
-
-        engines["cuda_torch"] = lambda: TorchEngine(model, cfg)
+        engines["cpu"] = lambda: create_engine("cpu", model, cfg)
     for name, make in engines.items():
         engine = make()
         engine.load_params()
@@ -118,9 +116,9 @@ def main() -> None:
     print(f"cpu: {_cpu()}; load average {os.getloadavg()[0]:.1f} (shared machine: compare ratios, not runs)")
     print(f"model: {load_model(args.model)!r}; {args.slots} slots, prompts of {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens, greedy\n")
-    print("| backend | devices | batch | prefill tok/s | decode tok/s | decode vs cuda_torch |")
+    print("| backend | devices | batch | prefill tok/s | decode tok/s | decode vs cpu |")
     print("|---|---|---|---|---|---|")
-    base = {r["batch"]: r["decode"] for r in runs[0]["rows"] if r["backend"] == "cuda_torch"}
+    base = {r["batch"]: r["decode"] for r in runs[0]["rows"] if r["backend"] == "cpu"}
     for run in runs:
         for r in run["rows"]:
             dev = f"{run['devices']} {run['platform']}" + (f" ({run['mesh']})" if r["backend"] == "tpu_jax" else "")
