@@ -13,7 +13,7 @@ a ``kv_block`` rounded length) read the shared zero page and hold nothing.
 
 Linux only (``MADV_DONTNEED`` on private anonymous maps is what makes the pages zero
 again); elsewhere, and on accelerators, :func:`new_cache_tensor` is ``torch.zeros``.
-See docs/cuda_torch.md (KV cache memory).
+See docs/cpu.md and docs/benchmarks/2026-11-cpu-paths.md (KV cache memory).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ states and checks the bound).
 Cost (eager, 32 rows x 49152 vocabulary, two CPU cores): the draw's Threefry
 stream and Gumbel noise dominate plain sampling; top-p on a row without top-k sorts
 the whole vocabulary; ``torch.compile`` of :func:`sample` with fixed flags fuses the
-stream into one loop (``bench/torch_sampler_step.py`` measures all of these).
+stream into one loop (``benchmarks/scripts/torch_sampler_step.py`` measures all of these).
 
 The caller keeps what cannot be checked on the device: ``step < 2**20`` (the stream's
 counter layout), rows given to ``record``/``override`` distinct.
