@@ -59,3 +59,12 @@ def test_core_models_has_no_import_cycle():
 
     cyclic = sorted(m for m in mods if reaches(m, m, {m}))
     assert not cyclic, f"modules on an import cycle: {cyclic}"
+
+
+def test_the_torch_backends_plugins_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import polyengine.backends.cpu.plugin, polyengine.backends.cuda_torch.plugin; "
+            "assert 'torch' not in sys.modules, 'a plugin imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from polyengine import PROTOCOL_VERSION
-from polyengine.plugins import BackendSpec, Probe, hookimpl
+from polyengine.plugins import Probe, hookimpl
+
+from polyengine.backends.torch_common.spec import torch_backend_spec
 
 
 def probe() -> Probe:
@@ -18,18 +19,7 @@ def probe() -> Probe:
 
 @hookimpl
 def polyengine_backends():
-    return [
-        BackendSpec(
-            name="cpu",
-            description="The host CPU: PyTorch plus kernels compiled for this CPU's ISA (AVX-512, AVX2 or scalar).",
-            protocol_version=PROTOCOL_VERSION,
-            probe=probe,
-            factory="polyengine.backends.cpu.engine:create_engine",
-            diagnose="polyengine.backends.cpu.plan:diagnose",
-            options="polyengine.backends.cpu.options:OPTIONS",
-            extra="cpu",
-            # The best CPU path: above cuda_torch's device path run on a CPU and the NumPy oracle.
-            priority=60,
-            tolerances="polyengine.backends.cpu:conformance.toml",
-        )
-    ]
+    # The best CPU path: above cuda_torch's device path run on a CPU and the NumPy oracle.
+    return [torch_backend_spec(
+        "cpu", "The host CPU: PyTorch plus kernels compiled for this CPU's ISA (AVX-512, AVX2 or scalar).", probe,
+        diagnose="plan", extra="cpu", priority=60)]

@@ -8,8 +8,9 @@ import glob
 import importlib.util
 import os
 
-from polyengine import PROTOCOL_VERSION
-from polyengine.plugins import BackendSpec, Probe, hookimpl
+from polyengine.plugins import Probe, hookimpl
+
+from polyengine.backends.torch_common.spec import torch_backend_spec
 
 
 def cuda_devices() -> list[str]:
@@ -63,19 +64,7 @@ def probe() -> Probe:
 
 @hookimpl
 def polyengine_backends():
-    return [
-        BackendSpec(
-            name="cuda_torch",
-            description="PyTorch on a GPU: NVIDIA (CUDA) or AMD (ROCm).",
-            protocol_version=PROTOCOL_VERSION,
-            probe=probe,
-            factory="polyengine.backends.cuda_torch.engine:create_engine",
-            diagnose="polyengine.backends.cuda_torch.engine:diagnose",
-            options="polyengine.backends.cuda_torch.options:OPTIONS",
-            extra="cuda",
-            priority=50,
-            accelerator="cuda",
-            accelerator_priority=100,
-            tolerances="polyengine.backends.cuda_torch:conformance.toml",
-        )
-    ]
+    # Below the cpu backend on a host without a GPU (where it runs by name only); a
+    # present GPU ranks it among accelerators.
+    return [torch_backend_spec("cuda_torch", "PyTorch on a GPU: NVIDIA (CUDA) or AMD (ROCm).", probe, diagnose="engine",
+                               extra="cuda", priority=50, accelerator="cuda", accelerator_priority=100)]
