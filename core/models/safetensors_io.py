@@ -47,6 +47,7 @@ __all__ = [
     "load_safetensors",
     "select_entries",
     "widen_bf16",
+    "narrow_bf16",
 ]
 
 Progress = Callable[[int, int, str], None]
@@ -340,3 +341,9 @@ def select_entries(
         if entry.shape != expected[name]:
             raise WeightsError(f"shape {entry.shape}, expected {expected[name]}", file=entry.file, tensor=name)
     return {name: entries[name] for name in expected}
+
+
+def narrow_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 to BF16 bit patterns (uint16), rounded to nearest even (torch's rounding)."""
+    bits = np.ascontiguousarray(x, dtype="<f4").view("<u4").astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
