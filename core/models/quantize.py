@@ -42,8 +42,8 @@ __all__ = ["WEIGHT_MODES", "check_mode", "quantize_matrix", "dequantize_matrix",
 
 # option value -> weights per scale along a row (0: one scale per output row)
 WEIGHT_MODES = {"int8": 0, "int8-block32": 32}
-# Rows quantized at a time: about 4 MiB of float32 temporaries, whatever the matrix.
-_CHUNK_ELEMENTS = 1 << 20
+# Rows quantized at a time: about 1 MiB per float32 temporary, whatever the matrix.
+_CHUNK_ELEMENTS = 1 << 18
 # Released float bytes after which the freed heap memory is handed back to the system.
 _RETURN_BYTES = 64 << 20
 

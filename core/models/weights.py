@@ -34,8 +34,8 @@ from polyengine.models.metadata import require_finite
 
 __all__ = ["Weight", "format_info"]
 
-# Rows converted at a time: about 4 MiB of float64 temporaries, whatever the tensor.
-_CHUNK_ELEMENTS = 1 << 19
+# Rows converted at a time: about 2 MiB per float64 temporary, whatever the tensor.
+_CHUNK_ELEMENTS = 1 << 18
 # The byte offsets of each block format's f16 fields (scales and mins): a non-finite
 # weight can only come from one of them.
 _F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
