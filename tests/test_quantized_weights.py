@@ -141,6 +141,20 @@ def test_records_are_the_files_blocks_never_copied(files):
         "model.layers.0.mlp.up_proj.weight"]
 
 
+def test_in_memory_quantized_records_equal_the_files(files):
+    """quantized_records (no file, HF row order) gives the same weights as the GGUF file
+    (Q/K permuted by the writer, unpermuted by the reader)."""
+    from polyengine.models import Model
+    from polyengine.models.quant_presets import quantized_records
+
+    config = quantized_config()
+    memory = Model(config, quantized_records(random_weights(config, seed=0), "Q5_K"))
+    loaded = load_model(files["Q5_K"])
+    assert memory.formats == loaded.formats == {"Q5_K": 16, "F32": 5}
+    for name in config.weight_shapes():
+        np.testing.assert_array_equal(memory.weights[name], loaded.weights[name], err_msg=name)
+
+
 def test_every_format_loads_and_is_close_to_its_source(files):
     source = random_weights(quantized_config(), seed=0)
     for fmt, path in files.items():

@@ -23,8 +23,9 @@ from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, quantize_blocks
 from polyengine.models.config import ModelConfig
 from polyengine.models.presets import CHAT_TEMPLATE, SPECIAL_TOKENS, preset_config, random_weights
 from polyengine.models.tokenizer import BYTE_TO_UNICODE
+from polyengine.models.weights import Weight
 
-__all__ = ["QUANT_FORMATS", "quantized_config", "write_llama_gguf", "quantized_model_file"]
+__all__ = ["QUANT_FORMATS", "quantized_config", "quantized_records", "write_llama_gguf", "quantized_model_file"]
 
 QUANT_FORMATS = BLOCK_FORMATS  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
 
@@ -48,6 +49,25 @@ def quantized_config() -> ModelConfig:
     return preset_config("tiny").model_copy(update=dict(
         hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         tie_word_embeddings=False))
+
+
+def quantized_records(weights: dict[str, np.ndarray], fmt: str) -> dict[str, Weight]:
+    """``weights`` (HF names, float) as in-memory records: every matrix whose rows divide
+    into ``fmt``'s blocks quantized to ``fmt`` (HF row order: no GGUF permutation), the
+    rest (norms, biases, matrices too narrow for the block) F32. Pass the result to
+    ``Model(config, records)``: a quantized model without a file (the conformance suite's
+    way to build one from its own weights)."""
+    f = FORMATS[fmt]
+    out: dict[str, Weight] = {}
+    for name, arr in weights.items():
+        arr = np.asarray(arr, np.float32)
+        if arr.ndim == 2 and arr.shape[1] % f.block == 0:
+            raw = quantize_blocks(fmt, arr)
+            data = raw if not f.is_float else raw.reshape(arr.shape)
+            out[name] = Weight(fmt, tuple(arr.shape), data, name=name)
+        else:
+            out[name] = Weight.from_array(arr, name=name)
+    return out
 
 
 def _gguf_name(hf: str) -> str:
