@@ -173,14 +173,20 @@ def test_reference_and_cuda_torch_generate_alike_on_every_format(files):
     import polyengine as pe
 
     pytest.importorskip("torch")
-    greedy = pe.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = pe.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
     for fmt, path in files.items():
         model = load_model(path)
         got = {}
         for backend in ("reference", "cuda_torch"):
             llm = pe.LLM(model, backend=backend, max_slots=1, max_cache_length=64, max_prefill_length=32)
-            got[backend] = llm.generate(["hello"], greedy)[0].outputs[0].token_ids
-        assert len(got["reference"]) == 8 and got["reference"] == got["cuda_torch"], (fmt, got)
+            got[backend] = llm.generate(["hello"], greedy)[0].outputs[0]
+        ref, torch_out = got["reference"], got["cuda_torch"]
+        assert len(ref.token_ids) == 8
+        for step, top in enumerate(ref.top_logprobs):
+            assert torch_out.token_ids[step] == ref.token_ids[step], (fmt, step, ref.token_ids, torch_out.token_ids)
+            first, second = sorted(top.values(), reverse=True)
+            if first - second < 1e-3:  # a near tie (F16's file has one of 1e-4): later steps may part by float noise
+                break
         assert model.formats[fmt] == 16  # still the file's blocks: nothing widened into the Model
 
 
