@@ -128,6 +128,7 @@ def test_records_are_the_files_blocks_never_copied(files):
     q = model.records["model.layers.0.self_attn.q_proj.weight"]
     assert q.shape == (256, 256) and q.data.ndim == 4  # the Q/K permutation: a strided view of whole block rows
     assert model.stored_bytes == sum(r.nbytes for r in model.records.values()) < 8 * 2**20
+    assert model.conversion_bytes() == 4 * sum(np.prod(r.shape) for r in model.records.values() if r.format == "Q4_K")
     # The float view converts on read (not kept): equal to the exact dequantization,
     # rounded once; the reference's float64 conversion keeps it exact.
     exact = dequantize_blocks("Q4_K", q.rows().reshape(-1, 144)).reshape(256, 256)

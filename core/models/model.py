@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -93,6 +94,14 @@ class Model:
         for w in self.records.values():
             counts[w.format] = counts.get(w.format, 0) + 1
         return counts
+
+    def conversion_bytes(self, names=None, itemsize: int = 4) -> int:
+        """The bytes that reading ``names`` (default: all) through ``weights`` allocates:
+        every record not stored as F32 converted to ``itemsize``-byte floats (an engine's
+        memory check; F32 records are read as they are)."""
+        names = self.records if names is None else names
+        return sum(math.prod(self.records[n].shape) * itemsize for n in names
+                   if n in self.records and self.records[n].format != "F32")
 
     @property
     def stored_bytes(self) -> int:

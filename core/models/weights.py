@@ -92,6 +92,10 @@ class Weight:
             arr, fmt = arr.astype(np.float32), "F32"
         return cls(fmt, tuple(int(d) for d in arr.shape), arr, source, name)
 
+    def __repr__(self) -> str:
+        where = "mapped" if not self.data.flags.writeable else "in memory"
+        return f"Weight({self.name or '?'}: {self.format} {self.shape}, {self.nbytes:,} bytes {where})"
+
     @property
     def info(self) -> Format:
         return format_info(self.format)
