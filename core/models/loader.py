@@ -88,8 +88,8 @@ class RandomWeightsWarning(UserWarning):
 
 # What a user loading a model with widened weights can change.
 LOAD_ADVICE = (
-    "free some memory, or use a smaller model, or load the weights in the file's own format "
-    "(load_model(..., dtype=None), the default: memory-mapped, nothing widened)"
+    "free some memory, or use a smaller model (one with fewer parameters), or, for a model file, keep its "
+    "weights in the file's own format (load_model(..., dtype=None), the default: memory-mapped, nothing widened)"
 )
 
 
