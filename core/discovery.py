@@ -173,6 +173,17 @@ class BackendInfo:
             ) from exc
         return obj
 
+    def option_table(self) -> dict[str, Any]:
+        """The backend's option table (its spec's ``options``), empty when it names none
+        or it cannot be read: a listing or another backend's message must not fail on it."""
+        if not self.usable or self.spec.options is None:
+            return {}
+        try:
+            table = self._resolve(self.spec.options, "options")
+        except Exception:  # noqa: BLE001 - reported by the backend's own engine when built
+            return {}
+        return dict(table) if isinstance(table, dict) else {}
+
     def diagnose(self) -> dict[str, str]:
         """What the backend would run here (its spec's ``diagnose``), for ``polyengine
         backends --verbose``; a failure is reported in the result, never raised: a

@@ -67,6 +67,21 @@ def option_defaults(table: Mapping[str, Any]) -> dict[str, Any]:
     return {key: _as_option(spec).default for key, spec in table.items()}
 
 
+def _owners(names: list[str], backend: str) -> str:
+    """Where ``names`` are options of other installed backends: "; 'isa' is an option of
+    backend 'cpu' (--backend cpu)", so a refusal says which backend has what was asked
+    for. Read from the plugins' option tables (modules that import no framework)."""
+    from polyengine.discovery import list_backends
+
+    found: dict[str, list[str]] = {}
+    for info in list_backends():
+        if info.name != backend and not info.broken:
+            for name in set(names) & set(info.option_table()):
+                found.setdefault(name, []).append(info.name)
+    return "".join(f"; {name!r} is an option of backend {' and '.join(map(repr, owners))} (--backend {owners[0]})"
+                   for name, owners in sorted(found.items()))
+
+
 def check_options(table: Mapping[str, Any], options: Mapping[str, Any], *, backend: str) -> dict[str, Any]:
     """``options`` checked against ``table``, with every unset option at its default.
 
@@ -75,8 +90,8 @@ def check_options(table: Mapping[str, Any], options: Mapping[str, Any], *, backe
     unknown = sorted(set(options) - set(table))
     if unknown:
         known = ", ".join(f"{k} (default {_as_option(v).default!r})" for k, v in table.items()) or "none"
-        raise InvalidRequest(f"unknown option(s) {unknown} for backend {backend!r}; its options: {known}",
-                             field=f"options.{unknown[0]}")
+        raise InvalidRequest(f"unknown option(s) {unknown} for backend {backend!r}{_owners(unknown, backend)}; its "
+                             f"options: {known}", field=f"options.{unknown[0]}")
     checked = {}
     for key, value in options.items():
         spec = _as_option(table[key])

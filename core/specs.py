@@ -65,6 +65,11 @@ class BackendSpec:
     engine with the default options would run on this machine (device, ISA, kernel and
     int8 paths, and for any fallback its reason and fix). It may import the framework
     and take seconds (e.g. build kernels); the listing without ``--verbose`` never calls it.
+
+    ``options`` (optional) is a ``"module:attribute"`` string naming the backend's option
+    table (what its engines' ``OPTIONS`` holds) in a module that imports no framework:
+    ``polyengine backends --verbose`` lists it, and another backend's refusal of an
+    unknown option names the backend that has it.
     """
 
     name: str
@@ -80,6 +85,7 @@ class BackendSpec:
     tolerances: str | None = None
     xfail: str | None = None
     diagnose: Callable[[], dict[str, str]] | str | None = None
+    options: str | None = None
 
     def problems(self) -> list[str]:
         """What is malformed about this spec (empty when it is fine)."""
@@ -110,6 +116,8 @@ class BackendSpec:
             val = getattr(self, attr)
             if not isinstance(val, int) or isinstance(val, bool):
                 out.append(f"{attr} must be an int")
+        if self.options is not None and (not isinstance(self.options, str) or ":" not in self.options):
+            out.append(f"options {self.options!r} must look like 'package.module:attribute'")
         for attr in ("extra", "install_hint", "accelerator", "tolerances", "xfail"):
             val = getattr(self, attr)
             if val is not None and not isinstance(val, str):

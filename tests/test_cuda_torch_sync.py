@@ -19,14 +19,14 @@ torch = pytest.importorskip("torch")
 from host_sync_probe import probing  # noqa: E402
 
 from polyengine import EngineConfig, Override, SamplingParams  # noqa: E402
-from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
+from polyengine.backends.cuda_torch.engine import CudaEngine  # noqa: E402
 from polyengine.backends.reference.engine import ReferenceEngine  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.sampling.masks import pack_mask  # noqa: E402
 
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64)
 # The torch path, on this thread (a dispatch mode is thread-local).
-TORCH_PATH = {"cpu_kernels": False, "fused_decode": False, "async_steps": False, "live_rows": False}
+TORCH_PATH = {"device": "cpu"}  # the device path, run on the CPU as a stand-in
 REQUESTS = [
     ([1, 5, 9, 4, 2], SamplingParams(temperature=0, max_tokens=20)),
     ([3, 3, 8], SamplingParams(seed=7, temperature=0.9, top_p=0.9, top_k=12, frequency_penalty=0.5,
@@ -39,14 +39,14 @@ def model():
     return load_model("random:tiny-gqa")
 
 
-def _device_tensors(engine: TorchEngine, params, state) -> list[torch.Tensor]:
+def _device_tensors(engine: CudaEngine, params, state) -> list[torch.Tensor]:
     """What lives on the device before the probe starts: weights and the decode state."""
     s = state.sampler.state.as_dict().values()
     return [*params.tensors.values(), state.k, state.v, *s, state.next_tokens, state.total, state.prompt_len,
             state.occupied]
 
 
-def _started(engine: TorchEngine):
+def _started(engine: CudaEngine):
     params, state = engine.load_params(), engine.init_decode_state()
     for slot, (prompt, sp) in enumerate(REQUESTS):
         prefix, _ = engine.prefill(params=params, tokens=prompt, sampling=sp)
@@ -55,7 +55,7 @@ def _started(engine: TorchEngine):
 
 
 def test_steps_inserts_and_overrides_take_no_host_data_and_never_sync(model):
-    eng = TorchEngine(model, CFG.model_copy(update={"options": TORCH_PATH}))
+    eng = CudaEngine(model, CFG.model_copy(update={"options": TORCH_PATH}))
     params, state = _started(eng)
     state, first = eng.generate(params, state)
     first.tokens  # read outside the probe: the driver reads results after queuing the next step
@@ -92,7 +92,7 @@ def test_the_device_counts_give_the_reference_tokens_with_an_override_and_a_full
     prompts = [[1, 5, 9, 4, 2], [40, 41]]
     sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # runs into the cache limit
     want = [c.token_ids for c in LLM.from_engine(ReferenceEngine(model, CFG), tools=False).generate(prompts, sp)]
-    got = [c.token_ids for c in LLM.from_engine(TorchEngine(model, CFG.model_copy(update={"options": TORCH_PATH})),
+    got = [c.token_ids for c in LLM.from_engine(CudaEngine(model, CFG.model_copy(update={"options": TORCH_PATH})),
                                                 tools=False).generate(prompts, sp)]
     assert got == want and len(got[1]) == CFG.max_cache_length - 2
 
@@ -104,9 +104,9 @@ def test_the_device_counts_give_the_reference_tokens_with_an_override_and_a_full
 def test_the_probe_flags_a_step_that_brings_host_data_in_or_syncs(model, monkeypatch, mistake):
     import numpy as np
 
-    eng = TorchEngine(model, CFG.model_copy(update={"options": TORCH_PATH}))
+    eng = CudaEngine(model, CFG.model_copy(update={"options": TORCH_PATH}))
     params, state = _started(eng)
-    step = TorchEngine._step
+    step = CudaEngine._step
 
     def planted(self, params, state, forced, live, positions, kv_len, num_top, words):
         if mistake == "torch.tensor of host lists":
@@ -123,7 +123,7 @@ def test_the_probe_flags_a_step_that_brings_host_data_in_or_syncs(model, monkeyp
             state.next_tokens.masked_fill(mask.to(self.torch_device), 0)
         return step(self, params, state, forced, live, positions, kv_len, num_top, words)
 
-    monkeypatch.setattr(TorchEngine, "_step", planted)
+    monkeypatch.setattr(CudaEngine, "_step", planted)
     with probing(_device_tensors(eng, params, state)) as probe:
         eng.generate(params, state)
     assert probe.findings, f"the probe missed {mistake!r}"

@@ -90,12 +90,12 @@ class _Torch:
         self.name = "cuda_torch" if kernels else "cuda_torch-no-kernels"
 
     def engine(self, model, options):
-        from polyengine.backends.cuda_torch.engine import TorchEngine
+        from polyengine.backends.cpu.engine import CpuEngine
         from polyengine.errors import FallbackWarning
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FallbackWarning)  # no kernels: on purpose here
-            return TorchEngine(model, CFG.model_copy(update={"options": {**options, "cpu_kernels": self.kernels}}))
+            return CpuEngine(model, CFG.model_copy(update={"options": {**options, "cpu_kernels": self.kernels}}))
 
     def stored(self, engine) -> dict[str, tuple[np.dtype, tuple, int]]:
         return {k: (np.dtype(str(t.dtype).replace("torch.", "")), tuple(t.shape), t.numel() * t.element_size())
@@ -200,10 +200,10 @@ def test_cuda_torch_int8_holds_the_int8_copies_instead_of_the_float_matrices():
 
 
 def test_cuda_torch_checks_the_memory_it_really_allocates(model, monkeypatch):
-    from polyengine.backends.cuda_torch.engine import TorchEngine
+    from polyengine.backends.cpu.engine import CpuEngine
 
     needs = {}
-    monkeypatch.setattr(TorchEngine, "check_memory", lambda self, n, **kw: needs.update(n))
+    monkeypatch.setattr(CpuEngine, "check_memory", lambda self, n, **kw: needs.update(n))
     fresh = load_model("random:tiny-gqa")
     _Torch(True).engine(fresh, {"quantize": "int8"}).load_params()
     int8 = {k: v for k, v in needs.items() if k.startswith("int8 copies")}

@@ -1,12 +1,13 @@
-"""The cuda_torch kernel cache follows ``polyengine.cache``: a library is ``dlopen``'ed only
+"""The cpu backend's kernel cache follows ``polyengine.cache``: a library is ``dlopen``'ed only
 when this user's signed record matches it; a truncated, empty, planted or foreign one is
 compiled again, and a cache directory others can write is refused with the fix.
 
 Each test has a private cache of its own and a stand-in compiler (``CXX``) that copies
 the real library, built once for this host, to its ``-o`` target and counts its runs, so
-a rebuild costs a copy, not a compile. A damaged entry is made before anything at its
-path is loaded in this process: truncating a library some process has mapped is what
-SIGBUSes that process, and is exactly what the cache must never lead to.
+a rebuild costs a copy, not a compile (``--version``, asked for the cache key, is not
+counted). A damaged entry is made before anything at its path is loaded in this
+process: truncating a library some process has mapped is what SIGBUSes that process,
+and is exactly what the cache must never lead to.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytest.importorskip("torch")
 from polyengine.cache import check, store  # noqa: E402
 from polyengine.errors import FallbackWarning  # noqa: E402
 
-from polyengine.backends.cuda_torch import cpu_kernels  # noqa: E402
+from polyengine.backends.cpu import kernels as cpu_kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,7 @@ def cache(tmp_path, monkeypatch, real_library):
     log = tmp_path / "compiles.log"
     cxx = tmp_path / "fake-c++"
     cxx.write_text("#!/bin/sh\n"
+                   '[ "$1" = --version ] && { echo "fake-c++ 1.0"; exit 0; }\n'
                    'while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
                    f"echo compiled >> '{log}'\n"
                    f"cp '{real_library}' \"$out\"\n")
@@ -140,14 +142,14 @@ def test_a_cache_others_can_write_is_refused_and_the_engine_says_the_fix(cache):
     from polyengine import EngineConfig
     from polyengine.models import load_model
 
-    from polyengine.backends.cuda_torch.engine import TorchEngine
+    from polyengine.backends.cpu.engine import CpuEngine
 
     (cache.root / "kernels").mkdir(parents=True)
     os.chmod(cache.root / "kernels", 0o777)
     with pytest.raises(cpu_kernels.KernelsUnavailable, match="writable by group and others.*fix: chmod 700"):
         cpu_kernels.load(1)
     with pytest.warns(FallbackWarning, match="torch's matmul.*fix: chmod 700"):
-        eng = TorchEngine(load_model("random:tiny"), EngineConfig(max_slots=1, max_prefill_length=16, max_cache_length=32))
+        eng = CpuEngine(load_model("random:tiny"), EngineConfig(max_slots=1, max_prefill_length=16, max_cache_length=32))
     assert eng.speed_paths()["decode"].endswith("(FALLBACK)") and "chmod 700" in eng.speed_paths()["kernels"]
     assert cache.compiles == 0
 
@@ -158,16 +160,16 @@ def test_without_a_compiler_the_engine_warns_with_the_fix_and_says_so_at_startup
     from polyengine import create_engine
 
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(cpu_kernels.KernelsUnavailable, match="no C\\+\\+ compiler found.*fix: install one"):
         cpu_kernels.load(1)
     with caplog.at_level(logging.INFO, logger="polyengine"), \
             pytest.warns(FallbackWarning, match="apt-get install g\\+\\+"):
-        eng = create_engine("cuda_torch", model="random:tiny", max_slots=1, max_prefill_length=16,
+        eng = create_engine("cpu", model="random:tiny", max_slots=1, max_prefill_length=16,
                             max_cache_length=32)
     paths = eng.speed_paths()
     assert paths["decode"].endswith("(FALLBACK)") and "install one" in paths["kernels"]
     # the startup lines: a warning naming the fix, and the paths on the polyengine logger
     assert any(r.levelno == logging.WARNING and "apt-get install g++" in r.getMessage() for r in caplog.records)
-    assert any(r.name == "polyengine" and "backend cuda_torch: device: cpu" in r.getMessage()
+    assert any(r.name == "polyengine" and "backend cpu: device: cpu" in r.getMessage()
                and "FALLBACK" in r.getMessage() for r in caplog.records)

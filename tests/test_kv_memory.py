@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
-from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
+from polyengine.backends.cpu.engine import CpuEngine  # noqa: E402
 from polyengine.backends.torch_common.hostmem import lazy, new_cache_tensor, release_row, resident_bytes  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 
@@ -22,13 +22,13 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pa
 PAGE = 4096
 
 
-def _engine(mode: str, **options) -> TorchEngine:
+def _engine(mode: str, **options) -> CpuEngine:
     model = load_model("random:tiny")  # 2 layers, 4 KV heads of 16: 128 KiB a (layer, slot) at 512 positions
     cfg = EngineConfig(max_slots=4, max_cache_length=512, options={"kv_memory": mode, **options})
-    return TorchEngine(model, cfg)
+    return CpuEngine(model, cfg)
 
 
-def _run(eng: TorchEngine, probe=None) -> list[list[int]]:
+def _run(eng: CpuEngine, probe=None) -> list[list[int]]:
     """A long sampled request in slot 0, freed; then two short ones in slots 0 and 2
     (slot 0's pages given back in between), one greedy, one sampled; returns every
     slot's tokens."""
@@ -106,7 +106,7 @@ def test_release_keeps_pages_shared_with_a_neighbouring_row():
 # -- kv_dtype: K/V stored as bfloat16 or float16 under float32 compute ------------------------
 
 
-def _logits_run(eng: TorchEngine, steps: int = 24):
+def _logits_run(eng: CpuEngine, steps: int = 24):
     """Greedy decode of one prompt in slot 1; returns (tokens, last step's logprobs of
     the top tokens, the state)."""
     params, state = eng.load_params(), eng.init_decode_state()
@@ -190,9 +190,9 @@ def test_a_narrow_kv_cache_is_refused_where_compute_is_not_float32():
 
     model = load_model("random:tiny")
     with pytest.raises(UnsupportedFeature, match="kv_dtype='float16' with dtype bfloat16"):
-        TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype="bfloat16",
+        CpuEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype="bfloat16",
                                         options={"kv_dtype": "float16"}))
-    eng = TorchEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype="bfloat16",
+    eng = CpuEngine(model, EngineConfig(max_slots=2, max_cache_length=64, dtype="bfloat16",
                                           options={"kv_dtype": "bfloat16"}))  # the compute dtype itself: fine
     assert eng.init_decode_state().k.dtype == torch.bfloat16
 

@@ -150,8 +150,8 @@ def test_the_wheel_has_every_file_a_kernel_source_includes(wheel_files):
     """The CPU kernels compile at run time from the installed package: every source and
     everything it ``#include "..."``s must be in the wheel (parallel.h once was not, so
     every pip install fell back to torch's matmul)."""
-    kernels = ROOT / "backends" / "cuda_torch" / "kernels"
-    prefix = "polyengine/backends/cuda_torch/kernels/"
+    kernels = ROOT / "backends" / "cpu" / "csrc"
+    prefix = "polyengine/backends/cpu/csrc/"
     sources = [p for p in kernels.iterdir() if p.suffix in (".cpp", ".h")]
     needed = {p.name for p in sources}
     for p in sources:

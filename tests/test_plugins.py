@@ -76,7 +76,7 @@ def test_unavailable_backend_says_why_and_how_to_fix():
 
 def test_auto_prefers_present_accelerators_by_their_priority_then_cpu_priority():
     """The order is data the specs carry (accelerator_priority, priority), not a list in core."""
-    register_plugin(MockPlugin("cpu_fast", priority=50), "p1")
+    register_plugin(MockPlugin("cpu_fast", priority=70), "p1")  # above the cpu backend (60)
     assert select_backend("auto").name == "cpu_fast"
     register_plugin(MockPlugin("cudaish", accelerator=True, kind="cuda", accelerator_priority=100, priority=10), "p2")
     assert select_backend("auto").name == "cudaish"
@@ -92,7 +92,7 @@ def test_auto_prefers_present_accelerators_by_their_priority_then_cpu_priority()
 
 def test_auto_without_accelerators_ranks_cpu_paths_by_priority():
     register_plugin(MockPlugin("jaxish", kind="tpu", accelerator_priority=300, priority=40), "q1")
-    register_plugin(MockPlugin("torchish", kind="cuda", accelerator_priority=100, priority=60), "q2")
+    register_plugin(MockPlugin("torchish", kind="cuda", accelerator_priority=100, priority=65), "q2")
     assert select_backend("auto").name == "torchish"
 
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
-from polyengine.backends.cuda_torch.engine import TorchEngine  # noqa: E402
+from polyengine.backends.cpu.engine import CpuEngine  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
 from polyengine.errors import UnsupportedFeature  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
@@ -127,7 +127,7 @@ def model():
 
 
 def _prefill_logits(model, options, tokens):
-    eng = TorchEngine(model, CFG.model_copy(update={"options": options}))
+    eng = CpuEngine(model, CFG.model_copy(update={"options": options}))
     prefix, _ = eng.prefill(params=eng.load_params(), tokens=tokens, sampling=SamplingParams(temperature=0))
     return eng, prefix.logits.double()
 
@@ -144,7 +144,7 @@ def test_the_engine_prefills_on_the_kernel_as_on_sdpa(model, extra):
     eng, on = _prefill_logits(model, {**extra, "prefill_attention": "kernel"}, PROMPTS[0])
     _, off = _prefill_logits(model, {**extra, "prefill_attention": "sdpa"}, PROMPTS[0])
     want = "bfloat16" if extra else "float32"
-    assert eng.prefill_attention == want
+    assert eng.plan.prefill_attention == want
     assert "causal attention on the host kernel" in eng.speed_paths()["prefill"]
     rel = ((on - off).norm() / off.norm()).item()
     assert rel < (2e-2 if extra else 1e-5), rel
@@ -152,7 +152,7 @@ def test_the_engine_prefills_on_the_kernel_as_on_sdpa(model, extra):
     sp = SamplingParams(temperature=0, max_tokens=8)
     runs = []
     for choice in ("kernel", "sdpa"):
-        e = TorchEngine(model, CFG.model_copy(update={"options": {**extra, "prefill_attention": choice}}))
+        e = CpuEngine(model, CFG.model_copy(update={"options": {**extra, "prefill_attention": choice}}))
         runs.append([c.token_ids for c in LLM.from_engine(e, tools=False).generate(PROMPTS, sp)])
     if not extra:
         assert runs[0] == runs[1]
@@ -162,34 +162,34 @@ def test_the_engine_prefills_on_the_kernel_as_on_sdpa(model, extra):
 
 
 def test_auto_picks_the_kernel_on_avx512_kernels_only(model):
-    auto = TorchEngine(model, CFG)
+    auto = CpuEngine(model, CFG)
     kern = kernels_for("auto")
-    assert auto.prefill_attention == ("float32" if kern.vector_width == 16 else None)
+    assert auto.plan.prefill_attention == ("float32" if kern.vector_width == 16 else None)
     kernels_for("avx2")  # skips where this CPU cannot execute the path
-    eng = TorchEngine(model, CFG.model_copy(update={"options": {"isa": "avx2"}}))
-    assert eng._kernels.isa == "avx2" and eng.prefill_attention is None
+    eng = CpuEngine(model, CFG.model_copy(update={"options": {"isa": "avx2"}}))
+    assert eng._kernels.isa == "avx2" and eng.plan.prefill_attention is None
     assert "causal attention on torch's SDPA" in eng.speed_paths()["prefill"]
-    forced = TorchEngine(model, CFG.model_copy(update={"options": {"isa": "avx2", "prefill_attention": "kernel"}}))
-    assert forced.prefill_attention == "float32"
-    eager = TorchEngine(model, CFG.model_copy(update={"options": {"attention": "eager"}}))
-    assert eager.prefill_attention is None
+    forced = CpuEngine(model, CFG.model_copy(update={"options": {"isa": "avx2", "prefill_attention": "kernel"}}))
+    assert forced.plan.prefill_attention == "float32"
+    eager = CpuEngine(model, CFG.model_copy(update={"options": {"attention": "eager"}}))
+    assert eager.plan.prefill_attention is None
 
 
 def test_a_forced_kernel_where_it_cannot_run_is_refused(model):
-    with pytest.warns(Warning), pytest.raises(UnsupportedFeature, match="cpu_kernels=False"):
-        TorchEngine(model, CFG.model_copy(update={"options": {"cpu_kernels": False, "prefill_attention": "kernel"}}))
+    with pytest.raises(UnsupportedFeature, match="cpu_kernels=False"):  # refused before any fallback warning
+        CpuEngine(model, CFG.model_copy(update={"options": {"cpu_kernels": False, "prefill_attention": "kernel"}}))
     deep = load_model("random:tiny-deep")  # head_dim 8
     kern = kernels_for("auto")
     if kern.vector_width == 16:
         with pytest.raises(UnsupportedFeature, match="head_dim 8 is not a multiple of 16"):
-            TorchEngine(deep, CFG.model_copy(update={"options": {"prefill_attention": "kernel"}}))
-        assert TorchEngine(deep, CFG).prefill_attention is None  # auto: SDPA, silently right
+            CpuEngine(deep, CFG.model_copy(update={"options": {"prefill_attention": "kernel"}}))
+        assert CpuEngine(deep, CFG).plan.prefill_attention is None  # auto: SDPA, silently right
 
 
 def test_a_continued_prefill_uses_sdpa_and_agrees(model):
     """A prefill after a cached prefix (queries not from position 0) is not causal from
     scratch: it runs the masked attention, and continues what one whole prefill gives."""
-    eng = TorchEngine(model, CFG.model_copy(update={"options": {"prefill_attention": "kernel"}}))
+    eng = CpuEngine(model, CFG.model_copy(update={"options": {"prefill_attention": "kernel"}}))
     params, greedy = eng.load_params(), SamplingParams(temperature=0)
     whole, _ = eng.prefill(params=params, tokens=PROMPTS[0], sampling=greedy)
     first, _ = eng.prefill(params=params, tokens=PROMPTS[0][:40], sampling=greedy)

@@ -381,16 +381,16 @@ def test_on_a_cache_that_grows_the_default_budget_is_what_the_slots_leave(tiny):
     explicit budget, or a reserved cache, keeps a budget of its own."""
     pytest.importorskip("torch")
     base = dict(max_slots=2, max_prefill_length=96, max_cache_length=128, options={"cpu_kernels": False})
-    grow = LLM(tiny, backend="cuda_torch", tools=False, **base)
+    grow = LLM(tiny, backend="cpu", tools=False, **base)
     eng, cache = grow.engine, grow.scheduler.prefix_cache
     slots_kv = eng.kv_bytes(2 * 128)
     assert eng.prefix_cache_shares_kv and eng.prefix_cache_bytes == slots_kv
     for other in (dict(prefix_cache_bytes=slots_kv), dict(options={"cpu_kernels": False, "kv_memory": "reserve"})):
-        separate = LLM(tiny, backend="cuda_torch", tools=False, **{**base, **other}).engine
+        separate = LLM(tiny, backend="cpu", tools=False, **{**base, **other}).engine
         assert not separate.prefix_cache_shares_kv
         # counted beside the cache; shared, it lies within the KV cache's own bytes (counted once)
         assert separate.check_memory({}) - eng.check_memory({}) == separate.prefix_cache_bytes == slots_kv
-    off = LLM(tiny, backend="cuda_torch", tools=False, prefix_cache_bytes=0, **base)
+    off = LLM(tiny, backend="cpu", tools=False, prefix_cache_bytes=0, **base)
     rng = np.random.default_rng(3)
     short = [rng.integers(3, 280, 40).tolist() for _ in range(3)]
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

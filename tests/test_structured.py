@@ -207,7 +207,7 @@ _SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 
 # static shape: one prefill bucket and one attention length (whole prompts, no prefix
 # cache) make its server's warm-up two graphs instead of the default's dozen.
 _SERVE_FLAGS = {
-    "reference": [], "cuda_torch": [], "tpu_jax": [],
+    "reference": [], "cpu": [], "tpu_jax": [],
     "neuron": ["--prefill-buckets", "1024", "--option", "seq_buckets=[1024]", "--prefill-chunk", "0"],
 }
 

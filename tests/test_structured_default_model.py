@@ -53,7 +53,7 @@ def _schemas() -> list[dict]:
 
 
 def test_fifty_json_schemas_all_validate():
-    llm = LLM(backend="cuda_torch", max_slots=25, max_cache_length=384, max_prefill_length=256)
+    llm = LLM(backend="cpu", max_slots=25, max_cache_length=384, max_prefill_length=256)
     schemas = _schemas()
     prompts = [llm.apply_chat_template([{"role": "user", "content": f"Describe a {_NAMES[i % 5]} as JSON."}])
                for i in range(50)]
@@ -74,7 +74,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    s = LiveServer(["--backend", "cuda_torch", "--max-slots", "2", "--context-length", "1024"],
+    s = LiveServer(["--backend", "cpu", "--max-slots", "2", "--context-length", "1024"],
                    tmp_path_factory.mktemp("serve") / "server.log", start_timeout=180)
     yield openai.OpenAI(base_url=s.api, api_key="unused", max_retries=0, timeout=120)
     assert s.stop() == 0, s.log()

@@ -119,7 +119,7 @@ def test_third_party_backend_is_selected_built_and_run(acme):
         import polyengine
         from polyengine.errors import PluginError, BackendUnavailable
         from mock_engine import tiny_model
-        assert polyengine.select_backend("auto").name == "acme"  # priority 80 beats cuda_torch (50) and the reference (0)
+        assert polyengine.select_backend("auto").name == "acme"  # priority 80 beats cpu (60) and the reference (0)
         engine = polyengine.create_engine("acme", model=tiny_model(), max_slots=1, max_prefill_length=4, max_cache_length=8)
         prefix, first = engine.prefill(params=engine.load_params(), tokens=[1, 2], sampling=polyengine.SamplingParams(temperature=0))
         print("first", int(first.tokens[0, 0]))

@@ -66,12 +66,12 @@ def test_listing_backends_imports_no_jax_torch_or_ray():
                          "assert bs['tpu_jax'].probe().available and bs['tpu_jax_ray'].probe().available")
 
 
-def test_a_present_tpu_ranks_first_and_the_cpu_path_below_cuda_torch(monkeypatch):
+def test_a_present_tpu_ranks_first_and_its_cpu_path_below_the_cpu_backend(monkeypatch):
     reset_registry()
     try:
-        assert polyengine.select_backend("auto").name == "cuda_torch"  # no TPU, no GPU here
+        assert polyengine.select_backend("auto").name == "cpu"  # no TPU, no GPU here
         order = {b.name: b.spec.priority for b in polyengine.list_backends()}
-        assert order["reference"] < order["tpu_jax"] < order["cuda_torch"]
+        assert order["reference"] < order["tpu_jax"] < order["cpu"]
         monkeypatch.setattr(plugin, "tpu_devices", lambda: ["/dev/vfio/0"])
         monkeypatch.setattr(plugin, "libtpu_installed", lambda: True)
         reset_registry()
@@ -256,9 +256,9 @@ def test_portable_prefixes_cross_backends_both_ways(model, engine, other):
         peer = ReferenceEngine(model, CFG)
     else:
         pytest.importorskip("torch")
-        from polyengine.backends.cuda_torch.engine import TorchEngine
+        from polyengine.backends.cpu.engine import CpuEngine
 
-        peer = TorchEngine(model, CFG)
+        peer = CpuEngine(model, CFG)
     prompt, sp = [1, 9, 4, 4, 7, 2], SamplingParams(temperature=0, seed=5, ignore_eos=True)
     for src, dst in ((peer, engine), (engine, peer)):
         prefix, _ = src.prefill(params=src.load_params(), tokens=prompt, sampling=sp)

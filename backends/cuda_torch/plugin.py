@@ -1,6 +1,6 @@
 """Registers the cuda_torch backend. Imports nothing heavy: torch is found with
 ``importlib.util.find_spec`` and a GPU by its device files or NVML, never by starting
-CUDA (``torch.cuda.is_available()`` would initialise a runtime at discovery)."""
+a runtime (``torch.cuda.is_available()`` would initialise one at discovery)."""
 
 from __future__ import annotations
 
@@ -33,13 +33,32 @@ def cuda_devices() -> list[str]:
     return sorted(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def rocm_devices() -> list[str]:
+    """AMD GPUs through ROCm (torch's HIP build runs them as the ``cuda`` device type):
+    the kernel driver's ``/dev/kfd`` plus its render nodes, hidden by
+    ``HIP_VISIBLE_DEVICES``/``ROCR_VISIBLE_DEVICES`` set empty."""
+    for var in ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        visible = os.environ.get(var)
+        if visible is not None and visible.strip() in ("", "-1"):
+            return []
+    if not os.path.exists("/dev/kfd"):
+        return []
+    return sorted(glob.glob("/dev/dri/renderD*")) or ["/dev/kfd"]
+
+
 def probe() -> Probe:
     if importlib.util.find_spec("torch") is None:
         return Probe(False, False, "PyTorch is not installed")
     gpus = cuda_devices()
     if gpus:
         return Probe(True, True, f"CUDA: {len(gpus)} NVIDIA GPU(s) ({gpus[0]}); will use cuda:0")
-    return Probe(True, False, "no NVIDIA GPU found (no /dev/nvidiaN): will run PyTorch on the CPU")
+    amd = rocm_devices()
+    if amd:
+        return Probe(True, True, f"ROCm: AMD GPU(s) ({len(amd)} device node(s)); will use cuda:0 through torch's HIP "
+                                 f"build")
+    return Probe(True, False, "no GPU found (no /dev/nvidiaN, no /dev/kfd): use backend 'cpu'; by name, with "
+                              "option device='cpu', it runs its device path on the CPU as a test stand-in",
+                 by_name_only=True)
 
 
 @hookimpl
@@ -47,13 +66,13 @@ def polyengine_backends():
     return [
         BackendSpec(
             name="cuda_torch",
-            description="PyTorch: CUDA on NVIDIA GPUs, the CPU otherwise (float32 there).",
+            description="PyTorch on a GPU: NVIDIA (CUDA) or AMD (ROCm).",
             protocol_version=PROTOCOL_VERSION,
             probe=probe,
             factory="polyengine.backends.cuda_torch.engine:create_engine",
-            diagnose="polyengine.backends.cuda_torch.paths:diagnose",
+            diagnose="polyengine.backends.cuda_torch.engine:diagnose",
+            options="polyengine.backends.cuda_torch.options:OPTIONS",
             extra="cuda",
-            # Above the NumPy reference on any CPU; a present GPU ranks it among accelerators.
             priority=50,
             accelerator="cuda",
             accelerator_priority=100,

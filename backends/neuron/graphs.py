@@ -66,6 +66,7 @@ from polyengine.models import ModelConfig
 
 from polyengine.backends.torch_common.model import StepSpec, TorchWeights, forward
 from polyengine.backends.torch_common.sampling import SamplerFlags, SamplerState, sample
+from polyengine.backends.torch_common.transfer import pack_results
 
 __all__ = ["ContextEncoding", "ContextContinuation", "TokenGeneration", "SAMPLER_FIELDS", "result_layout"]
 
@@ -199,14 +200,10 @@ class TokenGeneration(torch.nn.Module):
         last_token = st.last_token.index_put((seq_ids,), torch.where(emit > 0, latest, st.last_token[seq_ids]))
 
         n = self.num_top
-        block = torch.cat([
-            torch.where(valid, drawn, torch.zeros_like(drawn)).to(torch.int32),
-            valid.to(torch.int32),
-            torch.zeros_like(emit, dtype=torch.int32)[:, None],  # lengths: filled for every slot below
-            res.logprobs.to(torch.float32).reshape(-1, t).view(torch.int32),
-            res.top_ids.to(torch.int32).reshape(-1, t * n),
-            res.top_logprobs.to(torch.float32).reshape(-1, t * n).view(torch.int32),
-        ], dim=1)  # (B, width)
+        block = pack_results(  # (B, width); lengths filled for every slot below
+            result_layout(t, n), tokens=torch.where(valid, drawn, torch.zeros_like(drawn)), valid=valid,
+            lengths=torch.zeros_like(emit), logprobs=res.logprobs, top_ids=res.top_ids,
+            top_logprobs=res.top_logprobs)
         packed = torch.zeros((occupied.shape[0], block.shape[1]), dtype=torch.int32, device=dev).index_put((seq_ids,), block)
         lengths = torch.where(occupied, new_step, torch.zeros_like(new_step)).to(torch.int32)[:, None]
         packed = torch.cat([packed[:, : 2 * t], lengths, packed[:, 2 * t + 1:]], dim=1)  # (R, width)

@@ -51,7 +51,7 @@ class ReferenceParams:
         exactly, float32 gets them rounded once; so a quantized model is judged like any other."""
         c = model.config
         w = {name: model.weight(name, formats).to_float(dtype) for name in model.records}
-        head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
+        head = w[c.head_weight]
         inv = {"global": c.rope_inv_freq(context=context), "local": c.rope_inv_freq(local=True, context=context)}
         return cls(c, np.dtype(dtype), w, head, inv, c.rope_attention_factor())
 

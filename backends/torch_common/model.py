@@ -83,12 +83,13 @@ import torch.nn.functional as F
 
 from polyengine.models import Model, ModelConfig
 
+from polyengine.backends.torch_common.options import ATTENTION_IMPLS
+
 __all__ = [
     "TorchWeights", "StepSpec", "forward", "attention_block", "mlp_block", "kv_write", "kv_read", "lm_head", "StepModule",
     "KVCodec", "CastKVCodec", "rms_norm", "ATTENTION_IMPLS", "MOE_IMPLS", "moe_block",
 ]
 
-ATTENTION_IMPLS = ("sdpa", "eager")
 MOE_IMPLS = ("gather", "sparse")
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -551,7 +552,7 @@ def lm_head(weights: TorchWeights, spec: StepSpec, x: torch.Tensor) -> torch.Ten
     c, t = weights.config, weights.tensors
     x = _norm(weights, x, "model.norm")
     if spec.linear is None:
-        logits = F.linear(x, t.get("lm_head.weight", t["model.embed_tokens.weight"]))  # (B, [T,] vocab)
+        logits = F.linear(x, t[weights.config.head_weight])  # (B, [T,] vocab)
     else:
         logits = spec.linear(t, x, "lm_head")
     logits = logits.float() if logits.dtype in _HALF else logits

@@ -27,7 +27,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["to_device", "fill_row"]
+__all__ = ["to_device", "fill_row", "pack_results"]
+
+# The packed result fields that hold float32 values (bit-cast to int32 in the buffer).
+_FLOAT_FIELDS = frozenset({"logprobs", "top_logprobs"})
 
 
 def to_device(values: np.ndarray | Sequence[Any] | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -53,3 +56,18 @@ def to_device(values: np.ndarray | Sequence[Any] | torch.Tensor, device: torch.d
 def fill_row(tensor: torch.Tensor, row: int, value: Any) -> None:
     """``tensor[row] = value`` for a Python number, as a fill kernel on the tensor's device."""
     tensor.narrow(0, int(row), 1).fill_(value)
+
+
+def pack_results(layout: Any, **fields: torch.Tensor) -> torch.Tensor:
+    """A step's results as one int32 buffer ``(rows, layout.width)`` on the device, each
+    field (``tokens``, ``valid``, ``lengths``, and with log-probs ``logprobs``,
+    ``top_ids``, ``top_logprobs``) placed at the columns of ``layout`` (a
+    :class:`~polyengine.engine.ResultLayout`), float fields bit-cast: the one place a
+    torch backend writes the protocol's packed layout."""
+    rows = fields["tokens"].numel() // layout.k
+    parts = []
+    for name, cols in layout.columns.items():
+        value = fields[name].reshape(rows, cols.stop - cols.start)
+        parts.append(value.to(torch.float32).contiguous().view(torch.int32) if name in _FLOAT_FIELDS
+                     else value.to(torch.int32))
+    return torch.cat(parts, dim=1)

@@ -12,7 +12,7 @@ bytes to their nodes, and each imports (checking the fingerprint) and inserts. A
 that continues a prefix (``existing_prefix``) goes to a prefill worker with that
 prefix's ref: the worker imports it, continues it, and exports the longer prefix. Since
 the hand-off is the portable format, a prefix exported by any backend (the reference,
-cuda_torch) can be inserted here, and ours there.
+cpu) can be inserted here, and ours there.
 
 The prefix lives as long as the leader's handle: the object store frees the bytes
 when the last reference goes.

@@ -4,7 +4,7 @@ with ``importlib.util.find_spec``, and a TPU by its device files (``/dev/accel*`
 would grab the TPU at discovery).
 
 - ``tpu_jax``: the single-process engine. Accelerator ``tpu`` when a TPU is present
-  (ranked above CUDA); otherwise a CPU path ranked below ``cuda_torch``.
+  (ranked above CUDA); otherwise a CPU path ranked below the ``cpu`` backend.
 - ``tpu_jax_ray``: the same engine as a multi-host JAX program on Ray workers (a
   leader engine here, one worker per host); needs ray as well. Never picked by
   ``backend="auto"`` (priority below the NumPy reference): it is chosen by name.
@@ -70,7 +70,7 @@ def polyengine_backends():
             diagnose="polyengine.backends.tpu_jax.observe:diagnose",
             extra="tpu",
             # A present TPU ranks first among accelerators (CUDA is 100); on the CPU it
-            # ranks below cuda_torch (50) and above the NumPy reference (0).
+            # ranks below cpu (60) and cuda_torch (50) and above the NumPy reference (0).
             priority=40,
             accelerator="tpu",
             accelerator_priority=300,

@@ -2,7 +2,7 @@
 
 Weights (option ``quantize``): every projection and the LM head become ``<name>.qweight``
 (int8, ``[out, in]``) and ``<name>.scale`` (float32), made by the core's one quantizer
-and mode table (:mod:`polyengine.models.quantize`, the same as ``cuda_torch``'s): one
+and mode table (:mod:`polyengine.models.quantize`, the same as the ``cpu`` backend's): one
 scale per output channel (``"int8"``) or one per 32 weights of a row
 (``"int8-block32"``). The float matrices are dropped; the embedding table stays float
 (it is a lookup). :func:`int8_linear` is the shared model's ``linear`` hook that reads them:

@@ -44,24 +44,15 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from polyengine.models.architectures import TABLE
 from polyengine.limits import (MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS,
                                MAX_POSITIONS, MAX_VOCAB)
 
 __all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "ARCHITECTURES", "LLAMA_FAMILY"]
 
-# HF model_type -> the architectures (config.json "architectures") we accept for it.
-SUPPORTED_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM",),
-    "qwen2": ("Qwen2ForCausalLM",),
-    "qwen3": ("Qwen3ForCausalLM",),
-    "mistral": ("MistralForCausalLM",),
-    "gemma2": ("Gemma2ForCausalLM",),
-    "gemma3_text": ("Gemma3ForCausalLM",),
-    "phi3": ("Phi3ForCausalLM",),
-    "mixtral": ("MixtralForCausalLM",),
-    "qwen3_moe": ("Qwen3MoeForCausalLM",),
-    "nanochat": ("GPT",),
-}
+# HF model_type -> the architectures (config.json "architectures") we accept for it
+# (declared with every other per-architecture feature in polyengine.models.architectures).
+SUPPORTED_ARCHITECTURES = {a.model_type: a.hf_classes for a in TABLE.values()}
 # Every model_type the loader accepts; what a backend may declare (Capabilities.architectures).
 ARCHITECTURES: tuple[str, ...] = tuple(SUPPORTED_ARCHITECTURES)
 # The architectures every backend ran before the others existed: a backend that declares
@@ -274,6 +265,12 @@ class ModelConfig(BaseModel):
         if not self.attention_bias:
             return False
         return proj != "o_proj" or self.model_type == "llama"
+
+    @property
+    def head_weight(self) -> str:
+        """The tensor the LM head multiplies by: the embedding table of a tied model, else
+        ``lm_head.weight`` (the one place this is chosen)."""
+        return "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the model needs, HF names and layouts (``[out, in]``). Experts are

@@ -26,6 +26,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from polyengine.errors import ModelConfigError
+from polyengine.models.architectures import TABLE, Architecture, by_gguf_name
 from polyengine.limits import MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB
 from polyengine.models.metadata import Fields, read_json, shown
 
@@ -86,12 +87,13 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
         raise ModelConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
     if model_type == "nanochat":
         return _build({**_nanochat_fields(f), "model_type": "nanochat"}, source)
-    gemma = model_type in ("gemma2", "gemma3_text")
-    act = f.string("hidden_activation", None) if gemma else None
-    act = act or f.string("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
-    if act not in _ACTIVATIONS or (act != "silu" and not gemma):
+    arch = TABLE[model_type]
+    hf_names = {ours: hf for hf, ours in _ACTIVATIONS.items()}
+    act = f.string("hidden_activation", None) if arch.gemma else None
+    act = act or f.string("hidden_act", hf_names[arch.activations[0]])
+    if _ACTIVATIONS.get(act) not in arch.activations:
         raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported for {model_type} (only "
-                               f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
+                               f"{' or '.join(hf_names[a] for a in arch.activations)})")
     if f.number("partial_rotary_factor", 1.0, above=0.0, max=1.0) != 1.0:
         raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
     if f.boolean("use_bidirectional_attention", False):
@@ -103,9 +105,9 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
     head_dim = f.integer("head_dim", None, min=2, max=MAX_HEAD_DIM)
     if head_dim is None:
         head_dim = hidden // heads
-    theta, scaling, local_theta = _rope_from_hf(f, model_type)
+    theta, scaling, local_theta = _rope_from_hf(f, arch)
     # LlamaConfig's own defaults apply when a key is absent (BOS 1, EOS 2); Qwen2 has none.
-    llama = model_type == "llama"
+    llama = arch.llama_token_defaults
     pad = f.integer("pad_token_id", None)
     values = dict(
         model_type=model_type,
@@ -122,19 +124,20 @@ def config_from_hf(hf: Any, *, source: str = "config.json") -> "ModelConfig":
         rope_theta=theta,
         rope_scaling=scaling,
         rope_local_theta=local_theta,
-        tie_word_embeddings=f.boolean("tie_word_embeddings", gemma),
+        tie_word_embeddings=f.boolean("tie_word_embeddings", arch.tied_by_default),
         # Qwen2's modeling code always builds q/k/v biases and never an MLP bias,
         # whatever the config says; Llama's flags put a bias on all four projections.
-        attention_bias=_attention_bias(f, model_type),
-        mlp_bias=False if not llama else f.boolean("mlp_bias", False),
+        attention_bias=arch.attention_bias == "always" or (
+            arch.attention_bias == "flag" and f.boolean("attention_bias", False)),
+        mlp_bias=arch.mlp_bias_flag and f.boolean("mlp_bias", False),
         bos_token_id=f.integer("bos_token_id", 1 if llama and vocab > 1 else None, min=0, max=vocab - 1),
         eos_token_ids=tuple(dict.fromkeys(_token_ids(f, "eos_token_id", vocab, (2,) if llama and vocab > 2 else ()))),
         pad_token_id=pad if pad is not None and 0 <= pad < vocab else None,
         hidden_act=_ACTIVATIONS[act],
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-        **_window_fields(f, model_type, layers),
-        **_gemma_fields(f, model_type),
-        **_moe_fields(f, model_type, layers),
+        qk_norm=arch.qk_norm,
+        **_window_fields(f, arch, layers),
+        **_gemma_fields(f, arch),
+        **_moe_fields(f, arch, layers),
     )
     return _build(values, source)
 
@@ -164,27 +167,19 @@ def _nanochat_fields(f: Fields) -> dict[str, Any]:
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _attention_bias(f: Fields, model_type: str) -> bool:
-    if model_type == "qwen2":
-        return True
-    if model_type in ("llama", "qwen3", "qwen3_moe"):
-        return f.boolean("attention_bias", False)
-    return False  # Mistral, Mixtral, Gemma 2/3 and Phi-3 have no attention biases
-
-
-def _window_fields(f: Fields, model_type: str, layers: int) -> dict[str, Any]:
+def _window_fields(f: Fields, arch: Architecture, layers: int) -> dict[str, Any]:
     """``sliding_window`` and ``layer_types``, as transformers reads them per family:
     Mistral, Mixtral and Phi-3 slide every layer when ``sliding_window`` is set; Qwen2/3
     only with ``use_sliding_window`` (layers from ``max_window_layers`` on); Gemma by
     ``layer_types`` (or its alternation: every 2nd layer global in Gemma 2, every
     ``sliding_window_pattern``-th in Gemma 3)."""
     window = f.integer("sliding_window", None, min=1, max=MAX_POSITIONS)
-    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
-    if qwen and not f.boolean("use_sliding_window", False):
+    if arch.sliding == "qwen" and not f.boolean("use_sliding_window", False):
         return {}
-    if window is None or model_type == "llama":
-        if model_type == "llama" and window is not None:
-            raise ModelConfigError(f"{f.source}: sliding_window is not a Llama setting; use model_type 'mistral'")
+    if window is None or arch.sliding == "none":
+        if window is not None:
+            raise ModelConfigError(f"{f.source}: sliding_window is not a {arch.model_type} setting; use model_type "
+                                   f"'mistral'")
         return {}
     types = f.strings("layer_types", None)
     if types is not None:
@@ -192,37 +187,34 @@ def _window_fields(f: Fields, model_type: str, layers: int) -> dict[str, Any]:
         if bad or len(types) != layers:
             raise ModelConfigError(f"{f.source}: layer_types must list full_attention/sliding_attention for each of "
                                    f"the {layers} layers; got {shown(types)}")
-    elif model_type == "gemma2":
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    elif model_type == "gemma3_text":
-        pattern = f.integer("sliding_window_pattern", 6, min=1, max=MAX_LAYERS)
+    elif arch.sliding == "alternating":
+        pattern = f.integer("sliding_window_pattern", arch.global_every, min=1, max=MAX_LAYERS)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    elif qwen:
+    elif arch.sliding == "qwen":
         start = f.integer("max_window_layers", layers, min=0, max=MAX_LAYERS)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
     return {"sliding_window": window, "layer_types": None if types is None else tuple(types)}
 
 
-def _gemma_fields(f: Fields, model_type: str) -> dict[str, Any]:
-    if model_type not in ("gemma2", "gemma3_text"):
+def _gemma_fields(f: Fields, arch: Architecture) -> dict[str, Any]:
+    if not arch.gemma:
         return {}
-    gemma2 = model_type == "gemma2"
     return dict(
         norm_offset=1.0, embed_scale=True, sandwich_norms=True,
         query_pre_attn_scalar=f.number("query_pre_attn_scalar", 256.0, above=0.0),
-        attn_logit_softcapping=f.number("attn_logit_softcapping", 50.0 if gemma2 else None, above=0.0),
-        final_logit_softcapping=f.number("final_logit_softcapping", 30.0 if gemma2 else None, above=0.0),
+        attn_logit_softcapping=f.number("attn_logit_softcapping", arch.attn_softcap, above=0.0),
+        final_logit_softcapping=f.number("final_logit_softcapping", arch.final_softcap, above=0.0),
     )
 
 
-def _moe_fields(f: Fields, model_type: str, layers: int) -> dict[str, Any]:
-    if model_type not in ("mixtral", "qwen3_moe"):
+def _moe_fields(f: Fields, arch: Architecture, layers: int) -> dict[str, Any]:
+    if arch.experts == "none":
         return {}
     experts = f.integer("num_local_experts", None, min=1, max=MAX_EXPERTS)
     if experts is None:
         experts = f.integer("num_experts", min=1, max=MAX_EXPERTS)
     out = dict(num_experts=experts, num_experts_per_tok=f.integer("num_experts_per_tok", 2, min=1, max=experts))
-    if model_type == "mixtral":
+    if arch.experts == "mixtral":
         return {**out, "norm_topk_prob": True}  # Mixtral always renormalises the top-k weights
     if f.integer("decoder_sparse_step", 1, min=1, max=MAX_LAYERS) != 1 or f.integers("mlp_only_layers", [], min=0):
         raise ModelConfigError(f"{f.source}: Qwen3-MoE with dense layers (decoder_sparse_step != 1 or "
@@ -247,17 +239,17 @@ def config_from_file(path: str | Path) -> "ModelConfig":
     return config
 
 
-def _rope_from_hf(f: Fields, model_type: str) -> "tuple[float, RopeScaling | None, float | None]":
+def _rope_from_hf(f: Fields, arch: Architecture) -> "tuple[float, RopeScaling | None, float | None]":
     """Both spellings: ``rope_scaling`` + ``rope_theta`` (Llama 3 checkpoints, transformers
     4.x) and ``rope_parameters`` (transformers 5.x ``save_pretrained``), whose Gemma 3
     form is one entry per layer type. Returns the theta, the scaling and the local
     layers' theta (Gemma 3's ``rope_local_base_freq``)."""
     params = f.mapping("rope_parameters", {})
     local = None
-    if model_type == "gemma3_text":
-        local = f.number("rope_local_base_freq", 10000.0, above=0.0)
+    if arch.local_rope_theta is not None:
+        local = f.number("rope_local_base_freq", arch.local_rope_theta, above=0.0)
     if params and all(isinstance(v, dict) for v in params.values()):
-        if model_type != "gemma3_text" or set(params) - {"full_attention", "sliding_attention"}:
+        if local is None or set(params) - {"full_attention", "sliding_attention"}:
             raise ModelConfigError(f"{f.source}: per-layer-type rope_parameters are only supported for Gemma 3")
         sliding = Fields(params.get("sliding_attention", {}), f.source, prefix="rope_parameters.sliding_attention.")
         if (sliding.string("rope_type", None) or "default") != "default":
@@ -272,11 +264,11 @@ def _rope_from_hf(f: Fields, model_type: str) -> "tuple[float, RopeScaling | Non
     else:
         scaling = Fields(f.mapping("rope_scaling", {}), f.source, prefix="rope_scaling.")
     rope_type = scaling.string("rope_type", None) or scaling.string("type", None) or "default"
-    if rope_type == "su" and model_type == "phi3":
+    if rope_type == "su" and arch.long_rope:
         rope_type = "longrope"  # Phi-3's early configs name long-RoPE "su"
-    if rope_type not in _SUPPORTED_ROPE or (rope_type == "longrope" and model_type != "phi3"):
+    if rope_type not in _SUPPORTED_ROPE or (rope_type == "longrope" and not arch.long_rope):
         raise ModelConfigError(
-            f"{f.source}: RoPE scaling type {rope_type!r} is not supported for {model_type}; supported: "
+            f"{f.source}: RoPE scaling type {rope_type!r} is not supported for {arch.model_type}; supported: "
             f"{', '.join(_SUPPORTED_ROPE[:3])}, and longrope for phi3"
         )
     if rope_type == "default":
@@ -317,8 +309,7 @@ def _rope_scaling(rope_type: str, values: dict[str, Any], source: str) -> "RopeS
 
 
 # llama.cpp's architecture names -> our model_type (``llama`` files with experts are Mixtral).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                      "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
+GGUF_ARCHITECTURES = {a.gguf: a.model_type for a in TABLE.values() if a.gguf}
 
 
 def config_from_gguf(
@@ -362,41 +353,18 @@ def config_from_gguf(
             raise ModelConfigError(f"{source}: tokenizer.ggml.tokens has {vocab:,} entries; at most {MAX_VOCAB:,} are accepted")
     layers = a.integer(p + "block_count", min=1, max=MAX_LAYERS)
     experts = a.integer(p + "expert_count", 0, min=0, max=MAX_EXPERTS)
-    model_type = "mixtral" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
+    features_of = by_gguf_name(arch, experts=bool(experts))
+    model_type = features_of.model_type
     theta = a.number(p + "rope.freq_base", 10000.0, above=0.0)
     max_positions = a.integer(p + "context_length", 2048, min=1, max=MAX_POSITIONS)
-    if arch == "phi3" and rope_factors is not None:
+    if features_of.long_rope and rope_factors is not None:
         scaling = _longrope_from_gguf(a, arch, head_dim, rope_factors, max_positions)
     else:
         scaling = _rope_from_gguf(a, arch, theta, head_dim, rope_freqs)
     t = "tokenizer.ggml."
     eos = [i for k in ("eos", "eot", "eom") for i in _token_ids(a, f"{t}{k}_token_id", vocab)]
     pad = a.integer(t + "padding_token_id", None)
-    gemma = model_type in ("gemma2", "gemma3_text")
-    window = a.integer(p + "attention.sliding_window", None, min=1, max=MAX_POSITIONS)
-    features: dict[str, Any] = {}
-    if window is not None and model_type in ("gemma2", "gemma3_text", "phi3"):
-        every = 2 if model_type == "gemma2" else 6 if model_type == "gemma3_text" else 0
-        types = None if not every else tuple("sliding_attention" if (i + 1) % every else "full_attention"
-                                             for i in range(layers))
-        features.update(sliding_window=window, layer_types=types)
-    if gemma:
-        features.update(
-            hidden_act="gelu_tanh", norm_offset=1.0, embed_scale=True, sandwich_norms=True,
-            query_pre_attn_scalar=float(head_dim),
-            attn_logit_softcapping=a.number(p + "attn_logit_softcapping", None, above=0.0),
-            final_logit_softcapping=a.number(p + "final_logit_softcapping", None, above=0.0),
-        )
-        if model_type == "gemma3_text":
-            features["rope_local_theta"] = 10000.0
-    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):
-        features["qk_norm"] = True
-    if experts:
-        features.update(num_experts=experts,
-                        num_experts_per_tok=a.integer(p + "expert_used_count", min=1, max=experts),
-                        norm_topk_prob=model_type == "mixtral" or a.boolean(p + "expert_weights_norm", False))
-        if model_type == "qwen3_moe":
-            features["moe_intermediate_size"] = a.integer(p + "expert_feed_forward_length", min=1, max=MAX_INTERMEDIATE)
+    features = _gguf_features(a, p, features_of, head_dim, layers, experts)
     values = dict(
         model_type=model_type,
         vocab_size=vocab,
@@ -411,14 +379,42 @@ def config_from_gguf(
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=tie_word_embeddings,
-        attention_bias=arch == "qwen2" or (model_type in ("llama", "qwen3", "qwen3_moe") and attention_bias),
-        mlp_bias=model_type == "llama" and mlp_bias,
+        attention_bias=features_of.attention_bias == "always" or (features_of.attention_bias == "flag" and attention_bias),
+        mlp_bias=features_of.mlp_bias_flag and mlp_bias,
         bos_token_id=a.integer(t + "bos_token_id", None, min=0, max=vocab - 1),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         pad_token_id=pad if pad is not None and 0 <= pad < vocab else None,
         **features,
     )
     return _build(values, source)
+
+
+def _gguf_features(a: Fields, p: str, arch: Architecture, head_dim: int, layers: int, experts: int) -> dict[str, Any]:
+    """What the architecture fixes, with the numbers a GGUF file gives for it. As in
+    llama.cpp's code: Gemma's query scale is ``head_dim ** -0.5`` and its soft-caps are
+    only what the file says."""
+    window = a.integer(p + "attention.sliding_window", None, min=1, max=MAX_POSITIONS)
+    features: dict[str, Any] = {"hidden_act": arch.activations[0], "qk_norm": arch.qk_norm}
+    if window is not None and arch.sliding in ("all", "alternating"):
+        every = arch.global_every
+        types = None if not every else tuple("sliding_attention" if (i + 1) % every else "full_attention"
+                                             for i in range(layers))
+        features.update(sliding_window=window, layer_types=types)
+    if arch.gemma:
+        features.update(
+            norm_offset=1.0, embed_scale=True, sandwich_norms=True, query_pre_attn_scalar=float(head_dim),
+            attn_logit_softcapping=a.number(p + "attn_logit_softcapping", None, above=0.0),
+            final_logit_softcapping=a.number(p + "final_logit_softcapping", None, above=0.0),
+        )
+    if arch.local_rope_theta is not None:
+        features["rope_local_theta"] = arch.local_rope_theta
+    if experts:
+        features.update(num_experts=experts,
+                        num_experts_per_tok=a.integer(p + "expert_used_count", min=1, max=experts),
+                        norm_topk_prob=arch.experts == "mixtral" or a.boolean(p + "expert_weights_norm", False))
+        if arch.experts == "qwen3_moe":
+            features["moe_intermediate_size"] = a.integer(p + "expert_feed_forward_length", min=1, max=MAX_INTERMEDIATE)
+    return features
 
 
 def _longrope_from_gguf(a: Fields, arch: str, head_dim: int, factors: tuple[np.ndarray, np.ndarray],

@@ -148,8 +148,7 @@ class Model:
 
     @property
     def lm_head(self) -> np.ndarray:
-        w = self.weights
-        return w["model.embed_tokens.weight"] if self.config.tie_word_embeddings else w["lm_head.weight"]
+        return self.weights[self.config.head_weight]
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

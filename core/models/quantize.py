@@ -2,7 +2,7 @@
 
 A backend's option ``quantize`` names a mode of :data:`WEIGHT_MODES`; the backend asks
 :func:`quantize_model` for the int8 copies and only moves them where it computes
-(``cuda_torch`` wraps them as torch tensors, ``tpu_jax`` puts them on its mesh). What is
+(the ``cpu`` backend wraps them as torch tensors, ``tpu_jax`` puts them on its mesh). What is
 quantized: every projection (``*_proj.weight``) and the LM head (the embedding table when
 tied, which itself stays float: it is a lookup). Each matrix ``W`` ``[out, in]`` becomes
 
@@ -105,7 +105,7 @@ def quantized_names(config: ModelConfig) -> list[tuple[str, str]]:
     entries are called (``<name>.qweight``/``.scale``), ``source`` the float weight they
     replace (the LM head of a tied model reads the embedding table)."""
     out = [(n[: -len(".weight")], n) for n in config.weight_shapes() if n.endswith("_proj.weight")]
-    out.append(("lm_head", "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"))
+    out.append(("lm_head", config.head_weight))
     return out
 
 
@@ -154,7 +154,7 @@ def replace_matrices(model: Model, copy, *, why: str) -> None:
     as its copy exists (the embedding table excepted: it stays a lookup), with ``why``
     as the reason a later read is refused. The fingerprint is computed first; the freed
     memory is handed back every 64 MiB, so the float matrices and their copies never add
-    up. The one place int8 copies (here) and cuda_torch's bfloat16 copies are made."""
+    up. The one place int8 copies (here) and the cpu backend's bfloat16 copies are made."""
     if model.exclusive:
         model.fingerprint  # noqa: B018 -- of the float weights, before any is released
     unreturned = 0  # bytes released since memory was last handed back to the system

@@ -6,95 +6,10 @@
 // bandwidth. Here each thread streams a band of weight rows exactly once per step and
 // applies every row of x to it while the rows sit in L1, so the bytes read per step
 // are the weights' size whatever M is. int8 weights read a quarter of the bytes.
-//
-// Built at first use with the host's compiler and -march=native, or a lower target forced
-// by the engine option isa (see cpu_kernels.py): GCC's vector extensions become
-// AVX-512, AVX2 or SSE code for that target; pe_isa says which.
-#include <stdint.h>
-#include <string.h>
+#pragma once
 #include "parallel.h"
-
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int8_t vb __attribute__((vector_size(VW)));
-
-static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline vf load_w(const float *p) { return load_f(p); }
-// int8 -> float32 lanes through the sign-extending conversions (GCC 12 turns
-// __builtin_convertvector on these types into one scalar conversion per lane).
-static inline vf load_w(const int8_t *p) {
-#if VW == 16
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    vb b;
-    memcpy(&b, p, sizeof b);
-    return __builtin_convertvector(b, vf);
-#endif
-}
-static inline float wv(const float *p) { return *p; }
-static inline float wv(const int8_t *p) { return (float)*p; }
-
-// float32 -> bfloat16 with round-to-nearest-even, as torch's .to(bfloat16) (the same bits).
-static inline uint16_t to_bf16(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);  // NaN stays a (quiet) NaN
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-// bfloat16 weights (option weight_dtype): the upper half of each float32 weight's bits,
-// rounded to nearest even when stored; widened here exactly (a zero-extend and a shift),
-// so the products are float32 products of the rounded weights. Half the bytes to stream.
-struct bf16w {
-    uint16_t bits;
-};
-typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
-typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
-static inline vf widen_bf16(const uint16_t *p) {
-    vu16 h;
-    memcpy(&h, p, sizeof h);
-    vu32 b = __builtin_convertvector(h, vu32) << 16;
-    vf f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
-static inline vf load_w(const bf16w *p) { return widen_bf16(&p->bits); }
-static inline float wv(const bf16w *p) {
-    uint32_t b = (uint32_t)p->bits << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-// Sum of a vector's lanes as a tree of halvings (a lane-by-lane loop is a chain of
-// dependent adds: it dominated the attention scores, one sum per cached position).
-static inline float hsum(vf v) {
-    typedef float vh __attribute__((vector_size(32)));
-    typedef float vq __attribute__((vector_size(16)));
-#if VW == 16
-    vh h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    vh h = v;
-#endif
-    vq q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    q = q + __builtin_shufflevector(q, q, 2, 3, 0, 1);
-    return q[0] + q[1];
-}
+#include "q8.h"
+#include "simd.h"
 
 // MB rows of x against R rows of int8 W with one scale per GROUP weights of a row
 // (blockwise quantization): partial sums per group, scaled as each group ends.
@@ -176,7 +91,6 @@ static inline void rows_grouped(const float *x, long ldx, const int8_t *w, long 
     for (; m < M; m++) block_grouped<1, R>(x + m * ldx, ldx, w, K, n0, group, scale, bias, y + m * ldy, ldy);
 }
 
-#include "q8.cpp"
 
 // bfloat16 weights against activations rounded to bfloat16 (option bf16_compute "bf16"):
 // each product's input rows are rounded once (bf16_rows), then every pair of k values
@@ -250,7 +164,7 @@ struct pe_seg {
     long ldy, N;
 };
 
-// PE_Q8: int8 weights against int8-quantized activations (q8.cpp; xq/xs set, x unused).
+// PE_Q8: int8 weights against int8-quantized activations (q8.h; xq/xs set, x unused).
 // PE_Q8X2: the same with each activation row carried as two int8 rows, its quantization
 // and the quantization of what that left over (q8x2_quantize): twice the integer
 // arithmetic, the same weight bytes, ~1/250 of the activation rounding error.
@@ -381,77 +295,4 @@ static void linear_segs(const float *x, long ldx, int M, long K, int kind, long 
                         int threads, const int8_t *xq = nullptr, const float *xs = nullptr) {
     pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg, xq, xs};
     pe_parallel(linear_task, &job, threads);
-}
-
-extern "C" {
-
-int pe_vector_width(void) { return VW; }
-// The instruction set compiled in: 2 AVX-512, 1 AVX2 with FMA, 0 neither (SSE or plain C++).
-int pe_isa(void) {
-#if defined(__AVX512F__)
-    return 2;
-#elif defined(__AVX2__) && defined(__FMA__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-void pe_linear_f32(const float *x, long ldx, const float *w, const float *bias, float *y, long ldy,
-                   int M, long N, long K, int threads) {
-    pe_seg seg = {w, nullptr, bias, y, ldy, N};
-    linear_segs(x, ldx, M, K, PE_F32, 0, &seg, 1, threads);
-}
-
-// w: bfloat16 bits (N, K).
-void pe_linear_bf16(const float *x, long ldx, const uint16_t *w, const float *bias, float *y, long ldy,
-                    int M, long N, long K, int threads) {
-    pe_seg seg = {w, nullptr, bias, y, ldy, N};
-    linear_segs(x, ldx, M, K, PE_BF16, 0, &seg, 1, threads);
-}
-
-// The same against x rounded to bfloat16 (xb: M * K uint16_t of scratch).
-void pe_linear_bf16dot(const float *x, long ldx, const uint16_t *w, const float *bias, float *y, long ldy,
-                       int M, long N, long K, int threads, uint16_t *xb) {
-    bf16_rows(x, ldx, M, K, xb);
-    pe_seg seg = {w, nullptr, bias, y, ldy, N};
-    linear_segs(x, ldx, M, K, PE_BF16DOT, 0, &seg, 1, threads, (const int8_t *)xb);
-}
-
-// 1 where the bf16 products run on vdpbf16ps (AVX512-BF16), 0 where in float32.
-int pe_bf16_dot(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-void pe_linear_i8(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
-                  float *y, long ldy, int M, long N, long K, int threads) {
-    pe_seg seg = {w, scale, bias, y, ldy, N};
-    linear_segs(x, ldx, M, K, PE_I8, 0, &seg, 1, threads);
-}
-
-// group: weights per scale along K (a multiple of the vector width dividing K).
-void pe_linear_i8_grouped(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
-                          float *y, long ldy, int M, long N, long K, long group, int threads) {
-    pe_seg seg = {w, scale, bias, y, ldy, N};
-    linear_segs(x, ldx, M, K, PE_I8_GROUPED, group, &seg, 1, threads);
-}
-
-// int8 weights (scales per row: group 0, or per group of a multiple of 32) against x
-// quantized to int8 per 32 values (q8.cpp); K % 32 == 0. pairs: 2 for PE_Q8X2 (two int8
-// rows per row of x), else 1. Scratch: xq pairs * M * K bytes, xs pairs * M * K / 32
-// floats, res K floats.
-void pe_linear_q8(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
-                  float *y, long ldy, int M, long N, long K, long group, int threads, int8_t *xq, float *xs,
-                  int pairs, float *res) {
-    q8_quantize_rows(x, ldx, M, K, xq, xs, pairs, res);
-    pe_seg seg = {w, scale, bias, y, ldy, N};
-    linear_segs(x, ldx, M, K, pairs == 2 ? PE_Q8X2 : PE_Q8, group, &seg, 1, threads, xq, xs);
-}
-
-int pe_q8_isa(void) { return PE_Q8_ISA; }
-
 }

@@ -11,11 +11,19 @@
 // bfloat16 or float16 (pe_dims.kv_type);
 // RoPE tables (positions, head_dim/2); weights [out, in]. Attention for a row reads
 // its own cache row at positions 0..pos (the token just written included).
+#pragma once
 #include <math.h>
 #include <stdlib.h>
 
-#include "linear.cpp"
+#include "linear.h"
+#include "parallel.h"
+#include "q8.h"
+#include "simd.h"
 
+// The two descriptors of a step, filled by Python (kernels.py's ctypes mirrors _Layer and
+// _Dims): a field added, moved or retyped here must change there too. The library reports
+// their layout (pe_layout_field, polyengine_cpu.cpp) and kernels.py refuses a library whose
+// layout differs from its mirrors', instead of letting a step read the wrong bytes.
 struct pe_layer {
     const float *input_norm, *post_norm;
     // float32 weights, or int8 ones with scales (per row, or per group of a row)
@@ -30,7 +38,7 @@ struct pe_dims {
     int int8;   // weights are int8 (with scales)
     long group; // int8: weights per scale along a row (0: one scale per row)
     int threads;
-    int q8;     // int8 weights: activations to int8 too (q8.cpp; all K % 32 == 0), as one int8
+    int q8;     // int8 weights: activations to int8 too (q8.h; all K % 32 == 0), as one int8
                 // row per row (1) or two, the second carrying the first's rounding error (2)
     int kv_type;  // the KV cache's elements: PE_KV_F32, PE_KV_BF16 or PE_KV_F16 (option kv_dtype)
     int bf16;     // float weights stored as bfloat16 (option weight_dtype; int8 is 0), against float32
@@ -116,34 +124,6 @@ static void rope(float *v, long heads, long hd, const float *cs, const float *sn
             p[i + half] = b * cs[i] + a * sn[i];
         }
     }
-}
-
-// exp of each lane (softmax after subtracting the max, SiLU): n = round(x /
-// ln 2), r = x - n ln 2 in two parts (Cody-Waite), e^r by the Cephes expf polynomial, then
-// scaled by 2^n through the exponent bits; below -87.3 the result is 0, as expf's
-// underflow. Within 2 ulp of expf; a scalar expf per cached position was most of the
-// attention time at 32 rows.
-static inline vf vexp(vf x) {
-    typedef int32_t vi __attribute__((vector_size(VW * 4)));
-    const vf zero = {};
-    const vf under = x < -87.3f ? zero + 1.f : zero;  // 1 where expf underflows
-    x = x < -87.3f ? zero - 87.3f : x;
-    x = x > 88.3f ? zero + 88.3f : x;  // ~2e38 instead of inf above
-    vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (x < 0 ? zero - 0.5f : zero + 0.5f), vi), vf);
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf scale;
-    memcpy(&scale, &bits, sizeof scale);
-    vf out = p * scale;
-    return under > 0 ? zero : out;
 }
 
 // Attention of every (row, head) pair over its cache row, split between the threads.
@@ -234,22 +214,17 @@ static inline double pe_now() {
         pe_phase_ns[i] += t_ - pe_t0;                \
         pe_t0 = t_;                                  \
     }
-extern "C" void pe_profile(double *out) {
-    for (int i = 0; i < 8; i++) out[i] = pe_phase_ns[i], pe_phase_ns[i] = 0;
-}
 #else
 #define PE_MARK(i)
 #endif
-
-extern "C" {
 
 // x: (M, H) in/out (the residual stream: embeddings in, final hidden states out, before
 // the final norm). rows/pos: each row's cache row and position. scratch: at least
 // M * (q_size + 2 * kv_size + q_size + 2 * intermediate + hidden) floats, plus
 // M * heads * cache_len for the attention scores, plus threads * kmax + 2M * kmax / 32
 // floats and 2M * kmax bytes for the int8 activations, kmax the longest K of a projection.
-void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
-               void *k_cache, void *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
+static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
+                        void *k_cache, void *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
     const long H = d->hidden, I = d->intermediate, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
     const long qs = nh * hd, kvs = nkv * hd, S = d->cache_len;
     float *h = scratch;               // (M, H)
@@ -344,7 +319,3 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
         }
     }
 }
-
-}
-
-#include "prefill_attn.cpp"

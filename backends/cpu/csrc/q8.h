@@ -1,15 +1,15 @@
 // Int8 x int8 skinny products for the CPU decode step, in the style of llama.cpp's
 // Q8_0 x Q8_0: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small (the live slots), W int8
-// with a float32 scale per row or per group of a row (quantize_int8 in cpu_kernels.py).
+// with a float32 scale per row or per group of a row (polyengine.models.quantize).
 //
 // Why: a decode step is bound by streaming the weights from memory, and int8 weights
-// are a quarter of float32's bytes, but the float path (linear.cpp) widens every int8
+// are a quarter of float32's bytes, but the float path (linear.h) widens every int8
 // weight to float32 and multiplies it by float32 activations: four times the float
 // path's arithmetic per byte read, so it is compute-bound (~2 GB/s of weights on one
 // Zen 4 core). Here the activations are quantized to int8 once per product
 // (q8_quantize) and the products are byte dot products (AVX-512 VNNI vpdpbusd,
 // AVX-VNNI, or AVX2 pmaddubsw + pmaddwd): one instruction per 64 (or 32) weights, and
-// the step stays memory-bound. As in linear.cpp, a call streams each weight row once and
+// the step stays memory-bound. As in linear.h, a call streams each weight row once and
 // applies every row of x to it while it sits in L1/registers.
 //
 // Numerics: x is quantized per block of 32 values along K, symmetric, with one float
@@ -19,18 +19,16 @@
 // scale * weight scale) and the blocks are summed in float32. So the result is the
 // float product of the dequantized x and W up to float32 rounding; the quantization of
 // x (half a step per value, about 0.4% of the block's largest value) is the only
-// approximation. Weights must lie in [-127, 127] (quantize_int8 clamps to that).
+// approximation. Weights must lie in [-127, 127] (the quantizer clamps to that).
 //
 // The ISA is chosen at compile time from the predefined macros (pe_q8_isa says which):
 // 3 AVX-512 VNNI + BW, 2 AVX-VNNI (or AVX-512 VNNI + VL at 256 bits), 1 AVX2, 0 plain
 // C++. -DPE_Q8_MAX_ISA=n caps it (for tests of the lower paths on a bigger host).
-// Included by linear.cpp after its float kernels (uses vf, vb, VW, load_f).
 #pragma once
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h"
 
 #ifndef PE_Q8_MAX_ISA
 #define PE_Q8_MAX_ISA 3
@@ -331,17 +329,4 @@ static void q8_rows(const int8_t *xq, const float *xs, int M, long K, const int8
         q8_rows_scaled<1>(xq, xs, M, K, w, wscale, 1, bias, y, ldy, n0, n1);
     else
         q8_rows_scaled<2>(xq, xs, M, K, w, wscale, wgroup / Q8_BLOCK, bias, y, ldy, n0, n1);
-}
-
-extern "C" {
-
-void pe_q8_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs) {
-    q8_quantize(x, ldx, M, K, xq, xs);
-}
-
-void pe_q8_linear(const int8_t *xq, const float *xs, int M, long K, const int8_t *w, const float *wscale,
-                  long wgroup, const float *bias, float *y, long ldy, long N) {
-    q8_rows(xq, xs, M, K, w, wscale, wgroup, bias, y, ldy, 0, N);
-}
-
 }

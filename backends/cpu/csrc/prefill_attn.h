@@ -23,6 +23,13 @@
 //
 // Layouts: q (T, nh, hd) with token stride ldq; k, v (nkv, S, hd) with head stride khs
 // and position stride kps (S = T: a prefill from scratch); out (T, nh, hd) contiguous.
+#pragma once
+#include <atomic>
+#include <math.h>
+#include <stdlib.h>
+
+#include "parallel.h"
+#include "simd.h"
 
 enum { PA_TOKENS = 16, PA_ROWS = 4, PA_KEY_VECS = 4 };
 
@@ -267,13 +274,11 @@ static void pa_task(void *arg, int tid, int nth) {
     }
 }
 
-extern "C" {
-
-// The prefill attention above; bf16: 1 for the bfloat16 path (needs pe_pa_bf16()), 0 for
+// The prefill attention above; bf16: 1 for the bfloat16 path (needs PA_BF16), 0 for
 // float32. hd must be a multiple of VW (pe_vector_width) and, on the bfloat16 path, of 16.
 // Returns 0, or -1 where the arguments do not fit those conditions (nothing written).
-int pe_prefill_attention(const float *q, long ldq, const float *k, const float *v, long khs, long kps, float *out,
-                         int T, int nh, int nkv, int hd, float scale, int bf16, int threads) {
+static int prefill_attention(const float *q, long ldq, const float *k, const float *v, long khs, long kps, float *out,
+                             int T, int nh, int nkv, int hd, float scale, int bf16, int threads) {
     if (T <= 0 || nkv <= 0 || nh % nkv || hd % VW || (bf16 && (!PA_BF16 || hd % 16))) return -1;
     pe_pa_job j;
     j.q = q, j.k = k, j.v = v, j.ldq = ldq, j.khs = khs, j.kps = kps, j.out = out;
@@ -296,8 +301,4 @@ int pe_prefill_attention(const float *q, long ldq, const float *k, const float *
     free(j.scratch);
     free(buf);
     return 0;
-}
-
-int pe_pa_bf16(void) { return PA_BF16; }
-
 }

@@ -1,18 +1,23 @@
 """The CPU decode step, compiled for the host at first use.
 
-``kernels/linear.cpp`` holds skinny products ``y = x @ W.T`` for a few rows of ``x``
-(the live slots of a decode step), float32 or int8 weights with per-row or per-group
-scales; ``kernels/q8.cpp`` int8 weights against activations quantized to int8 per 32
-values (integer dot products: AVX-512 VNNI, AVX-VNNI or AVX2, as the host has);
-``kernels/parallel.h`` the threads; ``kernels/decode.cpp`` a whole fused decode step
-(every layer for the live rows, in one call) built on them. They are compiled once per host
-and ISA path with the system's C++ compiler into a cache folder, then called through
-ctypes on the tensors' memory: no Python extension build, no torch headers, a few
-seconds of compiling. The ISA path (engine option ``isa``, :data:`ISA_FLAGS`) is
-``-march=native`` by default ("auto"), or a lower instruction set forced so that every
-path is tested and measured on any host that executes it: "avx512", "avx2", "scalar". The cache is private to the user and its library is loaded only
-when its signed record matches it (``polyengine.cache``): a damaged, empty, planted or
-foreign file is compiled again, never ``dlopen``'ed. Where the kernels cannot be built
+The kernels are one small C++ library, ``csrc/``: headers of one part each
+(``simd.h`` vector types, ``parallel.h`` threads, ``linear.h`` skinny products ``y = x @
+W.T`` for a few rows of ``x`` (the live slots of a decode step) with float32, bfloat16 or
+int8 weights, ``q8.h`` int8 weights against activations quantized to int8 per 32 values
+(integer dot products: AVX-512 VNNI, AVX-VNNI or AVX2, as the host has), ``decode.h`` a
+whole fused decode step (every layer for the live rows, in one call), ``prefill_attn.h``
+a prefill's causal attention) and the one file compiled, ``csrc/polyengine_cpu.cpp``,
+which includes them and holds the C ABI (``docs/cpu-kernels.md``). It is compiled once
+per host, ISA path and compiler with the system's C++ compiler into a cache folder
+(:mod:`.build`: the cache key, pruning of old builds), then called through ctypes on the
+tensors' memory: no Python extension build, no torch headers, a few seconds of
+compiling. The ISA path (engine option ``isa``, :func:`isa_flags`) is ``-march=native``
+by default ("auto"), or a lower instruction set forced so that every path is tested and
+measured on any host that executes it: "avx512", "avx2", "scalar". The cache is private
+to the user and its library is loaded only when its signed record matches it
+(``polyengine.cache``): a damaged, empty, planted or foreign file is compiled again,
+never ``dlopen``'ed. A loaded library must lay out the structs Python fills exactly as
+this module's ctypes mirrors do (:func:`check_layout`). Where the kernels cannot be built
 or loaded, :func:`load` raises :class:`KernelsUnavailable` naming the fix and the engine
 stays on the shared torch forward (with a warning that says so).
 
@@ -26,11 +31,6 @@ switch of the engine (options ``cpu_kernels``, ``fused_decode`` and
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
 import threading
 import warnings
 from dataclasses import dataclass
@@ -38,42 +38,23 @@ from pathlib import Path
 
 import torch
 
-from polyengine.cache import cache_root, check, private_dir, store
-from polyengine.errors import UnsafeCache, UnsupportedFeature
-from polyengine.hostinfo import ISA_PATHS, cpu_flags, missing_for, runnable_isas
+from polyengine.cache import check, store
+from polyengine.errors import UnsupportedFeature
+from polyengine.hostinfo import ISA_PATHS, missing_for, runnable_isas
+
+from polyengine.backends.cpu.build import (KernelsUnavailable, cache_entry, cache_lock, compile_library, compiler,
+                                           compiler_version, isa_flags, mark_used, prune, source_digest)
 
 __all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits", "isa_flags", "check_isa",
-           "ISA_CHOICES", "MAX_ROWS", "Q8_BLOCK"]
+           "check_layout", "cache_entry", "ISA_CHOICES", "MAX_ROWS", "Q8_BLOCK"]
 
 MAX_ROWS = 16
-Q8_BLOCK = 32  # int8 activations: values per scale (kernels/q8.cpp)
+Q8_BLOCK = 32  # int8 activations: values per scale (csrc/q8.h)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 ISA_CHOICES = ("auto", *ISA_PATHS)
 _COMPILED_ISAS = {2: "avx512", 1: "avx2", 0: "scalar"}  # pe_isa(): what the library was compiled with
-_KERNELS = Path(__file__).with_name("kernels")
-_SOURCE = _KERNELS / "decode.cpp"  # includes linear.cpp, q8.cpp, prefill_attn.cpp and parallel.h
-_COMPILE_SECONDS = 300
 _lock = threading.Lock()
 _loaded: dict[int, "CpuKernels"] = {}
-
-
-def _cache_dir() -> Path:
-    """The kernel cache: private to this user (``polyengine.cache``: created 0700, refused
-    when someone else could write it), under ``$POLYENGINE_CACHE`` or ``~/.cache/polyengine``."""
-    return private_dir(cache_root() / "kernels", what="CPU kernel cache")
-
-
-class KernelsUnavailable(RuntimeError):
-    """The kernels cannot be built or loaded here; the message says why and names the fix."""
-
-
-def _isa_tag() -> str:
-    flags = " ".join(sorted(cpu_flags()))
-    return hashlib.blake2b((platform.machine() + flags).encode(), digest_size=6).hexdigest()
-
-
-def _x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
 
 def check_isa(isa: str) -> None:
@@ -89,28 +70,6 @@ def check_isa(isa: str) -> None:
             f"isa={isa!r}", "cuda_torch",
             f"this CPU lacks {', '.join(missing)}; it runs isa {', '.join(repr(i) for i in runnable_isas())} "
             f"(or 'auto', the best of them)")
-
-
-def isa_flags(isa: str) -> list[str]:
-    """The compiler flags of an ISA path (docs/decisions.md, "forced ISA paths").
-
-    "auto" is ``-march=native``: everything this CPU has. A forced path names a fixed
-    target so that its instructions are those of the hosts it stands for, whatever the
-    host it runs on: "avx2" is ``-march=haswell`` (AVX2, FMA: the AVX2-only hosts; no
-    AVX-VNNI even where the host has it), "scalar" ``-march=x86-64`` (SSE2, the vector
-    extensions' 8-float fallback), "avx512" ``-march=skylake-avx512`` plus VNNI and BF16
-    where this CPU has them (never AMX). Each keeps ``-mtune=native``, so a forced path
-    differs from "auto" in its instructions, not in its scheduling."""
-    if isa == "auto":
-        return ["-march=native"]
-    if not _x86():
-        return []  # off x86 only "scalar" exists: the compiler's default target
-    march = {"avx512": "skylake-avx512", "avx2": "haswell", "scalar": "x86-64"}[isa]
-    flags = [f"-march={march}", "-mtune=native"]
-    if isa == "avx512":
-        flags += [f for flag, f in (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"))
-                  if flag in cpu_flags()]
-    return flags
 
 
 @dataclass
@@ -167,7 +126,7 @@ class CpuKernels:
 
     def prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
                           bf16: bool = False) -> torch.Tensor:
-        """Causal attention of a prefill from position 0 (``kernels/prefill_attn.cpp``):
+        """Causal attention of a prefill from position 0 (``csrc/prefill_attn.h``):
         ``q`` (T, heads, head_dim) float32 with contiguous heads, ``keys``/``vals``
         (kv_heads, T, head_dim) float32 with contiguous head_dim; returns (T, heads *
         head_dim). ``bf16``: q, k, v and the softmax weights rounded to bfloat16, products
@@ -203,7 +162,7 @@ class CpuKernels:
         contiguous float32 buffer of at least M * N elements to write into (a decode
         step's logits, reused instead of a fresh ~6 MB allocation that faults in its
         pages each step). ``int8_activations``: with int8 weights, quantize ``x`` to int8
-        per 32 values and use integer dot products (``kernels/q8.cpp``): 1 one int8 row
+        per 32 values and use integer dot products (``csrc/q8.h``): 1 one int8 row
         per row of ``x``, 2 a second one carrying the first's rounding error; 0 float32.
         ``bf16_activations``: with bfloat16 weights, round ``x`` to bfloat16 and multiply
         pairs with vdpbf16ps where the ISA path has it (``pe_bf16_dot``)."""
@@ -248,91 +207,134 @@ class CpuKernels:
         return y.reshape(*shape[:-1], n)
 
 
-def _compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        raise KernelsUnavailable("no C++ compiler found (g++, c++ or clang++); fix: install one (Debian/Ubuntu: "
-                                 "apt-get install g++; Fedora: dnf install gcc-c++) or set CXX to one")
-    return cxx
-
-
-def _compile(cxx: str, target: Path, isa: str = "auto") -> None:
-    cmd = [cxx, "-O3", *isa_flags(isa), "-fopenmp", "-shared", "-fPIC", "-I", str(_KERNELS), "-o", str(target), str(_SOURCE)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_SECONDS)
-    except subprocess.TimeoutExpired:
-        raise KernelsUnavailable(f"compiling {_SOURCE.name} took over {_COMPILE_SECONDS} s: {' '.join(cmd)}; fix: "
-                                 f"retry on a less busy machine (the result is cached)") from None
-    except OSError as exc:
-        raise KernelsUnavailable(f"running the C++ compiler {cxx} failed ({exc.strerror or exc}); fix: install g++ "
-                                 f"or set CXX to a working compiler") from None
-    if proc.returncode != 0 or not target.exists() or target.stat().st_size == 0:
-        raise KernelsUnavailable(f"compiling {_SOURCE.name} failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}\nfix: "
-                                 f"set CXX to another compiler (g++ >= 9 or clang >= 10), or option "
-                                 f"cpu_kernels=False to use torch's matmul without this warning")
-
-
-def cache_entry(isa: str = "auto") -> tuple[Path, list[str]]:
-    """Where this host's library for ISA path ``isa`` lives in the cache (named by a
-    digest of every kernel source, the CPU's ISA flags and the path's compiler flags)
-    and the sources it is built from."""
-    sources = [p for p in sorted(_KERNELS.iterdir()) if p.suffix in (".cpp", ".h")]
-    digest = hashlib.blake2b(b"".join(p.read_bytes() for p in sources) + " ".join(isa_flags(isa)).encode(),
-                             digest_size=8).hexdigest()
-    try:
-        return _cache_dir() / f"cpu-step-{isa}-{digest}-{_isa_tag()}.so", [p.name for p in sources]
-    except UnsafeCache as exc:
-        raise KernelsUnavailable(str(exc)) from None
-
-
 def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
     """The kernels for this host and ISA path ``isa`` (:data:`ISA_CHOICES`; compiled on
-    first use, cached by source, CPU and path in a private, signed cache:
-    ``polyengine.cache``). Raises :class:`UnsupportedFeature` for a path this CPU cannot
-    execute, and :class:`KernelsUnavailable`, whose message names the fix, where they
-    cannot be built or loaded."""
+    first use, cached by source, compiler, CPU and path in a private, signed cache:
+    ``polyengine.cache``, :mod:`.build`). Raises :class:`UnsupportedFeature` for a path
+    this CPU cannot execute, and :class:`KernelsUnavailable`, whose message names the fix,
+    where they cannot be built or loaded or the library's struct layout is not this
+    module's (:func:`check_layout`)."""
     check_isa(isa)
     threads = threads or torch.get_num_threads()
     with _lock:
         if (threads, isa) in _loaded:
             return _loaded[threads, isa]
         path, sources = cache_entry(isa)
-        record, reason = check(path)
-        if record is None:
-            cxx = _compiler()
-            if reason != "missing":  # damaged, planted or foreign: never dlopen'ed, built again
-                warnings.warn(f"cuda_torch: not loading the cached CPU kernels ({reason}); compiling them again",
-                              stacklevel=3)
-            store(path, lambda tmp: _compile(cxx, tmp, isa), {"sources": sources, "compiler": cxx, "isa": isa,
-                                                             "flags": isa_flags(isa)})
+        with cache_lock(path.parent) as lock:  # no other process prunes this build meanwhile
+            record, reason = check(path)
+            if record is None:
+                cxx = compiler()
+                if reason != "missing":  # damaged, planted or foreign: never dlopen'ed, built again
+                    warnings.warn(f"cpu: not loading the cached CPU kernels ({reason}); compiling them again",
+                                  stacklevel=3)
+                store(path, lambda tmp: compile_library(cxx, tmp, isa),
+                      {"sources": sources, "source_digest": source_digest(isa), "compiler": cxx,
+                       "compiler_version": compiler_version(cxx), "isa": isa, "flags": isa_flags(isa)})
+            mark_used(path)
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as exc:
+                raise KernelsUnavailable(f"loading the compiled kernels {path} failed ({exc}); fix: delete that "
+                                         f"file (it is compiled again)") from None
+            if record is None:
+                prune(path, lock)  # a new build landed: the old ones of its kind go
+        check_layout(lib, path)
         try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise KernelsUnavailable(f"loading the compiled kernels {path} failed ({exc}); fix: delete that file "
-                                     f"(it is compiled again)") from None
-        lib.pe_vector_width.restype = lib.pe_isa.restype = ctypes.c_int
-        ptr, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        lib.pe_linear_f32.argtypes = [ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_]
-        lib.pe_linear_i8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, int_]
-        lib.pe_linear_i8_grouped.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_]
-        lib.pe_linear_bf16.argtypes = lib.pe_linear_f32.argtypes
-        lib.pe_linear_f32.restype = lib.pe_linear_i8.restype = lib.pe_linear_i8_grouped.restype = None
-        lib.pe_linear_bf16.restype = None
-        lib.pe_linear_bf16dot.argtypes = [*lib.pe_linear_f32.argtypes, ptr]
-        lib.pe_linear_bf16dot.restype = None
-        lib.pe_bf16_dot.restype = ctypes.c_int
-        lib.pe_linear_q8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_, ptr, ptr,
-                                     int_, ptr]
-        lib.pe_linear_q8.restype = None
-        lib.pe_q8_isa.restype = ctypes.c_int
-        lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-        lib.pe_decode.restype = None
-        lib.pe_prefill_attention.argtypes = [ptr, long_, ptr, ptr, long_, long_, ptr, int_, int_, int_, int_,
-                                             ctypes.c_float, int_, int_]
-        lib.pe_prefill_attention.restype = lib.pe_pa_bf16.restype = ctypes.c_int
+            _bind(lib)
+        except AttributeError as exc:  # ctypes: a symbol the library lacks
+            raise KernelsUnavailable(f"the compiled kernels {path.name} lack a function ({exc}); fix: delete "
+                                     f"{path} (it is compiled again)") from None
         kernels = CpuKernels(lib, threads, path, isa)
         _loaded[threads, isa] = kernels
         return kernels
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    """The C ABI's signatures (csrc/polyengine_cpu.cpp), so ctypes passes each argument
+    at its C type."""
+    lib.pe_vector_width.restype = lib.pe_isa.restype = ctypes.c_int
+    ptr, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.pe_linear_f32.argtypes = [ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_]
+    lib.pe_linear_i8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, int_]
+    lib.pe_linear_i8_grouped.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_]
+    lib.pe_linear_bf16.argtypes = lib.pe_linear_f32.argtypes
+    lib.pe_linear_f32.restype = lib.pe_linear_i8.restype = lib.pe_linear_i8_grouped.restype = None
+    lib.pe_linear_bf16.restype = None
+    lib.pe_linear_bf16dot.argtypes = [*lib.pe_linear_f32.argtypes, ptr]
+    lib.pe_linear_bf16dot.restype = None
+    lib.pe_bf16_dot.restype = ctypes.c_int
+    lib.pe_linear_q8.argtypes = [ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_, long_, int_, ptr, ptr,
+                                 int_, ptr]
+    lib.pe_linear_q8.restype = None
+    lib.pe_q8_isa.restype = ctypes.c_int
+    lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.pe_decode.restype = None
+    lib.pe_prefill_attention.argtypes = [ptr, long_, ptr, ptr, long_, long_, ptr, int_, int_, int_, int_,
+                                         ctypes.c_float, int_, int_]
+    lib.pe_prefill_attention.restype = lib.pe_pa_bf16.restype = ctypes.c_int
+
+
+_Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)
+
+
+def _library_layout(lib: ctypes.CDLL) -> _Layout | None:
+    """The layout of the ABI structs as the library's compiler laid them out
+    (``pe_layout_field``), or None where the library does not report it."""
+    describe = getattr(lib, "pe_layout_field", None)
+    if describe is None:
+        return None
+    charpp, longp = ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_long)
+    describe.argtypes = [ctypes.c_int, charpp, charpp, longp, longp]
+    describe.restype = ctypes.c_int
+    record, field = ctypes.c_char_p(), ctypes.c_char_p()
+    offset, size = ctypes.c_long(), ctypes.c_long()
+    out: _Layout = {}
+    i = 0
+    while describe(i, ctypes.byref(record), ctypes.byref(field), ctypes.byref(offset), ctypes.byref(size)) == 0:
+        out.setdefault(record.value.decode(), {})[field.value.decode()] = (offset.value, size.value)
+        i += 1
+    return out
+
+
+def _mirror_layout(structs: dict[str, type[ctypes.Structure]]) -> _Layout:
+    """The same for ctypes mirrors, by the C name each stands for."""
+    return {name: {"": (0, ctypes.sizeof(cls)),
+                   **{f: (getattr(cls, f).offset, getattr(cls, f).size) for f, *_ in cls._fields_}}
+            for name, cls in structs.items()}
+
+
+def _abi_structs() -> dict[str, type[ctypes.Structure]]:
+    return {"pe_layer": _Layer, "pe_dims": _Dims}
+
+
+def check_layout(lib: ctypes.CDLL, path: Path, structs: dict[str, type[ctypes.Structure]] | None = None) -> None:
+    """Refuse (:class:`KernelsUnavailable`) a library whose structs are laid out otherwise
+    than this module's ctypes mirrors (``structs``: C name -> mirror, by default those the
+    fused step passes), or that cannot say: a call would read fields at the wrong offsets,
+    silently or as a crash. The cache key covers the C sources, not this file, so an edit
+    of one without the other, or a compiler that packs differently, ends here."""
+    have, want = _library_layout(lib), _mirror_layout(structs if structs is not None else _abi_structs())
+    if have is None:
+        raise KernelsUnavailable(f"the compiled kernels {path.name} do not report their struct layout "
+                                 f"(pe_layout_field); fix: delete {path} (it is compiled again)")
+    problems = []
+    for name in sorted(have.keys() | want.keys()):
+        c, py = have.get(name), want.get(name)
+        if c is None or py is None:
+            problems.append(f"{name} is {'not described by the library' if c is None else 'not mirrored here'}")
+            continue
+        for field in sorted(c.keys() | py.keys()):
+            what = f"sizeof({name})" if field == "" else f"{name}.{field}"
+            if field not in c or field not in py:
+                problems.append(f"{what} is {'missing from the library' if field not in c else 'missing here'}")
+            elif c[field] != py[field]:
+                problems.append(f"{what} is (offset {c[field][0]}, {c[field][1]} bytes) in the library, "
+                                f"(offset {py[field][0]}, {py[field][1]} bytes) here")
+    if problems:
+        raise KernelsUnavailable(
+            f"the compiled kernels {path.name} and {Path(__file__).name} disagree on the structs passed between them: "
+            f"{'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}; fix: reinstall polyengine so that "
+            f"both come from one version (in a checkout: make the ctypes mirrors match csrc/decode.h)")
 
 
 def q8_fits(config, group: int) -> bool:
@@ -361,12 +363,12 @@ class _Dims(ctypes.Structure):
         ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int)]
 
 
-# The KV cache element types the fused step reads and writes (decode.cpp's PE_KV_*).
+# The KV cache element types the fused step reads and writes (csrc/decode.h's PE_KV_*).
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class FusedDecoder:
-    """A whole decode step on the CPU in one call (``kernels/decode.cpp``).
+    """A whole decode step on the CPU in one call (``csrc/decode.h``).
 
     Built once per engine over the weights dict of :class:`TorchWeights` (float32, or
     with the engine's int8 ``.qweight``/``.scale`` entries, or its bfloat16 ``.qweight``

@@ -1,0 +1,165 @@
+// The CPU kernels as one library: this file includes every part (one concept per header,
+// each including what it uses; their functions are static or inline) and holds the C ABI
+// that kernels.py calls through ctypes. build.py compiles this one file, once per host,
+// ISA path and compiler (its flags and cache key are there).
+//
+//   simd.h          the ISA path's vector types, loads, bfloat16 rounding, hsum, vexp
+//   parallel.h      OpenMP threads with spinning barriers
+//   q8.h            int8 weights against int8-quantized activations (VNNI, AVX2)
+//   linear.h        skinny products y = x @ W^T: float32, bfloat16 or int8 weights
+//   decode.h        a whole fused decode step and its descriptors (pe_layer, pe_dims)
+//   prefill_attn.h  a prefill's causal attention, flash-attention order
+#include <stddef.h>
+
+#include "decode.h"
+#include "linear.h"
+#include "parallel.h"
+#include "prefill_attn.h"
+#include "q8.h"
+#include "simd.h"
+
+// The layout of every struct Python passes in, as this compiler laid it out: one entry per
+// field and one per struct (field "": its size). kernels.py compares its ctypes mirrors
+// with it at load and refuses the library on any difference.
+struct pe_field_layout {
+    const char *record, *field;
+    long offset, size;
+};
+#define PE_RECORD(T) {#T, "", 0, (long)sizeof(T)}
+#define PE_FIELD(T, f) {#T, #f, (long)offsetof(T, f), (long)sizeof(((T *)nullptr)->f)}
+static const pe_field_layout pe_layouts[] = {
+    PE_RECORD(pe_layer),
+    PE_FIELD(pe_layer, input_norm), PE_FIELD(pe_layer, post_norm),
+    PE_FIELD(pe_layer, q), PE_FIELD(pe_layer, k), PE_FIELD(pe_layer, v), PE_FIELD(pe_layer, o),
+    PE_FIELD(pe_layer, gate), PE_FIELD(pe_layer, up), PE_FIELD(pe_layer, down),
+    PE_FIELD(pe_layer, q_scale), PE_FIELD(pe_layer, k_scale), PE_FIELD(pe_layer, v_scale),
+    PE_FIELD(pe_layer, o_scale), PE_FIELD(pe_layer, gate_scale), PE_FIELD(pe_layer, up_scale),
+    PE_FIELD(pe_layer, down_scale),
+    PE_FIELD(pe_layer, q_bias), PE_FIELD(pe_layer, k_bias), PE_FIELD(pe_layer, v_bias),
+    PE_FIELD(pe_layer, o_bias), PE_FIELD(pe_layer, gate_bias), PE_FIELD(pe_layer, up_bias),
+    PE_FIELD(pe_layer, down_bias),
+    PE_RECORD(pe_dims),
+    PE_FIELD(pe_dims, hidden), PE_FIELD(pe_dims, intermediate), PE_FIELD(pe_dims, heads),
+    PE_FIELD(pe_dims, kv_heads), PE_FIELD(pe_dims, head_dim), PE_FIELD(pe_dims, layers),
+    PE_FIELD(pe_dims, cache_rows), PE_FIELD(pe_dims, cache_len), PE_FIELD(pe_dims, eps),
+    PE_FIELD(pe_dims, int8), PE_FIELD(pe_dims, group), PE_FIELD(pe_dims, threads), PE_FIELD(pe_dims, q8),
+    PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16),
+};
+// A field appended to a struct and not to the table (nor to Python's mirror) would escape
+// the check: the table's last field must end its struct.
+static_assert(offsetof(pe_layer, down_bias) + sizeof(pe_layer::down_bias) == sizeof(pe_layer),
+              "pe_layer has a field after down_bias: list it in pe_layouts and in kernels.py's _Layer");
+static_assert(offsetof(pe_dims, bf16) + sizeof(pe_dims::bf16) == sizeof(pe_dims),
+              "pe_dims has a field after bf16: list it in pe_layouts and in kernels.py's _Dims");
+
+extern "C" {
+
+// Entry i of the layout table into record/field/offset/size: 0, or -1 past its end.
+// Plain values out, no struct: this call itself has no layout to get wrong.
+int pe_layout_field(int i, const char **record, const char **field, long *offset, long *size) {
+    if (i < 0 || i >= (int)(sizeof pe_layouts / sizeof pe_layouts[0])) return -1;
+    *record = pe_layouts[i].record, *field = pe_layouts[i].field;
+    *offset = pe_layouts[i].offset, *size = pe_layouts[i].size;
+    return 0;
+}
+
+int pe_vector_width(void) { return VW; }
+// The instruction set compiled in: 2 AVX-512, 1 AVX2 with FMA, 0 neither (SSE or plain C++).
+int pe_isa(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void pe_linear_f32(const float *x, long ldx, const float *w, const float *bias, float *y, long ldy,
+                   int M, long N, long K, int threads) {
+    pe_seg seg = {w, nullptr, bias, y, ldy, N};
+    linear_segs(x, ldx, M, K, PE_F32, 0, &seg, 1, threads);
+}
+
+// w: bfloat16 bits (N, K).
+void pe_linear_bf16(const float *x, long ldx, const uint16_t *w, const float *bias, float *y, long ldy,
+                    int M, long N, long K, int threads) {
+    pe_seg seg = {w, nullptr, bias, y, ldy, N};
+    linear_segs(x, ldx, M, K, PE_BF16, 0, &seg, 1, threads);
+}
+
+// The same against x rounded to bfloat16 (xb: M * K uint16_t of scratch).
+void pe_linear_bf16dot(const float *x, long ldx, const uint16_t *w, const float *bias, float *y, long ldy,
+                       int M, long N, long K, int threads, uint16_t *xb) {
+    bf16_rows(x, ldx, M, K, xb);
+    pe_seg seg = {w, nullptr, bias, y, ldy, N};
+    linear_segs(x, ldx, M, K, PE_BF16DOT, 0, &seg, 1, threads, (const int8_t *)xb);
+}
+
+// 1 where the bf16 products run on vdpbf16ps (AVX512-BF16), 0 where in float32.
+int pe_bf16_dot(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void pe_linear_i8(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
+                  float *y, long ldy, int M, long N, long K, int threads) {
+    pe_seg seg = {w, scale, bias, y, ldy, N};
+    linear_segs(x, ldx, M, K, PE_I8, 0, &seg, 1, threads);
+}
+
+// group: weights per scale along K (a multiple of the vector width dividing K).
+void pe_linear_i8_grouped(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
+                          float *y, long ldy, int M, long N, long K, long group, int threads) {
+    pe_seg seg = {w, scale, bias, y, ldy, N};
+    linear_segs(x, ldx, M, K, PE_I8_GROUPED, group, &seg, 1, threads);
+}
+
+// int8 weights (scales per row: group 0, or per group of a multiple of 32) against x
+// quantized to int8 per 32 values (q8.h); K % 32 == 0. pairs: 2 for PE_Q8X2 (two int8
+// rows per row of x), else 1. Scratch: xq pairs * M * K bytes, xs pairs * M * K / 32
+// floats, res K floats.
+void pe_linear_q8(const float *x, long ldx, const int8_t *w, const float *scale, const float *bias,
+                  float *y, long ldy, int M, long N, long K, long group, int threads, int8_t *xq, float *xs,
+                  int pairs, float *res) {
+    q8_quantize_rows(x, ldx, M, K, xq, xs, pairs, res);
+    pe_seg seg = {w, scale, bias, y, ldy, N};
+    linear_segs(x, ldx, M, K, pairs == 2 ? PE_Q8X2 : PE_Q8, group, &seg, 1, threads, xq, xs);
+}
+
+int pe_q8_isa(void) { return PE_Q8_ISA; }
+
+void pe_q8_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs) {
+    q8_quantize(x, ldx, M, K, xq, xs);
+}
+
+void pe_q8_linear(const int8_t *xq, const float *xs, int M, long K, const int8_t *w, const float *wscale,
+                  long wgroup, const float *bias, float *y, long ldy, long N) {
+    q8_rows(xq, xs, M, K, w, wscale, wgroup, bias, y, ldy, 0, N);
+}
+
+// One fused decode step (decode.h's decode_step: its arguments and scratch size there).
+void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
+               void *k_cache, void *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
+    decode_step(d, layers, x, M, rows, pos, k_cache, v_cache, rope_cos, rope_sin, scratch);
+}
+
+#ifdef PE_PROFILE
+void pe_profile(double *out) {
+    for (int i = 0; i < 8; i++) out[i] = pe_phase_ns[i], pe_phase_ns[i] = 0;
+}
+#endif
+
+// A prefill's causal attention (prefill_attn.h's prefill_attention: 0, or -1 refused).
+int pe_prefill_attention(const float *q, long ldq, const float *k, const float *v, long khs, long kps, float *out,
+                         int T, int nh, int nkv, int hd, float scale, int bf16, int threads) {
+    return prefill_attention(q, ldq, k, v, khs, kps, out, T, nh, nkv, hd, scale, bf16, threads);
+}
+
+// 1 where pe_prefill_attention has its bfloat16 path (AVX512-BF16), else 0.
+int pe_pa_bf16(void) { return PA_BF16; }
+
+}

@@ -1,0 +1,208 @@
+"""The cpu engine: the shared torch engine run by a resolved :class:`CpuPlan`.
+
+The host is the device, so a decode step computes only the live slots' rows (its cost
+follows the requests, not the slot count): on the host-compiled fused step where the
+plan has it, else the shared torch forward on those rows with its projections on the
+host kernels. Weights stay the Model's float32 arrays (no copy) or become the plan's
+int8/bfloat16 copies; prefill runs torch's GEMM (on the plan's operands) and, where the
+plan says so, its causal attention on the host kernel. The KV cache is an anonymous
+memory map whose pages come as slots write them (``kv_memory`` grow). Steps run on a
+worker thread, so the driver reads step n while n+1 runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import warnings
+
+import numpy as np
+import torch
+
+from polyengine.engine import Capabilities, EngineConfig
+from polyengine.errors import FallbackWarning
+from polyengine.models import Model
+from polyengine.models.config import ARCHITECTURES
+from polyengine.models.quantize import has_int8_copies, int8_bytes, quantized_names, replaced_weights
+from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
+
+from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
+from polyengine.backends.cpu.kernels import MAX_ROWS, FusedDecoder
+from polyengine.backends.cpu.options import OPTIONS
+from polyengine.backends.cpu.plan import CpuHost, CpuPlan
+from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
+from polyengine.backends.torch_common.model import TorchWeights, forward, rms_norm
+
+__all__ = ["CpuEngine", "create_engine"]
+
+
+class CpuEngine(TorchEngine):
+    name = "cpu"
+    OPTIONS = OPTIONS
+
+    def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
+        self.torch_device = torch.device("cpu")
+        self.device = f"cpu ({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
+        self.host = CpuHost.detect()
+        # bfloat16 compute only where the CPU has bfloat16 units (AMX, AVX512-BF16): elsewhere
+        # torch widens it element by element and it is slower than float32
+        dtypes = ("float32", "bfloat16") if self.host.bf16_units else ("float32",)
+        return Capabilities(
+            dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
+            architectures=ARCHITECTURES, token_masks=True,
+        )
+
+    def _resolve(self) -> None:
+        self.plan = plan = CpuPlan.resolve(self.options, self.model, self.host, dtype=self.torch_dtype)
+        if plan.threads:
+            torch.set_num_threads(plan.threads)
+        if plan.kernels_fallback is not None:
+            message = f"cpu: decoding on torch's matmul, not the compiled CPU kernels: {plan.kernels_fallback}"
+            warnings.warn(message, FallbackWarning, stacklevel=4)
+            logging.getLogger(__name__).warning(message)
+        self._kernels = plan.kernels
+        if plan.kernels is not None or plan.narrow:
+            self._linear = self._cpu_linear
+            self._prefill_linear = (self._cpu_linear if plan.prefill_compute == self.torch_dtype else
+                                    functools.partial(self._cpu_linear, compute=plan.prefill_compute))
+        if plan.prefill_attention is not None:
+            self._causal_attention = self._kernel_attention
+        self._tiled = TiledInt8Linear() if plan.narrow else None  # narrow products without the kernels
+        self._fused: FusedDecoder | None = None  # built with the weights where the plan has it
+        self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
+
+    def _resolve_kv_dtype(self) -> torch.dtype:
+        super()._resolve_kv_dtype()  # its refusal
+        return self.plan.kv_dtype
+
+    def _async_steps(self) -> bool:
+        return self.plan.async_steps
+
+    def _lazy_kv(self) -> bool:
+        return self.plan.kv_memory == "grow"
+
+    def kv_grows_with_use(self) -> bool:
+        """kv_memory "grow" on a host whose cache pages come with use (hostmem.py)."""
+        from polyengine.backends.torch_common.hostmem import grows_with_use
+
+        return self.options["kv_memory"] == "grow" and grows_with_use(torch.device("cpu"))
+
+    def speed_paths(self) -> dict[str, str]:
+        """What this engine runs on, each fallback with its reason and fix: its startup
+        log line, ``polyengine generate``'s stderr."""
+        return self.plan.describe()
+
+    def _weight_needs(self) -> dict[str, int]:
+        """In float32 the Model's arrays are used as they are (nothing new); in bfloat16 a
+        copy of every weight kept float; int8 or bfloat16 projection copies unless the
+        Model already holds them (they are computed once per Model and mode)."""
+        c, plan = self.model.config, self.plan
+        shapes = c.weight_shapes()
+        needs = {}
+        if self.torch_dtype != torch.float32:
+            kept = set(shapes) - (replaced_weights(c) if plan.narrow else set())
+            needs[f"{self.dtype} weights"] = sum(math.prod(shapes[n]) for n in kept) * self.torch_dtype.itemsize
+        if plan.weights in ("int8", "int8-block32") and not has_int8_copies(self.model, plan.weights):
+            needs[f"int8 copies of the projections and the LM head ({plan.weights})"] = int8_bytes(c, plan.weights)
+        if plan.weights == "bfloat16" and not has_bf16_copies(self.model):
+            needs["bfloat16 copies of the projections and the LM head"] = sum(
+                math.prod(shapes[source]) for _, source in quantized_names(c)) * 2
+        return needs
+
+    # -- weights -------------------------------------------------------------------------
+
+    def _load_weights(self) -> TorchWeights:
+        plan = self.plan
+        # int8 or bfloat16 copies: the float matrices they replace are not kept (nor
+        # converted); an exclusive Model releases them too (polyengine.models.quantize).
+        skip = replaced_weights(self.model.config) if plan.narrow else frozenset()
+        weights = self._allocating("the weights", lambda: TorchWeights.from_model(
+            self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length,
+            skip=skip))
+        if plan.weights == "bfloat16":
+            weights.tensors.update(self._allocating("bfloat16 weights", lambda: bf16_tensors(
+                self.model, fused=plan.fuse_projections)))
+        elif plan.narrow:
+            weights.tensors.update(self._allocating("int8 weights", lambda: int8_tensors(self.model, plan.weights)))
+        if plan.fused_decode:
+            self._fused = FusedDecoder(plan.kernels, weights.tensors, self.model.config,
+                                       cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
+                                       quantized=plan.narrow, int8_activations=plan.int8_activations,
+                                       kv_dtype=self.kv_dtype, bf16_activations=plan.bf16_activations)
+        return weights
+
+    # -- products and attention on the host kernels ---------------------------------------
+
+    def _cpu_linear(self, t: dict[str, torch.Tensor], x: torch.Tensor, name: str, *, any_rows: bool = False,
+                    out: torch.Tensor | None = None, compute: torch.dtype | None = None) -> torch.Tensor:
+        """A projection: the host kernels for the few rows of a decode step (or for any
+        number with ``any_rows``, writing into ``out``), torch's GEMM for prefill; int8
+        or bfloat16 weights when narrowed (widened band by band for torch's GEMM: int8.py,
+        on ``compute`` operands: the plan's prefill_compute)."""
+        plan, kernels = self.plan, self._kernels
+        bias = t.get(name + ".bias")
+        on_kernels = kernels is not None and (any_rows or x.numel() // x.shape[-1] <= MAX_ROWS)
+        q = t.get(name + ".qweight")
+        if q is not None:
+            scale = t.get(name + ".scale")  # None: bfloat16 weights
+            if on_kernels:
+                return kernels.linear(x, q, bias, scale=scale, out=out, int8_activations=plan.int8_activations,
+                                      bf16_activations=plan.bf16_activations)
+            return self._tiled(x, q, scale, bias, compute=compute)
+        w = t[name + ".weight"] if name != "lm_head" else t[self.model.config.head_weight]
+        if on_kernels and x.dtype == torch.float32:
+            return kernels.linear(x, w, bias, out=out)
+        return torch.nn.functional.linear(x, w, bias)
+
+    def _kernel_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+        """StepSpec.causal_attention on the host kernel, one batch row at a time."""
+        bf16 = self.plan.prefill_attention == "bfloat16"
+        b, t, nh, hd = q.shape
+        rows = [self._kernels.prefill_attention(q[i], keys[i], vals[i], scale, bf16=bf16) for i in range(b)]
+        return (rows[0] if b == 1 else torch.stack(rows)).reshape(b, t, nh * hd)
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def _decode(self, params: TorchWeights, state: TorchDecodeState, live_mask: torch.Tensor, step: StepInputs):
+        """The live rows only (the fused kernel where it is built, else the shared forward
+        on those rows, their cache rows gathered unless every slot is live); then the
+        sampler on those rows, the results scattered back to slot order. With
+        ``live_rows=False`` and no fused step, every slot runs as on a device."""
+        if self._fused is None and not self.plan.live_rows:
+            return super()._decode(params, state, live_mask, step)
+        t, n, dev, live = params.tensors, state.num_slots, self.torch_device, step.live
+        rows = torch.tensor(live, dtype=torch.int64, device=dev)
+        pos = torch.tensor([step.positions[i] for i in live], dtype=torch.int64, device=dev)
+        if self._fused is not None:
+            x = t["model.embed_tokens.weight"][state.next_tokens[rows]].contiguous()  # (M, hidden)
+            self._fused.step(x, rows, pos, state.k, state.v)
+            x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
+            logits = self._head(t, x)  # (M, vocab)
+        else:
+            logits, state.k, state.v = forward(
+                params, self._spec(kv_len=step.kv_len, linear=self._linear, kv_codec=self._kv_codec),
+                state.next_tokens[rows][:, None], pos[:, None], state.k, state.v, rows=None if len(live) == n else rows,
+            )
+            logits = logits[:, 0]  # (M, vocab)
+        words = None if step.words is None else step.words[rows]
+        res = state.sampler.sample(logits, rows, num_top=step.num_top, token_mask=words)
+        state.sampler.record(res.tokens, rows=rows)
+        state.next_tokens[rows] = res.tokens
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((n, *values.shape[1:]), dtype=values.dtype, device=dev).index_put_((rows,), values)
+
+        return scatter(res.tokens), scatter(res.logprobs), scatter(res.top_ids), scatter(res.top_logprobs)
+
+    def _head(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The LM head of a fused decode step: the host kernels at any row count (at 32
+        rows they measured ~1.5x torch's GEMM on this shape), into a reused buffer."""
+        if self._logits_buffer is None or self._logits_buffer.numel() < x.shape[0] * self.vocab_size:
+            self._logits_buffer = torch.empty(x.shape[0] * self.vocab_size, dtype=torch.float32)
+        return self._cpu_linear(t, x, "lm_head", any_rows=True, out=self._logits_buffer)
+
+
+def create_engine(*, model: Model, config: EngineConfig) -> CpuEngine:
+    return CpuEngine(model, config)

@@ -1,0 +1,53 @@
+"""The cpu backend's options (imports no torch: read by ``polyengine backends
+--verbose`` and by other backends' refusals without starting torch). What each choice
+becomes is decided in one place, :class:`polyengine.backends.cpu.plan.CpuPlan`."""
+
+from __future__ import annotations
+
+from polyengine.engine import Option
+from polyengine.hostinfo import ISA_PATHS
+from polyengine.models.quantize import WEIGHT_MODES
+
+from polyengine.backends.torch_common.options import SHARED_OPTIONS
+
+__all__ = ["OPTIONS"]
+
+OPTIONS = {
+    **SHARED_OPTIONS,
+    "threads": Option(0, "intra-op threads (0: torch's default)", minimum=0),
+    "async_steps": Option(True, "run each step on a worker thread (results read later)"),
+    "cpu_kernels": Option(True, "decode products through the host-compiled kernels (csrc/)"),
+    # "auto": the best this CPU runs (-march=native); a lower one forced tests and measures
+    # that path on a bigger host; one this CPU cannot execute is refused
+    "isa": Option("auto", "ISA path of the host-compiled kernels", choices=("auto", *ISA_PATHS)),
+    "fused_decode": Option(True, "the whole decode step in one host-compiled call (needs cpu_kernels; Llama "
+                                 "family only, other architectures use the torch forward)"),
+    # the KV cache as an anonymous memory map, pages made as slots write them and handed
+    # back when a slot is freed (torch_common/hostmem.py); "reserve" holds every slot's
+    # full context from the start
+    "kv_memory": Option("grow", "KV cache pages held as used ('grow') or all from the start ('reserve')",
+                        choices=("grow", "reserve")),
+    "live_rows": Option(True, "decode only the live slots' rows (False: every slot, as on a device)"),
+    # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
+    # 32 weights of a row (closer to float32); float32 accumulation either way
+    "quantize": Option("", "int8 weights: 'int8' (per channel) or 'int8-block32'", choices=("", *WEIGHT_MODES)),
+    # with int8 weights: "int8" quantizes each decode product's activations to int8 per 32
+    # values (integer dot products, as llama.cpp's Q8_0); "int8x2" adds a second int8 row
+    # carrying the first's rounding error; "float" keeps them float32; "auto" is "int8x2"
+    # where every input size is a multiple of 32, else "float" (docs/cpu.md)
+    "int8_compute": Option("auto", "activations of int8 products", choices=("auto", "int8x2", "int8", "float")),
+    # float32 compute: the projections and the LM head stored as bfloat16 (rounded once at
+    # load), widened exactly in the products: half the bytes a decode step streams
+    "weight_dtype": Option("auto", "float32 compute: projection weights stored as 'bfloat16' ('auto': the "
+                                   "compute dtype)", choices=("auto", "bfloat16")),
+    "bf16_compute": Option("float", "with weight_dtype bfloat16: decode products' activations, 'float' or "
+                                    "'bf16' (vdpbf16ps where the CPU has AVX512-BF16)", choices=("float", "bf16")),
+    "prefill_compute": Option("auto", "prefill products on int8/bfloat16 weights: 'float', 'bf16', or 'auto' "
+                                      "(bf16 with bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 "
+                                      "units)", choices=("auto", "float", "bf16")),
+    "prefill_attention": Option("auto", "a prefill's causal attention: 'kernel' (host-compiled), 'sdpa' "
+                                        "(torch), or 'auto' (kernel on AVX-512 kernels)",
+                                choices=("auto", "kernel", "sdpa")),
+    "fuse_projections": Option(True, "bfloat16 weights: q/k/v and gate/up as one matrix each for the torch "
+                                     "forward's GEMMs (prefill)"),
+}

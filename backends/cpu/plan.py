@@ -1,0 +1,337 @@
+"""The cpu backend's choices, resolved once: :class:`CpuPlan`.
+
+Every choice the engine runs (the compute and KV dtypes, the ISA path and whether the
+host-compiled kernels load, the fused decode step, the weight format, the activations of
+narrowed products, prefill's GEMM operands and attention, how the KV cache's memory is
+held) is made here, from the checked options, the model and the host, and kept in one
+frozen record. The engine runs the record; :meth:`CpuPlan.describe` puts it into words
+(the engine's startup line, ``polyengine generate``'s stderr, ``polyengine backends
+--verbose``). Nothing else derives a choice: a reader that needs one reads the plan.
+This is ggml's rule for its CPU backend: variants picked by what the host runs, a plan
+resolved once and only described afterwards.
+
+Every refusal (an option that cannot apply with the others, or on this host) is an
+:class:`~polyengine.errors.UnsupportedFeature` raised here, naming the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from polyengine.errors import UnsupportedFeature
+from polyengine.hostinfo import cpu_flags, cpu_model, has_bf16_units, runnable_isas
+from polyengine.models.quantize import WEIGHT_MODES
+
+from polyengine.backends.cpu.kernels import CpuKernels, KernelsUnavailable, check_isa, load, q8_fits
+
+__all__ = ["CpuHost", "CpuPlan", "diagnose", "INT8_COMPUTE"]
+
+BACKEND = "cpu"
+INT8_COMPUTE = {"auto": 2, "int8x2": 2, "int8": 1, "float": 0}  # option -> int8 rows per activation row
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class CpuHost:
+    """What the plan needs to know of the host: the CPU's name and ISA flags, whether it
+    has bfloat16 units (AMX or AVX512-BF16), the kernel ISA paths it executes."""
+
+    model: str
+    flags: frozenset[str]
+    bf16_units: bool
+    runnable: tuple[str, ...]
+
+    @classmethod
+    def detect(cls) -> "CpuHost":
+        return cls(cpu_model(), cpu_flags(), has_bf16_units(), runnable_isas())
+
+    def describe(self) -> str:
+        flags = [f for f in _ISA_FLAGS if f in self.flags]
+        return f"{self.model}; {' '.join(flags) or 'no AVX2'}; torch capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """One engine's resolved choices (or, with ``model`` None at resolve, the defaults'
+    on this host: ``polyengine backends --verbose``)."""
+
+    host: CpuHost
+    dtype: torch.dtype  # compute
+    kv_dtype: torch.dtype
+    threads: int  # intra-op threads (0: torch's default)
+    async_steps: bool  # steps on a worker thread
+    kv_memory: str  # "grow" | "reserve"
+    isa: str  # the requested ISA path ("auto" or forced)
+    kernels: CpuKernels | None  # the host-compiled library, None where not used
+    kernels_fallback: str | None  # why not, with the fix (None: used, or not applicable to this dtype)
+    fused_decode: bool  # the whole decode step in one kernel call
+    live_rows: bool  # a decode step computes the live slots' rows only
+    weights: str  # "" (the compute dtype), "int8", "int8-block32" or "bfloat16"
+    fuse_projections: bool  # bfloat16 weights: q/k/v and gate/up as one matrix each
+    int8_activations: int  # int8 rows per activation row of int8 products (0: float32)
+    bf16_activations: bool  # bfloat16 weights' decode products on bfloat16 activations
+    prefill_compute: torch.dtype  # the operands of prefill's GEMMs on narrowed weights
+    prefill_attention: str | None  # "float32"/"bfloat16" on the host kernel, None for torch's SDPA
+    for_model: bool = True  # False: resolved without a model (the defaults' description)
+
+    # -- resolution --------------------------------------------------------------------
+
+    @classmethod
+    def resolve(cls, options: Mapping[str, Any], model: Any, host: CpuHost, *, dtype: torch.dtype) -> "CpuPlan":
+        """The plan for checked ``options`` on ``model`` (a Model or None) and ``host``,
+        computing in ``dtype``. Loads (compiling on first use) the kernels it picks."""
+        o, config = options, None if model is None else model.config
+        weights = _weights(o, config, dtype)
+        kv_dtype = dtype if o["kv_dtype"] == "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}[
+            o["kv_dtype"]]
+        kernels, fallback = _kernels(o, dtype)
+        if o["bf16_compute"] == "bf16" and kernels is None:
+            raise UnsupportedFeature("bf16_compute='bf16'", BACKEND, "it runs in the host-compiled CPU kernels, "
+                                     f"which are not used here ({fallback or 'the kernels compute float32'})")
+        int8_activations = _int8_activations(o, config, kernels)
+        bf16_activations = o["bf16_compute"] == "bf16"
+        prefill_compute = _prefill_compute(o, host, dtype, weights, bf16_activations, int8_activations)
+        return cls(
+            host=host, dtype=dtype, kv_dtype=kv_dtype, threads=o["threads"], async_steps=o["async_steps"],
+            kv_memory=o["kv_memory"], isa=o["isa"], kernels=kernels, kernels_fallback=fallback,
+            fused_decode=kernels is not None and o["fused_decode"] and (config is None or config.is_llama_family),
+            live_rows=o["live_rows"], weights=weights, fuse_projections=o["fuse_projections"],
+            int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
+            prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
+            for_model=model is not None,
+        )
+
+    @property
+    def narrow(self) -> bool:
+        """The projections' weights are int8 or bfloat16 copies (``.qweight`` tensors)."""
+        return bool(self.weights)
+
+    # -- description -------------------------------------------------------------------
+
+    def describe(self) -> dict[str, str]:
+        """The plan in words a user can act on; every fallback names its reason and fix."""
+        k = self.kernels
+        out = {"device": f"cpu ({torch.get_num_threads()} threads)", "cpu": self.host.describe()}
+        if self.dtype != torch.float32:
+            out["decode"] = f"the shared torch forward in {_name(self.dtype)} (the CPU kernels are float32)"
+        elif k is not None:
+            out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (csrc/decode.h)"
+                             if self.fused_decode else "the shared torch forward, products on the host-compiled "
+                             "kernels (" + ("fused_decode=False" if self.for_model else "not the Llama family") + ")")
+            how = ("auto: the best this CPU runs, -march=native" if k.requested == "auto" else
+                   f"forced by option isa, {' '.join(k.flags) or 'the compiler default'}")
+            out["isa"] = (f"{k.isa} ({how}; int8 products on {k.q8_isa}; others here: option "
+                          f"isa={'/'.join(self.host.runnable)})")
+            out["kernels"] = f"compiled for this CPU ({k.vector_width}-float vectors): {k.path}"
+        else:
+            out["decode"] = "the shared torch forward on torch's matmul (FALLBACK)"
+            out["kernels"] = f"not used: {self.kernels_fallback}"
+        out["int8"] = self._int8()
+        out["weights"] = self._weights()
+        out["prefill"] = self._prefill() + "; causal attention " + self._attention()
+        out["kv cache"] = self._kv()
+        return out
+
+    def _int8(self) -> str:
+        k = self.kernels
+        if not self.for_model:
+            return (f"off by default; with option quantize: integer dot products on {k.q8_isa} where the model's "
+                    f"sizes are multiples of 32 (int8_compute auto), else float activations" if k is not None else
+                    "off by default; with option quantize: torch's matmul on int8 weights widened band by band "
+                    "(no kernels)")
+        if self.weights not in WEIGHT_MODES:
+            return "off (option quantize: int8 or int8-block32)"
+        if k is None:
+            return f"{self.weights} weights; products on torch's matmul, the weights widened band by band (no kernels)"
+        if self.int8_activations:
+            rows = "two int8 rows (int8x2)" if self.int8_activations == 2 else "one int8 row"
+            return (f"{self.weights} weights x int8 activations ({rows} per row), integer dot products on "
+                    f"{k.q8_isa}")
+        return f"{self.weights} weights x float32 activations (weights widened in the kernels)"
+
+    def _weights(self) -> str:
+        if self.weights in WEIGHT_MODES:
+            return f"int8 ({self.weights}) projections and LM head"
+        if self.weights == "bfloat16":
+            if self.kernels is None:
+                how = "float32 products, widened band by band for torch's matmul"
+            elif self.bf16_activations:
+                how = f"decode products on activations rounded to bfloat16 (bf16_compute=bf16): {self.kernels.bf16_dot}"
+            else:
+                how = "float32 products, widened in the kernels (bf16_compute=float)"
+            return f"bfloat16 projections and LM head (option weight_dtype), {how}"
+        return _name(self.dtype) + ("; weight_dtype=bfloat16 halves the bytes a step streams"
+                                    if self.dtype == torch.float32 else "")
+
+    def _bf16_units(self) -> bool:
+        return _bf16_units(self.host, self.isa)
+
+    def _prefill(self) -> str:
+        """Prefill's products: torch's GEMM, on bfloat16 operands or float32 for narrowed weights."""
+        units = self._bf16_units()
+        if not self.for_model:  # what option prefill_compute's auto picks here
+            if units:
+                return ("torch's GEMM; int8 or bfloat16 weights widened to float32, or on bfloat16 operands with "
+                        "bf16_compute=bf16 or int8_compute=int8 (prefill_compute auto; this CPU has bfloat16 units)")
+            stands = f", as on the hosts isa {self.isa!r} stands for" if self.host.bf16_units else ""
+            return ("torch's GEMM; int8 or bfloat16 weights widened to float32, float32 here whatever the options "
+                    f"(prefill_compute auto; no bfloat16 units here{stands})")
+        if not self.narrow:
+            return "torch's GEMM"
+        if self.prefill_compute == torch.bfloat16:
+            why = "bfloat16 units here" if units else (
+                "forced; this CPU has no bfloat16 units, so it is slow here" if not self.host.bf16_units else
+                f"forced; the hosts isa {self.isa!r} stands for have no bfloat16 units")
+            return f"torch's GEMM on bfloat16 operands ({self.weights} weights; prefill_compute=bf16: {why})"
+        return f"torch's GEMM ({self.weights} weights widened band by band to float32; prefill_compute=float)"
+
+    def _attention(self) -> str:
+        """Where a prefill's causal attention runs (option prefill_attention)."""
+        if self.prefill_attention is None:
+            return "on torch's SDPA"
+        how = "bfloat16 operands on vdpbf16ps, float32 sums" if self.prefill_attention == "bfloat16" else "float32"
+        return f"on the host kernel (csrc/prefill_attn.h, {how}; option prefill_attention)"
+
+    def _kv(self) -> str:
+        """The KV cache: its element type and how its memory is held."""
+        kind = _name(self.kv_dtype) + ("" if self.kv_dtype == self.dtype else
+                                       f" (option kv_dtype; compute {_name(self.dtype)})")
+        held = ("pages held as the slots write them, handed back on free (kv_memory=grow)" if self.kv_memory == "grow"
+                else "every slot's full context held from the start (kv_memory=reserve)")
+        hint = "; kv_dtype=bfloat16/float16 halves it" if self.kv_dtype == torch.float32 else ""
+        return f"{kind}, {held}{hint}"
+
+
+# -- the rules, one function per choice ---------------------------------------------------
+
+
+def _name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _bf16_units(host: CpuHost, isa: str) -> bool:
+    """Whether auto choices count on bfloat16 units: the host's, except where option
+    ``isa`` forces a path below avx512: "avx2" and "scalar" run as a host of that kind
+    would, which has none (docs/cpu.md, forced ISA paths)."""
+    return host.bf16_units and isa in ("auto", "avx512")
+
+
+def _weights(o: Mapping[str, Any], config: Any, dtype: torch.dtype) -> str:
+    """The projections' weight format: option quantize or weight_dtype, where they apply."""
+    experts = config is not None and config.num_experts
+    if o["quantize"] and experts:
+        raise UnsupportedFeature("quantize with a mixture-of-experts model", BACKEND,
+                                 "int8 weights cover dense projections only")
+    if o["weight_dtype"] != "auto":
+        why = None
+        if o["quantize"]:
+            why = "int8 weights already replace the float ones; choose one of quantize and weight_dtype"
+        elif experts:
+            why = "it stores dense projections only, not a mixture of experts'"
+        elif dtype != torch.float32:
+            why = f"it narrows float32 weights, and this engine computes in {_name(dtype)}; use dtype float32"
+        if why:
+            raise UnsupportedFeature(f"weight_dtype={o['weight_dtype']!r} here", BACKEND, why)
+        return o["weight_dtype"]
+    if o["bf16_compute"] != "float":
+        raise UnsupportedFeature(f"bf16_compute={o['bf16_compute']!r} without bfloat16 weights", BACKEND,
+                                 "it chooses the activations of bfloat16 weights' products; add weight_dtype='bfloat16'")
+    return o["quantize"]
+
+
+def _kernels(o: Mapping[str, Any], dtype: torch.dtype) -> tuple[CpuKernels | None, str | None]:
+    """The host-compiled kernels (they compute float32) and, where they are not used,
+    why, with the fix. A forced ISA path must run or be refused, never fall back: the
+    row measuring it would measure something else."""
+    if o["isa"] != "auto":
+        if dtype != torch.float32 or not o["cpu_kernels"]:
+            raise UnsupportedFeature(
+                f"isa={o['isa']!r} here", BACKEND, "the ISA path chooses the host-compiled kernels, which compute "
+                "float32 with cpu_kernels=True; drop the option or use dtype float32")
+        check_isa(o["isa"])
+    if dtype != torch.float32:
+        return None, None
+    if not o["cpu_kernels"]:
+        return None, "option cpu_kernels=False; set cpu_kernels=True for the host-compiled decode kernels"
+    try:
+        return load(o["threads"] or None, o["isa"]), None
+    except KernelsUnavailable as exc:
+        if o["isa"] != "auto":
+            raise UnsupportedFeature(f"isa={o['isa']!r}", BACKEND, str(exc)) from None
+        return None, str(exc)
+
+
+def _int8_activations(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None) -> int:
+    """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
+    float32 activations, 1 or 2 (csrc/q8.h)."""
+    if not o["quantize"] and o["int8_compute"] != "auto":
+        raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r} without int8 weights", BACKEND,
+                                 "it chooses the activations of int8 weights' products; add quantize='int8' or "
+                                 "'int8-block32'")
+    if not o["quantize"] or o["int8_compute"] == "float" or config is None:
+        return 0
+    fits = kernels is not None and q8_fits(config, WEIGHT_MODES[o["quantize"]])
+    if o["int8_compute"] != "auto" and not fits:
+        why = ("the CPU kernels are off or unavailable" if kernels is None else
+               "it needs hidden, intermediate and heads x head_dim sizes that are multiples of 32")
+        raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r}", BACKEND, why)
+    return INT8_COMPUTE[o["int8_compute"]] if fits else 0
+
+
+def _prefill_compute(o: Mapping[str, Any], host: CpuHost, dtype: torch.dtype, weights: str, bf16_activations: bool,
+                     int8_activations: int) -> torch.dtype:
+    """The operand dtype of prefill's GEMMs on narrowed weights (option prefill_compute):
+    auto makes prefill's activations as precise as the decode products' (bfloat16 rows,
+    or one int8 row per 32 values: both 8 significant bits), on bfloat16 units only."""
+    choice = o["prefill_compute"]
+    if choice == "bf16" and not weights:
+        raise UnsupportedFeature("prefill_compute='bf16' without int8 or bfloat16 weights", BACKEND,
+                                 "it chooses the GEMM operands of narrowed weights; add weight_dtype='bfloat16' "
+                                 "or quantize, or drop the option")
+    coarse = bf16_activations or int8_activations == 1
+    if choice == "bf16" or (choice == "auto" and coarse and _bf16_units(host, o["isa"])):
+        return torch.bfloat16
+    return dtype
+
+
+def _prefill_attention(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None, fallback: str | None,
+                       prefill_compute: torch.dtype) -> str | None:
+    """The operands of a prefill's causal attention on the host kernel (option
+    prefill_attention): "bfloat16" where prefill's GEMMs take bfloat16 operands and the
+    kernels have vdpbf16ps, else "float32"; None for torch's SDPA. auto: the kernel on
+    the AVX-512 kernels (measured faster than SDPA there) with attention "sdpa"."""
+    choice = o["prefill_attention"]
+    if choice == "sdpa":
+        return None
+    if kernels is None:
+        if choice == "kernel":
+            why = (f"it runs in the host-compiled CPU kernels, which are not used here ({fallback})" if fallback
+                   else "it runs in the host-compiled CPU kernels (float32 compute)")
+            raise UnsupportedFeature("prefill_attention='kernel'", BACKEND, why)
+        return None
+    bf16 = prefill_compute == torch.bfloat16 and kernels.attention_bf16
+    if config is not None:
+        why = kernels.prefill_attention_fits(config.head_dim, bf16)
+        if why is not None:
+            if choice == "kernel":
+                raise UnsupportedFeature("prefill_attention='kernel'", BACKEND, why)
+            return None
+    if choice == "auto" and (not kernels.attention_by_default or o["attention"] != "sdpa"):
+        return None
+    return "bfloat16" if bf16 else "float32"
+
+
+def diagnose() -> dict[str, str]:
+    """What an engine with the default options would run here (``polyengine backends
+    --verbose``): builds the kernels if they are not cached yet, since whether they
+    compile is the question."""
+    from polyengine.options import option_defaults
+
+    from polyengine.backends.cpu.options import OPTIONS
+
+    plan = CpuPlan.resolve(option_defaults(OPTIONS), None, CpuHost.detect(), dtype=torch.float32)
+    return plan.describe()

@@ -1,0 +1,422 @@
+"""The engine protocol over the shared torch model and sampler, for every torch engine.
+
+One flow for the ``cpu`` and ``cuda_torch`` backends; each chooses its device, its
+dtypes and how a decode step computes its rows, and this module runs the protocol on
+top. The decode state owns a preallocated KV cache for all its slots (``[layers,
+slots, kv_heads, max_cache_length, head_dim]``), a batched device sampler whose
+per-slot parameters are installed at insert, and a device copy of the host's slot
+counts. A prompt is prefilled alone, padded to a bucket, into a cache of its own that
+becomes the prefix; insert copies it into the slot's row. Every generate step samples on
+the device and packs the step's results into one int32 buffer: one host transfer per
+step (:meth:`TorchEngine._results`).
+
+The host keeps only what it can know without a sync (which slots are live, their
+lengths); the tokens stay on the device until the driver reads them. The device path
+(:meth:`TorchEngine._decode`) takes no host data: its live mask, positions and lengths
+come from the device's copy of the slot counts, which insert, free and overrides update
+with fill kernels or non-blocking copies from pinned memory (``transfer.py``), so step
+n+1 is queued while step n runs (tested with a dispatch mode that flags any host data or
+sync inside a step: ``tests/test_cuda_torch_sync.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
+from polyengine.errors import InsufficientMemory, UnsupportedFeature
+from polyengine.models import Model
+from polyengine.prefix import PortablePrefix
+from polyengine.sampling import SamplingParams
+from polyengine.sampling.rows import row_bytes
+
+from polyengine.backends.torch_common.hostmem import release_row
+from polyengine.backends.torch_common.model import CastKVCodec, StepSpec, TorchWeights, forward
+from polyengine.backends.torch_common.options import SHARED_OPTIONS
+from polyengine.backends.torch_common.sampling import TorchSampler
+from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
+from polyengine.backends.torch_common.transfer import fill_row, pack_results, to_device
+
+__all__ = ["TorchEngine", "TorchDecodeState", "StepInputs", "TORCH_DTYPES", "on_engine_thread"]
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+@dataclass
+class TorchDecodeState(SlotsInFlight):
+    num_slots: int
+    k: torch.Tensor  # (layers, slots, kv_heads, max_cache_length, head_dim)
+    v: torch.Tensor
+    sampler: TorchSampler
+    next_tokens: torch.Tensor  # (slots,) int64 on the device: what each slot feeds next
+    slots: SlotTable  # the host's count: prompt and completion per slot, what a step can know without a sync
+    # The same count on the device, so a step derives its live mask, positions and lengths
+    # there instead of copying the host's lists in (a copy that would wait for the step before).
+    total: torch.Tensor  # (slots,) int64: prompt + completion tokens, 0 when free
+    prompt_len: torch.Tensor  # (slots,) int64
+    occupied: torch.Tensor  # (slots,) bool
+    pending: Future | None = None  # the step running on the worker thread (CPU async mode)
+    graphs: dict = field(default_factory=dict)  # CUDA: kv_len -> (graph, static logits), over this state's buffers
+    positions: torch.Tensor | None = None  # CUDA graphs: static (slots, 1) input buffers
+    live: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the host decides for one decode step before it runs: the live slots, each
+    slot's position (0 for the others), the attended length, the top-log-prob count
+    and the step's allowed-token masks (packed bits per slot, on the device)."""
+
+    live: list[int]
+    positions: list[int]
+    kv_len: int
+    num_top: int
+    words: torch.Tensor | None
+
+
+def on_engine_thread(method):
+    """Run an engine method on the step worker thread when there is one.
+
+    torch's CPU ops run on OpenMP, and libgomp keeps a thread team per calling thread:
+    once the caller's thread and the step worker both have one, it counts more threads
+    than cores and puts idle team threads to sleep, so every parallel op pays futex
+    wake-ups (~1 ms a step at batch 1 in the sampler's ops). With every torch call on one
+    thread there is one team, which spins between ops as it should."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._worker is None or threading.current_thread() is self._worker_thread:
+            return method(self, *args, **kwargs)
+        return self._worker.submit(method, self, *args, **kwargs).result()
+
+    return run
+
+
+class TorchEngine(TorchSlotsEngine, EngineBase):
+    """The protocol for a torch engine. A backend subclass sets ``name`` and
+    ``OPTIONS``, picks ``self.torch_device`` in ``capabilities_for``, and may change:
+    ``_load_weights`` (what the weights are), ``_decode`` (how a step computes its
+    rows), ``self._linear``/``self._prefill_linear`` (the projections, None for
+    torch's) and ``self._causal_attention`` (a prefill's attention from position 0)."""
+
+    OPTIONS = SHARED_OPTIONS
+    torch_device: torch.device
+    _linear: Callable | None = None  # decode's projections (None: torch's F.linear)
+    _prefill_linear: Callable | None = None  # prefill's
+    _causal_attention: Callable | None = None  # a prefill's attention from position 0 (None: the forward's)
+
+    def __init__(self, model: Model, config: EngineConfig):
+        super().__init__(model, config)
+        self.torch_dtype = TORCH_DTYPES[self.dtype]
+        self._resolve()
+        self.kv_dtype = self._resolve_kv_dtype()
+        # The forward's codec when K/V are narrower than compute: every cache, the decode
+        # state's and a prefill's own (so its Prefix), stores them narrow; attention reads
+        # them widened to the compute dtype.
+        self._kv_codec = None if self.kv_dtype == self.torch_dtype else CastKVCodec(
+            self.kv_dtype, self.kv_dtype, self.torch_dtype)
+        self.sampler_dtype = torch.float64 if self.options["sampler_dtype"] == "float64" else torch.float32
+        # A worker thread runs the steps, so the caller reads step n while n+1 runs, and
+        # every other torch call of the engine too (see on_engine_thread).
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-step") if self._async_steps() else None
+        self._worker_thread = self._worker.submit(threading.current_thread).result() if self._worker else None
+        self._weights: TorchWeights | None = None
+        self._prefill_sampler: TorchSampler | None = None
+        self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
+        self._check_memory()
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Option kv_dtype's element size (a prefix and the decode cache keep K/V in it)."""
+        kv = self.options["kv_dtype"]
+        return super().kv_itemsize if kv == "auto" else TORCH_DTYPES[kv].itemsize
+
+    def _resolve(self) -> None:
+        """Hook: a backend's own choices, made once the options, dtype and device are known."""
+
+    def _resolve_kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type (option kv_dtype)."""
+        kv = self.options["kv_dtype"]
+        kv_dtype = self.torch_dtype if kv == "auto" else TORCH_DTYPES[kv]
+        if kv_dtype != self.torch_dtype and self.torch_dtype != torch.float32:
+            raise UnsupportedFeature(
+                f"kv_dtype={kv!r} with dtype {self.dtype}", self.name,
+                "a narrower KV cache is kept for float32 compute only; use kv_dtype='auto' (the compute dtype)")
+        return kv_dtype
+
+    def _async_steps(self) -> bool:
+        """Whether steps run on a worker thread (the caller reads step n while n+1 runs)."""
+        return False
+
+    def _lazy_kv(self) -> bool:
+        """Whether the decode cache's pages come as slots write them (a CPU choice)."""
+        return False
+
+    def _weight_needs(self) -> dict[str, int]:
+        """The weights this engine allocates: a copy in the compute dtype of every weight,
+        except on the CPU in float32, where the Model's arrays are used as they are."""
+        if self.torch_device.type == "cpu" and self.torch_dtype == torch.float32:
+            return {}
+        shapes = self.model.config.weight_shapes()
+        return {f"{self.dtype} weights on {self.torch_device}":
+                sum(math.prod(s) for s in shapes.values()) * self.torch_dtype.itemsize}
+
+    def _check_memory(self) -> None:
+        """What this engine allocates, counted as it will be, against what the device has."""
+        c, cfg = self.model.config, self.config
+        needs = self._weight_needs()
+        needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
+            cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(self.kv_dtype.itemsize))
+        needs["the sampler's per-slot tables and a step's logits"] = (
+            cfg.max_slots * row_bytes(c.vocab_size, self.sampler_dtype.itemsize)
+            + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
+        self.check_memory(needs, **self._memory_available())
+
+    def _memory_available(self) -> dict[str, Any]:
+        """check_memory's ``where``/``available`` (host memory by default)."""
+        return {}
+
+    def _spec(self, **choices: Any) -> StepSpec:
+        """The forward's static choices for one bucket, built once and kept: the
+        engine's attention, in-place cache writes, and ``choices`` (kv_len, causal,
+        linear)."""
+        key = tuple(sorted(choices.items(), key=lambda kv: kv[0]))
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = StepSpec(attention=self.options["attention"], inplace=True, moe="sparse", **choices)
+        return spec
+
+    def _allocating(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run an allocation; a device or host out-of-memory becomes InsufficientMemory."""
+        try:
+            return fn()
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise InsufficientMemory(
+                f"the {self.name} backend ran out of memory allocating {what} on {self.torch_device}: {exc}; "
+                f"use fewer slots (max_slots) or a shorter context (max_cache_length)", needed=0, available=0,
+                where=str(self.torch_device),
+            ) from None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _load_weights(self) -> TorchWeights:
+        """The weights on the device in the compute dtype (a subclass may narrow them)."""
+        return self._allocating("the weights", lambda: TorchWeights.from_model(
+            self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length))
+
+    @on_engine_thread
+    def load_params(self) -> TorchWeights:
+        if self._weights is None:
+            self._weights = self._load_weights()
+            self._prefill_sampler = TorchSampler(
+                self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
+        return self._weights
+
+    @on_engine_thread
+    def init_decode_state(self) -> TorchDecodeState:
+        weights = self.load_params()
+        n = self.max_concurrent_decodes
+
+        def allocate():
+            k, v = weights.new_cache(n, self.max_cache_length, lazy=self._lazy_kv(), dtype=self.kv_dtype)
+            sampler = TorchSampler(self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
+            return k, v, sampler
+
+        k, v, sampler = self._allocating("a decode state's KV cache", allocate)
+
+        def counts(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=self.torch_device)
+
+        return TorchDecodeState(n, k, v, sampler, counts(torch.int64), SlotTable(n), counts(torch.int64),
+                                counts(torch.int64), counts(torch.bool))
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def _to_host(self, t: torch.Tensor) -> np.ndarray:
+        return t.detach().to("cpu", torch.float32).numpy()
+
+    def _first_token(self, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams,
+                     token_mask: np.ndarray | None = None):
+        """Sample 0's first token (step 0) from a prefix's logits, on the prefill sampler."""
+        sampler = self._prefill_sampler
+        sampler.install(0, sampling, prompt)
+        try:
+            return sampler.sample(logits[None], num_top=sampling.top_logprobs,
+                                  token_mask=None if token_mask is None else token_mask[None])
+        finally:
+            sampler.clear(0)
+
+    @on_engine_thread
+    @torch.no_grad()
+    def prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams, existing_prefix: Prefix | None = None,
+                token_mask: np.ndarray | None = None):
+        toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
+        mask = self.check_token_mask(token_mask, sampling)
+        n = toks.size
+        padded = self.config.bucket_for(n)
+        dev = self.torch_device
+        # The prefix's own cache, in the KV dtype (what the decode cache will hold, bit for
+        # bit); on a Linux host a memory map of its own, so a prefix dropped (the driver's
+        # prefix cache evicts them in any order) gives its pages back at once instead of
+        # leaving holes in the heap that the process keeps (hostmem.py).
+        k, v = params.new_cache(1, start + padded, lazy=True, dtype=self.kv_dtype)
+        if existing_prefix is not None:
+            k[:, 0, :, :start], v[:, 0, :, :start] = existing_prefix.kv
+        batch = np.zeros((1, padded), np.int64)
+        batch[0, :n] = toks
+        positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
+        write = (torch.arange(padded, device=dev) < n)[None]
+        logits, k, v = forward(
+            params, self._spec(causal=start == 0, linear=self._prefill_linear, kv_codec=self._kv_codec,
+                               causal_attention=self._causal_attention if start == 0 else None),
+            to_device(batch, dev), positions, k, v,
+            rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
+        )
+        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
+        first = self._first_token(logits[0], prompt, sampling, mask)
+        token = int(first.tokens[0])  # the protocol's Prefix carries it on the host
+        prefix = Prefix(
+            kv=(k[:, 0, :, : start + n], v[:, 0, :, : start + n]), logits=logits[0].float(), prompt_tokens=prompt,
+            sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
+            token_mask=mask,
+            nbytes=self.kv_bytes(start + padded),  # the view keeps its whole buffer alive
+        )
+        return prefix, ResultTokens.first_tokens(first.tokens, first.logprobs, first.top_ids, first.top_logprobs,
+                                                 to_host=host_array)
+
+    # -- insert, bulk_insert, free_resource: the kit's flow over torch_common's hooks --------
+
+    insert = on_engine_thread(torch.no_grad()(EngineBase.insert))
+    bulk_insert = on_engine_thread(torch.no_grad()(EngineBase.bulk_insert))
+    free_resource = on_engine_thread(EngineBase.free_resource)
+
+    def _installed(self, state: TorchDecodeState, slots: list[int], first: torch.Tensor, prefix: Prefix) -> None:
+        state.next_tokens[to_device(np.asarray(slots, np.int64), self.torch_device)] = first
+        for slot in slots:  # the first token counts: prompt + 1
+            fill_row(state.total, slot, prefix.true_length + 1)
+            fill_row(state.prompt_len, slot, prefix.true_length)
+            fill_row(state.occupied, slot, True)
+
+    def _release(self, state: TorchDecodeState, slot: int) -> None:
+        super()._release(state, slot)
+        for counts in (state.total, state.prompt_len, state.occupied):
+            fill_row(counts, slot, 0)
+        release_row(state.k, slot)  # a cache whose pages come with use gives the slot's back (0 bytes otherwise)
+        release_row(state.v, slot)
+
+    # -- generate --------------------------------------------------------------------------
+
+    def generate(self, params: TorchWeights, decode_state: TorchDecodeState, *, overrides: Mapping[int, Any] | None = None,
+                 token_masks: Mapping[int, np.ndarray] | None = None):
+        state = decode_state
+        state.wait()
+        forced = self.check_overrides(overrides, state.slots.last_result)
+        masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
+                                       sampling_of=state.slots.sampling)
+        words = None if masks is None else masks.words
+        for slot, (_, position) in forced.items():
+            state.slots.force(slot, position)
+        # slot -> (token, its new prompt + completion count) for the device's copy
+        forced = {slot: (token, state.slots[slot].total) for slot, (token, _) in forced.items()}
+        live = state.slots.live(self.max_cache_length)
+        positions = [state.slots[i].length if i in live else 0 for i in range(state.num_slots)]
+        # The attended length is a host number (a static choice of the step), not a copy.
+        block = self.options["kv_block"]
+        kv_len = min(self.max_cache_length, block * math.ceil((max(positions, default=0) + 1) / block))
+        num_top = state.sampler.max_top_logprobs
+        state.slots.advance(live)  # what the host can know before the step runs: who advances, by one
+        layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
+
+        def step() -> torch.Tensor:
+            return self._step(params, state, forced, live, positions, kv_len, num_top, words)
+
+        if self._worker is not None:
+            state.pending = self._worker.submit(step)
+            return state, ResultTokens.from_packed(state.pending, layout, to_host=lambda f: f.result().numpy())
+        return state, self._results(step(), layout)
+
+    def _results(self, buf: torch.Tensor, layout: ResultLayout) -> ResultTokens:
+        """A step's packed results as the protocol's ResultTokens (a device subclass
+        starts the host copy here)."""
+        return ResultTokens.from_packed(buf, layout, to_host=lambda t: t.numpy())
+
+    @torch.no_grad()
+    def _step(self, params, state: TorchDecodeState, forced, live, positions, kv_len, num_top,
+              words: np.ndarray | None) -> torch.Tensor:
+        """One decode step: the forced tokens in, the rows computed (:meth:`_decode`),
+        the counts advanced on the device, the results packed. ``words``: the step's
+        allowed-token masks (packed bits per slot), copied in like every other host input."""
+        dev, n = self.torch_device, state.num_slots
+        if words is not None:
+            words = to_device(words, dev)
+        if forced:
+            rows = to_device(np.asarray(list(forced), np.int64), dev)
+            tokens = to_device(np.asarray([t for t, _ in forced.values()], np.int64), dev)
+            state.sampler.override(tokens, rows=rows)
+            state.next_tokens[rows] = tokens
+            for slot, (_, total) in forced.items():
+                fill_row(state.total, slot, total)
+        live_mask = state.occupied & (state.total < self.max_cache_length)
+        if live:
+            tokens, logprobs, top_ids, top_lp = self._decode(
+                params, state, live_mask, StepInputs(live, positions, kv_len, num_top, words))
+        else:
+            tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+            logprobs = torch.zeros(n, device=dev)
+            top_ids = torch.zeros((n, num_top), dtype=torch.int64, device=dev)
+            top_lp = torch.zeros((n, num_top), device=dev)
+        state.total += live_mask  # the host's advance(live), on the device
+        lengths = torch.where(state.occupied, state.total - state.prompt_len, 0)  # completion tokens
+        return pack_results(ResultLayout(k=1, top_n=num_top, logprobs=True), tokens=tokens, valid=live_mask,
+                            lengths=lengths, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lp)
+
+    def _decode(self, params: TorchWeights, state: TorchDecodeState, live_mask: torch.Tensor, step: StepInputs):
+        """The device path: every slot runs from device data, empty ones write nothing
+        (no host copy, no sync). Returns (tokens, logprobs, top_ids, top_logprobs) per slot."""
+        pos = torch.where(live_mask, state.total - 1, 0)[:, None]
+        logits = self._device_forward(params, state, pos, live_mask, step.kv_len)
+        res = state.sampler.sample(logits[:, 0], num_top=step.num_top, token_mask=step.words)
+        state.sampler.record(res.tokens, mask=live_mask)
+        state.next_tokens.copy_(torch.where(live_mask, res.tokens, state.next_tokens))
+        return res.tokens, res.logprobs, res.top_ids, res.top_logprobs
+
+    def _device_forward(self, params: TorchWeights, state: TorchDecodeState, pos: torch.Tensor,
+                        live_mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Every slot's next logits ``(slots, 1, vocab)`` through the shared forward."""
+        logits, state.k, state.v = forward(
+            params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codec),
+            state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
+        )
+        return logits
+
+    # -- portable prefixes ---------------------------------------------------------------
+
+    @on_engine_thread
+    def export_prefix(self, prefix: Prefix) -> PortablePrefix:
+        self.check_prefix(prefix)
+        k, v = prefix.kv
+        return PortablePrefix(
+            k=self._to_host(k), v=self._to_host(v), prompt_tokens=prefix.prompt_tokens,
+            last_logits=self._to_host(prefix.logits), sampling=prefix.sampling, model_fingerprint=self.model.fingerprint,
+        )
+
+    @on_engine_thread
+    @torch.no_grad()
+    def import_prefix(self, portable: PortablePrefix) -> Prefix:
+        prompt, sampling = self.check_portable(portable)
+        self.load_params()
+        put = lambda a: to_device(np.ascontiguousarray(a), self.torch_device, self.kv_dtype)  # noqa: E731
+        logits = to_device(np.ascontiguousarray(portable.last_logits, np.float32), self.torch_device)
+        first = self._first_token(logits, prompt, sampling)
+        return Prefix(
+            kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
+            backend=self.name, first_token=int(first.tokens[0]), to_host=self._to_host, model_id=self.model_id,
+            nbytes=self.kv_bytes(prompt.size),
+        )
