@@ -167,10 +167,11 @@ def test_every_format_loads_and_is_close_to_its_source(files):
 
 
 @pytest.mark.slow
-def test_reference_and_cuda_torch_generate_alike_on_every_format(files):
-    """The reference on the exactly dequantized blocks (float64) and cuda_torch on the
-    float32 conversion (its weight_formats are the float ones) give the same greedy
-    tokens, for every format."""
+def test_reference_and_torch_backends_generate_alike_on_every_format(files):
+    """The reference on the exactly dequantized blocks (float64) and the torch backends
+    on the CPU (cpu, and cuda_torch's device path on its CPU stand-in) on the float32
+    conversion (their weight_formats are the float ones) give the same greedy tokens,
+    for every format."""
     import polyengine as pe
 
     pytest.importorskip("torch")
@@ -178,13 +179,15 @@ def test_reference_and_cuda_torch_generate_alike_on_every_format(files):
     for fmt, path in files.items():
         model = load_model(path)
         got = {}
-        for backend in ("reference", "cuda_torch"):
-            llm = pe.LLM(model, backend=backend, max_slots=1, max_cache_length=64, max_prefill_length=32)
+        for backend, options in (("reference", {}), ("cpu", {}), ("cuda_torch", {"device": "cpu"})):
+            llm = pe.LLM(model, backend=backend, max_slots=1, max_cache_length=64, max_prefill_length=32,
+                         options=options)
             got[backend] = llm.generate(["hello"], greedy)[0].outputs[0]
-        ref, torch_out = got["reference"], got["cuda_torch"]
+        ref = got.pop("reference")
         assert len(ref.token_ids) == 8
         for step, top in enumerate(ref.top_logprobs):
-            assert torch_out.token_ids[step] == ref.token_ids[step], (fmt, step, ref.token_ids, torch_out.token_ids)
+            for backend, out in got.items():
+                assert out.token_ids[step] == ref.token_ids[step], (fmt, backend, step, ref.token_ids, out.token_ids)
             first, second = sorted(top.values(), reverse=True)
             if first - second < 1e-3:  # a near tie (F16's file has one of 1e-4): later steps may part by float noise
                 break
