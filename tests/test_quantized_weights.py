@@ -231,3 +231,27 @@ def test_loading_and_int8_requantization_never_hold_a_float32_model(tmp_path):
     assert runs["stored"]["peak"] < 0.45 * float32_model, runs
     assert runs["stored"]["peak"] < runs["stored"]["int8"] + 16 * 2**20, runs  # int8 copies + one tensor's temporaries
     assert runs["float32"]["peak"] > float32_model, runs
+
+
+def test_non_finite_scales_are_refused_at_load_and_formats_are_declared(files, tmp_path):
+    """An infinite f16 scale in one block is found at load (without widening the tensor)
+    and named; Capabilities.weight_formats takes known formats only, the reference's are all."""
+    from polyengine.errors import WeightsError
+    from polyengine.models.gguf_io import read_gguf
+    from polyengine.protocol import Capabilities
+
+    bad = tmp_path / "bad.gguf"
+    data = bytearray(files["Q6_K"].read_bytes())
+    t = read_gguf(files["Q6_K"]).tensors["blk.1.ffn_down.weight"]
+    data[t.offset + 5 * 210 + 208: t.offset + 5 * 210 + 210] = np.array([np.inf], "<f2").tobytes()  # block 5's d
+    bad.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match="blk.1.ffn_down.weight.*infinite|infinite.*blk.1.ffn_down.weight"):
+        load_model(bad)
+    with pytest.raises(ValueError, match="unknown formats"):
+        Capabilities(dtypes=("float32",), weight_formats=("F32", "Q9_9"))
+    assert Capabilities(dtypes=("float32",)).weight_formats == ("F64", "F32", "F16", "BF16")
+    from polyengine.backends.reference.engine import ReferenceEngine
+    from polyengine.engine import EngineConfig
+
+    engine = ReferenceEngine(load_model(files["Q4_0"]), EngineConfig(max_slots=1, max_cache_length=32))
+    assert set(engine.capabilities.weight_formats) == set(FORMATS)

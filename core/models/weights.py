@@ -198,9 +198,10 @@ class Weight:
                 bad = any(((b[:, :, at + 1] & 0x7C) == 0x7C).any() for at in _F16_FIELDS[self.format])
             else:
                 return
-            if bad:
-                require_finite(self.to_float(np.float32), file=self.source, tensor=self.name or None)
-                raise WeightsError("holds NaN or infinite values", file=self.source, tensor=self.name or None)
+            if bad:  # widen this one tensor for a message that says where and what
+                with np.errstate(all="ignore"):
+                    values = self.to_float(np.float32)  # a block format's conversion raises here
+                require_finite(values, file=self.source, tensor=self.name or None)
 
     def bytes_for_hash(self):
         """The raw data, chunk by chunk, in the tensor's row order (for fingerprints)."""
