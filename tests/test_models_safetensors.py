@@ -82,11 +82,18 @@ def _copy(saved, name, tmp_path):
 def test_weights_equal_what_transformers_saved(saved, name):
     folder, expected = saved[name]
     model = load_model(folder)
+    stored = {"float16": "F16", "bfloat16": "BF16", "bf16": "BF16"}.get(name.split("-")[1], "F32")
     assert set(model.weights) == set(expected)
     for key, want in expected.items():
+        record = model.records[key]
+        assert record.format == stored and not record.data.flags.writeable  # the file's own dtype, mapped
         got = model.weights[key]
-        assert got.dtype == np.float32 and type(got) is np.ndarray  # not a view of the file
+        assert got.dtype == (np.float16 if stored == "F16" else np.float32) and type(got) is np.ndarray
         np.testing.assert_array_equal(got, want, err_msg=key)
+    widened = load_model(folder, dtype="float32")  # the option: every tensor float32 at load, held
+    for key, want in expected.items():
+        assert widened.records[key].format == "F32" and widened.records[key].data.flags.writeable
+        np.testing.assert_array_equal(widened.weights[key], want, err_msg=key)
     assert model.config == config_from_file(folder / "config.json")
     assert not model.is_random and model.source == str(folder)
 
@@ -242,7 +249,7 @@ def test_tied_checkpoint_with_a_stored_head_drops_it(saved, tmp_path):
     (folder / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": True}))
     model = load_model(folder)
     assert "lm_head.weight" not in model.weights
-    assert model.lm_head is model.weights["model.embed_tokens.weight"]
+    assert np.shares_memory(model.lm_head, model.records["model.embed_tokens.weight"].data)  # the one table
 
 
 def test_unsupported_dtype(saved, tmp_path):

@@ -15,6 +15,7 @@ import numpy as np
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
 from polyengine.models import Model
+from polyengine.models.blocks import FORMATS
 from polyengine.models.config import ARCHITECTURES
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import RowState, SamplingParams, sample
@@ -55,11 +56,12 @@ class ReferenceEngine(EngineBase):
             portable_prefix=True,
             prefix_reuse=True,
             architectures=ARCHITECTURES, token_masks=True,
+            weight_formats=tuple(FORMATS),  # every block format, dequantized exactly (float64) at load
         ), device="cpu (NumPy)")
         self.np_dtype = np.dtype(_DTYPES[self.dtype])
         mc = model.config
-        # Refuse before allocating: the engine copies the weights into its dtype (the
-        # Model's float32 ones stay held by the caller) and preallocates every slot's cache.
+        # Refuse before allocating: the engine converts the weights into its dtype (the
+        # Model's records stay as stored) and preallocates every slot's cache.
         self.check_memory({
             f"a {self.dtype} copy of the weights": mc.num_parameters() * self.np_dtype.itemsize,
             f"the KV caches of {config.max_slots} slots x {config.max_cache_length} positions":
@@ -71,7 +73,8 @@ class ReferenceEngine(EngineBase):
 
     def load_params(self) -> ReferenceParams:
         if self._params is None:
-            self._params = ReferenceParams.from_model(self.model, self.np_dtype, context=self.max_cache_length)
+            self._params = ReferenceParams.from_model(self.model, self.np_dtype, context=self.max_cache_length,
+                                                      formats=self.capabilities.weight_formats)
         return self._params
 
     def init_decode_state(self) -> ReferenceDecodeState:

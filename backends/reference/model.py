@@ -27,11 +27,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from polyengine.models import Model, ModelConfig
+from polyengine.models.blocks import FORMATS
 
 
 @dataclass
 class ReferenceParams:
-    """The weights in the compute dtype, plus the RoPE frequencies per layer kind."""
+    """The weights in the compute dtype (dequantized exactly from their records), plus the
+    RoPE frequencies per layer kind."""
 
     config: ModelConfig
     dtype: np.dtype
@@ -41,10 +43,14 @@ class ReferenceParams:
     rope_factor: float  # long-RoPE's cos/sin factor (1 otherwise)
 
     @classmethod
-    def from_model(cls, model: Model, dtype: np.dtype, *, context: int | None = None) -> "ReferenceParams":
-        """``context``: the longest sequence this engine runs (long-RoPE picks its factors by it)."""
+    def from_model(cls, model: Model, dtype: np.dtype, *, context: int | None = None,
+                   formats: tuple[str, ...] = tuple(FORMATS)) -> "ReferenceParams":
+        """``context``: the longest sequence this engine runs (long-RoPE picks its factors by it).
+        Each weight is read in one of ``formats`` (the engine's ``weight_formats``: every
+        block format) and dequantized exactly: float64 holds every block format's values
+        exactly, float32 gets them rounded once; so a quantized model is judged like any other."""
         c = model.config
-        w = {name: np.asarray(t, dtype=dtype) for name, t in model.weights.items()}
+        w = {name: model.weight(name, formats).to_float(dtype) for name in model.records}
         head = w[c.head_weight]
         inv = {"global": c.rope_inv_freq(context=context), "local": c.rope_inv_freq(local=True, context=context)}
         return cls(c, np.dtype(dtype), w, head, inv, c.rope_attention_factor())

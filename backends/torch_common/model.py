@@ -122,9 +122,10 @@ class TorchWeights:
     ) -> "TorchWeights":
         """Wrap ``model.weights`` without a second host copy.
 
-        Each array goes through ``torch.from_numpy`` (shares memory) and at most one
-        ``.to(device, dtype)``: on CPU in float32 that is no copy at all, elsewhere one
-        copy into the target. Fusing costs one host concatenation per fused matrix
+        Each array (a float32/float16 record as it is, any other format converted to
+        float32 as it is read, one tensor at a time) goes through ``torch.from_numpy``
+        (shares memory) and at most one ``.to(device, dtype)``: on CPU in float32 that is
+        no copy at all, elsewhere one copy into the target. Fusing costs one host concatenation per fused matrix
         (the fused tensor is new memory; the Model's arrays stay as they are).
         ``max_positions`` sizes the RoPE tables (default: the model's
         ``max_position_embeddings``; an engine passes its cache length). ``skip``: weights
@@ -132,10 +133,8 @@ class TorchWeights:
         weight must be present (one an engine released raises its WeightsError here).
         """
         c = model.config
-        src = model.weights
-        for name in c.weight_shapes():
-            if name not in skip:
-                src[name]  # noqa: B018 -- a released weight says why, instead of a KeyError later
+        src = model.weights  # the float view: each read converts one record (not kept by the Model)
+        model.require(n for n in c.weight_shapes() if n not in skip)  # a released weight says why, up front
         device = torch.device(device) if device is not None else torch.device("cpu")
 
         def put(arr: np.ndarray) -> torch.Tensor:
@@ -156,9 +155,9 @@ class TorchWeights:
             if fuse_gate_up and c.mlp_gated and not c.num_experts:
                 fused[p + "mlp.gate_up_proj"] = (p + "mlp.gate_proj", p + "mlp.up_proj")
         parts = {name for group in fused.values() for name in group}
-        for name, arr in src.items():
+        for name in src:
             if name.rsplit(".", 1)[0] not in parts and name not in skip and ".mlp.experts." not in name:
-                out[name] = put(arr)
+                out[name] = put(src[name])
         for target, group in fused.items():
             for kind in ("weight", "bias"):
                 if f"{group[0]}.{kind}" in src:

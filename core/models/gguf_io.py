@@ -1,4 +1,4 @@
-"""GGUF files to a ModelConfig and HF-named float32 NumPy weights.
+"""GGUF files to a ModelConfig and HF-named weight records (the file's own blocks).
 
 A GGUF holds metadata (``general.architecture``, ``llama.*`` shape keys, the
 tokenizer's vocabulary) and tensors under llama.cpp names, in ggml layout: dims are
@@ -8,22 +8,27 @@ Decisions:
 - The header is parsed here rather than by ``gguf.GGUFReader``: the reader builds a
   NumPy view per metadata item and takes ~4.5 s on SmolLM2's 100k vocabulary strings;
   this parser takes a fraction of that and reports truncation and corruption with the
-  byte offset and the tensor concerned. Dequantization is the ``gguf`` package's
-  (``gguf.quants.dequantize``), imported lazily; F32/F16/BF16/F64 are widened here.
-- Tensors are converted one at a time from a read-only memory map, so peak memory is
-  the final weights plus one tensor, not twice the model.
+  byte offset and the tensor concerned.
+- Tensors stay in their format as :class:`~polyengine.models.weights.Weight` records,
+  read-only views of the file's memory map (:meth:`GGUFFile.load_records`): loading
+  copies and converts nothing. Dequantization of the formats people download (Q8_0,
+  Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is this package's own, exact
+  (:mod:`.blocks`); other ggml types go to ``gguf.quants.dequantize`` when converted.
 - llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` (and their biases)
   for the ``llama`` architecture so that its RoPE can pair adjacent dims. That is
-  undone per head, giving transformers' rotate-half layout bit for bit. ``qwen2``
+  undone per head, giving transformers' rotate-half layout bit for bit; on a record it
+  is a strided view that moves whole rows of blocks (blocks run along the input
+  dimension, so no block is split). ``qwen2``
   files are not permuted by the converter, so neither are they here.
 - Llama 3.1-style RoPE scaling appears only as a ``rope_freqs.weight`` tensor of
-  divisors; it is read into the config (see ``ModelConfig.from_gguf``), not kept as a weight.
+  divisors; it is read into the config (see ``config_files.config_from_gguf``), not kept as a weight.
 - Every tensor's type is checked before anything is converted: an unsupported
   quantization type is refused naming the tensor, the type and the supported ones.
 - The header is untrusted: every count, length, nesting depth, dimension, offset and
   the alignment is checked against :mod:`polyengine.limits` and the file's size before
   it sizes a loop or an allocation, a key given twice is refused (which one is meant
-  would be a guess), and converted weights must be finite.
+  would be a guess), and weights must be finite (checked at load on the stored values,
+  the f16 scales of blocks; again on every conversion).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ from polyengine.limits import (
 from polyengine.models.config import ModelConfig
 from polyengine.models.config_files import GGUF_ARCHITECTURES, config_from_gguf
 from polyengine.models.metadata import Fields, require_finite
-from polyengine.models.safetensors_io import widen_bf16
+from polyengine.models.blocks import row_bytes
+from polyengine.models.weights import Weight, format_info
 
 __all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "hf_name", "unpermute_rows"]
 
@@ -154,13 +160,18 @@ def _joined_shape(names: list[str], how: int, expected: dict[str, tuple[int, ...
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
-def _split(arr: np.ndarray, names: list[str], how: int, expected: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+def _split_record(record: Weight, names: list[str], how: int,
+                  expected: dict[str, tuple[int, ...]]) -> dict[str, Weight]:
+    """A fused (``how`` 0: row blocks) or stacked (``how`` -1) record's parts, as views."""
     if len(names) == 1:
-        return {names[0]: arr}
+        return {names[0]: record}
     if how == -1:
-        return {n: np.ascontiguousarray(arr[j]) for j, n in enumerate(names)}
-    edges = np.cumsum([expected[n][0] for n in names])[:-1]
-    return {n: np.ascontiguousarray(part) for n, part in zip(names, np.split(arr, edges, axis=0))}
+        return {n: record.select(j) for j, n in enumerate(names)}
+    out, row = {}, 0
+    for n in names:
+        out[n] = record.row_slice(row, row + expected[n][0])
+        row += expected[n][0]
+    return out
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -271,54 +282,59 @@ class GGUFFile:
             raise WeightsError(f"{len(missing)} tensor(s) missing", file=self.path, tensor=missing[0])
         return names
 
-    def load_weights(self, *, dtype: str | np.dtype = "float32", progress: Progress | None = None) -> dict[str, np.ndarray]:
-        """HF-named weights, one tensor converted at a time (fused ones split, Gemma's
-        norms back to transformers' convention: llama.cpp stores ``1 + weight``)."""
-        dt = np.dtype(dtype)
-        if dt not in (np.float32, np.float16):
-            raise ValueError(f"dtype must be float32 or float16, got {dt}")
+    def load_records(self, *, progress: Progress | None = None) -> dict[str, Weight]:
+        """HF-named records in the file's own formats, memory-mapped, nothing converted:
+        fused tensors split and stacked ones unstacked as row views, llama.cpp's Q/K row
+        permutation undone as a strided view of whole block rows. Only Gemma's norms are
+        new arrays (llama.cpp stores ``1 + weight``; small float32 vectors). Every
+        record's values are checked finite (its f16 scales, for blocks) without widening."""
         names = self.check()
         config = self.config()
         expected = config.weight_shapes()
         permute = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, Weight] = {}
         total = len(names)
         for done, (gname, (parts, how)) in enumerate(names.items(), 1):
-            arr = self._convert(self.tensors[gname], dt)
+            record = self.record(self.tensors[gname])
             if config.norm_offset and gname.endswith("norm.weight"):
-                arr = (arr.astype(np.float32) - np.float32(config.norm_offset)).astype(dt)
-            for name, part in _split(arr, parts, how, expected).items():
+                shifted = record.to_float(np.float32) - np.float32(config.norm_offset)
+                record = Weight.from_array(shifted, source=str(self.path), name=gname)
+            for name, part in _split_record(record, parts, how, expected).items():
                 if config.model_type in ("llama", "mixtral"):
                     for proj, heads in permute.items():
                         if f".{proj}." in name:
-                            part = unpermute_rows(part, heads)
+                            part = part.permute_rows(heads)
                 out[name] = part
             if progress is not None:
                 progress(done, total, parts[0])
         return out
 
-    def _convert(self, t: GGUFTensor, dtype: np.dtype) -> np.ndarray:
+    def load_weights(self, *, dtype: str | np.dtype = "float32", progress: Progress | None = None) -> dict[str, np.ndarray]:
+        """HF-named float weights, one tensor converted at a time (see :meth:`load_records`)."""
+        dt = np.dtype(dtype)
+        if dt not in (np.float32, np.float16):
+            raise ValueError(f"dtype must be float32 or float16, got {dt}")
+        return {name: np.ascontiguousarray(w.to_float(dt))
+                for name, w in self.load_records(progress=progress).items()}
+
+    def record(self, t: GGUFTensor) -> Weight:
+        """Tensor ``t`` as a record: a read-only view of the file's memory map, checked finite."""
         try:
             # A plain ndarray view: results derived from an np.memmap keep its subclass.
             mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,)).view(np.ndarray)
         except (OSError, ValueError) as exc:
             raise WeightsError(f"cannot map tensor data: {exc}", file=self.path, tensor=t.name) from None
-        try:
-            if t.ggml_type in _FLOAT_NUMPY:
-                raw = mm.view(_FLOAT_NUMPY[t.ggml_type]).reshape(t.shape)
-                arr = widen_bf16(raw) if t.ggml_type == _BF16 else raw
-                arr = arr.astype(dtype)  # copies, so the map can go
-            else:
-                import gguf
+        fmt = format_info(t.type_name)
+        if fmt.is_float:
+            data = mm.view(fmt.numpy).reshape(t.shape)
+        else:
+            data = mm.reshape(*t.shape[:-1], row_bytes(fmt, t.shape[-1]))
+        record = Weight(fmt.name, t.shape, data, source=str(self.path), name=t.name)
+        record.check_finite()
+        return record
 
-                rows = mm.reshape(-1, t.nbytes // max(1, math.prod(t.shape[:-1])))
-                arr = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(t.ggml_type)).reshape(t.shape)
-                arr = arr if dtype == np.float32 else arr.astype(dtype)
-            return require_finite(arr, file=self.path, tensor=t.name)
-        except (ValueError, NotImplementedError) as exc:
-            raise WeightsError(f"cannot convert {t.type_name} data: {exc}", file=self.path, tensor=t.name) from None
-        finally:
-            del mm
+    def _convert(self, t: GGUFTensor, dtype: np.dtype) -> np.ndarray:
+        return np.ascontiguousarray(self.record(t).to_float(dtype))
 
 
 def read_gguf(path: str | Path) -> GGUFFile:

@@ -14,10 +14,17 @@ A model argument is one of:
 - ``random:<preset>`` with an optional ``?seed=N``: random weights (see ``presets``).
 
 Decisions:
-- Memory is checked before anything large is allocated: the weights need
+- Weights stay in the file's own format by default (``dtype=None``): GGUF blocks
+  (Q4_K, Q8_0...), F16/BF16/F32 tensors, as memory-mapped :class:`Weight` records,
+  nothing converted or copied (as llama.cpp and vLLM load). ``dtype="float32"`` (or
+  ``"float16"``) widens every tensor at load instead, one at a time, into arrays the
+  Model holds (what polyengine did before records). Backends convert what they do not
+  compute on one tensor at a time (:meth:`Model.weight`, ``Model.weights``).
+- Memory is checked before anything large is allocated: widened weights need
   ``parameters x itemsize`` bytes, plus a safety margin, and must fit in what the host
   can still give this process (:func:`polyengine.memory.check_fits`, the one check the
-  engines use too); otherwise :class:`InsufficientMemory` says both numbers.
+  engines use too); otherwise :class:`InsufficientMemory` says both numbers. Mapped
+  records allocate nothing: the engine that converts them checks what it allocates.
 - Random weights are announced loudly: ``Model.is_random``, a
   :class:`RandomWeightsWarning`, a log warning, and ``RANDOM WEIGHTS`` in ``repr``.
 - A folder without ``tokenizer.json`` loads with ``tokenizer=None`` and a warning
@@ -118,14 +125,16 @@ def default_model_path() -> Path:
 def load_model(
     spec: Any = None,
     *,
-    dtype: str | np.dtype = "float32",
+    dtype: str | np.dtype | None = None,
     progress: Progress | None = None,
     seed: int | None = None,
     exclusive: bool = False,
 ) -> Model:
     """Load a model (see the module docstring for what ``spec`` may be).
 
-    ``dtype``: ``"float32"`` (default) or ``"float16"`` host weights.
+    ``dtype``: None (default) keeps every tensor in the file's own format, memory-mapped
+    (``Model.records``); ``"float32"`` or ``"float16"`` widens every tensor at load.
+    Random presets and nanochat checkpoints are drawn/read as float32 unless ``"float16"``.
     ``progress(done, total, what)`` is called as tensors load.
     ``seed`` applies to ``random:`` presets only (same as ``?seed=N``).
     ``exclusive``: the caller hands the Model to exactly one engine and uses its float
@@ -143,12 +152,15 @@ def load_model(
 
 def _load(spec: Any, dtype: str | np.dtype, progress: Progress | None, seed: int | None) -> tuple[Model, bool]:
     """The Model and whether it was loaded here (False: a plugin's own Model object)."""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
+    if dtype is None:
         dt = None
-    if dt not in (np.float32, np.float16):
-        raise ModelConfigError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
+    else:
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = np.dtype(np.int8)  # refused below
+        if dt not in (np.float32, np.float16):
+            raise ModelConfigError(f"dtype must be None (the file's own format), 'float32' or 'float16', got {dtype!r}")
     if spec is None:
         return _load_gguf(default_model_path(), dt, progress), True
     text = str(spec)
@@ -158,7 +170,7 @@ def _load(spec: Any, dtype: str | np.dtype, progress: Progress | None, seed: int
             f"it out (no --model, model=None) for the default model"
         )
     if isinstance(spec, str) and spec.startswith("random:"):
-        return _load_random(spec, dt, progress, seed), True
+        return _load_random(spec, np.dtype(np.float32) if dt is None else dt, progress, seed), True
     if seed is not None:
         raise ModelConfigError("seed= applies only to random:<preset> models")
     path = Path(text).expanduser()
@@ -216,7 +228,7 @@ def _load_path(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
     from polyengine.models.nanochat import is_nanochat_folder, load_nanochat
 
     if is_nanochat_folder(path):
-        return load_nanochat(path, dt, progress)
+        return load_nanochat(path, np.dtype(np.float32) if dt is None else dt, progress)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return _load_gguf(ggufs[0], dt, progress)
@@ -225,22 +237,23 @@ def _load_path(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
     raise ModelNotFound(f"{path} has no config.json (HF folder), no .gguf file and no nanochat checkpoint (model_<step>.pt)")
 
 
-def _load_gguf(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
+def _load_gguf(path: Path, dt: np.dtype | None, progress: Progress | None) -> Model:
     from polyengine.models.gguf_io import read_gguf
     from polyengine.models.tokenizer import Tokenizer
 
     g = read_gguf(path)
     config = g.config()
-    check_memory(config, dt, str(path))
+    if dt is not None:
+        check_memory(config, dt, str(path))
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata, source=str(path))
     _check_vocabulary(config, tokenizer, str(path))
     with translating_memory_errors(f"loading {path}", advice=LOAD_ADVICE):
-        weights = g.load_weights(dtype=dt, progress=progress)
+        weights = g.load_records(progress=progress) if dt is None else g.load_weights(dtype=dt, progress=progress)
     meta = {
         "format": "gguf",
         "architecture": str(g.architecture),
         "quantization": g.quantization_summary(),
-        "dtype": str(dt),
+        "dtype": "stored" if dt is None else str(dt),
     }
     name = Fields(g.metadata, str(path), error=WeightsError).string("general.name", None, max_chars=1024)
     if name is not None:
@@ -248,12 +261,15 @@ def _load_gguf(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
     return Model(config=config, weights=weights, tokenizer=tokenizer, source=str(path), meta=meta)
 
 
-def _load_hf_folder(path: Path, dt: np.dtype, progress: Progress | None) -> Model:
-    from polyengine.models.safetensors_io import index_safetensors_folder, load_safetensors, select_entries
+def _load_hf_folder(path: Path, dt: np.dtype | None, progress: Progress | None) -> Model:
+    from polyengine.models.safetensors_io import (
+        index_safetensors_folder, load_safetensors, load_safetensors_records, select_entries,
+    )
     from polyengine.models.tokenizer import Tokenizer
 
     config = config_from_file(path / "config.json")
-    check_memory(config, dt, str(path))
+    if dt is not None:
+        check_memory(config, dt, str(path))
     entries, listing = index_safetensors_folder(path)
     selected = select_entries(entries, config, listing=listing)
     if (path / "tokenizer.json").exists():  # present but not a plain file is refused, not ignored
@@ -263,14 +279,17 @@ def _load_hf_folder(path: Path, dt: np.dtype, progress: Progress | None) -> Mode
         log.warning("%s has no tokenizer.json: the model loads without a tokenizer (token ids only)", path)
     _check_vocabulary(config, tokenizer, str(path))
     with translating_memory_errors(f"loading {path}", advice=LOAD_ADVICE):
-        weights = load_safetensors(selected, dtype=dt, progress=progress)
+        if dt is None:
+            weights = load_safetensors_records(selected, progress=progress)
+        else:
+            weights = load_safetensors(selected, dtype=dt, progress=progress)
     stored: dict[str, int] = {}
     for e in selected.values():
         stored[e.dtype] = stored.get(e.dtype, 0) + 1
     meta = {
         "format": "safetensors",
         "stored": ", ".join(f"{k} x{v}" for k, v in sorted(stored.items(), key=lambda kv: -kv[1])),
-        "dtype": str(dt),
+        "dtype": "stored" if dt is None else str(dt),
     }
     return Model(config=config, weights=weights, tokenizer=tokenizer, source=str(path), meta=meta)
 

@@ -18,11 +18,17 @@ Rounding is half to even, in float32, so the result is the same bits whatever co
 it; NumPy here, chunked by rows so that the float temporaries stay small whatever the
 matrix (the LM head of a large vocabulary included).
 
+Each matrix is read from the Model's records one at a time (``model.weights[name]``
+converts that one tensor: a Q4_K or BF16 record is dequantized, exactly, then rounded
+to float32) and requantized, so the peak is the int8 copies plus one float tensor and
+its chunked temporaries, never a float32 model (``tests/test_quantized_weights.py``
+measures it).
+
 The copies are computed once per :class:`~polyengine.models.Model` and mode and kept
 with it (engines built one after another over one Model share them). A Model loaded
 for exactly one engine (``Model.exclusive``) releases each float matrix as soon as its
-int8 copy exists (``Model.release``): only then does the process hold fewer bytes than
-with float weights. The Model's fingerprint (a hash of the float weights, which portable
+int8 copy exists (``Model.release``; a memory-mapped record frees little, a record
+widened at load frees its float array). The Model's fingerprint (a hash of the float weights, which portable
 prefixes carry) is computed before anything is released.
 """
 
@@ -42,8 +48,8 @@ __all__ = ["WEIGHT_MODES", "check_mode", "quantize_matrix", "dequantize_matrix",
 
 # option value -> weights per scale along a row (0: one scale per output row)
 WEIGHT_MODES = {"int8": 0, "int8-block32": 32}
-# Rows quantized at a time: about 4 MiB of float32 temporaries, whatever the matrix.
-_CHUNK_ELEMENTS = 1 << 20
+# Rows quantized at a time: about 1 MiB per float32 temporary, whatever the matrix.
+_CHUNK_ELEMENTS = 1 << 18
 # Released float bytes after which the freed heap memory is handed back to the system.
 _RETURN_BYTES = 64 << 20
 

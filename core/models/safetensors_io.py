@@ -4,8 +4,10 @@ safetensors' own NumPy API cannot represent BF16 (NumPy has no such dtype), and 
 real Llama/SmolLM2 checkpoints are BF16, so this module reads the format itself: an
 8-byte little-endian header length, a JSON header (``dtype``, ``shape``,
 ``data_offsets`` per tensor), then the raw bytes. A BF16 value is the top half of a
-float32, so widening is a 16-bit shift. F64, F32, F16 and BF16 are read; the output is
-float32, or float16 when asked.
+float32, so widening is a 16-bit shift. F64, F32, F16 and BF16 are read.
+:func:`load_safetensors_records` keeps each tensor in its own dtype as a memory-mapped
+record (BF16 as its bit patterns); :func:`load_safetensors` widens to float32 (or
+float16) arrays.
 
 Decisions:
 - Every header is read and checked against the config (names, shapes, byte ranges
@@ -38,6 +40,7 @@ from polyengine.errors import WeightsError
 from polyengine.files import open_regular
 from polyengine.limits import MAX_JSON_DEPTH, MAX_SAFETENSORS_HEADER, MAX_TENSOR_DIMS
 from polyengine.models.config import ModelConfig
+from polyengine.models.blocks import narrow_bf16  # noqa: F401 - re-exported: the BF16 conversions live together
 from polyengine.models.metadata import contained_file, json_depth, read_json, require_finite, shown
 
 __all__ = [
@@ -45,8 +48,10 @@ __all__ = [
     "read_safetensors_header",
     "index_safetensors_folder",
     "load_safetensors",
+    "load_safetensors_records",
     "select_entries",
     "widen_bf16",
+    "narrow_bf16",
 ]
 
 Progress = Callable[[int, int, str], None]
@@ -238,6 +243,40 @@ def _out_dtype(dtype: str | np.dtype) -> np.dtype:
     if dt not in (np.float32, np.float16):
         raise ValueError(f"dtype must be float32 or float16, got {dt}")
     return dt
+
+
+def load_safetensors_records(
+    entries: dict[str, SafetensorsEntry], *, progress: Progress | None = None,
+) -> dict[str, "Weight"]:
+    """The given tensors as records in their own dtype (F32, F16, BF16), read-only views
+    of each file's memory map, checked finite without widening; F64 (rare) is narrowed
+    to an F32 record at load."""
+    from polyengine.models.weights import Weight
+
+    maps: dict[Path, np.ndarray] = {}
+    out: dict[str, Weight] = {}
+    total = len(entries)
+    try:
+        for done, (name, entry) in enumerate(entries.items(), 1):
+            if entry.file not in maps:
+                # A plain ndarray view: arrays derived from an np.memmap keep its subclass.
+                maps[entry.file] = np.memmap(entry.file, dtype=np.uint8, mode="r").view(np.ndarray)
+            mm = maps[entry.file]
+            if mm.shape[0] < entry.end:  # the file shrank after its header was read
+                raise WeightsError("file is shorter than its header says (truncated)", file=entry.file, tensor=name)
+            raw = mm[entry.begin: entry.end].view(_NUMPY[entry.dtype]).reshape(entry.shape)
+            if entry.dtype == "F64":
+                record = Weight.from_array(require_finite(raw.astype(np.float32), file=entry.file, tensor=name),
+                                           source=str(entry.file), name=name)
+            else:
+                record = Weight(entry.dtype, entry.shape, raw, source=str(entry.file), name=name)
+            record.check_finite()
+            out[name] = record
+            if progress is not None:
+                progress(done, total, name)
+    except OSError as exc:
+        raise WeightsError(f"cannot read: {exc.strerror or exc}", file=entry.file, tensor=name) from None
+    return out
 
 
 def load_safetensors(
