@@ -7,7 +7,8 @@ are the core's (``SamplingParams``), so the server and the Python API refuse the
 values with the same words, and the core names the field. A parameter that cannot be honoured is refused,
 never ignored: unknown fields, tool calling, structured output, ``echo``, ``suffix``
 and ``best_of`` other than ``n``. ``user`` is accepted: it identifies the caller and
-changes nothing in the output (as in OpenAI's API).
+changes nothing in the output (as in OpenAI's API), nor which cached prompts a request
+may continue (``cache_salt`` does that, app.py's ``partition``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from polyengine.driver.scheduler import MAX_CACHE_SALT_CHARS
 from polyengine.errors import InvalidRequest
 from polyengine.limits import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from polyengine.sampling.params import SamplingParams, StructuredOutput
@@ -57,6 +59,8 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    # vLLM's field: requests share cached prompt prefixes only with requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

@@ -251,19 +251,21 @@ class AsyncLLM:
                          tool_choice: Any) -> tuple[list[int], SamplingParams, list[dict[str, Any]], Any]:
         return self.llm.tool_chat_prompt(messages, sampling, tools, tool_choice)
 
-    async def submit(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> AsyncRequest:
+    async def submit(self, prompt: Prompt, sampling: SamplingParams | dict | None = None, *,
+                     cache_salt: str | None = None) -> AsyncRequest:
         """Validate and queue one request; return its handle once it is queued.
 
         Raises InvalidRequest or UnsupportedFeature at once (nothing queued), QueueFull
         when ``max_queue`` requests already wait for a slot, EngineClosed after
-        :meth:`shutdown` began. Cancelling this call cancels the request.
+        :meth:`shutdown` began. Cancelling this call cancels the request. ``cache_salt``
+        (as :meth:`LLM.submit`): the prefix cache partition of the request's tenant.
         """
         if self._dead is not None:
             raise _copy(self._dead)
         if self._closed:
             raise EngineClosed("the engine is shutting down and accepts no new requests")
         text, ids = self.llm.encode(prompt)
-        req = self._scheduler.prepare(ids, SamplingParams.coerce(sampling), prompt=text)
+        req = self._scheduler.prepare(ids, SamplingParams.coerce(sampling), prompt=text, cache_salt=cache_salt)
         loop = asyncio.get_running_loop()
         handle = AsyncRequest(self, req, loop)
         queued = loop.create_future()
@@ -280,24 +282,28 @@ class AsyncLLM:
             raise
         return handle
 
-    async def generate(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> Completion:
+    async def generate(self, prompt: Prompt, sampling: SamplingParams | dict | None = None, *,
+                       cache_salt: str | None = None) -> Completion:
         """Complete one prompt (raw text or token ids)."""
-        return await (await self.submit(prompt, sampling)).result()
+        return await (await self.submit(prompt, sampling, cache_salt=cache_salt)).result()
 
-    async def stream(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> AsyncIterator[StreamDelta]:
+    async def stream(self, prompt: Prompt, sampling: SamplingParams | dict | None = None, *,
+                     cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
         """Yield the deltas of one prompt; closing the iterator early cancels the request."""
-        handle = await self.submit(prompt, sampling)
+        handle = await self.submit(prompt, sampling, cache_salt=cache_salt)
         async for delta in handle:
             yield delta
 
-    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None) -> Completion:
+    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None, *,
+                   cache_salt: str | None = None) -> Completion:
         """Answer a conversation with the model's chat template."""
-        return await self.generate(self.apply_chat_template(messages), sampling)
+        return await self.generate(self.apply_chat_template(messages), sampling, cache_salt=cache_salt)
 
     async def stream_chat(
-        self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None
+        self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None, *,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        async for delta in self.stream(self.apply_chat_template(messages), sampling):
+        async for delta in self.stream(self.apply_chat_template(messages), sampling, cache_salt=cache_salt):
             yield delta
 
     async def shutdown(self, timeout: float = 30.0) -> None:

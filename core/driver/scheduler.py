@@ -51,6 +51,7 @@ from polyengine.sampling.params import SamplingParams
 __all__ = ["Request", "Scheduler"]
 
 _ids = itertools.count()
+MAX_CACHE_SALT_CHARS = 1024
 
 
 def token_ids(tokens: Iterable[Any], what: str) -> list[int]:
@@ -61,6 +62,16 @@ def token_ids(tokens: Iterable[Any], what: str) -> list[int]:
             raise InvalidRequest(f"{what} token ids must be integers, got {t!r} ({type(t).__name__})", field=what)
         out.append(int(t))
     return out
+
+
+def check_cache_salt(salt: Any) -> None:
+    """A ``cache_salt`` is None or a non-empty string of at most MAX_CACHE_SALT_CHARS."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        got = f"a string of {len(salt):,} characters" if isinstance(salt, str) else type(salt).__name__
+        raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters "
+                             f"(or None), got {got}", field="cache_salt")
 
 
 @dataclass
@@ -81,8 +92,10 @@ class _Sample:
 class Request:
     """A submitted request. Read ``done``, ``completion`` and ``error``; ``cancel()`` it."""
 
-    def __init__(self, scheduler: "Scheduler", prompt: str | None, tokens: list[int], sampling: SamplingParams):
+    def __init__(self, scheduler: "Scheduler", prompt: str | None, tokens: list[int], sampling: SamplingParams,
+                 cache_salt: str | None = None):
         self.id = f"req-{next(_ids)}"
+        self.cache_salt = cache_salt  # the prefix cache partition it may continue and fills (None: the common one)
         self.prompt = prompt
         self.prompt_tokens = tokens
         self.sampling = sampling
@@ -154,15 +167,20 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------------------
 
-    def submit(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
+    def submit(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None, *,
+               cache_salt: str | None = None) -> Request:
         """Validate and queue a request. Raises InvalidRequest, UnsupportedFeature or
         QueueFull at once; nothing is queued then and running requests are untouched."""
-        req = self.prepare(tokens, sampling, prompt)
+        req = self.prepare(tokens, sampling, prompt, cache_salt=cache_salt)
         self.enqueue(req)
         return req
 
-    def prepare(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
-        """Validate a request and build it, without queueing it (see :meth:`enqueue`)."""
+    def prepare(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None, *,
+                cache_salt: str | None = None) -> Request:
+        """Validate a request and build it, without queueing it (see :meth:`enqueue`).
+        ``cache_salt``: requests share cached prefixes only with requests of the same
+        salt (docs/security.md, "Prefix cache and tenants")."""
+        check_cache_salt(cache_salt)
         eng = self.engine
         arr, sampling = check_request(eng, token_ids(tokens, "prompt"), sampling)
         tokens = arr.tolist()
@@ -170,7 +188,7 @@ class Scheduler:
             raise InvalidRequest("stop strings need a tokenizer to match text; this model has none (use stop_token_ids)",
                                  field="stop")
         grammar = self._grammar_for(sampling)
-        req = Request(self, prompt, tokens, sampling)
+        req = Request(self, prompt, tokens, sampling, cache_salt)
         room = eng.max_cache_length - len(tokens)
         limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         for i in range(sampling.n):
@@ -321,7 +339,7 @@ class Scheduler:
                 mask = None
                 if req.samples[0].grammar is not None:  # every sample's grammar starts in the same state
                     mask = self._mask_rows(req.samples[:1])[0].copy()
-                job = self.prefiller.start(req.prompt_tokens, req.sampling, token_mask=mask)
+                job = self.prefiller.start(req.prompt_tokens, req.sampling, token_mask=mask, partition=req.cache_salt)
             except Exception as exc:  # fails this request only
                 self._fail(req, exc)
                 continue
