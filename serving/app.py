@@ -194,7 +194,7 @@ class _State:
         with self.blaming(names, "messages"):  # bad tools are blamed on tools / tool_choice (their field)
             if req.tools is not None or req.tool_choice is not None:
                 ids, constrained, tools, choice = self.engine.tool_chat_prompt(
-                    chat_messages(req), sampling, req.tools, req.tool_choice)
+                    chat_messages(req), sampling, *req.tool_arguments())
                 if constrained is not sampling:
                     names["structured"] = "tool_choice"
                 sampling, tools = constrained, (tools if choice != "none" else None)
@@ -263,7 +263,8 @@ class _State:
             if isinstance(exc, Exception):
                 raise self.api_error(exc, names, what) from None
             raise
-        responder = Responder(kind, self.model_name, self.token_text, self.fingerprint, tools=tools)
+        responder = Responder(kind, self.model_name, self.token_text, self.fingerprint, tools=tools,
+                              parallel=getattr(req, "parallel_tool_calls", None) is not False)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._events(handles, responder, sp, names, include_usage, what)

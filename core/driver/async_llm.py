@@ -7,8 +7,9 @@ The event loop never takes the scheduler's lock, so a long prefill or ``generate
 never blocks it; the loop only tokenizes and validates (cheap) and waits.
 
 Boundaries:
-- A bad request (prompt, parameters, a feature the backend lacks) fails at ``submit``
-  on the caller's thread, before anything is queued. ``QueueFull`` comes from the
+- A bad request (prompt, parameters, a feature the backend lacks) fails at ``submit``,
+  before anything is queued (a constrained request's grammar compiles on a worker
+  thread meanwhile, never on the event loop). ``QueueFull`` comes from the
   engine thread when it queues the request, at the next step boundary.
 - ``cancel()`` and a cancelled ``await`` take effect at the next step boundary: the
   request's slots are free before the following ``generate``.
@@ -265,7 +266,13 @@ class AsyncLLM:
         if self._closed:
             raise EngineClosed("the engine is shutting down and accepts no new requests")
         text, ids = self.llm.encode(prompt)
-        req = self._scheduler.prepare(ids, SamplingParams.coerce(sampling), prompt=text, cache_salt=cache_salt)
+        sampling = SamplingParams.coerce(sampling)
+        if sampling.structured is not None:
+            # Compiling a grammar can take a large schema's whole second: on a worker thread,
+            # so that the event loop (other requests' streams, /health) keeps running.
+            req = await asyncio.to_thread(self._scheduler.prepare, ids, sampling, prompt=text, cache_salt=cache_salt)
+        else:
+            req = self._scheduler.prepare(ids, sampling, prompt=text, cache_salt=cache_salt)
         loop = asyncio.get_running_loop()
         handle = AsyncRequest(self, req, loop)
         queued = loop.create_future()

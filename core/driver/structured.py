@@ -26,13 +26,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from polyengine.errors import InvalidRequest, UnsupportedFeature
-from polyengine.sampling.masks import mask_words
+from polyengine.sampling.masks import allows_any, mask_words
 from polyengine.sampling.params import StructuredOutput
 
 __all__ = ["Grammars", "GrammarRow", "grammar_text", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'polyengine[structured]'"
 _CACHE = 256  # compiled grammars kept per tokenizer
+_CACHE_CHARS = 64 * 1024**2  # and their text (constraint and grammar): a schema can be megabytes
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -60,6 +61,12 @@ def grammar_text(spec: StructuredOutput) -> tuple[str, str]:
     return "lark", spec.grammar or ""
 
 
+def _first_line(message: str, limit: int = 300) -> str:
+    """llguidance's error without the parser state it dumps after the first line."""
+    line = (message or "").strip().splitlines()[0] if (message or "").strip() else "no detail"
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 class GrammarRow:
     """One sample's grammar state (an llguidance matcher)."""
 
@@ -70,7 +77,8 @@ class GrammarRow:
         """Advance over an accepted token; InvalidRequest when the grammar refuses it (a
         forced token the grammar does not allow, or a backend that ignored the mask)."""
         if not self.matcher.consume_token(int(token)):
-            raise InvalidRequest(f"token {token} does not follow the request's grammar: {self.matcher.get_error()}")
+            raise InvalidRequest(f"token {token} does not follow the request's grammar: {_first_line(self.matcher.get_error())}",
+                                 field="structured")
 
     @property
     def done(self) -> bool:
@@ -89,6 +97,7 @@ class Grammars:
         self._lltok: Any = None
         self._executor: Any = None
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cache_chars = 0
         self._lock = threading.Lock()
 
     def _load(self) -> Any:
@@ -103,8 +112,11 @@ class Grammars:
         return self._ll
 
     def compile(self, spec: StructuredOutput) -> str:
-        """llguidance's grammar for ``spec`` (cached); InvalidRequest (field
-        ``structured``) naming what is wrong with a bad or unsupported constraint."""
+        """llguidance's grammar for ``spec`` (cached, by count and by size); InvalidRequest
+        (field ``structured``) naming what is wrong with a bad or unsupported constraint,
+        and with one whose language is empty or holds only the empty text (its
+        completion could never be anything). Slow for a large schema: AsyncLLM calls it
+        on a worker thread."""
         key = grammar_text(spec)
         with self._lock:
             ll = self._load()
@@ -123,10 +135,30 @@ class Grammars:
             is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, self._lltok)
             if is_error:
                 raise InvalidRequest(f"invalid {fmt.replace('_', ' ')}: {messages[0]}", field="structured")
+            self._check_language(grammar)
             self._cache[key] = grammar
-            if len(self._cache) > _CACHE:
-                self._cache.popitem(last=False)
+            self._cache_chars += len(text) + len(grammar)
+            while len(self._cache) > _CACHE or (self._cache_chars > _CACHE_CHARS and len(self._cache) > 1):
+                (_, old), old_grammar = self._cache.popitem(last=False)
+                self._cache_chars -= len(old) + len(old_grammar)
             return grammar
+
+    def _check_language(self, grammar: str) -> None:
+        """Refuse a grammar no completion can satisfy: one whose matcher fails before the
+        first token (an empty language: a rule that only refers to itself, a regex that
+        matches nothing) or that allows nothing but the end (only the empty text)."""
+        matcher = self._ll.LLMatcher(self._lltok, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"the constraint accepts no text at all ({_first_line(matcher.get_error())}); "
+                                 f"check its rules for one that can never end", field="structured")
+        from llguidance.numpy import fill_next_token_bitmask
+
+        words = self.buffer(1)
+        fill_next_token_bitmask(matcher, words, 0)
+        if not allows_any(words[0], self.vocab_size, self.eos):
+            what = ("accepts only the empty text: the completion could never be anything" if matcher.is_accepting()
+                    else "accepts no text at all (no token can begin it); check its rules for one that can never end")
+            raise InvalidRequest(f"the constraint {what}", field="structured")
 
     def row(self, spec: StructuredOutput) -> GrammarRow:
         grammar = self.compile(spec)

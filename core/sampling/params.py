@@ -13,13 +13,16 @@ doing any work.
 from __future__ import annotations
 
 import re
+import reprlib
 import secrets
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from polyengine.errors import InvalidRequest
-from polyengine.limits import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from polyengine.limits import (
+    MAX_LOGIT_BIAS, MAX_SCHEMA_DEPTH, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, json_depth,
+)
 
 __all__ = ["SamplingParams", "StructuredOutput", "MAX_SAMPLES", "MAX_STEPS", "MAX_TOP_LOGPROBS", "ENGINE_FIELDS"]
 
@@ -84,6 +87,9 @@ class StructuredOutput(BaseModel):
                              f"{', '.join(set_) or 'none'}")
         if self.choice is not None and not self.choice:
             raise ValueError("choice needs at least one string")
+        if self.json_schema is not None and json_depth(self.json_schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            # before anything recursive (json.dumps, llguidance) walks it
+            raise ValueError(f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays; flatten it")
         return self
 
 
@@ -271,10 +277,15 @@ def _first_field(exc: ValidationError) -> str | None:
     return min(found)[1] if found else None
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 120, 120
+
+
 def _shown(value: Any, limit: int = 120) -> str:
-    """A value for an error message, shortened: a refused list may be huge."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+    """A value for an error message, shortened without building its whole repr: a refused
+    list may be huge, a refused schema nested thousands deep (plain repr would recurse)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _describe(exc: ValidationError) -> str:
