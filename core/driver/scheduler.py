@@ -43,8 +43,9 @@ from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta,
 from polyengine.driver.prefill import PrefillJob, Prefiller
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
-from polyengine.errors import EngineDead, InvalidRequest, QueueFull, UnsupportedFeature
+from polyengine.errors import EngineDead, InvalidRequest, NumericalError, QueueFull, UnsupportedFeature
 from polyengine.memory import as_insufficient, translating_memory_errors
+from polyengine.results import NONFINITE_TOKEN
 from polyengine.sampling.masks import allows_any, step_masked_ids
 from polyengine.sampling.params import SamplingParams
 
@@ -425,12 +426,25 @@ class Scheduler:
             for j, token in enumerate(result.tokens[row]):
                 if not result.valid[row, j] or s.finished:
                     continue
+                self._check_finite(int(token), result, row, j)
                 if self._accept(req, s, int(token), result, row, j):
                     break  # a forced token replaces the rest of this step's (speculative) tokens
         except Exception as exc:
             self._fail(req, exc)
             if isinstance(exc, EngineDead):  # reading the results found the engine gone: not this request's fault
                 raise
+
+    def _check_finite(self, token: int, result: ResultTokens, row: int, j: int) -> None:
+        """NumericalError (this request's) for a token outside the vocabulary (a sampler's
+        NONFINITE_TOKEN: the logits held NaN or +inf) or a NaN log-prob: never a token
+        drawn from numbers that mean nothing."""
+        lp = result.logprobs
+        if 0 <= token < self.engine.vocab_size and (lp is None or not np.isnan(lp[row, j])):
+            return
+        raise NumericalError(
+            f"{self._what} produced {'no token' if token == NONFINITE_TOKEN else f'token {token}'} at this step: the "
+            f"model's logits are NaN or infinite (an overflow in its arithmetic or non-finite weights, not the "
+            f"request's parameters); try a wider dtype or check the model's config and weights")
 
     def _accept(self, req: Request, s: _Sample, token: int, result: ResultTokens, row: int, j: int) -> bool:
         """Record one token; return whether it was forced in place of the engine's."""
