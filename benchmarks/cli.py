@@ -37,6 +37,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from polyengine.cli_run import positive_number
+
 __all__ = ["add_command", "main", "PEERS"]
 
 PEERS = ("transformers", "llamacpp")
@@ -84,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-lib", default=None, metavar="DIR",
                    help="a folder with llama.cpp's libraries (libllama.so and its ggml libraries) for llama-cpp-python "
                         "to load instead of its own, e.g. a build for the --emulate host kind")
-    p.add_argument("--timeout", type=float, default=None, help="seconds one worker may run (default 7200, 600 with --quick)")
+    p.add_argument("--timeout", type=positive_number, default=None,
+                   help="seconds one worker may run (default 7200, 600 with --quick)")
 
 
 def _cache_dir(arg: str | None) -> Path:

@@ -9,17 +9,12 @@ import numpy as np
 
 from polyengine.errors import ContextLengthExceeded, InvalidRequest, UnsupportedFeature
 from polyengine.limits import MAX_SCHEMA_DEPTH, json_depth
-from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
+from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams, is_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from polyengine.protocol import Capabilities
 
 __all__ = ["is_int", "check_prompt", "check_request", "check_depth"]
-
-
-def is_int(value: object) -> bool:
-    """An integer (Python or NumPy), not a bool: what token ids and slots must be."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_depth(value: Any, what: str, *, field: str, limit: int = MAX_SCHEMA_DEPTH) -> None:

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from polyengine.cli_run import add_engine_config_args
+from polyengine.cli_run import add_engine_config_args, nonnegative_number
 from polyengine.errors import PolyengineError
 from polyengine.limits import DEFAULT_CONTEXT_LENGTH
 from polyengine.serving.config import BODY_BYTES_PER_POSITION, MIN_BODY_BYTES
@@ -37,7 +37,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, announced on stderr)")
-    p.add_argument("--api-key", dest="api_key", action="append", default=None,
+    p.add_argument("--api-key", dest="api_key", action="append", default=None, type=_api_key,
                    help="require 'Authorization: Bearer KEY' on /v1/ routes; repeat it for several clients (each "
                         "key is a tenant of the prefix cache) (default: $POLYENGINE_API_KEY, several separated "
                         "by commas, else none)")
@@ -47,7 +47,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"prompt + completion tokens per request (default: {DEFAULT_CONTEXT_LENGTH}, or the model's "
                         f"limit if smaller)")
     p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
-    p.add_argument("--prefix-cache-mib", type=float, default=None,
+    p.add_argument("--prefix-cache-mib", type=nonnegative_number, default=None,
                    help="memory the prefix cache may hold, MiB (default: as much as the slots' KV cache; 0: off)")
     p.add_argument("--prefix-cache-partition", choices=("key", "salt"), default="key",
                    help="who shares cached prompts: 'key' (default): requests of the same API key and cache_salt; "
@@ -83,6 +83,15 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds to reach --ray-address before giving up with an error (default 30)")
     g.add_argument("--replica-start-timeout", type=float, default=600.0,
                    help="seconds for every replica to load its model and answer (default 600)")
+
+
+def _api_key(text: str) -> str:
+    from polyengine.serving.config import check_key
+
+    try:
+        return check_key(text, "--api-key")
+    except PolyengineError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _check_deps(extra: Sequence[str] = ()) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from polyengine.errors import InvalidRequest
 
 __all__ = ["ServerConfig", "build_engine", "LOOPBACK_HOSTS", "default_body_limit", "MIN_BODY_BYTES",
-           "BODY_BYTES_PER_POSITION", "PARTITIONS", "api_keys_from"]
+           "BODY_BYTES_PER_POSITION", "PARTITIONS", "api_keys_from", "check_key"]
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -26,7 +26,7 @@ PARTITIONS = ("key", "salt")
 API_KEY_ENV = "POLYENGINE_API_KEY"
 
 
-def _check_key(key: object, where: str) -> str:
+def check_key(key: object, where: str) -> str:
     """An API key as HTTP carries it: visible ASCII, no whitespace (a header value's
     leading and trailing blanks are stripped in transit, so a key with a trailing space
     could never be sent back; the key itself is never echoed)."""
@@ -43,11 +43,11 @@ def _check_key(key: object, where: str) -> str:
 
 def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
     """The keys ``--api-key`` (repeatable) gives, else ``$POLYENGINE_API_KEY`` (several
-    separated by commas); each checked by :func:`_check_key`."""
+    separated by commas); each checked by :func:`check_key`."""
     if flags:
-        return tuple(_check_key(k, f"--api-key #{i + 1}") for i, k in enumerate(flags))
+        return tuple(check_key(k, f"--api-key #{i + 1}") for i, k in enumerate(flags))
     if env:
-        return tuple(_check_key(k, f"${API_KEY_ENV} key #{i + 1}") for i, k in enumerate(env.split(",")))
+        return tuple(check_key(k, f"${API_KEY_ENV} key #{i + 1}") for i, k in enumerate(env.split(",")))
     return ()
 
 # The default body bound follows the context: a prompt the engine can take is at most
@@ -107,7 +107,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.api_keys, str) or not isinstance(self.api_keys, (tuple, list)):
             raise InvalidRequest("api_keys must be a tuple of strings", field="api_keys")
-        object.__setattr__(self, "api_keys", tuple(_check_key(k, f"API key #{i + 1}")
+        object.__setattr__(self, "api_keys", tuple(check_key(k, f"API key #{i + 1}")
                                                    for i, k in enumerate(self.api_keys)))
         if self.prefix_cache_partition not in PARTITIONS:
             raise InvalidRequest(f"--prefix-cache-partition must be one of {', '.join(PARTITIONS)}, "

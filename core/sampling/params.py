@@ -17,6 +17,7 @@ import reprlib
 import secrets
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from polyengine.errors import InvalidRequest
@@ -51,6 +52,16 @@ ENGINE_FIELDS = frozenset(
 )
 # The other fields (n, max_tokens, stop, stop_token_ids, structured) are the driver's:
 # stop logic, fan-out over bulk_insert and grammars (as token masks), on top of any backend.
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool: what token ids, counts and slots must be."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value: object) -> bool:
+    """A real number (Python or NumPy), not a bool nor a string."""
+    return is_int(value) or isinstance(value, (float, np.floating))
 
 
 class StructuredOutput(BaseModel):
@@ -124,6 +135,29 @@ class SamplingParams(BaseModel):
     # the driver's: a grammar the completion must follow (allowed-token masks per step)
     structured: StructuredOutput | None = None
 
+    @field_validator("n", "max_tokens", "min_tokens", "top_k", "seed", "top_logprobs", mode="before")
+    @classmethod
+    def _integer(cls, v: Any) -> Any:
+        # pydantic's lax mode would read "3", 3.0 and True as 3, 3 and 1
+        if v is not None and not is_int(v):
+            raise ValueError(f"must be an integer, not {type(v).__name__}")
+        return v
+
+    @field_validator("ignore_eos", "logprobs", mode="before")
+    @classmethod
+    def _boolean(cls, v: Any) -> Any:
+        if not isinstance(v, (bool, np.bool_)):  # "yes", "off" and 1 are not booleans
+            raise ValueError(f"must be true or false, not {type(v).__name__}")
+        return bool(v)
+
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     mode="before")
+    @classmethod
+    def _real(cls, v: Any) -> Any:
+        if not is_number(v):
+            raise ValueError(f"must be a number, not {type(v).__name__}")
+        return v
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_tuple(cls, v: Any) -> Any:
@@ -155,6 +189,8 @@ class SamplingParams(BaseModel):
         v = tuple(v) if isinstance(v, list) else v
         if isinstance(v, tuple) and len(v) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(v)}")
+        if isinstance(v, tuple) and not all(is_int(t) for t in v):
+            raise ValueError("stop token ids must be integers")
         return v
 
     @field_validator("logit_bias", mode="before")
@@ -162,6 +198,8 @@ class SamplingParams(BaseModel):
     def _bias_count(cls, v: Any) -> Any:
         if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(v)}")
+        if isinstance(v, dict) and not all(is_number(b) for b in v.values()):
+            raise ValueError("logit_bias values must be numbers")  # keys may be strings: JSON's are
         return v
 
     @field_validator("stop_token_ids")
