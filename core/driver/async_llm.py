@@ -15,10 +15,12 @@ Boundaries:
   request's slots are free before the following ``generate``.
 - An error from the engine's ``generate`` concerns every running request: each of them
   fails with it, and the loop goes on serving new requests.
+- A backend call that raises ``SystemExit``, ``KeyboardInterrupt`` or any other
+  ``BaseException`` fails the requests of that call with a ``PluginError`` naming it,
+  like any other error of the backend (the scheduler converts it); the loop goes on.
 - An engine that cannot go on (it raised :class:`~polyengine.errors.EngineDead`, e.g. a
-  lost Ray worker) or an engine thread that dies of anything at all (a backend raising
-  ``SystemExit``, ``KeyboardInterrupt`` or any other ``BaseException``) makes the
-  AsyncLLM *dead*: every pending request (queued, running, or still being submitted)
+  lost Ray worker) or an engine thread that dies of anything at all (a bug outside the
+  backend's calls) makes the AsyncLLM *dead*: every pending request (queued, running, or still being submitted)
   fails with ``EngineDead`` naming the cause, every later ``submit`` raises it, and
   :attr:`AsyncLLM.dead` says so (the server's ``/health`` answers 503). Nothing hangs.
 - The wrapped :class:`LLM` belongs to the engine thread: do not call its synchronous

@@ -31,11 +31,12 @@ submit, step and cancel; whichever thread steps advances every request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta,
 from polyengine.driver.prefill import PrefillJob, Prefiller
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
-from polyengine.errors import EngineDead, InvalidRequest, NumericalError, QueueFull, UnsupportedFeature
+from polyengine.errors import EngineDead, InvalidRequest, NumericalError, PluginError, QueueFull, UnsupportedFeature
 from polyengine.memory import as_insufficient, translating_memory_errors
 from polyengine.results import NONFINITE_TOKEN
 from polyengine.sampling.masks import allows_any, step_masked_ids
@@ -146,7 +147,7 @@ class Scheduler:
             raise InvalidRequest(f"max_queue must be an integer of at least 1, got {max_queue!r}", field="max_queue")
         self.engine = engine
         self._what = f"the {getattr(engine, 'name', type(engine).__name__)} backend"
-        with translating_memory_errors(self._what):  # an engine's own allocation failure, typed
+        with translating_memory_errors(self._what), self._backend("load_params"):  # typed failures
             self.params = engine.load_params()
             self.state = engine.init_decode_state()
         self._detok = detokenizer_factory
@@ -307,15 +308,16 @@ class Scheduler:
                     return  # the next piece runs next step
                 budget -= piece
             try:
-                done = self.prefiller.advance(job, step_budget)
-                if done is None:
-                    continue
-                prefix, first = done
-                slots = self.free_slots[: req.sampling.n]
-                if req.sampling.n == 1:
-                    self.state = self.engine.insert(prefix, self.state, slots[0])
-                else:
-                    self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
+                with self._backend("prefill"):
+                    done = self.prefiller.advance(job, step_budget)
+                    if done is None:
+                        continue
+                    prefix, first = done
+                    slots = self.free_slots[: req.sampling.n]
+                    if req.sampling.n == 1:
+                        self.state = self.engine.insert(prefix, self.state, slots[0])
+                    else:
+                        self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
             except Exception as exc:  # any failure fails this request only...
                 self._filling = None
                 self.prefiller.abandon(job)
@@ -380,7 +382,7 @@ class Scheduler:
                 extra["token_masks"] = masks
             if not self._slots:
                 return bool(self._queue)
-            with translating_memory_errors(self._what):
+            with translating_memory_errors(self._what), self._backend("generate"):
                 self.state, result = self.engine.generate(self.params, self.state, overrides=overrides, **extra)
             previous, self._pending = self._pending, (result, dict(self._slots))
             if previous is not None:
@@ -423,7 +425,9 @@ class Scheduler:
     def _on_token(self, req: Request, s: _Sample, result: ResultTokens, row: int) -> None:
         """Take one row's tokens; an error here (a tool's bug, say) fails this request only."""
         try:
-            for j, token in enumerate(result.tokens[row]):
+            with self._backend("reading a result"):
+                tokens = result.tokens[row]
+            for j, token in enumerate(tokens):
                 if not result.valid[row, j] or s.finished:
                     continue
                 self._check_finite(int(token), result, row, j)
@@ -433,6 +437,29 @@ class Scheduler:
             self._fail(req, exc)
             if isinstance(exc, EngineDead):  # reading the results found the engine gone: not this request's fault
                 raise
+
+    @contextlib.contextmanager
+    def _backend(self, call: str) -> Iterator[None]:
+        """A backend call: what it raises that is not an Exception (``SystemExit``, any
+        other ``BaseException``; ``KeyboardInterrupt`` off the main thread, where no Ctrl-C
+        can arrive) becomes a PluginError naming the backend, failing the requests the call
+        concerns like any other error of it, instead of ending the thread that serves every
+        request. A real Ctrl-C and a generator's close pass through."""
+        try:
+            yield
+        except (Exception, GeneratorExit):
+            raise
+        except KeyboardInterrupt:
+            if threading.current_thread() is threading.main_thread():
+                raise
+            raise self._foreign(call, "KeyboardInterrupt()") from None
+        except BaseException as exc:
+            raise self._foreign(call, f"{type(exc).__name__}({exc})") from None
+
+    def _foreign(self, call: str, what: str) -> PluginError:
+        return PluginError(getattr(self.engine, "name", type(self.engine).__name__), None,
+                           f"the backend raised {what} in {call}, which would have ended the engine thread; the "
+                           f"requests of that call fail with this error and the engine goes on")
 
     def _check_finite(self, token: int, result: ResultTokens, row: int, j: int) -> None:
         """NumericalError (this request's) for a token outside the vocabulary (a sampler's
@@ -515,5 +542,6 @@ class Scheduler:
         if s.slot is not None and s.slot in self._slots:
             del self._slots[s.slot]
             self._overrides.pop(s.slot, None)
-            self.state = self.engine.free_resource(self.state, s.slot)
+            with self._backend("free_resource"):
+                self.state = self.engine.free_resource(self.state, s.slot)
             s.slot = None
