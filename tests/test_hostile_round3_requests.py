@@ -6,8 +6,8 @@ schema nested hundreds or thousands deep, a portable prefix whose header nests p
 json's depth) is refused as a 400 / InvalidRequest naming the field; strings are not
 coerced into numbers or booleans (``parallel_tool_calls: "yes"``, ``n: "3"``), and
 ``parallel_tool_calls: false`` is honoured. Grammars compile off the event loop, their
-cache is bounded by size, and one whose language is empty or holds only the empty text
-is refused when it compiles. Tiny random model, reference backend.
+cache is bounded by size, and one whose language is empty, holds only the empty text,
+or (a JSON schema) has no finite instance is refused when it compiles. Tiny random model, reference backend.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::polyengine.models.RandomWeights
 MODEL = "random:tiny"
 MSGS = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+# An object that requires a property of its own type: no finite JSON value is valid.
+ENDLESS = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                "required": ["next"]}}}
+ENDLESS_TOOL = {"type": "function", "function": {"name": "loop", "parameters": ENDLESS}}
 
 
 def _nested(depth: int) -> dict:
@@ -56,6 +60,15 @@ def test_the_python_api_refuses_bad_tool_structure_naming_the_field(llm, kwargs,
     with pytest.raises(InvalidRequest) as err:
         llm.chat(MSGS, {"max_tokens": 2}, **kwargs)
     assert err.value.field == field, err.value
+
+
+def test_a_forced_call_of_a_tool_without_finite_arguments_is_refused(llm):
+    with pytest.raises(InvalidRequest, match="no finite instance") as err:
+        llm.chat(MSGS, {"max_tokens": 2}, tools=[ENDLESS_TOOL], tool_choice={"type": "function",
+                                                                           "function": {"name": "loop"}})
+    assert err.value.field == "tools"
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}
+    assert structured.schema_has_instance(tree)  # recursion with a way out (an empty list) is fine
 
 
 def test_a_past_turn_with_malformed_tool_calls_is_refused(llm):
@@ -91,6 +104,7 @@ def test_parallel_tool_calls_false_returns_the_first_call_only():
     ({"grammar": "start: x\nx: x"}, "accepts no text at all"),  # a rule that only refers to itself
     ({"regex": "[^\\s\\S]"}, "accepts no text at all"),  # matches nothing
     ({"choice": [""]}, "only the empty text"),
+    ({"json_schema": ENDLESS}, "no finite instance"),
 ])
 def test_a_grammar_that_can_never_produce_text_is_refused_at_submit(llm, spec, reason):
     with pytest.raises(InvalidRequest, match=reason) as err:
@@ -151,6 +165,8 @@ def server(tmp_path_factory):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(240)}}},
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(240)}}]}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}}, "response_format"),
+    ({"tools": [ENDLESS_TOOL], "tool_choice": "required"}, "tools"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "string", "pattern": "[^\\s\\S]"}}}}, "response_format"),
 ])

@@ -29,7 +29,7 @@ from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.sampling.masks import allows_any, mask_words
 from polyengine.sampling.params import StructuredOutput
 
-__all__ = ["Grammars", "GrammarRow", "grammar_text", "INSTALL_HINT"]
+__all__ = ["Grammars", "GrammarRow", "grammar_text", "schema_has_instance", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'polyengine[structured]'"
 _CACHE = 256  # compiled grammars kept per tokenizer
@@ -46,6 +46,76 @@ def _llguidance() -> Any:
             "structured output (response_format, tools)", None,
             f"the grammar engine llguidance is not installed; {INSTALL_HINT}") from None
     return llguidance
+
+
+_SCHEMA_VISITS = 100_000  # work bound of schema_has_instance: past it, a schema is given the benefit of the doubt
+
+
+def schema_has_instance(schema: Any) -> bool:
+    """Whether some finite JSON value is valid under ``schema`` as far as its structure
+    decides: False when every way through it must recurse forever (an object that
+    requires a property of its own type, with no way out), which llguidance accepts and
+    then follows token after token without an end. Conservative: what it cannot judge
+    (external ``$ref``, keywords it does not model, a schema too large to walk) counts
+    as having an instance."""
+    visits = 0
+
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            return True
+        node: Any = schema
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return True
+        return node
+
+    def has(node: Any, path: frozenset[int]) -> bool:
+        nonlocal visits
+        visits += 1
+        if visits > _SCHEMA_VISITS:
+            raise OverflowError
+        if not isinstance(node, dict):
+            return node is not False
+        if id(node) in path:  # a finite value needs no node twice on one branch
+            return False
+        path = path | {id(node)}
+        if "$ref" in node and not has(resolve(str(node["$ref"])), path):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and not any(has(s, path) for s in node[key]):
+                return False
+        if isinstance(node.get("allOf"), list) and not all(has(s, path) for s in node["allOf"]):
+            return False
+        kinds = node.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else None
+        if kinds is None or "object" in kinds:
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            extra = node.get("additionalProperties", True)
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            if not all(has(props.get(name, extra), path) for name in required if isinstance(name, str)):
+                if kinds is not None and kinds == ["object"]:
+                    return False
+                kinds = [k for k in (kinds or []) if k != "object"] or None
+                if kinds is None:  # untyped: another type may still do
+                    return True
+        if kinds is not None and kinds == ["array"]:
+            low = node.get("minItems", 0)
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            if isinstance(low, int) and low > 0:
+                need = prefix[:low] + [node.get("items", True)] * max(0, low - len(prefix))
+                if not all(has(s, path) for s in need):
+                    return False
+        return True
+
+    try:
+        return has(schema, frozenset())
+    except (OverflowError, RecursionError):
+        return True
 
 
 def grammar_text(spec: StructuredOutput) -> tuple[str, str]:
@@ -135,6 +205,10 @@ class Grammars:
             is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, self._lltok)
             if is_error:
                 raise InvalidRequest(f"invalid {fmt.replace('_', ' ')}: {messages[0]}", field="structured")
+            if spec.json_schema is not None and not schema_has_instance(spec.json_schema):
+                raise InvalidRequest("the JSON schema has no finite instance: every way through it requires a value of "
+                                     "its own type again (give the recursion a way out: an optional property, an "
+                                     "anyOf branch without it)", field="structured")
             self._check_language(grammar)
             self._cache[key] = grammar
             self._cache_chars += len(text) + len(grammar)

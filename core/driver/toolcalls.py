@@ -113,6 +113,15 @@ def tool_constraint(tools: list[dict[str, Any]], choice: Any) -> StructuredOutpu
     call of it; None for ``"auto"``/``"none"`` (free text, parsed afterwards; several
     calls may come that way). A forced answer is one call: the grammar ends after it, so
     a small model cannot start a second one it has no room to finish."""
+    if isinstance(choice, dict) or choice == "required":
+        from polyengine.driver.structured import schema_has_instance
+
+        callable_ = [t["function"] for t in tools if not isinstance(choice, dict)
+                     or t["function"]["name"] == choice["function"]["name"]]
+        if not any(schema_has_instance(fn.get("parameters", {"type": "object"})) for fn in callable_):
+            raise InvalidRequest(f"tool_choice forces a call, but the parameters of {[fn['name'] for fn in callable_]} "
+                                 f"have no finite instance (each requires a value of its own type again)",
+                                 field="tools")
     if isinstance(choice, dict):
         fn = next(t["function"] for t in tools if t["function"]["name"] == choice["function"]["name"])
         return StructuredOutput(grammar=f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json '
