@@ -93,3 +93,14 @@ def test_a_damaged_sidecar_is_a_reason_to_rebuild(tmp_path, monkeypatch, record)
     cache.store(folder / "entry.so", lambda p: p.write_bytes(b"code"))
     (folder / "entry.so.json").write_text(record)
     assert cache.check(folder / "entry.so") == (None, "entry.so.json is not a valid sidecar")
+
+
+def test_a_relative_neuron_cache_option_is_refused():
+    pytest.importorskip("torch")
+    from polyengine.backends.neuron.engine import NeuronEngine
+    from polyengine.errors import InvalidRequest
+    from polyengine.options import check_options
+
+    with pytest.raises(InvalidRequest, match="cache_dir.*must be an absolute path"):
+        check_options(NeuronEngine.OPTIONS, {"cache_dir": "graphs"}, backend="neuron")
+    assert check_options(NeuronEngine.OPTIONS, {"cache_dir": "/abs/graphs"}, backend="neuron")["cache_dir"] == "/abs/graphs"
