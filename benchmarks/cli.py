@@ -32,7 +32,6 @@ import argparse
 import datetime as _dt
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -93,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _cache_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "polyengine" / "bench"
+    from polyengine.cache import cache_root  # absolute, also without a home
+
+    return cache_root() / "bench"
 
 
 def _options(raw: list[str] | None) -> list[dict[str, Any]]:
