@@ -3,8 +3,8 @@
 Config values that overflow float32 in what is computed from them (Gemma 2's
 soft-caps, Phi-3's long-RoPE attention factor, RoPE factors and bases) are refused
 when the config is read, naming the field; and a step whose logits hold NaN or +inf
-fails its request with NumericalError instead of sampling from them: the torch
-sampler reports ``NONFINITE_TOKEN`` for that row (on the device, no host sync), and
+fails its request with NumericalError instead of sampling from them: the torch and
+JAX samplers report ``NONFINITE_TOKEN`` for that row (on the device, no host sync), and
 the driver fails that request alone (any token outside the vocabulary, or a NaN
 log-prob, is read the same way). Tiny models, milliseconds each.
 """
@@ -68,6 +68,20 @@ def test_the_torch_sampler_reports_rows_with_nonfinite_logits():
     logits[2, 3] = float("inf")
     got = sampler.sample(logits).tokens.tolist()
     assert got == [clean[0], NONFINITE_TOKEN, NONFINITE_TOKEN]
+
+
+def test_the_jax_sampler_reports_rows_with_nonfinite_logits():
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from polyengine.backends.tpu_jax import sampling as smp
+
+    state = smp.neutral_state(3, jnp.asarray(smp.neutral_rows(1, 16, [0]).eos_mask))
+    logits = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    clean = np.asarray(smp.sample(state, jnp.asarray(logits), jnp.ones(3, bool), num_top=0, candidates=3).tokens)
+    logits[1, 5], logits[2, 3] = np.nan, np.inf
+    got = np.asarray(smp.sample(state, jnp.asarray(logits), jnp.ones(3, bool), num_top=0, candidates=3).tokens)
+    assert got.tolist() == [int(clean[0]), NONFINITE_TOKEN, NONFINITE_TOKEN]
 
 
 class _Poisoned:
