@@ -196,7 +196,7 @@ class _State:
                 ids, constrained, tools, choice = self.engine.tool_chat_prompt(
                     chat_messages(req), sampling, *req.tool_arguments())
                 if constrained is not sampling:
-                    names["structured"] = "tool_choice"
+                    names["structured"] = "tools"  # a forced call's grammar is made of the tools' parameters
                 sampling, tools = constrained, (tools if choice != "none" else None)
             else:
                 ids = self.engine.apply_chat_template(chat_messages(req))

@@ -71,6 +71,17 @@ def test_a_forced_call_of_a_tool_without_finite_arguments_is_refused(llm):
     assert structured.schema_has_instance(tree)  # recursion with a way out (an empty list) is fine
 
 
+def test_a_forced_call_of_a_tool_that_accepts_nothing_is_refused_when_its_grammar_compiles(llm):
+    """(The server names ``tools`` for it; its tool prompt does not fit this tiny model's context.)"""
+    from polyengine.driver.toolcalls import tool_constraint
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[^\\s\\S]"}}, "required": ["a"]}}}
+    with pytest.raises(InvalidRequest, match="accepts no text|invalid") as err:
+        llm.submit([1, 2, 3], {"max_tokens": 4, "structured": tool_constraint([tool], "required")})
+    assert err.value.field == "structured"
+
+
 def test_a_past_turn_with_malformed_tool_calls_is_refused(llm):
     msgs = [*MSGS, {"role": "assistant", "content": None, "tool_calls": "abc"}, {"role": "user", "content": "?"}]
     with pytest.raises(InvalidRequest, match=r"messages\[1\].tool_calls") as err:
