@@ -76,11 +76,14 @@ def test_the_jax_sampler_reports_rows_with_nonfinite_logits():
 
     from polyengine.backends.tpu_jax import sampling as smp
 
+    import jax
+
+    sample = jax.jit(smp.sample, static_argnames=("num_top", "candidates"))  # one compile, not one per op
     state = smp.neutral_state(3, jnp.asarray(smp.neutral_rows(1, 16, [0]).eos_mask))
     logits = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
-    clean = np.asarray(smp.sample(state, jnp.asarray(logits), jnp.ones(3, bool), num_top=0, candidates=3).tokens)
+    clean = np.asarray(sample(state, jnp.asarray(logits), jnp.ones(3, bool), num_top=0, candidates=3).tokens)
     logits[1, 5], logits[2, 3] = np.nan, np.inf
-    got = np.asarray(smp.sample(state, jnp.asarray(logits), jnp.ones(3, bool), num_top=0, candidates=3).tokens)
+    got = np.asarray(sample(state, jnp.asarray(logits), jnp.ones(3, bool), num_top=0, candidates=3).tokens)
     assert got.tolist() == [int(clean[0]), NONFINITE_TOKEN, NONFINITE_TOKEN]
 
 
