@@ -3,8 +3,9 @@
 Config values that overflow float32 in what is computed from them (Gemma 2's
 soft-caps, Phi-3's long-RoPE attention factor, RoPE factors and bases) are refused
 when the config is read, naming the field; and a step whose logits hold NaN or +inf
-fails its request with NumericalError instead of sampling from them: the torch and
-JAX samplers report ``NONFINITE_TOKEN`` for that row (on the device, no host sync), and
+fails its request with NumericalError instead of sampling from them: the torch, JAX
+and NumPy (reference) samplers report ``NONFINITE_TOKEN`` for that row (on the device,
+no host sync), and
 the driver fails that request alone (any token outside the vocabulary, or a NaN
 log-prob, is read the same way). Tiny models, milliseconds each.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polyengine import LLM, SamplingParams
+from polyengine import LLM, EngineConfig, SamplingParams
 from polyengine.errors import ModelConfigError, NumericalError
 from polyengine.models import ModelConfig
 from polyengine.results import NONFINITE_TOKEN, ResultTokens
@@ -113,6 +114,28 @@ def test_the_driver_fails_only_the_request_whose_logits_were_not_finite(bad):
     good = LLM("random:tiny", "reference", max_slots=2, max_cache_length=32, max_prefill_length=16, tools=False)
     llm = LLM.from_engine(_Poisoned(good.engine, 0, bad), tools=False)
     sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0, logprobs=True)
+    victim, bystander = llm.submit([1, 2, 3], sp), llm.submit([4, 5, 6], sp)
+    llm.scheduler.run_until(lambda: victim.done and bystander.done)
+    assert isinstance(victim.error, NumericalError) and "NaN or infinite" in str(victim.error)
+    assert bystander.error is None and len(bystander.completion.outputs[0].token_ids) == 4
+
+
+def test_on_the_reference_backend_nan_logits_fail_their_request_alone():
+    """One request's own logits turn NaN at its second step (its slot's K/V poisoned):
+    it fails with NumericalError, the request beside it in the batch finishes."""
+    from polyengine.backends.reference.engine import ReferenceEngine
+    from polyengine.models import load_model
+
+    class Poisoning(ReferenceEngine):
+        def generate(self, params, decode_state, **kw):
+            for slot in self._live(decode_state):
+                if decode_state.rows[slot].prompt_tokens[0] == 1:
+                    decode_state.k[slot][:] = np.nan
+            return super().generate(params, decode_state, **kw)
+
+    model = load_model("random:tiny")
+    llm = LLM.from_engine(Poisoning(model, EngineConfig(max_slots=2, max_cache_length=32)), tools=False)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.7, seed=1)
     victim, bystander = llm.submit([1, 2, 3], sp), llm.submit([4, 5, 6], sp)
     llm.scheduler.run_until(lambda: victim.done and bystander.done)
     assert isinstance(victim.error, NumericalError) and "NaN or infinite" in str(victim.error)

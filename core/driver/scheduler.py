@@ -471,7 +471,7 @@ class Scheduler:
         raise NumericalError(
             f"{self._what} produced {'no token' if token == NONFINITE_TOKEN else f'token {token}'} at this step: the "
             f"model's logits are NaN or infinite (an overflow in its arithmetic or non-finite weights, not the "
-            f"request's parameters); try a wider dtype or check the model's config and weights")
+            f"sampling parameters); try a wider dtype or check the model's config and weights")
 
     def _accept(self, req: Request, s: _Sample, token: int, result: ResultTokens, row: int, j: int) -> bool:
         """Record one token; return whether it was forced in place of the engine's."""
