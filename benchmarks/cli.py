@@ -39,10 +39,11 @@ import argparse
 import datetime as _dt
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from polyengine.cli_run import positive_number
 
 __all__ = ["add_command", "add_arguments", "run", "plan", "PEERS"]
 
@@ -98,14 +99,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-lib", default=None, metavar="DIR",
                    help="a folder with llama.cpp's libraries (libllama.so and its ggml libraries) for llama-cpp-python "
                         "to load instead of its own, e.g. a build for the --emulate host kind")
-    p.add_argument("--timeout", type=float, default=None, help="seconds one worker may run (default 7200, 600 with --quick)")
+    p.add_argument("--timeout", type=positive_number, default=None,
+                   help="seconds one worker may run (default 7200, 600 with --quick)")
 
 
 def _cache_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "polyengine" / "bench"
+    from polyengine.cache import cache_root  # absolute, also without a home
+
+    return cache_root() / "bench"
 
 
 def _options(raw: list[str] | None) -> list[dict[str, Any]]:

@@ -438,9 +438,15 @@ def report(backend: str, dry_run: bool, steps: list[Step]) -> str:
 def main(args: argparse.Namespace) -> int:
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = sorted(set(steps) - set(_STEPS))
-    if unknown:
-        print(f"polyengine device-check: unknown step(s) {unknown}; steps: {', '.join(_STEPS)}", file=sys.stderr)
+    if unknown or not steps:
+        problem = f"unknown step(s) {unknown}" if unknown else f"--steps {args.steps!r} names no step"
+        print(f"polyengine device-check: {problem}; steps: {', '.join(_STEPS)}", file=sys.stderr)
         return 2
+    for flag, path in (("--output", args.output), ("--json", args.json)):
+        problem = _unwritable(path)
+        if problem:  # found now, not after an hour of steps
+            print(f"polyengine device-check: {flag} {path}: {problem}", file=sys.stderr)
+            return 2
     if args.dry_run:  # tiny models compile faster unoptimized (read when JAX is imported, which is later)
         os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     else:
@@ -452,11 +458,29 @@ def main(args: argparse.Namespace) -> int:
     steps_done = run(args.backend, dry_run=args.dry_run, steps=steps)
     text = report(args.backend, args.dry_run, steps_done)
     sys.stdout.write(text)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "backend": args.backend, "dry_run": args.dry_run,
-            "steps": [{"name": s.name, "status": s.status, "seconds": s.seconds, "facts": s.facts} for s in steps_done],
-        }, indent=1, default=str), encoding="utf-8")
+    facts = {"backend": args.backend, "dry_run": args.dry_run,
+             "steps": [{"name": s.name, "status": s.status, "seconds": s.seconds, "facts": s.facts} for s in steps_done]}
+    for flag, path, content in (("--output", args.output, lambda: text),
+                                ("--json", args.json, lambda: json.dumps(facts, indent=1, default=str))):
+        if path:
+            try:
+                Path(path).write_text(content(), encoding="utf-8")
+            except OSError as exc:  # it went away while the steps ran: the report is on stdout
+                print(f"polyengine device-check: could not write {flag} {path}: {exc.strerror or exc}", file=sys.stderr)
+                return 1
     return 1 if any(s.status == "fail" for s in steps_done) else 0
+
+
+def _unwritable(path: str | None) -> str | None:
+    """Why the report could not be written at ``path`` (None: it could, or no path)."""
+    if not path:
+        return None if path is None else "an empty path"
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory"
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        return f"the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return "not writable by this user"
+    return None

@@ -20,8 +20,15 @@ if **this user wrote it and it is intact**. The rules, for every backend that ca
   truncated, empty, edited, a planted file without a sidecar or with a forged one, a cache
   copied from another user or machine) is reported as a reason, never loaded; the caller
   builds the entry again and :func:`store` replaces it.
+- **Paths are absolute** (:func:`cache_root`, :func:`config_root`), never resolved against
+  the working directory: ``$POLYENGINE_CACHE`` must be absolute (else UnsafeCache), a
+  relative ``$XDG_*_HOME`` is ignored (as the XDG specification says), and a process
+  with no home (no ``$HOME`` and no passwd entry, as in some containers) uses a private
+  folder of its own under the system temporary directory, ``polyengine-<uid>``, created
+  0700 and checked before use; if another user's process holds that name, the refusal
+  names ``$POLYENGINE_CACHE``.
 - **The key** (:func:`user_key`): 32 random bytes in ``$XDG_CONFIG_HOME/polyengine/cache-key``
-  (``~/.config``), mode 0600 in a private directory, created on first use, kept apart
+  (``~/.config``; ``config`` in the folder above without a home), mode 0600 in a private directory, created on first use, kept apart
   from the caches so that copying a cache directory does not copy what signs it. Where
   it cannot be written, a key for this process alone is used (with a warning): entries
   written then verify only in this process.
@@ -38,13 +45,15 @@ import json
 import os
 import secrets
 import stat
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 from polyengine.errors import UnsafeCache
 
-__all__ = ["cache_root", "private_dir", "store", "check", "user_key", "KEY_BYTES", "CACHE_ENV"]
+__all__ = ["cache_root", "config_root", "env_dir", "private_dir", "store", "check", "user_key", "KEY_BYTES",
+           "CACHE_ENV"]
 
 CACHE_ENV = "POLYENGINE_CACHE"
 KEY_BYTES = 32
@@ -53,13 +62,63 @@ _process_key: bytes | None = None
 _warned: set[str] = set()
 
 
+def env_dir(name: str) -> Path | None:
+    """The absolute directory the environment variable ``name`` names (``~`` expanded),
+    None when it is unset or empty; UnsafeCache for a relative one, which would put the
+    cache wherever the process happens to run."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    path = Path(os.path.expanduser(value))
+    if not path.is_absolute():
+        raise UnsafeCache(f"${name} is {value!r}, a relative path: it would put the cache in whatever directory "
+                          f"polyengine runs in; set it to an absolute path")
+    return path
+
+
+def _home() -> Path | None:
+    """This user's home directory, or None when there is none to find (no ``$HOME`` and no
+    passwd entry: ``~`` would stay a relative ``~``)."""
+    home = os.path.expanduser("~")
+    return Path(home) if os.path.isabs(home) else None
+
+
+def _xdg(name: str, fallback: str) -> Path | None:
+    value = os.environ.get(name)
+    if value and os.path.isabs(value):  # the XDG specification: a relative value is invalid, ignore it
+        return Path(value)
+    home = _home()
+    return None if home is None else home / fallback
+
+
+def _homeless(part: str) -> Path:
+    """``<tmp>/polyengine-<uid>/<part>`` for a process without a home: the folder above is
+    created 0700 and checked now (the temporary directory is shared with other users)."""
+    root = Path(os.path.abspath(tempfile.gettempdir())) / f"polyengine-{os.geteuid()}"
+    try:
+        private_dir(root, what="polyengine folder in the temporary directory")
+    except UnsafeCache as exc:
+        raise UnsafeCache(f"this process has no home directory (no $HOME, no passwd entry) and {exc}; "
+                          f"set {CACHE_ENV} to an absolute directory you own") from None
+    return root / part
+
+
 def cache_root() -> Path:
-    """``$POLYENGINE_CACHE``, else ``$XDG_CACHE_HOME/polyengine``, else ``~/.cache/polyengine``
-    (not created here: :func:`private_dir` does that)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "polyengine"
+    """``$POLYENGINE_CACHE``, else ``$XDG_CACHE_HOME/polyengine``, else ``~/.cache/polyengine``,
+    else (no home) ``<tmp>/polyengine-<uid>/cache``; always absolute (the cache folder
+    itself is not created here: :func:`private_dir` does that)."""
+    explicit = env_dir(CACHE_ENV)
+    if explicit is not None:
+        return explicit
+    base = _xdg("XDG_CACHE_HOME", ".cache")
+    return _homeless("cache") if base is None else base / "polyengine"
+
+
+def config_root() -> Path:
+    """``$XDG_CONFIG_HOME/polyengine``, else ``~/.config/polyengine``, else (no home)
+    ``<tmp>/polyengine-<uid>/config``: where the cache key lives, apart from the caches."""
+    base = _xdg("XDG_CONFIG_HOME", ".config")
+    return _homeless("config") if base is None else base / "polyengine"
 
 
 def _problem(path: Path, st: os.stat_result, *, sticky_ok: bool) -> str | None:
@@ -76,7 +135,7 @@ def private_dir(path: str | os.PathLike, *, what: str = "cache", env: str = CACH
     """``path``, created with mode 0700 where missing, after checking that it and every
     directory above it can be written by this user (or root) alone; else UnsafeCache
     naming the fix (``env``: the variable that moves this cache)."""
-    path = Path(os.path.abspath(Path(path).expanduser()))
+    path = Path(os.path.abspath(os.path.expanduser(path)))
     missing = []
     probe = path
     while not probe.exists():
@@ -109,16 +168,11 @@ def private_dir(path: str | os.PathLike, *, what: str = "cache", env: str = CACH
     return path
 
 
-def _config_dir() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "polyengine"
-
-
 def user_key() -> bytes:
     """This user's cache-signing key (see the module docstring)."""
     global _process_key
     try:
-        folder = private_dir(_config_dir(), what="configuration", env="XDG_CONFIG_HOME")
+        folder = private_dir(config_root(), what="configuration", env="XDG_CONFIG_HOME")
         path = folder / "cache-key"
         if not path.exists():
             # Written whole under a name of this process's own, then linked into place:
@@ -216,7 +270,8 @@ def check(path: str | os.PathLike) -> tuple[dict[str, Any] | None, str]:
     try:
         record = json.loads(side.read_bytes())
         size, digest, signature = int(record["size"]), str(record["sha256"]), str(record["signature"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        # OverflowError: a size of 1e999 (JSON's infinity); RecursionError: nesting json cannot parse
         return None, f"{side.name} is not a valid sidecar"
     actual = path.stat().st_size
     if actual != size:

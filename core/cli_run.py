@@ -18,9 +18,9 @@ import time
 from typing import Any
 
 from polyengine.errors import InvalidRequest, PolyengineError
-from polyengine.limits import DEFAULT_CONTEXT_LENGTH, MAX_CHAT_LINE_CHARS
+from polyengine.limits import DEFAULT_CONTEXT_LENGTH, MAX_CHAT_LINE_CHARS, MAX_JSON_DEPTH, json_depth
 
-__all__ = ["add_commands"]
+__all__ = ["add_commands", "add_engine_config_args", "engine_config_kwargs", "nonnegative_number", "positive_number"]
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -42,14 +42,39 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add_engine_config_args(p)
 
 
+def _number(text: str, *, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")) or value < 0 or (positive and value == 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number {'> 0' if positive else '>= 0'}, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, sizes); anything else is a usage error."""
+    return _number(text, positive=True)
+
+
+def nonnegative_number(text: str) -> float:
+    """An argparse type: a finite number >= 0 (where 0 turns something off)."""
+    return _number(text, positive=False)
+
+
 def _option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r} (e.g. --option isa=avx2)")
     try:
         parsed = json.loads(value)  # numbers, booleans, lists: [128, 1024]
+        too_deep = json_depth(parsed, MAX_JSON_DEPTH) > MAX_JSON_DEPTH
+    except RecursionError:  # nested past what json can parse
+        too_deep = True
     except ValueError:
-        parsed = value  # a bare word is a string: isa=avx2
+        return key.strip(), value  # a bare word is a string: isa=avx2
+    if too_deep:
+        raise argparse.ArgumentTypeError(f"--option {key.strip()}: the value nests more than {MAX_JSON_DEPTH} levels")
     return key.strip(), parsed
 
 

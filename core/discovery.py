@@ -17,9 +17,11 @@ clashes), since either choice would surprise someone; the other backends keep wo
 A plugin whose ``polyengine_tools``/``polyengine_models`` hook fails is skipped with a
 :class:`PluginWarning`.
 
-``POLYENGINE_BACKENDS`` (comma-separated names) is an allowlist: an entry point whose
-name is not on it is not imported at all, a backend whose name is not on it is not
-used, and both are listed as *excluded*. Unset or empty, everything is allowed.
+``POLYENGINE_BACKENDS`` (comma-separated names) is an allowlist: an entry point is
+imported only when the list names it or a backend of its family (a name that begins
+with the entry point's and an underscore: ``tpu_jax_ray`` imports ``tpu_jax``, whose
+plugin registers it); a backend whose name is not on the list is not used; both are
+listed as *excluded*. Unset or empty, everything is allowed.
 
 Choosing among the backends is :mod:`polyengine.selection`; building an engine is
 :mod:`polyengine.construction`.
@@ -260,6 +262,12 @@ class PluginRegistry:
     def allowed(self, name: str) -> bool:
         return self._allow is None or name in self._allow
 
+    def plugin_allowed(self, name: str) -> bool:
+        """Whether the entry point ``name`` may be imported: the allowlist names it, or a
+        backend of its family (``tpu_jax_ray`` of the plugin ``tpu_jax``), which only
+        importing the plugin can register."""
+        return self.allowed(name) or any(n.startswith(name + "_") for n in self._allow or ())
+
     # -- registration --------------------------------------------------------------
 
     def _discover(self) -> None:
@@ -286,7 +294,7 @@ class PluginRegistry:
             dist = getattr(ep, "dist", None)
             dist_name = dist.metadata["Name"] if dist is not None else None
             dist_version = dist.version if dist is not None else None
-            if not self.allowed(ep.name):
+            if not self.plugin_allowed(ep.name):
                 self._add_plugin(_Plugin(ep.name, None, dist_name, dist_version, excluded=True))
                 continue
             call = call_plugin(ep.load)

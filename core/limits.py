@@ -14,9 +14,12 @@ with their values.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 __all__ = [
-    "MAX_JSON_BYTES", "MAX_TOKENIZER_JSON_BYTES", "MAX_JSON_DEPTH",
+    "MAX_JSON_BYTES", "MAX_TOKENIZER_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_SCHEMA_DEPTH", "json_depth",
+    "MAX_SOFTCAP", "MIN_ROPE_FACTOR", "MAX_ROPE_FACTOR", "MAX_ROPE_ATTENTION_FACTOR", "MIN_ROPE_THETA",
+    "MIN_QUERY_PRE_ATTN_SCALAR",
     "MAX_LAYERS", "MAX_HIDDEN", "MAX_INTERMEDIATE", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_VOCAB", "MAX_POSITIONS", "MAX_EXPERTS",
     "MAX_GGUF_TENSORS", "MAX_GGUF_METADATA", "MAX_GGUF_KEY_BYTES", "MAX_GGUF_STRING_BYTES",
     "MAX_GGUF_ARRAY", "MAX_GGUF_ARRAY_TOTAL", "MAX_GGUF_NESTING", "MAX_GGUF_ALIGNMENT", "MAX_TENSOR_DIMS",
@@ -34,6 +37,11 @@ MAX_JSON_BYTES = 16 * 1024**2  # real ones: under 1 MiB (a tokenizer_config with
 MAX_TOKENIZER_JSON_BYTES = 128 * 1024**2  # tokenizer.json; largest real: ~33 MB (Gemma 3)
 MAX_JSON_DEPTH = 32  # real configs nest 3-5 levels
 
+# JSON a request carries (a response_format or tool schema, a grammar's %json): checked
+# iteratively before anything walks it recursively (json.dumps, pydantic, llguidance).
+# Real schemas nest well under 20 containers (each schema level is two: properties, name).
+MAX_SCHEMA_DEPTH = 64
+
 # -- model shape (HF config.json and GGUF metadata alike) -------------------------------------
 MAX_LAYERS = 1024  # largest real: 126 (Llama 3.1 405B)
 MAX_HIDDEN = 65536  # largest real: 16384-25600
@@ -43,6 +51,14 @@ MAX_HEAD_DIM = 1024  # largest real: 256
 MAX_VOCAB = 4_194_304  # 2**22; largest real: 262144 (Gemma 3)
 MAX_POSITIONS = 16_777_216  # 2**24; largest real: 10485760 (Llama 4 Scout)
 MAX_EXPERTS = 1024  # experts per MoE layer; largest real: 384 (Kimi K2)
+
+# -- numerics a config sets: bounded where a larger (or smaller) value overflows float32,
+#    or float16, in what is computed from it (NaN logits, then a request sampling garbage)
+MAX_SOFTCAP = 1e4  # attn/final_logit_softcapping: cap * tanh(x / cap) is NaN once cap is inf; real: 30, 50
+MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4  # RoPE scaling factors divide frequencies; real: 1-64
+MAX_ROPE_ATTENTION_FACTOR = 100.0  # long-RoPE scales q.k by its square; real: ~1.2 (Phi-3)
+MIN_ROPE_THETA = 1.0  # below 1, theta ** (-2i/d) grows without bound; real: 1e4-5e8
+MIN_QUERY_PRE_ATTN_SCALAR = 1.0  # the attention scale is its ** -0.5; real: 144, 256 (Gemma)
 
 # -- GGUF header ------------------------------------------------------------------------------
 MAX_GGUF_TENSORS = 65536  # largest real: a few thousand
@@ -99,6 +115,20 @@ PLUGIN_TIMEOUT_ENV = "POLYENGINE_PLUGIN_TIMEOUT"
 # Importing one plugin, one hook call, one probe (plugins must import nothing heavy).
 DEFAULT_PLUGIN_SECONDS = 10.0
 MAX_PLUGIN_OUTPUT_CHARS = 2000  # of a plugin's captured output quoted in its error
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of decoded JSON (dicts and lists; iterative, so a deep value cannot
+    overflow the stack), counting up to ``limit + 1`` at most."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def plugin_seconds() -> float:

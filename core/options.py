@@ -4,7 +4,10 @@ An engine's ``OPTIONS`` maps each option name (a key of ``EngineConfig.options``
 :class:`Option`: its default, what it means, and what values it accepts. A plain value
 instead of an ``Option`` is a default with no other constraint. :func:`check_options`
 refuses unknown keys, values of another type than the default's (an int is accepted for
-a float), values outside ``choices``, below ``minimum`` or above ``maximum``, and
+a float; a string is never read as a number or a boolean), values outside ``choices``,
+below ``minimum`` or above ``maximum`` (NaN, infinities and, without a ``maximum``,
+magnitudes over :data:`MAX_OPTION_NUMBER` always), values nested deeper than
+``MAX_JSON_DEPTH``, and
 whatever the option's own ``check`` says, each with an :class:`InvalidRequest` that names
 the option, the backend and what would be accepted (its ``field`` is ``options.<key>``). It imports no framework, so a
 leader that forwards options to remote engines (the Ray engine) checks them with the
@@ -17,9 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from polyengine.errors import InvalidRequest
+from polyengine.limits import MAX_JSON_DEPTH, json_depth
 from polyengine.validation import is_int
 
-__all__ = ["Option", "check_options", "option_defaults"]
+__all__ = ["Option", "check_options", "option_defaults", "MAX_OPTION_NUMBER"]
+
+MAX_OPTION_NUMBER = 2**31 - 1  # the bound on a number option that declares no maximum
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,12 @@ class Option:
         )
         if not typed:
             return f"must be a {want.__name__} (like its default {default!r})"
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value != value or abs(value) == float("inf"):
+                return "must be a finite number"
+            if self.maximum is None and abs(value) > MAX_OPTION_NUMBER:
+                # no option means anything that large; it would only overflow an int32 or a wait
+                return f"must be at most {MAX_OPTION_NUMBER:,} in size"
         if self.choices is not None and value not in self.choices:
             return f"use one of {', '.join(repr(c) for c in self.choices)}"
         if self.minimum is not None and value < self.minimum:
@@ -106,6 +118,9 @@ def check_options(table: Mapping[str, Any], options: Mapping[str, Any], *, backe
     checked = {}
     for key, value in options.items():
         spec = _as_option(table[key])
+        if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:  # before comparing it with anything (recursive)
+            raise InvalidRequest(f"option {key} of backend {backend!r}: the value nests more than {MAX_JSON_DEPTH} "
+                                 f"levels", field=f"options.{key}")
         if isinstance(spec.default, tuple) and isinstance(value, list):
             value = tuple(value)  # JSON (--option, --options, a config file) has lists, not tuples
         problem = spec.problem(value)

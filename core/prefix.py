@@ -116,8 +116,8 @@ class PortablePrefix:
         try:
             meta = _header_metadata(data)
             tensors = load(data)
-        except (SafetensorError, ValueError, json.JSONDecodeError) as exc:
-            raise _bad(f"not a polyengine prefix (unreadable safetensors data: {exc})") from None
+        except (SafetensorError, ValueError, RecursionError) as exc:  # RecursionError: a header nested past json's depth
+            raise _bad(f"not a polyengine prefix (unreadable safetensors data: {type(exc).__name__}: {exc})") from None
         if meta.get("format") != _FORMAT:
             raise _bad(f"not a polyengine prefix (format {meta.get('format')!r})")
         missing = {"k", "v", "prompt_tokens", "last_logits"} - set(tensors)

@@ -40,13 +40,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from polyengine._version import PROTOCOL_VERSION
 from polyengine.limits import DEFAULT_CONTEXT_LENGTH
 from polyengine.models.blocks import FLOAT_FORMATS, FORMATS
 from polyengine.models.config import ARCHITECTURES, LLAMA_FAMILY
 from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
+from polyengine.validation import is_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from polyengine.prefix import PortablePrefix
@@ -161,6 +162,17 @@ class EngineConfig(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
     prefix_cache_bytes: int | None = Field(None, ge=0)
     prefill_chunk: int | None = Field(None, ge=0)
+
+    @field_validator("max_slots", "max_prefill_length", "max_cache_length", "prefix_cache_bytes", "prefill_chunk",
+                     "prefill_buckets", mode="before")
+    @classmethod
+    def _integers(cls, value: Any) -> Any:
+        """Integers only (NumPy's too): True is not 1 byte, "3" is not 3 slots, 2.5 is not
+        2 (pydantic's lax mode would take all three)."""
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item is not None and not is_int(item):
+                raise ValueError(f"must be an integer, not {type(item).__name__} {item!r:.40}")
+        return value
 
     @model_validator(mode="after")
     def _limits(self) -> "EngineConfig":

@@ -9,7 +9,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["ResultLayout", "ResultTokens"]
+__all__ = ["ResultLayout", "ResultTokens", "NONFINITE_TOKEN"]
+
+# The token a sampler reports for a row whose logits hold NaN or +inf: nothing can be
+# drawn from them, and the driver fails that request with NumericalError (any token
+# outside the vocabulary is read the same way). The row's later tokens are garbage the
+# driver never reads: the slot is freed.
+NONFINITE_TOKEN = -1
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,21 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from polyengine.errors import ContextLengthExceeded, InvalidRequest, UnsupportedFeature
-from polyengine.limits import MAX_TEXT_CHARS
-from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
+from polyengine.limits import MAX_SCHEMA_DEPTH, MAX_TEXT_CHARS, json_depth
+from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams, is_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from polyengine.protocol import Capabilities
 
-__all__ = ["is_int", "check_prompt", "check_request", "check_text"]
+__all__ = ["is_int", "check_prompt", "check_request", "check_depth", "check_text"]
 
 
-def is_int(value: object) -> bool:
-    """An integer (Python or NumPy), not a bool: what token ids and slots must be."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+def check_depth(value: Any, what: str, *, field: str, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """InvalidRequest (``field``) when the JSON ``value`` nests deeper than ``limit``:
+    checked without recursion, before anything recursive (json.dumps, a grammar
+    compiler) walks it."""
+    if json_depth(value, limit) > limit:
+        raise InvalidRequest(f"{what} nests more than {limit} levels of objects and arrays; flatten it", field=field)
 
 
 def check_prompt(

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Iterator
@@ -45,6 +47,7 @@ from polyengine.serving.responses import Responder, TokenText, sse
 __all__ = ["build_app"]
 
 _API_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+TENANT_SCOPE = "polyengine.tenant"  # the ASGI scope key _Gate sets: the digest of the request's API key
 
 
 def build_app(config: ServerConfig, engine: Any = None, model_name: str | None = None,
@@ -191,9 +194,9 @@ class _State:
         with self.blaming(names, "messages"):  # bad tools are blamed on tools / tool_choice (their field)
             if req.tools is not None or req.tool_choice is not None:
                 ids, constrained, tools, choice = self.engine.tool_chat_prompt(
-                    chat_messages(req), sampling, req.tools, req.tool_choice)
+                    chat_messages(req), sampling, *req.tool_arguments())
                 if constrained is not sampling:
-                    names["structured"] = "tool_choice"
+                    names["structured"] = "tools"  # a forced call's grammar is made of the tools' parameters
                 sampling, tools = constrained, (tools if choice != "none" else None)
             else:
                 ids = self.engine.apply_chat_template(chat_messages(req))
@@ -219,6 +222,19 @@ class _State:
                           f"({n} in the {what}, {sp.max_tokens} for the completion): reduce {mt} or the {what}",
                           mt, code="context_length_exceeded")
 
+    def partition(self, tenant: str | None, salt: str | None) -> str | None:
+        """The prefix cache partition of a request (docs/security.md, "Prefix cache and
+        tenants"): its API key's and its ``cache_salt``'s (``--prefix-cache-partition key``)
+        or its salt's alone (``salt``); None (the common one) for neither. The ``user``
+        field does not partition: it names an end user for abuse tracking, unauthenticated,
+        and per-user partitions would lose a shared system prompt's reuse."""
+        if self.config.prefix_cache_partition != "key":
+            tenant = None
+        if tenant is None and salt is None:
+            return None
+        # A digest of both parts: no salt a client chooses can name another key's partition.
+        return hashlib.sha256(f"{tenant or ''}\0{'' if salt is None else 's:' + salt}".encode()).hexdigest()
+
     def api_error(self, exc: BaseException, names: dict[str, str], what: str | None = None) -> APIError:
         """The response for a driver error: the field the core blamed, under the name the
         request used for it; the prompt (or a refusal naming no field) is ``what``."""
@@ -234,10 +250,11 @@ class _State:
                   names: dict[str, str], req: Any, arrived: float, what: str, tools: list | None = None) -> Response:
         for ids in prompts:
             self.check_context(ids, sp, names, what)
+        partition = self.partition(request.scope.get(TENANT_SCOPE), req.cache_salt)
         handles: list[Any] = []
         try:
             for ids in prompts:
-                handle = await self.engine.submit(ids, sp)
+                handle = await self.engine.submit(ids, sp, cache_salt=partition)
                 self.metrics.track(handle, arrived)
                 handles.append(handle)
         except BaseException as exc:
@@ -246,7 +263,8 @@ class _State:
             if isinstance(exc, Exception):
                 raise self.api_error(exc, names, what) from None
             raise
-        responder = Responder(kind, self.model_name, self.token_text, self.fingerprint, tools=tools)
+        responder = Responder(kind, self.model_name, self.token_text, self.fingerprint, tools=tools,
+                              parallel=getattr(req, "parallel_tool_calls", None) is not False)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._events(handles, responder, sp, names, include_usage, what)
@@ -404,8 +422,9 @@ class _Gate:
     def __init__(self, app: Any, state: _State):
         self.app = app
         self.state = state
-        key = state.config.api_key
-        self._expected = f"Bearer {key}".encode() if key else None
+        # Each key's tenant: a digest, so the key itself is not what the cache partitions carry.
+        self._expected = [(f"Bearer {key}".encode(), hashlib.sha256(key.encode()).hexdigest()[:32])
+                          for key in state.config.api_keys]
         replica = state.replica_id
         self._replica = [(b"x-polyengine-replica", replica.encode())] if replica else []
 
@@ -426,11 +445,14 @@ class _Gate:
                     message = {**message, "headers": [*message.get("headers", []), *self._replica]}
             await send(message)
 
-        if self._expected is not None:
-            import hmac
-
+        if self._expected:
             given = dict(scope.get("headers") or []).get(b"authorization")
-            if given is None or not hmac.compare_digest(given, self._expected):
+            tenant = None
+            for expected, who in self._expected:  # every key compared, in constant time: which one matched does not show
+                if given is not None and hmac.compare_digest(given, expected):
+                    tenant = who
+            scope[TENANT_SCOPE] = tenant
+            if tenant is None:
                 msg = ("missing API key: send it as 'Authorization: Bearer KEY'" if given is None
                        else "incorrect API key provided")
                 err = APIError(401, msg, code="invalid_api_key")

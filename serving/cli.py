@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from polyengine.cli_run import add_engine_config_args
+from polyengine.cli_run import add_engine_config_args, nonnegative_number
 from polyengine.errors import PolyengineError
 from polyengine.limits import DEFAULT_CONTEXT_LENGTH
 from polyengine.serving.config import BODY_BYTES_PER_POSITION, MIN_BODY_BYTES
@@ -37,16 +37,21 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, announced on stderr)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $POLYENGINE_API_KEY, else none)")
+    p.add_argument("--api-key", dest="api_key", action="append", default=None, type=_api_key,
+                   help="require 'Authorization: Bearer KEY' on /v1/ routes; repeat it for several clients (each "
+                        "key is a tenant of the prefix cache) (default: $POLYENGINE_API_KEY, several separated "
+                        "by commas, else none)")
     p.add_argument("--max-queue", type=int, default=128, help="requests waiting for a slot before new ones get 429")
     p.add_argument("--max-slots", type=int, default=8, help="requests decoded together (engine slots)")
     p.add_argument("--context-length", type=int, default=None,
                    help=f"prompt + completion tokens per request (default: {DEFAULT_CONTEXT_LENGTH}, or the model's "
                         f"limit if smaller)")
     p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
-    p.add_argument("--prefix-cache-mib", type=float, default=None,
+    p.add_argument("--prefix-cache-mib", type=nonnegative_number, default=None,
                    help="memory the prefix cache may hold, MiB (default: as much as the slots' KV cache; 0: off)")
+    p.add_argument("--prefix-cache-partition", choices=("key", "salt"), default="key",
+                   help="who shares cached prompts: 'key' (default): requests of the same API key and cache_salt; "
+                        "'salt': of the same cache_salt, whatever their key (docs/security.md)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens prefilled per step while other requests decode (default 64; 0: whole prompts)")
     p.add_argument("--served-model-name", default=None,
@@ -80,6 +85,15 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds for every replica to load its model and answer (default 600)")
 
 
+def _api_key(text: str) -> str:
+    from polyengine.serving.config import check_key
+
+    try:
+        return check_key(text, "--api-key")
+    except PolyengineError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _check_deps(extra: Sequence[str] = ()) -> None:
     import importlib.util
 
@@ -89,18 +103,19 @@ def _check_deps(extra: Sequence[str] = ()) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polyengine.serving.config import LOOPBACK_HOSTS, ServerConfig
+    from polyengine.serving.config import API_KEY_ENV, LOOPBACK_HOSTS, ServerConfig, api_keys_from
 
     config = ServerConfig(
         model=args.model, backend=args.backend, served_model_name=args.served_model_name, host=args.host,
-        port=args.port, api_key=args.api_key or os.environ.get("POLYENGINE_API_KEY") or None,
+        port=args.port, api_keys=api_keys_from(args.api_key, os.environ.get(API_KEY_ENV)),
+        prefix_cache_partition=args.prefix_cache_partition,
         max_queue=args.max_queue, max_slots=args.max_slots, context_length=args.context_length, dtype=args.dtype,
         tools=not args.no_tools, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
         prefix_cache_mib=args.prefix_cache_mib, prefill_chunk=args.prefill_chunk,
         options=dict(args.options), prefill_buckets=args.prefill_buckets,
     )
-    if config.host not in LOOPBACK_HOSTS and not config.api_key:
+    if config.host not in LOOPBACK_HOSTS and not config.api_keys:
         print(f"polyengine serve: warning: binding {config.host} without --api-key: anyone who can reach "
               f"this address can use the server", file=sys.stderr)
     if args.replicas is not None:

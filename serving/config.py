@@ -14,9 +14,41 @@ from typing import Any
 from polyengine.errors import InvalidRequest
 
 __all__ = ["ServerConfig", "build_engine", "LOOPBACK_HOSTS", "default_body_limit", "MIN_BODY_BYTES",
-           "BODY_BYTES_PER_POSITION"]
+           "BODY_BYTES_PER_POSITION", "PARTITIONS", "api_keys_from", "check_key"]
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+# How the prefix cache is divided between tenants (docs/security.md, "Prefix cache and
+# tenants"): "key": one partition per API key and cache_salt (a client shares cached
+# prompts only with requests of its own key and salt); "salt": by cache_salt alone (keys
+# of one application may share; requests without a salt share one partition).
+PARTITIONS = ("key", "salt")
+API_KEY_ENV = "POLYENGINE_API_KEY"
+
+
+def check_key(key: object, where: str) -> str:
+    """An API key as HTTP carries it: visible ASCII, no whitespace (a header value's
+    leading and trailing blanks are stripped in transit, so a key with a trailing space
+    could never be sent back; the key itself is never echoed)."""
+    if not isinstance(key, str) or not key:
+        raise InvalidRequest(f"{where}: an API key must be a non-empty string", field="api_key")
+    bad = [c for c in key if not 0x21 <= ord(c) <= 0x7E]
+    if bad:
+        kind = "whitespace" if any(c.isspace() for c in bad) else "a character outside visible ASCII"
+        at = "at its end" if key[-1] in bad else "at its start" if key[0] in bad else "inside it"
+        raise InvalidRequest(f"{where}: the API key has {kind} {at} (character {ord(bad[0]):#04x}); a key must be "
+                             f"visible ASCII without spaces: remove it", field="api_key")
+    return key
+
+
+def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
+    """The keys ``--api-key`` (repeatable) gives, else ``$POLYENGINE_API_KEY`` (several
+    separated by commas); each checked by :func:`check_key`."""
+    if flags:
+        return tuple(check_key(k, f"--api-key #{i + 1}") for i, k in enumerate(flags))
+    if env:
+        return tuple(check_key(k, f"${API_KEY_ENV} key #{i + 1}") for i, k in enumerate(env.split(",")))
+    return ()
 
 # The default body bound follows the context: a prompt the engine can take is at most
 # PROMPT_CHARS_PER_TOKEN (32) characters a position, up to 4 bytes each in UTF-8 JSON;
@@ -44,7 +76,8 @@ class ServerConfig:
     connection that has not sent a complete request head within ``header_timeout``
     seconds of opening (or of its previous response) is closed; a body that has not
     arrived within ``body_timeout`` seconds gets 408; an idle keep-alive connection is
-    closed after ``idle_timeout`` seconds. ``prefix_cache_mib`` and ``prefill_chunk``
+    closed after ``idle_timeout`` seconds. ``api_keys``: every key a client may send (none:
+    no key needed); ``prefix_cache_partition``: one of :data:`PARTITIONS`. ``prefix_cache_mib`` and ``prefill_chunk``
     are the driver's (``EngineConfig.prefix_cache_bytes`` in MiB,
     ``EngineConfig.prefill_chunk``; None: their defaults, 0: off); ``options`` and
     ``prefill_buckets`` go to ``EngineConfig`` as given (``--option``, ``--prefill-buckets``)."""
@@ -54,7 +87,8 @@ class ServerConfig:
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = field(default=None, repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    prefix_cache_partition: str = "key"
     max_queue: int = 128
     max_slots: int = 8
     context_length: int | None = None
@@ -71,6 +105,13 @@ class ServerConfig:
     prefill_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.api_keys, str) or not isinstance(self.api_keys, (tuple, list)):
+            raise InvalidRequest("api_keys must be a tuple of strings", field="api_keys")
+        object.__setattr__(self, "api_keys", tuple(check_key(k, f"API key #{i + 1}")
+                                                   for i, k in enumerate(self.api_keys)))
+        if self.prefix_cache_partition not in PARTITIONS:
+            raise InvalidRequest(f"--prefix-cache-partition must be one of {', '.join(PARTITIONS)}, "
+                                 f"got {self.prefix_cache_partition!r}", field="prefix_cache_partition")
         for name in ("max_queue", "max_slots", "max_body_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequest(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}",
@@ -81,8 +122,9 @@ class ServerConfig:
                                      field=name)
         if self.context_length is not None and self.context_length < 2:
             raise InvalidRequest("--context-length must be at least 2")
-        if self.prefix_cache_mib is not None and self.prefix_cache_mib < 0:
-            raise InvalidRequest("--prefix-cache-mib must be >= 0 (0 turns the prefix cache off)")
+        if self.prefix_cache_mib is not None and not 0 <= self.prefix_cache_mib < 2**44:
+            raise InvalidRequest(f"--prefix-cache-mib must be a number of MiB >= 0 (0 turns the prefix cache off), "
+                                 f"got {self.prefix_cache_mib}", field="prefix_cache_mib")
         if self.prefill_chunk is not None and self.prefill_chunk < 0:
             raise InvalidRequest("--prefill-chunk must be >= 0 (0 prefills whole prompts at once)")
         if self.shutdown_timeout < 0:

@@ -7,7 +7,8 @@ are the core's (``SamplingParams``), so the server and the Python API refuse the
 values with the same words, and the core names the field. A parameter that cannot be honoured is refused,
 never ignored: unknown fields, tool calling, structured output, ``echo``, ``suffix``
 and ``best_of`` other than ``n``. ``user`` is accepted: it identifies the caller and
-changes nothing in the output (as in OpenAI's API).
+changes nothing in the output (as in OpenAI's API), nor which cached prompts a request
+may continue (``cache_salt`` does that, app.py's ``partition``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from polyengine.driver.scheduler import MAX_CACHE_SALT_CHARS
 from polyengine.errors import InvalidRequest
-from polyengine.limits import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from polyengine.limits import (
+    MAX_LOGIT_BIAS, MAX_SCHEMA_DEPTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, json_depth,
+)
 from polyengine.sampling.params import SamplingParams, StructuredOutput
 from polyengine.serving.errors import invalid
 
@@ -29,6 +33,10 @@ __all__ = ["CompletionRequest", "ChatRequest", "parse_body", "check_lengths", "t
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024
 MAX_NAME_CHARS = 1024  # model, user, a message's role
+MAX_TOOLS = 128  # tools offered, calls in one past turn (OpenAI's bound on tools)
+# How deep a body's JSON may nest: a schema (response_format, a tool's parameters) at its
+# bound, under the few levels of the body around it. Checked before the body is validated.
+MAX_BODY_DEPTH = MAX_SCHEMA_DEPTH + 6
 
 # Extra fields (vLLM's names) for sampler features OpenAI's API lacks.
 _EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
@@ -36,7 +44,8 @@ _PYDANTIC_TAGS = {"str", "int", "float", "bool", "list", "dict", "list[int]", "l
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "3" is not a number nor "yes" a boolean (pydantic's lax mode would coerce both)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -57,6 +66,8 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    # vLLM's field: requests share cached prompt prefixes only with requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -80,11 +91,46 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; its depth is bounded before the body is validated
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class AssistantToolCall(_Strict):
+    id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     # Templates may read fields beyond role and content (name, tool_call_id, ...).
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str = Field(max_length=MAX_NAME_CHARS)
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     @field_validator("content")
     @classmethod
@@ -99,12 +145,22 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+
+    def tool_arguments(self) -> tuple[list[dict[str, Any]] | None, Any]:
+        """``tools`` and ``tool_choice`` as the core takes them (plain JSON)."""
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
+        return tools, choice
+
+
+# What a field that may take several forms must be, said once instead of per form.
+_SHAPES = {"tool_choice": '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'}
 
 
 def _param(loc: tuple) -> str:
@@ -113,7 +169,8 @@ def _param(loc: tuple) -> str:
     for part in loc[1:]:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in _PYDANTIC_TAGS and "[" not in str(part) and "-" not in str(part):
+        elif (part not in _PYDANTIC_TAGS and "[" not in str(part) and "-" not in str(part)
+              and not str(part)[:1].isupper()):  # a union member's class name: not part of the param
             out += f".{part}"
     return out
 
@@ -122,13 +179,17 @@ def _param(loc: tuple) -> str:
 # request model validates it: validating a million-item list costs the server far more
 # than refusing it (the sampler's bounds are the core's, polyengine.limits).
 LIST_BOUNDS = {"messages": MAX_MESSAGES, "stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
-               "logit_bias": MAX_LOGIT_BIAS}
+               "logit_bias": MAX_LOGIT_BIAS, "tools": MAX_TOOLS}
 
 
 def check_lengths(data: dict[str, Any], *, max_prompts: int, max_prompt_tokens: int) -> None:
     """Refuse (400 naming the field) a list longer than its bound: :data:`LIST_BOUNDS`,
     content parts per message, and ``prompt``: at most ``max_prompts`` prompts, each
     list of token ids at most ``max_prompt_tokens`` long (code context_length_exceeded)."""
+    for field, value in data.items():  # depth first: validating the body walks it recursively
+        if json_depth(value, MAX_BODY_DEPTH) > MAX_BODY_DEPTH - 1:
+            raise invalid(f"{field} nests more than {MAX_BODY_DEPTH - 1} levels of objects and arrays (a JSON schema "
+                          f"at most {MAX_SCHEMA_DEPTH}); flatten it", str(field))
     for field, bound in LIST_BOUNDS.items():
         value = data.get(field)
         if isinstance(value, (list, dict)) and len(value) > bound:
@@ -171,11 +232,13 @@ def parse_body(raw: bytes, model: type[BaseModel], precheck: Callable[[dict[str,
         err = exc.errors()[0]
         if not err["loc"]:
             raise invalid(err["msg"]) from None
-        param = _param(err["loc"])
+        param, loc_field = _param(err["loc"]), str(err["loc"][0])
         if err["type"] == "extra_forbidden":
             raise invalid(f"unrecognized request argument supplied: {param}", param=param) from None
         if err["type"] == "missing":
             raise invalid(f"missing required parameter: {param}", param=param) from None
+        if loc_field in _SHAPES and len(exc.errors()) > 1:  # a union: every member's complaint would confuse
+            raise invalid(f"{loc_field} must be {_SHAPES[loc_field]}", param=loc_field) from None
         raise invalid(f"{param}: {err['msg']}", param=param) from None
 
 

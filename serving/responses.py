@@ -65,9 +65,11 @@ class TokenText:
 class Responder:
     """Builds the bodies of one response (its id, creation time, model and kind)."""
 
-    def __init__(self, kind: str, model: str, token_text: TokenText, fingerprint: str, tools: list | None = None):
+    def __init__(self, kind: str, model: str, token_text: TokenText, fingerprint: str, tools: list | None = None,
+                 parallel: bool = True):
         self.kind = kind  # "chat" or "completion"
         self.tools = tools  # offered function tools: completions are parsed for calls
+        self.parallel = parallel  # parallel_tool_calls: False returns the first call only
         self._held: dict[int, str] = {}  # streamed text held back while it may open a tool call
         self._free: set[int] = set()  # choices whose text cannot be a tool call any more
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -115,7 +117,7 @@ class Responder:
                 if self.kind == "chat":
                     choice["message"] = {"role": "assistant", "content": o.text}
                     if self.tools:
-                        content, calls = parse_tool_calls(o.text, self.tools)
+                        content, calls = parse_tool_calls(o.text, self.tools, parallel=self.parallel)
                         if calls:
                             choice["message"] = {"role": "assistant", "content": content,
                                                  "tool_calls": [c.to_dict() for c in calls]}
@@ -159,7 +161,7 @@ class Responder:
             self._held.pop(index, None)
             return [self.chunk(index, held, None, logprobs)]
         self._held.pop(index, None)
-        content, calls = parse_tool_calls(held, self.tools)
+        content, calls = parse_tool_calls(held, self.tools, parallel=self.parallel)
         if not calls:
             return [self.chunk(index, held, finish_reason, logprobs)]
         out = [self.chunk(index, content, None, logprobs)] if content else []

@@ -6,8 +6,9 @@ the queue or shut down mid-stream on any machine) and declares less than the
 reference, like tests/restricted_backend.py: no penalties, no min_p, no bulk_insert
 (so n > 1 is refused), at most 4 top log-probs.
 
-``test_dying`` is the same engine whose first ``generate`` raises ``SystemExit`` (a
-backend that ends its thread: the server must report a dead engine, not hang).
+``test_dying`` is the same engine whose first ``generate`` raises ``EngineDead`` (its
+device is gone: the server must report a dead engine, not hang; a backend's
+``SystemExit`` fails only the requests of that call, tests/test_hostile_round3_engine.py).
 ``test:slow-tokenizer`` is a model name (``random:tiny`` whose tokenizer takes
 ``TOKENIZE_DELAY`` seconds per text, sleeping, so the GIL is free): a server that
 tokenized on its event loop would stall ``/health`` that long.
@@ -22,7 +23,7 @@ import time
 
 from polyengine import PROTOCOL_VERSION, BackendSpec, Capabilities, EngineConfig, Probe, hookimpl
 from polyengine.backends.reference.engine import ReferenceEngine
-from polyengine.errors import UnsupportedFeature
+from polyengine.errors import EngineDead, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.sampling.params import ENGINE_FIELDS
 
@@ -61,7 +62,7 @@ class DyingEngine(SlowEngine):
 
     def generate(self, params, decode_state, *, overrides=None):
         time.sleep(self.delay)
-        raise SystemExit("the backend called sys.exit")
+        raise EngineDead("the device went away (test_dying)")
 
 
 def create_dying_engine(*, model: Model, config: EngineConfig) -> DyingEngine:
@@ -76,7 +77,7 @@ def polyengine_backends():
             protocol_version=PROTOCOL_VERSION, probe=lambda: Probe(True), factory=create_slow_engine,
         ),
         BackendSpec(
-            name="test_dying", description="test_slow whose first generate raises SystemExit (tests/serving_backends.py)",
+            name="test_dying", description="test_slow whose first generate raises EngineDead (tests/serving_backends.py)",
             protocol_version=PROTOCOL_VERSION, probe=lambda: Probe(True), factory=create_dying_engine,
         ),
     ]

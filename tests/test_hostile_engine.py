@@ -1,9 +1,10 @@
 """Hostile backends, class "an engine that cannot go on": a backend whose call raises
-``SystemExit``, ``KeyboardInterrupt``, any other ``BaseException``, or the typed
-``EngineDead`` (a lost worker), at admission or at a step. The AsyncLLM must fail every
-pending request (running, queued, and one being submitted) with ``EngineDead`` naming
-the cause, refuse later ones at once, and report itself dead; nothing may hang. The
-synchronous LLM passes the typed error to its caller.
+the typed ``EngineDead`` (a lost worker), at admission or at a step. The AsyncLLM must
+fail every pending request (running, queued, and one being submitted) with
+``EngineDead`` naming the cause, refuse later ones at once, and report itself dead;
+nothing may hang. The synchronous LLM passes the typed error to its caller. (A backend
+raising ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException`` does not end
+the engine: tests/test_hostile_round3_engine.py.)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ KINDS = {
     "BaseException": lambda: _Doom("the device vanished"),
     "EngineDead": lambda: EngineDead("worker 1 of 2 died"),
 }
+DEAD = ["EngineDead"]  # the others fail the requests of the call only (tests/test_hostile_round3_engine.py)
 
 
 class DyingEngine(ReferenceEngine):
@@ -60,7 +62,7 @@ def model():
 
 
 @pytest.mark.parametrize("where", ["prefill", "generate"])
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", DEAD)
 def test_a_dying_engine_fails_every_request_with_a_typed_error(model, kind, where):
     engine = DyingEngine(model, EngineConfig(max_slots=2, max_cache_length=64), kind, where)
     llm = AsyncLLM.from_llm(LLM.from_engine(engine, model.tokenizer, tools=False, max_queue=4))

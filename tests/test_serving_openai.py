@@ -210,7 +210,7 @@ def _bad(client, **kwargs) -> openai.APIStatusError:
     (dict(logit_bias={"x": 1}), 400, "logit_bias", None),
     (dict(logit_bias={"100000": 1}), 400, "logit_bias", None),
     (dict(presence_penalty=3), 400, "presence_penalty", None),
-    (dict(tools=[{"type": "function", "function": {}}]), 400, "tools", None),
+    (dict(tools=[{"type": "function", "function": {}}]), 400, "tools[0].function.name", None),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}),
      400, "tool_choice", None),
     (dict(response_format={"type": "xml"}), 400, "response_format.type", None),

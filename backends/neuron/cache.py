@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from polyengine.cache import cache_root, check, private_dir, store
+from polyengine.cache import cache_root, check, env_dir, private_dir, store
 from polyengine.models import ModelConfig
 
 from polyengine.backends.neuron.compile import CompiledGraph, compile_graph, compiler_version, load_graph
@@ -51,10 +50,9 @@ _MEMO: dict[str, CompiledGraph] = {}
 
 def default_cache_dir() -> Path:
     """``$POLYENGINE_NEURON_CACHE``, else ``neuron`` under polyengine's cache root
-    (``$POLYENGINE_CACHE``, else ``$XDG_CACHE_HOME/polyengine``, else ``~/.cache/polyengine``)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return cache_root() / "neuron"
+    (``$POLYENGINE_CACHE``, else ``$XDG_CACHE_HOME/polyengine``, else ``~/.cache/polyengine``);
+    absolute, as :func:`polyengine.cache.cache_root` makes it."""
+    return env_dir(CACHE_ENV) or cache_root() / "neuron"
 
 
 def architecture(config: ModelConfig) -> dict[str, Any]:

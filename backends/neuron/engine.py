@@ -30,6 +30,7 @@ by the prefill's K/V through an insert model. The engine's calls are the same.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -65,12 +66,18 @@ __all__ = ["NeuronEngine", "create_engine"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _absolute(path: str) -> str | None:
+    """A cache folder is absolute: a relative one would follow the working directory."""
+    return None if not path or os.path.isabs(os.path.expanduser(path)) else "must be an absolute path (or '')"
+
+
 class NeuronEngine(TorchSlotsEngine, EngineBase):
     name = "neuron"
     OPTIONS = {
         "compiler": Option("auto", "'inductor' (CPU compile path), 'neuronx' (Neuron devices), 'auto': neuronx where usable",
                            choices=("auto",) + COMPILERS),
-        "cache_dir": Option("", "compiled graphs; '' = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron"),
+        "cache_dir": Option("", "compiled graphs; '' = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron",
+                            check=_absolute),
         "batch_buckets": Option((), "seq_ids per token-generation step; () = (max_slots,)"),
         "seq_buckets": Option((), "attended cache positions per step; () = see buckets.py"),
         # 1 = plain decoding, the default: measured faster with the built-in draft (docs/neuron.md)
@@ -501,16 +508,16 @@ def diagnose() -> dict[str, str]:
         out["compiler"] = f"inductor: the CPU compile path (by name only); on a Neuron instance: {plugin.NEURONX_HINT}"
     else:
         out["compiler"] = "neuronx: torch_neuronx.trace (neuronx-cc)"
-    root = default_cache_dir()
-    if not root.exists():
-        out["cache"] = f"{root} (created private, mode 0700, at the first compile)"
-    else:
-        try:
+    try:  # refused: a relative $POLYENGINE_NEURON_CACHE, or a folder someone else could write
+        root = default_cache_dir()
+        if not root.exists():
+            out["cache"] = f"{root} (created private, mode 0700, at the first compile)"
+        else:
             from polyengine.cache import private_dir
 
             private_dir(root, what="neuron artifact cache", env="POLYENGINE_NEURON_CACHE")
             out["cache"] = f"{root} (private; {len(list(root.glob('*.bin')))} artifact(s))"
-        except UnsafeCache as exc:
-            out["cache"] = f"REFUSED: {exc}"
+    except UnsafeCache as exc:
+        out["cache"] = f"REFUSED: {exc}"
     out["speculation"] = "off (plain decoding); option speculation=k (2..8) verifies k - 1 drafts per step"
     return out

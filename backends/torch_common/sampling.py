@@ -31,7 +31,8 @@ API
     The pure functions underneath (state in, state out), for jit/export-style
     backends that keep the state as a pytree.
 
-``SampleResult``: ``tokens`` (B,) int64, ``logprobs`` (B,) raw log-prob of the token,
+``SampleResult``: ``tokens`` (B,) int64 (``NONFINITE_TOKEN`` for a row whose logits hold
+NaN or +inf), ``logprobs`` (B,) raw log-prob of the token,
 ``top_ids`` (B, n) int64 and ``top_logprobs`` (B, n), descending, ties to the lower id.
 Raw log-probs are the log-softmax of the logits before any processing.
 
@@ -67,6 +68,7 @@ import numpy as np
 import torch
 
 from polyengine.errors import InvalidRequest
+from polyengine.results import NONFINITE_TOKEN
 from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.rows import check_token_ids, request_row
 
@@ -372,6 +374,11 @@ def sample(
         g = threefry.gumbel(_rows(state.seed_lo, rows)[:, None], _rows(state.seed_hi, rows)[:, None], ids, ctr, dtype=state.dtype)
         drawn = argmax_lowest(logp + g)  # removed tokens are -inf: they never win
         tokens = drawn if tokens is None else torch.where(_rows(state.temperature, rows) > 0, drawn, tokens)
+    # A row whose logits hold NaN or +inf (an overflow in the model's arithmetic) has no
+    # distribution to draw from: its token is NONFINITE_TOKEN, which the driver reads as
+    # a NumericalError for that request alone (no host sync here: the check stays on the device).
+    broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+    tokens = torch.where(broken, torch.full_like(tokens, NONFINITE_TOKEN), tokens)
     if raw is None:
         zeros = torch.zeros(b, dtype=state.dtype, device=logits.device)
         return SampleResult(tokens=tokens, logprobs=zeros, top_ids=torch.zeros((b, 0), dtype=torch.int64, device=logits.device),

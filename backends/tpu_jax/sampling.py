@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry_2x32
 
+from polyengine.results import NONFINITE_TOKEN
 from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.rows import request_row as core_row
 from polyengine.sampling.rows import split_seed
@@ -336,6 +337,10 @@ def sample(s: SamplerState, logits: jax.Array, live: jax.Array, *, num_top: int,
             jnp.any(live & (s.top_logprobs > 0)), lambda r: top_n(r, n),
             lambda r: (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32)), raw)
     logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    # NaN or +inf logits (an overflow in the model): nothing to draw from; the driver
+    # reads NONFINITE_TOKEN as a NumericalError of that request alone.
+    broken = jnp.isnan(logits).any(axis=-1) | jnp.isposinf(logits).any(axis=-1)
+    tokens = jnp.where(broken, jnp.asarray(NONFINITE_TOKEN, tokens.dtype), tokens)
     return SampleResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_lp)
 
 

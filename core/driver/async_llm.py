@@ -7,17 +7,20 @@ The event loop never takes the scheduler's lock, so a long prefill or ``generate
 never blocks it; the loop only tokenizes and validates (cheap) and waits.
 
 Boundaries:
-- A bad request (prompt, parameters, a feature the backend lacks) fails at ``submit``
-  on the caller's thread, before anything is queued. ``QueueFull`` comes from the
+- A bad request (prompt, parameters, a feature the backend lacks) fails at ``submit``,
+  before anything is queued (a constrained request's grammar compiles on a worker
+  thread meanwhile, never on the event loop). ``QueueFull`` comes from the
   engine thread when it queues the request, at the next step boundary.
 - ``cancel()`` and a cancelled ``await`` take effect at the next step boundary: the
   request's slots are free before the following ``generate``.
 - An error from the engine's ``generate`` concerns every running request: each of them
   fails with it, and the loop goes on serving new requests.
+- A backend call that raises ``SystemExit``, ``KeyboardInterrupt`` or any other
+  ``BaseException`` fails the requests of that call with a ``PluginError`` naming it,
+  like any other error of the backend (the scheduler converts it); the loop goes on.
 - An engine that cannot go on (it raised :class:`~polyengine.errors.EngineDead`, e.g. a
-  lost Ray worker) or an engine thread that dies of anything at all (a backend raising
-  ``SystemExit``, ``KeyboardInterrupt`` or any other ``BaseException``) makes the
-  AsyncLLM *dead*: every pending request (queued, running, or still being submitted)
+  lost Ray worker) or an engine thread that dies of anything at all (a bug outside the
+  backend's calls) makes the AsyncLLM *dead*: every pending request (queued, running, or still being submitted)
   fails with ``EngineDead`` naming the cause, every later ``submit`` raises it, and
   :attr:`AsyncLLM.dead` says so (the server's ``/health`` answers 503). Nothing hangs.
 - The wrapped :class:`LLM` belongs to the engine thread: do not call its synchronous
@@ -251,19 +254,27 @@ class AsyncLLM:
                          tool_choice: Any) -> tuple[list[int], SamplingParams, list[dict[str, Any]], Any]:
         return self.llm.tool_chat_prompt(messages, sampling, tools, tool_choice)
 
-    async def submit(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> AsyncRequest:
+    async def submit(self, prompt: Prompt, sampling: SamplingParams | dict | None = None, *,
+                     cache_salt: str | None = None) -> AsyncRequest:
         """Validate and queue one request; return its handle once it is queued.
 
         Raises InvalidRequest or UnsupportedFeature at once (nothing queued), QueueFull
         when ``max_queue`` requests already wait for a slot, EngineClosed after
-        :meth:`shutdown` began. Cancelling this call cancels the request.
+        :meth:`shutdown` began. Cancelling this call cancels the request. ``cache_salt``
+        (as :meth:`LLM.submit`): the prefix cache partition of the request's tenant.
         """
         if self._dead is not None:
             raise _copy(self._dead)
         if self._closed:
             raise EngineClosed("the engine is shutting down and accepts no new requests")
         text, ids = self.llm.encode(prompt)
-        req = self._scheduler.prepare(ids, SamplingParams.coerce(sampling), prompt=text)
+        sampling = SamplingParams.coerce(sampling)
+        if sampling.structured is not None:
+            # Compiling a grammar can take a large schema's whole second: on a worker thread,
+            # so that the event loop (other requests' streams, /health) keeps running.
+            req = await asyncio.to_thread(self._scheduler.prepare, ids, sampling, prompt=text, cache_salt=cache_salt)
+        else:
+            req = self._scheduler.prepare(ids, sampling, prompt=text, cache_salt=cache_salt)
         loop = asyncio.get_running_loop()
         handle = AsyncRequest(self, req, loop)
         queued = loop.create_future()
@@ -280,24 +291,28 @@ class AsyncLLM:
             raise
         return handle
 
-    async def generate(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> Completion:
+    async def generate(self, prompt: Prompt, sampling: SamplingParams | dict | None = None, *,
+                       cache_salt: str | None = None) -> Completion:
         """Complete one prompt (raw text or token ids)."""
-        return await (await self.submit(prompt, sampling)).result()
+        return await (await self.submit(prompt, sampling, cache_salt=cache_salt)).result()
 
-    async def stream(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> AsyncIterator[StreamDelta]:
+    async def stream(self, prompt: Prompt, sampling: SamplingParams | dict | None = None, *,
+                     cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
         """Yield the deltas of one prompt; closing the iterator early cancels the request."""
-        handle = await self.submit(prompt, sampling)
+        handle = await self.submit(prompt, sampling, cache_salt=cache_salt)
         async for delta in handle:
             yield delta
 
-    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None) -> Completion:
+    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None, *,
+                   cache_salt: str | None = None) -> Completion:
         """Answer a conversation with the model's chat template."""
-        return await self.generate(self.apply_chat_template(messages), sampling)
+        return await self.generate(self.apply_chat_template(messages), sampling, cache_salt=cache_salt)
 
     async def stream_chat(
-        self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None
+        self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None, *,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        async for delta in self.stream(self.apply_chat_template(messages), sampling):
+        async for delta in self.stream(self.apply_chat_template(messages), sampling, cache_salt=cache_salt):
             yield delta
 
     async def shutdown(self, timeout: float = 30.0) -> None:

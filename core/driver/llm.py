@@ -124,14 +124,17 @@ class LLM:
 
     # -- requests --------------------------------------------------------------------------
 
-    def submit(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> Request:
+    def submit(self, prompt: Prompt, sampling: SamplingParams | dict | None = None, *,
+               cache_salt: str | None = None) -> Request:
         """Queue one request without running it; ``step()`` or any other call advances it.
 
         Raises InvalidRequest (bad or too-long prompt, bad parameters), UnsupportedFeature
-        or QueueFull at once; requests already running are not affected.
+        or QueueFull at once; requests already running are not affected. ``cache_salt``
+        (every method that takes a prompt has it): the request continues and fills only
+        prefix cache entries of requests with the same salt (None: of those with none).
         """
         text, ids = self.encode(prompt)
-        return self.scheduler.submit(ids, SamplingParams.coerce(sampling), prompt=text)
+        return self.scheduler.submit(ids, SamplingParams.coerce(sampling), prompt=text, cache_salt=cache_salt)
 
     def step(self) -> bool:
         """Advance every request by one engine step; return whether work remains."""
@@ -141,6 +144,8 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[Completion]:
         """Complete every prompt; one Completion per prompt, in order.
 
@@ -159,7 +164,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(batch, params)):
             try:
                 text, ids = self.encode(p)
-                reqs.append(self.scheduler.prepare(ids, sp, prompt=text))
+                reqs.append(self.scheduler.prepare(ids, sp, prompt=text, cache_salt=cache_salt))
             except InvalidRequest as exc:
                 raise type(exc)(f"prompt {i}: {exc}", field=exc.field) from None
         try:
@@ -174,13 +179,14 @@ class LLM:
             raise
         return [r.completion for r in reqs]
 
-    def stream(self, prompt: Prompt, sampling: SamplingParams | dict | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: Prompt, sampling: SamplingParams | dict | None = None, *,
+               cache_salt: str | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas (with their token ids) as they are produced.
 
         The request is queued at once. Closing the iterator, or dropping it, cancels the
         request and frees its slots, even before the first delta was asked for.
         """
-        req = self.submit(prompt, sampling)
+        req = self.submit(prompt, sampling, cache_salt=cache_salt)
         return _Stream(self._drain(req), req, self.scheduler)
 
     def _drain(self, req: Request) -> Iterator[StreamDelta]:
@@ -198,7 +204,8 @@ class LLM:
                 req.cancel()
 
     def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None, *,
-             tools: Sequence[dict[str, Any]] | None = None, tool_choice: Any = None) -> Completion:
+             tools: Sequence[dict[str, Any]] | None = None, tool_choice: Any = None,
+             cache_salt: str | None = None) -> Completion:
         """Answer a conversation (a list of ``{"role", "content"}`` messages).
 
         ``tools``: OpenAI function definitions (``{"type": "function", "function": {"name",
@@ -208,11 +215,11 @@ class LLM:
         output's ``tool_calls`` with ``finish_reason == "tool_calls"``
         (:mod:`polyengine.driver.toolcalls` has the format)."""
         if tools is None and tool_choice is None:
-            return self.generate([self.apply_chat_template(messages)], sampling)[0]
+            return self.generate([self.apply_chat_template(messages)], sampling, cache_salt=cache_salt)[0]
         from polyengine.driver.toolcalls import parse_tool_calls
 
         ids, sp, tools, choice = self.tool_chat_prompt(messages, SamplingParams.coerce(sampling), tools, tool_choice)
-        done = self.generate([ids], sp)[0]
+        done = self.generate([ids], sp, cache_salt=cache_salt)[0]
         if choice != "none":
             for out in done.outputs:
                 content, calls = parse_tool_calls(out.text, tools)
@@ -233,8 +240,9 @@ class LLM:
                                          what="the rendered conversation"))
         return ids, sp, tools, choice
 
-    def stream_chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None) -> Iterator[StreamDelta]:
-        return self.stream(self.apply_chat_template(messages), sampling)
+    def stream_chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None, *,
+                    cache_salt: str | None = None) -> Iterator[StreamDelta]:
+        return self.stream(self.apply_chat_template(messages), sampling, cache_salt=cache_salt)
 
     @staticmethod
     def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -8,7 +8,8 @@ prefix (``existing_prefix``, capability ``prefix_reuse``):
   prompt; the first piece continues it. At least one prompt token is always prefilled
   again, so the request's first token is drawn with its own sampling parameters from
   its own prefix: a cached prefix (which may carry another request's parameters) is
-  continued, never inserted. When the prompt shares more tokens with some cached
+  continued, never inserted. Only prefixes of the request's own partition (its tenant:
+  ``cache_salt``) are looked up, and its prefixes are filed there. When the prompt shares more tokens with some cached
   prompt than the longest entry covers, the prompt is cut where that shared run ends
   (rounded down to :data:`CACHE_BLOCK` tokens) and the prefix there is cached too: the
   second of two prompts sharing a system prompt leaves an entry that the third one
@@ -64,6 +65,7 @@ class PrefillJob:
     cached: int
     held: CacheEntry | None = None
     token_mask: Any = None  # the allowed-token mask of the request's first token (structured output), or None
+    partition: Any = None  # the prefix cache's partition of the request's tenant (its cache_salt)
 
     def next_end(self, chunk: int) -> int:
         """Where the next piece ends: the next cut, or sooner at a multiple of ``chunk``
@@ -113,19 +115,21 @@ class Prefiller:
         """Tokens of the job's next piece under a step's ``budget`` (chunked when bounded)."""
         return job.next_end(self.chunk if budget is not None else 0) - job.done
 
-    def start(self, tokens: list[int], sampling: SamplingParams, token_mask: Any = None) -> PrefillJob:
+    def start(self, tokens: list[int], sampling: SamplingParams, token_mask: Any = None,
+              partition: Any = None) -> PrefillJob:
         """Plan a prompt's pieces (looking it up in the cache, holding the entry found);
-        ``token_mask`` constrains the first token, drawn by the last piece."""
+        ``token_mask`` constrains the first token, drawn by the last piece; ``partition``
+        is the tenant whose cached prompts it may continue and where its own are filed."""
         n, held, prefix, have, keep = len(tokens), None, None, 0, set()
         if self.cache is not None:
-            entry, matched = self.cache.lookup(tokens)
+            entry, matched = self.cache.lookup(tokens, partition)
             if entry is not None:
                 held, prefix, have = entry, self.cache.acquire(entry), entry.length
             split = min(matched, n - 1) // self.block * self.block
             if split > have:
                 keep.add(split)
         return PrefillJob(list(tokens), sampling, sorted({n, *keep}), frozenset(keep), prefix, have, have, held,
-                          token_mask)
+                          token_mask, partition)
 
     def advance(self, job: PrefillJob, budget: int | None = None) -> tuple[Prefix, ResultTokens] | None:
         """Run the job's next piece (chunked under a step's ``budget``, see
@@ -141,7 +145,7 @@ class Prefiller:
         job.prefix, job.done = prefix, end
         self._release(job)  # continued: the entry is not needed any more
         if self.cache is not None and end >= self.block and (final or end in job.keep):
-            self.cache.insert(prefix, shared=end in job.keep)
+            self.cache.insert(prefix, shared=end in job.keep, partition=job.partition)
         return (prefix, first) if final else None
 
     def abandon(self, job: PrefillJob) -> None:

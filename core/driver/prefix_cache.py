@@ -27,6 +27,15 @@ will continue the newer one. Under pressure, a stream of one-off prompts then pu
 other one-off prompts, not the system prompt every request continues, and conversations
 lose their superseded turns before their latest ones.
 
+Tenants: every lookup and insert names a *partition* (any hashable; None is the
+partition of requests that name none), and each partition has a tree of its own. A
+prompt is matched only against prompts filed in its own partition, so neither whether a
+prefix was found nor where a prompt is cut for a shared entry (both visible to a client,
+as ``cached_tokens`` and as the time to the first token) depends on another partition's
+prompts. The budget and the eviction order are shared: one partition's traffic can push
+another's entries out (costing it hits, revealing no tokens). The server maps API keys
+and ``cache_salt`` to partitions (docs/security.md, "Prefix cache and tenants").
+
 Single-threaded: the scheduler calls it under its lock. ``stats`` are plain counters
 that a metrics scraper on another thread may read at any time.
 """
@@ -76,6 +85,7 @@ class CacheEntry:
     refs: int = 0
     shared: bool = False  # filed where two prompts part (known to begin several)
     node: _Node | None = field(default=None, repr=False)
+    partition: Any = None  # the tenant it was filed for (see the module docstring)
 
 
 def _common(tokens: Sequence[int], at: int, edge: tuple[int, ...]) -> int:
@@ -99,7 +109,7 @@ class PrefixCache:
             raise ValueError(f"a prefix cache budget must be >= 0 bytes, got {budget}")
         self.budget = int(budget)
         self._estimate = estimate
-        self._root = _Node((), None, 0)
+        self._roots: dict[Any, _Node] = {}  # one tree per partition; a partition without entries has none
         self._lru: OrderedDict[CacheEntry, None] = OrderedDict()  # oldest use first
         self.stats = CacheStats()
 
@@ -108,14 +118,17 @@ class PrefixCache:
 
     # -- lookup ------------------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[CacheEntry | None, int]:
-        """``(entry, matched)`` for a prompt: the longest entry shorter than the prompt
-        whose tokens begin it (None if none), and how many of the prompt's leading tokens
-        some cached prompt shares (at least the entry's length). Counts one query; a hit
-        is counted when the caller :meth:`acquire`\\ s the entry."""
+    def lookup(self, tokens: Sequence[int], partition: Any = None) -> tuple[CacheEntry | None, int]:
+        """``(entry, matched)`` for a prompt of ``partition``: the longest entry of that
+        partition shorter than the prompt whose tokens begin it (None if none), and how
+        many of the prompt's leading tokens some prompt cached in that partition shares
+        (at least the entry's length). Counts one query; a hit is counted when the caller
+        :meth:`acquire`\\ s the entry."""
         self.stats.queries += 1
         self.stats.query_tokens += len(tokens)
-        node, at, best = self._root, 0, None
+        node, at, best = self._roots.get(partition), 0, None
+        if node is None:
+            return None, 0
         while True:
             if node.entry is not None and node.depth < len(tokens):
                 best = node.entry
@@ -147,22 +160,22 @@ class PrefixCache:
 
     # -- insertion and eviction ----------------------------------------------------------------
 
-    def insert(self, prefix: Any, *, shared: bool = False) -> CacheEntry | None:
-        """File ``prefix`` under its prompt tokens; returns its entry, or None when it does
+    def insert(self, prefix: Any, *, shared: bool = False, partition: Any = None) -> CacheEntry | None:
+        """File ``prefix`` under its prompt tokens in ``partition``; returns its entry, or None when it does
         not fit the budget even after evicting every entry not in use. ``shared``: it is
         known to begin several prompts (evicted after the entries that are not). An entry
         already filed under the same tokens stays (marked used) and the new prefix is dropped."""
         tokens = tuple(int(t) for t in prefix.prompt_tokens)
         nbytes = int(getattr(prefix, "nbytes", 0) or (self._estimate(prefix) if self._estimate else 0))
-        node = self._path(tokens, create=False)
+        node = self._path(tokens, partition, create=False)
         if node is not None and node.entry is not None:
             node.entry.shared = node.entry.shared or shared
             self._lru.move_to_end(node.entry)
             return node.entry
         if nbytes > self.budget or not self._make_room(nbytes):
             return None
-        node = self._path(tokens, create=True)
-        entry = node.entry = CacheEntry(prefix, len(tokens), nbytes, shared=shared, node=node)
+        node = self._path(tokens, partition, create=True)
+        entry = node.entry = CacheEntry(prefix, len(tokens), nbytes, shared=shared, node=node, partition=partition)
         self._lru[entry] = None
         below = self._entry_below(node)
         if below is not None and not below.shared:
@@ -214,10 +227,15 @@ class PrefixCache:
 
     # -- the tree ----------------------------------------------------------------------------
 
-    def _path(self, tokens: tuple[int, ...], *, create: bool) -> _Node | None:
-        """The node standing for ``tokens`` (splitting an edge or adding a leaf with
-        ``create``), or None when it is not in the tree."""
-        node, at = self._root, 0
+    def _path(self, tokens: tuple[int, ...], partition: Any, *, create: bool) -> _Node | None:
+        """The node standing for ``tokens`` in ``partition``'s tree (splitting an edge or
+        adding a leaf with ``create``), or None when it is not in the tree."""
+        node = self._roots.get(partition)
+        if node is None:
+            if not create:
+                return None
+            node = self._roots[partition] = _Node((), None, 0)
+        at = 0
         while at < len(tokens):
             child = node.children.get(tokens[at])
             if child is None:
@@ -264,3 +282,6 @@ class PrefixCache:
                 grandchild.parent = node
             if node.entry is not None:
                 node.entry.node = node
+        root = self._roots.get(entry.partition)
+        if root is not None and not root.children:  # many one-off salts must not leave empty trees behind
+            del self._roots[entry.partition]

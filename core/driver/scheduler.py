@@ -31,11 +31,12 @@ submit, step and cancel; whichever thread steps advances every request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -43,14 +44,16 @@ from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta,
 from polyengine.driver.prefill import PrefillJob, Prefiller
 from polyengine.driver.textstream import TextStream
 from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
-from polyengine.errors import EngineDead, InvalidRequest, QueueFull, UnsupportedFeature
+from polyengine.errors import EngineDead, InvalidRequest, NumericalError, PluginError, QueueFull, UnsupportedFeature
 from polyengine.memory import as_insufficient, translating_memory_errors
+from polyengine.results import NONFINITE_TOKEN
 from polyengine.sampling.masks import allows_any, step_masked_ids
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["Request", "Scheduler"]
 
 _ids = itertools.count()
+MAX_CACHE_SALT_CHARS = 1024
 
 
 def token_ids(tokens: Iterable[Any], what: str) -> list[int]:
@@ -61,6 +64,16 @@ def token_ids(tokens: Iterable[Any], what: str) -> list[int]:
             raise InvalidRequest(f"{what} token ids must be integers, got {t!r} ({type(t).__name__})", field=what)
         out.append(int(t))
     return out
+
+
+def check_cache_salt(salt: Any) -> None:
+    """A ``cache_salt`` is None or a non-empty string of at most MAX_CACHE_SALT_CHARS."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        got = f"a string of {len(salt):,} characters" if isinstance(salt, str) else type(salt).__name__
+        raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters "
+                             f"(or None), got {got}", field="cache_salt")
 
 
 @dataclass
@@ -81,8 +94,10 @@ class _Sample:
 class Request:
     """A submitted request. Read ``done``, ``completion`` and ``error``; ``cancel()`` it."""
 
-    def __init__(self, scheduler: "Scheduler", prompt: str | None, tokens: list[int], sampling: SamplingParams):
+    def __init__(self, scheduler: "Scheduler", prompt: str | None, tokens: list[int], sampling: SamplingParams,
+                 cache_salt: str | None = None):
         self.id = f"req-{next(_ids)}"
+        self.cache_salt = cache_salt  # the prefix cache partition it may continue and fills (None: the common one)
         self.prompt = prompt
         self.prompt_tokens = tokens
         self.sampling = sampling
@@ -132,7 +147,7 @@ class Scheduler:
             raise InvalidRequest(f"max_queue must be an integer of at least 1, got {max_queue!r}", field="max_queue")
         self.engine = engine
         self._what = f"the {getattr(engine, 'name', type(engine).__name__)} backend"
-        with translating_memory_errors(self._what):  # an engine's own allocation failure, typed
+        with translating_memory_errors(self._what), self._backend("load_params"):  # typed failures
             self.params = engine.load_params()
             self.state = engine.init_decode_state()
         self._detok = detokenizer_factory
@@ -154,15 +169,20 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------------------
 
-    def submit(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
+    def submit(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None, *,
+               cache_salt: str | None = None) -> Request:
         """Validate and queue a request. Raises InvalidRequest, UnsupportedFeature or
         QueueFull at once; nothing is queued then and running requests are untouched."""
-        req = self.prepare(tokens, sampling, prompt)
+        req = self.prepare(tokens, sampling, prompt, cache_salt=cache_salt)
         self.enqueue(req)
         return req
 
-    def prepare(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None) -> Request:
-        """Validate a request and build it, without queueing it (see :meth:`enqueue`)."""
+    def prepare(self, tokens: Iterable[int], sampling: SamplingParams, prompt: str | None = None, *,
+                cache_salt: str | None = None) -> Request:
+        """Validate a request and build it, without queueing it (see :meth:`enqueue`).
+        ``cache_salt``: requests share cached prefixes only with requests of the same
+        salt (docs/security.md, "Prefix cache and tenants")."""
+        check_cache_salt(cache_salt)
         eng = self.engine
         arr, sampling = check_request(eng, token_ids(tokens, "prompt"), sampling)
         tokens = arr.tolist()
@@ -170,7 +190,7 @@ class Scheduler:
             raise InvalidRequest("stop strings need a tokenizer to match text; this model has none (use stop_token_ids)",
                                  field="stop")
         grammar = self._grammar_for(sampling)
-        req = Request(self, prompt, tokens, sampling)
+        req = Request(self, prompt, tokens, sampling, cache_salt)
         room = eng.max_cache_length - len(tokens)
         limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         for i in range(sampling.n):
@@ -288,15 +308,16 @@ class Scheduler:
                     return  # the next piece runs next step
                 budget -= piece
             try:
-                done = self.prefiller.advance(job, step_budget)
-                if done is None:
-                    continue
-                prefix, first = done
-                slots = self.free_slots[: req.sampling.n]
-                if req.sampling.n == 1:
-                    self.state = self.engine.insert(prefix, self.state, slots[0])
-                else:
-                    self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
+                with self._backend("prefill"):
+                    done = self.prefiller.advance(job, step_budget)
+                    if done is None:
+                        continue
+                    prefix, first = done
+                    slots = self.free_slots[: req.sampling.n]
+                    if req.sampling.n == 1:
+                        self.state = self.engine.insert(prefix, self.state, slots[0])
+                    else:
+                        self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
             except Exception as exc:  # any failure fails this request only...
                 self._filling = None
                 self.prefiller.abandon(job)
@@ -321,7 +342,7 @@ class Scheduler:
                 mask = None
                 if req.samples[0].grammar is not None:  # every sample's grammar starts in the same state
                     mask = self._mask_rows(req.samples[:1])[0].copy()
-                job = self.prefiller.start(req.prompt_tokens, req.sampling, token_mask=mask)
+                job = self.prefiller.start(req.prompt_tokens, req.sampling, token_mask=mask, partition=req.cache_salt)
             except Exception as exc:  # fails this request only
                 self._fail(req, exc)
                 continue
@@ -361,7 +382,7 @@ class Scheduler:
                 extra["token_masks"] = masks
             if not self._slots:
                 return bool(self._queue)
-            with translating_memory_errors(self._what):
+            with translating_memory_errors(self._what), self._backend("generate"):
                 self.state, result = self.engine.generate(self.params, self.state, overrides=overrides, **extra)
             previous, self._pending = self._pending, (result, dict(self._slots))
             if previous is not None:
@@ -404,15 +425,53 @@ class Scheduler:
     def _on_token(self, req: Request, s: _Sample, result: ResultTokens, row: int) -> None:
         """Take one row's tokens; an error here (a tool's bug, say) fails this request only."""
         try:
-            for j, token in enumerate(result.tokens[row]):
+            with self._backend("reading a result"):
+                tokens = result.tokens[row]
+            for j, token in enumerate(tokens):
                 if not result.valid[row, j] or s.finished:
                     continue
+                self._check_finite(int(token), result, row, j)
                 if self._accept(req, s, int(token), result, row, j):
                     break  # a forced token replaces the rest of this step's (speculative) tokens
         except Exception as exc:
             self._fail(req, exc)
             if isinstance(exc, EngineDead):  # reading the results found the engine gone: not this request's fault
                 raise
+
+    @contextlib.contextmanager
+    def _backend(self, call: str) -> Iterator[None]:
+        """A backend call: what it raises that is not an Exception (``SystemExit``, any
+        other ``BaseException``; ``KeyboardInterrupt`` off the main thread, where no Ctrl-C
+        can arrive) becomes a PluginError naming the backend, failing the requests the call
+        concerns like any other error of it, instead of ending the thread that serves every
+        request. A real Ctrl-C and a generator's close pass through."""
+        try:
+            yield
+        except (Exception, GeneratorExit):
+            raise
+        except KeyboardInterrupt:
+            if threading.current_thread() is threading.main_thread():
+                raise
+            raise self._foreign(call, "KeyboardInterrupt()") from None
+        except BaseException as exc:
+            raise self._foreign(call, f"{type(exc).__name__}({exc})") from None
+
+    def _foreign(self, call: str, what: str) -> PluginError:
+        return PluginError(getattr(self.engine, "name", type(self.engine).__name__), None,
+                           f"the backend raised {what} in {call}, which would have ended the engine thread; the "
+                           f"requests of that call fail with this error and the engine goes on")
+
+    def _check_finite(self, token: int, result: ResultTokens, row: int, j: int) -> None:
+        """NumericalError (this request's) for a token outside the vocabulary (a sampler's
+        NONFINITE_TOKEN: the logits held NaN or +inf) or a NaN log-prob: never a token
+        drawn from numbers that mean nothing."""
+        lp = result.logprobs
+        if 0 <= token < self.engine.vocab_size and (lp is None or not np.isnan(lp[row, j])):
+            return
+        raise NumericalError(
+            f"{self._what} produced {'no token' if token == NONFINITE_TOKEN else f'token {token}'} at this step: the "
+            f"model's logits are NaN or infinite (an overflow in its arithmetic or non-finite weights, not the "
+            f"sampling parameters); try a wider dtype or check the model's config and weights")
 
     def _accept(self, req: Request, s: _Sample, token: int, result: ResultTokens, row: int, j: int) -> bool:
         """Record one token; return whether it was forced in place of the engine's."""
@@ -483,5 +542,6 @@ class Scheduler:
         if s.slot is not None and s.slot in self._slots:
             del self._slots[s.slot]
             self._overrides.pop(s.slot, None)
-            self.state = self.engine.free_resource(self.state, s.slot)
+            with self._backend("free_resource"):
+                self.state = self.engine.free_resource(self.state, s.slot)
             s.slot = None

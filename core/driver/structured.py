@@ -26,13 +26,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from polyengine.errors import InvalidRequest, UnsupportedFeature
-from polyengine.sampling.masks import mask_words
+from polyengine.sampling.masks import allows_any, mask_words
 from polyengine.sampling.params import StructuredOutput
 
-__all__ = ["Grammars", "GrammarRow", "grammar_text", "INSTALL_HINT"]
+__all__ = ["Grammars", "GrammarRow", "grammar_text", "schema_has_instance", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'polyengine[structured]'"
 _CACHE = 256  # compiled grammars kept per tokenizer
+_CACHE_CHARS = 64 * 1024**2  # and their text (constraint and grammar): a schema can be megabytes
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -45,6 +46,76 @@ def _llguidance() -> Any:
             "structured output (response_format, tools)", None,
             f"the grammar engine llguidance is not installed; {INSTALL_HINT}") from None
     return llguidance
+
+
+_SCHEMA_VISITS = 100_000  # work bound of schema_has_instance: past it, a schema is given the benefit of the doubt
+
+
+def schema_has_instance(schema: Any) -> bool:
+    """Whether some finite JSON value is valid under ``schema`` as far as its structure
+    decides: False when every way through it must recurse forever (an object that
+    requires a property of its own type, with no way out), which llguidance accepts and
+    then follows token after token without an end. Conservative: what it cannot judge
+    (external ``$ref``, keywords it does not model, a schema too large to walk) counts
+    as having an instance."""
+    visits = 0
+
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            return True
+        node: Any = schema
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return True
+        return node
+
+    def has(node: Any, path: frozenset[int]) -> bool:
+        nonlocal visits
+        visits += 1
+        if visits > _SCHEMA_VISITS:
+            raise OverflowError
+        if not isinstance(node, dict):
+            return node is not False
+        if id(node) in path:  # a finite value needs no node twice on one branch
+            return False
+        path = path | {id(node)}
+        if "$ref" in node and not has(resolve(str(node["$ref"])), path):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and not any(has(s, path) for s in node[key]):
+                return False
+        if isinstance(node.get("allOf"), list) and not all(has(s, path) for s in node["allOf"]):
+            return False
+        kinds = node.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else None
+        if kinds is None or "object" in kinds:
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            extra = node.get("additionalProperties", True)
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            if not all(has(props.get(name, extra), path) for name in required if isinstance(name, str)):
+                if kinds is not None and kinds == ["object"]:
+                    return False
+                kinds = [k for k in (kinds or []) if k != "object"] or None
+                if kinds is None:  # untyped: another type may still do
+                    return True
+        if kinds is not None and kinds == ["array"]:
+            low = node.get("minItems", 0)
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            if isinstance(low, int) and low > 0:
+                need = prefix[:low] + [node.get("items", True)] * max(0, low - len(prefix))
+                if not all(has(s, path) for s in need):
+                    return False
+        return True
+
+    try:
+        return has(schema, frozenset())
+    except (OverflowError, RecursionError):
+        return True
 
 
 def grammar_text(spec: StructuredOutput) -> tuple[str, str]:
@@ -60,6 +131,12 @@ def grammar_text(spec: StructuredOutput) -> tuple[str, str]:
     return "lark", spec.grammar or ""
 
 
+def _first_line(message: str, limit: int = 300) -> str:
+    """llguidance's error without the parser state it dumps after the first line."""
+    line = (message or "").strip().splitlines()[0] if (message or "").strip() else "no detail"
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 class GrammarRow:
     """One sample's grammar state (an llguidance matcher)."""
 
@@ -70,7 +147,8 @@ class GrammarRow:
         """Advance over an accepted token; InvalidRequest when the grammar refuses it (a
         forced token the grammar does not allow, or a backend that ignored the mask)."""
         if not self.matcher.consume_token(int(token)):
-            raise InvalidRequest(f"token {token} does not follow the request's grammar: {self.matcher.get_error()}")
+            raise InvalidRequest(f"token {token} does not follow the request's grammar: {_first_line(self.matcher.get_error())}",
+                                 field="structured")
 
     @property
     def done(self) -> bool:
@@ -89,6 +167,7 @@ class Grammars:
         self._lltok: Any = None
         self._executor: Any = None
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cache_chars = 0
         self._lock = threading.Lock()
 
     def _load(self) -> Any:
@@ -103,8 +182,11 @@ class Grammars:
         return self._ll
 
     def compile(self, spec: StructuredOutput) -> str:
-        """llguidance's grammar for ``spec`` (cached); InvalidRequest (field
-        ``structured``) naming what is wrong with a bad or unsupported constraint."""
+        """llguidance's grammar for ``spec`` (cached, by count and by size); InvalidRequest
+        (field ``structured``) naming what is wrong with a bad or unsupported constraint,
+        and with one whose language is empty or holds only the empty text (its
+        completion could never be anything). Slow for a large schema: AsyncLLM calls it
+        on a worker thread."""
         key = grammar_text(spec)
         with self._lock:
             ll = self._load()
@@ -123,10 +205,34 @@ class Grammars:
             is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, self._lltok)
             if is_error:
                 raise InvalidRequest(f"invalid {fmt.replace('_', ' ')}: {messages[0]}", field="structured")
+            if spec.json_schema is not None and not schema_has_instance(spec.json_schema):
+                raise InvalidRequest("the JSON schema has no finite instance: every way through it requires a value of "
+                                     "its own type again (give the recursion a way out: an optional property, an "
+                                     "anyOf branch without it)", field="structured")
+            self._check_language(grammar)
             self._cache[key] = grammar
-            if len(self._cache) > _CACHE:
-                self._cache.popitem(last=False)
+            self._cache_chars += len(text) + len(grammar)
+            while len(self._cache) > _CACHE or (self._cache_chars > _CACHE_CHARS and len(self._cache) > 1):
+                (_, old), old_grammar = self._cache.popitem(last=False)
+                self._cache_chars -= len(old) + len(old_grammar)
             return grammar
+
+    def _check_language(self, grammar: str) -> None:
+        """Refuse a grammar no completion can satisfy: one whose matcher fails before the
+        first token (an empty language: a rule that only refers to itself, a regex that
+        matches nothing) or that allows nothing but the end (only the empty text)."""
+        matcher = self._ll.LLMatcher(self._lltok, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"the constraint accepts no text at all ({_first_line(matcher.get_error())}); "
+                                 f"check its rules for one that can never end", field="structured")
+        from llguidance.numpy import fill_next_token_bitmask
+
+        words = self.buffer(1)
+        fill_next_token_bitmask(matcher, words, 0)
+        if not allows_any(words[0], self.vocab_size, self.eos):
+            what = ("accepts only the empty text: the completion could never be anything" if matcher.is_accepting()
+                    else "accepts no text at all (no token can begin it); check its rules for one that can never end")
+            raise InvalidRequest(f"the constraint {what}", field="structured")
 
     def row(self, spec: StructuredOutput) -> GrammarRow:
         grammar = self.compile(spec)

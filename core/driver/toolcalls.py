@@ -12,7 +12,8 @@ system message and the rewritten turns from here.
 ``tool_choice``: ``"none"`` (no tools offered, plain text), ``"auto"`` (tools offered,
 the model may answer or call; its text is parsed afterwards), ``"required"`` (one or
 more calls, enforced by a grammar), or ``{"type": "function", "function": {"name": N}}``
-(exactly a call of N, enforced).
+(exactly a call of N, enforced). ``parallel_tool_calls=False``: at most one call is
+returned (the first; a forced choice makes one anyway).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from polyengine.errors import InvalidRequest
+from polyengine.validation import check_depth
 from polyengine.sampling.params import StructuredOutput
 
-__all__ = ["ToolCall", "check_tools", "tool_messages", "tool_constraint", "parse_tool_calls", "CALL_OPEN"]
+__all__ = ["ToolCall", "check_tools", "check_tool_calls", "tool_messages", "tool_constraint", "parse_tool_calls", "CALL_OPEN"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # JSON with fixed separators and no free whitespace: a small model cannot wander off into newlines
@@ -60,8 +62,15 @@ class ToolCall:
 
 def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]], Any]:
     """``tools`` as a list of ``{"type": "function", "function": {...}}`` and the choice
-    (default ``"auto"`` with tools, ``"none"`` without); InvalidRequest naming the problem."""
-    tools = list(tools or [])
+    (default ``"auto"`` with tools, ``"none"`` without); InvalidRequest naming the problem
+    (a parameters schema nested past MAX_SCHEMA_DEPTH included: it is checked before
+    anything walks it recursively)."""
+    if tools is None:
+        tools = []
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidRequest(f"tools must be a list of {{\"type\": \"function\", \"function\": {{...}}}}, "
+                             f"not {type(tools).__name__}", field="tools")
+    tools = list(tools)
     names = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
@@ -71,16 +80,21 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]], Any
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON Schema object", field="tools")
+        check_depth(params, f"tools[{i}].function.parameters", field="tools")
         names.append(fn["name"])
     if len(set(names)) != len(names):
         raise InvalidRequest(f"tool names must be distinct, got {names}", field="tools")
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type", "function") == "function" else None
+        fn = choice.get("function") if choice.get("type", "function") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+                                 f"\"function\": {{\"name\": ...}}}}, got {choice!r:.200}", field="tool_choice")
         if name not in names:
             raise InvalidRequest(f"tool_choice names function {name!r}, which is not among the tools {names}",
                                  field="tool_choice")
-    elif choice not in ("none", "auto", "required"):
+    elif not isinstance(choice, str) or choice not in ("none", "auto", "required"):
         raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
                              f"\"function\": {{\"name\": ...}}}}, got {choice!r}", field="tool_choice")
     elif choice == "required" and not tools:
@@ -99,6 +113,15 @@ def tool_constraint(tools: list[dict[str, Any]], choice: Any) -> StructuredOutpu
     call of it; None for ``"auto"``/``"none"`` (free text, parsed afterwards; several
     calls may come that way). A forced answer is one call: the grammar ends after it, so
     a small model cannot start a second one it has no room to finish."""
+    if isinstance(choice, dict) or choice == "required":
+        from polyengine.driver.structured import schema_has_instance
+
+        callable_ = [t["function"] for t in tools if not isinstance(choice, dict)
+                     or t["function"]["name"] == choice["function"]["name"]]
+        if not any(schema_has_instance(fn.get("parameters", {"type": "object"})) for fn in callable_):
+            raise InvalidRequest(f"tool_choice forces a call, but the parameters of {[fn['name'] for fn in callable_]} "
+                                 f"have no finite instance (each requires a value of its own type again)",
+                                 field="tools")
     if isinstance(choice, dict):
         fn = next(t["function"] for t in tools if t["function"]["name"] == choice["function"]["name"])
         return StructuredOutput(grammar=f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json '
@@ -149,10 +172,30 @@ def _arguments(value: Any) -> Any:
     return value if value is not None else {}
 
 
-def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
+def check_tool_calls(messages: Sequence[Any]) -> None:
+    """The ``tool_calls`` of past assistant turns: a list of ``{"type": "function",
+    "function": {"name": str, "arguments": str or object}}``; InvalidRequest naming the
+    message otherwise (they are read when the conversation is rendered)."""
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls is None:
+            continue
+        if not isinstance(calls, (list, tuple)):
+            raise InvalidRequest(f"messages[{i}].tool_calls must be a list of calls, not {type(calls).__name__}",
+                                 field="messages")
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                    or not isinstance(fn.get("arguments", {}), (str, dict, type(None)))):
+                raise InvalidRequest(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                                     f"{{\"name\": ..., \"arguments\": \"<JSON text>\"}}}}", field="messages")
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, Any]], *, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
     """``(content, calls)`` from a completion: every well-formed ``<tool_call>`` block
-    naming an offered tool becomes a call; the text outside them is the content (None
-    when empty). Malformed blocks stay in the content."""
+    naming an offered tool becomes a call (only the first unless ``parallel``; later
+    ones are dropped with their text); the text outside them is the content (None when
+    empty). Malformed blocks stay in the content."""
     names = {t["function"]["name"] for t in tools}
     calls, kept, at = [], [], 0
     for m in _CALL.finditer(text):
@@ -162,10 +205,12 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str | None
             continue
         if not isinstance(obj, dict) or obj.get("name") not in names:
             continue
-        args = obj.get("arguments", {})
-        calls.append(ToolCall(obj["name"], json.dumps(args if args is not None else {})))
         kept.append(text[at:m.start()])
         at = m.end()
+        if calls and not parallel:
+            continue
+        args = obj.get("arguments", {})
+        calls.append(ToolCall(obj["name"], json.dumps(args if args is not None else {})))
     if not calls:
         return text, []
     kept.append(text[at:])
@@ -179,6 +224,7 @@ def prepare_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], sampling: A
     sampling constrained to a call when the choice forces one (a request that also sets
     ``structured`` is refused: one grammar per request)."""
     tools, choice = check_tools(tools, tool_choice)
+    check_tool_calls(messages)
     template = getattr(tokenizer, "chat_template", None) or ""
     msgs, variables = tool_messages(messages, tools, choice, template_has_tools="tools" in template)
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **variables)

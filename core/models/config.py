@@ -46,7 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from polyengine.models.architectures import TABLE
 from polyengine.limits import (MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS,
-                               MAX_POSITIONS, MAX_VOCAB)
+                               MAX_POSITIONS, MAX_ROPE_ATTENTION_FACTOR, MAX_ROPE_FACTOR, MAX_SOFTCAP, MAX_VOCAB,
+                               MIN_QUERY_PRE_ATTN_SCALAR, MIN_ROPE_FACTOR, MIN_ROPE_THETA)
 
 __all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "ARCHITECTURES", "LLAMA_FAMILY"]
 
@@ -71,13 +72,13 @@ class RopeScaling(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rope_type: Literal["linear", "llama3", "longrope"]
-    factor: float = Field(1.0, gt=0, allow_inf_nan=False)
-    low_freq_factor: float | None = Field(None, gt=0, allow_inf_nan=False)
-    high_freq_factor: float | None = Field(None, gt=0, allow_inf_nan=False)
+    factor: float = Field(1.0, ge=MIN_ROPE_FACTOR, le=MAX_ROPE_FACTOR, allow_inf_nan=False)
+    low_freq_factor: float | None = Field(None, ge=MIN_ROPE_FACTOR, le=MAX_ROPE_FACTOR, allow_inf_nan=False)
+    high_freq_factor: float | None = Field(None, ge=MIN_ROPE_FACTOR, le=MAX_ROPE_FACTOR, allow_inf_nan=False)
     original_max_position_embeddings: int | None = None
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
-    attention_factor: float | None = Field(None, gt=0, allow_inf_nan=False)
+    attention_factor: float | None = Field(None, gt=0, le=MAX_ROPE_ATTENTION_FACTOR, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _fields(self) -> "RopeScaling":
@@ -88,8 +89,9 @@ class RopeScaling(BaseModel):
             raise ValueError(f"{self.rope_type} rope scaling needs {missing}")
         for key in ("short_factor", "long_factor"):
             values = getattr(self, key)
-            if values is not None and not all(math.isfinite(v) and v > 0 for v in values):
-                raise ValueError(f"{key} must hold finite positive factors")
+            if values is not None and not all(MIN_ROPE_FACTOR <= v <= MAX_ROPE_FACTOR for v in values):
+                raise ValueError(f"{key} must hold factors in [{MIN_ROPE_FACTOR:g}, {MAX_ROPE_FACTOR:g}] (larger "
+                                 f"or smaller ones overflow float32 in the RoPE tables)")
         return self
 
 
@@ -108,7 +110,7 @@ class ModelConfig(BaseModel):
     head_dim: int = Field(ge=2, le=MAX_HEAD_DIM)
     max_position_embeddings: int = Field(2048, ge=1, le=MAX_POSITIONS)
     rms_norm_eps: float = Field(1e-5, gt=0, allow_inf_nan=False)
-    rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False)
+    rope_theta: float = Field(10000.0, ge=MIN_ROPE_THETA, allow_inf_nan=False)
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -128,10 +130,11 @@ class ModelConfig(BaseModel):
     sandwich_norms: bool = False  # norms after attention and MLP too, and before the MLP (Gemma 2/3)
     sliding_window: int | None = Field(None, ge=1)  # keys a sliding layer's query sees, itself included
     layer_types: tuple[LayerType, ...] | None = None  # per layer; None: all sliding when sliding_window is set
-    attn_logit_softcapping: float | None = Field(None, gt=0, allow_inf_nan=False)
-    final_logit_softcapping: float | None = Field(None, gt=0, allow_inf_nan=False)
-    query_pre_attn_scalar: float | None = Field(None, gt=0, allow_inf_nan=False)  # scale = its ** -0.5 (Gemma)
-    rope_local_theta: float | None = Field(None, gt=0, allow_inf_nan=False)  # sliding layers' RoPE base (Gemma 3)
+    attn_logit_softcapping: float | None = Field(None, gt=0, le=MAX_SOFTCAP, allow_inf_nan=False)
+    final_logit_softcapping: float | None = Field(None, gt=0, le=MAX_SOFTCAP, allow_inf_nan=False)
+    # scale = its ** -0.5 (Gemma)
+    query_pre_attn_scalar: float | None = Field(None, ge=MIN_QUERY_PRE_ATTN_SCALAR, allow_inf_nan=False)
+    rope_local_theta: float | None = Field(None, ge=MIN_ROPE_THETA, allow_inf_nan=False)  # sliding layers' RoPE base (Gemma 3)
     num_experts: int = Field(0, ge=0, le=MAX_EXPERTS)  # > 0: every MLP is a routed mixture of experts
     num_experts_per_tok: int = Field(0, ge=0, le=MAX_EXPERTS)
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities (Mixtral always does)

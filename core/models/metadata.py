@@ -30,7 +30,7 @@ import numpy as np
 
 from polyengine.errors import ModelConfigError, WeightsError
 from polyengine.files import open_regular
-from polyengine.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH
+from polyengine.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, json_depth
 
 __all__ = ["Fields", "MISSING", "read_json", "json_depth", "contained_file", "require_finite", "shown"]
 
@@ -66,20 +66,6 @@ def _kind(value: Any) -> str:
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__
-
-
-def json_depth(value: Any, limit: int) -> int:
-    """Nesting depth of decoded JSON (iterative: deep values cannot overflow the stack),
-    counting up to ``limit + 1`` at most."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if deepest > limit:
-                return deepest
-            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
 
 
 def _no_duplicates(what: str, error: Callable[[str], Exception]) -> Callable[[list], dict]:

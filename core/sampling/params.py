@@ -13,13 +13,17 @@ doing any work.
 from __future__ import annotations
 
 import re
+import reprlib
 import secrets
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from polyengine.errors import InvalidRequest
-from polyengine.limits import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from polyengine.limits import (
+    MAX_LOGIT_BIAS, MAX_SCHEMA_DEPTH, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, json_depth,
+)
 
 __all__ = ["SamplingParams", "StructuredOutput", "MAX_SAMPLES", "MAX_STEPS", "MAX_TOP_LOGPROBS", "ENGINE_FIELDS"]
 
@@ -48,6 +52,16 @@ ENGINE_FIELDS = frozenset(
 )
 # The other fields (n, max_tokens, stop, stop_token_ids, structured) are the driver's:
 # stop logic, fan-out over bulk_insert and grammars (as token masks), on top of any backend.
+
+
+def is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool: what token ids, counts and slots must be."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value: object) -> bool:
+    """A real number (Python or NumPy), not a bool nor a string."""
+    return is_int(value) or isinstance(value, (float, np.floating))
 
 
 class StructuredOutput(BaseModel):
@@ -84,6 +98,9 @@ class StructuredOutput(BaseModel):
                              f"{', '.join(set_) or 'none'}")
         if self.choice is not None and not self.choice:
             raise ValueError("choice needs at least one string")
+        if self.json_schema is not None and json_depth(self.json_schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            # before anything recursive (json.dumps, llguidance) walks it
+            raise ValueError(f"json_schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays; flatten it")
         return self
 
 
@@ -118,6 +135,29 @@ class SamplingParams(BaseModel):
     # the driver's: a grammar the completion must follow (allowed-token masks per step)
     structured: StructuredOutput | None = None
 
+    @field_validator("n", "max_tokens", "min_tokens", "top_k", "seed", "top_logprobs", mode="before")
+    @classmethod
+    def _integer(cls, v: Any) -> Any:
+        # pydantic's lax mode would read "3", 3.0 and True as 3, 3 and 1
+        if v is not None and not is_int(v):
+            raise ValueError(f"must be an integer, not {type(v).__name__}")
+        return v
+
+    @field_validator("ignore_eos", "logprobs", mode="before")
+    @classmethod
+    def _boolean(cls, v: Any) -> Any:
+        if not isinstance(v, (bool, np.bool_)):  # "yes", "off" and 1 are not booleans
+            raise ValueError(f"must be true or false, not {type(v).__name__}")
+        return bool(v)
+
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     mode="before")
+    @classmethod
+    def _real(cls, v: Any) -> Any:
+        if not is_number(v):
+            raise ValueError(f"must be a number, not {type(v).__name__}")
+        return v
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_tuple(cls, v: Any) -> Any:
@@ -149,6 +189,8 @@ class SamplingParams(BaseModel):
         v = tuple(v) if isinstance(v, list) else v
         if isinstance(v, tuple) and len(v) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(v)}")
+        if isinstance(v, tuple) and not all(is_int(t) for t in v):
+            raise ValueError("stop token ids must be integers")
         return v
 
     @field_validator("logit_bias", mode="before")
@@ -156,6 +198,8 @@ class SamplingParams(BaseModel):
     def _bias_count(cls, v: Any) -> Any:
         if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(v)}")
+        if isinstance(v, dict) and not all(is_number(b) for b in v.values()):
+            raise ValueError("logit_bias values must be numbers")  # keys may be strings: JSON's are
         return v
 
     @field_validator("stop_token_ids")
@@ -271,10 +315,15 @@ def _first_field(exc: ValidationError) -> str | None:
     return min(found)[1] if found else None
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 120, 120
+
+
 def _shown(value: Any, limit: int = 120) -> str:
-    """A value for an error message, shortened: a refused list may be huge."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+    """A value for an error message, shortened without building its whole repr: a refused
+    list may be huge, a refused schema nested thousands deep (plain repr would recurse)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _describe(exc: ValidationError) -> str:

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from polyengine.errors import InvalidRequest, NumericalError
+from polyengine.results import NONFINITE_TOKEN
 from polyengine.sampling.masks import unpack_mask
 from polyengine.sampling.params import SamplingParams
 from polyengine.sampling.threefry import gumbel
@@ -323,7 +324,8 @@ def sample(
 ) -> SampleOutput:
     """Draw one token per row of ``logits`` ``(B, V)`` with that row's parameters.
 
-    Returns the tokens, their raw model log-probs and, for rows asking
+    A row whose logits hold NaN or +inf gets ``NONFINITE_TOKEN`` (and a NaN log-prob)
+    instead of a draw. Returns the tokens, their raw model log-probs and, for rows asking
     ``top_logprobs``, the highest raw log-probs (descending, ties to the lower id);
     ``n`` is the largest ``top_logprobs`` among the rows, shorter rows padded.
     ``pipeline`` and ``draw`` replace steps 1-4 and step 5 (the conformance suite builds
@@ -342,6 +344,10 @@ def sample(
     top_ids = np.full((batch, n_top), -1, dtype=np.int32)
     top_lp = np.full((batch, n_top), -np.inf, dtype=np.float32)
     for b, row in enumerate(rows):
+        if np.isnan(logits[b]).any() or np.isposinf(logits[b]).any():
+            # Nothing to draw from: the driver fails this request alone with NumericalError.
+            tokens[b], logprobs[b] = NONFINITE_TOKEN, np.nan
+            continue
         tok = draw(process_logits(logits[b], row, eos_token_ids, pipeline=pipeline), row)
         raw = raw_logprobs(logits[b])  # (V,)
         tokens[b] = tok
