@@ -17,7 +17,7 @@ import pytest
 
 from polyengine import LLM, EngineConfig, SamplingParams
 from polyengine.errors import ModelConfigError, NumericalError
-from polyengine.models import ModelConfig
+from polyengine.models.config_files import config_from_hf
 from polyengine.results import NONFINITE_TOKEN, ResultTokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::polyengine.models.RandomWeightsWarning")
@@ -45,14 +45,14 @@ def _longrope(**over):
 ])
 def test_config_values_that_overflow_float32_are_refused_by_name(hf, field):
     with pytest.raises(ModelConfigError, match=field):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
 
 
 def test_real_values_still_load():
-    cfg = ModelConfig.from_hf({**GEMMA2, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    cfg = config_from_hf({**GEMMA2, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                                "query_pre_attn_scalar": 256})
     assert cfg.attn_logit_softcapping == 50.0
-    cfg = ModelConfig.from_hf({**PHI3, "rope_scaling": _longrope(attention_factor=1.19)})
+    cfg = config_from_hf({**PHI3, "rope_scaling": _longrope(attention_factor=1.19)})
     assert cfg.rope_scaling.attention_factor == 1.19
 
 
