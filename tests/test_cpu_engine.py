@@ -282,3 +282,19 @@ def test_fused_cpu_step_only_for_the_llama_family(name):
         with pytest.raises(UnsupportedFeature, match="mixture-of-experts"):
             CpuEngine(model, EngineConfig(max_slots=2, max_prefill_length=16, max_cache_length=32,
                                             options={"quantize": "int8"}))
+
+
+def test_int8_groupings_that_differ_decode_unfused_instead_of_failing():
+    """int8-block32 on a model whose intermediate size is not a multiple of 32: its
+    projections quantize in two groupings, which the fused step cannot take; the plan
+    says so and decodes through the torch forward (found by the conformance suite's
+    option sets)."""
+    from polyengine.conformance.models import build_model
+
+    model = build_model("gqa_llama3")
+    assert model.config.intermediate_size % 32
+    eng = CpuEngine(model, CFG.model_copy(update={"options": {"quantize": "int8-block32"}}))
+    assert not eng.plan.fused_decode and "groups" in eng.speed_paths()["decode"]
+    out = LLM.from_engine(eng, tools=False).generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=6,
+                                                                                 ignore_eos=True))
+    assert len(out[0].token_ids) == 6

@@ -23,7 +23,7 @@ import torch
 
 from polyengine.errors import UnsupportedFeature
 from polyengine.hostinfo import cpu_flags, cpu_model, has_bf16_units, runnable_isas
-from polyengine.models.quantize import WEIGHT_MODES
+from polyengine.models.quantize import WEIGHT_MODES, group_of
 
 from polyengine.backends.cpu.kernels import CpuKernels, KernelsUnavailable, check_isa, load, q8_fits
 
@@ -69,6 +69,7 @@ class CpuPlan:
     kernels: CpuKernels | None  # the host-compiled library, None where not used
     kernels_fallback: str | None  # why not, with the fix (None: used, or not applicable to this dtype)
     fused_decode: bool  # the whole decode step in one kernel call
+    unfused_why: str | None  # why not, where the kernels are used (None: fused, or no kernels)
     live_rows: bool  # a decode step computes the live slots' rows only
     weights: str  # "" (the compute dtype), "int8", "int8-block32" or "bfloat16"
     fuse_projections: bool  # bfloat16 weights: q/k/v and gate/up as one matrix each
@@ -95,10 +96,11 @@ class CpuPlan:
         int8_activations = _int8_activations(o, config, kernels)
         bf16_activations = o["bf16_compute"] == "bf16"
         prefill_compute = _prefill_compute(o, host, dtype, weights, bf16_activations, int8_activations)
+        unfused_why = None if kernels is None else _unfused_why(o, config, weights)
         return cls(
             host=host, dtype=dtype, kv_dtype=kv_dtype, threads=o["threads"], async_steps=o["async_steps"],
             kv_memory=o["kv_memory"], isa=o["isa"], kernels=kernels, kernels_fallback=fallback,
-            fused_decode=kernels is not None and o["fused_decode"] and (config is None or config.is_llama_family),
+            fused_decode=kernels is not None and unfused_why is None, unfused_why=unfused_why,
             live_rows=o["live_rows"], weights=weights, fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
             prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
@@ -121,7 +123,7 @@ class CpuPlan:
         elif k is not None:
             out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (csrc/decode.h)"
                              if self.fused_decode else "the shared torch forward, products on the host-compiled "
-                             "kernels (" + ("fused_decode=False" if self.for_model else "not the Llama family") + ")")
+                             f"kernels ({self.unfused_why})")
             how = ("auto: the best this CPU runs, -march=native" if k.requested == "auto" else
                    f"forced by option isa, {' '.join(k.flags) or 'the compiler default'}")
             out["isa"] = (f"{k.isa} ({how}; int8 products on {k.q8_isa}; others here: option "
@@ -263,6 +265,24 @@ def _kernels(o: Mapping[str, Any], dtype: torch.dtype) -> tuple[CpuKernels | Non
         if o["isa"] != "auto":
             raise UnsupportedFeature(f"isa={o['isa']!r}", BACKEND, str(exc)) from None
         return None, str(exc)
+
+
+def _unfused_why(o: Mapping[str, Any], config: Any, weights: str) -> str | None:
+    """Why a decode step cannot be the fused kernel call (None: it can): the option, an
+    architecture it is not written for, or int8 weights whose projections quantize in
+    different groupings (a scale per 32 where the input size divides, per row elsewhere)."""
+    if not o["fused_decode"]:
+        return "fused_decode=False"
+    if config is None:
+        return None
+    if not config.is_llama_family:
+        return f"the fused step is written for the Llama family, not {config.model_type}"
+    if weights in WEIGHT_MODES:
+        sizes = (config.hidden_size, config.q_size, config.intermediate_size)
+        if len({group_of(weights, k) for k in sizes}) > 1:
+            return (f"{weights} groups these projections' inputs ({', '.join(map(str, sizes))}) differently; the "
+                    f"fused step takes one grouping")
+    return None
 
 
 def _int8_activations(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None) -> int:
