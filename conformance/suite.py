@@ -39,6 +39,7 @@ from polyengine.conformance.harness import Context, Harness
 from polyengine.conformance.layer_contract import ContractLayer
 from polyengine.conformance.layer_differential import DifferentialLayer
 from polyengine.conformance.layer_honesty import HonestyLayer
+from polyengine.conformance.layer_lifetime import LifetimeLayer
 from polyengine.conformance.layer_numerics import NumericsLayer
 from polyengine.conformance.layer_prefixes import PrefixLayer
 from polyengine.conformance.layer_sampler import SamplerLayer
@@ -49,9 +50,9 @@ __all__ = ["BackendConformance", "REQUIRED_FIXTURES", "suite_test_names", "suite
 REQUIRED_FIXTURES = ("engine_factory",)
 
 
-class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, NumericsLayer, SamplerLayer, HonestyLayer,
+class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, LifetimeLayer, NumericsLayer, SamplerLayer, HonestyLayer,
                          DifferentialLayer):
-    """Every conformance test, in layers (surface, contract, numerics, sampler, honesty,
+    """Every conformance test, in layers (surface, contract, lifetime, numerics, sampler, honesty,
     differential).
 
     Not collected itself (its name does not start with ``Test``); subclass it.
