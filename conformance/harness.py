@@ -180,6 +180,7 @@ class Harness:
         metadata: Mapping[str, Any] | None = None,
         test_names: Sequence[str] = (),
         test_ids: Sequence[str] = (),
+        options: Mapping[str, Any] | None = None,
     ):
         if not callable(factory):
             raise TypeError(
@@ -188,6 +189,9 @@ class Harness:
             )
         self.factory = factory
         self.tolerances = Tolerances(tolerances, known_tests=test_names, known_models=MODEL_NAMES)
+        # engine options every engine of this run is built with (an option set), and how it is judged
+        self.options = dict(options or {})
+        self.option_set = self.tolerances.use_options(self.options)
         self.xfail = XfailList.load(xfail)
         self.xfail.check_against(test_ids)
         self.metadata = dict(metadata or {})
@@ -201,7 +205,7 @@ class Harness:
     # -- engines -------------------------------------------------------------------------
 
     def config(self, dtype: str | None, variant: str = "standard", **changes: Any) -> EngineConfig:
-        return EngineConfig(**{**LIMITS, **VARIANTS[variant], "dtype": dtype, **changes})
+        return EngineConfig(**{**LIMITS, **VARIANTS[variant], "dtype": dtype, "options": dict(self.options), **changes})
 
     def build(self, model: Model, config: EngineConfig) -> Any:
         return self.factory(model=model, config=config)
@@ -264,6 +268,7 @@ class Harness:
             "python": platform.python_version(),
             "backend": None if engine is None else getattr(engine, "device", None),
         }
+        out["options"] = None if self.option_set is None else self.option_set.to_dict()
         out["seeds"] = dict(SEEDS)
         out["limits"] = dict(LIMITS)
         out["models"] = {name: build_model(name).config.model_dump(mode="json") for name in MODEL_NAMES}

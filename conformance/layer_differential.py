@@ -129,6 +129,7 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
     from hypothesis.internal.conjecture import engine as conjecture
     from hypothesis.stateful import run_state_machine_as_test
 
+    from polyengine.conformance.program_checks import REQUIRED, declared_pairs
     from polyengine.conformance.programs import Program, ProgramFailure, ProgramRun
 
     model, variant = _configuration(program)
@@ -156,6 +157,15 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
             run_state_machine_as_test(use_seed(seed)(factory), settings=config)
         conformance.record.setdefault("statistics", {})["programs"] = {
             "seed": seed, "programs": examples, **run.counts}
+        conformance.record["statistics"]["capability pairs"] = dict(sorted(run.pairs.items()))
+        if model in SHAPE_MODELS and examples >= EXAMPLES:
+            missing = [p for p in declared_pairs(engine.capabilities, REQUIRED) if p not in run.pairs]
+            if missing:
+                raise AssertionError(
+                    f"under-exercised ({describe}; {how}): no token was compared in a request that combined "
+                    f"{', '.join(missing)}, though the backend declares each; pairs exercised: {run.pairs}. The "
+                    f"programs' draws do not reach what the backend declares (a suite bug, or a backend whose "
+                    f"streams leave the reference's at near ties so early that nothing is compared: see the notes)")
     except ProgramFailure as exc:
         # Hypothesis runs the shrunk program last: run.log is its log.
         cut = ""

@@ -28,7 +28,33 @@ from polyengine.conformance.oracle import decide
 from polyengine.conformance.program_draws import show, show_mask
 from polyengine.conformance.stats import boundary_tokens
 
-__all__ = ["ProgramFailure", "SlotTrack", "Pending", "Judge", "wins_when_shifted"]
+__all__ = ["ProgramFailure", "SlotTrack", "Pending", "Judge", "wins_when_shifted", "COMPOSED", "REQUIRED", "declared_pairs"]
+
+# The capabilities a request can combine, and what declares each (None: every backend).
+# A token compared in a request that combined two of them (a continuation under a mask,
+# a bulk-inserted sample given an override, a prefix inserted again after it was
+# continued, ...) exercises that pair; the layer counts every pair per configuration.
+COMPOSED = {
+    "mask": "token_masks",  # drawn under an allowed-token mask (prefill's, the prefix's, or a step's)
+    "continuation": "prefix_reuse",  # its prefix continues another (existing_prefix)
+    "bulk_insert": "bulk_insert",  # one of bulk_insert's samples
+    "override": None,  # a token of it was forced (generate overrides)
+    "reinsert": None,  # its prefix had been inserted before (the prefix cache's hit)
+    "import": "portable_prefix",  # its prefix was imported
+}
+
+
+# Imports are one call kind in 28, so their pairs are reported but not required of a
+# default run (a run that misses a required pair fails as under-exercised).
+REQUIRED = ("mask", "continuation", "bulk_insert", "override", "reinsert")
+
+
+def declared_pairs(capabilities, among=tuple(COMPOSED)) -> list[str]:
+    """Every pair of :data:`COMPOSED` capabilities (``among`` them) a backend declares,
+    as ``"a + b"``."""
+    have = [name for name, field_name in COMPOSED.items()
+            if name in among and (field_name is None or getattr(capabilities, field_name, False))]
+    return [f"{a} + {b}" for i, a in enumerate(have) for b in have[i + 1:]]
 
 
 class ProgramFailure(AssertionError):
@@ -48,6 +74,7 @@ class SlotTrack:
     compared: bool = True  # False once the backend left the reference's stream at a near tie
     notes: tuple[str, ...] = ()  # what happened to its prefix that must not matter, for messages
     masks: dict[int, np.ndarray] = field(default_factory=dict)  # completion position -> its allowed-token mask
+    tags: set[str] = field(default_factory=set)  # the capabilities its request combines (COMPOSED)
 
 
 @dataclass
@@ -121,6 +148,10 @@ class Judge:
                              mask)
         want = decide(logits, row_state, d.eos)
         run.count("tokens compared")
+        tags = sorted(track.tags | ({"mask"} if track.masks else set()), key=list(COMPOSED).index)
+        for i, a in enumerate(tags):
+            for b in tags[i + 1:]:
+                run.pairs[f"{a} + {b}"] = run.pairs.get(f"{a} + {b}", 0) + 1
         if token != want.token:
             label = f"{where}: completion token #{j} of {track.origin}"
             gap = want.gap

@@ -87,6 +87,7 @@ class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, LifetimeLayer
                     metadata=conformance_metadata,
                     test_names=suite_test_names(),
                     test_ids=suite_test_ids(),
+                    options=run_options(request.config),
                 )
             except Exception as exc:  # every test of the class reports the same config error
                 state.harnesses[key] = exc
@@ -99,6 +100,13 @@ class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, LifetimeLayer
             request.applymarker(pytest.mark.xfail(reason=f"{reason} ({harness.xfail.origin})", strict=True))
         request.node.user_properties.append(("polyengine", ctx.record))
         return ctx
+
+
+def run_options(config: pytest.Config) -> dict:
+    """The engine options of this run (``--polyengine-option KEY=VALUE``, repeatable)."""
+    from polyengine.conformance.tolerances import parse_option
+
+    return dict(parse_option(text) for text in config.getoption("polyengine_option", None) or ())
 
 
 def suite_test_names() -> list[str]:
