@@ -38,6 +38,7 @@ from polyengine.conformance import LAYER_ATTR
 from polyengine.conformance.harness import Context, Harness
 from polyengine.conformance.layer_contract import ContractLayer
 from polyengine.conformance.layer_differential import DifferentialLayer
+from polyengine.conformance.layer_edges import EdgeLayer
 from polyengine.conformance.layer_honesty import HonestyLayer
 from polyengine.conformance.layer_lifetime import LifetimeLayer
 from polyengine.conformance.layer_numerics import NumericsLayer
@@ -50,7 +51,7 @@ __all__ = ["BackendConformance", "REQUIRED_FIXTURES", "suite_test_names", "suite
 REQUIRED_FIXTURES = ("engine_factory",)
 
 
-class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, LifetimeLayer, NumericsLayer, SamplerLayer, HonestyLayer,
+class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, LifetimeLayer, NumericsLayer, EdgeLayer, SamplerLayer, HonestyLayer,
                          DifferentialLayer):
     """Every conformance test, in layers (surface, contract, lifetime, numerics, sampler, honesty,
     differential).

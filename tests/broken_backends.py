@@ -25,6 +25,7 @@ from polyengine.sampling import RowState, raw_logprobs, sample
 from polyengine.sampling.masks import SlotMasks, full_mask, mask_words
 from polyengine.sampling.params import ENGINE_FIELDS
 
+from broken_edges import EDGE_BROKEN, EDGE_CAUGHT_BY
 from broken_compositions import COMPOSED_BROKEN, COMPOSED_CAUGHT_BY
 from broken_lifetimes import LIFETIME_ALSO_CAUGHT_BY, LIFETIME_BROKEN, LIFETIME_CAUGHT_BY
 from honest_backends import HONEST, AsyncEngine
@@ -768,6 +769,8 @@ BROKEN: dict[str, type] = {
     **LIFETIME_BROKEN,
     # caught by the differential layer's chains of composed capabilities (tests/broken_compositions.py)
     **COMPOSED_BROKEN,
+    # caught at a model's configuration edges (tests/broken_edges.py)
+    **EDGE_BROKEN,
 }
 
 # backend -> (-k selection that runs only the test meant to catch it, the test that must
@@ -899,6 +902,7 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
                                  "allowed-token mask leaves out"),
     **LIFETIME_CAUGHT_BY,
     **COMPOSED_CAUGHT_BY,
+    **EDGE_CAUGHT_BY,
 }
 assert set(CAUGHT_BY) == set(BROKEN), sorted(set(CAUGHT_BY) ^ set(BROKEN))
 
