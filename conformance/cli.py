@@ -8,8 +8,8 @@ backend x test scoreboard in Markdown (written next to the JSON report as
 ``<name>.scoreboard.md`` when ``--report-json`` is given; the JSON then holds one
 report per backend under ``runs``). A backend that declares option sets
 (``[[conformance_options]]`` in its tolerance file) runs once without options and once
-per set, each a column of the scoreboard; ``--option KEY=VALUE`` runs one set of the
-user's instead, ``--option-sets none`` the run without options only.
+per set with ``--option-sets declared``, each a column of the scoreboard; ``--option
+KEY=VALUE`` runs one set of the user's instead.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def add_command(sub: Any) -> None:
     p.add_argument("--option", metavar="KEY=VALUE", action="append", default=None,
                    help="run with this engine option (repeatable: one option set; the value is read as TOML, else a "
                         "string); instead of the backend's declared option sets")
-    p.add_argument("--option-sets", choices=("declared", "none"), default="declared",
-                   help="'declared' (default): after the run without options, one run per option set the backend "
-                        "declares ([[conformance_options]] in its tolerance file); 'none': the run without options only")
+    p.add_argument("--option-sets", choices=("declared", "none"), default="none",
+                   help="'declared': after the run without options, one run per option set the backend declares "
+                        "([[conformance_options]] in its tolerance file); 'none' (default): the run without options only")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per test, and skip reasons")
     p.set_defaults(func=_cmd_conformance)
@@ -111,8 +111,8 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
 def option_runs(info: Any, args: argparse.Namespace) -> list[tuple[str, ...]]:
     """The runs of one backend, each its ``KEY=VALUE`` options: ``--option``'s set alone,
-    else the run without options and one per set the backend declares (unless
-    ``--option-sets none``)."""
+    else the run without options, then (``--option-sets declared``) one per set the
+    backend declares."""
     from polyengine.conformance.tolerances import option_sets
 
     if args.option:

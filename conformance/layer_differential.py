@@ -52,6 +52,11 @@ STEPS = 25  # calls per program at most (a generate call runs up to 8 steps)
 # host's speed (at 10 s, a busy CI host printed a 23-call program where an idle one
 # printed 9). The slowest catch in tests/test_conformance_broken.py shrinks in ~20 s.
 SHRINK_SECONDS = 180
+# Successful shrinks at most (Hypothesis' own bound is 500,
+# hypothesis.internal.conjecture.engine.MAX_SHRINKS): the bound that keeps a caught
+# backend's report within the suite's time budget (docs/conformance.md, "Time budget")
+# while the program shown still depends on the seed alone, never on the host's speed.
+SHRINK_STEPS = 150
 
 
 def _configuration(program: str) -> tuple[str, str]:
@@ -151,6 +156,7 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
 
     how = f"seed {seed}, {examples} programs: the run is deterministic, {rerun} runs it again"
     shrink_seconds, conjecture.MAX_SHRINKING_SECONDS = conjecture.MAX_SHRINKING_SECONDS, SHRINK_SECONDS
+    shrink_steps, conjecture.MAX_SHRINKS = getattr(conjecture, "MAX_SHRINKS", None), SHRINK_STEPS
     started = time.perf_counter()
     try:
         with _draws_of_the_seed_alone():
@@ -158,7 +164,10 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
         conformance.record.setdefault("statistics", {})["programs"] = {
             "seed": seed, "programs": examples, **run.counts}
         conformance.record["statistics"]["capability pairs"] = dict(sorted(run.pairs.items()))
-        if model in SHAPE_MODELS and examples >= EXAMPLES:
+        lossy = conformance.harness.option_set is not None and not conformance.harness.option_set.lossless
+        # a lossy option set's streams leave the reference's at its wider near ties, so
+        # fewer tokens are compared: there the pairs are reported, not required
+        if model in SHAPE_MODELS and examples >= EXAMPLES and not lossy:
             missing = [p for p in declared_pairs(engine.capabilities, REQUIRED) if p not in run.pairs]
             if missing:
                 raise AssertionError(
@@ -185,6 +194,8 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
         ) from None
     finally:
         conjecture.MAX_SHRINKING_SECONDS = shrink_seconds
+        if shrink_steps is not None:
+            conjecture.MAX_SHRINKS = shrink_steps
 
 
 def _listing(log: list[str]) -> str:

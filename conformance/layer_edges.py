@@ -20,13 +20,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from polyengine.engine import EngineConfig
+from polyengine.sampling import SamplingParams
+from polyengine.sampling.masks import pack_mask
+
 from polyengine.conformance import layer
 from polyengine.conformance.harness import LIMITS, VARIANTS
 from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, build_model
 from polyengine.conformance.oracle import reference_engine
 from polyengine.conformance.stats import rel_l2
-from polyengine.sampling import SamplingParams
-from polyengine.sampling.masks import pack_mask
 
 __all__ = ["Edge", "edges"]
 
@@ -108,8 +110,12 @@ class EdgeLayer:
             if key not in harness.cache:
                 config = harness.config(dtype, **dict(edge.changes))
                 ref = reference_engine(build_model(model), config.model_copy(update={"dtype": "float64"}))
-                harness.cache[key] = (harness.build(build_model(model), config), ref, ref.load_params())
-            eng, ref, ref_params = harness.cache[key]
+                # the margins of a divergence: the same context, prompts up to the cache limit (buckets are invisible)
+                wide = reference_engine(build_model(model), EngineConfig(
+                    max_slots=1, max_cache_length=config.max_cache_length, dtype="float64"))
+                harness.cache[key] = (harness.build(build_model(model), config), ref, ref.load_params(), wide,
+                                      wide.load_params())
+            eng, ref, ref_params, wide, wide_params = harness.cache[key]
             params = harness.params(eng)
             for n in edge.lengths:
                 prompt = conformance.prompt(n, 400 + n, model)
@@ -123,8 +129,8 @@ class EdgeLayer:
                 for t, (a, b) in enumerate(zip(got, want)):
                     if a == b:
                         continue
-                    ref_prefix, _ = ref.prefill(params=ref_params, tokens=prompt + want[:t],
-                                                sampling=SamplingParams(temperature=0.0, seed=0))
+                    ref_prefix, _ = wide.prefill(params=wide_params, tokens=prompt + want[:t],
+                                                 sampling=SamplingParams(temperature=0.0, seed=0))
                     top2 = np.sort(np.asarray(ref_prefix.logits, np.float64))[-2:]
                     gap = float(top2[1] - top2[0])
                     conformance.measure("tie_gap", gap, dtype, model, where=what)

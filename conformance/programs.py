@@ -239,7 +239,8 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         free = [s for s in order if s not in self.slots]
         if entry is None or not free:
             return
-        if d.bulk_insert and bulk and len(free) >= 2:
+        bulk = d.bulk_insert and bulk and len(free) >= 2
+        if bulk:
             self._bulk_insert(entry, free[:2])
         else:
             self._insert(entry, free[0])
@@ -248,7 +249,9 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         if ours:
             self._free(ours[which % len(ours)])
             free = [s for s in order if s not in self.slots]
-            if free:
+            if free and d.bulk_insert and not bulk:  # inserted first: the prefix's samples again, by bulk_insert
+                self._bulk_insert(entry, free[:1])
+            elif free:
                 self._insert(entry, free[0])
         steps = draw.integer(1, 3)
         self._steps(steps, draw.chance(0.5), draw.step_masks(d, steps))

@@ -101,6 +101,7 @@ def test_runner_options_and_declared_sets():
     assert parse_option("seq_buckets=[8, 16]") == ("seq_buckets", (8, 16))
     with pytest.raises(ConformanceConfigError, match="KEY=VALUE"):
         parse_option("int8")
+    assert option_runs(select_backend("tpu_jax"), argparse.Namespace(option=None, option_sets="none")) == [()]
     args = argparse.Namespace(option=None, option_sets="declared")
     for name in ("cuda_torch", "tpu_jax", "neuron"):
         info = select_backend(name)
