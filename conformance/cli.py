@@ -204,6 +204,15 @@ def scoreboard(reports: list[dict[str, Any]], not_run: list[tuple[str, str]] = (
     for test_id, row in rows.items():
         cells = [_CELL.get(row.get(n), "-") for n in names]
         lines.append(f"| `{test_id}` | {row['layer']} | " + " | ".join(cells) + " |")
+    from polyengine.conformance import LAYERS
+
+    for layer in LAYERS:  # per layer, per backend and option set: the rules that passed of those that ran
+        cells = []
+        for report in reports:
+            c = report["summary"].get(layer, {})
+            ran = c.get("passed", 0) + c.get("failed", 0) + c.get("xfailed", 0)
+            cells.append(f"{c.get('passed', 0)}/{ran}" if ran else "-")
+        lines.append(f"| **layer {layer}** (passed/ran) | {layer} | " + " | ".join(cells) + " |")
     totals = []
     for name, report in zip(names, reports):
         counts = {s: sum(layer[s] for layer in report["summary"].values()) for s in _CELL}

@@ -44,14 +44,14 @@ EXAMPLES = 10  # programs per configuration in a default run
 ARCHITECTURE_EXAMPLES = 3  # ... per further architecture's model (scaled with --polyengine-differential-examples)
 SHAPE_MODELS = ("mha_tied", "gqa_llama3", "odd_qwen2")
 STEPS = 25  # calls per program at most (a generate call runs up to 8 steps)
-# Seconds Hypothesis may spend shrinking a failing program (its own default is 300; it
-# lets users change it, hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS).
-# A safety net only: shrinking ends on its own (no shorter program fails, or
-# Hypothesis' MAX_SHRINKS successful steps), which makes the program shown depend on
-# the seed alone. A time limit that shrinking reaches would make it depend on the
-# host's speed (at 10 s, a busy CI host printed a 23-call program where an idle one
-# printed 9). The slowest catch in tests/test_conformance_broken.py shrinks in ~20 s.
-SHRINK_SECONDS = 180
+# Seconds Hypothesis may spend shrinking a failing program (its own default is 300;
+# hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS). A safety net only, far
+# above what SHRINK_STEPS takes: shrinking ends on its own (no shorter program fails, or
+# SHRINK_STEPS successful shrinks), which makes the program shown depend on the seed
+# alone. A time limit that shrinking reaches makes it depend on the host's speed (at
+# 10 s, a busy CI host printed a 23-call program where an idle one printed 9; at 180 s,
+# a 2-core host running six other jobs printed a 21-call program).
+SHRINK_SECONDS = 600
 # Successful shrinks at most (Hypothesis' own bound is 500,
 # hypothesis.internal.conjecture.engine.MAX_SHRINKS): the bound that keeps a caught
 # backend's report within the suite's time budget (docs/conformance.md, "Time budget")

@@ -101,9 +101,9 @@ def test_runner_options_and_declared_sets():
     assert parse_option("seq_buckets=[8, 16]") == ("seq_buckets", (8, 16))
     with pytest.raises(ConformanceConfigError, match="KEY=VALUE"):
         parse_option("int8")
-    assert option_runs(select_backend("tpu_jax"), argparse.Namespace(option=None, option_sets="none")) == [()]
+    assert option_runs(select_backend("cuda_torch"), argparse.Namespace(option=None, option_sets="none")) == [()]
     args = argparse.Namespace(option=None, option_sets="declared")
-    for name in ("cuda_torch", "tpu_jax", "neuron"):
+    for name in ("cuda_torch", "neuron"):
         info = select_backend(name)
         declared = option_sets(info.spec.tolerances)
         assert declared, f"{name} declares no option set"
@@ -111,6 +111,5 @@ def test_runner_options_and_declared_sets():
         assert runs[0] == () and len(runs) == len(declared) + 1
         assert [dict(parse_option(o) for o in run) for run in runs[1:]] == [s.as_dict() for s in declared]
     assert option_runs(select_backend("reference"), args) == [()]
-    assert option_runs(select_backend("tpu_jax"), argparse.Namespace(option=["quantize=int8"], option_sets="declared")) \
+    assert option_runs(select_backend("cuda_torch"), argparse.Namespace(option=["quantize=int8"], option_sets="declared")) \
         == [("quantize=int8",)]
-    assert option_runs(select_backend("tpu_jax"), argparse.Namespace(option=None, option_sets="none")) == [()]
