@@ -28,7 +28,7 @@ from polyengine.conformance.oracle import decide
 from polyengine.conformance.program_draws import show, show_mask
 from polyengine.conformance.stats import boundary_tokens
 
-__all__ = ["ProgramFailure", "SlotTrack", "Pending", "Judge", "wins_when_shifted", "COMPOSED", "REQUIRED", "declared_pairs"]
+__all__ = ["ProgramFailure", "SlotTrack", "Pending", "Judge", "wins_when_shifted", "loses_when_shifted", "COMPOSED", "REQUIRED", "declared_pairs"]
 
 # The capabilities a request can combine, and what declares each (None: every backend).
 # A token compared in a request that combined two of them (a continuation under a mask,
@@ -100,6 +100,17 @@ def wins_when_shifted(logits: np.ndarray, row: RowState, eos, token: int, shift:
     return decide(x, row, eos).token == token
 
 
+def loses_when_shifted(logits: np.ndarray, row: RowState, eos, want: int, token: int, shift: float) -> bool:
+    """Whether the reference's sampler picks ``token`` once the raw logits move by
+    ``shift`` against its own pick ``want`` (it down, every other token up, by half each):
+    where ``want`` is kept by top-p only because it outranks a near-tied token, a
+    backend's rounding that swaps the two drops ``want`` from the kept set and picks
+    another (measured: a bf16 variant, issue 39)."""
+    x = np.asarray(logits, np.float64) + shift / 2
+    x[want] -= shift
+    return decide(x, row, eos).token == token
+
+
 class Judge:
     """The comparisons of a program. Expects ``run`` (a ``ProgramRun``), ``d`` (its
     :class:`Dims`), ``slots`` ({slot: SlotTrack}), ``pending`` (unread results) and the
@@ -155,7 +166,8 @@ class Judge:
         if token != want.token:
             label = f"{where}: completion token #{j} of {track.origin}"
             gap = want.gap
-            if gap < run.tol["tie_gap"] or wins_when_shifted(logits, row_state, d.eos, token, run.tol["tie_gap"]):
+            if (gap < run.tol["tie_gap"] or wins_when_shifted(logits, row_state, d.eos, token, run.tol["tie_gap"])
+                    or loses_when_shifted(logits, row_state, d.eos, want.token, token, run.tol["tie_gap"])):
                 run.context.note(f"{label}: {token} instead of the reference's {want.token} at a near tie "
                                  f"(margin {gap:.3g}, or within tie_gap of the logits); not compared further")
                 track.compared = False

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from polyengine.backends.reference.engine import ReferenceEngine
+from polyengine.engine import ResultTokens
 
 
 class MaskBulkSamplesEngine(ReferenceEngine):
@@ -56,7 +59,9 @@ class BulkContinuationLogitsEngine(ReferenceEngine):
 class OverrideWritesPrefixEngine(ReferenceEngine):
     """override + reinsert: an inserted slot's completion starts in the prefix's own
     first-token cell (no copy), so an override at completion position 0 rewrites the
-    prefix's first token, and the prefix inserted again starts from the forced token."""
+    prefix's first token, and the prefix inserted again (or bulk-inserted: sample 0's
+    first token was drawn at prefill, and bulk_insert reuses that cell) starts from the
+    forced token."""
 
     def __init__(self, model, config):
         super().__init__(model, config)
@@ -69,6 +74,14 @@ class OverrideWritesPrefixEngine(ReferenceEngine):
                 self._holder.pop(slot, None)
             else:
                 self._holder[slot] = prefix
+        if draw:
+            first, s0 = int(prefix.first_token), slots[0]
+            state.rows[s0].completion_tokens = np.array([first], np.int32)
+            state.next_token[s0] = first
+            tokens = np.array(out.tokens, copy=True)
+            tokens[0, 0] = first
+            out = ResultTokens(tokens=tokens, valid=out.valid, lengths=out.lengths, logprobs=out.logprobs,
+                               top_ids=out.top_ids, top_logprobs=out.top_logprobs)
         return out
 
     def _release(self, state, slot):
