@@ -14,7 +14,7 @@ Two ways in, one set of test bodies (see docs/conformance.md):
               return mybackend.create_engine   # factory(model=Model, config=EngineConfig)
 
 The tests come in layers, cheap to expensive, so the first failure explains the rest:
-surface -> contract -> numerics -> sampler -> honesty -> differential.
+surface -> contract -> lifetime -> numerics -> sampler -> honesty -> differential.
 
 This package is imported by the pytest plugin in every pytest run of an environment
 that has polyengine installed, so importing it costs nothing: the suite itself loads
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["SUITE_VERSION", "LAYERS", "BackendConformance", "layer"]
 
 SUITE_VERSION = "1.0"
-LAYERS = ("surface", "contract", "numerics", "sampler", "honesty", "differential")
+LAYERS = ("surface", "contract", "lifetime", "numerics", "sampler", "honesty", "differential")
 # The attribute that marks a test function as part of the suite and names its layer;
 # the pytest plugin reads it without importing the suite.
 LAYER_ATTR = "_polyengine_layer"

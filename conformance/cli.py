@@ -6,7 +6,10 @@ current project's ini file and options do not leak in). With ``--backend all`` i
 runs every installed backend that can run here, one after the other, then prints a
 backend x test scoreboard in Markdown (written next to the JSON report as
 ``<name>.scoreboard.md`` when ``--report-json`` is given; the JSON then holds one
-report per backend under ``runs``).
+report per backend under ``runs``). A backend that declares option sets
+(``[[conformance_options]]`` in its tolerance file) runs once without options and once
+per set with ``--option-sets declared``, each a column of the scoreboard; ``--option
+KEY=VALUE`` runs one set of the user's instead.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from polyengine.errors import InvalidRequest
 from polyengine.files import check_writable, write_report
@@ -42,6 +45,12 @@ def add_command(sub: Any) -> None:
                    help="random programs per configuration in the differential layer (default 10): more to look longer")
     p.add_argument("--differential-seed", metavar="SEED", type=int, default=None,
                    help="the differential layer's seed: another one draws other programs")
+    p.add_argument("--option", metavar="KEY=VALUE", action="append", default=None,
+                   help="run with this engine option (repeatable: one option set; the value is read as TOML, else a "
+                        "string); instead of the backend's declared option sets")
+    p.add_argument("--option-sets", choices=("declared", "none"), default="none",
+                   help="'declared': after the run without options, one run per option set the backend declares "
+                        "([[conformance_options]] in its tolerance file); 'none' (default): the run without options only")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per test, and skip reasons")
     p.set_defaults(func=_cmd_conformance)
@@ -49,8 +58,9 @@ def add_command(sub: Any) -> None:
 
 def run_backend(name: str, *, report_json: str | Path | None = None, keyword: str | None = None,
                 exitfirst: bool = False, verbose: bool = False, differential_examples: int | None = None,
-                differential_seed: int | None = None) -> int:
-    """Run the suite on one registered backend in this process; return pytest's exit code."""
+                differential_seed: int | None = None, options: Sequence[str] = ()) -> int:
+    """Run the suite on one registered backend in this process (``options``: ``KEY=VALUE``
+    engine options of this run); return pytest's exit code."""
     import pytest
 
     import polyengine.conformance as pkg
@@ -82,21 +92,53 @@ def run_backend(name: str, *, report_json: str | Path | None = None, keyword: st
             args += ["--polyengine-differential-examples", str(differential_examples)]
         if differential_seed is not None:
             args += ["--polyengine-differential-seed", str(differential_seed)]
+        for option in options:
+            args += ["--polyengine-option", option]
         return int(pytest.main(args))
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
-    if args.backend != "all":
+    from polyengine.plugins import select_backend
+
+    if args.backend == "all":
+        return _run_all(args)
+    runs = option_runs(select_backend(args.backend), args)
+    if len(runs) == 1:
         return run_backend(args.backend, report_json=args.report_json, keyword=args.keyword,
-                           exitfirst=args.exitfirst, verbose=args.verbose, **_differential(args))
-    return _run_all(args)
+                           exitfirst=args.exitfirst, verbose=args.verbose, options=runs[0], **_differential(args))
+    return _run_all(args, only=args.backend)
+
+
+def option_runs(info: Any, args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """The runs of one backend, each its ``KEY=VALUE`` options: ``--option``'s set alone,
+    else the run without options, then (``--option-sets declared``) one per set the
+    backend declares."""
+    from polyengine.conformance.tolerances import option_sets
+
+    if args.option:
+        return [tuple(args.option)]
+    runs: list[tuple[str, ...]] = [()]
+    if args.option_sets == "declared":
+        for s in option_sets(info.spec.tolerances):
+            runs.append(tuple(f"{k}={_toml_value(v)}" for k, v in s.options))
+    return runs
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
 
 
 def _differential(args: argparse.Namespace) -> dict[str, Any]:
     return {"differential_examples": args.differential_examples, "differential_seed": args.differential_seed}
 
 
-def _run_all(args: argparse.Namespace) -> int:
+def _run_all(args: argparse.Namespace, only: str | None = None) -> int:
     from polyengine.conformance import SUITE_VERSION
     from polyengine.plugins import list_backends
 
@@ -107,6 +149,8 @@ def _run_all(args: argparse.Namespace) -> int:
     worst = 0
     with tempfile.TemporaryDirectory(prefix="polyengine-conformance-all-") as tmp:
         for info in list_backends():
+            if only is not None and info.name != only:
+                continue
             if info.broken:
                 not_run.append((info.name, f"broken: {info.error}"))
                 worst = max(worst, 1)
@@ -115,15 +159,17 @@ def _run_all(args: argparse.Namespace) -> int:
             if not probe.available:
                 not_run.append((info.name, f"unavailable: {probe.reason}"))
                 continue
-            path = Path(tmp) / f"{info.name}.json"
-            print(f"\n### polyengine conformance --backend {info.name}", flush=True)
-            code = run_backend(info.name, report_json=path, keyword=args.keyword,
-                               exitfirst=args.exitfirst, verbose=args.verbose, **_differential(args))
-            worst = max(worst, 0 if code == 0 else 1)
-            if path.is_file():
-                reports.append(json.loads(path.read_text(encoding="utf-8")))
-            else:
-                not_run.append((info.name, f"the run ended before any test finished (pytest exit code {code})"))
+            for n, options in enumerate(option_runs(info, args)):
+                path = Path(tmp) / f"{info.name}.{n}.json"
+                shown = "".join(f" --option {o}" for o in options)
+                print(f"\n### polyengine conformance --backend {info.name}{shown}", flush=True)
+                code = run_backend(info.name, report_json=path, keyword=args.keyword, exitfirst=args.exitfirst,
+                                   verbose=args.verbose, options=options, **_differential(args))
+                worst = max(worst, 0 if code == 0 else 1)
+                if path.is_file():
+                    reports.append(json.loads(path.read_text(encoding="utf-8")))
+                else:
+                    not_run.append((info.name + shown, f"the run ended before any test finished (pytest exit code {code})"))
     board = scoreboard(reports, not_run)
     print("\n" + board)
     if args.report_json:
@@ -138,9 +184,14 @@ def _run_all(args: argparse.Namespace) -> int:
     return worst
 
 
+def _options_label(report: dict[str, Any]) -> str:
+    options = (report.get("options") or {}).get("options")
+    return f" [{', '.join(f'{k}={v}' for k, v in options.items())}]" if options else ""
+
+
 def scoreboard(reports: list[dict[str, Any]], not_run: list[tuple[str, str]] = ()) -> str:
     """A Markdown table: one row per test (in suite order), one column per backend."""
-    names = [r.get("backend") or r.get("test_class") for r in reports]
+    names = [(r.get("backend") or r.get("test_class")) + _options_label(r) for r in reports]
     rows: dict[str, dict[str, Any]] = {}
     for name, report in zip(names, reports):
         for t in report["tests"]:
@@ -153,6 +204,15 @@ def scoreboard(reports: list[dict[str, Any]], not_run: list[tuple[str, str]] = (
     for test_id, row in rows.items():
         cells = [_CELL.get(row.get(n), "-") for n in names]
         lines.append(f"| `{test_id}` | {row['layer']} | " + " | ".join(cells) + " |")
+    from polyengine.conformance import LAYERS
+
+    for layer in LAYERS:  # per layer, per backend and option set: the rules that passed of those that ran
+        cells = []
+        for report in reports:
+            c = report["summary"].get(layer, {})
+            ran = c.get("passed", 0) + c.get("failed", 0) + c.get("xfailed", 0)
+            cells.append(f"{c.get('passed', 0)}/{ran}" if ran else "-")
+        lines.append(f"| **layer {layer}** (passed/ran) | {layer} | " + " | ".join(cells) + " |")
     totals = []
     for name, report in zip(names, reports):
         counts = {s: sum(layer[s] for layer in report["summary"].values()) for s in _CELL}

@@ -44,14 +44,19 @@ EXAMPLES = 10  # programs per configuration in a default run
 ARCHITECTURE_EXAMPLES = 3  # ... per further architecture's model (scaled with --polyengine-differential-examples)
 SHAPE_MODELS = ("mha_tied", "gqa_llama3", "odd_qwen2")
 STEPS = 25  # calls per program at most (a generate call runs up to 8 steps)
-# Seconds Hypothesis may spend shrinking a failing program (its own default is 300; it
-# lets users change it, hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS).
-# A safety net only: shrinking ends on its own (no shorter program fails, or
-# Hypothesis' MAX_SHRINKS successful steps), which makes the program shown depend on
-# the seed alone. A time limit that shrinking reaches would make it depend on the
-# host's speed (at 10 s, a busy CI host printed a 23-call program where an idle one
-# printed 9). The slowest catch in tests/test_conformance_broken.py shrinks in ~20 s.
-SHRINK_SECONDS = 180
+# Seconds Hypothesis may spend shrinking a failing program (its own default is 300;
+# hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS). A safety net only, far
+# above what SHRINK_STEPS takes: shrinking ends on its own (no shorter program fails, or
+# SHRINK_STEPS successful shrinks), which makes the program shown depend on the seed
+# alone. A time limit that shrinking reaches makes it depend on the host's speed (at
+# 10 s, a busy CI host printed a 23-call program where an idle one printed 9; at 180 s,
+# a 2-core host running six other jobs printed a 21-call program).
+SHRINK_SECONDS = 600
+# Successful shrinks at most (Hypothesis' own bound is 500,
+# hypothesis.internal.conjecture.engine.MAX_SHRINKS): the bound that keeps a caught
+# backend's report within the suite's time budget (docs/conformance.md, "Time budget")
+# while the program shown still depends on the seed alone, never on the host's speed.
+SHRINK_STEPS = 150
 
 
 def _configuration(program: str) -> tuple[str, str]:
@@ -129,6 +134,7 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
     from hypothesis.internal.conjecture import engine as conjecture
     from hypothesis.stateful import run_state_machine_as_test
 
+    from polyengine.conformance.program_checks import REQUIRED, declared_pairs
     from polyengine.conformance.programs import Program, ProgramFailure, ProgramRun
 
     model, variant = _configuration(program)
@@ -150,12 +156,25 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
 
     how = f"seed {seed}, {examples} programs: the run is deterministic, {rerun} runs it again"
     shrink_seconds, conjecture.MAX_SHRINKING_SECONDS = conjecture.MAX_SHRINKING_SECONDS, SHRINK_SECONDS
+    shrink_steps, conjecture.MAX_SHRINKS = getattr(conjecture, "MAX_SHRINKS", None), SHRINK_STEPS
     started = time.perf_counter()
     try:
         with _draws_of_the_seed_alone():
             run_state_machine_as_test(use_seed(seed)(factory), settings=config)
         conformance.record.setdefault("statistics", {})["programs"] = {
             "seed": seed, "programs": examples, **run.counts}
+        conformance.record["statistics"]["capability pairs"] = dict(sorted(run.pairs.items()))
+        lossy = conformance.harness.option_set is not None and not conformance.harness.option_set.lossless
+        # a lossy option set's streams leave the reference's at its wider near ties, so
+        # fewer tokens are compared: there the pairs are reported, not required
+        if model in SHAPE_MODELS and examples >= EXAMPLES and not lossy:
+            missing = [p for p in declared_pairs(engine.capabilities, REQUIRED) if p not in run.pairs]
+            if missing:
+                raise AssertionError(
+                    f"under-exercised ({describe}; {how}): no token was compared in a request that combined "
+                    f"{', '.join(missing)}, though the backend declares each; pairs exercised: {run.pairs}. The "
+                    f"programs' draws do not reach what the backend declares (a suite bug, or a backend whose "
+                    f"streams leave the reference's at near ties so early that nothing is compared: see the notes)")
     except ProgramFailure as exc:
         # Hypothesis runs the shrunk program last: run.log is its log.
         cut = ""
@@ -175,6 +194,8 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
         ) from None
     finally:
         conjecture.MAX_SHRINKING_SECONDS = shrink_seconds
+        if shrink_steps is not None:
+            conjecture.MAX_SHRINKS = shrink_steps
 
 
 def _listing(log: list[str]) -> str:

@@ -408,7 +408,7 @@ class PrefixLayer:
         model = build_model(DEFAULT_MODEL)
         dtype = conformance.dtype
         cases = [
-            ("an unknown option", harness.config(dtype, options={"polyengine_conformance_no_such_option": 1}),
+            ("an unknown option", harness.config(dtype, options={**harness.options, "polyengine_conformance_no_such_option": 1}),
              (InvalidRequest, UnsupportedFeature)),
             (f"max_cache_length {model.config.max_position_embeddings + 1} (> the model's max_position_embeddings)",
              harness.config(dtype, max_cache_length=model.config.max_position_embeddings + 1), (InvalidRequest,)),

@@ -44,10 +44,11 @@ class Decision:
 
 
 def reference_engine(model: Model, config: EngineConfig):
-    """A reference backend engine (the oracle's own kind) for ``model``."""
+    """A reference backend engine (the oracle's own kind) for ``model``, with ``config``'s
+    limits and buckets (the backend's options are the backend's: the reference has none)."""
     from polyengine.backends.reference.engine import ReferenceEngine
 
-    return ReferenceEngine(model, config)
+    return ReferenceEngine(model, config.model_copy(update={"options": {}}))
 
 
 def mirror_engine(model: Model, config: EngineConfig, capabilities: Capabilities):

@@ -28,7 +28,33 @@ from polyengine.conformance.oracle import decide
 from polyengine.conformance.program_draws import show, show_mask
 from polyengine.conformance.stats import boundary_tokens
 
-__all__ = ["ProgramFailure", "SlotTrack", "Pending", "Judge", "wins_when_shifted"]
+__all__ = ["ProgramFailure", "SlotTrack", "Pending", "Judge", "wins_when_shifted", "loses_when_shifted", "COMPOSED", "REQUIRED", "declared_pairs"]
+
+# The capabilities a request can combine, and what declares each (None: every backend).
+# A token compared in a request that combined two of them (a continuation under a mask,
+# a bulk-inserted sample given an override, a prefix inserted again after it was
+# continued, ...) exercises that pair; the layer counts every pair per configuration.
+COMPOSED = {
+    "mask": "token_masks",  # drawn under an allowed-token mask (prefill's, the prefix's, or a step's)
+    "continuation": "prefix_reuse",  # its prefix continues another (existing_prefix)
+    "bulk_insert": "bulk_insert",  # one of bulk_insert's samples
+    "override": None,  # a token of it was forced (generate overrides)
+    "reinsert": None,  # its prefix had been inserted before (the prefix cache's hit)
+    "import": "portable_prefix",  # its prefix was imported
+}
+
+
+# Imports are one call kind in 28, so their pairs are reported but not required of a
+# default run (a run that misses a required pair fails as under-exercised).
+REQUIRED = ("mask", "continuation", "bulk_insert", "override", "reinsert")
+
+
+def declared_pairs(capabilities, among=tuple(COMPOSED)) -> list[str]:
+    """Every pair of :data:`COMPOSED` capabilities (``among`` them) a backend declares,
+    as ``"a + b"``."""
+    have = [name for name, field_name in COMPOSED.items()
+            if name in among and (field_name is None or getattr(capabilities, field_name, False))]
+    return [f"{a} + {b}" for i, a in enumerate(have) for b in have[i + 1:]]
 
 
 class ProgramFailure(AssertionError):
@@ -48,6 +74,7 @@ class SlotTrack:
     compared: bool = True  # False once the backend left the reference's stream at a near tie
     notes: tuple[str, ...] = ()  # what happened to its prefix that must not matter, for messages
     masks: dict[int, np.ndarray] = field(default_factory=dict)  # completion position -> its allowed-token mask
+    tags: set[str] = field(default_factory=set)  # the capabilities its request combines (COMPOSED)
 
 
 @dataclass
@@ -70,6 +97,17 @@ def wins_when_shifted(logits: np.ndarray, row: RowState, eos, token: int, shift:
     its raw logits, so the near tie is judged there too, by the same ``tie_gap``."""
     x = np.asarray(logits, np.float64) - shift / 2
     x[token] += shift
+    return decide(x, row, eos).token == token
+
+
+def loses_when_shifted(logits: np.ndarray, row: RowState, eos, want: int, token: int, shift: float) -> bool:
+    """Whether the reference's sampler picks ``token`` once the raw logits move by
+    ``shift`` against its own pick ``want`` (it down, every other token up, by half each):
+    where ``want`` is kept by top-p only because it outranks a near-tied token, a
+    backend's rounding that swaps the two drops ``want`` from the kept set and picks
+    another (measured: a bf16 variant, issue 39)."""
+    x = np.asarray(logits, np.float64) + shift / 2
+    x[want] -= shift
     return decide(x, row, eos).token == token
 
 
@@ -121,10 +159,15 @@ class Judge:
                              mask)
         want = decide(logits, row_state, d.eos)
         run.count("tokens compared")
+        tags = sorted(track.tags | ({"mask"} if track.masks else set()), key=list(COMPOSED).index)
+        for i, a in enumerate(tags):
+            for b in tags[i + 1:]:
+                run.pairs[f"{a} + {b}"] = run.pairs.get(f"{a} + {b}", 0) + 1
         if token != want.token:
             label = f"{where}: completion token #{j} of {track.origin}"
             gap = want.gap
-            if gap < run.tol["tie_gap"] or wins_when_shifted(logits, row_state, d.eos, token, run.tol["tie_gap"]):
+            if (gap < run.tol["tie_gap"] or wins_when_shifted(logits, row_state, d.eos, token, run.tol["tie_gap"])
+                    or loses_when_shifted(logits, row_state, d.eos, want.token, token, run.tol["tie_gap"])):
                 run.context.note(f"{label}: {token} instead of the reference's {want.token} at a near tie "
                                  f"(margin {gap:.3g}, or within tie_gap of the logits); not compared further")
                 track.compared = False

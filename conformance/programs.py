@@ -63,6 +63,7 @@ class PrefixEntry:
     prefills_at: int  # prefills the program had run when this prefix was made
     inserts: int = 0  # insert and bulk_insert calls that took it
     mask: np.ndarray | None = None  # the allowed-token mask its first tokens are drawn under
+    tags: frozenset[str] = frozenset()  # composed capabilities its requests carry (continuation, import)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class ProgramRun:
     dims: Dims = field(init=False)
     log: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # what the programs compared, for the report
+    pairs: dict[str, int] = field(default_factory=dict)  # "a + b" -> tokens compared in requests combining both
     first_failure: tuple[str, list[str]] | None = None  # the first failing program's message and log
     _kept: tuple[Any, Any] | None = None  # the last good program's decode states (backend, mirror)
 
@@ -191,7 +193,7 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
     # A call that is not possible yet (an insert before any prefill) does nothing.
     CALLS = tuple(name for name, weight in (
         ("start_request", 4), ("generate", 5), ("generate_with_overrides", 3), ("prefill", 2), ("insert", 3),
-        ("free", 2), ("bulk_insert", 1), ("export", 1), ("import_prefix", 1), ("prefill_refused", 1),
+        ("free", 2), ("bulk_insert", 1), ("export", 1), ("import_prefix", 1), ("prefill_refused", 1), ("chain", 4),
     ) for _ in range(weight))
 
     @rule(call=st.sampled_from(CALLS), seed=st.integers(0, (1 << 32) - 1))
@@ -214,6 +216,45 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             self._bulk_insert(entry, free[: sampling.n])
         else:
             self._insert(entry, free[0])
+
+    def chain(self, draw: Draw) -> None:
+        """Calls that combine capabilities, as a prefix cache, ``n`` samples and a grammar
+        do together: a request continuing a kept prefix (an imported one too), under a
+        mask where declared; its samples bulk-inserted (or inserted); a step forcing
+        tokens, with masks; one of its slots freed and its prefix inserted again (the
+        prefix cache's hit); more steps, masked at times. The layer counts which pairs of
+        capabilities (:data:`~polyengine.conformance.program_checks.COMPOSED`) each
+        configuration's compared tokens combined."""
+        d = self.d
+        sampling = draw.sampling(d)
+        index, order, which = draw.index(), draw.order(d.slots), draw.index()
+        continued, masked, bulk = draw.chance(0.8), draw.chance(0.6), draw.chance(0.6)
+        base = self.prefixes[index % len(self.prefixes)] if d.prefix_reuse and self.prefixes and continued else None
+        if base is not None and len(base.prompt) >= d.max_prefill:
+            base = None
+        room = d.max_prefill - (len(base.prompt) if base else 0)
+        prompt = draw.tokens(d, 1, max(1, min(room, 8)))
+        mask = draw.mask(d) if d.token_masks and masked else None
+        entry = self._prefill(prompt, sampling, base, mask)
+        free = [s for s in order if s not in self.slots]
+        if entry is None or not free:
+            return
+        bulk = d.bulk_insert and bulk and len(free) >= 2
+        if bulk:
+            self._bulk_insert(entry, free[:2])
+        else:
+            self._insert(entry, free[0])
+        self.generate_with_overrides(draw)
+        ours = sorted(s for s, t in self.slots.items() if t.origin.startswith(f"request {entry.label} in slot "))
+        if ours:
+            self._free(ours[which % len(ours)])
+            free = [s for s in order if s not in self.slots]
+            if free and d.bulk_insert and not bulk:  # inserted first: the prefix's samples again, by bulk_insert
+                self._bulk_insert(entry, free[:1])
+            elif free:
+                self._insert(entry, free[0])
+        steps = draw.integer(1, 3)
+        self._steps(steps, draw.chance(0.5), draw.step_masks(d, steps))
 
     def prefill(self, draw: Draw) -> None:
         """A prefill whose prefix is kept for later (prefill ahead), maybe continuing one
@@ -312,9 +353,11 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         err = rel_l2(np.asarray(prefix.host_logits(), np.float64), logits)
         self._within("logits_rel_l2", err, f"{where}: Prefix.host_logits() vs the reference's logits for its prompt"
                      + (f" (continuing {base.label})" if base else ""), notes)
-        track = SlotTrack(label, full, sampling, 0, [], masks=self._first_masks(mask))
+        track = SlotTrack(label, full, sampling, 0, [], masks=self._first_masks(mask),
+                          tags={"continuation"} | set(base.tags) if base else set())
         self._check_token(where, track, 0, first, result, 0, 0)
-        entry = PrefixEntry(label, prefix, mprefix, full, sampling, first, not track.compared, self.prefills, mask=mask)
+        entry = PrefixEntry(label, prefix, mprefix, full, sampling, first, not track.compared, self.prefills, mask=mask,
+                            tags=base.tags | {"continuation"} if base else frozenset())
         self.prefixes.append(entry)
         self._annotate(at, f"first token {first}")
         return entry
@@ -372,10 +415,11 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         self.state = out[0]
         notes = self._prefix_notes(entry)
         self._used(entry, "inserted")
+        tags = set(entry.tags) | ({"reinsert"} if entry.inserts else set())
         entry.inserts += 1
         self.slots[slot] = SlotTrack(self._origin(entry, slot, "insert"), entry.prompt, entry.sampling, 0,
                                      [entry.first], compared=not entry.diverged, notes=tuple(notes),
-                                     masks=self._first_masks(entry.mask))
+                                     masks=self._first_masks(entry.mask), tags=tags)
 
     def _fail_if_accepted(self, at: int, what: str) -> None:
         if "refused" not in self.run.log[at]:
@@ -414,11 +458,12 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             self.run.count("bulk_insert samples under the prefix's mask", n)
         notes = self._prefix_notes(entry)
         self._used(entry, "inserted")
+        tags = set(entry.tags) | {"bulk_insert"} | ({"reinsert"} if entry.inserts else set())
         entry.inserts += 1
         for i, slot in enumerate(slots):
             track = SlotTrack(self._origin(entry, slot, f"bulk_insert sample {i}, row {i} of the result"), entry.prompt,
                               entry.sampling, i, [], compared=not (i == 0 and entry.diverged), notes=tuple(notes),
-                              masks=self._first_masks(entry.mask))
+                              masks=self._first_masks(entry.mask), tags=set(tags))
             tok = int(tokens[i, 0])
             self._check_token(where, track, 0, tok, result, i, 0)
             track.tokens.append(tok)
@@ -484,6 +529,7 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             del track.tokens[position:]
             track.tokens.append(int(ov.token))
             track.masks = {j: w for j, w in track.masks.items() if j < position}
+            track.tags.add("override")
             track.origin += f"; token {ov.token} forced at completion position {position}"
         self._record_masks(masks)
         if masks:
@@ -557,6 +603,10 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             return
         occupied = sorted(self.slots)
         slot = occupied[index % len(occupied)] if occupied and occupied_one else any_slot
+        self._free(slot)
+
+    def _free(self, slot: int) -> None:
+        run = self.run
         self._read_pending()
         at = self._say(f"state = engine.free_resource(state, {slot})")
         out = self._both(at, lambda: run.engine.free_resource(self.state, slot),
@@ -641,7 +691,7 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         first = int(prefix.first_token)
         self._check_token(where, track, 0, first, None, 0, 0)
         self.prefixes.append(PrefixEntry(label, prefix, mprefix, prompt, portable.sampling, first, not track.compared,
-                                         self.prefills))
+                                         self.prefills, tags=frozenset({"import"})))
         self._annotate(at, f"first token {first}")
 
     def teardown(self) -> None:

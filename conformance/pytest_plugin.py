@@ -96,6 +96,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="random programs per configuration in the differential layer (default 10): more to look longer",
     )
     group.addoption(
+        "--polyengine-option", metavar="KEY=VALUE", action="append", default=None,
+        help="build every engine of the run with this engine option (repeatable; the value is read as TOML, else a "
+             "string); judged under the backend's [[conformance_options]] set with exactly these options, if any",
+    )
+    group.addoption(
         "--polyengine-differential-seed", metavar="SEED", type=int, default=None,
         help="the differential layer's seed (default: the suite's, reported in the JSON report): others draw other programs",
     )
@@ -245,8 +250,10 @@ def build_reports(state: SuiteState) -> list[dict[str, Any]]:
             "version": backend.get("version"),
             "device": backend.get("device"),
             "capabilities": backend.get("capabilities"),
+            "options": backend.get("options"),
             "seeds": backend.get("seeds", dict(SEEDS)),
-            "backend_details": {k: v for k, v in backend.items() if k not in ("name", "distribution", "version", "device", "capabilities", "seeds")},
+            "backend_details": {k: v for k, v in backend.items()
+                                if k not in ("name", "distribution", "version", "device", "capabilities", "seeds", "options")},
             "summary": summary,
             "duration": round(sum(t["duration"] for t in tests), 3),
             "tests": tests,
@@ -274,6 +281,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for report in build_reports(state):
         name = report["backend"] or report["test_class"]
         dist = f" ({report['distribution']} {report['version']})" if report["distribution"] else ""
+        if (report.get("options") or {}).get("options"):
+            dist += f" with options {report['options']['options']}"
         tr.write_sep("=", f"polyengine conformance: {name}{dist}")
         for line in format_table(report["summary"]):
             tr.write_line(line)

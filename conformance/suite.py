@@ -38,7 +38,9 @@ from polyengine.conformance import LAYER_ATTR
 from polyengine.conformance.harness import Context, Harness
 from polyengine.conformance.layer_contract import ContractLayer
 from polyengine.conformance.layer_differential import DifferentialLayer
+from polyengine.conformance.layer_edges import EdgeLayer
 from polyengine.conformance.layer_honesty import HonestyLayer
+from polyengine.conformance.layer_lifetime import LifetimeLayer
 from polyengine.conformance.layer_numerics import NumericsLayer
 from polyengine.conformance.layer_prefixes import PrefixLayer
 from polyengine.conformance.layer_sampler import SamplerLayer
@@ -49,9 +51,9 @@ __all__ = ["BackendConformance", "REQUIRED_FIXTURES", "suite_test_names", "suite
 REQUIRED_FIXTURES = ("engine_factory",)
 
 
-class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, NumericsLayer, SamplerLayer, HonestyLayer,
+class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, LifetimeLayer, NumericsLayer, EdgeLayer, SamplerLayer, HonestyLayer,
                          DifferentialLayer):
-    """Every conformance test, in layers (surface, contract, numerics, sampler, honesty,
+    """Every conformance test, in layers (surface, contract, lifetime, numerics, sampler, honesty,
     differential).
 
     Not collected itself (its name does not start with ``Test``); subclass it.
@@ -86,6 +88,7 @@ class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, NumericsLayer
                     metadata=conformance_metadata,
                     test_names=suite_test_names(),
                     test_ids=suite_test_ids(),
+                    options=run_options(request.config),
                 )
             except Exception as exc:  # every test of the class reports the same config error
                 state.harnesses[key] = exc
@@ -98,6 +101,13 @@ class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, NumericsLayer
             request.applymarker(pytest.mark.xfail(reason=f"{reason} ({harness.xfail.origin})", strict=True))
         request.node.user_properties.append(("polyengine", ctx.record))
         return ctx
+
+
+def run_options(config: pytest.Config) -> dict:
+    """The engine options of this run (``--polyengine-option KEY=VALUE``, repeatable)."""
+    from polyengine.conformance.tolerances import parse_option
+
+    return dict(parse_option(text) for text in config.getoption("polyengine_option", None) or ())
 
 
 def suite_test_names() -> list[str]:

@@ -25,7 +25,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["QUANTITIES", "DEFAULTS_RESOURCE", "ConformanceConfigError", "Tolerance", "Tolerances", "read_resource"]
+__all__ = ["QUANTITIES", "DEFAULTS_RESOURCE", "ConformanceConfigError", "Tolerance", "Tolerances", "OptionSet",
+           "read_resource", "option_sets", "parse_option"]
 
 DEFAULTS_RESOURCE = "polyengine.conformance:tolerances.toml"
 
@@ -107,6 +108,105 @@ def read_resource(name: str | Path) -> tuple[str, str]:
         ) from None
 
 
+@dataclass(frozen=True)
+class OptionSet:
+    """Engine options the suite runs a backend with (``EngineConfig.options``), and how
+    its results are judged: ``lossless`` ones exactly as without options (the dtype's
+    tolerances), the others under ``tolerances`` (quantity -> value, each a floor on the
+    value the usual lookup gives). Declared in a backend's tolerance file as
+    ``[[conformance_options]]``, or given to the runner (``--option k=v``)."""
+
+    options: tuple[tuple[str, Any], ...]
+    lossless: bool = True
+    tolerances: tuple[tuple[str, float], ...] = ()
+    reason: str = ""
+    origin: str = ""
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.options)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"options": self.as_dict(), "lossless": self.lossless, "tolerances": dict(self.tolerances),
+                "reason": self.reason, "origin": self.origin}
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def _parse_option_sets(data: Mapping[str, Any], origin: str) -> list[OptionSet]:
+    entries = data.get("conformance_options", [])
+    if not isinstance(entries, list):
+        raise ConformanceConfigError(f"{origin}: 'conformance_options' must be an array of tables ([[conformance_options]])")
+    out: list[OptionSet] = []
+    for i, entry in enumerate(entries, 1):
+        where = f"{origin}: conformance_options #{i}"
+        if not isinstance(entry, dict):
+            raise ConformanceConfigError(f"{where} must be a table")
+        unknown = set(entry) - {"options", "lossless", "tolerances", "reason"}
+        if unknown:
+            raise ConformanceConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: lossless, options, "
+                                         f"reason, tolerances")
+        options, reason = entry.get("options"), entry.get("reason")
+        if not isinstance(options, dict) or not options:
+            raise ConformanceConfigError(f"{where}: options must be a non-empty table of engine options, e.g. "
+                                         f"options = {{ quantize = \"int8\" }}")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ConformanceConfigError(f"{where} has no reason: say why this option set is worth checking")
+        lossless = entry.get("lossless", False)
+        if not isinstance(lossless, bool):
+            raise ConformanceConfigError(f"{where}: lossless must be true or false")
+        tolerances = entry.get("tolerances", {})
+        if not isinstance(tolerances, dict):
+            raise ConformanceConfigError(f"{where}: tolerances must be a table of quantity = value")
+        if lossless and tolerances:
+            raise ConformanceConfigError(f"{where}: a lossless option set is compared exactly as without options; "
+                                         f"drop its tolerances or set lossless = false")
+        if not lossless and not tolerances:
+            raise ConformanceConfigError(f"{where}: a lossy option set (lossless = false) declares the tolerances "
+                                         f"it is compared under (tolerances = {{ logits_rel_l2 = ..., ... }})")
+        for quantity, value in tolerances.items():
+            if quantity not in QUANTITIES:
+                raise ConformanceConfigError(f"{where}: unknown quantity {quantity!r}; known: {', '.join(QUANTITIES)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConformanceConfigError(f"{where}: tolerance {quantity} must be a positive number, got {value!r}")
+        out.append(OptionSet(tuple(sorted((k, _freeze(v)) for k, v in options.items())), lossless,
+                             tuple(sorted((q, float(v)) for q, v in tolerances.items())), reason.strip(), origin))
+    labels = [o.options for o in out]
+    if len(set(labels)) != len(labels):
+        raise ConformanceConfigError(f"{origin}: the same option set is declared twice")
+    return out
+
+
+def option_sets(source: str | Path | Mapping[str, Any] | None) -> list[OptionSet]:
+    """The option sets a backend's tolerance file declares (``[[conformance_options]]``)."""
+    if source is None:
+        return []
+    data, origin = _load(source)
+    return _parse_option_sets(data, origin)
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``k=v`` of the runner's ``--option``: the value read as TOML (``3``, ``true``,
+    ``"int8"``, ``[8, 16]``), else taken as a plain string (``int8``)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConformanceConfigError(f"--option {text!r}: write it as KEY=VALUE, e.g. --option quantize=int8")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip(), _freeze(value)
+
+
 def _load(source: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     if isinstance(source, Mapping):
         return dict(source), "<dict>"
@@ -184,6 +284,7 @@ class Tolerances:
         self.suite_overrides = _parse_overrides(data, self.defaults_origin, tests, models)
         self.backend_origin: str | None = None
         self.backend_overrides: list[_Override] = []
+        self.option_sets: list[OptionSet] = []
         if backend is not None:
             bdata, self.backend_origin = _load(backend)
             if "dtype" in bdata:
@@ -191,14 +292,39 @@ class Tolerances:
                     f"{self.backend_origin}: a backend's tolerance file holds only [[override]] entries "
                     f"(each with a reason), not [dtype.*] tables"
                 )
-            extra = set(bdata) - {"override"}
+            extra = set(bdata) - {"override", "conformance_options"}
             if extra:
-                raise ConformanceConfigError(f"{self.backend_origin}: unknown top-level key(s) {sorted(extra)}")
+                raise ConformanceConfigError(f"{self.backend_origin}: unknown top-level key(s) {sorted(extra)}; "
+                                             f"allowed: override, conformance_options")
             self.backend_overrides = _parse_overrides(bdata, self.backend_origin, tests, models)
+            self.option_sets = _parse_option_sets(bdata, self.backend_origin)
+        self.active: OptionSet | None = None
+
+    def use_options(self, options: Mapping[str, Any]) -> OptionSet | None:
+        """Judge this run as one with engine ``options``: under the tolerances of the
+        declared option set with exactly these options, else (options the backend does
+        not declare a set for, e.g. the runner's ``--option``) as lossless."""
+        if not options:
+            self.active = None
+            return None
+        key = tuple(sorted((k, _freeze(v)) for k, v in options.items()))
+        declared = [o for o in self.option_sets if o.options == key]
+        self.active = declared[0] if declared else OptionSet(
+            key, True, (), "given to the runner (--option); no [[conformance_options]] entry of the backend declares "
+                           "it, so it is judged as lossless", "--option")
+        return self.active
 
     def get(self, quantity: str, *, test: str, dtype: str, model: str | None = None) -> Tolerance:
         if quantity not in QUANTITIES:  # a suite bug, not a backend's
             raise KeyError(f"unknown tolerance quantity {quantity!r}")
+        usual = self._usual(quantity, test=test, dtype=dtype, model=model)
+        floor = dict(self.active.tolerances).get(quantity) if self.active is not None else None
+        if floor is None or floor <= usual.value:
+            return usual
+        return Tolerance(quantity, floor, f"option set [{self.active.label}]: {self.active.origin} "
+                         f"[[conformance_options]]", self.active.reason)
+
+    def _usual(self, quantity: str, *, test: str, dtype: str, model: str | None) -> Tolerance:
         for overrides, who in ((self.backend_overrides, "backend"), (self.suite_overrides, "suite")):
             for o in overrides:
                 if o.quantity == quantity and o.matches(test, dtype, model):

@@ -25,6 +25,9 @@ from polyengine.sampling import RowState, raw_logprobs, sample
 from polyengine.sampling.masks import SlotMasks, full_mask, mask_words
 from polyengine.sampling.params import ENGINE_FIELDS
 
+from broken_edges import EDGE_BROKEN, EDGE_CAUGHT_BY
+from broken_compositions import COMPOSED_BROKEN, COMPOSED_CAUGHT_BY
+from broken_lifetimes import LIFETIME_ALSO_CAUGHT_BY, LIFETIME_BROKEN, LIFETIME_CAUGHT_BY
 from honest_backends import HONEST, AsyncEngine
 from restricted_backend import RestrictedEngine
 
@@ -762,6 +765,12 @@ BROKEN: dict[str, type] = {
     "broken_seed_second_path": SeedLowWordOnSecondPathEngine,
     "broken_mask_live_rows": MaskLiveRowsEngine,
     "broken_mask_continuation": MaskContinuationEngine,
+    # caught by the lifetime layer (tests/broken_lifetimes.py)
+    **LIFETIME_BROKEN,
+    # caught by the differential layer's chains of composed capabilities (tests/broken_compositions.py)
+    **COMPOSED_BROKEN,
+    # caught at a model's configuration edges (tests/broken_edges.py)
+    **EDGE_BROKEN,
 }
 
 # backend -> (-k selection that runs only the test meant to catch it, the test that must
@@ -891,6 +900,9 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
                               "allowed-token mask leaves out"),
     "broken_mask_continuation": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
                                  "allowed-token mask leaves out"),
+    **LIFETIME_CAUGHT_BY,
+    **COMPOSED_CAUGHT_BY,
+    **EDGE_CAUGHT_BY,
 }
 assert set(CAUGHT_BY) == set(BROKEN), sorted(set(CAUGHT_BY) ^ set(BROKEN))
 
@@ -917,6 +929,7 @@ ALSO_CAUGHT_BY = {
         ("test_sampling_distribution and logit_bias", "test_sampling_distribution[logit_bias]",
          "do not follow the specified distribution"),
     ],
+    **LIFETIME_ALSO_CAUGHT_BY,
 }
 
 

@@ -25,6 +25,7 @@ pytest_plugins = ["pytester"]
 # declare, and checks of features it does not declare (their refusal is tested elsewhere).
 _EXPECTED_SKIPS = {
     "restricted": ("test_differential[",  # the configurations of the architectures it does not declare
+                   "test_prefix_lifetime",  # continuations, imports, exports: no prefix_reuse, no portable_prefix
                    "test_bulk_insert_refusals", "test_override_counts_for_penalties",  # no bulk_insert, no penalties
                    "test_prefix_reuse_at_bucket_edges", "test_prefix_reuse_leaves_the_prefix",  # no prefix_reuse
                    "test_sampling_support[min_p]", "test_sampling_support[combined]", "test_sampling_support[penalties]",

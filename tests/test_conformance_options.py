@@ -1,0 +1,115 @@
+"""Option sets: a backend declares the engine options worth checking
+(``[[conformance_options]]``), the runner passes ``--option``, and the suite judges each
+run under the set's tolerances (exactly where it is lossless). Each broken backend of
+tests/broken_options.py passes the selection without options and is caught in its
+option set's run."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import polyengine.conformance.suite  # noqa: F401  (kept in pytester's module snapshot)
+from polyengine.conformance.cli import option_runs
+from polyengine.conformance.models import MODEL_NAMES
+from polyengine.conformance.suite import suite_test_names
+from polyengine.conformance.tolerances import ConformanceConfigError, Tolerances, option_sets, parse_option
+from polyengine.plugins import select_backend
+
+from broken_options import OPTION_BROKEN
+
+pytest_plugins = ["pytester"]
+
+SUBCLASS = """
+import pytest
+from polyengine.conformance import BackendConformance
+from broken_options import TOLERANCES, create_engine_for
+
+
+class TestOptioned(BackendConformance):
+    @pytest.fixture
+    def engine_factory(self):
+        return create_engine_for({name!r})
+
+    @pytest.fixture
+    def conformance_tolerances(self):
+        return TOLERANCES
+"""
+
+
+def _failures(rec) -> dict[str, str]:
+    out = {}
+    for rep in rec.getreports("pytest_runtest_logreport"):
+        if rep.failed:
+            crash = getattr(rep.longrepr, "reprcrash", None)
+            out[rep.nodeid.rsplit("::", 1)[-1]] = crash.message if crash else str(rep.longrepr)
+    return out
+
+
+@pytest.mark.parametrize("backend", sorted(OPTION_BROKEN))
+def test_option_fault_is_caught_in_its_option_set(pytester, backend):
+    _, option, selection, test, phrase = OPTION_BROKEN[backend]
+    path = pytester.makepyfile(**{f"test_{backend}": SUBCLASS.format(name=backend)})
+    plain = _failures(pytester.inline_run(str(path), "-k", selection, "-p", "no:cacheprovider"))
+    assert plain == {}, f"{backend} fails without its option: {plain}"
+    failures = _failures(pytester.inline_run(str(path), "-k", selection, "-p", "no:cacheprovider",
+                                             "--polyengine-option", option))
+    assert test in failures, f"{backend} with --polyengine-option {option} was not caught by {test}: {sorted(failures)}"
+    assert phrase in failures[test], f"{backend}: the message does not name the fault: {failures[test]}"
+
+
+def _tolerances(data):
+    return Tolerances(data, known_tests=suite_test_names(), known_models=MODEL_NAMES)
+
+
+def test_option_sets_are_checked_when_read():
+    good = {"options": {"quantize": "int8"}, "reason": "int8 weights", "tolerances": {"logits_rel_l2": 0.05}}
+    for entry, says in [
+        ({**good, "reason": ""}, "has no reason"),
+        ({**good, "options": {}}, "non-empty table"),
+        ({**good, "tolerances": {}}, "declares the tolerances"),
+        ({**good, "lossless": True}, "drop its tolerances"),
+        ({**good, "tolerances": {"logit_rel": 0.1}}, "unknown quantity"),
+        ({**good, "tolerances": {"logits_rel_l2": -1}}, "positive number"),
+        ({**good, "speed": 1}, "unknown key"),
+    ]:
+        with pytest.raises(ConformanceConfigError, match=says):
+            _tolerances({"conformance_options": [entry]})
+    with pytest.raises(ConformanceConfigError, match="declared twice"):
+        _tolerances({"conformance_options": [good, good]})
+
+
+def test_an_option_set_floors_the_tolerances_of_its_run():
+    tol = _tolerances({"conformance_options": [
+        {"options": {"quantize": "int8"}, "reason": "int8 weights", "tolerances": {"logits_rel_l2": 0.05}}]})
+    assert tol.use_options({"quantize": "int8"}).lossless is False
+    got = tol.get("logits_rel_l2", test="test_prefill_logits_match_reference", dtype="float32")
+    assert got.value == 0.05 and "option set [quantize=int8]" in got.source
+    assert tol.get("tie_gap", test="test_differential", dtype="float32").value == 1e-3  # not declared: as usual
+    assert tol.get("logits_rel_l2", test="test_differential", dtype="bfloat16").value == 5e-2  # a floor, never tighter
+    undeclared = tol.use_options({"quantize": "int8-block32"})
+    assert undeclared.lossless and "--option" in undeclared.origin
+    assert tol.get("logits_rel_l2", test="test_differential", dtype="float32").value == 1e-4
+    assert tol.use_options({}) is None
+
+
+def test_runner_options_and_declared_sets():
+    assert parse_option("quantize=int8") == ("quantize", "int8")
+    assert parse_option("speculation=3") == ("speculation", 3)
+    assert parse_option("async_steps=false") == ("async_steps", False)
+    assert parse_option("seq_buckets=[8, 16]") == ("seq_buckets", (8, 16))
+    with pytest.raises(ConformanceConfigError, match="KEY=VALUE"):
+        parse_option("int8")
+    assert option_runs(select_backend("cuda_torch"), argparse.Namespace(option=None, option_sets="none")) == [()]
+    args = argparse.Namespace(option=None, option_sets="declared")
+    for name in ("cuda_torch", "neuron"):
+        info = select_backend(name)
+        declared = option_sets(info.spec.tolerances)
+        assert declared, f"{name} declares no option set"
+        runs = option_runs(info, args)
+        assert runs[0] == () and len(runs) == len(declared) + 1
+        assert [dict(parse_option(o) for o in run) for run in runs[1:]] == [s.as_dict() for s in declared]
+    assert option_runs(select_backend("reference"), args) == [()]
+    assert option_runs(select_backend("cuda_torch"), argparse.Namespace(option=["quantize=int8"], option_sets="declared")) \
+        == [("quantize=int8",)]
