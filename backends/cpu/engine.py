@@ -95,15 +95,18 @@ class CpuEngine(TorchEngine):
         return self.plan.describe()
 
     def _weight_needs(self) -> dict[str, int]:
-        """In float32 the Model's arrays are used as they are (nothing new); in bfloat16 a
-        copy of every weight kept float; int8 or bfloat16 projection copies unless the
-        Model already holds them (they are computed once per Model and mode)."""
+        """In float32 the Model's float32 arrays are used as they are and weights stored
+        in other formats (a file's blocks, f16) are converted; in bfloat16 a copy of every
+        weight kept float; int8 or bfloat16 projection copies unless the Model already
+        holds them (they are computed once per Model and mode)."""
         c, plan = self.model.config, self.plan
         shapes = c.weight_shapes()
         needs = {}
+        kept = set(shapes) - (replaced_weights(c) if plan.narrow else set())
         if self.torch_dtype != torch.float32:
-            kept = set(shapes) - (replaced_weights(c) if plan.narrow else set())
             needs[f"{self.dtype} weights"] = sum(math.prod(shapes[n]) for n in kept) * self.torch_dtype.itemsize
+        elif converted := self.model.conversion_bytes(sorted(kept)):
+            needs["float32 copies of the weights stored in other formats"] = converted
         if plan.weights in ("int8", "int8-block32") and not has_int8_copies(self.model, plan.weights):
             needs[f"int8 copies of the projections and the LM head ({plan.weights})"] = int8_bytes(c, plan.weights)
         if plan.weights == "bfloat16" and not has_bf16_copies(self.model):

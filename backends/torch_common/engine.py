@@ -161,10 +161,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
     def _weight_needs(self) -> dict[str, int]:
         """The weights this engine allocates: a copy in the compute dtype of every weight,
-        except on the CPU in float32, where the Model's arrays are used as they are."""
-        if self.torch_device.type == "cpu" and self.torch_dtype == torch.float32:
-            return {}
+        except on the CPU in float32, where the Model's float32 arrays are used as they
+        are and only the others (a file's blocks, f16) are converted."""
         shapes = self.model.config.weight_shapes()
+        if self.torch_device.type == "cpu" and self.torch_dtype == torch.float32:
+            converted = self.model.conversion_bytes(list(shapes))
+            return {"float32 copies of the weights stored in other formats": converted} if converted else {}
         return {f"{self.dtype} weights on {self.torch_device}":
                 sum(math.prod(s) for s in shapes.values()) * self.torch_dtype.itemsize}
 
