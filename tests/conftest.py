@@ -146,7 +146,7 @@ def pytest_collection_modifyitems(session, config, items):
     if config.option.collectonly or importlib.util.find_spec("torch") is None:
         return
     if any(item.nodeid.endswith("test_neuron_conformance.py::test_conformance_suite_passes_with_the_default_options")
-           for item in items):
+           and not _deselected_as_slow(config, item) for item in items):
         from neuron_support import start_suite
 
         start_suite()
@@ -179,6 +179,12 @@ def _mark_slow(items) -> None:
     for item in items:
         if recorded.get(item.nodeid, 0.0) > SLOW_SECONDS and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+
+
+def _deselected_as_slow(config, item) -> bool:
+    """Whether `-m "not slow"` (the fast tier) will deselect ``item``: its background
+    work (the neuron suite's run) must not start then."""
+    return "not slow" in (config.getoption("markexpr") or "") and item.get_closest_marker("slow") is not None
 
 
 _TIMES: dict[str, float] = {}
