@@ -62,7 +62,7 @@ from polyengine.models.metadata import Fields, require_finite
 from polyengine.models.blocks import row_bytes
 from polyengine.models.weights import Weight, format_info
 
-__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "hf_name", "unpermute_rows"]
+__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "hf_name", "gguf_name", "unpermute_rows", "permute_rows"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -172,6 +172,22 @@ def _split_record(record: Weight, names: list[str], how: int,
         out[n] = record.row_slice(row, row + expected[n][0])
         row += expected[n][0]
     return out
+
+
+def gguf_name(hf: str) -> str:
+    """The llama.cpp tensor name of a Llama-family HF weight name (the writer's direction
+    of :func:`hf_name`, for files this project writes: quantized test models)."""
+    for gguf, name in _GLOBAL_NAMES.items():
+        if name == hf:
+            return gguf
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}." + next(gguf for gguf, name in _LAYER_NAMES.items() if name == rest)
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order (what :func:`unpermute_rows` undoes): each
+    head's two rotate-half halves interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

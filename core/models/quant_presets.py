@@ -21,6 +21,7 @@ import numpy as np
 
 from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, quantize_blocks
 from polyengine.models.config import ModelConfig
+from polyengine.models.gguf_io import gguf_name, permute_rows
 from polyengine.models.presets import CHAT_TEMPLATE, SPECIAL_TOKENS, preset_config, random_weights
 from polyengine.models.tokenizer import BYTE_TO_UNICODE
 from polyengine.models.weights import Weight
@@ -28,21 +29,6 @@ from polyengine.models.weights import Weight
 __all__ = ["QUANT_FORMATS", "quantized_config", "quantized_records", "write_llama_gguf", "quantized_model_file"]
 
 QUANT_FORMATS = BLOCK_FORMATS  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
-
-_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-
 
 def quantized_config() -> ModelConfig:
     """2 layers, hidden 256, MLP 512, GQA 4/2 heads of 64, untied head, the byte vocabulary."""
@@ -68,18 +54,6 @@ def quantized_records(weights: dict[str, np.ndarray], fmt: str) -> dict[str, Wei
         else:
             out[name] = Weight.from_array(arr, name=name)
     return out
-
-
-def _gguf_name(hf: str) -> str:
-    if hf in _GLOBAL:
-        return _GLOBAL[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{_LAYER[rest]}"
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter's Q/K row order: each head's two rotate-half halves interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_llama_gguf(path: str | Path, config: ModelConfig, weights: dict[str, np.ndarray], fmt: str) -> Path:
@@ -117,17 +91,17 @@ def write_llama_gguf(path: str | Path, config: ModelConfig, weights: dict[str, n
         arr = np.asarray(arr, np.float32)
         for proj, n_head in heads.items():
             if f".{proj}." in name:
-                arr = _permute(arr, n_head)
+                arr = permute_rows(arr, n_head)
         if arr.ndim == 1:
-            w.add_tensor(_gguf_name(name), arr)
+            w.add_tensor(gguf_name(name), arr)
             continue
         if arr.shape[-1] % f.block:
             raise ValueError(f"{name}: rows of {arr.shape[-1]} do not divide into {fmt} blocks of {f.block}")
         raw = quantize_blocks(fmt, arr)
         if fmt in ("F32", "F16"):
-            w.add_tensor(_gguf_name(name), raw)
+            w.add_tensor(gguf_name(name), raw)
         else:
-            w.add_tensor(_gguf_name(name), raw.view(np.uint8), raw_dtype=gguf.GGMLQuantizationType(f.ggml_type))
+            w.add_tensor(gguf_name(name), raw.view(np.uint8), raw_dtype=gguf.GGMLQuantizationType(f.ggml_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
