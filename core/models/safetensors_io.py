@@ -230,8 +230,28 @@ def widen_bf16(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
-def _read(entry: SafetensorsEntry, mm: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    raw = mm[entry.begin : entry.end].view(_NUMPY[entry.dtype]).reshape(entry.shape)
+def _mapped(entries: dict[str, SafetensorsEntry], progress: Progress | None):
+    """(name, entry, its bytes) for each entry in order: a read-only view of one memory
+    map per file (nothing copied), the progress reported after each; an unreadable or
+    truncated file is a WeightsError naming the tensor."""
+    maps: dict[Path, np.ndarray] = {}
+    for done, (name, entry) in enumerate(entries.items(), 1):
+        if entry.file not in maps:
+            try:
+                # A plain ndarray view: arrays derived from an np.memmap keep its subclass.
+                maps[entry.file] = np.memmap(entry.file, dtype=np.uint8, mode="r").view(np.ndarray)
+            except OSError as exc:
+                raise WeightsError(f"cannot read: {exc.strerror or exc}", file=entry.file, tensor=name) from None
+        mm = maps[entry.file]
+        if mm.shape[0] < entry.end:  # the file shrank after its header was read
+            raise WeightsError("file is shorter than its header says (truncated)", file=entry.file, tensor=name)
+        yield name, entry, mm[entry.begin: entry.end]
+        if progress is not None:
+            progress(done, len(entries), name)
+
+
+def _read(entry: SafetensorsEntry, raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    raw = raw.view(_NUMPY[entry.dtype]).reshape(entry.shape)
     if entry.dtype == "BF16":
         out = widen_bf16(raw)
         return out if dtype == np.float32 else out.astype(dtype)
@@ -253,29 +273,16 @@ def load_safetensors_records(
     to an F32 record at load."""
     from polyengine.models.weights import Weight
 
-    maps: dict[Path, np.ndarray] = {}
     out: dict[str, Weight] = {}
-    total = len(entries)
-    try:
-        for done, (name, entry) in enumerate(entries.items(), 1):
-            if entry.file not in maps:
-                # A plain ndarray view: arrays derived from an np.memmap keep its subclass.
-                maps[entry.file] = np.memmap(entry.file, dtype=np.uint8, mode="r").view(np.ndarray)
-            mm = maps[entry.file]
-            if mm.shape[0] < entry.end:  # the file shrank after its header was read
-                raise WeightsError("file is shorter than its header says (truncated)", file=entry.file, tensor=name)
-            raw = mm[entry.begin: entry.end].view(_NUMPY[entry.dtype]).reshape(entry.shape)
-            if entry.dtype == "F64":
-                record = Weight.from_array(require_finite(raw.astype(np.float32), file=entry.file, tensor=name),
-                                           source=str(entry.file), name=name)
-            else:
-                record = Weight(entry.dtype, entry.shape, raw, source=str(entry.file), name=name)
-            record.check_finite()
-            out[name] = record
-            if progress is not None:
-                progress(done, total, name)
-    except OSError as exc:
-        raise WeightsError(f"cannot read: {exc.strerror or exc}", file=entry.file, tensor=name) from None
+    for name, entry, raw in _mapped(entries, progress):
+        raw = raw.view(_NUMPY[entry.dtype]).reshape(entry.shape)
+        if entry.dtype == "F64":
+            record = Weight.from_array(require_finite(raw.astype(np.float32), file=entry.file, tensor=name),
+                                       source=str(entry.file), name=name)
+        else:
+            record = Weight(entry.dtype, entry.shape, raw, source=str(entry.file), name=name)
+        record.check_finite()
+        out[name] = record
     return out
 
 
@@ -287,25 +294,8 @@ def load_safetensors(
 ) -> dict[str, np.ndarray]:
     """Read the given tensors (one at a time, from a memory map of each file)."""
     dt = _out_dtype(dtype)
-    maps: dict[Path, np.ndarray] = {}
-    out: dict[str, np.ndarray] = {}
-    total = len(entries)
-    try:
-        for done, (name, entry) in enumerate(entries.items(), 1):
-            if entry.file not in maps:
-                # A plain ndarray view: arrays derived from an np.memmap keep its subclass.
-                maps[entry.file] = np.memmap(entry.file, dtype=np.uint8, mode="r").view(np.ndarray)
-            mm = maps[entry.file]
-            if mm.shape[0] < entry.end:  # the file shrank after its header was read
-                raise WeightsError("file is shorter than its header says (truncated)", file=entry.file, tensor=name)
-            out[name] = require_finite(_read(entry, mm, dt), file=entry.file, tensor=name)
-            if progress is not None:
-                progress(done, total, name)
-    except OSError as exc:
-        raise WeightsError(f"cannot read: {exc.strerror or exc}", file=entry.file, tensor=name) from None
-    finally:
-        maps.clear()
-    return out
+    return {name: require_finite(_read(entry, raw, dt), file=entry.file, tensor=name)
+            for name, entry, raw in _mapped(entries, progress)}
 
 
 _MIXTRAL = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
