@@ -74,7 +74,6 @@ class CpuEngine(TorchEngine):
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
     def _resolve_kv_dtype(self) -> torch.dtype:
-        super()._resolve_kv_dtype()  # its refusal
         return self.plan.kv_dtype
 
     def _async_steps(self) -> bool:

@@ -87,8 +87,7 @@ class CpuPlan:
         computing in ``dtype``. Loads (compiling on first use) the kernels it picks."""
         o, config = options, None if model is None else model.config
         weights = _weights(o, config, dtype)
-        kv_dtype = dtype if o["kv_dtype"] == "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}[
-            o["kv_dtype"]]
+        kv_dtype = _kv_dtype(o, dtype)
         kernels, fallback = _kernels(o, dtype)
         if o["bf16_compute"] == "bf16" and kernels is None:
             raise UnsupportedFeature("bf16_compute='bf16'", BACKEND, "it runs in the host-compiled CPU kernels, "
@@ -220,6 +219,17 @@ def _bf16_units(host: CpuHost, isa: str) -> bool:
     ``isa`` forces a path below avx512: "avx2" and "scalar" run as a host of that kind
     would, which has none (docs/cpu.md, forced ISA paths)."""
     return host.bf16_units and isa in ("auto", "avx512")
+
+
+def _kv_dtype(o: Mapping[str, Any], dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type (option kv_dtype): narrower than compute for float32
+    compute only."""
+    kv = dtype if o["kv_dtype"] == "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}[o["kv_dtype"]]
+    if kv != dtype and dtype != torch.float32:
+        raise UnsupportedFeature(
+            f"kv_dtype={o['kv_dtype']!r} with dtype {_name(dtype)}", BACKEND,
+            "a narrower KV cache is kept for float32 compute only; use kv_dtype='auto' (the compute dtype)")
+    return kv
 
 
 def _weights(o: Mapping[str, Any], config: Any, dtype: torch.dtype) -> str:
