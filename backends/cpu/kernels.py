@@ -227,26 +227,20 @@ class CpuKernels:
             y = out.view(-1)[: m * n].view(m, n)
         else:
             y = torch.empty((m, n), dtype=torch.float32)
-        nb = m * k // Q8_BLOCK
-        xq = torch.empty(m * k, dtype=torch.int8)
-        xs = torch.empty(2 * nb, dtype=torch.float32)
-        self._gguf_call(blocks, x2, y, bias, xq, xs)
-        if pairs == 2:  # what the int8 row left over, quantized and multiplied again
-            rest = x2 - (xq.view(m, -1, Q8_BLOCK).float() * xs[:nb].view(m, -1, 1)).view(m, k)
-            y += self._gguf_call(blocks, rest, torch.empty((m, n), dtype=torch.float32), None, xq, xs)
-        return y.reshape(*shape[:-1], n)
-
-    def _gguf_call(self, blocks, x2, y, bias, xq, xs) -> torch.Tensor:
-        m, k = x2.shape
-        nb = m * k // Q8_BLOCK
+        pairs = 2 if pairs == 2 else 1
+        nb = pairs * m * k // Q8_BLOCK
+        xq = torch.empty(pairs * m * k, dtype=torch.int8)
+        xs = torch.empty(2 * nb, dtype=torch.float32)  # scales, then their blocks' sums
+        rest = torch.empty(2 * m * n + k if pairs == 2 else 1, dtype=torch.float32)
         offsets = blocks.offsets
         rc = self.lib.pe_gguf_linear(blocks.ggml_type, x2.data_ptr(), k, blocks.base, blocks.ldw,
                                      None if offsets is None else offsets.ctypes.data,
-                                     None if bias is None else bias.data_ptr(), y.data_ptr(), y.shape[1], m,
-                                     blocks.n, k, self.threads, xq.data_ptr(), xs.data_ptr(), xs[nb:].data_ptr())
+                                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k,
+                                     self.threads, xq.data_ptr(), xs.data_ptr(), xs[nb:].data_ptr(), pairs,
+                                     rest.data_ptr())
         if rc != 0:
             raise ValueError(f"the block kernels refused a {blocks.format} matrix of {k} columns")
-        return y
+        return y.reshape(*shape[:-1], n)
 
     def gguf_dequant(self, blocks, start: int, stop: int, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Rows ``start:stop`` of ``blocks`` (or, with ``rows``, the rows it lists) as
@@ -335,7 +329,7 @@ def _bind(lib: ctypes.CDLL) -> None:
                                          ctypes.c_float, int_, int_]
     lib.pe_prefill_attention.restype = lib.pe_pa_bf16.restype = ctypes.c_int
     lib.pe_gguf_linear.argtypes = [int_, ptr, long_, ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_, ptr,
-                                   ptr, ptr]
+                                   ptr, ptr, int_, ptr]
     lib.pe_gguf_dequant.argtypes = [int_, ptr, long_, ptr, long_, long_, ptr, long_, int_]
     lib.pe_gguf_linear.restype = lib.pe_gguf_dequant.restype = ctypes.c_int
 

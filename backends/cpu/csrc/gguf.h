@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "linear.h"
 #include "parallel.h"
 #include "q8.h"
 #include "simd.h"
@@ -326,9 +327,8 @@ static void gq_dequant_rows(const uint8_t *w, long ldw, const long *rowoff, long
     }
 }
 
-// x (M, K) -> xq/xs (q8_quantize) and xsf[m, b] = xs * sum of block b's int8 values.
-static void gq_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, float *xsf) {
-    q8_quantize(x, ldx, M, K, xq, xs);
+// xsf[m, b] = xs[m, b] * the sum of block b's int8 values (the minimum's term).
+static void gq_sums(const int8_t *xq, const float *xs, int M, long K, float *xsf) {
     const long nb = K / 32;
     for (int m = 0; m < M; m++)
         for (long b = 0; b < nb; b++) {
@@ -337,6 +337,12 @@ static void gq_quantize(const float *x, long ldx, int M, long K, int8_t *xq, flo
             for (int i = 0; i < 32; i++) s += q[i];
             xsf[m * nb + b] = xs[m * nb + b] * (float)s;
         }
+}
+
+// x (M, K) -> xq/xs (q8_quantize) and their sums xsf.
+static void gq_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, float *xsf) {
+    q8_quantize(x, ldx, M, K, xq, xs);
+    gq_sums(xq, xs, M, K, xsf);
 }
 
 struct gq_job {
