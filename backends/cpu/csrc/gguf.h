@@ -206,6 +206,30 @@ static inline __m256i gq_unpack_v(const uint8_t *blk, int j, const gq_super *s, 
     return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
 }
 
+// gq_prepare in vector registers: the 6-bit scales and mins unpacked as four bytes per
+// 32-bit word (ggml's layout read as three words), widened and scaled eight at a time
+// (scalar int-to-float conversions, each with a false dependency, were half the time).
+template <int F>
+static inline void gq_prepare_v(const uint8_t *blk, gq_super *s) {
+    if (F == GQ_Q4_K || F == GQ_Q5_K) {
+        uint32_t u[3];
+        memcpy(u, blk + 4, 12);
+        const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+        const uint32_t sc_lo = u[0] & low6, mn_lo = u[1] & low6;
+        const uint32_t sc_hi = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+        const uint32_t mn_hi = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo)));
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo)));
+        _mm256_storeu_ps(s->dsc, _mm256_mul_ps(sc, _mm256_set1_ps(gq_f16(blk))));
+        _mm256_storeu_ps(s->dmn, _mm256_mul_ps(mn, _mm256_set1_ps(-gq_f16(blk + 2))));
+    } else if (F == GQ_Q6_K) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 d = _mm256_set1_ps(gq_f16(blk + 208));
+        _mm256_storeu_ps(s->dsc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d));
+        _mm256_storeu_ps(s->dsc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d));
+    }
+}
+
 // 8 int32 sums of 4 byte products each (lanes 0-3: bytes 0-15): unsigned aq, signed sx.
 static inline __m256i gq_dot(__m256i aq, __m256i sx) {
 #if PE_Q8_ISA == 2 && defined(__AVXVNNI__)
@@ -230,14 +254,17 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
                           float bias, float *y, long ldy) {
     typedef gq_traits<F> T;
     const long nb = K / 32;
-    __m256 acc[MB];
+    __m256 acc[MB], kmins[MB];
     float mins[MB];
-    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mins[m] = 0.f;
+    for (int m = 0; m < MB; m++) acc[m] = kmins[m] = _mm256_setzero_ps(), mins[m] = 0.f;
     gq_super sup;
     for (long blk = 0; blk < K / T::BLOCK; blk++) {
         const uint8_t *p = row + blk * T::BYTES;
         __builtin_prefetch(p + 4 * T::BYTES, 0, 0);
-        if (T::BLOCK == 256) gq_prepare<F>(p, &sup);
+        if (T::BLOCK == 256) gq_prepare_v<F>(p, &sup);
+        if (T::BLOCK == 256 && T::MIN)  // the eight sub-blocks' minimum terms in one step
+            for (int m = 0; m < MB; m++)
+                kmins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sup.dmn), _mm256_loadu_ps(xsf + m * nb + blk * 8), kmins[m]);
         for (int j = 0; j < T::BLOCK / 32; j++) {
             const long b = blk * (T::BLOCK / 32) + j;
             gq_sub o;
@@ -250,11 +277,11 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
                 const __m256 d = _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * nb + b));
                 const __m256i dot = gq_dot(aq, _mm256_sign_epi8(xv, q));  // |q| * (x with q's sign) = q * x
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m]);
-                if (T::MIN) mins[m] += o.mn * xsf[m * nb + b];
+                if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * xsf[m * nb + b];
             }
         }
     }
-    for (int m = 0; m < MB; m++) y[m * ldy] = gq_hsum(acc[m]) + mins[m] + bias;
+    for (int m = 0; m < MB; m++) y[m * ldy] = gq_hsum(_mm256_add_ps(acc[m], kmins[m])) + mins[m] + bias;
 }
 
 #else  // plain C++
@@ -315,13 +342,28 @@ static void gq_dequant_rows(const uint8_t *w, long ldw, const long *rowoff, long
         gq_super sup;
         for (long blk = 0; blk < K / T::BLOCK; blk++) {
             const uint8_t *p = row + blk * T::BYTES;
+#if PE_Q8_ISA >= 1
+            if (T::BLOCK == 256) gq_prepare_v<F>(p, &sup);
+#else
             if (T::BLOCK == 256) gq_prepare<F>(p, &sup);
+#endif
             for (int j = 0; j < T::BLOCK / 32; j++) {
                 gq_sub s;
+                float *d = o + blk * T::BLOCK + j * 32;
+#if PE_Q8_ISA >= 1
+                const __m256i q = gq_unpack_v<F>(p, j, &sup, &s);
+                const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+                const __m256 mn = _mm256_set1_ps(s.mn);
+                for (int h = 0; h < 4; h++) {  // eight weights at a time: sc * q + mn, one rounding
+                    const __m128i part = h & 1 ? _mm_srli_si128(half[h >> 1], 8) : half[h >> 1];
+                    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
+                    _mm256_storeu_ps(d + 8 * h, _mm256_fmadd_ps(f, _mm256_set1_ps(s.sc[h >> 1]), mn));
+                }
+#else
                 int8_t q[32];
                 gq_unpack_s<F>(p, j, &sup, q, &s);
-                float *d = o + blk * T::BLOCK + j * 32;
                 for (int i = 0; i < 32; i++) d[i] = s.sc[i >> 4] * (float)q[i] + s.mn;
+#endif
             }
         }
     }
