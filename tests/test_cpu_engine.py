@@ -300,13 +300,16 @@ def test_int8_groupings_that_differ_decode_unfused_instead_of_failing():
     assert len(out[0].token_ids) == 6
 
 
-def test_the_memory_check_counts_the_conversion_of_a_quantized_file(tmp_path, monkeypatch):
-    """A Q8_0 file's blocks are widened to float32 for the torch path: the engine's
-    memory check counts those copies (the Model's records are not float32 arrays)."""
+def test_the_memory_check_counts_only_what_is_converted(tmp_path, monkeypatch):
+    """A Q8_0 file's blocks are read as mapped: nothing to count. An F16 file's matrices
+    (a format the engine does not compute on) are widened to float32 tensor by tensor:
+    the engine's memory check counts those copies."""
     from polyengine.models.quant_presets import quantized_model_file
 
-    model = load_model(str(quantized_model_file("Q8_0", tmp_path)))
     needs = {}
     monkeypatch.setattr(CpuEngine, "check_memory", lambda self, n, **kw: needs.update(n))
+    CpuEngine(load_model(str(quantized_model_file("Q8_0", tmp_path))), CFG)
+    assert "float32 copies of the weights stored in other formats" not in needs
+    model = load_model(str(quantized_model_file("F16", tmp_path)))
     CpuEngine(model, CFG)
     assert needs["float32 copies of the weights stored in other formats"] == model.conversion_bytes() > 0

@@ -1,0 +1,175 @@
+"""The cpu engine on a GGUF file's blocks (backends/cpu/blocks.py, csrc/gguf.h): the
+projections, LM head and embedding table stay the Model's records, mapped from the file;
+a decode on them equals the reference oracle computing on the same blocks; the options
+that replace them requantize; the process never holds a float32 copy of the model.
+The kernels themselves are tests/test_cpu_gguf_kernels.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from polyengine import EngineConfig, SamplingParams  # noqa: E402
+from polyengine.backends.cpu.engine import CpuEngine  # noqa: E402
+from polyengine.driver import LLM  # noqa: E402
+from polyengine.errors import FallbackWarning, UnsupportedFeature  # noqa: E402
+from polyengine.models import load_model  # noqa: E402
+from polyengine.models.blocks import BLOCK_FORMATS  # noqa: E402
+from polyengine.models.quant_presets import quantized_model_file  # noqa: E402
+
+CFG = EngineConfig(max_slots=2, max_prefill_length=24, max_cache_length=64)
+PROMPTS = [[1, 5, 9, 4, 2, 7], [3, 3, 8]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("quantized")
+    return lambda fmt: quantized_model_file(fmt, folder)
+
+
+def _tokens(model, backend, options=None):
+    if backend == "reference":
+        llm = LLM(model=model, backend="reference", max_slots=2, max_cache_length=64, max_prefill_length=24)
+    else:
+        llm = LLM.from_engine(CpuEngine(model, CFG.model_copy(update={"options": options or {}})), tools=False)
+    return [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    cache = {}
+
+    def get(model):
+        key = id(model)
+        if key not in cache:
+            cache[key] = _tokens(model, "reference")
+        return cache[key]
+
+    return get
+
+
+def test_the_engine_reads_the_files_blocks_where_they_lie(files):
+    model = load_model(files("Q4_K"))
+    eng = CpuEngine(model, CFG)
+    params = eng.load_params()
+    c = model.config
+    kept = set(eng.plan.block_weights)
+    assert "model.embed_tokens.weight" in kept and "model.layers.0.self_attn.q_proj.weight" in kept
+    assert c.head_weight in kept
+    for name in kept:
+        assert name not in params.tensors  # no float copy made
+        blocks = eng._blocks[name]
+        assert blocks.weight is model.records[name] and not blocks.weight.data.flags.writeable  # the map itself
+    paths = eng.speed_paths()
+    assert "GGUF blocks" in paths["weights"] and "Q4_K" in paths["weights"]
+    assert "GGUF block weights" in paths["decode"] and eng._fused is None  # the fused step takes no blocks
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_greedy_decode_on_blocks_equals_the_oracle(files, oracle, fmt):
+    """The default (int8x2 activations) on every format decodes as the reference, which
+    dequantizes the same blocks exactly in float64."""
+    model = load_model(files(fmt))
+    assert _tokens(model, "cpu") == oracle(model)
+
+
+@pytest.mark.parametrize("options", [{"int8_compute": "float"}, {"cpu_kernels": False}, {"isa": "avx2"},
+                                     {"isa": "scalar"}, {"live_rows": False}])
+def test_every_path_on_blocks_decodes_the_same(files, oracle, options):
+    from isa_paths import kernels_for
+
+    if "isa" in options:
+        kernels_for(options["isa"])  # skips where this CPU cannot execute it
+    model = load_model(files("Q6_K"))
+    if options.get("cpu_kernels") is False:
+        with pytest.warns(FallbackWarning, match="cpu_kernels=False"):
+            assert _tokens(model, "cpu", options) == oracle(model)
+    else:
+        assert _tokens(model, "cpu", options) == oracle(model)
+
+
+def test_one_int8_row_is_within_its_bound(files, oracle):
+    """int8_compute=int8 (one int8 row per 32 activations, as llama.cpp's Q8 pairing):
+    the first step's log-probs stay within the activation bound of docs/cpu.md."""
+    model = load_model(files("Q4_0"))
+    sp = SamplingParams(temperature=0, max_tokens=1, logprobs=True, top_logprobs=5)
+    ref = LLM(model=model, backend="reference", max_slots=2, max_cache_length=64, max_prefill_length=24)
+    want = ref.generate(PROMPTS, sp)
+    eng = CpuEngine(model, CFG.model_copy(update={"options": {"int8_compute": "int8"}}))
+    assert eng.plan.block_activations == 1 and "one int8 row" in eng.speed_paths()["int8"]
+    got = LLM.from_engine(eng, tools=False).generate(PROMPTS, sp)
+    for g, w in zip(got, want):
+        assert abs(g.outputs[0].logprobs[0] - w.outputs[0].logprobs[0]) < 0.05
+
+
+@pytest.mark.parametrize(("options", "dtype", "kept"), [
+    ({}, "float32", True),
+    ({"quantize": "int8-block32"}, "float32", False),  # int8 copies requantized tensor by tensor
+    ({"weight_dtype": "bfloat16"}, "float32", False),
+    ({}, "bfloat16", False),  # bfloat16 compute: the torch forward on bfloat16 copies
+])
+def test_options_that_replace_the_blocks(files, options, dtype, kept):
+    from polyengine.hostinfo import has_bf16_units
+
+    if dtype == "bfloat16" and not has_bf16_units():
+        pytest.skip("bfloat16 compute needs bfloat16 units on this CPU")
+    model = load_model(files("Q8_0"))
+    eng = CpuEngine(model, CFG.model_copy(update={"options": options, "dtype": dtype}))
+    assert bool(eng.plan.block_weights) == kept
+    assert len(_tokens(model, "cpu", options)[0]) == 8 if dtype == "float32" else True
+
+
+def test_int8_compute_on_block_weights(files):
+    model = load_model(files("Q5_K"))
+    for choice, rows in (("auto", 2), ("int8x2", 2), ("int8", 1), ("float", 0)):
+        assert CpuEngine(model, CFG.model_copy(update={"options": {"int8_compute": choice}})).plan.block_activations == rows
+    with pytest.raises(UnsupportedFeature, match="int8_compute"):
+        CpuEngine(load_model("random:tiny-gqa"), CFG.model_copy(update={"options": {"int8_compute": "int8"}}))
+
+
+_PEAK = textwrap.dedent("""
+    import json, resource, sys
+    import torch  # imported before the baseline: its libraries are not the model
+    import polyengine
+    from polyengine import LLM, SamplingParams
+    def peak():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    base = peak()
+    llm = LLM(model=sys.argv[1], backend="cpu", max_slots=1, max_cache_length=64, max_prefill_length=32)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    print(json.dumps({"growth": peak() - base, "tokens": len(out[0].outputs[0].token_ids)}))
+""")
+
+
+@pytest.mark.slow
+def test_the_process_never_holds_a_float32_model(tmp_path):
+    """A 4-bit file of ~110M weights (float32: ~440 MB) loads and generates on the cpu
+    backend with a peak RSS growth well under the float32 model's size: the blocks are
+    read where the file maps them, converted one band at a time."""
+    from polyengine.models.presets import random_weights
+    from polyengine.models.quant_presets import quantized_config, write_llama_gguf
+
+    config = quantized_config().model_copy(update=dict(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64))
+    rng = np.random.default_rng(0)
+    weights = {name: (rng.standard_normal(shape, dtype=np.float32) * 0.02 if len(shape) == 2 else
+                      np.ones(shape, np.float32)) for name, shape in config.weight_shapes().items()}
+    path = write_llama_gguf(tmp_path / "q4_0.gguf", config, weights, "Q4_0")
+    float32_bytes = sum(w.size for w in weights.values()) * 4
+    del weights
+    proc = subprocess.run([sys.executable, "-c", _PEAK, str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == 4
+    assert result["growth"] < 0.4 * float32_bytes, (result, float32_bytes)
