@@ -1,0 +1,122 @@
+"""The device backends on GGUF blocks (issue 37, item 3): the core's exact split of
+Q8_0/Q4_0/Q4_1 into integers and scales, cuda_torch's products on torch's int4 op and
+on int8 values with block scales (each against the float64 product of the exactly
+dequantized blocks), greedy decoding on tiny quantized models equal to the reference
+oracle on the same blocks, and the formats each backend declares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyengine.models.blocks import dequantize_blocks, quantize_blocks
+from polyengine.models.int_blocks import INT_BLOCK_FORMATS, split_blocks
+from polyengine.models.weights import Weight
+
+FORMATS = INT_BLOCK_FORMATS  # Q8_0, Q4_0, Q4_1
+
+
+def _record(fmt: str, rows: int = 48, cols: int = 256, seed: int = 0) -> Weight:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    w[0, :32] += 3.0  # one block far from the rest: per-block scales must stay per block
+    return Weight(fmt, (rows, cols), quantize_blocks(fmt, w), name=f"test.{fmt}")
+
+
+def _exact(record: Weight) -> np.ndarray:
+    raw = np.ascontiguousarray(record.rows()).reshape(-1, record.info.nbytes)
+    return dequantize_blocks(record.format, raw).reshape(record.shape)  # float64, exact
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_split_is_the_exact_dequantization_bit_for_bit_in_float32(fmt):
+    record = _record(fmt)
+    values, scale, offset = split_blocks(record)
+    assert values.dtype == np.int8 and scale.shape == (48, 8)
+    w = (values.reshape(48, 8, 32).astype(np.float32) * scale[:, :, None])
+    if offset is not None:
+        w = w + offset[:, :, None]
+    want = _exact(record).astype(np.float32)  # the exact value rounded once
+    np.testing.assert_array_equal(w.reshape(48, 256), want)
+    # A permuted (strided) view of the rows splits like the rows themselves.
+    view = record.permute_rows(4)
+    np.testing.assert_array_equal(split_blocks(view)[0], values.reshape(4, 6, 2, 256).swapaxes(1, 2).reshape(48, 256))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_torch_block_products_match_float64_of_the_exact_blocks(fmt):
+    """Each device form (torch's int4 op where it runs, int8 values with block scales
+    everywhere) against x @ W.T in float64 of the exactly dequantized blocks: relative
+    to sum |x| |w| (what the rounding of a float32 or bfloat16 dot product is bounded by)."""
+    torch = pytest.importorskip("torch")
+    from polyengine.backends.torch_common.blocks import block_linear, int4_runs, pack_matrix
+
+    record = _record(fmt)
+    exact = _exact(record)
+    x = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(1))
+    x64 = x.double().numpy()
+    want = x64 @ exact.T
+    scale = np.abs(x64) @ np.abs(exact).T
+    cpu = torch.device("cpu")
+    forms = [False, True] if int4_runs(fmt, record.shape, cpu, torch.float32) else [True]
+    assert forms == ([False, True] if fmt != "Q8_0" else [True])  # Q4_0/Q4_1 do run on the int4 op here
+    for force_int8 in forms:
+        for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+            t = pack_matrix(record, "m", device=cpu, dtype=dtype, force_int8=force_int8)
+            assert ("m.qvalues" in t) == force_int8 and ("m.int4" in t) != force_int8
+            got = block_linear(t, x.to(dtype), "m").double().numpy()
+            err = np.abs(got - want) / scale
+            assert err.max() < bound, (fmt, dtype, force_int8, err.max())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from polyengine.models.quant_presets import quantized_model_file
+
+    where = tmp_path_factory.mktemp("device-blocks")
+    return {fmt: quantized_model_file(fmt, where) for fmt in (*FORMATS, "Q4_K")}
+
+
+def _greedy(model, backend, options=None, tokens=8):
+    import polyengine as pe
+
+    llm = pe.LLM(model, backend=backend, max_slots=2, max_cache_length=64, max_prefill_length=32,
+                 options=options or {})
+    greedy = pe.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=True, top_logprobs=2)
+    out = llm.generate(["hello", "the blocks"], greedy)
+    return llm, [o.outputs[0] for o in out]
+
+
+def _same_tokens(ref, got, what):
+    """Equal greedy tokens, up to the first near tie of the reference (after which the
+    two may part by float noise, as the conformance suite allows)."""
+    for r, g in zip(ref, got):
+        for step, top in enumerate(r.top_logprobs):
+            assert g.token_ids[step] == r.token_ids[step], (what, step, r.token_ids, g.token_ids)
+            first, second = sorted(top.values(), reverse=True)
+            if first - second < 1e-3:
+                break
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "Q4_K"])
+def test_cuda_torch_decodes_quantized_models_like_the_oracle(files, fmt):
+    """cuda_torch's stand-in on the blocks (Q8_0 int8 + block scales, Q4_0/Q4_1 on the
+    int4 op; Q4_K converted at load) gives the reference's greedy tokens; the engine
+    holds every projection in its block form, and the Model still holds the file's blocks."""
+    pytest.importorskip("torch")
+    from polyengine.models import load_model
+
+    model = load_model(files[fmt])
+    _, ref = _greedy(model, "reference")
+    llm, got = _greedy(model, "cuda_torch", {"device": "cpu"})
+    _same_tokens(ref, got, fmt)
+    engine = llm.engine
+    assert set(engine.capabilities.weight_formats) >= {"Q8_0", "Q4_0", "Q4_1"}
+    tensors = engine.load_params().tensors
+    down = "model.layers.1.mlp.down_proj"
+    if fmt == "Q4_K":
+        assert down + ".weight" in tensors and not engine._blocks  # converted, one tensor at a time
+    else:
+        form = ".qvalues" if fmt == "Q8_0" else ".int4"
+        assert down + form in tensors and down + ".weight" not in tensors, sorted(tensors)[:8]
+        assert "lm_head" + form in tensors or "lm_head.qvalues" in tensors
+    assert model.formats[fmt] == 16
