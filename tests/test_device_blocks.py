@@ -120,3 +120,65 @@ def test_cuda_torch_decodes_quantized_models_like_the_oracle(files, fmt):
         assert down + form in tensors and down + ".weight" not in tensors, sorted(tensors)[:8]
         assert "lm_head" + form in tensors or "lm_head.qvalues" in tensors
     assert model.formats[fmt] == 16
+
+
+_TPU_SHARDED = r"""
+import json, sys
+import numpy as np
+import polyengine as pe
+from polyengine.models import load_model
+
+out = {}
+for fmt, path in json.loads(sys.argv[1]).items():
+    model = load_model(path)
+    greedy = pe.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
+    runs = {}
+    for backend, options in (("reference", {}), ("tpu_jax", {"tensor_parallel": 2, "data_parallel": 1})):
+        llm = pe.LLM(model, backend=backend, max_slots=2, max_cache_length=64, max_prefill_length=32, options=options)
+        res = llm.generate(["hello", "the blocks"], greedy)
+        runs[backend] = [(o.outputs[0].token_ids, [sorted(t.values(), reverse=True) for t in o.outputs[0].top_logprobs])
+                         for o in res]
+        if backend == "tpu_jax":
+            params = llm.engine.load_params()
+            q = params["model.layers.0.self_attn.q_proj.qweight"]
+            out.setdefault("layout", {})[fmt] = {
+                "dtype": str(q.dtype), "devices": len(q.sharding.device_set), "spec": str(q.sharding.spec),
+                "shard": list(q.addressable_shards[0].data.shape), "shape": list(q.shape),
+                "offset": "model.layers.0.self_attn.q_proj.offset" in params,
+                "float": "model.layers.0.self_attn.q_proj.weight" in params,
+                "formats": list(llm.engine.capabilities.weight_formats)}
+    out[fmt] = runs
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_tpu_jax_decodes_quantized_models_like_the_oracle_sharded_on_two_devices(files):
+    """tpu_jax on two CPU devices (tensor_parallel=2): Q8_0/Q4_1 matrices as int8
+    values with block scales (Q4_1 with its offsets), sharded like the float matrices
+    (output rows split over tp), give the reference's greedy tokens on the same blocks."""
+    pytest.importorskip("jax")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # Q4_0 is Q8_0's path (int8 values, a scale per block) after the split tested above.
+    tpu_formats = ("Q8_0", "Q4_1")
+    paths = {fmt: str(files[fmt]) for fmt in tpu_formats}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _TPU_SHARDED, json.dumps(paths)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for fmt in tpu_formats:
+        lay = out["layout"][fmt]
+        assert lay["dtype"] == "int8" and not lay["float"] and lay["offset"] == (fmt == "Q4_1"), lay
+        assert lay["devices"] == 2 and lay["shard"] == [lay["shape"][0] // 2, lay["shape"][1]], lay
+        assert {"Q8_0", "Q4_0", "Q4_1"} <= set(lay["formats"])
+        ref, got = out[fmt]["reference"], out[fmt]["tpu_jax"]
+        for (r_tokens, r_top), (g_tokens, _) in zip(ref, got):
+            for step, top in enumerate(r_top):
+                assert g_tokens[step] == r_tokens[step], (fmt, step, r_tokens, g_tokens)
+                if top[0] - top[1] < 1e-3:
+                    break

@@ -25,10 +25,11 @@ from polyengine.errors import BackendUnavailable, InvalidRequest, UnsupportedFea
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
+from polyengine.models.int_blocks import block_matrices
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.cuda_torch.options import OPTIONS, WEIGHT_FORMATS
-from polyengine.backends.torch_common.blocks import block_linear, block_matrices, pack_matrix, packed_bytes
+from polyengine.backends.torch_common.blocks import block_linear, pack_matrix, packed_bytes
 from polyengine.backends.torch_common.engine import TorchDecodeState, TorchEngine
 from polyengine.backends.torch_common.model import TorchWeights, forward
 

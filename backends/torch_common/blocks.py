@@ -35,32 +35,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from polyengine.models import Model
 from polyengine.models.int_blocks import INT_BLOCK_FORMATS, split_blocks
-from polyengine.models.quantize import quantized_names
 from polyengine.models.weights import Weight
 
-__all__ = ["DEVICE_BLOCK_FORMATS", "block_matrices", "int4_runs", "pack_matrix", "packed_bytes", "block_linear"]
+__all__ = ["DEVICE_BLOCK_FORMATS", "int4_runs", "pack_matrix", "packed_bytes", "block_linear"]
 
 DEVICE_BLOCK_FORMATS = INT_BLOCK_FORMATS  # Q8_0, Q4_0, Q4_1
 _GROUP = 32
 _INT4 = ("Q4_0", "Q4_1")
 # CUDA's int4 layout: K tiles of 16 per inner tile; 8 is tinygemm's usual choice when K allows.
 _INNER_K_TILES = (8, 4, 2)
-
-
-def block_matrices(model: Model, formats: tuple[str, ...]) -> dict[str, str]:
-    """Projection/head name -> its source weight, for every matrix stored in one of
-    ``formats`` that this module computes on (the embedding table stays float: it is a
-    lookup, and a tied head reads it)."""
-    out = {}
-    for name, source in quantized_names(model.config):
-        if source == "model.embed_tokens.weight" or ".mlp.experts." in source:
-            continue
-        fmt = model.records[source].format if source in model.records else None
-        if fmt in DEVICE_BLOCK_FORMATS and fmt in formats:
-            out[name] = source
-    return out
 
 
 def int4_runs(fmt: str, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> bool:

@@ -133,16 +133,24 @@ def shards(axes: Sequence[str | None], shape: Sequence[int], mesh: Mapping[str, 
 
 def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: int, tp: int,
                  quantize: str = "", kv_int8: bool = False,
-                 rules: Mapping[str, str | None] | None = None) -> dict[str, int]:
+                 rules: Mapping[str, str | None] | None = None,
+                 blocks: Mapping[str, str] | None = None) -> dict[str, int]:
     """Bytes per device of what an engine allocates: weights, KV cache, sampler tables
-    and a prefill's activations, by description (what a memory refusal names)."""
+    and a prefill's activations, by description (what a memory refusal names).
+    ``blocks``: weight name -> GGUF format of the matrices kept as int8 values with a
+    float32 scale (Q4_1: and an offset) per 32 weights."""
     rules = {**DEFAULT_RULES, **(rules or {})}
     mesh = {"dp": dp, "tp": tp}
     item = ITEMSIZE[dtype]
     weights = 0
     replaced = replaced_weights(model) if quantize else frozenset()  # the core's one quantizer's choice
     for name, shape in model.weight_shapes().items():
-        size = matrix_bytes(shape, quantize) if name in replaced else math.prod(shape) * item
+        if name in replaced:
+            size = matrix_bytes(shape, quantize)
+        elif name in (blocks or {}):
+            size = matrix_bytes(shape, "int8-block32") + (math.prod(shape) // 8 if blocks[name] == "Q4_1" else 0)
+        else:
+            size = math.prod(shape) * item
         weights += size // shards(param_axes(name, len(shape)), shape, mesh, rules)
     if quantize and model.tie_word_embeddings:  # the int8 copy of the tied head
         weights += matrix_bytes((model.vocab_size, model.hidden_size), quantize)
@@ -153,7 +161,7 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
     cache_shape = (model.num_hidden_layers, config.max_slots, model.num_key_value_heads, config.max_cache_length, width)
     cache = 2 * math.prod(cache_shape) * kv_item // shards(CACHE_AXES, cache_shape, mesh, rules)
     return {
-        f"{dtype} weights{' (int8 projections)' if quantize else ''}": weights,
+        f"{dtype} weights{' (int8 projections)' if quantize or blocks else ''}": weights,
         f"the KV cache of {config.max_slots} slots x {config.max_cache_length} positions": cache,
         "the sampler's per-slot tables and a prefill's activations": (
             config.max_slots * row_bytes(model.vocab_size) // dp

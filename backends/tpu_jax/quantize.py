@@ -22,6 +22,15 @@ prompt under-samples the range of later keys (docs/decisions.md). Prefill runs i
 compute dtype, so prefixes (and portable prefixes exported from them) are never
 quantized; insert encodes them into the slot.
 
+A file's GGUF blocks (Q8_0, Q4_0, Q4_1; without option ``quantize``) take the same
+form without requantizing: the core splits each block exactly into its integers and
+its f16 scale (and Q4_1's offset, ``<name>.offset``), so ``qweight * scale + offset``
+in float32 is the exact dequantization (:mod:`polyengine.models.int_blocks`), and in
+bfloat16 the scale and the product round to it. Q4_0 is kept as int8 (values in
+[-8, 7]), not ``jnp.int4``: JAX 0.10 has int4 arrays on the CPU, but the model is the
+shared torch forward traced by torchax, and torchax 0.0.13 has no torch dtype for
+``jnp.int4`` ("Attempting to convert unknown type"), so an int4 array cannot enter it.
+
 The error bounds that ``tests/test_tpu_jax_quant.py`` asserts, and docs/tpu_jax.md
 states, were measured on the default model.
 """
@@ -38,16 +47,28 @@ KV_MODES = ("", "int8")
 
 
 def int8_linear(t, x, name):
-    """The shared model's ``linear`` hook for int8 weights (torch code, traced by torchax)."""
+    """The shared model's ``linear`` hook for int8 weights (torch code, traced by torchax):
+    ``<name>.qweight`` times ``.scale`` (per channel or per block), plus ``.offset`` per
+    block where there is one (GGUF's Q4_1); a matrix without ``qweight`` (a file's
+    blocks of a format kept as floats) is a plain product."""
     import torch.nn.functional as F
 
-    q, scale, bias = t[name + ".qweight"], t[name + ".scale"], t.get(name + ".bias")
+    bias = t.get(name + ".bias")
+    if name + ".qweight" not in t:
+        weight = t.get(name + ".weight")
+        if weight is None and name == "lm_head":  # tied: the embedding table
+            weight = t["model.embed_tokens.weight"]
+        return F.linear(x, weight, bias)
+    q, scale = t[name + ".qweight"], t[name + ".scale"]
     if scale.dim() == 1:
         y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
     else:
         group = q.shape[1] // scale.shape[1]
-        w = (q.to(x.dtype).reshape(q.shape[0], -1, group) * scale.to(x.dtype)[:, :, None]).reshape(q.shape)
-        y = F.linear(x, w)
+        w = q.to(x.dtype).reshape(q.shape[0], -1, group) * scale.to(x.dtype)[:, :, None]
+        offset = t.get(name + ".offset")
+        if offset is not None:
+            w = w + offset.to(x.dtype)[:, :, None]
+        y = F.linear(x, w.reshape(q.shape))
     return y if bias is None else y + bias
 
 

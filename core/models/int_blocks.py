@@ -25,9 +25,11 @@ from __future__ import annotations
 import numpy as np
 
 from polyengine.models.blocks import FORMATS
+from polyengine.models.model import Model
+from polyengine.models.quantize import quantized_names
 from polyengine.models.weights import Weight
 
-__all__ = ["INT_BLOCK_FORMATS", "split_blocks", "nibbles"]
+__all__ = ["INT_BLOCK_FORMATS", "split_blocks", "nibbles", "block_matrices"]
 
 # The block formats that split into (int8 values, a scale per 32, an optional offset).
 INT_BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
@@ -74,3 +76,19 @@ def split_blocks(weight: Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
         if offset is not None:
             offset[r: r + n] = m.reshape(n, per_row)
     return values, scale, offset
+
+
+def block_matrices(model: Model, formats: tuple[str, ...]) -> dict[str, str]:
+    """Projection/head name -> its source weight, for every matrix of ``model`` stored in
+    one of :data:`INT_BLOCK_FORMATS` that is also in ``formats`` (a backend's
+    ``weight_formats``): the matrices a device backend keeps as integers and scales.
+    The embedding table is never one (a lookup, which a tied head reads as floats), nor
+    are stacked experts."""
+    out = {}
+    for name, source in quantized_names(model.config):
+        if source == "model.embed_tokens.weight" or ".mlp.experts." in source or source not in model.records:
+            continue
+        fmt = model.records[source].format
+        if fmt in INT_BLOCK_FORMATS and fmt in formats:
+            out[name] = source
+    return out
