@@ -100,6 +100,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
         for info, row in zip(infos, rows):
             row["paths"] = info.diagnose()
+            row["weights"] = info.weights_row()
             row["options"] = option_rows(info.option_table())
     if args.json:
         json.dump(rows, args.out, indent=2)
@@ -123,10 +124,12 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
     for r in rows if args.verbose else ():
-        if r["paths"] or r["options"]:
+        if r["paths"] or r["options"] or r["weights"]:
             print(f"\n{r['name']}:")
             for key, value in r["paths"].items():
                 print(f"  {key}: {value}")
+            if r["weights"]:
+                print(f"  weight formats: {r['weights']}")
         if r["options"]:
             print(f"  options (--option KEY=VALUE):")
             for o in r["options"]:

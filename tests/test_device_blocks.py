@@ -182,3 +182,99 @@ def test_tpu_jax_decodes_quantized_models_like_the_oracle_sharded_on_two_devices
                 assert g_tokens[step] == r_tokens[step], (fmt, step, r_tokens, g_tokens)
                 if top[0] - top[1] < 1e-3:
                     break
+
+
+def test_backends_verbose_names_what_each_backend_computes_on_and_converts_without_torch_or_jax():
+    """The weights row comes from each spec's torch-free table: listing it imports
+    neither torch nor jax, and it names the formats computed on and those converted."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys\nfrom polyengine.discovery import list_backends\n"
+            "rows = {b.name: b.weights_row() for b in list_backends()}\n"
+            "print(json.dumps({'rows': rows, 'heavy': [m for m in ('torch', 'jax') if m in sys.modules]}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    rows = out["rows"]
+    assert out["heavy"] == []
+    for name in ("cuda_torch", "tpu_jax"):
+        assert rows[name].startswith("computes on Q8_0, Q4_0, Q4_1 blocks and the float formats as stored; "
+                                     "converts Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and GGUF's other types to float32"), rows[name]
+    assert rows["neuron"].startswith("computes on the float formats as stored; converts Q8_0, Q4_0, Q4_1, Q5_0"), rows
+    assert rows["reference"].startswith("computes on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks"), rows
+
+
+def test_a_bad_weight_formats_table_is_reported_in_the_row_and_the_cli_prints_it(capsys, monkeypatch):
+    import json
+
+    import polyengine
+    from polyengine import BackendSpec, Probe, hookimpl, register_plugin
+    from polyengine.cli import main
+    from polyengine.plugins import reset_registry
+
+    class Odd:
+        @hookimpl
+        def polyengine_backends(self):
+            ok = lambda: Probe(True, False, "always")  # noqa: E731
+            return [BackendSpec(name="odd_formats", description="a table naming an unknown format",
+                                protocol_version=polyengine.PROTOCOL_VERSION, probe=ok, factory="x.y:z",
+                                diagnose=lambda: {}, weight_formats="polyengine.models.int_blocks:__all__")]
+
+    monkeypatch.setenv("POLYENGINE_BACKENDS", "reference,odd_formats")
+    reset_registry()
+    register_plugin(Odd(), "odd")
+    try:
+        assert main(["backends", "--verbose", "--json"]) == 0
+        rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+        assert rows["odd_formats"]["weights"].startswith("error: its weight_formats table names unknown formats")
+        assert main(["backends", "--verbose"]) == 0
+        assert "  weight formats: computes on Q8_0, Q4_0" in capsys.readouterr().out
+    finally:
+        reset_registry()
+
+
+_LOAD_PEAK = r"""
+import json, sys, tracemalloc
+import torch
+from polyengine.models import load_model
+from polyengine.backends.torch_common.model import TorchWeights
+model = load_model(sys.argv[1])
+largest = max(4 * w.num_rows * w.shape[-1] for w in model.records.values())
+tracemalloc.start()
+w = TorchWeights.from_model(model, dtype=torch.bfloat16)
+peak = tracemalloc.get_traced_memory()[1]
+print(json.dumps({"peak": peak, "largest": largest, "float32_model": 4 * model.config.num_parameters(),
+                  "dtype": str(w.tensors["model.layers.0.mlp.down_proj.weight"].dtype)}))
+"""
+
+
+@pytest.mark.slow
+def test_neuron_loads_a_quantized_model_one_tensor_at_a_time(tmp_path):
+    """neuron declares the float formats only, and its weights come from
+    TorchWeights.from_model, which converts one record at a time: loading a Q8_0 model
+    of 13M parameters (54 MB as float32) in bfloat16 (the Neuron path's dtype) holds
+    about one float32 tensor plus the conversion's chunked float64 temporaries (2 MiB
+    each) of NumPy memory, far below the float32 model."""
+    pytest.importorskip("torch")
+    import json
+    import subprocess
+    import sys
+
+    from polyengine.backends.neuron.plugin import WEIGHT_FORMATS
+    from polyengine.models.blocks import FLOAT_FORMATS
+
+    from polyengine.models.presets import preset_config, random_weights
+    from polyengine.models.quant_presets import write_llama_gguf
+
+    assert WEIGHT_FORMATS == FLOAT_FORMATS
+    config = preset_config("tiny").model_copy(update=dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64, tie_word_embeddings=True))
+    path = write_llama_gguf(tmp_path / "q8.gguf", config, random_weights(config, seed=3), "Q8_0")
+    proc = subprocess.run([sys.executable, "-c", _LOAD_PEAK, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["dtype"] == "torch.bfloat16"
+    assert out["peak"] < out["largest"] + 8 * 2**20 < 0.3 * out["float32_model"], out
