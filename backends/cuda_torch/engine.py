@@ -71,7 +71,11 @@ class CudaEngine(TorchEngine):
             return super()._weight_needs()
         shapes = self.model.config.weight_shapes()
         sources = set(self._blocks.values())
-        floats = sum(math.prod(s) for n, s in shapes.items() if n not in sources) * self.torch_dtype.itemsize
+        rest = [n for n in shapes if n not in sources]
+        if self.torch_device.type == "cpu" and self.torch_dtype == torch.float32:  # F32 records are used as stored
+            floats = self.model.conversion_bytes(rest)
+        else:
+            floats = sum(math.prod(shapes[n]) for n in rest) * self.torch_dtype.itemsize
         blocks = sum(packed_bytes(self.model.records[s].format, shapes[s], self.torch_device, self.torch_dtype)
                      for s in sources)
         return {f"{self.dtype} weights on {self.torch_device} (those not kept in blocks)": floats,
