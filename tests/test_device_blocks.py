@@ -68,6 +68,28 @@ def test_cuda_torch_block_products_match_float64_of_the_exact_blocks(fmt):
             assert err.max() < bound, (fmt, dtype, force_int8, err.max())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tpu_jax_block_products_match_float64_of_the_exact_blocks(fmt):
+    """tpu_jax's host arrays of a file's blocks (int8, or 4-bit two to a byte) through its
+    ``linear`` hook, run eagerly in torch (torchax traces the same code): float32 within
+    rounding of the float64 product of the exactly dequantized blocks; the 4-bit form
+    is half the int8 bytes."""
+    torch = pytest.importorskip("torch")
+    from polyengine.backends.tpu_jax.footprint import block_bytes
+    from polyengine.backends.tpu_jax.quantize import block_arrays, int8_linear
+
+    record = _record(fmt)
+    exact = _exact(record)
+    arrays = block_arrays(record, "m")
+    assert sum(a.nbytes for a in arrays.values()) == block_bytes(fmt, record.shape)
+    assert ("m.qweight4" in arrays) == (fmt != "Q8_0") and ("m.offset" in arrays) == (fmt == "Q4_1")
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(2))
+    got = int8_linear({k: torch.from_numpy(v) for k, v in arrays.items()}, x, "m").double().numpy()
+    x64 = x.double().numpy()
+    err = np.abs(got - x64 @ exact.T) / (np.abs(x64) @ np.abs(exact).T)
+    assert err.max() < 1e-6, err.max()
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     from polyengine.models.quant_presets import quantized_model_file
@@ -140,12 +162,12 @@ for fmt, path in json.loads(sys.argv[1]).items():
                          for o in res]
         if backend == "tpu_jax":
             params = llm.engine.load_params()
-            q = params["model.layers.0.self_attn.q_proj.qweight"]
+            pre = "model.layers.0.self_attn.q_proj"
+            q = params[pre + ".qweight"] if fmt == "Q8_0" else params[pre + ".qweight4"]
             out.setdefault("layout", {})[fmt] = {
                 "dtype": str(q.dtype), "devices": len(q.sharding.device_set), "spec": str(q.sharding.spec),
                 "shard": list(q.addressable_shards[0].data.shape), "shape": list(q.shape),
-                "offset": "model.layers.0.self_attn.q_proj.offset" in params,
-                "float": "model.layers.0.self_attn.q_proj.weight" in params,
+                "offset": pre + ".offset" in params, "float": pre + ".weight" in params,
                 "formats": list(llm.engine.capabilities.weight_formats)}
     out[fmt] = runs
 print(json.dumps(out))
@@ -154,16 +176,17 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_tpu_jax_decodes_quantized_models_like_the_oracle_sharded_on_two_devices(files):
-    """tpu_jax on two CPU devices (tensor_parallel=2): Q8_0/Q4_1 matrices as int8
-    values with block scales (Q4_1 with its offsets), sharded like the float matrices
-    (output rows split over tp), give the reference's greedy tokens on the same blocks."""
+    """tpu_jax on two CPU devices (tensor_parallel=2): Q8_0 matrices as int8 values
+    with block scales, Q4_1 as 4-bit values two to a byte with block scales and offsets,
+    sharded like the float matrices (output rows split over tp), give the reference's
+    greedy tokens on the same blocks."""
     pytest.importorskip("jax")
     import json
     import os
     import subprocess
     import sys
 
-    # Q4_0 is Q8_0's path (int8 values, a scale per block) after the split tested above.
+    # Q4_0 is Q4_1's path without offsets (its products: the test above).
     tpu_formats = ("Q8_0", "Q4_1")
     paths = {fmt: str(files[fmt]) for fmt in tpu_formats}
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
@@ -173,7 +196,8 @@ def test_tpu_jax_decodes_quantized_models_like_the_oracle_sharded_on_two_devices
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for fmt in tpu_formats:
         lay = out["layout"][fmt]
-        assert lay["dtype"] == "int8" and not lay["float"] and lay["offset"] == (fmt == "Q4_1"), lay
+        assert lay["dtype"] == ("int8" if fmt == "Q8_0" else "uint8") and not lay["float"], lay
+        assert lay["offset"] == (fmt == "Q4_1") and lay["shape"][1] == (256 if fmt == "Q8_0" else 128), lay
         assert lay["devices"] == 2 and lay["shard"] == [lay["shape"][0] // 2, lay["shape"][1]], lay
         assert {"Q8_0", "Q4_0", "Q4_1"} <= set(lay["formats"])
         ref, got = out[fmt]["reference"], out[fmt]["tpu_jax"]

@@ -31,7 +31,7 @@ from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replaced_weights
 from polyengine.models.config import ARCHITECTURES
-from polyengine.models.int_blocks import block_matrices, split_blocks
+from polyengine.models.int_blocks import block_matrices
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.masks import full_mask
@@ -42,6 +42,7 @@ from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
 from polyengine.backends.tpu_jax.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.tpu_jax.footprint import device_needs
+from polyengine.backends.tpu_jax.quantize import block_arrays
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
 __all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine"]
@@ -167,11 +168,8 @@ class TpuJaxEngine(EngineBase):
                 host[prefix + ".cos"], host[prefix + ".sin"] = cos, sin
             if mode:  # the core's quantizer; an exclusive Model releases the floats they replace
                 host.update(quantize_model(self.model, mode))
-            for name, source in self._blocks.items():  # a file's blocks, split exactly, one tensor at a time
-                values, scale, offset = split_blocks(self.model.weight(source, WEIGHT_FORMATS))
-                host[name + ".qweight"], host[name + ".scale"] = values, scale
-                if offset is not None:
-                    host[name + ".offset"] = offset
+            for name, source in self._blocks.items():  # a file's blocks, as stored, one tensor at a time
+                host.update(block_arrays(self.model.weight(source, WEIGHT_FORMATS), name))
             dtype = steps.JAX_DTYPES[self.dtype]
             params = {}
             for name, arr in host.items():

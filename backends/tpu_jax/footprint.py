@@ -30,7 +30,8 @@ from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.tpu_jax.options import DEFAULT_RULES
 
-__all__ = ["ITEMSIZE", "KV_SCALE_BYTES", "CACHE_AXES", "mesh_shape", "param_axes", "mesh_axes", "shards", "device_needs"]
+__all__ = ["ITEMSIZE", "KV_SCALE_BYTES", "CACHE_AXES", "mesh_shape", "param_axes", "mesh_axes", "shards", "block_bytes",
+           "device_needs"]
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_SCALE_BYTES = 4  # an int8 KV cache row stores its float32 scale beside the values (quantize.py)
@@ -131,14 +132,23 @@ def shards(axes: Sequence[str | None], shape: Sequence[int], mesh: Mapping[str, 
     return math.prod(int(mesh[a]) for a in mesh_axes(axes, shape, mesh, rules) if a is not None)
 
 
+def block_bytes(fmt: str, shape: tuple[int, int]) -> int:
+    """The bytes of a matrix of ``shape`` kept as a file's ``fmt`` blocks
+    (:func:`~.quantize.block_arrays`): int8 or two 4-bit values a byte, a float32 scale
+    per 32 weights, and Q4_1's float32 offset per 32."""
+    n, k = shape
+    values = n * k if fmt == "Q8_0" else n * k // 2
+    return values + 4 * (n * k // 32) * (2 if fmt == "Q4_1" else 1)
+
+
 def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: int, tp: int,
                  quantize: str = "", kv_int8: bool = False,
                  rules: Mapping[str, str | None] | None = None,
                  blocks: Mapping[str, str] | None = None) -> dict[str, int]:
     """Bytes per device of what an engine allocates: weights, KV cache, sampler tables
     and a prefill's activations, by description (what a memory refusal names).
-    ``blocks``: weight name -> GGUF format of the matrices kept as int8 values with a
-    float32 scale (Q4_1: and an offset) per 32 weights."""
+    ``blocks``: weight name -> GGUF format of the matrices kept as a file's blocks
+    (:func:`~.quantize.block_arrays`)."""
     rules = {**DEFAULT_RULES, **(rules or {})}
     mesh = {"dp": dp, "tp": tp}
     item = ITEMSIZE[dtype]
@@ -148,7 +158,7 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
         if name in replaced:
             size = matrix_bytes(shape, quantize)
         elif name in (blocks or {}):
-            size = matrix_bytes(shape, "int8-block32") + (math.prod(shape) // 8 if blocks[name] == "Q4_1" else 0)
+            size = block_bytes(blocks[name], shape)
         else:
             size = math.prod(shape) * item
         weights += size // shards(param_axes(name, len(shape)), shape, mesh, rules)

@@ -19,8 +19,8 @@ __all__ = ["OPTIONS", "WEIGHT_FORMATS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RU
 
 # The weight formats the engine computes on as stored (Capabilities.weight_formats, and
 # `polyengine backends --verbose` without starting JAX): the float ones, and GGUF's
-# Q8_0/Q4_0/Q4_1 as int8 values with a float32 scale (and Q4_1's offset) per 32
-# weights on the mesh (quantize.py). Any other format is converted to float32 one
+# Q8_0 (int8) and Q4_0/Q4_1 (two 4-bit values a byte) with their scales (and Q4_1's
+# offsets) per 32 weights on the mesh (quantize.block_arrays). Any other format is converted to float32 one
 # tensor at a time as it loads, then to the compute dtype.
 WEIGHT_FORMATS = (*FLOAT_FORMATS, "Q8_0", "Q4_0", "Q4_1")
 

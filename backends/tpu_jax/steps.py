@@ -65,7 +65,7 @@ class StepConfig:
     plan: ShardingPlan
     attention: str = "sdpa"
     quantize: str = ""  # int8 weights: "", "int8", "int8-block32"
-    blocks: bool = False  # some matrices are a file's GGUF blocks as int8 + block scales
+    blocks: bool = False  # some matrices are a file's GGUF blocks (quantize.block_arrays)
     kv_int8: bool = False
     num_top: int = 20  # width of the top log-probs every result carries
     candidates: int = 64  # top-k bound under which the filters skip the full sort
