@@ -29,7 +29,7 @@ from polyengine.models.int_blocks import block_matrices
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.cuda_torch.options import OPTIONS, WEIGHT_FORMATS
-from polyengine.backends.torch_common.blocks import block_linear, pack_matrix, packed_bytes
+from polyengine.backends.torch_common.blocks import block_linear, int4_runs, pack_matrix, packed_bytes
 from polyengine.backends.torch_common.engine import TorchDecodeState, TorchEngine
 from polyengine.backends.torch_common.model import TorchWeights, forward
 
@@ -105,7 +105,15 @@ class CudaEngine(TorchEngine):
 
     def speed_paths(self) -> dict[str, str]:
         """What this engine runs on: its startup log line, ``polyengine generate``'s stderr."""
-        return describe(self.torch_device, self.torch_dtype, self.options["cuda_graphs"])
+        paths = describe(self.torch_device, self.torch_dtype, self.options["cuda_graphs"])
+        if self._blocks:
+            shapes = self.model.config.weight_shapes()
+            int4 = sum(int4_runs(self.model.records[s].format, shapes[s], self.torch_device, self.torch_dtype)
+                       for s in self._blocks.values())
+            paths["weights"] = (f"{int4} matrices on torch's int4 op (Q4_0/Q4_1), {len(self._blocks) - int4} as int8 "
+                                f"values with block scales (Q8_0, or Q4_x where that op does not run); the rest "
+                                f"converted to {self.dtype} at load, one tensor at a time")
+        return paths
 
     def _results(self, buf: torch.Tensor, layout: ResultLayout) -> ResultTokens:
         if self.torch_device.type != "cuda":
