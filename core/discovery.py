@@ -186,32 +186,13 @@ class BackendInfo:
             return {}
         return dict(table) if isinstance(table, dict) else {}
 
-    def weights_row(self) -> str:
-        """Which weight formats the backend computes on as stored and which the loader
-        converts for it (its spec's ``weight_formats``), in one line for ``polyengine
-        backends --verbose``; never raises (a bad table is reported in the line)."""
-        from polyengine.models.blocks import FORMATS
-
-        if not self.usable:
-            return ""
-        convert = ("to float32 at load, one tensor at a time (then to the compute dtype; a ggml type the gguf "
-                   "package cannot dequantize: WeightsError)")
-        if self.spec.weight_formats is None:
-            return (f"not declared in its spec (its engines' Capabilities.weight_formats decide: the float formats "
-                    f"unless they say more); converts every other format {convert}")
-        try:
-            table = tuple(self._resolve(self.spec.weight_formats, "weight_formats"))
-        except Exception as exc:  # noqa: BLE001 - a plugin's bug, reported as such
-            return f"error: its weight_formats table cannot be read ({type(exc).__name__}: {exc})"
-        unknown = [f for f in table if f not in FORMATS]
-        if unknown:
-            return f"error: its weight_formats table names unknown formats {unknown}"
-        blocks = [f for f in table if not FORMATS[f].is_float]
-        others = [f for f in FORMATS if f not in table]
-        on = f"computes on {', '.join(blocks)} blocks and" if blocks else "computes on"
-        on += " the float formats" if all(f in table for f in FORMATS if FORMATS[f].is_float) else (
-            f" {', '.join(f for f in table if FORMATS[f].is_float)}")
-        return f"{on} as stored; converts {', '.join(others) + ' and ' if others else ''}GGUF's other types {convert}"
+    def weight_formats(self) -> tuple[str, ...] | None:
+        """The weight formats the backend's engines compute on as stored (its spec's
+        ``weight_formats`` table), None when it names none or cannot run here. A table
+        that cannot be read raises (the plugin's error, named)."""
+        if not self.usable or self.spec.weight_formats is None:
+            return None
+        return tuple(self._resolve(self.spec.weight_formats, "weight_formats"))
 
     def diagnose(self) -> dict[str, str]:
         """What the backend would run here (its spec's ``diagnose``), for ``polyengine

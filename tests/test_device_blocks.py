@@ -218,8 +218,9 @@ def test_backends_verbose_names_what_each_backend_computes_on_and_converts_witho
     import subprocess
     import sys
 
-    code = ("import json, sys\nfrom polyengine.discovery import list_backends\n"
-            "rows = {b.name: b.weights_row() for b in list_backends()}\n"
+    code = ("import json, sys\nfrom polyengine.cli import _weights_row\n"
+            "from polyengine.discovery import list_backends\n"
+            "rows = {b.name: _weights_row(b) for b in list_backends()}\n"
             "print(json.dumps({'rows': rows, 'heavy': [m for m in ('torch', 'jax') if m in sys.modules]}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
