@@ -100,6 +100,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
         for info, row in zip(infos, rows):
             row["paths"] = info.diagnose()
+            row["weights"] = _weights_row(info)
             row["options"] = option_rows(info.option_table())
     if args.json:
         json.dump(rows, args.out, indent=2)
@@ -123,15 +124,45 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
     for r in rows if args.verbose else ():
-        if r["paths"] or r["options"]:
+        if r["paths"] or r["options"] or r["weights"]:
             print(f"\n{r['name']}:")
             for key, value in r["paths"].items():
                 print(f"  {key}: {value}")
+            if r["weights"]:
+                print(f"  weight formats: {r['weights']}")
         if r["options"]:
             print(f"  options (--option KEY=VALUE):")
             for o in r["options"]:
                 print(f"    {o['name']}={o['default']!r}: {o['help']}")
     return 0
+
+
+def _weights_row(info) -> str:
+    """Which weight formats a backend computes on as stored and which the loader converts
+    for it (its spec's ``weight_formats``), in one line for ``backends --verbose``; a
+    table that cannot be read is reported in the line, never raised."""
+    from polyengine.models.blocks import FORMATS
+
+    if not info.usable:
+        return ""
+    convert = ("to float32 at load, one tensor at a time (then to the compute dtype; a ggml type the gguf "
+               "package cannot dequantize: WeightsError)")
+    try:
+        table = info.weight_formats()
+    except Exception as exc:  # noqa: BLE001 - a plugin's bug, reported as such
+        return f"error: its weight_formats table cannot be read ({type(exc).__name__}: {exc})"
+    if table is None:
+        return (f"not declared in its spec (its engines' Capabilities.weight_formats decide: the float formats "
+                f"unless they say more); converts every other format {convert}")
+    unknown = [f for f in table if f not in FORMATS]
+    if unknown:
+        return f"error: its weight_formats table names unknown formats {unknown}"
+    blocks = [f for f in table if not FORMATS[f].is_float]
+    others = [f for f in FORMATS if f not in table]
+    on = f"computes on {', '.join(blocks)} blocks and" if blocks else "computes on"
+    on += " the float formats" if all(f in table for f in FORMATS if FORMATS[f].is_float) else (
+        f" {', '.join(f for f in table if FORMATS[f].is_float)}")
+    return f"{on} as stored; converts {', '.join(others) + ' and ' if others else ''}GGUF's other types {convert}"
 
 
 @contextlib.contextmanager

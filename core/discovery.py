@@ -186,6 +186,14 @@ class BackendInfo:
             return {}
         return dict(table) if isinstance(table, dict) else {}
 
+    def weight_formats(self) -> tuple[str, ...] | None:
+        """The weight formats the backend's engines compute on as stored (its spec's
+        ``weight_formats`` table), None when it names none or cannot run here. A table
+        that cannot be read raises (the plugin's error, named)."""
+        if not self.usable or self.spec.weight_formats is None:
+            return None
+        return tuple(self._resolve(self.spec.weight_formats, "weight_formats"))
+
     def diagnose(self) -> dict[str, str]:
         """What the backend would run here (its spec's ``diagnose``), for ``polyengine
         backends --verbose``; a failure is reported in the result, never raised: a

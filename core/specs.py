@@ -70,6 +70,12 @@ class BackendSpec:
     table (what its engines' ``OPTIONS`` holds) in a module that imports no framework:
     ``polyengine backends --verbose`` lists it, and another backend's refusal of an
     unknown option names the backend that has it.
+
+    ``weight_formats`` (optional) is a ``"module:attribute"`` string naming, in a module
+    that imports no framework, the weight formats the backend's engines compute on as
+    stored (what their ``Capabilities.weight_formats`` declare: names of
+    ``polyengine.models.blocks.FORMATS``); ``polyengine backends --verbose`` says from it
+    which formats the backend computes on and which the loader converts for it.
     """
 
     name: str
@@ -86,6 +92,7 @@ class BackendSpec:
     xfail: str | None = None
     diagnose: Callable[[], dict[str, str]] | str | None = None
     options: str | None = None
+    weight_formats: str | None = None
 
     def problems(self) -> list[str]:
         """What is malformed about this spec (empty when it is fine)."""
@@ -116,8 +123,10 @@ class BackendSpec:
             val = getattr(self, attr)
             if not isinstance(val, int) or isinstance(val, bool):
                 out.append(f"{attr} must be an int")
-        if self.options is not None and (not isinstance(self.options, str) or ":" not in self.options):
-            out.append(f"options {self.options!r} must look like 'package.module:attribute'")
+        for attr in ("options", "weight_formats"):
+            val = getattr(self, attr)
+            if val is not None and (not isinstance(val, str) or ":" not in val):
+                out.append(f"{attr} {val!r} must look like 'package.module:attribute'")
         for attr in ("extra", "install_hint", "accelerator", "tolerances", "xfail"):
             val = getattr(self, attr)
             if val is not None and not isinstance(val, str):

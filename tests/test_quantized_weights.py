@@ -169,9 +169,9 @@ def test_every_format_loads_and_is_close_to_its_source(files):
 @pytest.mark.slow
 def test_reference_and_torch_backends_generate_alike_on_every_format(files):
     """The reference on the exactly dequantized blocks (float64) and the torch backends
-    on the CPU (cpu, and cuda_torch's device path on its CPU stand-in) on the float32
-    conversion (their weight_formats are the float ones) give the same greedy tokens,
-    for every format."""
+    on the CPU (cpu, and cuda_torch's device path on its CPU stand-in), each reading the
+    blocks through its declared weight_formats (computed on, or converted one tensor at a
+    time), give the same greedy tokens, for every format."""
     import polyengine as pe
 
     pytest.importorskip("torch")

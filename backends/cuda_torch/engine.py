@@ -15,6 +15,8 @@ slot from device data, no host kernels), not a way to run models fast on a CPU.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -23,9 +25,11 @@ from polyengine.errors import BackendUnavailable, InvalidRequest, UnsupportedFea
 from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
+from polyengine.models.int_blocks import block_matrices
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
-from polyengine.backends.cuda_torch.options import OPTIONS
+from polyengine.backends.cuda_torch.options import OPTIONS, WEIGHT_FORMATS
+from polyengine.backends.torch_common.blocks import block_linear, int4_runs, pack_matrix, packed_bytes
 from polyengine.backends.torch_common.engine import TorchDecodeState, TorchEngine
 from polyengine.backends.torch_common.model import TorchWeights, forward
 
@@ -52,8 +56,47 @@ class CudaEngine(TorchEngine):
         return Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
-            architectures=ARCHITECTURES, token_masks=True,
+            architectures=ARCHITECTURES, token_masks=True, weight_formats=WEIGHT_FORMATS,
         )
+
+    def _resolve(self) -> None:
+        # Matrices stored as Q8_0/Q4_0/Q4_1 stay in their blocks on the device
+        # (torch_common/blocks.py); every other weight is converted to float at load.
+        self._blocks = block_matrices(self.model, self.capabilities.weight_formats)
+        if self._blocks:
+            self._linear = self._prefill_linear = block_linear
+
+    def _weight_needs(self) -> dict[str, int]:
+        if not self._blocks:
+            return super()._weight_needs()
+        shapes = self.model.config.weight_shapes()
+        sources = set(self._blocks.values())
+        rest = [n for n in shapes if n not in sources]
+        if self.torch_device.type == "cpu" and self.torch_dtype == torch.float32:  # F32 records are used as stored
+            floats = self.model.conversion_bytes(rest)
+        else:
+            floats = sum(math.prod(shapes[n]) for n in rest) * self.torch_dtype.itemsize
+        blocks = sum(packed_bytes(self.model.records[s].format, shapes[s], self.torch_device, self.torch_dtype)
+                     for s in sources)
+        return {f"{self.dtype} weights on {self.torch_device} (those not kept in blocks)": floats,
+                f"{len(sources)} matrices kept in their Q8_0/Q4_0/Q4_1 blocks": blocks}
+
+    def _load_weights(self) -> TorchWeights:
+        """The float weights in the compute dtype, then each block matrix repacked,
+        one tensor at a time (never a float copy of it)."""
+        if not self._blocks:
+            return super()._load_weights()
+
+        def load() -> TorchWeights:
+            weights = TorchWeights.from_model(self.model, device=self.torch_device, dtype=self.torch_dtype,
+                                              max_positions=self.max_cache_length,
+                                              skip=frozenset(self._blocks.values()))
+            for name, source in self._blocks.items():
+                record = self.model.weight(source, self.capabilities.weight_formats)  # as stored: no float copy
+                weights.tensors.update(pack_matrix(record, name, device=self.torch_device, dtype=self.torch_dtype))
+            return weights
+
+        return self._allocating("the weights", load)
 
     def _memory_available(self) -> dict:
         if self.torch_device.type != "cuda":
@@ -62,7 +105,15 @@ class CudaEngine(TorchEngine):
 
     def speed_paths(self) -> dict[str, str]:
         """What this engine runs on: its startup log line, ``polyengine generate``'s stderr."""
-        return describe(self.torch_device, self.torch_dtype, self.options["cuda_graphs"])
+        paths = describe(self.torch_device, self.torch_dtype, self.options["cuda_graphs"])
+        if self._blocks:
+            shapes = self.model.config.weight_shapes()
+            int4 = sum(int4_runs(self.model.records[s].format, shapes[s], self.torch_device, self.torch_dtype)
+                       for s in self._blocks.values())
+            paths["weights"] = (f"{int4} matrices on torch's int4 op (Q4_0/Q4_1), {len(self._blocks) - int4} as int8 "
+                                f"values with block scales (Q8_0, or Q4_x where that op does not run); the rest "
+                                f"converted to {self.dtype} at load, one tensor at a time")
+        return paths
 
     def _results(self, buf: torch.Tensor, layout: ResultLayout) -> ResultTokens:
         if self.torch_device.type != "cuda":
@@ -87,7 +138,8 @@ class CudaEngine(TorchEngine):
         state.live.copy_(live)
 
         def run() -> torch.Tensor:
-            return forward(params, self._spec(kv_len=kv_len, kv_codec=self._kv_codec), state.next_tokens[:, None],
+            return forward(params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codec),
+                           state.next_tokens[:, None],
                            state.positions, state.k, state.v, rows=None, write_mask=state.live)[0]
 
         entry = state.graphs.get(kv_len)

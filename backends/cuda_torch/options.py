@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from polyengine.engine import Option
+from polyengine.models.blocks import FLOAT_FORMATS
 
 from polyengine.backends.torch_common.options import SHARED_OPTIONS
 
-__all__ = ["OPTIONS"]
+__all__ = ["OPTIONS", "WEIGHT_FORMATS"]
 
 OPTIONS = {
     **SHARED_OPTIONS,
@@ -16,3 +17,9 @@ OPTIONS = {
     # not verified on a GPU in this project's CI, hence off by default (docs/cuda_torch.md)
     "cuda_graphs": Option(False, "replay decode steps as CUDA graphs (never run on a GPU here)"),
 }
+
+# The weight formats the engine computes on as stored (Capabilities.weight_formats, and
+# `polyengine backends --verbose` without starting torch): the float ones, and GGUF's
+# Q8_0/Q4_0/Q4_1 blocks repacked at load (torch_common/blocks.py). Any other format is
+# converted to float32 one tensor at a time as it loads, then to the compute dtype.
+WEIGHT_FORMATS = (*FLOAT_FORMATS, "Q8_0", "Q4_0", "Q4_1")

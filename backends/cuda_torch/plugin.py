@@ -67,4 +67,4 @@ def polyengine_backends():
     # Below the cpu backend on a host without a GPU (where it runs by name only); a
     # present GPU ranks it among accelerators.
     return [torch_backend_spec("cuda_torch", "PyTorch on a GPU: NVIDIA (CUDA) or AMD (ROCm).", probe, diagnose="engine",
-                               extra="cuda", priority=50, accelerator="cuda", accelerator_priority=100)]
+                               weight_formats=True, extra="cuda", priority=50, accelerator="cuda", accelerator_priority=100)]

@@ -144,7 +144,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
             bulk_insert=True, portable_prefix=True, async_results=o["async_steps"], tokens_per_step=self.tokens_per_step,
-            architectures=ARCHITECTURES, token_masks=True,
+            architectures=ARCHITECTURES, token_masks=True, weight_formats=plugin.WEIGHT_FORMATS,
             # continuation graphs (ContextContinuation) on the CPU compile path; the NxD
             # program has no continuation model yet, so the Neuron path refuses existing_prefix
             prefix_reuse=self.compiler != "neuronx",
@@ -172,8 +172,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         c, cfg, b = self.model.config, self.config, self.buckets
         item = torch.tensor([], dtype=self.torch_dtype).element_size()
         needs = {}
-        if self.torch_dtype != torch.float32:  # float32 tensors share the Model's arrays
+        if self.torch_dtype != torch.float32:
             needs[f"{self.dtype} weights"] = c.num_parameters() * item
+        elif self.model.conversion_bytes():  # float32 tensors share the Model's F32 arrays; others are converted
+            needs["float32 copies of the weights stored in other formats"] = self.model.conversion_bytes()
         if self.compiler == "neuronx":
             needs["the weights split per NeuronCore, while they load"] = c.num_parameters() * item
         else:

@@ -18,7 +18,15 @@ import glob
 import importlib.util
 
 from polyengine import PROTOCOL_VERSION
+from polyengine.models.blocks import FLOAT_FORMATS
 from polyengine.plugins import BackendSpec, Probe, hookimpl
+
+# The weight formats the engine computes on as stored: floats only. Its graphs are
+# compiled over float weights (torch.export + Inductor here, the NxD program on
+# Neuron), so a file's blocks are converted one tensor at a time as the weights load
+# (TorchWeights.from_model reads the Model's records one by one), never a float32
+# copy of the whole model before the compute dtype.
+WEIGHT_FORMATS = FLOAT_FORMATS
 
 NEURONX_HINT = (
     "install torch-neuronx and neuronx-distributed from AWS's Neuron package index "
@@ -68,5 +76,6 @@ def polyengine_backends():
             accelerator="neuron",
             accelerator_priority=100,
             tolerances="polyengine.backends.neuron:conformance.toml",
+            weight_formats="polyengine.backends.neuron.plugin:WEIGHT_FORMATS",
         )
     ]

@@ -24,6 +24,7 @@ def polyengine_backends():
             probe=probe,
             factory="polyengine.backends.reference.engine:create_engine",
             diagnose="polyengine.backends.reference.engine:diagnose",
+            weight_formats="polyengine.models.blocks:FORMATS",  # every one, dequantized exactly at load
             extra=None,
             priority=0,
             accelerator=None,

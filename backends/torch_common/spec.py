@@ -13,11 +13,13 @@ __all__ = ["torch_backend_spec"]
 
 
 def torch_backend_spec(name: str, description: str, probe: Callable[[], Probe], *, diagnose: str,
-                       **ranking: Any) -> BackendSpec:
+                       weight_formats: bool = False, **ranking: Any) -> BackendSpec:
     """``diagnose``: the module (in the backend's package) whose ``diagnose`` describes
-    what the backend would run here; ``ranking``: ``extra``, ``priority``,
-    ``accelerator`` and the other BackendSpec fields that differ per backend."""
+    what the backend would run here; ``weight_formats``: its ``options.py`` has a
+    ``WEIGHT_FORMATS`` table (the formats its engines compute on); ``ranking``: ``extra``,
+    ``priority``, ``accelerator`` and the other BackendSpec fields that differ per backend."""
     package = f"polyengine.backends.{name}"
     return BackendSpec(name=name, description=description, protocol_version=PROTOCOL_VERSION, probe=probe,
                        factory=f"{package}.engine:create_engine", diagnose=f"{package}.{diagnose}:diagnose",
-                       options=f"{package}.options:OPTIONS", tolerances=f"{package}:conformance.toml", **ranking)
+                       options=f"{package}.options:OPTIONS", tolerances=f"{package}:conformance.toml",
+                       weight_formats=f"{package}.options:WEIGHT_FORMATS" if weight_formats else None, **ranking)

@@ -31,6 +31,7 @@ from polyengine.hostinfo import has_bf16_units
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replaced_weights
 from polyengine.models.config import ARCHITECTURES
+from polyengine.models.int_blocks import block_matrices
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.masks import full_mask
@@ -39,8 +40,9 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
-from polyengine.backends.tpu_jax.options import OPTIONS
+from polyengine.backends.tpu_jax.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.tpu_jax.footprint import device_needs
+from polyengine.backends.tpu_jax.quantize import block_arrays
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
 __all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine"]
@@ -85,13 +87,17 @@ class TpuJaxEngine(EngineBase):
     def __init__(self, model: Model, config: EngineConfig):
         super().__init__(model, config)
         o, devices = self.options, self.devices
+        # A file's Q8_0/Q4_0/Q4_1 matrices stay integers with block scales on the mesh
+        # (quantize.py), unless option quantize requantizes every matrix anyway.
+        self._blocks = {} if o["quantize"] else block_matrices(model, WEIGHT_FORMATS)
         plan = plan_mesh(
             model.config, config.max_slots, devices, tensor_parallel=o["tensor_parallel"],
             data_parallel=o["data_parallel"], rules=ShardingRules.with_overrides(o["sharding_rules"]))
         self.plan = plan
         self.cfg = steps.StepConfig(
             model=model.config, dtype=self.dtype, slots=config.max_slots, cache_length=config.max_cache_length,
-            plan=plan, attention=o["attention"], quantize=o["quantize"], kv_int8=o["kv_quantize"] == "int8",
+            plan=plan, attention=o["attention"], quantize=o["quantize"], blocks=bool(self._blocks),
+            kv_int8=o["kv_quantize"] == "int8",
             num_top=MAX_TOP_LOGPROBS, candidates=o["candidates"])
         platform = devices[0].platform if devices else "cpu"
         kind = devices[0].device_kind if devices else platform
@@ -115,7 +121,7 @@ class TpuJaxEngine(EngineBase):
         return Capabilities(
             dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
-            architectures=ARCHITECTURES, token_masks=True,
+            architectures=ARCHITECTURES, token_masks=True, weight_formats=WEIGHT_FORMATS,
         )
 
     @staticmethod
@@ -129,7 +135,8 @@ class TpuJaxEngine(EngineBase):
         """Bytes per device of what the engine allocates (weights, caches, sampler tables)."""
         plan = self.plan
         return device_needs(self.model.config, self.config, dtype=self.dtype, dp=plan.dp, tp=plan.tp,
-                            quantize=self.cfg.quantize, kv_int8=self.cfg.kv_int8, rules=dict(plan.rules.pairs))
+                            quantize=self.cfg.quantize, kv_int8=self.cfg.kv_int8, rules=dict(plan.rules.pairs),
+                            blocks={s: self.model.records[s].format for s in self._blocks.values()})
 
     def _check_memory(self) -> None:
         needs = self._needs()
@@ -152,8 +159,8 @@ class TpuJaxEngine(EngineBase):
 
             c = self.model.config
             mode = self.cfg.quantize
-            w = TorchWeights.from_model(self.model, dtype=torch.float32, max_positions=self.max_cache_length,
-                                        skip=replaced_weights(c) if mode else frozenset())
+            skip = replaced_weights(c) if mode else frozenset(self._blocks.values())
+            w = TorchWeights.from_model(self.model, dtype=torch.float32, max_positions=self.max_cache_length, skip=skip)
             host = {name: t.numpy() for name, t in w.tensors.items()}
             # RoPE tables from float64 in one rounding (as the shared model builds them).
             for kind, (cos, sin) in c.rope_tables(self.max_cache_length).items():
@@ -161,10 +168,12 @@ class TpuJaxEngine(EngineBase):
                 host[prefix + ".cos"], host[prefix + ".sin"] = cos, sin
             if mode:  # the core's quantizer; an exclusive Model releases the floats they replace
                 host.update(quantize_model(self.model, mode))
+            for name, source in self._blocks.items():  # a file's blocks, as stored, one tensor at a time
+                host.update(block_arrays(self.model.weight(source, WEIGHT_FORMATS), name))
             dtype = steps.JAX_DTYPES[self.dtype]
             params = {}
             for name, arr in host.items():
-                if arr.dtype.kind == "f" and not name.endswith(".scale"):
+                if arr.dtype.kind == "f" and not name.endswith((".scale", ".offset")):
                     arr = np.asarray(arr, dtype=dtype)
                 params[name] = self.plan.put(arr, param_axes(name, arr.ndim))
             self._params = params

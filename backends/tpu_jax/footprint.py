@@ -30,7 +30,8 @@ from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.tpu_jax.options import DEFAULT_RULES
 
-__all__ = ["ITEMSIZE", "KV_SCALE_BYTES", "CACHE_AXES", "mesh_shape", "param_axes", "mesh_axes", "shards", "device_needs"]
+__all__ = ["ITEMSIZE", "KV_SCALE_BYTES", "CACHE_AXES", "mesh_shape", "param_axes", "mesh_axes", "shards", "block_bytes",
+           "device_needs"]
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_SCALE_BYTES = 4  # an int8 KV cache row stores its float32 scale beside the values (quantize.py)
@@ -131,18 +132,35 @@ def shards(axes: Sequence[str | None], shape: Sequence[int], mesh: Mapping[str, 
     return math.prod(int(mesh[a]) for a in mesh_axes(axes, shape, mesh, rules) if a is not None)
 
 
+def block_bytes(fmt: str, shape: tuple[int, int]) -> int:
+    """The bytes of a matrix of ``shape`` kept as a file's ``fmt`` blocks
+    (:func:`~.quantize.block_arrays`): int8 or two 4-bit values a byte, a float32 scale
+    per 32 weights, and Q4_1's float32 offset per 32."""
+    n, k = shape
+    values = n * k if fmt == "Q8_0" else n * k // 2
+    return values + 4 * (n * k // 32) * (2 if fmt == "Q4_1" else 1)
+
+
 def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: int, tp: int,
                  quantize: str = "", kv_int8: bool = False,
-                 rules: Mapping[str, str | None] | None = None) -> dict[str, int]:
+                 rules: Mapping[str, str | None] | None = None,
+                 blocks: Mapping[str, str] | None = None) -> dict[str, int]:
     """Bytes per device of what an engine allocates: weights, KV cache, sampler tables
-    and a prefill's activations, by description (what a memory refusal names)."""
+    and a prefill's activations, by description (what a memory refusal names).
+    ``blocks``: weight name -> GGUF format of the matrices kept as a file's blocks
+    (:func:`~.quantize.block_arrays`)."""
     rules = {**DEFAULT_RULES, **(rules or {})}
     mesh = {"dp": dp, "tp": tp}
     item = ITEMSIZE[dtype]
     weights = 0
     replaced = replaced_weights(model) if quantize else frozenset()  # the core's one quantizer's choice
     for name, shape in model.weight_shapes().items():
-        size = matrix_bytes(shape, quantize) if name in replaced else math.prod(shape) * item
+        if name in replaced:
+            size = matrix_bytes(shape, quantize)
+        elif name in (blocks or {}):
+            size = block_bytes(blocks[name], shape)
+        else:
+            size = math.prod(shape) * item
         weights += size // shards(param_axes(name, len(shape)), shape, mesh, rules)
     if quantize and model.tie_word_embeddings:  # the int8 copy of the tied head
         weights += matrix_bytes((model.vocab_size, model.hidden_size), quantize)
@@ -153,7 +171,7 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
     cache_shape = (model.num_hidden_layers, config.max_slots, model.num_key_value_heads, config.max_cache_length, width)
     cache = 2 * math.prod(cache_shape) * kv_item // shards(CACHE_AXES, cache_shape, mesh, rules)
     return {
-        f"{dtype} weights{' (int8 projections)' if quantize else ''}": weights,
+        f"{dtype} weights{' (int8 projections)' if quantize or blocks else ''}": weights,
         f"the KV cache of {config.max_slots} slots x {config.max_cache_length} positions": cache,
         "the sampler's per-slot tables and a prefill's activations": (
             config.max_slots * row_bytes(model.vocab_size) // dp

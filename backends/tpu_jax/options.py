@@ -12,9 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 from polyengine.engine import Option
+from polyengine.models.blocks import FLOAT_FORMATS
 from polyengine.models.quantize import WEIGHT_MODES
 
-__all__ = ["OPTIONS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem"]
+__all__ = ["OPTIONS", "WEIGHT_FORMATS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem"]
+
+# The weight formats the engine computes on as stored (Capabilities.weight_formats, and
+# `polyengine backends --verbose` without starting JAX): the float ones, and GGUF's
+# Q8_0 (int8) and Q4_0/Q4_1 (two 4-bit values a byte) with their scales (and Q4_1's
+# offsets) per 32 weights on the mesh (quantize.block_arrays). Any other format is converted to float32 one
+# tensor at a time as it loads, then to the compute dtype.
+WEIGHT_FORMATS = (*FLOAT_FORMATS, "Q8_0", "Q4_0", "Q4_1")
 
 MESH_AXES = ("dp", "tp")
 # Every logical axis an array of this backend is described with.

@@ -76,6 +76,7 @@ def polyengine_backends():
             accelerator_priority=300,
             tolerances="polyengine.backends.tpu_jax:conformance.toml",
             options="polyengine.backends.tpu_jax.options:OPTIONS",
+            weight_formats="polyengine.backends.tpu_jax.options:WEIGHT_FORMATS",
         ),
         BackendSpec(
             name="tpu_jax_ray",
@@ -89,5 +90,6 @@ def polyengine_backends():
             accelerator=None,
             tolerances="polyengine.backends.tpu_jax:conformance.toml",
             options="polyengine.backends.tpu_jax.options:OPTIONS",
+            weight_formats="polyengine.backends.tpu_jax.options:WEIGHT_FORMATS",
         ),
     ]

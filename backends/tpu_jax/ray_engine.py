@@ -55,13 +55,14 @@ from polyengine.engine import (
 )
 from polyengine.errors import EngineDead, InvalidRequest, PolyengineError
 from polyengine.models import Model
+from polyengine.models.int_blocks import block_matrices
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.tpu_jax.disagg import PortableHandle, PrefillPool
 from polyengine.backends.tpu_jax.footprint import device_needs, mesh_shape
-from polyengine.backends.tpu_jax.options import OPTIONS as ENGINE_OPTIONS
+from polyengine.backends.tpu_jax.options import OPTIONS as ENGINE_OPTIONS, WEIGHT_FORMATS
 
 __all__ = ["RayTpuEngine", "RayDecodeState", "WorkerLost", "WorkerGroup", "create_engine", "start_local_ray"]
 
@@ -370,6 +371,7 @@ class RayTpuEngine(EngineBase):
         return Capabilities(
             dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True, token_masks=True,
+            weight_formats=WEIGHT_FORMATS,  # the workers' engines compute on them (docs/tpu_jax.md)
         )
 
     def _layout(self, o: Mapping[str, Any]) -> tuple[int, int]:
@@ -401,8 +403,10 @@ class RayTpuEngine(EngineBase):
         o, info = self.options, self.group.info
         dp, tp = mesh_shape(model.config, config.max_slots, info[0]["devices"], tensor_parallel=o["tensor_parallel"],
                             data_parallel=o["data_parallel"], platform=self.platform)
+        blocks = {} if o["quantize"] else {s: model.records[s].format
+                                           for s in block_matrices(model, WEIGHT_FORMATS).values()}
         per_device = device_needs(model.config, config, dtype=self.dtype, dp=dp, tp=tp, quantize=o["quantize"],
-                                  kv_int8=o["kv_quantize"] == "int8", rules=o["sharding_rules"])
+                                  kv_int8=o["kv_quantize"] == "int8", rules=o["sharding_rules"], blocks=blocks)
         reports = self.group._gather(self.group.submit("host_memory"), "asking the workers for their free memory")
         nodes: dict[str, list[dict]] = {}
         for worker, report in zip(info, reports):

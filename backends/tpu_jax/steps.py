@@ -65,6 +65,7 @@ class StepConfig:
     plan: ShardingPlan
     attention: str = "sdpa"
     quantize: str = ""  # int8 weights: "", "int8", "int8-block32"
+    blocks: bool = False  # some matrices are a file's GGUF blocks (quantize.block_arrays)
     kv_int8: bool = False
     num_top: int = 20  # width of the top log-probs every result carries
     candidates: int = 64  # top-k bound under which the filters skip the full sort
@@ -145,7 +146,7 @@ def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, l
 
     from polyengine.backends.torch_common.model import StepSpec, TorchWeights, forward
 
-    spec = StepSpec(attention=cfg.attention, linear=int8_linear if cfg.quantize else None,
+    spec = StepSpec(attention=cfg.attention, linear=int8_linear if cfg.quantize or cfg.blocks else None,
                     kv_codec=Int8KVCodec(cfg.jax_dtype) if int8_cache else None)
 
     def torch_side(tensors, tokens, positions, k, v, write_mask, logits_at):
