@@ -27,10 +27,10 @@ from polyengine.models.config import ARCHITECTURES
 from polyengine.models.quantize import has_int8_copies, int8_bytes, quantized_names, replaced_weights
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
-from polyengine.backends.cpu.blocks import KERNEL_FORMATS, BlockMatrix, TiledBlockLinear, embed_rows
+from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows
 from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
 from polyengine.backends.cpu.kernels import MAX_ROWS, FusedDecoder
-from polyengine.backends.cpu.options import OPTIONS
+from polyengine.backends.cpu.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.cpu.plan import CpuHost, CpuPlan
 from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
 from polyengine.backends.torch_common.model import TorchWeights, forward, rms_norm
@@ -55,7 +55,7 @@ class CpuEngine(TorchEngine):
             architectures=ARCHITECTURES, token_masks=True,
             # the GGUF block formats are computed on as mapped (blocks.py); others, and every
             # weight where the plan does not keep blocks, are converted one tensor at a time
-            weight_formats=("F32", *KERNEL_FORMATS),
+            weight_formats=WEIGHT_FORMATS,
         )
 
     def _resolve(self) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from polyengine.engine import Option
 from polyengine.hostinfo import ISA_PATHS
+from polyengine.models.blocks import BLOCK_FORMATS
 from polyengine.models.quantize import WEIGHT_MODES
 
 from polyengine.backends.torch_common.options import SHARED_OPTIONS
 
-__all__ = ["OPTIONS"]
+__all__ = ["OPTIONS", "WEIGHT_FORMATS"]
 
 OPTIONS = {
     **SHARED_OPTIONS,
@@ -51,3 +52,9 @@ OPTIONS = {
     "fuse_projections": Option(True, "bfloat16 weights: q/k/v and gate/up as one matrix each for the torch "
                                      "forward's GEMMs (prefill)"),
 }
+
+# The weight formats the engine computes on as stored (Capabilities.weight_formats, and
+# `polyengine backends --verbose` without starting torch): float32, and every GGUF block
+# format of csrc/gguf.h read where the file maps it (blocks.py). Any other format (F16,
+# BF16, the ggml types outside these) is converted to float32 one tensor at a time.
+WEIGHT_FORMATS = ("F32", *BLOCK_FORMATS)

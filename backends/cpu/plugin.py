@@ -22,4 +22,4 @@ def polyengine_backends():
     # The best CPU path: above cuda_torch's device path run on a CPU and the NumPy oracle.
     return [torch_backend_spec(
         "cpu", "The host CPU: PyTorch plus kernels compiled for this CPU's ISA (AVX-512, AVX2 or scalar).", probe,
-        diagnose="plan", extra="cpu", priority=60)]
+        diagnose="plan", extra="cpu", priority=60, weight_formats=True)]
