@@ -9,8 +9,8 @@ test command, so CI runs them in its test session. The file is assembled (and it
 temporary folder.
 
 transformers loads the GGUF by dequantizing it to float32; polyengine keeps the blocks
-(the reference dequantizes them exactly in float64, the cpu backend converts them to
-float32 tensor by tensor), so both run the same weights; greedy tokens of a raw prompt
+(the reference dequantizes them exactly in float64, the cpu backend computes on them
+where the file maps them, csrc/gguf.h), so both run the same weights; greedy tokens of a raw prompt
 must be equal for 24 steps on the reference (float64) and cpu (float32) backends, and the prefill logits within
 float tolerance. The file has no chat template, so prompts are raw text and EOS is
 ignored for a fixed length.
