@@ -70,7 +70,9 @@ def test_the_engine_reads_the_files_blocks_where_they_lie(files):
         assert blocks.weight is model.records[name] and not blocks.weight.data.flags.writeable  # the map itself
     paths = eng.speed_paths()
     assert "GGUF blocks" in paths["weights"] and "Q4_K" in paths["weights"]
-    assert "GGUF block weights" in paths["decode"] and eng._fused is None  # the fused step takes no blocks
+    assert paths["decode"].startswith("fused step") and eng._fused is not None  # the fused step on the blocks
+    unfused = CpuEngine(model, CFG.model_copy(update={"options": {"int8_compute": "float"}}))
+    assert unfused.plan.fused_decode is False and "int8_compute=float" in unfused.plan.unfused_why
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
@@ -82,7 +84,8 @@ def test_greedy_decode_on_blocks_equals_the_oracle(files, oracle, fmt):
 
 
 @pytest.mark.parametrize("options", [{"int8_compute": "float"}, {"cpu_kernels": False}, {"isa": "avx2"},
-                                     {"isa": "scalar"}, {"live_rows": False}])
+                                     {"isa": "scalar"}, {"live_rows": False}, {"fused_decode": False},
+                                     {"int8_compute": "int8x2", "kv_dtype": "bfloat16"}])
 def test_every_path_on_blocks_decodes_the_same(files, oracle, options):
     from isa_paths import kernels_for
 

@@ -141,8 +141,9 @@ class CpuEngine(TorchEngine):
         if plan.fused_decode:
             self._fused = FusedDecoder(plan.kernels, weights.tensors, self.model.config,
                                        cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
-                                       quantized=plan.narrow, int8_activations=plan.int8_activations,
-                                       kv_dtype=self.kv_dtype, bf16_activations=plan.bf16_activations)
+                                       quantized=plan.narrow, kv_dtype=self.kv_dtype,
+                                       int8_activations=plan.block_activations if self._blocks else plan.int8_activations,
+                                       bf16_activations=plan.bf16_activations, blocks=self._blocks)
         return weights
 
     # -- products and attention on the host kernels ---------------------------------------
@@ -197,7 +198,8 @@ class CpuEngine(TorchEngine):
         rows = torch.tensor(live, dtype=torch.int64, device=dev)
         pos = torch.tensor([step.positions[i] for i in live], dtype=torch.int64, device=dev)
         if self._fused is not None:
-            x = t["model.embed_tokens.weight"][state.next_tokens[rows]].contiguous()  # (M, hidden)
+            tokens = state.next_tokens[rows]
+            x = (t["model.embed_tokens.weight"][tokens] if self._embed is None else self._embed(t, tokens)).contiguous()
             self._fused.step(x, rows, pos, state.k, state.v)
             x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
             logits = self._head(t, x)  # (M, vocab)

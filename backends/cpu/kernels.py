@@ -413,14 +413,15 @@ class _Layer(ctypes.Structure):
     _fields_ = ([("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
                 + [(p, ctypes.c_void_p) for p in _PROJECTIONS]
                 + [(p + "_scale", ctypes.c_void_p) for p in _PROJECTIONS]
-                + [(p + "_bias", ctypes.c_void_p) for p in _PROJECTIONS])
+                + [(p + "_bias", ctypes.c_void_p) for p in _PROJECTIONS]
+                + [("fmt", ctypes.c_int * len(_PROJECTIONS)), ("rowoff", ctypes.c_void_p * len(_PROJECTIONS))])
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_long) for n in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers",
                                              "cache_rows", "cache_len")] + [
         ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
-        ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int)]
+        ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int), ("gguf", ctypes.c_long)]
 
 
 # The KV cache element types the fused step reads and writes (csrc/decode.h's PE_KV_*).
@@ -432,7 +433,9 @@ class FusedDecoder:
 
     Built once per engine over the weights dict of :class:`TorchWeights` (float32, or
     with the engine's int8 ``.qweight``/``.scale`` entries, or its bfloat16 ``.qweight``
-    entries without scales: option ``weight_dtype``) and the decode state's cache
+    entries without scales: option ``weight_dtype``), or over a GGUF file's blocks
+    (``blocks``: every projection a :class:`~.blocks.BlockMatrix`, against int8
+    activations, one or two rows per row: ``int8_activations``) and the decode state's cache
     shape; :meth:`step` advances M rows by one token each, writing their K/V into the
     cache tensors, and returns the hidden states after the last layer (before the final
     norm). Holds references to every tensor it points at.
@@ -440,7 +443,7 @@ class FusedDecoder:
 
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
                  cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32,
-                 bf16_activations: bool = False):
+                 bf16_activations: bool = False, blocks: dict | None = None):
         c = config
         self.kv_dtype = kv_dtype
         self.kernels, self.config = kernels, c
@@ -457,15 +460,21 @@ class FusedDecoder:
         group = 0
         # quantized: int8 weights with scales, or bfloat16 ones (no scales)
         narrow = tensors[f"model.layers.0.{_NAMES['q']}.qweight"].dtype if quantized else torch.float32
+        self._blocks = blocks or {}  # held: the addresses below point into their maps
+        self._offsets: list[np.ndarray] = []
+        if blocks and not int8_activations:
+            raise ValueError("the fused decoder takes GGUF blocks against int8 activations (one or two rows)")
         self.layers = (_Layer * c.num_hidden_layers)()
         for i in range(c.num_hidden_layers):
             pre = f"model.layers.{i}."
             entry = self.layers[i]
             entry.input_norm = ptr(tensors[pre + "input_layernorm.weight"])
             entry.post_norm = ptr(tensors[pre + "post_attention_layernorm.weight"])
-            for p in _PROJECTIONS:
+            for index, p in enumerate(_PROJECTIONS):
                 name = pre + _NAMES[p]
-                if narrow == torch.bfloat16:
+                if blocks:
+                    self._block(entry, index, p, blocks[name + ".weight"])
+                elif narrow == torch.bfloat16:
                     setattr(entry, p, ptr(tensors[name + ".qweight"]))
                 elif quantized:
                     scale = tensors[name + ".scale"]
@@ -482,19 +491,34 @@ class FusedDecoder:
         self.dims = _Dims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
                           c.head_dim, c.num_hidden_layers, cache_rows, cache_len, c.rms_norm_eps,
                           int(narrow == torch.int8), group, kernels.threads,
-                          int(int8_activations) if narrow == torch.int8 else 0, KV_TYPES[kv_dtype],
-                          (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0)
+                          int(int8_activations) if narrow == torch.int8 or blocks else 0, KV_TYPES[kv_dtype],
+                          (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)))
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")
         self.cos, self.sin = ptr(tensors["rope.cos"]), ptr(tensors["rope.sin"])
         self._scratch: torch.Tensor | None = None
 
+    def _block(self, entry: _Layer, index: int, projection: str, blocks) -> None:
+        """Point projection ``index`` of a layer at a block matrix where the file maps it."""
+        from polyengine.models.blocks import FORMATS
+
+        f = FORMATS[blocks.format]
+        offsets = blocks.offsets
+        if offsets is None and blocks.ldw != blocks.k // f.block * f.nbytes:  # evenly spaced, not packed
+            offsets = np.arange(blocks.n, dtype=np.int64) * blocks.ldw
+        setattr(entry, projection, blocks.base)
+        entry.fmt[index] = blocks.ggml_type
+        if offsets is not None:
+            offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+            self._offsets.append(offsets)
+            entry.rowoff[index] = offsets.ctypes.data
+
     def _scratch_for(self, m: int) -> torch.Tensor:
         c, d = self.config, self.dims
         kmax = max(c.hidden_size, c.intermediate_size, c.q_size)
         need = m * (2 * c.q_size + 2 * c.kv_size + 2 * c.intermediate_size + 2 * c.hidden_size) + m * d.heads * d.cache_len
-        need += d.threads * kmax + 2 * m * kmax // Q8_BLOCK + (2 * m * kmax + 3) // 4  # int8 activations
+        need += d.threads * kmax + 4 * m * kmax // Q8_BLOCK + (2 * m * kmax + 3) // 4  # int8 activations
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch

@@ -27,7 +27,7 @@ from polyengine.models.quantize import WEIGHT_MODES, group_of, quantized_names
 
 from polyengine.backends.cpu.blocks import KERNEL_FORMATS
 
-from polyengine.backends.cpu.kernels import CpuKernels, KernelsUnavailable, check_isa, load, q8_fits
+from polyengine.backends.cpu.kernels import _NAMES, CpuKernels, KernelsUnavailable, check_isa, load, q8_fits
 
 __all__ = ["CpuHost", "CpuPlan", "diagnose", "INT8_COMPUTE"]
 
@@ -104,7 +104,7 @@ class CpuPlan:
         prefill_compute = _prefill_compute(o, host, dtype, weights or ("blocks" if blocks else ""), bf16_activations,
                                            int8_activations or block_activations)
         formats = _formats(model, blocks)
-        unfused_why = None if kernels is None else _unfused_why(o, config, weights, formats)
+        unfused_why = None if kernels is None else _unfused_why(o, config, weights, blocks, block_activations)
         return cls(
             host=host, dtype=dtype, kv_dtype=kv_dtype, threads=o["threads"], async_steps=o["async_steps"],
             kv_memory=o["kv_memory"], isa=o["isa"], kernels=kernels, kernels_fallback=fallback,
@@ -339,7 +339,8 @@ def _block_activations(o: Mapping[str, Any], kernels: CpuKernels | None, blocks:
     return {"auto": 2, "int8": 1, "int8x2": 2}[o["int8_compute"]]
 
 
-def _unfused_why(o: Mapping[str, Any], config: Any, weights: str, block_formats: str = "") -> str | None:
+def _unfused_why(o: Mapping[str, Any], config: Any, weights: str, blocks: tuple[str, ...] = (),
+                 block_activations: int = 0) -> str | None:
     """Why a decode step cannot be the fused kernel call (None: it can): the option, an
     architecture it is not written for, or int8 weights whose projections quantize in
     different groupings (a scale per 32 where the input size divides, per row elsewhere)."""
@@ -349,9 +350,12 @@ def _unfused_why(o: Mapping[str, Any], config: Any, weights: str, block_formats:
         return None
     if not config.is_llama_family:
         return f"the fused step is written for the Llama family, not {config.model_type}"
-    if block_formats:
-        return (f"GGUF block weights ({block_formats}): the fused step takes float32, bfloat16 or int8 copies; "
-                f"products on the block kernels")
+    if blocks:
+        needed = {f"model.layers.{i}.{_NAMES[p]}.weight" for i in range(config.num_hidden_layers) for p in _NAMES}
+        if not needed <= set(blocks):
+            return "some projections are not in the file's GGUF blocks; the fused step takes all or none"
+        if not block_activations:
+            return "int8_compute=float: the fused step takes GGUF blocks against int8 activations only"
     if weights in WEIGHT_MODES:
         sizes = (config.hidden_size, config.q_size, config.intermediate_size)
         if len({group_of(weights, k) for k in sizes}) > 1:

@@ -30,6 +30,10 @@ struct pe_layer {
     const void *q, *k, *v, *o, *gate, *up, *down;
     const float *q_scale, *k_scale, *v_scale, *o_scale, *gate_scale, *up_scale, *down_scale;
     const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias;
+    // GGUF block weights (pe_dims.gguf): each projection's format (gguf.h's ggml type id)
+    // and row offsets (null: rows evenly spaced), in the order q, k, v, o, gate, up, down
+    int fmt[7];
+    const long *rowoff[7];
 };
 
 struct pe_dims {
@@ -43,6 +47,8 @@ struct pe_dims {
     int kv_type;  // the KV cache's elements: PE_KV_F32, PE_KV_BF16 or PE_KV_F16 (option kv_dtype)
     int bf16;     // float weights stored as bfloat16 (option weight_dtype; int8 is 0), against float32
                   // activations (1) or activations rounded to bfloat16 (2, option bf16_compute "bf16")
+    long gguf;    // weights are a GGUF file's blocks as mapped (pe_layer.fmt; int8 and bf16 are 0),
+                  // against q8 int8 rows per row of x (1 or 2)
 };
 
 // The KV cache's element types. Written from float32 with round-to-nearest-even, as
@@ -80,14 +86,15 @@ static inline float kv_at(int kv_type, const void *cache, long off) {
 }
 
 static int kind_of(const pe_dims *d) {
+    if (d->gguf) return d->q8 == 2 ? PE_GGUFX2 : PE_GGUF;
     return !d->int8 ? (d->bf16 == 2 ? PE_BF16DOT : d->bf16 ? PE_BF16 : PE_F32) : d->q8 == 2 ? PE_Q8X2 : d->q8 ? PE_Q8 : d->group ? PE_I8_GROUPED : PE_I8;
 }
 
 // Thread tid's share of the projections that read the same input x (M, K) (for PE_Q8,
 // its int8 form xq/xs, quantized by rows before the barrier that precedes this).
-static void proj(const pe_dims *d, const float *x, const int8_t *xq, const float *xs, int M, long K,
-                 const pe_seg *segs, int nseg, int tid, int nth) {
-    pe_linear_job job = {x, K, M, K, kind_of(d), d->group, segs, nseg, xq, xs};
+static void proj(const pe_dims *d, const float *x, const int8_t *xq, const float *xs, const float *xsf, int M,
+                 long K, const pe_seg *segs, int nseg, int tid, int nth) {
+    pe_linear_job job = {x, K, M, K, kind_of(d), d->group, segs, nseg, xq, xs, xsf};
     linear_task(&job, tid, nth);
 }
 
@@ -97,7 +104,7 @@ static inline bool converts_rows(const pe_dims *d) { return d->q8 || d->bf16 == 
 // Rows [r0, r1) of x (M, K) to int8 (or bfloat16) for the next product, when it runs on
 // int8 (bfloat16) activations (res: K floats of this thread's scratch, for q8 == 2).
 static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, long r1, int8_t *xq, float *xs,
-                          float *res) {
+                          float *xsf, float *res) {
     if (d->bf16 == 2 && r1 > r0) {
         bf16_rows(x + r0 * K, K, (int)(r1 - r0), K, (uint16_t *)xq + r0 * K);
         return;
@@ -105,6 +112,8 @@ static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, lon
     if (!d->q8 || r1 <= r0) return;
     const long p = d->q8;  // int8 rows per row
     q8_quantize_rows(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), d->q8, res);
+    if (d->gguf)  // the block minimums' terms need each block's sum
+        gq_sums(xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), (int)(p * (r1 - r0)), K, xsf + p * r0 * (K / Q8_BLOCK));
 }
 
 static void rms_norm(const float *x, const float *w, float *y, long n, float eps) {
@@ -239,7 +248,8 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
     const long kmax = I > H ? (I > qs ? I : qs) : (H > qs ? H : qs);
     float *res = scores + M * nh * S;  // (threads, kmax): q8 == 2 residuals
     float *xs = res + d->threads * kmax;  // (2M, kmax / 32): int8 activations' scales (q8)
-    int8_t *xq = (int8_t *)(xs + 2 * M * (kmax / 32));  // (2M, kmax)
+    float *xsf = xs + 2 * M * (kmax / 32);  // (2M, kmax / 32): with gguf, xs times the blocks' sums
+    int8_t *xq = (int8_t *)(xsf + 2 * M * (kmax / 32));  // (2M, kmax)
     pe_barrier bar;
     // One parallel region for the whole step; its phases are separated by bar.wait().
     // Row-wise work (norms, RoPE and cache writes) is split by row, element-wise work by
@@ -254,24 +264,25 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
         pe_share(M, tid, nth, &r0, &r1);
         // tmp (M, H) = in (M, K) @ W^T for the o and down projections, whose input the
         // threads wrote by element or by head: quantized by rows (q8) after a barrier.
-        auto into_tmp = [&](const float *in, long K, const void *wt, const float *scale, const float *bias) {
+        auto into_tmp = [&](const float *in, long K, const void *wt, const float *scale, const float *bias, int fmt,
+                            const long *rowoff) {
             if (converts_rows(d)) {
-                quantize_rows(d, in, K, r0, r1, xq, xs, res + tid * kmax);
+                quantize_rows(d, in, K, r0, r1, xq, xs, xsf, res + tid * kmax);
                 bar.wait(nth);
             }
-            const pe_seg seg[1] = {{wt, scale, bias, tmp, H, H}};
-            proj(d, in, xq, xs, M, K, seg, 1, tid, nth);
+            const pe_seg seg[1] = {{wt, scale, bias, tmp, H, H, fmt, rowoff}};
+            proj(d, in, xq, xs, xsf, M, K, seg, 1, tid, nth);
             bar.wait(nth);
         };
         for (long l = 0; l < d->layers; l++) {
             const pe_layer *w = layers + l;
             for (long m = r0; m < r1; m++) rms_norm(x + m * H, w->input_norm, h + m * H, H, d->eps);
-            quantize_rows(d, h, H, r0, r1, xq, xs, res + tid * kmax);
+            quantize_rows(d, h, H, r0, r1, xq, xs, xsf, res + tid * kmax);
             bar.wait(nth);
-            const pe_seg qkv[3] = {{w->q, w->q_scale, w->q_bias, q, qs, qs},
-                                   {w->k, w->k_scale, w->k_bias, k, kvs, kvs},
-                                   {w->v, w->v_scale, w->v_bias, v, kvs, kvs}};
-            proj(d, h, xq, xs, M, H, qkv, 3, tid, nth);
+            const pe_seg qkv[3] = {{w->q, w->q_scale, w->q_bias, q, qs, qs, w->fmt[0], w->rowoff[0]},
+                                   {w->k, w->k_scale, w->k_bias, k, kvs, kvs, w->fmt[1], w->rowoff[1]},
+                                   {w->v, w->v_scale, w->v_bias, v, kvs, kvs, w->fmt[2], w->rowoff[2]}};
+            proj(d, h, xq, xs, xsf, M, H, qkv, 3, tid, nth);
             bar.wait(nth);
             PE_MARK(1)
             for (long m = r0; m < r1; m++) {
@@ -290,17 +301,17 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             attn_task(&aj, tid, nth);
             bar.wait(nth);
             PE_MARK(3)
-            into_tmp(att, qs, w->o, w->o_scale, w->o_bias);
+            into_tmp(att, qs, w->o, w->o_scale, w->o_bias, w->fmt[3], w->rowoff[3]);
             PE_MARK(4)
             for (long m = r0; m < r1; m++) {
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
                 rms_norm(x + m * H, w->post_norm, h + m * H, H, d->eps);
             }
-            quantize_rows(d, h, H, r0, r1, xq, xs, res + tid * kmax);
+            quantize_rows(d, h, H, r0, r1, xq, xs, xsf, res + tid * kmax);
             bar.wait(nth);
-            const pe_seg gate_up[2] = {{w->gate, w->gate_scale, w->gate_bias, g, I, I},
-                                       {w->up, w->up_scale, w->up_bias, u, I, I}};
-            proj(d, h, xq, xs, M, H, gate_up, 2, tid, nth);
+            const pe_seg gate_up[2] = {{w->gate, w->gate_scale, w->gate_bias, g, I, I, w->fmt[4], w->rowoff[4]},
+                                       {w->up, w->up_scale, w->up_bias, u, I, I, w->fmt[5], w->rowoff[5]}};
+            proj(d, h, xq, xs, xsf, M, H, gate_up, 2, tid, nth);
             bar.wait(nth);
             PE_MARK(5)
             pe_share(M * I, tid, nth, &e0, &e1);
@@ -311,7 +322,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             }
             for (; i < e1; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             bar.wait(nth);
-            into_tmp(g, I, w->down, w->down_scale, w->down_bias);
+            into_tmp(g, I, w->down, w->down_scale, w->down_bias, w->fmt[6], w->rowoff[6]);
             PE_MARK(6)
             for (long m = r0; m < r1; m++)
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];

@@ -25,7 +25,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "linear.h"
 #include "parallel.h"
 #include "q8.h"
 #include "simd.h"
@@ -317,17 +316,19 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
 
 // Rows [n0, n1) of W against every row of x, in groups of 4 x rows (one weight row is
 // read from memory once, from L1 for the next groups).
+// (y's column for row n is n - ycol0: 0 for a whole output, a chunk's start for a buffer.)
 template <int F>
 static void gq_rows(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *w, long ldw,
-                    const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1) {
+                    const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1, long ycol0 = 0) {
     const long nb = K / 32;
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = w + (rowoff ? rowoff[n] : n * ldw);
         const float b = bias ? bias[n] : 0.f;
+        float *yn = y + (n - ycol0);
         int m = 0;
-        for (; m + 4 <= M; m += 4) gq_row<F, 4>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, y + m * ldy + n, ldy);
-        for (; m + 2 <= M; m += 2) gq_row<F, 2>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, y + m * ldy + n, ldy);
-        for (; m < M; m++) gq_row<F, 1>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, y + m * ldy + n, ldy);
+        for (; m + 4 <= M; m += 4) gq_row<F, 4>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
+        for (; m + 2 <= M; m += 2) gq_row<F, 2>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
+        for (; m < M; m++) gq_row<F, 1>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
     }
 }
 
@@ -423,6 +424,49 @@ static void gq_task(void *arg, int tid, int nth) {
     }
 #undef GQ_LINEAR
 #undef GQ_DEQUANT
+}
+
+// Bytes of one row of K weights in format fmt (0 for a format gguf.h does not know).
+static long gq_row_bytes(int fmt, long K) {
+    switch (fmt) {
+        case GQ_Q4_0: return K / 32 * gq_traits<GQ_Q4_0>::BYTES;
+        case GQ_Q4_1: return K / 32 * gq_traits<GQ_Q4_1>::BYTES;
+        case GQ_Q5_0: return K / 32 * gq_traits<GQ_Q5_0>::BYTES;
+        case GQ_Q5_1: return K / 32 * gq_traits<GQ_Q5_1>::BYTES;
+        case GQ_Q8_0: return K / 32 * gq_traits<GQ_Q8_0>::BYTES;
+        case GQ_Q4_K: return K / 256 * gq_traits<GQ_Q4_K>::BYTES;
+        case GQ_Q5_K: return K / 256 * gq_traits<GQ_Q5_K>::BYTES;
+        case GQ_Q6_K: return K / 256 * gq_traits<GQ_Q6_K>::BYTES;
+    }
+    return 0;
+}
+
+// Rows [n0, n1) of a block matrix (rows evenly spaced unless rowoff) against M int8 rows
+// (xq/xs/xsf): a fused step's share of one projection (linear.h's PE_GGUF).
+static void gq_seg_rows(int fmt, const int8_t *xq, const float *xs, const float *xsf, int M, long K,
+                        const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy, long n0,
+                        long n1, long ycol0 = 0) {
+    const long ldw = gq_row_bytes(fmt, K);
+#define GQ_SEG(F) gq_rows<F>(xq, xs, xsf, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1, ycol0)
+    GQ_DISPATCH(fmt, GQ_SEG)
+#undef GQ_SEG
+}
+
+// The same against 2M int8 rows (two per row of x, int8x2): the pairs' products land in a
+// stack buffer, chunk by chunk, and are summed (with the bias) into y.
+static void gq_seg_rows_x2(int fmt, const int8_t *xq, const float *xs, const float *xsf, int M, long K,
+                           const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy, long n0,
+                           long n1) {
+    float buf[8192];
+    const int M2 = 2 * M;
+    const long chunk = 8192 / M2;
+    for (long a = n0; a < n1; a += chunk) {
+        const long b = a + chunk < n1 ? a + chunk : n1, width = b - a;
+        gq_seg_rows(fmt, xq, xs, xsf, M2, K, w, rowoff, nullptr, buf, width, a, b, a);
+        for (int m = 0; m < M; m++)
+            for (long n = 0; n < width; n++)
+                y[m * ldy + a + n] = buf[2 * m * width + n] + buf[(2 * m + 1) * width + n] + (bias ? bias[a + n] : 0.f);
+    }
 }
 
 static int gq_block(int fmt) {

@@ -7,6 +7,7 @@
 // applies every row of x to it while the rows sit in L1, so the bytes read per step
 // are the weights' size whatever M is. int8 weights read a quarter of the bytes.
 #pragma once
+#include "gguf.h"
 #include "parallel.h"
 #include "q8.h"
 #include "simd.h"
@@ -162,6 +163,8 @@ struct pe_seg {
     const float *bias;
     float *y;
     long ldy, N;
+    int fmt;              // PE_GGUF: the GGUF block format (gguf.h's ggml type id)
+    const long *rowoff;   // PE_GGUF: row n's byte offset from w (null: rows evenly spaced)
 };
 
 // PE_Q8: int8 weights against int8-quantized activations (q8.h; xq/xs set, x unused).
@@ -170,7 +173,9 @@ struct pe_seg {
 // arithmetic, the same weight bytes, ~1/250 of the activation rounding error.
 // PE_BF16: bfloat16 weights against float32 activations (bf16w); PE_BF16DOT: against
 // activations rounded to bfloat16 (bf16_rows into xq, read as uint16_t; block_bf16dot).
-enum { PE_F32 = 0, PE_I8 = 1, PE_I8_GROUPED = 2, PE_Q8 = 3, PE_Q8X2 = 4, PE_BF16 = 5, PE_BF16DOT = 6 };
+// PE_GGUF/PE_GGUFX2: GGUF block weights (gguf.h) against one (two) int8 rows per row.
+enum { PE_F32 = 0, PE_I8 = 1, PE_I8_GROUPED = 2, PE_Q8 = 3, PE_Q8X2 = 4, PE_BF16 = 5, PE_BF16DOT = 6, PE_GGUF = 7,
+       PE_GGUFX2 = 8 };
 
 // Row m of x (K values) -> rows 2m and 2m + 1 of xq/xs: x ~ xs[2m] * xq[2m] +
 // xs[2m + 1] * xq[2m + 1] blockwise. res: K floats of scratch.
@@ -223,6 +228,7 @@ struct pe_linear_job {
     int nseg;
     const int8_t *xq;  // PE_Q8: q8_quantize(x)
     const float *xs;
+    const float *xsf;  // PE_GGUF: xs times each block's sum of int8 values (gq_sums)
 };
 
 static const long PE_TILE = (VW == 16) ? 8 : 4;  // weight rows a thread streams together (MB x R accumulators in registers)
@@ -261,6 +267,12 @@ static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) 
         for (; n < n1; n++) rows<1>(j->x, j->ldx, w, j->K, n, j->M, s->scale, s->bias, s->y, s->ldy);
     } else if (j->kind == PE_Q8) {
         q8_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
+    } else if (j->kind == PE_GGUF) {
+        gq_seg_rows(s->fmt, j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, s->rowoff, s->bias, s->y, s->ldy,
+                    n0, n1);
+    } else if (j->kind == PE_GGUFX2) {
+        gq_seg_rows_x2(s->fmt, j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, s->rowoff, s->bias, s->y,
+                       s->ldy, n0, n1);
     } else if (j->kind == PE_Q8X2) {
         q8x2_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
     } else {
@@ -293,6 +305,6 @@ static void linear_task(void *arg, int tid, int nth) {
 
 static void linear_segs(const float *x, long ldx, int M, long K, int kind, long group, const pe_seg *segs, int nseg,
                         int threads, const int8_t *xq = nullptr, const float *xs = nullptr) {
-    pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg, xq, xs};
+    pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg, xq, xs, nullptr};
     pe_parallel(linear_task, &job, threads);
 }

@@ -39,20 +39,20 @@ static const pe_field_layout pe_layouts[] = {
     PE_FIELD(pe_layer, down_scale),
     PE_FIELD(pe_layer, q_bias), PE_FIELD(pe_layer, k_bias), PE_FIELD(pe_layer, v_bias),
     PE_FIELD(pe_layer, o_bias), PE_FIELD(pe_layer, gate_bias), PE_FIELD(pe_layer, up_bias),
-    PE_FIELD(pe_layer, down_bias),
+    PE_FIELD(pe_layer, down_bias), PE_FIELD(pe_layer, fmt), PE_FIELD(pe_layer, rowoff),
     PE_RECORD(pe_dims),
     PE_FIELD(pe_dims, hidden), PE_FIELD(pe_dims, intermediate), PE_FIELD(pe_dims, heads),
     PE_FIELD(pe_dims, kv_heads), PE_FIELD(pe_dims, head_dim), PE_FIELD(pe_dims, layers),
     PE_FIELD(pe_dims, cache_rows), PE_FIELD(pe_dims, cache_len), PE_FIELD(pe_dims, eps),
     PE_FIELD(pe_dims, int8), PE_FIELD(pe_dims, group), PE_FIELD(pe_dims, threads), PE_FIELD(pe_dims, q8),
-    PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16),
+    PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16), PE_FIELD(pe_dims, gguf),
 };
 // A field appended to a struct and not to the table (nor to Python's mirror) would escape
 // the check: the table's last field must end its struct.
-static_assert(offsetof(pe_layer, down_bias) + sizeof(pe_layer::down_bias) == sizeof(pe_layer),
-              "pe_layer has a field after down_bias: list it in pe_layouts and in kernels.py's _Layer");
-static_assert(offsetof(pe_dims, bf16) + sizeof(pe_dims::bf16) == sizeof(pe_dims),
-              "pe_dims has a field after bf16: list it in pe_layouts and in kernels.py's _Dims");
+static_assert(offsetof(pe_layer, rowoff) + sizeof(pe_layer::rowoff) == sizeof(pe_layer),
+              "pe_layer has a field after rowoff: list it in pe_layouts and in kernels.py's _Layer");
+static_assert(offsetof(pe_dims, gguf) + sizeof(pe_dims::gguf) == sizeof(pe_dims),
+              "pe_dims has a field after gguf: list it in pe_layouts and in kernels.py's _Dims");
 
 extern "C" {
 
