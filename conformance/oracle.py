@@ -16,6 +16,7 @@ and the portable-prefix exchange reach it only through :func:`reference_engine`,
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -101,6 +102,40 @@ def decide(logits: np.ndarray, row: RowState, eos_token_ids: Sequence[int], faul
     return Decision(top, gap)
 
 
+class _LogitsMemo:
+    """The reference's logits per (model fingerprint, context), kept for the whole process
+    up to ``limit`` contexts, least recently used dropped first.
+
+    The logits of a context are a function of the model and the tokens alone, so every
+    oracle of the process shares them: the differential layer's programs are seeded, and
+    each run of the suite in one process (the honest variants, the broken backends, the
+    reference beside them) and each program Hypothesis runs again while it shrinks a
+    failing one asks for the same contexts. Only the logits are kept (a few KiB each);
+    K/V stay per oracle, cleared per program. The arrays are read-only: they are shared.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._data: OrderedDict[tuple[str, tuple[int, ...]], np.ndarray] = OrderedDict()
+
+    def get(self, model: str, key: tuple[int, ...]) -> np.ndarray | None:
+        logits = self._data.get((model, key))
+        if logits is not None:
+            self._data.move_to_end((model, key))
+        return logits
+
+    def put(self, model: str, key: tuple[int, ...], logits: np.ndarray) -> None:
+        logits.flags.writeable = False
+        self._data[(model, key)] = logits
+        self._data.move_to_end((model, key))
+        while len(self._data) > self.limit:
+            self._data.popitem(last=False)
+
+
+# ~2 KiB of float64 logits each for the test models' vocabularies: at most ~70 MiB.
+_LOGITS = _LogitsMemo(limit=32768)
+
+
 class ReferenceOracle:
     """Float64 reference logits and token streams for one test model."""
 
@@ -112,8 +147,8 @@ class ReferenceOracle:
         self._prefixes: dict[tuple[int, ...], Prefix] = {}
 
     def clear(self) -> None:
-        """Forget every cached context (an oracle of random programs would otherwise
-        keep each one's K/V for good)."""
+        """Forget every cached context's K/V (an oracle of random programs would otherwise
+        keep each one's K/V for good); their logits stay in the process's memo."""
         self._prefixes.clear()
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -122,6 +157,13 @@ class ReferenceOracle:
         hit = self._prefixes.get(key)
         if hit is not None:
             return hit.logits
+        known = _LOGITS.get(self.model.fingerprint, key)
+        if known is not None:
+            return known
+        return self._prefix(key).logits
+
+    def _prefix(self, key: tuple[int, ...]) -> Prefix:
+        """The reference's prefix of ``key``, extending the longest one cached."""
         base, start = None, 0
         for n in range(len(key) - 1, 0, -1):
             if key[:n] in self._prefixes:
@@ -129,15 +171,16 @@ class ReferenceOracle:
                 break
         prefix, _ = self.engine.prefill(params=self.params, tokens=list(key[start:]), sampling=_PROBE, existing_prefix=base)
         self._prefixes[key] = prefix
-        return prefix.logits
+        _LOGITS.put(self.model.fingerprint, key, prefix.logits)
+        return prefix
 
     def raw_logprobs(self, tokens: Sequence[int]) -> np.ndarray:
         return raw_logprobs(self.logits(tokens))
 
     def kv(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """K (after RoPE) and V of the prompt, ``(layers, kv_heads, len, head_dim)`` float64."""
-        self.logits(tokens)
-        return self._prefixes[tuple(int(t) for t in tokens)].kv
+        key = tuple(int(t) for t in tokens)
+        return (self._prefixes.get(key) or self._prefix(key)).kv
 
     def stream(
         self,

@@ -21,6 +21,7 @@ from polyengine.models.config import ARCHITECTURES
 from polyengine.conformance import LAYERS, SUITE_VERSION
 from polyengine.plugins import list_backends
 
+from broken_backends import CATCHING_TESTS
 from differential_report import assert_programs_exercised
 
 AVAILABLE = [b.name for b in list_backends() if b.distribution == "polyengine" and not b.broken and b.probe().available]
@@ -93,6 +94,14 @@ def test_builtin_backend_passes_the_whole_suite(backend, tmp_path):
     assert_programs_exercised(tests, token_masks=True)
     # the terminal table, one row per layer
     assert all(line in out for line in ("layer", *LAYERS, "total"))
+    if backend == "reference":
+        # What catches a broken backend (tests/test_conformance_broken.py) passes on the
+        # reference, so each catch is the fault's. The reference declares every
+        # architecture, so its refusal check is skipped here; the restricted variant passes
+        # it (tests/test_conformance_honest.py).
+        passed = {t["id"] for t in tests if t["status"] == "passed"}
+        named = {t for t in CATCHING_TESTS if not t.startswith("test_architecture[")}
+        assert named <= passed, f"tests that catch a broken backend did not pass on the reference: {sorted(named - passed)}"
 
 
 def test_all_backends_scoreboard(tmp_path):
