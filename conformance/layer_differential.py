@@ -40,7 +40,9 @@ from polyengine.conformance.oracle import ReferenceOracle, mirror_engine, refere
 __all__ = ["PROGRAMS", "EXAMPLES", "ARCHITECTURE_EXAMPLES", "SHAPE_MODELS", "STEPS", "run_programs"]
 
 # model, or model-variant: the engines the other layers build already
-PROGRAMS = (*MODEL_NAMES, *QUANTIZED_MODELS, *(f"{DEFAULT_MODEL}-{v}" for v in VARIANTS if v != "standard"))
+# The quantized models last: a configuration's seed is the base plus its index here, so
+# the others keep the programs they drew before the quantized models came.
+PROGRAMS = (*MODEL_NAMES, *(f"{DEFAULT_MODEL}-{v}" for v in VARIANTS if v != "standard"), *QUANTIZED_MODELS)
 EXAMPLES = 10  # programs per configuration in a default run
 ARCHITECTURE_EXAMPLES = 3  # ... per further architecture's model (scaled with --polyengine-differential-examples)
 SHAPE_MODELS = ("mha_tied", "gqa_llama3", "odd_qwen2")

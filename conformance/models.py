@@ -71,7 +71,7 @@ from polyengine.models import Model, ModelConfig, RopeScaling
 from polyengine.models.blocks import BLOCK_FORMATS
 
 __all__ = ["MODEL_NAMES", "QUANTIZED_MODELS", "ALL_MODEL_NAMES", "DEFAULT_MODEL", "MODEL_SEED", "TIE_IDS",
-           "ARCHITECTURE_MODELS", "build_model", "eos_prompt", "architecture_of", "weight_formats_of"]
+           "ARCHITECTURE_MODELS", "build_model", "eos_prompt", "architecture_of", "mixed_formats"]
 
 MODEL_SEED = 20240611
 DEFAULT_MODEL = "mha_tied"
@@ -158,7 +158,7 @@ _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
                 "mlp.up_proj", "mlp.down_proj")
 
 
-def weight_formats_of(config: ModelConfig) -> dict[str, str]:
+def mixed_formats(config: ModelConfig) -> dict[str, str]:
     """``quant_mixed``'s storage: weight name -> format (see the module docstring)."""
     out = {"model.embed_tokens.weight": "Q4_K", "lm_head.weight": "Q6_K", "model.norm.weight": "F32"}
     for i in range(config.num_hidden_layers):
@@ -233,7 +233,7 @@ def build_model(name: str, seed: int = MODEL_SEED) -> Model:
         from polyengine.models.quant_presets import quantized_records
 
         _fan_in_scaled(weights, config)
-        weights = quantized_records(weights, weight_formats_of(config))
+        weights = quantized_records(weights, mixed_formats(config))
     eos = _pick_eos(config, weights)
     config = config.model_copy(update={"eos_token_ids": tuple(t for _, t in eos)})
     model = Model(config, weights, source=f"conformance:{name}:seed{seed}", is_random=True)
