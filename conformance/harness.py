@@ -23,7 +23,7 @@ from polyengine.hostinfo import cpu_model
 from polyengine.models import Model
 from polyengine.sampling import RowState, SamplingParams
 
-from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, MODEL_SEED, architecture_of, build_model
+from polyengine.conformance.models import ALL_MODEL_NAMES, DEFAULT_MODEL, MODEL_SEED, architecture_of, build_model
 from polyengine.conformance.oracle import Decision, ReferenceOracle, decide, oracle_for
 from polyengine.conformance.tolerances import Tolerance, Tolerances
 from polyengine.conformance.xfail import XfailList
@@ -198,7 +198,7 @@ class Harness:
                 f"config=EngineConfig) -> Engine, got {type(factory).__name__}"
             )
         self.factory = factory
-        self.tolerances = Tolerances(tolerances, known_tests=test_names, known_models=MODEL_NAMES)
+        self.tolerances = Tolerances(tolerances, known_tests=test_names, known_models=ALL_MODEL_NAMES)
         # engine options every engine of this run is built with (an option set), and how it is judged
         self.options = dict(options or {})
         self.option_set = self.tolerances.use_options(self.options)
@@ -290,7 +290,7 @@ class Harness:
         out["options"] = None if self.option_set is None else self.option_set.to_dict()
         out["seeds"] = dict(SEEDS)
         out["limits"] = dict(LIMITS)
-        out["models"] = {name: build_model(name).config.model_dump(mode="json") for name in MODEL_NAMES}
+        out["models"] = {name: build_model(name).config.model_dump(mode="json") for name in ALL_MODEL_NAMES}
         return out
 
 

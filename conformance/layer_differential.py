@@ -6,7 +6,8 @@ protocol's state space. Hypothesis draws programs of protocol calls (see
 runs each on the backend and on the reference, and compares every output. A failing
 program is shrunk to a short one, which the failure message prints as code.
 
-Configurations: each test model (those of undeclared architectures skipped) in the standard engine, and the default model in the
+Configurations: each test model (those of undeclared architectures skipped; the quantized
+ones included) in the standard engine, and the default model in the
 two prefill-bucket variants, all in the backend's first declared dtype. The three shape
 models (``mha_tied``, ``gqa_llama3``, ``odd_qwen2``: MHA, GQA, odd sizes) and the
 bucket variants run ``EXAMPLES`` programs each; each further architecture's model runs
@@ -33,13 +34,15 @@ import pytest
 
 from polyengine.conformance import layer
 from polyengine.conformance.harness import SEEDS, VARIANTS
-from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, build_model
+from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, QUANTIZED_MODELS, build_model
 from polyengine.conformance.oracle import ReferenceOracle, mirror_engine, reference_engine
 
 __all__ = ["PROGRAMS", "EXAMPLES", "ARCHITECTURE_EXAMPLES", "SHAPE_MODELS", "STEPS", "run_programs"]
 
 # model, or model-variant: the engines the other layers build already
-PROGRAMS = (*MODEL_NAMES, *(f"{DEFAULT_MODEL}-{v}" for v in VARIANTS if v != "standard"))
+# The quantized models last: a configuration's seed is the base plus its index here, so
+# the others keep the programs they drew before the quantized models came.
+PROGRAMS = (*MODEL_NAMES, *(f"{DEFAULT_MODEL}-{v}" for v in VARIANTS if v != "standard"), *QUANTIZED_MODELS)
 EXAMPLES = 10  # programs per configuration in a default run
 ARCHITECTURE_EXAMPLES = 3  # ... per further architecture's model (scaled with --polyengine-differential-examples)
 SHAPE_MODELS = ("mha_tied", "gqa_llama3", "odd_qwen2")

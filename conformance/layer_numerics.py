@@ -1,7 +1,7 @@
 """Layer 3, numerics: logits, log-probs and greedy tokens against the reference.
 
-Every test model (one per architecture, conformance/models.py) in every declared
-dtype (dtypes and architectures a backend does not declare are skipped here, counted
+Every test model (one per architecture, and the quantized ones: conformance/models.py)
+in every declared dtype (dtypes and architectures a backend does not declare are skipped here, counted
 apart, and their refusal is tested in the honesty layer). The
 reference is the float64 NumPy backend; errors are measured per logits row as
 relative L2 and per log-prob as absolute error, against the tolerances in force
@@ -27,7 +27,7 @@ from polyengine.sampling import RowState, SamplingParams, process_logits, raw_lo
 
 from polyengine.conformance import layer
 from polyengine.conformance.harness import LIMITS
-from polyengine.conformance.models import MODEL_NAMES
+from polyengine.conformance.models import ALL_MODEL_NAMES
 from polyengine.conformance.stats import rel_l2
 
 # The dtypes the suite has default tolerances for (tolerances.toml).
@@ -126,7 +126,7 @@ def check_reported_logprobs(conformance, *, model, dtype, prompt, sampling, toke
 
 # Stacked parametrize: the decorator nearest the function gives the first id part,
 # so ids read test_x[model-dtype].
-_by_model_and_dtype = (pytest.mark.parametrize("dtype", DTYPES), pytest.mark.parametrize("model", MODEL_NAMES))
+_by_model_and_dtype = (pytest.mark.parametrize("dtype", DTYPES), pytest.mark.parametrize("model", ALL_MODEL_NAMES))
 
 
 def _param(fn):

@@ -25,6 +25,26 @@ backend on every architecture it declares:
 ``nanochat``     nanochat's GPT: squared ReLU, parameter-free norms, embedding norm,
                  QK norm, logit soft-cap 15, its rotary convention.
 
+One quantized model (``QUANTIZED_MODELS``), run by the layers that judge numerics
+(numerics and differential) and no others, since its architecture is llama's and
+the protocol is what the other layers check:
+
+``quant_mixed``  Llama shape with every row a multiple of 256 (hidden 256, MLP 512,
+                 GQA 4/2 heads of 64, untied), each matrix in a GGUF block format as
+                 in-memory records (``quantized_records``), the eight formats rotated
+                 over the matrices so each appears: layer ``i``'s q, k, v, o, gate, up,
+                 down in ``BLOCK_FORMATS[(j + i) % 8]`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+                 Q4_K, Q5_K, Q6_K), the embedding Q4_K, the LM head Q6_K; the input
+                 norms BF16, the post-attention norms F16, the final norm F32. A
+                 backend reads the records through ``Model.weight(name, its
+                 weight_formats)``, which converts the formats it does not declare one
+                 tensor at a time; the reference dequantizes the same blocks exactly
+                 (float64), so the model is judged with the normal float tolerances.
+                 The weights' scales follow the fan-in (0.8 / sqrt(fan-in) for
+                 projections, 1.6 / sqrt(hidden) for embedding and LM head: the
+                 tables' 0.1 and 0.2 at width 64), so its logits are as spread as the
+                 others'.
+
 Weights are float32 normals. The scales are chosen so the logits are neither flat nor
 one-hot: projections std 0.1, embeddings and LM head std 0.2 give logits of std ~1.6
 and a top-1 probability of ~0.1-0.2, so sampled streams explore while greedy has few
@@ -48,9 +68,10 @@ from functools import lru_cache
 import numpy as np
 
 from polyengine.models import Model, ModelConfig, RopeScaling
+from polyengine.models.blocks import BLOCK_FORMATS
 
-__all__ = ["MODEL_NAMES", "DEFAULT_MODEL", "MODEL_SEED", "TIE_IDS", "ARCHITECTURE_MODELS", "build_model", "eos_prompt",
-           "architecture_of"]
+__all__ = ["MODEL_NAMES", "QUANTIZED_MODELS", "ALL_MODEL_NAMES", "DEFAULT_MODEL", "MODEL_SEED", "TIE_IDS",
+           "ARCHITECTURE_MODELS", "build_model", "eos_prompt", "architecture_of", "mixed_formats"]
 
 MODEL_SEED = 20240611
 DEFAULT_MODEL = "mha_tied"
@@ -112,6 +133,15 @@ _SHAPES.update({
                      rms_norm_eps=float(np.finfo(np.float32).eps)),
 })
 MODEL_NAMES: tuple[str, ...] = tuple(_SHAPES)
+# Quantized models: the numerics and differential layers run them (models of a shape above,
+# stored in block formats; the protocol and the sampler are the float models' to check).
+_QUANTIZED_SHAPES: dict[str, dict] = {
+    "quant_mixed": dict(model_type="llama", vocab_size=256, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                        tie_word_embeddings=False),
+}
+QUANTIZED_MODELS: tuple[str, ...] = tuple(_QUANTIZED_SHAPES)
+ALL_MODEL_NAMES: tuple[str, ...] = MODEL_NAMES + QUANTIZED_MODELS
 # One test model per architecture (the suite checks a backend on each it declares).
 ARCHITECTURE_MODELS: dict[str, str] = {"llama": "mha_tied", "qwen2": "odd_qwen2", "qwen3": "qwen3",
                                        "mistral": "mistral", "gemma2": "gemma2", "gemma3_text": "gemma3",
@@ -121,7 +151,33 @@ ARCHITECTURE_MODELS: dict[str, str] = {"llama": "mha_tied", "qwen2": "odd_qwen2"
 
 def architecture_of(name: str) -> str:
     """The model_type of test model ``name`` (without building it)."""
-    return _SHAPES[name].get("model_type", "llama")
+    return {**_SHAPES, **_QUANTIZED_SHAPES}[name].get("model_type", "llama")
+
+
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+
+
+def mixed_formats(config: ModelConfig) -> dict[str, str]:
+    """``quant_mixed``'s storage: weight name -> format (see the module docstring)."""
+    out = {"model.embed_tokens.weight": "Q4_K", "lm_head.weight": "Q6_K", "model.norm.weight": "F32"}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = "BF16"
+        out[p + "post_attention_layernorm.weight"] = "F16"
+        for j, proj in enumerate(_PROJECTIONS):
+            out[f"{p}{proj}.weight"] = BLOCK_FORMATS[(j + i) % len(BLOCK_FORMATS)]
+    return out
+
+
+def _fan_in_scaled(weights: dict[str, np.ndarray], config: ModelConfig) -> None:
+    """Rescale the tables' width-64 weights to this model's widths (projections by
+    fan-in, embedding and LM head by hidden size), in place."""
+    for name, w in weights.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            w *= np.float32(np.sqrt(64 / config.hidden_size))
+        elif name.endswith("_proj.weight"):
+            w *= np.float32(np.sqrt(64 / w.shape[1]))
 
 
 def _weights(config: ModelConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -139,7 +195,7 @@ def _weights(config: ModelConfig, rng: np.random.Generator) -> dict[str, np.ndar
     return out
 
 
-def _pick_eos(config: ModelConfig, weights: dict[str, np.ndarray]) -> list[tuple[list[int], int]]:
+def _pick_eos(config: ModelConfig, weights) -> list[tuple[list[int], int]]:
     """Two candidate prompts whose greedy tokens win clearly and differ, with those tokens."""
     # Deferred import: the pytest plugin imports nothing of the suite until a test runs.
     from polyengine.conformance.oracle import reference_logits
@@ -165,13 +221,19 @@ def build_model(name: str, seed: int = MODEL_SEED) -> Model:
     ``model.meta["eos_prompt_0"]``/``["eos_prompt_1"]`` hold the prompts (comma-separated
     ids) whose greedy first tokens are the model's two EOS ids.
     """
-    if name not in _SHAPES:
-        raise KeyError(f"unknown test model {name!r}; known: {', '.join(MODEL_NAMES)}")
-    rng = np.random.default_rng([seed, MODEL_NAMES.index(name)])
-    config = ModelConfig(max_position_embeddings=256, bos_token_id=1, **_SHAPES[name])
+    shapes = {**_SHAPES, **_QUANTIZED_SHAPES}
+    if name not in shapes:
+        raise KeyError(f"unknown test model {name!r}; known: {', '.join(ALL_MODEL_NAMES)}")
+    rng = np.random.default_rng([seed, ALL_MODEL_NAMES.index(name)])
+    config = ModelConfig(max_position_embeddings=256, bos_token_id=1, **shapes[name])
     weights = _weights(config, rng)
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-    weights[head][list(TIE_IDS)] = 0.0
+    weights[head][list(TIE_IDS)] = 0.0  # zero rows stay exactly zero in every block format
+    if name in _QUANTIZED_SHAPES:
+        from polyengine.models.quant_presets import quantized_records
+
+        _fan_in_scaled(weights, config)
+        weights = quantized_records(weights, mixed_formats(config))
     eos = _pick_eos(config, weights)
     config = config.model_copy(update={"eos_token_ids": tuple(t for _, t in eos)})
     model = Model(config, weights, source=f"conformance:{name}:seed{seed}", is_random=True)

@@ -4,14 +4,14 @@ the calls the layer exists for (tests/test_conformance_honest.py, test_conforman
 from __future__ import annotations
 
 from polyengine.conformance.layer_differential import PROGRAMS, SHAPE_MODELS
-from polyengine.conformance.models import MODEL_NAMES
+from polyengine.conformance.models import ALL_MODEL_NAMES
 
 # A pytest -k expression that keeps the suite's runs on the shape models (MHA, GQA, odd
-# sizes) and leaves out the further architectures' models: for runs that check what the
-# architectures do not change (honest variants of the reference, the Ray engine over
+# sizes) and leaves out the further architectures' models and the quantized ones: for runs
+# that check what the architectures and weight formats do not change (honest variants of the reference, the Ray engine over
 # the same tpu_jax engine), where the single-process runs of every backend already
-# cover every architecture it declares (test_conformance_cli.py, test_neuron_conformance.py).
-SHAPE_MODELS_ONLY = " and ".join(f"not {m}" for m in MODEL_NAMES if m not in SHAPE_MODELS)
+# cover every architecture it declares and the quantized model (test_conformance_cli.py, test_neuron_conformance.py).
+SHAPE_MODELS_ONLY = " and ".join(f"not {m}" for m in ALL_MODEL_NAMES if m not in SHAPE_MODELS)
 SHAPE_CONFIGURATIONS = len([p for p in PROGRAMS if p.split("-")[0] in SHAPE_MODELS])
 
 # What every configuration's programs must have done on an engine that declares token

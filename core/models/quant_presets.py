@@ -16,6 +16,7 @@ matter for judging a backend against the reference on the same blocks.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -37,22 +38,30 @@ def quantized_config() -> ModelConfig:
         tie_word_embeddings=False))
 
 
-def quantized_records(weights: dict[str, np.ndarray], fmt: str) -> dict[str, Weight]:
-    """``weights`` (HF names, float) as in-memory records: every matrix whose rows divide
-    into ``fmt``'s blocks quantized to ``fmt`` (HF row order: no GGUF permutation), the
-    rest (norms, biases, matrices too narrow for the block) F32. Pass the result to
-    ``Model(config, records)``: a quantized model without a file (the conformance suite's
-    way to build one from its own weights)."""
-    f = FORMATS[fmt]
+def quantized_records(weights: dict[str, np.ndarray], fmt: str | Mapping[str, str]) -> dict[str, Weight]:
+    """``weights`` (HF names, float) as in-memory records (HF row order: no GGUF
+    permutation). Pass the result to ``Model(config, records)``: a quantized model
+    without a file (the conformance suite's way to build one from its own weights).
+
+    ``fmt`` one format: every matrix whose rows divide into its blocks in it, the rest
+    (norms, biases, matrices too narrow for the block) F32. ``fmt`` a mapping of names to
+    formats (a mixed model, as the K-quant mixes of real files are): each named tensor in
+    its format (a 1-D tensor in a float format only; a matrix whose rows do not divide
+    into its blocks is a ValueError), every other one F32."""
     out: dict[str, Weight] = {}
     for name, arr in weights.items():
         arr = np.asarray(arr, np.float32)
-        if arr.ndim == 2 and arr.shape[1] % f.block == 0:
-            raw = quantize_blocks(fmt, arr)
-            data = raw if not f.is_float else raw.reshape(arr.shape)
-            out[name] = Weight(fmt, tuple(arr.shape), data, name=name)
-        else:
+        mixed = isinstance(fmt, Mapping)
+        f = FORMATS[fmt.get(name, "F32") if mixed else fmt]
+        fits = (arr.ndim == 2 or (mixed and f.is_float)) and arr.shape[-1] % f.block == 0
+        if mixed and not fits:
+            raise ValueError(f"{name}: a tensor of shape {arr.shape} cannot be stored as {f.name}")
+        if not fits or f.name == "F32":
             out[name] = Weight.from_array(arr, name=name)
+            continue
+        raw = quantize_blocks(f.name, arr.reshape(-1, arr.shape[-1]))
+        data = raw.reshape(arr.shape) if f.is_float else raw.reshape(*arr.shape[:-1], -1)
+        out[name] = Weight(f.name, tuple(arr.shape), data, name=name)
     return out
 
 

@@ -22,7 +22,7 @@ Each matrix is read from the Model's records one at a time (``model.weights[name
 converts that one tensor: a Q4_K or BF16 record is dequantized, exactly, then rounded
 to float32) and requantized, so the peak is the int8 copies plus one float tensor and
 its chunked temporaries, never a float32 model (``tests/test_quantized_weights.py``
-measures it).
+measures the process's peak RSS).
 
 The copies are computed once per :class:`~polyengine.models.Model` and mode and kept
 with it (engines built one after another over one Model share them). A Model loaded
@@ -52,6 +52,8 @@ WEIGHT_MODES = {"int8": 0, "int8-block32": 32}
 _CHUNK_ELEMENTS = 1 << 18
 # Released float bytes after which the freed heap memory is handed back to the system.
 _RETURN_BYTES = 64 << 20
+# Formats the float view reads as they are stored (a view, no conversion).
+_READ_AS_STORED = frozenset({"F64", "F32", "F16"})
 
 # Model -> mode -> {"<name>.qweight": ..., "<name>.scale": ...}; dies with its Model.
 _CACHE: "weakref.WeakKeyDictionary[Model, dict[str, dict[str, np.ndarray]]]" = weakref.WeakKeyDictionary()
@@ -152,22 +154,29 @@ def replace_matrices(model: Model, copy, *, why: str) -> None:
     """Call ``copy(name, matrix)`` for every projection and the LM head
     (:func:`quantized_names`), releasing each float matrix from an exclusive Model as soon
     as its copy exists (the embedding table excepted: it stays a lookup), with ``why``
-    as the reason a later read is refused. The fingerprint is computed first; the freed
-    memory is handed back every 64 MiB, so the float matrices and their copies never add
-    up. The one place int8 copies (here) and the cpu backend's bfloat16 copies are made."""
+    as the reason a later read is refused. The fingerprint is computed first. A matrix
+    stored in another format than F32/F16/F64 (blocks, BF16) is converted as it is read:
+    that float matrix is a temporary, dropped and its memory handed back to the system
+    before the next one is converted, so conversions never add up (NumPy's arrays of a
+    few MiB come from the C heap, which keeps freed memory resident until trimmed:
+    measured, the temporaries of a 125 MB-as-float32 Q4_K model's requantization held 22
+    MB). Released float matrices are handed back every 64 MiB. The one place int8 copies
+    (here) and the cpu backend's bfloat16 copies are made."""
     if model.exclusive:
         model.fingerprint  # noqa: B018 -- of the float weights, before any is released
     unreturned = 0  # bytes released since memory was last handed back to the system
     for name, source in quantized_names(model.config):
+        temporary = model.weights.record(source).format not in _READ_AS_STORED
         w = model.weights[source]
         copy(name, w)
+        freed = w.nbytes
+        del w  # before the next matrix is read: one converted matrix at a time
         if model.exclusive and source != "model.embed_tokens.weight":
-            unreturned += w.nbytes
-            del w
             model.release([source], why=why)
-            if unreturned >= _RETURN_BYTES:
-                return_freed_memory()
-                unreturned = 0
+            unreturned += freed
+        if temporary or unreturned >= _RETURN_BYTES:
+            return_freed_memory()
+            unreturned = 0
     if unreturned:
         return_freed_memory()
 
