@@ -240,13 +240,6 @@ static inline __m256i gq_dot(__m256i aq, __m256i sx) {
 #endif
 }
 
-static inline float gq_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 // MB rows of x against weight row `row` (K weights): y[m * ldy] for each m.
 template <int F, int MB>
 static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, long K, const uint8_t *row,
@@ -280,7 +273,7 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
             }
         }
     }
-    for (int m = 0; m < MB; m++) y[m * ldy] = gq_hsum(_mm256_add_ps(acc[m], kmins[m])) + mins[m] + bias;
+    for (int m = 0; m < MB; m++) y[m * ldy] = hsum8(_mm256_add_ps(acc[m], kmins[m])) + mins[m] + bias;
 }
 
 #else  // plain C++

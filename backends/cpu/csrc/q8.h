@@ -209,13 +209,6 @@ static inline __m256 q8_fma(__m256 a, __m256 b, __m256 c) {
 #endif
 }
 
-static inline float q8_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 template <int MB, int R, int SM>
 static inline void q8_block(const int8_t *xq, const float *xs, long K, const int8_t *w, const float *wscale,
                             long bpg, const float *bias, float *y, long ldy, long n0) {
@@ -248,7 +241,7 @@ static inline void q8_block(const int8_t *xq, const float *xs, long K, const int
     }
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < R; r++) {
-            float s = q8_hsum(acc[m][r]);
+            float s = hsum8(acc[m][r]);
             if (SM == 0) s *= wscale[n0 + r];
             if (bias) s += bias[n0 + r];
             y[m * ldy + n0 + r] = s;

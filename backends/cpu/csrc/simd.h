@@ -95,6 +95,16 @@ static inline float hsum(vf v) {
     return q[0] + q[1];
 }
 
+#if defined(__AVX__)
+// Sum of the 8 lanes of a 256-bit float vector (the int8 kernels' accumulators).
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 // exp of each lane (softmax after subtracting the max, SiLU): n = round(x /
 // ln 2), r = x - n ln 2 in two parts (Cody-Waite), e^r by the Cephes expf polynomial, then
 // scaled by 2^n through the exponent bits; below -87.3 the result is 0, as expf's
