@@ -123,12 +123,13 @@ def test_greedy_output_equals_transformers(greedy, hf, backend):
     assert out.token_ids == hf["greedy"], (backend, out.text, hf["text"])
 
 
-# neuron's three Inductor graphs of 18 layers cost minutes of both cores (700 s at a load of
-# 10): opt-in with POLYENGINE_GEMMA3_NEURON=1; recorded passing on 2026-12-03 (this file,
-# all four backends, 883 s, the 2-core AMD EPYC dev host); in CI neuron's numerics on block
-# formats are the conformance suite's quant_mixed model.
-_OPT_IN = {"neuron": pytest.mark.skipif(os.environ.get("POLYENGINE_GEMMA3_NEURON") != "1",
-                                        reason="minutes of compiling: set POLYENGINE_GEMMA3_NEURON=1")}
+# The compiled backends' graphs of 18 layers cost minutes of both cores (neuron's three
+# Inductor graphs 700 s at a load of 10): opt-in with POLYENGINE_GEMMA3_COMPILED=1, recorded
+# passing on 2026-12-03 (this file, all four backends, 883 s, the 2-core AMD EPYC dev host);
+# in CI their numerics on block formats are the conformance suite's quant_mixed model.
+_COMPILED = pytest.mark.skipif(os.environ.get("POLYENGINE_GEMMA3_COMPILED") != "1",
+                               reason="minutes of compiling: set POLYENGINE_GEMMA3_COMPILED=1")
+_OPT_IN = {"tpu_jax": _COMPILED, "neuron": _COMPILED}
 
 
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=_OPT_IN.get(b, ())) for b in CPU_BACKENDS])
