@@ -94,6 +94,7 @@ class LlamaCppSystem:
             raise RuntimeError(f"llama.cpp could not load {model}")
         self.vocab_size = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model)))
         self.ctx = None
+        self.first_build_seconds: float | None = None  # the first context's creation (the load_s metric)
         self._shape: tuple[int, int] | None = None
         self._batch = lc.llama_batch_init(_N_BATCH, 0, 1)
         candidates = sorted({int(t) for t in ([threads] if isinstance(threads, int) else threads)})
@@ -130,7 +131,10 @@ class LlamaCppSystem:
             p.n_threads = p.n_threads_batch = getattr(self, "threads", 1) or 1
             if hasattr(self, "threads_batch"):
                 p.n_threads_batch = self.threads_batch
+            start = time.perf_counter()
             self.ctx = lc.llama_init_from_model(self.model, p)
+            if self.first_build_seconds is None:
+                self.first_build_seconds = time.perf_counter() - start
             if not self.ctx:
                 raise RuntimeError(f"llama.cpp could not make a context for {n_seq} x {per_seq} tokens")
             self._shape = (n_seq, per_seq)
