@@ -27,6 +27,7 @@ from polyengine.models.config import ARCHITECTURES
 from polyengine.models.quantize import has_int8_copies, int8_bytes, quantized_names, replaced_weights
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
+from polyengine.backends.cpu.blocks import KERNEL_FORMATS, BlockMatrix, TiledBlockLinear, embed_rows
 from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
 from polyengine.backends.cpu.kernels import MAX_ROWS, FusedDecoder
 from polyengine.backends.cpu.options import OPTIONS
@@ -52,6 +53,9 @@ class CpuEngine(TorchEngine):
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True,
+            # the GGUF block formats are computed on as mapped (blocks.py); others, and every
+            # weight where the plan does not keep blocks, are converted one tensor at a time
+            weight_formats=("F32", *KERNEL_FORMATS),
         )
 
     def _resolve(self) -> None:
@@ -63,7 +67,9 @@ class CpuEngine(TorchEngine):
             warnings.warn(message, FallbackWarning, stacklevel=4)
             logging.getLogger(__name__).warning(message)
         self._kernels = plan.kernels
-        if plan.kernels is not None or plan.narrow:
+        self._blocks: dict[str, BlockMatrix] = {}  # made with the weights (plan.block_weights)
+        self._tiled_blocks = TiledBlockLinear() if plan.block_weights else None
+        if plan.kernels is not None or plan.narrow or plan.block_weights:
             self._linear = self._cpu_linear
             self._prefill_linear = (self._cpu_linear if plan.prefill_compute == self.torch_dtype else
                                     functools.partial(self._cpu_linear, compute=plan.prefill_compute))
@@ -101,7 +107,7 @@ class CpuEngine(TorchEngine):
         c, plan = self.model.config, self.plan
         shapes = c.weight_shapes()
         needs = {}
-        kept = set(shapes) - (replaced_weights(c) if plan.narrow else set())
+        kept = set(shapes) - (replaced_weights(c) if plan.narrow else set()) - set(plan.block_weights)
         if self.torch_dtype != torch.float32:
             needs[f"{self.dtype} weights"] = sum(math.prod(shapes[n]) for n in kept) * self.torch_dtype.itemsize
         elif converted := self.model.conversion_bytes(sorted(kept)):
@@ -119,7 +125,11 @@ class CpuEngine(TorchEngine):
         plan = self.plan
         # int8 or bfloat16 copies: the float matrices they replace are not kept (nor
         # converted); an exclusive Model releases them too (polyengine.models.quantize).
-        skip = replaced_weights(self.model.config) if plan.narrow else frozenset()
+        skip = (replaced_weights(self.model.config) if plan.narrow else frozenset()) | set(plan.block_weights)
+        # the file's blocks as mapped: nothing allocated, nothing converted
+        self._blocks = {name: BlockMatrix.of(self.model.weights.record(name)) for name in plan.block_weights}
+        if "model.embed_tokens.weight" in self._blocks:
+            self._embed = self._block_embed
         weights = self._allocating("the weights", lambda: TorchWeights.from_model(
             self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length,
             skip=skip))
@@ -146,6 +156,11 @@ class CpuEngine(TorchEngine):
         plan, kernels = self.plan, self._kernels
         bias = t.get(name + ".bias")
         on_kernels = kernels is not None and (any_rows or x.numel() // x.shape[-1] <= MAX_ROWS)
+        blocks = self._blocks.get(self.model.config.head_weight if name == "lm_head" else name + ".weight")
+        if blocks is not None:
+            if on_kernels and plan.block_activations:
+                return kernels.gguf_linear(x, blocks, bias, out=out, pairs=plan.block_activations)
+            return self._tiled_blocks(x, blocks, bias, kernels=kernels, compute=compute)
         q = t.get(name + ".qweight")
         if q is not None:
             scale = t.get(name + ".scale")  # None: bfloat16 weights
@@ -157,6 +172,10 @@ class CpuEngine(TorchEngine):
         if on_kernels and x.dtype == torch.float32:
             return kernels.linear(x, w, bias, out=out)
         return torch.nn.functional.linear(x, w, bias)
+
+    def _block_embed(self, t: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """StepSpec.embed for a table kept in blocks: only the looked-up rows dequantized."""
+        return embed_rows(self._blocks["model.embed_tokens.weight"], tokens, self._kernels)
 
     def _kernel_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
         """StepSpec.causal_attention on the host kernel, one batch row at a time."""

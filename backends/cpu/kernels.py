@@ -5,7 +5,8 @@ The kernels are one small C++ library, ``csrc/``: headers of one part each
 W.T`` for a few rows of ``x`` (the live slots of a decode step) with float32, bfloat16 or
 int8 weights, ``q8.h`` int8 weights against activations quantized to int8 per 32 values
 (integer dot products: AVX-512 VNNI, AVX-VNNI or AVX2, as the host has), ``decode.h`` a
-whole fused decode step (every layer for the live rows, in one call), ``prefill_attn.h``
+whole fused decode step (every layer for the live rows, in one call), ``gguf.h`` products
+on GGUF block weights as the file maps them (:mod:`.blocks`), ``prefill_attn.h``
 a prefill's causal attention) and the one file compiled, ``csrc/polyengine_cpu.cpp``,
 which includes them and holds the C ABI (``docs/cpu-kernels.md``). It is compiled once
 per host, ISA path and compiler with the system's C++ compiler into a cache folder
@@ -36,6 +37,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from polyengine.cache import check, store
@@ -207,6 +209,60 @@ class CpuKernels:
         return y.reshape(*shape[:-1], n)
 
 
+    def gguf_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, pairs: int = 1) -> torch.Tensor:
+        """``x @ W.T + bias`` for float32 ``x`` (..., K) and a :class:`~.blocks.BlockMatrix`
+        ``W`` in its GGUF blocks (``csrc/gguf.h``): ``x`` quantized to int8 per 32 values;
+        ``pairs`` 2 adds the product of a second int8 row quantizing the first's rounding
+        error (int8_compute "int8x2"). ``out`` as :meth:`linear`'s."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if not x2.is_contiguous() or x2.dtype != torch.float32:
+            x2 = x2.contiguous().float()
+        m, k = x2.shape
+        n = blocks.n
+        if k != blocks.k:
+            raise ValueError(f"x has {k} columns, the {blocks.format} matrix {blocks.k}")
+        if out is not None and out.is_contiguous() and out.dtype == torch.float32 and out.numel() >= m * n:
+            y = out.view(-1)[: m * n].view(m, n)
+        else:
+            y = torch.empty((m, n), dtype=torch.float32)
+        pairs = 2 if pairs == 2 else 1
+        nb = pairs * m * k // Q8_BLOCK
+        xq = torch.empty(pairs * m * k, dtype=torch.int8)
+        xs = torch.empty(2 * nb, dtype=torch.float32)  # scales, then their blocks' sums
+        rest = torch.empty(2 * m * n + k if pairs == 2 else 1, dtype=torch.float32)
+        offsets = blocks.offsets
+        rc = self.lib.pe_gguf_linear(blocks.ggml_type, x2.data_ptr(), k, blocks.base, blocks.ldw,
+                                     None if offsets is None else offsets.ctypes.data,
+                                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k,
+                                     self.threads, xq.data_ptr(), xs.data_ptr(), xs[nb:].data_ptr(), pairs,
+                                     rest.data_ptr())
+        if rc != 0:
+            raise ValueError(f"the block kernels refused a {blocks.format} matrix of {k} columns")
+        return y.reshape(*shape[:-1], n)
+
+    def gguf_dequant(self, blocks, start: int, stop: int, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Rows ``start:stop`` of ``blocks`` (or, with ``rows``, the rows it lists) as
+        float32 into the contiguous ``out``."""
+        if rows is not None:
+            offsets = blocks.offsets_of(rows)
+            count = len(offsets)
+        else:
+            count = stop - start
+            offsets = None if blocks.offsets is None else blocks.offsets[start:stop]
+        if offsets is None:
+            base = blocks.base + start * blocks.ldw
+        else:
+            base, offsets = blocks.base, np.ascontiguousarray(offsets, dtype=np.int64)
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < count * blocks.k:
+            raise ValueError("gguf_dequant writes into a contiguous float32 buffer of the rows' size")
+        rc = self.lib.pe_gguf_dequant(blocks.ggml_type, base, blocks.ldw, None if offsets is None else offsets.ctypes.data,
+                                      count, blocks.k, out.data_ptr(), blocks.k, self.threads)
+        if rc != 0:
+            raise ValueError(f"the block kernels refused a {blocks.format} matrix of {blocks.k} columns")
+
+
 def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
     """The kernels for this host and ISA path ``isa`` (:data:`ISA_CHOICES`; compiled on
     first use, cached by source, compiler, CPU and path in a private, signed cache:
@@ -272,6 +328,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_prefill_attention.argtypes = [ptr, long_, ptr, ptr, long_, long_, ptr, int_, int_, int_, int_,
                                          ctypes.c_float, int_, int_]
     lib.pe_prefill_attention.restype = lib.pe_pa_bf16.restype = ctypes.c_int
+    lib.pe_gguf_linear.argtypes = [int_, ptr, long_, ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_, ptr,
+                                   ptr, ptr, int_, ptr]
+    lib.pe_gguf_dequant.argtypes = [int_, ptr, long_, ptr, long_, long_, ptr, long_, int_]
+    lib.pe_gguf_linear.restype = lib.pe_gguf_dequant.restype = ctypes.c_int
 
 
 _Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)

@@ -23,7 +23,9 @@ import torch
 
 from polyengine.errors import UnsupportedFeature
 from polyengine.hostinfo import cpu_flags, cpu_model, has_bf16_units, runnable_isas
-from polyengine.models.quantize import WEIGHT_MODES, group_of
+from polyengine.models.quantize import WEIGHT_MODES, group_of, quantized_names
+
+from polyengine.backends.cpu.blocks import KERNEL_FORMATS
 
 from polyengine.backends.cpu.kernels import CpuKernels, KernelsUnavailable, check_isa, load, q8_fits
 
@@ -72,6 +74,9 @@ class CpuPlan:
     unfused_why: str | None  # why not, where the kernels are used (None: fused, or no kernels)
     live_rows: bool  # a decode step computes the live slots' rows only
     weights: str  # "" (the compute dtype), "int8", "int8-block32" or "bfloat16"
+    block_weights: tuple[str, ...]  # weights kept in the file's GGUF blocks (csrc/gguf.h)
+    block_formats: str  # their formats in words ("Q4_K x 7, Q6_K x 2"), "" without any
+    block_activations: int  # int8 rows per activation row of block products (0: float32 bands)
     fuse_projections: bool  # bfloat16 weights: q/k/v and gate/up as one matrix each
     int8_activations: int  # int8 rows per activation row of int8 products (0: float32)
     bf16_activations: bool  # bfloat16 weights' decode products on bfloat16 activations
@@ -92,15 +97,20 @@ class CpuPlan:
         if o["bf16_compute"] == "bf16" and kernels is None:
             raise UnsupportedFeature("bf16_compute='bf16'", BACKEND, "it runs in the host-compiled CPU kernels, "
                                      f"which are not used here ({fallback or 'the kernels compute float32'})")
-        int8_activations = _int8_activations(o, config, kernels)
+        blocks = _block_weights(model, dtype, weights)
+        int8_activations = _int8_activations(o, config, kernels, bool(blocks))
+        block_activations = _block_activations(o, kernels, blocks)
         bf16_activations = o["bf16_compute"] == "bf16"
-        prefill_compute = _prefill_compute(o, host, dtype, weights, bf16_activations, int8_activations)
-        unfused_why = None if kernels is None else _unfused_why(o, config, weights)
+        prefill_compute = _prefill_compute(o, host, dtype, weights or ("blocks" if blocks else ""), bf16_activations,
+                                           int8_activations or block_activations)
+        formats = _formats(model, blocks)
+        unfused_why = None if kernels is None else _unfused_why(o, config, weights, formats)
         return cls(
             host=host, dtype=dtype, kv_dtype=kv_dtype, threads=o["threads"], async_steps=o["async_steps"],
             kv_memory=o["kv_memory"], isa=o["isa"], kernels=kernels, kernels_fallback=fallback,
             fused_decode=kernels is not None and unfused_why is None, unfused_why=unfused_why,
-            live_rows=o["live_rows"], weights=weights, fuse_projections=o["fuse_projections"],
+            live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
+            block_activations=block_activations, fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
             prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
             for_model=model is not None,
@@ -139,6 +149,13 @@ class CpuPlan:
 
     def _int8(self) -> str:
         k = self.kernels
+        if self.block_weights:
+            if not self.block_activations:
+                return ("GGUF block weights x float32 activations: bands dequantized into float32 products "
+                        + ("(int8_compute=float)" if k is not None else "(no kernels)"))
+            rows = "two int8 rows (int8x2, int8_compute auto)" if self.block_activations == 2 else "one int8 row (int8_compute=int8)"
+            return (f"GGUF block weights x int8 activations per 32 values, {rows} per row, integer dot products on "
+                    f"{k.q8_isa} (csrc/gguf.h, as llama.cpp's vec_dot)")
         if not self.for_model:
             return (f"off by default; with option quantize: integer dot products on {k.q8_isa} where the model's "
                     f"sizes are multiples of 32 (int8_compute auto), else float activations" if k is not None else
@@ -155,6 +172,10 @@ class CpuPlan:
         return f"{self.weights} weights x float32 activations (weights widened in the kernels)"
 
     def _weights(self) -> str:
+        if self.block_weights:
+            where = "the block kernels" if self.kernels is not None else "bands dequantized by the core (no kernels)"
+            return (f"the file's GGUF blocks as mapped, never widened whole ({self.block_formats}): decode "
+                    f"products on {where}, prefill by dequantized bands into torch's GEMM")
         if self.weights in WEIGHT_MODES:
             return f"int8 ({self.weights}) projections and LM head"
         if self.weights == "bfloat16":
@@ -181,6 +202,9 @@ class CpuPlan:
             stands = f", as on the hosts isa {self.isa!r} stands for" if self.host.bf16_units else ""
             return ("torch's GEMM; int8 or bfloat16 weights widened to float32, float32 here whatever the options "
                     f"(prefill_compute auto; no bfloat16 units here{stands})")
+        if self.block_weights:
+            operands = "bfloat16" if self.prefill_compute == torch.bfloat16 else "float32"
+            return f"torch's GEMM on {operands} operands, block weights dequantized a band of rows at a time"
         if not self.narrow:
             return "torch's GEMM"
         if self.prefill_compute == torch.bfloat16:
@@ -277,7 +301,45 @@ def _kernels(o: Mapping[str, Any], dtype: torch.dtype) -> tuple[CpuKernels | Non
         return None, str(exc)
 
 
-def _unfused_why(o: Mapping[str, Any], config: Any, weights: str) -> str | None:
+def _block_weights(model: Any, dtype: torch.dtype, weights: str) -> tuple[str, ...]:
+    """The projections, LM head and embedding table the engine reads in the file's GGUF
+    blocks: every one stored in a format of csrc/gguf.h, under float32 compute, unless
+    option quantize or weight_dtype replaces the weights (they requantize tensor by
+    tensor) or the model is a mixture of experts (its experts run stacked, in float32)."""
+    if model is None or weights or dtype != torch.float32 or model.config.num_experts:
+        return ()
+    names = {source for _, source in quantized_names(model.config)} | {"model.embed_tokens.weight"}
+    records = model.records
+    return tuple(sorted(n for n in names if n in records and records[n].format in KERNEL_FORMATS
+                        and len(records[n].shape) == 2))
+
+
+def _formats(model: Any, blocks: tuple[str, ...]) -> str:
+    counts: dict[str, int] = {}
+    for name in blocks:
+        fmt = model.records[name].format
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return ", ".join(f"{f} x {c}" for f, c in sorted(counts.items()))
+
+
+def _block_activations(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple[str, ...]) -> int:
+    """int8 rows per activation row of block products (option int8_compute): auto is two
+    (int8x2: the second row carries the first's rounding error, so the products are those
+    of the float activations to ~1/250 of one row's error, and a file decodes greedily as
+    the oracle on its blocks); "int8" one, as llama.cpp pairs its blocks with Q8
+    activations (faster; its bound is in docs/cpu.md); 0 multiplies float32 activations
+    by dequantized bands."""
+    if not blocks or o["int8_compute"] == "float":
+        return 0
+    if kernels is None:
+        if o["int8_compute"] != "auto":
+            raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r}", BACKEND,
+                                     "the CPU kernels are off or unavailable")
+        return 0
+    return {"auto": 2, "int8": 1, "int8x2": 2}[o["int8_compute"]]
+
+
+def _unfused_why(o: Mapping[str, Any], config: Any, weights: str, block_formats: str = "") -> str | None:
     """Why a decode step cannot be the fused kernel call (None: it can): the option, an
     architecture it is not written for, or int8 weights whose projections quantize in
     different groupings (a scale per 32 where the input size divides, per row elsewhere)."""
@@ -287,6 +349,9 @@ def _unfused_why(o: Mapping[str, Any], config: Any, weights: str) -> str | None:
         return None
     if not config.is_llama_family:
         return f"the fused step is written for the Llama family, not {config.model_type}"
+    if block_formats:
+        return (f"GGUF block weights ({block_formats}): the fused step takes float32, bfloat16 or int8 copies; "
+                f"products on the block kernels")
     if weights in WEIGHT_MODES:
         sizes = (config.hidden_size, config.q_size, config.intermediate_size)
         if len({group_of(weights, k) for k in sizes}) > 1:
@@ -295,13 +360,13 @@ def _unfused_why(o: Mapping[str, Any], config: Any, weights: str) -> str | None:
     return None
 
 
-def _int8_activations(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None) -> int:
+def _int8_activations(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None, blocks: bool = False) -> int:
     """int8 rows per activation row for int8 weights (option ``int8_compute``): 0 for
     float32 activations, 1 or 2 (csrc/q8.h)."""
-    if not o["quantize"] and o["int8_compute"] != "auto":
-        raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r} without int8 weights", BACKEND,
-                                 "it chooses the activations of int8 weights' products; add quantize='int8' or "
-                                 "'int8-block32'")
+    if not o["quantize"] and not blocks and o["int8_compute"] != "auto":
+        raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r} without int8 or block weights", BACKEND,
+                                 "it chooses the activations of int8 weights' (or a GGUF file's blocks') products; "
+                                 "add quantize='int8' or 'int8-block32'")
     if not o["quantize"] or o["int8_compute"] == "float" or config is None:
         return 0
     fits = kernels is not None and q8_fits(config, WEIGHT_MODES[o["quantize"]])

@@ -111,6 +111,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     _linear: Callable | None = None  # decode's projections (None: torch's F.linear)
     _prefill_linear: Callable | None = None  # prefill's
     _causal_attention: Callable | None = None  # a prefill's attention from position 0 (None: the forward's)
+    _embed: Callable | None = None  # the embedding lookup (None: the table in the weights, StepSpec.embed)
 
     def __init__(self, model: Model, config: EngineConfig):
         super().__init__(model, config)
@@ -192,7 +193,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         key = tuple(sorted(choices.items(), key=lambda kv: kv[0]))
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = StepSpec(attention=self.options["attention"], inplace=True, moe="sparse", **choices)
+            spec = self._specs[key] = StepSpec(attention=self.options["attention"], inplace=True, moe="sparse",
+                                               embed=self._embed, **choices)
         return spec
 
     def _allocating(self, what: str, fn: Callable[[], Any]) -> Any:

@@ -175,11 +175,17 @@ class TorchWeights:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tensors["model.embed_tokens.weight"].dtype
+        return self._reference.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.tensors["model.embed_tokens.weight"].device
+        return self._reference.device
+
+    @property
+    def _reference(self) -> torch.Tensor:
+        # the RoPE tables are made in the compute dtype on the device; the embedding table
+        # may be held elsewhere by an engine (StepSpec.embed)
+        return self.tensors.get("model.embed_tokens.weight", self.tensors["rope.cos"])
 
     @property
     def max_positions(self) -> int:
@@ -282,6 +288,8 @@ class StepSpec:
     the routing: eager torch only); ``"gather"`` gathers each token's k experts'
     weights and multiplies them batched (static shapes, for traced programs; it reads
     ``tokens x k`` expert matrices, so it suits decode steps and small prefills).
+    ``embed(tensors, tokens)``: replaces the embedding lookup (an engine that keeps the
+    table in another form, such as a GGUF file's blocks); returns (B, T, hidden).
     ``causal_attention(q, keys, vals, scale)``: with ``causal``, replaces SDPA's causal
     attention on layers without a window or soft-cap (an engine's own kernel): ``q``
     (B, T, heads, head_dim) after RoPE, ``keys``/``vals`` (B, kv_heads, T, head_dim) as
@@ -296,6 +304,7 @@ class StepSpec:
     kv_codec: KVCodec | None = None
     moe: str = "gather"
     causal_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    embed: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_IMPLS:
@@ -591,7 +600,7 @@ def forward(
         raise ValueError(f"rows=None needs one batch row per cache row: batch {b}, cache rows {k_cache.shape[1]}")
     call = _call(weights, spec, positions, rows, write_mask, k_cache.shape[3])
 
-    x = F.embedding(tokens, t["model.embed_tokens.weight"])  # (B, T, H)
+    x = F.embedding(tokens, t["model.embed_tokens.weight"]) if spec.embed is None else spec.embed(t, tokens)
     if c.embed_scale:  # Gemma: times sqrt(hidden), rounded to the compute dtype as transformers does
         x = x * x.new_full((), math.sqrt(c.hidden_size))  # an op, not a constant: export lifts no tensor
     if c.embed_norm:  # nanochat

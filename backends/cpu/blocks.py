@@ -1,0 +1,149 @@
+"""GGUF block weights in the cpu engine: the Model's records as the file maps them.
+
+A projection, the LM head or the embedding table stored in one of the block formats
+the kernels compute on (:data:`KERNEL_FORMATS`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K) stays a :class:`BlockMatrix`: the record's bytes where the file's memory map
+holds them (a row permutation, such as llama.cpp's Q/K order undone, is a table of row
+offsets, not a copy). What reads it:
+
+- a decode step's products: ``csrc/gguf.h`` through :meth:`CpuKernels.gguf_linear`,
+  activations quantized to int8 per 32 values as llama.cpp's ``vec_dot`` does (option
+  ``int8_compute``: "int8x2" adds a second int8 row for the first's rounding error,
+  "float" multiplies dequantized bands in float32);
+- a prefill's GEMM and anything the kernels do not run: :class:`TiledBlockLinear`, one
+  band of rows at a time dequantized into a reused float buffer (~1 MiB) and multiplied
+  by torch's GEMM, never the whole matrix;
+- the embedding lookup: only the looked-up rows are dequantized (:func:`embed_rows`).
+
+Without the compiled kernels the same bands are dequantized by the core (exact, slower):
+the fallback every path has, tested beside the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from polyengine.models.blocks import BLOCK_FORMATS, FORMATS
+from polyengine.models.weights import Weight
+
+__all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band", "describe_formats"]
+
+KERNEL_FORMATS = BLOCK_FORMATS  # every format of csrc/gguf.h
+_BAND_ELEMENTS = 1 << 18  # floats per dequantized band (1 MiB in float32)
+
+
+@dataclass(eq=False)
+class BlockMatrix:
+    """A ``[n, k]`` weight in a block format, read where it lies: row ``i``'s bytes start
+    at ``base + offsets[i]`` (``offsets`` None: ``base + i * ldw``)."""
+
+    weight: Weight  # holds the memory map (and so the addresses) alive
+    format: str
+    ggml_type: int
+    n: int
+    k: int
+    base: int
+    ldw: int
+    offsets: np.ndarray | None
+
+    @classmethod
+    def of(cls, weight: Weight) -> "BlockMatrix":
+        """The record as it is; ValueError for a format or shape the kernels do not take."""
+        if weight.format not in KERNEL_FORMATS or len(weight.shape) != 2:
+            raise ValueError(f"{weight.name or 'weight'}: {weight.format} {weight.shape} is not a block matrix")
+        f = FORMATS[weight.format]
+        data = weight.data
+        if data.strides[-1] != 1 or any(s < 0 for s in data.strides):
+            raise ValueError(f"{weight.name}: its rows' bytes are not contiguous")
+        lead, strides = data.shape[:-1], data.strides[:-1]
+        offsets = np.zeros(lead, np.int64)
+        for axis, (size, stride) in enumerate(zip(lead, strides)):
+            shape = [1] * len(lead)
+            shape[axis] = size
+            offsets = offsets + np.arange(size, dtype=np.int64).reshape(shape) * stride
+        offsets = offsets.reshape(-1)
+        n, k = weight.shape
+        ldw = int(offsets[1] - offsets[0]) if n > 1 else k // f.block * f.nbytes
+        even = n < 2 or bool(np.all(offsets == np.arange(n, dtype=np.int64) * ldw))
+        return cls(weight, weight.format, f.ggml_type, n, k, int(data.ctypes.data), ldw if even else 0,
+                   None if even else offsets)
+
+    @property
+    def block(self) -> int:
+        return FORMATS[self.format].block
+
+    def offsets_of(self, rows: torch.Tensor) -> np.ndarray:
+        """Byte offsets of the given rows (int64)."""
+        idx = rows.reshape(-1).cpu().numpy().astype(np.int64)
+        return (self.offsets[idx] if self.offsets is not None else idx * self.ldw).astype(np.int64)
+
+
+def dequantize_band(blocks: BlockMatrix, start: int, stop: int, out: torch.Tensor, kernels=None) -> None:
+    """Rows ``start:stop`` as float32 into ``out`` ``(stop - start, k)``: the kernels'
+    dequantization, or the core's (exact in float64, then rounded) without them."""
+    if kernels is not None:
+        kernels.gguf_dequant(blocks, start, stop, out)
+        return
+    band = blocks.weight.row_slice(start, stop).to_float(np.float32)
+    out.copy_(torch.from_numpy(band))
+
+
+def embed_rows(blocks: BlockMatrix, tokens: torch.Tensor, kernels=None) -> torch.Tensor:
+    """The embedding rows of ``tokens`` (any shape) as float32 ``(*tokens.shape, k)``:
+    only those rows are dequantized."""
+    flat = tokens.reshape(-1)
+    out = torch.empty((flat.numel(), blocks.k), dtype=torch.float32)
+    if kernels is not None:
+        kernels.gguf_dequant(blocks, 0, flat.numel(), out, rows=flat)
+    else:
+        for i, token in enumerate(flat.tolist()):
+            dequantize_band(blocks, token, token + 1, out[i: i + 1])
+    return out.reshape(*tokens.shape, blocks.k)
+
+
+class TiledBlockLinear:
+    """``x @ W.T + bias`` for a :class:`BlockMatrix` ``W`` by bands of rows dequantized
+    into one reused float32 buffer (rounded to ``compute``, the GEMM's operand dtype,
+    where that is not float32). Not thread-safe: one per engine, called from its thread."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def _band(self, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < rows * k:
+            buffer = self._buffers[dtype] = torch.empty(max(rows * k, _BAND_ELEMENTS), dtype=dtype)
+        return buffer[: rows * k].view(rows, k)
+
+    def __call__(self, x: torch.Tensor, blocks: BlockMatrix, bias: torch.Tensor | None = None, *,
+                 kernels=None, compute: torch.dtype | None = None) -> torch.Tensor:
+        n, k = blocks.n, blocks.k
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        compute = compute or x.dtype
+        band = max(1, min(n, _BAND_ELEMENTS // k))
+        yt = torch.empty((n, x2.shape[0]), dtype=compute)  # transposed: each band writes whole rows
+        xt = x2.to(compute).t()
+        for r in range(0, n, band):
+            rows = min(band, n - r)
+            w = self._band(rows, k, torch.float32)
+            dequantize_band(blocks, r, r + rows, w, kernels)
+            if compute != torch.float32:
+                w = self._band(rows, k, compute).copy_(w)
+            torch.mm(w, xt, out=yt[r: r + rows])
+        y = yt.t().to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, n)
+
+
+def describe_formats(blocks: dict[str, BlockMatrix]) -> str:
+    """"Q4_K x 7, Q6_K x 2": the formats of distinct matrices (a tied head counted once)."""
+    counts: dict[str, int] = {}
+    for b in {id(b): b for b in blocks.values()}.values():
+        counts[b.format] = counts.get(b.format, 0) + 1
+    return ", ".join(f"{f} x {c}" for f, c in sorted(counts.items())) or "none"
+

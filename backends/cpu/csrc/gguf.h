@@ -1,0 +1,392 @@
+// Products on GGUF block weights as they lie in the file: y[M, N] = x[M, K] @ W[N, K]^T
+// (+ bias) with W in one of ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+// Q5_K, Q6_K), read from the memory map, never widened as a whole; and the
+// dequantization of a band of rows into float32 (a prefill's GEMM takes a tile at a time).
+//
+// Decode (M small) works as llama.cpp's vec_dot pairs a weight block with int8
+// activations: x is quantized per 32 values (q8.h's q8_quantize: one float scale per
+// block, symmetric, round to nearest even), and each 32-weight sub-block of a weight row
+// is unpacked in registers to signed bytes q with a float scale (two for Q6_K, whose
+// scales cover 16 weights) and, for the formats with a minimum (Q4_1, Q5_1, Q4_K,
+// Q5_K), an offset mn: w = sc * q + mn. The byte products sum exactly in int32, so
+//   row . x = sum over blocks b of xs_b * (sc_b * sum(q * xq) + mn_b * sum(xq))
+// and sum(xq) per block is computed once per product (xsf: xs_b * sum(xq)). Every term
+// is exact but the float32 sums and the activations' rounding (half a step of x's block
+// scale per value), which is the only approximation: the bound stated in docs/cpu.md.
+//
+// ISA paths (q8.h's PE_Q8_ISA): 2-3 byte dot products on vpdpbusd at 256 bits (AVX-512
+// VNNI with VL, or AVX-VNNI; at 512 bits the unpacking would have to interleave two
+// blocks per register for no more throughput on the Zen 4 this was written on, whose
+// 512-bit units are two 256-bit halves); 1 AVX2 pmaddubsw + pmaddwd (the unsigned
+// operand is |x| <= 127 and |q| <= 128, so pairs sum to at most 32512: no saturation);
+// 0 plain C++. Each is tested per format against float64 products of the exactly
+// dequantized blocks (tests/test_cpu_gguf_kernels.py).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#include "linear.h"
+#include "parallel.h"
+#include "q8.h"
+#include "simd.h"
+
+// ggml's type ids (the GGUF file's tensor types).
+enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q5_K = 13, GQ_Q6_K = 14 };
+
+template <int F> struct gq_traits;
+template <> struct gq_traits<GQ_Q4_0> { enum { BLOCK = 32, BYTES = 18, MIN = 0 }; };
+template <> struct gq_traits<GQ_Q4_1> { enum { BLOCK = 32, BYTES = 20, MIN = 1 }; };
+template <> struct gq_traits<GQ_Q5_0> { enum { BLOCK = 32, BYTES = 22, MIN = 0 }; };
+template <> struct gq_traits<GQ_Q5_1> { enum { BLOCK = 32, BYTES = 24, MIN = 1 }; };
+template <> struct gq_traits<GQ_Q8_0> { enum { BLOCK = 32, BYTES = 34, MIN = 0 }; };
+template <> struct gq_traits<GQ_Q4_K> { enum { BLOCK = 256, BYTES = 144, MIN = 1 }; };
+template <> struct gq_traits<GQ_Q5_K> { enum { BLOCK = 256, BYTES = 176, MIN = 1 }; };
+template <> struct gq_traits<GQ_Q6_K> { enum { BLOCK = 256, BYTES = 210, MIN = 0 }; };
+
+// IEEE half -> float, exactly (F16C where the path has it).
+static inline float gq_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 31) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else if (e) {
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    } else {  // zero or subnormal: m * 2^-24, exact in float
+        float f = (float)m * 5.9604644775390625e-08f;
+        return (h & 0x8000) ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+// A 32-weight sub-block as unpacked: w[i] = sc[i / 16] * q[i] + mn.
+struct gq_sub {
+    float sc[2], mn;
+};
+
+// The per-super-block scales of the K formats: dsc[j] = d * scale_j, dmn[j] = -dmin * min_j
+// (Q4_K/Q5_K, 6-bit packed) or d * scale_k for each 16 (Q6_K, int8).
+struct gq_super {
+    float dsc[16], dmn[8];
+};
+
+template <int F>
+static inline void gq_prepare(const uint8_t *blk, gq_super *s) {
+    if (F == GQ_Q4_K || F == GQ_Q5_K) {
+        const float d = gq_f16(blk), dmin = gq_f16(blk + 2);
+        const uint8_t *p = blk + 4;
+        for (int j = 0; j < 4; j++) {
+            s->dsc[j] = d * (float)(p[j] & 63);
+            s->dmn[j] = -dmin * (float)(p[j + 4] & 63);
+            s->dsc[j + 4] = d * (float)((p[j + 8] & 15) | ((p[j] >> 6) << 4));
+            s->dmn[j + 4] = -dmin * (float)((p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4));
+        }
+    } else if (F == GQ_Q6_K) {
+        const float d = gq_f16(blk + 208);
+        for (int k = 0; k < 16; k++) s->dsc[k] = d * (float)(int8_t)blk[192 + k];
+    }
+}
+
+// Sub-block j of block blk into q[32] (plain C++: the scalar path and the dequantization).
+template <int F>
+static inline void gq_unpack_s(const uint8_t *blk, int j, const gq_super *s, int8_t *q, gq_sub *o) {
+    o->mn = 0.f;
+    if (F == GQ_Q8_0) {
+        memcpy(q, blk + 2, 32);
+        o->sc[0] = o->sc[1] = gq_f16(blk);
+    } else if (F == GQ_Q4_0 || F == GQ_Q4_1) {
+        const uint8_t *qs = blk + (F == GQ_Q4_0 ? 2 : 4);
+        const int off = F == GQ_Q4_0 ? 8 : 0;
+        for (int i = 0; i < 16; i++) q[i] = (int8_t)((qs[i] & 15) - off), q[i + 16] = (int8_t)((qs[i] >> 4) - off);
+        o->sc[0] = o->sc[1] = gq_f16(blk);
+        if (F == GQ_Q4_1) o->mn = gq_f16(blk + 2);
+    } else if (F == GQ_Q5_0 || F == GQ_Q5_1) {
+        const int at = F == GQ_Q5_0 ? 2 : 4, off = F == GQ_Q5_0 ? 16 : 0;
+        uint32_t qh;
+        memcpy(&qh, blk + at, 4);
+        const uint8_t *qs = blk + at + 4;
+        for (int i = 0; i < 16; i++) {
+            q[i] = (int8_t)(((qs[i] & 15) | (((qh >> i) & 1) << 4)) - off);
+            q[i + 16] = (int8_t)(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - off);
+        }
+        o->sc[0] = o->sc[1] = gq_f16(blk);
+        if (F == GQ_Q5_1) o->mn = gq_f16(blk + 2);
+    } else if (F == GQ_Q4_K || F == GQ_Q5_K) {
+        const uint8_t *qs = blk + (F == GQ_Q4_K ? 16 : 48) + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        for (int i = 0; i < 32; i++) {
+            int v = (qs[i] >> shift) & 15;
+            if (F == GQ_Q5_K) v |= ((blk[16 + i] >> j) & 1) << 4;
+            q[i] = (int8_t)v;
+        }
+        o->sc[0] = o->sc[1] = s->dsc[j];
+        o->mn = s->dmn[j];
+    } else {  // Q6_K: half n of 128 weights, group g of 32 in it
+        const int n = j / 4, g = j % 4;
+        const uint8_t *ql = blk + 64 * n + 32 * (g & 1), *qh = blk + 128 + 32 * n;
+        const int shift = 4 * (g >> 1);
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)((((ql[i] >> shift) & 15) | (((qh[i] >> (2 * g)) & 3) << 4)) - 32);
+        o->sc[0] = s->dsc[8 * n + 2 * g];
+        o->sc[1] = s->dsc[8 * n + 2 * g + 1];
+    }
+}
+
+#if PE_Q8_ISA >= 1
+
+// Byte i of the result is 0xFF where bit i of bits is set.
+static inline __m256i gq_bits(uint32_t bits) {
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+// 16 bytes -> their 32 nibbles: low ones first (weights 0-15), then the high ones.
+static inline __m256i gq_nibbles(const uint8_t *qs) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(15));
+}
+
+// Sub-block j of block blk as 32 signed bytes in a register (sc/mn as gq_unpack_s).
+template <int F>
+static inline __m256i gq_unpack_v(const uint8_t *blk, int j, const gq_super *s, gq_sub *o) {
+    o->mn = 0.f;
+    if (F == GQ_Q8_0) {
+        o->sc[0] = o->sc[1] = gq_f16(blk);
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    }
+    if (F == GQ_Q4_0 || F == GQ_Q4_1) {
+        o->sc[0] = o->sc[1] = gq_f16(blk);
+        if (F == GQ_Q4_1) {
+            o->mn = gq_f16(blk + 2);
+            return gq_nibbles(blk + 4);
+        }
+        return _mm256_sub_epi8(gq_nibbles(blk + 2), _mm256_set1_epi8(8));
+    }
+    if (F == GQ_Q5_0 || F == GQ_Q5_1) {
+        const int at = F == GQ_Q5_0 ? 2 : 4;
+        uint32_t qh;
+        memcpy(&qh, blk + at, 4);
+        __m256i v = _mm256_or_si256(gq_nibbles(blk + at + 4), _mm256_and_si256(gq_bits(qh), _mm256_set1_epi8(16)));
+        o->sc[0] = o->sc[1] = gq_f16(blk);
+        if (F == GQ_Q5_1) {
+            o->mn = gq_f16(blk + 2);
+            return v;
+        }
+        return _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    }
+    if (F == GQ_Q4_K || F == GQ_Q5_K) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + (F == GQ_Q4_K ? 16 : 48) + 32 * (j / 2)));
+        __m256i v = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+        if (F == GQ_Q5_K) {
+            const __m256i hb = _mm256_set1_epi8((char)(1 << j));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, hb), hb),
+                                                    _mm256_set1_epi8(16)));
+        }
+        o->sc[0] = o->sc[1] = s->dsc[j];
+        o->mn = s->dmn[j];
+        return v;
+    }
+    // Q6_K
+    const int n = j / 4, g = j % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (g & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+    const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3));
+    o->sc[0] = s->dsc[8 * n + 2 * g];
+    o->sc[1] = s->dsc[8 * n + 2 * g + 1];
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+// 8 int32 sums of 4 byte products each (lanes 0-3: bytes 0-15): unsigned aq, signed sx.
+static inline __m256i gq_dot(__m256i aq, __m256i sx) {
+#if PE_Q8_ISA == 2 && defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aq, sx);
+#elif PE_Q8_ISA >= 2
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, sx);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float gq_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// MB rows of x against weight row `row` (K weights): y[m * ldy] for each m.
+template <int F, int MB>
+static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, long K, const uint8_t *row,
+                          float bias, float *y, long ldy) {
+    typedef gq_traits<F> T;
+    const long nb = K / 32;
+    __m256 acc[MB];
+    float mins[MB];
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps(), mins[m] = 0.f;
+    gq_super sup;
+    for (long blk = 0; blk < K / T::BLOCK; blk++) {
+        const uint8_t *p = row + blk * T::BYTES;
+        __builtin_prefetch(p + 4 * T::BYTES, 0, 0);
+        if (T::BLOCK == 256) gq_prepare<F>(p, &sup);
+        for (int j = 0; j < T::BLOCK / 32; j++) {
+            const long b = blk * (T::BLOCK / 32) + j;
+            gq_sub o;
+            const __m256i q = gq_unpack_v<F>(p, j, &sup, &o);
+            const __m256 sc = F == GQ_Q6_K ? _mm256_set_m128(_mm_set1_ps(o.sc[1]), _mm_set1_ps(o.sc[0]))
+                                           : _mm256_set1_ps(o.sc[0]);
+            const __m256i aq = _mm256_sign_epi8(q, q);  // |q|, -128 read as 128 unsigned
+            for (int m = 0; m < MB; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * 32));
+                const __m256 d = _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * nb + b));
+                const __m256i dot = gq_dot(aq, _mm256_sign_epi8(xv, q));  // |q| * (x with q's sign) = q * x
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m]);
+                if (T::MIN) mins[m] += o.mn * xsf[m * nb + b];
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) y[m * ldy] = gq_hsum(acc[m]) + mins[m] + bias;
+}
+
+#else  // plain C++
+
+template <int F, int MB>
+static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, long K, const uint8_t *row,
+                          float bias, float *y, long ldy) {
+    typedef gq_traits<F> T;
+    const long nb = K / 32;
+    float acc[MB] = {};
+    gq_super sup;
+    for (long blk = 0; blk < K / T::BLOCK; blk++) {
+        const uint8_t *p = row + blk * T::BYTES;
+        if (T::BLOCK == 256) gq_prepare<F>(p, &sup);
+        for (int j = 0; j < T::BLOCK / 32; j++) {
+            const long b = blk * (T::BLOCK / 32) + j;
+            gq_sub o;
+            int8_t q[32];
+            gq_unpack_s<F>(p, j, &sup, q, &o);
+            for (int m = 0; m < MB; m++) {
+                const int8_t *xa = xq + m * K + b * 32;
+                int32_t s0 = 0, s1 = 0;
+                for (int i = 0; i < 16; i++) s0 += (int32_t)q[i] * xa[i], s1 += (int32_t)q[i + 16] * xa[i + 16];
+                acc[m] += xs[m * nb + b] * (o.sc[0] * (float)s0 + o.sc[1] * (float)s1);
+                if (T::MIN) acc[m] += o.mn * xsf[m * nb + b];
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) y[m * ldy] = acc[m] + bias;
+}
+
+#endif
+
+// Rows [n0, n1) of W against every row of x, in groups of 4 x rows (one weight row is
+// read from memory once, from L1 for the next groups).
+template <int F>
+static void gq_rows(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *w, long ldw,
+                    const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1) {
+    const long nb = K / 32;
+    for (long n = n0; n < n1; n++) {
+        const uint8_t *row = w + (rowoff ? rowoff[n] : n * ldw);
+        const float b = bias ? bias[n] : 0.f;
+        int m = 0;
+        for (; m + 4 <= M; m += 4) gq_row<F, 4>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, y + m * ldy + n, ldy);
+        for (; m + 2 <= M; m += 2) gq_row<F, 2>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, y + m * ldy + n, ldy);
+        for (; m < M; m++) gq_row<F, 1>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, y + m * ldy + n, ldy);
+    }
+}
+
+// Rows [n0, n1) dequantized into out (ldo floats per row): float32 of sc * q + mn.
+template <int F>
+static void gq_dequant_rows(const uint8_t *w, long ldw, const long *rowoff, long K, float *out, long ldo, long n0,
+                            long n1) {
+    typedef gq_traits<F> T;
+    for (long n = n0; n < n1; n++) {
+        const uint8_t *row = w + (rowoff ? rowoff[n] : n * ldw);
+        float *o = out + (n - n0) * ldo;
+        gq_super sup;
+        for (long blk = 0; blk < K / T::BLOCK; blk++) {
+            const uint8_t *p = row + blk * T::BYTES;
+            if (T::BLOCK == 256) gq_prepare<F>(p, &sup);
+            for (int j = 0; j < T::BLOCK / 32; j++) {
+                gq_sub s;
+                int8_t q[32];
+                gq_unpack_s<F>(p, j, &sup, q, &s);
+                float *d = o + blk * T::BLOCK + j * 32;
+                for (int i = 0; i < 32; i++) d[i] = s.sc[i >> 4] * (float)q[i] + s.mn;
+            }
+        }
+    }
+}
+
+// xsf[m, b] = xs[m, b] * the sum of block b's int8 values (the minimum's term).
+static void gq_sums(const int8_t *xq, const float *xs, int M, long K, float *xsf) {
+    const long nb = K / 32;
+    for (int m = 0; m < M; m++)
+        for (long b = 0; b < nb; b++) {
+            const int8_t *q = xq + m * K + b * 32;
+            int32_t s = 0;
+            for (int i = 0; i < 32; i++) s += q[i];
+            xsf[m * nb + b] = xs[m * nb + b] * (float)s;
+        }
+}
+
+// x (M, K) -> xq/xs (q8_quantize) and their sums xsf.
+static void gq_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, float *xsf) {
+    q8_quantize(x, ldx, M, K, xq, xs);
+    gq_sums(xq, xs, M, K, xsf);
+}
+
+struct gq_job {
+    int fmt, M;
+    long K, N, ldw, ldy;
+    const int8_t *xq;
+    const float *xs, *xsf, *bias;
+    const uint8_t *w;
+    const long *rowoff;
+    float *y;  // linear: (M, ldy); dequant: (rows, ldy)
+    int dequant;
+};
+
+#define GQ_DISPATCH(fmt, CALL)                 \
+    switch (fmt) {                             \
+        case GQ_Q4_0: CALL(GQ_Q4_0); break;    \
+        case GQ_Q4_1: CALL(GQ_Q4_1); break;    \
+        case GQ_Q5_0: CALL(GQ_Q5_0); break;    \
+        case GQ_Q5_1: CALL(GQ_Q5_1); break;    \
+        case GQ_Q8_0: CALL(GQ_Q8_0); break;    \
+        case GQ_Q4_K: CALL(GQ_Q4_K); break;    \
+        case GQ_Q5_K: CALL(GQ_Q5_K); break;    \
+        case GQ_Q6_K: CALL(GQ_Q6_K); break;    \
+    }
+
+static void gq_task(void *arg, int tid, int nth) {
+    const gq_job *j = (const gq_job *)arg;
+    long n0, n1;
+    pe_share(j->N, tid, nth, &n0, &n1);
+#define GQ_LINEAR(F) gq_rows<F>(j->xq, j->xs, j->xsf, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, n0, n1)
+#define GQ_DEQUANT(F) gq_dequant_rows<F>(j->w, j->ldw, j->rowoff, j->K, j->y + n0 * j->ldy, j->ldy, n0, n1)
+    if (j->dequant) {
+        GQ_DISPATCH(j->fmt, GQ_DEQUANT)
+    } else {
+        GQ_DISPATCH(j->fmt, GQ_LINEAR)
+    }
+#undef GQ_LINEAR
+#undef GQ_DEQUANT
+}
+
+static int gq_block(int fmt) {
+    switch (fmt) {
+        case GQ_Q4_0: case GQ_Q4_1: case GQ_Q5_0: case GQ_Q5_1: case GQ_Q8_0: return 32;
+        case GQ_Q4_K: case GQ_Q5_K: case GQ_Q6_K: return 256;
+    }
+    return 0;
+}

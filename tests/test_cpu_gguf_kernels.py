@@ -1,0 +1,133 @@
+"""The CPU kernels on GGUF block weights (``backends/cpu/csrc/gguf.h``), per format and
+per ISA path this CPU executes (tests/isa_paths.py: "auto" is -march=native, then the
+forced avx512, avx2 and scalar builds).
+
+Checked against float64 products of the exactly dequantized blocks
+(``polyengine.models.blocks.dequantize_blocks``):
+- the dequantization into float32 equals the float64 values rounded once (exact);
+- the products with int8 activations equal the float64 product of the dequantized
+  weights and the dequantized int8 activations (the activations' quantization is the
+  kernels' one approximation) up to float32 summation (1e-5 of the terms' magnitude),
+  and are within the stated activation bound of the float64 product of the float
+  activations;
+- rows read through a table of offsets (a permuted view of the map) and embedding rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows  # noqa: E402
+from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, dequantize_blocks, quantize_blocks  # noqa: E402
+from polyengine.models.weights import Weight  # noqa: E402
+
+from isa_paths import ISAS, kernels_for  # noqa: E402
+
+N, K = 24, 512  # K: two 256-weight super-blocks, sixteen 32-weight blocks
+
+
+def _matrix(fmt: str, seed: int = 0, n: int = N, k: int = K) -> tuple[BlockMatrix, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    w[0, :32] = 0.0  # an all-zero block
+    raw = quantize_blocks(fmt, w)
+    record = Weight(fmt, (n, k), raw, name="w")
+    exact = dequantize_blocks(fmt, raw.reshape(-1, FORMATS[fmt].nbytes)).reshape(n, k)
+    return BlockMatrix.of(record), exact
+
+
+def _q8(x: np.ndarray) -> np.ndarray:
+    """x quantized per 32 values as csrc/q8.h does (symmetric, round half to even), dequantized."""
+    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(b).max(axis=2, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d > 0, np.clip(np.rint(b / np.where(d > 0, d, 1)), -127, 127), 0)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def kernels(request):
+    return kernels_for(request.param)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_dequantize_is_exact(kernels, fmt):
+    blocks, exact = _matrix(fmt)
+    out = torch.empty((N, K), dtype=torch.float32)
+    kernels.gguf_dequant(blocks, 0, N, out)
+    np.testing.assert_array_equal(out.numpy(), exact.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 7])
+def test_products_with_int8_activations(kernels, fmt, m):
+    blocks, exact = _matrix(fmt, seed=m)
+    rng = np.random.default_rng(100 + m)
+    x = rng.standard_normal((m, K)).astype(np.float32)
+    x[0, 32:64] = 0.0  # an all-zero activation block
+    bias = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
+    y = kernels.gguf_linear(torch.from_numpy(x), blocks, bias).numpy().astype(np.float64)
+    xq = _q8(x)
+    want = xq @ exact.T + bias.numpy()
+    scale = np.abs(xq) @ np.abs(exact).T + np.abs(bias.numpy())
+    assert np.all(np.abs(y - want) <= 1e-5 * scale + 1e-30), (fmt, np.max(np.abs(y - want) / scale))
+    # against the float activations: within the activation rounding's bound (half a step
+    # of each block's scale per value, docs/cpu.md)
+    full = x.astype(np.float64) @ exact.T + bias.numpy()
+    step = np.abs(x.reshape(m, -1, 32)).max(axis=2) / 127  # (m, blocks)
+    bound = (step[:, None, :] / 2 * np.abs(exact).reshape(N, -1, 32).sum(axis=2)[None]).sum(axis=2)  # (m, N)
+    assert np.all(np.abs(y - full) <= bound * 1.001 + 1e-5 * scale)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0"])
+def test_int8x2_is_close_to_float(kernels, fmt):
+    blocks, exact = _matrix(fmt)
+    x = np.random.default_rng(5).standard_normal((2, K)).astype(np.float32)
+    full = x.astype(np.float64) @ exact.T
+    one = kernels.gguf_linear(torch.from_numpy(x), blocks).numpy()
+    two = kernels.gguf_linear(torch.from_numpy(x), blocks, pairs=2).numpy()
+    assert np.abs(two - full).max() < np.abs(one - full).max() / 20
+
+
+@pytest.mark.parametrize("fmt", ["Q6_K", "Q5_0"])
+def test_permuted_rows_and_embedding_rows(kernels, fmt):
+    """Rows through an offsets table (llama.cpp's Q/K order undone as a view) and the
+    embedding lookup of chosen rows."""
+    blocks, exact = _matrix(fmt, n=16)
+    record = blocks.weight.permute_rows(2)  # 2 heads of 8 rows: a strided view, not a copy
+    permuted = BlockMatrix.of(record)
+    assert permuted.offsets is not None and np.shares_memory(record.data, blocks.weight.data)
+    order = np.arange(16).reshape(2, 4, 2).swapaxes(1, 2).reshape(-1)
+    x = np.random.default_rng(3).standard_normal((1, K)).astype(np.float32)
+    y = kernels.gguf_linear(torch.from_numpy(x), permuted).numpy()
+    np.testing.assert_allclose(y, kernels.gguf_linear(torch.from_numpy(x), blocks).numpy()[:, order], rtol=1e-6)
+    tokens = torch.tensor([[5, 0], [15, 5]])
+    rows = embed_rows(blocks, tokens, kernels)
+    np.testing.assert_array_equal(rows.numpy(), exact[tokens.numpy()].astype(np.float32))
+
+
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_tiled_prefill_product(with_kernels):
+    """A prefill's product by dequantized bands (the kernels' dequantization, or the
+    core's without them), float32 and bfloat16 operands."""
+    kernels = kernels_for("auto") if with_kernels else None
+    blocks, exact = _matrix("Q4_K", n=40)
+    x = torch.from_numpy(np.random.default_rng(9).standard_normal((33, K)).astype(np.float32))
+    want = x.double().numpy() @ exact.T
+    tiled = TiledBlockLinear()
+    y = tiled(x, blocks, kernels=kernels).double().numpy()
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+    yb = tiled(x, blocks, kernels=kernels, compute=torch.bfloat16).double().numpy()
+    assert np.abs(yb - want).max() < 0.05 * np.abs(want).max()
+
+
+def test_refuses_what_it_cannot_read():
+    kernels = kernels_for("auto")
+    blocks, _ = _matrix("Q8_0")
+    with pytest.raises(ValueError, match="columns"):
+        kernels.gguf_linear(torch.zeros((1, K + 32)), blocks)
+    with pytest.raises(ValueError, match="not a block matrix"):
+        BlockMatrix.of(Weight.from_array(np.zeros((2, 32), np.float32)))
