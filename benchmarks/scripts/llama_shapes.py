@@ -21,8 +21,9 @@ Each shape is first written as F16 (matrices F16, norms F32, as llama.cpp's conv
 does), streamed one tensor at a time so the model is never held in memory, then
 quantized with ``llama_cpp.llama_model_quantize`` (llama-cpp-python's binding of
 llama.cpp's quantizer: Q4_K_M mixes Q4_K with Q6_K for some tensors as llama.cpp
-decides). Weights are random normal with std 0.02 and norms are 1: speed does not
-depend on the values, and these keep every activation finite. The Q/K rows are random,
+decides). Weights are random normal with std 0.02 (each matrix a slab of 4M values
+drawn for it and repeated) and norms are 1: speed does not depend on the values, and
+these keep every activation finite. The Q/K rows are random,
 so their GGUF row order does not matter.
 
 Files live in ``<cache>/llama-shapes`` (``polyengine.cache``: a private folder, each
@@ -56,13 +57,14 @@ from typing import Any
 
 import numpy as np
 
-SCRIPT_VERSION = 1
+SCRIPT_VERSION = 2
 FORMATS = ("Q4_K_M", "Q4_0", "Q8_0", "F16")
 DEFAULT_FORMATS = ("Q4_K_M", "Q4_0", "Q8_0")
 TARGETS = Path(__file__).resolve().parents[1] / "targets" / "quantized.toml"
 STD = 0.02
 _BITS = {"Q4_K_M": 4.9, "Q4_0": 4.5, "Q8_0": 8.5, "F16": 16.0}  # bits a weight, for the disk check
 _MARGIN = 2 << 30  # bytes left free on the disk after the files
+_SLAB = 1 << 22  # random values drawn per matrix (8 MB of float16), repeated to fill it
 
 
 @dataclass(frozen=True)
@@ -185,17 +187,18 @@ def write_f16(path: str | Path, shape: Shape, source: Path | None = None, *, see
 
 
 def _values(dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Norms 1 (float32), matrices normal(0, STD) in float16, drawn a slab of rows at a
-    time so a float32 copy of a large matrix never exists."""
+    """Norms 1 (float32); a matrix: a slab of normal(0, STD) float16 values (at most
+    ``_SLAB``), repeated to fill it. Drawing 8B normals takes tens of CPU minutes on a
+    busy host; speed does not depend on the values, and repeats do not change a
+    quantizer's work or a kernel's."""
     if len(dims) == 1:
         return np.ones(dims, np.float32)
-    out = np.empty(dims, np.float16)
-    step = max(1, (16 << 20) // dims[1])
-    for at in range(0, dims[0], step):
-        rows = rng.standard_normal((min(step, dims[0] - at), dims[1]), dtype=np.float32)
-        rows *= STD
-        out[at: at + len(rows)] = rows
-    return out
+    n = int(np.prod(dims))
+    slab = (rng.standard_normal(min(n, _SLAB), dtype=np.float32) * STD).astype(np.float16)
+    out = np.empty(n, np.float16)
+    for at in range(0, n, len(slab)):
+        out[at: at + len(slab)] = slab[: n - at]
+    return out.reshape(dims)
 
 
 class QuantizerMissing(RuntimeError):
