@@ -36,7 +36,7 @@ import numpy as np
 from polyengine.benchmarks.phases import DecodeRun, ServeRun
 from polyengine.benchmarks.workload import Request, prompts
 
-__all__ = ["LlamaCppSystem"]
+__all__ = ["LlamaCppSystem", "quiet_log", "cpu_features"]
 
 _PAD = 256
 _N_BATCH = 2048
@@ -45,7 +45,8 @@ _N_BATCH = 2048
 _GGML_LOG_WARN = 3  # ggml_log_level: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continuation
 
 
-def _quiet_log(level: int, text: bytes, user_data: object) -> None:
+def quiet_log(level: int, text: bytes, user_data: object) -> None:
+    """A llama.cpp log callback that passes on its warnings and errors only."""
     if level in (_GGML_LOG_WARN, _GGML_LOG_WARN + 1):
         sys.stderr.write(text.decode("utf-8", errors="replace"))
 
@@ -77,7 +78,7 @@ class LlamaCppSystem:
         self.lc = lc
         # llama.cpp logs every context it makes; keep only warnings and errors, so a
         # failed worker's output tail shows what went wrong.
-        self._log = lc.llama_log_callback(_quiet_log)
+        self._log = lc.llama_log_callback(quiet_log)
         lc.llama_log_set(self._log, None)
         lc.llama_backend_init()
         # ``forbid``: features an emulated host lacks (``--emulate``): a library built with

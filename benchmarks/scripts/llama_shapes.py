@@ -50,6 +50,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -201,6 +202,9 @@ def _values(dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     return out.reshape(dims)
 
 
+_log: Any = None  # the ctypes callback, kept alive while llama.cpp holds it
+
+
 class QuantizerMissing(RuntimeError):
     """llama-cpp-python is not installed: only F16 files can be written."""
 
@@ -211,6 +215,12 @@ def quantize(source: Path, dest: Path, fmt: str, threads: int) -> None:
         raise QuantizerMissing("llama-cpp-python is not installed")
     import llama_cpp as lc
 
+    from polyengine.benchmarks.run_llamacpp import quiet_log
+
+    global _log
+    if _log is None:  # llama.cpp logs every tensor it writes; keep its warnings and errors
+        _log = lc.llama_log_callback(quiet_log)
+        lc.llama_log_set(_log, None)
     lc.llama_backend_init()
     params = lc.llama_model_quantize_default_params()
     params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{fmt}")
@@ -424,21 +434,28 @@ def main(argv: list[str] | None = None) -> int:
         for e in entries:
             print(f"{e['shape']} {e['format']}: {e['path']} ({e['bytes'] / 1e6:.0f} MB)")
         return 0
+    # a stop by SIGTERM (a batch system, `kill`) ends the run as Ctrl-C does: the bench
+    # reports the systems that finished, and so does this table
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     for e in entries:
         print(f"bench: {e['shape']} {e['format']} ({e['path']})", file=sys.stderr, flush=True)
         e["doc"] = bench_file(e["path"], args.threads, args.repeats, args.timeout)
+        _write_json(args.json, entries, notes)  # after every file: a stopped run keeps the files that finished
         if not e["doc"]["complete"]:
             break  # interrupted: report what finished
     print(summary(entries, args.threads, args.repeats), flush=True)
     for n in notes:
         print(f"note: {n}")
-    if args.json:
+    return 0 if entries and all(e.get("doc", {}).get("complete") for e in entries) else 1
+
+
+def _write_json(path: str | None, entries: list[dict[str, Any]], notes: list[str]) -> None:
+    if path:
         from polyengine.files import write_report
 
-        write_report(args.json, json.dumps({"schema": "polyengine-llama-shapes/1", "script_version": SCRIPT_VERSION,
-                                            "files": entries, "notes": notes}, indent=2, default=str) + "\n",
+        write_report(path, json.dumps({"schema": "polyengine-llama-shapes/1", "script_version": SCRIPT_VERSION,
+                                       "files": entries, "notes": notes}, indent=2, default=str) + "\n",
                      what="llama_shapes report")
-    return 0 if entries and all(e.get("doc", {}).get("complete") for e in entries) else 1
 
 
 if __name__ == "__main__":
