@@ -2,7 +2,8 @@
 
     polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
                      [--peers transformers,llamacpp|none] [--repeats N] [--quick] [--targets FILE ...]
-                     [--json PATH] [--parts standard,long,prefix] [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
+                     [--json PATH] [--parts standard,long,prefix|decode,prefill,serve] [--workload standard|scale]
+                     [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
                      [--cache-dir DIR] [--isa auto,avx512,avx2,scalar|all] [--emulate avx2] [--llamacpp-lib DIR]
 
 Plans one job per (system, part), runs each in its own worker subprocess (``jobs``),
@@ -79,10 +80,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "line per verdict; the project's own: benchmarks/targets/*.toml (docs/benchmarks.md#targets)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
     p.add_argument("--parts", default="standard,long", metavar="standard,long,prefix",
-                   help="which parts to run: 'standard' (decode, prefill, serve), 'long' (the full-context batch), "
+                   help="which parts to run: 'standard' (decode, prefill, serve), or some of its phases ('decode', "
+                        "'prefill', 'serve'), 'long' (the full-context batch), "
                         "'prefix' (prefix caching and chunked prefill: shared prefix, multi-turn, long prompt under "
                         "load), comma-separated (default: standard,long); the long batch's prefill is slow on slow "
                         "systems")
+    p.add_argument("--workload", default=None, choices=("standard", "scale"),
+                   help="the sizes: 'standard' (the default), or 'scale' for billion-parameter models on a CPU: "
+                        "batch 1 and 8 of 32 tokens after a 128-token prompt, a 512-token prefill (--quick is the "
+                        "tiny one)")
     p.add_argument("--llamacpp-threads", default=None, metavar="N,N", help="thread counts llama.cpp chooses from (default: 1 and 2)")
     p.add_argument("--llamacpp-quants", default=None, metavar="LIST",
                    help="llama.cpp settings to run: 'shipped' (the GGUF as it is), F16, F32 (default: all three)")
@@ -146,13 +152,33 @@ def _peers_arg(args: argparse.Namespace) -> str:
     return "none" if getattr(args, "quick", False) else ",".join(PEERS)
 
 
-def _parts(raw: str) -> list[str]:
+def _parts(raw: str) -> tuple[list[str], tuple[str, ...]]:
+    """``--parts``: the parts to run, in order, and the standard part's phases (all of
+    them for 'standard'; naming phases runs the standard part with those alone)."""
+    from polyengine.benchmarks.phases import PHASES
     from polyengine.errors import InvalidRequest
 
     parts = [p.strip() for p in raw.split(",") if p.strip()]
-    if not parts or set(parts) - set(_PARTS):
-        raise InvalidRequest(f"--parts takes {', '.join(_PARTS)} (comma-separated), not {raw!r}")
-    return [p for p in _PARTS if p in parts]
+    if not parts or set(parts) - set(_PARTS) - set(PHASES):
+        raise InvalidRequest(f"--parts takes {', '.join(_PARTS)} or some of the standard part's phases "
+                             f"({', '.join(PHASES)}), comma-separated, not {raw!r}")
+    phases = PHASES if "standard" in parts else tuple(p for p in PHASES if p in parts)
+    if phases:
+        parts.append("standard")
+    return [p for p in _PARTS if p in parts], phases
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    """``--workload`` (or ``--quick``'s tiny one): the sizes every system runs."""
+    from polyengine.benchmarks.workload import QUICK, WORKLOADS
+    from polyengine.errors import InvalidRequest
+
+    name = getattr(args, "workload", None)
+    if args.quick:
+        if name not in (None, "quick"):
+            raise InvalidRequest(f"--quick runs the tiny workload; drop --workload {name} (or --quick)")
+        return QUICK
+    return WORKLOADS[name or "standard"]
 
 
 _PARTS = ("standard", "long", "prefix")
@@ -389,9 +415,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     from polyengine.benchmarks import host, limits, report, verdicts
     from polyengine.benchmarks.progress import Progress
-    from polyengine.benchmarks.workload import QUICK, STANDARD
 
-    work = QUICK if args.quick else STANDARD
+    work = _workload(args)
+    parts, phases = _parts(args.parts)
     emulate, env = _emulation(args)
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
@@ -409,6 +435,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "torch": host.torch_cpu(env)},  # torch's probe runs before any job, never beside one
         "model": _model_file(args.model)[1],
         "workload": work.to_dict(),
+        "parts": parts,
+        "phases": list(phases),
         "repeats": repeats,
         "rows": [],
         "notes": notes,
@@ -416,19 +444,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "target_titles": {s.source: s.title for s in sets},
         "targets": [],
     }
-    parts = _parts(args.parts)
     jobs = plan(args, notes)
     if emulate:
         lib = _llamacpp_lib(getattr(args, "llamacpp_lib", None))
         doc["host"]["emulated"] = {"kind": emulate, "isa": host.emulated_cpu_info(doc["host"]["cpu"], emulate)["isa"],
                                    "env": env, "llamacpp_lib": None if lib is None else str(lib)}
-    if (not args.quick or getattr(args, "isa", None) or emulate) and any(job.kind == "polyengine" for job in jobs):
+    ours = any(job.kind == "polyengine" for job in jobs)
+    if ours and (work.name == "standard" or getattr(args, "isa", None) or emulate):
         doc["host"]["limits"] = limits.measure(args.model, max(work.batches), env)  # before any job, never beside one
+    elif ours and work.name == "scale":
+        notes.append("host limits not measured with --workload scale (--isa measures them): their floors count "
+                     "float32 weights, which the quantized files it is for do not stream")
     if args.quick and doc["host"].get("limits"):
         notes.append("host limits measured with --quick (asked for by --isa or --emulate): the quick workload's rates are far "
                      "from them, so its shares only show the columns work")
     for job in jobs:
         job.parts = [p for p in parts if p == "standard" or (p == "long" and job.long) or (p == "prefix" and job.prefix)]
+        job.phases = phases
     if "prefix" in parts and any(job.kind == "llamacpp" for job in jobs):
         notes.append("llama.cpp: the prefix part is not run for it (its runner has no shared-prefix, multi-turn or "
                      "loaded workloads yet)")

@@ -34,6 +34,7 @@ class Job:
     long: bool = True  # whether this system runs the full-context batch (in a second worker)
     prefix: bool = True  # whether it runs the prefix part (prefix caching, chunked prefill)
     parts: list[str] = field(default_factory=lambda: ["standard", "long"])  # what this run asks of it
+    phases: tuple[str, ...] = ("decode", "prefill", "serve")  # the standard part's phases this run asks for
     env: dict[str, str] = field(default_factory=dict)  # set in its worker's environment (an emulation's, a library)
 
 
@@ -48,7 +49,7 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
             on_progress: Callable[[str, str], None]) -> dict[str, Any]:
     """Run ``job`` in a worker; return its result event or an error event."""
     read_fd, write_fd = os.pipe()
-    payload = json.dumps({"kind": job.kind, "params": job.params, "part": job.part,
+    payload = json.dumps({"kind": job.kind, "params": job.params, "part": job.part, "phases": list(job.phases),
                           "workload": workload, "repeats": repeats})
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(

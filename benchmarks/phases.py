@@ -32,7 +32,9 @@ from typing import Callable, Protocol
 from polyengine.benchmarks.stats import median, rate, summary
 from polyengine.benchmarks.workload import Request, Workload, prompts, serve_requests
 
-__all__ = ["DecodeRun", "ServeRun", "System", "Emit", "run_standard", "run_long"]
+__all__ = ["DecodeRun", "ServeRun", "System", "Emit", "PHASES", "run_standard", "run_long"]
+
+PHASES = ("decode", "prefill", "serve")  # the standard part's, in the order they run
 
 Emit = Callable[[str, str], None]  # (phase, detail) for the progress display
 
@@ -94,16 +96,17 @@ def _per_step(runs: list) -> dict | None:
 
 
 def run_standard(system: System, work: Workload, repeats: int, emit: Emit,
-                 done: Callable[[dict], None] = lambda metrics: None) -> dict:
-    """Every phase but ``long``; returns the metrics (each a ``stats.summary``).
+                 done: Callable[[dict], None] = lambda metrics: None, phases: tuple[str, ...] = PHASES) -> dict:
+    """The standard part's ``phases`` (default all: decode, prefill, serve); returns the
+    metrics (each a ``stats.summary``).
 
     ``done(metrics)`` is called after each phase with the metrics so far, so a run
     stopped half way (a time limit, a crash) still reports the phases it finished.
     """
     vocab = system.vocab_size
     warm = prompts(vocab, max(max(work.batches), 1), work.prompt_len, phase="warmup", seed=work.seed)
-    metrics: dict = {"decode_tok_s": {}, "decode_overhead_s_per_step": {}}
-    for b in work.batches:
+    metrics: dict = {"decode_tok_s": {}, "decode_overhead_s_per_step": {}} if "decode" in phases else {}
+    for b in work.batches if "decode" in phases else ():
         ps = prompts(vocab, b, work.prompt_len, phase="decode", seed=work.seed)
         runs = _repeat(emit, f"decode b{b}", repeats,
                        lambda: system.decode(warm[:b], work.warmup_tokens, room=work.new_tokens),
@@ -112,11 +115,14 @@ def run_standard(system: System, work: Workload, repeats: int, emit: Emit,
         metrics["decode_overhead_s_per_step"][str(b)] = _per_step(runs)
         done(metrics)
 
-    p = prompts(vocab, 1, work.prefill_len, phase="prefill", seed=work.seed)[0]
-    pw = prompts(vocab, 1, work.prefill_len, phase="warmup", seed=work.seed)[0]
-    secs = _repeat(emit, f"prefill {work.prefill_len}", repeats, lambda: system.prefill(pw), lambda: system.prefill(p))
-    metrics["prefill_tok_s"] = summary([rate(work.prefill_len, s) for s in secs])
-    done(metrics)
+    if "prefill" in phases:
+        p = prompts(vocab, 1, work.prefill_len, phase="prefill", seed=work.seed)[0]
+        pw = prompts(vocab, 1, work.prefill_len, phase="warmup", seed=work.seed)[0]
+        secs = _repeat(emit, f"prefill {work.prefill_len}", repeats, lambda: system.prefill(pw), lambda: system.prefill(p))
+        metrics["prefill_tok_s"] = summary([rate(work.prefill_len, s) for s in secs])
+        done(metrics)
+    if "serve" not in phases:
+        return metrics
 
     reqs = serve_requests(work, vocab)
     wreqs = [replace(r, prompt=w[: len(r.prompt)], max_tokens=min(r.max_tokens, work.warmup_tokens))

@@ -66,7 +66,8 @@ def reached(row: dict[str, Any], work: Workload, limits: dict[str, Any] | None) 
 # -- text ----------------------------------------------------------------------------------
 
 
-def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+def _columns(work: Workload) -> list[tuple[str, str | None, Callable[[dict[str, Any]], str]]]:
+    """(header, the phase or part that fills it (None: always shown), cell) per column."""
     def m(*path: str, scale: float = 1.0, ours_only: bool = False) -> Callable[[dict[str, Any]], str]:
         def cell(row: dict[str, Any]) -> str:
             if ours_only and row["kind"] != "polyengine":
@@ -87,24 +88,28 @@ def _columns(work: Workload) -> list[tuple[str, Callable[[dict[str, Any]], str]]
         keys = (f"b{min(work.batches)}_of_bandwidth_floor", f"b{max(work.batches)}_of_torch_gemm", "prefill_of_torch_gemm")
         return " / ".join("-" if got.get(k) is None else f"{got[k]:.2f}" for k in keys)
 
-    cols = [("system", lambda r: r["system"]), ("setting", lambda r: r["setting"]),
-            ("ISA", lambda r: r.get("isa") or "-")]
-    cols += [(f"decode b{b} tok/s", m("decode_tok_s", str(b))) for b in work.batches]
+
+    cols = [("system", None, lambda r: r["system"]), ("setting", None, lambda r: r["setting"]),
+            ("ISA", None, lambda r: r.get("isa") or "-")]
+    cols += [(f"decode b{b} tok/s", "decode", m("decode_tok_s", str(b))) for b in work.batches]
     cols += [
-        (f"prefill {work.prefill_len} tok/s", m("prefill_tok_s")),
-        (f"serve{work.serve_requests} e2e tok/s", m("serve_e2e_tok_s")),
-        (f"serve{work.serve_requests} TTFT p50 ms", m("serve_ttft_p50_s", scale=1e3)),
-        ("driver ms/step", m("driver_overhead_s_per_step", scale=1e3, ours_only=True)),  # peers have no driver
-        ("peak RSS MiB", rss("peak_rss_mib", "standard")),
-        (f"b{work.long_batch}x{work.long_context} decode tok/s", m("long_decode_tok_s")),
-        (f"b{work.long_batch}x{work.long_context} RSS MiB", rss("long_peak_rss_mib", "long")),
-        (f"of host limits b{min(work.batches)}/b{max(work.batches)}/prefill", share),
+        (f"prefill {work.prefill_len} tok/s", "prefill", m("prefill_tok_s")),
+        (f"serve{work.serve_requests} e2e tok/s", "serve", m("serve_e2e_tok_s")),
+        (f"serve{work.serve_requests} TTFT p50 ms", "serve", m("serve_ttft_p50_s", scale=1e3)),
+        ("driver ms/step", "serve", m("driver_overhead_s_per_step", scale=1e3, ours_only=True)),  # peers have no driver
+        ("peak RSS MiB", "standard", rss("peak_rss_mib", "standard")),
+        ("load s", "standard", m("load_s")),
+        (f"b{work.long_batch}x{work.long_context} decode tok/s", "long", m("long_decode_tok_s")),
+        (f"b{work.long_batch}x{work.long_context} RSS MiB", "long", rss("long_peak_rss_mib", "long")),
+        (f"of host limits b{min(work.batches)}/b{max(work.batches)}/prefill", "limits", share),
     ]
     return cols
 
 
-def table(rows: list[dict[str, Any]], work: Workload) -> str:
-    cols = _columns(work)
+def table(rows: list[dict[str, Any]], work: Workload, ran: list[str] | None = None) -> str:
+    """The main table; ``ran``: the parts and phases this run asked for (the document's
+    ``parts`` and ``phases``): the columns of the others are left out. None: every column."""
+    cols = [(h, cell) for h, what, cell in _columns(work) if ran is None or what is None or what in ran]
     cells = [[c[1](r) for c in cols] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h) for i, (h, _) in enumerate(cols)]
     right = lambda i: i >= 3  # noqa: E731 - numbers right-aligned
@@ -166,11 +171,15 @@ def header(doc: dict[str, Any]) -> str:
                      if torch else "not installed"),
         f"load average (1/5/15 min): {host.get('load_start')} at start, {host.get('load_end')} at end",
         f"model: {doc['model']}",
-        f"workload: decode {work.prompt_len}-token prompts + {work.new_tokens} new tokens at batch "
-        f"{'/'.join(map(str, work.batches))}; prefill {work.prefill_len} tokens; serve {work.serve_requests} requests "
-        f"(prompts {work.serve_prompt_range[0]}-{work.serve_prompt_range[1]}, completions "
-        f"{work.serve_new_range[0]}-{work.serve_new_range[1]} tokens, {work.serve_slots} slots); "
-        f"long {work.long_batch} x {work.long_context} tokens",
+        "workload: " + "; ".join(text for what, text in (
+            ("decode", f"decode {work.prompt_len}-token prompts + {work.new_tokens} new tokens at batch "
+                       f"{'/'.join(map(str, work.batches))}"),
+            ("prefill", f"prefill {work.prefill_len} tokens"),
+            ("serve", f"serve {work.serve_requests} requests (prompts {work.serve_prompt_range[0]}-"
+                      f"{work.serve_prompt_range[1]}, completions {work.serve_new_range[0]}-{work.serve_new_range[1]} "
+                      f"tokens, {work.serve_slots} slots)"),
+            ("long", f"long {work.long_batch} x {work.long_context} tokens"),
+        ) if what in doc.get("phases", ("decode", "prefill", "serve")) or what in doc.get("parts", ("long",))),
         f"each value: median of {doc['repeats']} runs after one warm-up (long: one run, median step)",
     ]
     emulated = host.get("emulated")
@@ -228,7 +237,9 @@ def builds(rows: list[dict[str, Any]]) -> list[str]:
 
 def render(doc: dict[str, Any]) -> str:
     work = Workload.from_dict(doc["workload"])
-    parts = [header(doc), "", table(doc["rows"], work)]
+    ran = None if "parts" not in doc else [*doc["parts"], *doc.get("phases", ()),
+                                           *(["limits"] if doc["host"].get("limits") else [])]
+    parts = [header(doc), "", table(doc["rows"], work, ran)]
     prefix = prefix_table(doc["rows"])
     if prefix:
         parts += ["", "prefix caching and chunked prefill (prefix part):", prefix]

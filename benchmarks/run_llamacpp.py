@@ -36,7 +36,7 @@ import numpy as np
 from polyengine.benchmarks.phases import DecodeRun, ServeRun
 from polyengine.benchmarks.workload import Request, prompts
 
-__all__ = ["LlamaCppSystem"]
+__all__ = ["LlamaCppSystem", "quiet_log", "cpu_features"]
 
 _PAD = 256
 _N_BATCH = 2048
@@ -45,7 +45,8 @@ _N_BATCH = 2048
 _GGML_LOG_WARN = 3  # ggml_log_level: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continuation
 
 
-def _quiet_log(level: int, text: bytes, user_data: object) -> None:
+def quiet_log(level: int, text: bytes, user_data: object) -> None:
+    """A llama.cpp log callback that passes on its warnings and errors only."""
     if level in (_GGML_LOG_WARN, _GGML_LOG_WARN + 1):
         sys.stderr.write(text.decode("utf-8", errors="replace"))
 
@@ -77,7 +78,7 @@ class LlamaCppSystem:
         self.lc = lc
         # llama.cpp logs every context it makes; keep only warnings and errors, so a
         # failed worker's output tail shows what went wrong.
-        self._log = lc.llama_log_callback(_quiet_log)
+        self._log = lc.llama_log_callback(quiet_log)
         lc.llama_log_set(self._log, None)
         lc.llama_backend_init()
         # ``forbid``: features an emulated host lacks (``--emulate``): a library built with
@@ -94,6 +95,7 @@ class LlamaCppSystem:
             raise RuntimeError(f"llama.cpp could not load {model}")
         self.vocab_size = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model)))
         self.ctx = None
+        self.first_build_seconds: float | None = None  # the first context's creation (the load_s metric)
         self._shape: tuple[int, int] | None = None
         self._batch = lc.llama_batch_init(_N_BATCH, 0, 1)
         candidates = sorted({int(t) for t in ([threads] if isinstance(threads, int) else threads)})
@@ -130,7 +132,10 @@ class LlamaCppSystem:
             p.n_threads = p.n_threads_batch = getattr(self, "threads", 1) or 1
             if hasattr(self, "threads_batch"):
                 p.n_threads_batch = self.threads_batch
+            start = time.perf_counter()
             self.ctx = lc.llama_init_from_model(self.model, p)
+            if self.first_build_seconds is None:
+                self.first_build_seconds = time.perf_counter() - start
             if not self.ctx:
                 raise RuntimeError(f"llama.cpp could not make a context for {n_seq} x {per_seq} tokens")
             self._shape = (n_seq, per_seq)

@@ -133,6 +133,12 @@ class PolyengineSystem:
         self.builds: list[dict[str, Any]] = []
         self._engine: Any = None
 
+    @property
+    def first_build_seconds(self) -> float | None:
+        """The first engine's construction (its weights prepared for the backend): part of
+        what loading costs a user (the ``load_s`` metric)."""
+        return self.builds[0]["seconds"] if self.builds else None
+
     # -- engines -------------------------------------------------------------------------
 
     def llm(self, slots: int, prefill_len: int, cache_len: int, *, prefix_cache: bool = True,

@@ -64,7 +64,7 @@ __all__ = ["Compare", "WithinRow", "TargetSet", "load", "judge", "text", "metric
 # The first part of a metric path: what a row's ``metrics`` holds (docs/benchmarks.md).
 METRICS = frozenset({
     "decode_tok_s", "prefill_tok_s", "serve_e2e_tok_s", "serve_ttft_p50_s", "driver_overhead_s_per_step",
-    "peak_rss_mib", "long_decode_tok_s", "long_peak_rss_mib", "prefix_peak_rss_mib", "prefix_shared_ttft_p50_s",
+    "peak_rss_mib", "load_s", "long_decode_tok_s", "long_peak_rss_mib", "prefix_peak_rss_mib", "prefix_shared_ttft_p50_s",
     "prefix_shared_ttft_p90_s", "prefix_turn_ttft_s", "prefix_loaded_itl_s", "prefix_loaded_ttft_s",
     "prefix_serve_e2e_tok_s",
 })

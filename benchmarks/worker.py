@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any
 
-from polyengine.benchmarks.phases import run_long, run_standard
+from polyengine.benchmarks.phases import PHASES, run_long, run_standard
 from polyengine.benchmarks.stats import peak_rss_bytes
 from polyengine.benchmarks.workload import Workload
 
@@ -69,9 +69,14 @@ def run_job(job: dict[str, Any], send: Any) -> dict[str, Any]:
                              done=lambda m: send({"event": "partial", "metrics": m,
                                                   "details": getattr(system, "description", {})}))
     else:
-        metrics = run_standard(system, work, job["repeats"], emit,
+        metrics = run_standard(system, work, job["repeats"], emit, phases=job.get("phases") or PHASES,
                                done=lambda m: send({"event": "partial", "metrics": m,
                                                     "details": getattr(system, "description", {})}))
+    if job["part"] == "standard":
+        # what a user waits for before the first token can be computed: the model's load
+        # and the first engine (polyengine: weights prepared for the backend) or context
+        # (llama.cpp) built, which the first phase did
+        metrics["load_s"] = load_seconds + (getattr(system, "first_build_seconds", None) or 0.0)
     return {
         "event": "result",
         "metrics": metrics,

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Workload", "STANDARD", "QUICK", "Request", "prompts", "serve_requests"]
+__all__ = ["Workload", "STANDARD", "QUICK", "SCALE", "WORKLOADS", "Request", "prompts", "serve_requests"]
 
 # Streams of the prompt generator, one per phase, so phases never share prompts.
 _STREAMS = {"decode": 1, "prefill": 2, "serve": 3, "long": 4, "warmup": 5, "shared": 6, "turns": 7, "loaded": 8}
@@ -114,6 +114,13 @@ QUICK = replace(
     turn_first=16, turn_user=8, turn_answer=4, loaded_streams=3, loaded_stream_prompt=8, loaded_prompt=160,
     loaded_margin=3,
 )
+
+# Billion-parameter models on a CPU (benchmarks/scripts/llama_shapes.py): batch 1 and 8 of
+# 32 tokens after a 128-token prompt and a 512-token prefill, the sizes of issue 37's
+# table; at a few tokens a second the standard sizes would take an hour a row.
+SCALE = replace(STANDARD, name="scale", new_tokens=32, batches=(1, 8), prefill_len=512)
+
+WORKLOADS = {w.name: w for w in (STANDARD, QUICK, SCALE)}
 
 
 @dataclass(frozen=True)

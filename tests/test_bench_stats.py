@@ -561,3 +561,44 @@ def test_progress_is_one_live_line_on_a_terminal_and_plain_lines_otherwise():
     assert "\r" not in plain.getvalue() and len(lines) == 5
     assert lines[1].startswith("[1/2] polyengine reference (standard): decode b1, run 1/3")
     assert "FAILED: boom" in lines[-1]
+
+
+def test_the_scale_workload_runs_the_phases_asked_for_and_reports_load_time():
+    """``--workload scale --parts decode,prefill`` (benchmarks/scripts/llama_shapes.py's
+    run): batch 1 and 8 of 32 tokens after 128, a 512-token prefill, no serve; the table
+    keeps the columns of what ran, with the load time."""
+    import argparse
+
+    from polyengine.benchmarks import cli
+    from polyengine.benchmarks.workload import SCALE
+    from polyengine.errors import InvalidRequest
+
+    assert (SCALE.prompt_len, SCALE.new_tokens, SCALE.batches, SCALE.prefill_len) == (128, 32, (1, 8), 512)
+    assert cli._parts("prefill,decode") == (["standard"], ("decode", "prefill"))
+    assert cli._parts("standard,long,decode") == (["standard", "long"], ("decode", "prefill", "serve"))
+    assert cli._parts("long") == (["long"], ())
+    with pytest.raises(InvalidRequest, match="phases"):
+        cli._parts("decode,serving")
+    assert cli._workload(argparse.Namespace(quick=False, workload="scale")) is SCALE
+    with pytest.raises(InvalidRequest, match="--quick runs the tiny workload"):
+        cli._workload(argparse.Namespace(quick=True, workload="scale"))
+
+    class Scaled(ScriptedSystem):
+        def decode(self, ps, new_tokens, room=None):
+            self.calls.append(("decode", len(ps), new_tokens))
+            return DecodeRun(len(ps) * (new_tokens - 1), 2.0)
+
+    system = Scaled()
+    m = run_standard(system, SCALE, repeats=1, emit=lambda *a: None, phases=("decode", "prefill"))
+    assert set(m) == {"decode_tok_s", "decode_overhead_s_per_step", "prefill_tok_s"}
+    assert {c for c in system.calls if c[0] != "prefill"} == {("decode", 1, 16), ("decode", 1, 32), ("decode", 8, 16),
+                                                             ("decode", 8, 32)}
+    assert m["decode_tok_s"]["8"]["median"] == pytest.approx(8 * 31 / 2.0)
+    assert {c[1] for c in system.calls if c[0] == "prefill"} == {512}
+    row = _row("polyengine", "pe", decode1=10.0, prefill=50.0, rss=900.0)
+    row["metrics"]["load_s"] = 3.25
+    head, _, line = report.table([row], SCALE, ran=["standard", "decode", "prefill"]).splitlines()
+    assert "decode b8 tok/s" in head and "prefill 512 tok/s" in head and "load s" in head
+    assert "serve" not in head and "b32x2048" not in head and "host limits" not in head
+    assert line.endswith(" 900 |    3.2 |")  # peak RSS, then the load time
+    assert "serve64 e2e tok/s" in report.table([row], SCALE).splitlines()[0]  # no parts given: every column
