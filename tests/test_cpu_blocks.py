@@ -127,7 +127,8 @@ def test_options_that_replace_the_blocks(files, options, dtype, kept):
     model = load_model(files("Q8_0"))
     eng = CpuEngine(model, CFG.model_copy(update={"options": options, "dtype": dtype}))
     assert bool(eng.plan.block_weights) == kept
-    assert len(_tokens(model, "cpu", options)[0]) == 8 if dtype == "float32" else True
+    if dtype == "float32":
+        assert len(_tokens(model, "cpu", options)[0]) == 8
 
 
 def test_int8_compute_on_block_weights(files):

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from polyengine.models.blocks import BLOCK_FORMATS, FORMATS
+from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, row_bytes
 from polyengine.models.weights import Weight
 
-__all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band", "describe_formats"]
+__all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band"]
 
 KERNEL_FORMATS = BLOCK_FORMATS  # every format of csrc/gguf.h
 _BAND_ELEMENTS = 1 << 18  # floats per dequantized band (1 MiB in float32)
@@ -66,14 +66,15 @@ class BlockMatrix:
             offsets = offsets + np.arange(size, dtype=np.int64).reshape(shape) * stride
         offsets = offsets.reshape(-1)
         n, k = weight.shape
-        ldw = int(offsets[1] - offsets[0]) if n > 1 else k // f.block * f.nbytes
+        ldw = int(offsets[1] - offsets[0]) if n > 1 else row_bytes(f, k)
         even = n < 2 or bool(np.all(offsets == np.arange(n, dtype=np.int64) * ldw))
         return cls(weight, weight.format, f.ggml_type, n, k, int(data.ctypes.data), ldw if even else 0,
                    None if even else offsets)
 
     @property
-    def block(self) -> int:
-        return FORMATS[self.format].block
+    def row_bytes(self) -> int:
+        """The bytes of one row packed (``ldw`` of a matrix whose rows follow each other)."""
+        return row_bytes(FORMATS[self.format], self.k)
 
     def offsets_of(self, rows: torch.Tensor) -> np.ndarray:
         """Byte offsets of the given rows (int64)."""
@@ -138,12 +139,4 @@ class TiledBlockLinear:
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, n)
-
-
-def describe_formats(blocks: dict[str, BlockMatrix]) -> str:
-    """"Q4_K x 7, Q6_K x 2": the formats of distinct matrices (a tied head counted once)."""
-    counts: dict[str, int] = {}
-    for b in {id(b): b for b in blocks.values()}.values():
-        counts[b.format] = counts.get(b.format, 0) + 1
-    return ", ".join(f"{f} x {c}" for f, c in sorted(counts.items())) or "none"
 

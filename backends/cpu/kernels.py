@@ -501,11 +501,8 @@ class FusedDecoder:
 
     def _block(self, entry: _Layer, index: int, projection: str, blocks) -> None:
         """Point projection ``index`` of a layer at a block matrix where the file maps it."""
-        from polyengine.models.blocks import FORMATS
-
-        f = FORMATS[blocks.format]
         offsets = blocks.offsets
-        if offsets is None and blocks.ldw != blocks.k // f.block * f.nbytes:  # evenly spaced, not packed
+        if offsets is None and blocks.ldw != blocks.row_bytes:  # evenly spaced, not packed
             offsets = np.arange(blocks.n, dtype=np.int64) * blocks.ldw
         setattr(entry, projection, blocks.base)
         entry.fmt[index] = blocks.ggml_type

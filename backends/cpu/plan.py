@@ -336,7 +336,7 @@ def _block_activations(o: Mapping[str, Any], kernels: CpuKernels | None, blocks:
             raise UnsupportedFeature(f"int8_compute={o['int8_compute']!r}", BACKEND,
                                      "the CPU kernels are off or unavailable")
         return 0
-    return {"auto": 2, "int8": 1, "int8x2": 2}[o["int8_compute"]]
+    return INT8_COMPUTE[o["int8_compute"]]
 
 
 def _unfused_why(o: Mapping[str, Any], config: Any, weights: str, blocks: tuple[str, ...] = (),
