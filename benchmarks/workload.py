@@ -116,7 +116,7 @@ QUICK = replace(
 )
 
 # Billion-parameter models on a CPU (benchmarks/scripts/llama_shapes.py): batch 1 and 8 of
-# 32 tokens after a 128-token prompt and a 512-token prefill, the sizes of issue 37's
+# 32 tokens after a 128-token prompt and a 512-token prefill, the sizes of the quantized files'
 # table; at a few tokens a second the standard sizes would take an hour a row.
 SCALE = replace(STANDARD, name="scale", new_tokens=32, batches=(1, 8), prefill_len=512)
 
