@@ -377,6 +377,43 @@ class EngineBase:
             state.slots.free(slot)
         return state
 
+    # -- prefix truncation (capability prefix_truncate) -------------------------------------
+
+    def truncate_prefix(self, *, params: Any, prefix: Prefix, length: int) -> Prefix:
+        """A prefix of ``prefix``'s first ``length`` tokens, as ``prefill`` of them with
+        ``prefix.sampling`` would make it. The kit's way works on any engine with
+        ``portable_prefix`` and ``prefix_reuse``: the first ``length - 1`` positions'
+        K/V (:meth:`_prefix_head`), continued by the last token, whose prefill gives the
+        logits and first token a prefix of ``length`` tokens has (a cut prefix keeps no
+        logits of its inner positions). A paged engine overrides :meth:`_prefix_head` to
+        share pages instead of copying."""
+        if not self.capabilities.prefix_truncate:
+            raise UnsupportedFeature("prefix truncation (truncate_prefix)", self.name,
+                                     "pick a backend that declares Capabilities.prefix_truncate")
+        self.check_prefix(prefix)
+        if not is_int(length) or not 1 <= length <= prefix.true_length:
+            raise InvalidRequest(f"truncate_prefix length must be an integer in 1..{prefix.true_length} (the "
+                                 f"prefix's tokens), got {length!r}", field="length")
+        length = int(length)
+        if length == prefix.true_length:
+            return prefix
+        head = self._prefix_head(prefix, length - 1) if length > 1 else None
+        out, _ = self.prefill(params=params, tokens=prefix.prompt_tokens[length - 1: length], sampling=prefix.sampling,
+                              existing_prefix=head)
+        return out
+
+    def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
+        """A prefix holding ``prefix``'s first ``length`` positions, only to be continued
+        at once (its logits and first token are ``prefix``'s, not its own): exported,
+        cut and imported again, a copy through the host."""
+        from polyengine.prefix import PortablePrefix
+
+        whole = self.export_prefix(prefix)
+        return self.import_prefix(PortablePrefix(
+            k=whole.k[:, :, :length], v=whole.v[:, :, :length], prompt_tokens=whole.prompt_tokens[:length],
+            last_logits=whole.last_logits, sampling=whole.sampling, model_fingerprint=whole.model_fingerprint,
+        ))
+
     # -- optional methods: undeclared ------------------------------------------------------
 
     def export_prefix(self, prefix: Prefix) -> "PortablePrefix":

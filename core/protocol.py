@@ -64,6 +64,7 @@ __all__ = [
     "Engine",
     "OPTIONAL_METHODS",
     "CAPABILITY_KEYWORDS",
+    "CAPABILITY_METHODS",
     "protocol_members",
     "protocol_problems",
     "power_buckets",
@@ -89,6 +90,12 @@ class Capabilities(BaseModel):
     ``token_masks`` (allowed-token masks for a slot's next token, applied in sampling
     step 1 on the device); an engine without it refuses masks with
     :class:`UnsupportedFeature`, and need not have the keywords at all.
+    ``prefix_truncate``: ``truncate_prefix`` makes a prefix of the first tokens of a
+    prefix (the driver's prefix cache serves the shared part of a cached prompt that a new
+    prompt leaves; docs/prefix-caching.md). ``EngineBase`` implements it for every engine
+    with ``portable_prefix`` and ``prefix_reuse``; an engine may lack the method without it.
+    ``paged_kv``: the engine keeps K/V in pages of ``page_size`` tokens (0: contiguous)
+    under the page rules of docs/design.md ("Pages").
     ``weight_formats``: the weight formats (``polyengine.models.blocks.FORMATS``: F32,
     F16, BF16, Q8_0, Q4_K...) the backend computes on as stored; it reads its weights
     through ``Model.weight(name, weight_formats)``, which converts a tensor of any other
@@ -109,12 +116,21 @@ class Capabilities(BaseModel):
         LLAMA_FAMILY, min_length=1,
         description="model types (ModelConfig.model_type) the backend computes; others are refused at construction")
     token_masks: bool = False
+    prefix_truncate: bool = False
+    page_size: int = Field(0, ge=0, description="tokens per K/V page; 0: a contiguous cache (no pages)")
     weight_formats: tuple[str, ...] = Field(
         FLOAT_FORMATS, min_length=1,
         description="weight formats computed on as stored; others are converted to float32 one tensor at a time")
 
+    @property
+    def paged_kv(self) -> bool:
+        """Whether the engine keeps K/V in pages (``page_size`` > 0)."""
+        return self.page_size > 0
+
     @model_validator(mode="after")
     def _known_fields(self) -> "Capabilities":
+        if self.prefix_truncate and not self.prefix_reuse:
+            raise ValueError("prefix_truncate needs prefix_reuse: a truncated prefix is there to be continued")
         unknown_formats = sorted(set(self.weight_formats) - set(FORMATS))
         if unknown_formats:
             raise ValueError(f"weight_formats names unknown formats {unknown_formats}; known: {list(FORMATS)}")
@@ -311,6 +327,8 @@ class Engine(Protocol):
     that lacks one still has the method and raises :class:`UnsupportedFeature`):
     ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
     (``portable_prefix``); and ``existing_prefix`` in prefill (``prefix_reuse``).
+    ``truncate_prefix`` (``prefix_truncate``) may be absent without its capability
+    (:data:`CAPABILITY_METHODS`).
     Optional keywords, each guarded by a capability (:data:`CAPABILITY_KEYWORDS`; an
     engine that does not declare it may lack the keyword): ``token_mask`` of prefill
     and ``token_masks`` of generate (``token_masks``).
@@ -394,6 +412,14 @@ class Engine(Protocol):
         unchanged). Capability ``bulk_insert``."""
         ...
 
+    def truncate_prefix(self, *, params: Any, prefix: Prefix, length: int) -> Prefix:
+        """A prefix of ``prefix``'s first ``length`` tokens (``1 <= length <=
+        true_length``), as ``prefill`` of those tokens with ``prefix.sampling`` would make
+        it (its logits, its first token); ``prefix`` stays as it was. A paged engine
+        shares the full pages (docs/design.md, "Pages"). Capability ``prefix_truncate``;
+        a bad length or a foreign prefix is InvalidRequest before any work."""
+        ...
+
     def export_prefix(self, prefix: Prefix) -> "PortablePrefix":
         """The prefix as host data any backend can import. Capability ``portable_prefix``."""
         ...
@@ -418,6 +444,13 @@ OPTIONAL_METHODS: dict[str, str] = {
 CAPABILITY_KEYWORDS: dict[tuple[str, str], str] = {
     ("prefill", "token_mask"): "token_masks",
     ("generate", "token_masks"): "token_masks",
+}
+
+
+# Methods an engine may lack unless it declares the capability (an engine written before
+# they existed keeps passing protocol_problems); the caller checks the capability first.
+CAPABILITY_METHODS: dict[str, str] = {
+    "truncate_prefix": "prefix_truncate",
 }
 
 
@@ -454,6 +487,9 @@ def protocol_problems(engine: Any) -> list[str]:
     caps = getattr(engine, "capabilities", None)
     for m in methods:
         fn = getattr(engine, m.name, None)
+        guard_method = CAPABILITY_METHODS.get(m.name)
+        if not callable(fn) and guard_method is not None and not getattr(caps, guard_method, False):
+            continue
         if not callable(fn):
             hint = f" (optional, capability {OPTIONAL_METHODS[m.name]!r}: raise UnsupportedFeature)" if m.name in OPTIONAL_METHODS else ""
             problems.append(f"method {m.name!r} is missing{hint}")

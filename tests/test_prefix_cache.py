@@ -199,8 +199,8 @@ def test_output_with_the_cache_and_chunks_equals_output_without(tiny, chunk):
         cached = [c.usage.cached_tokens for c in got]
         reported += sum(cached)
         assert all(c == 0 for c in (w.usage.cached_tokens for w in want))
-        if round_ == 0:  # the first two sharing the system prompt leave an entry at 28 tokens
-            assert cached[:2] == [0, 0] and cached[2:8] == [28] * 6 and cached[8:] == [0] * 3
+        if round_ == 0:  # the second sharing the system prompt cuts the first's entry at 28 tokens
+            assert cached[:1] == [0] and cached[1:8] == [28] * 7 and cached[8:] == [0] * 3
         if round_ == 2:  # every prompt continues an entry of its own, one piece short of it
             assert all(c >= len(p) - 4 for c, p in zip(cached, prompts)), cached
     cache = on.scheduler.prefix_cache

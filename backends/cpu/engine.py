@@ -51,7 +51,7 @@ class CpuEngine(TorchEngine):
         dtypes = ("float32", "bfloat16") if self.host.bf16_units else ("float32",)
         return Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True,
             # the GGUF block formats are computed on as mapped (blocks.py); others, and every
             # weight where the plan does not keep blocks, are converted one tensor at a time

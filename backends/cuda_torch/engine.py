@@ -55,7 +55,7 @@ class CudaEngine(TorchEngine):
             dtypes = ("float32", "bfloat16") if has_bf16_units() else ("float32",)
         return Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True, weight_formats=WEIGHT_FORMATS,
         )
 

@@ -4,16 +4,26 @@ Every other backend is compared with this one, so it takes the plainest route: t
 KV cache is one host array per slot, the decode state is mutated in place (and
 returned, as the protocol asks), and every check runs before any state changes, so a
 refused call leaves nothing half done.
+
+With the option ``page_size`` (> 0) it keeps K/V in pages instead (:mod:`polyengine.pages`,
+the page rules of docs/design.md): a slot and a prefix are page lists, inserting or
+continuing a prefix shares its pages, and the first write into a shared page copies it.
+The forward still runs over contiguous arrays, gathered from the pages before and
+scattered back after, so the paged engine's numbers are the contiguous engine's, bit
+for bit. Contiguous stays the default while the broken-backend fixtures of the
+conformance suite (subclasses of this engine) reach into its per-slot arrays.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
+from polyengine.options import Option
+from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.models import Model
 from polyengine.models.blocks import FORMATS
 from polyengine.models.config import ARCHITECTURES
@@ -31,11 +41,12 @@ _DTYPES = {"float64": np.float64, "float32": np.float32}
 @dataclass
 class ReferenceDecodeState:
     num_slots: int
-    k: list[np.ndarray]  # per slot (layers, kv_heads, max_cache_length, head_dim)
+    k: list[np.ndarray]  # per slot (layers, kv_heads, max_cache_length, head_dim); empty when paged
     v: list[np.ndarray]
     slots: SlotTable  # the kit's host record: prompt and completion counts, last result
     rows: list[RowState | None] = field(default_factory=list)  # sampler state: params, prompt, completion so far
     next_token: list[int] = field(default_factory=list)  # what each slot's next generate step feeds
+    seqs: list[PageList | None] = field(default_factory=list)  # per slot, when paged: its pages
 
     def occupied(self) -> list[int]:
         return self.slots.occupied()
@@ -46,18 +57,13 @@ class ReferenceDecodeState:
 
 class ReferenceEngine(EngineBase):
     name = "reference"
+    OPTIONS = {
+        "page_size": Option(0, "K/V pages of this many positions (0: one contiguous cache per slot)",
+                            minimum=0, maximum=4096),
+    }
 
     def __init__(self, model: Model, config: EngineConfig):
-        super().__init__(model, config, Capabilities(
-            dtypes=tuple(_DTYPES),
-            sampling_params=ENGINE_FIELDS,
-            max_top_logprobs=20,
-            bulk_insert=True,
-            portable_prefix=True,
-            prefix_reuse=True,
-            architectures=ARCHITECTURES, token_masks=True,
-            weight_formats=tuple(FORMATS),  # every block format, dequantized exactly (float64) at load
-        ), device="cpu (NumPy)")
+        super().__init__(model, config, device="cpu (NumPy)")
         self.np_dtype = np.dtype(_DTYPES[self.dtype])
         mc = model.config
         # Refuse before allocating: the engine converts the weights into its dtype (the
@@ -68,6 +74,27 @@ class ReferenceEngine(EngineBase):
                 config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(self.np_dtype.itemsize),
         })
         self._params: ReferenceParams | None = None
+        ps = self.capabilities.page_size
+        # Pages are host arrays indexed by page id; the pool needs no bound of its own: the
+        # slots never hold more than the memory check counted, and the prefixes the driver
+        # keeps are within its budget (counted too).
+        self.pages = PagePool(ps) if ps else None
+        self._k_pages: list[np.ndarray] = []
+        self._v_pages: list[np.ndarray] = []
+
+    def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
+        return Capabilities(
+            dtypes=tuple(_DTYPES),
+            sampling_params=ENGINE_FIELDS,
+            max_top_logprobs=20,
+            bulk_insert=True,
+            portable_prefix=True,
+            prefix_reuse=True,
+            prefix_truncate=True,
+            architectures=ARCHITECTURES, token_masks=True,
+            weight_formats=tuple(FORMATS),  # every block format, dequantized exactly (float64) at load
+            page_size=self.options["page_size"],
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -80,11 +107,12 @@ class ReferenceEngine(EngineBase):
     def init_decode_state(self) -> ReferenceDecodeState:
         shape = self._cache_shape(self.max_cache_length)
         n = self.max_concurrent_decodes
+        contiguous = 0 if self.pages else n
         return ReferenceDecodeState(
             num_slots=n,
-            k=[np.zeros(shape, self.np_dtype) for _ in range(n)],
-            v=[np.zeros(shape, self.np_dtype) for _ in range(n)],
-            slots=SlotTable(n), rows=[None] * n, next_token=[0] * n,
+            k=[np.zeros(shape, self.np_dtype) for _ in range(contiguous)],
+            v=[np.zeros(shape, self.np_dtype) for _ in range(contiguous)],
+            slots=SlotTable(n), rows=[None] * n, next_token=[0] * n, seqs=[None] * n,
         )
 
     def _cache_shape(self, length: int) -> tuple[int, int, int, int]:
@@ -112,14 +140,13 @@ class ReferenceEngine(EngineBase):
         shape = self._cache_shape(start + padded)
         k, v = np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype)
         if existing_prefix is not None:
-            k[:, :, :start] = existing_prefix.kv[0]
-            v[:, :, :start] = existing_prefix.kv[1]
+            k[:, :, :start], v[:, :, :start] = self._prefix_arrays(existing_prefix)
         batch = np.zeros((1, padded), np.int64)
         batch[0, : toks.size] = toks
         logits = self._forward(params, batch, np.array([start]), [k], [v])[0, toks.size - 1]
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks])
         prefix = Prefix(
-            kv=(k[:, :, :total].copy(), v[:, :, :total].copy()),
+            kv=self._keep(k, v, start, total, existing_prefix),
             logits=logits,
             prompt_tokens=prompt.astype(np.int32),
             sampling=sampling,
@@ -145,14 +172,20 @@ class ReferenceEngine(EngineBase):
         n = prefix.true_length
         for i, slot in enumerate(slots):
             first = int(out.tokens[i]) if draw else prefix.first_token
-            state.k[slot][:, :, :n] = prefix.kv[0]
-            state.v[slot][:, :, :n] = prefix.kv[1]
+            if self.pages:  # the slot shares the prefix's pages; its first write copies the last one
+                state.seqs[slot] = prefix.kv.fork(finalize=True)
+            else:
+                state.k[slot][:, :, :n] = prefix.kv[0]
+                state.v[slot][:, :, :n] = prefix.kv[1]
             state.rows[slot] = RowState(prefix.sampling, i, 1, prefix.prompt_tokens, np.array([first], np.int32))
             state.next_token[slot] = first
         return self._result(out) if draw else None
 
     def _release(self, state: ReferenceDecodeState, slot: int) -> None:
         state.rows[slot] = None
+        if self.pages and state.seqs[slot] is not None:
+            state.seqs[slot].release()
+            state.seqs[slot] = None
 
     # -- generate --------------------------------------------------------------------------
 
@@ -178,7 +211,14 @@ class ReferenceEngine(EngineBase):
         if live:
             batch = np.array([[state.next_token[i]] for i in live], np.int64)
             starts = np.array([state.slots[i].length for i in live])
-            logits = self._forward(params, batch, starts, [state.k[i] for i in live], [state.v[i] for i in live])[:, 0]
+            if self.pages:
+                ks, vs = zip(*(self._gather(state.seqs[i], int(s) + 1) for i, s in zip(live, starts)))
+            else:
+                ks, vs = [state.k[i] for i in live], [state.v[i] for i in live]
+            logits = self._forward(params, batch, starts, list(ks), list(vs))[:, 0]
+            if self.pages:
+                for i, s, k, v in zip(live, starts, ks, vs):
+                    self._scatter(state.seqs[i], k, v, int(s), int(s) + 1)
             rows = []
             for i in live:
                 row = state.rows[i]
@@ -218,8 +258,9 @@ class ReferenceEngine(EngineBase):
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
+        k, v = self._prefix_arrays(prefix)
         return PortablePrefix(
-            k=prefix.kv[0], v=prefix.kv[1], prompt_tokens=prefix.prompt_tokens,
+            k=k, v=v, prompt_tokens=prefix.prompt_tokens,
             last_logits=prefix.logits, sampling=prefix.sampling,
             model_fingerprint=self.model.fingerprint,
         )
@@ -229,11 +270,71 @@ class ReferenceEngine(EngineBase):
         logits = portable.last_logits.astype(self.np_dtype)
         row = RowState(sampling, 0, 0, prompt, np.zeros(0, np.int32))
         first = int(self._sample([logits], [row]).tokens[0])
+        k, v = portable.k.astype(self.np_dtype), portable.v.astype(self.np_dtype)
         return Prefix(
-            kv=(portable.k.astype(self.np_dtype), portable.v.astype(self.np_dtype)), logits=logits,
+            kv=self._keep(k, v, 0, prompt.size, None), logits=logits,
             prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=first,
             model_id=self.model_id, nbytes=self.kv_bytes(prompt.size),
         )
+
+    def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
+        """The first ``length`` positions, exact (the kit's way goes through float32): the
+        prefix's full pages shared, or views of its arrays (the continuation that reads
+        them copies them)."""
+        kv = prefix.kv.fork(length, finalize=True) if self.pages else (prefix.kv[0][:, :, :length], prefix.kv[1][:, :, :length])
+        return replace(prefix, kv=kv, prompt_tokens=prefix.prompt_tokens[:length])
+
+    # -- K/V: contiguous arrays or pages ---------------------------------------------------
+
+    def _prefix_arrays(self, prefix: Prefix) -> tuple[np.ndarray, np.ndarray]:
+        """A prefix's K/V as ``(layers, kv_heads, true_length, head_dim)`` arrays."""
+        if self.pages:
+            return self._gather(prefix.kv, prefix.true_length)
+        return prefix.kv[0], prefix.kv[1]
+
+    def _keep(self, k: np.ndarray, v: np.ndarray, start: int, total: int, existing: Prefix | None):
+        """A new prefix's K/V from the arrays a prefill wrote (positions ``start..total``
+        new): its own copy, or, paged, the existing prefix's pages shared and new pages
+        for the rest (a partly filled shared page copied first)."""
+        if not self.pages:
+            return k[:, :, :total].copy(), v[:, :, :total].copy()
+        seq = existing.kv.fork(finalize=True) if existing is not None else PageList(self.pages, [], 0, finalize=True)
+        self._scatter(seq, k, v, start, total)
+        return seq
+
+    def _page(self, page: int) -> tuple[np.ndarray, np.ndarray]:
+        """Page ``page``'s K and V arrays ``(layers, kv_heads, page_size, head_dim)``,
+        made when the pool first hands the id out."""
+        while len(self._k_pages) <= page:
+            shape = self._cache_shape(self.pages.page_size)
+            self._k_pages.append(np.zeros(shape, self.np_dtype))
+            self._v_pages.append(np.zeros(shape, self.np_dtype))
+        return self._k_pages[page], self._v_pages[page]
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        (ks, vs), (kd, vd) = self._page(src), self._page(dst)
+        kd[...], vd[...] = ks, vs
+
+    def _gather(self, seq: PageList, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Contiguous K/V of ``length`` positions: the sequence's first ones (at most its
+        length), zeros after."""
+        ps, have = self.pages.page_size, min(length, seq.length)
+        k, v = np.zeros(self._cache_shape(length), self.np_dtype), np.zeros(self._cache_shape(length), self.np_dtype)
+        for i in range(pages_for(have, ps)):
+            lo, hi = i * ps, min(have, (i + 1) * ps)
+            pk, pv = self._page(seq.pages[i])
+            k[:, :, lo:hi], v[:, :, lo:hi] = pk[:, :, : hi - lo], pv[:, :, : hi - lo]
+        return k, v
+
+    def _scatter(self, seq: PageList, k: np.ndarray, v: np.ndarray, start: int, end: int) -> None:
+        """Write positions ``start..end`` of ``k``/``v`` into the sequence's pages (pages
+        added as needed, shared ones copied before the write)."""
+        ps = self.pages.page_size
+        seq.prepare_write(start, end, self._copy_page)
+        for i in range(start // ps, pages_for(end, ps)):
+            lo, hi = max(start, i * ps), min(end, (i + 1) * ps)
+            pk, pv = self._page(seq.pages[i])
+            pk[:, :, lo - i * ps: hi - i * ps], pv[:, :, lo - i * ps: hi - i * ps] = k[:, :, lo:hi], v[:, :, lo:hi]
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import functools
 import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -399,6 +399,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
         )
         return logits
+
+    def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
+        """The first ``length`` positions as views of the prefix's K/V in the KV dtype (the
+        kit's way goes through float32); the continuation that reads them copies them."""
+        k, v = prefix.kv
+        return replace(prefix, kv=(k[:, :, :length], v[:, :, :length]),
+                       prompt_tokens=prefix.prompt_tokens[:length])
 
     # -- portable prefixes ---------------------------------------------------------------
 

@@ -13,8 +13,10 @@ prefix (``existing_prefix``, capability ``prefix_reuse``):
   prompt than the longest entry covers, the prompt is cut where that shared run ends
   (rounded down to :data:`CACHE_BLOCK` tokens) and the prefix there is cached too: the
   second of two prompts sharing a system prompt leaves an entry that the third one
-  continues. Every completed prompt's prefix is cached (a conversation's next turn
-  starts with it).
+  continues. On an engine with ``prefix_truncate`` the second one does not prefill the
+  shared part either: it is cut from the cached entry that holds it
+  (``engine.truncate_prefix``), filed there, and continued. Every completed prompt's
+  prefix is cached (a conversation's next turn starts with it).
 - **Chunked prefill**: while other requests decode, pieces also end at every multiple
   of ``prefill_chunk`` tokens (absolute positions), so no piece is longer than the
   chunk, and the scheduler runs at most one chunk's worth of prompt tokens per step,
@@ -84,6 +86,9 @@ class Prefiller:
         # The engine's default budget on a cache that grows with use: what the slots leave
         # of it (EngineBase.prefix_cache_shares_kv), so the budget follows the slots' lengths.
         self.shares_kv = cache is not None and bool(getattr(engine, "prefix_cache_shares_kv", False))
+        # Where a prompt parts from a cached one, the shared part is cut from that entry
+        # (engine.truncate_prefix) rather than prefilled again.
+        self.truncates = cache is not None and bool(getattr(engine.capabilities, "prefix_truncate", False))
 
     @classmethod
     def for_engine(cls, engine: Any, params: Any) -> "Prefiller":
@@ -98,7 +103,9 @@ class Prefiller:
         model = getattr(engine, "model", None)
         per_token = model.config.kv_bytes_per_token(4) if model is not None else 1
         cache = PrefixCache(budget, estimate=lambda p: p.true_length * per_token) if budget else None
-        return cls(engine, params, cache=cache, chunk=chunk)
+        # A paged engine's cuts fall on its page edges, so a cut entry shares whole pages.
+        block = engine.capabilities.page_size or CACHE_BLOCK
+        return cls(engine, params, cache=cache, chunk=chunk, block=block)
 
     def fit(self, positions: int) -> None:
         """The slots hold K/V for ``positions`` cache positions now: on an engine whose
@@ -123,13 +130,36 @@ class Prefiller:
         n, held, prefix, have, keep = len(tokens), None, None, 0, set()
         if self.cache is not None:
             entry, matched = self.cache.lookup(tokens, partition)
+            split = min(matched, n - 1) // self.block * self.block
+            if split > (entry.length if entry is not None else 0) and self.truncates:
+                cut = self._cut(tokens[:split], partition)
+                if cut is not None:
+                    (held, prefix), have, entry = cut, split, None
             if entry is not None:
                 held, prefix, have = entry, self.cache.acquire(entry), entry.length
-            split = min(matched, n - 1) // self.block * self.block
             if split > have:
                 keep.add(split)
         return PrefillJob(list(tokens), sampling, sorted({n, *keep}), frozenset(keep), prefix, have, have, held,
                           token_mask, partition)
+
+    def _cut(self, tokens: list[int], partition: Any) -> tuple[CacheEntry | None, Prefix] | None:
+        """The prefix of ``tokens`` (a multiple of the block long) cut from a cached entry
+        that begins with them (``engine.truncate_prefix``), filed where the prompts part
+        and held, or None when no entry covers them. ``(entry, prefix)``; the entry is
+        None when the budget has no room for it (the prefix is continued all the same)."""
+        donor = self.cache.covering(tokens, partition)
+        if donor is None:
+            return None
+        donor.refs += 1  # filing the cut may evict; the donor must outlive the cut
+        try:
+            prefix = self.engine.truncate_prefix(params=self.params, prefix=donor.prefix, length=len(tokens))
+        finally:
+            self.cache.release(donor)
+        entry = self.cache.insert(prefix, shared=True, partition=partition)
+        if entry is None:
+            self.cache.count_hit(len(tokens))
+            return None, prefix
+        return entry, self.cache.acquire(entry)
 
     def advance(self, job: PrefillJob, budget: int | None = None) -> tuple[Prefix, ResultTokens] | None:
         """Run the job's next piece (chunked under a step's ``budget``, see

@@ -144,14 +144,43 @@ class PrefixCache:
             node = child
         return best, at
 
+    def covering(self, tokens: Sequence[int], partition: Any = None) -> CacheEntry | None:
+        """An entry of ``partition`` whose prompt begins with all of ``tokens`` (the
+        shortest such), or None: the entry a prompt
+        that parts from it after ``len(tokens)`` tokens may take those tokens from
+        (``Engine.truncate_prefix``). Counts nothing."""
+        node, at = self._roots.get(partition), 0
+        if node is None:
+            return None
+        while at < len(tokens):
+            child = node.children.get(tokens[at])
+            if child is None:
+                return None
+            n = _common(tokens, at, child.edge)
+            if n < min(len(child.edge), len(tokens) - at):
+                return None
+            node, at = child, at + n
+        best, todo = None, [node]
+        while todo:  # the subtree's entries all begin with tokens
+            n = todo.pop()
+            e = n.entry
+            if e is not None and (best is None or e.length < best.length):
+                best = e
+            todo.extend(n.children.values())
+        return best
+
     def acquire(self, entry: CacheEntry) -> Any:
         """Take a reference to an entry (it cannot be evicted until :meth:`release`) and
         count it as a hit; returns its prefix."""
         entry.refs += 1
         self._lru.move_to_end(entry)
-        self.stats.hits += 1
-        self.stats.hit_tokens += entry.length
+        self.count_hit(entry.length)
         return entry.prefix
+
+    def count_hit(self, tokens: int) -> None:
+        """Count a prompt that took ``tokens`` tokens' K/V from the cache."""
+        self.stats.hits += 1
+        self.stats.hit_tokens += int(tokens)
 
     def release(self, entry: CacheEntry) -> None:
         entry.refs -= 1

@@ -1,0 +1,204 @@
+"""K/V pages: fixed-size runs of cache positions, shared between sequences by reference count.
+
+An engine that declares ``Capabilities.page_size`` keeps its K/V in pages of that many
+positions. A running sequence (a slot) and a :class:`~polyengine.protocol.Prefix` are
+each a :class:`PageList`: page ids plus a length. Inserting a prefix into a slot, or
+continuing it, shares the prefix's pages (their counts go up) instead of copying their
+K/V; a page is written only while exactly one holder references it, so the first write
+into a shared, partly filled last page copies it (copy on write). A page whose count
+falls to zero returns to the pool and may be handed out again. docs/design.md ("Pages")
+states the rules; this module keeps the counts and checks them, and holds no K/V: the
+engine keeps the pages' contents wherever it likes (host arrays, device buffers) and
+indexes them by page id.
+
+Pure Python: the core never imports an array framework.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Iterable
+
+from polyengine.errors import InsufficientMemory
+
+__all__ = ["DEFAULT_PAGE_SIZE", "PagePool", "PageList", "PageError", "pages_for"]
+
+# Tokens per page unless a backend states another size (vLLM's and SGLang's default block).
+DEFAULT_PAGE_SIZE = 16
+
+
+class PageError(RuntimeError):
+    """A broken page rule (a release of a free page, a write into a shared one): an
+    engine bug, never a request's fault."""
+
+
+def pages_for(length: int, page_size: int) -> int:
+    """Pages that ``length`` positions fill (the last one possibly in part)."""
+    return -(-int(length) // int(page_size))
+
+
+class PagePool:
+    """Page ids and their reference counts. ``capacity`` pages at most (None: as many as
+    are asked for, for a host engine whose memory check counted its caches already).
+
+    A page is free (count 0, on the free list) or held (count >= 1). :meth:`allocate`
+    hands out free pages at count 1, lowest id first, so a page that was released is the
+    next one reused; :meth:`share` adds a holder; :meth:`release` drops one and frees the
+    page at zero. Releasing a free page, or sharing one, is :class:`PageError`.
+    """
+
+    def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, capacity: int | None = None):
+        if int(page_size) < 1:
+            raise ValueError(f"a page holds at least one position, got page_size={page_size}")
+        if capacity is not None and int(capacity) < 0:
+            raise ValueError(f"a page pool's capacity must be >= 0 pages, got {capacity}")
+        self.page_size = int(page_size)
+        self.capacity = None if capacity is None else int(capacity)
+        self._refs: list[int] = []  # by page id; 0: free
+        self._free: list[int] = []  # free ids, kept sorted descending so pop() gives the lowest
+
+    # -- counts ---------------------------------------------------------------------------
+
+    @property
+    def allocated(self) -> int:
+        """Pages ever created (held or free)."""
+        return len(self._refs)
+
+    @property
+    def held(self) -> int:
+        """Pages with at least one holder."""
+        return len(self._refs) - len(self._free)
+
+    @property
+    def free(self) -> int | None:
+        """Pages :meth:`allocate` can still hand out (None: unbounded)."""
+        return None if self.capacity is None else self.capacity - self.held
+
+    def refcount(self, page: int) -> int:
+        self._check_id(page)
+        return self._refs[page]
+
+    # -- lifetimes ------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` pages at count 1: freed pages first (lowest id first), then new ids.
+        Refuses (InsufficientMemory, nothing allocated) when fewer than ``n`` are free."""
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if self.capacity is not None and self.held + n > self.capacity:
+            raise InsufficientMemory(
+                f"the K/V page pool has {self.free} free pages of {self.page_size} positions and "
+                f"{n} were asked for (capacity {self.capacity}); finish or preempt a sequence first",
+                needed=None, available=None, where="the K/V page pool")  # counted in pages, not bytes
+        out = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page = len(self._refs)
+                self._refs.append(0)
+            self._refs[page] = 1
+            out.append(page)
+        return out
+
+    def share(self, pages: Iterable[int]) -> None:
+        """One more holder for each of ``pages`` (each must be held)."""
+        pages = list(pages)
+        for page in pages:
+            if self.refcount(page) < 1:
+                raise PageError(f"page {page} is free: only a held page may be shared")
+        for page in pages:
+            self._refs[page] += 1
+
+    def release(self, pages: Iterable[int]) -> list[int]:
+        """One holder fewer for each of ``pages``; returns the pages this freed. A page
+        released more often than it was held is PageError (checked before any change)."""
+        pages = list(pages)
+        drops: dict[int, int] = {}
+        for page in pages:
+            drops[page] = drops.get(page, 0) + 1
+        for page, n in drops.items():
+            if self.refcount(page) < n:
+                raise PageError(f"page {page} released {n} time(s) but held by {self._refs[page]}: "
+                                f"a double free would hand out a page still in use")
+        freed = []
+        for page in pages:
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                freed.append(page)
+        if freed:
+            self._free = sorted(self._free + freed, reverse=True)
+        return freed
+
+    def writable(self, page: int, copy: Callable[[int, int], None]) -> int:
+        """The page to write in place of ``page`` (held): ``page`` itself when its holder
+        is the only one, else a fresh page that ``copy(src, dst)`` fills with its contents
+        (copy on write; the caller's reference moves from ``page`` to the copy)."""
+        if self.refcount(page) < 1:
+            raise PageError(f"page {page} is free: nothing may write into it")
+        if self._refs[page] == 1:
+            return page
+        (dst,) = self.allocate(1)
+        copy(page, dst)
+        self._refs[page] -= 1
+        return dst
+
+    def _check_id(self, page: int) -> None:
+        if not isinstance(page, int) or not 0 <= page < len(self._refs):
+            raise PageError(f"page {page!r} was never allocated by this pool")
+
+
+class PageList:
+    """A sequence's K/V as pages: ``pages[i]`` holds positions ``[i * page_size,
+    (i + 1) * page_size)``; ``length`` positions are filled. It holds one reference to
+    each of its pages until :meth:`release` (or, with ``finalize``, until it is garbage:
+    how a :class:`~polyengine.protocol.Prefix`, valid for as long as anyone keeps it,
+    gives its pages back)."""
+
+    def __init__(self, pool: PagePool, pages: list[int], length: int, *, finalize: bool = False):
+        if len(pages) < pages_for(length, pool.page_size):
+            raise PageError(f"{len(pages)} pages cannot hold {length} positions of {pool.page_size}")
+        self.pool, self.pages, self.length = pool, list(pages), int(length)
+        self._finalizer = weakref.finalize(self, _release_quietly, pool, self.pages) if finalize else None
+
+    @classmethod
+    def new(cls, pool: PagePool, length: int = 0, *, finalize: bool = False) -> "PageList":
+        """Fresh pages for ``length`` positions."""
+        return cls(pool, pool.allocate(pages_for(length, pool.page_size)), length, finalize=finalize)
+
+    def fork(self, length: int | None = None, *, finalize: bool = False) -> "PageList":
+        """A new holder of this list's first ``length`` positions (all by default): it
+        shares their pages (the partly filled last one too, copied on its first write)."""
+        length = self.length if length is None else int(length)
+        if not 0 <= length <= self.length:
+            raise PageError(f"cannot fork {length} positions of a page list holding {self.length}")
+        pages = self.pages[: pages_for(length, self.pool.page_size)]
+        self.pool.share(pages)
+        return PageList(self.pool, pages, length, finalize=finalize)
+
+    def prepare_write(self, start: int, end: int, copy: Callable[[int, int], None]) -> None:
+        """Make positions ``[start, end)`` writable by this holder alone: pages are added
+        to reach ``end`` and each page the range touches that another holder shares is
+        copied first. ``length`` becomes at least ``end``."""
+        ps = self.pool.page_size
+        need = pages_for(end, ps) - len(self.pages)
+        if need > 0:
+            self.pages.extend(self.pool.allocate(need))
+        for i in range(start // ps, pages_for(end, ps)):
+            self.pages[i] = self.pool.writable(self.pages[i], copy)
+        self.length = max(self.length, int(end))
+
+    def release(self) -> None:
+        """Give every page back (once; the list is empty afterwards)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        pages, self.pages, self.length = self.pages, [], 0
+        self.pool.release(pages)
+
+
+def _release_quietly(pool: PagePool, pages: list[int]) -> None:
+    """A finalizer's release: ``pages`` is the list object the holder kept (copy on write
+    replaces its entries in place), released as it stands when the holder is collected."""
+    pool.release(pages)
