@@ -9,10 +9,12 @@ is drawn with the new request's own sampling), and how far the prompt matches an
 cached prompt at all (the driver may prefill up to that point as a separate piece and
 file it, so the next prompt sharing it finds an entry there).
 
-Entries are whole prefixes, not shared blocks: an entry of 512 tokens and one of 544
-that extends it each hold their own K/V. The engine protocol has no paged cache to
-share blocks in, and a prefix is valid for its engine's life (docs/design.md), so an
-entry is safe to continue whatever happened since it was made.
+Entries are whole prefixes: on a contiguous engine an entry of 512 tokens and one of
+544 that extends it each hold their own K/V; on a paged one they share pages, but each
+is counted whole. A prefix is valid for as long as it is held (docs/design.md), so an
+entry is safe to continue whatever happened since it was made. Where a prompt parts from
+an entry, :meth:`PrefixCache.covering` finds an entry that holds the shared part, which
+the driver cuts (``Engine.truncate_prefix``) instead of prefilling it again.
 
 Memory: an entry costs ``Prefix.nbytes`` (the engine's count, padding included; an
 estimate from the model when the engine gives none). The cache never holds more than
