@@ -4,9 +4,11 @@ The attack: client A sends a prompt holding a secret; client B sends a guess tha
 its first tokens, then a probe that shares them too. Without partitions, B's guess is
 cut where it parts from A's prompt and that cut is cached, so B's probe reports the
 shared run as ``cached_tokens`` (and starts faster): B learns that A sent those tokens.
-With partitions (per API key by default, per ``cache_salt`` on request) B's probe
-reports 0. The same attack within one tenant still finds the cache (the control that
-shows the test can fail). Tiny random model on the reference backend.
+On an engine with ``prefix_truncate`` (the reference here) the guess itself is served
+from A's entry, cut where the prompts part. With partitions (per API key by default, per
+``cache_salt`` on request) B's guess reports 0, and its probe only the run it shares
+with B's own guess. The same attack within one tenant still finds the cache (the control
+that shows the test can fail). Tiny random model on the reference backend.
 """
 
 from __future__ import annotations
@@ -35,11 +37,10 @@ def tiny():
         return load_model("random:tiny")
 
 
-def _attack(send) -> int:
-    """A's secret, then B's guess and probe; the probe's cached_tokens."""
+def _attack(send) -> tuple[int, int]:
+    """A's secret, then B's guess and probe; their cached_tokens."""
     send("a", SECRET)
-    send("b", GUESS)
-    return send("b", PROBE)
+    return send("b", GUESS), send("b", PROBE)
 
 
 # -- the cache and the driver alone ------------------------------------------------------------
@@ -67,7 +68,7 @@ def test_cache_salt_partitions_the_python_api(tiny, salts, leaks):
     def send(who, ids):
         return llm.generate([ids], {"max_tokens": 1}, cache_salt=tenant[who])[0].usage.cached_tokens
 
-    assert _attack(send) == (32 if leaks else 0)
+    assert _attack(send) == (32 if leaks else 0, 32)  # the probe shares 32 tokens with B's own guess
 
 
 def test_a_cache_salt_must_be_a_non_empty_string(tiny):
@@ -119,7 +120,7 @@ def _fresh(ids: list[int], n: int) -> list[int]:
 def test_one_client_cannot_probe_another_clients_prompt(server, case, keys, salts, leaks):
     send = _client(server, keys, salts)
     probe = send("a", _fresh(SECRET, case)), send("b", _fresh(GUESS, case)), send("b", _fresh(PROBE, case))
-    assert probe == (0, 0, 32 if leaks else 0), probe
+    assert probe == (0, 32 if leaks else 0, 32), probe  # the probe shares 32 tokens with B's own guess
 
 
 def test_salt_mode_partitions_by_salt_alone():
