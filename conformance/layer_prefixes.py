@@ -23,6 +23,7 @@ from polyengine.conformance import layer
 from polyengine.conformance.harness import LIMITS, VARIANTS
 from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, build_model
 from polyengine.conformance.oracle import reference_engine
+from polyengine.conformance.pages import page_rule_problems
 from polyengine.conformance.stats import rel_l2
 
 _OTHER_MODEL = next(m for m in MODEL_NAMES if m != DEFAULT_MODEL)
@@ -159,6 +160,46 @@ class PrefixLayer:
                                 "(positions of the continuation must start where the prefix ends)")
         div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling, what="first token after prefix reuse")
         assert div is None or div.near_tie, f"prefix reuse: {div.describe()}"
+
+    def test_truncate_prefix(self, conformance):
+        """truncate_prefix (capability prefix_truncate) gives a prefix of the first tokens
+        as a prefill of them would (its logits), leaves the prefix as it was, and the cut
+        continues like any prefix; undeclared, the method raises UnsupportedFeature or is
+        absent."""
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        whole = conformance.prompt(12, 93)
+        prefix, _ = d.prefill(whole, conformance.sampling(93))
+        if not eng.capabilities.prefix_truncate:
+            if callable(getattr(eng, "truncate_prefix", None)):
+                with pytest.raises(UnsupportedFeature):
+                    eng.truncate_prefix(params=d.params, prefix=prefix, length=7)
+            return
+        made = prefix.host_logits().copy()
+        cut = eng.truncate_prefix(params=d.params, prefix=prefix, length=7)
+        assert list(np.asarray(cut.prompt_tokens)) == whole[:7] and np.array_equal(prefix.host_logits(), made), (
+            "truncate_prefix: the cut must hold the first 7 tokens and leave the prefix as it was")
+        oracle = conformance.oracle()
+        conformance.within("logits_rel_l2", rel_l2(cut.host_logits(), oracle.logits(whole[:7])), conformance.dtype,
+                           DEFAULT_MODEL, what="logits of a truncated prefix vs the reference's prefill of its tokens")
+        tail, _ = eng.prefill(params=d.params, tokens=whole[7:], sampling=conformance.sampling(94), existing_prefix=cut)
+        conformance.within("logits_rel_l2", rel_l2(tail.host_logits(), oracle.logits(whole)), conformance.dtype,
+                           DEFAULT_MODEL, what="logits of a truncated prefix continued to the whole prompt vs the reference")
+
+    def test_page_rules(self, conformance):
+        """docs/design.md, "Pages", on an engine that declares page_size: inserting shares
+        pages, a shared page is copied before a write, free releases only the slot's
+        references, a held page is never handed out again (conformance/pages.py)."""
+        eng = conformance.engine()
+        ps = eng.capabilities.page_size
+        if not ps:
+            pytest.skip("page_size is not declared: a contiguous cache has no page rules")
+        n = min(ps + ps // 2, eng.max_prefill_length)
+        if n <= ps:
+            pytest.skip(f"pages of {ps} positions hold the longest prefix ({eng.max_prefill_length}) in one page")
+        problems = page_rule_problems(eng, conformance.driver(eng).params, conformance.prompt(n, 95),
+                                      conformance.prompt(5, 96))
+        assert not problems, "page rules: " + "; ".join(problems)
 
     def test_prefix_reuse_at_bucket_edges(self, conformance):
         """Continuing a prefix is exact wherever the cut falls: prefixes of 1, 7, 8, 9, 15,

@@ -414,6 +414,20 @@ class EngineBase:
             last_logits=whole.last_logits, sampling=whole.sampling, model_fingerprint=whole.model_fingerprint,
         ))
 
+    # -- pages (capability page_size): what the conformance suite reads --------------------
+
+    # The engine's page pool (polyengine.pages.PagePool) when it keeps K/V in pages.
+    pages: Any = None
+
+    def prefix_pages(self, prefix: Prefix) -> Any:
+        """The :class:`~polyengine.pages.PageList` holding a prefix's K/V (a paged engine's)."""
+        raise UnsupportedFeature("pages (prefix_pages)", self.name, "only an engine that declares page_size has pages")
+
+    def slot_pages(self, decode_state: Any, slot: int) -> Any:
+        """The :class:`~polyengine.pages.PageList` of an occupied slot, None for an empty one
+        (a paged engine's)."""
+        raise UnsupportedFeature("pages (slot_pages)", self.name, "only an engine that declares page_size has pages")
+
     # -- optional methods: undeclared ------------------------------------------------------
 
     def export_prefix(self, prefix: Prefix) -> "PortablePrefix":

@@ -302,6 +302,16 @@ class ReferenceEngine(EngineBase):
         self._scatter(seq, k, v, start, total)
         return seq
 
+    def prefix_pages(self, prefix: Prefix) -> PageList:
+        if not self.pages:
+            return super().prefix_pages(prefix)
+        return self.check_prefix(prefix).kv
+
+    def slot_pages(self, decode_state: ReferenceDecodeState, slot: int) -> PageList | None:
+        if not self.pages:
+            return super().slot_pages(decode_state, slot)
+        return decode_state.seqs[self.check_slot(slot)]
+
     def _page(self, page: int) -> tuple[np.ndarray, np.ndarray]:
         """Page ``page``'s K and V arrays ``(layers, kv_heads, page_size, head_dim)``,
         made when the pool first hands the id out."""
