@@ -196,7 +196,8 @@ def test_the_kits_truncation_through_portable_prefixes_equals_a_prefill(tiny):
 # -- through the driver ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("backend", "options"), [("reference", {}), ("reference", {"page_size": 16}), ("cpu", {})])
+@pytest.mark.parametrize(("backend", "options"), [("reference", {}), ("reference", {"page_size": 16}),
+                                                      ("cpu", {"cpu_kernels": False})])  # no kernel build: seconds
 def test_every_request_after_the_first_takes_the_shared_system_prompts_full_pages(tiny, backend, options):
     """A 45-token system prompt, then requests with other user turns: the second one
     already takes the system prompt's 2 full pages (32 tokens) from the cache, cut from

@@ -145,8 +145,9 @@ class ReferenceEngine(EngineBase):
         batch[0, : toks.size] = toks
         logits = self._forward(params, batch, np.array([start]), [k], [v])[0, toks.size - 1]
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks])
+        kept = self._keep(k, v, start, total, existing_prefix)
         prefix = Prefix(
-            kv=self._keep(k, v, start, total, existing_prefix),
+            kv=kept,
             logits=logits,
             prompt_tokens=prompt.astype(np.int32),
             sampling=sampling,
@@ -154,7 +155,7 @@ class ReferenceEngine(EngineBase):
             first_token=-1,
             model_id=self.model_id,
             token_mask=mask,
-            nbytes=self.kv_bytes(total),
+            nbytes=self._held_bytes(kept, total),
         )
         out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32), mask)])
         prefix.first_token = int(out.tokens[0])
@@ -271,10 +272,11 @@ class ReferenceEngine(EngineBase):
         row = RowState(sampling, 0, 0, prompt, np.zeros(0, np.int32))
         first = int(self._sample([logits], [row]).tokens[0])
         k, v = portable.k.astype(self.np_dtype), portable.v.astype(self.np_dtype)
+        kept = self._keep(k, v, 0, prompt.size, None)
         return Prefix(
-            kv=self._keep(k, v, 0, prompt.size, None), logits=logits,
+            kv=kept, logits=logits,
             prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=first,
-            model_id=self.model_id, nbytes=self.kv_bytes(prompt.size),
+            model_id=self.model_id, nbytes=self._held_bytes(kept, prompt.size),
         )
 
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
@@ -311,6 +313,10 @@ class ReferenceEngine(EngineBase):
         if not self.pages:
             return super().slot_pages(decode_state, slot)
         return decode_state.seqs[self.check_slot(slot)]
+
+    def _held_bytes(self, kv, length: int) -> int:
+        """What a prefix's K/V hold: its positions, or its whole pages (shared ones too)."""
+        return self.kv_bytes(len(kv.pages) * self.pages.page_size if self.pages else length)
 
     def _page(self, page: int) -> tuple[np.ndarray, np.ndarray]:
         """Page ``page``'s K and V arrays ``(layers, kv_heads, page_size, head_dim)``,

@@ -120,7 +120,7 @@ class TpuJaxEngine(EngineBase):
         self.device = platform = self.devices[0].platform if self.devices else "cpu"
         return Capabilities(
             dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
-            bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True,
+            bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True, weight_formats=WEIGHT_FORMATS,
         )
 
