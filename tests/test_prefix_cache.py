@@ -53,6 +53,21 @@ def test_lookup_finds_the_longest_proper_prefix_and_how_far_prompts_agree():
     assert cache.stats.queries == 4 and cache.stats.query_tokens == 17 and cache.stats.hits == 0
 
 
+def test_covering_finds_the_shortest_entry_that_holds_a_shared_run():
+    """Where a prompt parts from cached ones, the entry to cut the shared run from: any
+    entry beginning with the run (the shortest), within the partition, also when the
+    run ends inside an edge of the tree; a hit is counted only when one is acquired."""
+    cache = PrefixCache(1000)
+    for toks in ((1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 9), (1, 2, 3, 4, 9, 9, 9)):
+        cache.insert(FakePrefix(toks))
+    cache.insert(FakePrefix((1, 2, 3, 7)), partition="other")
+    assert cache.covering([1, 2, 3]).length == 5  # inside the edge below (1, 2, 3, 4)
+    assert cache.covering([1, 2, 3, 4, 5]).length == 6 and cache.covering([1, 2, 3, 4, 9, 9]).length == 7
+    assert cache.covering([1, 2, 8]) is None and cache.covering([1, 2, 3, 4, 5, 6, 7]) is None
+    assert cache.covering([1, 2, 3, 7]) is None and cache.covering([1, 2, 3, 7], "other").length == 4
+    assert cache.stats.hits == 0 and cache.stats.queries == 0
+
+
 def test_lru_eviction_within_the_budget_never_touches_entries_in_use():
     cache = PrefixCache(30)
     a, b, c = (cache.insert(FakePrefix((i, i + 1))) for i in (1, 3, 5))
