@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from polyengine.pages import PageError
 from polyengine.sampling import SamplingParams
 
 __all__ = ["page_rule_problems"]
@@ -24,20 +25,30 @@ __all__ = ["page_rule_problems"]
 def page_rule_problems(engine: Any, params: Any, prompt: Sequence[int], other: Sequence[int]) -> list[str]:
     """What ``engine`` gets wrong of the page rules (empty: nothing). ``prompt`` holds
     one and a half pages (``page_size + page_size // 2`` tokens, at most
-    ``max_prefill_length``, more than a page), ``other`` a few tokens."""
+    ``max_prefill_length``, more than a page), ``other`` a few tokens. A release the
+    pool refuses (a double free) ends the program as one more problem."""
+    problems: list[str] = []
+    try:
+        _program(engine, params, prompt, other, problems)
+    except PageError as exc:
+        problems.append(f"the engine's page pool refused a release or share: {exc}")
+    return problems
+
+
+def _program(engine: Any, params: Any, prompt: Sequence[int], other: Sequence[int], problems: list[str]) -> None:
     pool, ps = engine.pages, engine.capabilities.page_size
     greedy = SamplingParams(temperature=0, max_tokens=8)
     n = len(prompt)
     prefix, _ = engine.prefill(params=params, tokens=list(prompt[:n]), sampling=greedy)
     pages = list(engine.prefix_pages(prefix).pages)
     if len(pages) != -(-n // ps) or engine.prefix_pages(prefix).length != n:
-        return [f"a prefix of {n} positions is held in {len(pages)} pages of {ps} (expected {-(-n // ps)})"]
+        problems.append(f"a prefix of {n} positions is held in {len(pages)} pages of {ps} (expected {-(-n // ps)})")
+        return
     counts = [pool.refcount(p) for p in pages]
     kv = _kv(engine, prefix)
     held = pool.held
     state = engine.init_decode_state()
     state = engine.insert(prefix, state, 0)
-    problems = []
     slot = list(engine.slot_pages(state, 0).pages)
     if slot != pages or pool.held != held:
         problems.append(f"insert copied pages: the slot holds pages {slot} and the pool {pool.held} pages, where "
@@ -56,7 +67,7 @@ def page_rule_problems(engine: Any, params: Any, prompt: Sequence[int], other: S
     if after != counts:
         problems.append(f"free_resource released pages the prefix still holds: their counts went {counts} -> {after} "
                         f"(rule 6: free releases the slot's references only)")
-        return problems  # the rest would only repeat it
+        return  # the rest would only repeat it
     q, _ = engine.prefill(params=params, tokens=list(other), sampling=greedy)
     state = engine.insert(q, state, 1)
     for _ in range(ps + 1):  # past a page edge: the slot takes a new page
@@ -68,7 +79,6 @@ def page_rule_problems(engine: Any, params: Any, prompt: Sequence[int], other: S
     elif not _same(kv, _kv(engine, prefix)):
         problems.append("other requests changed the K/V of a held prefix (rule 7)")
     engine.free_resource(state, 1)
-    return problems
 
 
 def _kv(engine: Any, prefix: Any) -> np.ndarray | None:

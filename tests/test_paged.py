@@ -282,3 +282,29 @@ def test_the_page_rules_catch_what_breaks_them(tiny, engine_type, broken):
         assert any(broken in p for p in problems), problems
     del eng
     gc.collect()  # the broken engines' page lists give their pages back here, not in a later test
+
+
+def test_a_bounded_page_pool_admits_requests_by_free_pages(tiny):
+    """26 pages of 4 positions (about one 96-token context): eight requests of 8-10
+    prompt tokens and 6 new ones (each reserving 5 pages at worst) run five at a time in
+    8 slots, where reserving whole contexts would let one run; none fails, the outputs
+    equal an unbounded pool's, and a request that could never fit is refused at submit."""
+    kw = dict(backend="reference", tools=False, max_slots=8, max_prefill_length=60, max_cache_length=96)
+    bounded = LLM(tiny, options={"page_size": 4, "kv_pages": 26}, **kw)
+    free = LLM(tiny, options={"page_size": 4}, **kw)
+    assert bounded.engine.pages.capacity == 26 and free.engine.pages.capacity is None
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 280, int(rng.integers(8, 11))).tolist() for _ in range(8)]
+    sp = SamplingParams(temperature=0.7, seed=1, max_tokens=6, ignore_eos=True)
+    reqs = [bounded.submit(p, sp) for p in prompts]
+    running = 0
+    while not all(r.done for r in reqs):
+        bounded.step()
+        running = max(running, len(bounded.scheduler._slots))
+        assert bounded.engine.pages.held <= 26
+    assert running == 5
+    assert [r.completion.token_ids for r in reqs] == [c.token_ids for c in free.generate(prompts, sp)]
+    with pytest.raises(InvalidRequest, match="pool holds 26"):
+        bounded.submit(prompts[0], SamplingParams(n=2, max_tokens=80))
+    with pytest.raises(InvalidRequest, match="kv_pages"):
+        ReferenceEngine(tiny, CFG.model_copy(update={"options": {"page_size": 4, "kv_pages": 24}}))

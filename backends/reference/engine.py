@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
+from polyengine.errors import InvalidRequest
 from polyengine.options import Option
 from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.models import Model
@@ -60,6 +61,8 @@ class ReferenceEngine(EngineBase):
     OPTIONS = {
         "page_size": Option(0, "K/V pages of this many positions (0: one contiguous cache per slot)",
                             minimum=0, maximum=4096),
+        "kv_pages": Option(0, "with page_size: the pages the K/V of slots and prefixes share (0: as many as they "
+                              "use); the driver admits requests by free pages", minimum=0),
     }
 
     def __init__(self, model: Model, config: EngineConfig):
@@ -68,17 +71,24 @@ class ReferenceEngine(EngineBase):
         mc = model.config
         # Refuse before allocating: the engine converts the weights into its dtype (the
         # Model's records stay as stored) and preallocates every slot's cache.
+        ps, kv_pages = self.capabilities.page_size, self.options["kv_pages"]
+        if kv_pages and (not ps or kv_pages < pages_for(config.max_cache_length, ps) + 1):
+            raise InvalidRequest(
+                f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
+                f"({pages_for(config.max_cache_length, ps or 1) + 1} with page_size={ps or 1}); raise it or leave it 0",
+                field="options.kv_pages")
+        kv = (f"the K/V pool of {kv_pages} pages x {ps} positions", kv_pages * ps) if kv_pages else (
+            f"the KV caches of {config.max_slots} slots x {config.max_cache_length} positions",
+            config.max_slots * config.max_cache_length)
         self.check_memory({
             f"a {self.dtype} copy of the weights": mc.num_parameters() * self.np_dtype.itemsize,
-            f"the KV caches of {config.max_slots} slots x {config.max_cache_length} positions":
-                config.max_slots * config.max_cache_length * mc.kv_bytes_per_token(self.np_dtype.itemsize),
+            kv[0]: kv[1] * mc.kv_bytes_per_token(self.np_dtype.itemsize),
         })
         self._params: ReferenceParams | None = None
-        ps = self.capabilities.page_size
-        # Pages are host arrays indexed by page id; the pool needs no bound of its own: the
-        # slots never hold more than the memory check counted, and the prefixes the driver
-        # keeps are within its budget (counted too).
-        self.pages = PagePool(ps) if ps else None
+        # Pages are host arrays indexed by page id. Unbounded (kv_pages 0), the slots never
+        # hold more than the memory check counted and the driver's prefixes stay within its
+        # budget (counted too); bounded, the driver admits requests by free pages.
+        self.pages = PagePool(ps, kv_pages or None) if ps else None
         self._k_pages: list[np.ndarray] = []
         self._v_pages: list[np.ndarray] = []
 
@@ -213,6 +223,10 @@ class ReferenceEngine(EngineBase):
             batch = np.array([[state.next_token[i]] for i in live], np.int64)
             starts = np.array([state.slots[i].length for i in live])
             if self.pages:
+                # Pages first: a pool that runs out refuses here, before anything observable
+                # changed (a copy on write leaves the same K/V).
+                for i, s in zip(live, starts):
+                    state.seqs[i].prepare_write(int(s), int(s) + 1, self._copy_page)
                 ks, vs = zip(*(self._gather(state.seqs[i], int(s) + 1) for i, s in zip(live, starts)))
             else:
                 ks, vs = [state.k[i] for i in live], [state.v[i] for i in live]

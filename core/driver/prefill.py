@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyengine.driver.prefix_cache import CacheEntry, PrefixCache
+from polyengine.pages import pages_for
 from polyengine.protocol import EngineConfig, Prefix
 from polyengine.results import ResultTokens
 from polyengine.sampling.params import SamplingParams
@@ -89,6 +90,12 @@ class Prefiller:
         # Where a prompt parts from a cached one, the shared part is cut from that entry
         # (engine.truncate_prefix) rather than prefilled again.
         self.truncates = cache is not None and bool(getattr(engine.capabilities, "prefix_truncate", False))
+        # A paged engine with a bounded page pool (EngineBase.pages, a PagePool with a
+        # capacity): the scheduler admits requests by free pages, each reserving its worst
+        # case (pages_needed), and the cache keeps what the reservations leave (fit_pages).
+        pool = getattr(engine, "pages", None)
+        self.pool = pool if pool is not None and getattr(pool, "capacity", None) is not None else None
+        self._cache_budget = cache.budget if cache is not None else 0
 
     @classmethod
     def for_engine(cls, engine: Any, params: Any) -> "Prefiller":
@@ -112,6 +119,20 @@ class Prefiller:
         prefix cache shares their bytes, the cache shrinks (or may grow again) to the rest."""
         if self.shares_kv:
             self.cache.resize(self.engine.prefix_cache_bytes - self.engine.kv_bytes(positions))
+
+    def pages_needed(self, prompt: int, completion: int, samples: int) -> int:
+        """Pages a request may hold at worst on a bounded pool: each sample's prompt and
+        completion in pages of its own, and one that a prefill piece's copy on write
+        holds until the piece before it is dropped."""
+        return samples * pages_for(prompt + completion, self.pool.page_size) + 1
+
+    def fit_pages(self, reserved: int) -> None:
+        """Admitted requests reserve ``reserved`` pages of the bounded pool: the cache keeps
+        at most the rest (its entries counted whole, so shared pages count twice: never
+        more than the pool holds)."""
+        if self.cache is not None:
+            room = (self.pool.capacity - reserved) * self.engine.kv_bytes(self.pool.page_size)
+            self.cache.resize(min(self._cache_budget, room))
 
     def step_budget(self, decoding: bool) -> int | None:
         """Prompt tokens one scheduler step may prefill: a chunk while streams decode,

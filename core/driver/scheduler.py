@@ -106,6 +106,7 @@ class Request:
         self.error: Exception | None = None  # why it failed (typed for anything a caller caused)
         self.status = "queued"  # queued -> running -> finished | cancelled | failed
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
+        self.pages = 0  # the K/V pages it reserves on a bounded page pool (Prefiller.pages_needed)
         self._scheduler = scheduler
 
     @property
@@ -193,6 +194,14 @@ class Scheduler:
         req = Request(self, prompt, tokens, sampling, cache_salt)
         room = eng.max_cache_length - len(tokens)
         limit = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        pool = self.prefiller.pool
+        if pool is not None:
+            req.pages = self.prefiller.pages_needed(len(tokens), limit, sampling.n)
+            if req.pages > pool.capacity:
+                raise InvalidRequest(
+                    f"this request may need {req.pages} K/V pages ({sampling.n} sample(s) of {len(tokens)} prompt and "
+                    f"{limit} completion tokens, in pages of {pool.page_size}) but the engine's pool holds "
+                    f"{pool.capacity}; lower n or max_tokens", field="max_tokens")
         for i in range(sampling.n):
             detok = self._detok(tokens) if self._detok else None
             s = _Sample(i, TextStream(detok, sampling.stop, self._skip), self._tool() if self._tool else None, limit,
@@ -333,10 +342,28 @@ class Scheduler:
             for row, s in enumerate(req.samples):
                 self._on_token(req, s, first, row)
 
+    def _reserved_pages(self) -> int:
+        """Pages the running and prefilling requests reserve (a bounded page pool)."""
+        reqs = {id(r): r for r, _ in self._slots.values()}
+        if self._filling is not None:
+            reqs[id(self._filling[0])] = self._filling[0]
+        return sum(r.pages for r in reqs.values())
+
+    def _pages_free(self, req: Request) -> bool:
+        """Whether ``req``'s worst case fits the pages the admitted requests leave (always,
+        without a bounded page pool); if it does, the prefix cache makes room for it."""
+        if self.prefiller.pool is None:
+            return True
+        reserved = self._reserved_pages() + req.pages
+        if reserved > self.prefiller.pool.capacity:
+            return False
+        self.prefiller.fit_pages(reserved)
+        return True
+
     def _start_next(self) -> bool:
         """Start the head request's prefill once its slots are free (first come, first
         served: no overtaking); whether one started."""
-        while self._queue and len(self.free_slots) >= self._queue[0].sampling.n:
+        while self._queue and len(self.free_slots) >= self._queue[0].sampling.n and self._pages_free(self._queue[0]):
             req = self._queue.popleft()
             try:
                 mask = None
@@ -371,6 +398,8 @@ class Scheduler:
                 self._pending = None
             if self.prefiller.shares_kv:  # the slots' K/V as of now: a prefix cache sharing their bytes gets the rest
                 self.prefiller.fit(sum(len(r.prompt_tokens) + len(s.out.token_ids) for r, s in self._slots.values()))
+            if self.prefiller.pool is not None:  # finished requests' reservations go back to the cache
+                self.prefiller.fit_pages(self._reserved_pages())
             self._admit()
             if not self._slots:
                 self._pending = None  # its rows belong to requests that are gone
