@@ -149,6 +149,10 @@ def test_inserting_and_continuing_share_pages_and_free_gives_them_back(tiny):
     assert more.kv.pages[:2] == prefix.kv.pages[:2] and pool.refcount(prefix.kv.pages[0]) == 3
     state = eng.free_resource(state, 0)
     assert state.seqs[0] is None and pool.held == 5  # prefix's 3, more's copy of page 2 and its page 3
+    other, flat = ReferenceEngine(tiny, CFG.model_copy(update={"options": {"page_size": 4}})), _engines(tiny)[0]
+    for stranger in (other, flat):  # the same weights, other pages (or none): refused, never read
+        with pytest.raises(InvalidRequest, match="another reference engine's pages"):
+            stranger.insert(prefix, stranger.init_decode_state(), 0)
     del more, prefix
     gc.collect()
     assert pool.held == 0  # a dropped prefix gives its pages back

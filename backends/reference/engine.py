@@ -69,14 +69,14 @@ class ReferenceEngine(EngineBase):
         super().__init__(model, config, device="cpu (NumPy)")
         self.np_dtype = np.dtype(_DTYPES[self.dtype])
         mc = model.config
-        # Refuse before allocating: the engine converts the weights into its dtype (the
-        # Model's records stay as stored) and preallocates every slot's cache.
         ps, kv_pages = self.capabilities.page_size, self.options["kv_pages"]
         if kv_pages and (not ps or kv_pages < pages_for(config.max_cache_length, ps) + 1):
             raise InvalidRequest(
                 f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
                 f"({pages_for(config.max_cache_length, ps or 1) + 1} with page_size={ps or 1}); raise it or leave it 0",
                 field="options.kv_pages")
+        # Refuse before allocating: the engine converts the weights into its dtype (the
+        # Model's records stay as stored) and preallocates every slot's cache (or its pool's).
         kv = (f"the K/V pool of {kv_pages} pages x {ps} positions", kv_pages * ps) if kv_pages else (
             f"the KV caches of {config.max_slots} slots x {config.max_cache_length} positions",
             config.max_slots * config.max_cache_length)
@@ -317,6 +317,16 @@ class ReferenceEngine(EngineBase):
         seq = existing.kv.fork(finalize=True) if existing is not None else PageList(self.pages, [], 0, finalize=True)
         self._scatter(seq, k, v, start, total)
         return seq
+
+    def check_prefix(self, prefix: Prefix) -> Prefix:
+        """The kit's checks, and K/V this engine holds: a paged prefix's pages belong to the
+        pool of the engine that made it, which another engine of the same weights must not read."""
+        prefix = super().check_prefix(prefix)
+        paged = isinstance(prefix.kv, PageList)
+        if paged != bool(self.pages) or (paged and prefix.kv.pool is not self.pages):
+            raise InvalidRequest("prefix's K/V live in another reference engine's pages (or this engine's hold none); "
+                                 "move it with export_prefix/import_prefix")
+        return prefix
 
     def prefix_pages(self, prefix: Prefix) -> PageList:
         if not self.pages:
