@@ -199,9 +199,9 @@ def ready_line(model: Any, engine: Any, seconds: float) -> str:
         name += " (random weights)"
     paths = speed_paths(engine)
     if "kernels" in paths:
-        kernels = paths["kernels"].split(" ")[0].rstrip(":")
         isa = paths.get("isa", "").split(" ")[0]
-        detail = f"kernels: {kernels}" + (f" {isa}" if isa and kernels == "compiled" else "")
+        compiled = paths["kernels"].startswith("compiled")
+        detail = f"kernels: compiled{f' ({isa})' if isa else ''}" if compiled else "kernels: not used (-v says why)"
     else:
         detail = paths.get("device", "")
     return (f"{name} on {getattr(engine, 'name', '?')}{f' ({detail})' if detail else ''}, "
