@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import polyengine
 from hostile_files import write_hf_folder
 from hub_standin import HubStandin
 from imports import imported_by
@@ -156,6 +157,17 @@ def test_revision_pinning(hub):
     assert resolve(parse_hub_name("org/tiny@v1")).name == v1_sha
 
 
+def test_sharded_checkpoint_fetches_the_shards_its_index_names(hub, tmp_path):
+    names = sorted(random_weights(preset_config("tiny")))
+    folder = write_hf_folder(tmp_path / "sharded", shards={"model-00001-of-00002.safetensors": names[:5],
+                                                           "model-00002-of-00002.safetensors": names[5:]})
+    hub.server.commit("org/sharded", {**_folder_files(folder), "consolidated.safetensors": b"another layout"})
+    model = load_model("org/sharded", dtype="float32")
+    assert set(model.weights) == set(names)
+    assert set(hub.server.fetched()) == NEEDED - {"model.safetensors"} | {
+        "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+
+
 def test_hf_token_is_sent_as_bearer(hub):
     with pytest.raises(ModelNotFound, match="gated or private.*HF_TOKEN"):
         resolve(parse_hub_name("org/gated:Q8_0"))
@@ -168,7 +180,8 @@ def test_hf_token_is_sent_as_bearer(hub):
 def test_offline_names_what_is_missing(hub):
     resolve(parse_hub_name("org/tiny-gguf:Q8_0"))
     hub.offline()
-    assert load_model("org/tiny-gguf:Q8_0").meta["format"] == "gguf"
+    llm = polyengine.LLM(model="org/tiny-gguf:Q8_0", backend="reference", max_slots=1, max_cache_length=16)
+    assert llm.model.meta["format"] == "gguf"
     with pytest.raises(ModelNotFound, match=r"org/other is not in the Hugging Face cache .*HF_HUB_OFFLINE is set.*"
                                             r"polyengine pull org/other"):
         load_model("org/other")
