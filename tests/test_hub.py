@@ -153,6 +153,8 @@ def test_revision_pinning(hub):
     assert (pinned.weights[name] != latest.weights[name]).any()
     with pytest.raises(ModelNotFound, match="no revision 'v9'"):
         resolve(parse_hub_name("org/tiny@v9"))
+    with pytest.raises(ModelNotFound, match="no such repository"):
+        resolve(parse_hub_name("org/nothing"))
     hub.offline()  # the tag's commit was recorded in the cache: the pinned name works offline
     assert resolve(parse_hub_name("org/tiny@v1")).name == v1_sha
 
