@@ -139,7 +139,8 @@ def test_selection_rules():
     assert select_files(HubName("o/a"), sharded) == ("folder", ["config.json", "tokenizer.json",
                                                                 "model.safetensors.index.json"])
     assert parse_hub_name("hf.co/org/m@refs/pr/1:Q4_K_M") == HubName("org/m", "refs/pr/1", "Q4_K_M")
-    for not_a_name in ("tiny", "org/", "/abs/path", "models/x.gguf", "org/m:", "org/m@", "a--b/c", "random:tiny"):
+    for not_a_name in ("tiny", "org/", "/abs/path", "models/x.gguf", "org/m:", "org/m@", "org/m@../x", "a--b/c",
+                       "random:tiny"):
         assert parse_hub_name(not_a_name) is None, not_a_name
 
 
@@ -202,7 +203,7 @@ def test_pull_and_models(hub, capsys):
     assert (Path(out.strip()) / "model.safetensors").is_file() and "%" not in err
     assert main(["models", "--json"]) == 0
     rows = {r["repo"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["org/tiny-gguf"]["names"] == ["org/tiny-gguf:tiny-Q4_0.gguf"]
+    assert rows["org/tiny-gguf"]["names"] == ["org/tiny-gguf:tiny-Q4_0.gguf"] and rows["org/tiny-gguf"]["format"] == "gguf"
     assert rows["org/tiny"]["refs"] == ["v1"] and rows["org/tiny"]["names"] == ["org/tiny@v1"]
     assert set(rows["org/tiny"]["files"]) == NEEDED and rows["org/tiny"]["size_bytes"] > 0
     assert main(["models"]) == 0

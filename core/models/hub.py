@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 from polyengine.errors import MissingExtra, ModelNotFound, UnsupportedFeature
@@ -48,6 +48,8 @@ INSTALL_HINT = "pip install 'polyengine[hub]'"
 # '.', at most 96 characters, no '--' or '..', not ending in '.git'. An owner is required
 # here: a bare word is far more often a mistyped path than a legacy unowned repo.
 _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Branches, tags (git's ref rules, narrowed: no '..', no leading or trailing '/') and commits.
+_REVISION_RE = re.compile(r"^(?!.*\.\.)(?!/)[\w.\-/]+(?<!/)$")
 _PREFIXES = ("https://huggingface.co/", "https://hf.co/", "huggingface.co/", "hf.co/")
 _SPLIT_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 # llama.cpp's -hf picks this quant when the name gives none.
@@ -81,7 +83,7 @@ def parse_hub_name(text: str) -> HubName | None:
     repo, at, revision = left.partition("@")
     if (not _REPO_RE.match(repo) or len(repo) > 96 or "--" in repo or ".." in repo
             or repo.lower().endswith((".git", ".gguf", ".safetensors", ".json"))  # a mistyped file path
-            or (at and not revision.strip()) or (colon and not selector.strip())):
+            or (at and not _REVISION_RE.match(revision)) or (colon and not selector.strip())):
         return None
     return HubName(repo, revision or None, selector or None)
 
@@ -196,7 +198,13 @@ def _remote_listing(hf: Any, name: HubName) -> tuple[str, list[str]] | BaseExcep
         raise ModelNotFound(
             f"{name}: no such repository on {hf.constants.ENDPOINT} (or it is private: set HF_TOKEN); and no local "
             f"path {str(name)!r} exists") from None
-    except Exception as exc:  # noqa: BLE001 - offline, no connection, a server error: the cache may answer
+    except errors.HfHubHTTPError as exc:
+        status = getattr(exc.response, "status_code", None) if exc.response is not None else None
+        if status is not None and 400 <= status < 500:  # refused (a bad token, say), not unreachable
+            first = str(exc).strip().splitlines()[0]
+            raise ModelNotFound(f"{name}: the Hub refused the request ({first}); check HF_TOKEN") from None
+        return exc
+    except Exception as exc:  # noqa: BLE001 - offline, no connection, a timeout: the cache may answer
         return exc
     return info.sha, [s.rfilename for s in info.siblings or ()]
 
@@ -268,8 +276,9 @@ def _shards(index: Path, name: HubName) -> list[str]:
         shards = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError):
         raise bad("not a JSON object with a weight_map of tensor names to shard files") from None
-    if not all(isinstance(s, str) and s.endswith(".safetensors") for s in shards):
-        raise bad("its weight_map names files that are not .safetensors shards")
+    if not all(isinstance(s, str) and s.endswith(".safetensors") and not PurePosixPath(s).is_absolute()
+               and ".." not in PurePosixPath(s).parts for s in shards):
+        raise bad("its weight_map names files that are not .safetensors shards inside the repository")
     return shards
 
 
@@ -308,11 +317,11 @@ def cached_models() -> Iterator[dict[str, Any]]:
             ggufs = [f for f in files if f.lower().endswith(".gguf")]
             refs = sorted(rev.refs)
             at = "" if "main" in refs else f"@{refs[0] if refs else rev.commit_hash}"
-            names = [f"{repo.repo_id}{at}:{g}" for g in ggufs]
-            if "config.json" in files and any(f.endswith(".safetensors") for f in files):
-                names.insert(0, f"{repo.repo_id}{at}")
+            folder = "config.json" in files and any(f.endswith(".safetensors") for f in files)
+            formats = ["safetensors"] * folder + ["gguf"] * bool(ggufs)
             yield {
                 "repo": repo.repo_id, "commit": rev.commit_hash, "refs": refs,
-                "format": "gguf" if ggufs and len(names) == len(ggufs) else "safetensors" if names else "other",
-                "files": files, "size_bytes": rev.size_on_disk, "path": str(rev.snapshot_path), "names": names,
+                "format": "+".join(formats) or "other", "files": files, "size_bytes": rev.size_on_disk,
+                "path": str(rev.snapshot_path),
+                "names": [f"{repo.repo_id}{at}"] * folder + [f"{repo.repo_id}{at}:{g}" for g in ggufs],
             }
