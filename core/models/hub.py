@@ -209,35 +209,39 @@ def _remote_listing(hf: Any, name: HubName) -> tuple[str, list[str]] | BaseExcep
     return info.sha, [s.rfilename for s in info.siblings or ()]
 
 
+def _listing(hf: Any, name: HubName) -> tuple[str, list[str], str | None]:
+    """``(commit, files, why)``: from the Hub (``why`` None), else from the cache, with
+    why the Hub was not asked."""
+    offline = bool(hf.constants.HF_HUB_OFFLINE)
+    remote = None if offline else _remote_listing(hf, name)
+    if isinstance(remote, tuple):
+        return (*remote, None)
+    why = ("HF_HUB_OFFLINE is set" if offline
+           else f"{hf.constants.ENDPOINT} could not be reached ({type(remote).__name__}: {remote})")
+    cached = _cached_listing(hf, name)
+    if cached is None:
+        raise ModelNotFound(f"{name} is not in the Hugging Face cache ({hf.constants.HF_HUB_CACHE}) and {why}; "
+                            f"fetch it first with `polyengine pull {name}` while online")
+    return (*cached, why)
+
+
 def resolve(name: HubName, *, progress: bool = True) -> Path:
     """The local path of ``name``'s files (an HF folder or a ``.gguf`` file), downloaded
     into the Hugging Face cache when they are not there yet."""
     hf = _hub()
-    offline = bool(hf.constants.HF_HUB_OFFLINE)
-    remote = None if offline else _remote_listing(hf, name)
-    if isinstance(remote, tuple):
-        commit, files = remote
-    else:
-        cached = _cached_listing(hf, name)
-        why = ("HF_HUB_OFFLINE is set" if offline
-               else f"{hf.constants.ENDPOINT} could not be reached ({type(remote).__name__}: {remote})")
-        if cached is None:
-            raise ModelNotFound(
-                f"{name} is not in the Hugging Face cache ({hf.constants.HF_HUB_CACHE}) and {why}; fetch it "
-                f"first with `polyengine pull {name}` while online")
-        commit, files = cached
+    commit, files, cache_only = _listing(hf, name)
     try:
         kind, wanted = select_files(name, files)
     except ModelNotFound as exc:
-        if isinstance(remote, tuple):
+        if cache_only is None:
             raise
-        raise ModelNotFound(f"{exc} (these are the files cached for revision {commit[:12]}: {why}, so the Hub "
-                            f"was not asked; `polyengine pull {name}` while online fetches more)") from None
-    local_only = not isinstance(remote, tuple)
+        raise ModelNotFound(f"{exc} (these are the files cached for revision {commit[:12]}: {cache_only}, so the "
+                            f"Hub was not asked; `polyengine pull {name}` while online fetches more)") from None
+    local = cache_only is not None
     with _bars(hf, progress):
-        fetched = {f: _fetch(hf, name, f, commit, local_only) for f in wanted}
+        fetched = {f: _fetch(hf, name, f, commit, local) for f in wanted}
         if kind == "folder" and _INDEX in fetched:
-            fetched.update({f: _fetch(hf, name, f, commit, local_only) for f in _shards(fetched[_INDEX], name)})
+            fetched.update({f: _fetch(hf, name, f, commit, local) for f in _shards(fetched[_INDEX], name)})
     # Each file sits at snapshots/<commit>/<its path>: one commit for all, the listing's.
     snapshots = {Path(str(path)[: -len(f)]) for f, path in fetched.items()}
     if len(snapshots) != 1 or next(iter(snapshots)).name != commit:
@@ -262,6 +266,9 @@ def _fetch(hf: Any, name: HubName, filename: str, commit: str, local_only: bool)
                             f"access") from None
     except errors.EntryNotFoundError:
         raise ModelNotFound(f"{name}: the repository lists {filename} but the Hub has no such file") from None
+    except Exception as exc:  # noqa: BLE001 - a dropped connection, a full disk: say which file, keep the rest
+        raise ModelNotFound(f"{name}: downloading {filename} failed ({type(exc).__name__}: {exc}); run the command "
+                            f"again (the files already fetched stay in the cache)") from exc
 
 
 def _shards(index: Path, name: HubName) -> list[str]:
