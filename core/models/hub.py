@@ -32,6 +32,7 @@ stand-in for the Hub):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -174,6 +175,8 @@ def _cached_listing(hf: Any, name: HubName) -> tuple[str, list[str]] | None:
         if not ref.is_file():
             return None
         commit = ref.read_text().strip()
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):  # a damaged ref names no snapshot
+        return None
     snapshot = storage / "snapshots" / commit
     if not snapshot.is_dir():
         return None
@@ -289,20 +292,17 @@ def _shards(index: Path, name: HubName) -> list[str]:
     return shards
 
 
-class _bars:
+@contextlib.contextmanager
+def _bars(hf: Any, show: bool) -> Iterator[None]:
     """huggingface_hub's progress bars off for a quiet caller (and back on afterwards)."""
-
-    def __init__(self, hf: Any, show: bool):
-        self.utils = hf.utils
-        self.hide = not show and not hf.utils.are_progress_bars_disabled()
-
-    def __enter__(self) -> None:
-        if self.hide:
-            self.utils.disable_progress_bars()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.hide:
-            self.utils.enable_progress_bars()
+    hide = not show and not hf.utils.are_progress_bars_disabled()
+    if hide:
+        hf.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if hide:
+            hf.utils.enable_progress_bars()
 
 
 # -- the cache -----------------------------------------------------------------------------
