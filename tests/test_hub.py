@@ -115,6 +115,9 @@ def test_quant_tag_picks_one_gguf_file(hub):
     assert resolve(parse_hub_name("org/tiny-gguf:tiny-Q4_0.gguf")).name == "tiny-Q4_0.gguf"
     model = load_model("org/tiny-gguf:Q8_0")
     assert model.meta["format"] == "gguf" and "Q8_0" in model.meta["quantization"]
+    from polyengine.benchmarks.cli import _model_file
+
+    assert _model_file("org/tiny-gguf:Q8_0")[0] == path  # bench's peers (llama.cpp) read the same file
     with pytest.raises(ModelNotFound, match=r"no GGUF file matches the quant tag 'Q5_K_M'.*tiny-Q4_0\.gguf, "
                                             r"tiny-Q8_0\.gguf"):
         resolve(parse_hub_name("org/tiny-gguf:Q5_K_M"))
