@@ -9,8 +9,9 @@ It answers the requests huggingface_hub's own client makes for ``HfApi.model_inf
 - ``HEAD``/``GET /{repo}/resolve/{rev}/{path}``: the file, with the headers the client
   checks (``X-Repo-Commit``, ``ETag``, ``Content-Length``);
 - errors as the Hub spells them: 404 with ``X-Error-Code`` ``RepoNotFound``,
-  ``RevisionNotFound`` or ``EntryNotFound``; 401 with ``GatedRepo`` for a gated
-  repository asked without its token (``Authorization: Bearer TOKEN``).
+  ``RevisionNotFound`` or ``EntryNotFound``; 401 with ``GatedRepo`` for a file of a
+  gated repository asked without its token (``Authorization: Bearer TOKEN``; its info
+  stays public, as on the Hub).
 
 Revisions are refs (branches, tags) to commits; a commit is a dict of file paths to
 bytes, its sha the SHA-1 of its content. Every request is recorded (``requests``:
@@ -112,7 +113,8 @@ def _handler(hub: HubStandin) -> type[BaseHTTPRequestHandler]:
             repo = hub.repos.get(repo_id)
             if repo is None:
                 return self._error(404, "RepoNotFound", body)
-            if repo.token is not None and self.headers.get("Authorization") != f"Bearer {repo.token}":
+            if (repo.token is not None and not api  # as on the Hub, a gated repository's info is public
+                    and self.headers.get("Authorization") != f"Bearer {repo.token}"):
                 return self._error(401, "GatedRepo", body)
             if api:
                 rev = parts[3] if len(parts) == 4 and parts[2] == "revision" else "main"
