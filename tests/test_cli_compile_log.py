@@ -37,10 +37,10 @@ def test_a_neuron_graph_compile_says_so_and_how_long_it_took(tmp_path, monkeypat
         return SimpleNamespace(seconds=0.0, source="compiled", path=None), lambda p: p.write_bytes(b"graph")
 
     monkeypatch.setattr(neuron_cache, "compile_graph", fake_compile)
-    cache = neuron_cache.ArtifactCache(tmp_path / "cache", "inductor")
+    artifacts = neuron_cache.ArtifactCache(tmp_path / "cache", "inductor")
     key = neuron_cache.GraphKey("decode", (("bucket", {"kv_len": 128}),))
     with cli_logging(0):
-        cache.get(key, (), lambda: (None, ()))
+        artifacts.get(key, (), lambda: (None, ()))
     err = capsys.readouterr().err
     assert "compiling the decode graph for {'kv_len': 128} with inductor (first run, cached after)...\n" in err, err
     assert "compiled the decode graph for {'kv_len': 128} with inductor in " in err
