@@ -51,6 +51,8 @@ def test_one_ready_line_by_default_details_with_v_nothing_with_q(capsys):
     assert "backend: reference\n  device: cpu (NumPy)\n" in verbose.err
     assert main([*GEN, "-q", "hi"]) == 0
     assert capsys.readouterr() == (out, "")  # not even the random-weights warning
+    assert main(["-q", *GEN, "hi"]) == 0  # before the command too
+    assert capsys.readouterr() == (out, "")
 
 
 def test_the_cli_logging_levels_and_that_nothing_is_left_configured(capsys):
