@@ -149,10 +149,10 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=_cmd_chat)
 
 
-def _say(args: argparse.Namespace, level: int, text: str, *, end: str = "\n") -> None:
+def _say(args: argparse.Namespace, level: int, text: str) -> None:
     """A status line on stderr when the verbosity is at least ``level`` (0: by default)."""
     if verbosity(args) >= level:
-        print(text, end=end, file=sys.stderr, flush=True)
+        print(text, file=sys.stderr, flush=True)
 
 
 class _Progress:
@@ -191,11 +191,12 @@ class _Progress:
 def ready_line(model: Any, engine: Any, seconds: float) -> str:
     """The one line a command prints by default once the model is ready: which model,
     on which backend (for a backend that reports host-compiled kernels, their state and
-    ISA path), and how long loading took. ``-v`` prints every speed path instead."""
+    ISA path), and how long loading took. ``-v`` prints every speed path as well."""
     from polyengine.construction import speed_paths
 
-    source = str(getattr(model, "source", "model"))
-    name = Path(source).name if Path(source).exists() else source  # a file or folder: its name says enough
+    name = str(getattr(model, "source", "model")).split(" (", 1)[0]  # a hub or plugin name without its path
+    if Path(name).exists():
+        name = Path(name).name  # a file or folder: its name says enough
     if getattr(model, "is_random", False):
         name += " (random weights)"
     paths = speed_paths(engine)

@@ -55,6 +55,27 @@ def test_one_ready_line_by_default_details_with_v_nothing_with_q(capsys):
     assert capsys.readouterr() == (out, "")
 
 
+def test_the_ready_line_names_the_model_backend_and_kernels():
+    from types import SimpleNamespace
+
+    from polyengine.cli_run import ready_line
+
+    class Engine:
+        name = "cpu"
+
+        def __init__(self, kernels):
+            self.paths = {"device": "cpu (2 threads)", "isa": "avx2 (auto: ...)", "kernels": kernels}
+
+        def speed_paths(self):
+            return self.paths
+
+    hub = SimpleNamespace(source="ORG/NAME:Q4_K_M (/cache/snapshots/abc/model.gguf)", is_random=False)
+    assert ready_line(hub, Engine("compiled for this CPU (8-float vectors): /k.so"), 1.25) == (
+        "ORG/NAME:Q4_K_M on cpu (kernels: compiled (avx2)), ready in 1.2s")  # .ci/run looks for "kernels: compiled"
+    assert ready_line(hub, Engine("not used: no C++ compiler found"), 1.0).startswith(
+        "ORG/NAME:Q4_K_M on cpu (kernels: not used (-v says why))")
+
+
 def test_the_cli_logging_levels_and_that_nothing_is_left_configured(capsys):
     root, pkg = logging.getLogger(), logging.getLogger("polyengine")
     before = (list(root.handlers), root.level, list(pkg.handlers), pkg.level)
