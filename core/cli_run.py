@@ -227,15 +227,8 @@ def _build(args: argparse.Namespace, *, needs_tokenizer: bool = True):
     # One prompt at a time: one slot. The context and dtype defaults are the engine's own.
     llm = LLM(model, args.backend, tools=not args.no_tools, max_slots=1, max_cache_length=args.context_length,
               dtype=args.dtype or None, **engine_config_kwargs(args))
-    from polyengine.construction import speed_paths
-
+    # With -v, the engine's startup log line listed what runs, each fallback with its fix.
     _say(args, 0, ready_line(model, llm.engine, time.monotonic() - start))
-    if verbosity(args) >= 1:
-        # What runs, each fallback with its fix: the same words as the engine's startup log line.
-        print(f"backend: {llm.engine.name}", file=sys.stderr)
-        for key, value in speed_paths(llm.engine).items():
-            print(f"  {key}: {value}", file=sys.stderr)
-        sys.stderr.flush()
     return llm
 
 

@@ -79,6 +79,10 @@ class _Stderr(logging.StreamHandler):
 
 class _Format(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        paths = getattr(record, "speed_paths", None)
+        if isinstance(paths, dict):  # the engine's startup line (construction): one path a line
+            return "\n".join([f"backend: {getattr(record, 'engine_name', '?')}",
+                              *(f"  {k}: {v}" for k, v in paths.items())])
         text = super().format(record)
         if record.levelno >= logging.ERROR:
             return f"polyengine: error: {text}"
