@@ -106,7 +106,10 @@ def cli_logging(verbosity: int) -> Iterator[None]:
     _progress.setLevel(logging.INFO if verbosity >= 0 else logging.ERROR)
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        root.warning("%s", message)
+        if category.__module__.startswith("polyengine"):
+            root.warning("%s", message)
+        else:  # another library's: say whose
+            root.warning("%s: %s (%s:%s)", category.__name__, message, filename, lineno)
 
     warnings.showwarning = show
     try:

@@ -96,6 +96,12 @@ def test_the_cli_logging_levels_and_that_nothing_is_left_configured(capsys):
     assert "info line" not in seen[0] and "polyengine: warning: a warning line" in seen[0]
     assert "an info line" in seen[1] and "debug" not in seen[1]
     assert "a debug line" in seen[2]
+    import warnings
+
+    with cli_logging(0), warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("from elsewhere", DeprecationWarning)
+    assert capsys.readouterr().err.startswith("polyengine: warning: DeprecationWarning: from elsewhere (")
     assert (list(root.handlers), root.level, list(pkg.handlers), pkg.level) == before
 
 
