@@ -22,6 +22,7 @@ from polyengine.errors import InvalidRequest
 pytestmark = pytest.mark.filterwarnings("ignore::polyengine.models.RandomWeightsWarning")
 
 R = {"$ref": "#"}
+TREE = {"type": "object", "properties": {"kids": {"type": "array", "items": R}}, "required": ["kids"]}
 ENDLESS_SCHEMA = {"type": "object", "properties": {"next": R}, "required": ["next"]}
 
 # (grammar, the rules named): every sentence is infinite
@@ -47,8 +48,7 @@ FINITE = [
     ('start: "<" start* ">"', "<<><>>"),
     ('start: "(" start{0,2} ")"', "(())"),
     ('start: x\nx: y "!"\ny: "a" x | "b"', "ab!!"),
-    ('start: "x" call\ncall: %json {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}',
-     'x{"kids": [{}]}'),
+    ('start: "x" call\ncall: %json ' + json.dumps(TREE), 'x{"kids": [{"kids": []}]}'),  # recursion through a list
     ('%import common.NUMBER\nstart: NUMBER ("," start)?', "1,2"),
 ]
 

@@ -52,6 +52,15 @@ def schema_has_instance(schema: Any) -> bool:
                 return True
         return node
 
+    def charge(node: dict, copies: int) -> None:
+        """Count the keys an overlay copies as visits: a wide node under many branches
+        must not make the walk quadratic past its bound."""
+        nonlocal visits
+        props = node.get("properties")
+        visits += copies * (len(node) + (len(props) if isinstance(props, dict) else 0))
+        if visits > _SCHEMA_VISITS:
+            raise OverflowError
+
     def has(node: Any, path: frozenset[int]) -> bool:
         nonlocal visits
         visits += 1
@@ -69,10 +78,12 @@ def schema_has_instance(schema: Any) -> bool:
                 return False
             # the branches' keywords and the node's hold together: a `required` in one
             # branch names a property the node (or another branch) defines
+            charge(node, len(node["allOf"]))
             node = _overlay({k: v for k, v in node.items() if k != "allOf"}, *node["allOf"])
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list):
                 rest = {k: v for k, v in node.items() if k not in (key, "$ref")}
+                charge(rest, len(node[key]))
                 if not any(has(_overlay(rest, s) if isinstance(s, dict) else s, path) for s in node[key]):
                     return False
         kinds = node.get("type")
@@ -148,7 +159,7 @@ class _Unknown(Exception):
 
 # llguidance's lexemes of the Lark dialect, tried in this order at each position; a name
 # runs as far as its characters go, as llguidance's longest match does.
-_LEXEMES = re.compile(r"""
+_LEXEMES = re.compile(r"""[ \t]*(?:
     (?P<nl>(?:\r?\n)+[ \t]*)
   | (?P<skip>[ \t]+|(?:\#|//)[^\n]*)
   | (?P<string>"(?:\\(?:["\\/bfnrt]|u[a-fA-F0-9]{4})|[^"\\\x00-\x1f\x7f])*"i?)
@@ -160,8 +171,9 @@ _LEXEMES = re.compile(r"""
   | (?P<rule>!?[_?]?[a-z][_a-z0-9\-]*)
   | (?P<token>_?[A-Z][_A-Z0-9]*)
   | (?P<punct>->|\.\.|[:,.(){}\[\]~|=+*?])
-""", re.VERBOSE)
+)""", re.VERBOSE)
 _NAME_CHAR = re.compile(r"[A-Za-z0-9_\-]")
+_BLANKS = re.compile(r"[ \t]*")
 
 
 def _lex(text: str) -> list[tuple[str, Any]]:
@@ -171,7 +183,8 @@ def _lex(text: str) -> list[tuple[str, Any]]:
         m = _LEXEMES.match(text, pos)
         if m is None:
             raise _Unknown(text[pos:pos + 20])
-        kind, value, pos = m.lastgroup, m.group(), m.end()
+        kind, pos = m.lastgroup, m.end()
+        value = m.group(kind)
         if kind in ("rule", "token") and pos < len(text) and _NAME_CHAR.match(text, pos):
             raise _Unknown(value)  # a name mixing cases: how llguidance splits it is its business
         if kind == "skip":
@@ -181,9 +194,8 @@ def _lex(text: str) -> list[tuple[str, Any]]:
                 out.append(("nl", None))
             continue
         if kind == "directive" and value in ("%json", "%regex", "%llguidance"):
-            start = len(text) - len(text[pos:].lstrip(" \t"))
             try:
-                payload, pos = decoder.raw_decode(text, start)
+                payload, pos = decoder.raw_decode(text, _BLANKS.match(text, pos).end())
             except ValueError:
                 raise _Unknown(value) from None
             out.append((value, payload))
@@ -359,14 +371,19 @@ def endless_rules(grammar: str) -> tuple[list[str], bool] | None:
                 return any(productive(n, known) for n in node[1])
             return node[2] == 0 or productive(node[1], known)
 
+        # a worklist fixed point: a rule is looked at again only when a rule it names
+        # has just turned out productive, so a long chain of rules stays linear
+        referrers: dict[str, set[str]] = {}
+        for name, body in rules.items():
+            for used in _names(body):
+                referrers.setdefault(used, set()).add(name)
         known: set[str] = set()
-        changed = True
-        while changed:
-            changed = False
-            for name, body in rules.items():
-                if name not in known and productive(body, known):
-                    known.add(name)
-                    changed = True
+        todo = list(rules)
+        while todo:
+            name = todo.pop()
+            if name not in known and productive(rules[name], known):
+                known.add(name)
+                todo.extend(r for r in referrers.get(name, ()) if r not in known)
     except (_Unknown, RecursionError):
         return None
     if "start" in known:

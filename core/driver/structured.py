@@ -71,12 +71,15 @@ def _check_finite(grammar: str) -> None:
         return
     rules, endless_json = found
     names = ", ".join(rules[:8]) + (f" and {len(rules) - 8} more" if len(rules) > 8 else "")
-    why = (f"rule {names} always recurses: each alternative of it needs it again" if len(rules) == 1 else
-           f"rules {names} always recurse: each alternative of each needs one of them again")
+    if len(rules) == 1:
+        why = f"rule {names} always recurses: every alternative of it needs it again"
+        fix = f"give it an alternative that ends, or make the recursion optional ({names}? or {names}*)"
+    else:
+        why = f"rules {names} always recurse: every alternative of each needs one of them again"
+        fix = "give one of them an alternative that ends, or make a recursion optional (x? or x*)"
     if endless_json:
         why += " (or an inline %json schema with no finite instance)"
-    raise InvalidRequest(f"the grammar has no finite sentence: {why}; give one of them an alternative "
-                         f"that ends, or make the recursion optional (x? or x*)", field="structured")
+    raise InvalidRequest(f"the grammar has no finite sentence: {why}; {fix}", field="structured")
 
 
 def _first_line(message: str, limit: int = 300) -> str:
@@ -132,8 +135,9 @@ class Grammars:
     def compile(self, spec: StructuredOutput) -> str:
         """llguidance's grammar for ``spec`` (cached, by count and by size); InvalidRequest
         (field ``structured``) naming what is wrong with a bad or unsupported constraint,
-        and with one whose language is empty or holds only the empty text (its
-        completion could never be anything). Slow for a large schema: AsyncLLM calls it
+        with one whose language is empty or holds only the empty text (its completion
+        could never be anything), and with one that has no finite sentence or instance
+        (it could never end; :mod:`polyengine.driver.finite`). Slow for a large schema: AsyncLLM calls it
         on a worker thread."""
         key = grammar_text(spec)
         with self._lock:
