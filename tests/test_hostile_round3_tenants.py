@@ -155,8 +155,16 @@ def _fresh(ids: list[int], n: int) -> list[int]:
 ])
 def test_one_client_cannot_probe_another_clients_prompt(server, case, keys, salts, leaks):
     send = _client(server, keys, salts)
-    probe = send("a", _fresh(SECRET, case)), send("b", _fresh(GUESS, case)), send("b", _fresh(PROBE, case))
+    first = send("a", _fresh(SECRET, case)), send("b", _fresh(GUESS, case))
+    supplied = _hit_tokens(server)
+    probe = (*first, send("b", _fresh(PROBE, case)))
     assert probe == (0, 0, 32 if leaks else 0), probe
+    # the engine's own count agrees: the cache supplied none of the probe's tokens, so all were prefilled
+    assert _hit_tokens(server) - supplied == probe[2]
+
+
+def _hit_tokens(server) -> float:
+    return server.metrics()[("polyengine_prefix_cache_hit_tokens_total",)]
 
 
 def test_salt_mode_partitions_by_salt_alone():
