@@ -70,6 +70,9 @@ def test_a_forced_call_of_a_tool_without_finite_arguments_is_refused(llm):
         llm.chat(MSGS, {"max_tokens": 2}, tools=[ENDLESS_TOOL], tool_choice={"type": "function",
                                                                            "function": {"name": "loop"}})
     assert err.value.field == "tools"
+    with pytest.raises(InvalidRequest, match=r"\['loop'\] have no finite instance") as err:  # beside a finite tool
+        llm.chat(MSGS, {"max_tokens": 2}, tools=[TOOL, ENDLESS_TOOL], tool_choice="required")
+    assert err.value.field == "tools"
     tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}
     assert structured.schema_has_instance(tree)  # recursion with a way out (an empty list) is fine
 
