@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from polyengine.errors import InvalidRequest
+from polyengine.errors import InvalidRequest, PolyengineError
 from polyengine.files import check_writable, write_report
 
 __all__ = ["add_command", "run_backend", "scoreboard"]
@@ -97,9 +97,21 @@ def run_backend(name: str, *, report_json: str | Path | None = None, keyword: st
         return int(pytest.main(args))
 
 
+def _check_deps() -> None:
+    """The suite runs on pytest and hypothesis, which a plain install lacks: name the
+    extra that brings them instead of failing on the first import."""
+    import importlib.util
+
+    missing = [m for m in ("pytest", "hypothesis") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise PolyengineError(f"`polyengine conformance` needs {' and '.join(missing)}; fix: "
+                              f"pip install 'polyengine[conformance]'")
+
+
 def _cmd_conformance(args: argparse.Namespace) -> int:
     from polyengine.plugins import select_backend
 
+    _check_deps()
     if args.backend == "all":
         return _run_all(args)
     runs = option_runs(select_backend(args.backend), args)

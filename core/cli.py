@@ -36,8 +36,51 @@ from polyengine.errors import PolyengineError
 __all__ = ["main", "build_parser"]
 
 
+class Parser(argparse.ArgumentParser):
+    """The command line's parser, and every sub-command's (plugins' too: sub-parsers
+    are made of their parent's class). A long option is never matched by a prefix
+    (``--max-token`` is an error, not ``--max-tokens``), and an argument a sub-command
+    does not know is reported with that sub-command's usage, with the closest option
+    it does know."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    # A command that reads its flags from elsewhere too (polyengine.cli_config) sets
+    # this: called with the parser and its arguments before they are parsed.
+    defaults_hook: Any = None
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):  # type: ignore[override]
+        if self.defaults_hook is not None:
+            self.defaults_hook(self, list(sys.argv[1:] if args is None else args))
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    owner = action.choices.get(getattr(parsed, action.dest or "", None), self)
+            owner.error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(owner, extras)}")
+        return parsed
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for word in extras:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.partition("=")[0], known, n=1)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="polyengine",
         description="Hardware-agnostic LLM inference: one engine protocol, pluggable backends.",
     )
@@ -45,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version",
         version=f"polyengine {__version__} (engine protocol {PROTOCOL_VERSION})",
     )
+    from polyengine import cli_run
+
+    cli_run.add_verbosity_args(parser, dest_prefix="top_")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("backends", help="list installed backends and whether they can run here")
@@ -53,8 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also what each available backend would run here: device, ISA, kernel and int8 paths, "
                         "and the reason and fix for any fallback (imports the frameworks; may build kernels)")
     p.set_defaults(func=_cmd_backends, clean_json=True)
-
-    from polyengine import cli_run
 
     cli_run.add_commands(sub)
     _add_plugin_commands(sub)
@@ -226,7 +270,10 @@ def _main(argv: Sequence[str] | None) -> int:
         # goes to standard error. Other commands keep standard output as it is.
         clean = bool(getattr(args, "json", False) and getattr(args, "clean_json", False))
         args.out = buffer if clean else sys.stdout
-        with _stdout_to_stderr() if clean else contextlib.nullcontext():
+        from polyengine.cli_run import verbosity
+        from polyengine.logs import cli_logging
+
+        with cli_logging(verbosity(args)), _stdout_to_stderr() if clean else contextlib.nullcontext():
             code = int(args.func(args) or 0)
     except PolyengineError as exc:
         print(f"polyengine: error: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from polyengine.errors import InvalidRequest, PolyengineError
@@ -26,7 +27,8 @@ __all__ = ["add_commands", "add_engine_config_args", "engine_config_kwargs", "no
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="backend name or 'auto' (see `polyengine backends`)")
     p.add_argument("--model", default=None,
-                   help="GGUF file, HF folder, plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
+                   help="GGUF file, HF folder, Hugging Face name (ORG/NAME, ORG/NAME:Q4_K_M, ORG/NAME@REVISION; "
+                        "docs/models.md), plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
     p.add_argument("--context-length", type=int, default=None,
                    help="prompt + completion tokens per request, the engine's max_cache_length "
@@ -37,9 +39,26 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (random and reported if omitted)")
     p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
-    p.add_argument("-q", "--quiet", action="store_true",
-                   help="no loading lines, speed-path report or seed on stderr (errors and warnings still show)")
+    add_verbosity_args(p)
     add_engine_config_args(p)
+
+
+def add_verbosity_args(p: argparse.ArgumentParser, *, dest_prefix: str = "") -> None:
+    """``-q``/``-v``: what a command writes to stderr (:mod:`polyengine.logs`). By default
+    one line when the model is ready (and a line for each compile that takes seconds)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", dest=f"{dest_prefix}quiet", action="store_true",
+                   help="nothing on stderr but errors")
+    g.add_argument("-v", "--verbose", dest=f"{dest_prefix}verbose", action="count", default=0,
+                   help="more on stderr: weight loading, every speed path with its fallback and fix; -vv: debug lines")
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    """-1 (``-q``), 0 (default), 1 (``-v``), 2 (``-vv``): the sub-command's flags and the
+    top-level ones (``polyengine -v serve``) together."""
+    if getattr(args, "quiet", False) or getattr(args, "top_quiet", False):
+        return -1
+    return int(getattr(args, "verbose", 0) or 0) + int(getattr(args, "top_verbose", 0) or 0)
 
 
 def _number(text: str, *, positive: bool) -> float:
@@ -112,25 +131,37 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("generate", help="complete one prompt with a model, streaming to stdout")
-    p.add_argument("prompt", help="the prompt (a user message when the model has a chat template); '-' reads it "
-                                  "from standard input")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt (a user message when the model has a chat template); '-' reads it from standard "
+                        "input")
+    p.add_argument("-f", "--file", metavar="PATH", default=None,
+                   help="read the prompt from this file (UTF-8) instead of the command line")
     _engine_args(p)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids, finish_reason, usage, seed")
     p.set_defaults(func=_cmd_generate, clean_json=True)
 
-    p = sub.add_parser("chat", help="interactive chat with history (/reset clears it, Ctrl-D quits)")
+    p = sub.add_parser("chat", help="interactive chat with history (/help lists the commands, Ctrl-D quits)",
+                       description=CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _engine_args(p)
     p.add_argument("--system", default=None, help="a system message to start every conversation")
     p.set_defaults(func=_cmd_chat)
 
 
-class _Progress:
-    """Weight-loading progress on stderr: a bar on a terminal, two lines otherwise."""
+def _say(args: argparse.Namespace, level: int, text: str) -> None:
+    """A status line on stderr when the verbosity is at least ``level`` (0: by default)."""
+    if verbosity(args) >= level:
+        print(text, file=sys.stderr, flush=True)
 
-    def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
+
+class _Progress:
+    """Weight-loading progress on stderr: a bar on a terminal (erased when done), else
+    a line with ``-v``; nothing with ``-q``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tty = sys.stderr.isatty() and verbosity(args) >= 0
         self.start = time.monotonic()
         self.last = 0.0
         self.announced = False
@@ -139,7 +170,7 @@ class _Progress:
         if not self.announced:
             self.announced = True
             if not self.tty:
-                print(f"loading weights ({total} tensors)...", file=sys.stderr, flush=True)
+                _say(self.args, 1, f"loading weights ({total} tensors)...")
         if not self.tty:
             return
         now = time.monotonic()
@@ -154,34 +185,50 @@ class _Progress:
     def done(self, model: Any) -> None:
         if self.tty and self.announced:
             print("\r" + " " * 100 + "\r", end="", file=sys.stderr)
-        print(f"loaded {model!r} in {time.monotonic() - self.start:.1f}s", file=sys.stderr, flush=True)
+        _say(self.args, 1, f"loaded {model!r} in {time.monotonic() - self.start:.1f}s")
 
 
-def _build(args: argparse.Namespace):
+def ready_line(model: Any, engine: Any, seconds: float) -> str:
+    """The one line a command prints by default once the model is ready: which model,
+    on which backend (for a backend that reports host-compiled kernels, their state and
+    ISA path), and how long loading took. ``-v`` prints every speed path as well."""
+    from polyengine.construction import speed_paths
+
+    name = str(getattr(model, "source", "model")).split(" (", 1)[0]  # a hub or plugin name without its path
+    if Path(name).exists():
+        name = Path(name).name  # a file or folder: its name says enough
+    if getattr(model, "is_random", False):
+        name += " (random weights)"
+    paths = speed_paths(engine)
+    if "kernels" in paths:
+        isa = paths.get("isa", "").split(" ")[0]
+        compiled = paths["kernels"].startswith("compiled")
+        detail = f"kernels: compiled{f' ({isa})' if isa else ''}" if compiled else "kernels: not used (-v says why)"
+    else:
+        detail = paths.get("device", "")
+    return (f"{name} on {getattr(engine, 'name', '?')}{f' ({detail})' if detail else ''}, "
+            f"ready in {seconds:.1f}s")
+
+
+def _build(args: argparse.Namespace, *, needs_tokenizer: bool = True):
+    from polyengine.cli_checks import check_before_loading
     from polyengine.driver import LLM
     from polyengine.models import load_model
 
-    from polyengine.selection import select_backend
-
-    if args.context_length is not None and args.context_length < 2:
-        raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {args.context_length}")
-    select_backend(args.backend)  # an unknown or unavailable backend is reported before loading weights
-    progress = None if args.quiet else _Progress()
-    model = load_model(args.model, progress=progress, exclusive=True)  # for this one engine (Model.exclusive)
-    if progress is not None:
-        progress.done(model)
+    start = time.monotonic()
+    # Flags, backend options, the context length and the tokenizer are checked before
+    # the weights load: a mistake costs seconds, not a load.
+    check_before_loading(args.model, backend=args.backend, options=dict(args.options),
+                         context_length=args.context_length, needs_tokenizer=needs_tokenizer)
+    progress = _Progress(args)
+    model = load_model(args.model, progress=progress, exclusive=True,  # for this one engine (Model.exclusive)
+                       download_progress=verbosity(args) >= 0)
+    progress.done(model)
     # One prompt at a time: one slot. The context and dtype defaults are the engine's own.
     llm = LLM(model, args.backend, tools=not args.no_tools, max_slots=1, max_cache_length=args.context_length,
               dtype=args.dtype or None, **engine_config_kwargs(args))
-    from polyengine.construction import speed_paths
-
-    if args.quiet:
-        return llm
-    # What runs, each fallback with its fix: the same words as the engine's startup log line.
-    print(f"backend: {llm.engine.name}", file=sys.stderr)
-    for key, value in speed_paths(llm.engine).items():
-        print(f"  {key}: {value}", file=sys.stderr)
-    sys.stderr.flush()
+    # With -v, the engine's startup log line listed what runs, each fallback with its fix.
+    _say(args, 0, ready_line(model, llm.engine, time.monotonic() - start))
     return llm
 
 
@@ -196,9 +243,33 @@ def _sampling(args: argparse.Namespace):
     return SamplingParams.create(**values).with_seed()
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt from the command line, ``--file PATH`` or standard input (``-``)."""
+    if args.file is not None:
+        if args.prompt is not None:
+            raise InvalidRequest(f"a prompt ({args.prompt[:40]!r}) and --file {args.file} were both given; pass one")
+        from polyengine.files import open_regular
+
+        def unreadable(msg: str) -> InvalidRequest:
+            return InvalidRequest(f"--file {args.file}: {msg}")
+
+        with open_regular(Path(args.file).expanduser(), what="prompt file", error=unreadable) as f:
+            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
+        if len(data) > MAX_PROMPT_FILE_BYTES:
+            raise InvalidRequest(f"--file {args.file} is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"--file {args.file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if args.prompt is None:
+        raise InvalidRequest("no prompt: pass it as an argument, '-' to read standard input, or --file PATH")
     if args.prompt == "-":  # as cat, sort and llama.cpp's -f - do: the prompt from standard input
-        args.prompt = sys.stdin.read()
+        return sys.stdin.read()
+    return args.prompt
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    args.prompt = _prompt(args)
     sampling = _sampling(args)
     llm = _build(args)
     tok = llm.tokenizer
@@ -220,9 +291,111 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    if not args.quiet and sampling.temperature != 0:  # greedy output does not depend on the seed
-        print(f"(seed {sampling.seed})", file=sys.stderr)
+    if sampling.temperature != 0:  # greedy output does not depend on the seed
+        _say(args, 0, f"(seed {sampling.seed})")
     return 0
+
+
+CHAT_HELP = """\
+Chat with a model, keeping the conversation as its history.
+
+Commands (a line that is only the command):
+  /help    this list
+  /reset   forget the conversation (the --system message stays)
+  /exit    quit (also /quit, /bye, or Ctrl-D); Ctrl-C stops a reply
+A message of several lines goes between two lines of three double quotes:
+  \"\"\"
+  first line
+  second line
+  \"\"\"
+(the text may start on the opening line and end on the closing one: \"\"\"one
+two\"\"\"). On a terminal, lines are edited with readline (arrows, Ctrl-R) and kept
+in a private history file (mode 0600) under $XDG_STATE_HOME/polyengine (default
+~/.local/state/polyengine/chat_history). With input piped in, nothing is echoed and
+no history is kept."""
+
+_QUOTES = '\"\"\"'
+MAX_PROMPT_FILE_BYTES = 16 * 2**20  # far past any context; a bound on what --file reads into memory
+
+
+def history_path() -> Path:
+    """Where chat keeps the lines typed at a terminal: $XDG_STATE_HOME/polyengine/
+    chat_history, else ~/.local/state/polyengine/chat_history."""
+    import os
+
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "polyengine" / "chat_history"
+
+
+class ChatInput:
+    """Where chat reads its lines: a terminal (readline editing and a private history
+    file) or a pipe (plain reads, no prompt text, nothing kept). ``read`` returns one
+    line without its newline, or None at end of input."""
+
+    def __init__(self, tty: bool, history: Path | None = None):
+        self.readline = None
+        self.history = history
+        if tty:
+            try:
+                import readline
+            except ImportError:  # a Python built without it: plain input() still works
+                readline = None
+            self.readline = readline
+        if self.readline is not None and history is not None:
+            self._open_history()
+
+    def _open_history(self) -> None:
+        import os
+
+        try:
+            self.history.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.history, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            os.fchmod(fd, 0o600)  # one made before, by another tool or umask, becomes private too
+            os.close(fd)
+            self.readline.read_history_file(str(self.history))
+        except OSError as exc:
+            print(f"polyengine: warning: chat history off ({self.history}: {exc.strerror or exc})", file=sys.stderr)
+            self.history = None
+            return
+        self.readline.set_history_length(1000)
+
+    def read(self, prompt: str) -> str | None:
+        if self.readline is None:
+            return _read_line("")
+        try:
+            line = input(prompt)
+        except EOFError:
+            return None
+        if len(line) > MAX_CHAT_LINE_CHARS:
+            raise InvalidRequest(f"the line is longer than {MAX_CHAT_LINE_CHARS:,} characters")
+        return line
+
+    def close(self) -> None:
+        if self.readline is not None and self.history is not None:
+            with contextlib.suppress(OSError):
+                self.readline.write_history_file(str(self.history))
+
+
+def read_message(lines: ChatInput) -> str | None:
+    """One user message: a line, or the lines of a \"\"\" block (see CHAT_HELP)
+    joined with newlines; None at end of input."""
+    line = lines.read("you> ")
+    if line is None or not line.lstrip().startswith(_QUOTES):
+        return line
+    text = line.lstrip()[len(_QUOTES):]
+    if text.rstrip().endswith(_QUOTES):  # """one line"""
+        return text.rstrip()[:-len(_QUOTES)]
+    parts = [text] if text else []
+    while (more := lines.read("... ")) is not None:
+        if more.rstrip().endswith(_QUOTES):
+            last = more.rstrip()[:-len(_QUOTES)]
+            if last:
+                parts.append(last)
+            break
+        parts.append(more)
+    if sum(map(len, parts)) + len(parts) > MAX_CHAT_LINE_CHARS:
+        raise InvalidRequest(f"the message is longer than {MAX_CHAT_LINE_CHARS:,} characters")
+    return "\n".join(parts)
 
 
 def _read_line(prompt: str) -> str | None:
@@ -249,13 +422,21 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         # Undecodable bytes become lone surrogates, refused per line, instead of an
         # exception that would end the session.
         sys.stdin.reconfigure(errors="surrogateescape")
+    tty = sys.stdin.isatty() and sys.stdout.isatty()
+    lines = ChatInput(tty, history_path() if tty else None)
+    try:
+        return _chat_loop(args, llm, sampling, lines)
+    finally:
+        lines.close()
+
+
+def _chat_loop(args: argparse.Namespace, llm: Any, sampling: Any, lines: ChatInput) -> int:
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
-    if not args.quiet:
-        print("chat: /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
+    _say(args, 0, "chat: /help lists the commands, /exit or Ctrl-D quits, Ctrl-C stops a reply")
     while True:
         try:
-            line = _read_line("you> " if sys.stdin.isatty() else "")  # no prompt text when input is piped
+            line = read_message(lines)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             continue
@@ -267,11 +448,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if not line.strip():
             continue
-        if line.strip() in ("/exit", "/quit", "/bye"):
+        command = line.strip()
+        if command in ("/exit", "/quit", "/bye"):
             return 0
-        if line.strip() == "/reset":
+        if command == "/reset":
             history = list(base)
             print("(history cleared)", file=sys.stderr)
+            continue
+        if command in ("/help", "/?"):
+            print(CHAT_HELP.partition("\n\n")[2], file=sys.stderr)
+            continue
+        if command.startswith("/") and " " not in command and len(command) < 32:
+            print(f"error: unknown command {command} (/help lists them; a message starting with / goes "
+                  f"in a \"\"\" block)", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
         try:

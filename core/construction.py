@@ -115,5 +115,6 @@ def create_engine(backend: str = "auto", model: Any = None, config: Any = None, 
             f"factory of backend {info.name!r} returned a {type(engine).__name__} that does not implement the "
             f"engine protocol: " + "; ".join(problems),
         )
-    log.info("backend %s", describe_engine(engine))
+    # The paths ride along so that the command line can print them one per line (-v).
+    log.info("backend %s", describe_engine(engine), extra={"engine_name": info.name, "speed_paths": speed_paths(engine)})
     return engine

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from polyengine.cli_config import add_config_arg
 from polyengine.cli_run import add_engine_config_args, nonnegative_number
 from polyengine.errors import PolyengineError
 from polyengine.limits import DEFAULT_CONTEXT_LENGTH
@@ -32,7 +33,8 @@ def add_command(sub: Any) -> None:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="GGUF file, HF folder, plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
+                   help="GGUF file, HF folder, Hugging Face name (ORG/NAME, ORG/NAME:Q4_K_M, ORG/NAME@REVISION; "
+                        "docs/models.md), plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--backend", default="auto", help="backend name or 'auto' (see `polyengine backends`)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server)")
@@ -83,6 +85,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds to reach --ray-address before giving up with an error (default 30)")
     g.add_argument("--replica-start-timeout", type=float, default=600.0,
                    help="seconds for every replica to load its model and answer (default 600)")
+    # --api-key keeps its own variable, several keys separated by commas, and stays out
+    # of config files (docs/serving.md).
+    add_config_arg(p, "serve", exclude=("api-key",))
 
 
 def _api_key(text: str) -> str:
@@ -105,6 +110,7 @@ def _check_deps(extra: Sequence[str] = ()) -> None:
 def run(args: argparse.Namespace) -> int:
     from polyengine.serving.config import API_KEY_ENV, LOOPBACK_HOSTS, ServerConfig, api_keys_from
 
+    _check_deps(("ray",) if args.replicas is not None else ())
     config = ServerConfig(
         model=args.model, backend=args.backend, served_model_name=args.served_model_name, host=args.host,
         port=args.port, api_keys=api_keys_from(args.api_key, os.environ.get(API_KEY_ENV)),
@@ -115,17 +121,20 @@ def run(args: argparse.Namespace) -> int:
         prefix_cache_mib=args.prefix_cache_mib, prefill_chunk=args.prefill_chunk,
         options=dict(args.options), prefill_buckets=args.prefill_buckets,
     )
+    from polyengine.cli_checks import check_before_loading
+
+    # Token ids need no tokenizer: a folder without one can still be served.
+    check_before_loading(config.model, backend=config.backend, options=config.options,
+                         context_length=config.context_length, needs_tokenizer=False)
     if config.host not in LOOPBACK_HOSTS and not config.api_keys:
         print(f"polyengine serve: warning: binding {config.host} without --api-key: anyone who can reach "
               f"this address can use the server", file=sys.stderr)
     if args.replicas is not None:
-        _check_deps(("ray",))
         from polyengine.serving.replicas import run_replicas
 
         return run_replicas(config, replicas=args.replicas, address=args.ray_address,
                             replica_cpus=args.replica_cpus, log_level=args.log_level,
                             connect_timeout=args.ray_connect_timeout, start_timeout=args.replica_start_timeout)
-    _check_deps()
     from polyengine.serving.app import build_app
     from polyengine.serving.config import build_engine
     from polyengine.serving.server import bind, serve
@@ -152,11 +161,12 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m polyengine.serving``: the serve command on its own."""
-    parser = argparse.ArgumentParser(prog="python -m polyengine.serving",
-                                     description="Serve a model over an OpenAI-compatible HTTP API.")
+    from polyengine.cli import Parser
+
+    parser = Parser(prog="python -m polyengine.serving", description="Serve a model over an OpenAI-compatible HTTP API.")
     configure(parser)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         return run(args)
     except PolyengineError as exc:
         print(f"polyengine serve: error: {exc}", file=sys.stderr)

@@ -58,6 +58,6 @@ def test_unknown_backend_is_reported_before_loading_weights(capsys):
 def test_generate_says_which_speed_paths_run(capsys):
     """The stderr lines under "backend:" are the engine's speed_paths (the reference
     backend's one path here; cuda_torch's kernels and int8 paths where it runs)."""
-    assert main(["generate", "--model", "random:tiny", "--backend", "reference", "--max-tokens", "2", "hi"]) == 0
+    assert main(["generate", "--model", "random:tiny", "--backend", "reference", "--max-tokens", "2", "-v", "hi"]) == 0
     err = capsys.readouterr().err
     assert "backend: reference\n  device: cpu (NumPy)\n" in err  # no speed_paths(): its device

@@ -152,7 +152,7 @@ def test_cli_engine_flags_reach_the_engine_or_are_refused_by_name(tmp_path):
     value reaches the backend (the startup report names the forced path), an option the
     backend lacks is refused with its option list, and a malformed flag is a usage error."""
     base = ["generate", "--model", "random:tiny", "--raw", "--max-tokens", "2"]
-    proc = polyengine(tmp_path, *base, "--backend", "cpu", "--option", "isa=scalar", "hi")
+    proc = polyengine(tmp_path, *base, "--backend", "cpu", "--option", "isa=scalar", "-v", "hi")
     assert proc.returncode == 0, proc.stderr
     assert "isa: scalar (forced by option isa" in proc.stderr
     proc = polyengine(tmp_path, *base, "--backend", "cpu", "--option", "isa_level=scalar", "hi")

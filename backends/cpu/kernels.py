@@ -43,6 +43,7 @@ import torch
 from polyengine.cache import check, store
 from polyengine.errors import UnsupportedFeature
 from polyengine.hostinfo import ISA_PATHS, missing_for, runnable_isas
+from polyengine.logs import compiling
 
 from polyengine.backends.cpu.build import (KernelsUnavailable, cache_entry, cache_lock, compile_library, compiler,
                                            compiler_version, isa_flags, mark_used, prune, source_digest)
@@ -283,9 +284,10 @@ def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
                 if reason != "missing":  # damaged, planted or foreign: never dlopen'ed, built again
                     warnings.warn(f"cpu: not loading the cached CPU kernels ({reason}); compiling them again",
                                   stacklevel=3)
-                store(path, lambda tmp: compile_library(cxx, tmp, isa),
-                      {"sources": sources, "source_digest": source_digest(isa), "compiler": cxx,
-                       "compiler_version": compiler_version(cxx), "isa": isa, "flags": isa_flags(isa)})
+                with compiling(f"CPU kernels for ISA path {isa}"):
+                    store(path, lambda tmp: compile_library(cxx, tmp, isa),
+                          {"sources": sources, "source_digest": source_digest(isa), "compiler": cxx,
+                           "compiler_version": compiler_version(cxx), "isa": isa, "flags": isa_flags(isa)})
             mark_used(path)
             try:
                 lib = ctypes.CDLL(str(path))

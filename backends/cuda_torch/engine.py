@@ -15,6 +15,7 @@ slot from device data, no host kernels), not a way to run models fast on a CPU.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -153,6 +154,8 @@ class CudaEngine(TorchEngine):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = run()
+            # Milliseconds, once per bucket, mid-reply: a debug line (-vv), not a progress line.
+            logging.getLogger(__name__).debug("captured the decode CUDA graph for kv_len %d", kv_len)
             entry = state.graphs[kv_len] = (graph, logits)
         graph, logits = entry
         graph.replay()

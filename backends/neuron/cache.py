@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from polyengine.cache import cache_root, check, env_dir, private_dir, store
+from polyengine.logs import compiling
 from polyengine.models import ModelConfig
 
 from polyengine.backends.neuron.compile import CompiledGraph, compile_graph, compiler_version, load_graph
@@ -129,7 +130,9 @@ class ArtifactCache:
             warnings.warn(f"neuron: not loading the cached graph {path} ({reason}); compiling it again", stacklevel=3)
         if graph is None:
             module, args = build()
-            graph, save = compile_graph(module, args, self.compiler, workdir=path.with_suffix(".nxd-work"))
+            bucket = dict(key.fields).get("bucket")
+            with compiling(f"the {key.kind} graph for {bucket} with {self.compiler}"):
+                graph, save = compile_graph(module, args, self.compiler, workdir=path.with_suffix(".nxd-work"))
             graph.path = path
             store(path, save, {**key.description, "compile_seconds": round(graph.seconds, 2)})
         if shared:

@@ -28,6 +28,7 @@ import numpy as np
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
 from polyengine.errors import InvalidRequest
 from polyengine.hostinfo import has_bf16_units
+from polyengine.logs import compiling
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replaced_weights
 from polyengine.models.config import ARCHITECTURES
@@ -179,7 +180,8 @@ class TpuJaxEngine(EngineBase):
             self._params = params
             self._report("after weights load")
             if self.options["warmup"]:
-                self.warmup()
+                with compiling("every program of this engine (option warmup)", first_run=False):
+                    self.warmup()
         return self._params
 
     def _report(self, when: str) -> None:

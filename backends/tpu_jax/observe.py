@@ -24,11 +24,13 @@ from typing import Any, Sequence
 
 import jax
 
+from polyengine.logs import PROGRESS_LOGGER
 from polyengine.memory import available_host_memory, gib
 
 __all__ = ["memory_report", "format_report", "Profiler", "CompileLog", "logger"]
 
 logger = logging.getLogger("polyengine.tpu_jax")
+_progress = logging.getLogger(PROGRESS_LOGGER)
 
 
 def _host_resident() -> int | None:
@@ -140,8 +142,11 @@ class CompileLog:
 
     def record(self, fun_name: str, bucket: str, seconds: float, source: str) -> None:
         program = fun_name.removeprefix("jit(").removesuffix(")")
-        self.rows.append({"program": program, "bucket": bucket if program in self.per_bucket else "-",
-                          "seconds": seconds, "source": source})
+        bucket = bucket if program in self.per_bucket else "-"
+        self.rows.append({"program": program, "bucket": bucket, "seconds": seconds, "source": source})
+        if source == "compiled":  # JAX reports a compile once it is done: the line comes after it
+            _progress.info("compiled the %s program%s in %.1f s (first use in this process)", program,
+                           "" if bucket == "-" else f" for bucket {bucket}", seconds)
 
 
 _servers: dict[int, Any] = {}
