@@ -64,6 +64,7 @@ __all__ = [
     "Engine",
     "OPTIONAL_METHODS",
     "CAPABILITY_KEYWORDS",
+    "CAPABILITY_METHODS",
     "protocol_members",
     "protocol_problems",
     "power_buckets",
@@ -93,6 +94,9 @@ class Capabilities(BaseModel):
     F16, BF16, Q8_0, Q4_K...) the backend computes on as stored; it reads its weights
     through ``Model.weight(name, weight_formats)``, which converts a tensor of any other
     format to float32, one tensor at a time (docs/models.md, "Weight formats").
+    ``embeddings``: ``embed`` returns a prompt's final hidden states (what the driver
+    pools into ``LLM.embed`` and the server's ``/v1/embeddings``); an engine without it
+    raises :class:`UnsupportedFeature` there, and need not have the method at all.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -112,6 +116,7 @@ class Capabilities(BaseModel):
     weight_formats: tuple[str, ...] = Field(
         FLOAT_FORMATS, min_length=1,
         description="weight formats computed on as stored; others are converted to float32 one tensor at a time")
+    embeddings: bool = False
 
     @model_validator(mode="after")
     def _known_fields(self) -> "Capabilities":
@@ -310,7 +315,8 @@ class Engine(Protocol):
     Optional methods, each guarded by a capability (:data:`OPTIONAL_METHODS`; an engine
     that lacks one still has the method and raises :class:`UnsupportedFeature`):
     ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
-    (``portable_prefix``); and ``existing_prefix`` in prefill (``prefix_reuse``).
+    (``portable_prefix``), ``embed`` (``embeddings``; an engine that does not declare it
+may lack the method); and ``existing_prefix`` in prefill (``prefix_reuse``).
     Optional keywords, each guarded by a capability (:data:`CAPABILITY_KEYWORDS`; an
     engine that does not declare it may lack the keyword): ``token_mask`` of prefill
     and ``token_masks`` of generate (``token_masks``).
@@ -403,13 +409,25 @@ class Engine(Protocol):
         fingerprint is checked). Capability ``portable_prefix``."""
         ...
 
+    def embed(self, *, params: Any, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The prompt's hidden states after the model's final norm (the input of the LM
+        head), one row per token: a host ``(len(tokens), hidden_size)`` float array. It
+        uses no slot and changes no decode state or prefix; the prompt is checked as
+        prefill checks it (InvalidRequest, before any work). Capability ``embeddings``."""
+        ...
+
 
 # Optional method -> the capability that says it works (else it raises UnsupportedFeature).
 OPTIONAL_METHODS: dict[str, str] = {
     "bulk_insert": "bulk_insert",
     "export_prefix": "portable_prefix",
     "import_prefix": "portable_prefix",
+    "embed": "embeddings",
 }
+
+# Optional methods an engine may lack altogether while it does not declare their
+# capability (added after protocol 1.0: engines written before keep passing).
+CAPABILITY_METHODS: frozenset[str] = frozenset({"embed"})
 
 
 # Optional keyword parameters: (method, keyword) -> the capability that requires it. An
@@ -455,6 +473,8 @@ def protocol_problems(engine: Any) -> list[str]:
     for m in methods:
         fn = getattr(engine, m.name, None)
         if not callable(fn):
+            if m.name in CAPABILITY_METHODS and not getattr(caps, OPTIONAL_METHODS[m.name], False):
+                continue
             hint = f" (optional, capability {OPTIONAL_METHODS[m.name]!r}: raise UnsupportedFeature)" if m.name in OPTIONAL_METHODS else ""
             problems.append(f"method {m.name!r} is missing{hint}")
             continue

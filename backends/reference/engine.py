@@ -21,7 +21,7 @@ from polyengine.prefix import PortablePrefix
 from polyengine.sampling import RowState, SamplingParams, sample
 from polyengine.sampling.params import ENGINE_FIELDS
 
-from polyengine.backends.reference.model import ReferenceParams, forward
+from polyengine.backends.reference.model import ReferenceParams, forward, hidden_states
 
 __all__ = ["ReferenceEngine", "ReferenceDecodeState", "create_engine"]
 
@@ -57,6 +57,7 @@ class ReferenceEngine(EngineBase):
             prefix_reuse=True,
             architectures=ARCHITECTURES, token_masks=True,
             weight_formats=tuple(FORMATS),  # every block format, dequantized exactly (float64) at load
+            embeddings=True,
         ), device="cpu (NumPy)")
         self.np_dtype = np.dtype(_DTYPES[self.dtype])
         mc = model.config
@@ -234,6 +235,14 @@ class ReferenceEngine(EngineBase):
             prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=first,
             model_id=self.model_id, nbytes=self.kv_bytes(prompt.size),
         )
+
+    # -- embeddings ------------------------------------------------------------------------
+
+    def embed(self, *, params: ReferenceParams, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        toks = self.check_embed(tokens)
+        shape = self._cache_shape(toks.size)  # a scratch cache: no slot or prefix is touched
+        k, v = np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype)
+        return hidden_states(params, toks[None].astype(np.int64), np.array([0]), [k], [v])[0]
 
     # -- helpers ---------------------------------------------------------------------------
 
