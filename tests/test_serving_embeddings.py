@@ -41,7 +41,7 @@ def reference():
     return LLM(MODEL, "reference", max_slots=2, max_cache_length=CONTEXT)
 
 
-def test_embed_is_the_mean_of_the_final_hidden_states_on_every_torch_backend_as_on_the_reference(reference):
+def test_embed_is_the_mean_of_the_final_hidden_states_on_the_torch_backends_as_on_the_reference(reference):
     prompts = ["hello world", [1, 2, 3, 4, 5]]
     ids = [reference.encode(p)[1] for p in prompts]
     got = reference.embed(prompts)
@@ -51,9 +51,11 @@ def test_embed_is_the_mean_of_the_final_hidden_states_on_every_torch_backend_as_
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
     raw = reference.embed(prompts[0], normalize=False)[0]
     np.testing.assert_allclose(raw, _expected(reference, ids[0], normalize=False), atol=1e-6)
-    # the torch forward (cpu backend: float32, its own prefill bucket padding) against the oracle
-    cpu = LLM(MODEL, "cpu", max_slots=2, max_cache_length=CONTEXT)
-    np.testing.assert_allclose(cpu.embed(prompts), got, rtol=0, atol=1e-5)
+    # torch_common's forward (float32, padded to the prefill bucket) against the oracle, on
+    # both backends that build on it (cuda_torch through its CPU stand-in)
+    for backend, options in (("cpu", {}), ("cuda_torch", {"device": "cpu"})):
+        torch_llm = LLM(MODEL, backend, max_slots=2, max_cache_length=CONTEXT, options=options)
+        np.testing.assert_allclose(torch_llm.embed(prompts), got, rtol=0, atol=1e-5, err_msg=backend)
 
 
 def _without_embeddings(llm: LLM) -> LLM:
