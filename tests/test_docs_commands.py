@@ -18,6 +18,9 @@ What counts as a command (the rules this test applies, and the docs follow):
 - The ``python`` blocks of README.md run in order as one program (later blocks use
   names from earlier ones), the default model loaded once; the block that talks to a
   server runs against the README's ``polyengine serve``.
+- A set-up line (``python3 -m venv .venv && .venv/bin/pip install ... && X``) runs X
+  on this virtualenv: creating a venv and installing from PyPI is what this environment
+  already is.
 - Skipped, by the command's text, only with the reason written beside it in
   :data:`SKIPS`: hardware (GPU, TPU, Neuron), the network (installing from PyPI,
   AWS's index, building llama.cpp), long runs (benchmarks and the conformance suite:
@@ -51,13 +54,13 @@ DOCUMENTED_URL = "127.0.0.1:8000"
 
 # (regex searched in the command, why it does not run here). Nothing else is skipped.
 SKIPS: list[tuple[str, str]] = [
-    (r"^python3 -m venv \.venv", "creates a virtualenv and installs from PyPI (minutes, network); this test runs "
-                                 "in such an environment, and its generate is tests/test_default_model_e2e.py's"),
+    (r"&& \.venv/bin/python -m pytest", "the whole test suite (31 minutes; this test is part of it)"),
     (r"^pip install|^CMAKE_ARGS=.* pip install|^pip download", "installs from PyPI or AWS's index (network); the "
                                                                 "installed venv runs every other command"),
     (r"^cmake ", "builds llama.cpp from source (8 minutes on two cores, a download first)"),
     (r"^polyengine (backends|generate|chat|conformance|serve|bench|device-check) \[|^polyengine generate PROMPT|"
-     r"^polyengine conformance --backend NAME", "a usage synopsis: the brackets and capitals are placeholders"),
+     r"^polyengine conformance --backend NAME|--backend \w+\|\w+", "a usage synopsis: the brackets, bars and capitals "
+                                                                  "are placeholders"),
     (r"--backend mybackend", "a placeholder backend name (a plugin the reader writes)"),
     (r"<the Q4_K_M file>|FILE\.gguf|--llamacpp-lib DIR|lcp/build/bin \.\.\.", "a placeholder for a file the reader made"),
     (r"--backend cuda_torch\b(?!.*--dry-run)", "needs a GPU"),
@@ -73,6 +76,14 @@ SKIPS: list[tuple[str, str]] = [
     (r"--replicas", "starts a Ray cluster (tests/test_serving_ray.py)"),
 ]
 SERVER = re.compile(r"^(polyengine serve|python -m polyengine\.serving)\b")
+# The README's set-up-and-run lines: the venv and installs are this environment; what follows them runs.
+SETUP = re.compile(r"^python3 -m venv \.venv && (?:\.venv/bin/pip install [^&]+&& )+(?P<rest>.+)$")
+
+
+def runnable(cmd: str) -> str:
+    """The command as it runs here: a set-up line's tail, on this venv's ``bin``."""
+    m = SETUP.match(cmd)
+    return cmd if m is None else m.group("rest").replace(".venv/bin/", f"{BIN}/")
 
 
 @dataclass(frozen=True)
@@ -146,7 +157,7 @@ def readme_python() -> list[tuple[int, str]]:
 
 def skip_reason(cmd: str) -> str | None:
     for pattern, reason in SKIPS:
-        if re.search(pattern, cmd):
+        if re.search(pattern, code_of(cmd)):
             return reason
     return None
 
@@ -220,7 +231,7 @@ class _Server:
 
 
 def test_every_skip_names_a_documented_command():
-    texts = [c.text for c in shell_commands()]
+    texts = [code_of(c.text) for c in shell_commands()]
     stale = [pattern for pattern, _ in SKIPS if not any(re.search(pattern, t) for t in texts)]
     assert not stale, f"SKIPS entries that match no documented command (remove them): {stale}"
 
@@ -244,7 +255,7 @@ def test_documented_commands_run_as_pasted(tmp_path):
     clients = [c for t, c in commands.items() if t.startswith("curl ") and DOCUMENTED_URL in t]
     for text, c in commands.items():
         if skip_reason(text) is None and c not in servers and c not in clients:
-            runs.append(_run(c.where, text, tmp_path))
+            runs.append(_run(c.where, runnable(text), tmp_path))
 
     blocks = readme_python()
     served = [(line, code) for line, code in blocks if "OpenAI(base_url=" in code]
