@@ -64,7 +64,8 @@ def add_command(sub: Any) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", nargs="+", default=["auto"], metavar="B", help="polyengine backend(s) to measure (default: auto), or 'none' for the peers alone")
-    p.add_argument("--model", default=None, help="a .gguf file, an HF folder or random:<preset> (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="a .gguf file, an HF folder, a Hugging Face name (ORG/NAME[:QUANT]) or random:<preset> "
+                        "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", nargs="+", default=[None], metavar="D", help="engine dtype(s) (default: the backend's)")
     p.add_argument("--options", action="append", default=None, metavar="JSON",
                    help='engine options as a JSON object, e.g. \'{"weights": "int8"}\'; repeat for several rows')
@@ -224,7 +225,12 @@ def _model_file(model: str | None) -> tuple[Path | None, str]:
     if model.startswith("random:"):
         return None, model
     path = Path(model).expanduser()
-    return (path if path.exists() else None), str(model)
+    if not path.exists():
+        from polyengine.models.hub import parse_hub_name, resolve
+
+        name = parse_hub_name(model)  # the peers read the files the name downloads
+        return (None if name is None else resolve(name)), str(model)
+    return path, str(model)
 
 
 def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:

@@ -105,7 +105,28 @@ def run_job(job: Job, *, workload: dict[str, Any], repeats: int, timeout: float,
         if timed_out.is_set():
             why = f"the worker ran past the time limit ({timeout:.0f} s) and was stopped"
         elif code < 0:
-            why = f"the worker was killed by signal {-code} (out of memory, or a crash in native code)"
+            why = f"the worker was killed by {_signal_cause(-code)}"
         else:
             why = f"the worker exited with code {code} without a result"
         return {"event": "error", "error": why, "traceback": _tail(log), "partial_metrics": partial, "system": details}
+
+
+def _signal_cause(number: int) -> str:
+    """A signal's name and what usually sends it to a benchmark worker."""
+    import signal
+
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+    causes = {
+        "SIGKILL": "the kernel's out-of-memory killer, or another process",
+        "SIGTERM": "another process, or a shutdown",
+        "SIGINT": "an interrupt",
+        "SIGSEGV": "a crash in native code",
+        "SIGBUS": "a crash in native code, or a memory-mapped file that shrank",
+        "SIGABRT": "native code that aborted",
+        "SIGILL": "an instruction this CPU lacks, in native code",
+        "SIGFPE": "an arithmetic fault in native code",
+    }
+    return f"{name} ({causes[name]})" if name in causes else name

@@ -26,7 +26,8 @@ __all__ = ["add_commands", "add_engine_config_args", "engine_config_kwargs", "no
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="backend name or 'auto' (see `polyengine backends`)")
     p.add_argument("--model", default=None,
-                   help="GGUF file, HF folder, plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
+                   help="GGUF file, HF folder, Hugging Face name (ORG/NAME, ORG/NAME:Q4_K_M, ORG/NAME@REVISION; "
+                        "docs/models.md), plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, help="compute dtype (backend default if omitted)")
     p.add_argument("--context-length", type=int, default=None,
                    help="prompt + completion tokens per request, the engine's max_cache_length "
@@ -167,7 +168,8 @@ def _build(args: argparse.Namespace):
         raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {args.context_length}")
     select_backend(args.backend)  # an unknown or unavailable backend is reported before loading weights
     progress = None if args.quiet else _Progress()
-    model = load_model(args.model, progress=progress, exclusive=True)  # for this one engine (Model.exclusive)
+    model = load_model(args.model, progress=progress, exclusive=True,  # for this one engine (Model.exclusive)
+                       download_progress=not args.quiet)
     if progress is not None:
         progress.done(model)
     # One prompt at a time: one slot. The context and dtype defaults are the engine's own.

@@ -25,6 +25,7 @@ __all__ = [
     "WeightsError",
     "ModelConfigError",
     "ModelNotFound",
+    "MissingExtra",
     "InsufficientMemory",
     "NumericalError",
     "ToolError",
@@ -164,6 +165,15 @@ class ModelNotFound(PolyengineError, FileNotFoundError):
 
     def __str__(self) -> str:
         return self.args[0] if self.args else ""
+
+
+class MissingExtra(PolyengineError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the
+    package and the ``pip install 'polyengine[extra]'`` that brings it."""
+
+    def __init__(self, feature: str, *, package: str, install: str):
+        self.feature, self.package, self.install = feature, package, install
+        super().__init__(f"{feature} needs the {package} package, which is not installed; fix: {install}")
 
 
 class InsufficientMemory(PolyengineError, MemoryError):

@@ -32,7 +32,8 @@ def add_command(sub: Any) -> None:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="GGUF file, HF folder, plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
+                   help="GGUF file, HF folder, Hugging Face name (ORG/NAME, ORG/NAME:Q4_K_M, ORG/NAME@REVISION; "
+                        "docs/models.md), plugin model name or random:<preset> (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--backend", default="auto", help="backend name or 'auto' (see `polyengine backends`)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server)")

@@ -7,6 +7,7 @@ run a number came from), never how fast anything is.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -159,6 +160,36 @@ def test_quick_bench_on_the_default_model(tmp_path, default_gguf):
     print(f"polyengine bench --quick: {time.perf_counter() - start:.1f} s")
     assert code == 0, stdout + stderr
     _check_quick_report(json.loads(out.read_text()), stdout, stderr, backend="cpu", dtype="float32")
+
+
+def _workers_of_this_process() -> list[int]:
+    """The pids of this process's benchmark workers (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"polyengine.benchmarks.worker" in cmd:
+            found.append(int(entry))
+    return found
+
+
+def test_a_worker_stopped_by_a_signal_is_reported_by_the_signals_name_and_usual_cause():
+    import signal
+
+    def stop(phase, detail):
+        if phase == "load":
+            for pid in _workers_of_this_process():
+                os.kill(pid, signal.SIGTERM)
+
+    slow = Job("slow", "polyengine", dict(model="random:tiny", backend="reference", dtype=None, options={}), "standard")
+    res = run_job(slow, workload=QUICK.to_dict(), repeats=10**6, timeout=120, on_progress=stop)
+    assert res["event"] == "error" and "SIGTERM" in res["error"], res["error"]
+    assert "out of memory" not in res["error"]  # a SIGKILL may be the OOM killer; a SIGTERM is not
 
 
 def test_a_failing_worker_becomes_an_error_and_a_slow_one_is_stopped():

@@ -36,6 +36,9 @@ TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "
 ENDLESS = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
                                                 "required": ["next"]}}}
 ENDLESS_TOOL = {"type": "function", "function": {"name": "loop", "parameters": ENDLESS}}
+ENDLESS_BY_COUNT = {"type": "object", "additionalProperties": {"$ref": "#"}, "minProperties": 1}
+ENDLESS_BY_BRANCH = {"type": "object", "properties": {"a": {"$ref": "#"}, "b": {"$ref": "#"}},
+                     "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
 
 
 def _nested(depth: int) -> dict:
@@ -66,6 +69,9 @@ def test_a_forced_call_of_a_tool_without_finite_arguments_is_refused(llm):
     with pytest.raises(InvalidRequest, match="no finite instance") as err:
         llm.chat(MSGS, {"max_tokens": 2}, tools=[ENDLESS_TOOL], tool_choice={"type": "function",
                                                                            "function": {"name": "loop"}})
+    assert err.value.field == "tools"
+    with pytest.raises(InvalidRequest, match=r"\['loop'\] have no finite instance") as err:  # beside a finite tool
+        llm.chat(MSGS, {"max_tokens": 2}, tools=[TOOL, ENDLESS_TOOL], tool_choice="required")
     assert err.value.field == "tools"
     tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}
     assert structured.schema_has_instance(tree)  # recursion with a way out (an empty list) is fine
@@ -178,6 +184,13 @@ def server(tmp_path_factory):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(240)}}]}, "tools"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}}, "response_format"),
     ({"tools": [ENDLESS_TOOL], "tool_choice": "required"}, "tools"),
+    # every instance infinite through minProperties, or through a `required` in an anyOf branch
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS_BY_COUNT}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS_BY_BRANCH}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ENDLESS_BY_BRANCH}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "string", "pattern": "[^\\s\\S]"}}}}, "response_format"),
 ])

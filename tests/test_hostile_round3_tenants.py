@@ -70,6 +70,43 @@ def test_cache_salt_partitions_the_python_api(tiny, salts, leaks):
     assert _attack(send) == (32 if leaks else 0)
 
 
+def _probe_work(tiny, salts, secret_sent: bool) -> tuple[int, int]:
+    """The prompt tokens the engine prefilled for B's probe (counted at the engine's
+    ``prefill``, the work its time to first token is made of), and its cached_tokens."""
+    llm = LLM(tiny, backend="reference", tools=False, max_slots=2, max_prefill_length=64, max_cache_length=80)
+    fed: list[int] = []
+    prefill = llm.engine.prefill
+
+    def counted(**kw):
+        fed.append(len(kw["tokens"]))
+        return prefill(**kw)
+
+    llm.engine.prefill = counted
+    tenant = dict(zip("ab", salts))
+
+    def send(who, ids):
+        return llm.generate([ids], {"max_tokens": 1}, cache_salt=tenant[who])[0].usage.cached_tokens
+
+    if secret_sent:
+        send("a", SECRET)
+    send("b", GUESS)
+    fed.clear()
+    cached = send("b", PROBE)
+    return sum(fed), cached
+
+
+@pytest.mark.parametrize("salts, leaks", [(("a", "b"), False), (("x", "x"), True)])
+def test_the_probe_does_the_same_work_whether_or_not_the_secret_was_sent(tiny, salts, leaks):
+    """Timing across tenants, measured by its cause rather than the clock: B's probe runs
+    the whole prompt through the engine whether or not A sent the secret, so nothing
+    about A can show in its time to first token. In one partition (the control) A's
+    secret saves the probe 32 of its 40 tokens: the difference the attack would time."""
+    without = _probe_work(tiny, salts, secret_sent=False)
+    with_secret = _probe_work(tiny, salts, secret_sent=True)
+    assert without == (len(PROBE), 0)
+    assert with_secret == ((len(PROBE) - 32, 32) if leaks else without)
+
+
 def test_a_cache_salt_must_be_a_non_empty_string(tiny):
     llm = LLM(tiny, backend="reference", tools=False, max_slots=1, max_prefill_length=16, max_cache_length=24)
     for bad in ("", 5, "x" * 5000):
@@ -118,8 +155,16 @@ def _fresh(ids: list[int], n: int) -> list[int]:
 ])
 def test_one_client_cannot_probe_another_clients_prompt(server, case, keys, salts, leaks):
     send = _client(server, keys, salts)
-    probe = send("a", _fresh(SECRET, case)), send("b", _fresh(GUESS, case)), send("b", _fresh(PROBE, case))
+    first = send("a", _fresh(SECRET, case)), send("b", _fresh(GUESS, case))
+    supplied = _hit_tokens(server)
+    probe = (*first, send("b", _fresh(PROBE, case)))
     assert probe == (0, 0, 32 if leaks else 0), probe
+    # the engine's own count agrees: the cache supplied none of the probe's tokens, so all were prefilled
+    assert _hit_tokens(server) - supplied == probe[2]
+
+
+def _hit_tokens(server) -> float:
+    return server.metrics()[("polyengine_prefix_cache_hit_tokens_total",)]
 
 
 def test_salt_mode_partitions_by_salt_alone():

@@ -27,7 +27,9 @@ class LLM:
     """Load a model, build an engine, and serve requests with continuous batching.
 
     ``model``: None (the embedded default, SmolLM2-135M-Instruct), a GGUF file, an HF
-    folder, a plugin-registered name, ``random:<preset>``, or a loaded Model.
+    folder, a plugin-registered name, a Hugging Face name (``ORG/NAME``,
+    ``ORG/NAME:Q4_K_M``, ``ORG/NAME@REVISION``; docs/models.md), ``random:<preset>``, or
+    a loaded Model.
     ``backend``: a backend name or ``"auto"``. Remaining keyword arguments build the
     EngineConfig (``max_slots``, ``max_prefill_length``, ``max_cache_length``,
     ``dtype``, ``prefill_buckets``, ``options``). ``tools``: True for every registered

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from polyengine.driver.finite import endless_rules, schema_has_instance
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.sampling.masks import allows_any, mask_words
 from polyengine.sampling.params import StructuredOutput
@@ -46,76 +47,6 @@ def _llguidance() -> Any:
             "structured output (response_format, tools)", None,
             f"the grammar engine llguidance is not installed; {INSTALL_HINT}") from None
     return llguidance
-
-
-_SCHEMA_VISITS = 100_000  # work bound of schema_has_instance: past it, a schema is given the benefit of the doubt
-
-
-def schema_has_instance(schema: Any) -> bool:
-    """Whether some finite JSON value is valid under ``schema`` as far as its structure
-    decides: False when every way through it must recurse forever (an object that
-    requires a property of its own type, with no way out), which llguidance accepts and
-    then follows token after token without an end. Conservative: what it cannot judge
-    (external ``$ref``, keywords it does not model, a schema too large to walk) counts
-    as having an instance."""
-    visits = 0
-
-    def resolve(ref: str) -> Any:
-        if not ref.startswith("#"):
-            return True
-        node: Any = schema
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return True
-        return node
-
-    def has(node: Any, path: frozenset[int]) -> bool:
-        nonlocal visits
-        visits += 1
-        if visits > _SCHEMA_VISITS:
-            raise OverflowError
-        if not isinstance(node, dict):
-            return node is not False
-        if id(node) in path:  # a finite value needs no node twice on one branch
-            return False
-        path = path | {id(node)}
-        if "$ref" in node and not has(resolve(str(node["$ref"])), path):
-            return False
-        for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list) and not any(has(s, path) for s in node[key]):
-                return False
-        if isinstance(node.get("allOf"), list) and not all(has(s, path) for s in node["allOf"]):
-            return False
-        kinds = node.get("type")
-        kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else None
-        if kinds is None or "object" in kinds:
-            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-            extra = node.get("additionalProperties", True)
-            required = node.get("required") if isinstance(node.get("required"), list) else []
-            if not all(has(props.get(name, extra), path) for name in required if isinstance(name, str)):
-                if kinds is not None and kinds == ["object"]:
-                    return False
-                kinds = [k for k in (kinds or []) if k != "object"] or None
-                if kinds is None:  # untyped: another type may still do
-                    return True
-        if kinds is not None and kinds == ["array"]:
-            low = node.get("minItems", 0)
-            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
-            if isinstance(low, int) and low > 0:
-                need = prefix[:low] + [node.get("items", True)] * max(0, low - len(prefix))
-                if not all(has(s, path) for s in need):
-                    return False
-        return True
-
-    try:
-        return has(schema, frozenset())
-    except (OverflowError, RecursionError):
-        return True
 
 
 # Keywords whose value is one schema, a list of schemas, or a map of names to schemas.
@@ -174,6 +105,26 @@ def grammar_text(spec: StructuredOutput) -> tuple[str, str]:
     return "lark", spec.grammar or ""
 
 
+def _check_finite(grammar: str) -> None:
+    """Refuse a Lark grammar with no finite sentence (every way through ``start``
+    recurses forever): llguidance accepts it, and the completion could only stop at the
+    length limit or at a token the grammar refuses."""
+    found = endless_rules(grammar)
+    if found is None:
+        return
+    rules, endless_json = found
+    names = ", ".join(rules[:8]) + (f" and {len(rules) - 8} more" if len(rules) > 8 else "")
+    if len(rules) == 1:
+        why = f"rule {names} always recurses: every alternative of it needs it again"
+        fix = f"give it an alternative that ends, or make the recursion optional ({names}? or {names}*)"
+    else:
+        why = f"rules {names} always recurse: every alternative of each needs one of them again"
+        fix = "give one of them an alternative that ends, or make a recursion optional (x? or x*)"
+    if endless_json:
+        why += " (or an inline %json schema with no finite instance)"
+    raise InvalidRequest(f"the grammar has no finite sentence: {why}; {fix}", field="structured")
+
+
 def _first_line(message: str, limit: int = 300) -> str:
     """llguidance's error without the parser state it dumps after the first line."""
     line = (message or "").strip().splitlines()[0] if (message or "").strip() else "no detail"
@@ -227,8 +178,9 @@ class Grammars:
     def compile(self, spec: StructuredOutput) -> str:
         """llguidance's grammar for ``spec`` (cached, by count and by size); InvalidRequest
         (field ``structured``) naming what is wrong with a bad or unsupported constraint,
-        and with one whose language is empty or holds only the empty text (its
-        completion could never be anything). Slow for a large schema: AsyncLLM calls it
+        with one whose language is empty or holds only the empty text (its completion
+        could never be anything), and with one that has no finite sentence or instance
+        (it could never end; :mod:`polyengine.driver.finite`). Slow for a large schema: AsyncLLM calls it
         on a worker thread."""
         key = grammar_text(spec)
         with self._lock:
@@ -253,6 +205,8 @@ class Grammars:
                                      "its own type again (give the recursion a way out: an optional property, an "
                                      "anyOf branch without it)", field="structured")
             self._check_language(grammar)
+            if spec.grammar is not None:
+                _check_finite(spec.grammar)
             self._cache[key] = grammar
             self._cache_chars += len(text) + len(grammar)
             while len(self._cache) > _CACHE or (self._cache_chars > _CACHE_CHARS and len(self._cache) > 1):

@@ -120,10 +120,13 @@ def tool_constraint(tools: list[dict[str, Any]], choice: Any) -> StructuredOutpu
 
         callable_ = [t["function"] for t in tools if not isinstance(choice, dict)
                      or t["function"]["name"] == choice["function"]["name"]]
-        if not any(schema_has_instance(fn.get("parameters", {"type": "object"})) for fn in callable_):
-            raise InvalidRequest(f"tool_choice forces a call, but the parameters of {[fn['name'] for fn in callable_]} "
-                                 f"have no finite instance (each requires a value of its own type again)",
-                                 field="tools")
+        # one endless tool among finite ones is refused too: a model that starts its call
+        # under the forced grammar could never finish it
+        endless = [fn["name"] for fn in callable_ if not schema_has_instance(fn.get("parameters", {"type": "object"}))]
+        if endless:
+            raise InvalidRequest(f"tool_choice forces a call, but the parameters of {endless} have no finite instance "
+                                 f"(each requires a value of its own type again), so a call of it could never end; "
+                                 f"give the recursion a way out or leave the tool out", field="tools")
     if isinstance(choice, dict):
         fn = next(t["function"] for t in tools if t["function"]["name"] == choice["function"]["name"])
         return StructuredOutput(grammar=f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json '

@@ -67,6 +67,7 @@ __all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "hf_name", "gguf_name", "unper
 Progress = Callable[[int, int, str], None]
 
 _MAGIC = b"GGUF"
+_U64 = struct.Struct("<Q")
 _DEFAULT_ALIGNMENT = 32
 # GGUF metadata value types -> struct format (8 = string and 9 = array are handled apart).
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -393,9 +394,7 @@ class _Cursor:
 
     def string(self, what: str, limit: int = MAX_GGUF_STRING_BYTES) -> str:
         n = self.scalar("<Q", what)
-        if n > limit:
-            raise WeightsError(f"{what}: a string of {n:,} bytes; at most {limit:,} are accepted (corrupt)", file=self.path)
-        self.need(n, what)
+        self.string_length(n, what, limit)
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:
@@ -403,6 +402,37 @@ class _Cursor:
         except UnicodeDecodeError:
             # Old converters wrote some vocab pieces as raw bytes; keep them visible, not fatal.
             return raw.decode("utf-8", errors="replace")
+
+    def string_length(self, n: int, what: str, limit: int = MAX_GGUF_STRING_BYTES) -> None:
+        if n > limit:
+            raise WeightsError(f"{what}: a string of {n:,} bytes; at most {limit:,} are accepted (corrupt)", file=self.path)
+        self.need(n, what)
+
+    def strings(self, count: int, what: str) -> list[str]:
+        """``count`` strings in a row: :meth:`string`'s checks in one loop (a vocabulary
+        holds 50-250 thousand of them and its parse is part of every load)."""
+        buf, size, pos = self.buf, self.size, self.pos
+        length = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, what)
+            (n,) = length(buf, pos)
+            pos += 8
+            end = pos + n
+            if n > MAX_GGUF_STRING_BYTES or end > size:
+                self.pos = pos
+                self.string_length(n, what)  # raises
+            raw = buf[pos:end]
+            pos = end
+            try:
+                append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                append(raw.decode("utf-8", errors="replace"))
+        self.pos = pos
+        return out
 
     def count(self, n: int, what: str) -> None:
         """Account for an array of ``n`` elements before any of it is read."""
@@ -433,7 +463,7 @@ class _Cursor:
                 return arr.astype(bool).tolist() if etype == 7 else arr.tolist()
             if etype == 8:
                 self.need(8 * count, what)  # every string needs at least its 8-byte length
-                return [self.string(what) for _ in range(count)]
+                return self.strings(count, what)
             if etype == 9:
                 self.need(12 * count, what)  # every array needs at least its type and count
                 return [self.value(9, what, depth + 1) for _ in range(count)]

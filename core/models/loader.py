@@ -11,6 +11,9 @@ A model argument is one of:
   :mod:`.nanochat`);
 - a name registered by a plugin through the ``polyengine_models`` hook (the target
   is a path, or a callable returning one);
+- a Hugging Face name, ``ORG/NAME[@REVISION][:QUANT|:FILE.gguf]``, fetched into the
+  Hugging Face cache (:mod:`.hub`; the ``hub`` extra). A path that exists and a plugin's
+  name win over a hub name spelled the same;
 - ``random:<preset>`` with an optional ``?seed=N``: random weights (see ``presets``).
 
 Decisions:
@@ -129,6 +132,7 @@ def load_model(
     progress: Progress | None = None,
     seed: int | None = None,
     exclusive: bool = False,
+    download_progress: bool = True,
 ) -> Model:
     """Load a model (see the module docstring for what ``spec`` may be).
 
@@ -141,16 +145,19 @@ def load_model(
     arrays for nothing else, so that engine may release the ones it keeps in another
     form (``Model.exclusive``). Applies to a freshly loaded Model only: a Model passed
     in, or one a plugin's model name returns, is left as it is.
+    ``download_progress``: show huggingface_hub's progress bars while a hub name's files
+    download (False: quiet; ``HF_HUB_DISABLE_PROGRESS_BARS=1`` also turns them off).
     """
     if isinstance(spec, Model):
         return spec
-    model, fresh = _load(spec, dtype, progress, seed)
+    model, fresh = _load(spec, dtype, progress, seed, download_progress)
     if exclusive and fresh:
         model.exclusive = True
     return model
 
 
-def _load(spec: Any, dtype: str | np.dtype, progress: Progress | None, seed: int | None) -> tuple[Model, bool]:
+def _load(spec: Any, dtype: str | np.dtype, progress: Progress | None, seed: int | None,
+          download_progress: bool = True) -> tuple[Model, bool]:
     """The Model and whether it was loaded here (False: a plugin's own Model object)."""
     if dtype is None:
         dt = None
@@ -201,12 +208,21 @@ def _load(spec: Any, dtype: str | np.dtype, progress: Progress | None, seed: int
             model.source = f"{spec} ({rpath})"
             return model, True
         names = ", ".join(sorted(models)) or "none"
+        from polyengine.models.hub import parse_hub_name, resolve
+
+        hub_name = parse_hub_name(spec)
+        if hub_name is not None:
+            rpath = resolve(hub_name, progress=download_progress)
+            model = _load_path(rpath, dt, progress)
+            model.source = f"{spec} ({rpath})"
+            return model, True
     else:
         names = "none"
     raise ModelNotFound(
         f"no model {text!r}: not an existing path, not a plugin model name (registered: {names}), "
-        f"not a random preset (random:tiny, ...; see list_presets()). Pass a .gguf file, an HF folder "
-        f"(config.json + *.safetensors + tokenizer.json), or nothing for the default model"
+        f"not a Hugging Face name (ORG/NAME, ORG/NAME:Q4_K_M), not a random preset (random:tiny, ...; see "
+        f"list_presets()). Pass a .gguf file, an HF folder (config.json + *.safetensors + tokenizer.json), a hub "
+        f"name, or nothing for the default model"
     )
 
 

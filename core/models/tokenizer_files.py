@@ -113,6 +113,13 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 BYTE_TO_UNICODE = _bytes_to_unicode()
+_DROP_ALPHABET = dict.fromkeys(map(ord, BYTE_TO_UNICODE.values()))
+
+
+def _in_alphabet(token: str) -> bool:
+    """Whether every character of ``token`` is in byte-level BPE's alphabet: deleting them
+    leaves nothing (one C call; a vocabulary's spelling is checked on every load)."""
+    return not token.translate(_DROP_ALPHABET)
 
 def hf_tokenizer_parts(folder: Path) -> dict[str, Any]:
     """The :class:`Tokenizer` arguments for an HF folder's tokenizer files."""
@@ -232,10 +239,9 @@ def gguf_tokenizer_parts(metadata: dict[str, Any], source: str) -> dict[str, Any
             f"{source}: GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
             "llama (SentencePiece BPE)"
         )
-    alphabet = set(BYTE_TO_UNICODE.values()) if kind == "gpt2" else None
     control, user = [], []
     for tok, typ in zip(tokens, types):
-        if typ == _CONTROL and (alphabet is None or set(tok) <= alphabet):
+        if typ == _CONTROL and (kind != "gpt2" or _in_alphabet(tok)):
             control.append(AddedToken(tok, special=True, normalized=False))
         elif typ == _USER_DEFINED:
             user.append(AddedToken(tok, special=False, normalized=False))
@@ -267,11 +273,10 @@ def gguf_tokenizer_parts(metadata: dict[str, Any], source: str) -> dict[str, Any
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None, source: str) -> _Backend:
-    alphabet = set(BYTE_TO_UNICODE.values())
     # A token spelled outside the byte alphabet could never be produced by the BPE;
     # respell it as bytes so it is reachable (transformers does the same).
     vocab = {
-        (t if set(t) <= alphabet else "".join(BYTE_TO_UNICODE[b] for b in t.encode("utf-8"))): i
+        (t if _in_alphabet(t) else "".join(BYTE_TO_UNICODE[b] for b in t.encode("utf-8"))): i
         for i, t in enumerate(tokens)
     }
     pairs = []
