@@ -58,7 +58,9 @@ SKIPS: list[tuple[str, str]] = [
     (r"^pip install|^CMAKE_ARGS=.* pip install|^pip download", "installs from PyPI or AWS's index (network); the "
                                                                 "installed venv runs every other command"),
     (r"^cmake ", "builds llama.cpp from source (8 minutes on two cores, a download first)"),
-    (r"^polyengine (backends|generate|chat|conformance|serve|bench|device-check) \[|^polyengine generate PROMPT|"
+    (r"--model [\w.-]+/[\w.:-]+|^polyengine pull ", "downloads from the Hugging Face Hub (network); tests/test_hub.py "
+                                                  "runs these commands against a local stand-in of the Hub"),
+    (r"^polyengine (backends|generate|chat|conformance|serve|bench|device-check|models|pull) \[|^polyengine generate PROMPT|"
      r"^polyengine conformance --backend NAME|--backend \w+\|\w+", "a usage synopsis: the brackets, bars and capitals "
                                                                   "are placeholders"),
     (r"--backend mybackend", "a placeholder backend name (a plugin the reader writes)"),
