@@ -18,7 +18,7 @@ from polyengine.sampling.masks import SlotMasks, allows_any, check_mask, full_ma
 from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
 from polyengine.options import check_options
 from polyengine.slots import Slot
-from polyengine.validation import check_request, is_int
+from polyengine.validation import check_prompt, check_request, is_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from polyengine.models import Model
@@ -178,6 +178,14 @@ class EngineBase:
             start = existing_prefix.true_length
         toks, sampling = check_request(self, tokens, sampling, offset=start)
         return toks, sampling, start
+
+    def check_embed(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """What ``embed`` must refuse before work: the capability undeclared, a bad
+        prompt (as prefill refuses it). Returns the prompt as int32."""
+        if not self.capabilities.embeddings:
+            raise UnsupportedFeature("embeddings (embed: a prompt's hidden states)", self.name,
+                                     "pick a backend that declares capability 'embeddings' (reference, cpu, cuda_torch)")
+        return check_prompt(tokens, max_prefill_length=self.max_prefill_length, vocab_size=self.vocab_size)
 
     def check_prefix(self, prefix: Prefix) -> Prefix:
         """A prefix this engine made (backend and weights) that fits its limits."""
@@ -435,3 +443,7 @@ class EngineBase:
 
     def import_prefix(self, portable: "PortablePrefix") -> Prefix:
         raise UnsupportedFeature("import_prefix (portable prefixes)", self.name)
+
+    def embed(self, *, params: Any, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        self.check_embed(tokens)  # an engine that declares the capability overrides this method
+        raise UnsupportedFeature("embeddings (embed)", self.name, "the engine declares the capability but has no embed")

@@ -100,6 +100,9 @@ class Capabilities(BaseModel):
     F16, BF16, Q8_0, Q4_K...) the backend computes on as stored; it reads its weights
     through ``Model.weight(name, weight_formats)``, which converts a tensor of any other
     format to float32, one tensor at a time (docs/models.md, "Weight formats").
+    ``embeddings``: ``embed`` returns a prompt's final hidden states (what the driver
+    pools into ``LLM.embed`` and the server's ``/v1/embeddings``); an engine without it
+    raises :class:`UnsupportedFeature` there, and need not have the method at all.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -121,6 +124,7 @@ class Capabilities(BaseModel):
     weight_formats: tuple[str, ...] = Field(
         FLOAT_FORMATS, min_length=1,
         description="weight formats computed on as stored; others are converted to float32 one tensor at a time")
+    embeddings: bool = False
 
     @property
     def paged_kv(self) -> bool:
@@ -326,9 +330,9 @@ class Engine(Protocol):
     Optional methods, each guarded by a capability (:data:`OPTIONAL_METHODS`; an engine
     that lacks one still has the method and raises :class:`UnsupportedFeature`):
     ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
-    (``portable_prefix``); and ``existing_prefix`` in prefill (``prefix_reuse``).
-    ``truncate_prefix`` (``prefix_truncate``) may be absent without its capability
-    (:data:`CAPABILITY_METHODS`).
+    (``portable_prefix``), ``embed`` (``embeddings``); and ``existing_prefix`` in prefill
+    (``prefix_reuse``). ``truncate_prefix`` (``prefix_truncate``) and ``embed`` may be
+    absent without their capabilities (:data:`CAPABILITY_METHODS`).
     Optional keywords, each guarded by a capability (:data:`CAPABILITY_KEYWORDS`; an
     engine that does not declare it may lack the keyword): ``token_mask`` of prefill
     and ``token_masks`` of generate (``token_masks``).
@@ -429,12 +433,20 @@ class Engine(Protocol):
         fingerprint is checked). Capability ``portable_prefix``."""
         ...
 
+    def embed(self, *, params: Any, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The prompt's hidden states after the model's final norm (the input of the LM
+        head), one row per token: a host ``(len(tokens), hidden_size)`` float array. It
+        uses no slot and changes no decode state or prefix; the prompt is checked as
+        prefill checks it (InvalidRequest, before any work). Capability ``embeddings``."""
+        ...
+
 
 # Optional method -> the capability that says it works (else it raises UnsupportedFeature).
 OPTIONAL_METHODS: dict[str, str] = {
     "bulk_insert": "bulk_insert",
     "export_prefix": "portable_prefix",
     "import_prefix": "portable_prefix",
+    "embed": "embeddings",
 }
 
 
@@ -451,6 +463,7 @@ CAPABILITY_KEYWORDS: dict[tuple[str, str], str] = {
 # they existed keeps passing protocol_problems); the caller checks the capability first.
 CAPABILITY_METHODS: dict[str, str] = {
     "truncate_prefix": "prefix_truncate",
+    "embed": "embeddings",
 }
 
 

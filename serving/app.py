@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API over one :class:`~polyengine.driver.AsyncLLM` (FastAPI).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as
-server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics``. With an API key, every ``/v1/`` route needs
-``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open (probes and
-scrapers carry no key).
+server-sent events ending in ``data: [DONE]``), ``POST /v1/embeddings``
+(embeddings.py), ``POST /tokenize`` and ``POST /detokenize`` (tokenization.py),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an API key, every ``/v1/``
+route, ``/tokenize`` and ``/detokenize`` need ``Authorization: Bearer KEY``;
+``/health`` and ``/metrics`` stay open (probes and scrapers carry no key).
 
 Request life: read the body (bounded in size and time by :class:`_Guard`), then, on a
 worker thread so that a large or slow request never stalls the event loop (``/health``
@@ -39,14 +40,19 @@ from polyengine.sampling.params import SamplingParams
 from polyengine.serving.config import ServerConfig, build_engine, default_body_limit
 from polyengine.serving.errors import APIError, from_polyengine, invalid
 from polyengine.serving.metrics import CONTENT_TYPE, Metrics
+from polyengine.serving.embeddings import embedding_response, parse_embedding_request
 from polyengine.serving.protocol import (
-    ChatRequest, CompletionRequest, chat_messages, check_lengths, parse_body, to_sampling,
+    ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest, chat_messages,
+    check_lengths, parse_body, to_sampling,
 )
+from polyengine.serving.tokenization import detokenize, tokenize
 from polyengine.serving.responses import Responder, TokenText, sse
 
 __all__ = ["build_app"]
 
-_API_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+_API_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize")
+# Routes outside /v1/ that still need the API key (vLLM's paths; they cost the server work).
+_KEYED_ROOT_ROUTES = ("/tokenize", "/detokenize")
 TENANT_SCOPE = "polyengine.tenant"  # the ASGI scope key _Gate sets: the digest of the request's API key
 
 
@@ -129,6 +135,29 @@ def build_app(config: ServerConfig, engine: Any = None, model_name: str | None =
         req, sampling, names, encoded, tools = await asyncio.to_thread(state.prepare_chat, raw)
         return await state.run(request, "chat", encoded, sampling, names, req, arrived, "messages", tools=tools)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        raw = await request.body()
+        req, prompts, count = await asyncio.to_thread(state.prepare_embeddings, raw)
+        try:
+            vectors = await _unless_disconnected(request, state.engine.embed(prompts, normalize=req.normalize))
+        except _ClientGone:
+            return Response(status_code=499)
+        except Exception as exc:
+            raise state.api_error(exc, {}, "input") from None
+        return JSONResponse(embedding_response(vectors, model=state.model_name, prompt_tokens=count,
+                                               encoding_format=req.encoding_format))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        raw = await request.body()
+        return JSONResponse(await asyncio.to_thread(state.tokenize, raw))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        raw = await request.body()
+        return JSONResponse(await asyncio.to_thread(state.detokenize, raw))
+
     return app
 
 
@@ -201,6 +230,30 @@ class _State:
             else:
                 ids = self.engine.apply_chat_template(chat_messages(req))
         return req, sampling, names, [ids], tools
+
+    def prepare_embeddings(self, raw: bytes) -> tuple[EmbeddingRequest, list[list[int]], int]:
+        """The request, its prompts as token ids, and their total length (usage)."""
+        eng = self.engine.engine
+        width = getattr(getattr(eng.model, "config", None), "hidden_size", None) if eng.model is not None else None
+        req = parse_embedding_request(raw, max_prompt_tokens=eng.max_prefill_length, width=width)
+        self.check_model(req.model)
+        with self.blaming({}, "input"):
+            prompts = [self.engine.encode(p)[1] for p in req.inputs()]
+        return req, prompts, sum(map(len, prompts))
+
+    def tokenize(self, raw: bytes) -> dict[str, Any]:
+        req = parse_body(raw, TokenizeRequest, self._lengths)
+        if req.model is not None:
+            self.check_model(req.model)
+        with self.blaming({}, "messages" if req.messages is not None else "prompt"):
+            return tokenize(req, self.engine.llm, max_model_len=self.engine.engine.max_cache_length)
+
+    def detokenize(self, raw: bytes) -> dict[str, Any]:
+        req = parse_body(raw, DetokenizeRequest)
+        if req.model is not None:
+            self.check_model(req.model)
+        with self.blaming({}, "tokens"):
+            return detokenize(req, self.engine.llm)
 
     @contextlib.contextmanager
     def blaming(self, names: dict[str, str], what: str) -> Iterator[None]:
@@ -430,7 +483,7 @@ class _Gate:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1/"):
+        if scope["type"] != "http" or not (path.startswith("/v1/") or path in _KEYED_ROOT_ROUTES):
             return await self.app(scope, receive, send)
         endpoint = path if path in _API_ROUTES else "other"
         counter = self.state.metrics.requests

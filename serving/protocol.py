@@ -26,7 +26,7 @@ from polyengine.limits import (
 from polyengine.sampling.params import SamplingParams, StructuredOutput
 from polyengine.serving.errors import invalid
 
-__all__ = ["CompletionRequest", "ChatRequest", "parse_body", "check_lengths", "to_sampling", "chat_messages"]
+__all__ = ["CompletionRequest", "ChatRequest", "EmbeddingRequest", "TokenizeRequest", "DetokenizeRequest", "parse_body", "check_lengths", "to_sampling", "chat_messages"]
 
 # Bounds on what only the server takes (the body's size bounds the rest): a message list
 # or a string this long is not a conversation but an attempt to make parsing expensive.
@@ -159,8 +159,44 @@ class ChatRequest(_Common):
         return tools, choice
 
 
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``: OpenAI's body, plus vLLM's ``normalize`` (default true)."""
+
+    model: str = Field(max_length=MAX_NAME_CHARS)
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    normalize: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        """The prompts: a string or a flat token list is one, a list of either is several."""
+        several = isinstance(self.input, list) and bool(self.input) and not isinstance(self.input[0], int)
+        return list(self.input) if several else [self.input]
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` as vLLM's server has it: ``prompt`` (text), or ``messages``
+    rendered with the model's chat template; ``model`` optional."""
+
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (the template frames them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``: token ids back to text (special tokens kept, as vLLM does)."""
+
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tokens: list[int]
+
+
 # What a field that may take several forms must be, said once instead of per form.
-_SHAPES = {"tool_choice": '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'}
+_SHAPES = {"tool_choice": '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+           "input": "a string, a list of strings, a list of token ids or a list of lists of token ids"}
 
 
 def _param(loc: tuple) -> str:
@@ -182,9 +218,11 @@ LIST_BOUNDS = {"messages": MAX_MESSAGES, "stop": MAX_STOP_STRINGS, "stop_token_i
                "logit_bias": MAX_LOGIT_BIAS, "tools": MAX_TOOLS}
 
 
-def check_lengths(data: dict[str, Any], *, max_prompts: int, max_prompt_tokens: int) -> None:
+def check_lengths(data: dict[str, Any], *, max_prompts: int, max_prompt_tokens: int, prompt_field: str = "prompt",
+                  why: str = "this server holds at most {max} requests at once (--max-slots + --max-queue)") -> None:
     """Refuse (400 naming the field) a list longer than its bound: :data:`LIST_BOUNDS`,
-    content parts per message, and ``prompt``: at most ``max_prompts`` prompts, each
+    content parts per message, and ``prompt_field`` (``prompt``; ``input`` for
+    embeddings): at most ``max_prompts`` prompts (``why`` says whence that bound), each
     list of token ids at most ``max_prompt_tokens`` long (code context_length_exceeded)."""
     for field, value in data.items():  # depth first: validating the body walks it recursively
         if json_depth(value, MAX_BODY_DEPTH) > MAX_BODY_DEPTH - 1:
@@ -201,17 +239,17 @@ def check_lengths(data: dict[str, Any], *, max_prompts: int, max_prompt_tokens: 
             if isinstance(parts, list) and len(parts) > MAX_CONTENT_PARTS:
                 raise invalid(f"messages[{i}].content: at most {MAX_CONTENT_PARTS} content parts, got {len(parts):,}",
                               f"messages[{i}].content")
-    prompt = data.get("prompt")
+    prompt = data.get(prompt_field)
     if not isinstance(prompt, list) or not prompt:
         return
     several = not isinstance(prompt[0], int) or isinstance(prompt[0], bool)
     if several and len(prompt) > max_prompts:
-        raise invalid(f"{len(prompt):,} prompts in one request, but this server holds at most {max_prompts} requests "
-                      f"at once (--max-slots + --max-queue): send fewer per request", "prompt")
+        raise invalid(f"{len(prompt):,} prompts in one request, but {why.format(max=max_prompts)}: send fewer per "
+                      f"request", prompt_field)
     for ids in (prompt if several else [prompt]):
         if isinstance(ids, list) and len(ids) > max_prompt_tokens:
             raise invalid(f"a prompt of {len(ids):,} token ids cannot fit: this server accepts at most "
-                          f"{max_prompt_tokens} (--context-length): shorten it", "prompt",
+                          f"{max_prompt_tokens} (--context-length): shorten it", prompt_field,
                           code="context_length_exceeded")
 
 

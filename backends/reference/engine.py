@@ -32,7 +32,7 @@ from polyengine.prefix import PortablePrefix
 from polyengine.sampling import RowState, SamplingParams, sample
 from polyengine.sampling.params import ENGINE_FIELDS
 
-from polyengine.backends.reference.model import ReferenceParams, forward
+from polyengine.backends.reference.model import ReferenceParams, forward, hidden_states
 
 __all__ = ["ReferenceEngine", "ReferenceDecodeState", "create_engine"]
 
@@ -103,6 +103,7 @@ class ReferenceEngine(EngineBase):
             prefix_truncate=True,
             architectures=ARCHITECTURES, token_masks=True,
             weight_formats=tuple(FORMATS),  # every block format, dequantized exactly (float64) at load
+            embeddings=True,
             page_size=self.options["page_size"],
         )
 
@@ -375,6 +376,14 @@ class ReferenceEngine(EngineBase):
             lo, hi = max(start, i * ps), min(end, (i + 1) * ps)
             pk, pv = self._page(seq.pages[i])
             pk[:, :, lo - i * ps: hi - i * ps], pv[:, :, lo - i * ps: hi - i * ps] = k[:, :, lo:hi], v[:, :, lo:hi]
+
+    # -- embeddings ------------------------------------------------------------------------
+
+    def embed(self, *, params: ReferenceParams, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        toks = self.check_embed(tokens)
+        shape = self._cache_shape(toks.size)  # a scratch cache: no slot or prefix is touched
+        k, v = np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype)
+        return hidden_states(params, toks[None].astype(np.int64), np.array([0]), [k], [v])[0]
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -175,6 +175,14 @@ def forward(
     v_caches: list[np.ndarray],
 ) -> np.ndarray:
     """Append ``tokens`` to each row's cache and return the logits (B, T, vocab)."""
+    x = hidden_states(p, tokens, starts, k_caches, v_caches)
+    return _softcap(x @ p.lm_head.T, p.config.final_logit_softcapping)
+
+
+def hidden_states(p: ReferenceParams, tokens: np.ndarray, starts: np.ndarray, k_caches: list[np.ndarray],
+                  v_caches: list[np.ndarray]) -> np.ndarray:
+    """As :func:`forward`, but the hidden states after the final norm (B, T, hidden):
+    the LM head's input, and what embeddings pool."""
     c = p.config
     b, t = tokens.shape
     positions = (starts[:, None] + np.arange(t)[None, :]).reshape(-1)  # (B*T,)
@@ -195,5 +203,4 @@ def forward(
         if c.sandwich_norms:
             out = _norm(p, out, pre + "post_feedforward_layernorm")
         x = x + out
-    x = _norm(p, x, "model.norm")
-    return _softcap(x @ p.lm_head.T, c.final_logit_softcapping).reshape(b, t, -1)
+    return _norm(p, x, "model.norm").reshape(b, t, -1)

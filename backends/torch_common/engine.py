@@ -39,7 +39,9 @@ from polyengine.sampling import SamplingParams
 from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.torch_common.hostmem import release_row
-from polyengine.backends.torch_common.model import CastKVCodec, StepSpec, TorchWeights, forward
+from polyengine.backends.torch_common.model import (
+    CastKVCodec, StepSpec, TorchWeights, final_norm, forward, residual_stream,
+)
 from polyengine.backends.torch_common.options import SHARED_OPTIONS
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
@@ -406,6 +408,25 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         k, v = prefix.kv
         return replace(prefix, kv=(k[:, :, :length], v[:, :, :length]),
                        prompt_tokens=prefix.prompt_tokens[:length])
+
+    # -- embeddings ------------------------------------------------------------------------
+
+    @on_engine_thread
+    @torch.no_grad()
+    def embed(self, *, params: TorchWeights, tokens) -> np.ndarray:
+        """A prefill's forward from position 0 into a scratch cache (no slot, no prefix),
+        padded to the prefill bucket as prefill pads, without the LM head."""
+        toks = self.check_embed(tokens)
+        n, padded, dev = toks.size, self.config.bucket_for(toks.size), self.torch_device
+        k, v = params.new_cache(1, padded, lazy=True, dtype=self.kv_dtype)
+        batch = np.zeros((1, padded), np.int64)
+        batch[0, :n] = toks
+        x, _, _ = residual_stream(
+            params, self._spec(causal=True, linear=self._prefill_linear, kv_codec=self._kv_codec,
+                               causal_attention=self._causal_attention),
+            to_device(batch, dev), torch.arange(padded, dtype=torch.int64, device=dev)[None], k, v,
+            rows=None, write_mask=(torch.arange(padded, device=dev) < n)[None])
+        return self._to_host(final_norm(params, x[0, :n]))  # pads sit after the true tokens: causality hides them
 
     # -- portable prefixes ---------------------------------------------------------------
 

@@ -86,7 +86,7 @@ from polyengine.models import Model, ModelConfig
 from polyengine.backends.torch_common.options import ATTENTION_IMPLS
 
 __all__ = [
-    "TorchWeights", "StepSpec", "forward", "attention_block", "mlp_block", "kv_write", "kv_read", "lm_head", "StepModule",
+    "TorchWeights", "StepSpec", "forward", "residual_stream", "final_norm", "attention_block", "mlp_block", "kv_write", "kv_read", "lm_head", "StepModule",
     "KVCodec", "CastKVCodec", "rms_norm", "ATTENTION_IMPLS", "MOE_IMPLS", "moe_block",
 ]
 
@@ -554,12 +554,17 @@ def moe_block(weights: TorchWeights, spec: StepSpec, layer: int, h: torch.Tensor
     return out.reshape(shape)
 
 
+def final_norm(weights: TorchWeights, x: torch.Tensor) -> torch.Tensor:
+    """The model's final norm (``model.norm``) of the residual stream."""
+    return _norm(weights, x, "model.norm")
+
+
 def lm_head(weights: TorchWeights, spec: StepSpec, x: torch.Tensor) -> torch.Tensor:
     """The final norm and the LM head (the tied embeddings when there is no head):
     logits in float32 for half dtypes, else in the compute dtype; soft-capped when the
     config says so (Gemma 2, nanochat)."""
     c, t = weights.config, weights.tensors
-    x = _norm(weights, x, "model.norm")
+    x = final_norm(weights, x)
     if spec.linear is None:
         logits = F.linear(x, t[weights.config.head_weight])  # (B, [T,] vocab)
     else:
@@ -594,6 +599,20 @@ def forward(
     ``rows=None`` means batch row b uses cache row b (needs ``B == cache rows``) and
     saves a gather of the cache rows every layer.
     """
+    x, k_cache, v_cache = residual_stream(weights, spec, tokens, positions, k_cache, v_cache, rows=rows,
+                                          write_mask=write_mask)
+    if logits_at is not None:
+        x = x[torch.arange(tokens.shape[0], device=tokens.device), logits_at]  # (B, H)
+    return lm_head(weights, spec, x), k_cache, v_cache
+
+
+def residual_stream(
+    weights: TorchWeights, spec: StepSpec, tokens: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, *, rows: torch.Tensor | None = None, write_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`forward` up to the final norm: ``(x, k_cache, v_cache)``, x the residual
+    stream after the last layer (B, T, hidden); :func:`final_norm` of it is what the LM
+    head reads and what embeddings pool."""
     c, t = weights.config, weights.tensors
     b = tokens.shape[0]
     if rows is None and b != k_cache.shape[1]:
@@ -614,9 +633,7 @@ def forward(
         out = mlp_block(weights, spec, layer, _norm(weights, x, pre + (
             "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")))
         x = x + (_norm(weights, out, pre + "post_feedforward_layernorm") if sandwich else out)
-    if logits_at is not None:
-        x = x[torch.arange(b, device=tokens.device), logits_at]  # (B, H)
-    return lm_head(weights, spec, x), k_cache, v_cache
+    return x, k_cache, v_cache
 
 
 class StepModule(torch.nn.Module):

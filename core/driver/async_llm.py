@@ -31,16 +31,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import threading
 import time
 from collections import defaultdict, deque
 from typing import Any, AsyncIterator
 
+import numpy as np
+
 from polyengine.driver.llm import LLM, Prompt
 from polyengine.driver.outputs import Completion, StreamDelta
 from polyengine.driver.scheduler import Request
-from polyengine.errors import EngineClosed, EngineDead
+from polyengine.errors import EngineClosed, EngineDead, InvalidRequest
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["AsyncLLM", "AsyncRequest"]
@@ -175,6 +178,15 @@ class AsyncRequest:
 def _dispatch(items: list[tuple[AsyncRequest, list[StreamDelta], tuple | None]], at: float) -> None:
     for handle, events, final in items:
         handle._push(events, at, final)
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller stopped waiting
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -315,6 +327,33 @@ class AsyncLLM:
         async for delta in self.stream(self.apply_chat_template(messages), sampling, cache_salt=cache_salt):
             yield delta
 
+    async def embed(self, prompts: Prompt | list[Prompt], *, normalize: bool = True) -> Any:
+        """One embedding per prompt, as :meth:`LLM.embed` (a ``(prompts, hidden_size)``
+        float32 array). Every prompt is checked first (UnsupportedFeature,
+        InvalidRequest: nothing runs); each then runs on the engine thread between
+        steps, so running streams wait for it as for a prefill, one prompt at a time."""
+        if self._dead is not None:
+            raise _copy(self._dead)
+        if self._closed:
+            raise EngineClosed("the engine is shutting down and accepts no new requests")
+        batch = self.llm._as_batch(prompts)
+        if not batch:
+            raise InvalidRequest("no prompts to embed: pass at least one", field="prompt")
+        ids = []
+        for i, p in enumerate(batch):
+            try:
+                ids.append(self._scheduler.check_embed(self.llm.encode(p)[1]))
+            except InvalidRequest as exc:
+                raise type(exc)(f"prompt {i}: {exc}" if len(batch) > 1 else str(exc), field=exc.field) from None
+        loop = asyncio.get_running_loop()
+        vectors = []
+        for tokens in ids:
+            done = loop.create_future()
+            if not self._post(("call", functools.partial(self._scheduler.embed, tokens, normalize=normalize), done)):
+                raise self._refusal()
+            vectors.append(await done)
+        return np.stack(vectors)
+
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop accepting requests, let running ones finish for up to ``timeout``
         seconds, cancel what is left, and stop the engine thread."""
@@ -381,6 +420,8 @@ class AsyncLLM:
         for command in late:
             if command[0] == "submit":
                 self._call(command[1]._loop, _settle, command[2], _copy(dead))
+            elif command[0] == "call":
+                self._call(command[2].get_loop(), _resolve, command[2], None, _copy(dead))
         with self._handles_lock:
             pending = [h for h in self._handles if not h.done]
         now = time.monotonic()
@@ -406,6 +447,8 @@ class AsyncLLM:
                 for command in late:
                     if command[0] == "submit":
                         self._call(command[1]._loop, _settle, command[2], EngineClosed("the engine has stopped"))
+                    elif command[0] == "call":
+                        self._call(command[2].get_loop(), _resolve, command[2], None, EngineClosed("the engine has stopped"))
                 self._cancel_all()
                 self._deliver()
                 return
@@ -430,6 +473,16 @@ class AsyncLLM:
             except Exception as exc:  # QueueFull
                 error = exc
             self._call(handle._loop, _settle, queued, error)
+        elif kind == "call":  # work outside the slots (an embedding): its result or error to its waiter
+            _, fn, done = command
+            try:
+                result, error = fn(), None
+            except EngineDead as exc:
+                self._call(done.get_loop(), _resolve, done, None, _copy(exc))
+                raise
+            except Exception as exc:
+                result, error = None, exc
+            self._call(done.get_loop(), _resolve, done, result, error)
         elif kind == "cancel":
             self._scheduler.cancel(command[1])
         elif kind == "stop":

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Sequence
 
+import numpy as np
+
 from polyengine.driver.outputs import Completion, StreamDelta
 from polyengine.driver.scheduler import Request, Scheduler, token_ids
 from polyengine.errors import ContextLengthExceeded, InvalidRequest
@@ -245,6 +247,22 @@ class LLM:
     def stream_chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | dict | None = None, *,
                     cache_salt: str | None = None) -> Iterator[StreamDelta]:
         return self.stream(self.apply_chat_template(messages), sampling, cache_salt=cache_salt)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, normalize: bool = True) -> np.ndarray:
+        """One embedding per prompt, ``(len(prompts), hidden_size)`` float32: the mean of
+        the prompt's final hidden states, L2-normalised unless ``normalize=False``
+        (:mod:`polyengine.driver.embeddings`). Every prompt is checked before any runs;
+        a backend without capability ``embeddings`` raises UnsupportedFeature."""
+        batch = self._as_batch(prompts)
+        if not batch:
+            raise InvalidRequest("no prompts to embed: pass at least one", field="prompt")
+        ids = []
+        for i, p in enumerate(batch):
+            try:
+                ids.append(self.scheduler.check_embed(self.encode(p)[1]))
+            except InvalidRequest as exc:
+                raise type(exc)(f"prompt {i}: {exc}" if len(batch) > 1 else str(exc), field=exc.field) from None
+        return np.stack([self.scheduler.embed(t, normalize=normalize) for t in ids])
 
     @staticmethod
     def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -40,10 +40,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from polyengine.driver.embeddings import pool
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
 from polyengine.driver.prefill import PrefillJob, Prefiller
 from polyengine.driver.textstream import TextStream
-from polyengine.engine import Engine, Override, ResultTokens, check_request, is_int
+from polyengine.engine import Engine, Override, ResultTokens, check_prompt, check_request, is_int
 from polyengine.errors import EngineDead, InvalidRequest, NumericalError, PluginError, QueueFull, UnsupportedFeature
 from polyengine.memory import as_insufficient, translating_memory_errors
 from polyengine.results import NONFINITE_TOKEN
@@ -303,6 +304,30 @@ class Scheduler:
     def prefix_cache(self) -> Any:
         """The prefix cache (:class:`~polyengine.driver.prefix_cache.PrefixCache`), or None when off."""
         return self.prefiller.cache
+
+    def check_embed(self, tokens: Iterable[int]) -> np.ndarray:
+        """Refuse an embedding request before any work: UnsupportedFeature when the
+        engine lacks capability ``embeddings``, InvalidRequest for a bad prompt."""
+        if not getattr(self.engine.capabilities, "embeddings", False):
+            raise UnsupportedFeature("embeddings", getattr(self.engine, "name", None),
+                                     "its engine returns no hidden states; serve the model on a backend that declares "
+                                     "capability 'embeddings' (reference, cpu, cuda_torch)", field="input")
+        return check_prompt(token_ids(tokens, "prompt"), max_prefill_length=self.engine.max_prefill_length,
+                            vocab_size=self.engine.vocab_size)
+
+    def embed(self, tokens: Iterable[int], *, normalize: bool = True) -> np.ndarray:
+        """One prompt's embedding (:mod:`polyengine.driver.embeddings`): the engine's
+        final hidden states, checked and pooled. It holds no slot; running requests wait
+        for it as for a prefill."""
+        ids = self.check_embed(tokens)
+        name = getattr(self.engine, "name", type(self.engine).__name__)
+        with self._lock, translating_memory_errors(self._what), self._backend("embed"):
+            hidden = np.asarray(self.engine.embed(params=self.params, tokens=ids))
+        width = getattr(getattr(getattr(self.engine, "model", None), "config", None), "hidden_size", None)
+        if hidden.ndim != 2 or hidden.shape[0] != ids.size or (width is not None and hidden.shape[1] != width):
+            raise PluginError(name, None, f"embed returned hidden states of shape {hidden.shape} for {ids.size} "
+                                          f"tokens; expected ({ids.size}, {width or 'hidden_size'})")
+        return pool(hidden, normalize=normalize, backend=name)
 
     def _admit(self) -> None:
         """Prefill and insert queued requests, in order: while streams decode, at most one

@@ -30,7 +30,7 @@ from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.sampling.masks import allows_any, mask_words
 from polyengine.sampling.params import StructuredOutput
 
-__all__ = ["Grammars", "GrammarRow", "grammar_text", "schema_has_instance", "INSTALL_HINT"]
+__all__ = ["Grammars", "GrammarRow", "grammar_text", "closed_schema", "schema_has_instance", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'polyengine[structured]'"
 _CACHE = 256  # compiled grammars kept per tokenizer
@@ -49,10 +49,53 @@ def _llguidance() -> Any:
     return llguidance
 
 
+# Keywords whose value is one schema, a list of schemas, or a map of names to schemas.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with every object schema that lists ``properties`` and says nothing of
+    ``additionalProperties`` (nor ``patternProperties``/``unevaluatedProperties``)
+    closed: ``"additionalProperties": false``, as vLLM's default grammar engine and
+    llama.cpp read such a schema, so a model cannot invent keys. An explicit value
+    (``true``, a schema) is kept; an object with no ``properties`` (``{"type":
+    "object"}``) stays any object; so does one whose ``required`` names a key it does not
+    list, and a member of ``allOf`` (closing it would refuse its siblings' keys). A copy:
+    the caller's schema is not changed."""
+    def close(node: Any, in_all_of: bool = False) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for key in _SUBSCHEMA:
+            if isinstance(out.get(key), dict):
+                out[key] = close(out[key])
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [close(s) for s in out[key]]
+        if isinstance(out.get("allOf"), list):
+            out["allOf"] = [close(s, in_all_of=True) for s in out["allOf"]]
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: close(s) for name, s in out[key].items()}
+        props = out.get("properties")
+        required = out.get("required") if isinstance(out.get("required"), list) else []
+        if (isinstance(props, dict) and props and not in_all_of
+                and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys()
+                and all(name in props for name in required)):
+            out["additionalProperties"] = False
+        return out
+
+    return close(schema)
+
+
 def grammar_text(spec: StructuredOutput) -> tuple[str, str]:
-    """``(format, text)`` of a constraint, as llguidance's ``grammar_from`` takes them."""
+    """``(format, text)`` of a constraint, as llguidance's ``grammar_from`` takes them;
+    a JSON schema's objects closed (:func:`closed_schema`)."""
     if spec.json_schema is not None:
-        return "json_schema", json.dumps(spec.json_schema)  # key order kept: properties come out in it
+        return "json_schema", json.dumps(closed_schema(spec.json_schema))  # key order kept: properties come out in it
     if spec.json_object:
         return "json_schema", json.dumps({"type": "object"})
     if spec.regex is not None:

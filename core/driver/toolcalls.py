@@ -103,8 +103,10 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]], Any
 
 
 def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
+    from polyengine.driver.structured import closed_schema  # arguments get the keys the tool lists, no others
+
     return {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                             "arguments": fn.get("parameters", {"type": "object"})},
+                                             "arguments": closed_schema(fn.get("parameters", {"type": "object"}))},
             "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _COMPACT}
 
 
