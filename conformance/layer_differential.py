@@ -33,11 +33,11 @@ import time
 import pytest
 
 from polyengine.conformance import layer
-from polyengine.conformance.harness import SEEDS, VARIANTS
+from polyengine.conformance.harness import SEEDS, VARIANTS, Context
 from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, QUANTIZED_MODELS, build_model
 from polyengine.conformance.oracle import ReferenceOracle, mirror_engine, reference_engine
 
-__all__ = ["PROGRAMS", "EXAMPLES", "ARCHITECTURE_EXAMPLES", "SHAPE_MODELS", "STEPS", "run_programs"]
+__all__ = ["PROGRAMS", "EXAMPLES", "ARCHITECTURE_EXAMPLES", "EDGE_EXAMPLES", "SHAPE_MODELS", "STEPS", "run_programs", "edge_setup"]
 
 # model, or model-variant: the engines the other layers build already
 # The quantized models last: a configuration's seed is the base plus its index here, so
@@ -45,6 +45,7 @@ __all__ = ["PROGRAMS", "EXAMPLES", "ARCHITECTURE_EXAMPLES", "SHAPE_MODELS", "STE
 PROGRAMS = (*MODEL_NAMES, *(f"{DEFAULT_MODEL}-{v}" for v in VARIANTS if v != "standard"), *QUANTIZED_MODELS)
 EXAMPLES = 10  # programs per configuration in a default run
 ARCHITECTURE_EXAMPLES = 3  # ... per further architecture's model (scaled with --polyengine-differential-examples)
+EDGE_EXAMPLES = 2  # ... per edge configuration of its own (layer_edges: the long-RoPE contexts)
 SHAPE_MODELS = ("mha_tied", "gqa_llama3", "odd_qwen2")
 STEPS = 25  # calls per program at most (a generate call runs up to 8 steps)
 # Seconds Hypothesis may spend shrinking a failing program (its own default is 300;
@@ -77,20 +78,40 @@ def _shared(conformance, model: str, variant: str):
         mirror = mirror_engine(build_model(model), harness.config(dtype, variant), engine.capabilities)
         harness.cache[key] = (mirror, mirror.load_params(), ReferenceOracle(build_model(model)))
     mirror, mirror_params, oracle = harness.cache[key]
+    return mirror, mirror_params, oracle, lambda: _foreign(conformance, model)
 
-    def foreign():
-        fkey = ("differential-foreign", model)
-        if fkey not in harness.cache:
-            other = next(m for m in MODEL_NAMES if m != model)
-            other_engine = conformance.engine(other, dtype)
-            prompt, sampling = conformance.prompt(5, 85, other), conformance.sampling(85)
-            theirs, _ = other_engine.prefill(params=conformance.harness.params(other_engine), tokens=prompt, sampling=sampling)
-            ref = reference_engine(build_model(other), harness.config("float64"))
-            ref_prefix, _ = ref.prefill(params=ref.load_params(), tokens=prompt, sampling=sampling)
-            harness.cache[fkey] = (theirs, ref_prefix, ref.export_prefix(ref_prefix))
-        return harness.cache[fkey]
 
-    return mirror, mirror_params, oracle, foreign
+def _foreign(conformance, model: str):
+    """Another model's prefix on the backend and the reference, and its export (for the
+    refusals of foreign prefixes), built once per test class."""
+    harness, dtype = conformance.harness, conformance.dtype
+    fkey = ("differential-foreign", model)
+    if fkey not in harness.cache:
+        other = next(m for m in MODEL_NAMES if m != model)
+        other_engine = conformance.engine(other, dtype)
+        prompt, sampling = conformance.prompt(5, 85, other), conformance.sampling(85)
+        theirs, _ = other_engine.prefill(params=conformance.harness.params(other_engine), tokens=prompt, sampling=sampling)
+        ref = reference_engine(build_model(other), harness.config("float64"))
+        ref_prefix, _ = ref.prefill(params=ref.load_params(), tokens=prompt, sampling=sampling)
+        harness.cache[fkey] = (theirs, ref_prefix, ref.export_prefix(ref_prefix))
+    return harness.cache[fkey]
+
+
+def edge_setup(conformance, model: str, engine, config):
+    """What :func:`run_programs` runs an edge configuration's programs with (layer_edges):
+    the backend's engine of that configuration, a mirror and an oracle of the same limits
+    (long-RoPE picks its factors by the engine's context, so the oracle's must be the
+    edge's), built once per test class."""
+    harness = conformance.harness
+    key = ("differential-edge", model, config.max_cache_length, config.max_prefill_length, config.prefill_buckets)
+    if key not in harness.cache:
+        mirror = mirror_engine(build_model(model), config, engine.capabilities)
+        oracle = ReferenceOracle(build_model(model), context=config.max_cache_length)
+        harness.cache[key] = (mirror, mirror.load_params(), oracle)
+    mirror, mirror_params, oracle = harness.cache[key]
+    describe = (f"model {model}, {conformance.dtype}, max_cache_length={config.max_cache_length}, "
+                f"max_prefill_length={config.max_prefill_length}, prefill_buckets={config.prefill_buckets}")
+    return engine, mirror, mirror_params, oracle, describe
 
 
 @contextlib.contextmanager
@@ -121,9 +142,11 @@ def _draws_of_the_seed_alone():
         cache.clear()
 
 
-def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: str) -> None:
+def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: str, setup=None) -> None:
     """Run ``examples`` seeded random programs on one configuration; raise AssertionError
-    with the shrunk failing program (``rerun``: the options that run it again)."""
+    with the shrunk failing program (``rerun``: the options that run it again). ``setup``:
+    an edge configuration's engine, mirror, mirror params, oracle and description
+    (:func:`edge_setup`); else the configuration ``program`` names."""
     import importlib.util
 
     if importlib.util.find_spec("hypothesis") is None:
@@ -142,10 +165,16 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
 
     model, variant = _configuration(program)
     dtype = conformance.dtype
-    engine = conformance.engine(model, dtype, variant)
-    mirror, mirror_params, oracle, foreign = _shared(conformance, model, variant)
-    buckets = VARIANTS[variant].get("prefill_buckets")
-    describe = f"model {model}, {dtype}, prefill_buckets={buckets}"
+    if setup is None:
+        engine = conformance.engine(model, dtype, variant)
+        mirror, mirror_params, oracle, foreign = _shared(conformance, model, variant)
+        buckets = VARIANTS[variant].get("prefill_buckets")
+        describe = f"model {model}, {dtype}, prefill_buckets={buckets}"
+    else:
+        engine, mirror, mirror_params, oracle, describe = setup
+        foreign = lambda: _foreign(conformance, model)  # noqa: E731
+        # judged as the differential layer's programs are (its tolerances and overrides), recorded in this test's report
+        conformance = Context(conformance.harness, "test_differential", conformance.test_id, conformance.record)
     run = ProgramRun(conformance, engine, conformance.harness.params(engine), mirror, mirror_params, oracle, model, dtype,
                      describe, foreign)
     config = settings(
@@ -164,9 +193,10 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
     try:
         with _draws_of_the_seed_alone():
             run_state_machine_as_test(use_seed(seed)(factory), settings=config)
-        conformance.record.setdefault("statistics", {})["programs"] = {
+        at = "" if setup is None else f" ({describe})"  # an edge's programs beside the edge test's own figures
+        conformance.record.setdefault("statistics", {})["programs" + at] = {
             "seed": seed, "programs": examples, **run.counts}
-        conformance.record["statistics"]["capability pairs"] = dict(sorted(run.pairs.items()))
+        conformance.record["statistics"]["capability pairs" + at] = dict(sorted(run.pairs.items()))
         lossy = conformance.harness.option_set is not None and not conformance.harness.option_set.lossless
         # a lossy option set's streams leave the reference's at its wider near ties, so
         # fewer tokens are compared: there the pairs are reported, not required

@@ -96,12 +96,15 @@ def _greedy_rest(engine, params, prefix, steps: int) -> list[int]:
 @layer("numerics")
 class EdgeLayer:
     @pytest.mark.parametrize("model", MODEL_NAMES)
-    def test_edges(self, conformance, model):
+    def test_edges(self, conformance, model, request):
         """At each edge :func:`edges` derives from the model's parameters (window, RoPE
         original context and long-RoPE contexts below/at/above it, prefill buckets, the
         mask word at the vocabulary's end): prefill logits at each length and a greedy
         stream decoded across the edge equal a reference engine's of the same
-        configuration; masks at the word edge give their allowed ids."""
+        configuration; masks at the word edge give their allowed ids. An edge that is an
+        engine configuration of its own (the long-RoPE contexts) also runs the
+        differential layer's random programs there (``EDGE_EXAMPLES``), compared with a
+        mirror and an oracle of that configuration."""
         conformance.require_architecture(model)
         harness, dtype = conformance.harness, conformance.dtype
         caps = conformance.capabilities
@@ -120,6 +123,7 @@ class EdgeLayer:
                 eng = conformance.engine(model, dtype, variant) if variant else harness.build(build_model(model), config)
                 harness.cache[key] = (eng, ref, ref.load_params(), wide, wide.load_params())
             eng, ref, ref_params, wide, wide_params = harness.cache[key]
+            own = edge.changes and not any(changes == dict(edge.changes) for changes in VARIANTS.values())
             params = harness.params(eng)
             for n in edge.lengths:
                 prompt = conformance.prompt(n, 400 + n, model)
@@ -157,3 +161,24 @@ class EdgeLayer:
                 assert tok == want_tok, (f"model {model}, {edge.name}: a greedy prefill whose mask allows only "
                                          f"{list(allowed)} drew {tok}, the reference {want_tok} (the mask's last word: "
                                          f"bits past the vocabulary, bit 31 the sign bit of an int32 word)")
+            if own:
+                _edge_programs(conformance, request, model, edge, eng, harness.config(dtype, **dict(edge.changes)))
+
+
+def _edge_programs(conformance, request, model: str, edge: Edge, engine, config) -> None:
+    """The differential layer's programs on an edge's own engine configuration: the calls
+    the numerics above do not make there (continuations, bulk inserts, overrides, sampled
+    streams, exports) meet the edge too. Seeded by the model and the edge."""
+    from polyengine.conformance.harness import SEEDS
+    from polyengine.conformance.layer_differential import EDGE_EXAMPLES, EXAMPLES, edge_setup, run_programs
+
+    given = request.config.getoption("polyengine_differential_examples", None)
+    examples = EDGE_EXAMPLES if given is None else max(1, given * EDGE_EXAMPLES // EXAMPLES)
+    index = [e.name for e in edges(model)].index(edge.name)
+    seed = SEEDS["differential"] + 1000 + 10 * MODEL_NAMES.index(model) + index
+    rerun = f'-k "{conformance.test_id}"' + (f" --polyengine-differential-examples {given}" if given else "")
+    try:
+        run_programs(conformance, model, examples=examples, seed=seed, rerun=rerun,
+                     setup=edge_setup(conformance, model, engine, config))
+    except AssertionError as exc:
+        raise AssertionError(f"model {model}, {edge.name}: the differential layer's programs at this edge: {exc}") from None

@@ -139,11 +139,18 @@ _LOGITS = _LogitsMemo(limit=32768)
 class ReferenceOracle:
     """Float64 reference logits and token streams for one test model."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, context: int | None = None):
+        """``context``: the engine context of the configuration judged (long-RoPE picks its
+        factors by it: an edge configuration's below the original context has its own
+        logits); None for the suite's usual ones, all past any original context."""
         self.model = model
         self.eos_token_ids = tuple(model.eos_token_ids)
-        self.engine = reference_engine(model, _ORACLE_LIMITS)
+        limits = _ORACLE_LIMITS if context is None else _ORACLE_LIMITS.model_copy(
+            update={"max_cache_length": context, "max_prefill_length": min(context, _ORACLE_LIMITS.max_prefill_length)})
+        self.engine = reference_engine(model, limits)
         self.params = self.engine.load_params()
+        # the logits memo is by model and context: a context of its own keeps its own entries
+        self._memo_key = model.fingerprint if context is None else f"{model.fingerprint}@context={context}"
         self._prefixes: dict[tuple[int, ...], Prefix] = {}
 
     def clear(self) -> None:
@@ -157,7 +164,7 @@ class ReferenceOracle:
         hit = self._prefixes.get(key)
         if hit is not None:
             return hit.logits
-        known = _LOGITS.get(self.model.fingerprint, key)
+        known = _LOGITS.get(self._memo_key, key)
         if known is not None:
             return known
         return self._prefix(key).logits
@@ -171,7 +178,7 @@ class ReferenceOracle:
                 break
         prefix, _ = self.engine.prefill(params=self.params, tokens=list(key[start:]), sampling=_PROBE, existing_prefix=base)
         self._prefixes[key] = prefix
-        _LOGITS.put(self.model.fingerprint, key, prefix.logits)
+        _LOGITS.put(self._memo_key, key, prefix.logits)
         return prefix
 
     def raw_logprobs(self, tokens: Sequence[int]) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Broken backends right everywhere but at one configuration edge of a model
-(docs/conformance.md, "Edges"), each caught by ``test_edges[<model>]``. Registered with
+(docs/conformance.md, "Edges"), each caught by ``test_edges[<model>]`` (one of them by the
+differential layer's programs it runs at an edge configuration). Registered with
 the others by tests/broken_backends.py."""
 
 from __future__ import annotations
@@ -31,6 +32,23 @@ class LongRopeAlwaysLongEngine(ReferenceEngine):
             context = max(self.max_cache_length, 4 * self.model.config.max_position_embeddings)
             self._params = ReferenceParams.from_model(self.model, self.np_dtype, context=context)
         return self._params
+
+
+class LongRopeContinuationEngine(ReferenceEngine):
+    """A continuation (``prefill(existing_prefix=...)``) rotates its new tokens with the
+    long-RoPE long factors whatever the engine's context: right wherever the context
+    exceeds the original one (the suite's 64, and c0 + 1), wrong at or below it. The edge
+    numerics prefill and decode without continuing a prefix: only the differential
+    layer's programs at the edge configurations meet it."""
+
+    def prefill(self, *, params, tokens, sampling, existing_prefix=None, token_mask=None):
+        if existing_prefix is not None:
+            if getattr(self, "_long", None) is None:
+                context = max(self.max_cache_length, 4 * self.model.config.max_position_embeddings)
+                self._long = ReferenceParams.from_model(self.model, self.np_dtype, context=context)
+            params = self._long
+        return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix,
+                               token_mask=token_mask)
 
 
 class MaskSignBitEngine(ReferenceEngine):
@@ -69,12 +87,15 @@ _EDGES = "test_edges and "
 EDGE_BROKEN = {
     "broken_window_edge": WindowOneLongEngine,
     "broken_longrope_context": LongRopeAlwaysLongEngine,
+    "broken_longrope_continuation": LongRopeContinuationEngine,
     "broken_mask_sign_bit": MaskSignBitEngine,
     "broken_bucket_edge": BucketEdgeEngine,
 }
 EDGE_CAUGHT_BY = {
     "broken_window_edge": (_EDGES + "mistral", "test_edges[mistral]", "window 5"),
     "broken_longrope_context": (_EDGES + "phi3", "test_edges[phi3]", "longrope: context 31 vs original 32"),
+    "broken_longrope_continuation": (_EDGES + "phi3", "test_edges[phi3]",
+                                     "longrope: context 31 vs original 32: the differential layer's programs at this edge"),
     "broken_mask_sign_bit": (_EDGES + "mha_tied", "test_edges[mha_tied]", "vocabulary 256"),
     "broken_bucket_edge": (_EDGES + "mha_tied", "test_edges[mha_tied]", "prefill buckets (8, 16, 24)"),
 }

@@ -371,10 +371,17 @@ class SpeculativeEngine(ReferenceEngine):
 # draw is the reference's own (their differential layer compares each sampled token with the
 # oracle's stream, and fails on any other), so the sampler layer's 1000-draw statistics on
 # them are the reference's, which its whole-suite run checks (tests/test_conformance_cli.py).
-# Their runs leave those two tests out; the rounded variants, the speculative one (several
-# tokens per step) and the restricted one run them.
+# Their runs leave those two tests out; the rounded variants and the restricted one run them.
+# The speculative one is among them: its first token of every step is the reference's own
+# draw (ReferenceEngine.generate on the same rows), and the sampler layer reads that one.
 SAME_DRAWS = frozenset({"honest_left_pad", "honest_permuted", "honest_async", "honest_no_logprobs", "honest_kv_pool",
-                        "honest_donated"})
+                        "honest_donated", "honest_speculative"})
+
+# The variants whose outputs may depend on the prefill buckets (EngineConfig.prefill_buckets):
+# the padding one. The others leave the default model's bucket configurations of the
+# differential layer to the reference's and the built-in backends' runs
+# (tests/test_conformance_honest.py).
+BUCKET_AWARE = frozenset({"honest_left_pad"})
 
 HONEST: dict[str, type] = {
     "honest_float32": Float32Engine,

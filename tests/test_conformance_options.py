@@ -103,7 +103,7 @@ def test_runner_options_and_declared_sets():
         parse_option("int8")
     assert option_runs(select_backend("cuda_torch"), argparse.Namespace(option=None, option_sets="none")) == [()]
     args = argparse.Namespace(option=None, option_sets="declared")
-    for name in ("cuda_torch", "neuron"):
+    for name in ("cuda_torch", "neuron", "tpu_jax"):
         info = select_backend(name)
         declared = option_sets(info.spec.tolerances)
         assert declared, f"{name} declares no option set"
