@@ -78,7 +78,8 @@ SKIPS: list[tuple[str, str]] = [
     (r"^python benchmarks/scripts/|^/usr/bin/time", "a benchmark script: minutes"),
     (r"--replicas", "starts a Ray cluster (tests/test_serving_ray.py)"),
 ]
-SERVER = re.compile(r"^(polyengine serve|python -m polyengine\.serving)\b")
+# (after any VAR=value assignments of the environment it runs in)
+SERVER = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(polyengine serve|python -m polyengine\.serving)\b")
 # The README's set-up-and-run lines: the venv and installs are this environment; what follows them runs.
 SETUP = re.compile(r"^python3 -m venv \.venv && (?:\.venv/bin/pip install [^&]+&& )+(?P<rest>.+)$")
 
@@ -205,7 +206,9 @@ class _Server:
 
     def __init__(self, cmd: str, cwd: Path):
         self.log = cwd / f"server-{time.monotonic_ns()}.log"
-        self.proc = subprocess.Popen(["bash", "-c", f"exec {cmd} --port 0"], cwd=cwd, env=_env(),
+        # without its comment (a comment would swallow the port), through env (which takes
+        # the VAR=value assignments that may lead it, where exec does not)
+        self.proc = subprocess.Popen(["bash", "-c", f"exec env {code_of(cmd)} --port 0"], cwd=cwd, env=_env(),
                                      stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
         self.address = self._wait()
 
