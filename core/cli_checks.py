@@ -29,7 +29,7 @@ def check_before_loading(model: Any, *, backend: str, options: Mapping[str, Any]
     if context_length is not None and context_length < 2:
         raise InvalidRequest(f"--context-length must be at least 2 (prompt + completion tokens), got {context_length}")
     info = select_backend(backend)  # an unknown or unavailable backend, with every backend's reason
-    if options:
+    if options and info.spec.options is not None:  # a spec naming no table: the engine checks them when built
         try:
             check_options(info.option_table(), options, backend=info.name)
         except InvalidRequest as exc:

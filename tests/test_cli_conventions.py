@@ -145,6 +145,11 @@ def test_options_context_length_and_tokenizer_are_checked_before_loading(monkeyp
     if _has_torch():  # a value the cpu backend's table refuses (its probe needs torch installed)
         assert main([*GEN, "--backend", "cpu", "--option", "isa=avx9", "hi"]) == 1
         assert "--option: option isa='avx9' of backend 'cpu': use one of" in capsys.readouterr().err
+        # a backend whose spec names no option table: its engine checks them when built
+        with pytest.raises(AssertionError, match="weights were loaded"):
+            main([*GEN, "--backend", "neuron", "--option", "seq_buckets=[8]", "hi"])
+    with pytest.raises(AssertionError, match="weights were loaded"):  # the reference's own option passes
+        main([*GEN, "--option", "page_size=16", "hi"])
     assert main([*GEN, "--context-length", "4096", "hi"]) == 1
     assert "--context-length 4096 exceeds this model's 512 positions" in capsys.readouterr().err
     folder = tmp_path / "hf"

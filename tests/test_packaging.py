@@ -54,10 +54,11 @@ def test_every_backend_folder_is_packaged_and_registered():
 
 def test_extras_ship_with_their_backends():
     """An extra exists only beside the backend (or command, or core feature) it installs:
-    ``structured`` is the grammar engine the driver imports for a constrained request."""
+    ``structured`` is the grammar engine the driver imports for a constrained request,
+    ``hub`` the client the loader imports for a model named on the Hugging Face Hub."""
     extras = set(_pyproject()["project"]["optional-dependencies"])
     backends = {p.name for p in (ROOT / "backends").iterdir() if (p / "plugin.py").exists()}
-    known = {"test", "all", "serve", "conformance", "structured"} | {"cuda" if b == "cuda_torch" else "tpu" if b == "tpu_jax" else b for b in backends}
+    known = {"test", "all", "serve", "conformance", "structured", "hub"} | {"cuda" if b == "cuda_torch" else "tpu" if b == "tpu_jax" else b for b in backends}
     assert extras <= known, f"extras without their backend: {sorted(extras - known)}"
 
 

@@ -56,14 +56,19 @@ class ReferenceDecodeState:
         return self.slots.is_occupied(slot)
 
 
+# The engine's options (also the plugin spec's table: `backends --verbose`, the CLI's
+# checks before the weights load).
+OPTIONS = {
+    "page_size": Option(0, "K/V pages of this many positions (0: one contiguous cache per slot)",
+                        minimum=0, maximum=4096),
+    "kv_pages": Option(0, "with page_size: the pages the K/V of slots and prefixes share (0: as many as they "
+                          "use); the driver admits requests by free pages", minimum=0),
+}
+
+
 class ReferenceEngine(EngineBase):
     name = "reference"
-    OPTIONS = {
-        "page_size": Option(0, "K/V pages of this many positions (0: one contiguous cache per slot)",
-                            minimum=0, maximum=4096),
-        "kv_pages": Option(0, "with page_size: the pages the K/V of slots and prefixes share (0: as many as they "
-                              "use); the driver admits requests by free pages", minimum=0),
-    }
+    OPTIONS = OPTIONS
 
     def __init__(self, model: Model, config: EngineConfig):
         super().__init__(model, config, device="cpu (NumPy)")

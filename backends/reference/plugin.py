@@ -25,6 +25,7 @@ def polyengine_backends():
             factory="polyengine.backends.reference.engine:create_engine",
             diagnose="polyengine.backends.reference.engine:diagnose",
             weight_formats="polyengine.models.blocks:FORMATS",  # every one, dequantized exactly at load
+            options="polyengine.backends.reference.engine:OPTIONS",
             extra=None,
             priority=0,
             accelerator=None,
