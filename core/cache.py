@@ -121,6 +121,13 @@ def config_root() -> Path:
     return _homeless("config") if base is None else base / "polyengine"
 
 
+def state_root() -> Path:
+    """``$XDG_STATE_HOME/polyengine``, else ``~/.local/state/polyengine``, else (no home)
+    ``<tmp>/polyengine-<uid>/state``: what a user's sessions leave (chat's history)."""
+    base = _xdg("XDG_STATE_HOME", ".local/state")
+    return _homeless("state") if base is None else base / "polyengine"
+
+
 def _problem(path: Path, st: os.stat_result, *, sticky_ok: bool) -> str | None:
     uid = os.geteuid()
     if st.st_uid not in (uid, 0):

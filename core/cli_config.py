@@ -46,9 +46,11 @@ def env_name(flag: str) -> str:
 
 
 def config_path(command: str) -> Path:
-    """The default config file of ``command``: ``<user config dir>/polyengine/<command>.toml``."""
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "polyengine" / f"{command}.toml"
+    """The default config file of ``command``: ``<user config dir>/polyengine/<command>.toml``
+    (:func:`polyengine.cache.config_root`, absolute even without a home)."""
+    from polyengine.cache import config_root
+
+    return config_root() / f"{command}.toml"
 
 
 def add_config_arg(p: argparse.ArgumentParser, command: str, *, exclude: Sequence[str] = ()) -> None:

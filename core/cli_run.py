@@ -320,11 +320,10 @@ MAX_PROMPT_FILE_BYTES = 16 * 2**20  # far past any context; a bound on what --fi
 
 def history_path() -> Path:
     """Where chat keeps the lines typed at a terminal: $XDG_STATE_HOME/polyengine/
-    chat_history, else ~/.local/state/polyengine/chat_history."""
-    import os
+    chat_history, else ~/.local/state/polyengine/chat_history (:func:`polyengine.cache.state_root`)."""
+    from polyengine.cache import state_root
 
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "polyengine" / "chat_history"
+    return state_root() / "chat_history"
 
 
 class ChatInput:
