@@ -50,16 +50,8 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(n: float) -> str:
-    unit = "B"
-    for bigger in ("KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            break
-        n, unit = n / 1024, bigger
-    return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
-
-
 def _cmd_models(args: argparse.Namespace) -> int:
+    from polyengine.memory import gib
     from polyengine.models.hub import cached_models
 
     rows = list(cached_models())
@@ -71,7 +63,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
         print("no models in the Hugging Face cache yet (`polyengine pull ORG/NAME` fetches one)", file=sys.stderr)
         return 0
     table = [(r["repo"], ",".join(r["refs"]) or r["commit"][:12], r["format"],
-              _size(r["size_bytes"]), " ".join(r["names"]) or "(no loadable files)") for r in rows]
+              gib(r["size_bytes"]), " ".join(r["names"]) or "(no loadable files)") for r in rows]
     headers = ("repo", "revision", "format", "size", "load with --model")
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers[:-1])]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths)) + "  " + headers[-1])
