@@ -186,6 +186,28 @@ class PrefixLayer:
         conformance.within("logits_rel_l2", rel_l2(tail.host_logits(), oracle.logits(whole)), conformance.dtype,
                            DEFAULT_MODEL, what="logits of a truncated prefix continued to the whole prompt vs the reference")
 
+    def test_embed(self, conformance):
+        """embed (capability embeddings) returns the prompt's hidden states after the final
+        norm, one row per token, as the reference computes them, and changes no prefix;
+        undeclared, the method raises UnsupportedFeature or is absent."""
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        tokens = conformance.prompt(9, 97)
+        if not eng.capabilities.embeddings:
+            if callable(getattr(eng, "embed", None)):
+                with pytest.raises(UnsupportedFeature):
+                    eng.embed(params=d.params, tokens=tokens)
+            return
+        prefix, _ = d.prefill(tokens, conformance.sampling(97))
+        made = prefix.host_logits().copy()
+        hidden = np.asarray(eng.embed(params=d.params, tokens=tokens), dtype=np.float64)
+        oracle = conformance.oracle()
+        want = oracle.engine.embed(params=oracle.params, tokens=tokens)
+        assert hidden.shape == want.shape, f"embed: hidden states of shape {hidden.shape}, expected {want.shape}"
+        assert np.array_equal(prefix.host_logits(), made), "embed: a prefix changed under it"
+        conformance.within("logits_rel_l2", rel_l2(hidden, want), conformance.dtype, DEFAULT_MODEL,
+                           what="hidden states after the final norm (embed) vs the reference's")
+
     def test_page_rules(self, conformance):
         """docs/design.md, "Pages", on an engine that declares page_size: inserting shares
         pages, a shared page is copied before a write, free releases only the slot's
