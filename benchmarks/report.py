@@ -219,7 +219,7 @@ def builds(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         for b in (r.get("details") or {}).get("engine_builds") or []:
             slots, prefill, cache = b["shape"]
-            line = f"  {r['row']} [{slots} slots, prefill {prefill}, cache {cache}]: built in {b['seconds']:.2f} s"
+            line = f"  {r['row']} [{slots} slot{'s' if slots != 1 else ''}, prefill {prefill}, cache {cache}]: built in {b['seconds']:.2f} s"
             compiled = [c for c in b.get("compile") or [] if c.get("source") == "compiled"]
             cached = [c for c in b.get("compile") or [] if c.get("source") != "compiled"]
             if compiled:

@@ -175,7 +175,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             if r["weights"]:
                 print(f"  weight formats: {r['weights']}")
         if r["options"]:
-            print(f"  options (--option KEY=VALUE):")
+            print("  options (--option KEY=VALUE):")
             for o in r["options"]:
                 print(f"    {o['name']}={o['default']!r}: {o['help']}")
     return 0

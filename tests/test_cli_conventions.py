@@ -145,9 +145,11 @@ def test_options_context_length_and_tokenizer_are_checked_before_loading(monkeyp
     if _has_torch():  # a value the cpu backend's table refuses (its probe needs torch installed)
         assert main([*GEN, "--backend", "cpu", "--option", "isa=avx9", "hi"]) == 1
         assert "--option: option isa='avx9' of backend 'cpu': use one of" in capsys.readouterr().err
-        # a backend whose spec names no option table: its engine checks them when built
+        # neuron's table lives in a torch-free module too: its own options pass, others are refused early
         with pytest.raises(AssertionError, match="weights were loaded"):
             main([*GEN, "--backend", "neuron", "--option", "seq_buckets=[8]", "hi"])
+        assert main([*GEN, "--backend", "neuron", "--option", "isa=avx2", "hi"]) == 1
+        assert "--option: unknown option(s) ['isa'] for backend 'neuron'" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="weights were loaded"):  # the reference's own option passes
         main([*GEN, "--option", "page_size=16", "hi"])
     assert main([*GEN, "--context-length", "4096", "hi"]) == 1

@@ -57,9 +57,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as pytree
 
+from polyengine.backends.neuron.options import COMPILERS
+
 __all__ = ["COMPILERS", "CompiledGraph", "compile_graph", "load_graph", "compiler_version", "COUNTS"]
 
-COMPILERS = ("inductor", "neuronx")
 # Inductor inlines a pointwise chain into every consumer until it has 50 ops (on the
 # CPU). The sampler's Threefry stream is a chain of some 300 integer ops read by several
 # reductions (the Gumbel argmax, the top-p sort), so inlined it was generated again and

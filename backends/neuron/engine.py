@@ -30,7 +30,6 @@ by the prefill's K/V through an insert model. The engine's calls are the same.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -39,7 +38,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Option, Prefix, ResultTokens
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
@@ -55,7 +54,8 @@ from polyengine.backends.torch_common.state import TorchSlotsEngine, host_array
 from polyengine.backends.neuron import plugin
 from polyengine.backends.neuron.buckets import Buckets
 from polyengine.backends.neuron.cache import ArtifactCache, GraphKey, default_cache_dir
-from polyengine.backends.neuron.compile import COMPILERS, CompiledGraph
+from polyengine.backends.neuron.compile import CompiledGraph
+from polyengine.backends.neuron.options import OPTIONS
 from polyengine.backends.neuron.graphs import ContextContinuation, ContextEncoding, TokenGeneration, result_layout
 from polyengine.backends.neuron.nxd import DeviceGraphs
 from polyengine.backends.neuron.speculation import Acceptance, draft_config, draft_weights
@@ -66,29 +66,9 @@ __all__ = ["NeuronEngine", "create_engine"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _absolute(path: str) -> str | None:
-    """A cache folder is absolute: a relative one would follow the working directory."""
-    return None if not path or os.path.isabs(os.path.expanduser(path)) else "must be an absolute path (or '')"
-
-
 class NeuronEngine(TorchSlotsEngine, EngineBase):
     name = "neuron"
-    OPTIONS = {
-        "compiler": Option("auto", "'inductor' (CPU compile path), 'neuronx' (Neuron devices), 'auto': neuronx where usable",
-                           choices=("auto",) + COMPILERS),
-        "cache_dir": Option("", "compiled graphs; '' = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron",
-                            check=_absolute),
-        "batch_buckets": Option((), "seq_ids per token-generation step; () = (max_slots,)"),
-        "seq_buckets": Option((), "attended cache positions per step; () = see buckets.py"),
-        # 1 = plain decoding, the default: measured faster with the built-in draft (docs/neuron.md)
-        "speculation": Option(1, "tokens per step: 1 = plain decoding, k in 2..8 = k - 1 drafts of the truncated "
-                                 "target verified per step", minimum=1, maximum=8),
-        "draft_layers": Option(0, "the draft = the target's first draft_layers layers; 0 = half of them", minimum=0),
-        "async_steps": Option(True, "run steps on a worker thread; the caller reads step n while n+1 runs"),
-        "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
-        "tp_degree": Option(1, "NeuronCores the model is split over (tensor parallel, as NxD splits it); neuronx only",
-                            minimum=1),
-    }
+    OPTIONS = OPTIONS
     slot_type = NeuronSlot
 
     def __init__(self, model: Model, config: EngineConfig):

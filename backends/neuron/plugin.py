@@ -77,5 +77,6 @@ def polyengine_backends():
             accelerator_priority=100,
             tolerances="polyengine.backends.neuron:conformance.toml",
             weight_formats="polyengine.backends.neuron.plugin:WEIGHT_FORMATS",
+            options="polyengine.backends.neuron.options:OPTIONS",
         )
     ]

@@ -1,0 +1,37 @@
+"""The neuron backend's options (imports no torch: read by ``polyengine backends
+--verbose`` and by the CLI's early ``--option`` checks without starting torch or a
+compiler). The engine (:mod:`polyengine.backends.neuron.engine`) uses this table."""
+
+from __future__ import annotations
+
+import os
+
+from polyengine.engine import Option
+
+__all__ = ["COMPILERS", "OPTIONS"]
+
+# The graph compilers: Inductor on the CPU compile path, neuronx on Neuron devices.
+COMPILERS = ("inductor", "neuronx")
+
+
+def _absolute(path: str) -> str | None:
+    """A cache folder is absolute: a relative one would follow the working directory."""
+    return None if not path or os.path.isabs(os.path.expanduser(path)) else "must be an absolute path (or '')"
+
+
+OPTIONS = {
+    "compiler": Option("auto", "'inductor' (CPU compile path), 'neuronx' (Neuron devices), 'auto': neuronx where usable",
+                       choices=("auto",) + COMPILERS),
+    "cache_dir": Option("", "compiled graphs; '' = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron",
+                        check=_absolute),
+    "batch_buckets": Option((), "seq_ids per token-generation step; () = (max_slots,)"),
+    "seq_buckets": Option((), "attended cache positions per step; () = see buckets.py"),
+    # 1 = plain decoding, the default: measured faster with the built-in draft (docs/neuron.md)
+    "speculation": Option(1, "tokens per step: 1 = plain decoding, k in 2..8 = k - 1 drafts of the truncated "
+                             "target verified per step", minimum=1, maximum=8),
+    "draft_layers": Option(0, "the draft = the target's first draft_layers layers; 0 = half of them", minimum=0),
+    "async_steps": Option(True, "run steps on a worker thread; the caller reads step n while n+1 runs"),
+    "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
+    "tp_degree": Option(1, "NeuronCores the model is split over (tensor parallel, as NxD splits it); neuronx only",
+                        minimum=1),
+}
