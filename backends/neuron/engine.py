@@ -128,6 +128,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             # continuation graphs (ContextContinuation) on the CPU compile path; the NxD
             # program has no continuation model yet, so the Neuron path refuses existing_prefix
             prefix_reuse=self.compiler != "neuronx",
+            # the kit's cut (a portable prefix's head, continued by its last token) needs
+            # the continuation graphs too
+            prefix_truncate=self.compiler != "neuronx",
         )
 
     @staticmethod
