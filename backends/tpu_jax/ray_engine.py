@@ -371,6 +371,7 @@ class RayTpuEngine(EngineBase):
         return Capabilities(
             dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True, token_masks=True,
+            prefix_truncate=True,  # the kit's cut through export/import, as the workers' own engines do it
             weight_formats=WEIGHT_FORMATS,  # the workers' engines compute on them (docs/tpu_jax.md)
         )
 
