@@ -1,0 +1,197 @@
+"""The driver's block manager on a bounded K/V page pool (the paged reference's
+``kv_pages``): admission by the pages a request needs now, preemption by recompute when
+a step would run out, the page metrics, and a prefix cache that counts shared pages once.
+
+Every workload runs twice, on a bounded pool and on an unbounded one, with fixed seeds:
+tokens, log-probs, finish reasons and every streamed delta must be equal (a preempted
+request's completion is replayed as forced tokens, so the sampler's state, and with it
+the seeded stream, is the one it had). Tiny random models: a few seconds each.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from polyengine import SamplingParams
+from polyengine.driver import LLM
+from polyengine.driver.prefix_cache import PrefixCache
+from polyengine.errors import InvalidRequest
+from polyengine.models import load_model
+from polyengine.sampling.params import StructuredOutput
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model("random:tiny-gqa")
+
+
+def _run(llm: LLM, work: list[tuple[object, SamplingParams]]) -> tuple[list, dict]:
+    """Submit every request at once and step to the end; per request its outputs and its
+    streamed deltas, and what the run saw: the most requests running at once, pages held."""
+    reqs = [llm.submit(p, sp) for p, sp in work]
+    pool, seen = llm.engine.pages, {"running": 0, "held": 0}
+    while not all(r.done for r in reqs):
+        llm.step()
+        seen["running"] = max(seen["running"], len({id(r) for r, _ in llm.scheduler._slots.values()}))
+        seen["held"] = max(seen["held"], pool.held)
+    out = []
+    for r in reqs:
+        c = r.completion
+        deltas = [(d.index, d.text, list(d.token_ids), d.finish_reason, d.logprobs, d.top_logprobs) for d in r.events]
+        outs = [(o.token_ids, o.logprobs, o.top_logprobs, o.finish_reason, o.stop_reason, o.text, o.forced)
+                for o in c.outputs]
+        out.append((outs, deltas))
+        for o in c.outputs:  # each token streamed exactly once
+            assert [t for d in deltas if d[0] == o.index for t in d[2]] == o.token_ids
+    return out, seen
+
+
+def test_requests_are_admitted_by_the_pages_they_need_now(tiny):
+    """40 pages of 4 positions; eight requests of 8-10 prompt tokens that may write 80
+    tokens (a worst case of 24 pages each: reserving it, one would run at a time) and
+    stop after 6. Admitted by the pages they need now, seven run at once; none is
+    preempted, and the outputs equal an unbounded pool's."""
+    kw = dict(backend="reference", tools=False, max_slots=8, max_prefill_length=60, max_cache_length=96)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 280, int(rng.integers(8, 11))).tolist() for _ in range(8)]
+    sp = SamplingParams(temperature=1.0, seed=1, max_tokens=80, stop_token_ids=list(range(200, 288, 3)))
+    bounded = LLM(tiny, options={"page_size": 4, "kv_pages": 40}, **kw)
+    assert bounded.scheduler.prepare(prompts[0], sp).pages == 24  # the worst case: 40 pages hold one
+    got, seen = _run(bounded, [(p, sp) for p in prompts])
+    want, _ = _run(LLM(tiny, options={"page_size": 4}, **kw), [(p, sp) for p in prompts])
+    assert got == want
+    assert seen["running"] >= 7 and seen["held"] <= 40
+    assert bounded.page_stats["preemptions"] == 0
+
+
+def _preempting(tiny_text, **extra):
+    kw = dict(backend="reference", tools=False, max_slots=4, max_prefill_length=32, max_cache_length=64,
+              prefill_chunk=4, **extra)
+    return (LLM(tiny_text, options={"page_size": 4, "kv_pages": 17}, **kw),
+            LLM(tiny_text, options={"page_size": 4}, **kw))
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 9},
+                                           "c": {"enum": ["x", "y"]}},
+          "required": ["n", "c"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_text():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_model("random:tiny")
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded", "n2", "stop", "schema"])
+def test_preempted_requests_are_recomputed_to_the_unbounded_output(tiny_text, case):
+    """17 pages of 4 positions (one 64-token context and a page) for four requests that
+    grow to 30-45 positions each: the newest is preempted again and again, re-prefilled
+    (in chunks of 4) and its completion replayed. Greedy; seeded with penalties, min_tokens
+    and top log-probs; n=2; a stop string; a JSON schema: every output and streamed delta
+    equals the unbounded pool's, and pages never exceed the pool."""
+    prompts = ["the quick brown fox", "a b c d e f", "hello there, general", "zzz yyy"]
+    base = dict(max_tokens=28, ignore_eos=True, logprobs=True)
+    sps = {
+        "greedy": [SamplingParams(temperature=0, **base)] * 4,
+        "seeded": [SamplingParams(temperature=0.9, seed=5 + i, top_k=40, presence_penalty=0.5,
+                                  frequency_penalty=0.3, repetition_penalty=1.1, min_tokens=4, top_logprobs=2, **base)
+                   for i in range(4)],
+        "n2": [SamplingParams(temperature=0.8, seed=9, n=2, max_tokens=10, ignore_eos=True, logprobs=True)] * 4,
+        "stop": [SamplingParams(temperature=1.0, seed=11 + i, **base) for i in range(4)],
+        "schema": [SamplingParams(temperature=1.0, seed=3 + i, max_tokens=40,
+                                  structured=StructuredOutput(json_schema=SCHEMA)) for i in range(4)],
+    }[case]
+    bounded, free = _preempting(tiny_text)
+    if case == "stop":  # a stop string that first occurs late in each unbounded completion
+        texts = [c.text for c in free.generate(prompts, sps)]
+        stops = [next(t[i: i + 2] for i in range(len(t) * 2 // 3, len(t) - 1) if t.find(t[i: i + 2]) == i)
+                 for t in texts]
+        sps = [sp.replace(stop=[stop]) for sp, stop in zip(sps, stops)]
+    work = list(zip(prompts, sps))
+    got, seen = _run(bounded, work)
+    want, _ = _run(free, work)
+    assert got == want
+    assert bounded.page_stats["preemptions"] > 0 and seen["held"] <= 17
+    if case == "stop":
+        assert all(o[3] == "stop" and isinstance(o[4], str) for outs, _ in got for o in outs)
+    if case == "schema":
+        import json
+
+        assert all(o[3] == "stop" and json.loads(o[5]).keys() == {"n", "c"} for outs, _ in got for o in outs)
+
+
+def test_a_request_that_cannot_fit_alone_is_refused_at_submit(tiny_text):
+    bounded, _ = _preempting(tiny_text)
+    with pytest.raises(InvalidRequest, match="pool holds 17") as err:
+        bounded.submit("hello", SamplingParams(n=2, max_tokens=40))
+    assert err.value.field == "max_tokens"
+    bounded.submit("hello", SamplingParams(max_tokens=40))  # 1 sample: fits alone
+
+
+def test_page_metrics_count_pages_and_preemptions(tiny_text):
+    """The LLM's page_stats and the server's /metrics report the pool's pages and the
+    preemptions; an engine without pages reports zeros."""
+    bounded, free = _preempting(tiny_text)
+    assert bounded.page_stats == {"total": 17, "free": 17, "in_use": 0, "shared": 0, "preemptions": 0}
+    reqs = [bounded.submit(p, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
+            for p in ["the quick brown fox", "a b c d e f", "hello there, general", "zzz yyy"]]
+    saw_shared = 0
+    while not all(r.done for r in reqs):
+        bounded.step()
+        st = bounded.page_stats
+        assert st["in_use"] + st["free"] == 17 and st["in_use"] == bounded.engine.pages.held
+        saw_shared = max(saw_shared, st["shared"])
+    assert saw_shared > 0  # slots share their prompt's full pages with the cached prefix
+    assert bounded.page_stats["preemptions"] == sum(r.preemptions for r in reqs) > 0
+    flat = LLM(tiny_text, backend="reference", tools=False, max_slots=1, max_cache_length=32)
+    assert flat.page_stats == {"total": 0, "free": 0, "in_use": 0, "shared": 0, "preemptions": 0}
+
+
+def test_the_server_exports_page_metrics(tiny_text):
+    pytest.importorskip("prometheus_client")
+    from serving.metrics import Metrics
+
+    bounded, _ = _preempting(tiny_text)
+
+    class Watched:  # what Metrics.watch reads of an AsyncLLM
+        num_waiting = num_running = 0
+        prefix_cache = bounded.scheduler.prefix_cache
+        page_stats = property(lambda self: bounded.page_stats)
+
+    metrics = Metrics()
+    metrics.watch(Watched())
+    bounded.scheduler.preemptions = 3
+    text = metrics.render().decode()
+    for line in ("polyengine_kv_pages_total 17.0", "polyengine_kv_pages_free 17.0", "polyengine_kv_pages_in_use 0.0",
+                 "polyengine_kv_pages_shared 0.0", "polyengine_preemptions_total 3.0"):
+        assert line in text, text
+
+
+def test_the_prefix_cache_counts_a_shared_page_once(tiny):
+    """Two entries, the second extending the first, share its full pages: the paged cache
+    counts them once (the first's 3 pages and the second's 2 more), where counting whole
+    entries would count 8; a budget of 5 pages holds both."""
+    kw = dict(backend="reference", tools=False, max_slots=2, max_prefill_length=60, max_cache_length=96)
+    llm = LLM(tiny, options={"page_size": 4}, **kw)
+    eng, params = llm.engine, llm.scheduler.params
+    page = eng.kv_bytes(4)
+    cache = llm.scheduler.prefix_cache
+    assert cache._pages_of is not None
+    sp = SamplingParams(temperature=0)
+    first, _ = eng.prefill(params=params, tokens=list(range(3, 15)), sampling=sp)  # 12 positions: 3 pages
+    second, _ = eng.prefill(params=params, tokens=list(range(15, 23)), sampling=sp, existing_prefix=first)  # 20: 5
+    paged = PrefixCache(5 * page, pages_of=lambda p: eng.prefix_pages(p).pages, page_bytes=page)
+    whole = PrefixCache(5 * page)
+    for c in (paged, whole):
+        c.insert(first)
+        c.insert(second)
+    assert len(paged) == 2 and paged.stats.bytes == 5 * page and paged.stats.evictions == 0
+    assert len(whole) == 1 and whole.stats.evictions == 1  # whole entries: 3 + 5 pages do not fit 5
+    assert paged.evict_next() and paged.stats.bytes == 5 * page  # the first's pages stay with the second
+    assert paged.evict_next() and paged.stats.bytes == 0 and not paged.evict_next()
