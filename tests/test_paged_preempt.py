@@ -69,9 +69,9 @@ def test_requests_are_admitted_by_the_pages_they_need_now(tiny):
     assert bounded.page_stats["preemptions"] == 0
 
 
-def _preempting(tiny_text, **extra):
+def _preempting(tiny_text, chunk=4):
     kw = dict(backend="reference", tools=False, max_slots=4, max_prefill_length=32, max_cache_length=64,
-              prefill_chunk=4, **extra)
+              prefill_chunk=chunk)
     return (LLM(tiny_text, options={"page_size": 4, "kv_pages": 17}, **kw),
             LLM(tiny_text, options={"page_size": 4}, **kw))
 
@@ -124,6 +124,33 @@ def test_preempted_requests_are_recomputed_to_the_unbounded_output(tiny_text, ca
         import json
 
         assert all(o[3] == "stop" and json.loads(o[5]).keys() == {"n", "c"} for outs, _ in got for o in outs)
+
+
+def test_a_request_preempted_during_its_chunked_prefill_starts_again_under_its_grammar(tiny_text):
+    """The newest request may be preempted while its prompt is prefilled in pieces (it
+    holds the pages of the pieces done): it is prefilled again from the start and its
+    first token is drawn under its grammar's mask, as without the preemption."""
+    bounded, free = _preempting(tiny_text, chunk=2)
+    work = [("ab", SamplingParams(temperature=0.9, seed=1, max_tokens=20, ignore_eos=True)),
+            ("the cat sat on a mat, hat", SamplingParams(temperature=1.0, seed=4, max_tokens=24,
+                                                         structured=StructuredOutput(json_schema=SCHEMA)))]
+    sched = bounded.scheduler
+    reqs = [bounded.submit(*work[0])]
+    bounded.step()  # the first one decodes: the second one's prompt is prefilled 2 tokens a step
+    reqs.append(bounded.submit(*work[1]))
+    for _ in range(4):
+        bounded.step()
+    assert sched._filling is not None and sched._filling[0] is reqs[1] and sched._filling[1].done == 8
+    held = bounded.engine.pages.held
+    sched._preempt(reqs[1])  # what _make_step_room does to the newest request when a step would run out
+    assert sched._queue[0] is reqs[1] and reqs[1].status == "queued" and bounded.engine.pages.held < held
+    while not all(r.done for r in reqs):
+        bounded.step()
+    got = [[(o.token_ids, o.logprobs, o.top_logprobs, o.finish_reason, o.stop_reason, o.text, o.forced)
+            for o in r.completion.outputs] for r in reqs]
+    want = [[(o.token_ids, o.logprobs, o.top_logprobs, o.finish_reason, o.stop_reason, o.text, o.forced)
+             for o in free.generate([p], sp)[0].outputs] for p, sp in work]
+    assert got == want and bounded.page_stats["preemptions"] == 1
 
 
 def test_a_request_that_cannot_fit_alone_is_refused_at_submit(tiny_text):

@@ -423,8 +423,9 @@ class Scheduler:
     def _make_step_room(self) -> None:
         """Before a ``generate`` on a bounded page pool: while the slots' next writes do not
         fit the free pages (after the prefix cache gave back what it can), preempt the most
-        recently admitted request. The last one is never preempted (its worst case fits
-        the pool: checked at submit); the engine refuses then, typed."""
+        recently admitted request. With one request left nothing is preempted: its worst
+        case fits the pool (checked at submit), so its step fits once the cache gave
+        back what it holds."""
         while not self.prefiller.make_room(self._step_pages()):
             admitted = {id(r): r for r, _ in self._slots.values()}
             if self._filling is not None:
@@ -489,7 +490,7 @@ class Scheduler:
         served: no overtaking); whether one started."""
         while self._queue and len(self.free_slots) >= self._queue[0].sampling.n and self._pages_free(self._queue[0]):
             req = self._queue.popleft()
-            resumed = req.preemptions > 0  # its first tokens are replayed, not drawn: no mask for them
+            resumed = any(s.out.token_ids for s in req.samples)  # its first tokens are replayed: no mask
             try:
                 mask = None
                 if req.samples[0].grammar is not None and not resumed:  # every sample's grammar starts the same
