@@ -181,23 +181,32 @@ def test_page_metrics_count_pages_and_preemptions(tiny_text):
 
 
 def test_the_server_exports_page_metrics(tiny_text):
+    """Through AsyncLLM (what the server serves), a preempting workload streams the
+    unbounded pool's tokens, and /metrics reports the pages and the preemptions."""
+    import asyncio
+
     pytest.importorskip("prometheus_client")
+    from polyengine.driver import AsyncLLM
     from serving.metrics import Metrics
 
-    bounded, _ = _preempting(tiny_text)
+    bounded, free = _preempting(tiny_text)
+    prompts = ["the quick brown fox", "a b c d e f", "hello there, general", "zzz yyy"]
+    sp = SamplingParams(temperature=0.9, seed=2, max_tokens=28, ignore_eos=True)
+    want = [c.token_ids for c in free.generate(prompts, sp)]
 
-    class Watched:  # what Metrics.watch reads of an AsyncLLM
-        num_waiting = num_running = 0
-        prefix_cache = bounded.scheduler.prefix_cache
-        page_stats = property(lambda self: bounded.page_stats)
+    async def main():
+        async with AsyncLLM.from_llm(bounded) as llm:
+            metrics = Metrics()
+            metrics.watch(llm)
+            done = await asyncio.gather(*(llm.generate(p, sp) for p in prompts))
+            return [c.token_ids for c in done], metrics.render().decode(), llm.page_stats
 
-    metrics = Metrics()
-    metrics.watch(Watched())
-    bounded.scheduler.preemptions = 3
-    text = metrics.render().decode()
-    for line in ("polyengine_kv_pages_total 17.0", "polyengine_kv_pages_free 17.0", "polyengine_kv_pages_in_use 0.0",
-                 "polyengine_kv_pages_shared 0.0", "polyengine_preemptions_total 3.0"):
-        assert line in text, text
+    got, text, stats = asyncio.run(main())
+    assert got == want and stats["preemptions"] > 0
+    for name in ("total", "free", "in_use", "shared"):
+        assert f"polyengine_kv_pages_{name} {float(stats[name])}" in text, text
+    assert stats["total"] == 17 and stats["free"] + stats["in_use"] == 17
+    assert f"polyengine_preemptions_total {float(stats['preemptions'])}" in text
 
 
 def test_the_prefix_cache_counts_a_shared_page_once(tiny):
