@@ -231,3 +231,50 @@ def test_the_prefix_cache_counts_a_shared_page_once(tiny):
     assert len(whole) == 1 and whole.stats.evictions == 1  # whole entries: 3 + 5 pages do not fit 5
     assert paged.evict_next() and paged.stats.bytes == 5 * page  # the first's pages stay with the second
     assert paged.evict_next() and paged.stats.bytes == 0 and not paged.evict_next()
+
+
+def test_pages_to_write_counts_new_pages_and_copies():
+    from polyengine.pages import PageList, PagePool
+
+    pool = PagePool(4, capacity=10)
+    seq = PageList.new(pool, 6)  # pages 0 and 1 (2 of 4 positions)
+    assert seq.pages_to_write(6, 7) == 0 and seq.pages_to_write(6, 9) == 1  # in place; one new page
+    other = seq.fork()
+    assert pool.shared == 2
+    assert other.pages_to_write(6, 7) == 1 and other.pages_to_write(6, 9) == 2  # a copy of page 1, and a new one
+    other.prepare_write(6, 9, lambda s, d: None)
+    assert pool.held == 4 and pool.shared == 1 and other.pages_to_write(9, 10) == 0
+
+
+@pytest.mark.parametrize("seed", [101, 107, 108, 111])
+def test_random_workloads_on_a_tight_pool_equal_the_unbounded_output(tiny, seed):
+    """Random page sizes (2, 4, 8), pools from one context and a page up, slots, chunk
+    sizes, prompts sharing a system prompt, n, greedy and seeded with a penalty and a stop
+    id: outputs equal the unbounded pool's, the pool is never exceeded, and once the cache
+    lets go every page is free again (the seeds are ones that preempt)."""
+    import gc
+
+    rng = np.random.default_rng(seed)
+    ps, mcl = int(rng.choice([2, 4, 8])), 64
+    kv = int(mcl // ps + 1 + rng.integers(0, 12))
+    kw = dict(backend="reference", tools=False, max_slots=int(rng.integers(2, 6)), max_prefill_length=40,
+              max_cache_length=mcl, prefill_chunk=int(rng.choice([0, 3, 8])))
+    system, work = rng.integers(3, 280, 20).tolist(), []
+    for _ in range(int(rng.integers(3, 9))):
+        n = int(rng.choice([1, 1, 2]))
+        prompt = (system[: int(rng.integers(0, 20))] + rng.integers(3, 280, int(rng.integers(3, 25))).tolist())[:38]
+        mt = int(rng.integers(1, mcl - len(prompt) + 1))
+        while n * -(-(len(prompt) + mt) // ps) + 1 > kv:  # fits the pool alone
+            mt -= 1
+        if mt < 1:
+            n, mt = 1, 1
+        work.append((prompt, SamplingParams(temperature=float(rng.choice([0, 0.8])), seed=int(rng.integers(0, 99)), n=n,
+                                            max_tokens=mt, logprobs=True, presence_penalty=0.3,
+                                            stop_token_ids=[int(rng.integers(3, 280))])))
+    bounded = LLM(tiny, options={"page_size": ps, "kv_pages": kv}, **kw)
+    got, seen = _run(bounded, work)
+    want, _ = _run(LLM(tiny, options={"page_size": ps}, **kw), work)
+    assert got == want and seen["held"] <= kv and bounded.page_stats["preemptions"] > 0
+    bounded.scheduler.prefix_cache.clear()
+    gc.collect()
+    assert bounded.engine.pages.held == 0
