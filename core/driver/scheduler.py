@@ -358,8 +358,8 @@ class Scheduler:
         while self._filling is not None or self._start_next():
             req, job = self._filling
             step_budget = budget
-            if self.prefiller.pool is not None and self._slots and not self.prefiller.make_room(
-                    self.prefiller.piece_pages(job, budget) + self._step_pages()):
+            if self.prefiller.pool is not None and not self.prefiller.make_room(
+                    self.prefiller.piece_pages(job, budget) + self._step_pages()) and self._slots:
                 return  # no pages for the piece now: running requests finish, or it is preempted
             if budget is not None:
                 piece = self.prefiller.next_piece(job, budget)
