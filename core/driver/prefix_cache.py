@@ -85,7 +85,7 @@ class CacheEntry:
 
     prefix: Any  # polyengine.protocol.Prefix
     length: int
-    nbytes: int
+    nbytes: int  # what it cost when filed (paged: the pages no other entry held then)
     refs: int = 0
     shared: bool = False  # filed where two prompts part (known to begin several)
     node: _Node | None = field(default=None, repr=False)
