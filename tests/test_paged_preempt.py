@@ -153,6 +153,33 @@ def test_a_request_preempted_during_its_chunked_prefill_starts_again_under_its_g
     assert got == want and bounded.page_stats["preemptions"] == 1
 
 
+def test_a_preempted_request_whose_first_sample_finished_resumes_only_the_other(tiny):
+    """n=2, the first sample stopped (a stop id), the second still running when the
+    request is preempted: admitted again, the finished sample's slot is freed at once and
+    the other replays and continues; the outputs equal the unbounded pool's."""
+    kw = dict(backend="reference", tools=False, max_slots=2, max_prefill_length=40, max_cache_length=64)
+    prompt = list(range(3, 15))
+    sp = SamplingParams(temperature=0.8, seed=6, n=2, max_tokens=20, logprobs=True)
+    free = LLM(tiny, options={"page_size": 4}, **kw)
+    first, second = (o.token_ids for o in free.generate([prompt], sp)[0].outputs)
+    stop = next(t for t in first[1:] if t not in second)
+    sp = sp.replace(stop_token_ids=[stop])
+    want, _ = _run(free, [(prompt, sp)])
+    bounded = LLM(tiny, options={"page_size": 4, "kv_pages": 40}, **kw)
+    req = bounded.submit(prompt, sp)
+    while not req.samples[0].finished:
+        bounded.step()
+    assert not req.samples[1].finished
+    bounded.scheduler._preempt(req)  # what _make_step_room does to the newest request when a step would run out
+    assert bounded.engine.pages.held == len(bounded.scheduler.prefix_cache.idle_pages())  # the cache's alone
+    while not req.done:
+        bounded.step()
+    got = [(o.token_ids, o.logprobs, o.top_logprobs, o.finish_reason, o.stop_reason, o.text, o.forced)
+           for o in req.completion.outputs]
+    assert got == want[0][0] and req.preemptions == 1
+    assert not bounded.scheduler._slots  # the finished sample's slot too was freed
+
+
 def test_a_request_that_cannot_fit_alone_is_refused_at_submit(tiny_text):
     bounded, _ = _preempting(tiny_text)
     with pytest.raises(InvalidRequest, match="pool holds 17") as err:
