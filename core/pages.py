@@ -74,6 +74,11 @@ class PagePool:
         """Pages :meth:`allocate` can still hand out (None: unbounded)."""
         return None if self.capacity is None else self.capacity - self.held
 
+    @property
+    def shared(self) -> int:
+        """Pages with more than one holder (a prefix and the slots continuing it, say)."""
+        return sum(1 for r in self._refs if r > 1)
+
     def refcount(self, page: int) -> int:
         self._check_id(page)
         return self._refs[page]
@@ -188,6 +193,14 @@ class PageList:
         for i in range(start // ps, pages_for(end, ps)):
             self.pages[i] = self.pool.writable(self.pages[i], copy)
         self.length = max(self.length, int(end))
+
+    def pages_to_write(self, start: int, end: int) -> int:
+        """Pages :meth:`prepare_write` of ``[start, end)`` would take from the pool now: new
+        ones past the last, and a copy of each touched page another holder shares."""
+        ps = self.pool.page_size
+        last = pages_for(end, ps)
+        copies = sum(1 for i in range(start // ps, min(last, len(self.pages))) if self.pool.refcount(self.pages[i]) > 1)
+        return max(0, last - len(self.pages)) + copies
 
     def release(self) -> None:
         """Give every page back (once; the list is empty afterwards)."""

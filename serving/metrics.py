@@ -21,6 +21,13 @@ Exposed at ``GET /metrics``:
   ``polyengine_prefix_cache_evictions_total``; gauges ``polyengine_prefix_cache_bytes``,
   ``polyengine_prefix_cache_entries`` and ``polyengine_prefix_cache_budget_bytes``
   (0 when the cache is off).
+- K/V pages of a paged engine (docs/prefix-caching.md, "Pages"), read at each scrape:
+  gauges ``polyengine_kv_pages_total`` and ``polyengine_kv_pages_free`` (the bounded
+  pool's size and its free pages; 0 for an unbounded pool or an engine without pages),
+  ``polyengine_kv_pages_in_use`` (pages held by slots and prefixes) and
+  ``polyengine_kv_pages_shared`` (held more than once); the counter
+  ``polyengine_preemptions_total`` (requests that gave their pages back and were
+  recomputed later).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class Metrics:
         self.queue_depth.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
         self.registry.register(_PrefixCacheCollector(engine))
+        self.registry.register(_PageCollector(engine))
 
     def track(self, handle: "AsyncRequest", arrived: float) -> None:
         """Record an engine request's tokens and timing when it ends (also after a disconnect)."""
@@ -115,3 +123,26 @@ class _PrefixCacheCollector:
                                 value=getattr(stats, "entries", 0))
         yield GaugeMetricFamily("polyengine_prefix_cache_budget_bytes", "the prefix cache's budget (0: off)",
                                 value=0 if cache is None else cache.budget)
+
+
+class _PageCollector:
+    """The K/V page pool's counts and the preemptions, read at each scrape."""
+
+    _GAUGES = (
+        ("total", "K/V pages of the bounded pool (0: unbounded or not paged)"),
+        ("free", "free K/V pages of the bounded pool"),
+        ("in_use", "K/V pages held by slots and prefixes"),
+        ("shared", "K/V pages held more than once (shared prefixes)"),
+    )
+
+    def __init__(self, engine: "AsyncLLM"):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.engine.page_stats
+        for name, doc in self._GAUGES:
+            yield GaugeMetricFamily(f"polyengine_kv_pages_{name}", doc, value=stats[name])
+        yield CounterMetricFamily("polyengine_preemptions", "requests preempted to free K/V pages",
+                                  value=stats["preemptions"])

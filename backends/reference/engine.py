@@ -62,7 +62,8 @@ OPTIONS = {
     "page_size": Option(0, "K/V pages of this many positions (0: one contiguous cache per slot)",
                         minimum=0, maximum=4096),
     "kv_pages": Option(0, "with page_size: the pages the K/V of slots and prefixes share (0: as many as they "
-                          "use); the driver admits requests by free pages", minimum=0),
+                          "use); the driver admits requests by the pages they need and preempts when they "
+                          "run out", minimum=0),
 }
 
 
@@ -94,7 +95,8 @@ class ReferenceEngine(EngineBase):
         self._params: ReferenceParams | None = None
         # Pages are host arrays indexed by page id. Unbounded (kv_pages 0), the slots never
         # hold more than the memory check counted and the driver's prefixes stay within its
-        # budget (counted too); bounded, the driver admits requests by free pages.
+        # budget (counted too); bounded, the driver admits requests by the pages they need
+        # now and preempts (recompute) when a step would run out.
         self.pages = PagePool(ps, kv_pages or None) if ps else None
         self._k_pages: list[np.ndarray] = []
         self._v_pages: list[np.ndarray] = []

@@ -256,6 +256,11 @@ class AsyncLLM:
         """The driver's prefix cache (its ``stats`` may be read from any thread), or None when off."""
         return self._scheduler.prefix_cache
 
+    @property
+    def page_stats(self) -> dict[str, int]:
+        """The K/V page pool's counts and the preemptions so far (any thread may read them)."""
+        return self._scheduler.page_stats()
+
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return self.llm.encode(prompt)
 

@@ -89,6 +89,11 @@ class LLM:
             max_queue=max_queue,
         )
 
+    @property
+    def page_stats(self) -> dict[str, int]:
+        """The K/V page pool's counts and the preemptions so far (:meth:`Scheduler.page_stats`)."""
+        return self.scheduler.page_stats()
+
     # -- prompts ---------------------------------------------------------------------------
 
     @property

@@ -91,11 +91,13 @@ class Prefiller:
         # (engine.truncate_prefix) rather than prefilled again.
         self.truncates = cache is not None and bool(getattr(engine.capabilities, "prefix_truncate", False))
         # A paged engine with a bounded page pool (EngineBase.pages, a PagePool with a
-        # capacity): the scheduler admits requests by free pages, each reserving its worst
-        # case (pages_needed), and the cache keeps what the reservations leave (fit_pages).
+        # capacity): the scheduler admits a request when the pages it needs now fit
+        # (pages_now), preempts when a step would run out, and the cache gives back its
+        # pages on demand (make_room); its budget never exceeds the pool.
         pool = getattr(engine, "pages", None)
         self.pool = pool if pool is not None and getattr(pool, "capacity", None) is not None else None
-        self._cache_budget = cache.budget if cache is not None else 0
+        if self.pool is not None and cache is not None:
+            cache.resize(min(cache.budget, self.pool.capacity * engine.kv_bytes(self.pool.page_size)))
 
     @classmethod
     def for_engine(cls, engine: Any, params: Any) -> "Prefiller":
@@ -109,7 +111,12 @@ class Prefiller:
         budget = int(getattr(engine, "prefix_cache_bytes", 0) or 0)
         model = getattr(engine, "model", None)
         per_token = model.config.kv_bytes_per_token(4) if model is not None else 1
-        cache = PrefixCache(budget, estimate=lambda p: p.true_length * per_token) if budget else None
+        paged = {}
+        if engine.capabilities.page_size and getattr(engine, "pages", None) is not None:
+            # Entries extending one another share pages: count each page once.
+            paged = dict(pages_of=lambda p: engine.prefix_pages(p).pages,
+                         page_bytes=engine.kv_bytes(engine.capabilities.page_size))
+        cache = PrefixCache(budget, estimate=lambda p: p.true_length * per_token, **paged) if budget else None
         # A paged engine's cuts fall on its page edges, so a cut entry shares whole pages.
         block = engine.capabilities.page_size or CACHE_BLOCK
         return cls(engine, params, cache=cache, chunk=chunk, block=block)
@@ -126,13 +133,38 @@ class Prefiller:
         holds until the piece before it is dropped."""
         return samples * pages_for(prompt + completion, self.pool.page_size) + 1
 
-    def fit_pages(self, reserved: int) -> None:
-        """Admitted requests reserve ``reserved`` pages of the bounded pool: the cache keeps
-        at most the rest (its entries counted whole, so shared pages count twice: never
-        more than the pool holds)."""
-        if self.cache is not None:
-            room = (self.pool.capacity - reserved) * self.engine.kv_bytes(self.pool.page_size)
-            self.cache.resize(min(self._cache_budget, room))
+    def pages_now(self, prompt: int, completions: list[int], step_tokens: int = 1) -> int:
+        """Pages a request needs to start (or restart, after a preemption) on a bounded pool:
+        its prompt's, one for a prefill piece's copy on write, and for each unfinished sample
+        the pages its slot writes up to its next step (``completions``: the completion
+        tokens each will hold before that step, 0 for a new request; the prompt's full
+        pages are shared, its partly filled last one copied)."""
+        ps = self.pool.page_size
+        shared = prompt // ps
+        return pages_for(prompt, ps) + 1 + sum(pages_for(prompt + c + step_tokens, ps) - shared for c in completions)
+
+    def piece_pages(self, job: PrefillJob, budget: int | None) -> int:
+        """Pages the job's next piece takes from the pool at most: its new positions' pages
+        and a copy of the partly filled page it continues, and one more for a copy the
+        engine may make on the way (a truncation's last token)."""
+        ps, end = self.pool.page_size, job.done + self.next_piece(job, budget)
+        return pages_for(end, ps) - pages_for(job.done, ps) + (1 if job.done % ps else 0) + 1
+
+    def make_room(self, pages: int) -> bool:
+        """Whether ``pages`` pages are free on the bounded pool, after the prefix cache gave
+        back what it must (entries not in use, in eviction order; none when even evicting
+        them all would not be enough)."""
+        free = self.pool.free
+        if free >= pages:
+            return True
+        if self.cache is None:
+            return False
+        idle = self.cache.idle_pages()  # a page comes back when only idle entries hold it
+        if free + sum(1 for p, n in idle.items() if self.pool.refcount(p) == n) < pages:
+            return False
+        while self.pool.free < pages and self.cache.evict_next():
+            pass
+        return self.pool.free >= pages
 
     def step_budget(self, decoding: bool) -> int | None:
         """Prompt tokens one scheduler step may prefill: a chunk while streams decode,

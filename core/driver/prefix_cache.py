@@ -10,14 +10,16 @@ cached prompt at all (the driver may prefill up to that point as a separate piec
 file it, so the next prompt sharing it finds an entry there).
 
 Entries are whole prefixes: on a contiguous engine an entry of 512 tokens and one of
-544 that extends it each hold their own K/V; on a paged one they share pages, but each
-is counted whole. A prefix is valid for as long as it is held (docs/design.md), so an
+544 that extends it each hold their own K/V; on a paged one they share pages, and the
+cache counts each page once (``pages_of``), however many entries hold it. A prefix is valid for as long as it is held (docs/design.md), so an
 entry is safe to continue whatever happened since it was made. Where a prompt parts from
 an entry, :meth:`PrefixCache.covering` finds an entry that holds the shared part, which
 the driver cuts (``Engine.truncate_prefix``) instead of prefilling it again.
 
 Memory: an entry costs ``Prefix.nbytes`` (the engine's count, padding included; an
-estimate from the model when the engine gives none). The cache never holds more than
+estimate from the model when the engine gives none); on a paged engine the cache holds
+``page_bytes`` for each distinct page its entries hold, so an entry costs the pages no
+other entry holds. The cache never holds more than
 its budget (``EngineConfig.prefix_cache_bytes``, which the engine's memory check
 counted). Entries in use (referenced by a request whose prefill will continue them)
 are never evicted. The others leave least recently used first (a hit makes an entry
@@ -83,11 +85,12 @@ class CacheEntry:
 
     prefix: Any  # polyengine.protocol.Prefix
     length: int
-    nbytes: int
+    nbytes: int  # what it cost when filed (paged: the pages no other entry held then)
     refs: int = 0
     shared: bool = False  # filed where two prompts part (known to begin several)
     node: _Node | None = field(default=None, repr=False)
     partition: Any = None  # the tenant it was filed for (see the module docstring)
+    pages: tuple[int, ...] = ()  # the page ids it holds, on a paged engine (``pages_of``)
 
 
 def _common(tokens: Sequence[int], at: int, edge: tuple[int, ...]) -> int:
@@ -104,13 +107,20 @@ def _common(tokens: Sequence[int], at: int, edge: tuple[int, ...]) -> int:
 
 class PrefixCache:
     """Cached prefixes under a byte budget. ``estimate(prefix)`` sizes a prefix whose
-    engine left ``nbytes`` at 0."""
+    engine left ``nbytes`` at 0. On a paged engine, ``pages_of(prefix)`` gives a prefix's
+    page ids and ``page_bytes`` a page's size: the cache then counts each distinct page
+    once (entries extending one another share pages)."""
 
-    def __init__(self, budget: int, *, estimate: Callable[[Any], int] | None = None):
+    def __init__(self, budget: int, *, estimate: Callable[[Any], int] | None = None,
+                 pages_of: Callable[[Any], Sequence[int]] | None = None, page_bytes: int = 0):
         if budget < 0:
             raise ValueError(f"a prefix cache budget must be >= 0 bytes, got {budget}")
+        if pages_of is not None and page_bytes < 1:
+            raise ValueError(f"a paged prefix cache needs page_bytes >= 1, got {page_bytes}")
         self.budget = int(budget)
         self._estimate = estimate
+        self._pages_of, self._page_bytes = pages_of, int(page_bytes)
+        self._page_holders: dict[int, int] = {}  # page id -> entries holding it (paged)
         self._roots: dict[Any, _Node] = {}  # one tree per partition; a partition without entries has none
         self._lru: OrderedDict[CacheEntry, None] = OrderedDict()  # oldest use first
         self.stats = CacheStats()
@@ -197,16 +207,24 @@ class PrefixCache:
         known to begin several prompts (evicted after the entries that are not). An entry
         already filed under the same tokens stays (marked used) and the new prefix is dropped."""
         tokens = tuple(int(t) for t in prefix.prompt_tokens)
-        nbytes = int(getattr(prefix, "nbytes", 0) or (self._estimate(prefix) if self._estimate else 0))
         node = self._path(tokens, partition, create=False)
         if node is not None and node.entry is not None:
             node.entry.shared = node.entry.shared or shared
             self._lru.move_to_end(node.entry)
             return node.entry
-        if nbytes > self.budget or not self._make_room(nbytes):
+        pages = tuple(int(p) for p in self._pages_of(prefix)) if self._pages_of is not None else ()
+        if self._pages_of is not None:
+            nbytes = len(set(pages)) * self._page_bytes
+        else:
+            nbytes = int(getattr(prefix, "nbytes", 0) or (self._estimate(prefix) if self._estimate else 0))
+        if nbytes > self.budget or not self._make_room(nbytes, pages):
             return None
+        nbytes = self._cost(nbytes, pages)  # paged: the pages no other entry holds
         node = self._path(tokens, partition, create=True)
-        entry = node.entry = CacheEntry(prefix, len(tokens), nbytes, shared=shared, node=node, partition=partition)
+        entry = node.entry = CacheEntry(prefix, len(tokens), nbytes, shared=shared, node=node, partition=partition,
+                                        pages=pages)
+        for page in set(pages):
+            self._page_holders[page] = self._page_holders.get(page, 0) + 1
         self._lru[entry] = None
         below = self._entry_below(node)
         if below is not None and not below.shared:
@@ -218,22 +236,61 @@ class PrefixCache:
         self.stats.entries = len(self._lru)
         return entry
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict entries not in use until ``nbytes`` fit: those filed for one prompt,
-        least recently used first, then those where prompts part, least recently used first."""
-        if self.stats.bytes + nbytes <= self.budget:
+    def _cost(self, nbytes: int, pages: tuple[int, ...]) -> int:
+        """What filing an entry adds: its bytes, or (paged) its pages no entry holds yet."""
+        if self._pages_of is None:
+            return nbytes
+        return self._page_bytes * sum(1 for p in set(pages) if p not in self._page_holders)
+
+    def _make_room(self, nbytes: int, pages: tuple[int, ...] = ()) -> bool:
+        """Evict entries not in use until ``nbytes`` (paged: ``pages``) fit: those filed
+        for one prompt, least recently used first, then those where prompts part, least
+        recently used first."""
+        if self.stats.bytes + self._cost(nbytes, pages) <= self.budget:
             return True
-        free = sum(e.nbytes for e in self._lru if e.refs == 0)
-        if self.stats.bytes - free + nbytes > self.budget:
+        if self._pages_of is not None:  # what stays after evicting every entry not in use
+            kept = set(pages).union(*(e.pages for e in self._lru if e.refs > 0))
+            floor = len(kept) * self._page_bytes
+        else:
+            floor = self.stats.bytes - sum(e.nbytes for e in self._lru if e.refs == 0) + nbytes
+        if floor > self.budget:
             return False  # even evicting everything not in use would not make room
-        self._evict_to(self.budget - nbytes)
+        for entry in self._eviction_order():
+            if self.stats.bytes + self._cost(nbytes, pages) <= self.budget:
+                break
+            self._remove(entry)
+            self.stats.evictions += 1
         return True
+
+    def _eviction_order(self) -> list[CacheEntry]:
+        """Entries not in use, in the order they leave: one-prompt entries least recently
+        used first, then entries where prompts part."""
+        idle = [e for e in self._lru if e.refs == 0]
+        return [e for e in idle if not e.shared] + [e for e in idle if e.shared]
+
+    def evict_next(self) -> bool:
+        """Evict the next entry in eviction order (a caller that needs its memory back,
+        such as the scheduler short of K/V pages); whether there was one."""
+        order = self._eviction_order()
+        if not order:
+            return False
+        self._remove(order[0])
+        self.stats.evictions += 1
+        return True
+
+    def idle_pages(self) -> dict[int, int]:
+        """Paged: for each page that entries not in use hold, how many of them hold it."""
+        out: dict[int, int] = {}
+        for e in self._lru:
+            if e.refs == 0:
+                for page in set(e.pages):
+                    out[page] = out.get(page, 0) + 1
+        return out
 
     def _evict_to(self, target: int) -> None:
         """Evict entries not in use until at most ``target`` bytes stay: those filed for one
         prompt, least recently used first, then those where prompts part."""
-        idle = [e for e in self._lru if e.refs == 0]
-        for entry in [e for e in idle if not e.shared] + [e for e in idle if e.shared]:
+        for entry in self._eviction_order():
             if self.stats.bytes <= target:
                 break
             self._remove(entry)
@@ -297,7 +354,14 @@ class PrefixCache:
 
     def _remove(self, entry: CacheEntry) -> None:
         del self._lru[entry]
-        self.stats.bytes -= entry.nbytes
+        if self._pages_of is None:
+            self.stats.bytes -= entry.nbytes
+        else:  # a page leaves the count with the last entry holding it
+            for page in set(entry.pages):
+                self._page_holders[page] -= 1
+                if not self._page_holders[page]:
+                    del self._page_holders[page]
+            self.stats.bytes = len(self._page_holders) * self._page_bytes
         self.stats.entries = len(self._lru)
         node = entry.node
         node.entry, entry.node = None, None

@@ -25,6 +25,18 @@ buffer) right before ``generate``, and passed as ``token_masks``; the first toke
 goes to ``prefill``. A mask needs the token before it, so while a constrained slot runs
 the loop is in lock step.
 
+K/V pages (an engine declaring ``page_size`` whose pool is bounded, ``PagePool.capacity``):
+a request is admitted when the pages it needs now (its prompt and its samples' next step,
+:meth:`Prefiller.pages_now`) and the running slots' next step fit the free pages, after
+the prefix cache gave back what it can. Before each ``generate`` the slots' next writes
+must fit; if they do not, the most recently admitted request is preempted: its slots
+(and pages) are freed and it goes back to the front of the queue. When it is admitted
+again its prompt is prefilled again (from the prefix cache where it is held) and the
+completion tokens it had are replayed as forced tokens (``Override``), one per step, and
+not emitted again; the engine's sampler then holds exactly the state it had (the step
+that addresses the random stream, the completion tokens the penalties count, the sample
+index), so the continuation equals a run that was never preempted.
+
 Thread safety: every public method takes one re-entrant lock, so several threads may
 submit, step and cancel; whichever thread steps advances every request.
 """
@@ -86,6 +98,10 @@ class _Sample:
     slot: int | None = None
     out: CompletionOutput = field(default=None)  # type: ignore[assignment]
     grammar: Any | None = None  # a GrammarRow for a constrained request
+    # After a preemption: the completion tokens the engine must be given again (forced,
+    # one per step), and how many of them were forced so far.
+    replay: list[int] | None = None
+    replayed: int = 0
 
     @property
     def finished(self) -> bool:
@@ -107,7 +123,9 @@ class Request:
         self.error: Exception | None = None  # why it failed (typed for anything a caller caused)
         self.status = "queued"  # queued -> running -> finished | cancelled | failed
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
-        self.pages = 0  # the K/V pages it reserves on a bounded page pool (Prefiller.pages_needed)
+        self.pages = 0  # the K/V pages it may need at worst on a bounded page pool (Prefiller.pages_needed)
+        self.admitted = -1  # when it last started its prefill (the scheduler's admission order)
+        self.preemptions = 0  # times it gave its slots and pages back to make room
         self._scheduler = scheduler
 
     @property
@@ -165,6 +183,8 @@ class Scheduler:
         self._eos = frozenset(engine.eos_token_ids)
         self.prefiller = Prefiller.for_engine(engine, self.params)
         self._filling: tuple[Request, PrefillJob] | None = None  # the request whose prefill runs in pieces
+        self._admissions = itertools.count()
+        self.preemptions = 0  # requests preempted to make room for K/V pages (cumulative)
         self._lock = threading.RLock()
         # Requests whose stream was dropped unread: cancelled when the lock is next taken.
         self._abandoned: deque[Request] = deque()
@@ -239,7 +259,9 @@ class Scheduler:
     def _step_masks(self) -> dict[int, np.ndarray] | None:
         """This step's masks for every running constrained sample; a sample whose grammar
         leaves only tokens min_tokens/ignore_eos mask finishes here ("stop")."""
-        live = [(req, s) for req, s in self._slots.values() if s.grammar is not None and not s.finished]
+        # A replaying sample needs its mask only at the step that draws its first new token.
+        live = [(req, s) for req, s in self._slots.values() if s.grammar is not None and not s.finished
+                and (s.replay is None or s.replayed == len(s.replay))]
         if not live:
             return None
         buf = self._mask_rows([s for _, s in live])
@@ -336,6 +358,9 @@ class Scheduler:
         while self._filling is not None or self._start_next():
             req, job = self._filling
             step_budget = budget
+            if self.prefiller.pool is not None and not self.prefiller.make_room(
+                    self.prefiller.piece_pages(job, budget) + self._step_pages()) and self._slots:
+                return  # no pages for the piece now: running requests finish, or it is preempted
             if budget is not None:
                 piece = self.prefiller.next_piece(job, budget)
                 if piece > budget:
@@ -365,40 +390,118 @@ class Scheduler:
                 s.slot = slot
                 self._slots[slot] = (req, s)
             for row, s in enumerate(req.samples):
-                self._on_token(req, s, first, row)
-
-    def _reserved_pages(self) -> int:
-        """Pages the running and prefilling requests reserve (a bounded page pool)."""
-        reqs = {id(r): r for r, _ in self._slots.values()}
-        if self._filling is not None:
-            reqs[id(self._filling[0])] = self._filling[0]
-        return sum(r.pages for r in reqs.values())
+                if not self._resume(s):
+                    self._on_token(req, s, first, row)
 
     def _pages_free(self, req: Request) -> bool:
-        """Whether ``req``'s worst case fits the pages the admitted requests leave (always,
-        without a bounded page pool); if it does, the prefix cache makes room for it."""
+        """Whether the pages ``req`` needs now (its prompt and each unfinished sample's next
+        step, or the completion it had before a preemption) fit beside the running slots'
+        next step (always, without a bounded page pool); the prefix cache gives back
+        pages to make them fit."""
         if self.prefiller.pool is None:
             return True
-        reserved = self._reserved_pages() + req.pages
-        if reserved > self.prefiller.pool.capacity:
+        done = [max(len(s.out.token_ids) - 1, 0) for s in req.samples if not s.finished]
+        need = self.prefiller.pages_now(len(req.prompt_tokens), done, self.engine.capabilities.tokens_per_step)
+        return self.prefiller.make_room(need + self._step_pages())
+
+    def _step_pages(self) -> int:
+        """Pages the next ``generate`` takes from the pool: each running slot's new page or
+        copy of a shared page where its next tokens go."""
+        if self.prefiller.pool is None:
+            return 0
+        tps = self.engine.capabilities.tokens_per_step
+        ahead = tps if self._pending is not None else 0  # a dispatched step not read yet
+        total = 0
+        for slot, (req, s) in self._slots.items():
+            held = s.replayed if s.replay is not None else len(s.out.token_ids)
+            pos = min(len(req.prompt_tokens) + held - 1 + ahead, self.engine.max_cache_length)
+            seq = self.engine.slot_pages(self.state, slot)
+            if seq is not None:
+                total += seq.pages_to_write(pos, min(pos + tps, self.engine.max_cache_length))
+        return total
+
+    def _make_step_room(self) -> None:
+        """Before a ``generate`` on a bounded page pool: while the slots' next writes do not
+        fit the free pages (after the prefix cache gave back what it can), preempt the most
+        recently admitted request. With one request left nothing is preempted: its worst
+        case fits the pool (checked at submit), so its step fits once the cache gave
+        back what it holds."""
+        while not self.prefiller.make_room(self._step_pages()):
+            admitted = {id(r): r for r, _ in self._slots.values()}
+            if self._filling is not None:
+                admitted[id(self._filling[0])] = self._filling[0]
+            if len(admitted) < 2:
+                return
+            self._preempt(max(admitted.values(), key=lambda r: r.admitted))
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s slots and pages (or drop its prefill in progress) and put it back
+        at the front of the queue; its completion so far is kept and replayed when it
+        runs again (see the module docstring)."""
+        if self._filling is not None and self._filling[0] is req:
+            job = self._filling[1]
+            self.prefiller.abandon(job)
+            job.prefix = None  # its pages go back now
+            self._filling = None
+        for s in req.samples:
+            s.replay, s.replayed = None, 0
+            self._release(s)
+        req.status = "queued"
+        req.preemptions += 1
+        self.preemptions += 1
+        self._queue.appendleft(req)
+
+    def _resume(self, s: _Sample) -> bool:
+        """After a preempted request's prefill and insert: a finished sample's slot is freed
+        at once, and a sample that had tokens starts replaying them (the engine's first
+        token is replaced by the first of them). Whether the sample was resumed (False: a
+        new sample, whose first token is taken as usual)."""
+        if s.finished:
+            self._release(s)
+            return True
+        if not s.out.token_ids:
             return False
-        self.prefiller.fit_pages(reserved)
+        s.replay, s.replayed = list(s.out.token_ids), 1
+        self._overrides[s.slot] = Override(s.replay[0], 0)
         return True
+
+    def _replay_step(self, req: Request, s: _Sample, result: ResultTokens, slot: int) -> None:
+        """One step of a replay: force the next replayed token in place of the engine's;
+        after the last, the step's tokens are the completion's new ones."""
+        if s.replayed < len(s.replay):
+            self._overrides[slot] = Override(s.replay[s.replayed], s.replayed)
+            s.replayed += 1
+            return
+        s.replay, s.replayed = None, 0
+        self._on_token(req, s, result, slot)
+
+    def page_stats(self) -> dict[str, int]:
+        """The K/V page pool's counts now (a paged engine's; all 0 otherwise): ``total``
+        and ``free`` pages (0 for an unbounded pool), ``in_use`` (held), ``shared`` (held
+        more than once), and ``preemptions`` so far. Plain reads: any thread may call it."""
+        pool = getattr(self.engine, "pages", None) if getattr(self.engine.capabilities, "page_size", 0) else None
+        if pool is None:
+            return {"total": 0, "free": 0, "in_use": 0, "shared": 0, "preemptions": self.preemptions}
+        return {"total": pool.capacity or 0, "free": pool.free or 0, "in_use": pool.held, "shared": pool.shared,
+                "preemptions": self.preemptions}
 
     def _start_next(self) -> bool:
         """Start the head request's prefill once its slots are free (first come, first
         served: no overtaking); whether one started."""
         while self._queue and len(self.free_slots) >= self._queue[0].sampling.n and self._pages_free(self._queue[0]):
             req = self._queue.popleft()
+            resumed = any(s.out.token_ids for s in req.samples)  # its first tokens are replayed: no mask
             try:
                 mask = None
-                if req.samples[0].grammar is not None:  # every sample's grammar starts in the same state
+                if req.samples[0].grammar is not None and not resumed:  # every sample's grammar starts the same
                     mask = self._mask_rows(req.samples[:1])[0].copy()
                 job = self.prefiller.start(req.prompt_tokens, req.sampling, token_mask=mask, partition=req.cache_salt)
             except Exception as exc:  # fails this request only
                 self._fail(req, exc)
                 continue
-            req.cached_tokens = job.cached
+            req.admitted = next(self._admissions)
+            if not resumed:
+                req.cached_tokens = job.cached
             self._filling = (req, job)
             return True
         return False
@@ -423,9 +526,9 @@ class Scheduler:
                 self._pending = None
             if self.prefiller.shares_kv:  # the slots' K/V as of now: a prefix cache sharing their bytes gets the rest
                 self.prefiller.fit(sum(len(r.prompt_tokens) + len(s.out.token_ids) for r, s in self._slots.values()))
-            if self.prefiller.pool is not None:  # finished requests' reservations go back to the cache
-                self.prefiller.fit_pages(self._reserved_pages())
             self._admit()
+            if self.prefiller.pool is not None:
+                self._make_step_room()
             if not self._slots:
                 self._pending = None  # its rows belong to requests that are gone
                 return bool(self._queue or self._filling)
@@ -464,7 +567,9 @@ class Scheduler:
         for slot, (req, s) in holders.items():
             if self._slots.get(slot, (None, None))[1] is not s or s.finished:
                 continue  # freed, cancelled or failed since: the row is not theirs any more
-            if result.valid[slot].any():
+            if s.replay is not None and result.valid[slot].any():
+                self._replay_step(req, s, result, slot)
+            elif result.valid[slot].any():
                 self._on_token(req, s, result, slot)
             else:  # the engine could not extend this slot: its cache is full
                 self._finish(req, s, "length")
