@@ -174,8 +174,11 @@ class EngineConfig(BaseModel):
     ``prefix_cache_bytes`` bounds the K/V the driver's prefix cache may keep (None: as
     much as the slots' KV cache holds, less what the slots hold now on a cache that
     grows with use; 0: no cache), counted by the engine's memory check; ``prefill_chunk`` is the most prompt tokens one prefill call runs while
-    other requests decode (None: the measured default; 0: whole prompts at once).
-    Both need ``Capabilities.prefix_reuse`` and are off without it.
+    other requests decode (None: the measured default; 0: whole prompts at once);
+    ``max_num_batched_tokens`` the most prompt tokens one scheduler step prefills, over
+    every request being prefilled, while other requests decode (vLLM's name; None: the
+    measured default, docs/serving.md "Prefill and decode in one step").
+    All three need ``Capabilities.prefix_reuse`` and are off without it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -188,9 +191,10 @@ class EngineConfig(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
     prefix_cache_bytes: int | None = Field(None, ge=0)
     prefill_chunk: int | None = Field(None, ge=0)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
 
     @field_validator("max_slots", "max_prefill_length", "max_cache_length", "prefix_cache_bytes", "prefill_chunk",
-                     "prefill_buckets", mode="before")
+                     "max_num_batched_tokens", "prefill_buckets", mode="before")
     @classmethod
     def _integers(cls, value: Any) -> Any:
         """Integers only (NumPy's too): True is not 1 byte, "3" is not 3 slots, 2.5 is not
