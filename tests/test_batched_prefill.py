@@ -16,6 +16,7 @@ from polyengine.engine import PrefillRequest
 from polyengine.errors import InvalidRequest
 from polyengine.models import load_model
 from polyengine.plugins import create_engine
+from polyengine.backends.reference.engine import ReferenceEngine
 
 from test_prefix_cache import PrefillLog, make
 
@@ -193,3 +194,45 @@ def test_max_num_batched_tokens_is_checked_and_reaches_the_scheduler(tiny):
     from polyengine.driver.prefill import DEFAULT_STEP_TOKENS
 
     assert make(tiny).scheduler.prefiller.step_tokens == DEFAULT_STEP_TOKENS
+
+
+class FlakyRows(ReferenceEngine):
+    """Raises an untyped error (think: device out of memory) for any forward holding one
+    prompt, whether it runs alone or batched with others."""
+
+    def _prefill_rows(self, params, checked, existing):
+        if any(list(toks) == [9] for toks, _, _, _ in checked):
+            raise RuntimeError("device ran out of memory")
+        return super()._prefill_rows(params, checked, existing)
+
+
+def test_a_failed_batch_is_run_piece_by_piece_and_fails_only_its_request(tiny):
+    """A batched call that raises changed nothing; the driver runs its pieces one by one,
+    so only the request whose piece fails alone fails, and the others' output is exact."""
+    eng = FlakyRows(tiny, EngineConfig(max_slots=4, max_prefill_length=60, max_cache_length=96))
+    assert eng.capabilities.batched_prefill
+    log = PrefillLog(eng)
+    llm = LLM.from_engine(log, tools=False)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    good, bad, more = ([1, 5, 9], [9], [1, 2, 8])
+    reqs = [llm.submit(p, sp) for p in (good, bad, more)]
+    llm.scheduler.run_until(lambda: all(r.done for r in reqs))
+    assert log.batches == [[3, 1, 3]]  # tried together once, then one by one
+    assert reqs[1].status == "failed" and isinstance(reqs[1].error, RuntimeError)
+    solo = make(tiny, prefill_chunk=0, prefix_cache_bytes=0)
+    for r, p in ((reqs[0], good), (reqs[2], more)):
+        assert r.completion.token_ids == solo.generate([p], sp)[0].token_ids
+
+
+def test_a_subclass_with_its_own_prefill_does_not_declare_batched_prefill(tiny):
+    """Its prefill_batch is the kit's loop over that prefill, so the driver calls prefill
+    per piece and a failure stays the request's own."""
+
+    class OwnPrefill(ReferenceEngine):
+        def prefill(self, **kwargs):
+            return super().prefill(**kwargs)
+
+    eng = OwnPrefill(tiny, EngineConfig(max_slots=2, max_prefill_length=60, max_cache_length=96))
+    assert not eng.capabilities.batched_prefill
+    assert ReferenceEngine(tiny, EngineConfig(max_slots=2, max_prefill_length=60,
+                                              max_cache_length=96)).capabilities.batched_prefill

@@ -32,13 +32,6 @@ class FlakyPrefill(ReferenceEngine):
             raise RuntimeError("device ran out of memory")
         return super().prefill(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
 
-    def prefill_batch(self, *, params, requests):
-        """A batch holding that prompt fails whole (one forward): the driver then runs its
-        pieces one by one, so only that prompt's request fails."""
-        if any(list(r.tokens) == [9] for r in requests):
-            raise RuntimeError("device ran out of memory")
-        return super().prefill_batch(params=params, requests=requests)
-
 
 def test_a_backend_error_at_admission_fails_only_that_request(model):
     llm = LLM.from_engine(FlakyPrefill(model, EngineConfig(max_slots=2, max_prefill_length=16, max_cache_length=32)))

@@ -110,7 +110,9 @@ class ReferenceEngine(EngineBase):
             prefix_truncate=True,
             architectures=ARCHITECTURES, token_masks=True,
             weight_formats=tuple(FORMATS),  # every block format, dequantized exactly (float64) at load
-            embeddings=True, batched_prefill=True,
+            embeddings=True,
+            # one forward for a batch of prefills; a subclass with a prefill of its own gets the kit's loop over it
+            batched_prefill=type(self).prefill is ReferenceEngine.prefill,
             page_size=self.options.get("page_size", 0),
         )
 
@@ -154,6 +156,8 @@ class ReferenceEngine(EngineBase):
 
     def prefill_batch(self, *, params: ReferenceParams,
                       requests: Sequence[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
+        if type(self).prefill is not ReferenceEngine.prefill:  # a subclass's own prefill is honoured, entry by entry
+            return EngineBase.prefill_batch(self, params=params, requests=requests)
         checked = self.check_prefill_batch(requests)
         return self._prefill_rows(params, checked, [r.existing_prefix for r in requests])
 

@@ -303,6 +303,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return prefix, ResultTokens.first_tokens(first.tokens, first.logprobs, first.top_ids, first.top_logprobs,
                                                  to_host=host_array)
 
+    def batches_prefill(self) -> bool:
+        """Capability ``batched_prefill``: one forward for a batch of prefills, unless a
+        subclass has a ``prefill`` of its own (then ``prefill_batch`` is the kit's loop over it)."""
+        return type(self).prefill is TorchEngine.prefill
+
     @on_engine_thread
     @torch.no_grad()
     def prefill_batch(self, *, params: TorchWeights, requests) -> list[tuple[Prefix, ResultTokens]]:
@@ -311,6 +316,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         attends to its own cache row (its prefix copied in, then its new K/V), the mask
         keyed by each query's own position, and pad tokens write nothing. Each prefix then
         gets a cache of its own (a copy of its row), so dropping one frees its memory."""
+        if type(self).prefill is not TorchEngine.prefill:  # a subclass's own prefill is honoured, entry by entry
+            return EngineBase.prefill_batch(self, params=params, requests=requests)
         checked = self.check_prefill_batch(requests)
         existing = [r.existing_prefix for r in requests]
         dev = self.torch_device
