@@ -58,7 +58,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the longest prefill piece while other requests decode (default 64; 0: whole prompts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens one step prefills, over every prompt being prefilled, while other requests "
-                        "decode (default 32; docs/serving.md)")
+                        "decode (default 64; docs/serving.md)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")

@@ -52,7 +52,7 @@ DEFAULT_PREFILL_CHUNK = 64
 # Prompt tokens one scheduler step prefills while other requests decode, over every
 # request being prefilled (EngineConfig.max_num_batched_tokens unset). Measured in
 # docs/serving.md ("Prefill and decode in one step").
-DEFAULT_STEP_TOKENS = 32
+DEFAULT_STEP_TOKENS = 64
 # Prompts shorter than this are not cached, and a cut where prompts part is rounded down
 # to a multiple of it (so near-identical prompts share one entry, not one each).
 CACHE_BLOCK = 16
