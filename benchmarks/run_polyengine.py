@@ -303,10 +303,11 @@ class PolyengineSystem:
     def loaded(self, streams: list[list[int]], prompt: list[int], margin: int, chunked: bool) -> "LoadedRun":
         from polyengine import SamplingParams
         from polyengine.benchmarks.prefix_phases import LoadedRun
-        from polyengine.driver.prefill import DEFAULT_PREFILL_CHUNK
+        from polyengine.driver.prefill import DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 
         chunk = None if chunked else 0
-        steps = 2 * margin + 8 + (-(-len(prompt) // DEFAULT_PREFILL_CHUNK) if chunked else 1)
+        per_step = min(DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS)
+        steps = 2 * margin + 8 + (-(-len(prompt) // per_step) if chunked else 1)
         cache_len = max(len(prompt) + 2, max(len(s) for s in streams) + steps + 2)
         llm = self.llm(len(streams) + 1, len(prompt), cache_len, prefill_chunk=chunk)
         sp = SamplingParams(temperature=0, max_tokens=cache_len - max(len(s) for s in streams), ignore_eos=True)

@@ -208,6 +208,44 @@ class PrefixLayer:
         conformance.within("logits_rel_l2", rel_l2(hidden, want), conformance.dtype, DEFAULT_MODEL,
                            what="hidden states after the final norm (embed) vs the reference's")
 
+    def test_prefill_batch(self, conformance):
+        """prefill_batch (capability batched_prefill) gives each entry what its own prefill
+        gives: prompts of different lengths from position 0 and, where prefix_reuse is
+        declared, continuations of prefixes of different lengths, with greedy and seeded
+        requests, in one call; each entry's prefix holds its whole prompt, its logits are
+        the reference's for it and its first token the reference's draw with the entry's own
+        parameters; an entry prefill would refuse refuses the call (InvalidRequest). An
+        engine may lack the method without the capability; where it has it (the kit's
+        loop), the same holds."""
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        if not callable(getattr(eng, "prefill_batch", None)):
+            assert not eng.capabilities.batched_prefill, "batched_prefill is declared but prefill_batch is missing"
+            return
+        from polyengine.engine import PrefillRequest
+
+        a, b, c = conformance.prompt(11, 101), conformance.prompt(5, 102), conformance.prompt(14, 103)
+        cases = [(a, 0, conformance.sampling(101)), (b, 0, conformance.sampling(102, temperature=0.0))]
+        if eng.capabilities.prefix_reuse:  # starts 9 and 3: each row's positions and keys are its own
+            cases += [(c, 9, conformance.sampling(103)), (a, 3, conformance.sampling(104, temperature=0.7))]
+        heads = [d.prefill(whole[:start], conformance.sampling(105))[0] if start else None for whole, start, _ in cases]
+        requests = [PrefillRequest(whole[start:], sampling, head) for (whole, start, sampling), head in zip(cases, heads)]
+        with pytest.raises(InvalidRequest):
+            bad = PrefillRequest([eng.vocab_size], cases[0][2])  # an id outside the vocabulary
+            eng.prefill_batch(params=d.params, requests=[*requests[:1], bad])
+        done = eng.prefill_batch(params=d.params, requests=requests)
+        assert len(done) == len(requests), f"prefill_batch: {len(done)} results for {len(requests)} entries"
+        oracle = conformance.oracle()
+        for i, ((whole, start, sampling), (prefix, first)) in enumerate(zip(cases, done)):
+            where = f"prefill_batch entry {i} ({len(whole) - start} tokens after a prefix of {start})"
+            assert list(np.asarray(prefix.prompt_tokens)) == whole, (
+                f"{where}: its prefix holds prompt {list(prefix.prompt_tokens)}, expected {whole}")
+            conformance.within("logits_rel_l2", rel_l2(prefix.host_logits(), oracle.logits(whole)), conformance.dtype,
+                               DEFAULT_MODEL, what=f"{where}: logits vs the reference's prefill of its whole prompt "
+                                                   f"(each row at its own positions, seeing only its own keys)")
+            div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling, what=f"{where}: first token")
+            assert div is None or div.near_tie, f"{where}: {div.describe()}"
+
     def test_page_rules(self, conformance):
         """docs/design.md, "Pages", on an engine that declares page_size: inserting shares
         pages, a shared page is copied before a write, free releases only the slot's

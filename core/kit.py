@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 
 from polyengine.errors import InvalidRequest, SlotError, UnsupportedFeature
-from polyengine.protocol import Capabilities, DecodeState, EngineConfig, Override, Prefix
+from polyengine.protocol import Capabilities, DecodeState, EngineConfig, Override, PrefillRequest, Prefix
 from polyengine.results import ResultTokens
 from polyengine.sampling.masks import SlotMasks, allows_any, check_mask, full_mask, step_masked_ids
 from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
@@ -178,6 +178,30 @@ class EngineBase:
             start = existing_prefix.true_length
         toks, sampling = check_request(self, tokens, sampling, offset=start)
         return toks, sampling, start
+
+    def check_prefill_batch(self, requests: Sequence[PrefillRequest]) -> list[tuple[np.ndarray, SamplingParams, int,
+                                                                                  np.ndarray | None]]:
+        """What ``prefill_batch`` must refuse before any work: a request list that is not
+        a non-empty sequence of :class:`PrefillRequest`, and whatever ``prefill`` refuses
+        of any entry (the error's message then names the entry). Returns per entry the
+        prompt (int32), the request with a seed, the positions its existing prefix holds
+        and its checked first-token mask."""
+        if isinstance(requests, (str, bytes, PrefillRequest)) or not isinstance(requests, Sequence) or not requests:
+            raise InvalidRequest(f"prefill_batch needs a non-empty sequence of PrefillRequest, got {requests!r:.80}",
+                                 field="requests")
+        checked = []
+        for i, req in enumerate(requests):
+            if not isinstance(req, PrefillRequest):
+                raise InvalidRequest(f"prefill_batch entry {i} is {type(req).__name__}, not a PrefillRequest",
+                                     field="requests")
+            try:
+                toks, sampling, start = self.check_prefill(req.tokens, req.sampling, req.existing_prefix)
+                mask = self.check_token_mask(req.token_mask, sampling)
+            except (InvalidRequest, UnsupportedFeature) as exc:
+                exc.args = (f"prefill_batch entry {i}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+                raise
+            checked.append((toks, sampling, start, mask))
+        return checked
 
     def check_embed(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """What ``embed`` must refuse before work: the capability undeclared, a bad
@@ -384,6 +408,17 @@ class EngineBase:
             self._release(state, slot)
             state.slots.free(slot)
         return state
+
+    # -- batched prefill (capability batched_prefill) -----------------------------------
+
+    def prefill_batch(self, *, params: Any, requests: Sequence[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
+        """Each entry as its own ``prefill`` call, after every entry is checked (so a refused
+        entry prefills nothing): what an engine without ``batched_prefill`` gives. An engine
+        that declares the capability overrides this with one forward over the entries."""
+        checked = self.check_prefill_batch(requests)
+        return [self.prefill(params=params, tokens=toks, sampling=sampling, existing_prefix=req.existing_prefix,
+                             **({"token_mask": mask} if mask is not None else {}))
+                for req, (toks, sampling, _, mask) in zip(requests, checked)]
 
     # -- prefix truncation (capability prefix_truncate) -------------------------------------
 

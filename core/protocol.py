@@ -59,6 +59,7 @@ __all__ = [
     "EngineConfig",
     "DEFAULT_CONTEXT_LENGTH",
     "Prefix",
+    "PrefillRequest",
     "DecodeState",
     "Override",
     "Engine",
@@ -103,6 +104,10 @@ class Capabilities(BaseModel):
     ``embeddings``: ``embed`` returns a prompt's final hidden states (what the driver
     pools into ``LLM.embed`` and the server's ``/v1/embeddings``); an engine without it
     raises :class:`UnsupportedFeature` there, and need not have the method at all.
+    ``batched_prefill``: ``prefill_batch`` runs several prompts or chunks (each possibly
+    continuing its own prefix) in one forward of the model, not one call after another;
+    ``EngineBase`` gives every engine the method as a loop over ``prefill``, and the
+    driver batches a step's pieces only on an engine that declares it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -125,6 +130,7 @@ class Capabilities(BaseModel):
         FLOAT_FORMATS, min_length=1,
         description="weight formats computed on as stored; others are converted to float32 one tensor at a time")
     embeddings: bool = False
+    batched_prefill: bool = False
 
     @property
     def paged_kv(self) -> bool:
@@ -168,8 +174,11 @@ class EngineConfig(BaseModel):
     ``prefix_cache_bytes`` bounds the K/V the driver's prefix cache may keep (None: as
     much as the slots' KV cache holds, less what the slots hold now on a cache that
     grows with use; 0: no cache), counted by the engine's memory check; ``prefill_chunk`` is the most prompt tokens one prefill call runs while
-    other requests decode (None: the measured default; 0: whole prompts at once).
-    Both need ``Capabilities.prefix_reuse`` and are off without it.
+    other requests decode (None: the measured default; 0: whole prompts at once);
+    ``max_num_batched_tokens`` the most prompt tokens one scheduler step prefills, over
+    every request being prefilled, while other requests decode (vLLM's name; None: the
+    measured default, docs/serving.md "Prefill and decode in one step").
+    All three need ``Capabilities.prefix_reuse`` and are off without it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -182,9 +191,10 @@ class EngineConfig(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
     prefix_cache_bytes: int | None = Field(None, ge=0)
     prefill_chunk: int | None = Field(None, ge=0)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
 
     @field_validator("max_slots", "max_prefill_length", "max_cache_length", "prefix_cache_bytes", "prefill_chunk",
-                     "prefill_buckets", mode="before")
+                     "max_num_batched_tokens", "prefill_buckets", mode="before")
     @classmethod
     def _integers(cls, value: Any) -> Any:
         """Integers only (NumPy's too): True is not 1 byte, "3" is not 3 slots, 2.5 is not
@@ -288,6 +298,17 @@ class Prefix:
         return int(self.prompt_tokens.shape[0])
 
 
+@dataclass(frozen=True)
+class PrefillRequest:
+    """One entry of ``prefill_batch``: the keywords of one ``prefill`` call (its tokens,
+    its request, the prefix it continues, its first token's allowed-token mask)."""
+
+    tokens: Sequence[int] | np.ndarray
+    sampling: SamplingParams
+    existing_prefix: Prefix | None = None
+    token_mask: np.ndarray | None = None
+
+
 @runtime_checkable
 class DecodeState(Protocol):
     """A backend's per-slot decode state (KV caches, positions, sampler state).
@@ -331,8 +352,9 @@ class Engine(Protocol):
     that lacks one still has the method and raises :class:`UnsupportedFeature`):
     ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
     (``portable_prefix``), ``embed`` (``embeddings``); and ``existing_prefix`` in prefill
-    (``prefix_reuse``). ``truncate_prefix`` (``prefix_truncate``) and ``embed`` may be
-    absent without their capabilities (:data:`CAPABILITY_METHODS`).
+    (``prefix_reuse``). ``truncate_prefix`` (``prefix_truncate``), ``prefill_batch``
+    (``batched_prefill``) and ``embed`` may be absent without their capabilities
+    (:data:`CAPABILITY_METHODS`).
     Optional keywords, each guarded by a capability (:data:`CAPABILITY_KEYWORDS`; an
     engine that does not declare it may lack the keyword): ``token_mask`` of prefill
     and ``token_masks`` of generate (``token_masks``).
@@ -380,6 +402,16 @@ class Engine(Protocol):
         words (:mod:`polyengine.sampling.masks`); the prefix keeps it for
         ``bulk_insert``.
         """
+        ...
+
+    def prefill_batch(self, *, params: Any, requests: Sequence[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
+        """Prefill several prompts or chunks in one call: entry ``i`` gives what
+        ``prefill(params=params, **vars(requests[i]))`` would (the same prefix, logits within
+        the backend's tolerance, the first token drawn with that request's own parameters
+        and seed), in order. Every entry is checked before any work; one that prefill would
+        refuse makes the whole call raise that error (its message names the entry) and
+        nothing is prefilled. Capability ``batched_prefill`` says the entries share one
+        forward; ``EngineBase`` gives engines without it a loop over ``prefill``."""
         ...
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -463,6 +495,7 @@ CAPABILITY_KEYWORDS: dict[tuple[str, str], str] = {
 # they existed keeps passing protocol_problems); the caller checks the capability first.
 CAPABILITY_METHODS: dict[str, str] = {
     "truncate_prefix": "prefix_truncate",
+    "prefill_batch": "batched_prefill",
     "embed": "embeddings",
 }
 

@@ -55,7 +55,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="who shares cached prompts: 'key' (default): requests of the same API key and cache_salt; "
                         "'salt': of the same cache_salt, whatever their key (docs/security.md)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens prefilled per step while other requests decode (default 64; 0: whole prompts)")
+                   help="the longest prefill piece while other requests decode (default 64; 0: whole prompts)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens one step prefills, over every prompt being prefilled, while other requests "
+                        "decode (default 64; docs/serving.md)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--no-tools", action="store_true", help="disable the calculator tool")
@@ -119,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         tools=not args.no_tools, shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
         prefix_cache_mib=args.prefix_cache_mib, prefill_chunk=args.prefill_chunk,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         options=dict(args.options), prefill_buckets=args.prefill_buckets,
     )
     from polyengine.cli_checks import check_before_loading

@@ -79,7 +79,9 @@ class ServerConfig:
     closed after ``idle_timeout`` seconds. ``api_keys``: every key a client may send (none:
     no key needed); ``prefix_cache_partition``: one of :data:`PARTITIONS`. ``prefix_cache_mib`` and ``prefill_chunk``
     are the driver's (``EngineConfig.prefix_cache_bytes`` in MiB,
-    ``EngineConfig.prefill_chunk``; None: their defaults, 0: off); ``options`` and
+    ``EngineConfig.prefill_chunk``; None: their defaults, 0: off), and so is
+    ``max_num_batched_tokens`` (prompt tokens per step while requests decode; None: its
+    default); ``options`` and
     ``prefill_buckets`` go to ``EngineConfig`` as given (``--option``, ``--prefill-buckets``)."""
 
     model: str | None = None
@@ -101,6 +103,7 @@ class ServerConfig:
     idle_timeout: float = 5.0
     prefix_cache_mib: float | None = None
     prefill_chunk: int | None = None
+    max_num_batched_tokens: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     prefill_buckets: tuple[int, ...] | None = None
 
@@ -127,6 +130,9 @@ class ServerConfig:
                                  f"got {self.prefix_cache_mib}", field="prefix_cache_mib")
         if self.prefill_chunk is not None and self.prefill_chunk < 0:
             raise InvalidRequest("--prefill-chunk must be >= 0 (0 prefills whole prompts at once)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise InvalidRequest("--max-num-batched-tokens must be >= 1 (prompt tokens one step prefills while "
+                                 "requests decode)", field="max_num_batched_tokens")
         if self.shutdown_timeout < 0:
             raise InvalidRequest("--shutdown-timeout must be >= 0 seconds")
         if not 0 <= self.port < 65536:
@@ -157,6 +163,8 @@ def build_engine(config: ServerConfig, progress: Any = None) -> tuple[Any, str]:
         extra["prefix_cache_bytes"] = int(config.prefix_cache_mib * 2**20)
     if config.prefill_chunk is not None:
         extra["prefill_chunk"] = config.prefill_chunk
+    if config.max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = config.max_num_batched_tokens
     if config.options:
         extra["options"] = dict(config.options)
     if config.prefill_buckets is not None:

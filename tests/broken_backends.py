@@ -205,6 +205,17 @@ class PrefixPositionsEngine(ReferenceEngine):
         return super()._forward(params, tokens, starts, k_caches, v_caches)
 
 
+class BatchPositionsEngine(ReferenceEngine):
+    """A batched prefill runs every row at the first row's positions (a padded batch
+    sharing one position vector): rows continuing prefixes of other lengths write and
+    rotate their K/V at the wrong place."""
+
+    def _forward(self, params, tokens, starts, k_caches, v_caches):
+        if tokens.shape[0] > 1 and tokens.shape[1] > 1:  # a batched prefill (decode steps are one token wide)
+            starts = np.minimum(starts, starts[0])
+        return super()._forward(params, tokens, starts, k_caches, v_caches)
+
+
 class PreRopeExportEngine(ReferenceEngine):
     """Exports K before RoPE (its cache layout) instead of after, as the format says."""
 
@@ -748,6 +759,7 @@ BROKEN: dict[str, type] = {
     "broken_bulk_partial": BulkPartialEngine,
     "broken_padded_logits": PaddedLogitsEngine,
     "broken_prefix_positions": PrefixPositionsEngine,
+    "broken_batch_positions": BatchPositionsEngine,
     "broken_prerope_export": PreRopeExportEngine,
     "broken_unchecked_import": UncheckedImportEngine,
     "broken_trusting_import": TrustingImportEngine,
@@ -821,6 +833,7 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_bulk_partial": ("test_bulk_insert_refusals", "test_bulk_insert_refusals", "must change nothing"),
     "broken_padded_logits": ("test_prefill_bucket_invariance", "test_prefill_bucket_invariance", "bucket_rel_l2"),
     "broken_prefix_positions": ("test_prefix_reuse", "test_prefix_reuse", "positions of the continuation"),
+    "broken_batch_positions": ("test_prefill_batch", "test_prefill_batch", "each row at its own positions"),
     "broken_continuation_edge": ("test_prefix_reuse_at_bucket_edges", "test_prefix_reuse_at_bucket_edges",
                                  "a prefix of 8 tokens continued"),
     "broken_continuation_sampling": ("test_prefix_reuse_leaves_the_prefix", "test_prefix_reuse_leaves_the_prefix",

@@ -291,7 +291,7 @@ def test_the_page_rules_catch_what_breaks_them(tiny, engine_type, broken):
 def test_a_bounded_page_pool_admits_requests_by_free_pages(tiny):
     """26 pages of 4 positions (about one 96-token context): eight requests of 8-10
     prompt tokens and 6 new ones (each 5 pages at worst, so reserving worst cases would
-    run five at a time) run seven at a time in 8 slots, admitted by the pages they need
+    run five at a time) run seven or more at a time in 8 slots, admitted by the pages they need
     now (tests/test_paged_preempt.py has more); none fails, the outputs equal an
     unbounded pool's, and a request that could never fit is refused at submit."""
     kw = dict(backend="reference", tools=False, max_slots=8, max_prefill_length=60, max_cache_length=96)
@@ -307,7 +307,7 @@ def test_a_bounded_page_pool_admits_requests_by_free_pages(tiny):
         bounded.step()
         running = max(running, len(bounded.scheduler._slots))
         assert bounded.engine.pages.held <= 26
-    assert running == 7
+    assert running >= 7  # 7 one prefill at a time; 8 when a step prefills several prompts together
     assert [r.completion.token_ids for r in reqs] == [c.token_ids for c in free.generate(prompts, sp)]
     with pytest.raises(InvalidRequest, match="pool holds 26"):
         bounded.submit(prompts[0], SamplingParams(n=2, max_tokens=80))

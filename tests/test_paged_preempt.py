@@ -69,9 +69,9 @@ def test_requests_are_admitted_by_the_pages_they_need_now(tiny):
     assert bounded.page_stats["preemptions"] == 0
 
 
-def _preempting(tiny_text, chunk=4):
+def _preempting(tiny_text, chunk=4, **more):
     kw = dict(backend="reference", tools=False, max_slots=4, max_prefill_length=32, max_cache_length=64,
-              prefill_chunk=chunk)
+              prefill_chunk=chunk, **more)
     return (LLM(tiny_text, options={"page_size": 4, "kv_pages": 17}, **kw),
             LLM(tiny_text, options={"page_size": 4}, **kw))
 
@@ -130,7 +130,7 @@ def test_a_request_preempted_during_its_chunked_prefill_starts_again_under_its_g
     """The newest request may be preempted while its prompt is prefilled in pieces (it
     holds the pages of the pieces done): it is prefilled again from the start and its
     first token is drawn under its grammar's mask, as without the preemption."""
-    bounded, free = _preempting(tiny_text, chunk=2)
+    bounded, free = _preempting(tiny_text, chunk=2, max_num_batched_tokens=2)  # one 2-token piece a step
     work = [("ab", SamplingParams(temperature=0.9, seed=1, max_tokens=20, ignore_eos=True)),
             ("the cat sat on a mat, hat", SamplingParams(temperature=1.0, seed=4, max_tokens=24,
                                                          structured=StructuredOutput(json_schema=SCHEMA)))]
@@ -140,7 +140,7 @@ def test_a_request_preempted_during_its_chunked_prefill_starts_again_under_its_g
     reqs.append(bounded.submit(*work[1]))
     for _ in range(4):
         bounded.step()
-    assert sched._filling is not None and sched._filling[0] is reqs[1] and sched._filling[1].done == 8
+    assert len(sched._filling) == 1 and sched._filling[0][0] is reqs[1] and sched._filling[0][1].done == 8
     held = bounded.engine.pages.held
     sched._preempt(reqs[1])  # what _make_step_room does to the newest request when a step would run out
     assert sched._queue[0] is reqs[1] and reqs[1].status == "queued" and bounded.engine.pages.held < held

@@ -239,10 +239,11 @@ def test_a_conversation_continues_its_previous_turn(tiny):
 
 
 class PrefillLog:
-    """Wraps an engine: records each prefill's token count, and the step it ran in."""
+    """Wraps an engine: records each prefill's token count, and the step it ran in (the
+    entries of a batched prefill too; ``batches`` the token counts of each batched call)."""
 
     def __init__(self, engine):
-        self.engine, self.calls, self.step = engine, [], 0
+        self.engine, self.calls, self.step, self.batches = engine, [], 0, []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -251,13 +252,18 @@ class PrefillLog:
         self.calls.append((self.step, len(kw["tokens"]), kw["existing_prefix"] is not None))
         return self.engine.prefill(**kw)
 
+    def prefill_batch(self, *, params, requests):
+        self.calls += [(self.step, len(r.tokens), r.existing_prefix is not None) for r in requests]
+        self.batches.append([len(r.tokens) for r in requests])
+        return self.engine.prefill_batch(params=params, requests=requests)
+
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_streams_decode(tiny):
     """Two streams decode; a 57-token prompt arrives: it is prefilled in pieces of at most
     8 tokens, one chunk's worth per step, and the running streams get a token in every
     step meanwhile. With nothing decoding, the prompt is one piece (there is no pace to
     keep, and small pieces cost more)."""
-    base = make(tiny, prefill_chunk=8, prefix_cache_bytes=0, max_slots=3)
+    base = make(tiny, prefill_chunk=8, max_num_batched_tokens=8, prefix_cache_bytes=0, max_slots=3)
     log = PrefillLog(base.engine)
     llm = LLM.from_engine(log, tools=False)
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -324,7 +330,7 @@ def test_a_request_cancelled_while_its_prefix_is_shared(tiny):
     middle of its chunked prefill (streams decoding, so it takes several steps). It lets
     go of the entry, nothing leaks, and the others' output equals the uncached output;
     a request continuing the cancelled one's cached neighbours is exact too."""
-    llm = make(tiny, prefill_chunk=4, max_slots=4)
+    llm = make(tiny, prefill_chunk=4, max_num_batched_tokens=4, max_slots=4)
     off = make(tiny, prefix_cache_bytes=0, prefill_chunk=0, max_slots=4)
     cache = llm.scheduler.prefix_cache
     rng = np.random.default_rng(9)
@@ -335,12 +341,13 @@ def test_a_request_cancelled_while_its_prefix_is_shared(tiny):
     keeper = llm.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     llm.step()  # something decodes: prefills now go a chunk per step
     a, b, c = (llm.submit(p + rng.integers(3, 280, 9).tolist(), sp) for p in prompts[1:])
-    while llm.scheduler._filling is None or llm.scheduler._filling[0] is not b:
+    filling = lambda: [r for r, _ in llm.scheduler._filling]  # noqa: E731
+    while b not in filling():
         llm.step()
     llm.step()
-    assert llm.scheduler._filling is not None and llm.scheduler._filling[0] is b  # b is part way through
+    assert b in filling() and not b.done  # b is part way through
     b.cancel()
-    assert b.status == "cancelled" and llm.scheduler._filling is None
+    assert b.status == "cancelled" and b not in filling()
     while not (a.done and c.done and keeper.done):
         llm.step()
     for req in (a, c):

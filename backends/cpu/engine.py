@@ -53,6 +53,7 @@ class CpuEngine(TorchEngine):
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True, embeddings=True,
+            batched_prefill=self.batches_prefill(),
             # the GGUF block formats are computed on as mapped (blocks.py); others, and every
             # weight where the plan does not keep blocks, are converted one tensor at a time
             weight_formats=WEIGHT_FORMATS,

@@ -58,6 +58,7 @@ class CudaEngine(TorchEngine):
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True, embeddings=True, weight_formats=WEIGHT_FORMATS,
+            batched_prefill=self.batches_prefill(),
         )
 
     def _resolve(self) -> None:

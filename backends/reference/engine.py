@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, PrefillRequest, Prefix, ResultTokens, SlotTable
 from polyengine.errors import InvalidRequest
 from polyengine.options import Option
 from polyengine.pages import PageList, PagePool, pages_for
@@ -113,6 +113,8 @@ class ReferenceEngine(EngineBase):
             architectures=ARCHITECTURES, token_masks=True,
             weight_formats=tuple(FORMATS),  # every block format, dequantized exactly (float64) at load
             embeddings=True,
+            # one forward for a batch of prefills; a subclass with a prefill of its own gets the kit's loop over it
+            batched_prefill=type(self).prefill is ReferenceEngine.prefill,
             page_size=self.options.get("page_size", 0),
         )
 
@@ -152,34 +154,56 @@ class ReferenceEngine(EngineBase):
     ) -> tuple[Prefix, ResultTokens]:
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         mask = self.check_token_mask(token_mask, sampling)
-        total = start + toks.size
-        # Pad to the bucket (when configured) the way a static-shape backend would:
-        # pad tokens sit after the true ones, so causality keeps them out of every
-        # true position, and their cache entries are dropped below.
-        padded = (total if self.config.prefill_buckets is None else self.config.bucket_for(total)) - start
-        shape = self._cache_shape(start + padded)
-        k, v = np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype)
-        if existing_prefix is not None:
-            k[:, :, :start], v[:, :, :start] = self._prefix_arrays(existing_prefix)
-        batch = np.zeros((1, padded), np.int64)
-        batch[0, : toks.size] = toks
-        logits = self._forward(params, batch, np.array([start]), [k], [v])[0, toks.size - 1]
-        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks])
-        kept = self._keep(k, v, start, total, existing_prefix)
-        prefix = Prefix(
-            kv=kept,
-            logits=logits,
-            prompt_tokens=prompt.astype(np.int32),
-            sampling=sampling,
-            backend=self.name,
-            first_token=-1,
-            model_id=self.model_id,
-            token_mask=mask,
-            nbytes=self._held_bytes(kept, total),
-        )
-        out = self._sample([logits], [RowState(sampling, 0, 0, prefix.prompt_tokens, np.zeros(0, np.int32), mask)])
-        prefix.first_token = int(out.tokens[0])
-        return prefix, self._result(out)
+        return self._prefill_rows(params, [(toks, sampling, start, mask)], [existing_prefix])[0]
+
+    def prefill_batch(self, *, params: ReferenceParams,
+                      requests: Sequence[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
+        if type(self).prefill is not ReferenceEngine.prefill:  # a subclass's own prefill is honoured, entry by entry
+            return EngineBase.prefill_batch(self, params=params, requests=requests)
+        checked = self.check_prefill_batch(requests)
+        return self._prefill_rows(params, checked, [r.existing_prefix for r in requests])
+
+    def _prefill_rows(self, params: ReferenceParams, checked: list, existing: list[Prefix | None]):
+        """Checked prefills (``(tokens, sampling, start, mask)`` each) as one forward: row
+        ``i`` holds entry ``i``'s tokens at positions ``start_i..``, padded at the end to the
+        longest entry (to its bucket when configured, the way a static-shape backend
+        would: pad tokens sit after the true ones, so causality keeps them out of every
+        true position, and their cache entries are dropped below). Each row has its own
+        cache, so rows never see each other's keys."""
+        width = 0
+        for toks, _, start, _ in checked:
+            total = start + toks.size
+            width = max(width, (total if self.config.prefill_buckets is None else self.config.bucket_for(total)) - start)
+        batch = np.zeros((len(checked), width), np.int64)  # (B, T)
+        ks, vs = [], []
+        for i, ((toks, _, start, _), prior) in enumerate(zip(checked, existing)):
+            shape = self._cache_shape(start + width)
+            k, v = np.zeros(shape, self.np_dtype), np.zeros(shape, self.np_dtype)
+            if prior is not None:
+                k[:, :, :start], v[:, :, :start] = self._prefix_arrays(prior)
+            batch[i, : toks.size] = toks
+            ks.append(k)
+            vs.append(v)
+        starts = np.array([start for _, _, start, _ in checked])
+        logits_all = self._forward(params, batch, starts, ks, vs)  # (B, T, vocab)
+        prefixes, rows, last = [], [], []
+        for i, ((toks, sampling, start, mask), prior) in enumerate(zip(checked, existing)):
+            total = start + toks.size
+            logits = logits_all[i, toks.size - 1]
+            prompt = toks if prior is None else np.concatenate([prior.prompt_tokens, toks])
+            kept = self._keep(ks[i], vs[i], start, total, prior)
+            prefixes.append(Prefix(
+                kv=kept, logits=logits, prompt_tokens=prompt.astype(np.int32), sampling=sampling, backend=self.name,
+                first_token=-1, model_id=self.model_id, token_mask=mask, nbytes=self._held_bytes(kept, total),
+            ))
+            rows.append(RowState(sampling, 0, 0, prefixes[-1].prompt_tokens, np.zeros(0, np.int32), mask))
+            last.append(logits)
+        out = self._sample(last, rows)
+        results = []
+        for i, prefix in enumerate(prefixes):
+            prefix.first_token = int(out.tokens[i])
+            results.append((prefix, self._result(_row(out, i, prefix.sampling.top_logprobs))))
+        return results
 
     # -- insert (the kit's flow: checks, then _install, then the slot table) ---------------
 
@@ -407,6 +431,13 @@ class ReferenceEngine(EngineBase):
     def _result(out) -> ResultTokens:
         return ResultTokens.first_tokens(out.tokens.astype(np.int32), out.logprobs.astype(np.float32),
                                          out.top_ids.astype(np.int32), out.top_logprobs.astype(np.float32))
+
+
+def _row(out, i: int, top: int):
+    """Row ``i`` of a batch's sampler output as the one-row output its own call gives
+    (``top`` top log-probs, not the batch's widest)."""
+    return replace(out, tokens=out.tokens[i: i + 1], logprobs=out.logprobs[i: i + 1], top_ids=out.top_ids[i: i + 1, :top],
+                   top_logprobs=out.top_logprobs[i: i + 1, :top])
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> ReferenceEngine:

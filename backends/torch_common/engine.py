@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
+from polyengine.engine import EngineBase, EngineConfig, PrefillRequest, Prefix, ResultLayout, ResultTokens, SlotTable
 from polyengine.errors import InsufficientMemory, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.prefix import PortablePrefix
@@ -285,17 +285,72 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )
+        return self._prefixed(params, logits[0], (k[:, 0, :, : start + n], v[:, 0, :, : start + n]),
+                              toks, sampling, existing_prefix, mask,
+                              nbytes=self.kv_bytes(start + padded))  # the view keeps its whole buffer alive
+
+    def _prefixed(self, params: TorchWeights, logits: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], toks,
+                  sampling: SamplingParams, existing_prefix: Prefix | None, mask, *, nbytes: int):
+        """The prefix a prefill made (its K/V, its last position's logits) and its first token."""
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
-        first = self._first_token(logits[0], prompt, sampling, mask)
+        first = self._first_token(logits, prompt, sampling, mask)
         token = int(first.tokens[0])  # the protocol's Prefix carries it on the host
         prefix = Prefix(
-            kv=(k[:, 0, :, : start + n], v[:, 0, :, : start + n]), logits=logits[0].float(), prompt_tokens=prompt,
+            kv=kv, logits=logits.float(), prompt_tokens=prompt,
             sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
-            token_mask=mask,
-            nbytes=self.kv_bytes(start + padded),  # the view keeps its whole buffer alive
+            token_mask=mask, nbytes=nbytes,
         )
         return prefix, ResultTokens.first_tokens(first.tokens, first.logprobs, first.top_ids, first.top_logprobs,
                                                  to_host=host_array)
+
+    def batches_prefill(self) -> bool:
+        """Capability ``batched_prefill``: one forward for a batch of prefills, unless a
+        subclass has a ``prefill`` of its own (then ``prefill_batch`` is the kit's loop over it)."""
+        return type(self).prefill is TorchEngine.prefill
+
+    @on_engine_thread
+    @torch.no_grad()
+    def prefill_batch(self, *, params: TorchWeights, requests) -> list[tuple[Prefix, ResultTokens]]:
+        """The entries as one forward: batch row ``i`` holds entry ``i``'s tokens at
+        positions ``start_i..``, padded at the end to the longest entry's bucket; each row
+        attends to its own cache row (its prefix copied in, then its new K/V), the mask
+        keyed by each query's own position, and pad tokens write nothing. Each prefix then
+        gets a cache of its own (a copy of its row), so dropping one frees its memory."""
+        if type(self).prefill is not TorchEngine.prefill:  # a subclass's own prefill is honoured, entry by entry
+            return EngineBase.prefill_batch(self, params=params, requests=requests)
+        checked = self.check_prefill_batch(requests)
+        existing = [r.existing_prefix for r in requests]
+        dev = self.torch_device
+        b = len(checked)
+        width = self.config.bucket_for(max(toks.size for toks, _, _, _ in checked))
+        starts = [start for _, _, start, _ in checked]
+        k, v = params.new_cache(b, max(starts) + width, dtype=self.kv_dtype)
+        batch = np.zeros((b, width), np.int64)  # (B, T)
+        lengths = np.array([toks.size for toks, _, _, _ in checked])
+        for i, ((toks, _, start, _), prior) in enumerate(zip(checked, existing)):
+            batch[i, : toks.size] = toks
+            if prior is not None:
+                k[:, i, :, :start], v[:, i, :, :start] = prior.kv
+        offsets = torch.arange(width, dtype=torch.int64, device=dev)
+        positions = to_device(np.asarray(starts, np.int64), dev)[:, None] + offsets[None]  # (B, T)
+        write = offsets[None] < to_device(lengths, dev)[:, None]  # (B, T): pad tokens write nothing
+        # From position 0 in every row (all of them as long as the widest), the causal
+        # kernels apply; otherwise the general mask over each query's own position.
+        causal = not any(starts)
+        logits, k, v = forward(
+            params, self._spec(causal=causal, linear=self._prefill_linear, kv_codec=self._kv_codec,
+                               causal_attention=self._causal_attention if causal else None),
+            to_device(batch, dev), positions, k, v,
+            rows=None, write_mask=write, logits_at=to_device(lengths - 1, dev),
+        )  # logits (B, vocab)
+        out = []
+        for i, ((toks, sampling, start, mask), prior) in enumerate(zip(checked, existing)):
+            total = start + toks.size
+            own_k, own_v = params.new_cache(1, total, lazy=True, dtype=self.kv_dtype)
+            own_k[:, 0], own_v[:, 0] = k[:, i, :, :total], v[:, i, :, :total]
+            out.append(self._prefixed(params, logits[i], (own_k[:, 0], own_v[:, 0]), toks, sampling, prior, mask,
+                                      nbytes=self.kv_bytes(total)))
+        return out
 
     # -- insert, bulk_insert, free_resource: the kit's flow over torch_common's hooks --------
 

@@ -19,8 +19,12 @@ prefix (``existing_prefix``, capability ``prefix_reuse``):
   prefix is cached (a conversation's next turn starts with it).
 - **Chunked prefill**: while other requests decode, pieces also end at every multiple
   of ``prefill_chunk`` tokens (absolute positions), so no piece is longer than the
-  chunk, and the scheduler runs at most one chunk's worth of prompt tokens per step,
-  between decode steps: running streams keep their pace. With nothing decoding there is
+  chunk, and the scheduler runs at most ``max_num_batched_tokens`` prompt tokens per
+  step (a piece is cut where the step's budget ends), between decode steps: running
+  streams keep their pace.
+- **Batched prefill**: a step's pieces (one per request being prefilled, in arrival
+  order, until the budget is spent) go to the engine as one ``prefill_batch`` call on an
+  engine that declares ``batched_prefill`` (one forward), else one ``prefill`` each. With nothing decoding there is
   no pace to keep, and the rest of the prompt runs as one piece (small pieces cost more
   per token: on the CPU a 64-token piece costs about twice a long prefill's per-token
   time).
@@ -36,15 +40,19 @@ from typing import Any
 
 from polyengine.driver.prefix_cache import CacheEntry, PrefixCache
 from polyengine.pages import pages_for
-from polyengine.protocol import EngineConfig, Prefix
+from polyengine.protocol import EngineConfig, PrefillRequest, Prefix
 from polyengine.results import ResultTokens
 from polyengine.sampling.params import SamplingParams
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "CACHE_BLOCK", "PrefillJob", "Prefiller"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STEP_TOKENS", "CACHE_BLOCK", "PrefillJob", "Prefiller"]
 
 # Prompt tokens per prefill piece while other requests decode (EngineConfig.prefill_chunk
 # unset). Measured in docs/prefix-caching.md ("Choosing the chunk size").
 DEFAULT_PREFILL_CHUNK = 64
+# Prompt tokens one scheduler step prefills while other requests decode, over every
+# request being prefilled (EngineConfig.max_num_batched_tokens unset). Measured in
+# docs/serving.md ("Prefill and decode in one step").
+DEFAULT_STEP_TOKENS = 64
 # Prompts shorter than this are not cached, and a cut where prompts part is rounded down
 # to a multiple of it (so near-identical prompts share one entry, not one each).
 CACHE_BLOCK = 16
@@ -81,9 +89,12 @@ class Prefiller:
     """Prefills for one engine: its prefix cache (None: off) and chunk size (0: off)."""
 
     def __init__(self, engine: Any, params: Any, *, cache: PrefixCache | None = None, chunk: int = 0,
-                 block: int = CACHE_BLOCK):
+                 block: int = CACHE_BLOCK, step_tokens: int = DEFAULT_STEP_TOKENS):
         self.engine, self.params = engine, params
         self.cache, self.chunk, self.block = cache, int(chunk), int(block)
+        self.step_tokens = int(step_tokens)  # prompt tokens per step while streams decode (chunking on)
+        # A step's pieces share one forward (engine.prefill_batch) where the engine says it runs them so.
+        self.batched = bool(getattr(engine.capabilities, "batched_prefill", False))
         # The engine's default budget on a cache that grows with use: what the slots leave
         # of it (EngineBase.prefix_cache_shares_kv), so the budget follows the slots' lengths.
         self.shares_kv = cache is not None and bool(getattr(engine, "prefix_cache_shares_kv", False))
@@ -108,6 +119,8 @@ class Prefiller:
         config = getattr(engine, "config", None)
         chunk = config.prefill_chunk if isinstance(config, EngineConfig) else None
         chunk = DEFAULT_PREFILL_CHUNK if chunk is None else chunk
+        step = config.max_num_batched_tokens if isinstance(config, EngineConfig) else None
+        step = DEFAULT_STEP_TOKENS if step is None else step
         budget = int(getattr(engine, "prefix_cache_bytes", 0) or 0)
         model = getattr(engine, "model", None)
         per_token = model.config.kv_bytes_per_token(4) if model is not None else 1
@@ -119,7 +132,7 @@ class Prefiller:
         cache = PrefixCache(budget, estimate=lambda p: p.true_length * per_token, **paged) if budget else None
         # A paged engine's cuts fall on its page edges, so a cut entry shares whole pages.
         block = engine.capabilities.page_size or CACHE_BLOCK
-        return cls(engine, params, cache=cache, chunk=chunk, block=block)
+        return cls(engine, params, cache=cache, chunk=chunk, block=block, step_tokens=step)
 
     def fit(self, positions: int) -> None:
         """The slots hold K/V for ``positions`` cache positions now: on an engine whose
@@ -167,13 +180,35 @@ class Prefiller:
         return self.pool.free >= pages
 
     def step_budget(self, decoding: bool) -> int | None:
-        """Prompt tokens one scheduler step may prefill: a chunk while streams decode,
-        no bound otherwise (None: pieces are not chunked either)."""
-        return self.chunk if self.chunk and decoding else None
+        """Prompt tokens one scheduler step may prefill: ``max_num_batched_tokens`` while
+        streams decode and chunking is on, no bound otherwise (None: pieces are not
+        chunked either)."""
+        return self.step_tokens if self.chunk and decoding else None
 
     def next_piece(self, job: PrefillJob, budget: int | None) -> int:
-        """Tokens of the job's next piece under a step's ``budget`` (chunked when bounded)."""
-        return job.next_end(self.chunk if budget is not None else 0) - job.done
+        """Tokens of the job's next piece under what is left of a step's ``budget``
+        (chunked, and cut where the budget ends, when bounded)."""
+        n = job.next_end(self.chunk if budget is not None else 0) - job.done
+        return n if budget is None else min(n, budget)
+
+    def waits_for(self, tokens: list[int], partition: Any, jobs: list[PrefillJob]) -> bool:
+        """Whether a prompt should wait for a prefill in progress rather than start beside
+        it: it shares at least a cache block with that job's prompt beyond what the cache
+        gave the job, so once the job's prefix is cached the prompt continues it instead
+        of computing the shared part again (in the same batch it could not)."""
+        if self.cache is None:
+            return False
+        for job in jobs:
+            if job.partition != partition:
+                continue
+            shared = 0
+            for a, b in zip(tokens, job.tokens):
+                if a != b:
+                    break
+                shared += 1
+            if shared // self.block * self.block > max(job.cached, self.block - 1):
+                return True
+        return False
 
     def start(self, tokens: list[int], sampling: SamplingParams, token_mask: Any = None,
               partition: Any = None) -> PrefillJob:
@@ -217,12 +252,36 @@ class Prefiller:
     def advance(self, job: PrefillJob, budget: int | None = None) -> tuple[Prefix, ResultTokens] | None:
         """Run the job's next piece (chunked under a step's ``budget``, see
         :meth:`step_budget`); after the last, its prefix and first token."""
-        end = job.done + self.next_piece(job, budget)
+        n = self.next_piece(job, budget)
+        return self._advanced(job, job.done + n, self.engine.prefill(params=self.params, **self._piece(job, n)))
+
+    def advance_pieces(self, pieces: list[tuple[PrefillJob, int]]) -> list[tuple[Prefix, ResultTokens] | None]:
+        """Run one piece of ``n`` tokens of each job, together: one ``prefill_batch`` on an
+        engine with ``batched_prefill``, else one ``prefill`` each. Per job, as
+        :meth:`advance`. A batch that raises has changed no job (the engine checks every
+        entry before any work), so the caller may run the pieces one by one to find whose
+        it was."""
+        if not self.batched or len(pieces) == 1:
+            return [self._advanced(job, job.done + n, self.engine.prefill(params=self.params, **self._piece(job, n)))
+                    for job, n in pieces]
+        requests = [PrefillRequest(**self._piece(job, n)) for job, n in pieces]
+        done = self.engine.prefill_batch(params=self.params, requests=requests)
+        return [self._advanced(job, job.done + n, out) for (job, n), out in zip(pieces, done)]
+
+    def _piece(self, job: PrefillJob, n: int) -> dict[str, Any]:
+        """The prefill keywords of the job's next ``n`` tokens: the last piece with the
+        request's own parameters (and its first token's mask), others neutral."""
+        end = job.done + n
         final = end == len(job.tokens)
         extra = {"token_mask": job.token_mask} if final and job.token_mask is not None else {}
-        prefix, first = self.engine.prefill(params=self.params, tokens=job.tokens[job.done: end],
-                                            sampling=job.sampling if final else _PIECE, existing_prefix=job.prefix,
-                                            **extra)
+        return dict(tokens=job.tokens[job.done: end], sampling=job.sampling if final else _PIECE,
+                    existing_prefix=job.prefix, **extra)
+
+    def _advanced(self, job: PrefillJob, end: int, out: tuple[Prefix, ResultTokens]) -> tuple[Prefix, ResultTokens] | None:
+        """Record a piece that ran to ``end``: the job's prefix, the held entry let go, the
+        prefix cached where the cache wants it; after the last, ``out``."""
+        prefix, first = out
+        final = end == len(job.tokens)
         if end == job.cuts[0]:
             job.cuts.pop(0)
         job.prefix, job.done = prefix, end

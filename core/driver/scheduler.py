@@ -8,10 +8,11 @@ steps, so a short request never waits for a long one.
 
 Prefill goes through :class:`~polyengine.driver.prefill.Prefiller`: from the longest
 cached prefix of the prompt (the prefix cache), and, while streams decode, in pieces of
-at most ``prefill_chunk`` tokens, at most one chunk's worth per step before its
-``generate``, so a long prompt arriving never stalls the running streams for its whole
-prefill; the request being prefilled holds its place at the head of the queue (first
-come, first served) until its last piece is inserted.
+at most ``prefill_chunk`` tokens, at most ``max_num_batched_tokens`` prompt tokens per
+step before its ``generate``, so a long prompt arriving never stalls the running streams
+for its whole prefill. Requests start their prefill in arrival order (first come, first
+served) as slots free up; a step's pieces of every request being prefilled run as one
+batched call (``prefill_batch``) where the engine declares ``batched_prefill``.
 
 Per token, in order: the tool machine may replace the engine's token with a forced one
 (fed back through ``overrides``); a constrained sample's grammar advances over it; then
@@ -182,7 +183,7 @@ class Scheduler:
         self._pending: tuple[ResultTokens, dict[int, tuple[Request, _Sample]]] | None = None
         self._eos = frozenset(engine.eos_token_ids)
         self.prefiller = Prefiller.for_engine(engine, self.params)
-        self._filling: tuple[Request, PrefillJob] | None = None  # the request whose prefill runs in pieces
+        self._filling: list[tuple[Request, PrefillJob]] = []  # requests whose prefill runs in pieces, in order
         self._admissions = itertools.count()
         self.preemptions = 0  # requests preempted to make room for K/V pages (cumulative)
         self._lock = threading.RLock()
@@ -293,9 +294,10 @@ class Scheduler:
                 return
             if req in self._queue:
                 self._queue.remove(req)
-            if self._filling is not None and self._filling[0] is req:
-                self.prefiller.abandon(self._filling[1])
-                self._filling = None
+            for r, job in self._filling:
+                if r is req:
+                    self.prefiller.abandon(job)
+            self._filling = [f for f in self._filling if f[0] is not req]
             for s in req.samples:
                 if not s.finished:
                     s.out.finish_reason = "cancelled"
@@ -352,39 +354,73 @@ class Scheduler:
         return pool(hidden, normalize=normalize, backend=name)
 
     def _admit(self) -> None:
-        """Prefill and insert queued requests, in order: while streams decode, at most one
-        chunk's worth of prompt tokens this step (the rest next step)."""
+        """Prefill and insert queued requests, in order: while streams decode, at most
+        ``max_num_batched_tokens`` prompt tokens this step (the rest next step), each round
+        one piece of every request being prefilled, run together."""
         budget = self.prefiller.step_budget(decoding=bool(self._slots))
-        while self._filling is not None or self._start_next():
-            req, job = self._filling
-            step_budget = budget
-            if self.prefiller.pool is not None and not self.prefiller.make_room(
-                    self.prefiller.piece_pages(job, budget) + self._step_pages()) and self._slots:
-                return  # no pages for the piece now: running requests finish, or it is preempted
+        while budget is None or budget > 0:
+            pieces = self._plan_pieces(budget)
+            if not pieces:
+                return
             if budget is not None:
-                piece = self.prefiller.next_piece(job, budget)
-                if piece > budget:
-                    return  # the next piece runs next step
-                budget -= piece
+                budget -= sum(n for _, _, n in pieces)
+            self._run_pieces(pieces)
+
+    def _plan_pieces(self, budget: int | None) -> list[tuple[Request, PrefillJob, int]]:
+        """One piece of each request being prefilled, in order, then of queued ones that
+        can start, until ``budget`` prompt tokens (None: no bound)."""
+        pieces, i, need = [], 0, 0
+        while budget is None or budget > 0:
+            if i == len(self._filling) and (self._waits_for_prefill() or not self._start_next()):
+                break
+            req, job = self._filling[i]
+            if self.prefiller.pool is not None and not self.prefiller.make_room(
+                    need + self.prefiller.piece_pages(job, budget) + self._step_pages()) and (self._slots or pieces):
+                break  # no pages for the piece now: running requests finish, or it is preempted
+            i += 1
+            if self.prefiller.pool is not None:
+                need += self.prefiller.piece_pages(job, budget)
+            n = self.prefiller.next_piece(job, budget)
+            pieces.append((req, job, n))
+            if budget is not None:
+                budget -= n
+        return pieces
+
+    def _run_pieces(self, pieces: list[tuple[Request, PrefillJob, int]]) -> None:
+        """Run the pieces (one batched call where the engine has one); insert the requests
+        whose prefill they finish. A batch that fails is run again piece by piece, so a
+        failure fails only the request it belongs to."""
+        done: list[Any] = [None] * len(pieces)
+        alone = len(pieces) == 1 or not self.prefiller.batched
+        if not alone:
             try:
                 with self._backend("prefill"):
-                    done = self.prefiller.advance(job, step_budget)
-                    if done is None:
+                    done = self.prefiller.advance_pieces([(job, n) for _, job, n in pieces])
+            except EngineDead as exc:
+                for req, job, _ in pieces:
+                    self._abandon_prefill(req, job, exc)
+                raise
+            except Exception:
+                alone = True
+        for (req, job, n), out in zip(pieces, done):
+            try:
+                with self._backend("prefill"):
+                    if alone:
+                        out = self.prefiller.advance_pieces([(job, n)])[0]
+                    if out is None:
                         continue
-                    prefix, first = done
+                    prefix, first = out
                     slots = self.free_slots[: req.sampling.n]
                     if req.sampling.n == 1:
                         self.state = self.engine.insert(prefix, self.state, slots[0])
                     else:
                         self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
             except Exception as exc:  # any failure fails this request only...
-                self._filling = None
-                self.prefiller.abandon(job)
-                self._fail(req, exc)
+                self._abandon_prefill(req, job, exc)
                 if isinstance(exc, EngineDead):  # ...unless the engine itself is gone: then the caller must know
                     raise
                 continue
-            self._filling = None
+            self._filling = [f for f in self._filling if f[0] is not req]
             req.status = "running"
             for slot, s in zip(slots, req.samples):
                 s.slot = slot
@@ -392,6 +428,24 @@ class Scheduler:
             for row, s in enumerate(req.samples):
                 if not self._resume(s):
                     self._on_token(req, s, first, row)
+
+    def _abandon_prefill(self, req: Request, job: PrefillJob, exc: Exception) -> None:
+        """A request whose prefill failed: it lets go of its cache entry and fails."""
+        self._filling = [f for f in self._filling if f[0] is not req]
+        self.prefiller.abandon(job)
+        self._fail(req, exc)
+
+    def _waits_for_prefill(self) -> bool:
+        """Whether the head request waits for a prefill in progress whose prompt it shares
+        (then it continues that prompt's cached prefix, next round or step)."""
+        if not self._queue or not self._filling:
+            return False
+        head = self._queue[0]
+        return self.prefiller.waits_for(head.prompt_tokens, head.cache_salt, [job for _, job in self._filling])
+
+    def _claimed_slots(self) -> int:
+        """Slots the requests being prefilled will take at insert."""
+        return sum(req.sampling.n for req, _ in self._filling)
 
     def _pages_free(self, req: Request) -> bool:
         """Whether the pages ``req`` needs now (its prompt and each unfinished sample's next
@@ -428,8 +482,8 @@ class Scheduler:
         back what it holds."""
         while not self.prefiller.make_room(self._step_pages()):
             admitted = {id(r): r for r, _ in self._slots.values()}
-            if self._filling is not None:
-                admitted[id(self._filling[0])] = self._filling[0]
+            for r, _ in self._filling:
+                admitted[id(r)] = r
             if len(admitted) < 2:
                 return
             self._preempt(max(admitted.values(), key=lambda r: r.admitted))
@@ -438,11 +492,11 @@ class Scheduler:
         """Free ``req``'s slots and pages (or drop its prefill in progress) and put it back
         at the front of the queue; its completion so far is kept and replayed when it
         runs again (see the module docstring)."""
-        if self._filling is not None and self._filling[0] is req:
-            job = self._filling[1]
-            self.prefiller.abandon(job)
-            job.prefix = None  # its pages go back now
-            self._filling = None
+        for r, job in self._filling:
+            if r is req:
+                self.prefiller.abandon(job)
+                job.prefix = None  # its pages go back now
+        self._filling = [f for f in self._filling if f[0] is not req]
         for s in req.samples:
             s.replay, s.replayed = None, 0
             self._release(s)
@@ -488,7 +542,8 @@ class Scheduler:
     def _start_next(self) -> bool:
         """Start the head request's prefill once its slots are free (first come, first
         served: no overtaking); whether one started."""
-        while self._queue and len(self.free_slots) >= self._queue[0].sampling.n and self._pages_free(self._queue[0]):
+        while (self._queue and len(self.free_slots) - self._claimed_slots() >= self._queue[0].sampling.n
+               and self._pages_free(self._queue[0])):
             req = self._queue.popleft()
             resumed = any(s.out.token_ids for s in req.samples)  # its first tokens are replayed: no mask
             try:
@@ -502,7 +557,7 @@ class Scheduler:
             req.admitted = next(self._admissions)
             if not resumed:
                 req.cached_tokens = job.cached
-            self._filling = (req, job)
+            self._filling.append((req, job))
             return True
         return False
 
