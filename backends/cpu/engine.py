@@ -55,7 +55,7 @@ class CpuEngine(TorchEngine):
             architectures=ARCHITECTURES, token_masks=True, embeddings=True,
             # the GGUF block formats are computed on as mapped (blocks.py); others, and every
             # weight where the plan does not keep blocks, are converted one tensor at a time
-            weight_formats=WEIGHT_FORMATS,
+            weight_formats=WEIGHT_FORMATS, page_size=self.options["page_size"],
         )
 
     def _resolve(self) -> None:
@@ -204,9 +204,13 @@ class CpuEngine(TorchEngine):
             x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
             logits = self._head(t, x)  # (M, vocab)
         else:
+            every = len(live) == n
+            paged = state.page_table is not None  # the live rows' page-table rows say where their K/V are
             logits, state.k, state.v = forward(
                 params, self._spec(kv_len=step.kv_len, linear=self._linear, kv_codec=self._kv_codec),
-                state.next_tokens[rows][:, None], pos[:, None], state.k, state.v, rows=None if len(live) == n else rows,
+                state.next_tokens[rows][:, None], pos[:, None], state.k, state.v,
+                rows=None if every or paged else rows,
+                page_table=None if not paged else state.page_table if every else state.page_table[rows],
             )
             logits = logits[:, 0]  # (M, vocab)
         words = None if step.words is None else step.words[rows]

@@ -346,6 +346,8 @@ def _unfused_why(o: Mapping[str, Any], config: Any, weights: str, blocks: tuple[
     different groupings (a scale per 32 where the input size divides, per row elsewhere)."""
     if not o["fused_decode"]:
         return "fused_decode=False"
+    if o.get("page_size"):
+        return "page_size: the fused step reads a contiguous cache, paged K/V decode on the torch forward"
     if config is None:
         return None
     if not config.is_llama_family:

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
-from polyengine.errors import InsufficientMemory, UnsupportedFeature
+from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
+from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.rows import row_bytes
@@ -68,6 +69,19 @@ class TorchDecodeState(SlotsInFlight):
     graphs: dict = field(default_factory=dict)  # CUDA: kv_len -> (graph, static logits), over this state's buffers
     positions: torch.Tensor | None = None  # CUDA graphs: static (slots, 1) input buffers
     live: torch.Tensor | None = None
+    # Paged K/V (option page_size): k/v above are then the engine's page pools
+    # (layers, pages, kv_heads, page_size, head_dim), refreshed before each step, and each
+    # slot reads and writes through its row of the page table.
+    page_table: torch.Tensor | None = None  # (slots, pages per context) int64 page ids
+    seqs: list[PageList | None] | None = None  # per slot: its pages (the host's record)
+
+    def write_prefix(self, slot: int, prefix: Prefix) -> None:
+        """Paged: the slot shares the prefix's pages (its first write copies a partly filled
+        last page); contiguous: the prefix's K/V copied into the slot's cache row."""
+        if self.seqs is None:
+            return super().write_prefix(slot, prefix)
+        seq = self.seqs[slot] = prefix.kv.fork(finalize=True)
+        self.page_table[slot, : len(seq.pages)] = to_device(np.asarray(seq.pages, np.int64), self.page_table.device)
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,16 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         self._weights: TorchWeights | None = None
         self._prefill_sampler: TorchSampler | None = None
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
+        # Paged K/V (option page_size): the page ids and counts (polyengine.pages) and the
+        # pools they index, made with the first decode state or prefix.
+        ps, kv_pages = self.capabilities.page_size, self.options["kv_pages"]
+        if kv_pages and (not ps or kv_pages < pages_for(config.max_cache_length, ps) + 1):
+            raise InvalidRequest(
+                f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
+                f"({pages_for(config.max_cache_length, ps or 1) + 1} with page_size={ps or 1}); raise it or leave it 0",
+                field="options.kv_pages")
+        self.pages = PagePool(ps, kv_pages or None) if ps else None
+        self._kv_pool: tuple[torch.Tensor, torch.Tensor] | None = None
         self._check_memory()
 
     @property
@@ -177,8 +201,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         """What this engine allocates, counted as it will be, against what the device has."""
         c, cfg = self.model.config, self.config
         needs = self._weight_needs()
-        needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
-            cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(self.kv_dtype.itemsize))
+        if self.pages is not None and self.pages.capacity:
+            needs[f"the K/V pool of {self.pages.capacity} pages x {self.pages.page_size} positions"] = (
+                self.pages.capacity * self.pages.page_size * c.kv_bytes_per_token(self.kv_dtype.itemsize))
+        else:  # unbounded pages: the slots' pages hold at most what a contiguous cache does
+            needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
+                cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(self.kv_dtype.itemsize))
         needs["the sampler's per-slot tables and a step's logits"] = (
             cfg.max_slots * row_bytes(c.vocab_size, self.sampler_dtype.itemsize)
             + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
@@ -229,6 +257,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def init_decode_state(self) -> TorchDecodeState:
         weights = self.load_params()
         n = self.max_concurrent_decodes
+        if self.pages is not None:
+            return self._paged_decode_state(n)
 
         def allocate():
             k, v = weights.new_cache(n, self.max_cache_length, lazy=self._lazy_kv(), dtype=self.kv_dtype)
@@ -274,7 +304,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # leaving holes in the heap that the process keeps (hostmem.py).
         k, v = params.new_cache(1, start + padded, lazy=True, dtype=self.kv_dtype)
         if existing_prefix is not None:
-            k[:, 0, :, :start], v[:, 0, :, :start] = existing_prefix.kv
+            k[:, 0, :, :start], v[:, 0, :, :start] = self._prefix_kv(existing_prefix)
         batch = np.zeros((1, padded), np.int64)
         batch[0, :n] = toks
         positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
@@ -288,11 +318,20 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         first = self._first_token(logits[0], prompt, sampling, mask)
         token = int(first.tokens[0])  # the protocol's Prefix carries it on the host
+        if self.pages is not None:
+            # The prefill ran over its own contiguous cache (so a prefill's attention is the
+            # contiguous engine's, host kernel included); its new positions go into pages,
+            # after the continued prefix's shared ones.
+            seq = (existing_prefix.kv.fork(finalize=True) if existing_prefix is not None
+                   else PageList(self.pages, [], 0, finalize=True))
+            self._scatter(seq, k[:, 0], v[:, 0], start, start + n)
+            kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
+        else:  # the view keeps its whole buffer alive
+            kv, nbytes = (k[:, 0, :, : start + n], v[:, 0, :, : start + n]), self.kv_bytes(start + padded)
         prefix = Prefix(
-            kv=(k[:, 0, :, : start + n], v[:, 0, :, : start + n]), logits=logits[0].float(), prompt_tokens=prompt,
+            kv=kv, logits=logits[0].float(), prompt_tokens=prompt,
             sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
-            token_mask=mask,
-            nbytes=self.kv_bytes(start + padded),  # the view keeps its whole buffer alive
+            token_mask=mask, nbytes=nbytes,
         )
         return prefix, ResultTokens.first_tokens(first.tokens, first.logprobs, first.top_ids, first.top_logprobs,
                                                  to_host=host_array)
@@ -314,6 +353,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         super()._release(state, slot)
         for counts in (state.total, state.prompt_len, state.occupied):
             fill_row(counts, slot, 0)
+        if state.seqs is not None:  # paged: the slot's references only (a prefix keeps its pages)
+            if state.seqs[slot] is not None:
+                state.seqs[slot].release()
+                state.seqs[slot] = None
+            return
         release_row(state.k, slot)  # a cache whose pages come with use gives the slot's back (0 bytes otherwise)
         release_row(state.v, slot)
 
@@ -337,10 +381,15 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         block = self.options["kv_block"]
         kv_len = min(self.max_cache_length, block * math.ceil((max(positions, default=0) + 1) / block))
         num_top = state.sampler.max_top_logprobs
+        # Paged: each live slot's write position made its own (a pool that runs out refuses
+        # here, before the host's counts move); the copies and table rows go first in the step.
+        page_ops = self._prepare_pages(state, live, positions) if self.pages is not None else None
         state.slots.advance(live)  # what the host can know before the step runs: who advances, by one
         layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
 
         def step() -> torch.Tensor:
+            if page_ops is not None:
+                self._apply_pages(state, page_ops)
             return self._step(params, state, forced, live, positions, kv_len, num_top, words)
 
         if self._worker is not None:
@@ -399,12 +448,18 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         logits, state.k, state.v = forward(
             params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codec),
             state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
+            page_table=state.page_table,
         )
         return logits
 
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """The first ``length`` positions as views of the prefix's K/V in the KV dtype (the
-        kit's way goes through float32); the continuation that reads them copies them."""
+        kit's way goes through float32), or, paged, its pages shared (the partly filled last
+        one copied on its first write); the continuation that reads them copies them."""
+        if self.pages is not None:
+            seq = prefix.kv.fork(length, finalize=True)
+            return replace(prefix, kv=seq, prompt_tokens=prefix.prompt_tokens[:length],
+                           nbytes=self.kv_bytes(len(seq.pages) * self.pages.page_size))
         k, v = prefix.kv
         return replace(prefix, kv=(k[:, :, :length], v[:, :, :length]),
                        prompt_tokens=prefix.prompt_tokens[:length])
@@ -433,7 +488,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     @on_engine_thread
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
-        k, v = prefix.kv
+        k, v = self._prefix_kv(prefix)
         return PortablePrefix(
             k=self._to_host(k), v=self._to_host(v), prompt_tokens=prefix.prompt_tokens,
             last_logits=self._to_host(prefix.logits), sampling=prefix.sampling, model_fingerprint=self.model.fingerprint,
@@ -447,8 +502,149 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         put = lambda a: to_device(np.ascontiguousarray(a), self.torch_device, self.kv_dtype)  # noqa: E731
         logits = to_device(np.ascontiguousarray(portable.last_logits, np.float32), self.torch_device)
         first = self._first_token(logits, prompt, sampling)
+        kv, nbytes = (put(portable.k), put(portable.v)), self.kv_bytes(prompt.size)
+        if self.pages is not None:
+            seq = PageList(self.pages, [], 0, finalize=True)
+            self._scatter(seq, kv[0], kv[1], 0, prompt.size)
+            kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
         return Prefix(
-            kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
+            kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0]), to_host=self._to_host, model_id=self.model_id,
-            nbytes=self.kv_bytes(prompt.size),
+            nbytes=nbytes,
         )
+
+    # -- pages (option page_size) ----------------------------------------------------------
+
+    def check_prefix(self, prefix: Prefix) -> Prefix:
+        """The kit's checks, and K/V this engine holds: a paged prefix's pages belong to the
+        pool of the engine that made it, which another engine of the same weights must not read."""
+        prefix = super().check_prefix(prefix)
+        paged = isinstance(prefix.kv, PageList)
+        if paged != (self.pages is not None) or (paged and prefix.kv.pool is not self.pages):
+            raise InvalidRequest(f"prefix's K/V live in another {self.name} engine's pages (or this engine's hold "
+                                 f"none); move it with export_prefix/import_prefix")
+        return prefix
+
+    def prefix_pages(self, prefix: Prefix) -> PageList:
+        if self.pages is None:
+            return super().prefix_pages(prefix)
+        return self.check_prefix(prefix).kv
+
+    def slot_pages(self, decode_state: TorchDecodeState, slot: int) -> PageList | None:
+        if self.pages is None:
+            return super().slot_pages(decode_state, slot)
+        decode_state.wait()
+        return decode_state.seqs[self.check_slot(slot)]
+
+    def _paged_decode_state(self, n: int) -> TorchDecodeState:
+        """A decode state over the engine's page pools: a page table row per slot."""
+        self._grow_pool()
+        k, v = self._kv_pool
+        sampler = self._allocating("a decode state's sampler", lambda: TorchSampler(
+            self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype))
+        dev = self.torch_device
+        counts = lambda dtype: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
+        table = torch.zeros((n, pages_for(self.max_cache_length, self.pages.page_size)), dtype=torch.int64, device=dev)
+        return TorchDecodeState(n, k, v, sampler, counts(torch.int64), SlotTable(n), counts(torch.int64),
+                                counts(torch.int64), counts(torch.bool), page_table=table, seqs=[None] * n)
+
+    def _grow_pool(self) -> None:
+        """Make the page pools hold every page id the PagePool has handed out (engine
+        thread). Bounded (kv_pages): all of them at once. Unbounded: first every slot's
+        full context (what the contiguous cache holds), then half as much again each time
+        the prefixes the driver keeps need more; on the CPU the pools' memory comes as
+        pages are written (kv_memory grow), as the contiguous cache's does."""
+        ps, have = self.pages.page_size, 0 if self._kv_pool is None else self._kv_pool[0].shape[1]
+        if self._kv_pool is not None and self.pages.allocated <= have:
+            return
+        if self.pages.capacity:
+            size = self.pages.capacity
+        elif have == 0:
+            size = max(self.pages.allocated, self.max_concurrent_decodes * pages_for(self.max_cache_length, ps))
+        else:
+            size = max(self.pages.allocated, have + have // 2)
+        old = self._kv_pool
+        weights = self.load_params()
+
+        def allocate() -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = weights.new_cache(size, ps, lazy=self._lazy_kv(), dtype=self.kv_dtype)  # (L, pages, kvh, ps, hd)
+            if old is not None:
+                k[:, :have], v[:, :have] = old
+            return k, v
+
+        self._kv_pool = self._allocating(f"the K/V page pool ({size} pages of {ps} positions)", allocate)
+
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy on write: each (src, dst) page's K/V into dst, in every layer."""
+        if not copies:
+            return
+        src = to_device(np.asarray([s for s, _ in copies], np.int64), self.torch_device)
+        dst = to_device(np.asarray([d for _, d in copies], np.int64), self.torch_device)
+        for pool in self._kv_pool:
+            pool[:, dst] = pool[:, src]
+
+    def _prepare_pages(self, state: TorchDecodeState, live: list[int], positions: list[int]):
+        """Host half of a paged step: make each live slot's write position its own (pages
+        added, a shared page's copy recorded). Returns (copies, changed table rows) for
+        :meth:`_apply_pages`; a pool that runs out raises InsufficientMemory after the
+        slots prepared so far are applied (their K/V read the same)."""
+        before = {i: list(state.seqs[i].pages) for i in live}
+        copies: list[tuple[int, int]] = []
+        try:
+            for i in live:
+                state.seqs[i].prepare_write(positions[i], positions[i] + 1, lambda s, d: copies.append((s, d)))
+        except BaseException:
+            self._apply_pages_now(state, self._page_changes(state, before, copies))
+            raise
+        return self._page_changes(state, before, copies)
+
+    @staticmethod
+    def _page_changes(state: TorchDecodeState, before: dict[int, list[int]], copies: list[tuple[int, int]]):
+        rows = [(i, list(state.seqs[i].pages)) for i, pages in before.items() if state.seqs[i].pages != pages]
+        return copies, rows
+
+    def _apply_pages(self, state: TorchDecodeState, ops) -> None:
+        """Device half (engine thread, before the step's forward): the pools grown to
+        every page handed out, copies made, changed page-table rows written."""
+        copies, rows = ops
+        self._grow_pool()
+        state.k, state.v = self._kv_pool
+        self._copy_pages(copies)
+        for slot, pages in rows:
+            state.page_table[slot, : len(pages)] = to_device(np.asarray(pages, np.int64), self.torch_device)
+
+    _apply_pages_now = on_engine_thread(_apply_pages)
+
+    def _prefix_kv(self, prefix: Prefix) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefix's K/V as (layers, kv_heads, true_length, head_dim) tensors in the KV
+        dtype: gathered from its pages, or its own arrays."""
+        if self.pages is None:
+            return prefix.kv
+        seq, n = prefix.kv, prefix.true_length
+        idx = to_device(np.asarray(seq.pages[: pages_for(n, self.pages.page_size)], np.int64), self.torch_device)
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            layers, _, kvh, ps, hd = pool.shape
+            return pool[:, idx].transpose(1, 2).reshape(layers, kvh, -1, hd)[:, :, :n]
+
+        k, v = self._kv_pool
+        return gather(k), gather(v)
+
+    def _scatter(self, seq: PageList, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
+        """Write positions ``start..end`` of ``k``/``v`` (layers, kv_heads, S, head_dim) into
+        ``seq``'s pages: pages added as needed, a shared one copied before the write. A pool
+        that runs out releases ``seq`` (a new prefix's, never a slot's) and raises."""
+        copies: list[tuple[int, int]] = []
+        try:
+            seq.prepare_write(start, end, lambda s, d: copies.append((s, d)))
+        except BaseException:
+            seq.release()
+            raise
+        self._grow_pool()
+        self._copy_pages(copies)
+        ps, dev = self.pages.page_size, self.torch_device
+        pos = torch.arange(start, end, device=dev)
+        pages = to_device(np.asarray(seq.pages, np.int64), dev)[pos // ps]
+        pk, pv = self._kv_pool
+        pk[:, pages, :, pos % ps] = k[:, :, start:end].permute(2, 0, 1, 3).to(pk.dtype)  # (N, layers, kvh, hd)
+        pv[:, pages, :, pos % ps] = v[:, :, start:end].permute(2, 0, 1, 3).to(pv.dtype)
