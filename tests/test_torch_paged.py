@@ -70,11 +70,11 @@ def _run(eng):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("page_size", [4, 16])
-def test_paged_equals_the_contiguous_cache(tiny, kind, page_size):
+@pytest.mark.parametrize(("page_size", "kv_dtype"), [(4, "auto"), (16, "auto"), (4, "bfloat16")])
+def test_paged_equals_the_contiguous_cache(tiny, kind, page_size, kv_dtype):
     """The same forward over the same K/V, only read through a page table: equal tokens
-    and log-probs (float32, bit for bit) and equal prefixes."""
-    flat, paged = _engine(tiny, kind), _engine(tiny, kind, page_size=page_size)
+    and log-probs (float32, bit for bit) and equal prefixes; K/V stored narrow too."""
+    flat, paged = _engine(tiny, kind, kv_dtype=kv_dtype), _engine(tiny, kind, page_size=page_size, kv_dtype=kv_dtype)
     assert paged.capabilities.page_size == page_size and not flat.capabilities.paged_kv
     (want, want_kv), (got, got_kv) = _run(flat), _run(paged)
     assert got == want
@@ -139,7 +139,7 @@ def test_a_bounded_pool_is_checked_and_refuses_cleanly(tiny):
         _engine(tiny, kind, page_size=16, kv_pages=6)  # 96 positions: 6 pages, and one for a copy on write
     eng = _engine(tiny, kind, page_size=16, kv_pages=7)
     params, state = eng.load_params(), eng.init_decode_state()
-    assert eng._kv_pool[0].shape[1] == 7
+    assert eng._paged.tensors[0].shape[1] == 7
     sp = SamplingParams(temperature=0, max_tokens=8)
     a, _ = eng.prefill(params=params, tokens=list(range(3, 51)), sampling=sp)  # 48 positions: 3 full pages
     b, _ = eng.prefill(params=params, tokens=list(range(3, 50)), sampling=sp)  # 47: 3 pages, the last partly filled
@@ -165,14 +165,14 @@ def test_an_unbounded_pool_grows_and_keeps_what_it_held(tiny):
     take more pages: the pool grows and the K/V already held read the same."""
     eng = _engine(tiny, "cuda_torch-stand-in", page_size=16)
     params, state = eng.load_params(), eng.init_decode_state()
-    first = eng._kv_pool[0].shape[1]
+    first = eng._paged.tensors[0].shape[1]
     assert first == 3 * 6  # 3 slots x 96 positions in pages of 16
     sp = SamplingParams(temperature=0, max_tokens=4)
     kept = [eng.prefill(params=params, tokens=list(range(3 + i, 63 + i)), sampling=sp)[0] for i in range(6)]
     before = eng.export_prefix(kept[0]).k
     for i in range(6, 10):
         kept.append(eng.prefill(params=params, tokens=list(range(3 + i, 63 + i)), sampling=sp)[0])
-    assert eng.pages.held == 40 and eng._kv_pool[0].shape[1] >= 40 > first
+    assert eng.pages.held == 40 and eng._paged.tensors[0].shape[1] >= 40 > first
     np.testing.assert_array_equal(eng.export_prefix(kept[0]).k, before)
     state = eng.insert(kept[-1], state, 0)
     state, res = eng.generate(params, state)

@@ -44,6 +44,7 @@ from polyengine.backends.torch_common.model import (
     CastKVCodec, StepSpec, TorchWeights, final_norm, forward, residual_stream,
 )
 from polyengine.backends.torch_common.options import SHARED_OPTIONS
+from polyengine.backends.torch_common.paged import PagedKV
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
 from polyengine.backends.torch_common.transfer import fill_row, pack_results, to_device
@@ -156,7 +157,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                 f"({pages_for(config.max_cache_length, ps or 1) + 1} with page_size={ps or 1}); raise it or leave it 0",
                 field="options.kv_pages")
         self.pages = PagePool(ps, kv_pages or None) if ps else None
-        self._kv_pool: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._paged = PagedKV(self.pages, self.torch_device, self._new_pools, first_size=(
+            self.max_concurrent_decodes * pages_for(config.max_cache_length, ps))) if ps else None
         self._check_memory()
 
     @property
@@ -324,7 +326,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             # after the continued prefix's shared ones.
             seq = (existing_prefix.kv.fork(finalize=True) if existing_prefix is not None
                    else PageList(self.pages, [], 0, finalize=True))
-            self._scatter(seq, k[:, 0], v[:, 0], start, start + n)
+            self._paged.scatter(seq, k[:, 0], v[:, 0], start, start + n)
             kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
         else:  # the view keeps its whole buffer alive
             kv, nbytes = (k[:, 0, :, : start + n], v[:, 0, :, : start + n]), self.kv_bytes(start + padded)
@@ -505,7 +507,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         kv, nbytes = (put(portable.k), put(portable.v)), self.kv_bytes(prompt.size)
         if self.pages is not None:
             seq = PageList(self.pages, [], 0, finalize=True)
-            self._scatter(seq, kv[0], kv[1], 0, prompt.size)
+            self._paged.scatter(seq, kv[0], kv[1], 0, prompt.size)
             kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
         return Prefix(
             kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,
@@ -537,114 +539,38 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return decode_state.seqs[self.check_slot(slot)]
 
     def _paged_decode_state(self, n: int) -> TorchDecodeState:
-        """A decode state over the engine's page pools: a page table row per slot."""
-        self._grow_pool()
-        k, v = self._kv_pool
+        """A decode state over the engine's page pools: a page-table row per slot."""
+        k, v = self._paged.tensors
         sampler = self._allocating("a decode state's sampler", lambda: TorchSampler(
             self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype))
-        dev = self.torch_device
-        counts = lambda dtype: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
-        table = torch.zeros((n, pages_for(self.max_cache_length, self.pages.page_size)), dtype=torch.int64, device=dev)
+        counts = lambda dtype: torch.zeros(n, dtype=dtype, device=self.torch_device)  # noqa: E731
         return TorchDecodeState(n, k, v, sampler, counts(torch.int64), SlotTable(n), counts(torch.int64),
-                                counts(torch.int64), counts(torch.bool), page_table=table, seqs=[None] * n)
+                                counts(torch.int64), counts(torch.bool),
+                                page_table=self._paged.new_table(n, self.max_cache_length), seqs=[None] * n)
 
-    def _grow_pool(self) -> None:
-        """Make the page pools hold every page id the PagePool has handed out (engine
-        thread). Bounded (kv_pages): all of them at once. Unbounded: first every slot's
-        full context (what the contiguous cache holds), then half as much again each time
-        the prefixes the driver keeps need more; on the CPU the pools' memory comes as
-        pages are written (kv_memory grow), as the contiguous cache's does."""
-        ps, have = self.pages.page_size, 0 if self._kv_pool is None else self._kv_pool[0].shape[1]
-        if self._kv_pool is not None and self.pages.allocated <= have:
-            return
-        if self.pages.capacity:
-            size = self.pages.capacity
-        elif have == 0:
-            size = max(self.pages.allocated, self.max_concurrent_decodes * pages_for(self.max_cache_length, ps))
-        else:
-            size = max(self.pages.allocated, have + have // 2)
-        old = self._kv_pool
-        weights = self.load_params()
-
-        def allocate() -> tuple[torch.Tensor, torch.Tensor]:
-            k, v = weights.new_cache(size, ps, lazy=self._lazy_kv(), dtype=self.kv_dtype)  # (L, pages, kvh, ps, hd)
-            if old is not None:
-                k[:, :have], v[:, :have] = old
-            return k, v
-
-        self._kv_pool = self._allocating(f"the K/V page pool ({size} pages of {ps} positions)", allocate)
-
-    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy on write: each (src, dst) page's K/V into dst, in every layer."""
-        if not copies:
-            return
-        src = to_device(np.asarray([s for s, _ in copies], np.int64), self.torch_device)
-        dst = to_device(np.asarray([d for _, d in copies], np.int64), self.torch_device)
-        for pool in self._kv_pool:
-            pool[:, dst] = pool[:, src]
+    def _new_pools(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V page pools (L, pages, kv_heads, page_size, head_dim); on the CPU
+        their memory comes as pages are written (kv_memory grow), as the contiguous cache's."""
+        weights, ps = self.load_params(), self.pages.page_size
+        return self._allocating(f"the K/V page pool ({pages} pages of {ps} positions)", lambda: weights.new_cache(
+            pages, ps, lazy=self._lazy_kv(), dtype=self.kv_dtype))
 
     def _prepare_pages(self, state: TorchDecodeState, live: list[int], positions: list[int]):
-        """Host half of a paged step: make each live slot's write position its own (pages
-        added, a shared page's copy recorded). Returns (copies, changed table rows) for
-        :meth:`_apply_pages`; a pool that runs out raises InsufficientMemory after the
-        slots prepared so far are applied (their K/V read the same)."""
-        before = {i: list(state.seqs[i].pages) for i in live}
-        copies: list[tuple[int, int]] = []
+        """:meth:`PagedKV.prepare`; a pool that runs out applies what was prepared before
+        it (on the engine thread) and raises, the slots' K/V reading the same."""
         try:
-            for i in live:
-                state.seqs[i].prepare_write(positions[i], positions[i] + 1, lambda s, d: copies.append((s, d)))
-        except BaseException:
-            self._apply_pages_now(state, self._page_changes(state, before, copies))
+            return self._paged.prepare(state.seqs, live, positions)
+        except Exception as exc:
+            if hasattr(exc, "page_ops"):
+                self._apply_pages_now(state, exc.page_ops)
             raise
-        return self._page_changes(state, before, copies)
-
-    @staticmethod
-    def _page_changes(state: TorchDecodeState, before: dict[int, list[int]], copies: list[tuple[int, int]]):
-        rows = [(i, list(state.seqs[i].pages)) for i, pages in before.items() if state.seqs[i].pages != pages]
-        return copies, rows
 
     def _apply_pages(self, state: TorchDecodeState, ops) -> None:
-        """Device half (engine thread, before the step's forward): the pools grown to
-        every page handed out, copies made, changed page-table rows written."""
-        copies, rows = ops
-        self._grow_pool()
-        state.k, state.v = self._kv_pool
-        self._copy_pages(copies)
-        for slot, pages in rows:
-            state.page_table[slot, : len(pages)] = to_device(np.asarray(pages, np.int64), self.torch_device)
+        state.k, state.v = self._paged.apply(state.page_table, ops)
 
     _apply_pages_now = on_engine_thread(_apply_pages)
 
     def _prefix_kv(self, prefix: Prefix) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefix's K/V as (layers, kv_heads, true_length, head_dim) tensors in the KV
         dtype: gathered from its pages, or its own arrays."""
-        if self.pages is None:
-            return prefix.kv
-        seq, n = prefix.kv, prefix.true_length
-        idx = to_device(np.asarray(seq.pages[: pages_for(n, self.pages.page_size)], np.int64), self.torch_device)
-
-        def gather(pool: torch.Tensor) -> torch.Tensor:
-            layers, _, kvh, ps, hd = pool.shape
-            return pool[:, idx].transpose(1, 2).reshape(layers, kvh, -1, hd)[:, :, :n]
-
-        k, v = self._kv_pool
-        return gather(k), gather(v)
-
-    def _scatter(self, seq: PageList, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
-        """Write positions ``start..end`` of ``k``/``v`` (layers, kv_heads, S, head_dim) into
-        ``seq``'s pages: pages added as needed, a shared one copied before the write. A pool
-        that runs out releases ``seq`` (a new prefix's, never a slot's) and raises."""
-        copies: list[tuple[int, int]] = []
-        try:
-            seq.prepare_write(start, end, lambda s, d: copies.append((s, d)))
-        except BaseException:
-            seq.release()
-            raise
-        self._grow_pool()
-        self._copy_pages(copies)
-        ps, dev = self.pages.page_size, self.torch_device
-        pos = torch.arange(start, end, device=dev)
-        pages = to_device(np.asarray(seq.pages, np.int64), dev)[pos // ps]
-        pk, pv = self._kv_pool
-        pk[:, pages, :, pos % ps] = k[:, :, start:end].permute(2, 0, 1, 3).to(pk.dtype)  # (N, layers, kvh, hd)
-        pv[:, pages, :, pos % ps] = v[:, :, start:end].permute(2, 0, 1, 3).to(pv.dtype)
+        return prefix.kv if self._paged is None else self._paged.gather(prefix.kv, prefix.true_length)
