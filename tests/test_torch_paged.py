@@ -1,10 +1,10 @@
 """Paged K/V in the torch engines (option ``page_size``): the cpu backend (its torch
-path, and its kernels where they build, which then decode on the torch forward) and
+path, and its fused host-compiled step on each ISA path this CPU runs) and
 cuda_torch's device path on the CPU stand-in, each against the same engine with the
 contiguous cache: every token and log-prob equal, pages shared on insert, continuation
 and truncation, copied on the first write into a shared page, given back on free and
 when a prefix is dropped; a bounded pool refuses cleanly and an unbounded one grows.
-Tiny model: a few seconds in all."""
+Tiny model: a few seconds, plus a kernel build per ISA path on first use."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ torch = pytest.importorskip("torch")
 
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.backends.cpu.engine import CpuEngine  # noqa: E402
+from polyengine.backends.cpu.plan import CpuHost  # noqa: E402
 from polyengine.backends.cuda_torch.engine import CudaEngine  # noqa: E402
 from polyengine.errors import InsufficientMemory, InvalidRequest  # noqa: E402
+from polyengine.hostinfo import ISA_PATHS  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.pages import PageList  # noqa: E402
 
@@ -82,22 +84,23 @@ def test_paged_equals_the_contiguous_cache(tiny, kind, page_size, kv_dtype):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(not hasattr(torch.backends, "cpu"), reason="no torch CPU backend")
-def test_cpu_kernels_decode_paged_on_the_torch_forward(tiny):
-    """With the host kernels (built on first use), a paged engine decodes on the torch
-    forward (the fused step reads a contiguous cache: it says so) and equals the
-    contiguous engine on the same kernels' products."""
-    flat, paged = (CpuEngine(tiny, CFG.model_copy(update={"options": o})) for o in ({}, {"page_size": 4}))
+@pytest.mark.parametrize("isa", ISA_PATHS)
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+def test_the_fused_cpu_step_reads_pages_on_every_isa_path(tiny, isa, kv_dtype):
+    """The host-compiled fused decode step (csrc/decode.h) reading and writing K/V through
+    the page table equals itself on the contiguous cache, bit for bit, on each ISA path
+    this CPU runs (each built on first use)."""
+    if isa not in CpuHost.detect().runnable:
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    options = {"isa": isa, "kv_dtype": kv_dtype}
+    flat, paged = (CpuEngine(tiny, CFG.model_copy(update={"options": {**options, **o}})) for o in ({}, {"page_size": 4}))
     if flat.plan.kernels is None:
         pytest.skip(f"the CPU kernels do not build here: {flat.plan.kernels_fallback}")
-    assert not paged.plan.fused_decode and "page_size" in paged.plan.describe()["decode"]
+    assert flat.plan.fused_decode and paged.plan.fused_decode
     (want, want_kv), (got, got_kv) = _run(flat), _run(paged)
-    assert [w[0] if isinstance(w, tuple) else w for w in want] == [g[0] if isinstance(g, tuple) else g for g in got]
-    for w, g in zip(want, got):
-        if isinstance(w, tuple):  # the fused step and the torch forward sum in other orders
-            np.testing.assert_allclose(g[1], w[1], rtol=0, atol=1e-4)
+    assert paged._fused.dims.page_size == 4 and got == want
     for a, b in zip(want_kv, got_kv):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

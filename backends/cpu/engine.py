@@ -143,7 +143,8 @@ class CpuEngine(TorchEngine):
                                        cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
                                        quantized=plan.narrow, kv_dtype=self.kv_dtype,
                                        int8_activations=plan.block_activations if self._blocks else plan.int8_activations,
-                                       bf16_activations=plan.bf16_activations, blocks=self._blocks)
+                                       bf16_activations=plan.bf16_activations, blocks=self._blocks,
+                                       page_size=self.options["page_size"])
         return weights
 
     # -- products and attention on the host kernels ---------------------------------------
@@ -200,7 +201,7 @@ class CpuEngine(TorchEngine):
         if self._fused is not None:
             tokens = state.next_tokens[rows]
             x = (t["model.embed_tokens.weight"][tokens] if self._embed is None else self._embed(t, tokens)).contiguous()
-            self._fused.step(x, rows, pos, state.k, state.v)
+            self._fused.step(x, rows, pos, state.k, state.v, page_table=state.page_table)
             x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
             logits = self._head(t, x)  # (M, vocab)
         else:
