@@ -25,7 +25,7 @@ fuse_gate_up=False, max_positions=None, skip=frozenset())``
     and keeps it; a traced backend compiles one program per spec and shape.
 
 ``forward(weights, spec, tokens, positions, k_cache, v_cache, *, rows=None, write_mask=None,
-logits_at=None) -> (logits, k_cache, v_cache)``
+logits_at=None, page_table=None) -> (logits, k_cache, v_cache)``
     Appends ``tokens`` (B, T) at ``positions`` (B, T) to cache rows ``rows`` (B,) and
     returns their logits. Caches are ``[layers, rows, kv_heads, S, head_dim]`` with
     cache index == absolute position. A query at position p sees keys at positions
