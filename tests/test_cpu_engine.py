@@ -239,9 +239,9 @@ def test_a_decode_step_computes_only_the_live_rows(model, monkeypatch, kernels):
         rows.append(tokens.shape[0])
         return forward(weights, spec, tokens, *args, **kwargs)
 
-    def spy_fused(self, x, *args):
+    def spy_fused(self, x, *args, **kwargs):
         rows.append(x.shape[0])
-        return fused(self, x, *args)
+        return fused(self, x, *args, **kwargs)
 
     monkeypatch.setattr(mod, "forward", spy_forward)
     monkeypatch.setattr(FusedDecoder, "step", spy_fused)

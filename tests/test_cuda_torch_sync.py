@@ -42,8 +42,9 @@ def model():
 def _device_tensors(engine: CudaEngine, params, state) -> list[torch.Tensor]:
     """What lives on the device before the probe starts: weights and the decode state."""
     s = state.sampler.state.as_dict().values()
+    paged = [] if state.page_table is None else [state.page_table]
     return [*params.tensors.values(), state.k, state.v, *s, state.next_tokens, state.total, state.prompt_len,
-            state.occupied]
+            state.occupied, *paged]
 
 
 def _started(engine: CudaEngine):
@@ -54,14 +55,18 @@ def _started(engine: CudaEngine):
     return params, state
 
 
-def test_steps_inserts_and_overrides_take_no_host_data_and_never_sync(model):
-    eng = CudaEngine(model, CFG.model_copy(update={"options": TORCH_PATH}))
+@pytest.mark.parametrize("options", [{}, {"page_size": 4}], ids=["contiguous", "paged"])
+def test_steps_inserts_and_overrides_take_no_host_data_and_never_sync(model, options):
+    """Paged, the steps cross page edges and copy shared pages: page-table rows come in
+    through pinned memory like every other host input."""
+    eng = CudaEngine(model, CFG.model_copy(update={"options": {**TORCH_PATH, **options}}))
     params, state = _started(eng)
     state, first = eng.generate(params, state)
     first.tokens  # read outside the probe: the driver reads results after queuing the next step
     prefix, _ = eng.prefill(params=params, tokens=[7, 7, 1], sampling=SamplingParams(seed=3, presence_penalty=0.4))
     results = []
-    with probing([*_device_tensors(eng, params, state), *prefix.kv, prefix.logits]) as probe:
+    kv = eng._paged.tensors if eng.pages is not None else prefix.kv
+    with probing([*_device_tensors(eng, params, state), *kv, prefix.logits]) as probe:
         for _ in range(3):
             state, res = eng.generate(params, state)
             results.append(res)
@@ -84,7 +89,8 @@ def test_steps_inserts_and_overrides_take_no_host_data_and_never_sync(model):
     assert int(results[-1].lengths[2]) == 4
 
 
-def test_the_device_counts_give_the_reference_tokens_with_an_override_and_a_full_cache(model):
+@pytest.mark.parametrize("options", [{}, {"page_size": 16, "kv_pages": 9}], ids=["contiguous", "paged"])
+def test_the_device_counts_give_the_reference_tokens_with_an_override_and_a_full_cache(model, options):
     """Lengths, positions and the live mask now come from the device's counts: greedy
     tokens through an override and up to the cache limit equal the reference's."""
     from polyengine.driver import LLM
@@ -92,7 +98,8 @@ def test_the_device_counts_give_the_reference_tokens_with_an_override_and_a_full
     prompts = [[1, 5, 9, 4, 2], [40, 41]]
     sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # runs into the cache limit
     want = [c.token_ids for c in LLM.from_engine(ReferenceEngine(model, CFG), tools=False).generate(prompts, sp)]
-    got = [c.token_ids for c in LLM.from_engine(CudaEngine(model, CFG.model_copy(update={"options": TORCH_PATH})),
+    eng = CudaEngine(model, CFG.model_copy(update={"options": {**TORCH_PATH, **options}}))
+    got = [c.token_ids for c in LLM.from_engine(eng,
                                                 tools=False).generate(prompts, sp)]
     assert got == want and len(got[1]) == CFG.max_cache_length - 2
 

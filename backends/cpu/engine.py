@@ -17,7 +17,6 @@ import logging
 import math
 import warnings
 
-import numpy as np
 import torch
 
 from polyengine.engine import Capabilities, EngineConfig
@@ -56,7 +55,7 @@ class CpuEngine(TorchEngine):
             batched_prefill=self.batches_prefill(),
             # the GGUF block formats are computed on as mapped (blocks.py); others, and every
             # weight where the plan does not keep blocks, are converted one tensor at a time
-            weight_formats=WEIGHT_FORMATS,
+            weight_formats=WEIGHT_FORMATS, page_size=self.options["page_size"],
         )
 
     def _resolve(self) -> None:
@@ -144,7 +143,8 @@ class CpuEngine(TorchEngine):
                                        cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
                                        quantized=plan.narrow, kv_dtype=self.kv_dtype,
                                        int8_activations=plan.block_activations if self._blocks else plan.int8_activations,
-                                       bf16_activations=plan.bf16_activations, blocks=self._blocks)
+                                       bf16_activations=plan.bf16_activations, blocks=self._blocks,
+                                       page_size=self.options["page_size"])
         return weights
 
     # -- products and attention on the host kernels ---------------------------------------
@@ -201,13 +201,17 @@ class CpuEngine(TorchEngine):
         if self._fused is not None:
             tokens = state.next_tokens[rows]
             x = (t["model.embed_tokens.weight"][tokens] if self._embed is None else self._embed(t, tokens)).contiguous()
-            self._fused.step(x, rows, pos, state.k, state.v)
+            self._fused.step(x, rows, pos, state.k, state.v, page_table=state.page_table)
             x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
             logits = self._head(t, x)  # (M, vocab)
         else:
+            every = len(live) == n
+            paged = state.page_table is not None  # the live rows' page-table rows say where their K/V are
             logits, state.k, state.v = forward(
                 params, self._spec(kv_len=step.kv_len, linear=self._linear, kv_codec=self._kv_codec),
-                state.next_tokens[rows][:, None], pos[:, None], state.k, state.v, rows=None if len(live) == n else rows,
+                state.next_tokens[rows][:, None], pos[:, None], state.k, state.v,
+                rows=None if every or paged else rows,
+                page_table=None if not paged else state.page_table if every else state.page_table[rows],
             )
             logits = logits[:, 0]  # (M, vocab)
         words = None if step.words is None else step.words[rows]

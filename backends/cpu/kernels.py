@@ -325,7 +325,7 @@ def _bind(lib: ctypes.CDLL) -> None:
                                  int_, ptr]
     lib.pe_linear_q8.restype = None
     lib.pe_q8_isa.restype = ctypes.c_int
-    lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.pe_decode.restype = None
     lib.pe_prefill_attention.argtypes = [ptr, long_, ptr, ptr, long_, long_, ptr, int_, int_, int_, int_,
                                          ctypes.c_float, int_, int_]
@@ -423,7 +423,8 @@ class _Dims(ctypes.Structure):
     _fields_ = [(n, ctypes.c_long) for n in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers",
                                              "cache_rows", "cache_len")] + [
         ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
-        ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int), ("gguf", ctypes.c_long)]
+        ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int), ("gguf", ctypes.c_long),
+        ("page_size", ctypes.c_long), ("table_len", ctypes.c_long)]
 
 
 # The KV cache element types the fused step reads and writes (csrc/decode.h's PE_KV_*).
@@ -445,7 +446,7 @@ class FusedDecoder:
 
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
                  cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32,
-                 bf16_activations: bool = False, blocks: dict | None = None):
+                 bf16_activations: bool = False, blocks: dict | None = None, page_size: int = 0):
         c = config
         self.kv_dtype = kv_dtype
         self.kernels, self.config = kernels, c
@@ -494,7 +495,8 @@ class FusedDecoder:
                           c.head_dim, c.num_hidden_layers, cache_rows, cache_len, c.rms_norm_eps,
                           int(narrow == torch.int8), group, kernels.threads,
                           int(int8_activations) if narrow == torch.int8 or blocks else 0, KV_TYPES[kv_dtype],
-                          (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)))
+                          (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)),
+                          page_size, -(-cache_len // page_size) if page_size else 0)
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")
@@ -523,18 +525,30 @@ class FusedDecoder:
         return self._scratch
 
     def step(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor) -> torch.Tensor:
+             v_cache: torch.Tensor, page_table: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` (M, hidden) float32 embeddings of the tokens fed, in place -> the last
         layer's hidden states; ``rows``/``positions`` (M,) int32; caches of the
-        decoder's ``kv_dtype`` (float32, bfloat16 or float16)."""
+        decoder's ``kv_dtype`` (float32, bfloat16 or float16). Built with ``page_size``:
+        the caches are page pools ``[layers, pages, kv_heads, page_size, head_dim]`` (their
+        page count read here: a pool may grow) and ``rows`` index ``page_table`` (slots,
+        pages per context) int64."""
         m = x.shape[0]
         if not (x.is_contiguous() and x.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and k_cache.dtype == v_cache.dtype == self.kv_dtype):
             raise ValueError(f"the fused decoder needs contiguous float32 activations and {self.kv_dtype} caches")
+        d = self.dims
+        if (page_table is not None) != bool(d.page_size) or (page_table is not None and not (
+                page_table.dtype == torch.int64 and page_table.is_contiguous() and page_table.shape[1] == d.table_len
+                and k_cache.shape[3] == d.page_size)):
+            raise ValueError(f"the fused decoder was built for {'pages of ' + str(d.page_size) if d.page_size else 'a contiguous cache'}: "
+                             f"pass {'an int64 page table of ' + str(d.table_len) + ' pages a row' if d.page_size else 'no page table'}")
+        if page_table is not None:
+            d.cache_rows = k_cache.shape[1]  # the pool's pages: the layer stride
         rows = rows.to(torch.int32).contiguous()
         positions = positions.to(torch.int32).contiguous()
         scratch = self._scratch_for(m)
         self.kernels.lib.pe_decode(ctypes.byref(self.dims), self.layers, x.data_ptr(), m, rows.data_ptr(),
-                                   positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self.cos, self.sin,
+                                   positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   None if page_table is None else page_table.data_ptr(), self.cos, self.sin,
                                    scratch.data_ptr())
         return x

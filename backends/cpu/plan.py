@@ -83,6 +83,7 @@ class CpuPlan:
     prefill_compute: torch.dtype  # the operands of prefill's GEMMs on narrowed weights
     prefill_attention: str | None  # "float32"/"bfloat16" on the host kernel, None for torch's SDPA
     for_model: bool = True  # False: resolved without a model (the defaults' description)
+    page_size: int = 0  # K/V in pages of this many positions (0: a contiguous row per slot)
 
     # -- resolution --------------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class CpuPlan:
             block_activations=block_activations, fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
             prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
-            for_model=model is not None,
+            for_model=model is not None, page_size=o.get("page_size", 0),
         )
 
     @property
@@ -227,6 +228,10 @@ class CpuPlan:
                                        f" (option kv_dtype; compute {_name(self.dtype)})")
         held = ("pages held as the slots write them, handed back on free (kv_memory=grow)" if self.kv_memory == "grow"
                 else "every slot's full context held from the start (kv_memory=reserve)")
+        if self.page_size:
+            held = (f"a pool of pages of {self.page_size} positions shared by slots and prefixes (option page_size), "
+                    + ("its memory held as pages are first written, freed pages kept for reuse" if self.kv_memory == "grow"
+                       else "held from the start"))
         hint = "; kv_dtype=bfloat16/float16 halves it" if self.kv_dtype == torch.float32 else ""
         return f"{kind}, {held}{hint}"
 

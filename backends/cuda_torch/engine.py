@@ -59,6 +59,7 @@ class CudaEngine(TorchEngine):
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True, embeddings=True, weight_formats=WEIGHT_FORMATS,
             batched_prefill=self.batches_prefill(),
+            page_size=self.options["page_size"],
         )
 
     def _resolve(self) -> None:
@@ -142,9 +143,12 @@ class CudaEngine(TorchEngine):
         def run() -> torch.Tensor:
             return forward(params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codec),
                            state.next_tokens[:, None],
-                           state.positions, state.k, state.v, rows=None, write_mask=state.live)[0]
+                           state.positions, state.k, state.v, rows=None, write_mask=state.live,
+                           page_table=state.page_table)[0]
 
-        entry = state.graphs.get(kv_len)
+        # Paged: a grown page pool is a new buffer, so a graph is kept per pool too.
+        key = kv_len if state.page_table is None else (kv_len, state.k.data_ptr())
+        entry = state.graphs.get(key)
         if entry is None:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -157,7 +161,7 @@ class CudaEngine(TorchEngine):
                 logits = run()
             # Milliseconds, once per bucket, mid-reply: a debug line (-vv), not a progress line.
             logging.getLogger(__name__).debug("captured the decode CUDA graph for kv_len %d", kv_len)
-            entry = state.graphs[kv_len] = (graph, logits)
+            entry = state.graphs[key] = (graph, logits)
         graph, logits = entry
         graph.replay()
         return logits

@@ -31,9 +31,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from polyengine.engine import EngineBase, EngineConfig, PrefillRequest, Prefix, ResultLayout, ResultTokens, SlotTable
-from polyengine.errors import InsufficientMemory, UnsupportedFeature
+from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
+from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
+from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.rows import row_bytes
@@ -43,6 +44,7 @@ from polyengine.backends.torch_common.model import (
     CastKVCodec, StepSpec, TorchWeights, final_norm, forward, residual_stream,
 )
 from polyengine.backends.torch_common.options import SHARED_OPTIONS
+from polyengine.backends.torch_common.paged import PagedKV
 from polyengine.backends.torch_common.sampling import TorchSampler
 from polyengine.backends.torch_common.state import SlotsInFlight, TorchSlotsEngine, host_array
 from polyengine.backends.torch_common.transfer import fill_row, pack_results, to_device
@@ -68,6 +70,19 @@ class TorchDecodeState(SlotsInFlight):
     graphs: dict = field(default_factory=dict)  # CUDA: kv_len -> (graph, static logits), over this state's buffers
     positions: torch.Tensor | None = None  # CUDA graphs: static (slots, 1) input buffers
     live: torch.Tensor | None = None
+    # Paged K/V (option page_size): k/v above are then the engine's page pools
+    # (layers, pages, kv_heads, page_size, head_dim), refreshed before each step, and each
+    # slot reads and writes through its row of the page table.
+    page_table: torch.Tensor | None = None  # (slots, pages per context) int64 page ids
+    seqs: list[PageList | None] | None = None  # per slot: its pages (the host's record)
+
+    def write_prefix(self, slot: int, prefix: Prefix) -> None:
+        """Paged: the slot shares the prefix's pages (its first write copies a partly filled
+        last page); contiguous: the prefix's K/V copied into the slot's cache row."""
+        if self.seqs is None:
+            return super().write_prefix(slot, prefix)
+        seq = self.seqs[slot] = prefix.kv.fork(finalize=True)
+        self.page_table[slot, : len(seq.pages)] = to_device(np.asarray(seq.pages, np.int64), self.page_table.device)
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,17 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         self._weights: TorchWeights | None = None
         self._prefill_sampler: TorchSampler | None = None
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
+        # Paged K/V (option page_size): the page ids and counts (polyengine.pages) and the
+        # pools they index, made with the first decode state or prefix.
+        ps, kv_pages = self.capabilities.page_size, self.options["kv_pages"]
+        if kv_pages and (not ps or kv_pages < pages_for(config.max_cache_length, ps) + 1):
+            raise InvalidRequest(
+                f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
+                f"({pages_for(config.max_cache_length, ps or 1) + 1} with page_size={ps or 1}); raise it or leave it 0",
+                field="options.kv_pages")
+        self.pages = PagePool(ps, kv_pages or None) if ps else None
+        self._paged = PagedKV(self.pages, self.torch_device, self._new_pools, first_size=(
+            self.max_concurrent_decodes * pages_for(config.max_cache_length, ps))) if ps else None
         self._check_memory()
 
     @property
@@ -177,8 +203,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         """What this engine allocates, counted as it will be, against what the device has."""
         c, cfg = self.model.config, self.config
         needs = self._weight_needs()
-        needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
-            cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(self.kv_dtype.itemsize))
+        if self.pages is not None and self.pages.capacity:
+            needs[f"the K/V pool of {self.pages.capacity} pages x {self.pages.page_size} positions"] = (
+                self.pages.capacity * self.pages.page_size * c.kv_bytes_per_token(self.kv_dtype.itemsize))
+        else:  # unbounded pages: the slots' pages hold at most what a contiguous cache does
+            needs[f"the KV cache of {cfg.max_slots} slots x {cfg.max_cache_length} positions"] = (
+                cfg.max_slots * cfg.max_cache_length * c.kv_bytes_per_token(self.kv_dtype.itemsize))
         needs["the sampler's per-slot tables and a step's logits"] = (
             cfg.max_slots * row_bytes(c.vocab_size, self.sampler_dtype.itemsize)
             + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
@@ -229,6 +259,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def init_decode_state(self) -> TorchDecodeState:
         weights = self.load_params()
         n = self.max_concurrent_decodes
+        if self.pages is not None:
+            return self._paged_decode_state(n)
 
         def allocate():
             k, v = weights.new_cache(n, self.max_cache_length, lazy=self._lazy_kv(), dtype=self.kv_dtype)
@@ -274,7 +306,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # leaving holes in the heap that the process keeps (hostmem.py).
         k, v = params.new_cache(1, start + padded, lazy=True, dtype=self.kv_dtype)
         if existing_prefix is not None:
-            k[:, 0, :, :start], v[:, 0, :, :start] = existing_prefix.kv
+            k[:, 0, :, :start], v[:, 0, :, :start] = self._prefix_kv(existing_prefix)
         batch = np.zeros((1, padded), np.int64)
         batch[0, :n] = toks
         positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
@@ -285,16 +317,29 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )
-        return self._prefixed(params, logits[0], (k[:, 0, :, : start + n], v[:, 0, :, : start + n]),
-                              toks, sampling, existing_prefix, mask,
+        return self._prefixed(params, logits[0], (k[:, 0], v[:, 0]), toks, sampling, existing_prefix, mask, start=start,
                               nbytes=self.kv_bytes(start + padded))  # the view keeps its whole buffer alive
 
-    def _prefixed(self, params: TorchWeights, logits: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], toks,
-                  sampling: SamplingParams, existing_prefix: Prefix | None, mask, *, nbytes: int):
-        """The prefix a prefill made (its K/V, its last position's logits) and its first token."""
+    def _prefixed(self, params: TorchWeights, logits: torch.Tensor, row: tuple[torch.Tensor, torch.Tensor], toks,
+                  sampling: SamplingParams, existing_prefix: Prefix | None, mask, *, start: int, nbytes: int):
+        """The prefix a prefill made (its K/V from ``row``, the prefill's contiguous cache
+        row (layers, kv_heads, positions, head_dim) holding positions ``0..start + n``; its
+        last position's logits) and its first token."""
+        n = toks.size
+        k, v = row
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         first = self._first_token(logits, prompt, sampling, mask)
         token = int(first.tokens[0])  # the protocol's Prefix carries it on the host
+        if self.pages is not None:
+            # The prefill ran over its own contiguous cache (so a prefill's attention is the
+            # contiguous engine's, host kernel included); its new positions go into pages,
+            # after the continued prefix's shared ones.
+            seq = (existing_prefix.kv.fork(finalize=True) if existing_prefix is not None
+                   else PageList(self.pages, [], 0, finalize=True))
+            self._paged.scatter(seq, k, v, start, start + n)
+            kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
+        else:
+            kv = (k[:, :, : start + n], v[:, :, : start + n])
         prefix = Prefix(
             kv=kv, logits=logits.float(), prompt_tokens=prompt,
             sampling=sampling, backend=self.name, first_token=token, to_host=self._to_host, model_id=self.model_id,
@@ -330,7 +375,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         for i, ((toks, _, start, _), prior) in enumerate(zip(checked, existing)):
             batch[i, : toks.size] = toks
             if prior is not None:
-                k[:, i, :, :start], v[:, i, :, :start] = prior.kv
+                k[:, i, :, :start], v[:, i, :, :start] = self._prefix_kv(prior)
         offsets = torch.arange(width, dtype=torch.int64, device=dev)
         positions = to_device(np.asarray(starts, np.int64), dev)[:, None] + offsets[None]  # (B, T)
         write = offsets[None] < to_device(lengths, dev)[:, None]  # (B, T): pad tokens write nothing
@@ -346,9 +391,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         out = []
         for i, ((toks, sampling, start, mask), prior) in enumerate(zip(checked, existing)):
             total = start + toks.size
-            own_k, own_v = params.new_cache(1, total, lazy=True, dtype=self.kv_dtype)
-            own_k[:, 0], own_v[:, 0] = k[:, i, :, :total], v[:, i, :, :total]
-            out.append(self._prefixed(params, logits[i], (own_k[:, 0], own_v[:, 0]), toks, sampling, prior, mask,
+            if self.pages is not None:  # scattered into pages from the batch's row
+                row = (k[:, i], v[:, i])
+            else:
+                own_k, own_v = params.new_cache(1, total, lazy=True, dtype=self.kv_dtype)
+                own_k[:, 0], own_v[:, 0] = k[:, i, :, :total], v[:, i, :, :total]
+                row = (own_k[:, 0], own_v[:, 0])
+            out.append(self._prefixed(params, logits[i], row, toks, sampling, prior, mask, start=start,
                                       nbytes=self.kv_bytes(total)))
         return out
 
@@ -369,6 +418,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         super()._release(state, slot)
         for counts in (state.total, state.prompt_len, state.occupied):
             fill_row(counts, slot, 0)
+        if state.seqs is not None:  # paged: the slot's references only (a prefix keeps its pages)
+            if state.seqs[slot] is not None:
+                state.seqs[slot].release()
+                state.seqs[slot] = None
+            return
         release_row(state.k, slot)  # a cache whose pages come with use gives the slot's back (0 bytes otherwise)
         release_row(state.v, slot)
 
@@ -392,10 +446,15 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         block = self.options["kv_block"]
         kv_len = min(self.max_cache_length, block * math.ceil((max(positions, default=0) + 1) / block))
         num_top = state.sampler.max_top_logprobs
+        # Paged: each live slot's write position made its own (a pool that runs out refuses
+        # here, before the host's counts move); the copies and table rows go first in the step.
+        page_ops = self._prepare_pages(state, live, positions) if self.pages is not None else None
         state.slots.advance(live)  # what the host can know before the step runs: who advances, by one
         layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
 
         def step() -> torch.Tensor:
+            if page_ops is not None:
+                self._apply_pages(state, page_ops)
             return self._step(params, state, forced, live, positions, kv_len, num_top, words)
 
         if self._worker is not None:
@@ -454,12 +513,18 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         logits, state.k, state.v = forward(
             params, self._spec(kv_len=kv_len, linear=self._linear, kv_codec=self._kv_codec),
             state.next_tokens[:, None], pos, state.k, state.v, rows=None, write_mask=live_mask[:, None],
+            page_table=state.page_table,
         )
         return logits
 
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """The first ``length`` positions as views of the prefix's K/V in the KV dtype (the
-        kit's way goes through float32); the continuation that reads them copies them."""
+        kit's way goes through float32), or, paged, its pages shared (the partly filled last
+        one copied on its first write); the continuation that reads them copies them."""
+        if self.pages is not None:
+            seq = prefix.kv.fork(length, finalize=True)
+            return replace(prefix, kv=seq, prompt_tokens=prefix.prompt_tokens[:length],
+                           nbytes=self.kv_bytes(len(seq.pages) * self.pages.page_size))
         k, v = prefix.kv
         return replace(prefix, kv=(k[:, :, :length], v[:, :, :length]),
                        prompt_tokens=prefix.prompt_tokens[:length])
@@ -488,7 +553,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     @on_engine_thread
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
-        k, v = prefix.kv
+        k, v = self._prefix_kv(prefix)
         return PortablePrefix(
             k=self._to_host(k), v=self._to_host(v), prompt_tokens=prefix.prompt_tokens,
             last_logits=self._to_host(prefix.logits), sampling=prefix.sampling, model_fingerprint=self.model.fingerprint,
@@ -502,8 +567,73 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         put = lambda a: to_device(np.ascontiguousarray(a), self.torch_device, self.kv_dtype)  # noqa: E731
         logits = to_device(np.ascontiguousarray(portable.last_logits, np.float32), self.torch_device)
         first = self._first_token(logits, prompt, sampling)
+        kv, nbytes = (put(portable.k), put(portable.v)), self.kv_bytes(prompt.size)
+        if self.pages is not None:
+            seq = PageList(self.pages, [], 0, finalize=True)
+            self._paged.scatter(seq, kv[0], kv[1], 0, prompt.size)
+            kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
         return Prefix(
-            kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
+            kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0]), to_host=self._to_host, model_id=self.model_id,
-            nbytes=self.kv_bytes(prompt.size),
+            nbytes=nbytes,
         )
+
+    # -- pages (option page_size) ----------------------------------------------------------
+
+    def check_prefix(self, prefix: Prefix) -> Prefix:
+        """The kit's checks, and K/V this engine holds: a paged prefix's pages belong to the
+        pool of the engine that made it, which another engine of the same weights must not read."""
+        prefix = super().check_prefix(prefix)
+        paged = isinstance(prefix.kv, PageList)
+        if paged != (self.pages is not None) or (paged and prefix.kv.pool is not self.pages):
+            raise InvalidRequest(f"prefix's K/V live in another {self.name} engine's pages (or this engine's hold "
+                                 f"none); move it with export_prefix/import_prefix")
+        return prefix
+
+    def prefix_pages(self, prefix: Prefix) -> PageList:
+        if self.pages is None:
+            return super().prefix_pages(prefix)
+        return self.check_prefix(prefix).kv
+
+    def slot_pages(self, decode_state: TorchDecodeState, slot: int) -> PageList | None:
+        if self.pages is None:
+            return super().slot_pages(decode_state, slot)
+        decode_state.wait()
+        return decode_state.seqs[self.check_slot(slot)]
+
+    def _paged_decode_state(self, n: int) -> TorchDecodeState:
+        """A decode state over the engine's page pools: a page-table row per slot."""
+        k, v = self._paged.tensors
+        sampler = self._allocating("a decode state's sampler", lambda: TorchSampler(
+            self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype))
+        counts = lambda dtype: torch.zeros(n, dtype=dtype, device=self.torch_device)  # noqa: E731
+        return TorchDecodeState(n, k, v, sampler, counts(torch.int64), SlotTable(n), counts(torch.int64),
+                                counts(torch.int64), counts(torch.bool),
+                                page_table=self._paged.new_table(n, self.max_cache_length), seqs=[None] * n)
+
+    def _new_pools(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V page pools (L, pages, kv_heads, page_size, head_dim); on the CPU
+        their memory comes as pages are written (kv_memory grow), as the contiguous cache's."""
+        weights, ps = self.load_params(), self.pages.page_size
+        return self._allocating(f"the K/V page pool ({pages} pages of {ps} positions)", lambda: weights.new_cache(
+            pages, ps, lazy=self._lazy_kv(), dtype=self.kv_dtype))
+
+    def _prepare_pages(self, state: TorchDecodeState, live: list[int], positions: list[int]):
+        """:meth:`PagedKV.prepare`; a pool that runs out applies what was prepared before
+        it (on the engine thread) and raises, the slots' K/V reading the same."""
+        try:
+            return self._paged.prepare(state.seqs, live, positions)
+        except Exception as exc:
+            if hasattr(exc, "page_ops"):
+                self._apply_pages_now(state, exc.page_ops)
+            raise
+
+    def _apply_pages(self, state: TorchDecodeState, ops) -> None:
+        state.k, state.v = self._paged.apply(state.page_table, ops)
+
+    _apply_pages_now = on_engine_thread(_apply_pages)
+
+    def _prefix_kv(self, prefix: Prefix) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefix's K/V as (layers, kv_heads, true_length, head_dim) tensors in the KV
+        dtype: gathered from its pages, or its own arrays."""
+        return prefix.kv if self._paged is None else self._paged.gather(prefix.kv, prefix.true_length)

@@ -25,7 +25,7 @@ fuse_gate_up=False, max_positions=None, skip=frozenset())``
     and keeps it; a traced backend compiles one program per spec and shape.
 
 ``forward(weights, spec, tokens, positions, k_cache, v_cache, *, rows=None, write_mask=None,
-logits_at=None) -> (logits, k_cache, v_cache)``
+logits_at=None, page_table=None) -> (logits, k_cache, v_cache)``
     Appends ``tokens`` (B, T) at ``positions`` (B, T) to cache rows ``rows`` (B,) and
     returns their logits. Caches are ``[layers, rows, kv_heads, S, head_dim]`` with
     cache index == absolute position. A query at position p sees keys at positions
@@ -394,10 +394,12 @@ class _Call:
     rows: torch.Tensor | None  # (B,) cache row of each batch row; None: row b
     cache_rows: torch.Tensor  # (B,) the same, always a tensor
     writes: _Writes
+    page_table: torch.Tensor | None = None  # (B, pages) int64: paged caches, batch row b's page ids
 
 
 def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: torch.Tensor | None,
-          write_mask: torch.Tensor | None, cache_len: int) -> _Call:
+          write_mask: torch.Tensor | None, cache_len: int, page_table: torch.Tensor | None = None,
+          page_size: int = 0) -> _Call:
     c, t = weights.config, weights.tensors
     b, seq = positions.shape
     group = c.num_attention_heads // c.num_key_value_heads
@@ -424,9 +426,16 @@ def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: 
         # Queries are grouped per KV head as (group, T) so K/V are never repeated.
         visible[window] = seen.repeat(1, group, 1)[:, None]
     cache_rows = rows if rows is not None else torch.arange(b, device=device)
+    writes = _write_targets(cache_rows, positions, write_mask, c.num_key_value_heads)
+    if page_table is not None:
+        # Position p of batch row b lives at offset p % page_size of page page_table[b, p // page_size].
+        # Pad tokens were redirected to the anchor's (row, position) above, so they land on its
+        # page and offset with its value: the no-op holds in pages too.
+        writes.rows = page_table[writes.rows, writes.pos // page_size]
+        writes.pos = writes.pos % page_size
     return _Call(
         batch=b, seq=seq, kv_len=kv_len, rope=rope, visible=visible, rows=rows, cache_rows=cache_rows,
-        writes=_write_targets(cache_rows, positions, write_mask, c.num_key_value_heads),
+        writes=writes, page_table=page_table,
     )
 
 
@@ -485,8 +494,14 @@ def kv_write(spec: StepSpec, call: _Call, layer: int, k_new: torch.Tensor, v_new
 def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values (B, kv_heads, kv_len, head_dim) each batch row attends to: a
-    view of the cache when batch row b is cache row b, else a gather; decoded."""
-    if call.rows is None:
+    view of the cache when batch row b is cache row b, else a gather (of the row's pages,
+    in order, when the caches are page pools); decoded."""
+    if call.page_table is not None:
+        ps = k_cache.shape[3]
+        pages = call.page_table[:, : -(-call.kv_len // ps)]  # (B, P)
+        keys = _gather_pages(k_cache[layer], pages, call.kv_len)
+        vals = _gather_pages(v_cache[layer], pages, call.kv_len)
+    elif call.rows is None:
         keys = k_cache[layer, :, :, : call.kv_len]  # a view
         vals = v_cache[layer, :, :, : call.kv_len]
     else:
@@ -496,6 +511,15 @@ def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
         keys = spec.kv_codec.decode("k", layer, keys, call.cache_rows)
         vals = spec.kv_codec.decode("v", layer, vals, call.cache_rows)
     return keys, vals
+
+
+def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """One layer's pool (pages, kv_heads, page_size, head_dim) read through ``pages`` (B, P):
+    each row's first ``length`` positions as (B, kv_heads, length, head_dim), a copy."""
+    b, p = pages.shape
+    _, kvh, ps, hd = pool.shape
+    out = pool[pages]  # (B, P, kv_heads, page_size, head_dim)
+    return out.transpose(1, 2).reshape(b, kvh, p * ps, hd)[:, :, :length]
 
 
 def _act(config: ModelConfig, x: torch.Tensor) -> torch.Tensor:
@@ -585,6 +609,7 @@ def forward(
     rows: torch.Tensor | None = None,  # (B,) int64 cache row of each batch row; None: row b
     write_mask: torch.Tensor | None = None,  # (B, T) bool, False for pad tokens
     logits_at: torch.Tensor | None = None,  # (B,) int64 index into T
+    page_table: torch.Tensor | None = None,  # (B, pages) int64: the caches are page pools
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run ``tokens`` through the model under ``spec``, writing their K/V; returns
     ``(logits, k_cache, v_cache)``, logits ``(B, vocab)`` with ``logits_at`` else
@@ -598,9 +623,16 @@ def forward(
     may carry any position (their RoPE index is clamped) and their logits are garbage.
     ``rows=None`` means batch row b uses cache row b (needs ``B == cache rows``) and
     saves a gather of the cache rows every layer.
+
+    Paged caches: with ``page_table`` (B, P), ``k_cache``/``v_cache`` are page pools
+    ``[layers, pages, kv_heads, page_size, head_dim]`` and batch row b's position p lives
+    at offset ``p % page_size`` of page ``page_table[b, p // page_size]`` (``rows`` must be
+    None: the table says where each row's K/V are). The caller keeps each live token's
+    page written by that row alone (copy on write is the engine's, before the call);
+    attention gathers the first ``ceil(kv_len / page_size)`` pages of each row.
     """
     x, k_cache, v_cache = residual_stream(weights, spec, tokens, positions, k_cache, v_cache, rows=rows,
-                                          write_mask=write_mask)
+                                          write_mask=write_mask, page_table=page_table)
     if logits_at is not None:
         x = x[torch.arange(tokens.shape[0], device=tokens.device), logits_at]  # (B, H)
     return lm_head(weights, spec, x), k_cache, v_cache
@@ -609,15 +641,23 @@ def forward(
 def residual_stream(
     weights: TorchWeights, spec: StepSpec, tokens: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, *, rows: torch.Tensor | None = None, write_mask: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`forward` up to the final norm: ``(x, k_cache, v_cache)``, x the residual
     stream after the last layer (B, T, hidden); :func:`final_norm` of it is what the LM
     head reads and what embeddings pool."""
     c, t = weights.config, weights.tensors
     b = tokens.shape[0]
-    if rows is None and b != k_cache.shape[1]:
+    if page_table is not None:
+        if rows is not None or page_table.shape[0] != b:
+            raise ValueError(f"paged caches take one page-table row per batch row and no rows: batch {b}, "
+                             f"page table {tuple(page_table.shape)}, rows {'given' if rows is not None else 'None'}")
+        ps = k_cache.shape[3]
+        call = _call(weights, spec, positions, None, write_mask, page_table.shape[1] * ps, page_table, ps)
+    elif rows is None and b != k_cache.shape[1]:
         raise ValueError(f"rows=None needs one batch row per cache row: batch {b}, cache rows {k_cache.shape[1]}")
-    call = _call(weights, spec, positions, rows, write_mask, k_cache.shape[3])
+    else:
+        call = _call(weights, spec, positions, rows, write_mask, k_cache.shape[3])
 
     x = F.embedding(tokens, t["model.embed_tokens.weight"]) if spec.embed is None else spec.embed(t, tokens)
     if c.embed_scale:  # Gemma: times sqrt(hidden), rounded to the compute dtype as transformers does

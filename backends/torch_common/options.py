@@ -18,4 +18,10 @@ SHARED_OPTIONS = {
     # rounded to nearest even on write, widened on read (fused step and torch forward alike)
     "kv_dtype": Option("auto", "KV cache element type: 'auto' (the compute dtype), 'bfloat16' or 'float16'",
                        choices=("auto", "bfloat16", "float16")),
+    # K/V in a pool of pages shared by reference count (polyengine.pages, docs/design.md "Pages"):
+    # inserting a prefix shares its pages instead of copying its K/V into the slot's row
+    "page_size": Option(0, "K/V pages of this many positions (0: one contiguous cache row per slot)",
+                        minimum=0, maximum=4096),
+    "kv_pages": Option(0, "with page_size: the pages the K/V of slots and prefixes share (0: as many as they "
+                          "use); the driver admits requests by free pages", minimum=0),
 }

@@ -49,7 +49,20 @@ struct pe_dims {
                   // activations (1) or activations rounded to bfloat16 (2, option bf16_compute "bf16")
     long gguf;    // weights are a GGUF file's blocks as mapped (pe_layer.fmt; int8 and bf16 are 0),
                   // against q8 int8 rows per row of x (1 or 2)
+    long page_size;  // paged K/V (option page_size; 0: contiguous): the caches are page pools of
+                     // cache_rows pages and a row's position p lives in page table[row][p / page_size]
+    long table_len;  // paged: page ids per row of the page table
 };
+
+// Element offset of K/V at (layer l, row, kv head j, position p): in the contiguous cache
+// [layers, cache_rows, kv_heads, cache_len, head_dim], or, paged, in the pool [layers,
+// cache_rows pages, kv_heads, page_size, head_dim] at offset p % page_size of the row's page
+// table[row * table_len + p / page_size].
+static inline long kv_offset(const pe_dims *d, const long *table, long l, long row, long j, long p) {
+    if (!d->page_size) return (((l * d->cache_rows + row) * d->kv_heads + j) * d->cache_len + p) * d->head_dim;
+    const long ps = d->page_size, page = table[row * d->table_len + p / ps];
+    return (((l * d->cache_rows + page) * d->kv_heads + j) * ps + p % ps) * d->head_dim;
+}
 
 // The KV cache's element types. Written from float32 with round-to-nearest-even, as
 // torch's .to(bfloat16/float16) does (so this step and the torch forward store the same
@@ -143,6 +156,7 @@ struct pe_attn_job {
     const int *rows, *pos;
     const float *q;
     const void *k_cache, *v_cache;
+    const long *table;  // paged: the page table (null: contiguous)
     float *att, *scores;
 };
 
@@ -159,12 +173,13 @@ static void attn_task(void *arg, int tid, int nth) {
         const long jh = a / group, n = j->pos[m] + 1;
         const float *qa = j->q + m * qs + a * hd;
         const long base = ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;  // element offset
+        const long *table = j->table;  // paged: each position's offset through the row's page table
         const int kt = d->kv_type;
         float *sc = j->scores + (m * nh + a) * S;
         float mx = -INFINITY;
         const long hv = hd - hd % VW;  // q . k in vector lanes (a scalar loop would be latency-bound)
         for (long s = 0; s < n; s++) {
-            const long kr = base + s * hd;
+            const long kr = table ? kv_offset(d, table, j->l, j->rows[m], jh, s) : base + s * hd;
             vf acc = (vf){};
             for (long i = 0; i < hv; i += VW) acc += load_f(qa + i) * kv_load(kt, j->k_cache, kr + i);
             float dot = hsum(acc);
@@ -191,12 +206,14 @@ static void attn_task(void *arg, int tid, int nth) {
             const float *vb = (const float *)j->v_cache + base;
             for (long s = 0; s < n; s++) {
                 const float p = sc[s] / sum;
-                for (long i = 0; i < hd; i++) out[i] += p * vb[s * hd + i];
+                const float *vs = table ? (const float *)j->v_cache + kv_offset(d, table, j->l, j->rows[m], jh, s)
+                                        : vb + s * hd;
+                for (long i = 0; i < hd; i++) out[i] += p * vs[i];
             }
         } else {
             for (long s = 0; s < n; s++) {
                 const float p = sc[s] / sum;
-                const long vr = base + s * hd;
+                const long vr = table ? kv_offset(d, table, j->l, j->rows[m], jh, s) : base + s * hd;
                 long i = 0;
                 for (; i < hv; i += VW) {
                     vf o = load_f(out + i) + p * kv_load(kt, j->v_cache, vr + i);
@@ -228,12 +245,14 @@ static inline double pe_now() {
 #endif
 
 // x: (M, H) in/out (the residual stream: embeddings in, final hidden states out, before
-// the final norm). rows/pos: each row's cache row and position. scratch: at least
+// the final norm). rows/pos: each row's cache row (paged: its page-table row) and position;
+// table: the page table when d->page_size (null otherwise). scratch: at least
 // M * (q_size + 2 * kv_size + q_size + 2 * intermediate + hidden) floats, plus
 // M * heads * cache_len for the attention scores, plus threads * kmax + 2M * kmax / 32
 // floats and 2M * kmax bytes for the int8 activations, kmax the longest K of a projection.
 static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
-                        void *k_cache, void *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
+                        void *k_cache, void *v_cache, const long *table, const float *rope_cos, const float *rope_sin,
+                        float *scratch) {
     const long H = d->hidden, I = d->intermediate, nh = d->heads, nkv = d->kv_heads, hd = d->head_dim;
     const long qs = nh * hd, kvs = nkv * hd, S = d->cache_len;
     float *h = scratch;               // (M, H)
@@ -290,14 +309,14 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
                 rope(q + m * qs, nh, hd, cs, sn);
                 rope(k + m * kvs, nkv, hd, cs, sn);
                 for (long j = 0; j < nkv; j++) {  // write K (after RoPE) and V at (layer, row, head, pos)
-                    long off = (((l * d->cache_rows + rows[m]) * nkv + j) * S + pos[m]) * hd;
+                    const long off = kv_offset(d, table, l, rows[m], j, pos[m]);
                     kv_store(d, k_cache, off, k + m * kvs + j * hd, hd);
                     kv_store(d, v_cache, off, v + m * kvs + j * hd, hd);
                 }
             }
             bar.wait(nth);
             PE_MARK(2)
-            pe_attn_job aj = {d, l, M, rows, pos, q, k_cache, v_cache, att, scores};
+            pe_attn_job aj = {d, l, M, rows, pos, q, k_cache, v_cache, table, att, scores};
             attn_task(&aj, tid, nth);
             bar.wait(nth);
             PE_MARK(3)

@@ -46,13 +46,14 @@ static const pe_field_layout pe_layouts[] = {
     PE_FIELD(pe_dims, cache_rows), PE_FIELD(pe_dims, cache_len), PE_FIELD(pe_dims, eps),
     PE_FIELD(pe_dims, int8), PE_FIELD(pe_dims, group), PE_FIELD(pe_dims, threads), PE_FIELD(pe_dims, q8),
     PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16), PE_FIELD(pe_dims, gguf),
+    PE_FIELD(pe_dims, page_size), PE_FIELD(pe_dims, table_len),
 };
 // A field appended to a struct and not to the table (nor to Python's mirror) would escape
 // the check: the table's last field must end its struct.
 static_assert(offsetof(pe_layer, rowoff) + sizeof(pe_layer::rowoff) == sizeof(pe_layer),
               "pe_layer has a field after rowoff: list it in pe_layouts and in kernels.py's _Layer");
-static_assert(offsetof(pe_dims, gguf) + sizeof(pe_dims::gguf) == sizeof(pe_dims),
-              "pe_dims has a field after gguf: list it in pe_layouts and in kernels.py's _Dims");
+static_assert(offsetof(pe_dims, table_len) + sizeof(pe_dims::table_len) == sizeof(pe_dims),
+              "pe_dims has a field after table_len: list it in pe_layouts and in kernels.py's _Dims");
 
 extern "C" {
 
@@ -183,8 +184,9 @@ void pe_q8_linear(const int8_t *xq, const float *xs, int M, long K, const int8_t
 
 // One fused decode step (decode.h's decode_step: its arguments and scratch size there).
 void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
-               void *k_cache, void *v_cache, const float *rope_cos, const float *rope_sin, float *scratch) {
-    decode_step(d, layers, x, M, rows, pos, k_cache, v_cache, rope_cos, rope_sin, scratch);
+               void *k_cache, void *v_cache, const long *table, const float *rope_cos, const float *rope_sin,
+               float *scratch) {
+    decode_step(d, layers, x, M, rows, pos, k_cache, v_cache, table, rope_cos, rope_sin, scratch);
 }
 
 #ifdef PE_PROFILE
