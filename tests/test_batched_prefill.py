@@ -39,6 +39,7 @@ ENGINES = {
     "reference-buckets": ({}, 1e-12),
     "cpu": ({}, 2e-5),
     "cuda_torch": ({"device": "cpu"}, 2e-5),
+    "cpu-paged": ({"page_size": 4}, 2e-5),  # continuing paged prefixes, new K/V scattered into pages
 }
 
 
