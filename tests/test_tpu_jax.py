@@ -145,7 +145,7 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
         assert len(report["compile"]) == warm  # every compilation is attributed to the engine
         # Bucket 8 is this test's own (the module's engine has 16 and 24): compiled here.
         rows = {(r["program"], r["bucket"]): r["source"] for r in report["compile"]}
-        assert rows[("prefill_step", "8")] == rows[("insert_step", "8")] == "compiled", rows
+        assert rows[("prefill_step", "8")] == rows[("insert_kv_step", "8")] == "compiled", rows
         state = eng.init_decode_state()
         rng = np.random.default_rng(0)
         live: dict[int, int] = {}  # slot -> prompt length
@@ -182,6 +182,69 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
         assert eng.bench_report()["compile"] == report["compile"]
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _greedy_run(engine, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int]]:
+    """Prefill ``prompt`` greedily into slot 0 and decode ``steps`` tokens: (the prefix's
+    logits on the host, the tokens)."""
+    params = engine.load_params()
+    sp = SamplingParams(temperature=0, ignore_eos=True)
+    prefix, _ = engine.prefill(params=params, tokens=prompt, sampling=sp)
+    logits = np.asarray(prefix.to_host(prefix.logits), np.float64)
+    state = engine.insert(prefix, engine.init_decode_state(), 0)
+    tokens = [prefix.first_token]
+    for _ in range(steps):
+        state, result = engine.generate(params, state)
+        tokens.append(int(result.tokens[0, 0]))
+    engine.free_resource(state, 0)
+    return logits, tokens
+
+
+def test_engines_share_programs_by_shape_and_keep_their_own_weights(model):
+    """Programs are cached per static config, weights are arguments: a second engine of
+    the same shapes with other weights compiles nothing and gives its own weights'
+    results (the reference's for each model, and not the first engine's); an engine of
+    another model shape compiles its own model programs (prefill, the KV half of insert,
+    the decode forward) and none of the slot rows' programs (the sampler's), which
+    depend on the vocabulary, slots and mesh only."""
+    from polyengine.models import Model, ModelConfig
+
+    rng = np.random.default_rng(11)
+    weights = {name: (1.0 if name.endswith("norm.weight") else 0.0) + 0.2 * rng.standard_normal(shape)
+               for name, shape in model.config.weight_shapes().items()}
+    twin = Model(model.config, {n: w.astype(np.float32) for n, w in weights.items()}, source="twin")
+    wide = model.config.model_copy(update={"intermediate_size": 2 * model.config.intermediate_size})
+    assert isinstance(wide, ModelConfig)
+    other_shape = Model(wide, {n: (1.0 if n.endswith("norm.weight") else 0.0) + 0.2 * rng.standard_normal(s).astype(
+        np.float32) for n, s in wide.weight_shapes().items()}, source="wide")
+    compiles: list[str] = []
+
+    def listener(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kw.get("fun_name", "?").removeprefix("jit(").removesuffix(")"))
+
+    prompt = [1, 9, 4, 4, 7, 2, 30, 5]
+    first = TpuJaxEngine(model, CFG)
+    first_logits, first_tokens = _greedy_run(first, prompt, 6)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got = {}
+        for m in (twin, other_shape):
+            compiles.clear()
+            got[m.source] = _greedy_run(TpuJaxEngine(m, CFG), prompt, 6), sorted(compiles)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    for m in (model, twin, other_shape):
+        logits, tokens = first_logits, first_tokens
+        if m is not model:
+            (logits, tokens), compiled = got[m.source]
+        want_logits, want_tokens = _greedy_run(ReferenceEngine(m, CFG), prompt, 6)
+        assert np.abs(logits - want_logits).max() < 1e-4 * max(1.0, np.abs(want_logits).max()), m.source
+        assert tokens == want_tokens, m.source
+    (twin_logits, twin_tokens), twin_compiled = got["twin"]
+    assert twin_compiled == [], twin_compiled
+    assert np.abs(twin_logits - first_logits).max() > 0.1 and twin_tokens != first_tokens
+    assert got["wide"][1] == ["forward_step", "init_cache", "insert_kv_step", "prefill_step"], got["wide"][1]
 
 
 def _check_bench_report(report: dict, eng: TpuJaxEngine) -> None:

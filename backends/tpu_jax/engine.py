@@ -107,7 +107,7 @@ class TpuJaxEngine(EngineBase):
         self._check_memory()
         self.profiler = Profiler(port=o["profiler_port"], trace_dir=o["trace_dir"], trace_steps=o["trace_steps"])
         self.memory_reports: dict[str, dict[str, Any]] = {}
-        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_step", "continue_step"))
+        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_kv_step", "continue_step"))
         self.warmup_seconds: float | None = None
         self._params: dict[str, jax.Array] | None = None
         self._spare: TpuDecodeState | None = None
