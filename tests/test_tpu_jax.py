@@ -6,6 +6,8 @@ files of their own (tests/test_tpu_jax_{sharding,quant,ray}.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -27,7 +29,7 @@ from polyengine.backends.reference.engine import ReferenceEngine  # noqa: E402
 from polyengine.backends.tpu_jax import plugin  # noqa: E402
 from polyengine.backends.tpu_jax.engine import TpuJaxEngine  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
-from polyengine.errors import InvalidRequest  # noqa: E402
+from polyengine.errors import InvalidRequest, UnsafeCache  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.plugins import reset_registry  # noqa: E402
 from polyengine.prefix import PortablePrefix  # noqa: E402
@@ -296,6 +298,44 @@ def _random_request(rng, vocab: int, n: int) -> SamplingParams:
     if rng.random() < 0.3:
         kw["stop_token_ids"] = [int(rng.integers(vocab))]
     return SamplingParams(**kw)
+
+
+def test_option_compile_cache_keeps_programs_for_the_next_process(tmp_path):
+    """``compile_cache``: a second process reads every program of the same engine from
+    the private folder instead of compiling it, and gets the same tokens; a relative
+    path and a folder others can write are refused before anything compiles."""
+    folder = tmp_path / "jax-cache"
+    code = f"""
+import json
+from polyengine import EngineConfig, SamplingParams
+from polyengine.backends.tpu_jax.engine import TpuJaxEngine
+from polyengine.models import load_model
+eng = TpuJaxEngine(load_model("random:tiny-gqa"), EngineConfig(max_slots=2, max_prefill_length=8, max_cache_length=16,
+                   options={{"compile_cache": {str(folder)!r}}}))
+params = eng.load_params()
+prefix, _ = eng.prefill(params=params, tokens=[1, 5, 9], sampling=SamplingParams(temperature=0, ignore_eos=True))
+state, out = eng.generate(params, eng.insert(prefix, eng.init_decode_state(), 0))
+print(json.dumps([[r["program"], r["source"]] for r in eng.bench_report()["compile"]] + [int(out.tokens[0, 0])]))
+"""
+    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    (*first, token1), (*second, token2) = runs
+    assert first and {s for _, s in first} == {"compiled"}, first
+    assert [p for p, _ in second] == [p for p, _ in first] and {s for _, s in second} == {"cache"}, second
+    assert token1 == token2
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    model = load_model("random:tiny-gqa")
+    with pytest.raises(InvalidRequest, match="relative path"):
+        TpuJaxEngine(model, CFG.model_copy(update={"options": {"compile_cache": "jax-cache"}}))
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(UnsafeCache, match="another user could plant"):
+        TpuJaxEngine(model, CFG.model_copy(update={"options": {"compile_cache": str(shared)}}))
 
 
 # -- portable prefixes across backends ---------------------------------------------------
