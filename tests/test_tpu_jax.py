@@ -6,6 +6,8 @@ files of their own (tests/test_tpu_jax_{sharding,quant,ray}.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -27,7 +29,7 @@ from polyengine.backends.reference.engine import ReferenceEngine  # noqa: E402
 from polyengine.backends.tpu_jax import plugin  # noqa: E402
 from polyengine.backends.tpu_jax.engine import TpuJaxEngine  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
-from polyengine.errors import InvalidRequest  # noqa: E402
+from polyengine.errors import InvalidRequest, UnsafeCache  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.plugins import reset_registry  # noqa: E402
 from polyengine.prefix import PortablePrefix  # noqa: E402
@@ -145,7 +147,7 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
         assert len(report["compile"]) == warm  # every compilation is attributed to the engine
         # Bucket 8 is this test's own (the module's engine has 16 and 24): compiled here.
         rows = {(r["program"], r["bucket"]): r["source"] for r in report["compile"]}
-        assert rows[("prefill_step", "8")] == rows[("insert_step", "8")] == "compiled", rows
+        assert rows[("prefill_step", "8")] == rows[("insert_kv_step", "8")] == "compiled", rows
         state = eng.init_decode_state()
         rng = np.random.default_rng(0)
         live: dict[int, int] = {}  # slot -> prompt length
@@ -182,6 +184,69 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
         assert eng.bench_report()["compile"] == report["compile"]
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _greedy_run(engine, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int]]:
+    """Prefill ``prompt`` greedily into slot 0 and decode ``steps`` tokens: (the prefix's
+    logits on the host, the tokens)."""
+    params = engine.load_params()
+    sp = SamplingParams(temperature=0, ignore_eos=True)
+    prefix, _ = engine.prefill(params=params, tokens=prompt, sampling=sp)
+    logits = np.asarray(prefix.to_host(prefix.logits), np.float64)
+    state = engine.insert(prefix, engine.init_decode_state(), 0)
+    tokens = [prefix.first_token]
+    for _ in range(steps):
+        state, result = engine.generate(params, state)
+        tokens.append(int(result.tokens[0, 0]))
+    engine.free_resource(state, 0)
+    return logits, tokens
+
+
+def test_engines_share_programs_by_shape_and_keep_their_own_weights(model):
+    """Programs are cached per static config, weights are arguments: a second engine of
+    the same shapes with other weights compiles nothing and gives its own weights'
+    results (the reference's for each model, and not the first engine's); an engine of
+    another model shape compiles its own model programs (prefill, the KV half of insert,
+    the decode forward) and none of the slot rows' programs (the sampler's), which
+    depend on the vocabulary, slots and mesh only."""
+    from polyengine.models import Model, ModelConfig
+
+    rng = np.random.default_rng(11)
+    weights = {name: (1.0 if name.endswith("norm.weight") else 0.0) + 0.2 * rng.standard_normal(shape)
+               for name, shape in model.config.weight_shapes().items()}
+    twin = Model(model.config, {n: w.astype(np.float32) for n, w in weights.items()}, source="twin")
+    wide = model.config.model_copy(update={"intermediate_size": 2 * model.config.intermediate_size})
+    assert isinstance(wide, ModelConfig)
+    other_shape = Model(wide, {n: (1.0 if n.endswith("norm.weight") else 0.0) + 0.2 * rng.standard_normal(s).astype(
+        np.float32) for n, s in wide.weight_shapes().items()}, source="wide")
+    compiles: list[str] = []
+
+    def listener(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kw.get("fun_name", "?").removeprefix("jit(").removesuffix(")"))
+
+    prompt = [1, 9, 4, 4, 7, 2, 30, 5]
+    first = TpuJaxEngine(model, CFG)
+    first_logits, first_tokens = _greedy_run(first, prompt, 6)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got = {}
+        for m in (twin, other_shape):
+            compiles.clear()
+            got[m.source] = _greedy_run(TpuJaxEngine(m, CFG), prompt, 6), sorted(compiles)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    for m in (model, twin, other_shape):
+        logits, tokens = first_logits, first_tokens
+        if m is not model:
+            (logits, tokens), compiled = got[m.source]
+        want_logits, want_tokens = _greedy_run(ReferenceEngine(m, CFG), prompt, 6)
+        assert np.abs(logits - want_logits).max() < 1e-4 * max(1.0, np.abs(want_logits).max()), m.source
+        assert tokens == want_tokens, m.source
+    (twin_logits, twin_tokens), twin_compiled = got["twin"]
+    assert twin_compiled == [], twin_compiled
+    assert np.abs(twin_logits - first_logits).max() > 0.1 and twin_tokens != first_tokens
+    assert got["wide"][1] == ["forward_step", "init_cache", "insert_kv_step", "prefill_step"], got["wide"][1]
 
 
 def _check_bench_report(report: dict, eng: TpuJaxEngine) -> None:
@@ -233,6 +298,44 @@ def _random_request(rng, vocab: int, n: int) -> SamplingParams:
     if rng.random() < 0.3:
         kw["stop_token_ids"] = [int(rng.integers(vocab))]
     return SamplingParams(**kw)
+
+
+def test_option_compile_cache_keeps_programs_for_the_next_process(tmp_path):
+    """``compile_cache``: a second process reads every program of the same engine from
+    the private folder instead of compiling it, and gets the same tokens; a relative
+    path and a folder others can write are refused before anything compiles."""
+    folder = tmp_path / "jax-cache"
+    code = f"""
+import json
+from polyengine import EngineConfig, SamplingParams
+from polyengine.backends.tpu_jax.engine import TpuJaxEngine
+from polyengine.models import load_model
+eng = TpuJaxEngine(load_model("random:tiny-gqa"), EngineConfig(max_slots=2, max_prefill_length=8, max_cache_length=16,
+                   options={{"compile_cache": {str(folder)!r}}}))
+params = eng.load_params()
+prefix, _ = eng.prefill(params=params, tokens=[1, 5, 9], sampling=SamplingParams(temperature=0, ignore_eos=True))
+state, out = eng.generate(params, eng.insert(prefix, eng.init_decode_state(), 0))
+print(json.dumps([[r["program"], r["source"]] for r in eng.bench_report()["compile"]] + [int(out.tokens[0, 0])]))
+"""
+    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    (*first, token1), (*second, token2) = runs
+    assert first and {s for _, s in first} == {"compiled"}, first
+    assert [p for p, _ in second] == [p for p, _ in first] and {s for _, s in second} == {"cache"}, second
+    assert token1 == token2
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    model = load_model("random:tiny-gqa")
+    with pytest.raises(InvalidRequest, match="relative path"):
+        TpuJaxEngine(model, CFG.model_copy(update={"options": {"compile_cache": "jax-cache"}}))
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(UnsafeCache, match="another user could plant"):
+        TpuJaxEngine(model, CFG.model_copy(update={"options": {"compile_cache": str(shared)}}))
 
 
 # -- portable prefixes across backends ---------------------------------------------------

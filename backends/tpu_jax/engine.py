@@ -40,6 +40,7 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
+from polyengine.backends.tpu_jax.compile_cache import use_compile_cache
 from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
 from polyengine.backends.tpu_jax.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.tpu_jax.footprint import device_needs
@@ -105,9 +106,10 @@ class TpuJaxEngine(EngineBase):
         self.device = (f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()} on {plan.mesh.devices.size} of "
                        f"{len(devices)} devices, {jax.process_count()} process(es))")
         self._check_memory()
+        self.compile_cache = use_compile_cache(o["compile_cache"])
         self.profiler = Profiler(port=o["profiler_port"], trace_dir=o["trace_dir"], trace_steps=o["trace_steps"])
         self.memory_reports: dict[str, dict[str, Any]] = {}
-        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_step", "continue_step"))
+        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_kv_step", "continue_step"))
         self.warmup_seconds: float | None = None
         self._params: dict[str, jax.Array] | None = None
         self._spare: TpuDecodeState | None = None

@@ -52,6 +52,8 @@ OPTIONS: dict[str, Option] = {
     "kv_quantize": Option("", "'int8': int8 KV cache, a scale per slot, position and KV head", choices=("", "int8")),
     "attention": Option("sdpa", "the shared model's attention path", choices=("sdpa", "eager")),
     "candidates": Option(64, "top-k bound under which top-k/top-p skip the full vocabulary sort", minimum=1),
+    "compile_cache": Option("", "keep compiled programs on disk for later processes: 'auto' (a private folder under "
+                                "polyengine's cache) or an absolute path; '' leaves JAX's own setting"),
     "warmup": Option(False, "compile every bucket when the weights load (else on first use)"),
     "profiler_port": Option(0, "start JAX's profiler server on this port", minimum=0, maximum=65535),
     "trace_dir": Option("", "write a JAX trace of the first trace_steps generate steps here"),

@@ -11,15 +11,30 @@ the sampler costs more compile time than a small model does, so one copy of it
 instead of one per prefill bucket halves warm-up; prefill and first token are
 dispatched back to back, with no host sync between them.
 
-Compilation: every step is a module-level function jitted with :class:`StepConfig` as
-a static argument (hashable: model config, dtype, quantization, the sharding plan),
-so executables are shared by every engine with the same config, and prefill and insert
-are built once per prefill bucket (the bucket is the padded prompt's shape), the
-continuation of a prefix once per (prefix bucket, new tokens bucket). Steps that update the
-decode state donate it (``donate_argnames="state"``): XLA writes the KV cache in
-place. After :meth:`TpuJaxEngine.warmup <polyengine.backends.tpu_jax.engine.TpuJaxEngine.warmup>`
-nothing compiles again, whatever the mix of requests: sampling parameters are arrays,
-and the fast paths are ``lax.cond`` branches inside one program.
+Compilation: every step is a module-level function jitted with its static config
+as a static argument (hashable: model config, dtype, quantization, the sharding plan),
+so executables are shared by every engine with the same config. The work is split by
+what it depends on, because each program is traced and compiled once per distinct
+static config and on the CPU (the conformance suite builds ~30 engines of a dozen tiny
+models) compiling, not running, is what an engine costs:
+
+- the model's programs (:class:`StepConfig`): prefill and the KV half of insert once
+  per prefill bucket (the bucket is the padded prompt's shape), the continuation of a
+  prefix once per (prefix bucket, new tokens bucket), the decode forward once;
+- the slot rows' programs (:class:`SampleConfig`: vocabulary, slots and mesh, never the
+  model): the first token, the sampling half of a decode step, the rows half of insert,
+  the empty rows and free. The sampler costs more to compile than a small model's
+  forward (first token ~9 s against prefill's ~5-8 s of wall time on this CPU), so one
+  copy of it per vocabulary instead of one per model and bucket halves an engine's
+  compile time when another engine compiled them already.
+
+A decode step is therefore two dispatches back to back (:func:`generate_step`: forward,
+then sample), with no host sync between them and the logits (R, V) float32 passed on
+the devices. Steps that update the decode state donate it (``donate_argnames``): XLA
+writes the KV cache and the rows in place. After :meth:`TpuJaxEngine.warmup
+<polyengine.backends.tpu_jax.engine.TpuJaxEngine.warmup>` nothing compiles again,
+whatever the mix of requests: sampling parameters are arrays, and the fast paths are
+``lax.cond`` branches inside one program.
 
 Results leave a step as one packed int32 buffer in the protocol's ``ResultLayout``
 (:func:`pack`): one host transfer per step. The host passes only small arrays in
@@ -46,9 +61,9 @@ from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, Int8KVCodec, in
 from polyengine.backends.tpu_jax.sharding import ShardingPlan
 
 __all__ = [
-    "StepConfig", "SampleConfig", "DecodeArrays", "run_model", "pack", "init_state", "prefill_step", "continue_step",
-    "insert_step",
-    "generate_step", "free_step", "first_token_step", "JAX_DTYPES",
+    "StepConfig", "SampleConfig", "SlotRows", "DecodeArrays", "run_model", "pack", "init_state", "init_cache", "init_rows",
+    "prefill_step", "continue_step", "first_token_step", "insert_step", "insert_kv_step", "insert_rows_step",
+    "generate_step", "forward_step", "sample_step", "free_step", "free_rows_step", "JAX_DTYPES",
 ]
 
 JAX_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -94,7 +109,7 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class SampleConfig:
-    """What the first-token program depends on (not the model: shared across models)."""
+    """What the slot rows' programs depend on (not the model: shared across models)."""
 
     plan: ShardingPlan
     num_top: int
@@ -103,11 +118,10 @@ class SampleConfig:
 
 @jax.tree_util.register_dataclass
 @dataclass
-class DecodeArrays:
-    """The device half of a decode state (``R`` slots)."""
+class SlotRows:
+    """The model-independent half of a decode state (``R`` slots): what the slot rows'
+    programs read and write."""
 
-    k: jax.Array  # (layers, R, kv_heads, cache_length, head_dim): compute dtype; int8: head_dim + 4 (scales)
-    v: jax.Array
     next_tokens: jax.Array  # (R,) int32, what each slot feeds next
     prompt_len: jax.Array  # (R,) int32
     completion: jax.Array  # (R,) int32, completion tokens so far (forced ones included)
@@ -115,20 +129,34 @@ class DecodeArrays:
     sampler: smp.SamplerState
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeArrays:
+    """The device half of a decode state (``R`` slots): the model's KV cache and the rows."""
+
+    k: jax.Array  # (layers, R, kv_heads, cache_length, head_dim): compute dtype; int8: head_dim + 4 (scales)
+    v: jax.Array
+    rows: SlotRows
+
+
 # Logical axes of each decode-state field (sharding.py maps them to the mesh).
 _CACHE_AXES = CACHE_AXES  # the cache is laid out by the axes the memory check counts
 
 
-def _constrain_state(cfg: StepConfig, s: DecodeArrays) -> DecodeArrays:
-    """Pin every state array to its layout, so a donated input and its output agree."""
+def _constrain_cache(cfg: StepConfig, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Pin the cache to its layout, so a donated input and its output agree."""
+    return cfg.plan.constrain(k, _CACHE_AXES), cfg.plan.constrain(v, _CACHE_AXES)
+
+
+def _constrain_rows(cfg: SampleConfig, s: SlotRows) -> SlotRows:
+    """Pin every row array to its layout, so a donated input and its output agree."""
     p = cfg.plan
     sampler = {}
     for name in smp.ROW_FIELDS:
         x = getattr(s.sampler, name)
         sampler[name] = p.constrain(x, ("slots",) + ("vocab",) * (x.ndim - 1))
     sampler = smp.SamplerState(**sampler, eos_mask=p.constrain(s.sampler.eos_mask, ("vocab",)))
-    return DecodeArrays(
-        k=p.constrain(s.k, _CACHE_AXES), v=p.constrain(s.v, _CACHE_AXES),
+    return SlotRows(
         next_tokens=p.constrain(s.next_tokens, ("slots",)), prompt_len=p.constrain(s.prompt_len, ("slots",)),
         completion=p.constrain(s.completion, ("slots",)), occupied=p.constrain(s.occupied, ("slots",)),
         sampler=sampler,
@@ -177,19 +205,26 @@ def _jit(fn=None, *, donate=()):
 # -- the steps --------------------------------------------------------------------------------
 
 
-@_jit
 def init_state(eos_mask, *, cfg: StepConfig) -> DecodeArrays:
     """Every slot empty: zero caches, neutral sampler rows."""
-    c, r = cfg.model, cfg.slots
+    k, v = init_cache(cfg=cfg)
+    return DecodeArrays(k=k, v=v, rows=init_rows(eos_mask, cfg=cfg.sampler, slots=cfg.slots))
+
+
+@_jit
+def init_cache(*, cfg: StepConfig) -> tuple[jax.Array, jax.Array]:
+    c = cfg.model
     width = c.head_dim + (KV_SCALE_BYTES if cfg.kv_int8 else 0)
-    shape = (c.num_hidden_layers, r, c.num_key_value_heads, cfg.cache_length, width)
-    sampler = smp.neutral_state(r, eos_mask)
-    zeros = jnp.zeros(r, jnp.int32)
-    state = DecodeArrays(
-        k=jnp.zeros(shape, cfg.cache_dtype), v=jnp.zeros(shape, cfg.cache_dtype),
-        next_tokens=zeros, prompt_len=zeros, completion=zeros, occupied=jnp.zeros(r, bool), sampler=sampler,
-    )
-    return _constrain_state(cfg, state)
+    shape = (c.num_hidden_layers, cfg.slots, c.num_key_value_heads, cfg.cache_length, width)
+    return _constrain_cache(cfg, jnp.zeros(shape, cfg.cache_dtype), jnp.zeros(shape, cfg.cache_dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "slots"))
+def init_rows(eos_mask, *, cfg: SampleConfig, slots: int) -> SlotRows:
+    zeros = jnp.zeros(slots, jnp.int32)
+    rows = SlotRows(next_tokens=zeros, prompt_len=zeros, completion=zeros, occupied=jnp.zeros(slots, bool),
+                    sampler=smp.neutral_state(slots, eos_mask))
+    return _constrain_rows(cfg, rows)
 
 
 @_jit
@@ -252,16 +287,25 @@ def first_token_step(logits, row: smp.SamplerState, token_mask, *, cfg: SampleCo
     return pack(cfg, res, one, one)
 
 
-@_jit(donate=("state",))
 def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.SamplerState, slots, count,
                 mask, sample_index, first, *, cfg: StepConfig) -> DecodeArrays:
-    """Install one prefix into ``slots[:count]`` (insert and bulk_insert).
+    """Install one prefix into ``slots[:count]`` (insert and bulk_insert): its K/V
+    (:func:`insert_kv_step`, per model and bucket), then its rows
+    (:func:`insert_rows_step`, per vocabulary). ``state`` is donated.
 
     ``prefix_k``/``prefix_v`` (layers, kv_heads, T, head_dim) hold ``length`` live
     positions; ``slots`` (R,) lists the target slots first; ``mask`` (R,) marks them,
     ``sample_index`` (R,) gives each its sample and ``first`` (R,) its first token
     (drawn by :func:`first_token_step`), which it feeds next.
     """
+    k, v = insert_kv_step(state.k, state.v, prefix_k, prefix_v, slots, count, cfg=cfg)
+    rows = insert_rows_step(state.rows, length, row, mask, sample_index, first, cfg=cfg.sampler)
+    return DecodeArrays(k=k, v=v, rows=rows)
+
+
+@_jit(donate=("k", "v"))
+def insert_kv_step(k, v, prefix_k, prefix_v, slots, count, *, cfg: StepConfig):
+    """Copy a prefix's K/V into the cache rows ``slots[:count]``."""
     encode = kv_encode if cfg.kv_int8 else (lambda x: x.astype(cfg.cache_dtype))
     new_k, new_v = encode(prefix_k), encode(prefix_v)
 
@@ -271,37 +315,70 @@ def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.Sample
         at = (0, slots[i], 0, 0, 0)
         return (lax.dynamic_update_slice(kv[0], new_k[:, None], at), lax.dynamic_update_slice(kv[1], new_v[:, None], at))
 
-    k, v = lax.fori_loop(0, count, copy, (state.k, state.v))
-    sampler = smp.record(smp.install(state.sampler, row, mask, sample_index), first, mask)
-    state = DecodeArrays(
-        k=k, v=v,
-        next_tokens=jnp.where(mask, first, state.next_tokens), prompt_len=jnp.where(mask, length, state.prompt_len),
-        completion=jnp.where(mask, 1, state.completion), occupied=state.occupied | mask, sampler=sampler,
+    return _constrain_cache(cfg, *lax.fori_loop(0, count, copy, (k, v)))
+
+
+@_jit(donate=("rows",))
+def insert_rows_step(rows: SlotRows, length, row: smp.SamplerState, mask, sample_index, first, *,
+                     cfg: SampleConfig) -> SlotRows:
+    """Start the masked rows: the request's sampler row, each its sample index, the
+    prompt length, the first token fed next and counted."""
+    sampler = smp.record(smp.install(rows.sampler, row, mask, sample_index), first, mask)
+    rows = SlotRows(
+        next_tokens=jnp.where(mask, first, rows.next_tokens), prompt_len=jnp.where(mask, length, rows.prompt_len),
+        completion=jnp.where(mask, 1, rows.completion), occupied=rows.occupied | mask, sampler=sampler,
     )
-    return _constrain_state(cfg, state)
+    return _constrain_rows(cfg, rows)
 
 
-@_jit(donate=("state",))
+def _live(rows: SlotRows, cache_length: int) -> jax.Array:
+    """The slots a decode step advances: occupied, their cache not full."""
+    return rows.occupied & (rows.prompt_len + rows.completion < cache_length)
+
+
 def generate_step(params, state: DecodeArrays, override_tokens, override_mask, token_mask, *, cfg: StepConfig):
     """One decode step for every occupied slot (its cache not full), overrides first;
-    ``token_mask`` (R, W) int32 allowed-token words (all bits set where a slot has none)."""
-    sampler = smp.override(state.sampler, override_tokens, override_mask)
-    feed = jnp.where(override_mask, override_tokens, state.next_tokens)
-    total = state.prompt_len + state.completion
-    live = state.occupied & (total < cfg.cache_length)
-    positions = jnp.maximum(total - 1, 0)  # the latest token's position; empty rows: 0 (not written)
+    ``token_mask`` (R, W) int32 allowed-token words (all bits set where a slot has none).
+    The model's forward (:func:`forward_step`), then the sampler (:func:`sample_step`),
+    dispatched back to back; ``state`` is donated. Returns (state, packed results)."""
+    logits, live, k, v = forward_step(params, state.k, state.v, state.rows, override_tokens, override_mask, cfg=cfg)
+    rows, packed = sample_step(state.rows, logits, live, override_tokens, override_mask, token_mask, cfg=cfg.sampler)
+    return DecodeArrays(k=k, v=v, rows=rows), packed
+
+
+@_jit(donate=("k", "v"))
+def forward_step(params, k, v, rows: SlotRows, override_tokens, override_mask, *, cfg: StepConfig):
+    """The decode forward: each live slot's next token (the override where there is one)
+    at its latest position. Returns its logits (R, V) float32, the live mask (R,) and
+    the cache; ``rows`` is read, not written."""
+    feed = jnp.where(override_mask, override_tokens, rows.next_tokens)
+    live = _live(rows, cfg.cache_length)
+    positions = jnp.maximum(rows.prompt_len + rows.completion - 1, 0)  # the latest token's; empty rows: 0 (not written)
     logits, k, v = run_model(
-        cfg, params, feed[:, None], positions[:, None], state.k, state.v, write_mask=live[:, None],
-        int8_cache=cfg.kv_int8)
-    res = smp.sample(sampler, logits[:, 0], live, num_top=cfg.num_top, candidates=cfg.candidates, token_mask=token_mask)
+        cfg, params, feed[:, None], positions[:, None], k, v, write_mask=live[:, None], int8_cache=cfg.kv_int8)
+    logits = cfg.plan.constrain(logits[:, 0].astype(jnp.float32), ("slots", "vocab"))
+    return logits, cfg.plan.constrain(live, ("slots",)), *_constrain_cache(cfg, k, v)
+
+
+@_jit(donate=("rows",))
+def sample_step(rows: SlotRows, logits, live, override_tokens, override_mask, token_mask, *, cfg: SampleConfig):
+    """The sampling half of a decode step: overrides first, then one token per ``live``
+    slot from ``logits`` (R, V), recorded and fed next. Returns (rows, packed results)."""
+    sampler = smp.override(rows.sampler, override_tokens, override_mask)
+    feed = jnp.where(override_mask, override_tokens, rows.next_tokens)
+    res = smp.sample(sampler, logits, live, num_top=cfg.num_top, candidates=cfg.candidates, token_mask=token_mask)
     sampler = smp.record(sampler, res.tokens, live)
-    completion = state.completion + live.astype(jnp.int32)
-    state = replace(state, k=k, v=v, next_tokens=jnp.where(live, res.tokens, feed), completion=completion, sampler=sampler)
-    packed = pack(cfg, res, live, jnp.where(state.occupied, completion, 0))
-    return _constrain_state(cfg, state), packed
+    completion = rows.completion + live.astype(jnp.int32)
+    rows = replace(rows, next_tokens=jnp.where(live, res.tokens, feed), completion=completion, sampler=sampler)
+    packed = pack(cfg, res, live, jnp.where(rows.occupied, completion, 0))
+    return _constrain_rows(cfg, rows), packed
 
 
-@_jit(donate=("state",))
 def free_step(state: DecodeArrays, slot, *, cfg: StepConfig) -> DecodeArrays:
     """Empty one slot (its cache and sampler row are overwritten at the next insert)."""
-    return _constrain_state(cfg, replace(state, occupied=state.occupied.at[slot].set(False)))
+    return DecodeArrays(k=state.k, v=state.v, rows=free_rows_step(state.rows, slot, cfg=cfg.sampler))
+
+
+@_jit(donate=("rows",))
+def free_rows_step(rows: SlotRows, slot, *, cfg: SampleConfig) -> SlotRows:
+    return _constrain_rows(cfg, replace(rows, occupied=rows.occupied.at[slot].set(False)))
