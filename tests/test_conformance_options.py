@@ -74,6 +74,18 @@ def test_a_lossy_option_within_its_declared_tolerances_passes(pytester, backend)
     assert [r for r in rec.getreports("pytest_runtest_logreport") if r.when == "call" and r.passed]
 
 
+def test_every_declared_option_set_is_on_the_docs_page():
+    """docs/conformance.md names each option set a built-in backend declares (as the
+    sorted ``k=v,k=v`` of its label), so the page's list and scoreboard follow the files."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "conformance.md").read_text(encoding="utf-8")
+    for name in ("cpu", "cuda_torch", "neuron", "tpu_jax"):
+        for s in option_sets(select_backend(name).spec.tolerances):
+            label = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in s.options)
+            assert f"`{label}`" in page, f"{name}'s option set {label} is not on docs/conformance.md"
+
+
 def test_option_sets_are_checked_when_read():
     good = {"options": {"quantize": "int8"}, "reason": "int8 weights", "tolerances": {"logits_rel_l2": 0.05}}
     for entry, says in [
@@ -114,7 +126,7 @@ def test_runner_options_and_declared_sets():
         parse_option("int8")
     assert option_runs(select_backend("cuda_torch"), argparse.Namespace(option=None, option_sets="none")) == [()]
     args = argparse.Namespace(option=None, option_sets="declared")
-    for name in ("cuda_torch", "neuron", "tpu_jax"):
+    for name in ("cpu", "cuda_torch", "neuron", "tpu_jax"):
         info = select_backend(name)
         declared = option_sets(info.spec.tolerances)
         assert declared, f"{name} declares no option set"
