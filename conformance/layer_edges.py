@@ -163,7 +163,8 @@ class EdgeLayer:
                     # rounding), judged by the same tie_gap as the greedy streams above
                     logits = np.asarray(want_prefix.logits, np.float64)
                     gap = float(logits[want_tok] - logits[tok])
-                    conformance.measure("tie_gap", gap, dtype, model, where=f"model {model}, {edge.name}: masked prefill")
+                    conformance.measure("tie_gap", gap, dtype, model,
+                                        where=f"model {model}, {edge.name}: masked prefill")
                     if gap < tie:
                         conformance.note(f"model {model}, {edge.name}: a greedy prefill under a mask drew {tok}, the "
                                          f"reference {want_tok}, at a near tie ({gap:.3g})")
