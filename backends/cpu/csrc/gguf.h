@@ -283,7 +283,8 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
             const __m256i aq = T::MIN ? q : _mm256_sign_epi8(q, q);  // |q|, -128 read as 128 unsigned
             for (int m = 0; m < MB; m++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * 32));
-                const __m256 d = KMIN ? _mm256_broadcast_ss(dd[m] + j) : _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * nb + b));
+                const __m256 d = KMIN ? _mm256_broadcast_ss(dd[m] + j)
+                                      : _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * nb + b));
                 const __m256i dot = gq_dot(aq, T::MIN ? xv : _mm256_sign_epi8(xv, q));
                 acc[m][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m][b & 1]);
                 if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * xsf[m * nb + b];
@@ -325,9 +326,8 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
 
 #endif
 
-// Rows [n0, n1) of W against every row of x, in groups of 4 x rows (one weight row is
-// read from memory once, from L1 for the next groups).
-// (y's column for row n is n - ycol0: 0 for a whole output, a chunk's start for a buffer.)
+// One weight row against every row of x, in groups of 4 x rows (the row is read from
+// memory once, from L1 for the next groups).
 template <int F>
 static inline void gq_row_all(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *row,
                               float b, float *yn, long ldy) {
@@ -341,8 +341,9 @@ static inline void gq_row_all(const int8_t *xq, const float *xs, const float *xs
 // Rows [n0, n1) through a table of offsets that are whole packed rows within GQ_ORDER rows
 // of each other, each row once, computed in the order they lie in memory (each written to
 // its own column): true of llama.cpp's Q/K order undone per head, which read in output
-// order jumps between every other row and half a head on (measured: the 1B Q4_K_M fused step 1.07x on one core,
-// its q and k 8% of the weights). Returns false, with nothing computed, for other tables.
+// order jumps between every other row and half a head on (measured: the 1B Q4_K_M fused
+// step 1.046x on one core, its q and k 8% of the weights). Returns false, with nothing
+// computed, for other tables (they are read in output order).
 static const long GQ_ORDER = 4096;
 template <int F>
 static bool gq_rows_in_memory_order(const int8_t *xq, const float *xs, const float *xsf, int M, long K,
@@ -368,11 +369,14 @@ static bool gq_rows_in_memory_order(const int8_t *xq, const float *xs, const flo
     }
     for (long i = 0; i < span; i++) {
         const long n = col[i];
-        if (n >= 0) gq_row_all<F>(xq, xs, xsf, M, K, w + (first + i) * ldw, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
+        if (n >= 0)
+            gq_row_all<F>(xq, xs, xsf, M, K, w + (first + i) * ldw, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
     }
     return true;
 }
 
+// Rows [n0, n1) of W against every row of x (gq_row_all each).
+// (y's column for row n is n - ycol0: 0 for a whole output, a chunk's start for a buffer.)
 template <int F>
 static void gq_rows(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *w, long ldw,
                     const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1, long ycol0 = 0) {
