@@ -92,18 +92,27 @@ def test_int8x2_is_close_to_float(kernels, fmt):
     assert np.abs(two - full).max() < np.abs(one - full).max() / 20
 
 
-@pytest.mark.parametrize("fmt", ["Q6_K", "Q5_0"])
-def test_permuted_rows_and_embedding_rows(kernels, fmt):
-    """Rows through an offsets table (llama.cpp's Q/K order undone as a view) and the
-    embedding lookup of chosen rows."""
-    blocks, exact = _matrix(fmt, n=16)
-    record = blocks.weight.permute_rows(2)  # 2 heads of 8 rows: a strided view, not a copy
+@pytest.mark.parametrize("fmt", ["Q6_K", "Q5_0", "Q4_K", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_permuted_rows_and_embedding_rows(kernels, fmt, pairs):
+    """Rows through an offsets table (llama.cpp's Q/K order undone as a view: computed in
+    memory order, gguf.h's gq_rows_in_memory_order, with the two threads' halves cutting
+    the middle head) equal the rows read in order, bit for bit; a table that reads a row
+    twice (no permutation) still gives each row; and the embedding lookup of chosen rows."""
+    blocks, exact = _matrix(fmt, n=24)
+    record = blocks.weight.permute_rows(3)  # 3 heads of 8 rows: a strided view, not a copy
     permuted = BlockMatrix.of(record)
     assert permuted.offsets is not None and np.shares_memory(record.data, blocks.weight.data)
-    order = np.arange(16).reshape(2, 4, 2).swapaxes(1, 2).reshape(-1)
-    x = np.random.default_rng(3).standard_normal((1, K)).astype(np.float32)
-    y = kernels.gguf_linear(torch.from_numpy(x), permuted).numpy()
-    np.testing.assert_allclose(y, kernels.gguf_linear(torch.from_numpy(x), blocks).numpy()[:, order], rtol=1e-6)
+    order = np.arange(24).reshape(3, 4, 2).swapaxes(1, 2).reshape(-1)
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((2, K)).astype(np.float32))
+    bias = torch.from_numpy(np.random.default_rng(4).standard_normal(24).astype(np.float32))
+    y = kernels.gguf_linear(x, permuted, bias, pairs=pairs).numpy()
+    in_order = kernels.gguf_linear(x, blocks, pairs=pairs).numpy()
+    np.testing.assert_array_equal(y, (torch.from_numpy(in_order[:, order]) + bias).numpy())
+    repeated = np.array([5, 5, 0, 23, 7, 7, 7, 1] * 3)  # rows read more than once: the table as given
+    twice = BlockMatrix(blocks.weight, blocks.format, blocks.ggml_type, 24, K, blocks.base, 0,
+                        repeated.astype(np.int64) * blocks.row_bytes)
+    np.testing.assert_array_equal(kernels.gguf_linear(x, twice, pairs=pairs).numpy(), in_order[:, repeated])
     tokens = torch.tensor([[5, 0], [15, 5]])
     rows = embed_rows(blocks, tokens, kernels)
     np.testing.assert_array_equal(rows.numpy(), exact[tokens.numpy()].astype(np.float32))
