@@ -106,9 +106,10 @@ def init_pool(*, cfg: StepConfig, pages: int, page_size: int) -> tuple[jax.Array
     return _constrain_pool(cfg, jnp.zeros(shape, cfg.cache_dtype), jnp.zeros(shape, cfg.cache_dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "pages"), donate_argnames=("k", "v"))
+@functools.partial(jax.jit, static_argnames=("cfg", "pages"))
 def grow_pool(k, v, *, cfg: StepConfig, pages: int) -> tuple[jax.Array, jax.Array]:
-    """The pools with ``pages`` pages, the first ones as they were."""
+    """The pools with ``pages`` pages, the first ones as they were (new buffers: a larger
+    shape cannot reuse the old ones, so nothing is donated)."""
     pad = [(0, 0), (0, pages - k.shape[1]), (0, 0), (0, 0), (0, 0)]
     return _constrain_pool(cfg, jnp.pad(k, pad), jnp.pad(v, pad))
 
