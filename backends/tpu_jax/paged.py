@@ -43,7 +43,7 @@ from polyengine.pages import PageError, PageList, PagePool, pages_for
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax.footprint import POOL_AXES
 from polyengine.backends.tpu_jax.steps import (
-    DecodeArrays, SlotRows, StepConfig, _constrain_rows, _live, run_model, sample_step,
+    DecodeArrays, SlotRows, StepConfig, _live, run_model, sample_step,
 )
 
 __all__ = ["PagedPrefix", "PageOps", "PagedKV", "width_buckets", "init_pool", "grow_pool", "init_table",
