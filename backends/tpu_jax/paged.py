@@ -233,10 +233,12 @@ class PagedKV:
                 self._k, self._v = grow_pool(self._k, self._v, cfg=self.cfg, pages=size)
 
     def take(self) -> tuple[jax.Array, jax.Array]:
-        """The pools, grown, for a program that donates them (:meth:`put` gives them back)."""
+        """The pools, grown, for a program that donates them (:meth:`put` stores what it
+        returns). The donated arrays stay referenced until then: a program that fails
+        leaves them usable, or deleted by the donation (a loud error at the next use),
+        never silently replaced by a fresh, zeroed pool."""
         self.grow()
-        k, v, self._k, self._v = self._k, self._v, None, None
-        return k, v
+        return self._k, self._v
 
     def put(self, k: jax.Array, v: jax.Array) -> None:
         self._k, self._v = k, v
