@@ -124,12 +124,16 @@ def test_continuation_pairs_are_exactly_the_reachable_ones(model, buckets):
     assert eng.continuation_pairs() == sorted(seen)
 
 
-def test_no_compilation_after_warmup_whatever_the_workload(model):
+@pytest.mark.parametrize("paged", [{}, {"page_size": 16, "kv_pages": 128}], ids=["contiguous", "paged"])
+def test_no_compilation_after_warmup_whatever_the_workload(model, paged):
     """Warm-up compiles every bucket; then a randomized mix (prompt lengths over every
     bucket, n, greedy and sampled requests with every parameter, overrides, frees and
     re-inserts, exported and imported prefixes, prompts continuing earlier prefixes,
     continued ones included, at any length) compiles nothing: every program is counted
-    through jax.monitoring's backend-compile event."""
+    through jax.monitoring's backend-compile event. Paged K/V too (tests/test_tpu_jax_paged.py),
+    every page-table width bucket warmed up; its pool is bounded (kv_pages), large enough
+    for every prefix the workload keeps: an unbounded pool that grows has a new shape,
+    compiled once per size."""
     compiles: list[str] = []
 
     def listener(event, seconds, **kw):
@@ -138,7 +142,8 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        eng = TpuJaxEngine(model, CFG.model_copy(update={"options": {"warmup": True}, "prefill_buckets": (8, 16, 24)}))
+        eng = TpuJaxEngine(model, CFG.model_copy(update={"options": {"warmup": True, **paged},
+                                                          "prefill_buckets": (8, 16, 24)}))
         params = eng.load_params()
         warm = len(compiles)
         assert warm > 0
@@ -147,7 +152,12 @@ def test_no_compilation_after_warmup_whatever_the_workload(model):
         assert len(report["compile"]) == warm  # every compilation is attributed to the engine
         # Bucket 8 is this test's own (the module's engine has 16 and 24): compiled here.
         rows = {(r["program"], r["bucket"]): r["source"] for r in report["compile"]}
-        assert rows[("prefill_step", "8")] == rows[("insert_kv_step", "8")] == "compiled", rows
+        if paged:  # a prefill's K/V into pages (the prefill program is the contiguous run's, reused), and
+            # one decode program per page-table width bucket (64 positions in pages of 16: 1, 2, 4 pages)
+            assert rows[("write_pages_step", "8")] == "compiled", rows
+            assert {b for p, b in rows if p == "paged_forward_step"} == {"1", "2", "4"}, rows
+        else:
+            assert rows[("prefill_step", "8")] == rows[("insert_kv_step", "8")] == "compiled", rows
         state = eng.init_decode_state()
         rng = np.random.default_rng(0)
         live: dict[int, int] = {}  # slot -> prompt length

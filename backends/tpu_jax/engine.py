@@ -19,25 +19,27 @@ this process's replica.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
-from polyengine.errors import InvalidRequest
+from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.hostinfo import has_bf16_units
 from polyengine.logs import compiling
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replaced_weights
 from polyengine.models.config import ARCHITECTURES
 from polyengine.models.int_blocks import block_matrices
+from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.masks import full_mask
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
+from polyengine.backends.tpu_jax import paged
 from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.compile_cache import use_compile_cache
@@ -77,6 +79,7 @@ class TpuDecodeState:
     num_slots: int
     arrays: steps.DecodeArrays
     slots: SlotTable  # occupancy and counts, what the host knows without a sync
+    seqs: list[PageList | None] | None = None  # paged (option page_size): per slot, its pages
 
     def is_occupied(self, slot: int) -> bool:
         return self.slots.is_occupied(slot)
@@ -101,6 +104,24 @@ class TpuJaxEngine(EngineBase):
             plan=plan, attention=o["attention"], quantize=o["quantize"], blocks=bool(self._blocks),
             kv_int8=o["kv_quantize"] == "int8",
             num_top=MAX_TOP_LOGPROBS, candidates=o["candidates"])
+        # Paged K/V (option page_size): the page ids and counts (polyengine.pages) and the
+        # pools on the mesh they index (paged.py), made with the first prefix or decode state.
+        ps, kv_pages = self.capabilities.page_size, o["kv_pages"]
+        if kv_pages and (not ps or kv_pages < pages_for(config.max_cache_length, ps) + 1):
+            raise InvalidRequest(
+                f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
+                f"({pages_for(config.max_cache_length, ps or 1) + 1} with page_size={ps or 1}); raise it or leave it 0",
+                field="options.kv_pages")
+        if ps and self.cfg.kv_int8:
+            raise UnsupportedFeature("kv_quantize='int8' with page_size", self.name,
+                                     "int8 K/V are kept in the contiguous cache only; use one or the other",
+                                     field="options.kv_quantize")
+        self.pages = PagePool(ps, kv_pages or None) if ps else None
+        self.compiles = CompileLog(per_bucket=(
+            "prefill_step", "insert_kv_step", "continue_step", "write_pages_step", "gather_pages_step",
+            "paged_forward_step"))
+        self._paged = paged.PagedKV(self.pages, self.cfg, self.plan.put_tree, (
+            config.max_slots * pages_for(config.max_cache_length, ps)), self.compiles.track) if ps else None
         platform = devices[0].platform if devices else "cpu"
         kind = devices[0].device_kind if devices else platform
         self.device = (f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()} on {plan.mesh.devices.size} of "
@@ -109,7 +130,6 @@ class TpuJaxEngine(EngineBase):
         self.compile_cache = use_compile_cache(o["compile_cache"])
         self.profiler = Profiler(port=o["profiler_port"], trace_dir=o["trace_dir"], trace_steps=o["trace_steps"])
         self.memory_reports: dict[str, dict[str, Any]] = {}
-        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_kv_step", "continue_step"))
         self.warmup_seconds: float | None = None
         self._params: dict[str, jax.Array] | None = None
         self._spare: TpuDecodeState | None = None
@@ -125,6 +145,7 @@ class TpuJaxEngine(EngineBase):
             dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True, weight_formats=WEIGHT_FORMATS,
+            page_size=self.options["page_size"],
         )
 
     @staticmethod
@@ -136,10 +157,14 @@ class TpuJaxEngine(EngineBase):
 
     def _needs(self) -> dict[str, int]:
         """Bytes per device of what the engine allocates (weights, caches, sampler tables)."""
-        plan = self.plan
+        plan, pool = self.plan, self.pages
+        # An unbounded pool starts at every slot's full context (paged.PagedKV.grow).
+        pool_pages = 0 if pool is None else (pool.capacity or self.max_concurrent_decodes * pages_for(
+            self.max_cache_length, pool.page_size))
         return device_needs(self.model.config, self.config, dtype=self.dtype, dp=plan.dp, tp=plan.tp,
                             quantize=self.cfg.quantize, kv_int8=self.cfg.kv_int8, rules=dict(plan.rules.pairs),
-                            blocks={s: self.model.records[s].format for s in self._blocks.values()})
+                            blocks={s: self.model.records[s].format for s in self._blocks.values()},
+                            page_size=0 if pool is None else pool.page_size, pool_pages=pool_pages)
 
     def _check_memory(self) -> None:
         needs = self._needs()
@@ -196,9 +221,15 @@ class TpuJaxEngine(EngineBase):
             state, self._spare = self._spare, None
             return state
         self.load_params()
+        n = self.max_concurrent_decodes
+        eos = self.plan.put(self._eos_mask, ("vocab",))
         with self.compiles.track():
-            arrays = steps.init_state(self.plan.put(self._eos_mask, ("vocab",)), cfg=self.cfg)
-        return TpuDecodeState(self.max_concurrent_decodes, arrays, SlotTable(self.max_concurrent_decodes))
+            if self._paged is None:
+                arrays = steps.init_state(eos, cfg=self.cfg)
+            else:  # the K/V live in the engine's pools; the state holds a page-table row per slot
+                arrays = steps.DecodeArrays(k=None, v=None, rows=steps.init_rows(eos, cfg=self.cfg.sampler, slots=n),
+                                            table=paged.init_table(cfg=self.cfg, width=self._paged.width))
+        return TpuDecodeState(n, arrays, SlotTable(n), seqs=None if self._paged is None else [None] * n)
 
     def warmup(self) -> None:
         """Compile every program this engine can run: prefill and insert per bucket, the
@@ -221,12 +252,21 @@ class TpuJaxEngine(EngineBase):
         # The program depends on the buckets, not on the lengths inside them: any prefix
         # of bucket P continued with one token padded to bucket T compiles the pair.
         for p, t in self.continuation_pairs():
+            pk, pv, _ = self._prefix_arrays(made[p].kv)
             with self.compiles.track(f"{p}+{t}"):
-                self._continue(params, made[p].kv, 1, np.zeros(1, np.int32), t)
+                self._continue(params, pk, pv, 1, np.zeros(1, np.int32), t)
         imported = self.import_prefix(self.export_prefix(prefix))
         state, _ = self.bulk_insert(imported, state, [0])
         state, _ = self.generate(params, state, overrides={0: 0})
         state, out = self.generate(params, state)
+        if self._paged is not None:  # the decode step of every page-table width, and a refused step's page work
+            for width in self._paged.widths:
+                state, out = self._generate(params, state, {}, None, width=width)
+            k, v = self._paged.take()
+            with self.compiles.track():
+                k, v, state.arrays.table = paged.page_ops_step(k, v, state.arrays.table, self._paged.ops([], []),
+                                                               cfg=self.cfg)
+            self._paged.put(k, v)
         state = self.free_resource(state, 0)
         jax.block_until_ready((out.tokens, state.arrays))
         self._spare = state
@@ -279,14 +319,23 @@ class TpuJaxEngine(EngineBase):
                 k, v, logits = steps.prefill_step(params, tokens_in, length, cfg=self.cfg)
                 result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
         else:
-            kv = existing_prefix.kv
-            with self.compiles.track(f"{kv.k.shape[2]}+{bucket}"):
-                k, v, logits = self._continue(params, kv, start, toks, bucket)
+            pk, pv, prefix_bucket = self._prefix_arrays(existing_prefix.kv)
+            with self.compiles.track(f"{prefix_bucket}+{bucket}"):
+                k, v, logits = self._continue(params, pk, pv, start, toks, bucket)
                 result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
+        if self._paged is None:
+            kv, nbytes = PrefixArrays(k, v, row), self.kv_bytes(k.shape[2])
+        else:
+            # The prefill ran over a contiguous cache of its own (the contiguous engine's
+            # programs); its new positions go into pages, after the continued prefix's shared ones.
+            seq = (existing_prefix.kv.seq.fork(finalize=True) if existing_prefix is not None
+                   else PageList(self.pages, [], 0, finalize=True))
+            self._paged.write(seq, k, v, start, start + n)
+            kv, nbytes = paged.PagedPrefix(seq, k.shape[2], row), self.kv_bytes(len(seq.pages) * self.pages.page_size)
         prefix = Prefix(
-            kv=PrefixArrays(k, v, row), logits=logits, prompt_tokens=prompt, sampling=sampling, backend=self.name,
+            kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling, backend=self.name,
             first_token=int(result.tokens[0, 0]), to_host=self._host, model_id=self.model_id, token_mask=mask,
-            nbytes=self.kv_bytes(k.shape[2]),
+            nbytes=nbytes,
         )
         return prefix, result
 
@@ -326,13 +375,22 @@ class TpuJaxEngine(EngineBase):
                     pairs.append((p, t))
         return pairs
 
-    def _continue(self, params, kv: PrefixArrays, start: int, toks: np.ndarray, bucket: int):
-        """Dispatch :func:`~.steps.continue_step` for ``toks`` after ``start`` positions of ``kv``."""
+    def _continue(self, params, prefix_k: jax.Array, prefix_v: jax.Array, start: int, toks: np.ndarray, bucket: int):
+        """Dispatch :func:`~.steps.continue_step` for ``toks`` after ``start`` positions of
+        the prefix's contiguous K/V (its bucket is their width)."""
         padded = np.zeros(bucket, np.int32)
         padded[: toks.size] = toks
         tokens_in, length, start_in = self.plan.put_tree((padded, np.int32(toks.size), np.int32(start)))
-        out = self.continued_bucket(kv.k.shape[2], bucket)
-        return steps.continue_step(params, kv.k, kv.v, start_in, tokens_in, length, cfg=self.cfg, out_bucket=out)
+        out = self.continued_bucket(prefix_k.shape[2], bucket)
+        return steps.continue_step(params, prefix_k, prefix_v, start_in, tokens_in, length, cfg=self.cfg,
+                                   out_bucket=out)
+
+    def _prefix_arrays(self, kv: PrefixArrays | paged.PagedPrefix) -> tuple[jax.Array, jax.Array, int]:
+        """A prefix's K/V as contiguous arrays of its bucket (a paged one's gathered from
+        its pages), and the bucket."""
+        if isinstance(kv, paged.PagedPrefix):
+            return (*self._paged.gather(kv.seq, kv.bucket), kv.bucket)
+        return kv.k, kv.v, kv.k.shape[2]
 
     # -- insert, bulk_insert, free_resource: the kit's flow over these hooks ----------------
 
@@ -360,6 +418,17 @@ class TpuJaxEngine(EngineBase):
         index[slots] = np.arange(len(slots))
         tokens[slots] = first
         kv = prefix.kv
+        if self._paged is not None:  # each slot shares the prefix's pages: its table row, no K/V copied
+            for slot in slots:
+                state.seqs[slot] = kv.seq.fork(finalize=True)
+            length, pages, mask, index, tokens = self.plan.put_tree(
+                (np.int32(prefix.true_length), self._paged.row(kv.seq), mask, index, tokens))
+            a = state.arrays
+            with self.compiles.track():
+                table = paged.insert_pages_step(a.table, pages, mask, cfg=self.cfg)
+                rows = steps.insert_rows_step(a.rows, length, kv.row, mask, index, tokens, cfg=self.cfg.sampler)
+            state.arrays = steps.DecodeArrays(k=None, v=None, rows=rows, table=table)
+            return result
         length, order, count, mask, index, tokens = self.plan.put_tree(
             (np.int32(prefix.true_length), order, np.int32(len(slots)), mask, index, tokens))
         with self.compiles.track(kv.k.shape[2]):  # the prefix's bucket
@@ -370,6 +439,9 @@ class TpuJaxEngine(EngineBase):
     def _release(self, state: TpuDecodeState, slot: int) -> None:
         with self.compiles.track():
             state.arrays = steps.free_step(state.arrays, self.plan.put(np.int32(slot)), cfg=self.cfg)
+        if state.seqs is not None and state.seqs[slot] is not None:  # the slot's references only
+            state.seqs[slot].release()
+            state.seqs[slot] = None
 
     # -- generate --------------------------------------------------------------------------
 
@@ -379,19 +451,54 @@ class TpuJaxEngine(EngineBase):
         forced = self.check_overrides(overrides, state.slots.last_result)
         masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
                                        sampling_of=state.slots.sampling)
+        return self._generate(params, state, forced, None if masks is None else masks.words)
+
+    def _generate(self, params, state: TpuDecodeState, forced, words: np.ndarray | None, *, width: int | None = None):
+        """One checked decode step. Paged: ``width`` forces the page-table width bucket
+        (warm-up compiles each); None picks the smallest that holds every live slot."""
         r = self.max_concurrent_decodes
         tokens, mask = np.zeros(r, np.int32), np.zeros(r, bool)
         for slot, (token, _) in forced.items():  # one token per step: the position is the latest
             tokens[slot], mask[slot] = token, True
+        live = state.slots.live(self.max_cache_length)
+        ops = None
+        if self._paged is not None:
+            # Each live slot's write position made its own (a pool that runs out refuses
+            # here, before the host's counts move); the copies and table entries go first
+            # in the step.
+            positions = {i: state.slots[i].length for i in live}
+            ops = self._prepare_pages(state, live, positions)
+            width = width or self._paged.width_for(live, positions)
         # What the host knows without a sync: who advances, by one.
-        state.slots.advance(state.slots.live(self.max_cache_length))
+        state.slots.advance(live)
         self.profiler.before_step()
         tokens, mask = self.plan.put_tree((tokens, mask))
-        words = self._mask_in(None if masks is None else masks.words, r)
-        with self.compiles.track():
-            state.arrays, packed = steps.generate_step(params, state.arrays, tokens, mask, words, cfg=self.cfg)
+        words = self._mask_in(words, r)
+        if ops is None:
+            with self.compiles.track():
+                state.arrays, packed = steps.generate_step(params, state.arrays, tokens, mask, words, cfg=self.cfg)
+        else:
+            k, v = self._paged.take()
+            with self.compiles.track(width):
+                k, v, state.arrays, packed = paged.paged_generate_step(
+                    params, k, v, state.arrays, ops, tokens, mask, words, cfg=self.cfg, width=width)
+            self._paged.put(k, v)
         self.profiler.after_step(packed)
         return state, self._results(packed)
+
+    def _prepare_pages(self, state: TpuDecodeState, live: list[int], positions: dict[int, int]) -> paged.PageOps:
+        """:meth:`.paged.PagedKV.prepare`; a pool that runs out applies what was prepared
+        before it and raises, the slots' pages on the host and the devices agreeing."""
+        try:
+            return self._paged.prepare(state.seqs, live, positions)
+        except Exception as exc:
+            if hasattr(exc, "page_ops"):
+                k, v = self._paged.take()
+                with self.compiles.track():
+                    k, v, state.arrays.table = paged.page_ops_step(k, v, state.arrays.table,
+                                                                   self._paged.ops(*exc.page_ops), cfg=self.cfg)
+                self._paged.put(k, v)
+            raise
 
     # -- portable prefixes ---------------------------------------------------------------
 
@@ -405,7 +512,7 @@ class TpuJaxEngine(EngineBase):
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
         n = prefix.true_length
-        k, v = (self._gathered(x)[:, :, :n].astype(np.float32) for x in (prefix.kv.k, prefix.kv.v))
+        k, v = (self._gathered(x)[:, :, :n].astype(np.float32) for x in self._prefix_arrays(prefix.kv)[:2])
         return PortablePrefix(
             k=k, v=v, prompt_tokens=prefix.prompt_tokens, last_logits=self._host(prefix.logits),
             sampling=prefix.sampling, model_fingerprint=self.model.fingerprint,
@@ -427,11 +534,49 @@ class TpuJaxEngine(EngineBase):
         row = self._row(sampling, prompt)
         with self.compiles.track():
             first = self._results(steps.first_token_step(logits, row, self._mask_in(None), cfg=self.cfg.sampler))
+        kv, nbytes = PrefixArrays(put(portable.k), put(portable.v), row), self.kv_bytes(self.config.bucket_for(n))
+        if self._paged is not None:
+            seq = PageList(self.pages, [], 0, finalize=True)
+            self._paged.write(seq, kv.k, kv.v, 0, n)
+            kv, nbytes = paged.PagedPrefix(seq, kv.k.shape[2], row), self.kv_bytes(len(seq.pages) * self.pages.page_size)
         return Prefix(
-            kv=PrefixArrays(put(portable.k), put(portable.v), row), logits=logits, prompt_tokens=prompt, sampling=sampling,
+            kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,
             backend=self.name, first_token=int(first.tokens[0, 0]), to_host=self._host,
-            model_id=self.model_id, nbytes=self.kv_bytes(self.config.bucket_for(n)),
+            model_id=self.model_id, nbytes=nbytes,
         )
+
+    # -- pages (option page_size) ----------------------------------------------------------
+
+    def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
+        """truncate_prefix's head: paged, the first ``length`` positions' pages shared (a
+        partly filled last one copied at its first write), in the bucket a prefill of
+        ``length`` tokens has; contiguous, the kit's copy through the host."""
+        if self._paged is None:
+            return super()._prefix_head(prefix, length)
+        seq = prefix.kv.seq.fork(length, finalize=True)
+        return replace(prefix, kv=paged.PagedPrefix(seq, self.config.bucket_for(length), prefix.kv.row),
+                       prompt_tokens=prefix.prompt_tokens[:length],
+                       nbytes=self.kv_bytes(len(seq.pages) * self.pages.page_size))
+
+    def check_prefix(self, prefix: Prefix) -> Prefix:
+        """The kit's checks, and K/V this engine holds: a paged prefix's pages belong to the
+        pool of the engine that made it, which another engine of the same weights must not read."""
+        prefix = super().check_prefix(prefix)
+        is_paged = isinstance(prefix.kv, paged.PagedPrefix)
+        if is_paged != (self.pages is not None) or (is_paged and prefix.kv.seq.pool is not self.pages):
+            raise InvalidRequest(f"prefix's K/V live in another {self.name} engine's pages (or this engine's hold "
+                                 f"none); move it with export_prefix/import_prefix")
+        return prefix
+
+    def prefix_pages(self, prefix: Prefix) -> PageList:
+        if self.pages is None:
+            return super().prefix_pages(prefix)
+        return self.check_prefix(prefix).kv.seq
+
+    def slot_pages(self, decode_state: TpuDecodeState, slot: int) -> PageList | None:
+        if self.pages is None:
+            return super().slot_pages(decode_state, slot)
+        return decode_state.seqs[self.check_slot(slot)]
 
     # -- benchmarks ------------------------------------------------------------------------
 

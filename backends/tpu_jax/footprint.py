@@ -30,12 +30,15 @@ from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.tpu_jax.options import DEFAULT_RULES
 
-__all__ = ["ITEMSIZE", "KV_SCALE_BYTES", "CACHE_AXES", "mesh_shape", "param_axes", "mesh_axes", "shards", "block_bytes",
+__all__ = ["ITEMSIZE", "KV_SCALE_BYTES", "CACHE_AXES", "POOL_AXES", "mesh_shape", "param_axes", "mesh_axes", "shards", "block_bytes",
            "device_needs"]
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_SCALE_BYTES = 4  # an int8 KV cache row stores its float32 scale beside the values (quantize.py)
 CACHE_AXES = ("layers", "slots", "kv_heads", "positions", "head_dim")
+# A page pool (option page_size): any page may hold any slot's K/V, so only the KV heads
+# are split (over tp); under dp every device group holds the whole pool.
+POOL_AXES = ("layers", None, "kv_heads", None, "head_dim")
 
 
 def _divisors(n: int) -> list[int]:
@@ -144,11 +147,12 @@ def block_bytes(fmt: str, shape: tuple[int, int]) -> int:
 def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: int, tp: int,
                  quantize: str = "", kv_int8: bool = False,
                  rules: Mapping[str, str | None] | None = None,
-                 blocks: Mapping[str, str] | None = None) -> dict[str, int]:
+                 blocks: Mapping[str, str] | None = None, page_size: int = 0, pool_pages: int = 0) -> dict[str, int]:
     """Bytes per device of what an engine allocates: weights, KV cache, sampler tables
     and a prefill's activations, by description (what a memory refusal names).
     ``blocks``: weight name -> GGUF format of the matrices kept as a file's blocks
-    (:func:`~.quantize.block_arrays`)."""
+    (:func:`~.quantize.block_arrays`). ``page_size``: K/V in a pool of ``pool_pages``
+    pages of that many positions instead of a cache row per slot (:data:`POOL_AXES`)."""
     rules = {**DEFAULT_RULES, **(rules or {})}
     mesh = {"dp": dp, "tp": tp}
     item = ITEMSIZE[dtype]
@@ -168,11 +172,17 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
     tables = 2 if model.rope_local_theta is not None else 1  # global, and Gemma 3's local (rope_tables)
     weights += tables * 2 * math.prod(rope) * item // shards(param_axes("rope.cos", 2), rope, mesh, rules)
     kv_item, width = (1, model.head_dim + KV_SCALE_BYTES) if kv_int8 else (item, model.head_dim)
-    cache_shape = (model.num_hidden_layers, config.max_slots, model.num_key_value_heads, config.max_cache_length, width)
-    cache = 2 * math.prod(cache_shape) * kv_item // shards(CACHE_AXES, cache_shape, mesh, rules)
+    if page_size:
+        cache_shape = (model.num_hidden_layers, pool_pages, model.num_key_value_heads, page_size, width)
+        cache = 2 * math.prod(cache_shape) * kv_item // shards(POOL_AXES, cache_shape, mesh, rules)
+        what = f"the K/V pool of {pool_pages} pages x {page_size} positions"
+    else:
+        cache_shape = (model.num_hidden_layers, config.max_slots, model.num_key_value_heads, config.max_cache_length, width)
+        cache = 2 * math.prod(cache_shape) * kv_item // shards(CACHE_AXES, cache_shape, mesh, rules)
+        what = f"the KV cache of {config.max_slots} slots x {config.max_cache_length} positions"
     return {
         f"{dtype} weights{' (int8 projections)' if quantize or blocks else ''}": weights,
-        f"the KV cache of {config.max_slots} slots x {config.max_cache_length} positions": cache,
+        what: cache,
         "the sampler's per-slot tables and a prefill's activations": (
             config.max_slots * row_bytes(model.vocab_size) // dp
             + config.max_prefill_length * (model.vocab_size + 4 * model.intermediate_size) * 4),

@@ -50,6 +50,12 @@ OPTIONS: dict[str, Option] = {
     "sharding_rules": Option({}, "logical axis -> 'tp' | 'dp' | None, over the default rules", check=rules_problem),
     "quantize": Option("", "weights: 'int8' (per channel) or 'int8-block32'", choices=("", *WEIGHT_MODES)),
     "kv_quantize": Option("", "'int8': int8 KV cache, a scale per slot, position and KV head", choices=("", "int8")),
+    # K/V in a pool of pages shared by reference count (polyengine.pages, docs/design.md "Pages";
+    # paged.py): inserting a prefix shares its pages instead of copying its K/V into the slot's row
+    "page_size": Option(0, "K/V pages of this many positions (0: one contiguous cache row per slot)",
+                        minimum=0, maximum=4096),
+    "kv_pages": Option(0, "with page_size: the pages the K/V of slots and prefixes share (0: as many as they "
+                          "use); the driver admits requests by free pages", minimum=0),
     "attention": Option("sdpa", "the shared model's attention path", choices=("sdpa", "eager")),
     "candidates": Option(64, "top-k bound under which top-k/top-p skip the full vocabulary sort", minimum=1),
     "compile_cache": Option("", "keep compiled programs on disk for later processes: 'auto' (a private folder under "

@@ -53,7 +53,7 @@ import numpy as np
 from polyengine.engine import (
     Capabilities, EngineBase, EngineConfig, Option, Override, Prefix, ResultLayout, ResultTokens, SlotTable,
 )
-from polyengine.errors import EngineDead, InvalidRequest, PolyengineError
+from polyengine.errors import EngineDead, InvalidRequest, PolyengineError, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.models.int_blocks import block_matrices
 from polyengine.prefix import PortablePrefix
@@ -331,6 +331,17 @@ class RayTpuEngine(EngineBase):
         "prefill_workers": Option(0, "> 0: disaggregated, prompts prefill on these actors (disagg.py), not the "
                                      "decode workers", minimum=0),
     }
+
+    def _check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The table's checks, and a refusal of paged K/V before any worker starts: the
+        leader forwards prefixes by id and declares no page_size (pages run on tpu_jax)."""
+        checked = super()._check_options(options)
+        for key in ("page_size", "kv_pages"):
+            if checked[key]:
+                raise UnsupportedFeature(f"option {key}={checked[key]}", self.name,
+                                         "paged K/V run on the single-host tpu_jax backend; leave it 0 here",
+                                         field=f"options.{key}")
+        return checked
 
     def __init__(self, model: Model, config: EngineConfig):
         super().__init__(model, config, device="")

@@ -134,9 +134,10 @@ class SlotRows:
 class DecodeArrays:
     """The device half of a decode state (``R`` slots): the model's KV cache and the rows."""
 
-    k: jax.Array  # (layers, R, kv_heads, cache_length, head_dim): compute dtype; int8: head_dim + 4 (scales)
-    v: jax.Array
+    k: jax.Array | None  # (layers, R, kv_heads, cache_length, head_dim): compute dtype; int8: head_dim + 4 (scales)
+    v: jax.Array | None  # paged (option page_size): None, the K/V live in the engine's page pools (paged.py)
     rows: SlotRows
+    table: jax.Array | None = None  # paged: (R, pages per context) int32, each slot's page ids
 
 
 # Logical axes of each decode-state field (sharding.py maps them to the mesh).
@@ -166,9 +167,11 @@ def _constrain_rows(cfg: SampleConfig, s: SlotRows) -> SlotRows:
 # -- the model ------------------------------------------------------------------------------
 
 
-def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, logits_at=None, int8_cache=False):
+def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, logits_at=None, int8_cache=False,
+              page_table=None):
     """The shared torch forward on JAX arrays (traced by torchax): ``(logits, k, v)``.
-    ``int8_cache``: ``k``/``v`` hold :func:`~.quantize.kv_encode`'d values."""
+    ``int8_cache``: ``k``/``v`` hold :func:`~.quantize.kv_encode`'d values. ``page_table``
+    (B, W) int32: ``k``/``v`` are page pools (:mod:`.paged`) read and written through it."""
     import_torchax()
     from torchax.interop import call_torch
 
@@ -177,12 +180,12 @@ def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, l
     spec = StepSpec(attention=cfg.attention, linear=int8_linear if cfg.quantize or cfg.blocks else None,
                     kv_codec=Int8KVCodec(cfg.jax_dtype) if int8_cache else None)
 
-    def torch_side(tensors, tokens, positions, k, v, write_mask, logits_at):
+    def torch_side(tensors, tokens, positions, k, v, write_mask, logits_at, page_table):
         return forward(TorchWeights(cfg.model, tensors), spec, tokens, positions, k, v, write_mask=write_mask,
-                       logits_at=logits_at)
+                       logits_at=logits_at, page_table=page_table)
 
     with jax.default_matmul_precision(cfg.precision):
-        return call_torch(torch_side, params, tokens, positions, k, v, write_mask, logits_at)
+        return call_torch(torch_side, params, tokens, positions, k, v, write_mask, logits_at, page_table)
 
 
 def pack(cfg: StepConfig | SampleConfig, res: smp.SampleResult, valid: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -376,7 +379,7 @@ def sample_step(rows: SlotRows, logits, live, override_tokens, override_mask, to
 
 def free_step(state: DecodeArrays, slot, *, cfg: StepConfig) -> DecodeArrays:
     """Empty one slot (its cache and sampler row are overwritten at the next insert)."""
-    return DecodeArrays(k=state.k, v=state.v, rows=free_rows_step(state.rows, slot, cfg=cfg.sampler))
+    return DecodeArrays(k=state.k, v=state.v, rows=free_rows_step(state.rows, slot, cfg=cfg.sampler), table=state.table)
 
 
 @_jit(donate=("rows",))
