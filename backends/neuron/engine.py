@@ -54,8 +54,7 @@ from polyengine.backends.torch_common.state import TorchSlotsEngine, host_array
 from polyengine.backends.neuron import plugin
 from polyengine.backends.neuron.buckets import Buckets
 from polyengine.backends.neuron.cache import ArtifactCache, GraphKey, default_cache_dir
-from polyengine.backends.neuron.compile import PERSISTED
-from polyengine.backends.neuron.compile import CompiledGraph
+from polyengine.backends.neuron.compile import PERSISTED, CompiledGraph
 from polyengine.backends.neuron.options import CPU_DEFAULT, OPTIONS
 from polyengine.backends.neuron.graphs import ContextContinuation, ContextEncoding, TokenGeneration, result_layout
 from polyengine.backends.neuron.nxd import DeviceGraphs
