@@ -17,8 +17,9 @@ settings.register_profile(
 )
 settings.register_profile("thorough", deadline=None, max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "polyengine"))
-# The neuron CPU compile path's graphs as scalar C++: ~30% less compiling in the suite's
-# neuron tests, whose subprocesses inherit it (backends/neuron/compile.py, docs/neuron.md).
+# The neuron CPU compile path's Inductor graphs (compiler="inductor": the neuron tests that
+# select it and the device check's dry run; the default, export, builds no C++) as scalar
+# C++: ~30% less compiling; subprocesses inherit it (backends/neuron/compile.py, docs/neuron.md).
 os.environ.setdefault("POLYENGINE_NEURON_FAST_COMPILE", "1")
 
 

@@ -50,8 +50,12 @@ def shared_cache() -> Path:
 
 
 def config(prefill_buckets: tuple[int, ...] | None = None, **options) -> EngineConfig:
-    """The suite's limits, the session's cache, and ``options`` for the engine."""
-    return EngineConfig(**LIMITS, prefill_buckets=prefill_buckets, options={"cache_dir": str(shared_cache()), **options})
+    """The suite's limits and ``options`` for the engine; an engine whose compiler keeps
+    artifacts (``compiler="inductor"``) gets the session's cache (the default ``export``
+    compiler keeps none and refuses the option)."""
+    if options.get("compiler") == "inductor":
+        options = {"cache_dir": str(shared_cache()), **options}
+    return EngineConfig(**LIMITS, prefill_buckets=prefill_buckets, options=options)
 
 
 def _suite_dir() -> Path:

@@ -27,10 +27,7 @@ BACKENDS = [b.name for b in list_backends() if b.name in IN_PROCESS and not b.br
 
 
 def _options(backend: str) -> dict:
-    if backend == "neuron":
-        from neuron_support import shared_cache
-
-        return {"cache_dir": str(shared_cache())}
+    # neuron's default compiler on the CPU ("export") keeps nothing on disk: no cache_dir
     return {}
 
 

@@ -45,7 +45,7 @@ CPU_BACKENDS = {
     "cpu": {},
     "cuda_torch": {"device": "cpu"},  # its device path, on the CPU stand-in
     "tpu_jax": {},
-    "neuron": {},  # its CPU compile path (torch.export + Inductor): three graphs, 700 s at a load of 10 here
+    "neuron": {},  # its CPU compile path (the exported graphs; with compiler=inductor 700 s at a load of 10 here)
 }
 # The reference's top-1/top-2 log-prob margin below which float32 rounding may part the
 # streams (the conformance suite's float32 tie_gap); this prompt's smallest margin is 0.012.
@@ -102,10 +102,6 @@ def greedy(model):
     def run(backend: str):
         if backend not in runs:
             options = dict(CPU_BACKENDS.get(backend, {}))
-            if backend == "neuron":  # the session's artifact cache, not the user's (tests/neuron_support.py)
-                from neuron_support import shared_cache
-
-                options["cache_dir"] = str(shared_cache())
             llm = LLM(model=model, backend=backend, max_slots=1, max_cache_length=64, max_prefill_length=32,
                       options=options)
             ids = model.tokenizer.encode(PROMPT, add_special_tokens=True)

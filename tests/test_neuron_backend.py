@@ -233,7 +233,8 @@ def test_an_artifact_cache_others_can_write_is_refused_before_compiling(tmp_path
     shared = tmp_path / "shared-cache"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    cfg = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64, options={"cache_dir": str(shared)})
+    cfg = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64,
+                       options={"compiler": "inductor", "cache_dir": str(shared)})
     with pytest.raises(UnsafeCache, match=f"refusing the neuron artifact cache directory {shared}.*fix: chmod 700"):
         NeuronEngine(build_model("mha_tied"), cfg)
 

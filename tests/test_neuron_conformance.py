@@ -3,8 +3,9 @@ documents it: ``polyengine conformance --backend neuron`` in its own process, wi
 default options, so plain decoding (one token per step) and asynchronous results are
 what the suite exercises (speculation has its own tests in test_neuron_engine.py).
 
-It runs first among the neuron tests (file order) and fills the session's artifact
-cache (tests/neuron_support.py), which the engine tests then load from. A process of
+The default compiler off Neuron is ``export`` (the exported graphs run as they are;
+docs/neuron.md, "Choosing the CPU compiler"), which writes no artifact: the run leaves
+the session's artifact cache (tests/neuron_support.py) as it found it. A process of
 its own, not pytester's in-process run: the inner session's module snapshot would
 drop torch's compiler modules, whose operator registrations cannot be imported twice.
 """
@@ -28,9 +29,8 @@ def test_conformance_suite_passes_with_the_default_options(tmp_path):
     report, cache = suite["report"], suite["cache"]
     doc = json.loads(report.read_text())
     caps = doc["capabilities"]
-    assert doc["backend"] == "neuron" and doc["device"]["backend"].startswith("cpu (compile path")
+    assert doc["backend"] == "neuron" and doc["device"]["backend"].startswith("cpu (compile path: torch.export, run without")
     assert caps["tokens_per_step"] == 1 and caps["async_results"] and caps["dtypes"] == ["float32"]
     assert all(v["failed"] == 0 for v in doc["summary"].values()) and doc["summary"]["contract"]["passed"] > 0
-    kinds = {json.loads(p.read_text())["kind"] for p in cache.glob("*.json")}
-    assert {"context", "token_generation"} <= kinds
+    assert not any(json.loads(p.read_text())["compiler"].endswith("; export") for p in cache.glob("*.json"))
     print(out[-1200:])

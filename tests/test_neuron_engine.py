@@ -82,8 +82,9 @@ def test_speculative_greedy_equals_plain_greedy_and_reports_acceptance(model):
     assert report["speculation_proposed"] == stats["row_steps"] and report["speculation_accepted"] == stats["tokens"] - stats["row_steps"]
 
 
-def test_plain_greedy_equals_the_reference(model):
-    got, _ = _generate(NeuronEngine(model, config()), PROMPTS[:2], MIXED[:2])
+@pytest.mark.parametrize("compiler", ["export", "inductor"])
+def test_plain_greedy_equals_the_reference(model, compiler):
+    got, _ = _generate(NeuronEngine(model, config(compiler=compiler)), PROMPTS[:2], MIXED[:2])
     want, _ = _generate(ReferenceEngine(model, EngineConfig(**LIMITS)), PROMPTS[:2], MIXED[:2])
     assert [o[0].token_ids for o in got] == [o[0].token_ids for o in want]
 
@@ -149,11 +150,14 @@ def test_an_override_inside_a_speculative_step_rolls_back_counts_and_cache(model
     assert out == want
 
 
+INDUCTOR = {"compiler": "inductor"}  # the compiler that keeps artifacts on disk (the default, export, keeps none)
+
+
 def test_a_second_checkpoint_and_a_warm_start_compile_nothing(model, tmp_path):
-    NeuronEngine(model, config())  # the session cache holds this config (compiled here if run alone)
+    NeuronEngine(model, config(**INDUCTOR))  # the session cache holds this config (compiled here if run alone)
     before = dict(COUNTS)
     other = build_model("mha_tied", seed=99)
-    eng = NeuronEngine(other, config())
+    eng = NeuronEngine(other, config(**INDUCTOR))
     assert COUNTS == before and {r["source"] for r in eng.compile_report} == {"memory"}
     # A new process with a fresh Inductor cache, every C++ build recorded (in-process:
     # one compile thread) and graph compilation disabled: it loads, builds no kernel.
@@ -172,7 +176,7 @@ def test_a_second_checkpoint_and_a_warm_start_compile_nothing(model, tmp_path):
         from polyengine.conformance.models import build_model
         from polyengine.driver import LLM
         from neuron_support import config
-        eng = NeuronEngine(build_model("mha_tied", seed=99), config())
+        eng = NeuronEngine(build_model("mha_tied", seed=99), config(compiler="inductor"))
         out = LLM.from_engine(eng, tools=False).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=6))
         print(json.dumps({"counts": dict(COUNTS), "sources": sorted({r["source"] for r in eng.compile_report}),
                           "bench": sorted({r["source"] for r in eng.bench_report()["compile"]}),
@@ -222,27 +226,37 @@ def test_a_prompt_beyond_every_bucket_is_refused_naming_them(model):
         eng.prefill(params=eng.load_params(), tokens=list(range(1, 26)), sampling=SamplingParams(seed=1))
 
 
-def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatch, tmp_path):
+@pytest.mark.parametrize("compiler", ["export", "inductor"])
+def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatch, tmp_path, compiler):
     """Random prompts over three prefill buckets, prompts continuing any earlier prefix
     (continued ones too) at any length, single and bulk inserts, frees, overrides
     anywhere in a slot's last result and mixed sampling: every call runs a graph the
-    warm-up built. Compiling or loading anything afterwards fails the test."""
-    # A copy of the session's cache of this test's own: other processes of the session
-    # (pytest -n 2's other worker, the background conformance run) may add files to the
-    # shared one while this test watches its copy for writes.
-    cache = tmp_path / "cache"
-    shutil.copytree(shared_cache(), cache, ignore=shutil.ignore_patterns(".*"))
-    eng = NeuronEngine(model, config(prefill_buckets=(8, 16, 24), speculation=2, cache_dir=str(cache)))
-    files = sorted(p.name for p in cache.iterdir())
+    warm-up built. Compiling, exporting or loading anything afterwards fails the test.
+    On ``export`` (the default) with speculation and three prefill buckets; on
+    ``inductor`` plain decoding over the suite's one bucket (the graphs the warm-start
+    test compiles: each Inductor graph costs 10-60 CPU s)."""
+    options = dict(prefill_buckets=(8, 16, 24), speculation=2)
+    files = None
+    if compiler == "inductor":
+        # A copy of the session's cache of this test's own: other processes of the session
+        # (pytest -n 2's other worker) may add files to the shared one while this test
+        # watches its copy for writes.
+        cache = tmp_path / "cache"
+        shutil.copytree(shared_cache(), cache, ignore=shutil.ignore_patterns(".*"))
+        options = dict(compiler="inductor", cache_dir=str(cache))
+    eng = NeuronEngine(model, config(**options))
+    if compiler == "inductor":
+        files = sorted(p.name for p in cache.iterdir())
     before = dict(COUNTS)
     import polyengine.backends.neuron.cache as cache_mod
 
     def refuse(*a, **k):
-        raise AssertionError("a graph was compiled or loaded after warm-up")
+        raise AssertionError("a graph was compiled, exported or loaded after warm-up")
 
     monkeypatch.setattr(cache_mod, "compile_graph", refuse)
     monkeypatch.setattr(cache_mod, "load_graph", refuse)
     monkeypatch.setattr(torch._inductor, "standalone_compile", refuse)
+    monkeypatch.setattr(torch.export, "export", refuse)
     rng = random.Random(20261130)
     params, state = eng.load_params(), eng.init_decode_state()
     live: dict[int, list[int]] = {}  # slot -> [prompt length, completion length, tokens in its last result]
@@ -281,7 +295,38 @@ def test_no_recompilation_after_warm_up_over_a_random_workload(model, monkeypatc
                 state = eng.free_resource(state, slot)
                 del live[slot]
     assert COUNTS == before and continued > 5
-    assert sorted(p.name for p in cache.iterdir()) == files
+    if files is not None:
+        assert sorted(p.name for p in cache.iterdir()) == files
+
+
+def test_export_keeps_nothing_on_disk_and_exports_a_configuration_once(model, tmp_path, monkeypatch):
+    """The default CPU compiler: no artifact file (nor the cache folder) is written, a
+    second engine of the same configuration (another checkpoint) exports nothing, and
+    ``cache_dir``, which it would not use, is refused rather than ignored."""
+    root = tmp_path / "never"
+    monkeypatch.setenv("POLYENGINE_NEURON_CACHE", str(root))
+    cfg = EngineConfig(**{**LIMITS, "max_cache_length": 48})  # a cache of its own: exported here, not by another test
+    first = NeuronEngine(model, cfg)
+    assert first.compiler == "export" and first.device.startswith("cpu (compile path: torch.export, run without")
+    assert {r["source"] for r in first.compile_report} == {"compiled"} and not root.exists()
+    before = dict(COUNTS)
+    second = NeuronEngine(build_model("mha_tied", seed=99), cfg)
+    assert COUNTS == before and {r["source"] for r in second.compile_report} == {"memory"}
+    with pytest.raises(InvalidRequest, match="option cache_dir applies to the compilers that keep artifacts"):
+        NeuronEngine(model, EngineConfig(**LIMITS, options={"cache_dir": str(tmp_path)}))
+
+
+def test_an_exported_graph_refuses_shapes_outside_its_bucket(model):
+    """A static graph runs only with its bucket's shapes and dtypes (eager ops would
+    accept others): a prompt padded to the wrong bucket is refused, naming the input."""
+    eng = NeuronEngine(model, config())
+    graph, weights = eng.graphs[("context", 24)], tuple(eng.load_params().tensors[n] for n in eng._names)
+    logits, _, _ = graph(weights, torch.zeros((1, 24), dtype=torch.int64), torch.tensor([3]))
+    assert logits.shape == (1, eng.vocab_size)
+    with pytest.raises(ValueError, match=r"static graph called outside its bucket \(input \d+: \(\(1, 16\)"):
+        graph(weights, torch.zeros((1, 16), dtype=torch.int64), torch.tensor([3]))
+    with pytest.raises(ValueError, match="outside its bucket"):
+        graph(weights, torch.zeros((1, 24), dtype=torch.int32), torch.tensor([3]))
 
 
 @pytest.mark.neuron

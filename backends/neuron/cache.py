@@ -23,7 +23,9 @@ or foreign one is compiled again and replaced. Writes are atomic, so this user's
 processes may share a root. Within a process, loaded CPU graphs are kept by path, so the
 many engines a test suite builds for one config load each artifact once; a Neuron
 program, which holds an engine's weights and KV cache on the device, is loaded per
-engine.
+engine. The ``export`` compiler's programs are kept in that memo only (by key, no
+root, no file: :mod:`.compile` says why), so each process exports a configuration's
+graphs once.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from polyengine.cache import cache_root, check, env_dir, private_dir, store
 from polyengine.logs import compiling
 from polyengine.models import ModelConfig
 
-from polyengine.backends.neuron.compile import CompiledGraph, compile_graph, compiler_version, load_graph
+from polyengine.backends.neuron.compile import PERSISTED, CompiledGraph, compile_graph, compiler_version, load_graph
 
 __all__ = ["GraphKey", "ArtifactCache", "architecture", "default_cache_dir", "CACHE_ENV"]
 
@@ -96,14 +98,31 @@ class GraphKey:
 
 
 class ArtifactCache:
-    """Compiled graphs under one root for one compiler: memory, then disk, then compile."""
+    """Compiled graphs under one root for one compiler: memory, then disk, then compile.
+    A compiler whose graphs are not kept on disk (``"export"``) has no root (None):
+    memory, then compile."""
 
-    def __init__(self, root: Path, compiler: str):
-        self.root = private_dir(root, what="neuron artifact cache", env=f"{CACHE_ENV} (or the option cache_dir)")
+    def __init__(self, root: Path | None, compiler: str):
+        if (root is None) != (compiler not in PERSISTED):
+            raise ValueError(f"the {compiler!r} compiler " + ("needs an artifact root" if root is None else
+                                                               "keeps no artifacts: pass root=None"))
+        self.root = None if root is None else private_dir(
+            root, what="neuron artifact cache", env=f"{CACHE_ENV} (or the option cache_dir)")
         self.compiler = compiler
 
     def path(self, key: GraphKey) -> Path:
         return self.root / f"{key.kind}-{key.digest}.bin"
+
+    def _memory_only(self, key: GraphKey, build: Callable[[], tuple[Any, tuple]]) -> tuple[CompiledGraph, str]:
+        memo = f"{self.compiler}:{key.kind}-{key.digest}"
+        graph = _MEMO.get(memo)
+        if graph is not None:
+            return graph, "memory"
+        module, args = build()
+        with compiling(f"the {key.kind} graph for {dict(key.fields).get('bucket')} with {self.compiler}", first_run=False):
+            graph, _ = compile_graph(module, args, self.compiler)
+        _MEMO[memo] = graph
+        return graph, graph.source
 
     def get(self, key: GraphKey, aliases: tuple[tuple[int, int], ...],
             build: Callable[[], tuple[Any, tuple]]) -> tuple[CompiledGraph, str]:
@@ -113,6 +132,8 @@ class ArtifactCache:
         compiled. Only an artifact whose signed record matches it is loaded; any other
         (missing, damaged, planted, foreign), or one that fails to load, is compiled again
         and replaces it."""
+        if self.root is None:
+            return self._memory_only(key, build)
         path = self.path(key)
         # A loaded Neuron program holds an engine's weights and KV cache on the device, so
         # it is never shared between engines; CPU artifacts are stateless and are.

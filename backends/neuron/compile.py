@@ -1,11 +1,28 @@
 """The compile seam: a graph module and example inputs in, a loaded artifact out.
 
-Two compilers, one interface (:func:`compile_graph` compiles and returns the graph with
-the function that writes its artifact file, :func:`load_graph` reads one back without
-compiling anything; the artifact cache, ``cache.py``, decides where files go and that
-only this user's intact files are ever loaded: both formats run code when loaded):
+Three compilers, one interface (:func:`compile_graph` compiles and returns the graph with
+the function that writes its artifact file, or None where nothing is kept; :func:`load_graph`
+reads one back without compiling anything; the artifact cache, ``cache.py``, decides
+where files go and that only this user's intact files are ever loaded: both formats run
+code when loaded):
 
-``"inductor"`` (the CPU compile path)
+``"export"`` (the CPU compile path's default)
+    ``torch.export.export`` captures the graph as a static, verified program, as for
+    Inductor, and that program's module runs as it is, op by op in eager torch: no C++
+    is generated or built. What the CPU compile path checks is kept: the static graph
+    per bucket (the module is called only with its bucket's shapes and dtypes, checked
+    at every call: :class:`_StaticShapes`), the KV cache as an input the program
+    mutates (the graphs write it with ``index_put_``, ``inplace=True``, which the
+    exported program keeps as an input mutation), sampling inside the graph. Nothing
+    is written to disk: an export costs 0.2-1 CPU s per graph of the suite's models,
+    the same as reading a serialized program back (``torch._export.serde``: 0.2 s
+    for a context graph, measured when this compiler was added), and
+    ``torch.export.save`` pickles, so each process exports again and the artifact
+    cache's memo shares the programs between the engines of one static configuration.
+    Inductor compiles a graph in 10-60 CPU s; docs/neuron.md has the measured
+    choice between the two.
+
+``"inductor"`` (the CPU compile path, compiled to C++)
     ``torch.export.export`` captures the graph as a static, verified program (no
     data-dependent control flow); Inductor compiles it ahead of the first call into C++
     kernels (``torch._inductor.standalone_compile``, shapes fixed by the example
@@ -59,7 +76,10 @@ import torch.utils._pytree as pytree
 
 from polyengine.backends.neuron.options import COMPILERS
 
-__all__ = ["COMPILERS", "CompiledGraph", "compile_graph", "load_graph", "compiler_version", "COUNTS"]
+__all__ = ["COMPILERS", "PERSISTED", "CompiledGraph", "compile_graph", "load_graph", "compiler_version", "COUNTS"]
+
+# The compilers whose artifacts the cache keeps on disk ("export" keeps none: see above).
+PERSISTED = ("inductor", "neuronx")
 
 # Inductor inlines a pointwise chain into every consumer until it has 50 ops (on the
 # CPU). The sampler's Threefry stream is a chain of some 300 integer ops read by several
@@ -78,7 +98,8 @@ def _fast_compile() -> bool:
 
 def _inductor_options() -> dict:
     return {**_INDUCTOR_OPTIONS, **({"cpp.vec_isa_ok": False} if _fast_compile() else {})}
-# "compiled": graphs compiled in this process; "loaded": artifacts read from disk.
+# "compiled": graphs compiled (for "export": exported) in this process; "loaded":
+# artifacts read from disk.
 COUNTS: collections.Counter[str] = collections.Counter()
 
 
@@ -103,6 +124,8 @@ def compiler_version(compiler: str) -> str:
         found = ((name, _version(name, mod)) for name, mod in (
             ("torch-neuronx", "torch_neuronx"), ("neuronx-cc", "neuronxcc"), ("neuronx-distributed", "neuronx_distributed")))
         return f"torch {torch.__version__}; " + "; ".join(f"{name} {v}" for name, v in found if v is not None)
+    if compiler == "export":
+        return f"torch {torch.__version__}; export"
     vector = "scalar (fast compile)" if _fast_compile() else torch.backends.cpu.get_cpu_capability()
     return f"torch {torch.__version__}; inductor; cpu {vector}"
 
@@ -142,6 +165,41 @@ def _flat_program(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
+
+
+def _exported(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
+    """The ``export`` compiler's program: :func:`_flat_program` without the export's
+    input check (which expects the nested inputs; :class:`_StaticShapes` checks the flat
+    ones) and without the self-copies an in-place write leaves for its alias
+    (``copy_(cache, cache)``: the cache already holds its new value)."""
+    gm = _flat_program(_WithAliases(module), args)
+    gm._forward_pre_hooks.clear()
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_function" and node.target is torch.ops.aten.copy_.default
+                and node.args[0] is node.args[1] and not node.users):
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+class _StaticShapes:
+    """An exported program called only with the shapes and dtypes it was exported for:
+    the static graph of one bucket, as a compiled artifact is (eager ops would accept
+    other shapes and hide a call routed to the wrong bucket)."""
+
+    def __init__(self, program: torch.fx.GraphModule, args: tuple):
+        self.program = program
+        self.signature = tuple((tuple(a.shape), a.dtype) for a in pytree.tree_leaves(args))
+
+    def __call__(self, *flat):
+        got = tuple((tuple(a.shape), a.dtype) for a in flat)
+        if got != self.signature:
+            wrong = next(i for i, (g, w) in enumerate(zip(got, self.signature)) if g != w) if len(got) == len(
+                self.signature) else None
+            where = (f"input {wrong}: {got[wrong]} where the bucket has {self.signature[wrong]}" if wrong is not None
+                     else f"{len(got)} inputs where the bucket has {len(self.signature)}")
+            raise ValueError(f"a static graph called outside its bucket ({where})")
+        return self.program(*flat)
 
 
 class CompiledGraph:
@@ -240,9 +298,10 @@ def _unpack(path: Path, root: Path, scratch: Path) -> None:
 
 @torch.no_grad()
 def compile_graph(module: torch.nn.Module, args: tuple, compiler: str, *,
-                  workdir: Path | None = None) -> tuple[CompiledGraph, Callable[[Path], None]]:
+                  workdir: Path | None = None) -> tuple[CompiledGraph, Callable[[Path], None] | None]:
     """Compile ``module`` for the shapes of ``args``: the loaded graph, and ``save(path)``
-    that writes its artifact (the cache writes it through ``polyengine.cache.store``).
+    that writes its artifact (the cache writes it through ``polyengine.cache.store``), or
+    None for a compiler whose graphs are not kept (``"export"``).
     ``workdir``: where neuronx-cc keeps its intermediate files."""
     start = time.perf_counter()
     if compiler == "neuronx":  # the Neuron path only; nothing of it is imported at module import
@@ -253,6 +312,8 @@ def compile_graph(module: torch.nn.Module, args: tuple, compiler: str, *,
 
         def save(p: Path) -> None:
             torch.jit.save(traced, str(p))
+    elif compiler == "export":
+        fn, returns, save = _StaticShapes(_exported(module, args), args), False, None
     elif compiler == "inductor":
         program = _flat_program(_WithAliases(module), args)
         with _kernel_cache(), torch._inductor.config.patch(_inductor_options()):
@@ -274,6 +335,8 @@ def load_graph(path: Path, aliases: tuple[tuple[int, int], ...], compiler: str) 
     """Load an artifact :func:`compile_graph` wrote; compiles nothing. Loading runs code
     (unpickling, shared libraries): the artifact cache calls it only on a file it has
     verified (``polyengine.cache.check``)."""
+    if compiler not in PERSISTED:
+        raise ValueError(f"the {compiler!r} compiler writes no artifacts; nothing to load from {path}")
     start = time.perf_counter()
     if compiler == "neuronx":
         from polyengine.backends.neuron.nxd import load_program

@@ -54,8 +54,8 @@ from polyengine.backends.torch_common.state import TorchSlotsEngine, host_array
 from polyengine.backends.neuron import plugin
 from polyengine.backends.neuron.buckets import Buckets
 from polyengine.backends.neuron.cache import ArtifactCache, GraphKey, default_cache_dir
-from polyengine.backends.neuron.compile import CompiledGraph
-from polyengine.backends.neuron.options import OPTIONS
+from polyengine.backends.neuron.compile import PERSISTED, CompiledGraph
+from polyengine.backends.neuron.options import CPU_DEFAULT, OPTIONS
 from polyengine.backends.neuron.graphs import ContextContinuation, ContextEncoding, TokenGeneration, result_layout
 from polyengine.backends.neuron.nxd import DeviceGraphs
 from polyengine.backends.neuron.speculation import Acceptance, draft_config, draft_weights
@@ -82,6 +82,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             raise InvalidRequest(f"option draft_layers={o['draft_layers']} applies only with speculation >= 2 "
                                  f"(tokens per step); set speculation too, or leave draft_layers out",
                                  field="options.draft_layers")
+        if o["cache_dir"] and self.compiler not in PERSISTED:
+            raise InvalidRequest(f"option cache_dir applies to the compilers that keep artifacts ({', '.join(PERSISTED)}); "
+                                 f"compiler '{self.compiler}' keeps none (its graphs are exported again in each process): "
+                                 f"leave cache_dir out, or set compiler='inductor'", field="options.cache_dir")
         self.draft = draft_config(c, o["draft_layers"] or max(1, c.num_hidden_layers // 2)) if k > 1 else None
         self.buckets = Buckets.plan(config, tokens_per_step=k, batch=o["batch_buckets"], seq=o["seq_buckets"])
         self.num_top = self.capabilities.max_top_logprobs
@@ -90,7 +94,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         self._check_memory()
         if o["threads"]:
             torch.set_num_threads(o["threads"])
-        self.cache = ArtifactCache(o["cache_dir"] or default_cache_dir(), self.compiler)
+        self.cache = ArtifactCache((o["cache_dir"] or default_cache_dir()) if self.compiler in PERSISTED else None,
+                                   self.compiler)
         self._weights = TorchWeights.from_model(model, dtype=self.torch_dtype, max_positions=self.buckets.cache)
         self._names = tuple(sorted(self._weights.tensors))
         self._draft_weights = draft_weights(self._weights, self.draft) if self.draft else None
@@ -136,7 +141,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
     @staticmethod
     def _pick_compiler(name: str) -> str:
         if name == "auto":
-            return "neuronx" if plugin.neuron_devices() and plugin.neuronx_installed() else "inductor"
+            return "neuronx" if plugin.neuron_devices() and plugin.neuronx_installed() else CPU_DEFAULT
         if name == "neuronx" and not plugin.neuronx_installed():
             raise InvalidRequest(f"option compiler='neuronx' needs torch-neuronx and neuronx-distributed: {plugin.NEURONX_HINT}")
         return name
@@ -145,7 +150,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
     def _describe(compiler: str, tp: int = 1) -> str:
         if compiler == "neuronx":
             return f"neuron ({len(plugin.neuron_devices())} device(s); one NxD model on {tp} NeuronCore(s))"
-        return f"cpu (compile path: torch.export + inductor, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
+        how = "torch.export, run without inductor" if compiler == "export" else "torch.export + inductor"
+        return f"cpu (compile path: {how}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()})"
 
     def _check_memory(self) -> None:
         """Host memory: on the CPU path the weights (a copy unless float32) and the KV
@@ -179,14 +185,15 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             self.on_device.attach(self.graphs[("nxd_model",)].fn)
             return
         b, c, k = self.buckets, self.model.config, self.tokens_per_step
+        eager = self.compiler == "export"  # runs op by op: K/V written in place (graphs.py)
         for p in b.prefill:
             key = self._key("context", c, {"prompt": p, "positions": b.cache})
             self._get(("context", p), key, ContextEncoding.aliases, lambda p=p: (
-                ContextEncoding(c, self._names, p), self._context_args(p)))
+                ContextEncoding(c, self._names, p, inplace=eager), self._context_args(p)))
         for q, p in b.continuations:
             key = self._key("continuation", c, {"prefix": q, "prompt": p, "positions": b.cache})
             self._get(("continuation", q, p), key, ContextContinuation.aliases, lambda q=q, p=p: (
-                ContextContinuation(c, self._names, q, p), self._continuation_args(q, p)))
+                ContextContinuation(c, self._names, q, p, inplace=eager), self._continuation_args(q, p)))
         for batch in b.batch:
             for kv in b.seq:
                 self._decode_graph(("decode", batch, kv), c, self._weights, self._names, batch, k, kv)
@@ -206,7 +213,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
 
         def build():
             module = TokenGeneration(config, names, batch=batch, tokens=tokens, kv_len=kv,
-                                     max_cache_length=cfg.max_cache_length, num_top=self.num_top)
+                                     max_cache_length=cfg.max_cache_length, num_top=self.num_top,
+                                     inplace=self.compiler == "export")
             kc, vc = weights.new_cache(cfg.max_slots, self.buckets.cache)
             r = cfg.max_slots
             args = [tuple(weights.tensors[n] for n in names), kc, vc, torch.arange(batch),
@@ -489,10 +497,16 @@ def diagnose() -> dict[str, str]:
 
     compiler = NeuronEngine._pick_compiler("auto")
     out = {"device": NeuronEngine._describe(compiler)}
-    if compiler == "inductor":
-        out["compiler"] = f"inductor: the CPU compile path (by name only); on a Neuron instance: {plugin.NEURONX_HINT}"
+    if compiler == "export":
+        out["compiler"] = ("export: the CPU compile path (by name only), each graph's torch.export program run as it is, "
+                           "re-exported per process, nothing cached on disk; option compiler='inductor' compiles them to "
+                           f"C++ (cached); on a Neuron instance: {plugin.NEURONX_HINT}")
     else:
         out["compiler"] = "neuronx: torch_neuronx.trace (neuronx-cc)"
+    if compiler not in PERSISTED:
+        out["cache"] = f"none with compiler {compiler!r}; compiler='inductor' keeps its artifacts in {default_cache_dir()}"
+        out["speculation"] = "off (plain decoding); option speculation=k (2..8) verifies k - 1 drafts per step"
+        return out
     try:  # refused: a relative $POLYENGINE_NEURON_CACHE, or a folder someone else could write
         root = default_cache_dir()
         if not root.exists():

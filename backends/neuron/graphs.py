@@ -9,12 +9,12 @@ engine's host bookkeeping, files or compilers (:mod:`.compile` does those).
 
 Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
 
-``ContextEncoding(config, names, bucket, linear=None)``
+``ContextEncoding(config, names, bucket, linear=None, inplace=False)``
     ``(weights, tokens (1, P), last (1,))`` -> ``logits (1, V)`` float32 at ``last``,
     ``k, v (L, 1, kv_heads, P, head_dim)``: the prompt's K/V (pad positions after the
     prompt hold garbage the engine slices off; causal attention keeps them invisible).
 
-``ContextContinuation(config, names, prefix_bucket, bucket)``
+``ContextContinuation(config, names, prefix_bucket, bucket, inplace=False)``
     A prompt continuing a prefix (``existing_prefix``), one graph per (prefix bucket
     ``Q``, prompt bucket ``P``): ``(weights, prefix_k, prefix_v (L, 1, kv_heads, Q,
     head_dim), start (1,), tokens (1, P), last (1,))`` -> ``logits (1, V)`` at ``last``,
@@ -22,7 +22,7 @@ Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
     the prompt's at ``start ..`` (positions past ``start + last`` hold garbage the engine
     slices off). The prefix tensors are inputs, copied, never written.
 
-``TokenGeneration(config, names, batch, tokens, kv_len, max_cache_length, num_top, linear=None)``
+``TokenGeneration(config, names, batch, tokens, kv_len, max_cache_length, num_top, linear=None, inplace=False)``
     One decode step for a batch bucket of ``B`` seq_ids, ``T`` tokens per row:
     ``T = 1`` is token generation, ``T = k`` verifies ``k - 1`` draft tokens in one pass
     (the speculation graph). Inputs ``(weights, k_cache, v_cache, seq_ids (B,),
@@ -40,6 +40,12 @@ stream at step ``step + j`` and the penalty counts of the draft tokens before it
 accepts drafts while they equal what it sampled. The accepted tokens are therefore
 the tokens plain decoding draws, for greedy and sampled requests alike (the stream is
 counter-based); only how many arrive per step changes.
+
+``inplace`` (every graph): the forward writes K/V with ``index_put_`` into the cache it
+is given instead of returning a scattered copy (``StepSpec.inplace``). The ``export``
+compiler runs the exported program op by op, where each out-of-place scatter copies the
+whole cache once per layer; Inductor and neuronx-cc compile the out-of-place form into
+in-place writes themselves, so their graphs keep it.
 
 ``linear`` is the forward's projection hook (``StepSpec.linear``): None on one core;
 the Neuron path's tensor parallelism passes its sharded projections (:mod:`.nxd`), with
@@ -88,10 +94,10 @@ class ContextEncoding(torch.nn.Module):
 
     aliases: tuple[tuple[int, int], ...] = ()  # (input index, output index) updated in place
 
-    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, linear=None):
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, linear=None, inplace: bool = False):
         super().__init__()
         self.config, self.names, self.bucket = config, names, bucket
-        self.spec = StepSpec(linear=linear)
+        self.spec = StepSpec(linear=linear, inplace=inplace)
 
     def forward(self, weights, tokens, last):
         c = self.config
@@ -110,9 +116,11 @@ class ContextContinuation(torch.nn.Module):
 
     aliases: tuple[tuple[int, int], ...] = ()
 
-    def __init__(self, config: ModelConfig, names: tuple[str, ...], prefix_bucket: int, bucket: int):
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], prefix_bucket: int, bucket: int,
+                 inplace: bool = False):
         super().__init__()
         self.config, self.names, self.prefix_bucket, self.bucket = config, names, prefix_bucket, bucket
+        self.spec = StepSpec(inplace=inplace)
 
     def forward(self, weights, prefix_k, prefix_v, start, tokens, last):
         w = _weights(self.config, self.names, weights)
@@ -122,7 +130,7 @@ class ContextContinuation(torch.nn.Module):
         # Pad tokens (after last) write past the prompt, where no live query reads and the
         # engine slices off (as in ContextEncoding): no write mask, whose anchor would be a
         # data-dependent index the export cannot capture.
-        logits, k, v = forward(w, StepSpec(), tokens, positions, k, v, rows=None, logits_at=last)
+        logits, k, v = forward(w, self.spec, tokens, positions, k, v, rows=None, logits_at=last)
         return logits.float(), k, v
 
 
@@ -157,11 +165,11 @@ class TokenGeneration(torch.nn.Module):
     aliases = ((1, 4), (2, 5))
 
     def __init__(self, config: ModelConfig, names: tuple[str, ...], *, batch: int, tokens: int, kv_len: int,
-                 max_cache_length: int, num_top: int, linear=None):
+                 max_cache_length: int, num_top: int, linear=None, inplace: bool = False):
         super().__init__()
         self.config, self.names = config, names
         self.batch, self.tokens, self.kv_len = batch, tokens, kv_len
-        self.spec = StepSpec(kv_len=kv_len, linear=linear)
+        self.spec = StepSpec(kv_len=kv_len, linear=linear, inplace=inplace)
         self.max_cache_length, self.num_top = max_cache_length, num_top
 
     def forward(self, weights, k_cache, v_cache, seq_ids, occupied, prompt_len, token_mask, masked, *rest):

@@ -8,10 +8,14 @@ import os
 
 from polyengine.engine import Option
 
-__all__ = ["COMPILERS", "OPTIONS"]
+__all__ = ["COMPILERS", "CPU_DEFAULT", "OPTIONS"]
 
-# The graph compilers: Inductor on the CPU compile path, neuronx on Neuron devices.
-COMPILERS = ("inductor", "neuronx")
+# The graph compilers: on the CPU compile path the exported program as it is ("export",
+# the default there) or compiled to C++ by Inductor; neuronx on Neuron devices.
+COMPILERS = ("export", "inductor", "neuronx")
+# What compiler="auto" picks off Neuron devices: the suite's compile time against the
+# decode speed, measured (docs/neuron.md, "Choosing the CPU compiler").
+CPU_DEFAULT = "export"
 
 
 def _absolute(path: str) -> str | None:
@@ -20,10 +24,12 @@ def _absolute(path: str) -> str | None:
 
 
 OPTIONS = {
-    "compiler": Option("auto", "'inductor' (CPU compile path), 'neuronx' (Neuron devices), 'auto': neuronx where usable",
+    "compiler": Option("auto", "'export' (CPU: the exported graphs run as they are, compiled in seconds), "
+                               "'inductor' (CPU: compiled to C++, minutes per graph, faster steps), 'neuronx' "
+                               "(Neuron devices), 'auto': neuronx where usable, else export",
                        choices=("auto",) + COMPILERS),
-    "cache_dir": Option("", "compiled graphs; '' = $POLYENGINE_NEURON_CACHE or ~/.cache/polyengine/neuron",
-                        check=_absolute),
+    "cache_dir": Option("", "compiled graphs (inductor, neuronx; export keeps none); '' = $POLYENGINE_NEURON_CACHE "
+                            "or ~/.cache/polyengine/neuron", check=_absolute),
     "batch_buckets": Option((), "seq_ids per token-generation step; () = (max_slots,)"),
     "seq_buckets": Option((), "attended cache positions per step; () = see buckets.py"),
     # 1 = plain decoding, the default: measured faster with the built-in draft (docs/neuron.md)

@@ -22,7 +22,7 @@ from polyengine.models.blocks import FLOAT_FORMATS
 from polyengine.plugins import BackendSpec, Probe, hookimpl
 
 # The weight formats the engine computes on as stored: floats only. Its graphs are
-# compiled over float weights (torch.export + Inductor here, the NxD program on
+# compiled over float weights (torch.export here, run as exported or by Inductor; the NxD program on
 # Neuron), so a file's blocks are converted one tensor at a time as the weights load
 # (TorchWeights.from_model reads the Model's records one by one), never a float32
 # copy of the whole model before the compute dtype.
@@ -56,7 +56,8 @@ def probe() -> Probe:
     why = (f"{len(devices)} Neuron device(s) but torch-neuronx or neuronx-distributed is not installed ({NEURONX_HINT})"
            if devices
            else "no Neuron device (no /dev/neuronN)")
-    return Probe(True, False, f"{why}: CPU compile path (torch.export + Inductor), by name only", by_name_only=True)
+    return Probe(True, False, f"{why}: CPU compile path (torch.export; Inductor by option), by name only",
+                 by_name_only=True)
 
 
 @hookimpl

@@ -8,6 +8,8 @@ with and without speculation, beside the cpu backend on the same workload throug
                                    [--new-tokens 32] [--speculation 2] [--draft-layers 0]
                                    [--rounds 1] [--quick]
 
+The engines use ``compiler="inductor"``, the CPU compiler that writes the artifacts a
+cold and a warm cache compare (the default, ``export``, writes none).
 ``--quick`` is ``--model random:tiny-deep --slots 4 --prompt-len 16 --new-tokens 24``
 (a 4-layer random model: minutes, not the default model's much longer compile).
 Compile rows come from ``NeuronEngine.bench_report()``. Decode tokens/s: greedy
@@ -43,7 +45,9 @@ def limits(args) -> dict:
 
 def neuron_options(args, cache: str, speculation: int) -> dict:
     draft = {"draft_layers": args.draft_layers} if speculation > 1 else {}  # refused without speculation
-    return {"cache_dir": cache, "speculation": speculation, **draft}
+    # Inductor: the compiler whose artifacts a cold and a warm cache are about (the default
+    # off Neuron, export, keeps none; docs/neuron.md, "Choosing the CPU compiler").
+    return {"compiler": "inductor", "cache_dir": cache, "speculation": speculation, **draft}
 
 
 def build_engines(args, cache: str) -> dict:
