@@ -109,10 +109,11 @@ class TpuJaxEngine(EngineBase):
         self.compile_cache = use_compile_cache(o["compile_cache"])
         self.profiler = Profiler(port=o["profiler_port"], trace_dir=o["trace_dir"], trace_steps=o["trace_steps"])
         self.memory_reports: dict[str, dict[str, Any]] = {}
-        self.compiles = CompileLog(per_bucket=("prefill_step", "insert_kv_step", "continue_step"))
+        self.compiles = CompileLog(per_bucket=("widen_prefix", "prefill_step", "insert_kv_step"))
         self.warmup_seconds: float | None = None
         self._params: dict[str, jax.Array] | None = None
         self._spare: TpuDecodeState | None = None
+        self._empty: PrefixArrays | None = None
         self._eos_mask = np.zeros(self.vocab_size, bool)
         self._eos_mask[list(self.eos_token_ids)] = True
 
@@ -221,8 +222,7 @@ class TpuJaxEngine(EngineBase):
         # The program depends on the buckets, not on the lengths inside them: any prefix
         # of bucket P continued with one token padded to bucket T compiles the pair.
         for p, t in self.continuation_pairs():
-            with self.compiles.track(f"{p}+{t}"):
-                self._continue(params, made[p].kv, 1, np.zeros(1, np.int32), t)
+            self._extend(params, made[p].kv, 1, np.zeros(1, np.int32), t)
         imported = self.import_prefix(self.export_prefix(prefix))
         state, _ = self.bulk_insert(imported, state, [0])
         state, _ = self.generate(params, state, overrides={0: 0})
@@ -271,18 +271,11 @@ class TpuJaxEngine(EngineBase):
         bucket = self.config.bucket_for(n)
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         row = self._row(sampling, prompt)
-        if existing_prefix is None:
-            padded = np.zeros(bucket, np.int32)
-            padded[:n] = toks
-            tokens_in, length = self.plan.put_tree((padded, np.int32(n)))
-            with self.compiles.track(bucket):
-                k, v, logits = steps.prefill_step(params, tokens_in, length, cfg=self.cfg)
-                result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
-        else:
-            kv = existing_prefix.kv
-            with self.compiles.track(f"{kv.k.shape[2]}+{bucket}"):
-                k, v, logits = self._continue(params, kv, start, toks, bucket)
-                result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
+        # A plain prefill continues the empty prefix: one program kind for both.
+        kv = existing_prefix.kv if existing_prefix is not None else self._empty_prefix()
+        k, v, logits = self._extend(params, kv, start, toks, bucket)
+        with self.compiles.track():
+            result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
         prefix = Prefix(
             kv=PrefixArrays(k, v, row), logits=logits, prompt_tokens=prompt, sampling=sampling, backend=self.name,
             first_token=int(result.tokens[0, 0]), to_host=self._host, model_id=self.model_id, token_mask=mask,
@@ -326,13 +319,29 @@ class TpuJaxEngine(EngineBase):
                     pairs.append((p, t))
         return pairs
 
-    def _continue(self, params, kv: PrefixArrays, start: int, toks: np.ndarray, bucket: int):
-        """Dispatch :func:`~.steps.continue_step` for ``toks`` after ``start`` positions of ``kv``."""
+    def _empty_prefix(self) -> PrefixArrays:
+        """The prefix of a plain prefill: no positions (zero bytes), made once."""
+        if self._empty is None:
+            c = self.model.config
+            shape = (c.num_hidden_layers, c.num_key_value_heads, 0, c.head_dim)
+            axes = ("layers", "kv_heads", "positions", "head_dim")
+            empty = self.plan.put(np.zeros(shape, steps.JAX_DTYPES[self.dtype]), axes)
+            self._empty = PrefixArrays(empty, empty, None)
+        return self._empty
+
+    def _extend(self, params, kv: PrefixArrays, start: int, toks: np.ndarray, bucket: int):
+        """``toks`` (padded to ``bucket``) after ``start`` positions of ``kv``: the prefix
+        widened to the bucket that holds both (:func:`~.steps.widen_prefix`), then
+        :func:`~.steps.prefill_step` on it. Returns (K, V, logits)."""
         padded = np.zeros(bucket, np.int32)
         padded[: toks.size] = toks
         tokens_in, length, start_in = self.plan.put_tree((padded, np.int32(toks.size), np.int32(start)))
-        out = self.continued_bucket(kv.k.shape[2], bucket)
-        return steps.continue_step(params, kv.k, kv.v, start_in, tokens_in, length, cfg=self.cfg, out_bucket=out)
+        held = kv.k.shape[2]
+        out = bucket if held == 0 else self.continued_bucket(held, bucket)
+        with self.compiles.track(f"{held}->{out}"):
+            k, v = steps.widen_prefix(kv.k, kv.v, plan=self.plan, bucket=out)
+        with self.compiles.track(str(bucket) if out == bucket else f"{bucket} in {out}"):
+            return steps.prefill_step(params, k, v, start_in, tokens_in, length, cfg=self.cfg)
 
     # -- insert, bulk_insert, free_resource: the kit's flow over these hooks ----------------
 
