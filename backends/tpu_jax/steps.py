@@ -64,7 +64,7 @@ from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, Int8KVCodec, in
 from polyengine.backends.tpu_jax.sharding import ShardingPlan
 
 __all__ = [
-    "StepConfig", "SampleConfig", "SlotRows", "DecodeArrays", "run_model", "pack", "init_state", "init_cache", "init_rows",
+    "StepConfig", "CacheConfig", "SampleConfig", "SlotRows", "DecodeArrays", "run_model", "pack", "init_state", "init_cache", "init_rows",
     "widen_prefix", "prefill_step", "first_token_step", "insert_step", "insert_kv_step", "insert_rows_step",
     "generate_step", "forward_step", "sample_step", "free_step", "free_rows_step", "JAX_DTYPES",
 ]
@@ -93,6 +93,12 @@ class StepConfig:
         return SampleConfig(self.plan, self.num_top, self.candidates)
 
     @property
+    def cache(self) -> CacheConfig:
+        c = self.model
+        return CacheConfig(self.plan, c.num_hidden_layers, self.slots, c.num_key_value_heads, self.cache_length,
+                           c.head_dim, self.dtype, self.kv_int8)
+
+    @property
     def layout(self) -> ResultLayout:
         return ResultLayout(k=1, top_n=self.num_top, logprobs=True)
 
@@ -108,6 +114,25 @@ class StepConfig:
     def precision(self) -> str:
         # float32 means float32 products; TPUs otherwise use bf16 passes for them.
         return "highest" if self.dtype == "float32" else "default"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What the KV cache's programs depend on (its shape, dtype and layout, not the rest
+    of the model: shared by every model whose K/V shapes agree)."""
+
+    plan: ShardingPlan
+    layers: int
+    slots: int
+    kv_heads: int
+    cache_length: int
+    head_dim: int
+    dtype: str  # compute dtype (of prefixes, and of the cache unless int8)
+    kv_int8: bool = False
+
+    @property
+    def cache_dtype(self):
+        return jnp.int8 if self.kv_int8 else JAX_DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -146,7 +171,7 @@ class DecodeArrays:
 _CACHE_AXES = CACHE_AXES  # the cache is laid out by the axes the memory check counts
 
 
-def _constrain_cache(cfg: StepConfig, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _constrain_cache(cfg: StepConfig | CacheConfig, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Pin the cache to its layout, so a donated input and its output agree."""
     return cfg.plan.constrain(k, _CACHE_AXES), cfg.plan.constrain(v, _CACHE_AXES)
 
@@ -210,15 +235,14 @@ def _jit(fn=None, *, donate=()):
 
 def init_state(eos_mask, *, cfg: StepConfig) -> DecodeArrays:
     """Every slot empty: zero caches, neutral sampler rows."""
-    k, v = init_cache(cfg=cfg)
+    k, v = init_cache(cfg=cfg.cache)
     return DecodeArrays(k=k, v=v, rows=init_rows(eos_mask, cfg=cfg.sampler, slots=cfg.slots))
 
 
 @_jit
-def init_cache(*, cfg: StepConfig) -> tuple[jax.Array, jax.Array]:
-    c = cfg.model
-    width = c.head_dim + (KV_SCALE_BYTES if cfg.kv_int8 else 0)
-    shape = (c.num_hidden_layers, cfg.slots, c.num_key_value_heads, cfg.cache_length, width)
+def init_cache(*, cfg: CacheConfig) -> tuple[jax.Array, jax.Array]:
+    width = cfg.head_dim + (KV_SCALE_BYTES if cfg.kv_int8 else 0)
+    shape = (cfg.layers, cfg.slots, cfg.kv_heads, cfg.cache_length, width)
     return _constrain_cache(cfg, jnp.zeros(shape, cfg.cache_dtype), jnp.zeros(shape, cfg.cache_dtype))
 
 
@@ -290,7 +314,7 @@ def first_token_step(logits, row: smp.SamplerState, token_mask, *, cfg: SampleCo
 def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.SamplerState, slots, count,
                 mask, sample_index, first, *, cfg: StepConfig) -> DecodeArrays:
     """Install one prefix into ``slots[:count]`` (insert and bulk_insert): its K/V
-    (:func:`insert_kv_step`, per model and bucket), then its rows
+    (:func:`insert_kv_step`, per K/V shape and bucket), then its rows
     (:func:`insert_rows_step`, per vocabulary). ``state`` is donated.
 
     ``prefix_k``/``prefix_v`` (layers, kv_heads, T, head_dim) hold ``length`` live
@@ -298,13 +322,13 @@ def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.Sample
     ``sample_index`` (R,) gives each its sample and ``first`` (R,) its first token
     (drawn by :func:`first_token_step`), which it feeds next.
     """
-    k, v = insert_kv_step(state.k, state.v, prefix_k, prefix_v, slots, count, cfg=cfg)
+    k, v = insert_kv_step(state.k, state.v, prefix_k, prefix_v, slots, count, cfg=cfg.cache)
     rows = insert_rows_step(state.rows, length, row, mask, sample_index, first, cfg=cfg.sampler)
     return DecodeArrays(k=k, v=v, rows=rows)
 
 
 @_jit(donate=("k", "v"))
-def insert_kv_step(k, v, prefix_k, prefix_v, slots, count, *, cfg: StepConfig):
+def insert_kv_step(k, v, prefix_k, prefix_v, slots, count, *, cfg: CacheConfig):
     """Copy a prefix's K/V into the cache rows ``slots[:count]``."""
     encode = kv_encode if cfg.kv_int8 else (lambda x: x.astype(cfg.cache_dtype))
     new_k, new_v = encode(prefix_k), encode(prefix_v)
