@@ -40,7 +40,7 @@ DEDICATED = {
 SUITE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 BUILTIN = [name for name in AVAILABLE if name not in DEDICATED]
 # For the same reason XLA:CPU's older fusion emitters: they compile the suite's programs in
-# about a third of the MLIR emitters' time (docs/conformance.md, "Time budget"). XLA aborts
+# a third to half of the MLIR emitters' time (docs/conformance.md, "Time budget"). XLA aborts
 # the process on a flag it does not know, so it is passed only where this jaxlib takes it.
 FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 

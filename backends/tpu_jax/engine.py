@@ -320,7 +320,8 @@ class TpuJaxEngine(EngineBase):
         return pairs
 
     def _empty_prefix(self) -> PrefixArrays:
-        """The prefix of a plain prefill: no positions (zero bytes), made once."""
+        """The prefix a plain prefill continues: no positions (zero bytes), made once; it
+        has no sampling row, as it is never inserted or returned."""
         if self._empty is None:
             c = self.model.config
             shape = (c.num_hidden_layers, c.num_key_value_heads, 0, c.head_dim)
