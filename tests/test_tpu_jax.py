@@ -216,9 +216,10 @@ def test_engines_share_programs_by_shape_and_keep_their_own_weights(model):
     """Programs are cached per static config, weights are arguments: a second engine of
     the same shapes with other weights compiles nothing and gives its own weights'
     results (the reference's for each model, and not the first engine's); an engine of
-    another model shape compiles its own model programs (prefill, the KV half of insert,
-    the decode forward) and none of the slot rows' programs (the sampler's), which
-    depend on the vocabulary, slots and mesh only."""
+    another model shape (a wider MLP) compiles its own model programs (prefill, the
+    decode forward) and none of the slot rows' programs (the sampler's), which depend on
+    the vocabulary, slots and mesh only, nor the KV cache's (the empty cache, the K/V
+    half of insert, the prefix copy), which depend on the K/V shape only."""
     from polyengine.models import Model, ModelConfig
 
     rng = np.random.default_rng(11)
@@ -256,7 +257,58 @@ def test_engines_share_programs_by_shape_and_keep_their_own_weights(model):
     (twin_logits, twin_tokens), twin_compiled = got["twin"]
     assert twin_compiled == [], twin_compiled
     assert np.abs(twin_logits - first_logits).max() > 0.1 and twin_tokens != first_tokens
-    assert got["wide"][1] == ["forward_step", "init_cache", "insert_kv_step", "prefill_step"], got["wide"][1]
+    assert got["wide"][1] == ["forward_step", "prefill_step"], got["wide"][1]
+
+
+def test_a_prefill_and_the_continuations_in_its_bucket_share_one_program(model):
+    """``prefill_step`` is one program per (new tokens bucket, output bucket): a plain
+    prefill is the continuation of an empty prefix. On the ladder (16, 24) a continuation
+    of a bucket-16 prefix by 17 tokens (bucket 24, stored in 24) runs the plain 24-token
+    prefill's executable, and one by 8 tokens (bucket 16, stored in 24) compiles the one
+    program (16 in 24) that a bucket-24 prefix continued by 3 tokens then reuses. Each
+    result equals a plain prefill of the whole prompt."""
+    from polyengine.models import Model
+
+    rng = np.random.default_rng(5)
+    # Another MLP width: no other test's engine compiled this model's programs.
+    cfg = model.config.model_copy(update={"intermediate_size": 3 * model.config.intermediate_size})
+    fresh = Model(cfg, {n: (1.0 if n.endswith("norm.weight") else 0.0) + 0.2 * rng.standard_normal(s).astype(np.float32)
+                        for n, s in cfg.weight_shapes().items()}, source="fresh")
+    eng = TpuJaxEngine(fresh, CFG)
+    params = eng.load_params()
+    sp = SamplingParams(temperature=0, logprobs=True)
+    prompt = rng.integers(0, eng.vocab_size, CFG.max_prefill_length).tolist()
+
+    def prefill_programs(run):
+        """``run()``'s result and the model programs it compiled (the prefix copy and the
+        first token's sampler are not the model's)."""
+        before = len(eng.compiles.rows)
+        out = run()
+        rows = eng.compiles.rows[before:]
+        return out, [(r["program"], r["bucket"]) for r in rows if r["program"] not in ("widen_prefix", "first_token_step")]
+
+    def same(prefix, n):
+        whole, _ = eng.prefill(params=params, tokens=prompt[:n], sampling=sp)
+        got, want = (np.asarray(p.to_host(p.logits)) for p in (prefix, whole))
+        assert prefix.true_length == n and prefix.first_token == whole.first_token
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+    _, compiled = prefill_programs(lambda: eng.prefill(params=params, tokens=prompt[:22], sampling=sp))
+    assert compiled == [("prefill_step", "24")]
+    (head, _), compiled = prefill_programs(lambda: eng.prefill(params=params, tokens=prompt[:5], sampling=sp))
+    assert compiled == [("prefill_step", "16")]
+    (longer, _), compiled = prefill_programs(
+        lambda: eng.prefill(params=params, tokens=prompt[5:22], sampling=sp, existing_prefix=head))
+    assert compiled == [] and longer.kv.k.shape[2] == 24  # the plain prefill's (24, 24) program
+    same(longer, 22)
+    (mid, _), compiled = prefill_programs(
+        lambda: eng.prefill(params=params, tokens=prompt[5:13], sampling=sp, existing_prefix=head))
+    assert compiled == [("prefill_step", "16 in 24")] and mid.kv.k.shape[2] == 24
+    same(mid, 13)
+    (last, _), compiled = prefill_programs(
+        lambda: eng.prefill(params=params, tokens=prompt[13:16], sampling=sp, existing_prefix=mid))
+    assert compiled == []
+    same(last, 16)
 
 
 def _check_bench_report(report: dict, eng: TpuJaxEngine) -> None:

@@ -118,7 +118,7 @@ class TpuJaxEngine(EngineBase):
                                      field="options.kv_quantize")
         self.pages = PagePool(ps, kv_pages or None) if ps else None
         self.compiles = CompileLog(per_bucket=(
-            "prefill_step", "insert_kv_step", "continue_step", "write_pages_step", "gather_pages_step",
+            "widen_prefix", "prefill_step", "insert_kv_step", "write_pages_step", "gather_pages_step",
             "paged_forward_step"))
         self._paged = paged.PagedKV(self.pages, self.cfg, self.plan.put_tree, (
             config.max_slots * pages_for(config.max_cache_length, ps)), self.compiles.track) if ps else None
@@ -133,6 +133,7 @@ class TpuJaxEngine(EngineBase):
         self.warmup_seconds: float | None = None
         self._params: dict[str, jax.Array] | None = None
         self._spare: TpuDecodeState | None = None
+        self._empty: PrefixArrays | None = None
         self._eos_mask = np.zeros(self.vocab_size, bool)
         self._eos_mask[list(self.eos_token_ids)] = True
 
@@ -252,9 +253,7 @@ class TpuJaxEngine(EngineBase):
         # The program depends on the buckets, not on the lengths inside them: any prefix
         # of bucket P continued with one token padded to bucket T compiles the pair.
         for p, t in self.continuation_pairs():
-            pk, pv, _ = self._prefix_arrays(made[p].kv)
-            with self.compiles.track(f"{p}+{t}"):
-                self._continue(params, pk, pv, 1, np.zeros(1, np.int32), t)
+            self._extend(params, made[p].kv, 1, np.zeros(1, np.int32), t)
         imported = self.import_prefix(self.export_prefix(prefix))
         state, _ = self.bulk_insert(imported, state, [0])
         state, _ = self.generate(params, state, overrides={0: 0})
@@ -311,18 +310,11 @@ class TpuJaxEngine(EngineBase):
         bucket = self.config.bucket_for(n)
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         row = self._row(sampling, prompt)
-        if existing_prefix is None:
-            padded = np.zeros(bucket, np.int32)
-            padded[:n] = toks
-            tokens_in, length = self.plan.put_tree((padded, np.int32(n)))
-            with self.compiles.track(bucket):
-                k, v, logits = steps.prefill_step(params, tokens_in, length, cfg=self.cfg)
-                result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
-        else:
-            pk, pv, prefix_bucket = self._prefix_arrays(existing_prefix.kv)
-            with self.compiles.track(f"{prefix_bucket}+{bucket}"):
-                k, v, logits = self._continue(params, pk, pv, start, toks, bucket)
-                result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
+        # A plain prefill continues the empty prefix: one program kind for both.
+        held = existing_prefix.kv if existing_prefix is not None else self._empty_prefix()
+        k, v, logits = self._extend(params, held, start, toks, bucket)
+        with self.compiles.track():
+            result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
         if self._paged is None:
             kv, nbytes = PrefixArrays(k, v, row), self.kv_bytes(k.shape[2])
         else:
@@ -375,15 +367,30 @@ class TpuJaxEngine(EngineBase):
                     pairs.append((p, t))
         return pairs
 
-    def _continue(self, params, prefix_k: jax.Array, prefix_v: jax.Array, start: int, toks: np.ndarray, bucket: int):
-        """Dispatch :func:`~.steps.continue_step` for ``toks`` after ``start`` positions of
-        the prefix's contiguous K/V (its bucket is their width)."""
+    def _empty_prefix(self) -> PrefixArrays:
+        """The prefix a plain prefill continues: no positions (zero bytes), made once; it
+        has no sampling row, as it is never inserted or returned."""
+        if self._empty is None:
+            c = self.model.config
+            shape = (c.num_hidden_layers, c.num_key_value_heads, 0, c.head_dim)
+            axes = ("layers", "kv_heads", "positions", "head_dim")
+            empty = self.plan.put(np.zeros(shape, steps.JAX_DTYPES[self.dtype]), axes)
+            self._empty = PrefixArrays(empty, empty, None)
+        return self._empty
+
+    def _extend(self, params, kv: PrefixArrays | paged.PagedPrefix, start: int, toks: np.ndarray, bucket: int):
+        """``toks`` (padded to ``bucket``) after ``start`` positions of ``kv``: the prefix
+        widened to the bucket that holds both (:func:`~.steps.widen_prefix`), then
+        :func:`~.steps.prefill_step` on it. Returns (K, V, logits)."""
         padded = np.zeros(bucket, np.int32)
         padded[: toks.size] = toks
         tokens_in, length, start_in = self.plan.put_tree((padded, np.int32(toks.size), np.int32(start)))
-        out = self.continued_bucket(prefix_k.shape[2], bucket)
-        return steps.continue_step(params, prefix_k, prefix_v, start_in, tokens_in, length, cfg=self.cfg,
-                                   out_bucket=out)
+        pk, pv, held = self._prefix_arrays(kv)
+        out = bucket if held == 0 else self.continued_bucket(held, bucket)
+        with self.compiles.track(f"{held}->{out}"):
+            k, v = steps.widen_prefix(pk, pv, plan=self.plan, bucket=out)
+        with self.compiles.track(str(bucket) if out == bucket else f"{bucket} in {out}"):
+            return steps.prefill_step(params, k, v, start_in, tokens_in, length, cfg=self.cfg)
 
     def _prefix_arrays(self, kv: PrefixArrays | paged.PagedPrefix) -> tuple[jax.Array, jax.Array, int]:
         """A prefix's K/V as contiguous arrays of its bucket (a paged one's gathered from

@@ -18,9 +18,12 @@ what it depends on, because each program is traced and compiled once per distinc
 static config and on the CPU (the conformance suite builds ~30 engines of a dozen tiny
 models) compiling, not running, is what an engine costs:
 
-- the model's programs (:class:`StepConfig`): prefill and the KV half of insert once
-  per prefill bucket (the bucket is the padded prompt's shape), the continuation of a
-  prefix once per (prefix bucket, new tokens bucket), the decode forward once;
+- the model's programs (:class:`StepConfig`): prefill once per (new tokens bucket,
+  output bucket), a plain prefill being the continuation of an empty prefix (so the
+  continuations that land in a bucket share the prefills' executables), the KV half of
+  insert once per prefill bucket, the decode forward once; copying a prefix into a
+  fresh cache of the output bucket (:func:`widen_prefix`) is a tiny program per K/V
+  shape, shared by models whose K/V shapes agree;
 - the slot rows' programs (:class:`SampleConfig`: vocabulary, slots and mesh, never the
   model): the first token, the sampling half of a decode step, the rows half of insert,
   the empty rows and free. The sampler costs more to compile than a small model's
@@ -61,8 +64,8 @@ from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, Int8KVCodec, in
 from polyengine.backends.tpu_jax.sharding import ShardingPlan
 
 __all__ = [
-    "StepConfig", "SampleConfig", "SlotRows", "DecodeArrays", "run_model", "pack", "init_state", "init_cache", "init_rows",
-    "prefill_step", "continue_step", "first_token_step", "insert_step", "insert_kv_step", "insert_rows_step",
+    "StepConfig", "CacheConfig", "SampleConfig", "SlotRows", "DecodeArrays", "run_model", "pack", "init_state", "init_cache", "init_rows",
+    "widen_prefix", "prefill_step", "first_token_step", "insert_step", "insert_kv_step", "insert_rows_step",
     "generate_step", "forward_step", "sample_step", "free_step", "free_rows_step", "JAX_DTYPES",
 ]
 
@@ -90,6 +93,12 @@ class StepConfig:
         return SampleConfig(self.plan, self.num_top, self.candidates)
 
     @property
+    def cache(self) -> CacheConfig:
+        c = self.model
+        return CacheConfig(self.plan, c.num_hidden_layers, self.slots, c.num_key_value_heads, self.cache_length,
+                           c.head_dim, self.dtype, self.kv_int8)
+
+    @property
     def layout(self) -> ResultLayout:
         return ResultLayout(k=1, top_n=self.num_top, logprobs=True)
 
@@ -105,6 +114,25 @@ class StepConfig:
     def precision(self) -> str:
         # float32 means float32 products; TPUs otherwise use bf16 passes for them.
         return "highest" if self.dtype == "float32" else "default"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What the KV cache's programs depend on (its shape, dtype and layout, not the rest
+    of the model: shared by every model whose K/V shapes agree)."""
+
+    plan: ShardingPlan
+    layers: int
+    slots: int
+    kv_heads: int
+    cache_length: int
+    head_dim: int
+    dtype: str  # compute dtype (of prefixes, and of the cache unless int8)
+    kv_int8: bool = False
+
+    @property
+    def cache_dtype(self):
+        return jnp.int8 if self.kv_int8 else JAX_DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -144,7 +172,7 @@ class DecodeArrays:
 _CACHE_AXES = CACHE_AXES  # the cache is laid out by the axes the memory check counts
 
 
-def _constrain_cache(cfg: StepConfig, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _constrain_cache(cfg: StepConfig | CacheConfig, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Pin the cache to its layout, so a donated input and its output agree."""
     return cfg.plan.constrain(k, _CACHE_AXES), cfg.plan.constrain(v, _CACHE_AXES)
 
@@ -210,15 +238,14 @@ def _jit(fn=None, *, donate=()):
 
 def init_state(eos_mask, *, cfg: StepConfig) -> DecodeArrays:
     """Every slot empty: zero caches, neutral sampler rows."""
-    k, v = init_cache(cfg=cfg)
+    k, v = init_cache(cfg=cfg.cache)
     return DecodeArrays(k=k, v=v, rows=init_rows(eos_mask, cfg=cfg.sampler, slots=cfg.slots))
 
 
 @_jit
-def init_cache(*, cfg: StepConfig) -> tuple[jax.Array, jax.Array]:
-    c = cfg.model
-    width = c.head_dim + (KV_SCALE_BYTES if cfg.kv_int8 else 0)
-    shape = (c.num_hidden_layers, cfg.slots, c.num_key_value_heads, cfg.cache_length, width)
+def init_cache(*, cfg: CacheConfig) -> tuple[jax.Array, jax.Array]:
+    width = cfg.head_dim + (KV_SCALE_BYTES if cfg.kv_int8 else 0)
+    shape = (cfg.layers, cfg.slots, cfg.kv_heads, cfg.cache_length, width)
     return _constrain_cache(cfg, jnp.zeros(shape, cfg.cache_dtype), jnp.zeros(shape, cfg.cache_dtype))
 
 
@@ -230,45 +257,42 @@ def init_rows(eos_mask, *, cfg: SampleConfig, slots: int) -> SlotRows:
     return _constrain_rows(cfg, rows)
 
 
-@_jit
-def prefill_step(params, tokens, length, *, cfg: StepConfig):
-    """Run one prompt, padded to its bucket ``T``: ``tokens`` (T,) int32, ``length`` ()
-    the true length. Returns the prefix K/V ``(layers, kv_heads, T, head_dim)`` (pad
-    positions never written) and the last position's raw logits (vocab,) float32; its
-    first token comes from :func:`first_token_step`, dispatched right after."""
-    c, t = cfg.model, tokens.shape[0]
-    shape = (c.num_hidden_layers, 1, c.num_key_value_heads, t, c.head_dim)
-    k0 = cfg.plan.constrain(jnp.zeros(shape, cfg.jax_dtype), ("layers", None, "kv_heads", "positions", "head_dim"))
-    positions = jnp.arange(t, dtype=jnp.int32)
-    logits, k, v = run_model(
-        cfg, params, tokens[None], positions[None], k0, k0, write_mask=(positions < length)[None],
-        logits_at=(length - 1)[None])
+@functools.partial(jax.jit, static_argnames=("plan", "bucket"))
+def widen_prefix(prefix_k, prefix_v, *, plan: ShardingPlan, bucket: int):
+    """A fresh prefill cache of ``bucket`` positions holding a prefix's K/V
+    ``(layers, kv_heads, P, head_dim)`` at positions ``0 .. P-1`` and zeros after: the
+    input :func:`prefill_step` writes into (and donates). ``P`` is 0 for a plain
+    prefill (the engine's empty prefix), else the continued prefix's bucket. The prefix
+    is read, never written: it stays valid after it was continued. One tiny program
+    per (``P``, ``bucket``) and K/V shape, whatever the model's other dimensions."""
     axes = ("layers", "kv_heads", "positions", "head_dim")
-    return cfg.plan.constrain(k[:, 0], axes), cfg.plan.constrain(v[:, 0], axes), cfg.plan.constrain(logits[0].astype(jnp.float32))
+    shape = prefix_k.shape[:2] + (bucket,) + prefix_k.shape[3:]
+    put = lambda x: plan.constrain(lax.dynamic_update_slice(jnp.zeros(shape, x.dtype), x, (0, 0, 0, 0)), axes)  # noqa: E731
+    return put(prefix_k), put(prefix_v)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_bucket"))
-def continue_step(params, prefix_k, prefix_v, start, tokens, length, *, cfg: StepConfig, out_bucket: int):
-    """Continue a prefix with more prompt tokens (``existing_prefix``): one program per
-    (prefix bucket ``P``, new tokens bucket ``T``), whose output bucket ``out_bucket`` the
-    engine derives from that pair (:meth:`TpuJaxEngine.continued_bucket`), so the pair
-    alone picks the program.
+@_jit(donate=("k", "v"))
+def prefill_step(params, k, v, start, tokens, length, *, cfg: StepConfig):
+    """Run one prompt, padded to its bucket ``T``, after ``start`` positions of a prefix:
+    a plain prefill (``start`` 0, an empty cache) and the continuation of a prefix
+    (``existing_prefix``) are the same program. ``k``/``v`` (layers, kv_heads, O,
+    head_dim) come from :func:`widen_prefix` (donated: written in place); ``tokens``
+    (T,) hold ``length`` live tokens, which go to positions ``start ..``. Returns K/V
+    ``(layers, kv_heads, O, head_dim)`` holding ``start + length`` live positions (pad
+    positions never written) and the last live token's raw logits (vocab,) float32; its
+    first token comes from :func:`first_token_step`, dispatched right after.
 
-    ``prefix_k``/``prefix_v`` (layers, kv_heads, P, head_dim) hold ``start`` live
-    positions; ``tokens`` (T,) hold ``length`` live tokens, which go to positions
-    ``start ..``. Returns K/V ``(layers, kv_heads, out_bucket, head_dim)`` holding
-    ``start + length`` live positions, and the last live token's raw logits (vocab,).
-    The prefix's arrays are read, never written (a prefix stays valid after it was
-    continued): the program copies them into a fresh cache of ``out_bucket`` positions.
+    One program per (``T``, ``O``): the engine stores a continued prefix in the bucket
+    ``O`` that holds the prefix's bucket and ``T`` (:meth:`TpuJaxEngine.continued_bucket
+    <polyengine.backends.tpu_jax.engine.TpuJaxEngine.continued_bucket>`), a plain
+    prefill in ``O == T``; the prefix's own bucket is :func:`widen_prefix`'s business,
+    so the pairs that land in one (``T``, ``O``) share one executable.
     """
-    c, t = cfg.model, tokens.shape[0]
+    t = tokens.shape[0]
     axes = ("layers", None, "kv_heads", "positions", "head_dim")
-    shape = (c.num_hidden_layers, 1, c.num_key_value_heads, out_bucket, c.head_dim)
-    put = lambda x: cfg.plan.constrain(lax.dynamic_update_slice(  # noqa: E731
-        jnp.zeros(shape, cfg.jax_dtype), x[:, None].astype(cfg.jax_dtype), (0, 0, 0, 0, 0)), axes)
-    k0, v0 = put(prefix_k), put(prefix_v)
-    # Live positions stay below start + length <= out_bucket; a pad token's position may
-    # pass it (its RoPE row is clamped and its K/V write is redirected: it changes nothing).
+    k0, v0 = cfg.plan.constrain(k[:, None], axes), cfg.plan.constrain(v[:, None], axes)
+    # Live positions stay below start + length <= O; a pad token's position may pass it
+    # (its RoPE row is clamped and its K/V write is redirected: it changes nothing).
     index = jnp.arange(t, dtype=jnp.int32)
     logits, k, v = run_model(
         cfg, params, tokens[None], (start + index)[None], k0, v0, write_mask=(index < length)[None],
@@ -293,7 +317,7 @@ def first_token_step(logits, row: smp.SamplerState, token_mask, *, cfg: SampleCo
 def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.SamplerState, slots, count,
                 mask, sample_index, first, *, cfg: StepConfig) -> DecodeArrays:
     """Install one prefix into ``slots[:count]`` (insert and bulk_insert): its K/V
-    (:func:`insert_kv_step`, per model and bucket), then its rows
+    (:func:`insert_kv_step`, per K/V shape and bucket), then its rows
     (:func:`insert_rows_step`, per vocabulary). ``state`` is donated.
 
     ``prefix_k``/``prefix_v`` (layers, kv_heads, T, head_dim) hold ``length`` live
@@ -301,13 +325,13 @@ def insert_step(state: DecodeArrays, prefix_k, prefix_v, length, row: smp.Sample
     ``sample_index`` (R,) gives each its sample and ``first`` (R,) its first token
     (drawn by :func:`first_token_step`), which it feeds next.
     """
-    k, v = insert_kv_step(state.k, state.v, prefix_k, prefix_v, slots, count, cfg=cfg)
+    k, v = insert_kv_step(state.k, state.v, prefix_k, prefix_v, slots, count, cfg=cfg.cache)
     rows = insert_rows_step(state.rows, length, row, mask, sample_index, first, cfg=cfg.sampler)
     return DecodeArrays(k=k, v=v, rows=rows)
 
 
 @_jit(donate=("k", "v"))
-def insert_kv_step(k, v, prefix_k, prefix_v, slots, count, *, cfg: StepConfig):
+def insert_kv_step(k, v, prefix_k, prefix_v, slots, count, *, cfg: CacheConfig):
     """Copy a prefix's K/V into the cache rows ``slots[:count]``."""
     encode = kv_encode if cfg.kv_int8 else (lambda x: x.astype(cfg.cache_dtype))
     new_k, new_v = encode(prefix_k), encode(prefix_v)
