@@ -618,6 +618,8 @@ class Scheduler:
             return False
         if any(s.grammar is not None for _, s in self._slots.values()):
             return False  # the next mask needs this step's token
+        if any(s.replay is not None for _, s in self._slots.values()):
+            return False  # a replay forces a token each step, in place of the engine's last one
         tools = [s.tool for _, s in self._slots.values() if s.tool is not None]
         # A forced token is due: the pending result's token must be replaced first. With
         # several tokens per step a forced token may fall inside a stale result, so
