@@ -2,7 +2,8 @@
 
     polyengine bench [--backend B ...] [--model M] [--dtype D ...] [--options JSON ...]
                      [--peers transformers,llamacpp|none] [--repeats N] [--quick] [--targets FILE ...]
-                     [--json PATH] [--parts standard,long,prefix|decode,prefill,serve] [--workload standard|scale]
+                     [--json PATH] [--parts standard,long,prefix,pages|decode,prefill,serve]
+                     [--workload standard|scale]
                      [--llamacpp-threads 1,2] [--llamacpp-quants LIST]
                      [--cache-dir DIR] [--isa auto,avx512,avx2,scalar|all] [--emulate avx2] [--llamacpp-lib DIR]
 
@@ -23,7 +24,9 @@ per peer (transformers float32, llama.cpp's file as shipped): it is the slowest 
 and its point is polyengine's memory at full context, with a peer beside it for scale.
 The ``prefix`` part (prefix caching and chunked prefill, ``prefix_phases``) runs when
 asked for, for every polyengine row and transformers float32 (whose runner reuses a
-system prompt's or a conversation's K/V itself).
+system prompt's or a conversation's K/V itself). The ``pages`` part (issue 40's memory
+target, ``pages_phases``: paged K/V against full reservations of the same engine) runs
+when asked for, for polyengine rows alone; its own report table follows the main one.
 
 Targets are judged only when ``--targets FILE`` names them (``verdicts``: TOML or JSON;
 the project's own in ``benchmarks/targets/``); the report then has a PASS/FAIL line per
@@ -80,12 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="judge the run against the targets in FILE (.toml or .json; repeatable) and print a PASS/FAIL "
                         "line per verdict; the project's own: benchmarks/targets/*.toml (docs/benchmarks.md#targets)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
-    p.add_argument("--parts", default="standard,long", metavar="standard,long,prefix",
+    p.add_argument("--parts", default="standard,long", metavar="standard,long,prefix,pages",
                    help="which parts to run: 'standard' (decode, prefill, serve), or some of its phases ('decode', "
                         "'prefill', 'serve'), 'long' (the full-context batch), "
                         "'prefix' (prefix caching and chunked prefill: shared prefix, multi-turn, long prompt under "
-                        "load), comma-separated (default: standard,long); the long batch's prefill is slow on slow "
-                        "systems")
+                        "load), 'pages' (paged K/V: 64 requests in the pages of 8 full reservations, against those "
+                        "reservations), comma-separated (default: standard,long); the long batch's prefill is slow "
+                        "on slow systems")
     p.add_argument("--workload", default=None, choices=("standard", "scale"),
                    help="the sizes: 'standard' (the default), or 'scale' for billion-parameter models on a CPU: "
                         "batch 1 and 8 of 32 tokens after a 128-token prompt, a 512-token prefill (--quick is the "
@@ -182,7 +186,7 @@ def _workload(args: argparse.Namespace) -> Any:
     return WORKLOADS[name or "standard"]
 
 
-_PARTS = ("standard", "long", "prefix")
+_PARTS = ("standard", "long", "prefix", "pages")
 _ISA_BACKENDS = ("cpu",)  # backends with an engine option isa
 
 
@@ -286,7 +290,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
                 rows.append(Job(f"transformers {label}", "transformers",
                                 dict(model=str(path), dtype=dt, cache_dir=cache), "standard",
                                 {"system": "transformers", "setting": f"{label} generate"}, long=dt == "float32",
-                                prefix=dt == "float32", env=env))
+                                prefix=dt == "float32", pages=False, env=env))
         else:
             if importlib.util.find_spec("llama_cpp") is None:
                 from polyengine.benchmarks.host import llamacpp_install_command
@@ -312,7 +316,7 @@ def plan(args: argparse.Namespace, notes: list[str]) -> list[Any]:
                                 dict(model=str(file), threads=_threads(args.llamacpp_threads), quant=quant,
                                      forbid=forbid),
                                 "standard", {"system": "llama.cpp", "setting": quant}, long=i == 0, prefix=False,
-                                env=lib_env))
+                                pages=False, env=lib_env))
     return rows
 
 
@@ -456,7 +460,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         doc["host"]["emulated"] = {"kind": emulate, "isa": host.emulated_cpu_info(doc["host"]["cpu"], emulate)["isa"],
                                    "env": env, "llamacpp_lib": None if lib is None else str(lib)}
     ours = any(job.kind == "polyengine" for job in jobs)
-    if ours and (work.name == "standard" or getattr(args, "isa", None) or emulate):
+    if parts == ["pages"]:
+        pass  # counts and memory of the engine's own settings: no row's share of the host's limits to compute
+    elif ours and (work.name == "standard" or getattr(args, "isa", None) or emulate):
         doc["host"]["limits"] = limits.measure(args.model, max(work.batches), env)  # before any job, never beside one
     elif ours and work.name == "scale":
         notes.append("host limits not measured with --workload scale (--isa measures them): their floors count "
@@ -465,11 +471,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notes.append("host limits measured with --quick (asked for by --isa or --emulate): the quick workload's rates are far "
                      "from them, so its shares only show the columns work")
     for job in jobs:
-        job.parts = [p for p in parts if p == "standard" or (p == "long" and job.long) or (p == "prefix" and job.prefix)]
+        job.parts = [p for p in parts if p == "standard" or (p == "long" and job.long) or (p == "prefix" and job.prefix)
+                     or (p == "pages" and job.pages)]
         job.phases = phases
     if "prefix" in parts and any(job.kind == "llamacpp" for job in jobs):
         notes.append("llama.cpp: the prefix part is not run for it (its runner has no shared-prefix, multi-turn or "
                      "loaded workloads yet)")
+    if "pages" in parts and any(job.kind != "polyengine" for job in jobs):
+        notes.append("the pages part runs for polyengine rows alone (paged K/V against full reservations of the same "
+                     "engine; the peers have no page pool)")
     progress = Progress(sum(len(job.parts) for job in jobs))
     for n in notes:
         progress.note(n)
@@ -541,6 +551,8 @@ def _run_row(job: Any, work: Any, repeats: int, timeout: float, progress: Any) -
             row["metrics"].update(res["metrics"], long_peak_rss_mib=rss)
         elif part == "prefix":
             row["metrics"].update(res["metrics"], prefix_peak_rss_mib=rss)
+        elif part == "pages":
+            row["metrics"].update(res["metrics"], pages_peak_rss_mib=rss)
         else:
             row["metrics"].update(res["metrics"], peak_rss_mib=rss)
             row["load_seconds"] = res.get("load_seconds")

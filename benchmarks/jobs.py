@@ -33,6 +33,7 @@ class Job:
     meta: dict[str, Any] = field(default_factory=dict)  # copied into the report row (peer, setting)
     long: bool = True  # whether this system runs the full-context batch (in a second worker)
     prefix: bool = True  # whether it runs the prefix part (prefix caching, chunked prefill)
+    pages: bool = True  # whether it runs the pages part (paged K/V against full reservations: polyengine's)
     parts: list[str] = field(default_factory=lambda: ["standard", "long"])  # what this run asks of it
     phases: tuple[str, ...] = ("decode", "prefill", "serve")  # the standard part's phases this run asks for
     env: dict[str, str] = field(default_factory=dict)  # set in its worker's environment (an emulation's, a library)

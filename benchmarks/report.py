@@ -160,6 +160,38 @@ def prefix_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([line([h for h, _ in cols]), sep] + [line(c) for c in cells] + ([tail] if tail else []))
 
 
+def pages_table(rows: list[dict[str, Any]]) -> str:
+    """The pages part: one line per (row, variant, setting) that ran it."""
+    ran = [r for r in rows if (r.get("metrics") or {}).get("pages_runs")]
+    if not ran:
+        return ""
+    head = ["row", "prompts", "engine", "K/V MiB", "done / failed", "peak running", "preemptions", "peak pages",
+            "cached tokens", "seconds", "tok/s"]
+    cells = []
+    for r in ran:
+        m = r["metrics"]
+        w = m.get("pages_workload") or {}
+        for variant, settings in m["pages_runs"].items():
+            for setting, run in settings.items():
+                engine = (f"paged: {run['pool_pages']} pages of {w.get('page_size')}, {run['requests']} slots"
+                          if run.get("pool_pages") else
+                          f"reserved: {w.get('reserved_slots')} slots x {w.get('context')}")
+                cells.append([r["row"], variant, engine, number_text(run["kv_mib"]),
+                              f"{run['completed']} / {run['failed']}", str(run["peak_running"]), str(run["preemptions"]),
+                              "-" if run.get("peak_pages") is None else str(run["peak_pages"]),
+                              str(run["cached_tokens"]), number_text(run["seconds"]),
+                              number_text(run["completion_tokens"] / run["seconds"] if run["seconds"] else None)])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    right = lambda i: i >= 3  # noqa: E731 - numbers right-aligned
+    line = lambda vals: "| " + " | ".join(v.rjust(w) if right(i) else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths))) + " |"  # noqa: E731
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if right(i) else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    w = ran[0]["metrics"].get("pages_workload") or {}
+    tail = (f"{w.get('requests')} requests of {w.get('prompt')} prompt tokens (shared: the first {w.get('system')} one "
+            f"system prompt) + {w.get('new_tokens')} new, submitted at once, greedy, EOS ignored; context "
+            f"{w.get('context')}. Counts and memory are exact; seconds depend on the host's load.")
+    return "\n".join([line(head), sep] + [line(c) for c in cells] + [tail])
+
+
 def header(doc: dict[str, Any]) -> str:
     host, work = doc["host"], Workload.from_dict(doc["workload"])
     torch = host.get("torch")
@@ -179,6 +211,9 @@ def header(doc: dict[str, Any]) -> str:
                       f"{work.serve_prompt_range[1]}, completions {work.serve_new_range[0]}-{work.serve_new_range[1]} "
                       f"tokens, {work.serve_slots} slots)"),
             ("long", f"long {work.long_batch} x {work.long_context} tokens"),
+            ("pages", f"pages {work.pages_requests} requests of {work.pages_prompt} + {work.pages_new_tokens} tokens "
+                      f"in {work.pages_pool} pages of {work.pages_page_size} (vs {work.pages_reserved_slots} slots x "
+                      f"{work.pages_context})"),
         ) if what in doc.get("phases", ("decode", "prefill", "serve")) or what in doc.get("parts", ("long",))),
         f"each value: median of {doc['repeats']} runs after one warm-up (long: one run, median step)",
     ]
@@ -243,6 +278,9 @@ def render(doc: dict[str, Any]) -> str:
     prefix = prefix_table(doc["rows"])
     if prefix:
         parts += ["", "prefix caching and chunked prefill (prefix part):", prefix]
+    pages = pages_table(doc["rows"])
+    if pages:
+        parts += ["", "paged K/V against full reservations (pages part):", pages]
     limits = limits_line(doc)
     if limits:
         parts += ["", limits]

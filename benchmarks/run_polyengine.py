@@ -142,19 +142,21 @@ class PolyengineSystem:
     # -- engines -------------------------------------------------------------------------
 
     def llm(self, slots: int, prefill_len: int, cache_len: int, *, prefix_cache: bool = True,
-            prefill_chunk: int | None = None) -> Any:
+            prefill_chunk: int | None = None, options: dict[str, Any] | None = None) -> Any:
         """An LLM over a timed engine of this shape (the previous one is released first).
         ``prefix_cache`` False builds it with ``prefix_cache_bytes=0``; ``prefill_chunk``
-        as ``EngineConfig.prefill_chunk`` (None: the default)."""
+        as ``EngineConfig.prefill_chunk`` (None: the default); ``options`` in place of
+        the row's engine options (the pages part's page settings)."""
         import polyengine
         from polyengine.construction import speed_paths
 
-        key = (slots, prefill_len, cache_len, prefix_cache, prefill_chunk)
+        options = self.options if options is None else options
+        key = (slots, prefill_len, cache_len, prefix_cache, prefill_chunk, tuple(sorted(options.items())))
         if key != self._key:
             self._llm = self._key = self._engine = None
             gc.collect()  # drop the last engine's weights and caches before allocating new ones
             config = dict(max_slots=slots, max_prefill_length=prefill_len, max_cache_length=cache_len,
-                          dtype=self.dtype, options=self.options, prefill_chunk=prefill_chunk)
+                          dtype=self.dtype, options=options, prefill_chunk=prefill_chunk)
             if not prefix_cache:
                 config["prefix_cache_bytes"] = 0
             start = time.perf_counter()
@@ -343,3 +345,55 @@ class PolyengineSystem:
         pace = [b - a for s, w in zip(stamps, window) for a, b in zip(s, s[1:]) if a >= w and b <= arrived]
         refresh_build(self.builds[-1], self._engine)
         return LoadedRun(gaps=gaps, before=pace, prompt_ttft=ttft, chunk=llm.scheduler.prefiller.chunk)
+
+    # -- the pages part (benchmarks/pages_phases.py) -------------------------------------------
+
+    def pages_run(self, requests: list[Request], *, paged: bool, work: Any, warmup: list[Request]) -> "PagesRun":
+        """The setting's engine (paged: the row's options with ``page_size`` and a bounded
+        ``kv_pages``, a slot per request; reserved: without pages, ``pages_reserved_slots``
+        slots), ``warmup`` on it, its cached prefixes dropped, then every request at once."""
+        from polyengine import SamplingParams
+        from polyengine.benchmarks.pages_phases import PagesRun
+        from polyengine.benchmarks.stats import MIB
+
+        options = {k: v for k, v in self.options.items() if k not in ("page_size", "kv_pages")}
+        if paged:
+            options.update(page_size=work.pages_page_size, kv_pages=work.pages_pool)
+        slots = work.pages_requests if paged else work.pages_reserved_slots
+        llm = self.llm(slots, work.pages_prompt, work.pages_context, options=options)
+        engine = self._engine
+        pool = engine.pages if paged else None
+        self._run(llm, warmup)
+        if llm.scheduler.prefix_cache is not None:
+            llm.scheduler.prefix_cache.clear()
+        gc.collect()
+        preempted = llm.page_stats["preemptions"]
+        start = time.perf_counter()
+        reqs = [llm.submit(r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+                for r in requests]
+        running = held = 0
+        while not all(r.done for r in reqs):
+            more = llm.step()
+            running = max(running, sum(r.status == "running" for r in reqs))
+            held = max(held, pool.held) if pool is not None else 0
+            if not more and not all(r.done for r in reqs):
+                raise RuntimeError("the driver went idle before every request finished")
+        seconds = time.perf_counter() - start
+        positions = pool.capacity * pool.page_size if pool is not None else slots * work.pages_context
+        kv_bytes = getattr(engine, "kv_bytes", None)
+        tokens = [len(r.completion.outputs[0].token_ids) if r.error is None else 0 for r in reqs]
+        refresh_build(self.builds[-1], engine)
+        return PagesRun(
+            requests=len(reqs),
+            completed=sum(r.error is None and n == q.max_tokens for r, n, q in zip(reqs, tokens, requests)),
+            failed=sum(r.error is not None for r in reqs),
+            peak_running=running,
+            preemptions=llm.page_stats["preemptions"] - preempted,
+            peak_pages=held if pool is not None else None,
+            pool_pages=pool.capacity if pool is not None else None,
+            kv_positions=positions,
+            kv_mib=kv_bytes(positions) / MIB if callable(kv_bytes) else None,
+            cached_tokens=sum(r.cached_tokens for r in reqs),
+            seconds=seconds,
+            completion_tokens=sum(tokens),
+        )

@@ -62,6 +62,12 @@ def run_job(job: dict[str, Any], send: Any) -> dict[str, Any]:
     notes: list[str] = []
     if job["part"] == "long":
         metrics = run_long(system, work, emit)
+    elif job["part"] == "pages":
+        from polyengine.benchmarks.pages_phases import run_pages
+
+        metrics = run_pages(system, work, emit, notes,
+                            done=lambda m: send({"event": "partial", "metrics": m,
+                                                 "details": getattr(system, "description", {})}))
     elif job["part"] == "prefix":
         from polyengine.benchmarks.prefix_phases import run_prefix
 

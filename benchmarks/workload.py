@@ -27,6 +27,13 @@ The ``prefix`` part (prefix caching and chunked prefill; :mod:`.prefix_phases`):
   ``loaded_margin`` steps after its first token, chunked prefill on and off.
 - ``serve`` again, with the cache on and off: the standard workload's throughput.
 
+The ``pages`` part (issue 40's memory target; :mod:`.pages_phases`): ``pages_requests``
+requests of ``pages_prompt`` prompt tokens and ``pages_new_tokens`` new ones, submitted at
+once, on paged K/V (pages of ``pages_page_size``, a pool of ``pages_pool`` pages: the
+positions of ``pages_reserved_slots`` full ``pages_context`` reservations) and on the
+contiguous engine with ``pages_reserved_slots`` slots; prompts sharing a
+``pages_system``-token system prompt, and distinct ones.
+
 Prompts are token ids, not text, so no system pays for tokenizing and every system
 sees the same ids. They are drawn from a seeded generator in the middle of the
 vocabulary ``[V/4, V/2)``: ordinary tokens, away from the special tokens that sit at
@@ -46,7 +53,8 @@ import numpy as np
 __all__ = ["Workload", "STANDARD", "QUICK", "SCALE", "WORKLOADS", "Request", "prompts", "serve_requests"]
 
 # Streams of the prompt generator, one per phase, so phases never share prompts.
-_STREAMS = {"decode": 1, "prefill": 2, "serve": 3, "long": 4, "warmup": 5, "shared": 6, "turns": 7, "loaded": 8}
+_STREAMS = {"decode": 1, "prefill": 2, "serve": 3, "long": 4, "warmup": 5, "shared": 6, "turns": 7, "loaded": 8,
+            "pages": 9}
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,14 @@ class Workload:
     loaded_stream_prompt: int = 128
     loaded_prompt: int = 2048
     loaded_margin: int = 16
+    # the pages part (issue 40: 64 requests of ~600 tokens in 8 full reservations of 4,096)
+    pages_requests: int = 64
+    pages_prompt: int = 470
+    pages_system: int = 384  # the shared variant's system prompt: 24 pages of 16
+    pages_new_tokens: int = 128
+    pages_context: int = 4096
+    pages_page_size: int = 16
+    pages_reserved_slots: int = 8
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -87,10 +103,17 @@ class Workload:
             raise ValueError("batches must be >= 1 and new_tokens >= 2 (decode speed counts tokens after the first)")
         if self.long_new_tokens < 2 or self.long_new_tokens >= self.long_context:
             raise ValueError("long_new_tokens must be in [2, long_context)")
+        if not 0 <= self.pages_system < self.pages_prompt or self.pages_prompt + self.pages_new_tokens > self.pages_context:
+            raise ValueError("the pages part needs pages_system < pages_prompt and prompt + new tokens <= pages_context")
 
     @property
     def long_prompt_len(self) -> int:
         return self.long_context - self.long_new_tokens
+
+    @property
+    def pages_pool(self) -> int:
+        """The paged setting's pool: the pages of ``pages_reserved_slots`` full contexts."""
+        return self.pages_reserved_slots * self.pages_context // self.pages_page_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,7 +135,8 @@ QUICK = replace(
     long_batch=4, long_context=96, long_new_tokens=4, warmup_tokens=2,
     shared_system=96, shared_requests=6, shared_user=8, shared_new_tokens=2, turn_conversations=2, turns=3,
     turn_first=16, turn_user=8, turn_answer=4, loaded_streams=3, loaded_stream_prompt=8, loaded_prompt=160,
-    loaded_margin=3,
+    loaded_margin=3, pages_requests=8, pages_prompt=24, pages_system=16, pages_new_tokens=6, pages_context=48,
+    pages_page_size=4, pages_reserved_slots=2,
 )
 
 # Billion-parameter models on a CPU (benchmarks/scripts/llama_shapes.py): batch 1 and 8 of

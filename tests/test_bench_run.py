@@ -363,6 +363,34 @@ def test_quick_prefix_part_reports_every_workload_and_its_targets(tmp_path):
     assert "prefix_loaded_itl_s" not in peer["metrics"] and any("long-prompt" in n for n in peer["notes"])
 
 
+def test_quick_pages_part_reports_both_settings_and_variants(tmp_path):
+    """``--parts pages``: the quick workload's requests on paged K/V (a pool of the pages of
+    the reserved slots' full contexts: the same K/V positions) and on the reserved slots,
+    with a shared system prompt and without; every request completes on both, the paged
+    engine runs more of them at once, and the table says so."""
+    out = tmp_path / "pages.json"
+    code, stdout, stderr = _bench(["--quick", "--backend", "reference", "--model", "random:tiny", "--peers", "none",
+                                   "--parts", "pages", "--json", str(out)], tmp_path)
+    assert code == 0, stdout + stderr
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    runs = row["metrics"]["pages_runs"]
+    assert set(runs) == {"shared", "distinct"} and all(set(v) == {"paged", "reserved"} for v in runs.values())
+    for variant in runs.values():
+        paged, reserved = variant["paged"], variant["reserved"]
+        for run in (paged, reserved):
+            assert run["requests"] == run["completed"] == QUICK.pages_requests and run["failed"] == 0
+            assert run["completion_tokens"] == QUICK.pages_requests * QUICK.pages_new_tokens and run["seconds"] > 0
+        assert paged["kv_positions"] == reserved["kv_positions"] == QUICK.pages_reserved_slots * QUICK.pages_context
+        assert paged["pool_pages"] == QUICK.pages_pool and 0 < paged["peak_pages"] <= QUICK.pages_pool
+        assert reserved["peak_running"] == QUICK.pages_reserved_slots < paged["peak_running"]
+        assert reserved["pool_pages"] is None and reserved["preemptions"] == 0
+    assert runs["shared"]["paged"]["cached_tokens"] > 0 and runs["distinct"]["paged"]["cached_tokens"] == 0
+    assert "paged K/V against full reservations (pages part):" in stdout
+    assert f"paged: {QUICK.pages_pool} pages of {QUICK.pages_page_size}" in stdout, stdout
+    assert "pages_peak_rss_mib" in row["metrics"]
+
+
 def test_emulate_avx2_restricts_every_worker_and_probe(tmp_path):
     """``--emulate avx2`` on a tiny model: the cpu row runs isa avx2 with torch
     itself restricted to AVX2 in its worker (its paths say so), and the header, torch's

@@ -305,3 +305,108 @@ def test_random_workloads_on_a_tight_pool_equal_the_unbounded_output(tiny, seed)
     bounded.scheduler.prefix_cache.clear()
     gc.collect()
     assert bounded.engine.pages.held == 0
+
+
+def _system_prompt_work(n: int = 8, max_tokens: int = 4) -> tuple[list[int], list[tuple[list[int], SamplingParams]]]:
+    """``n`` requests: one 32-token system prompt (8 pages of 4) and a 4-token user turn each."""
+    rng = np.random.default_rng(4)
+    system = rng.integers(3, 280, 32).tolist()
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=max_tokens, ignore_eos=True, logprobs=True)
+    return system, [(system + rng.integers(3, 280, 4).tolist(), sp) for _ in range(n)]
+
+
+def test_admission_does_not_count_the_pages_a_cache_hit_shares(tiny, monkeypatch):
+    """24 pages of 4 positions; eight requests of a shared 32-token system prompt and a
+    4-token user turn, 4 new tokens each. Counting each whole prompt (11 pages to start,
+    what admission did before) three run at once; not counting the system prompt's 8
+    cached pages (the second request cuts them from the first's entry, the others continue
+    that cut) seven do, none preempted. Outputs equal an unbounded pool's, and once the
+    cache lets go every page is free."""
+    import gc
+
+    from polyengine.driver.prefill import Prefiller
+
+    kw = dict(backend="reference", tools=False, max_slots=8, max_prefill_length=40, max_cache_length=48)
+    _, work = _system_prompt_work()
+    want, _ = _run(LLM(tiny, options={"page_size": 4}, **kw), work)
+    shared = LLM(tiny, options={"page_size": 4, "kv_pages": 24}, **kw)
+    got, seen = _run(shared, work)
+    assert got == want and seen["held"] <= 24 and shared.page_stats["preemptions"] == 0
+    assert seen["running"] == 7
+    shared.scheduler.prefix_cache.clear()
+    gc.collect()
+    assert shared.engine.pages.held == 0
+
+    monkeypatch.setattr(Prefiller, "cache_hit", lambda self, tokens, partition=None: (None, 0))  # the whole prompt
+    whole = LLM(tiny, options={"page_size": 4, "kv_pages": 24}, **kw)
+    got, seen_whole = _run(whole, work)
+    assert got == want and seen_whole["running"] == 3 < seen["running"]
+
+
+def test_the_entry_a_waiting_request_shares_is_not_the_one_evicted_for_it(tiny):
+    """The pool: 10 pages free, an idle entry of the system prompt (8 pages, first in the
+    eviction order) and an idle entry of another prompt (2 pages of its own). A request
+    of the system prompt and 4 more tokens needs 11 pages counting its whole prompt, 3
+    sharing the entry's 8: the room is made by evicting the other entry, never the one it
+    shares, and its prefill then continues that entry. When sharing cannot fit even after
+    evicting every other idle entry, the count is redone without the hit (the shared
+    entry may go too: a request alone always fits): a donor of 10 pages that a cut shares 7
+    of, 6 free pages, 3 more for the step."""
+    kw = dict(backend="reference", tools=False, max_slots=2, max_prefill_length=40, max_cache_length=48)
+    llm = LLM(tiny, options={"page_size": 4, "kv_pages": 24}, **kw)
+    eng, params, pre = llm.engine, llm.scheduler.params, llm.scheduler.prefiller
+    cache, pool = pre.cache, eng.pages
+    system, work = _system_prompt_work(1)
+    prompt = work[0][0]
+    sp = SamplingParams(temperature=0)
+    other, _ = eng.prefill(params=params, tokens=list(range(100, 108)), sampling=sp)
+    sysp, _ = eng.prefill(params=params, tokens=system, sampling=sp)
+    mine = cache.insert(sysp)  # filed first: least recently used, so first in the eviction order
+    cache.insert(other)
+    del other, sysp
+    assert [e.length for e in cache._eviction_order()] == [32, 8] and pool.held == 10
+    hold = pool.allocate(4)  # what running requests hold: 10 pages free
+    need = pre.pages_now(len(prompt), [0])
+    assert need == 11 and pre.cache_hit(prompt) == (mine, 8)
+    assert pre.make_room_for(prompt, None, need + 1)  # 4 beside a step's 1 more: 10 free
+    assert [e.length for e in cache.entries()] == [32, 8] and pool.free == 10  # nothing had to go
+    assert pre.make_room_for(prompt, None, need + 8)  # 11 of its own: the other entry goes, not the shared one
+    assert [e.length for e in cache.entries()] == [32] and pool.free == 12
+    job = pre.start(prompt, sp)
+    assert job.cached == 32 and job.held is mine
+    pre.abandon(job)
+    del job, mine  # each holds the system prompt's prefix, and with it its pages
+    cache.clear()
+    pool.release(hold)
+    assert pool.held == 0
+    donor, _ = eng.prefill(params=params, tokens=system + list(range(100, 108)), sampling=sp)  # 40 tokens: 10 pages
+    cache.insert(donor)
+    del donor  # the cache's alone now (a reference kept here would keep its pages)
+    hold = pool.allocate(8)  # 6 free; a cut at 32 shares 7 pages (the truncation copies the 8th)
+    entry, pages = pre.cache_hit(prompt)
+    assert (entry.length, pages) == (40, 7)
+    del entry
+    assert pre.make_room_for(prompt, None, need + 3)  # sharing: 7 > 6 free; the whole prompt: 14 <= 6 + 10
+    assert len(cache) == 0 and pool.free == 16 and pre.cache_hit(prompt) == (None, 0)
+    pool.release(hold)
+
+
+def test_preemption_on_an_engine_that_pipelines_its_steps(tiny_text):
+    """The cpu backend declares ``async_results``: step n+1 is dispatched before step n is
+    read. A replay forces a token in place of the engine's last one each step, so while
+    a slot replays the loop runs in lock step (pipelined, the forced token's step had
+    already run: the engine refused the override). 17 pages of 4 for four requests that
+    grow to 30-45 positions: preempted and replayed, greedy, outputs equal the unbounded
+    pool's."""
+    kw = dict(backend="cpu", tools=False, max_slots=4, max_prefill_length=32, max_cache_length=64, prefill_chunk=4)
+    prompts = ["the quick brown fox", "a b c d e f", "hello there, general", "zzz yyy"]
+    work = [(p, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)) for p in prompts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cpu backend's fallback notes on a tiny model
+        bounded = LLM(tiny_text, options={"page_size": 4, "kv_pages": 17}, **kw)
+        free = LLM(tiny_text, options={"page_size": 4}, **kw)
+    assert bounded.engine.capabilities.async_results
+    got, seen = _run(bounded, work)
+    want, _ = _run(free, work)
+    assert [[o[0] for o in outs] for outs, _ in got] == [[o[0] for o in outs] for outs, _ in want]
+    assert bounded.page_stats["preemptions"] > 0 and seen["held"] <= 17

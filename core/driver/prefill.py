@@ -136,9 +136,13 @@ class Prefiller:
 
     def fit(self, positions: int) -> None:
         """The slots hold K/V for ``positions`` cache positions now: on an engine whose
-        prefix cache shares their bytes, the cache shrinks (or may grow again) to the rest."""
+        prefix cache shares their bytes, the cache shrinks (or may grow again) to the rest,
+        and never past a bounded page pool."""
         if self.shares_kv:
-            self.cache.resize(self.engine.prefix_cache_bytes - self.engine.kv_bytes(positions))
+            budget = self.engine.prefix_cache_bytes - self.engine.kv_bytes(positions)
+            if self.pool is not None:
+                budget = min(budget, self.pool.capacity * self.engine.kv_bytes(self.pool.page_size))
+            self.cache.resize(budget)
 
     def pages_needed(self, prompt: int, completion: int, samples: int) -> int:
         """Pages a request may hold at worst on a bounded pool: each sample's prompt and
@@ -151,10 +155,52 @@ class Prefiller:
         its prompt's, one for a prefill piece's copy on write, and for each unfinished sample
         the pages its slot writes up to its next step (``completions``: the completion
         tokens each will hold before that step, 0 for a new request; the prompt's full
-        pages are shared, its partly filled last one copied)."""
+        pages are shared, its partly filled last one copied). The whole prompt is counted:
+        :meth:`make_room_for` takes off what a cache hit shares."""
         ps = self.pool.page_size
         shared = prompt // ps
         return pages_for(prompt, ps) + 1 + sum(pages_for(prompt + c + step_tokens, ps) - shared for c in completions)
+
+    def cache_hit(self, tokens: list[int], partition: Any = None) -> tuple[CacheEntry | None, int]:
+        """The pages of a prompt's K/V that :meth:`start` would take from the cache now,
+        counting no query: ``(entry, pages)``, the entry they come from (the one continued,
+        or the one a truncation cuts them from), or ``(None, 0)``. A continued entry of L
+        tokens gives its L // page_size full pages (its partly filled last page is copied
+        by the first piece); a cut at ``split`` tokens gives (split - 1) // page_size, since
+        the truncation prefills the last token again and so copies the page it falls in."""
+        if self.cache is None or self.pool is None:
+            return None, 0
+        entry, split, donor = self._plan(tokens, partition, count=False)
+        ps = self.pool.page_size
+        if donor is not None:
+            return donor, (split - 1) // ps
+        if entry is not None:
+            return entry, entry.length // ps
+        return None, 0
+
+    def make_room_for(self, tokens: list[int], partition: Any, pages: int) -> bool:
+        """:meth:`make_room` for a request about to :meth:`start`, ``pages`` counting its
+        whole prompt (:meth:`pages_now`): the pages its prompt shares from the cache
+        (:meth:`cache_hit`) are not counted, and the entry holding them is held while the
+        cache gives back others, so the room made is not that entry's. If even evicting
+        every other idle entry leaves too few, the count is redone without the hit (the
+        cache may then give back that entry as well: a request alone fits the pool, its
+        worst case was checked at submit, with nothing to share).
+
+        Why :meth:`start`, right after, finds the same hit: eviction only removes entries,
+        and the held one stays. The longest cached proper prefix of the prompt is still
+        that entry; how far the prompt agrees with cached prompts can only shrink, but not
+        below a held donor's cut (the donor agrees that far), so the cut is the same."""
+        entry, shared = self.cache_hit(tokens, partition)
+        if shared > 0:
+            entry.refs += 1
+            try:
+                if self.make_room(pages - shared):
+                    return True
+            finally:
+                self.cache.release(entry)
+        del entry  # a reference held here would keep the entry's pages when the cache gives it back
+        return self.make_room(pages)
 
     def piece_pages(self, job: PrefillJob, budget: int | None) -> int:
         """Pages the job's next piece takes from the pool at most: its new positions' pages
@@ -217,12 +263,9 @@ class Prefiller:
         is the tenant whose cached prompts it may continue and where its own are filed."""
         n, held, prefix, have, keep = len(tokens), None, None, 0, set()
         if self.cache is not None:
-            entry, matched = self.cache.lookup(tokens, partition)
-            split = min(matched, n - 1) // self.block * self.block
-            if split > (entry.length if entry is not None else 0) and self.truncates:
-                cut = self._cut(tokens[:split], partition)
-                if cut is not None:
-                    (held, prefix), have, entry = cut, split, None
+            entry, split, donor = self._plan(tokens, partition)
+            if donor is not None:
+                (held, prefix), have, entry = self._cut(tokens[:split], partition, donor), split, None
             if entry is not None:
                 held, prefix, have = entry, self.cache.acquire(entry), entry.length
             if split > have:
@@ -230,14 +273,25 @@ class Prefiller:
         return PrefillJob(list(tokens), sampling, sorted({n, *keep}), frozenset(keep), prefix, have, have, held,
                           token_mask, partition)
 
-    def _cut(self, tokens: list[int], partition: Any) -> tuple[CacheEntry | None, Prefix] | None:
-        """The prefix of ``tokens`` (a multiple of the block long) cut from a cached entry
-        that begins with them (``engine.truncate_prefix``), filed where the prompts part
-        and held, or None when no entry covers them. ``(entry, prefix)``; the entry is
-        None when the budget has no room for it (the prefix is continued all the same)."""
-        donor = self.cache.covering(tokens, partition)
-        if donor is None:
-            return None
+    def _plan(self, tokens: list[int], partition: Any, *,
+              count: bool = True) -> tuple[CacheEntry | None, int, CacheEntry | None]:
+        """What the cache offers a prompt: ``(entry, split, donor)``, the longest cached
+        proper prefix (None: none), where the prompt parts from the cached prompts (rounded
+        down to the block, never the whole prompt), and, where that is past the entry on an
+        engine with ``prefix_truncate``, the entry that part is cut from (else None).
+        ``count``: count the lookup as a query (:meth:`start` does, :meth:`cache_hit` not)."""
+        entry, matched = self.cache.lookup(tokens, partition, count=count)
+        split = min(matched, len(tokens) - 1) // self.block * self.block
+        donor = None
+        if split > (entry.length if entry is not None else 0) and self.truncates:
+            donor = self.cache.covering(tokens[:split], partition)
+        return entry, split, donor
+
+    def _cut(self, tokens: list[int], partition: Any, donor: CacheEntry) -> tuple[CacheEntry | None, Prefix]:
+        """The prefix of ``tokens`` (a multiple of the block long) cut from ``donor``, a
+        cached entry that begins with them (``engine.truncate_prefix``), filed where the
+        prompts part and held. ``(entry, prefix)``; the entry is None when the budget has
+        no room for it (the prefix is continued all the same)."""
         donor.refs += 1  # filing the cut may evict; the donor must outlive the cut
         try:
             prefix = self.engine.truncate_prefix(params=self.params, prefix=donor.prefix, length=len(tokens))

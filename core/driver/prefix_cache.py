@@ -130,14 +130,16 @@ class PrefixCache:
 
     # -- lookup ------------------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int], partition: Any = None) -> tuple[CacheEntry | None, int]:
+    def lookup(self, tokens: Sequence[int], partition: Any = None, *, count: bool = True) -> tuple[CacheEntry | None, int]:
         """``(entry, matched)`` for a prompt of ``partition``: the longest entry of that
         partition shorter than the prompt whose tokens begin it (None if none), and how
         many of the prompt's leading tokens some prompt cached in that partition shares
-        (at least the entry's length). Counts one query; a hit is counted when the caller
-        :meth:`acquire`\\ s the entry."""
-        self.stats.queries += 1
-        self.stats.query_tokens += len(tokens)
+        (at least the entry's length). Counts one query (``count`` False: none, for a
+        caller that only plans, such as the scheduler's page count at admission); a hit
+        is counted when the caller :meth:`acquire`\\ s the entry."""
+        if count:
+            self.stats.queries += 1
+            self.stats.query_tokens += len(tokens)
         node, at, best = self._roots.get(partition), 0, None
         if node is None:
             return None, 0

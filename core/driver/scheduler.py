@@ -27,9 +27,10 @@ goes to ``prefill``. A mask needs the token before it, so while a constrained sl
 the loop is in lock step.
 
 K/V pages (an engine declaring ``page_size`` whose pool is bounded, ``PagePool.capacity``):
-a request is admitted when the pages it needs now (its prompt and its samples' next step,
-:meth:`Prefiller.pages_now`) and the running slots' next step fit the free pages, after
-the prefix cache gave back what it can. Before each ``generate`` the slots' next writes
+a request is admitted when the pages it needs now (its prompt, less the full pages it
+shares with a cached prefix, and its samples' next step: :meth:`Prefiller.pages_now`,
+:meth:`Prefiller.make_room_for`) and the running slots' next step fit the free pages,
+after the prefix cache gave back what it can (never the prefix the request shares). Before each ``generate`` the slots' next writes
 must fit; if they do not, the most recently admitted request is preempted: its slots
 (and pages) are freed and it goes back to the front of the queue. When it is admitted
 again its prompt is prefilled again (from the prefix cache where it is held) and the
@@ -371,7 +372,7 @@ class Scheduler:
         can start, until ``budget`` prompt tokens (None: no bound)."""
         pieces, i, need = [], 0, 0
         while budget is None or budget > 0:
-            if i == len(self._filling) and (self._waits_for_prefill() or not self._start_next()):
+            if i == len(self._filling) and (self._waits_for_prefill() or not self._start_next(need)):
                 break
             req, job = self._filling[i]
             if self.prefiller.pool is not None and not self.prefiller.make_room(
@@ -447,16 +448,21 @@ class Scheduler:
         """Slots the requests being prefilled will take at insert."""
         return sum(req.sampling.n for req, _ in self._filling)
 
-    def _pages_free(self, req: Request) -> bool:
+    def _pages_free(self, req: Request, planned: int = 0) -> bool:
         """Whether the pages ``req`` needs now (its prompt and each unfinished sample's next
         step, or the completion it had before a preemption) fit beside the running slots'
-        next step (always, without a bounded page pool); the prefix cache gives back
-        pages to make them fit."""
+        next step and the ``planned`` pages of the pieces this round runs before its own
+        (always, without a bounded page pool); the pages its prompt shares with
+        a cached prefix are not counted, and the prefix cache gives back pages (not that
+        prefix's) to make them fit (:meth:`Prefiller.make_room_for`)."""
         if self.prefiller.pool is None:
             return True
         done = [max(len(s.out.token_ids) - 1, 0) for s in req.samples if not s.finished]
         need = self.prefiller.pages_now(len(req.prompt_tokens), done, self.engine.capabilities.tokens_per_step)
-        return self.prefiller.make_room(need + self._step_pages())
+        need += planned + self._step_pages()
+        if self.prefiller.cache is None:
+            return self.prefiller.make_room(need)
+        return self.prefiller.make_room_for(req.prompt_tokens, req.cache_salt, need)
 
     def _step_pages(self) -> int:
         """Pages the next ``generate`` takes from the pool: each running slot's new page or
@@ -539,11 +545,12 @@ class Scheduler:
         return {"total": pool.capacity or 0, "free": pool.free or 0, "in_use": pool.held, "shared": pool.shared,
                 "preemptions": self.preemptions}
 
-    def _start_next(self) -> bool:
-        """Start the head request's prefill once its slots are free (first come, first
-        served: no overtaking); whether one started."""
+    def _start_next(self, planned: int = 0) -> bool:
+        """Start the head request's prefill once its slots are free and its pages fit beside
+        the ``planned`` pages of this round's pieces so far (first come, first served: no
+        overtaking); whether one started."""
         while (self._queue and len(self.free_slots) - self._claimed_slots() >= self._queue[0].sampling.n
-               and self._pages_free(self._queue[0])):
+               and self._pages_free(self._queue[0], planned)):
             req = self._queue.popleft()
             resumed = any(s.out.token_ids for s in req.samples)  # its first tokens are replayed: no mask
             try:
@@ -611,6 +618,8 @@ class Scheduler:
             return False
         if any(s.grammar is not None for _, s in self._slots.values()):
             return False  # the next mask needs this step's token
+        if any(s.replay is not None for _, s in self._slots.values()):
+            return False  # a replay forces a token each step, in place of the engine's last one
         tools = [s.tool for _, s in self._slots.values() if s.tool is not None]
         # A forced token is due: the pending result's token must be replaced first. With
         # several tokens per step a forced token may fall inside a stale result, so
