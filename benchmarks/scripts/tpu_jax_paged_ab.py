@@ -22,8 +22,7 @@ import time
 def main(name: str, cache: int, rounds: int) -> None:
     import jax
 
-    from polyengine import EngineConfig, SamplingParams
-    from polyengine.backends.tpu_jax.engine import TpuJaxEngine
+    from polyengine import EngineConfig, SamplingParams, create_engine
     from polyengine.hostinfo import cpu_model
     from polyengine.models import load_model
 
@@ -31,7 +30,7 @@ def main(name: str, cache: int, rounds: int) -> None:
     cfg = EngineConfig(max_slots=4, max_prefill_length=min(32, cache - 8), max_cache_length=cache, dtype="float32")
     engines = {}
     for label, options in (("contiguous", {}), ("paged, page_size 16", {"page_size": 16})):
-        eng = TpuJaxEngine(model, cfg.model_copy(update={"options": options}))
+        eng = create_engine("tpu_jax", model, cfg.model_copy(update={"options": options}))
         params = eng.load_params()
         prefix, _ = eng.prefill(params=params, tokens=list(range(3, 23)),
                                 sampling=SamplingParams(temperature=0, ignore_eos=True))
