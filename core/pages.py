@@ -19,9 +19,9 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Iterable
 
-from polyengine.errors import InsufficientMemory
+from polyengine.errors import InsufficientMemory, InvalidRequest
 
-__all__ = ["DEFAULT_PAGE_SIZE", "PagePool", "PageList", "PageError", "pages_for"]
+__all__ = ["DEFAULT_PAGE_SIZE", "PagePool", "PageList", "PageError", "pages_for", "check_owner"]
 
 # Tokens per page unless a backend states another size (vLLM's and SGLang's default block).
 DEFAULT_PAGE_SIZE = 16
@@ -73,6 +73,17 @@ class PagePool:
     def free(self) -> int | None:
         """Pages :meth:`allocate` can still hand out (None: unbounded)."""
         return None if self.capacity is None else self.capacity - self.held
+
+    def storage_size(self, have: int | None, first: int) -> int | None:
+        """The pages a backend's K/V storage must hold now, or None when its ``have`` pages
+        (None: no storage yet) already cover every id handed out. Bounded: the capacity at
+        once. Unbounded: ``first`` pages first (every slot's full context, what a contiguous
+        cache holds), then half as many again whenever more ids are out."""
+        if have is not None and self.allocated <= have:
+            return None
+        if self.capacity:
+            return self.capacity
+        return max(self.allocated, first if not have else have + have // 2)
 
     @property
     def shared(self) -> int:
@@ -215,3 +226,12 @@ def _release_quietly(pool: PagePool, pages: list[int]) -> None:
     """A finalizer's release: ``pages`` is the list object the holder kept (copy on write
     replaces its entries in place), released as it stands when the holder is collected."""
     pool.release(pages)
+
+
+def check_owner(pages: PagePool | None, seq: PageList | None, backend: str) -> None:
+    """A prefix's pages (``seq``; None for contiguous K/V) belong to the pool of the engine
+    that made it (``pages``; None for an engine without pages): another engine of the same
+    weights must not read them."""
+    if (seq is not None) != (pages is not None) or (seq is not None and seq.pool is not pages):
+        raise InvalidRequest(f"prefix's K/V live in another {backend} engine's pages (or this engine's hold "
+                             f"none); move it with export_prefix/import_prefix")

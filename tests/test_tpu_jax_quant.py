@@ -42,13 +42,7 @@ BOUNDS = {  # mode -> (logits rel. L2, log-prob error)
 OPTIONS = {"int8": {"quantize": "int8"}, "int8-block32": {"quantize": "int8-block32"}, "kv-int8": {"kv_quantize": "int8"}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _compile_less():
-    """XLA's optimizations cost more compile time than four layers' run time saves."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("jax_compile_less")  # tiny models: compile time over run time
 
 
 @pytest.fixture(scope="module")

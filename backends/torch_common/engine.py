@@ -34,7 +34,7 @@ import torch
 from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
-from polyengine.pages import PageList, PagePool, pages_for
+from polyengine.pages import PageList, PagePool, check_owner, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.rows import row_bytes
@@ -584,10 +584,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         """The kit's checks, and K/V this engine holds: a paged prefix's pages belong to the
         pool of the engine that made it, which another engine of the same weights must not read."""
         prefix = super().check_prefix(prefix)
-        paged = isinstance(prefix.kv, PageList)
-        if paged != (self.pages is not None) or (paged and prefix.kv.pool is not self.pages):
-            raise InvalidRequest(f"prefix's K/V live in another {self.name} engine's pages (or this engine's hold "
-                                 f"none); move it with export_prefix/import_prefix")
+        check_owner(self.pages, prefix.kv if isinstance(prefix.kv, PageList) else None, self.name)
         return prefix
 
     def prefix_pages(self, prefix: Prefix) -> PageList:

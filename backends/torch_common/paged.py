@@ -61,12 +61,9 @@ class PagedKV:
         whenever the prefixes the driver keeps need more (a new buffer: the old pages
         copied into it)."""
         have = 0 if self._tensors is None else self._tensors[0].shape[1]
-        if self._tensors is not None and self.pool.allocated <= have:
+        size = self.pool.storage_size(None if self._tensors is None else have, self._first_size)
+        if size is None:
             return
-        if self.pool.capacity:
-            size = self.pool.capacity
-        else:
-            size = max(self.pool.allocated, self._first_size if have == 0 else have + have // 2)
         k, v = self._new_pools(size)
         if self._tensors is not None:
             k[:, :have], v[:, :have] = self._tensors

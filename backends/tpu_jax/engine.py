@@ -33,7 +33,7 @@ from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replaced_weights
 from polyengine.models.config import ARCHITECTURES
 from polyengine.models.int_blocks import block_matrices
-from polyengine.pages import PageList, PagePool, pages_for
+from polyengine.pages import PageList, PagePool, check_owner, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.masks import full_mask
@@ -569,10 +569,7 @@ class TpuJaxEngine(EngineBase):
         """The kit's checks, and K/V this engine holds: a paged prefix's pages belong to the
         pool of the engine that made it, which another engine of the same weights must not read."""
         prefix = super().check_prefix(prefix)
-        is_paged = isinstance(prefix.kv, paged.PagedPrefix)
-        if is_paged != (self.pages is not None) or (is_paged and prefix.kv.seq.pool is not self.pages):
-            raise InvalidRequest(f"prefix's K/V live in another {self.name} engine's pages (or this engine's hold "
-                                 f"none); move it with export_prefix/import_prefix")
+        check_owner(self.pages, prefix.kv.seq if isinstance(prefix.kv, paged.PagedPrefix) else None, self.name)
         return prefix
 
     def prefix_pages(self, prefix: Prefix) -> PageList:

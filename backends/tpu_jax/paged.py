@@ -220,12 +220,9 @@ class PagedKV:
         them at once. Unbounded: every slot's full context first, then half as many
         again whenever more are held."""
         have = self.size
-        if self._k is not None and self.pool.allocated <= have:
+        size = self.pool.storage_size(None if self._k is None else have, self._first_size)
+        if size is None:
             return
-        if self.pool.capacity:
-            size = self.pool.capacity
-        else:
-            size = max(self.pool.allocated, self._first_size if have == 0 else have + have // 2)
         with self._track("-"):
             if self._k is None:
                 self._k, self._v = init_pool(cfg=self.cfg, pages=size, page_size=self.page_size)
