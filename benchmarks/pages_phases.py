@@ -1,4 +1,4 @@
-"""The ``pages`` part: issue 40's memory target, paged K/V against full reservations.
+"""The ``pages`` part: the paged K/V memory target, paged K/V against full reservations.
 
 The issue: "with a 4,096-token context, 64 concurrent requests of ~600 tokens each run
 in the KV memory that 8 full reservations take today, none failed". One workload (sizes

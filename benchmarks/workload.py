@@ -27,7 +27,7 @@ The ``prefix`` part (prefix caching and chunked prefill; :mod:`.prefix_phases`):
   ``loaded_margin`` steps after its first token, chunked prefill on and off.
 - ``serve`` again, with the cache on and off: the standard workload's throughput.
 
-The ``pages`` part (issue 40's memory target; :mod:`.pages_phases`): ``pages_requests``
+The ``pages`` part (the paged K/V memory target; :mod:`.pages_phases`): ``pages_requests``
 requests of ``pages_prompt`` prompt tokens and ``pages_new_tokens`` new ones, submitted at
 once, on paged K/V (pages of ``pages_page_size``, a pool of ``pages_pool`` pages: the
 positions of ``pages_reserved_slots`` full ``pages_context`` reservations) and on the
@@ -88,7 +88,7 @@ class Workload:
     loaded_stream_prompt: int = 128
     loaded_prompt: int = 2048
     loaded_margin: int = 16
-    # the pages part (issue 40: 64 requests of ~600 tokens in 8 full reservations of 4,096)
+    # the pages part (64 requests of ~600 tokens in 8 full reservations of 4,096)
     pages_requests: int = 64
     pages_prompt: int = 470
     pages_system: int = 384  # the shared variant's system prompt: 24 pages of 16
