@@ -10,12 +10,22 @@ report per backend under ``runs``). A backend that declares option sets
 (``[[conformance_options]]`` in its tolerance file) runs once without options and once
 per set with ``--option-sets declared``, each a column of the scoreboard; ``--option
 KEY=VALUE`` runs one set of the user's instead.
+
+A backend whose tolerance file declares a suite environment (``[[suite_environment]]``:
+compile settings that suit the suite's tiny models, e.g. tpu_jax's XLA flags) runs in a
+child process with it, where the variables are not set that way already (the user's own
+values win); ``--suite-environment none`` runs it as the environment is. A child that dies
+without a pytest exit code (XLA aborts on a flag its jaxlib does not know) is run again
+here without it, and the runner says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -51,24 +61,92 @@ def add_command(sub: Any) -> None:
     p.add_argument("--option-sets", choices=("declared", "none"), default="none",
                    help="'declared': after the run without options, one run per option set the backend declares "
                         "([[conformance_options]] in its tolerance file); 'none' (default): the run without options only")
+    p.add_argument("--suite-environment", choices=("declared", "none"), default="declared",
+                   help="'declared' (default): run a backend that declares a suite environment ([[suite_environment]] "
+                        "in its tolerance file, e.g. tpu_jax's XLA compile flags for tiny models) in a child process "
+                        "with it; 'none': run it with the environment as it is")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per test, and skip reasons")
     p.set_defaults(func=_cmd_conformance)
 
 
+# Set in a child the runner starts with a backend's suite environment: it never starts another.
+_CHILD = "POLYENGINE_CONFORMANCE_SUITE_ENVIRONMENT"
+
+
+def environment_changes(info: Any) -> dict[str, str]:
+    """The variables to set for ``info``'s suite (its ``[[suite_environment]]``) that the
+    environment does not hold already, with their values."""
+    from polyengine.conformance.tolerances import suite_environment
+
+    changes = {}
+    for var in suite_environment(info.spec.tolerances):
+        value = var.apply(os.environ.get(var.name))
+        if value != os.environ.get(var.name):
+            changes[var.name] = value
+    return changes
+
+
 def run_backend(name: str, *, report_json: str | Path | None = None, keyword: str | None = None,
                 exitfirst: bool = False, verbose: bool = False, differential_examples: int | None = None,
-                differential_seed: int | None = None, options: Sequence[str] = ()) -> int:
-    """Run the suite on one registered backend in this process (``options``: ``KEY=VALUE``
-    engine options of this run); return pytest's exit code."""
+                differential_seed: int | None = None, options: Sequence[str] = (),
+                suite_environment: str = "declared") -> int:
+    """Run the suite on one registered backend (``options``: ``KEY=VALUE`` engine options
+    of this run), in this process, or in a child with the backend's suite environment
+    (``suite_environment="declared"``, where it is not in effect); return pytest's exit
+    code."""
+    from polyengine.plugins import select_backend
+
+    info = select_backend(name)  # an unknown or unusable backend: say why before pytest starts
+    if report_json:
+        check_writable(report_json, what="JSON report", error=InvalidRequest)
+    kwargs = {"report_json": report_json, "keyword": keyword, "exitfirst": exitfirst, "verbose": verbose,
+              "differential_examples": differential_examples, "differential_seed": differential_seed,
+              "options": options}
+    changes = environment_changes(info) if suite_environment == "declared" and not os.environ.get(_CHILD) else {}
+    if changes:
+        code = _run_child(name, changes, **kwargs)
+        if 0 <= code <= 5:  # pytest's exit codes
+            return code
+        how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
+        print(f"polyengine conformance: the suite's process for {name} ended by {how} before it finished, with "
+              f"{_shown(changes)}: taken as that environment not working on this installation; running the suite "
+              f"again without it (--suite-environment none)", file=sys.stderr, flush=True)
+    return _run_here(name, **kwargs)
+
+
+def _shown(changes: dict[str, str]) -> str:
+    return " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in changes.items())
+
+
+def _run_child(name: str, changes: dict[str, str], *, report_json: str | Path | None, keyword: str | None,
+               exitfirst: bool, verbose: bool, differential_examples: int | None, differential_seed: int | None,
+               options: Sequence[str]) -> int:
+    argv = [sys.executable, "-m", "polyengine", "conformance", "--backend", name]
+    if report_json:
+        argv += ["--report-json", str(Path(report_json).resolve())]
+    if keyword:
+        argv += ["-k", keyword]
+    if exitfirst:
+        argv.append("-x")
+    if verbose:
+        argv.append("-v")
+    if differential_examples is not None:
+        argv += ["--differential-examples", str(differential_examples)]
+    if differential_seed is not None:
+        argv += ["--differential-seed", str(differential_seed)]
+    for option in options:
+        argv += ["--option", option]
+    print(f"polyengine conformance: {name}'s suite runs in a child process with {_shown(changes)} (the backend's "
+          f"declared suite environment; --suite-environment none runs it without)", flush=True)
+    return subprocess.run(argv, env={**os.environ, **changes, _CHILD: "1"}).returncode
+
+
+def _run_here(name: str, *, report_json: str | Path | None, keyword: str | None, exitfirst: bool, verbose: bool,
+              differential_examples: int | None, differential_seed: int | None, options: Sequence[str]) -> int:
     import pytest
 
     import polyengine.conformance as pkg
-    from polyengine.plugins import select_backend
-
-    select_backend(name)  # an unknown or unusable backend: say why before pytest starts
-    if report_json:
-        check_writable(report_json, what="JSON report", error=InvalidRequest)
     package_dir = Path(pkg.__file__).resolve().parent
     with tempfile.TemporaryDirectory(prefix="polyengine-conformance-") as tmp:
         ini = Path(tmp) / "pytest.ini"
@@ -117,7 +195,8 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     runs = option_runs(select_backend(args.backend), args)
     if len(runs) == 1:
         return run_backend(args.backend, report_json=args.report_json, keyword=args.keyword,
-                           exitfirst=args.exitfirst, verbose=args.verbose, options=runs[0], **_differential(args))
+                           exitfirst=args.exitfirst, verbose=args.verbose, options=runs[0],
+                           suite_environment=args.suite_environment, **_differential(args))
     return _run_all(args, only=args.backend)
 
 
@@ -176,7 +255,8 @@ def _run_all(args: argparse.Namespace, only: str | None = None) -> int:
                 shown = "".join(f" --option {o}" for o in options)
                 print(f"\n### polyengine conformance --backend {info.name}{shown}", flush=True)
                 code = run_backend(info.name, report_json=path, keyword=args.keyword, exitfirst=args.exitfirst,
-                                   verbose=args.verbose, options=options, **_differential(args))
+                                   verbose=args.verbose, options=options, suite_environment=args.suite_environment,
+                                   **_differential(args))
                 worst = max(worst, 0 if code == 0 else 1)
                 if path.is_file():
                     reports.append(json.loads(path.read_text(encoding="utf-8")))

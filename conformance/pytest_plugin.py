@@ -242,6 +242,9 @@ def build_reports(state: SuiteState) -> list[dict[str, Any]]:
         summary = {layer: dict.fromkeys(STATUSES, 0) for layer in LAYERS}
         for t in tests:
             summary[t["layer"]][t["status"]] += 1
+        environment = {}
+        if cls.endswith(f"::{REGISTRY_CLASS}") and state.registry_backend is not None:
+            environment = _declared_environment(state.registry_backend)
         reports.append({
             "suite_version": SUITE_VERSION,
             "test_class": cls,
@@ -255,10 +258,42 @@ def build_reports(state: SuiteState) -> list[dict[str, Any]]:
             "backend_details": {k: v for k, v in backend.items()
                                 if k not in ("name", "distribution", "version", "device", "capabilities", "seeds", "options")},
             "summary": summary,
+            # The backend's declared suite environment ([[suite_environment]]): each variable's value in this run.
+            "environment": environment,
             "duration": round(sum(t["duration"] for t in tests), 3),
             "tests": tests,
         })
     return reports
+
+
+def _declared_environment(info: Any) -> dict[str, str | None]:
+    import os
+
+    from polyengine.conformance.tolerances import ConformanceConfigError, suite_environment
+
+    try:
+        return {var.name: os.environ.get(var.name) for var in suite_environment(info.spec.tolerances)}
+    except ConformanceConfigError:  # the suite's own checks report a malformed file
+        return {}
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    """Registry mode: name a declared suite environment this process lacks (the runner,
+    ``polyengine conformance``, sets it; a plain pytest run does not)."""
+    if not config.getoption("polyengine_backend", None):
+        return None
+    try:
+        info = registered_backend(config)
+        from polyengine.conformance.cli import environment_changes
+
+        changes = environment_changes(info)
+    except Exception:  # a usage error is reported at collection, with its reason
+        return None
+    if not changes:
+        return None
+    shown = " ".join(f"{k}={v!r}" for k, v in changes.items())
+    return [f"polyengine: {info.name} declares a suite environment this process lacks ({shown}); "
+            f"`polyengine conformance --backend {info.name}` sets it (docs/conformance.md, \"Suite environment\")"]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -16,6 +16,7 @@ suite's overrides (most specific first), the suite's dtype default. The returned
 from __future__ import annotations
 
 import importlib.resources
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -26,7 +27,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["QUANTITIES", "DEFAULTS_RESOURCE", "ConformanceConfigError", "Tolerance", "Tolerances", "OptionSet",
-           "read_resource", "option_sets", "parse_option"]
+           "read_resource", "option_sets", "parse_option", "SuiteVariable", "suite_environment"]
 
 DEFAULTS_RESOURCE = "polyengine.conformance:tolerances.toml"
 
@@ -194,6 +195,71 @@ def option_sets(source: str | Path | Mapping[str, Any] | None) -> list[OptionSet
     return _parse_option_sets(data, origin)
 
 
+@dataclass(frozen=True)
+class SuiteVariable:
+    """An environment variable a backend asks the runner to set for its suite's process
+    (``[[suite_environment]]`` in its tolerance file): compile-time settings that suit the
+    suite's tiny models, never something a result depends on. The user's own value wins;
+    with ``append`` the value is a flag joined to the user's value (``XLA_FLAGS``) unless
+    a flag of that name is there already."""
+
+    name: str
+    value: str
+    append: bool = False
+    reason: str = ""
+
+    def apply(self, current: str | None) -> str:
+        """The variable's value in the suite's process, given its value now."""
+        if not current:
+            return self.value
+        if not self.append:
+            return current
+        flag = self.value.split("=", 1)[0]
+        if any(word.split("=", 1)[0] == flag for word in current.split()):
+            return current
+        return f"{current} {self.value}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value, "append": self.append, "reason": self.reason}
+
+
+def _parse_suite_environment(data: Mapping[str, Any], origin: str) -> list[SuiteVariable]:
+    entries = data.get("suite_environment", [])
+    if not isinstance(entries, list):
+        raise ConformanceConfigError(f"{origin}: 'suite_environment' must be an array of tables ([[suite_environment]])")
+    out: list[SuiteVariable] = []
+    for i, entry in enumerate(entries, 1):
+        where = f"{origin}: suite_environment #{i}"
+        if not isinstance(entry, dict):
+            raise ConformanceConfigError(f"{where} must be a table")
+        unknown = set(entry) - {"name", "value", "append", "reason"}
+        if unknown:
+            raise ConformanceConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: append, name, reason, value")
+        name, value, reason = entry.get("name"), entry.get("value"), entry.get("reason")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConformanceConfigError(f"{where}: name must be an environment variable's name, e.g. name = \"XLA_FLAGS\"")
+        if not isinstance(value, str) or not value.strip() or "\0" in value:
+            raise ConformanceConfigError(f"{where}: value must be a non-empty string")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ConformanceConfigError(f"{where} has no reason: say why the suite runs with {name} set")
+        append = entry.get("append", False)
+        if not isinstance(append, bool):
+            raise ConformanceConfigError(f"{where}: append must be true or false")
+        if any(v.name == name for v in out):
+            raise ConformanceConfigError(f"{where}: {name} is declared twice; write its flags in one value")
+        out.append(SuiteVariable(name, value.strip(), append, reason.strip()))
+    return out
+
+
+def suite_environment(source: str | Path | Mapping[str, Any] | None) -> list[SuiteVariable]:
+    """The environment a backend's tolerance file asks its suite to run with
+    (``[[suite_environment]]``; `polyengine conformance` sets it, docs/conformance.md)."""
+    if source is None:
+        return []
+    data, origin = _load(source)
+    return _parse_suite_environment(data, origin)
+
+
 def parse_option(text: str) -> tuple[str, Any]:
     """``k=v`` of the runner's ``--option``: the value read as TOML (``3``, ``true``,
     ``"int8"``, ``[8, 16]``), else taken as a plain string (``int8``)."""
@@ -285,6 +351,7 @@ class Tolerances:
         self.backend_origin: str | None = None
         self.backend_overrides: list[_Override] = []
         self.option_sets: list[OptionSet] = []
+        self.suite_environment: list[SuiteVariable] = []
         if backend is not None:
             bdata, self.backend_origin = _load(backend)
             if "dtype" in bdata:
@@ -292,12 +359,13 @@ class Tolerances:
                     f"{self.backend_origin}: a backend's tolerance file holds only [[override]] entries "
                     f"(each with a reason), not [dtype.*] tables"
                 )
-            extra = set(bdata) - {"override", "conformance_options"}
+            extra = set(bdata) - {"override", "conformance_options", "suite_environment"}
             if extra:
                 raise ConformanceConfigError(f"{self.backend_origin}: unknown top-level key(s) {sorted(extra)}; "
-                                             f"allowed: override, conformance_options")
+                                             f"allowed: override, conformance_options, suite_environment")
             self.backend_overrides = _parse_overrides(bdata, self.backend_origin, tests, models)
             self.option_sets = _parse_option_sets(bdata, self.backend_origin)
+            self.suite_environment = _parse_suite_environment(bdata, self.backend_origin)
         self.active: OptionSet | None = None
 
     def use_options(self, options: Mapping[str, Any]) -> OptionSet | None:

@@ -7,7 +7,6 @@ The full run is a subprocess, as a user would start it; its wall time is printed
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -36,23 +35,7 @@ DEDICATED = {
     # cuda_torch needs a GPU; its device path runs the suite on the CPU as a stand-in there.
     "cuda_torch": (("test_cuda_torch.py", "class TestCudaTorchDevicePathStandIn(BackendConformance)"),),
 }
-# The suite's models are tiny: XLA's optimizations cost more compile time than they save.
-SUITE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 BUILTIN = [name for name in AVAILABLE if name not in DEDICATED]
-# For the same reason XLA:CPU's older fusion emitters: they compile the suite's programs in
-# a third to half of the MLIR emitters' time (docs/conformance.md, "Time budget"). XLA aborts
-# the process on a flag it does not know, so it is passed only where this jaxlib takes it.
-FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
-
-
-@functools.cache
-def _suite_env(backend: str) -> dict[str, str]:
-    if backend != "tpu_jax":
-        return SUITE_ENV
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
-    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True, timeout=120,
-                           env={**os.environ, "XLA_FLAGS": flags})
-    return {**SUITE_ENV, "XLA_FLAGS": flags} if probe.returncode == 0 else SUITE_ENV
 
 
 def test_every_builtin_backend_runs_the_suite_somewhere():
@@ -79,14 +62,21 @@ def _run(args, cwd, env=None):
 def test_builtin_backend_passes_the_whole_suite(backend, tmp_path):
     report = tmp_path / "report.json"
     start = time.perf_counter()
-    code, out = _run(["conformance", "--backend", backend, "--report-json", str(report)], tmp_path,
-                     env=_suite_env(backend))
+    # No environment of the test's own: the runner gives a backend its declared suite
+    # environment (tpu_jax's XLA compile flags; docs/conformance.md, "Suite environment").
+    code, out = _run(["conformance", "--backend", backend, "--report-json", str(report)], tmp_path)
     elapsed = time.perf_counter() - start
     print(f"\npolyengine conformance --backend {backend}: {elapsed:.1f} s wall")
     assert code == 0, out
     doc = json.loads(report.read_text())
     assert doc["suite_version"] == SUITE_VERSION
     assert (doc["backend"], doc["distribution"]) == (backend, "polyengine")
+    if backend == "tpu_jax":
+        assert "runs in a child process with JAX_DISABLE_MOST_OPTIMIZATIONS=1" in out, out[:2000]
+        assert doc["environment"]["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+        assert "--xla_cpu_use_fusion_emitters=false" in doc["environment"]["XLA_FLAGS"].split()
+    else:
+        assert doc["environment"] == {} and "child process" not in out
     assert doc["device"]["platform"] and doc["capabilities"]["dtypes"] and doc["seeds"]["model"]
     tests = doc["tests"]
     assert {t["status"] for t in tests} <= {"passed", "skipped"}

@@ -234,3 +234,95 @@ def test_params_cache_is_not_fooled_by_a_reused_engine_id():
     assert harness.params(old) == "params of old"
     harness._params[id(new)] = harness._params.pop(id(old))  # what id reuse looks like
     assert harness.params(new) == "params of new"
+
+
+# -- the suite environment ([[suite_environment]], docs/conformance.md "Suite environment") --
+
+def _env_file(tmp_path, text):
+    path = tmp_path / "backend.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_suite_environment_entries_and_how_they_meet_the_users_values(tmp_path):
+    from polyengine.conformance.tolerances import suite_environment
+
+    env = suite_environment(_env_file(tmp_path, """
+[[suite_environment]]
+name = "A_SETTING"
+value = "1"
+reason = "compile less"
+[[suite_environment]]
+name = "SOME_FLAGS"
+value = "--fast=true"
+append = true
+reason = "compile faster"
+"""))
+    plain, flags = env
+    assert (plain.name, plain.value, plain.append) == ("A_SETTING", "1", False)
+    assert plain.apply(None) == "1" and plain.apply("") == "1" and plain.apply("0") == "0"  # the user's value wins
+    assert flags.apply(None) == "--fast=true"
+    assert flags.apply("--other=2") == "--other=2 --fast=true"
+    assert flags.apply("--other=2 --fast=false") == "--other=2 --fast=false"  # the user chose this flag already
+    # a tolerance file with the table is still a valid tolerance file
+    Tolerances(_env_file(tmp_path, '[[suite_environment]]\nname = "X"\nvalue = "1"\nreason = "r"\n'),
+               known_tests=suite_test_names(), known_models=MODEL_NAMES)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ('name = "X"\nvalue = "1"', "has no reason"),
+    ('name = "not a name"\nvalue = "1"\nreason = "r"', "environment variable's name"),
+    ('name = "X"\nvalue = ""\nreason = "r"', "non-empty string"),
+    ('name = "X"\nvalue = 1\nreason = "r"', "non-empty string"),
+    ('name = "X"\nvalue = "1"\nreason = "r"\nappend = "yes"', "append must be"),
+    ('name = "X"\nvalue = "1"\nreason = "r"\nwhen = "always"', "unknown key"),
+])
+def test_malformed_suite_environment_is_refused(tmp_path, entry, message):
+    from polyengine.conformance.tolerances import suite_environment
+
+    with pytest.raises(ConformanceConfigError, match=message):
+        suite_environment(_env_file(tmp_path, f"[[suite_environment]]\n{entry}\n"))
+    with pytest.raises(ConformanceConfigError, match="declared twice"):
+        suite_environment(_env_file(tmp_path, '[[suite_environment]]\nname = "X"\nvalue = "1"\nreason = "r"\n' * 2))
+
+
+def test_runner_starts_a_child_only_for_a_declared_environment_not_in_effect(monkeypatch):
+    from polyengine.conformance import cli
+    from polyengine.plugins import select_backend
+
+    monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert cli.environment_changes(select_backend("reference")) == {}
+    assert cli.environment_changes(select_backend("tpu_jax")) == {
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=false"}
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+    assert cli.environment_changes(select_backend("tpu_jax")) == {}
+
+
+@pytest.mark.parametrize("child_code, runs_here", [(1, False), (-6, True), (134, True)])
+def test_runner_runs_here_without_the_environment_when_the_child_dies(monkeypatch, capsys, child_code, runs_here):
+    """A child killed by a signal (XLA aborts on a flag it does not know) or ending with a
+    code pytest never gives is run again here without the environment; a pytest exit code
+    (a failed test) is the answer."""
+    from polyengine.conformance import cli
+
+    calls = []
+    monkeypatch.delenv(cli._CHILD, raising=False)
+    monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
+    monkeypatch.setattr(cli, "_run_child", lambda name, changes, **kw: calls.append(("child", changes)) or child_code)
+    monkeypatch.setattr(cli, "_run_here", lambda name, **kw: calls.append(("here", kw["options"])) or 0)
+    code = cli.run_backend("tpu_jax", options=("page_size=16",))
+    assert calls[0][0] == "child" and calls[0][1]["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+    assert (calls[1:] == [("here", ("page_size=16",))]) is runs_here
+    assert code == (0 if runs_here else child_code)
+    err = capsys.readouterr().err
+    assert ("running the suite again without it" in err) is runs_here
+    if child_code == -6:
+        assert "signal SIGABRT" in err
+    calls.clear()
+    assert cli.run_backend("tpu_jax", suite_environment="none") == 0 and calls == [("here", ())]
+    monkeypatch.setenv(cli._CHILD, "1")  # a child never starts another
+    calls.clear()
+    assert cli.run_backend("tpu_jax") == 0 and calls == [("here", ())]
