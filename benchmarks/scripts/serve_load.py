@@ -58,9 +58,11 @@ def cpu_model() -> str:
     return f"{name.group(1).strip() if name else platform.machine()} x{os.cpu_count()} ({' '.join(isa) or 'no AVX2'})"
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """``python -m polyengine.serving`` on a free port (``args``: backend, max_slots,
+    model; ``extra``: more of its flags); returns the process and its URL."""
     cmd = [sys.executable, "-m", "polyengine.serving", "--port", "0", "--backend", args.backend,
-           "--max-slots", str(args.max_slots), "--max-queue", "1024", "--log-level", "warning"]
+           "--max-slots", str(args.max_slots), "--max-queue", "1024", "--log-level", "warning", *extra]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
