@@ -83,13 +83,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="judge the run against the targets in FILE (.toml or .json; repeatable) and print a PASS/FAIL "
                         "line per verdict; the project's own: benchmarks/targets/*.toml (docs/benchmarks.md#targets)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON here")
-    p.add_argument("--parts", default="standard,long", metavar="standard,long,prefix,pages",
+    p.add_argument("--parts", default="standard,long", metavar="standard,long,prefix,pages,served",
                    help="which parts to run: 'standard' (decode, prefill, serve), or some of its phases ('decode', "
                         "'prefill', 'serve'), 'long' (the full-context batch), "
                         "'prefix' (prefix caching and chunked prefill: shared prefix, multi-turn, long prompt under "
                         "load), 'pages' (paged K/V: 64 requests in the pages of 8 full reservations, against those "
-                        "reservations), comma-separated (default: standard,long); the long batch's prefill is slow "
-                        "on slow systems")
+                        "reservations), 'served' (HTTP servers under 1, 8 and 32 concurrent clients: polyengine "
+                        "serve per polyengine row against llama.cpp's llama-server on the same GGUF), comma-separated "
+                        "(default: standard,long); the long batch's prefill is slow on slow systems")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="the served part's peer: a llama-server executable (default: $POLYENGINE_LLAMA_SERVER, else "
+                        "llama-server on the PATH; docs/benchmarks.md says how to build it)")
+    p.add_argument("--served-clients", default="1,8,32", metavar="N,N,...",
+                   help="the served part's levels of concurrent clients (default 1,8,32); the servers get as many "
+                        "slots as the largest level")
+    p.add_argument("--served-requests", type=int, default=2, metavar="N",
+                   help="streamed requests each client sends one after another, per level (default 2)")
+    p.add_argument("--served-tokens", type=int, default=128, metavar="N",
+                   help="new tokens of every served request, EOS ignored (default 128)")
     p.add_argument("--workload", default=None, choices=("standard", "scale"),
                    help="the sizes: 'standard' (the default), or 'scale' for billion-parameter models on a CPU: "
                         "batch 1 and 8 of 32 tokens after a 128-token prompt, a 512-token prefill (--quick is the "
@@ -186,7 +197,7 @@ def _workload(args: argparse.Namespace) -> Any:
     return WORKLOADS[name or "standard"]
 
 
-_PARTS = ("standard", "long", "prefix", "pages")
+_PARTS = ("standard", "long", "prefix", "pages", "served")
 _ISA_BACKENDS = ("cpu",)  # backends with an engine option isa
 
 
@@ -460,7 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         doc["host"]["emulated"] = {"kind": emulate, "isa": host.emulated_cpu_info(doc["host"]["cpu"], emulate)["isa"],
                                    "env": env, "llamacpp_lib": None if lib is None else str(lib)}
     ours = any(job.kind == "polyengine" for job in jobs)
-    if parts == ["pages"]:
+    if set(parts) <= {"pages", "served"}:
         pass  # counts and memory of the engine's own settings: no row's share of the host's limits to compute
     elif ours and (work.name == "standard" or getattr(args, "isa", None) or emulate):
         doc["host"]["limits"] = limits.measure(args.model, max(work.batches), env)  # before any job, never beside one
@@ -470,22 +481,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick and doc["host"].get("limits"):
         notes.append("host limits measured with --quick (asked for by --isa or --emulate): the quick workload's rates are far "
                      "from them, so its shares only show the columns work")
+    served = _served_plan(args, jobs, notes, env) if "served" in parts else None
     for job in jobs:
         job.parts = [p for p in parts if p == "standard" or (p == "long" and job.long) or (p == "prefix" and job.prefix)
                      or (p == "pages" and job.pages)]
         job.phases = phases
+    jobs = [job for job in jobs if job.parts]  # the served part runs its own servers, below
     if "prefix" in parts and any(job.kind == "llamacpp" for job in jobs):
         notes.append("llama.cpp: the prefix part is not run for it (its runner has no shared-prefix, multi-turn or "
                      "loaded workloads yet)")
     if "pages" in parts and any(job.kind != "polyengine" for job in jobs):
         notes.append("the pages part runs for polyengine rows alone (paged K/V against full reservations of the same "
                      "engine; the peers have no page pool)")
-    progress = Progress(sum(len(job.parts) for job in jobs))
+    progress = Progress(sum(len(job.parts) for job in jobs) + (len(served["systems"]) if served else 0))
     for n in notes:
         progress.note(n)
     probing = bool(doc["host"].get("limits")) and "error" not in doc["host"]["limits"]
     last_read = doc["host"]["limits"].get("read_gb_s") if probing else None  # probed right before the next job
     try:
+        if served is not None:  # before the workers' rows: an idle host, the servers one at a time
+            doc["served"] = _run_served(served, progress)
+            if args.json:
+                report.write_json(doc, args.json)
         for job in jobs:
             probe = probing and job.kind == "polyengine"
             if probe and last_read is None:
@@ -511,6 +528,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc["host"]["load_end"] = host.load_average()
     doc["targets"] = verdicts.judge(sets, doc["rows"], work, doc["host"].get("limits"))
     return doc
+
+
+def _served_plan(args: argparse.Namespace, jobs: list[Any], notes: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """The served part's systems: polyengine serve per polyengine row, then llama-server
+    on the same GGUF (a note says why not, when it cannot run)."""
+    from polyengine.benchmarks import served
+    from polyengine.errors import InvalidRequest
+
+    try:
+        levels = tuple(int(x) for x in args.served_clients.split(",") if x.strip())
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        raise InvalidRequest(f"--served-clients takes positive client counts, comma-separated, not {args.served_clients!r}")
+    if args.served_requests < 1 or args.served_tokens < 1:
+        raise InvalidRequest("--served-requests and --served-tokens must be at least 1")
+    if importlib.util.find_spec("httpx") is None or importlib.util.find_spec("fastapi") is None:
+        raise InvalidRequest("the served part needs polyengine's server and an HTTP client: "
+                             "pip install 'polyengine[serve]' httpx")
+    slots, context = max(levels), SERVED_CONTEXT
+    systems = [served.ServedSystem(job.row, served.polyengine_command(
+        backend=job.params["backend"], dtype=job.params["dtype"], options=job.params["options"], model=args.model,
+        slots=slots, context=context)) for job in jobs if job.kind == "polyengine"]
+    binary = served.find_llama_server(getattr(args, "llama_server", None))
+    path, _ = _model_file(args.model)
+    threads = max(_threads(args.llamacpp_threads))
+    if binary is None:
+        notes.append("llama-server: not run, none found (--llama-server PATH, $POLYENGINE_LLAMA_SERVER or the PATH; "
+                     "docs/benchmarks.md, the served part, says how to build it from llama-cpp-python's source)")
+    elif served.model_for_peer(path) is None:
+        notes.append(f"llama-server: not run, it needs a .gguf file, not {args.model!r}")
+    else:
+        systems.append(served.ServedSystem("llama-server", served.llama_server_command(
+            binary, model=path, slots=slots, context=context, threads=threads)))
+    if not systems:
+        notes.append("served: no system to run")
+    return {"levels": list(levels), "per_client": args.served_requests, "new_tokens": args.served_tokens,
+            "slots": slots, "context": context, "llama_server_threads": threads, "systems": systems, "env": env}
+
+
+# Each served request: a chat turn of a few dozen tokens and --served-tokens new ones.
+SERVED_CONTEXT = 512
+
+
+def _run_served(plan: dict[str, Any], progress: Any) -> dict[str, Any]:
+    from polyengine.benchmarks import served
+
+    for system in plan["systems"]:
+        progress.start_job(f"{system.name} (served)")
+        served.run_system(system, levels=tuple(plan["levels"]), per_client=plan["per_client"],
+                          new_tokens=plan["new_tokens"], env=plan["env"], on_progress=progress.note)
+        progress.end_job(system.error)
+    judged = served.verdicts(plan["systems"])
+    return {**{k: v for k, v in plan.items() if k not in ("systems", "env")},
+            "systems": [s.to_dict() for s in plan["systems"]], "verdicts": judged}
 
 
 def _add_paths(row: dict[str, Any], work: Any, limits: dict[str, Any] | None) -> None:

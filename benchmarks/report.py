@@ -274,13 +274,21 @@ def render(doc: dict[str, Any]) -> str:
     work = Workload.from_dict(doc["workload"])
     ran = None if "parts" not in doc else [*doc["parts"], *doc.get("phases", ()),
                                            *(["limits"] if doc["host"].get("limits") else [])]
-    parts = [header(doc), "", table(doc["rows"], work, ran)]
+    parts = [header(doc)] + (["", table(doc["rows"], work, ran)] if doc["rows"] or not doc.get("served") else [])
     prefix = prefix_table(doc["rows"])
     if prefix:
         parts += ["", "prefix caching and chunked prefill (prefix part):", prefix]
     pages = pages_table(doc["rows"])
     if pages:
         parts += ["", "paged K/V against full reservations (pages part):", pages]
+    if doc.get("served"):
+        from polyengine.benchmarks import served
+
+        sv = doc["served"]
+        systems = [served.ServedSystem(**x) for x in sv["systems"]]
+        parts += ["", f"HTTP servers (served part): {sv['slots']} slots each, {sv['per_client']} streamed requests per "
+                      f"client of {sv['new_tokens']} new tokens (greedy, EOS ignored), llama-server on "
+                      f"{sv['llama_server_threads']} threads:", served.table(systems, sv["verdicts"])]
     limits = limits_line(doc)
     if limits:
         parts += ["", limits]
