@@ -88,7 +88,7 @@ def polyengine_command(*, backend: str, dtype: str | None, options: dict[str, An
     if dtype:
         cmd += ["--dtype", dtype]
     for key, value in sorted(options.items()):
-        cmd += ["--option", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+        cmd += ["--option", f"{key}={json.dumps(value)}"]  # read back as JSON by the serve command
     return cmd
 
 
