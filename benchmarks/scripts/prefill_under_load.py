@@ -12,11 +12,13 @@ another's prompt. One run: ratios within a run compare; absolute times depend on
 host and its load.
 
     python benchmarks/scripts/prefill_under_load.py [--budgets 16,32,64] [--prompt 2000] [--streams 4]
+                                                    [--backend cpu] [--option KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -84,11 +86,21 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=2000, help="the arriving prompt's length")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--margin", type=int, default=16, help="steps of the streams' pace measured before the arrival")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine option (the value read as JSON, else a string), e.g. warmup=true on tpu_jax so "
+                        "no row pays a compile")
     args = p.parse_args()
+    options = {}
+    for text in args.option:
+        key, _, raw = text.partition("=")
+        try:
+            options[key] = json.loads(raw)
+        except ValueError:
+            options[key] = raw
     budgets = [int(b) for b in args.budgets.split(",")]
     cache = args.prompt + 64 + 40 * args.prompt // max(1, min(budgets))
     llm = LLM(str(default_model_path()), backend=args.backend, tools=False, max_slots=args.streams + 1,
-              max_cache_length=cache, max_prefill_length=args.prompt, prefix_cache_bytes=0)
+              max_cache_length=cache, max_prefill_length=args.prompt, prefix_cache_bytes=0, options=options)
     rng = np.random.default_rng(0)
     vocab = llm.engine.vocab_size
     fresh = lambda n: rng.integers(100, vocab, n).tolist()  # noqa: E731
