@@ -381,6 +381,7 @@ def test_quick_pages_part_reports_both_settings_and_variants(tmp_path):
         for run in (paged, reserved):
             assert run["requests"] == run["completed"] == QUICK.pages_requests and run["failed"] == 0
             assert run["completion_tokens"] == QUICK.pages_requests * QUICK.pages_new_tokens and run["seconds"] > 0
+            assert 0 < run["cpu_seconds"]  # the worker's CPU time over the run (process-wide)
         assert paged["kv_positions"] == reserved["kv_positions"] == QUICK.pages_reserved_slots * QUICK.pages_context
         assert paged["pool_pages"] == QUICK.pages_pool and 0 < paged["peak_pages"] <= QUICK.pages_pool
         assert reserved["peak_running"] == QUICK.pages_reserved_slots < paged["peak_running"]
@@ -388,6 +389,7 @@ def test_quick_pages_part_reports_both_settings_and_variants(tmp_path):
     assert runs["shared"]["paged"]["cached_tokens"] > 0 and runs["distinct"]["paged"]["cached_tokens"] == 0
     assert "paged K/V against full reservations (pages part):" in stdout
     assert f"paged: {QUICK.pages_pool} pages of {QUICK.pages_page_size}" in stdout, stdout
+    assert "CPU s" in stdout, stdout
     assert "pages_peak_rss_mib" in row["metrics"]
 
 
