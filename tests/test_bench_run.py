@@ -115,6 +115,27 @@ def test_timed_engine_counts_the_first_result_read_as_engine_time():
     assert first.row_tokens(0) == [token]  # other attributes reach the real result
 
 
+def test_timed_engine_counts_a_batched_prefill_as_engine_time():
+    """The driver's prefill on an engine declaring batched_prefill is ``prefill_batch``:
+    timed as engine work (not driver overhead), each first token's read too."""
+    import polyengine
+    from polyengine import SamplingParams
+    from polyengine.benchmarks.run_polyengine import TimedEngine
+    from polyengine.engine import PrefillRequest
+
+    engine = TimedEngine(polyengine.create_engine("cpu", model="random:tiny", config=dict(max_slots=2, max_cache_length=16)))
+    assert engine.capabilities.batched_prefill
+    params = engine.load_params()
+    before = engine.seconds
+    done = engine.prefill_batch(params=params, requests=[
+        PrefillRequest(tokens=[40, 41], sampling=SamplingParams(temperature=0)),
+        PrefillRequest(tokens=[42], sampling=SamplingParams(temperature=0))])
+    assert engine.seconds > before and engine.admitted_at == 0.0
+    assert [prefix.true_length for prefix, _ in done] == [2, 1]
+    int(done[1][1].tokens[0, 0])
+    assert engine.admitted_at > 0
+
+
 def _check_quick_report(doc: dict, stdout: str, stderr: str, backend: str = "reference", dtype: str = "float64") -> None:
     assert doc["schema"] == "polyengine-bench/1" and doc["repeats"] == 1
     assert doc["workload"]["name"] == "quick"
