@@ -16,9 +16,11 @@ Each run submits all ``pages_requests`` requests at once (greedy, EOS ignored,
 ``pages_new_tokens`` each) and steps to the end: requests completed and failed, the most
 running at once, preemptions, the most pages held at once (slots and cached prefixes
 together), the K/V positions the engine holds (the pool, or slots x context), the
-prompt tokens the prefix cache gave, and the seconds from submission to the last
-token. Counts and memory are exact; seconds are what the host gave (a loaded host
-stretches them). A warm-up of two requests of other prompts runs first on each engine,
+prompt tokens the prefix cache gave, the seconds from submission to the last token and
+the worker process's CPU seconds over them (user + sys, every thread). Counts and memory
+are exact; seconds are what the host gave (a loaded host stretches them), while the CPU
+seconds barely move with the load, so the two engines' cost compares on a busy host
+too (docs/prefix-caching.md, "The memory target"). A warm-up of two requests of other prompts runs first on each engine,
 and its cached prefixes are dropped before the measured run.
 """
 
@@ -50,6 +52,7 @@ class PagesRun:
     cached_tokens: int  # prompt tokens whose K/V came from the prefix cache, all requests
     seconds: float  # submission of every request to the last token
     completion_tokens: int
+    cpu_seconds: float | None = None  # the worker process's CPU time (user + sys, all threads) over ``seconds``
 
 
 class PagesSystem(Protocol):

@@ -166,7 +166,7 @@ def pages_table(rows: list[dict[str, Any]]) -> str:
     if not ran:
         return ""
     head = ["row", "prompts", "engine", "K/V MiB", "done / failed", "peak running", "preemptions", "peak pages",
-            "cached tokens", "seconds", "tok/s"]
+            "cached tokens", "seconds", "CPU s", "tok/s"]
     cells = []
     for r in ran:
         m = r["metrics"]
@@ -180,6 +180,7 @@ def pages_table(rows: list[dict[str, Any]]) -> str:
                               f"{run['completed']} / {run['failed']}", str(run["peak_running"]), str(run["preemptions"]),
                               "-" if run.get("peak_pages") is None else str(run["peak_pages"]),
                               str(run["cached_tokens"]), number_text(run["seconds"]),
+                              number_text(run.get("cpu_seconds")),
                               number_text(run["completion_tokens"] / run["seconds"] if run["seconds"] else None)])
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
     right = lambda i: i >= 3  # noqa: E731 - numbers right-aligned
@@ -188,7 +189,8 @@ def pages_table(rows: list[dict[str, Any]]) -> str:
     w = ran[0]["metrics"].get("pages_workload") or {}
     tail = (f"{w.get('requests')} requests of {w.get('prompt')} prompt tokens (shared: the first {w.get('system')} one "
             f"system prompt) + {w.get('new_tokens')} new, submitted at once, greedy, EOS ignored; context "
-            f"{w.get('context')}. Counts and memory are exact; seconds depend on the host's load.")
+            f"{w.get('context')}. Counts and memory are exact; seconds depend on the host's load, "
+            f"CPU s (the worker's CPU time over those seconds) much less.")
     return "\n".join([line(head), sep] + [line(c) for c in cells] + [tail])
 
 

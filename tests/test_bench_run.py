@@ -115,6 +115,27 @@ def test_timed_engine_counts_the_first_result_read_as_engine_time():
     assert first.row_tokens(0) == [token]  # other attributes reach the real result
 
 
+def test_timed_engine_counts_a_batched_prefill_as_engine_time():
+    """The driver's prefill on an engine declaring batched_prefill is ``prefill_batch``:
+    timed as engine work (not driver overhead), each first token's read too."""
+    import polyengine
+    from polyengine import SamplingParams
+    from polyengine.benchmarks.run_polyengine import TimedEngine
+    from polyengine.engine import PrefillRequest
+
+    engine = TimedEngine(polyengine.create_engine("cpu", model="random:tiny", config=dict(max_slots=2, max_cache_length=16)))
+    assert engine.capabilities.batched_prefill
+    params = engine.load_params()
+    before = engine.seconds
+    done = engine.prefill_batch(params=params, requests=[
+        PrefillRequest(tokens=[40, 41], sampling=SamplingParams(temperature=0)),
+        PrefillRequest(tokens=[42], sampling=SamplingParams(temperature=0))])
+    assert engine.seconds > before and engine.admitted_at == 0.0
+    assert [prefix.true_length for prefix, _ in done] == [2, 1]
+    int(done[1][1].tokens[0, 0])
+    assert engine.admitted_at > 0
+
+
 def _check_quick_report(doc: dict, stdout: str, stderr: str, backend: str = "reference", dtype: str = "float64") -> None:
     assert doc["schema"] == "polyengine-bench/1" and doc["repeats"] == 1
     assert doc["workload"]["name"] == "quick"
@@ -381,6 +402,7 @@ def test_quick_pages_part_reports_both_settings_and_variants(tmp_path):
         for run in (paged, reserved):
             assert run["requests"] == run["completed"] == QUICK.pages_requests and run["failed"] == 0
             assert run["completion_tokens"] == QUICK.pages_requests * QUICK.pages_new_tokens and run["seconds"] > 0
+            assert 0 < run["cpu_seconds"]  # the worker's CPU time over the run (process-wide)
         assert paged["kv_positions"] == reserved["kv_positions"] == QUICK.pages_reserved_slots * QUICK.pages_context
         assert paged["pool_pages"] == QUICK.pages_pool and 0 < paged["peak_pages"] <= QUICK.pages_pool
         assert reserved["peak_running"] == QUICK.pages_reserved_slots < paged["peak_running"]
@@ -388,6 +410,7 @@ def test_quick_pages_part_reports_both_settings_and_variants(tmp_path):
     assert runs["shared"]["paged"]["cached_tokens"] > 0 and runs["distinct"]["paged"]["cached_tokens"] == 0
     assert "paged K/V against full reservations (pages part):" in stdout
     assert f"paged: {QUICK.pages_pool} pages of {QUICK.pages_page_size}" in stdout, stdout
+    assert "CPU s" in stdout, stdout
     assert "pages_peak_rss_mib" in row["metrics"]
 
 
