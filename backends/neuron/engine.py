@@ -63,6 +63,7 @@ from polyengine.backends.neuron.graphs import (
     TokenGeneration, result_layout,
 )
 from polyengine.backends.neuron.nxd import DeviceGraphs
+from polyengine.backends.neuron.paged import block_row, prepare_step, slot_mapping
 from polyengine.backends.neuron.speculation import Acceptance, draft_config, draft_weights
 from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, NeuronSlot, NeuronSlots
 
@@ -142,9 +143,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         self.device = self._describe(self.compiler, o["tp_degree"])
         self.tokens_per_step = o["speculation"]
         if o["page_size"] and self.compiler == "neuronx":
-            raise UnsupportedFeature(f"the block KV layout (option page_size={o['page_size']}) on Neuron devices", self.name,
-                                     "the NxD program keeps a contiguous cache row per seq_id; page_size runs on the "
-                                     "CPU compile path (compiler='export' or 'inductor')", field="options.page_size")
+            raise UnsupportedFeature(f"the block KV layout (option page_size={o['page_size']}) on Neuron devices",
+                                     self.name, "the NxD program keeps a contiguous cache row per seq_id; page_size "
+                                     "runs on the CPU compile path (compiler='export' or 'inductor')",
+                                     field="options.page_size")
         return Capabilities(
             dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
@@ -209,9 +211,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             self.on_device.attach(self.graphs[("nxd_model",)].fn)
             return
         b, c, k = self.buckets, self.model.config, self.tokens_per_step
-        if self.pages is not None:
-            for base in [("context", p) for p in b.prefill] + [("continuation", q, p) for q, p in b.continuations] + [
-                    (kind, batch, kv) for batch in b.batch for kv in b.seq for kind in ("decode", "draft")[:1 + bool(self.draft)]]:
+        if self.pages is not None:  # the same graphs over the block pools
+            decode = ("decode", "draft") if self.draft else ("decode",)
+            for base in [*(("context", p) for p in b.prefill), *(("continuation", q, p) for q, p in b.continuations),
+                         *((kind, batch, kv) for batch in b.batch for kv in b.seq for kind in decode)]:
                 self._paged_graph(base)
             return
         eager = self.compiler == "export"  # runs op by op: K/V written in place (graphs.py)
@@ -283,23 +286,25 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         name = (*base, blocks)
         if name in self.graphs:
             return self.graphs[name]
-        c, eager = self.model.config, self.compiler == "export"
-        common = {"positions": self.buckets.cache, "blocks": blocks, "block_size": self.pages.page_size}
+        c, eager, ps = self.model.config, self.compiler == "export", self.pages.page_size
+        common = {"positions": self.buckets.cache, "blocks": blocks, "block_size": ps}
         weights = tuple(self._weights.tensors[n] for n in self._names)
+
+        def prompt_args(p: int) -> tuple:  # the padded prompt, its last position, its slot mapping
+            return torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1]), torch.zeros(p, dtype=torch.int64)
+
         if base[0] == "context":
             p = base[1]
-            self._get(name, self._key("paged_context", c, {"prompt": p, **common}), PagedContextEncoding.aliases, lambda: (
-                PagedContextEncoding(c, self._names, p, inplace=eager),
-                (weights, self._pool_like(c, blocks), self._pool_like(c, blocks), torch.zeros((1, p), dtype=torch.int64),
-                 torch.tensor([p - 1]), torch.zeros(p, dtype=torch.int64))))
+            self._get(name, self._key("paged_context", c, {"prompt": p, **common}), PagedContextEncoding.aliases,
+                      lambda: (PagedContextEncoding(c, self._names, p, inplace=eager),
+                               (weights, self._pool_like(c, blocks), self._pool_like(c, blocks), *prompt_args(p))))
         elif base[0] == "continuation":
             q, p = base[1:]
             self._get(name, self._key("paged_continuation", c, {"prefix": q, "prompt": p, **common}),
-                      PagedContextContinuation.aliases, lambda: (
-                          PagedContextContinuation(c, self._names, q, p, inplace=eager),
-                          (weights, self._pool_like(c, blocks), self._pool_like(c, blocks),
-                           torch.zeros(pages_for(q, self.pages.page_size), dtype=torch.int64), torch.tensor([0]),
-                           torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1]), torch.zeros(p, dtype=torch.int64))))
+                      PagedContextContinuation.aliases,
+                      lambda: (PagedContextContinuation(c, self._names, q, p, inplace=eager),
+                               (weights, self._pool_like(c, blocks), self._pool_like(c, blocks),
+                                torch.zeros(pages_for(q, ps), dtype=torch.int64), torch.tensor([0]), *prompt_args(p))))
         elif base[0] == "decode":
             self._decode_graph(name, c, self._weights, self._names, base[1], self.tokens_per_step, base[2], blocks)
         else:
@@ -310,21 +315,6 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         """Run ``fn`` (work on the block pools) on the step worker, after the queued steps:
         the steps write the same pools, and an unbounded pool may grow (a new tensor)."""
         return fn() if self._worker is None else self._worker.submit(fn).result()
-
-    def _slot_mapping(self, seq: PageList, start: int, n: int, bucket: int) -> torch.Tensor:
-        """Each padded prompt position's slot (block * block_size + offset) in ``seq``; pad
-        positions repeat the last prompt position's (graphs.write_slots)."""
-        ps = self.pages.page_size
-        pos = start + np.minimum(np.arange(bucket), n - 1)
-        return torch.from_numpy(np.asarray(seq.pages, np.int64)[pos // ps] * ps + pos % ps)
-
-    @staticmethod
-    def _block_row(pages: list[int], width: int) -> torch.Tensor:
-        """A block-table row of ``width`` entries: ``pages`` first, block 0 after them
-        (read only at positions no query sees)."""
-        out = np.zeros(width, np.int64)
-        out[: min(len(pages), width)] = pages[:width]
-        return torch.from_numpy(out)
 
     def check_prefix(self, prefix: Prefix) -> Prefix:
         """The kit's checks, and K/V this engine holds: a paged prefix's blocks belong to the
@@ -502,13 +492,13 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         except BaseException:  # a bounded pool ran out: nothing was written
             seq.release()
             raise
-        slots, last = self._slot_mapping(seq, start, n, p), torch.tensor([n - 1])
+        slots, last = slot_mapping(seq, start, n, p), torch.tensor([n - 1])
         if existing_prefix is None:
             prompt, base, head = toks, ("context", p), ()
         else:
             prompt = np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
             q = self.buckets.prompt(start)
-            base, head = ("continuation", q, p), (self._block_row(seq.pages, pages_for(q, self.pages.page_size)),
+            base, head = ("continuation", q, p), (block_row(seq.pages, pages_for(q, self.pages.page_size)),
                                                   torch.tensor([start]))
 
         def run() -> torch.Tensor:
@@ -598,32 +588,20 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         return state, ResultTokens.from_packed(packed, self.layout, to_host=host_array)
 
     def _prepare_blocks(self, state: NeuronDecodeState, busy: list[int], kv: int):
-        """Host half of a paged step: every position a busy slot may write this step (from
-        its latest token to its bound + k - 1) made its own (blocks added, a shared block's
-        copy recorded), and the block table at the sequence bucket's width. A bounded pool
-        that runs out raises InsufficientMemory after the copies already recorded are made
-        (those slots' block lists changed; their K/V read the same)."""
-        k, limit, ps = self.tokens_per_step, self.max_cache_length, self.pages.page_size
-        copies: list[tuple[int, int]] = []
+        """:func:`.paged.prepare_step` for the busy slots: each may write from its latest
+        token to its bound + k - 1, counted from the prompt's end (the first step after an
+        insert writes there, into a partly filled block it may share; later positions lie
+        in the slot's own blocks). A slot at its limit (k = 1) writes nothing. A bounded
+        pool that runs out makes the copies already recorded, on the worker, and raises."""
+        k, limit = self.tokens_per_step, self.max_cache_length
+        writes = {i: (state.slots[i].prompt_len, min(state.slots[i].total, limit) + k - 1) for i in busy
+                  if k > 1 or state.slots[i].total < limit}
         try:
-            for i in busy:
-                s = state.slots[i]
-                if k == 1 and s.total >= limit:  # at its limit: not live, writes nothing
-                    continue
-                # From the prompt's end: the first step after an insert writes there (into a
-                # partly filled block it may share); later positions are the slot's own blocks.
-                state.seqs[i].prepare_write(s.prompt_len, min(s.total, limit) + k - 1,
-                                            lambda src, dst: copies.append((src, dst)))
-        except Exception:
-            if copies:
-                self._on_worker(lambda: self._paged.copy(copies))
+            return prepare_step(state.seqs, writes, state.num_slots, kv)
+        except Exception as exc:
+            if getattr(exc, "page_ops", None):
+                self._on_worker(lambda: self._paged.copy(exc.page_ops))
             raise
-        width = pages_for(kv, ps)
-        table = np.zeros((state.num_slots, width), np.int64)
-        for i in busy:
-            pages = state.seqs[i].pages[:width]
-            table[i, : len(pages)] = pages
-        return copies, torch.from_numpy(table)
 
     @torch.no_grad()
     def _step(self, params: TorchWeights, state: NeuronDecodeState, seq_ids: torch.Tensor, batch: int, kv: int,
