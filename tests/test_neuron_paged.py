@@ -154,6 +154,26 @@ def test_the_graphs_take_block_tables_of_a_static_width_per_sequence_bucket(tiny
         assert got.tokens[2, 0] == want.tokens[2, 0] and got.logprobs[2, 0] == want.logprobs[2, 0]
 
 
+def test_slots_at_the_cache_limit_equal_the_contiguous_engine(tiny):
+    """Slots that reach max_cache_length stop yielding while others go on; a step in which
+    every busy slot is at its limit writes nothing and still takes its bucket's table."""
+    sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, logprobs=True)
+    out = []
+    for eng in (_engine(tiny), _engine(tiny, page_size=16)):
+        params, state = eng.load_params(), eng.init_decode_state()
+        state = eng.insert(eng.prefill(params=params, tokens=list(range(3, 27)), sampling=sp)[0], state, 0)
+        state = eng.insert(eng.prefill(params=params, tokens=list(range(5, 25)), sampling=sp)[0], state, 2)
+        rows = []
+        for _ in range(48):  # past both slots' limits (40 and 44 completion tokens)
+            state, res = eng.generate(params, state)
+            valid = res.valid[:, 0].astype(bool)  # an empty slot's row is not compared
+            rows.append((np.where(valid, res.tokens[:, 0], -1).tolist(), valid.tolist(),
+                         np.where(valid, res.logprobs[:, 0], 0.0).tolist(), res.lengths.tolist()))
+        out.append(rows)
+    assert out[0] == out[1]
+    assert out[1][-1][1] == [False] * 4 and out[1][-1][3][0] == 40 and out[1][-1][3][2] == 44
+
+
 def test_a_bounded_pool_is_checked_and_refuses_cleanly(tiny):
     with pytest.raises(InvalidRequest, match="kv_pages=5 needs page_size"):
         _engine(tiny, kv_pages=5)

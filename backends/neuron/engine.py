@@ -597,7 +597,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         writes = {i: (state.slots[i].prompt_len, min(state.slots[i].total, limit) + k - 1) for i in busy
                   if k > 1 or state.slots[i].total < limit}
         try:
-            return prepare_step(state.seqs, writes, state.num_slots, kv)
+            return prepare_step(state.seqs, writes, kv, self.pages.page_size)
         except Exception as exc:
             if getattr(exc, "page_ops", None):
                 self._on_worker(lambda: self._paged.copy(exc.page_ops))

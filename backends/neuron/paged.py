@@ -47,10 +47,11 @@ def block_row(pages: list[int], width: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def prepare_step(seqs: list[PageList | None], writes: dict[int, tuple[int, int]], slots: int, kv_len: int) -> BlockOps:
+def prepare_step(seqs: list[PageList | None], writes: dict[int, tuple[int, int]], kv_len: int,
+                 block_size: int) -> BlockOps:
     """Host half of a decode step: each slot's positions ``writes[slot] = (start, end)``
     made its own (blocks added, a shared block's copy recorded), and the block table at
-    the width of ``kv_len``. A bounded pool that runs out raises InsufficientMemory with
+    the width of ``kv_len`` (one row per slot). A bounded pool that runs out raises InsufficientMemory with
     the copies of the slots prepared before it in ``.page_ops`` (their block lists
     changed: the copies must still be made)."""
     copies: list[tuple[int, int]] = []
@@ -60,8 +61,8 @@ def prepare_step(seqs: list[PageList | None], writes: dict[int, tuple[int, int]]
     except Exception as exc:
         exc.page_ops = copies
         raise
-    width = pages_for(kv_len, seqs[next(iter(writes))].pool.page_size) if writes else 1
-    table = np.zeros((slots, width), np.int64)
+    width = pages_for(kv_len, block_size)  # even when no slot writes (all at their limit): the bucket's width
+    table = np.zeros((len(seqs), width), np.int64)
     for slot, seq in enumerate(seqs):
         if seq is not None:
             pages = seq.pages[:width]
