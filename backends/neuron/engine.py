@@ -42,6 +42,7 @@ from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, Re
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
+from polyengine.pages import PageList, PagePool, check_owner, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.masks import full_mask
@@ -49,6 +50,7 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.torch_common.model import TorchWeights
+from polyengine.backends.torch_common.paged import PagedKV
 from polyengine.backends.torch_common.sampling import SamplerState, TorchSampler
 from polyengine.backends.torch_common.state import TorchSlotsEngine, host_array
 from polyengine.backends.neuron import plugin
@@ -56,8 +58,12 @@ from polyengine.backends.neuron.buckets import Buckets
 from polyengine.backends.neuron.cache import ArtifactCache, GraphKey, default_cache_dir
 from polyengine.backends.neuron.compile import PERSISTED, CompiledGraph
 from polyengine.backends.neuron.options import CPU_DEFAULT, OPTIONS
-from polyengine.backends.neuron.graphs import ContextContinuation, ContextEncoding, TokenGeneration, result_layout
+from polyengine.backends.neuron.graphs import (
+    ContextContinuation, ContextEncoding, PagedContextContinuation, PagedContextEncoding, PagedTokenGeneration,
+    TokenGeneration, result_layout,
+)
 from polyengine.backends.neuron.nxd import DeviceGraphs
+from polyengine.backends.neuron.paged import block_row, prepare_step, slot_mapping
 from polyengine.backends.neuron.speculation import Acceptance, draft_config, draft_weights
 from polyengine.backends.neuron.state import LastStep, NeuronDecodeState, NeuronSlot, NeuronSlots
 
@@ -91,6 +97,17 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         self.num_top = self.capabilities.max_top_logprobs
         self.layout = result_layout(k, self.num_top)
         self.torch_dtype = _DTYPES[self.dtype]
+        # The block KV layout (option page_size): block ids and counts (polyengine.pages) and
+        # the pools they index (docs/neuron.md, "Pages").
+        ps, kv_pages = o["page_size"], o["kv_pages"]
+        per_slot = pages_for(self.buckets.cache, ps or 1)
+        if kv_pages and (not ps or kv_pages < per_slot + 1):
+            raise InvalidRequest(
+                f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
+                f"({per_slot + 1} with page_size={ps or 1}); raise it or leave it 0", field="options.kv_pages")
+        self.pages = PagePool(ps, kv_pages or None) if ps else None
+        self._paged = PagedKV(self.pages, torch.device("cpu"), self._new_pools,
+                              first_size=config.max_slots * per_slot) if ps else None
         self._check_memory()
         if o["threads"]:
             torch.set_num_threads(o["threads"])
@@ -125,6 +142,11 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                                      "tensor parallelism splits the model over NeuronCores (compiler='neuronx')")
         self.device = self._describe(self.compiler, o["tp_degree"])
         self.tokens_per_step = o["speculation"]
+        if o["page_size"] and self.compiler == "neuronx":
+            raise UnsupportedFeature(f"the block KV layout (option page_size={o['page_size']}) on Neuron devices",
+                                     self.name, "the NxD program keeps a contiguous cache row per seq_id; page_size "
+                                     "runs on the CPU compile path (compiler='export' or 'inductor')",
+                                     field="options.page_size")
         return Capabilities(
             dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
@@ -136,6 +158,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             # the kit's cut (a portable prefix's head, continued by its last token) needs
             # the continuation graphs too
             prefix_truncate=self.compiler != "neuronx",
+            page_size=o["page_size"],
         )
 
     @staticmethod
@@ -167,7 +190,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             needs["float32 copies of the weights stored in other formats"] = self.model.conversion_bytes()
         if self.compiler == "neuronx":
             needs["the weights split per NeuronCore, while they load"] = c.num_parameters() * item
-        else:
+        elif self.pages is not None and self.pages.capacity:
+            needs[f"the K/V block pool of {self.pages.capacity} blocks x {self.pages.page_size} positions"] = (
+                self.pages.capacity * self.pages.page_size * c.kv_bytes_per_token(item))
+        else:  # an unbounded block pool starts at what the contiguous cache holds
             needs[f"the KV cache of {cfg.max_slots} slots x {b.cache} positions"] = cfg.max_slots * b.cache * c.kv_bytes_per_token(item)
         needs["the sampler's per-slot tables"] = cfg.max_slots * row_bytes(c.vocab_size)
         needs["a context-encoding step"] = b.prefill[-1] * (c.vocab_size + 4 * c.intermediate_size) * 4
@@ -185,6 +211,12 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             self.on_device.attach(self.graphs[("nxd_model",)].fn)
             return
         b, c, k = self.buckets, self.model.config, self.tokens_per_step
+        if self.pages is not None:  # the same graphs over the block pools
+            decode = ("decode", "draft") if self.draft else ("decode",)
+            for base in [*(("context", p) for p in b.prefill), *(("continuation", q, p) for q, p in b.continuations),
+                         *((kind, batch, kv) for batch in b.batch for kv in b.seq for kind in decode)]:
+                self._paged_graph(base)
+            return
         eager = self.compiler == "export"  # runs op by op: K/V written in place (graphs.py)
         for p in b.prefill:
             key = self._key("context", c, {"prompt": p, "positions": b.cache})
@@ -206,25 +238,110 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         self.graphs[name], source = self.cache.get(key, aliases, build)
         self._built[name] = (source, time.perf_counter() - start)
 
-    def _decode_graph(self, name: tuple, config, weights: TorchWeights, names, batch: int, tokens: int, kv: int) -> None:
+    def _decode_graph(self, name: tuple, config, weights: TorchWeights, names, batch: int, tokens: int, kv: int,
+                      blocks: int = 0) -> None:
+        """The token-generation (or speculation) graph of one batch x sequence bucket;
+        ``blocks`` > 0: over block pools of that many blocks (option page_size)."""
         cfg = self.config
         bucket = {"batch": batch, "tokens": tokens, "kv_len": kv, "positions": self.buckets.cache, "slots": cfg.max_slots,
                   "max_cache_length": cfg.max_cache_length, "num_top": self.num_top}
+        if blocks:
+            bucket.update(blocks=blocks, block_size=self.pages.page_size)
 
         def build():
-            module = TokenGeneration(config, names, batch=batch, tokens=tokens, kv_len=kv,
-                                     max_cache_length=cfg.max_cache_length, num_top=self.num_top,
-                                     inplace=self.compiler == "export")
-            kc, vc = weights.new_cache(cfg.max_slots, self.buckets.cache)
+            cls = PagedTokenGeneration if blocks else TokenGeneration
+            module = cls(config, names, batch=batch, tokens=tokens, kv_len=kv,
+                         max_cache_length=cfg.max_cache_length, num_top=self.num_top,
+                         inplace=self.compiler == "export")
             r = cfg.max_slots
-            args = [tuple(weights.tensors[n] for n in names), kc, vc, torch.arange(batch),
+            if blocks:  # the pools, and the block table at this sequence bucket's static width
+                kc, vc = (self._pool_like(config, blocks) for _ in range(2))
+                table = (torch.zeros((r, pages_for(kv, self.pages.page_size)), dtype=torch.int64),)
+            else:
+                (kc, vc), table = weights.new_cache(cfg.max_slots, self.buckets.cache), ()
+            args = [tuple(weights.tensors[n] for n in names), kc, vc, *table, torch.arange(batch),
                     torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64), *self._no_masks(r)]
             if tokens > 1:
                 args.append(torch.zeros((batch, tokens - 1), dtype=torch.int64))
             return module, (*args, self._neutral(r))
 
-        self._get(name, self._key("token_generation" if tokens == 1 else "speculation", config, bucket),
-                  TokenGeneration.aliases, build)
+        kind = ("paged_" if blocks else "") + ("token_generation" if tokens == 1 else "speculation")
+        self._get(name, self._key(kind, config, bucket), TokenGeneration.aliases, build)
+
+    # -- the block KV layout (option page_size) ----------------------------------------------
+
+    def _pool_like(self, config, blocks: int) -> torch.Tensor:
+        return torch.zeros((config.num_hidden_layers, blocks, config.num_key_value_heads, self.pages.page_size,
+                            config.head_dim), dtype=self.torch_dtype)
+
+    def _new_pools(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V block pools (layers, blocks, kv_heads, block_size, head_dim)."""
+        return self._weights.new_cache(blocks, self.pages.page_size)
+
+    def _paged_graph(self, base: tuple) -> CompiledGraph:
+        """Graph ``base`` (kind and bucket) over the block pools as they are now. A bounded
+        pool (kv_pages) has one size, all its graphs compiled at construction; an unbounded
+        one that grew gets graphs of its new size, compiled here once per size."""
+        blocks = self._paged.tensors[0].shape[1]
+        name = (*base, blocks)
+        if name in self.graphs:
+            return self.graphs[name]
+        c, eager, ps = self.model.config, self.compiler == "export", self.pages.page_size
+        common = {"positions": self.buckets.cache, "blocks": blocks, "block_size": ps}
+        weights = tuple(self._weights.tensors[n] for n in self._names)
+
+        def prompt_args(p: int) -> tuple:  # the padded prompt, its last position, its slot mapping
+            return torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1]), torch.zeros(p, dtype=torch.int64)
+
+        if base[0] == "context":
+            p = base[1]
+            self._get(name, self._key("paged_context", c, {"prompt": p, **common}), PagedContextEncoding.aliases,
+                      lambda: (PagedContextEncoding(c, self._names, p, inplace=eager),
+                               (weights, self._pool_like(c, blocks), self._pool_like(c, blocks), *prompt_args(p))))
+        elif base[0] == "continuation":
+            q, p = base[1:]
+            self._get(name, self._key("paged_continuation", c, {"prefix": q, "prompt": p, **common}),
+                      PagedContextContinuation.aliases,
+                      lambda: (PagedContextContinuation(c, self._names, q, p, inplace=eager),
+                               (weights, self._pool_like(c, blocks), self._pool_like(c, blocks),
+                                torch.zeros(pages_for(q, ps), dtype=torch.int64), torch.tensor([0]), *prompt_args(p))))
+        elif base[0] == "decode":
+            self._decode_graph(name, c, self._weights, self._names, base[1], self.tokens_per_step, base[2], blocks)
+        else:
+            self._decode_graph(name, self.draft, self._draft_weights, self._draft_names, base[1], 1, base[2], blocks)
+        return self.graphs[name]
+
+    def _on_worker(self, fn):
+        """Run ``fn`` (work on the block pools) on the step worker, after the queued steps:
+        the steps write the same pools, and an unbounded pool may grow (a new tensor)."""
+        return fn() if self._worker is None else self._worker.submit(fn).result()
+
+    def check_prefix(self, prefix: Prefix) -> Prefix:
+        """The kit's checks, and K/V this engine holds: a paged prefix's blocks belong to the
+        pool of the engine that made it, which another engine of the same weights must not read."""
+        prefix = super().check_prefix(prefix)
+        check_owner(self.pages, prefix.kv if isinstance(prefix.kv, PageList) else None, self.name)
+        return prefix
+
+    def prefix_pages(self, prefix: Prefix) -> PageList:
+        if self.pages is None:
+            return super().prefix_pages(prefix)
+        return self.check_prefix(prefix).kv
+
+    def slot_pages(self, decode_state: NeuronDecodeState, slot: int) -> PageList | None:
+        if self.pages is None:
+            return super().slot_pages(decode_state, slot)
+        decode_state.wait()
+        return decode_state.seqs[self.check_slot(slot)]
+
+    def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
+        """Paged: the prefix's first ``length`` positions as a new holder of its blocks (the
+        continuation copies a partly filled last one before it writes); else the kit's copy."""
+        if self.pages is None:
+            return super()._prefix_head(prefix, length)
+        seq = prefix.kv.fork(length, finalize=True)
+        return replace(prefix, kv=seq, prompt_tokens=prefix.prompt_tokens[:length],
+                       nbytes=self.kv_bytes(len(seq.pages) * self.pages.page_size))
 
     def _context_args(self, p: int) -> tuple:
         return (tuple(self._weights.tensors[n] for n in self._names), torch.zeros((1, p), dtype=torch.int64),
@@ -303,12 +420,14 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             if self._live is not None:
                 self._live.wait()
                 self._live.retired = True
+        elif self.pages is not None:  # the engine's block pools; each slot a block list
+            k = v = None
         else:
             k, v = self._weights.new_cache(r, self.buckets.cache)
         state = NeuronDecodeState(
             r, k, v, TorchSampler(self.vocab_size, r, self.eos_token_ids), torch.zeros(r, dtype=torch.int64),
             torch.zeros(r, dtype=torch.bool), Acceptance(self.tokens_per_step, torch.device("cpu")), NeuronSlots(r),
-            device=self.on_device)
+            device=self.on_device, seqs=[None] * r if self.pages is not None else None)
         if self.on_device is not None:
             self._live = state
         return state
@@ -338,6 +457,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         padded = torch.zeros((1, p), dtype=torch.int64)
         padded[0, :n] = torch.from_numpy(toks.astype(np.int64))
         weights = tuple(params.tensors[name] for name in self._names)
+        if self.pages is not None:
+            return self._paged_prefill(weights, toks, sampling, existing_prefix, start, mask, padded)
         if existing_prefix is None:
             prompt = toks
             if self.on_device is not None:
@@ -357,6 +478,43 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                         to_host=host_array, model_id=self.model_id, token_mask=mask, nbytes=self.kv_bytes(total))
         return prefix, first
 
+    def _paged_prefill(self, weights: tuple, toks: np.ndarray, sampling: SamplingParams, existing_prefix: Prefix | None,
+                       start: int, mask, padded: torch.Tensor):
+        """Prefill into blocks: the new prefix holds the continued prefix's blocks (shared)
+        and fresh ones; the context graph writes the prompt's K/V through a slot mapping.
+        The block ids change here, on the caller's thread; the pools only on the worker."""
+        n, p = toks.size, padded.shape[1]
+        seq = existing_prefix.kv.fork(finalize=True) if existing_prefix is not None else PageList(self.pages, [], 0,
+                                                                                                   finalize=True)
+        copies: list[tuple[int, int]] = []
+        try:
+            seq.prepare_write(start, start + n, lambda src, dst: copies.append((src, dst)))
+        except BaseException:  # a bounded pool ran out: nothing was written
+            seq.release()
+            raise
+        slots, last = slot_mapping(seq, start, n, p), torch.tensor([n - 1])
+        if existing_prefix is None:
+            prompt, base, head = toks, ("context", p), ()
+        else:
+            prompt = np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
+            q = self.buckets.prompt(start)
+            base, head = ("continuation", q, p), (block_row(seq.pages, pages_for(q, self.pages.page_size)),
+                                                  torch.tensor([start]))
+
+        def run() -> torch.Tensor:
+            self._paged.copy(copies)
+            graph = self._paged_graph(base)
+            k_pool, v_pool = self._paged.tensors
+            (logits,) = graph(weights, k_pool, v_pool, *head, padded, last, slots)
+            return logits
+
+        logits = self._on_worker(run)
+        first = self._first_tokens(logits[0], prompt, sampling, mask)
+        prefix = Prefix(kv=seq, logits=logits[0], prompt_tokens=prompt, sampling=sampling, backend=self.name,
+                        first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id, token_mask=mask,
+                        nbytes=self.kv_bytes(len(seq.pages) * self.pages.page_size))
+        return prefix, first
+
     @staticmethod
     def _padded(kv: torch.Tensor, bucket: int) -> torch.Tensor:
         """A prefix's K or V (layers, kv_heads, length, head_dim) as the continuation
@@ -374,6 +532,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
     def _release(self, state: NeuronDecodeState, slot: int) -> None:
         super()._release(state, slot)
         state.prompt_len[slot], state.occupied[slot] = 0, False
+        if state.seqs is not None and state.seqs[slot] is not None:  # the slot's references only
+            state.seqs[slot].release()
+            state.seqs[slot] = None
 
     # -- generate --------------------------------------------------------------------------
 
@@ -409,13 +570,14 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         # Positions total - 1 .. total + k - 2 are written and read (total: the slot's bound of
         # prompt + completion): the attended length covers them.
         kv = self.buckets.seq_for(max(min(state.slots[i].total, limit) for i in busy) + k - 1)
+        blocks = self._prepare_blocks(state, busy, kv) if state.seqs is not None else None
         for i in busy:
             s = state.slots[i]
             gain = 1 if masks is not None and masks.masked[i] else k  # a masked slot yields one token
             s.completion, s.fresh = min(s.total + gain, limit) - s.prompt_len, False
 
         def step() -> torch.Tensor:
-            return self._step(params, state, torch.tensor(seq_ids), batch, kv, mask_in)
+            return self._step(params, state, torch.tensor(seq_ids), batch, kv, mask_in, blocks)
 
         if self._worker is not None:
             state.pending = self._worker.submit(step)
@@ -425,11 +587,37 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         state.slots.last = LastStep(packed, self.layout)
         return state, ResultTokens.from_packed(packed, self.layout, to_host=host_array)
 
+    def _prepare_blocks(self, state: NeuronDecodeState, busy: list[int], kv: int):
+        """:func:`.paged.prepare_step` for the busy slots: each may write from its latest
+        token to its bound + k - 1, counted from the prompt's end (the first step after an
+        insert writes there, into a partly filled block it may share; later positions lie
+        in the slot's own blocks). A slot at its limit (k = 1) writes nothing. A bounded
+        pool that runs out makes the copies already recorded, on the worker, and raises."""
+        k, limit = self.tokens_per_step, self.max_cache_length
+        writes = {i: (state.slots[i].prompt_len, min(state.slots[i].total, limit) + k - 1) for i in busy
+                  if k > 1 or state.slots[i].total < limit}
+        try:
+            return prepare_step(state.seqs, writes, kv, self.pages.page_size)
+        except Exception as exc:
+            if getattr(exc, "page_ops", None):
+                self._on_worker(lambda: self._paged.copy(exc.page_ops))
+            raise
+
     @torch.no_grad()
     def _step(self, params: TorchWeights, state: NeuronDecodeState, seq_ids: torch.Tensor, batch: int, kv: int,
-              mask_in: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """One step on the device: drafts (with speculation), then the decode graph."""
+              mask_in: tuple[torch.Tensor, torch.Tensor], blocks=None) -> torch.Tensor:
+        """One step on the device: drafts (with speculation), then the decode graph.
+        ``blocks``: the block layout's copies on write and block table."""
         s = state.sampler.state
+        if blocks is not None:
+            copies, table = blocks
+            self._paged.copy(copies)
+            graph = lambda kind: self._paged_graph((kind, batch, kv))  # noqa: E731
+            k_cache, v_cache = self._paged.tensors
+            table_in = (table,)
+        else:
+            graph = lambda kind: self.graphs[(kind, batch, kv)]  # noqa: E731
+            k_cache, v_cache, table_in = state.k, state.v, ()
         extra = ()
         if self.draft is not None:
             layers = self.draft.num_hidden_layers
@@ -440,8 +628,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                     _, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len,
                                                                   self._no_masks(state.num_slots), (), proposal)
                 else:
-                    _, counts, step, last = self.graphs[("draft", batch, kv)](
-                        weights, state.k[:layers], state.v[:layers], seq_ids, state.occupied, state.prompt_len,
+                    _, counts, step, last = graph("draft")(
+                        weights, k_cache[:layers], v_cache[:layers], *table_in, seq_ids, state.occupied, state.prompt_len,
                         *self._no_masks(state.num_slots), proposal)
                 proposal = {**proposal, "counts": counts, "step": step, "last_token": last}
                 drafts.append(last[seq_ids])
@@ -450,8 +638,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             packed, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len, mask_in,
                                                                extra, s.as_dict())
         else:
-            packed, counts, step, last = self.graphs[("decode", batch, kv)](
-                tuple(params.tensors[n] for n in self._names), state.k, state.v, seq_ids, state.occupied,
+            packed, counts, step, last = graph("decode")(
+                tuple(params.tensors[n] for n in self._names), k_cache, v_cache, *table_in, seq_ids, state.occupied,
                 state.prompt_len, *mask_in, *extra, s.as_dict())
         state.sampler.state = replace(s, counts=counts, step=step, last_token=last)
         if self.draft is not None:
@@ -471,7 +659,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
-        k, v = prefix.kv
+        if self.pages is not None:  # read through its blocks
+            k, v = self._on_worker(lambda: self._paged.gather(prefix.kv, prefix.true_length))
+        else:
+            k, v = prefix.kv
         return PortablePrefix(k=host_array(k), v=host_array(v), prompt_tokens=prefix.prompt_tokens, last_logits=host_array(prefix.logits),
                               sampling=prefix.sampling, model_fingerprint=self.model.fingerprint)
 
@@ -481,9 +672,14 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_dtype)  # noqa: E731
         logits = torch.from_numpy(np.ascontiguousarray(portable.last_logits, dtype=np.float32))
         first = self._first_tokens(logits, prompt, sampling)
-        return Prefix(kv=(put(portable.k), put(portable.v)), logits=logits, prompt_tokens=prompt, sampling=sampling,
+        kv, nbytes = (put(portable.k), put(portable.v)), self.kv_bytes(prompt.size)
+        if self.pages is not None:  # written into fresh blocks
+            seq = PageList.new(self.pages, prompt.size, finalize=True)  # fresh blocks: the write copies nothing
+            self._on_worker(lambda: self._paged.scatter(seq, *kv, 0, prompt.size))
+            kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
+        return Prefix(kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,
                       backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id,
-                      nbytes=self.kv_bytes(prompt.size))
+                      nbytes=nbytes)
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> NeuronEngine:

@@ -74,7 +74,8 @@ from polyengine.backends.torch_common.model import StepSpec, TorchWeights, forwa
 from polyengine.backends.torch_common.sampling import SamplerFlags, SamplerState, sample
 from polyengine.backends.torch_common.transfer import pack_results
 
-__all__ = ["ContextEncoding", "ContextContinuation", "TokenGeneration", "SAMPLER_FIELDS", "result_layout"]
+__all__ = ["ContextEncoding", "ContextContinuation", "TokenGeneration", "PagedContextEncoding",
+           "PagedContextContinuation", "PagedTokenGeneration", "SAMPLER_FIELDS", "result_layout"]
 
 SAMPLER_FIELDS = tuple(f.name for f in fields(SamplerState))
 # Every sampling step compiled in: one graph serves any mix of requests.
@@ -173,6 +174,9 @@ class TokenGeneration(torch.nn.Module):
         self.max_cache_length, self.num_top = max_cache_length, num_top
 
     def forward(self, weights, k_cache, v_cache, seq_ids, occupied, prompt_len, token_mask, masked, *rest):
+        return self._step(weights, k_cache, v_cache, None, seq_ids, occupied, prompt_len, token_mask, masked, *rest)
+
+    def _step(self, weights, k_cache, v_cache, block_table, seq_ids, occupied, prompt_len, token_mask, masked, *rest):
         drafts, sampler = (rest[0], rest[1]) if self.tokens > 1 else (None, rest[0])
         st = SamplerState(**sampler)
         w = _weights(self.config, self.names, weights)
@@ -184,9 +188,18 @@ class TokenGeneration(torch.nn.Module):
         fed = st.last_token[seq_ids][:, None]  # (B, 1): the latest token, not yet in the cache
         if drafts is not None:
             fed = torch.cat([fed, drafts], dim=1)  # (B, T)
-        # Rows that are not live may sit at any position; clamped, they stay inside their own row.
-        positions = ((total - 1)[:, None] + torch.arange(t, device=dev)).clamp(0, k_cache.shape[3] - 1)
-        logits, k_cache, v_cache = forward(w, self.spec, fed, positions, k_cache, v_cache, rows=seq_ids)
+        if block_table is None:
+            # Rows that are not live may sit at any position; clamped, they stay inside their own row.
+            positions = ((total - 1)[:, None] + torch.arange(t, device=dev)).clamp(0, k_cache.shape[3] - 1)
+            logits, k_cache, v_cache = forward(w, self.spec, fed, positions, k_cache, v_cache, rows=seq_ids)
+        else:
+            # Block layout: a row reads and writes through its block-table row. A row that is
+            # not live writes nothing (its table row may name pages other holders own now);
+            # clamped, its position stays inside its table row.
+            width = block_table.shape[1] * k_cache.shape[3]
+            positions = ((total - 1)[:, None] + torch.arange(t, device=dev)).clamp(0, width - 1)
+            logits, k_cache, v_cache = forward(w, self.spec, fed, positions, k_cache, v_cache,
+                                               write_mask=live[:, None].expand(-1, t), page_table=block_table[seq_ids])
         words = token_mask[seq_ids]  # (B, W): the mask applies to each slot's first position only
         if t > 1:
             first = (torch.arange(t, device=dev) == 0)[None, :, None]
@@ -216,3 +229,87 @@ class TokenGeneration(torch.nn.Module):
         lengths = torch.where(occupied, new_step, torch.zeros_like(new_step)).to(torch.int32)[:, None]
         packed = torch.cat([packed[:, : 2 * t], lengths, packed[:, 2 * t + 1:]], dim=1)  # (R, width)
         return packed, counts, new_step, last_token, k_cache, v_cache
+
+
+# -- the block KV layout (option page_size) ------------------------------------------------
+
+
+def write_slots(pool: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor, last: torch.Tensor,
+                inplace: bool) -> torch.Tensor:
+    """Write a prompt's K or V ``new`` (L, 1, kv_heads, P, head_dim) into a block pool
+    (L, blocks, kv_heads, block_size, head_dim) through ``slot_mapping`` (P,): position
+    ``i`` goes to block ``slot // block_size``, offset ``slot % block_size``. Pad positions
+    (after ``last``) carry the last prompt position's slot and take its value, so the
+    duplicates write the same bits (a scatter's duplicates have no defined order)."""
+    layers, _, heads, size, _ = pool.shape
+    dev = pool.device
+    src = torch.arange(new.shape[3], device=dev).clamp(max=last[0])  # (P,)
+    values = new[:, 0].index_select(2, src).permute(0, 2, 1, 3).to(pool.dtype)  # (L, P, kv_heads, head_dim)
+    idx = (torch.arange(layers, device=dev)[:, None, None], (slot_mapping // size)[None, :, None],
+           torch.arange(heads, device=dev)[None, None, :], (slot_mapping % size)[None, :, None])
+    if inplace:
+        return pool.index_put_(idx, values)
+    return pool.index_put(idx, values)
+
+
+def read_blocks(pool: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """``blocks`` (W,) of a pool as one contiguous row (L, 1, kv_heads, length, head_dim),
+    ``length <= W * block_size``."""
+    layers, _, heads, size, dim = pool.shape
+    rows = pool.index_select(1, blocks)  # (L, W, kv_heads, block_size, head_dim)
+    return rows.transpose(1, 2).reshape(layers, heads, -1, dim)[:, None, :, :length]
+
+
+class PagedContextEncoding(ContextEncoding):
+    """Context encoding into the block pools: ``(weights, k_pool, v_pool, tokens (1, P),
+    last (1,), slot_mapping (P,))`` -> ``logits (1, V)``; the pools updated in place (NxD's
+    context encoding writing the block KV cache through its slot mapping)."""
+
+    aliases = ((1, 1), (2, 2))
+
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, inplace: bool = False):
+        super().__init__(config, names, bucket, inplace=inplace)
+        self.inplace = inplace
+
+    def forward(self, weights, k_pool, v_pool, tokens, last, slot_mapping):
+        logits, k, v = super().forward(weights, tokens, last)
+        return (logits, write_slots(k_pool, k, slot_mapping, last, self.inplace),
+                write_slots(v_pool, v, slot_mapping, last, self.inplace))
+
+
+class PagedContextContinuation(ContextContinuation):
+    """A prompt continuing a prefix held in blocks: ``(weights, k_pool, v_pool,
+    prefix_blocks (ceil(Q / block_size),), start (1,), tokens (1, P), last (1,),
+    slot_mapping (P,))`` -> ``logits (1, V)``. The prefix's K/V are read through its block
+    table; the prompt's new positions are written through the slot mapping (the engine
+    has made every block they touch the new prefix's own first: copy on write)."""
+
+    aliases = ((1, 1), (2, 2))
+
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], prefix_bucket: int, bucket: int,
+                 inplace: bool = False):
+        super().__init__(config, names, prefix_bucket, bucket, inplace=inplace)
+        self.inplace = inplace
+
+    def forward(self, weights, k_pool, v_pool, prefix_blocks, start, tokens, last, slot_mapping):
+        q = self.prefix_bucket
+        # Positions start..Q of the read blocks hold whatever those blocks hold (the
+        # contiguous graph's input has zeros there): the prompt's own writes cover them or
+        # they lie past every query, where attention weighs them exactly 0.
+        head_k, head_v = read_blocks(k_pool, prefix_blocks, q), read_blocks(v_pool, prefix_blocks, q)
+        logits, k, v = super().forward(weights, head_k, head_v, start, tokens, last)
+        new = start + torch.arange(self.bucket, device=tokens.device)  # (P,): the prompt's positions
+        k, v = k.index_select(3, new), v.index_select(3, new)
+        return (logits, write_slots(k_pool, k, slot_mapping, last, self.inplace),
+                write_slots(v_pool, v, slot_mapping, last, self.inplace))
+
+
+class PagedTokenGeneration(TokenGeneration):
+    """:class:`TokenGeneration` over the block pools: ``(weights, k_pool, v_pool,
+    block_table (R, W), seq_ids, ...)``, the rest as there. Row ``b`` reads its first
+    ``kv_len`` positions through ``block_table[seq_ids[b]]`` (``W = ceil(kv_len /
+    block_size)``: the table's static width per sequence bucket) and writes its new K/V at
+    ``(table[p // block_size], p % block_size)``; rows that are not live write nothing."""
+
+    def forward(self, weights, k_pool, v_pool, block_table, seq_ids, occupied, prompt_len, token_mask, masked, *rest):
+        return self._step(weights, k_pool, v_pool, block_table, seq_ids, occupied, prompt_len, token_mask, masked, *rest)

@@ -38,6 +38,13 @@ OPTIONS = {
     "draft_layers": Option(0, "the draft = the target's first draft_layers layers; 0 = half of them", minimum=0),
     "async_steps": Option(True, "run steps on a worker thread; the caller reads step n while n+1 runs"),
     "threads": Option(0, "CPU intra-op threads (0: torch's default)", minimum=0),
+    # The block KV layout, NxD's (docs/neuron.md, "Pages"): pools of blocks shared by reference
+    # count (polyengine.pages), a block table per slot; inserting a prefix shares its blocks
+    "page_size": Option(0, "K/V in blocks (pages) of this many positions (0: one contiguous cache row per slot); "
+                           "the CPU compile path", minimum=0, maximum=4096),
+    "kv_pages": Option(0, "with page_size: the blocks the K/V of slots and prefixes share (0: as many as they use, "
+                          "the pool's graphs compiled again for each size it grows to); the driver admits requests "
+                          "by free blocks", minimum=0),
     "tp_degree": Option(1, "NeuronCores the model is split over (tensor parallel, as NxD splits it); neuronx only",
                         minimum=1),
 }

@@ -97,6 +97,9 @@ class NeuronDecodeState(SlotsInFlight):
     pending: Future | None = None  # the newest step queued on the worker thread
     device: Any = None  # on Neuron, the program whose state is this decode state's KV cache
     retired: bool = False  # a newer decode state took the device's cache over
+    # The block KV layout (option page_size): k/v are None (the engine's block pools hold
+    # every slot's K/V) and each slot is a block list (the host's record; its block-table row).
+    seqs: list | None = None
 
     def check_live(self) -> None:
         if self.retired:
@@ -104,7 +107,9 @@ class NeuronDecodeState(SlotsInFlight):
                                  "KV cache lives on the device, one per engine; use the newest decode state")
 
     def write_prefix(self, slot: int, prefix) -> None:
-        if self.device is None:
+        if self.seqs is not None:  # the slot shares the prefix's blocks: nothing is copied
+            self.seqs[slot] = prefix.kv.fork(finalize=True)
+        elif self.device is None:
             super().write_prefix(slot, prefix)
         else:  # through the program's insert model: the cache never leaves the device
             self.device.insert(*prefix.kv, slot)
