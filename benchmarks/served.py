@@ -107,7 +107,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+def _start(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str, list[str]]:
     """Start a server and return it with its URL once ``/health`` answers 200.
     ``polyengine serve`` binds port 0 and announces its port on stderr; llama-server
     does not announce a port 0's choice, so it is given a free one."""
@@ -134,7 +134,7 @@ def _start(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     while url is not None and time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(url + "/health", timeout=10).status_code == 200:
-                return proc, url
+                return proc, url, lines
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -153,6 +153,16 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 async def _request(http: Any, model: str, turn: str, new_tokens: int) -> dict[str, Any]:
+    """One streamed request's times; a connection the server drops is a failed request."""
+    import httpx
+
+    try:
+        return await _stream_request(http, model, turn, new_tokens)
+    except httpx.HTTPError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+async def _stream_request(http: Any, model: str, turn: str, new_tokens: int) -> dict[str, Any]:
     body = {"model": model, "messages": [{"role": "user", "content": turn}], "max_tokens": new_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "logprobs": True}
@@ -208,7 +218,7 @@ def run_system(system: ServedSystem, *, levels: tuple[int, ...], per_client: int
                env: dict[str, str] | None = None, on_progress: Any = None) -> ServedSystem:
     """Start ``system``'s server, warm it up (one short request), run every level, stop it."""
     try:
-        proc, url = _start(system.command, env or {})
+        proc, url, lines = _start(system.command, env or {})
     except Exception as exc:  # a server that cannot start loses its row, not the run
         system.error = f"{type(exc).__name__}: {exc}"
         return system
@@ -217,13 +227,20 @@ def run_system(system: ServedSystem, *, levels: tuple[int, ...], per_client: int
 
         info = httpx.get(url + "/v1/models", timeout=60).json()
         model = info["data"][0]["id"]
-        asyncio.run(_level(url, model, 1, 1, 4))  # warm-up: first-call costs
+        for attempt in range(3):  # warm-up: first-call costs (a server just up may drop its first connection)
+            warm = asyncio.run(_level(url, model, 1, 1, 4))
+            if not warm["failed"]:
+                break
+            time.sleep(2)
+        else:
+            raise RuntimeError(f"the warm-up request failed 3 times: {warm['errors']}")
         for clients in levels:
             if on_progress:
                 on_progress(f"{system.name}: {clients} client(s)")
             system.levels.append(asyncio.run(_level(url, model, clients, per_client, new_tokens)))
     except Exception as exc:
-        system.error = f"{type(exc).__name__}: {exc}"
+        tail = "".join(lines[-10:])[-800:]
+        system.error = f"{type(exc).__name__}: {exc}" + (f"; the server's last output: {tail}" if tail else "")
     finally:
         _stop(proc)
     return system
