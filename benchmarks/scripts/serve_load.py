@@ -58,15 +58,17 @@ def cpu_model() -> str:
     return f"{name.group(1).strip() if name else platform.machine()} x{os.cpu_count()} ({' '.join(isa) or 'no AVX2'})"
 
 
-def start_server(args, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_server(args, extra: tuple[str, ...] = (), startup: float = 300.0) -> tuple[subprocess.Popen, str]:
     """``python -m polyengine.serving`` on a free port (``args``: backend, max_slots,
-    model; ``extra``: more of its flags); returns the process and its URL."""
+    model; ``extra``: more of its flags), given ``startup`` seconds to announce its port
+    (a tpu_jax server with ``warmup=true`` compiles every program first); returns the
+    process and its URL."""
     cmd = [sys.executable, "-m", "polyengine.serving", "--port", "0", "--backend", args.backend,
            "--max-slots", str(args.max_slots), "--max-queue", "1024", "--log-level", "warning", *extra]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + startup
     for line in proc.stderr:
         print(f"  server: {line.rstrip()}", file=sys.stderr)
         m = re.search(r"listening on (http://\S+)", line)

@@ -3,6 +3,7 @@ second and later requests, measured as a client sees it.
 
     python benchmarks/scripts/serve_prefix.py [--backend cpu] [--model M] [--prompts 3] [--warm 3]
                                 [--system-words 520] [--max-tokens 16] [--option KEY=VALUE ...] [--no-compare]
+                                [--context-length N] [--startup SECONDS]
 
 The measurement of the paged prefix cache's serving target: ``--prompts`` system prompts
 of about 700 tokens each (``--system-words`` words of a fixed text, other words per
@@ -79,7 +80,7 @@ def one(http: httpx.Client, model: str, system: str, user: str, max_tokens: int)
 
 
 def run_server(args, extra: tuple[str, ...]) -> list[dict]:
-    proc, url = start_server(args, extra)
+    proc, url = start_server(args, extra, startup=args.startup)
     try:
         with httpx.Client(base_url=url, timeout=3600) as http:
             model = http.get("/health", timeout=60).json()["model"]
@@ -106,10 +107,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-slots", type=int, default=8)
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="an engine option of the server")
+    ap.add_argument("--context-length", type=int, default=None, help="the server's --context-length (default: its own)")
+    ap.add_argument("--startup", type=float, default=1800.0,
+                    help="seconds a server may take to start (default 1800: tpu_jax with warmup=true compiles first)")
     ap.add_argument("--no-compare", action="store_true", help="skip the server without the prefix cache")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     extra = tuple(x for o in args.option for x in ("--option", o))
+    if args.context_length:
+        extra += ("--context-length", str(args.context_length))
     rows = run_server(args, extra)
     off = None if args.no_compare else run_server(args, (*extra, "--prefix-cache-mib", "0"))
     cold = [r["ttft"] for r in rows if r["request"] == 0]
