@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TURNS", "LEVELS", "ServedSystem", "find_llama_server", "polyengine_command", "llama_server_command",
+__all__ = ["TURNS", "ServedSystem", "find_llama_server", "polyengine_command", "llama_server_command",
            "run_system", "verdicts"]
 
 TURNS = (
@@ -47,7 +47,6 @@ TURNS = (
     "Describe a cat to someone who has never seen one.",
     "Why is the sky blue?",
 )
-LEVELS = (1, 8, 32)
 STARTUP_SECONDS = 600.0
 
 
@@ -292,10 +291,6 @@ def table(systems: list[ServedSystem], judged: list[dict[str, Any]]) -> str:
         value = f": {v['value']:.2f}" if "value" in v else f" ({v['why']})"
         lines.append(f"{word} {v['system']}, {v['clients']} client(s): {v['target']}{value}")
     return "\n".join(lines)
-
-
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def model_for_peer(path: Path | None) -> Path | None:

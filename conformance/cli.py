@@ -119,34 +119,24 @@ def _shown(changes: dict[str, str]) -> str:
     return " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in changes.items())
 
 
-def _run_child(name: str, changes: dict[str, str], *, report_json: str | Path | None, keyword: str | None,
-               exitfirst: bool, verbose: bool, differential_examples: int | None, differential_seed: int | None,
-               options: Sequence[str]) -> int:
-    argv = [sys.executable, "-m", "polyengine", "conformance", "--backend", name]
-    if report_json:
-        argv += ["--report-json", str(Path(report_json).resolve())]
-    if keyword:
-        argv += ["-k", keyword]
-    if exitfirst:
-        argv.append("-x")
-    if verbose:
-        argv.append("-v")
-    if differential_examples is not None:
-        argv += ["--differential-examples", str(differential_examples)]
-    if differential_seed is not None:
-        argv += ["--differential-seed", str(differential_seed)]
-    for option in options:
-        argv += ["--option", option]
+def _run_child(name: str, changes: dict[str, str], **kwargs: Any) -> int:
+    """The suite in a child pytest process with ``changes`` added to the environment."""
     print(f"polyengine conformance: {name}'s suite runs in a child process with {_shown(changes)} (the backend's "
           f"declared suite environment; --suite-environment none runs it without)", flush=True)
-    return subprocess.run(argv, env={**os.environ, **changes, _CHILD: "1"}).returncode
+    return _pytest(name, changes, **kwargs)
 
 
-def _run_here(name: str, *, report_json: str | Path | None, keyword: str | None, exitfirst: bool, verbose: bool,
-              differential_examples: int | None, differential_seed: int | None, options: Sequence[str]) -> int:
-    import pytest
+def _run_here(name: str, **kwargs: Any) -> int:
+    return _pytest(name, None, **kwargs)
 
+
+def _pytest(name: str, changes: dict[str, str] | None, *, report_json: str | Path | None, keyword: str | None,
+            exitfirst: bool, verbose: bool, differential_examples: int | None, differential_seed: int | None,
+            options: Sequence[str]) -> int:
+    """``pytest --pyargs polyengine.conformance`` on ``name`` with an empty configuration:
+    in this process, or (``changes``) in a child with that environment."""
     import polyengine.conformance as pkg
+
     package_dir = Path(pkg.__file__).resolve().parent
     with tempfile.TemporaryDirectory(prefix="polyengine-conformance-") as tmp:
         ini = Path(tmp) / "pytest.ini"
@@ -172,6 +162,11 @@ def _run_here(name: str, *, report_json: str | Path | None, keyword: str | None,
             args += ["--polyengine-differential-seed", str(differential_seed)]
         for option in options:
             args += ["--polyengine-option", option]
+        if changes:
+            return subprocess.run([sys.executable, "-m", "pytest", *args],
+                                  env={**os.environ, **changes, _CHILD: "1"}).returncode
+        import pytest
+
         return int(pytest.main(args))
 
 

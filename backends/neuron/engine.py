@@ -42,7 +42,7 @@ from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, Re
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
-from polyengine.pages import PageList, PagePool, check_owner, pages_for
+from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.masks import full_mask
@@ -316,24 +316,6 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         the steps write the same pools, and an unbounded pool may grow (a new tensor)."""
         return fn() if self._worker is None else self._worker.submit(fn).result()
 
-    def check_prefix(self, prefix: Prefix) -> Prefix:
-        """The kit's checks, and K/V this engine holds: a paged prefix's blocks belong to the
-        pool of the engine that made it, which another engine of the same weights must not read."""
-        prefix = super().check_prefix(prefix)
-        check_owner(self.pages, prefix.kv if isinstance(prefix.kv, PageList) else None, self.name)
-        return prefix
-
-    def prefix_pages(self, prefix: Prefix) -> PageList:
-        if self.pages is None:
-            return super().prefix_pages(prefix)
-        return self.check_prefix(prefix).kv
-
-    def slot_pages(self, decode_state: NeuronDecodeState, slot: int) -> PageList | None:
-        if self.pages is None:
-            return super().slot_pages(decode_state, slot)
-        decode_state.wait()
-        return decode_state.seqs[self.check_slot(slot)]
-
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """Paged: the prefix's first ``length`` positions as a new holder of its blocks (the
         continuation copies a partly filled last one before it writes); else the kit's copy."""
@@ -599,8 +581,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         try:
             return prepare_step(state.seqs, writes, kv, self.pages.page_size)
         except Exception as exc:
-            if getattr(exc, "page_ops", None):
-                self._on_worker(lambda: self._paged.copy(exc.page_ops))
+            ops = getattr(exc, "page_ops", None)
+            if ops:
+                self._on_worker(lambda: self._paged.copy(ops))
             raise
 
     @torch.no_grad()

@@ -34,7 +34,7 @@ import torch
 from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
-from polyengine.pages import PageList, PagePool, check_owner, pages_for
+from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.rows import row_bytes
@@ -579,24 +579,6 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         )
 
     # -- pages (option page_size) ----------------------------------------------------------
-
-    def check_prefix(self, prefix: Prefix) -> Prefix:
-        """The kit's checks, and K/V this engine holds: a paged prefix's pages belong to the
-        pool of the engine that made it, which another engine of the same weights must not read."""
-        prefix = super().check_prefix(prefix)
-        check_owner(self.pages, prefix.kv if isinstance(prefix.kv, PageList) else None, self.name)
-        return prefix
-
-    def prefix_pages(self, prefix: Prefix) -> PageList:
-        if self.pages is None:
-            return super().prefix_pages(prefix)
-        return self.check_prefix(prefix).kv
-
-    def slot_pages(self, decode_state: TorchDecodeState, slot: int) -> PageList | None:
-        if self.pages is None:
-            return super().slot_pages(decode_state, slot)
-        decode_state.wait()
-        return decode_state.seqs[self.check_slot(slot)]
 
     def _paged_decode_state(self, n: int) -> TorchDecodeState:
         """A decode state over the engine's page pools: a page-table row per slot."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from polyengine.engine import Prefix, ResultTokens
+from polyengine.pages import PageList, check_owner
 from polyengine.slots import SlotTable
 
 from polyengine.backends.torch_common.sampling import SampleResult, TorchSampler
@@ -102,6 +103,26 @@ class TorchSlotsEngine:
 
     def _release(self, state: Any, slot: int) -> None:
         state.sampler.clear(slot)
+
+    # -- pages (option page_size: ``self.pages`` a PagePool, a state's ``seqs`` its slots' PageLists) --
+
+    def check_prefix(self, prefix: Prefix) -> Prefix:
+        """The kit's checks, and K/V this engine holds: a paged prefix's pages belong to the
+        pool of the engine that made it, which another engine of the same weights must not read."""
+        prefix = super().check_prefix(prefix)
+        check_owner(self.pages, prefix.kv if isinstance(prefix.kv, PageList) else None, self.name)
+        return prefix
+
+    def prefix_pages(self, prefix: Prefix) -> PageList:
+        if self.pages is None:
+            return super().prefix_pages(prefix)
+        return self.check_prefix(prefix).kv
+
+    def slot_pages(self, decode_state: Any, slot: int) -> PageList | None:
+        if self.pages is None:
+            return super().slot_pages(decode_state, slot)
+        decode_state.wait()
+        return decode_state.seqs[self.check_slot(slot)]
 
 
 def host_array(t: Any) -> Any:

@@ -35,16 +35,7 @@ import time
 import httpx
 import numpy as np
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "Explain what a CPU does in one paragraph.",
-    "Give me a tip for learning a new language.",
-    "What is 12 times 7?",
-    "Describe a cat to someone who has never seen one.",
-    "Why is the sky blue?",
-]
+from polyengine.benchmarks.served import TURNS as QUESTIONS  # the served part's fixed mix
 
 
 def cpu_model() -> str:
