@@ -19,6 +19,8 @@
 #                run cut short by its limit still says what passed)
 #   sets         the option sets cuda_torch declares (page_size=16, kv_dtype=bfloat16),
 #                one `--option` run each
+#   declared     the run without options and the two sets at once, three processes
+#                (not in the default list: instead of conformance and sets)
 # Every stage runs under its own `timeout`, cut to what is left of $BUDGET (default 400
 # s), and the next one runs whatever the last one did; all output goes to
 # $OUT/session.log, the reports to $OUT (at most 8 files: what a device run brings back).
@@ -94,13 +96,46 @@ stage_sets() {
     --option kv_dtype=bfloat16 --report-json "$OUT/conformance_kv_bf16.json"
 }
 
+# The run without options and each declared set at once, each in its own process (what
+# `--option-sets declared` runs one after the other; the suite's tiny models leave the
+# GPU idle, so the three share it and the host's cores): their logs go to
+# $OUT/conformance_runs.log, one after the other, when all have ended.
+stage_declared() {
+  local limit=$(($(left) - 15)) pids=() name opts rc
+  if ((limit < 30)); then
+    echo "== declared: not run ($(left) s of the budget left)"
+    return 0
+  fi
+  echo "== declared: start $(date -u +%H:%M:%S), limit ${limit} s: the run without options, page_size=16, kv_dtype=bfloat16"
+  local t0=$(date +%s)
+  for name in conformance conformance_page_size16 conformance_kv_bf16; do
+    case $name in
+      conformance) opts=() ;;
+      conformance_page_size16) opts=(--option page_size=16) ;;
+      conformance_kv_bf16) opts=(--option kv_dtype=bfloat16) ;;
+    esac
+    OMP_NUM_THREADS=5 timeout -k 10 "$limit" python3 -m polyengine.cli conformance --backend cuda_torch -v \
+      "${opts[@]}" --report-json "$OUT/$name.json" >"/tmp/$name.log" 2>&1 &
+    pids+=($!)
+  done
+  for name in conformance conformance_page_size16 conformance_kv_bf16; do
+    wait "${pids[0]}"
+    rc=$?
+    pids=("${pids[@]:1}")
+    echo "== declared: $name: exit $rc$( ((rc == 124 || rc == 137)) && echo ' (its time limit)') after $(($(date +%s) - t0)) s"
+    grep -A12 "^layer  " "/tmp/$name.log"
+    grep -E "^(FAILED|ERROR) |passed|failed" "/tmp/$name.log" | tail -5
+    { echo "######## $name"; cat "/tmp/$name.log"; } >>"$OUT/conformance_runs.log"
+  done
+}
+
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 stages=("$@")
 ((${#stages[@]})) || stages=(install env check pytest conformance sets)
 for s in "${stages[@]}"; do
   case $s in
-    install | env | check | pytest | conformance | sets) "stage_$s" ;;
-    *) echo "gpu_session.sh: unknown stage '$s' (install env check pytest conformance sets)"; exit 2 ;;
+    install | env | check | pytest | conformance | sets | declared) "stage_$s" ;;
+    *) echo "gpu_session.sh: unknown stage '$s' (install env check pytest conformance sets declared)"; exit 2 ;;
   esac
 done
 echo "== done after $(($(date +%s) - START)) s of a $BUDGET s budget"
