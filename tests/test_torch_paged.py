@@ -27,11 +27,21 @@ from polyengine.pages import PageList  # noqa: E402
 
 CFG = EngineConfig(max_slots=3, max_prefill_length=60, max_cache_length=96, dtype="float32")
 
-# Adapters: the engines under test, each with the options it runs paged with.
+# Adapters: the engines under test, each with the options it runs paged with. The
+# cuda_torch kinds on a GPU (marker ``gpu``: skipped without one) run the same checks
+# on CUDA, eager and with the decode step replayed from CUDA graphs.
 KINDS = {
     "cpu-torch": (CpuEngine, {"cpu_kernels": False}),
     "cuda_torch-stand-in": (CudaEngine, {"device": "cpu"}),
+    "cuda_torch-gpu": (CudaEngine, {"device": "cuda"}),
+    "cuda_torch-gpu-graphs": (CudaEngine, {"device": "cuda", "cuda_graphs": True}),
 }
+_ON_GPU = ("cuda_torch-gpu", "cuda_torch-gpu-graphs")
+
+
+def _kinds(*names):
+    """Parameters over ``names`` (default: every kind), the GPU kinds marked ``gpu``."""
+    return [pytest.param(k, marks=pytest.mark.gpu) if k in _ON_GPU else k for k in names or KINDS]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +81,7 @@ def _run(eng):
     return out, kv
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", _kinds())
 @pytest.mark.parametrize(("page_size", "kv_dtype"), [(4, "auto"), (16, "auto"), (4, "bfloat16")])
 def test_paged_equals_the_contiguous_cache(tiny, kind, page_size, kv_dtype):
     """The same forward over the same K/V, only read through a page table: equal tokens
@@ -103,7 +113,7 @@ def test_the_fused_cpu_step_reads_pages_on_every_isa_path(tiny, isa, kv_dtype):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", _kinds())
 def test_a_prefix_in_two_slots_holds_one_copy_of_its_full_pages(tiny, kind):
     eng = _engine(tiny, kind, page_size=4)
     pool, params, state = eng.pages, eng.load_params(), eng.init_decode_state()
@@ -134,8 +144,8 @@ def test_a_prefix_in_two_slots_holds_one_copy_of_its_full_pages(tiny, kind):
     assert pool.held == 0  # dropped prefixes give their pages back
 
 
-def test_a_bounded_pool_is_checked_and_refuses_cleanly(tiny):
-    kind = "cuda_torch-stand-in"
+@pytest.mark.parametrize("kind", _kinds("cuda_torch-stand-in", *_ON_GPU))
+def test_a_bounded_pool_is_checked_and_refuses_cleanly(tiny, kind):
     with pytest.raises(InvalidRequest, match="kv_pages=5 needs page_size"):
         _engine(tiny, kind, kv_pages=5)
     with pytest.raises(InvalidRequest, match="at least one context's pages and one more"):
@@ -163,10 +173,11 @@ def test_a_bounded_pool_is_checked_and_refuses_cleanly(tiny):
     assert res.valid[0, 0] and not res.valid[1, 0]
 
 
-def test_an_unbounded_pool_grows_and_keeps_what_it_held(tiny):
+@pytest.mark.parametrize("kind", _kinds("cuda_torch-stand-in", *_ON_GPU))
+def test_an_unbounded_pool_grows_and_keeps_what_it_held(tiny, kind):
     """Past every slot's full context (the pool's first size), prefixes the driver keeps
     take more pages: the pool grows and the K/V already held read the same."""
-    eng = _engine(tiny, "cuda_torch-stand-in", page_size=16)
+    eng = _engine(tiny, kind, page_size=16)
     params, state = eng.load_params(), eng.init_decode_state()
     first = eng._paged.tensors[0].shape[1]
     assert first == 3 * 6  # 3 slots x 96 positions in pages of 16
@@ -179,7 +190,7 @@ def test_an_unbounded_pool_grows_and_keeps_what_it_held(tiny):
     np.testing.assert_array_equal(eng.export_prefix(kept[0]).k, before)
     state = eng.insert(kept[-1], state, 0)
     state, res = eng.generate(params, state)
-    flat = _engine(tiny, "cuda_torch-stand-in")
+    flat = _engine(tiny, kind)
     p, _ = flat.prefill(params=flat.load_params(), tokens=list(range(12, 72)), sampling=sp)
     s, want = flat.generate(flat.load_params(), flat.insert(p, flat.init_decode_state(), 0))
     assert res.tokens[0, 0] == want.tokens[0, 0]
