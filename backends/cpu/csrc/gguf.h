@@ -240,16 +240,33 @@ static inline __m256i gq_dot(__m256i aq, __m256i sx) {
 #endif
 }
 
+// gq_dot added to acc.
+static inline __m256i gq_dot_acc(__m256i acc, __m256i aq, __m256i sx) {
+#if PE_Q8_ISA == 2 && defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, aq, sx);
+#elif PE_Q8_ISA >= 2
+    return _mm256_dpbusd_epi32(acc, aq, sx);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), _mm256_set1_epi16(1)));
+#endif
+}
+
 // Bytes ahead of a row's current block that gq_row prefetches (1152 to 4096 measured the same).
 static const long GQ_AHEAD = 2048;
 
 // MB rows of x against weight row `row` (K weights): y[m * ldy] for each m.
-template <int F, int MB>
+// X2: each row of x is two int8 rows on one scale (gq_quantize_x2: row m's first at
+// xq + 2mK, its second K bytes on, xs/xsf at 2m * nb), combined in int32 before the
+// float work: 254 * (first's sum) + (second's sum), the int8x2 activations for one
+// conversion, one scale and one FMA a block (|254 * s1 + s2| <= 4 * 128 * 127 * 255 < 2^24
+// a lane: the conversion to float is exact).
+template <int F, int MB, int X2 = 0>
 static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, long K, const uint8_t *row,
                           float bias, float *y, long ldy) {
     typedef gq_traits<F> T;
     const bool KMIN = T::BLOCK == 256 && T::MIN;
     const long nb = K / 32;
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb;  // a row of x's stride in xq and in xs/xsf
     // two accumulators a row, alternating by block: one FMA chain's latency (4 cycles a
     // block) bounded a row's throughput, not the unpacking or the dot products
     __m256 acc[MB][2], kmins[MB];
@@ -265,13 +282,13 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
         if (T::BLOCK == 256) gq_prepare_v<F>(p, &sup);
         if (T::BLOCK == 256 && T::MIN)  // the eight sub-blocks' minimum terms in one step
             for (int m = 0; m < MB; m++)
-                kmins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sup.dmn), _mm256_loadu_ps(xsf + m * nb + blk * 8), kmins[m]);
+                kmins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sup.dmn), _mm256_loadu_ps(xsf + m * XB + blk * 8), kmins[m]);
         // Q4_K/Q5_K: each sub-block's scale times x's block scale, the eight of a super-block
         // in one product a row of x (one broadcast a sub-block instead of two and a product)
         float dd[MB][8];
         if (KMIN)
             for (int m = 0; m < MB; m++)
-                _mm256_storeu_ps(dd[m], _mm256_mul_ps(_mm256_loadu_ps(sup.dsc), _mm256_loadu_ps(xs + m * nb + blk * 8)));
+                _mm256_storeu_ps(dd[m], _mm256_mul_ps(_mm256_loadu_ps(sup.dsc), _mm256_loadu_ps(xs + m * XB + blk * 8)));
         for (int j = 0; j < T::BLOCK / 32; j++) {
             const long b = blk * (T::BLOCK / 32) + j;
             gq_sub o;
@@ -282,12 +299,17 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
             // products take as they are; the others' signs move onto x (|q| * (x with q's sign))
             const __m256i aq = T::MIN ? q : _mm256_sign_epi8(q, q);  // |q|, -128 read as 128 unsigned
             for (int m = 0; m < MB; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * 32));
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * XK + b * 32));
                 const __m256 d = KMIN ? _mm256_broadcast_ss(dd[m] + j)
-                                      : _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * nb + b));
-                const __m256i dot = gq_dot(aq, T::MIN ? xv : _mm256_sign_epi8(xv, q));
+                                      : _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * XB + b));
+                __m256i dot = gq_dot(aq, T::MIN ? xv : _mm256_sign_epi8(xv, q));
+                if (X2) {
+                    const __m256i xv2 = _mm256_loadu_si256((const __m256i *)(xq + m * XK + K + b * 32));
+                    dot = gq_dot_acc(_mm256_mullo_epi32(dot, _mm256_set1_epi32(254)), aq,
+                                     T::MIN ? xv2 : _mm256_sign_epi8(xv2, q));
+                }
                 acc[m][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m][b & 1]);
-                if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * xsf[m * nb + b];
+                if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * xsf[m * XB + b];
             }
         }
     }
@@ -297,11 +319,12 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
 
 #else  // plain C++
 
-template <int F, int MB>
+template <int F, int MB, int X2 = 0>
 static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, long K, const uint8_t *row,
                           float bias, float *y, long ldy) {
     typedef gq_traits<F> T;
     const long nb = K / 32;
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb;
     float acc[MB] = {};
     gq_super sup;
     for (long blk = 0; blk < K / T::BLOCK; blk++) {
@@ -313,11 +336,17 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
             int8_t q[32];
             gq_unpack_s<F>(p, j, &sup, q, &o);
             for (int m = 0; m < MB; m++) {
-                const int8_t *xa = xq + m * K + b * 32;
+                const int8_t *xa = xq + m * XK + b * 32;
                 int32_t s0 = 0, s1 = 0;
                 for (int i = 0; i < 16; i++) s0 += (int32_t)q[i] * xa[i], s1 += (int32_t)q[i + 16] * xa[i + 16];
-                acc[m] += xs[m * nb + b] * (o.sc[0] * (float)s0 + o.sc[1] * (float)s1);
-                if (T::MIN) acc[m] += o.mn * xsf[m * nb + b];
+                if (X2) {  // 254 * the first row's sums + the second's, as the vector paths
+                    const int8_t *xb = xa + K;
+                    int32_t t0 = 0, t1 = 0;
+                    for (int i = 0; i < 16; i++) t0 += (int32_t)q[i] * xb[i], t1 += (int32_t)q[i + 16] * xb[i + 16];
+                    s0 = 254 * s0 + t0, s1 = 254 * s1 + t1;
+                }
+                acc[m] += xs[m * XB + b] * (o.sc[0] * (float)s0 + o.sc[1] * (float)s1);
+                if (T::MIN) acc[m] += o.mn * xsf[m * XB + b];
             }
         }
     }
@@ -328,14 +357,16 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
 
 // One weight row against every row of x, in groups of 4 x rows (the row is read from
 // memory once, from L1 for the next groups).
-template <int F>
+template <int F, int X2 = 0>
 static inline void gq_row_all(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *row,
                               float b, float *yn, long ldy) {
-    const long nb = K / 32;
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * (K / 32) : K / 32;
     int m = 0;
-    for (; m + 4 <= M; m += 4) gq_row<F, 4>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
-    for (; m + 2 <= M; m += 2) gq_row<F, 2>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
-    for (; m < M; m++) gq_row<F, 1>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
+    for (; m + 4 <= M; m += 4)
+        gq_row<F, 4, X2>(xq + m * XK, xs + m * XB, xsf + m * XB, K, row, b, yn + m * ldy, ldy);
+    for (; m + 2 <= M; m += 2)
+        gq_row<F, 2, X2>(xq + m * XK, xs + m * XB, xsf + m * XB, K, row, b, yn + m * ldy, ldy);
+    for (; m < M; m++) gq_row<F, 1, X2>(xq + m * XK, xs + m * XB, xsf + m * XB, K, row, b, yn + m * ldy, ldy);
 }
 
 // Rows [n0, n1) through a table of offsets that are whole packed rows within GQ_ORDER rows
@@ -345,7 +376,7 @@ static inline void gq_row_all(const int8_t *xq, const float *xs, const float *xs
 // step 1.046x on one core, its q and k 8% of the weights). Returns false, with nothing
 // computed, for other tables (they are read in output order).
 static const long GQ_ORDER = 4096;
-template <int F>
+template <int F, int X2>
 static bool gq_rows_in_memory_order(const int8_t *xq, const float *xs, const float *xsf, int M, long K,
                                     const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy,
                                     long n0, long n1, long ycol0) {
@@ -370,20 +401,21 @@ static bool gq_rows_in_memory_order(const int8_t *xq, const float *xs, const flo
     for (long i = 0; i < span; i++) {
         const long n = col[i];
         if (n >= 0)
-            gq_row_all<F>(xq, xs, xsf, M, K, w + (first + i) * ldw, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
+            gq_row_all<F, X2>(xq, xs, xsf, M, K, w + (first + i) * ldw, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
     }
     return true;
 }
 
 // Rows [n0, n1) of W against every row of x (gq_row_all each).
 // (y's column for row n is n - ycol0: 0 for a whole output, a chunk's start for a buffer.)
-template <int F>
+// X2: x as gq_quantize_x2 lays it out (two int8 rows on one scale per row of x).
+template <int F, int X2 = 0>
 static void gq_rows(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *w, long ldw,
                     const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1, long ycol0 = 0) {
-    if (rowoff && gq_rows_in_memory_order<F>(xq, xs, xsf, M, K, w, rowoff, bias, y, ldy, n0, n1, ycol0)) return;
+    if (rowoff && gq_rows_in_memory_order<F, X2>(xq, xs, xsf, M, K, w, rowoff, bias, y, ldy, n0, n1, ycol0)) return;
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = w + (rowoff ? rowoff[n] : n * ldw);
-        gq_row_all<F>(xq, xs, xsf, M, K, row, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
+        gq_row_all<F, X2>(xq, xs, xsf, M, K, row, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
     }
 }
 
@@ -443,6 +475,42 @@ static void gq_quantize(const float *x, long ldx, int M, long K, int8_t *xq, flo
     gq_sums(xq, xs, M, K, xsf);
 }
 
+// int8x2 on one scale: x (M, K) -> for row m, two int8 rows at xq + 2mK (q1, then q2 K
+// bytes on) and per block b of 32 xs[2m * nb + b] = d / 254, xsf[2m * nb + b] = xs * (254 *
+// sum(q1) + sum(q2)), where q1 is q8_quantize's (d = max|x| / 127) and q2 its rounding
+// error r = x - d * q1 (|r| <= d / 2) in steps of d / 254, rounded half to even: |q2| <=
+// 127, and x = xs * (254 * q1 + q2) to within d / 508 a value, the error of an int8 row of
+// r on its own scale (max|r| / 127 <= d / 254), so a product on it is as close as on two
+// rows with two scales (the earlier int8x2), for one conversion, scale and FMA a block.
+static void gq_quantize_x2(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, float *xsf) {
+    const long nb = K / 32;
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        int8_t *q1 = xq + 2 * m * K, *q2 = q1 + K;
+        float *s = xs + 2 * m * nb, *sf = xsf + 2 * m * nb;
+        q8_quantize(xm, ldx, 1, K, q1, s);
+        for (long b = 0; b < nb; b++) {
+            const float d = s[b];
+            int32_t sum1 = 0, sum2 = 0;
+            if (d == 0.f) {
+                memset(q2 + b * 32, 0, 32);
+            } else {
+                const float inv = 254.f / d;
+                for (int i = 0; i < 32; i++) {
+                    const long k = b * 32 + i;
+                    float t = (xm[k] - d * (float)q1[k]) * inv;
+                    t = (t + 12582912.f) - 12582912.f;  // round to nearest even (|t| <= 2^22)
+                    t = t > 127.f ? 127.f : t < -127.f ? -127.f : t;
+                    q2[k] = (int8_t)t;
+                    sum1 += q1[k], sum2 += q2[k];
+                }
+            }
+            s[b] = d / 254.f;
+            sf[b] = s[b] * (float)(254 * sum1 + sum2);
+        }
+    }
+}
+
 struct gq_job {
     int fmt, M;
     long K, N, ldw, ldy;
@@ -452,6 +520,7 @@ struct gq_job {
     const long *rowoff;
     float *y;  // linear: (M, ldy); dequant: (rows, ldy)
     int dequant;
+    int x2;  // linear: x as gq_quantize_x2 lays it out
 };
 
 #define GQ_DISPATCH(fmt, CALL)                 \
@@ -471,13 +540,18 @@ static void gq_task(void *arg, int tid, int nth) {
     long n0, n1;
     pe_share(j->N, tid, nth, &n0, &n1);
 #define GQ_LINEAR(F) gq_rows<F>(j->xq, j->xs, j->xsf, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, n0, n1)
+#define GQ_LINEAR2(F) \
+    gq_rows<F, 1>(j->xq, j->xs, j->xsf, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, n0, n1)
 #define GQ_DEQUANT(F) gq_dequant_rows<F>(j->w, j->ldw, j->rowoff, j->K, j->y + n0 * j->ldy, j->ldy, n0, n1)
     if (j->dequant) {
         GQ_DISPATCH(j->fmt, GQ_DEQUANT)
+    } else if (j->x2) {
+        GQ_DISPATCH(j->fmt, GQ_LINEAR2)
     } else {
         GQ_DISPATCH(j->fmt, GQ_LINEAR)
     }
 #undef GQ_LINEAR
+#undef GQ_LINEAR2
 #undef GQ_DEQUANT
 }
 
@@ -507,21 +581,15 @@ static void gq_seg_rows(int fmt, const int8_t *xq, const float *xs, const float 
 #undef GQ_SEG
 }
 
-// The same against 2M int8 rows (two per row of x, int8x2): the pairs' products land in a
-// stack buffer, chunk by chunk, and are summed (with the bias) into y.
+// The same against x as gq_quantize_x2 lays it out (int8x2: two int8 rows per row of x on
+// one scale, combined in int32 by gq_row).
 static void gq_seg_rows_x2(int fmt, const int8_t *xq, const float *xs, const float *xsf, int M, long K,
                            const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy, long n0,
                            long n1) {
-    float buf[8192];
-    const int M2 = 2 * M;
-    const long chunk = 8192 / M2;
-    for (long a = n0; a < n1; a += chunk) {
-        const long b = a + chunk < n1 ? a + chunk : n1, width = b - a;
-        gq_seg_rows(fmt, xq, xs, xsf, M2, K, w, rowoff, nullptr, buf, width, a, b, a);
-        for (int m = 0; m < M; m++)
-            for (long n = 0; n < width; n++)
-                y[m * ldy + a + n] = buf[2 * m * width + n] + buf[(2 * m + 1) * width + n] + (bias ? bias[a + n] : 0.f);
-    }
+    const long ldw = gq_row_bytes(fmt, K);
+#define GQ_SEG2(F) gq_rows<F, 1>(xq, xs, xsf, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1)
+    GQ_DISPATCH(fmt, GQ_SEG2)
+#undef GQ_SEG2
 }
 
 static int gq_block(int fmt) {
