@@ -131,7 +131,7 @@ static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, lon
     }
     q8_quantize_rows(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), d->q8, res);
     if (d->gguf)  // the block minimums' terms need each block's sum
-        gq_sums(xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), (int)(p * (r1 - r0)), K, xsf + p * r0 * (K / Q8_BLOCK));
+        gq_sums(xq + r0 * K, xs + r0 * (K / Q8_BLOCK), (int)(r1 - r0), K, xsf + 2 * r0 * (K / Q8_BLOCK));
 }
 
 static void rms_norm(const float *x, const float *w, float *y, long n, float eps) {

@@ -154,7 +154,9 @@ static inline __m256i gq_nibbles(const uint8_t *qs) {
 }
 
 // Sub-block j of block blk as 32 signed bytes in a register (sc/mn as gq_unpack_s).
-template <int F>
+// RAW: Q6_K's bytes as stored, 0..63 (q + 32), for the products (gq_row moves the offset
+// onto the sums of x); every other format is the same either way.
+template <int F, bool RAW = false>
 static inline __m256i gq_unpack_v(const uint8_t *blk, int j, const gq_super *s, gq_sub *o) {
     o->mn = 0.f;
     if (F == GQ_Q8_0) {
@@ -202,7 +204,8 @@ static inline __m256i gq_unpack_v(const uint8_t *blk, int j, const gq_super *s, 
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3));
     o->sc[0] = s->dsc[8 * n + 2 * g];
     o->sc[1] = s->dsc[8 * n + 2 * g + 1];
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    return RAW ? u : _mm256_sub_epi8(u, _mm256_set1_epi8(32));
 }
 
 // gq_prepare in vector registers: the 6-bit scales and mins unpacked as four bytes per
@@ -266,7 +269,11 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
     typedef gq_traits<F> T;
     const bool KMIN = T::BLOCK == 256 && T::MIN;
     const long nb = K / 32;
-    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb;  // a row of x's stride in xq and in xs/xsf
+    // a row of x's stride in xq, xs and xsf (two sums a block: its halves of 16)
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb, XF = 2 * nb;
+    // unsigned weight bytes: the formats with a minimum (0..31) and Q6_K (0..63, its -32
+    // moved onto x's half-block sums, one step a super-block: no sign moved onto x a block)
+    const bool UNS = T::MIN || F == GQ_Q6_K;
     // two accumulators a row, alternating by block: one FMA chain's latency (4 cycles a
     // block) bounded a row's throughput, not the unpacking or the dot products
     __m256 acc[MB][2], kmins[MB];
@@ -281,8 +288,22 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
         for (int o = 0; o < T::BYTES; o += 64) __builtin_prefetch(p + GQ_AHEAD + o, 0, 3);
         if (T::BLOCK == 256) gq_prepare_v<F>(p, &sup);
         if (T::BLOCK == 256 && T::MIN)  // the eight sub-blocks' minimum terms in one step
-            for (int m = 0; m < MB; m++)
-                kmins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sup.dmn), _mm256_loadu_ps(xsf + m * XB + blk * 8), kmins[m]);
+            for (int m = 0; m < MB; m++) {
+                // x's sixteen half-block sums -> its eight block sums, in order
+                const float *h = xsf + m * XF + blk * 16;
+                const __m256 pairs = _mm256_hadd_ps(_mm256_loadu_ps(h), _mm256_loadu_ps(h + 8));
+                const __m256 sums = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(pairs), 0xD8));
+                kmins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sup.dmn), sums, kmins[m]);
+            }
+        if (F == GQ_Q6_K) {  // -32 times each 16 weights' scale times x's sum over them
+            const __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(sup.dsc), _mm256_set1_ps(-32.f));
+            const __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(sup.dsc + 8), _mm256_set1_ps(-32.f));
+            for (int m = 0; m < MB; m++) {
+                const float *h = xsf + m * XF + blk * 16;
+                kmins[m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(h), kmins[m]);
+                kmins[m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(h + 8), kmins[m]);
+            }
+        }
         // Q4_K/Q5_K: each sub-block's scale times x's block scale, the eight of a super-block
         // in one product a row of x (one broadcast a sub-block instead of two and a product)
         float dd[MB][8];
@@ -292,24 +313,24 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
         for (int j = 0; j < T::BLOCK / 32; j++) {
             const long b = blk * (T::BLOCK / 32) + j;
             gq_sub o;
-            const __m256i q = gq_unpack_v<F>(p, j, &sup, &o);
+            const __m256i q = gq_unpack_v<F, true>(p, j, &sup, &o);
             const __m256 sc = F == GQ_Q6_K ? _mm256_set_m128(_mm_set1_ps(o.sc[1]), _mm_set1_ps(o.sc[0]))
                                            : _mm256_set1_ps(o.sc[0]);
-            // the formats with a minimum unpack to unsigned bytes (0..31), which the byte
-            // products take as they are; the others' signs move onto x (|q| * (x with q's sign))
-            const __m256i aq = T::MIN ? q : _mm256_sign_epi8(q, q);  // |q|, -128 read as 128 unsigned
+            // the formats with a minimum (and Q6_K, RAW) unpack to unsigned bytes, which the
+            // byte products take as they are; the others' signs move onto x (|q| * (x with q's sign))
+            const __m256i aq = UNS ? q : _mm256_sign_epi8(q, q);  // |q|, -128 read as 128 unsigned
             for (int m = 0; m < MB; m++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * XK + b * 32));
                 const __m256 d = KMIN ? _mm256_broadcast_ss(dd[m] + j)
                                       : _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * XB + b));
-                __m256i dot = gq_dot(aq, T::MIN ? xv : _mm256_sign_epi8(xv, q));
+                __m256i dot = gq_dot(aq, UNS ? xv : _mm256_sign_epi8(xv, q));
                 if (X2) {
                     const __m256i xv2 = _mm256_loadu_si256((const __m256i *)(xq + m * XK + K + b * 32));
                     dot = gq_dot_acc(_mm256_mullo_epi32(dot, _mm256_set1_epi32(254)), aq,
-                                     T::MIN ? xv2 : _mm256_sign_epi8(xv2, q));
+                                     UNS ? xv2 : _mm256_sign_epi8(xv2, q));
                 }
                 acc[m][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m][b & 1]);
-                if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * xsf[m * XB + b];
+                if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * (xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]);
             }
         }
     }
@@ -324,7 +345,7 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
                           float bias, float *y, long ldy) {
     typedef gq_traits<F> T;
     const long nb = K / 32;
-    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb;
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb, XF = 2 * nb;
     float acc[MB] = {};
     gq_super sup;
     for (long blk = 0; blk < K / T::BLOCK; blk++) {
@@ -346,7 +367,7 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
                     s0 = 254 * s0 + t0, s1 = 254 * s1 + t1;
                 }
                 acc[m] += xs[m * XB + b] * (o.sc[0] * (float)s0 + o.sc[1] * (float)s1);
-                if (T::MIN) acc[m] += o.mn * xsf[m * XB + b];
+                if (T::MIN) acc[m] += o.mn * (xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]);
             }
         }
     }
@@ -360,13 +381,13 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
 template <int F, int X2 = 0>
 static inline void gq_row_all(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *row,
                               float b, float *yn, long ldy) {
-    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * (K / 32) : K / 32;
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * (K / 32) : K / 32, XF = 2 * (K / 32);
     int m = 0;
     for (; m + 4 <= M; m += 4)
-        gq_row<F, 4, X2>(xq + m * XK, xs + m * XB, xsf + m * XB, K, row, b, yn + m * ldy, ldy);
+        gq_row<F, 4, X2>(xq + m * XK, xs + m * XB, xsf + m * XF, K, row, b, yn + m * ldy, ldy);
     for (; m + 2 <= M; m += 2)
-        gq_row<F, 2, X2>(xq + m * XK, xs + m * XB, xsf + m * XB, K, row, b, yn + m * ldy, ldy);
-    for (; m < M; m++) gq_row<F, 1, X2>(xq + m * XK, xs + m * XB, xsf + m * XB, K, row, b, yn + m * ldy, ldy);
+        gq_row<F, 2, X2>(xq + m * XK, xs + m * XB, xsf + m * XF, K, row, b, yn + m * ldy, ldy);
+    for (; m < M; m++) gq_row<F, 1, X2>(xq + m * XK, xs + m * XB, xsf + m * XF, K, row, b, yn + m * ldy, ldy);
 }
 
 // Rows [n0, n1) through a table of offsets that are whole packed rows within GQ_ORDER rows
@@ -457,27 +478,29 @@ static void gq_dequant_rows(const uint8_t *w, long ldw, const long *rowoff, long
     }
 }
 
-// xsf[m, b] = xs[m, b] * the sum of block b's int8 values (the minimum's term).
+// xsf[m, 2b + h] = xs[m, b] * the sum of half h (16 values) of block b's int8 values: the
+// minimums' terms (the two halves summed) and Q6_K's offset (a scale per half).
 static void gq_sums(const int8_t *xq, const float *xs, int M, long K, float *xsf) {
     const long nb = K / 32;
     for (int m = 0; m < M; m++)
         for (long b = 0; b < nb; b++) {
             const int8_t *q = xq + m * K + b * 32;
-            int32_t s = 0;
-            for (int i = 0; i < 32; i++) s += q[i];
-            xsf[m * nb + b] = xs[m * nb + b] * (float)s;
+            int32_t s0 = 0, s1 = 0;
+            for (int i = 0; i < 16; i++) s0 += q[i], s1 += q[i + 16];
+            xsf[m * 2 * nb + 2 * b] = xs[m * nb + b] * (float)s0;
+            xsf[m * 2 * nb + 2 * b + 1] = xs[m * nb + b] * (float)s1;
         }
 }
 
-// x (M, K) -> xq/xs (q8_quantize) and their sums xsf.
+// x (M, K) -> xq/xs (q8_quantize) and their half-block sums xsf (2 * M * K / 32 floats).
 static void gq_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, float *xsf) {
     q8_quantize(x, ldx, M, K, xq, xs);
     gq_sums(xq, xs, M, K, xsf);
 }
 
 // int8x2 on one scale: x (M, K) -> for row m, two int8 rows at xq + 2mK (q1, then q2 K
-// bytes on) and per block b of 32 xs[2m * nb + b] = d / 254, xsf[2m * nb + b] = xs * (254 *
-// sum(q1) + sum(q2)), where q1 is q8_quantize's (d = max|x| / 127) and q2 its rounding
+// bytes on) and per block b of 32 xs[2m * nb + b] = d / 254, xsf[2m * nb + 2b + h] = xs *
+// (254 * sum(q1) + sum(q2)) over half h of the block, where q1 is q8_quantize's (d = max|x| / 127) and q2 its rounding
 // error r = x - d * q1 (|r| <= d / 2) in steps of d / 254, rounded half to even: |q2| <=
 // 127, and x = xs * (254 * q1 + q2) to within d / 508 a value, the error of an int8 row of
 // r on its own scale (max|r| / 127 <= d / 254), so a product on it is as close as on two
@@ -491,7 +514,7 @@ static void gq_quantize_x2(const float *x, long ldx, int M, long K, int8_t *xq, 
         q8_quantize(xm, ldx, 1, K, q1, s);
         for (long b = 0; b < nb; b++) {
             const float d = s[b];
-            int32_t sum1 = 0, sum2 = 0;
+            int32_t sum[2] = {0, 0};
             if (d == 0.f) {
                 memset(q2 + b * 32, 0, 32);
             } else {
@@ -502,11 +525,12 @@ static void gq_quantize_x2(const float *x, long ldx, int M, long K, int8_t *xq, 
                     t = (t + 12582912.f) - 12582912.f;  // round to nearest even (|t| <= 2^22)
                     t = t > 127.f ? 127.f : t < -127.f ? -127.f : t;
                     q2[k] = (int8_t)t;
-                    sum1 += q1[k], sum2 += q2[k];
+                    sum[i >> 4] += 254 * q1[k] + q2[k];
                 }
             }
             s[b] = d / 254.f;
-            sf[b] = s[b] * (float)(254 * sum1 + sum2);
+            sf[2 * b] = s[b] * (float)sum[0];
+            sf[2 * b + 1] = s[b] * (float)sum[1];
         }
     }
 }

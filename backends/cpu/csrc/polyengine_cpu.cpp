@@ -138,7 +138,7 @@ int pe_q8_isa(void) { return PE_Q8_ISA; }
 // Weights in GGUF block format fmt (ggml's type id), row n at w + rowoff[n] (or n * ldw):
 // y = x @ W^T + bias against x quantized per 32 values (gguf.h); pairs 2 carries each
 // row of x as two int8 rows on one scale (gguf.h's gq_quantize_x2), combined in int32.
-// Scratch: xq pairs * M * K bytes, xs and xsf pairs * M * K / 32 floats each; `rest` is
+// Scratch: xq pairs * M * K bytes, xs pairs * M * K / 32 floats and xsf 2 * M * K / 32 (two sums a block); `rest` is
 // unused (kept for the callers built against the earlier int8x2).
 // 0, or -1 where K is not a multiple of the format's block or the format is not gguf.h's.
 int pe_gguf_linear(int fmt, const float *x, long ldx, const uint8_t *w, long ldw, const long *rowoff,
