@@ -82,6 +82,29 @@ def test_products_with_int8_activations(kernels, fmt, m):
     assert np.all(np.abs(y - full) <= bound * 1.001 + 1e-5 * scale)
 
 
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 7])
+def test_int8x2_products_within_their_bound(kernels, fmt, m):
+    """int8x2 (gguf.h's gq_quantize_x2): two int8 rows on one scale, combined in int32 as
+    254 * first + second: each activation within d / 508 of its value (d = the block's
+    max|x| / 127), so a product is within the sum over blocks of d / 508 times the block's
+    sum of |w| of the float64 product of the float activations (plus float32 summation)."""
+    blocks, exact = _matrix(fmt, seed=10 + m)
+    rng = np.random.default_rng(200 + m)
+    x = rng.standard_normal((m, K)).astype(np.float32)
+    x[0, 32:64] = 0.0  # an all-zero activation block
+    x[-1, 64:96] *= 1e3  # a block of another scale
+    bias = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
+    y = kernels.gguf_linear(torch.from_numpy(x), blocks, bias, pairs=2).numpy().astype(np.float64)
+    full = x.astype(np.float64) @ exact.T + bias.numpy()
+    scale = np.abs(x.astype(np.float64)) @ np.abs(exact).T + np.abs(bias.numpy())
+    d = np.abs(x.reshape(m, -1, 32)).max(axis=2) / 127  # (m, blocks)
+    bound = (d[:, None, :] / 508 * np.abs(exact).reshape(N, -1, 32).sum(axis=2)[None]).sum(axis=2)  # (m, N)
+    assert np.all(np.abs(y - full) <= bound * 1.01 + 2e-6 * scale), (fmt, np.max(np.abs(y - full) / (bound + 1e-30)))
+    one = kernels.gguf_linear(torch.from_numpy(x), blocks, bias).numpy()
+    assert np.abs(y - full).max() < np.abs(one - full).max() / 20
+
+
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0"])
 def test_int8x2_is_close_to_float(kernels, fmt):
     blocks, exact = _matrix(fmt)

@@ -231,8 +231,8 @@ class CpuKernels:
         pairs = 2 if pairs == 2 else 1
         nb = pairs * m * k // Q8_BLOCK
         xq = torch.empty(pairs * m * k, dtype=torch.int8)
-        xs = torch.empty(2 * nb, dtype=torch.float32)  # scales, then their blocks' sums
-        rest = torch.empty(2 * m * n + k if pairs == 2 else 1, dtype=torch.float32)
+        xs = torch.empty(nb + 2 * m * k // Q8_BLOCK, dtype=torch.float32)  # scales, then their half-blocks' sums
+        rest = torch.empty(1, dtype=torch.float32)  # unused by pe_gguf_linear since int8x2 on one scale
         offsets = blocks.offsets
         rc = self.lib.pe_gguf_linear(blocks.ggml_type, x2.data_ptr(), k, blocks.base, blocks.ldw,
                                      None if offsets is None else offsets.ctypes.data,

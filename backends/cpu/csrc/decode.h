@@ -124,9 +124,14 @@ static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, lon
     }
     if (!d->q8 || r1 <= r0) return;
     const long p = d->q8;  // int8 rows per row
+    if (d->gguf && p == 2) {  // two int8 rows on one scale (gguf.h)
+        gq_quantize_x2(x + r0 * K, K, (int)(r1 - r0), K, xq + 2 * r0 * K, xs + 2 * r0 * (K / Q8_BLOCK),
+                       xsf + 2 * r0 * (K / Q8_BLOCK));
+        return;
+    }
     q8_quantize_rows(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), d->q8, res);
     if (d->gguf)  // the block minimums' terms need each block's sum
-        gq_sums(xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), (int)(p * (r1 - r0)), K, xsf + p * r0 * (K / Q8_BLOCK));
+        gq_sums(xq + r0 * K, xs + r0 * (K / Q8_BLOCK), (int)(r1 - r0), K, xsf + 2 * r0 * (K / Q8_BLOCK));
 }
 
 static void rms_norm(const float *x, const float *w, float *y, long n, float eps) {

@@ -154,7 +154,9 @@ static inline __m256i gq_nibbles(const uint8_t *qs) {
 }
 
 // Sub-block j of block blk as 32 signed bytes in a register (sc/mn as gq_unpack_s).
-template <int F>
+// RAW: Q6_K's bytes as stored, 0..63 (q + 32), for the products (gq_row moves the offset
+// onto the sums of x); every other format is the same either way.
+template <int F, bool RAW = false>
 static inline __m256i gq_unpack_v(const uint8_t *blk, int j, const gq_super *s, gq_sub *o) {
     o->mn = 0.f;
     if (F == GQ_Q8_0) {
@@ -202,7 +204,8 @@ static inline __m256i gq_unpack_v(const uint8_t *blk, int j, const gq_super *s, 
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3));
     o->sc[0] = s->dsc[8 * n + 2 * g];
     o->sc[1] = s->dsc[8 * n + 2 * g + 1];
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    return RAW ? u : _mm256_sub_epi8(u, _mm256_set1_epi8(32));
 }
 
 // gq_prepare in vector registers: the 6-bit scales and mins unpacked as four bytes per
@@ -240,23 +243,49 @@ static inline __m256i gq_dot(__m256i aq, __m256i sx) {
 #endif
 }
 
+// gq_dot added to acc.
+static inline __m256i gq_dot_acc(__m256i acc, __m256i aq, __m256i sx) {
+#if PE_Q8_ISA == 2 && defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, aq, sx);
+#elif PE_Q8_ISA >= 2
+    return _mm256_dpbusd_epi32(acc, aq, sx);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), _mm256_set1_epi16(1)));
+#endif
+}
+
 // Bytes ahead of a row's current block that gq_row prefetches (1152 to 4096 measured the same).
 static const long GQ_AHEAD = 2048;
 
 // MB rows of x against weight row `row` (K weights): y[m * ldy] for each m.
-template <int F, int MB>
+// X2: each row of x is two int8 rows on one scale (gq_quantize_x2: row m's first at
+// xq + 2mK, its second K bytes on, xs/xsf at 2m * nb), combined in int32 before the
+// float work: 254 * (first's sum) + (second's sum), the int8x2 activations for one
+// conversion, one scale and one FMA a block (|254 * s1 + s2| <= 4 * 128 * 127 * 255 < 2^24
+// a lane: the conversion to float is exact).
+template <int F, int MB, int X2 = 0>
 static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, long K, const uint8_t *row,
                           float bias, float *y, long ldy) {
     typedef gq_traits<F> T;
     const bool KMIN = T::BLOCK == 256 && T::MIN;
     const long nb = K / 32;
+    // a row of x's stride in xq, xs and xsf (two sums a block: its halves of 16)
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb, XF = 2 * nb;
+    // unsigned weight bytes: the formats with a minimum (0..31) and Q6_K (0..63, its -32
+    // moved onto x's half-block sums, one step a super-block: no sign moved onto x a block)
+    const bool UNS = T::MIN || F == GQ_Q6_K;
     // two accumulators a row, alternating by block: one FMA chain's latency (4 cycles a
     // block) bounded a row's throughput, not the unpacking or the dot products
     __m256 acc[MB][2], kmins[MB];
     float mins[MB];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = kmins[m] = _mm256_setzero_ps(), mins[m] = 0.f;
     gq_super sup;
-    for (long blk = 0; blk < K / T::BLOCK; blk++) {
+    // One block; its products go to accumulator `par` (32-weight formats: the block's
+    // parity) or, in a super-block, the sub-block's parity. Inlined where par is a literal
+    // and the sub-block loop unrolled, the accumulator is known when compiling and stays
+    // in a register: rolled loops kept acc[][] in memory, every FMA a store and a reload
+    // (measured in cache, one row of x on one core: Q4_K 15 -> 24 Gweights/s with int8x2).
+    auto one = [&](long blk, int par) __attribute__((always_inline)) {
         const uint8_t *p = row + blk * T::BYTES;
         // every cache line of the block GQ_AHEAD bytes on (one prefetch a block reached only
         // one line in 2.25 of Q4_K's 144-byte blocks: the loads waited on memory; all lines
@@ -264,44 +293,71 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
         for (int o = 0; o < T::BYTES; o += 64) __builtin_prefetch(p + GQ_AHEAD + o, 0, 3);
         if (T::BLOCK == 256) gq_prepare_v<F>(p, &sup);
         if (T::BLOCK == 256 && T::MIN)  // the eight sub-blocks' minimum terms in one step
-            for (int m = 0; m < MB; m++)
-                kmins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sup.dmn), _mm256_loadu_ps(xsf + m * nb + blk * 8), kmins[m]);
+            for (int m = 0; m < MB; m++) {
+                // x's sixteen half-block sums -> its eight block sums, in order
+                const float *h = xsf + m * XF + blk * 16;
+                const __m256 pairs = _mm256_hadd_ps(_mm256_loadu_ps(h), _mm256_loadu_ps(h + 8));
+                const __m256 sums = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(pairs), 0xD8));
+                kmins[m] = _mm256_fmadd_ps(_mm256_loadu_ps(sup.dmn), sums, kmins[m]);
+            }
+        if (F == GQ_Q6_K) {  // -32 times each 16 weights' scale times x's sum over them
+            const __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(sup.dsc), _mm256_set1_ps(-32.f));
+            const __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(sup.dsc + 8), _mm256_set1_ps(-32.f));
+            for (int m = 0; m < MB; m++) {
+                const float *h = xsf + m * XF + blk * 16;
+                kmins[m] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(h), kmins[m]);
+                kmins[m] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(h + 8), kmins[m]);
+            }
+        }
         // Q4_K/Q5_K: each sub-block's scale times x's block scale, the eight of a super-block
         // in one product a row of x (one broadcast a sub-block instead of two and a product)
         float dd[MB][8];
         if (KMIN)
             for (int m = 0; m < MB; m++)
-                _mm256_storeu_ps(dd[m], _mm256_mul_ps(_mm256_loadu_ps(sup.dsc), _mm256_loadu_ps(xs + m * nb + blk * 8)));
+                _mm256_storeu_ps(dd[m], _mm256_mul_ps(_mm256_loadu_ps(sup.dsc), _mm256_loadu_ps(xs + m * XB + blk * 8)));
+#pragma GCC unroll 8
         for (int j = 0; j < T::BLOCK / 32; j++) {
             const long b = blk * (T::BLOCK / 32) + j;
             gq_sub o;
-            const __m256i q = gq_unpack_v<F>(p, j, &sup, &o);
+            const __m256i q = gq_unpack_v<F, true>(p, j, &sup, &o);
             const __m256 sc = F == GQ_Q6_K ? _mm256_set_m128(_mm_set1_ps(o.sc[1]), _mm_set1_ps(o.sc[0]))
                                            : _mm256_set1_ps(o.sc[0]);
-            // the formats with a minimum unpack to unsigned bytes (0..31), which the byte
-            // products take as they are; the others' signs move onto x (|q| * (x with q's sign))
-            const __m256i aq = T::MIN ? q : _mm256_sign_epi8(q, q);  // |q|, -128 read as 128 unsigned
+            // the formats with a minimum (and Q6_K, RAW) unpack to unsigned bytes, which the
+            // byte products take as they are; the others' signs move onto x (|q| * (x with q's sign))
+            const __m256i aq = UNS ? q : _mm256_sign_epi8(q, q);  // |q|, -128 read as 128 unsigned
             for (int m = 0; m < MB; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * 32));
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * XK + b * 32));
                 const __m256 d = KMIN ? _mm256_broadcast_ss(dd[m] + j)
-                                      : _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * nb + b));
-                const __m256i dot = gq_dot(aq, T::MIN ? xv : _mm256_sign_epi8(xv, q));
-                acc[m][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m][b & 1]);
-                if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * xsf[m * nb + b];
+                                      : _mm256_mul_ps(sc, _mm256_broadcast_ss(xs + m * XB + b));
+                __m256i dot = gq_dot(aq, UNS ? xv : _mm256_sign_epi8(xv, q));
+                if (X2) {
+                    const __m256i xv2 = _mm256_loadu_si256((const __m256i *)(xq + m * XK + K + b * 32));
+                    dot = gq_dot_acc(_mm256_mullo_epi32(dot, _mm256_set1_epi32(254)), aq,
+                                     UNS ? xv2 : _mm256_sign_epi8(xv2, q));
+                }
+                const int a = T::BLOCK == 32 ? par : (j & 1);
+                acc[m][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m][a]);
+                if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * (xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]);
             }
         }
-    }
+    };
+    const long nblk = K / T::BLOCK;
+    long blk = 0;
+    if (T::BLOCK == 32)
+        for (; blk + 2 <= nblk; blk += 2) one(blk, 0), one(blk + 1, 1);
+    for (; blk < nblk; blk++) one(blk, 0);
     for (int m = 0; m < MB; m++)
         y[m * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), kmins[m])) + mins[m] + bias;
 }
 
 #else  // plain C++
 
-template <int F, int MB>
+template <int F, int MB, int X2 = 0>
 static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, long K, const uint8_t *row,
                           float bias, float *y, long ldy) {
     typedef gq_traits<F> T;
     const long nb = K / 32;
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb, XF = 2 * nb;
     float acc[MB] = {};
     gq_super sup;
     for (long blk = 0; blk < K / T::BLOCK; blk++) {
@@ -313,11 +369,17 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
             int8_t q[32];
             gq_unpack_s<F>(p, j, &sup, q, &o);
             for (int m = 0; m < MB; m++) {
-                const int8_t *xa = xq + m * K + b * 32;
+                const int8_t *xa = xq + m * XK + b * 32;
                 int32_t s0 = 0, s1 = 0;
                 for (int i = 0; i < 16; i++) s0 += (int32_t)q[i] * xa[i], s1 += (int32_t)q[i + 16] * xa[i + 16];
-                acc[m] += xs[m * nb + b] * (o.sc[0] * (float)s0 + o.sc[1] * (float)s1);
-                if (T::MIN) acc[m] += o.mn * xsf[m * nb + b];
+                if (X2) {  // 254 * the first row's sums + the second's, as the vector paths
+                    const int8_t *xb = xa + K;
+                    int32_t t0 = 0, t1 = 0;
+                    for (int i = 0; i < 16; i++) t0 += (int32_t)q[i] * xb[i], t1 += (int32_t)q[i + 16] * xb[i + 16];
+                    s0 = 254 * s0 + t0, s1 = 254 * s1 + t1;
+                }
+                acc[m] += xs[m * XB + b] * (o.sc[0] * (float)s0 + o.sc[1] * (float)s1);
+                if (T::MIN) acc[m] += o.mn * (xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]);
             }
         }
     }
@@ -328,14 +390,16 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
 
 // One weight row against every row of x, in groups of 4 x rows (the row is read from
 // memory once, from L1 for the next groups).
-template <int F>
+template <int F, int X2 = 0>
 static inline void gq_row_all(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *row,
                               float b, float *yn, long ldy) {
-    const long nb = K / 32;
+    const long XK = X2 ? 2 * K : K, XB = X2 ? 2 * (K / 32) : K / 32, XF = 2 * (K / 32);
     int m = 0;
-    for (; m + 4 <= M; m += 4) gq_row<F, 4>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
-    for (; m + 2 <= M; m += 2) gq_row<F, 2>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
-    for (; m < M; m++) gq_row<F, 1>(xq + m * K, xs + m * nb, xsf + m * nb, K, row, b, yn + m * ldy, ldy);
+    for (; m + 4 <= M; m += 4)
+        gq_row<F, 4, X2>(xq + m * XK, xs + m * XB, xsf + m * XF, K, row, b, yn + m * ldy, ldy);
+    for (; m + 2 <= M; m += 2)
+        gq_row<F, 2, X2>(xq + m * XK, xs + m * XB, xsf + m * XF, K, row, b, yn + m * ldy, ldy);
+    for (; m < M; m++) gq_row<F, 1, X2>(xq + m * XK, xs + m * XB, xsf + m * XF, K, row, b, yn + m * ldy, ldy);
 }
 
 // Rows [n0, n1) through a table of offsets that are whole packed rows within GQ_ORDER rows
@@ -345,7 +409,7 @@ static inline void gq_row_all(const int8_t *xq, const float *xs, const float *xs
 // step 1.046x on one core, its q and k 8% of the weights). Returns false, with nothing
 // computed, for other tables (they are read in output order).
 static const long GQ_ORDER = 4096;
-template <int F>
+template <int F, int X2>
 static bool gq_rows_in_memory_order(const int8_t *xq, const float *xs, const float *xsf, int M, long K,
                                     const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy,
                                     long n0, long n1, long ycol0) {
@@ -370,20 +434,21 @@ static bool gq_rows_in_memory_order(const int8_t *xq, const float *xs, const flo
     for (long i = 0; i < span; i++) {
         const long n = col[i];
         if (n >= 0)
-            gq_row_all<F>(xq, xs, xsf, M, K, w + (first + i) * ldw, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
+            gq_row_all<F, X2>(xq, xs, xsf, M, K, w + (first + i) * ldw, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
     }
     return true;
 }
 
 // Rows [n0, n1) of W against every row of x (gq_row_all each).
 // (y's column for row n is n - ycol0: 0 for a whole output, a chunk's start for a buffer.)
-template <int F>
+// X2: x as gq_quantize_x2 lays it out (two int8 rows on one scale per row of x).
+template <int F, int X2 = 0>
 static void gq_rows(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *w, long ldw,
                     const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1, long ycol0 = 0) {
-    if (rowoff && gq_rows_in_memory_order<F>(xq, xs, xsf, M, K, w, rowoff, bias, y, ldy, n0, n1, ycol0)) return;
+    if (rowoff && gq_rows_in_memory_order<F, X2>(xq, xs, xsf, M, K, w, rowoff, bias, y, ldy, n0, n1, ycol0)) return;
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = w + (rowoff ? rowoff[n] : n * ldw);
-        gq_row_all<F>(xq, xs, xsf, M, K, row, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
+        gq_row_all<F, X2>(xq, xs, xsf, M, K, row, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
     }
 }
 
@@ -425,22 +490,61 @@ static void gq_dequant_rows(const uint8_t *w, long ldw, const long *rowoff, long
     }
 }
 
-// xsf[m, b] = xs[m, b] * the sum of block b's int8 values (the minimum's term).
+// xsf[m, 2b + h] = xs[m, b] * the sum of half h (16 values) of block b's int8 values: the
+// minimums' terms (the two halves summed) and Q6_K's offset (a scale per half).
 static void gq_sums(const int8_t *xq, const float *xs, int M, long K, float *xsf) {
     const long nb = K / 32;
     for (int m = 0; m < M; m++)
         for (long b = 0; b < nb; b++) {
             const int8_t *q = xq + m * K + b * 32;
-            int32_t s = 0;
-            for (int i = 0; i < 32; i++) s += q[i];
-            xsf[m * nb + b] = xs[m * nb + b] * (float)s;
+            int32_t s0 = 0, s1 = 0;
+            for (int i = 0; i < 16; i++) s0 += q[i], s1 += q[i + 16];
+            xsf[m * 2 * nb + 2 * b] = xs[m * nb + b] * (float)s0;
+            xsf[m * 2 * nb + 2 * b + 1] = xs[m * nb + b] * (float)s1;
         }
 }
 
-// x (M, K) -> xq/xs (q8_quantize) and their sums xsf.
+// x (M, K) -> xq/xs (q8_quantize) and their half-block sums xsf (2 * M * K / 32 floats).
 static void gq_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, float *xsf) {
     q8_quantize(x, ldx, M, K, xq, xs);
     gq_sums(xq, xs, M, K, xsf);
+}
+
+// int8x2 on one scale: x (M, K) -> for row m, two int8 rows at xq + 2mK (q1, then q2 K
+// bytes on) and per block b of 32 xs[2m * nb + b] = d / 254, xsf[2m * nb + 2b + h] = xs *
+// (254 * sum(q1) + sum(q2)) over half h of the block, where q1 is q8_quantize's (d = max|x| / 127) and q2 its rounding
+// error r = x - d * q1 (|r| <= d / 2) in steps of d / 254, rounded half to even: |q2| <=
+// 127, and x = xs * (254 * q1 + q2) to within d / 508 a value, the error of an int8 row of
+// r on its own scale (max|r| / 127 <= d / 254), so a product on it is as close as on two
+// rows with two scales (the earlier int8x2), for one conversion, scale and FMA a block.
+static void gq_quantize_x2(const float *x, long ldx, int M, long K, int8_t *xq, float *xs, float *xsf) {
+    const long nb = K / 32;
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        int8_t *q1 = xq + 2 * m * K, *q2 = q1 + K;
+        float *s = xs + 2 * m * nb, *sf = xsf + 2 * m * nb;
+        q8_quantize(xm, ldx, 1, K, q1, s);
+        for (long b = 0; b < nb; b++) {
+            const float d = s[b];
+            int32_t sum[2] = {0, 0};
+            if (d == 0.f) {
+                memset(q2 + b * 32, 0, 32);
+            } else {
+                const float inv = 254.f / d;
+                for (int i = 0; i < 32; i++) {
+                    const long k = b * 32 + i;
+                    float t = (xm[k] - d * (float)q1[k]) * inv;
+                    t = (t + 12582912.f) - 12582912.f;  // round to nearest even (|t| <= 2^22)
+                    t = t > 127.f ? 127.f : t < -127.f ? -127.f : t;
+                    q2[k] = (int8_t)t;
+                    sum[i >> 4] += 254 * q1[k] + q2[k];
+                }
+            }
+            s[b] = d / 254.f;
+            sf[2 * b] = s[b] * (float)sum[0];
+            sf[2 * b + 1] = s[b] * (float)sum[1];
+        }
+    }
 }
 
 struct gq_job {
@@ -452,6 +556,7 @@ struct gq_job {
     const long *rowoff;
     float *y;  // linear: (M, ldy); dequant: (rows, ldy)
     int dequant;
+    int x2;  // linear: x as gq_quantize_x2 lays it out
 };
 
 #define GQ_DISPATCH(fmt, CALL)                 \
@@ -471,13 +576,18 @@ static void gq_task(void *arg, int tid, int nth) {
     long n0, n1;
     pe_share(j->N, tid, nth, &n0, &n1);
 #define GQ_LINEAR(F) gq_rows<F>(j->xq, j->xs, j->xsf, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, n0, n1)
+#define GQ_LINEAR2(F) \
+    gq_rows<F, 1>(j->xq, j->xs, j->xsf, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, n0, n1)
 #define GQ_DEQUANT(F) gq_dequant_rows<F>(j->w, j->ldw, j->rowoff, j->K, j->y + n0 * j->ldy, j->ldy, n0, n1)
     if (j->dequant) {
         GQ_DISPATCH(j->fmt, GQ_DEQUANT)
+    } else if (j->x2) {
+        GQ_DISPATCH(j->fmt, GQ_LINEAR2)
     } else {
         GQ_DISPATCH(j->fmt, GQ_LINEAR)
     }
 #undef GQ_LINEAR
+#undef GQ_LINEAR2
 #undef GQ_DEQUANT
 }
 
@@ -507,21 +617,15 @@ static void gq_seg_rows(int fmt, const int8_t *xq, const float *xs, const float 
 #undef GQ_SEG
 }
 
-// The same against 2M int8 rows (two per row of x, int8x2): the pairs' products land in a
-// stack buffer, chunk by chunk, and are summed (with the bias) into y.
+// The same against x as gq_quantize_x2 lays it out (int8x2: two int8 rows per row of x on
+// one scale, combined in int32 by gq_row).
 static void gq_seg_rows_x2(int fmt, const int8_t *xq, const float *xs, const float *xsf, int M, long K,
                            const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy, long n0,
                            long n1) {
-    float buf[8192];
-    const int M2 = 2 * M;
-    const long chunk = 8192 / M2;
-    for (long a = n0; a < n1; a += chunk) {
-        const long b = a + chunk < n1 ? a + chunk : n1, width = b - a;
-        gq_seg_rows(fmt, xq, xs, xsf, M2, K, w, rowoff, nullptr, buf, width, a, b, a);
-        for (int m = 0; m < M; m++)
-            for (long n = 0; n < width; n++)
-                y[m * ldy + a + n] = buf[2 * m * width + n] + buf[(2 * m + 1) * width + n] + (bias ? bias[a + n] : 0.f);
-    }
+    const long ldw = gq_row_bytes(fmt, K);
+#define GQ_SEG2(F) gq_rows<F, 1>(xq, xs, xsf, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1)
+    GQ_DISPATCH(fmt, GQ_SEG2)
+#undef GQ_SEG2
 }
 
 static int gq_block(int fmt) {

@@ -137,29 +137,22 @@ int pe_q8_isa(void) { return PE_Q8_ISA; }
 
 // Weights in GGUF block format fmt (ggml's type id), row n at w + rowoff[n] (or n * ldw):
 // y = x @ W^T + bias against x quantized per 32 values (gguf.h); pairs 2 carries each
-// row of x as two int8 rows, its quantization and that of what it left over (linear.h's
-// q8x2_quantize), whose products are summed. Scratch: xq pairs * M * K bytes, xs and xsf
-// pairs * M * K / 32 floats each, and for pairs 2 `rest`: 2 * M * N + K floats.
+// row of x as two int8 rows on one scale (gguf.h's gq_quantize_x2), combined in int32.
+// Scratch: xq pairs * M * K bytes, xs pairs * M * K / 32 floats and xsf 2 * M * K / 32 (two sums a block); `rest` is
+// unused (kept for the callers built against the earlier int8x2).
 // 0, or -1 where K is not a multiple of the format's block or the format is not gguf.h's.
 int pe_gguf_linear(int fmt, const float *x, long ldx, const uint8_t *w, long ldw, const long *rowoff,
                    const float *bias, float *y, long ldy, int M, long N, long K, int threads, int8_t *xq, float *xs,
                    float *xsf, int pairs, float *rest) {
+    (void)rest;
     const int block = gq_block(fmt);
     if (!block || K % block) return -1;
-    if (pairs != 2) {
+    if (pairs == 2)
+        gq_quantize_x2(x, ldx, M, K, xq, xs, xsf);
+    else
         gq_quantize(x, ldx, M, K, xq, xs, xsf);
-        gq_job job = {fmt, M, K, N, ldw, ldy, xq, xs, xsf, bias, w, rowoff, y, 0};
-        pe_parallel(gq_task, &job, threads);
-        return 0;
-    }
-    float *both = rest + K;  // (2M, N): row 2m the first int8 row's products, 2m + 1 the second's
-    q8x2_quantize(x, ldx, M, K, xq, xs, rest);
-    gq_sums(xq, xs, 2 * M, K, xsf);
-    gq_job job = {fmt, 2 * M, K, N, ldw, N, xq, xs, xsf, nullptr, w, rowoff, both, 0};
+    gq_job job = {fmt, M, K, N, ldw, ldy, xq, xs, xsf, bias, w, rowoff, y, 0, pairs == 2};
     pe_parallel(gq_task, &job, threads);
-    for (int m = 0; m < M; m++)
-        for (long n = 0; n < N; n++)
-            y[m * ldy + n] = both[2 * m * N + n] + both[(2 * m + 1) * N + n] + (bias ? bias[n] : 0.f);
     return 0;
 }
 
@@ -168,7 +161,7 @@ int pe_gguf_dequant(int fmt, const uint8_t *w, long ldw, const long *rowoff, lon
                     int threads) {
     const int block = gq_block(fmt);
     if (!block || K % block) return -1;
-    gq_job job = {fmt, 0, K, rows, ldw, ldo, nullptr, nullptr, nullptr, nullptr, w, rowoff, out, 1};
+    gq_job job = {fmt, 0, K, rows, ldw, ldo, nullptr, nullptr, nullptr, nullptr, w, rowoff, out, 1, 0};
     pe_parallel(gq_task, &job, threads);
     return 0;
 }
