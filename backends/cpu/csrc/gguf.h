@@ -29,6 +29,9 @@
 #include "q8.h"
 #include "simd.h"
 
+// int8x2 is two int8 rows on one scale (gq_quantize_x2; block_kernel_rates.cpp tells builds apart by it).
+#define GQ_X2_ONE_SCALE 1
+
 // ggml's type ids (the GGUF file's tensor types).
 enum { GQ_Q4_0 = 2, GQ_Q4_1 = 3, GQ_Q5_0 = 6, GQ_Q5_1 = 7, GQ_Q8_0 = 8, GQ_Q4_K = 12, GQ_Q5_K = 13, GQ_Q6_K = 14 };
 
