@@ -42,6 +42,16 @@ def test_the_split_is_the_exact_dequantization_bit_for_bit_in_float32(fmt):
     np.testing.assert_array_equal(split_blocks(view)[0], values.reshape(4, 6, 2, 256).swapaxes(1, 2).reshape(48, 256))
 
 
+def _product_case(torch, fmt: str):
+    """A block matrix of ``fmt``, x (3, 5, 256), x @ W.T in float64 of the exactly
+    dequantized blocks, and sum |x| |w| (what a float dot product's rounding is bounded by)."""
+    record = _record(fmt)
+    exact = _exact(record)
+    x = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(1))
+    x64 = x.double().numpy()
+    return record, x, x64 @ exact.T, np.abs(x64) @ np.abs(exact).T
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_torch_block_products_match_float64_of_the_exact_blocks(fmt):
     """Each device form (torch's int4 op where it runs, int8 values with block scales
@@ -50,12 +60,7 @@ def test_cuda_torch_block_products_match_float64_of_the_exact_blocks(fmt):
     torch = pytest.importorskip("torch")
     from polyengine.backends.torch_common.blocks import block_linear, int4_runs, pack_matrix
 
-    record = _record(fmt)
-    exact = _exact(record)
-    x = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(1))
-    x64 = x.double().numpy()
-    want = x64 @ exact.T
-    scale = np.abs(x64) @ np.abs(exact).T
+    record, x, want, scale = _product_case(torch, fmt)
     cpu = torch.device("cpu")
     forms = [False, True] if int4_runs(fmt, record.shape, cpu, torch.float32) else [True]
     assert forms == ([False, True] if fmt != "Q8_0" else [True])  # Q4_0/Q4_1 do run on the int4 op here
@@ -81,12 +86,7 @@ def test_cuda_torch_block_products_on_a_gpu(fmt):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    record = _record(fmt)
-    exact = _exact(record)
-    x = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(1))
-    x64 = x.double().numpy()
-    want = x64 @ exact.T
-    scale = np.abs(x64) @ np.abs(exact).T
+    record, x, want, scale = _product_case(torch, fmt)
     cuda = torch.device("cuda")
     assert int4_runs(fmt, record.shape, cuda, torch.bfloat16) == (fmt != "Q8_0")
     assert not any(int4_runs(fmt, record.shape, cuda, d) for d in (torch.float32, torch.float16))
