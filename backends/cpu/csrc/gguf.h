@@ -287,7 +287,7 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
     // parity) or, in a super-block, the sub-block's parity. Inlined where par is a literal
     // and the sub-block loop unrolled, the accumulator is known when compiling and stays
     // in a register: rolled loops kept acc[][] in memory, every FMA a store and a reload
-    // (benchmarks/scripts/block_kernel_rates.py: in cache, one row of x, one core, with the other
+    // (backends/cpu/bench/block_kernel_rates.py: in cache, one row of x, one core, with the other
     // changes of 2026-12-04, Q4_K int8x2 20.6 -> 25.2, Q8_0 int8 18.2 -> 30.8 Gweights/s).
     auto one = [&](long blk, int par) __attribute__((always_inline)) {
         const uint8_t *p = row + blk * T::BYTES;

@@ -4,7 +4,7 @@ activations, the path at most ``MAX_ROWS`` rows take) and on ``TiledBlockLinear`
 dequantized into torch's GEMM, the path of longer prefills), CPU milliseconds (the best
 of 5 calls), both threads.
 
-    python benchmarks/scripts/block_rows_crossover.py FILE.gguf [--tensor NAME ...] [--rows 16,24,32,48,64,128]
+    python -m polyengine.backends.cpu.bench.block_rows_crossover FILE.gguf [--tensor NAME ...] [--rows 16,24,32,48,64,128]
 
 FILE: any GGUF of the block formats (``benchmarks/scripts/llama_shapes.py --write-only``
 prints its files' paths). What docs/models.md's "overtake ... below 24-32 rows" cites.

@@ -1,9 +1,9 @@
 """The cpu backend's block kernels (``backends/cpu/csrc/gguf.h``) in cache on one core:
 Gweights/s per row of x for each GGUF format, 1 to 8 rows, int8 and int8x2 activations.
 
-    python benchmarks/scripts/block_kernel_rates.py [--isa auto|avx512|avx2|scalar] [--against REV]
+    python -m polyengine.backends.cpu.bench.block_kernel_rates [--isa auto|avx512|avx2|scalar] [--against REV]
 
-Compiles ``block_kernel_rates.cpp`` (beside this file) against the backend's sources with
+Compiles ``block_kernel_rates.cpp`` (beside this module) against the backend's sources with
 the ISA path's flags (``polyengine.backends.cpu.build.isa_flags``) and runs it: the best
 of 200 calls on a 128 x 2048 matrix (L2-resident), so the table is the kernels' compute
 rate, not memory's. ``--against REV`` also builds the kernels of git revision REV
