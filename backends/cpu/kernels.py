@@ -232,13 +232,11 @@ class CpuKernels:
         nb = pairs * m * k // Q8_BLOCK
         xq = torch.empty(pairs * m * k, dtype=torch.int8)
         xs = torch.empty(nb + 2 * m * k // Q8_BLOCK, dtype=torch.float32)  # scales, then their half-blocks' sums
-        rest = torch.empty(1, dtype=torch.float32)  # unused by pe_gguf_linear since int8x2 on one scale
         offsets = blocks.offsets
         rc = self.lib.pe_gguf_linear(blocks.ggml_type, x2.data_ptr(), k, blocks.base, blocks.ldw,
                                      None if offsets is None else offsets.ctypes.data,
                                      None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k,
-                                     self.threads, xq.data_ptr(), xs.data_ptr(), xs[nb:].data_ptr(), pairs,
-                                     rest.data_ptr())
+                                     self.threads, xq.data_ptr(), xs.data_ptr(), xs[nb:].data_ptr(), pairs)
         if rc != 0:
             raise ValueError(f"the block kernels refused a {blocks.format} matrix of {k} columns")
         return y.reshape(*shape[:-1], n)
@@ -331,7 +329,7 @@ def _bind(lib: ctypes.CDLL) -> None:
                                          ctypes.c_float, int_, int_]
     lib.pe_prefill_attention.restype = lib.pe_pa_bf16.restype = ctypes.c_int
     lib.pe_gguf_linear.argtypes = [int_, ptr, long_, ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_, ptr,
-                                   ptr, ptr, int_, ptr]
+                                   ptr, ptr, int_]
     lib.pe_gguf_dequant.argtypes = [int_, ptr, long_, ptr, long_, long_, ptr, long_, int_]
     lib.pe_gguf_linear.restype = lib.pe_gguf_dequant.restype = ctypes.c_int
 

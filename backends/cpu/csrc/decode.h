@@ -123,15 +123,15 @@ static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, lon
         return;
     }
     if (!d->q8 || r1 <= r0) return;
-    const long p = d->q8;  // int8 rows per row
-    if (d->gguf && p == 2) {  // two int8 rows on one scale (gguf.h)
-        gq_quantize_x2(x + r0 * K, K, (int)(r1 - r0), K, xq + 2 * r0 * K, xs + 2 * r0 * (K / Q8_BLOCK),
-                       xsf + 2 * r0 * (K / Q8_BLOCK));
+    const long p = d->q8, nb = K / Q8_BLOCK;  // int8 rows per row
+    if (d->gguf) {  // gguf.h's layouts: with the half-block sums, and int8x2 on one scale
+        if (p == 2)
+            gq_quantize_x2(x + r0 * K, K, (int)(r1 - r0), K, xq + 2 * r0 * K, xs + 2 * r0 * nb, xsf + 2 * r0 * nb);
+        else
+            gq_quantize(x + r0 * K, K, (int)(r1 - r0), K, xq + r0 * K, xs + r0 * nb, xsf + 2 * r0 * nb);
         return;
     }
-    q8_quantize_rows(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * (K / Q8_BLOCK), d->q8, res);
-    if (d->gguf)  // the block minimums' terms need each block's sum
-        gq_sums(xq + r0 * K, xs + r0 * (K / Q8_BLOCK), (int)(r1 - r0), K, xsf + 2 * r0 * (K / Q8_BLOCK));
+    q8_quantize_rows(x + r0 * K, K, (int)(r1 - r0), K, xq + p * r0 * K, xs + p * r0 * nb, d->q8, res);
 }
 
 static void rms_norm(const float *x, const float *w, float *y, long n, float eps) {

@@ -10,7 +10,8 @@
 // scales cover 16 weights) and, for the formats with a minimum (Q4_1, Q5_1, Q4_K,
 // Q5_K), an offset mn: w = sc * q + mn. The byte products sum exactly in int32, so
 //   row . x = sum over blocks b of xs_b * (sc_b * sum(q * xq) + mn_b * sum(xq))
-// and sum(xq) per block is computed once per product (xsf: xs_b * sum(xq)). Every term
+// and sum(xq) per block is computed once per product, as the sums of its two halves of 16
+// (xsf: xs_b * sum(xq) per half, which Q6_K's offset needs on its own). Every term
 // is exact but the float32 sums and the activations' rounding (half a step of x's block
 // scale per value), which is the only approximation: the bound stated in docs/cpu.md.
 //
@@ -416,7 +417,7 @@ static const long GQ_ORDER = 4096;
 template <int F, int X2>
 static bool gq_rows_in_memory_order(const int8_t *xq, const float *xs, const float *xsf, int M, long K,
                                     const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy,
-                                    long n0, long n1, long ycol0) {
+                                    long n0, long n1) {
     typedef gq_traits<F> T;
     const long ldw = K / T::BLOCK * T::BYTES;  // a packed row: the unit of the offsets
     if (n1 - n0 < 2) return false;
@@ -438,22 +439,31 @@ static bool gq_rows_in_memory_order(const int8_t *xq, const float *xs, const flo
     for (long i = 0; i < span; i++) {
         const long n = col[i];
         if (n >= 0)
-            gq_row_all<F, X2>(xq, xs, xsf, M, K, w + (first + i) * ldw, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
+            gq_row_all<F, X2>(xq, xs, xsf, M, K, w + (first + i) * ldw, bias ? bias[n] : 0.f, y + n, ldy);
     }
     return true;
 }
 
 // Rows [n0, n1) of W against every row of x (gq_row_all each).
-// (y's column for row n is n - ycol0: 0 for a whole output, a chunk's start for a buffer.)
 // X2: x as gq_quantize_x2 lays it out (two int8 rows on one scale per row of x).
 template <int F, int X2 = 0>
 static void gq_rows(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *w, long ldw,
-                    const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1, long ycol0 = 0) {
-    if (rowoff && gq_rows_in_memory_order<F, X2>(xq, xs, xsf, M, K, w, rowoff, bias, y, ldy, n0, n1, ycol0)) return;
+                    const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1) {
+    if (rowoff && gq_rows_in_memory_order<F, X2>(xq, xs, xsf, M, K, w, rowoff, bias, y, ldy, n0, n1)) return;
     for (long n = n0; n < n1; n++) {
         const uint8_t *row = w + (rowoff ? rowoff[n] : n * ldw);
-        gq_row_all<F, X2>(xq, xs, xsf, M, K, row, bias ? bias[n] : 0.f, y + (n - ycol0), ldy);
+        gq_row_all<F, X2>(xq, xs, xsf, M, K, row, bias ? bias[n] : 0.f, y + n, ldy);
     }
+}
+
+// gq_rows for x as gq_quantize (x2 0) or gq_quantize_x2 (x2 1) laid it out.
+template <int F>
+static void gq_rows_x(int x2, const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *w,
+                      long ldw, const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1) {
+    if (x2)
+        gq_rows<F, 1>(xq, xs, xsf, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1);
+    else
+        gq_rows<F, 0>(xq, xs, xsf, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1);
 }
 
 // Rows [n0, n1) dequantized into out (ldo floats per row): float32 of sc * q + mn.
@@ -579,19 +589,15 @@ static void gq_task(void *arg, int tid, int nth) {
     const gq_job *j = (const gq_job *)arg;
     long n0, n1;
     pe_share(j->N, tid, nth, &n0, &n1);
-#define GQ_LINEAR(F) gq_rows<F>(j->xq, j->xs, j->xsf, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, n0, n1)
-#define GQ_LINEAR2(F) \
-    gq_rows<F, 1>(j->xq, j->xs, j->xsf, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, n0, n1)
+#define GQ_LINEAR(F) \
+    gq_rows_x<F>(j->x2, j->xq, j->xs, j->xsf, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, n0, n1)
 #define GQ_DEQUANT(F) gq_dequant_rows<F>(j->w, j->ldw, j->rowoff, j->K, j->y + n0 * j->ldy, j->ldy, n0, n1)
     if (j->dequant) {
         GQ_DISPATCH(j->fmt, GQ_DEQUANT)
-    } else if (j->x2) {
-        GQ_DISPATCH(j->fmt, GQ_LINEAR2)
     } else {
         GQ_DISPATCH(j->fmt, GQ_LINEAR)
     }
 #undef GQ_LINEAR
-#undef GQ_LINEAR2
 #undef GQ_DEQUANT
 }
 
@@ -610,26 +616,16 @@ static long gq_row_bytes(int fmt, long K) {
     return 0;
 }
 
-// Rows [n0, n1) of a block matrix (rows evenly spaced unless rowoff) against M int8 rows
-// (xq/xs/xsf): a fused step's share of one projection (linear.h's PE_GGUF).
-static void gq_seg_rows(int fmt, const int8_t *xq, const float *xs, const float *xsf, int M, long K,
+// Rows [n0, n1) of a block matrix (rows evenly spaced unless rowoff) against M rows of x
+// as gq_quantize (x2 0) or gq_quantize_x2 (x2 1) laid them out: a fused step's share of
+// one projection (linear.h's PE_GGUF, PE_GGUFX2).
+static void gq_seg_rows(int fmt, int x2, const int8_t *xq, const float *xs, const float *xsf, int M, long K,
                         const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy, long n0,
-                        long n1, long ycol0 = 0) {
+                        long n1) {
     const long ldw = gq_row_bytes(fmt, K);
-#define GQ_SEG(F) gq_rows<F>(xq, xs, xsf, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1, ycol0)
+#define GQ_SEG(F) gq_rows_x<F>(x2, xq, xs, xsf, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1)
     GQ_DISPATCH(fmt, GQ_SEG)
 #undef GQ_SEG
-}
-
-// The same against x as gq_quantize_x2 lays it out (int8x2: two int8 rows per row of x on
-// one scale, combined in int32 by gq_row).
-static void gq_seg_rows_x2(int fmt, const int8_t *xq, const float *xs, const float *xsf, int M, long K,
-                           const uint8_t *w, const long *rowoff, const float *bias, float *y, long ldy, long n0,
-                           long n1) {
-    const long ldw = gq_row_bytes(fmt, K);
-#define GQ_SEG2(F) gq_rows<F, 1>(xq, xs, xsf, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1)
-    GQ_DISPATCH(fmt, GQ_SEG2)
-#undef GQ_SEG2
 }
 
 static int gq_block(int fmt) {

@@ -228,7 +228,7 @@ struct pe_linear_job {
     int nseg;
     const int8_t *xq;  // PE_Q8: q8_quantize(x)
     const float *xs;
-    const float *xsf;  // PE_GGUF: xs times each block's sum of int8 values (gq_sums)
+    const float *xsf;  // PE_GGUF(X2): xs times the sums of each block's halves (gq_sums, gq_quantize_x2)
 };
 
 static const long PE_TILE = (VW == 16) ? 8 : 4;  // weight rows a thread streams together (MB x R accumulators in registers)
@@ -267,12 +267,9 @@ static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) 
         for (; n < n1; n++) rows<1>(j->x, j->ldx, w, j->K, n, j->M, s->scale, s->bias, s->y, s->ldy);
     } else if (j->kind == PE_Q8) {
         q8_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
-    } else if (j->kind == PE_GGUF) {
-        gq_seg_rows(s->fmt, j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, s->rowoff, s->bias, s->y, s->ldy,
-                    n0, n1);
-    } else if (j->kind == PE_GGUFX2) {
-        gq_seg_rows_x2(s->fmt, j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, s->rowoff, s->bias, s->y,
-                       s->ldy, n0, n1);
+    } else if (j->kind == PE_GGUF || j->kind == PE_GGUFX2) {
+        gq_seg_rows(s->fmt, j->kind == PE_GGUFX2, j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, s->rowoff,
+                    s->bias, s->y, s->ldy, n0, n1);
     } else if (j->kind == PE_Q8X2) {
         q8x2_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
     } else {

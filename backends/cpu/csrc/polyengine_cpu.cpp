@@ -138,13 +138,12 @@ int pe_q8_isa(void) { return PE_Q8_ISA; }
 // Weights in GGUF block format fmt (ggml's type id), row n at w + rowoff[n] (or n * ldw):
 // y = x @ W^T + bias against x quantized per 32 values (gguf.h); pairs 2 carries each
 // row of x as two int8 rows on one scale (gguf.h's gq_quantize_x2), combined in int32.
-// Scratch: xq pairs * M * K bytes, xs pairs * M * K / 32 floats and xsf 2 * M * K / 32 (two sums a block); `rest` is
-// unused (kept for the callers built against the earlier int8x2).
+// Scratch: xq pairs * M * K bytes, xs pairs * M * K / 32 floats and xsf 2 * M * K / 32
+// (two sums a block).
 // 0, or -1 where K is not a multiple of the format's block or the format is not gguf.h's.
 int pe_gguf_linear(int fmt, const float *x, long ldx, const uint8_t *w, long ldw, const long *rowoff,
                    const float *bias, float *y, long ldy, int M, long N, long K, int threads, int8_t *xq, float *xs,
-                   float *xsf, int pairs, float *rest) {
-    (void)rest;
+                   float *xsf, int pairs) {
     const int block = gq_block(fmt);
     if (!block || K % block) return -1;
     if (pairs == 2)
