@@ -39,7 +39,7 @@ from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.rows import row_bytes
 
-from polyengine.backends.torch_common.hostmem import release_row
+from polyengine.backends.torch_common.hostmem import grows_with_use, release_row
 from polyengine.backends.torch_common.model import (
     CastKVCodec, StepSpec, TorchWeights, final_norm, forward, residual_stream,
 )
@@ -83,6 +83,31 @@ class TorchDecodeState(SlotsInFlight):
             return super().write_prefix(slot, prefix)
         seq = self.seqs[slot] = prefix.kv.fork(finalize=True)
         self.page_table[slot, : len(seq.pages)] = to_device(np.asarray(seq.pages, np.int64), self.page_table.device)
+
+
+@dataclass(eq=False)
+class _KVRun:
+    """A prefill's contiguous K/V buffer ``(layers, 1, kv_heads, capacity, head_dim)``
+    and how far it is written: positions below ``filled`` belong to prefixes and are never
+    written again; a prefill continuing a prefix of exactly ``filled`` positions may write
+    after them (TorchEngine._kv_run)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    filled: int
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k.shape[3])
+
+
+class _RunViews(tuple):
+    """A contiguous prefix's ``(k, v)`` views, with the run they view (``.run``)."""
+
+    def __new__(cls, kv: tuple[torch.Tensor, torch.Tensor], run: _KVRun) -> "_RunViews":
+        self = super().__new__(cls, kv)
+        self.run = run
+        return self
 
 
 @dataclass(frozen=True)
@@ -300,13 +325,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         n = toks.size
         padded = self.config.bucket_for(n)
         dev = self.torch_device
-        # The prefix's own cache, in the KV dtype (what the decode cache will hold, bit for
-        # bit); on a Linux host a memory map of its own, so a prefix dropped (the driver's
-        # prefix cache evicts them in any order) gives its pages back at once instead of
-        # leaving holes in the heap that the process keeps (hostmem.py).
-        k, v = params.new_cache(1, start + padded, lazy=True, dtype=self.kv_dtype)
-        if existing_prefix is not None:
-            k[:, 0, :, :start], v[:, 0, :, :start] = self._prefix_kv(existing_prefix)
+        run = self._kv_run(params, existing_prefix, start, start + padded)
+        k, v = run.k[:, :, :, : start + padded], run.v[:, :, :, : start + padded]
         batch = np.zeros((1, padded), np.int64)
         batch[0, :n] = toks
         positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
@@ -317,8 +337,38 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )
-        return self._prefixed(params, logits[0], (k[:, 0], v[:, 0]), toks, sampling, existing_prefix, mask, start=start,
-                              nbytes=self.kv_bytes(start + padded))  # the view keeps its whole buffer alive
+        run.filled = start + n
+        prefix, first = self._prefixed(params, logits[0], (k[:, 0], v[:, 0]), toks, sampling, existing_prefix, mask,
+                                       start=start, nbytes=self.kv_bytes(start + padded))
+        if self.pages is None:  # the views keep the whole buffer alive; the run lets a continuation extend it
+            prefix = replace(prefix, kv=_RunViews(prefix.kv, run))
+        return prefix, first
+
+    def _kv_run(self, params: TorchWeights, prefix: Prefix | None, start: int, length: int) -> "_KVRun":
+        """The contiguous cache a prefill of positions ``start..length`` runs over.
+
+        Continuing a prefix this engine made, whose buffer has room and whose positions
+        after it nobody has written yet (a chunked prompt's next piece), it is that buffer,
+        extended in place: the prefix's own positions stay as they are, so the prefix and
+        every other view of the buffer read what they read before. Otherwise a new buffer
+        (the KV dtype: what the decode cache will hold, bit for bit; on a Linux host a
+        memory map of its own, so a prefix dropped gives its pages back at once, hostmem.py)
+        with the prefix's K/V copied in. On a host whose cache pages come as they are
+        written, a new buffer reserves room for twice the length (up to the engine's
+        context), which costs address space only: a prompt prefilled in pieces then copies
+        its K/V a logarithmic number of times instead of once a piece. A second
+        continuation of the same prefix finds the room taken (``filled`` past its end) and
+        copies. docs/prefix-caching.md ("Pieces extend their prefix in place")."""
+        run = getattr(prefix.kv, "run", None) if prefix is not None and self.pages is None else None
+        if run is not None and run.filled == start and run.capacity >= length:
+            return run
+        capacity = length
+        if grows_with_use(self.torch_device):
+            capacity = max(length, min(2 * length, self.max_cache_length))
+        k, v = params.new_cache(1, capacity, lazy=True, dtype=self.kv_dtype)
+        if prefix is not None:
+            k[:, 0, :, :start], v[:, 0, :, :start] = self._prefix_kv(prefix)
+        return _KVRun(k, v, start)
 
     def _prefixed(self, params: TorchWeights, logits: torch.Tensor, row: tuple[torch.Tensor, torch.Tensor], toks,
                   sampling: SamplingParams, existing_prefix: Prefix | None, mask, *, start: int, nbytes: int):
