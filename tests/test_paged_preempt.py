@@ -391,18 +391,20 @@ def test_the_entry_a_waiting_request_shares_is_not_the_one_evicted_for_it(tiny):
     pool.release(hold)
 
 
-def test_preemption_on_an_engine_that_pipelines_its_steps(tiny_text):
-    """The cpu backend declares ``async_results``: step n+1 is dispatched before step n is
-    read. A replay forces a token in place of the engine's last one each step, so while
-    a slot replays the loop runs in lock step (pipelined, the forced token's step had
-    already run: the engine refused the override). 17 pages of 4 for four requests that
-    grow to 30-45 positions: preempted and replayed, greedy, outputs equal the unbounded
-    pool's."""
-    kw = dict(backend="cpu", tools=False, max_slots=4, max_prefill_length=32, max_cache_length=64, prefill_chunk=4)
+@pytest.mark.parametrize("backend", ["cpu", "tpu_jax", "neuron"])
+def test_preemption_on_an_engine_that_pipelines_its_steps(tiny_text, backend):
+    """The cpu, tpu_jax and neuron backends declare ``async_results``: step n+1 is
+    dispatched before step n is read. A replay forces a token in place of the engine's
+    last one each step, so while a slot replays the loop runs in lock step (pipelined, the
+    forced token's step had already run: the engine refused the override). 17 pages of 4
+    for four requests that grow to 30-45 positions: preempted and replayed, greedy,
+    outputs equal the unbounded pool's (tpu_jax's gather over its page pools, neuron's
+    block KV layout on its CPU compile path)."""
+    kw = dict(backend=backend, tools=False, max_slots=4, max_prefill_length=32, max_cache_length=64, prefill_chunk=4)
     prompts = ["the quick brown fox", "a b c d e f", "hello there, general", "zzz yyy"]
     work = [(p, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)) for p in prompts]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the cpu backend's fallback notes on a tiny model
+        warnings.simplefilter("ignore")  # the backends' fallback notes on a tiny model
         bounded = LLM(tiny_text, options={"page_size": 4, "kv_pages": 17}, **kw)
         free = LLM(tiny_text, options={"page_size": 4}, **kw)
     assert bounded.engine.capabilities.async_results
