@@ -15,6 +15,8 @@ from polyengine.conformance.suite import BackendConformance
 
 
 class TestRegisteredBackend(BackendConformance):
+    stop_when_unavailable = True  # the run is this backend's alone (Harness.default_engine)
+
     @pytest.fixture
     def engine_factory(self, request):
         return registered_backend(request.config).load_factory()

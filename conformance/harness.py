@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from polyengine.engine import Capabilities, EngineConfig, Override, Prefix, ResultTokens
-from polyengine.errors import UnsupportedFeature
+from polyengine.errors import BackendUnavailable, UnsupportedFeature
 from polyengine.hostinfo import cpu_model
 from polyengine.models import Model
 from polyengine.sampling import RowState, SamplingParams
@@ -191,6 +191,7 @@ class Harness:
         test_names: Sequence[str] = (),
         test_ids: Sequence[str] = (),
         options: Mapping[str, Any] | None = None,
+        stop_when_unavailable: bool = False,
     ):
         if not callable(factory):
             raise TypeError(
@@ -210,6 +211,9 @@ class Harness:
         # reused by another engine while this entry lives (ids of freed objects are).
         self._params: dict[int, tuple[Any, Any]] = {}
         self._default: Any = None
+        # registry mode (the run is this backend's alone): a backend that cannot be built here
+        # stops the run once; a subclass in someone's test session fails its tests instead
+        self.stop_when_unavailable = stop_when_unavailable
         self.cache: dict[Any, Any] = {}  # results several tests share (e.g. sampler draws)
 
     # -- engines -------------------------------------------------------------------------
@@ -225,7 +229,17 @@ class Harness:
         """The default model's engine in the backend's default dtype (``dtype=None``)."""
         if self._default is None:
             # Not reused for explicit dtypes: nothing says which dtype a backend's default is.
-            self._default = self.build(build_model(DEFAULT_MODEL), self.config(None))
+            try:
+                self._default = self.build(build_model(DEFAULT_MODEL), self.config(None))
+            except BackendUnavailable as exc:
+                if not self.stop_when_unavailable:
+                    raise
+                # Every test would fail with this same error (cuda_torch on a host without a
+                # GPU: 281 failures): say it once and stop the run, nothing tested.
+                import pytest
+
+                pytest.exit(f"{exc}. Nothing was tested: run the suite where the backend is available, or pass "
+                            f"the options that make it runnable here (--option KEY=VALUE)", returncode=4)
         return self._default
 
     @property

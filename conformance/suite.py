@@ -89,6 +89,7 @@ class BackendConformance(SurfaceLayer, ContractLayer, PrefixLayer, LifetimeLayer
                     test_names=suite_test_names(),
                     test_ids=suite_test_ids(),
                     options=run_options(request.config),
+                    stop_when_unavailable=getattr(request.cls, "stop_when_unavailable", False),
                 )
             except Exception as exc:  # every test of the class reports the same config error
                 state.harnesses[key] = exc

@@ -128,3 +128,18 @@ def test_all_backends_scoreboard(tmp_path):
 def test_unknown_backend_is_refused_with_the_installed_ones(tmp_path):
     code, out = _run(["conformance", "--backend", "no_such_backend"], tmp_path)
     assert code != 0 and "no backend named 'no_such_backend'" in out and "reference" in out
+
+
+def test_an_unavailable_backend_stops_the_run_once(tmp_path):
+    """cuda_torch without a GPU and without option device=cpu cannot build an engine: the
+    run stops at once with that error and exit code 4, instead of 281 failures."""
+    from polyengine.backends.cuda_torch.plugin import cuda_devices, rocm_devices
+
+    if cuda_devices() or rocm_devices():
+        pytest.skip("a GPU is present: cuda_torch is available here")
+    code, out = _run(["conformance", "--backend", "cuda_torch", "-k", "layer_surface"], tmp_path)
+    assert code == 4, out[-2000:]
+    assert "is unavailable" in out and "Nothing was tested" in out and "device='cpu'" in out
+    import re
+
+    assert re.search(r"^total\s+\d+\s+0\s", out, re.M), out[-2000:]  # no test failed: the run stopped
