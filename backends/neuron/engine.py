@@ -158,6 +158,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             # the kit's cut (a portable prefix's head, continued by its last token) needs
             # the continuation graphs too
             prefix_truncate=self.compiler != "neuronx",
+            # the kit's import onto a held prefix (a copy): a paged engine must share the head's
+            # pages instead (the suite checks it), which this one does not do yet
+            portable_prefix_tail=not o["page_size"],
             page_size=o["page_size"],
         )
 
