@@ -102,7 +102,7 @@ def tail_refusal_problems(engine: Any, params: Any, whole: PortablePrefix, forei
     cases = [(f"a head whose prompt id {start - 1} differs from the tail's prompt", heads["differs"]),
              (f"a head of {start - 1} tokens (the tail starts at {start})", heads["short"]),
              ("a head made by an engine of other weights", foreign)]
-    held = pool.held if pool is not None else None
+    refs = _references(pool) if pool is not None else None
     for what, head in cases:
         if head is None:
             continue
@@ -117,9 +117,16 @@ def tail_refusal_problems(engine: Any, params: Any, whole: PortablePrefix, forei
         problems.append(f"import_prefix_tail accepted {what}: it must be refused with InvalidRequest, its K/V are "
                         f"not the tail's head")
         del out
-    if pool is not None and pool.held != held:
-        problems.append(f"the refused imports left {pool.held - held} page(s) held (a refusal takes nothing)")
+    if pool is not None and _references(pool) != refs:
+        problems.append(f"the refused imports left {_references(pool) - refs} page reference(s) held "
+                        f"(a refusal takes nothing)")
     return problems
+
+
+def _references(pool: Any) -> int:
+    """Every page's holders, summed: a refusal that shares a page and keeps the share
+    changes this though no page is newly held."""
+    return sum(pool.refcount(p) for p in range(pool.allocated))
 
 
 def tail_sharing_problems(engine: Any, params: Any, whole: PortablePrefix) -> list[str]:

@@ -210,9 +210,11 @@ def describe(device: torch.device, dtype: torch.dtype, cuda_graphs: bool) -> dic
 
 def diagnose() -> dict[str, str]:
     """What an engine with the default options would run here (``polyengine backends --verbose``)."""
+    from polyengine.backends.torch_common.paged import TAIL_IMPORT
+
     if not torch.cuda.is_available():
-        return {"device": f"none: {NO_GPU}"}
-    return describe(torch.device("cuda:0"), torch.bfloat16, False)
+        return {"device": f"none: {NO_GPU}", "prefix tails": TAIL_IMPORT}
+    return {**describe(torch.device("cuda:0"), torch.bfloat16, False), "prefix tails": TAIL_IMPORT}
 
 
 def _copy_to_host_async(buf: torch.Tensor):

@@ -678,7 +678,10 @@ def diagnose() -> dict[str, str]:
     from polyengine.errors import UnsafeCache
 
     compiler = NeuronEngine._pick_compiler("auto")
-    out = {"device": NeuronEngine._describe(compiler)}
+    out = {"device": NeuronEngine._describe(compiler),
+           "prefix tails": ("import_prefix_tail (capability portable_prefix_tail): the kit's copy through the host; "
+                            "not declared with page_size (a paged engine must share the held prefix's pages, not done "
+                            "here yet)")}
     if compiler == "export":
         out["compiler"] = ("export: the CPU compile path (by name only), each graph's torch.export program run as it is, "
                            "re-exported per process, nothing cached on disk; option compiler='inductor' compiles them to "

@@ -467,4 +467,7 @@ def create_engine(*, model: Model, config: EngineConfig) -> ReferenceEngine:
 
 def diagnose() -> dict[str, str]:
     """What ``polyengine backends --verbose`` says of this backend: one path, no fallback."""
-    return {"device": "cpu", "compute": f"NumPy {np.__version__}, float64 by default: the oracle (exact, slow)"}
+    return {"device": "cpu", "compute": f"NumPy {np.__version__}, float64 by default: the oracle (exact, slow)",
+            "prefix tails": "import_prefix_tail (capability portable_prefix_tail): with page_size the held prefix's "
+                            "pages below the tail's start are shared and only the tail is written; contiguous, a "
+                            "copy through the host"}

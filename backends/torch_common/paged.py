@@ -28,7 +28,11 @@ from polyengine.pages import PageList, PagePool, pages_for
 
 from polyengine.backends.torch_common.transfer import to_device
 
-__all__ = ["PagedKV", "PageOps"]
+__all__ = ["PagedKV", "PageOps", "TAIL_IMPORT"]
+
+# What ``backends --verbose`` says of import_prefix_tail on the torch engines (cpu, cuda_torch).
+TAIL_IMPORT = ("import_prefix_tail (capability portable_prefix_tail): with page_size the held prefix's pages below "
+               "the tail's start are shared and only the tail is written; contiguous, a copy through the host")
 
 # A step's page work: copies on write (src, dst) and the page-table rows that changed.
 PageOps = tuple[list[tuple[int, int]], list[tuple[int, list[int]]]]
