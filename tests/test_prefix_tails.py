@@ -254,3 +254,21 @@ def test_a_refused_tail_holds_no_pages_and_changes_no_head(tiny):
         eng.import_prefix_tail(whole.tail(12), existing_prefix=head)
     assert eng.pages.held == held and list(eng.prefix_pages(head).pages) == seq
     assert isinstance(eng.import_prefix_tail(whole.tail(4), existing_prefix=head).kv, PageList)
+
+
+@pytest.mark.parametrize("options", [{"cpu_kernels": False}, {"cpu_kernels": False, "page_size": 4}])
+def test_the_suites_tail_checks_pass_on_the_cpu_backend(tiny, other, options):
+    """The torch engines' import (torch_common): the kit's copy on contiguous K/V, the
+    head's pages shared with ``page_size`` (PagedKV.scatter from the tail's offset)."""
+    from polyengine.backends.cpu.engine import CpuEngine
+
+    cfg = CFG.model_copy(update={"options": options, "dtype": "float32"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cpu backend's fallback notice
+        eng, foreign_eng = CpuEngine(tiny, cfg), CpuEngine(other, cfg)
+    params, whole = eng.load_params(), _whole(tiny)
+    assert tail_import_problems(eng, params, whole, tail_starts(14, options.get("page_size", 0))) == []
+    foreign, _ = foreign_eng.prefill(params=foreign_eng.load_params(), tokens=PROMPT, sampling=whole.sampling)
+    assert tail_refusal_problems(eng, params, whole, foreign) == []
+    if "page_size" in options:
+        assert tail_sharing_problems(eng, params, whole) == []
