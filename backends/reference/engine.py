@@ -322,20 +322,24 @@ class ReferenceEngine(EngineBase):
     def _import_tail(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
         """Paged: the existing prefix's pages below the tail's start shared (a partly
         filled last one copied when the tail's first position is written), the tail's
-        positions written into new pages. Contiguous: the kit's way."""
-        if not self.pages:
-            return super()._import_tail(portable, existing_prefix)
+        positions written into new pages. Contiguous: the existing prefix's first
+        positions copied as they are (the kit's way would round them to float32)."""
         return self._imported(portable, portable.prompt_tokens, portable.sampling, existing_prefix)
 
     def _imported(self, portable: PortablePrefix, prompt: np.ndarray, sampling: SamplingParams,
                   existing: Prefix | None) -> Prefix:
-        """A checked portable prefix (a tail only with ``existing``, paged) as a Prefix."""
+        """A checked portable prefix as a Prefix; a tail onto ``existing``, whose first
+        ``start`` positions it holds (shared pages, or a copy of its arrays)."""
         logits = portable.last_logits.astype(self.np_dtype)
         row = RowState(sampling, 0, 0, prompt, np.zeros(0, np.int32))
         first = int(self._sample([logits], [row]).tokens[0])
         k, v = portable.k.astype(self.np_dtype), portable.v.astype(self.np_dtype)
         if existing is None:
             kept = self._keep(k, v, 0, prompt.size, None)
+        elif not self.pages:
+            s = portable.start
+            kept = (np.concatenate([existing.kv[0][:, :, :s], k], axis=2),
+                    np.concatenate([existing.kv[1][:, :, :s], v], axis=2))
         else:
             kept = existing.kv.fork(portable.start, finalize=True)
             if portable.start < prompt.size:  # an empty tail writes nothing (and copies no shared page)
