@@ -70,8 +70,9 @@ class PortablePrefix:
             raise _bad(f"prefix start must be an integer position in 0..{n} (its prompt's tokens), got {self.start!r}")
         self.start = int(self.start)
         if self.k.shape[2] != n - self.start:
-            what = f"a tail from position {self.start} of " if self.start else ""
-            raise _bad(f"prefix K/V hold {self.k.shape[2]} positions but {what}{n} prompt tokens needs {n - self.start}")
+            what = f"a tail from position {self.start} of {n} prompt tokens needs" if self.start else \
+                f"{n} prompt tokens need"
+            raise _bad(f"prefix K/V hold {self.k.shape[2]} positions but {what} {n - self.start}")
         if self.last_logits.ndim != 1:
             raise _bad(f"prefix logits must be one row (vocab,), got shape {self.last_logits.shape}")
         if not isinstance(self.sampling, SamplingParams):
