@@ -24,6 +24,8 @@ from polyengine.conformance.harness import LIMITS, VARIANTS
 from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, build_model
 from polyengine.conformance.oracle import reference_engine
 from polyengine.conformance.pages import page_rule_problems
+from polyengine.conformance.tails import (tail_import_problems, tail_refusal_problems, tail_sharing_problems,
+                                          tail_starts)
 from polyengine.conformance.stats import rel_l2
 
 _OTHER_MODEL = next(m for m in MODEL_NAMES if m != DEFAULT_MODEL)
@@ -462,6 +464,66 @@ class PrefixLayer:
                 f"import_prefix accepted a portable prefix made by another model ({_OTHER_MODEL}): it must check the "
                 f"prefix's model_fingerprint (PortablePrefix.check_compatible) and refuse it"
             )
+
+    def _tail_case(self, conformance, seed: int):
+        """The engine (capability portable_prefix_tail checked: undeclared, the method
+        raises UnsupportedFeature or is absent; None then), its params, and a whole
+        portable prefix of the longest prompt it takes (at most 24 tokens), made by the
+        reference and read back from bytes."""
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        if not eng.capabilities.portable_prefix_tail:
+            if callable(getattr(eng, "import_prefix_tail", None)):
+                own, _ = d.prefill(conformance.prompt(4, seed), conformance.sampling(seed))
+                with pytest.raises(UnsupportedFeature):
+                    eng.import_prefix_tail(eng.export_prefix(own) if eng.capabilities.portable_prefix else None,
+                                           existing_prefix=own)
+            return None, None, None
+        ref = reference_engine(build_model(DEFAULT_MODEL), conformance.harness.config("float64"))
+        prompt = conformance.prompt(min(24, eng.max_prefill_length), seed)
+        made, _ = ref.prefill(params=ref.load_params(), tokens=prompt, sampling=conformance.sampling(seed))
+        return eng, d.params, PortablePrefix.from_bytes(ref.export_prefix(made).to_bytes())
+
+    def test_portable_prefix_tail(self, conformance):
+        """import_prefix_tail (capability portable_prefix_tail) of a tail from position
+        0, a page edge, inside a page and the prompt's end onto a prefix holding its
+        head gives the whole prefix imported: K/V, prompt, logits, first token and the
+        tokens of a few decode steps after insert, exactly; the head stays as it was
+        (conformance/tails.py). Undeclared, the method raises UnsupportedFeature or is
+        absent."""
+        eng, params, whole = self._tail_case(conformance, 97)
+        if eng is None:
+            return
+        problems = tail_import_problems(eng, params, whole, tail_starts(whole.true_length, eng.capabilities.page_size))
+        assert not problems, "import_prefix_tail: " + "; ".join(problems)
+
+    def test_portable_prefix_tail_refused(self, conformance):
+        """import_prefix_tail refuses, with InvalidRequest: a head whose prompt ids differ
+        from the tail's, a head shorter than the tail's start, a head made with other
+        weights; a paged engine holds no more pages after the refusals."""
+        eng, params, whole = self._tail_case(conformance, 98)
+        if eng is None:
+            return
+        other = conformance.engine(_OTHER_MODEL)
+        foreign, _ = conformance.driver(other).prefill(whole.prompt_tokens.tolist(), whole.sampling)
+        problems = tail_refusal_problems(eng, params, whole, foreign)
+        assert not problems, "import_prefix_tail refusals: " + "; ".join(problems)
+
+    def test_portable_prefix_tail_shares_pages(self, conformance):
+        """On an engine that declares page_size and portable_prefix_tail, importing a
+        tail onto a prefix holding its head shares the head's full pages (no new page
+        for them), copies a partly filled page before writing the tail into it, and
+        leaves the head's K/V as they were (skipped on contiguous engines)."""
+        ps = conformance.capabilities.page_size
+        if not ps:
+            pytest.skip("page_size is not declared: a contiguous cache has no pages to share")
+        eng, params, whole = self._tail_case(conformance, 99)
+        if eng is None:
+            return
+        if whole.true_length <= ps:
+            pytest.skip(f"pages of {ps} positions hold the longest prompt ({whole.true_length}) in one page")
+        problems = tail_sharing_problems(eng, params, whole)
+        assert not problems, "import_prefix_tail page sharing: " + "; ".join(problems)
 
     def test_untrusted_portable_prefix_refused(self, conformance):
         """A portable prefix is untrusted data: NaN or infinite K/V or logits and prompt

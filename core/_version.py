@@ -3,4 +3,6 @@
 __version__ = "0.1.0"
 
 # major.minor: a backend spec must name the same major; minors only add optional parts.
-PROTOCOL_VERSION = "1.2"  # 1.1: the optional embed (capability embeddings); 1.2: prefill_batch (batched_prefill)
+# 1.1: the optional embed (capability embeddings); 1.2: prefill_batch (batched_prefill);
+# 1.3: import_prefix_tail (portable_prefix_tail)
+PROTOCOL_VERSION = "1.3"

@@ -43,7 +43,7 @@ class EngineBase:
     options by :meth:`capabilities_for`, which may look at the device), then the dtype
     (undeclared: UnsupportedFeature). The engine then calls :meth:`check_memory` with
     what it will allocate, and per call :meth:`check_prefill`, :meth:`check_prefix`,
-    :meth:`check_portable`, :meth:`check_empty_slot`, :meth:`check_bulk_slots`,
+    :meth:`check_portable`, :meth:`check_portable_tail`, :meth:`check_empty_slot`, :meth:`check_bulk_slots`,
     :meth:`check_overrides`, :meth:`check_token_mask` and :meth:`check_token_masks`.
 
     The slot flow: an engine whose decode state has a :class:`~polyengine.slots.SlotTable`
@@ -239,6 +239,38 @@ class EngineBase:
             fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
         )
+        return check_request(self, portable.prompt_tokens, portable.sampling)
+
+    def check_portable_tail(self, portable: "PortablePrefix", existing_prefix: Prefix) -> tuple[np.ndarray, SamplingParams]:
+        """What ``import_prefix_tail`` must refuse before any work (InvalidRequest): a
+        portable prefix ``check_portable`` refuses (a tail allowed); an existing prefix
+        this engine did not make (``check_prefix``) or holding fewer than the tail's
+        ``start`` positions; a head whose prompt ids differ from the portable's first
+        ``start`` (the message names the first that differs). Returns the whole prompt
+        (int32) and the request with its seed."""
+        from polyengine.prefix import PortablePrefix
+
+        if not isinstance(portable, PortablePrefix):
+            raise InvalidRequest(f"import_prefix_tail needs a PortablePrefix, got {type(portable).__name__}",
+                                 field="prefix")
+        c = self.model.config
+        portable.check_compatible(
+            fingerprint=self.model.fingerprint, num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size, allow_tail=True,
+        )
+        self.check_prefix(existing_prefix)
+        start, held = portable.start, existing_prefix.true_length
+        if start > held:
+            raise InvalidRequest(f"the portable prefix's tail starts at position {start} but the existing prefix holds "
+                                 f"only {held} positions; import onto a prefix of at least {start} tokens (or ask the "
+                                 f"sender for a tail from {held})", field="existing_prefix")
+        head = np.asarray(existing_prefix.prompt_tokens)[:start]
+        want = portable.prompt_tokens[:start]
+        if not np.array_equal(head, want):
+            at = int(np.argmax(head != want))
+            raise InvalidRequest(f"the existing prefix's prompt differs from the portable prefix's head at token {at} "
+                                 f"({int(head[at])} vs {int(want[at])}): its K/V are another prompt's; import onto a "
+                                 f"prefix of the same first {start} tokens", field="existing_prefix")
         return check_request(self, portable.prompt_tokens, portable.sampling)
 
     def check_token(self, token: object, what: str) -> int:
@@ -456,6 +488,31 @@ class EngineBase:
             k=whole.k[:, :, :length], v=whole.v[:, :, :length], prompt_tokens=whole.prompt_tokens[:length],
             last_logits=whole.last_logits, sampling=whole.sampling, model_fingerprint=whole.model_fingerprint,
         ))
+
+    # -- portable prefix tails (capability portable_prefix_tail) ---------------------------
+
+    def import_prefix_tail(self, portable: "PortablePrefix", *, existing_prefix: Prefix) -> Prefix:
+        """The whole prefix ``portable`` (a tail from position ``portable.start``) stands
+        for, its first ``start`` positions taken from ``existing_prefix`` (this engine's,
+        of at least ``start`` tokens, the same first ``start`` prompt ids; checked by
+        :meth:`check_portable_tail` before any work). The kit's way works on any engine
+        with ``portable_prefix``: the existing prefix exported, its first ``start``
+        positions joined to the tail, the whole imported (a copy through float32 host
+        arrays). A paged engine overrides :meth:`_import_tail` to share the head's pages."""
+        if not self.capabilities.portable_prefix_tail:
+            raise UnsupportedFeature("portable prefix tails (import_prefix_tail)", self.name,
+                                     "pick a backend that declares Capabilities.portable_prefix_tail, or import the "
+                                     "whole prefix (import_prefix)")
+        self.check_portable_tail(portable, existing_prefix)
+        return self._import_tail(portable, existing_prefix)
+
+    def _import_tail(self, portable: "PortablePrefix", existing_prefix: Prefix) -> Prefix:
+        """Hook: :meth:`import_prefix_tail` after its checks. Default: through the host."""
+        if not portable.start:
+            return self.import_prefix(portable)
+        head = self.export_prefix(existing_prefix)
+        s = portable.start
+        return self.import_prefix(portable.joined(head.k[:, :, :s], head.v[:, :, :s]))
 
     # -- pages (capability page_size): what the conformance suite reads --------------------
 

@@ -16,12 +16,15 @@ Pure Python: the core never imports an array framework.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import weakref
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from polyengine.errors import InsufficientMemory, InvalidRequest
 
-__all__ = ["DEFAULT_PAGE_SIZE", "PagePool", "PageList", "PageError", "pages_for", "check_owner"]
+__all__ = ["DEFAULT_PAGE_SIZE", "PagePool", "PageList", "PageError", "pages_for", "check_owner", "page_keys",
+           "common_pages"]
 
 # Tokens per page unless a backend states another size (vLLM's and SGLang's default block).
 DEFAULT_PAGE_SIZE = 16
@@ -35,6 +38,43 @@ class PageError(RuntimeError):
 def pages_for(length: int, page_size: int) -> int:
     """Pages that ``length`` positions fill (the last one possibly in part)."""
     return -(-int(length) // int(page_size))
+
+
+def page_keys(tokens: Sequence[int], page_size: int, *, fingerprint: str) -> list[str]:
+    """The keys of ``tokens``' full pages of ``page_size`` positions under a model
+    (``fingerprint``: its config and weights, ``Model.fingerprint``): key ``i`` (hex)
+    names tokens ``[0, (i + 1) * page_size)`` of that model, so two prompts' keys agree
+    exactly as far as their full pages do. A chained BLAKE2b-128: key ``i`` hashes key
+    ``i - 1`` (the first hashes the page size and the fingerprint) and page ``i``'s ids
+    as little-endian int32; a partly filled last page has no key (its K/V are not
+    shared whole). A sender of a portable prefix and its receiver compare keys to find
+    the leading full pages the receiver holds (:func:`common_pages`) and send only the
+    rest (``PortablePrefix.tail``)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise InvalidRequest(f"page_size must be an integer >= 1, got {page_size!r}", field="page_size")
+    ids = [int(t) for t in tokens]
+    seed = hashlib.blake2b(f"polyengine.pages/{page_size}/{fingerprint}".encode(), digest_size=16).digest()
+    keys, prev = [], seed
+    for i in range(len(ids) // page_size):
+        page = ids[i * page_size: (i + 1) * page_size]
+        try:
+            body = struct.pack(f"<{page_size}i", *page)
+        except struct.error:
+            raise InvalidRequest(f"token ids must be int32 values, got one of {page}", field="tokens") from None
+        prev = hashlib.blake2b(prev + body, digest_size=16).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def common_pages(keys: Sequence[str], held: Sequence[str]) -> int:
+    """How many leading full pages two key lists (:func:`page_keys`, same page size and
+    model) share: a sender's tail starts at that many pages times the page size."""
+    n = 0
+    for a, b in zip(keys, held):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 class PagePool:

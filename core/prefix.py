@@ -14,6 +14,17 @@ int32, never wrapped); :meth:`PortablePrefix.check_compatible`, which every engi
 model (fingerprint, shapes, vocabulary) and checks its values (every K, V and logit
 finite): a bad prefix is an ``InvalidRequest`` (``field="prefix"``), never garbage
 decoded from NaN.
+
+A portable prefix may be a *tail* (``start`` > 0): its K/V cover positions
+``start..true_length-1`` only, while ``prompt_tokens`` stays the whole prompt (ids are
+cheap, and the importer must check that the head it holds is the same). A receiver that
+already holds the first ``start`` positions (a system prompt, say; it compares
+:meth:`PortablePrefix.page_keys` with its own to know how many full pages it has)
+imports the tail onto that prefix (``EngineBase.import_prefix_tail``); plain
+``import_prefix`` refuses a tail. Data without ``start`` in its metadata (what every
+writer before tails wrote) is a whole prefix, start 0: the format version stays 1, and a
+reader from before tails refuses a tail (its K/V are shorter than its prompt) rather
+than misreading it.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import numpy as np
 
 from polyengine.errors import InvalidRequest
 from polyengine.limits import MAX_PREFIX_BYTES
+from polyengine.pages import page_keys
 from polyengine.sampling.params import SamplingParams
 
 __all__ = ["FORMAT_VERSION", "PortablePrefix"]
@@ -36,13 +48,14 @@ _FORMAT = "polyengine.prefix"
 
 @dataclass
 class PortablePrefix:
-    k: np.ndarray  # (layers, kv_heads, true_length, head_dim) float32
-    v: np.ndarray  # (layers, kv_heads, true_length, head_dim) float32
-    prompt_tokens: np.ndarray  # (true_length,) int32
+    k: np.ndarray  # (layers, kv_heads, true_length - start, head_dim) float32
+    v: np.ndarray  # (layers, kv_heads, true_length - start, head_dim) float32
+    prompt_tokens: np.ndarray  # (true_length,) int32: the whole prompt, a tail's head too
     last_logits: np.ndarray  # (vocab,) float32
     sampling: SamplingParams
     model_fingerprint: str
     version: int = FORMAT_VERSION
+    start: int = 0  # the first position K/V hold (0: the whole prefix; > 0: a tail)
 
     def __post_init__(self) -> None:
         self.k = _floats(self.k, "K")
@@ -51,8 +64,15 @@ class PortablePrefix:
         self.last_logits = _floats(self.last_logits, "logits")
         if self.k.ndim != 4 or self.k.shape != self.v.shape:
             raise _bad(f"prefix K/V must be equal 4-d arrays, got {self.k.shape} and {self.v.shape}")
-        if self.k.shape[2] != self.prompt_tokens.shape[0]:
-            raise _bad(f"prefix K/V hold {self.k.shape[2]} positions but {self.prompt_tokens.shape[0]} prompt tokens")
+        n = self.prompt_tokens.shape[0]
+        if isinstance(self.start, (bool, np.bool_)) or not isinstance(self.start, (int, np.integer)) \
+                or not 0 <= self.start <= n:
+            raise _bad(f"prefix start must be an integer position in 0..{n} (its prompt's tokens), got {self.start!r}")
+        self.start = int(self.start)
+        if self.k.shape[2] != n - self.start:
+            what = f"a tail from position {self.start} of {n} prompt tokens needs" if self.start else \
+                f"{n} prompt tokens need"
+            raise _bad(f"prefix K/V hold {self.k.shape[2]} positions but {what} {n - self.start}")
         if self.last_logits.ndim != 1:
             raise _bad(f"prefix logits must be one row (vocab,), got shape {self.last_logits.shape}")
         if not isinstance(self.sampling, SamplingParams):
@@ -66,9 +86,47 @@ class PortablePrefix:
     def true_length(self) -> int:
         return int(self.prompt_tokens.shape[0])
 
-    def check_compatible(self, *, fingerprint: str, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int) -> None:
+    @property
+    def is_tail(self) -> bool:
+        return self.start > 0
+
+    def tail(self, start: int) -> "PortablePrefix":
+        """This prefix's positions ``start..true_length-1`` (``start`` from this prefix's
+        own start to ``true_length``; a paged sender cuts at a multiple of the page size,
+        but any start is valid): the same prompt ids, logits and request. Views of this
+        prefix's arrays, not copies."""
+        if isinstance(start, (bool, np.bool_)) or not isinstance(start, (int, np.integer)) \
+                or not self.start <= start <= self.true_length:
+            raise _bad(f"a tail of this prefix starts at a position in {self.start}..{self.true_length}, got {start!r}")
+        cut = int(start) - self.start
+        return PortablePrefix(k=self.k[:, :, cut:], v=self.v[:, :, cut:], prompt_tokens=self.prompt_tokens,
+                              last_logits=self.last_logits, sampling=self.sampling,
+                              model_fingerprint=self.model_fingerprint, version=self.version, start=int(start))
+
+    def joined(self, head_k: np.ndarray, head_v: np.ndarray) -> "PortablePrefix":
+        """The whole prefix (start 0): ``head_k``/``head_v`` (float, ``[layers, kv_heads,
+        start, head_dim]``: the positions below this tail's start, from a prefix of the
+        same prompt head) followed by this tail's K/V."""
+        head_k, head_v = _floats(head_k, "head K"), _floats(head_v, "head V")
+        want = (self.k.shape[0], self.k.shape[1], self.start, self.k.shape[3])
+        if head_k.shape != want or head_v.shape != want:
+            raise _bad(f"a head for a tail from position {self.start} must be K/V of shape {want}, "
+                       f"got {head_k.shape} and {head_v.shape}")
+        return PortablePrefix(k=np.concatenate([head_k, self.k], axis=2), v=np.concatenate([head_v, self.v], axis=2),
+                              prompt_tokens=self.prompt_tokens, last_logits=self.last_logits, sampling=self.sampling,
+                              model_fingerprint=self.model_fingerprint, version=self.version)
+
+    def page_keys(self, page_size: int) -> list[str]:
+        """The keys of this prompt's full pages of ``page_size`` positions
+        (:func:`polyengine.pages.page_keys` under this prefix's model fingerprint): key
+        ``i`` names tokens ``[0, (i + 1) * page_size)``."""
+        return page_keys(self.prompt_tokens.tolist(), page_size, fingerprint=self.model_fingerprint)
+
+    def check_compatible(self, *, fingerprint: str, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
+                         allow_tail: bool = False) -> None:
         """Raise InvalidRequest unless this prefix was made by the same model and holds
-        only finite values and token ids of its vocabulary."""
+        only finite values and token ids of its vocabulary; a tail (``start`` > 0) only
+        with ``allow_tail`` (an importer that puts it onto a prefix holding its head)."""
         if self.version != FORMAT_VERSION:
             raise _bad(f"prefix format version {self.version} is not supported (this polyengine reads {FORMAT_VERSION})")
         if self.model_fingerprint != fingerprint:
@@ -76,6 +134,12 @@ class PortablePrefix:
                 f"prefix was made by model {self.model_fingerprint[:12]}..., not this engine's model "
                 f"{fingerprint[:12]}...; import it into an engine running the same weights"
             )
+        if not 0 <= self.start <= self.true_length or self.k.shape[2] != self.true_length - self.start:
+            raise _bad(f"prefix K/V hold {self.k.shape[2]} positions from position {self.start} of a "
+                       f"{self.true_length}-token prompt")  # fields changed after construction
+        if self.start and not allow_tail:
+            raise _bad(f"this portable prefix is a tail (its K/V start at position {self.start}); import it with "
+                       f"import_prefix_tail onto a prefix that holds its first {self.start} prompt tokens")
         want = (num_layers, num_kv_heads, head_dim)
         got = (self.k.shape[0], self.k.shape[1], self.k.shape[3])
         if got != want:
@@ -104,6 +168,7 @@ class PortablePrefix:
             "version": str(self.version),
             "model_fingerprint": self.model_fingerprint,
             "sampling": self.sampling.model_dump_json(),
+            "start": str(self.start),
         }
         tensors = {"k": self.k, "v": self.v, "prompt_tokens": self.prompt_tokens, "last_logits": self.last_logits}
         return save(tensors, metadata=meta)
@@ -126,12 +191,13 @@ class PortablePrefix:
         try:
             sampling = SamplingParams.model_validate_json(meta["sampling"])
             version = int(meta["version"])
+            start = int(meta.get("start", "0"))  # absent: written before tails, a whole prefix
         except (KeyError, ValueError) as exc:
             raise _bad(f"prefix metadata is malformed: {exc}") from None
         return cls(
             k=tensors["k"], v=tensors["v"], prompt_tokens=tensors["prompt_tokens"],
             last_logits=tensors["last_logits"], sampling=sampling,
-            model_fingerprint=meta.get("model_fingerprint", ""), version=version,
+            model_fingerprint=meta.get("model_fingerprint", ""), version=version, start=start,
         )
 
     def save(self, path: str | Path) -> None:

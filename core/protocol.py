@@ -95,6 +95,11 @@ class Capabilities(BaseModel):
     prefix (the driver's prefix cache serves the shared part of a cached prompt that a new
     prompt leaves; docs/prefix-caching.md). ``EngineBase`` implements it for every engine
     with ``portable_prefix`` and ``prefix_reuse``; an engine may lack the method without it.
+    ``portable_prefix_tail``: ``import_prefix_tail`` imports a tail of a portable prefix
+    (``PortablePrefix.start`` > 0) onto a prefix the engine holds whose prompt begins
+    with the tail's head; needs ``portable_prefix``. ``EngineBase`` implements it for
+    every engine (the head exported, joined to the tail, imported: a copy); a paged
+    engine shares the head's pages instead. An engine may lack the method without it.
     ``paged_kv``: the engine keeps K/V in pages of ``page_size`` tokens (0: contiguous)
     under the page rules of docs/design.md ("Pages").
     ``weight_formats``: the weight formats (``polyengine.models.blocks.FORMATS``: F32,
@@ -125,6 +130,7 @@ class Capabilities(BaseModel):
         description="model types (ModelConfig.model_type) the backend computes; others are refused at construction")
     token_masks: bool = False
     prefix_truncate: bool = False
+    portable_prefix_tail: bool = False
     page_size: int = Field(0, ge=0, description="tokens per K/V page; 0: a contiguous cache (no pages)")
     weight_formats: tuple[str, ...] = Field(
         FLOAT_FORMATS, min_length=1,
@@ -141,6 +147,8 @@ class Capabilities(BaseModel):
     def _known_fields(self) -> "Capabilities":
         if self.prefix_truncate and not self.prefix_reuse:
             raise ValueError("prefix_truncate needs prefix_reuse: a truncated prefix is there to be continued")
+        if self.portable_prefix_tail and not self.portable_prefix:
+            raise ValueError("portable_prefix_tail needs portable_prefix: a tail is a portable prefix")
         unknown_formats = sorted(set(self.weight_formats) - set(FORMATS))
         if unknown_formats:
             raise ValueError(f"weight_formats names unknown formats {unknown_formats}; known: {list(FORMATS)}")
@@ -465,6 +473,16 @@ class Engine(Protocol):
         fingerprint is checked). Capability ``portable_prefix``."""
         ...
 
+    def import_prefix_tail(self, portable: "PortablePrefix", *, existing_prefix: Prefix) -> Prefix:
+        """The whole prefix ``portable`` stands for, from a tail of it (K/V from position
+        ``portable.start``) and ``existing_prefix``, a prefix this engine holds of at
+        least ``start`` tokens whose first ``start`` prompt ids are the portable's: as
+        ``import_prefix`` of the whole would make it. A paged engine shares the existing
+        prefix's pages below ``start``. A head that differs, a start beyond the existing
+        prefix, a foreign prefix or a bad portable is InvalidRequest before any work;
+        ``existing_prefix`` stays as it was. Capability ``portable_prefix_tail``."""
+        ...
+
     def embed(self, *, params: Any, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """The prompt's hidden states after the model's final norm (the input of the LM
         head), one row per token: a host ``(len(tokens), hidden_size)`` float array. It
@@ -495,6 +513,7 @@ CAPABILITY_KEYWORDS: dict[tuple[str, str], str] = {
 # they existed keeps passing protocol_problems); the caller checks the capability first.
 CAPABILITY_METHODS: dict[str, str] = {
     "truncate_prefix": "prefix_truncate",
+    "import_prefix_tail": "portable_prefix_tail",
     "prefill_batch": "batched_prefill",
     "embed": "embeddings",
 }

@@ -251,6 +251,29 @@ class TrustingImportEngine(ReferenceEngine):
         return portable.prompt_tokens, portable.sampling.with_seed()
 
 
+class TailHeadUncheckedEngine(ReferenceEngine):
+    """import_prefix_tail takes any prefix of this engine long enough as the tail's head:
+    the head's prompt ids are not compared with the tail's."""
+
+    def check_portable_tail(self, portable, existing_prefix):
+        import dataclasses
+
+        head = dataclasses.replace(existing_prefix, prompt_tokens=np.concatenate(
+            [portable.prompt_tokens[:portable.start], np.asarray(existing_prefix.prompt_tokens)[portable.start:]]))
+        return super().check_portable_tail(portable, head)
+
+
+class TailIgnoresHeadEngine(ReferenceEngine):
+    """import_prefix_tail ignores the prefix it holds: the positions below the tail's
+    start are zeros."""
+
+    def _import_tail(self, portable, existing_prefix):
+        if not portable.start:
+            return self.import_prefix(portable)
+        shape = (*portable.k.shape[:2], portable.start, portable.k.shape[3])
+        return self.import_prefix(portable.joined(np.zeros(shape, np.float32), np.zeros(shape, np.float32)))
+
+
 class ForeignPrefixEngine(ReferenceEngine):
     """Accepts prefixes made with other weights (no model_id check)."""
 
@@ -764,6 +787,8 @@ BROKEN: dict[str, type] = {
     "broken_unchecked_import": UncheckedImportEngine,
     "broken_trusting_import": TrustingImportEngine,
     "broken_foreign_prefix": ForeignPrefixEngine,
+    "broken_tail_head_unchecked": TailHeadUncheckedEngine,
+    "broken_tail_ignores_head": TailIgnoresHeadEngine,
     "broken_continuation_edge": ContinuationEdgeEngine,
     "broken_continuation_sampling": ContinuationSamplingEngine,
     "broken_continuation_consumes": ContinuationConsumesEngine,
@@ -846,6 +871,10 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_trusting_import": ("test_untrusted_portable_prefix_refused", "test_untrusted_portable_prefix_refused",
                                "accepted a portable prefix with NaN in K"),
     "broken_foreign_prefix": ("test_foreign_prefix_refused", "test_foreign_prefix_refused", "expected InvalidRequest"),
+    "broken_tail_head_unchecked": ("test_portable_prefix_tail_refused", "test_portable_prefix_tail_refused",
+                                   "accepted a head whose prompt id"),
+    "broken_tail_ignores_head": ("test_portable_prefix_tail and not refused and not shares",
+                                 "test_portable_prefix_tail", "K/V differ from the whole prefix imported"),
     "broken_cache_overrun": ("test_cache_limit", "test_cache_limit", "it must yield exactly"),
     "broken_lengths": ("test_result_lengths", "test_result_lengths", "lengths["),
     "broken_valid_gaps": ("test_result_lengths", "test_result_lengths", "valid tokens are not first"),

@@ -51,6 +51,7 @@ class CpuEngine(TorchEngine):
         return Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
+            portable_prefix_tail=True,  # paged: the head's pages shared; contiguous: the kit's copy
             architectures=ARCHITECTURES, token_masks=True, embeddings=True,
             batched_prefill=self.batches_prefill(),
             # the GGUF block formats are computed on as mapped (blocks.py); others, and every

@@ -437,5 +437,7 @@ def diagnose() -> dict[str, str]:
 
     from polyengine.backends.cpu.options import OPTIONS
 
+    from polyengine.backends.torch_common.paged import TAIL_IMPORT
+
     plan = CpuPlan.resolve(option_defaults(OPTIONS), None, CpuHost.detect(), dtype=torch.float32)
-    return plan.describe()
+    return {**plan.describe(), "prefix tails": TAIL_IMPORT}

@@ -57,6 +57,7 @@ class CudaEngine(TorchEngine):
         return Capabilities(
             dtypes=dtypes, sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
+            portable_prefix_tail=True,  # paged: the head's pages shared; contiguous: the kit's copy
             architectures=ARCHITECTURES, token_masks=True, embeddings=True, weight_formats=WEIGHT_FORMATS,
             batched_prefill=self.batches_prefill(),
             page_size=self.options["page_size"],
@@ -209,9 +210,11 @@ def describe(device: torch.device, dtype: torch.dtype, cuda_graphs: bool) -> dic
 
 def diagnose() -> dict[str, str]:
     """What an engine with the default options would run here (``polyengine backends --verbose``)."""
+    from polyengine.backends.torch_common.paged import TAIL_IMPORT
+
     if not torch.cuda.is_available():
-        return {"device": f"none: {NO_GPU}"}
-    return describe(torch.device("cuda:0"), torch.bfloat16, False)
+        return {"device": f"none: {NO_GPU}", "prefix tails": TAIL_IMPORT}
+    return {**describe(torch.device("cuda:0"), torch.bfloat16, False), "prefix tails": TAIL_IMPORT}
 
 
 def _copy_to_host_async(buf: torch.Tensor):

@@ -158,6 +158,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             # the kit's cut (a portable prefix's head, continued by its last token) needs
             # the continuation graphs too
             prefix_truncate=self.compiler != "neuronx",
+            # the kit's import onto a held prefix (a copy): a paged engine must share the head's
+            # pages instead (the suite checks it), which this one does not do yet
+            portable_prefix_tail=not o["page_size"],
             page_size=o["page_size"],
         )
 
@@ -675,7 +678,10 @@ def diagnose() -> dict[str, str]:
     from polyengine.errors import UnsafeCache
 
     compiler = NeuronEngine._pick_compiler("auto")
-    out = {"device": NeuronEngine._describe(compiler)}
+    out = {"device": NeuronEngine._describe(compiler),
+           "prefix tails": ("import_prefix_tail (capability portable_prefix_tail): the kit's copy through the host; "
+                            "not declared with page_size (a paged engine must share the held prefix's pages, not done "
+                            "here yet)")}
     if compiler == "export":
         out["compiler"] = ("export: the CPU compile path (by name only), each graph's torch.export program run as it is, "
                            "re-exported per process, nothing cached on disk; option compiler='inductor' compiles them to "

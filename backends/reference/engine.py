@@ -110,6 +110,7 @@ class ReferenceEngine(EngineBase):
             portable_prefix=True,
             prefix_reuse=True,
             prefix_truncate=True,
+            portable_prefix_tail=True,  # paged: the head's pages shared; contiguous: the kit's copy
             architectures=ARCHITECTURES, token_masks=True,
             weight_formats=tuple(FORMATS),  # every block format, dequantized exactly (float64) at load
             embeddings=True,
@@ -316,11 +317,33 @@ class ReferenceEngine(EngineBase):
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
         prompt, sampling = self.check_portable(portable)
+        return self._imported(portable, prompt, sampling, None)
+
+    def _import_tail(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
+        """Paged: the existing prefix's pages below the tail's start shared (a partly
+        filled last one copied when the tail's first position is written), the tail's
+        positions written into new pages. Contiguous: the existing prefix's first
+        positions copied as they are (the kit's way would round them to float32)."""
+        return self._imported(portable, portable.prompt_tokens, portable.sampling, existing_prefix)
+
+    def _imported(self, portable: PortablePrefix, prompt: np.ndarray, sampling: SamplingParams,
+                  existing: Prefix | None) -> Prefix:
+        """A checked portable prefix as a Prefix; a tail onto ``existing``, whose first
+        ``start`` positions it holds (shared pages, or a copy of its arrays)."""
         logits = portable.last_logits.astype(self.np_dtype)
         row = RowState(sampling, 0, 0, prompt, np.zeros(0, np.int32))
         first = int(self._sample([logits], [row]).tokens[0])
         k, v = portable.k.astype(self.np_dtype), portable.v.astype(self.np_dtype)
-        kept = self._keep(k, v, 0, prompt.size, None)
+        if existing is None:
+            kept = self._keep(k, v, 0, prompt.size, None)
+        elif not self.pages:
+            s = portable.start
+            kept = (np.concatenate([existing.kv[0][:, :, :s], k], axis=2),
+                    np.concatenate([existing.kv[1][:, :, :s], v], axis=2))
+        else:
+            kept = existing.kv.fork(portable.start, finalize=True)
+            if portable.start < prompt.size:  # an empty tail writes nothing (and copies no shared page)
+                self._scatter(kept, k, v, portable.start, prompt.size, offset=portable.start)
         return Prefix(
             kv=kept, logits=logits,
             prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=first,
@@ -400,15 +423,17 @@ class ReferenceEngine(EngineBase):
             k[:, :, lo:hi], v[:, :, lo:hi] = pk[:, :, : hi - lo], pv[:, :, : hi - lo]
         return k, v
 
-    def _scatter(self, seq: PageList, k: np.ndarray, v: np.ndarray, start: int, end: int) -> None:
-        """Write positions ``start..end`` of ``k``/``v`` into the sequence's pages (pages
-        added as needed, shared ones copied before the write)."""
+    def _scatter(self, seq: PageList, k: np.ndarray, v: np.ndarray, start: int, end: int, *, offset: int = 0) -> None:
+        """Write positions ``start..end`` of ``k``/``v`` (which hold positions from
+        ``offset``) into the sequence's pages (pages added as needed, shared ones copied
+        before the write)."""
         ps = self.pages.page_size
         seq.prepare_write(start, end, self._copy_page)
         for i in range(start // ps, pages_for(end, ps)):
             lo, hi = max(start, i * ps), min(end, (i + 1) * ps)
             pk, pv = self._page(seq.pages[i])
-            pk[:, :, lo - i * ps: hi - i * ps], pv[:, :, lo - i * ps: hi - i * ps] = k[:, :, lo:hi], v[:, :, lo:hi]
+            pk[:, :, lo - i * ps: hi - i * ps] = k[:, :, lo - offset: hi - offset]
+            pv[:, :, lo - i * ps: hi - i * ps] = v[:, :, lo - offset: hi - offset]
 
     # -- embeddings ------------------------------------------------------------------------
 
@@ -446,4 +471,7 @@ def create_engine(*, model: Model, config: EngineConfig) -> ReferenceEngine:
 
 def diagnose() -> dict[str, str]:
     """What ``polyengine backends --verbose`` says of this backend: one path, no fallback."""
-    return {"device": "cpu", "compute": f"NumPy {np.__version__}, float64 by default: the oracle (exact, slow)"}
+    return {"device": "cpu", "compute": f"NumPy {np.__version__}, float64 by default: the oracle (exact, slow)",
+            "prefix tails": "import_prefix_tail (capability portable_prefix_tail): with page_size the held prefix's "
+                            "pages below the tail's start are shared and only the tail is written; contiguous, a "
+                            "copy through the host"}

@@ -609,18 +609,34 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             last_logits=self._to_host(prefix.logits), sampling=prefix.sampling, model_fingerprint=self.model.fingerprint,
         )
 
-    @on_engine_thread
-    @torch.no_grad()
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
         prompt, sampling = self.check_portable(portable)
+        return self._imported(portable, prompt, sampling, None)
+
+    def _import_tail(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
+        """Paged: the existing prefix's pages below the tail's start shared (a partly
+        filled last one copied when the tail's first position is written), only the
+        tail's positions written into new pages. Contiguous: the kit's way."""
+        if self.pages is None:
+            return super()._import_tail(portable, existing_prefix)
+        return self._imported(portable, portable.prompt_tokens, portable.sampling, existing_prefix)
+
+    @on_engine_thread
+    @torch.no_grad()
+    def _imported(self, portable: PortablePrefix, prompt: np.ndarray, sampling, existing: Prefix | None) -> Prefix:
+        """A checked portable prefix as a Prefix: its K/V in the KV dtype (contiguous, or
+        pages); a tail only onto ``existing`` (paged), whose pages below the start it shares."""
         self.load_params()
         put = lambda a: to_device(np.ascontiguousarray(a), self.torch_device, self.kv_dtype)  # noqa: E731
         logits = to_device(np.ascontiguousarray(portable.last_logits, np.float32), self.torch_device)
         first = self._first_token(logits, prompt, sampling)
         kv, nbytes = (put(portable.k), put(portable.v)), self.kv_bytes(prompt.size)
         if self.pages is not None:
-            seq = PageList(self.pages, [], 0, finalize=True)
-            self._paged.scatter(seq, kv[0], kv[1], 0, prompt.size)
+            start = portable.start
+            seq = existing.kv.fork(start, finalize=True) if existing is not None else PageList(self.pages, [], 0,
+                                                                                                finalize=True)
+            if start < prompt.size:  # an empty tail writes nothing (and copies no shared page)
+                self._paged.scatter(seq, kv[0], kv[1], start, prompt.size, offset=start)
             kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
         return Prefix(
             kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,

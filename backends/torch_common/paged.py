@@ -28,7 +28,11 @@ from polyengine.pages import PageList, PagePool, pages_for
 
 from polyengine.backends.torch_common.transfer import to_device
 
-__all__ = ["PagedKV", "PageOps"]
+__all__ = ["PagedKV", "PageOps", "TAIL_IMPORT"]
+
+# What ``backends --verbose`` says of import_prefix_tail on the torch engines (cpu, cuda_torch).
+TAIL_IMPORT = ("import_prefix_tail (capability portable_prefix_tail): with page_size the held prefix's pages below "
+               "the tail's start are shared and only the tail is written; contiguous, a copy through the host")
 
 # A step's page work: copies on write (src, dst) and the page-table rows that changed.
 PageOps = tuple[list[tuple[int, int]], list[tuple[int, list[int]]]]
@@ -90,11 +94,12 @@ class PagedKV:
         k, v = self.tensors
         return one(k), one(v)
 
-    def scatter(self, seq: PageList, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
-        """Write positions ``start..end`` of ``k``/``v`` (layers, kv_heads, S, head_dim) into
-        ``seq``'s pages: pages added as needed, a shared one copied before the write. A pool
-        that runs out releases ``seq`` (a new prefix's, never a slot's) and raises
-        InsufficientMemory."""
+    def scatter(self, seq: PageList, k: torch.Tensor, v: torch.Tensor, start: int, end: int, *,
+                offset: int = 0) -> None:
+        """Write positions ``start..end`` of ``k``/``v`` (layers, kv_heads, S, head_dim;
+        holding positions from ``offset``) into ``seq``'s pages: pages added as needed, a
+        shared one copied before the write. A pool that runs out releases ``seq`` (a new
+        prefix's, never a slot's) and raises InsufficientMemory."""
         copies: list[tuple[int, int]] = []
         try:
             seq.prepare_write(start, end, lambda s, d: copies.append((s, d)))
@@ -105,8 +110,9 @@ class PagedKV:
         pos = torch.arange(start, end, device=self.device)
         pages, offsets = self._ids(seq.pages)[pos // self.page_size], pos % self.page_size
         pk, pv = self.tensors
-        pk[:, pages, :, offsets] = k[:, :, start:end].permute(2, 0, 1, 3).to(pk.dtype)  # (N, layers, kvh, hd)
-        pv[:, pages, :, offsets] = v[:, :, start:end].permute(2, 0, 1, 3).to(pv.dtype)
+        lo, hi = start - offset, end - offset
+        pk[:, pages, :, offsets] = k[:, :, lo:hi].permute(2, 0, 1, 3).to(pk.dtype)  # (N, layers, kvh, hd)
+        pv[:, pages, :, offsets] = v[:, :, lo:hi].permute(2, 0, 1, 3).to(pv.dtype)
 
     def prepare(self, seqs: list[PageList | None], live: list[int], positions: list[int]) -> PageOps:
         """Host half of a decode step: each live slot's write position made its own (a page
