@@ -1,5 +1,7 @@
-// Causal attention of a prefill from position 0 on the CPU (option prefill_attention):
-// out[t, h] = softmax_s<=t(q[t, h] . k[s, h / group] * scale) @ v[s, h / group].
+// Causal attention of a prefill on the CPU (option prefill_attention), from position 0 or
+// continuing a prefix of `start` positions (a chunked prefill's later pieces, a prefix-cache
+// hit): query t sits at position start + t and
+// out[t, h] = softmax_s<=start+t(q[t, h] . k[s, h / group] * scale) @ v[s, h / group].
 //
 // Why: torch's CPU flash attention for a 1024-token prompt of the default model ran at
 // ~100 GFLOP/s in float32 and took ~45% of a prefill on bfloat16 operands (its causal
@@ -22,7 +24,9 @@
 // uses it. Masked positions get weight exactly 0.
 //
 // Layouts: q (T, nh, hd) with token stride ldq; k, v (nkv, S, hd) with head stride khs
-// and position stride kps (S = T: a prefill from scratch); out (T, nh, hd) contiguous.
+// and position stride kps (S = start + T: the prefix's keys, then the new tokens' own);
+// out (T, nh, hd) contiguous. All S keys are packed; a row's key blocks past its own
+// position are skipped, so a continued prefill computes T x (start + T/2) scores, not T x S.
 #pragma once
 #include <atomic>
 #include <math.h>
@@ -38,6 +42,7 @@ struct pe_pa_job {
     long ldq, khs, kps;
     float *out;
     int T, nh, nkv, hd, bf16;
+    long start;        // the queries' first position (keys: start + T)
     float scale;
     long blocks;       // key blocks of VW (float32) or 16 (bfloat16) per KV head
     float *kf;         // float32 packed K
@@ -56,7 +61,7 @@ struct pe_pa_job {
 #endif
 
 static void pa_pack(pe_pa_job *j, int tid, int nth) {
-    const long hd = j->hd, S = j->T;
+    const long hd = j->hd, S = j->start + j->T;
     long b, e;
     pe_share(j->nkv * j->blocks, tid, nth, &b, &e);
     for (long gb = b; gb < e; gb++) {
@@ -196,7 +201,7 @@ static void pa_rows(pe_pa_job *j, long g, long t0, long r0, float *o, float *p, 
         const long i = r0 + r, t = t0 + i / group, h = g * group + i % group;
         qrow[r] = j->q + t * j->ldq + h * hd;
         qpair[r] = qb + i * (hd / 2);
-        pos[r] = t;
+        pos[r] = j->start + t;
         m[r] = -INFINITY;
         l[r] = 0.f;
         for (long d = 0; d < hd; d++) o[r * hd + d] = 0.f;
@@ -274,17 +279,18 @@ static void pa_task(void *arg, int tid, int nth) {
     }
 }
 
-// The prefill attention above; bf16: 1 for the bfloat16 path (needs PA_BF16), 0 for
-// float32. hd must be a multiple of VW (pe_vector_width) and, on the bfloat16 path, of 16.
-// Returns 0, or -1 where the arguments do not fit those conditions (nothing written).
+// The prefill attention above; start: the queries' first position (k, v hold start + T
+// positions); bf16: 1 for the bfloat16 path (needs PA_BF16), 0 for float32. hd must be a
+// multiple of VW (pe_vector_width) and, on the bfloat16 path, of 16. Returns 0, or -1
+// where the arguments do not fit those conditions (nothing written).
 static int prefill_attention(const float *q, long ldq, const float *k, const float *v, long khs, long kps, float *out,
-                             int T, int nh, int nkv, int hd, float scale, int bf16, int threads) {
-    if (T <= 0 || nkv <= 0 || nh % nkv || hd % VW || (bf16 && (!PA_BF16 || hd % 16))) return -1;
+                             int T, long start, int nh, int nkv, int hd, float scale, int bf16, int threads) {
+    if (T <= 0 || start < 0 || nkv <= 0 || nh % nkv || hd % VW || (bf16 && (!PA_BF16 || hd % 16))) return -1;
     pe_pa_job j;
     j.q = q, j.k = k, j.v = v, j.ldq = ldq, j.khs = khs, j.kps = kps, j.out = out;
-    j.T = T, j.nh = nh, j.nkv = nkv, j.hd = hd, j.bf16 = bf16, j.scale = scale;
+    j.T = T, j.start = start, j.nh = nh, j.nkv = nkv, j.hd = hd, j.bf16 = bf16, j.scale = scale;
     const long unit = bf16 ? 16 : VW;
-    j.blocks = (T + unit - 1) / unit + PA_KEY_VECS;  // room for a key block's last vectors past T
+    j.blocks = (start + T + unit - 1) / unit + PA_KEY_VECS;  // room for a key block's last vectors past S
     const long packed = (long)nkv * j.blocks * hd * unit;
     void *buf = aligned_alloc(64, ((packed * (bf16 ? 2 * 2 : 4) + 63) / 64) * 64);
     if (bf16) {
