@@ -180,11 +180,14 @@ class CpuEngine(TorchEngine):
         """StepSpec.embed for a table kept in blocks: only the looked-up rows dequantized."""
         return embed_rows(self._blocks["model.embed_tokens.weight"], tokens, self._kernels)
 
-    def _kernel_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
-        """StepSpec.causal_attention on the host kernel, one batch row at a time."""
+    def _kernel_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
+                          start: int = 0) -> torch.Tensor:
+        """StepSpec.causal_attention on the host kernel, one batch row at a time: queries
+        at positions start.., from 0 or continuing a prefix."""
         bf16 = self.plan.prefill_attention == "bfloat16"
         b, t, nh, hd = q.shape
-        rows = [self._kernels.prefill_attention(q[i], keys[i], vals[i], scale, bf16=bf16) for i in range(b)]
+        rows = [self._kernels.prefill_attention(q[i], keys[i], vals[i], scale, bf16=bf16, start=start)
+                for i in range(b)]
         return (rows[0] if b == 1 else torch.stack(rows)).reshape(b, t, nh * hd)
 
     # -- decode ---------------------------------------------------------------------------

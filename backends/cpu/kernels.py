@@ -128,20 +128,32 @@ class CpuKernels:
         return None
 
     def prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
-                          bf16: bool = False) -> torch.Tensor:
-        """Causal attention of a prefill from position 0 (``csrc/prefill_attn.h``):
-        ``q`` (T, heads, head_dim) float32 with contiguous heads, ``keys``/``vals``
-        (kv_heads, T, head_dim) float32 with contiguous head_dim; returns (T, heads *
-        head_dim). ``bf16``: q, k, v and the softmax weights rounded to bfloat16, products
-        summed in float32 by vdpbf16ps; else float32 throughout."""
+                          bf16: bool = False, start: int = 0) -> torch.Tensor:
+        """Causal attention of a prefill (``csrc/prefill_attn.h``) whose T queries sit at
+        positions ``start..start + T - 1``: from position 0, or continuing a prefix of
+        ``start`` positions (a chunked prefill's later piece, a prefix-cache hit). ``q``
+        (T, heads, head_dim) float32 with contiguous heads, ``keys``/``vals`` (kv_heads,
+        start + T, head_dim) float32 with contiguous head_dim (the prefix's keys, then the
+        new tokens'); query t attends keys ``0..start + t``. Returns (T, heads * head_dim).
+        ``bf16``: q, k, v and the softmax weights rounded to bfloat16, products summed in
+        float32 by vdpbf16ps; else float32 throughout."""
+        if q.dim() != 3 or keys.dim() != 3:
+            raise ValueError(f"prefill attention kernel: q (T, heads, head_dim) and keys (kv_heads, positions, "
+                             f"head_dim), got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
         t, nh, hd = q.shape
         nkv = keys.shape[0]
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"prefill attention kernel: start must be an int >= 0 (the queries' first "
+                             f"position), got {start!r}")
         why = self.prefill_attention_fits(hd, bf16)
         if why is not None:
             raise ValueError(f"prefill attention kernel: {why}")
-        if keys.shape != vals.shape or keys.shape[1] != t or keys.shape[2] != hd or nh % nkv:
+        if keys.shape != vals.shape or keys.shape[2] != hd or nkv == 0 or nh % nkv:
             raise ValueError(f"prefill attention kernel: q {tuple(q.shape)} does not fit keys {tuple(keys.shape)} "
                              f"/ values {tuple(vals.shape)}")
+        if keys.shape[1] != start + t:
+            raise ValueError(f"prefill attention kernel: keys hold {keys.shape[1]} positions, but queries at "
+                             f"positions {start}..{start + t - 1} need start + T = {start + t}")
         if q.dtype != torch.float32 or keys.dtype != torch.float32 or vals.dtype != torch.float32:
             raise ValueError("prefill attention kernel: q, keys and values must be float32")
         if q.stride(2) != 1 or q.stride(1) != hd:
@@ -150,7 +162,7 @@ class CpuKernels:
             keys, vals = keys.contiguous(), vals.contiguous()
         out = torch.empty((t, nh * hd), dtype=torch.float32)
         rc = self.lib.pe_prefill_attention(q.data_ptr(), q.stride(0), keys.data_ptr(), vals.data_ptr(), keys.stride(0),
-                                           keys.stride(1), out.data_ptr(), t, nh, nkv, hd, scale, int(bf16),
+                                           keys.stride(1), out.data_ptr(), t, start, nh, nkv, hd, scale, int(bf16),
                                            self.threads)
         if rc != 0:
             raise ValueError(f"prefill attention kernel refused q {tuple(q.shape)}, keys {tuple(keys.shape)}")
@@ -325,7 +337,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_q8_isa.restype = ctypes.c_int
     lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.pe_decode.restype = None
-    lib.pe_prefill_attention.argtypes = [ptr, long_, ptr, ptr, long_, long_, ptr, int_, int_, int_, int_,
+    lib.pe_prefill_attention.argtypes = [ptr, long_, ptr, ptr, long_, long_, ptr, int_, long_, int_, int_, int_,
                                          ctypes.c_float, int_, int_]
     lib.pe_prefill_attention.restype = lib.pe_pa_bf16.restype = ctypes.c_int
     lib.pe_gguf_linear.argtypes = [int_, ptr, long_, ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_, ptr,

@@ -146,13 +146,14 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     ``OPTIONS``, picks ``self.torch_device`` in ``capabilities_for``, and may change:
     ``_load_weights`` (what the weights are), ``_decode`` (how a step computes its
     rows), ``self._linear``/``self._prefill_linear`` (the projections, None for
-    torch's) and ``self._causal_attention`` (a prefill's attention from position 0)."""
+    torch's) and ``self._causal_attention`` (a prefill's causal attention, from position 0
+    or continuing a prefix: StepSpec.causal_attention)."""
 
     OPTIONS = SHARED_OPTIONS
     torch_device: torch.device
     _linear: Callable | None = None  # decode's projections (None: torch's F.linear)
     _prefill_linear: Callable | None = None  # prefill's
-    _causal_attention: Callable | None = None  # a prefill's attention from position 0 (None: the forward's)
+    _causal_attention: Callable | None = None  # a prefill's causal attention (None: the forward's)
     _embed: Callable | None = None  # the embedding lookup (None: the table in the weights, StepSpec.embed)
 
     def __init__(self, model: Model, config: EngineConfig):
@@ -331,9 +332,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         batch[0, :n] = toks
         positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
         write = (torch.arange(padded, device=dev) < n)[None]
+        tail = start > 0 and self._causal_attention is not None  # the kernel continues the prefix
         logits, k, v = forward(
-            params, self._spec(causal=start == 0, linear=self._prefill_linear, kv_codec=self._kv_codec,
-                               causal_attention=self._causal_attention if start == 0 else None),
+            params, self._spec(causal=start == 0, causal_tail=tail, linear=self._prefill_linear, kv_codec=self._kv_codec,
+                               causal_attention=self._causal_attention if start == 0 or tail else None),
             to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
         )
@@ -430,11 +432,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         positions = to_device(np.asarray(starts, np.int64), dev)[:, None] + offsets[None]  # (B, T)
         write = offsets[None] < to_device(lengths, dev)[:, None]  # (B, T): pad tokens write nothing
         # From position 0 in every row (all of them as long as the widest), the causal
-        # kernels apply; otherwise the general mask over each query's own position.
+        # kernels apply; from one shared start > 0, the engine's kernel continues the
+        # prefixes (causal_tail); otherwise the general mask over each query's own position.
         causal = not any(starts)
+        tail = not causal and len(set(starts)) == 1 and self._causal_attention is not None
         logits, k, v = forward(
-            params, self._spec(causal=causal, linear=self._prefill_linear, kv_codec=self._kv_codec,
-                               causal_attention=self._causal_attention if causal else None),
+            params, self._spec(causal=causal, causal_tail=tail, linear=self._prefill_linear, kv_codec=self._kv_codec,
+                               causal_attention=self._causal_attention if causal or tail else None),
             to_device(batch, dev), positions, k, v,
             rows=None, write_mask=write, logits_at=to_device(lengths - 1, dev),
         )  # logits (B, vocab)

@@ -20,7 +20,7 @@ fuse_gate_up=False, max_positions=None, skip=frozenset())``
     ``weights.tensors`` is a plain dict (a pytree for torch and JAX alike); rebuild
     with ``TorchWeights(config, tensors)``.
 
-``StepSpec(kv_len=None, attention="sdpa", causal=False, inplace=False, linear=None, kv_codec=None, moe="gather", causal_attention=None)``
+``StepSpec(kv_len=None, attention="sdpa", causal=False, inplace=False, linear=None, kv_codec=None, moe="gather", causal_attention=None, causal_tail=False)``
     The static choices of a forward (frozen, hashable): an engine builds one per bucket
     and keeps it; a traced backend compiles one program per spec and shape.
 
@@ -290,10 +290,18 @@ class StepSpec:
     ``tokens x k`` expert matrices, so it suits decode steps and small prefills).
     ``embed(tensors, tokens)``: replaces the embedding lookup (an engine that keeps the
     table in another form, such as a GGUF file's blocks); returns (B, T, hidden).
-    ``causal_attention(q, keys, vals, scale)``: with ``causal``, replaces SDPA's causal
-    attention on layers without a window or soft-cap (an engine's own kernel): ``q``
-    (B, T, heads, head_dim) after RoPE, ``keys``/``vals`` (B, kv_heads, T, head_dim) as
-    decoded from the cache; returns (B, T, heads * head_dim).
+    ``causal_attention(q, keys, vals, scale, start)``: with ``causal`` or ``causal_tail``,
+    replaces the attention of layers without a window or soft-cap (an engine's own
+    kernel): ``q`` (B, T, heads, head_dim) after RoPE at positions ``start..start + T - 1``
+    in every batch row, ``keys``/``vals`` (B, kv_heads, start + T, head_dim) as decoded
+    from the cache; query t attends keys ``0..start + t``; returns (B, T, heads *
+    head_dim). ``start`` is 0 with ``causal``, ``kv_len - T`` with ``causal_tail``.
+    ``causal_tail``: the call continues a prefix (a chunked prefill's later piece, a
+    prefix-cache hit): batch row b's queries sit at positions ``kv_len - T..kv_len - 1``,
+    the last T positions the call attends, so it is causal from an offset, the same in
+    every row. Only ``causal_attention`` uses it; without one (and on windowed or
+    soft-capped layers) such a call runs the general masked attention, as any other. The
+    offset is ``kv_len - T``, not a field, so one spec serves every prefix length.
     """
 
     kv_len: int | None = None
@@ -303,7 +311,8 @@ class StepSpec:
     linear: Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor] | None = None
     kv_codec: KVCodec | None = None
     moe: str = "gather"
-    causal_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    causal_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor] | None = None
+    causal_tail: bool = False
     embed: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
@@ -311,6 +320,9 @@ class StepSpec:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
         if self.moe not in MOE_IMPLS:
             raise ValueError(f"moe must be one of {MOE_IMPLS}, got {self.moe!r}")
+        if self.causal and self.causal_tail:
+            raise ValueError("causal (queries from position 0) and causal_tail (queries continuing a prefix) "
+                             "exclude each other")
 
     @property
     def project(self) -> Callable[[dict[str, torch.Tensor], torch.Tensor, str], torch.Tensor]:
@@ -408,6 +420,9 @@ def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: 
         raise ValueError(f"kv_len {kv_len} must lie in [1, {cache_len}] (the cache length)")
     if spec.causal and kv_len != seq:
         raise ValueError(f"causal=True needs kv_len == T (queries at 0..T-1): kv_len {kv_len}, T {seq}")
+    if spec.causal_tail and kv_len <= seq:
+        raise ValueError(f"causal_tail=True needs kv_len > T (queries at kv_len-T..kv_len-1 after a prefix): "
+                         f"kv_len {kv_len}, T {seq}")
     device = positions.device
     table_pos = positions.clamp(0, t["rope.cos"].shape[0] - 1)
     rope = {}
@@ -468,8 +483,8 @@ def attention_block(weights: TorchWeights, spec: StepSpec, call: _Call, layer: i
     keys, vals = kv_read(spec, call, layer, k_cache, v_cache)
 
     scale, window, softcap = c.attention_scale, c.layer_window(layer), c.attn_logit_softcapping
-    if spec.causal and spec.causal_attention is not None and window is None and softcap is None:
-        out = spec.causal_attention(q, keys, vals, scale)  # (B, T, nh * hd)
+    if (spec.causal or spec.causal_tail) and spec.causal_attention is not None and window is None and softcap is None:
+        out = spec.causal_attention(q, keys, vals, scale, call.kv_len - seq)  # (B, T, nh * hd)
     elif spec.causal and spec.attention == "sdpa" and window is None and softcap is None:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, is_causal=True, scale=scale,
                                              enable_gqa=group > 1)  # (B, nh, T, hd)

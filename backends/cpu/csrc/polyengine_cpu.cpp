@@ -187,10 +187,11 @@ void pe_profile(double *out) {
 }
 #endif
 
-// A prefill's causal attention (prefill_attn.h's prefill_attention: 0, or -1 refused).
+// A prefill's causal attention, its queries at positions start.. (prefill_attn.h's
+// prefill_attention: 0, or -1 refused).
 int pe_prefill_attention(const float *q, long ldq, const float *k, const float *v, long khs, long kps, float *out,
-                         int T, int nh, int nkv, int hd, float scale, int bf16, int threads) {
-    return prefill_attention(q, ldq, k, v, khs, kps, out, T, nh, nkv, hd, scale, bf16, threads);
+                         int T, long start, int nh, int nkv, int hd, float scale, int bf16, int threads) {
+    return prefill_attention(q, ldq, k, v, khs, kps, out, T, start, nh, nkv, hd, scale, bf16, threads);
 }
 
 // 1 where pe_prefill_attention has its bfloat16 path (AVX512-BF16), else 0.
