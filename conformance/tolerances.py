@@ -19,7 +19,7 @@ import importlib.resources
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 try:
     import tomllib
@@ -185,6 +185,26 @@ def _parse_option_sets(data: Mapping[str, Any], origin: str) -> list[OptionSet]:
     if len(set(labels)) != len(labels):
         raise ConformanceConfigError(f"{origin}: the same option set is declared twice")
     return out
+
+
+def _composed(key: tuple[tuple[str, Any], ...], declared: Sequence[OptionSet]) -> OptionSet | None:
+    """Options no entry declares whole but declared sets cover between them (each part's
+    options all among ``key``, every option of ``key`` in some part): judged as their
+    composition, lossless only if every part is, each tolerance the largest any part
+    declares (``kv_dtype=bfloat16`` with the lossless ``page_size=16``: kv_dtype's). None
+    when the declared sets do not cover ``key``."""
+    given = set(key)
+    parts = [o for o in declared if o.options and set(o.options) <= given]
+    if not parts or set().union(*(set(o.options) for o in parts)) != given:
+        return None
+    tolerances: dict[str, float] = {}
+    for part in parts:
+        for quantity, value in part.tolerances:
+            tolerances[quantity] = max(value, tolerances.get(quantity, value))
+    labels = " + ".join(f"[{o.label}]" for o in parts)
+    return OptionSet(key, all(o.lossless for o in parts), tuple(sorted(tolerances.items())),
+                     f"no entry declares these options together; judged as the composition of the declared sets "
+                     f"{labels}: " + "; ".join(o.reason for o in parts if o.reason), f"composed of {labels}")
 
 
 def option_sets(source: str | Path | Mapping[str, Any] | None) -> list[OptionSet]:
@@ -377,9 +397,9 @@ class Tolerances:
             return None
         key = tuple(sorted((k, _freeze(v)) for k, v in options.items()))
         declared = [o for o in self.option_sets if o.options == key]
-        self.active = declared[0] if declared else OptionSet(
+        self.active = declared[0] if declared else (_composed(key, self.option_sets) or OptionSet(
             key, True, (), "given to the runner (--option); no [[conformance_options]] entry of the backend declares "
-                           "it, so it is judged as lossless", "--option")
+                           "it, so it is judged as lossless", "--option"))
         return self.active
 
     def get(self, quantity: str, *, test: str, dtype: str, model: str | None = None) -> Tolerance:

@@ -117,6 +117,27 @@ def test_an_option_set_floors_the_tolerances_of_its_run():
     assert tol.use_options({}) is None
 
 
+def test_options_declared_in_parts_are_judged_as_their_composition():
+    """``--option kv_dtype=bfloat16 --option page_size=16``: no entry declares the two
+    together, but each is declared: the run is judged lossy under the lossy part's
+    tolerances (each the largest of any part), not as lossless; options some part does
+    not cover keep the lossless default with its note."""
+    tol = _tolerances({"conformance_options": [
+        {"options": {"page_size": 16}, "lossless": True, "reason": "pages"},
+        {"options": {"kv_dtype": "bfloat16"}, "reason": "bf16 K/V", "tolerances": {"kv_rel_l2": 0.01, "logits_rel_l2": 0.04}},
+        {"options": {"weight_dtype": "bfloat16"}, "reason": "bf16 weights", "tolerances": {"kv_rel_l2": 0.02}},
+    ]})
+    both = tol.use_options({"kv_dtype": "bfloat16", "page_size": 16})
+    assert not both.lossless and both.origin == "composed of [page_size=16] + [kv_dtype=bfloat16]"
+    assert tol.get("kv_rel_l2", test="test_portable_prefix_roundtrip", dtype="float32").value == 0.01
+    three = tol.use_options({"kv_dtype": "bfloat16", "weight_dtype": "bfloat16", "page_size": 16})
+    assert dict(three.tolerances) == {"kv_rel_l2": 0.02, "logits_rel_l2": 0.04}
+    assert tol.use_options({"page_size": 16}).lossless
+    partial = tol.use_options({"kv_dtype": "bfloat16", "page_size": 8})  # page_size=8 is declared by nobody
+    assert partial.lossless and "--option" in partial.origin
+    assert tol.get("kv_rel_l2", test="test_portable_prefix_roundtrip", dtype="float32").value == 1e-4
+
+
 def test_runner_options_and_declared_sets():
     assert parse_option("quantize=int8") == ("quantize", "int8")
     assert parse_option("speculation=3") == ("speculation", 3)
