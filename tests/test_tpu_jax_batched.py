@@ -94,7 +94,7 @@ def test_prefill_batch_equals_one_prefill_per_entry(model, options):
         alone, first_alone = eng.prefill(params=params, tokens=req.tokens, sampling=req.sampling,
                                          existing_prefix=req.existing_prefix)
         assert list(prefix.prompt_tokens) == list(alone.prompt_tokens), i
-        assert eng._prefix_arrays(prefix.kv, gather=False) == eng._prefix_arrays(alone.kv, gather=False), i
+        assert eng._bucket_of(prefix.kv) == eng._bucket_of(alone.kv), i
         np.testing.assert_allclose(prefix.host_logits(), alone.host_logits(), rtol=0, atol=ATOL, err_msg=f"entry {i}")
         assert prefix.first_token == alone.first_token == int(first.row_tokens(0)[0]), i
         np.testing.assert_allclose(first.logprobs, first_alone.logprobs, atol=ATOL * 10, err_msg=f"entry {i}")
@@ -141,6 +141,10 @@ def test_the_option_and_refusals(model):
     with pytest.raises(InvalidRequest, match="batched_prefill"):
         _engine(model, batched_prefill="yes")
     assert "batched_prefill" not in RayTpuEngine.OPTIONS
+    # the memory check counts a batch's rows of prefill activations (the largest batch size)
+    (on,), (off,) = ({k: v for k, v in e._needs().items() if "prefill" in k}.values() for e in (
+        _engine(model), _engine(model, batched_prefill="off")))
+    assert on > off
     eng = _engine(model)
     params = eng.load_params()
     with pytest.raises(InvalidRequest, match="prefill_batch entry 1"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -127,6 +127,10 @@ class TpuJaxEngine(EngineBase):
             "paged_forward_step"))
         self._paged = paged.PagedKV(self.pages, self.cfg, self.plan.put_tree, (
             config.max_slots * pages_for(config.max_cache_length, ps)), self.compiles.track) if ps else None
+        # Batched prefill: the batch sizes its programs take (pad rows fill a batch up to
+        # one), and after warm-up the (B, T, O) triples it compiled (None: compile on use).
+        self.batch_sizes = (2, 4) if config.max_slots > 2 else (2,)
+        self.batch_programs: set[tuple[int, int, int]] | None = None
         platform = devices[0].platform if devices else "cpu"
         kind = devices[0].device_kind if devices else platform
         self.device = (f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()} on {plan.mesh.devices.size} of "
@@ -139,10 +143,6 @@ class TpuJaxEngine(EngineBase):
         self._params: dict[str, jax.Array] | None = None
         self._spare: TpuDecodeState | None = None
         self._empty: PrefixArrays | None = None
-        # Batched prefill: the batch sizes its programs take (pad rows fill a batch up to
-        # one), and after warm-up the (B, T, O) triples it compiled (None: compile on use).
-        self.batch_sizes = (2, 4) if config.max_slots > 2 else (2,)
-        self.batch_programs: set[tuple[int, int, int]] | None = None
         self._eos_mask = np.zeros(self.vocab_size, bool)
         self._eos_mask[list(self.eos_token_ids)] = True
 
@@ -179,7 +179,8 @@ class TpuJaxEngine(EngineBase):
         return device_needs(self.model.config, self.config, dtype=self.dtype, dp=plan.dp, tp=plan.tp,
                             quantize=self.cfg.quantize, kv_int8=self.cfg.kv_int8, rules=dict(plan.rules.pairs),
                             blocks={s: self.model.records[s].format for s in self._blocks.values()},
-                            page_size=0 if pool is None else pool.page_size, pool_pages=pool_pages)
+                            page_size=0 if pool is None else pool.page_size, pool_pages=pool_pages,
+                            prefill_rows=self.batch_sizes[-1] if self.capabilities.batched_prefill else 1)
 
     def _check_memory(self) -> None:
         needs = self._needs()
@@ -362,7 +363,7 @@ class TpuJaxEngine(EngineBase):
 
     # -- batched prefill (option batched_prefill) -------------------------------------------
 
-    def prefill_batch(self, *, params, requests: list[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
+    def prefill_batch(self, *, params, requests: Sequence[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
         """The entries in as few programs as their buckets allow: entries whose own
         prefill stores their prefix in the same output bucket ``O`` run together
         (:func:`~.steps.prefill_batch_step`, up to the largest batch size at a time,
@@ -378,7 +379,7 @@ class TpuJaxEngine(EngineBase):
         groups: dict[int, list[int]] = {}
         new_bucket = [self.config.bucket_for(toks.size) for toks, _, _, _ in checked]
         for i, kv in enumerate(held):
-            p = self._prefix_arrays(kv, gather=False)
+            p = self._bucket_of(kv)
             out = new_bucket[i] if p == 0 else self.continued_bucket(p, new_bucket[i])
             groups.setdefault(out, []).append(i)
         ran: dict[int, tuple] = {}
@@ -487,12 +488,17 @@ class TpuJaxEngine(EngineBase):
         with self.compiles.track(str(bucket) if out == bucket else f"{bucket} in {out}"):
             return steps.prefill_step(params, k, v, start_in, tokens_in, length, cfg=self.cfg)
 
-    def _prefix_arrays(self, kv: PrefixArrays | paged.PagedPrefix, gather: bool = True):
+    def _prefix_arrays(self, kv: PrefixArrays | paged.PagedPrefix) -> tuple[jax.Array, jax.Array, int]:
         """A prefix's K/V as contiguous arrays of its bucket (a paged one's gathered from
-        its pages), and the bucket: ``(k, v, bucket)``; ``gather`` False: the bucket only."""
+        its pages), and the bucket."""
         if isinstance(kv, paged.PagedPrefix):
-            return (*self._paged.gather(kv.seq, kv.bucket), kv.bucket) if gather else kv.bucket
-        return (kv.k, kv.v, kv.k.shape[2]) if gather else kv.k.shape[2]
+            return (*self._paged.gather(kv.seq, kv.bucket), kv.bucket)
+        return kv.k, kv.v, self._bucket_of(kv)
+
+    @staticmethod
+    def _bucket_of(kv: PrefixArrays | paged.PagedPrefix) -> int:
+        """The bucket a prefix is stored in (0: the empty prefix)."""
+        return kv.bucket if isinstance(kv, paged.PagedPrefix) else kv.k.shape[2]
 
     # -- insert, bulk_insert, free_resource: the kit's flow over these hooks ----------------
 

@@ -20,7 +20,9 @@ models) compiling, not running, is what an engine costs:
 
 - the model's programs (:class:`StepConfig`): prefill once per (new tokens bucket,
   output bucket), a plain prefill being the continuation of an empty prefix (so the
-  continuations that land in a bucket share the prefills' executables), the KV half of
+  continuations that land in a bucket share the prefills' executables), a batch of
+  prefills once per (rows, new tokens bucket, output bucket) (:func:`prefill_batch_step`,
+  option ``batched_prefill``), the KV half of
   insert once per prefill bucket, the decode forward once; copying a prefix into a
   fresh cache of the output bucket (:func:`widen_prefix`) is a tiny program per K/V
   shape, shared by models whose K/V shapes agree;
