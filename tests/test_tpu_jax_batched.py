@@ -114,6 +114,23 @@ def test_prefill_batch_equals_one_prefill_per_entry(model, options):
         assert decoded[0] == decoded[1], i
 
 
+def test_a_batch_the_page_pool_cannot_hold_changes_nothing(model):
+    """Paged, a bounded pool (17 pages of 4): five 14-token prompts need 20; the call
+    raises InsufficientMemory and the pages the first entries took are given back (their
+    prefixes are dropped; a page list made with finalize=True releases its pages)."""
+    from polyengine.errors import InsufficientMemory
+
+    eng = _engine(model, page_size=4, kv_pages=17)
+    params = eng.load_params()
+    free = eng.pages.free
+    rng = np.random.default_rng(4)
+    requests = [PrefillRequest(rng.integers(3, 250, 14).tolist(), GREEDY) for _ in range(5)]
+    with pytest.raises(InsufficientMemory):
+        eng.prefill_batch(params=params, requests=requests)
+    assert eng.pages.free == free
+    assert len(eng.prefill_batch(params=params, requests=requests[:4])) == 4
+
+
 def test_a_batch_outside_the_compiled_set_runs_entry_by_entry(model):
     """After warm-up the engine runs only the batches warm-up compiled; any other goes
     to prefill one entry at a time (here: the set emptied by hand), with the same output."""

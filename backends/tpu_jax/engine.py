@@ -123,8 +123,8 @@ class TpuJaxEngine(EngineBase):
                                      field="options.kv_quantize")
         self.pages = PagePool(ps, kv_pages or None) if ps else None
         self.compiles = CompileLog(per_bucket=(
-            "widen_prefix", "prefill_step", "prefill_batch_step", "insert_kv_step", "write_pages_step", "gather_pages_step",
-            "paged_forward_step"))
+            "widen_prefix", "prefill_step", "prefill_batch_step", "insert_kv_step", "write_pages_step",
+            "gather_pages_step", "paged_forward_step"))
         self._paged = paged.PagedKV(self.pages, self.cfg, self.plan.put_tree, (
             config.max_slots * pages_for(config.max_cache_length, ps)), self.compiles.track) if ps else None
         # Batched prefill: the batch sizes its programs take (pad rows fill a batch up to
@@ -396,6 +396,8 @@ class TpuJaxEngine(EngineBase):
                     for i in part:
                         toks, _, start, _ = checked[i]
                         ran[i] = self._extend(params, held[i], start, toks, new_bucket[i])
+        # A page pool that runs out part way raises; the prefixes made before it are
+        # dropped, and their page lists (finalize=True) give their pages back.
         return [self._prefixed(*ran[i], toks, sampling, start, mask, req.existing_prefix)
                 for i, (req, (toks, sampling, start, mask)) in enumerate(zip(requests, checked))]
 
