@@ -177,11 +177,13 @@ SAMPLINGS = [
 ]
 
 
-def test_driver_output_with_batched_prefill_and_no_compile_after_warmup(model):
+@pytest.mark.parametrize("paged", [{}, {"page_size": 16, "kv_pages": 128}], ids=["contiguous", "paged"])
+def test_driver_output_with_batched_prefill_and_no_compile_after_warmup(model, paged):
     """Through the driver (chunks, the prefix cache, a per-step token budget) with
     warm-up: prompts arriving while a stream decodes share prefill_batch calls that ran
     batch programs, nothing compiles after warm-up, and every token and log-prob equals
-    the same engine's without batched prefill, each prompt prefilled whole."""
+    the same engine's without batched prefill, each prompt prefilled whole. Paged too,
+    its pool bounded (a pool that grows has a new shape: test_tpu_jax.py's no-compile test)."""
     compiles: list[str] = []
 
     def listener(event, seconds, **kw):
@@ -191,7 +193,7 @@ def test_driver_output_with_batched_prefill_and_no_compile_after_warmup(model):
     base = dict(max_slots=4, max_prefill_length=24, max_cache_length=64, prefill_buckets=(8, 16, 24),
                 dtype="float32")
     off = LLM(model, backend="tpu_jax", tools=False, prefill_chunk=0, prefix_cache_bytes=0,
-              options={"batched_prefill": "off"}, **base)
+              options={"batched_prefill": "off", **paged}, **base)
     rng = np.random.default_rng(3)
     system = rng.integers(3, 250, 9).tolist()
     prompts = [(system if i % 2 else []) + rng.integers(3, 250, int(rng.integers(2, 14))).tolist() for i in range(7)]
@@ -200,7 +202,7 @@ def test_driver_output_with_batched_prefill_and_no_compile_after_warmup(model):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         on = LLM(model, backend="tpu_jax", tools=False, prefill_chunk=8, max_num_batched_tokens=20,
-                 prefix_cache_bytes=4 << 20, options={"batched_prefill": "on", "warmup": True}, **base)
+                 prefix_cache_bytes=4 << 20, options={"batched_prefill": "on", "warmup": True, **paged}, **base)
         eng = on.engine
         assert eng.batch_programs and {b for b, _, _ in eng.batch_programs} == {2, 4}
         warm = len(compiles)
