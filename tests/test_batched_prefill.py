@@ -40,6 +40,9 @@ ENGINES = {
     "cpu": ({}, 2e-5),
     "cuda_torch": ({"device": "cpu"}, 2e-5),
     "cpu-paged": ({"page_size": 4}, 2e-5),  # continuing paged prefixes, new K/V scattered into pages
+    # one program per output bucket (docs/tpu_jax.md, "Batched prefill"; off by default on the CPU)
+    "tpu_jax": ({"batched_prefill": "on"}, 2e-5),
+    "tpu_jax-paged": ({"batched_prefill": "on", "page_size": 4}, 2e-5),
 }
 
 
@@ -48,6 +51,9 @@ def engine(request, tiny):
     name = request.param
     options, tol = ENGINES[name]
     buckets = (8, 16, 32, 60) if name.endswith("buckets") else None
+    if name.startswith("tpu_jax"):
+        pytest.importorskip("jax")
+        request.getfixturevalue("jax_compile_less")  # tiny models: compile time over run time
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         eng = create_engine(name.split("-")[0], model=tiny, config=EngineConfig(

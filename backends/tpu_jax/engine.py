@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens, SlotTable
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, PrefillRequest, ResultTokens, SlotTable
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.hostinfo import has_bf16_units
 from polyengine.logs import compiling
@@ -50,6 +50,11 @@ from polyengine.backends.tpu_jax.quantize import block_arrays
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
 __all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine"]
+
+# Option batched_prefill "auto": the platforms where one program per batch is declared
+# (docs/tpu_jax.md, "Batched prefill": on the CPU its programs cost more warm-up than they save).
+BATCHED_PREFILL_PLATFORMS = ("tpu", "gpu")
+
 
 def _dtypes(platform: str) -> tuple[str, ...]:
     """What this platform computes well: bfloat16 first on a TPU; on the CPU float32,
@@ -118,10 +123,14 @@ class TpuJaxEngine(EngineBase):
                                      field="options.kv_quantize")
         self.pages = PagePool(ps, kv_pages or None) if ps else None
         self.compiles = CompileLog(per_bucket=(
-            "widen_prefix", "prefill_step", "insert_kv_step", "write_pages_step", "gather_pages_step",
-            "paged_forward_step"))
+            "widen_prefix", "prefill_step", "prefill_batch_step", "insert_kv_step", "write_pages_step",
+            "gather_pages_step", "paged_forward_step"))
         self._paged = paged.PagedKV(self.pages, self.cfg, self.plan.put_tree, (
             config.max_slots * pages_for(config.max_cache_length, ps)), self.compiles.track) if ps else None
+        # Batched prefill: the batch sizes its programs take (pad rows fill a batch up to
+        # one), and after warm-up the (B, T, O) triples it compiled (None: compile on use).
+        self.batch_sizes = (2, 4) if config.max_slots > 2 else (2,)
+        self.batch_programs: set[tuple[int, int, int]] | None = None
         platform = devices[0].platform if devices else "cpu"
         kind = devices[0].device_kind if devices else platform
         self.device = (f"{platform} ({kind}; JAX {jax.__version__}; {plan.describe()} on {plan.mesh.devices.size} of "
@@ -150,6 +159,8 @@ class TpuJaxEngine(EngineBase):
             # pages instead (the suite checks it), which this one does not do yet
             portable_prefix_tail=not self.options["page_size"],
             page_size=self.options["page_size"],
+            batched_prefill=self.options["batched_prefill"] == "on" or (
+                self.options["batched_prefill"] == "auto" and platform in BATCHED_PREFILL_PLATFORMS),
         )
 
     @staticmethod
@@ -168,7 +179,8 @@ class TpuJaxEngine(EngineBase):
         return device_needs(self.model.config, self.config, dtype=self.dtype, dp=plan.dp, tp=plan.tp,
                             quantize=self.cfg.quantize, kv_int8=self.cfg.kv_int8, rules=dict(plan.rules.pairs),
                             blocks={s: self.model.records[s].format for s in self._blocks.values()},
-                            page_size=0 if pool is None else pool.page_size, pool_pages=pool_pages)
+                            page_size=0 if pool is None else pool.page_size, pool_pages=pool_pages,
+                            prefill_rows=self.batch_sizes[-1] if self.capabilities.batched_prefill else 1)
 
     def _check_memory(self) -> None:
         needs = self._needs()
@@ -257,6 +269,15 @@ class TpuJaxEngine(EngineBase):
         # of bucket P continued with one token padded to bucket T compiles the pair.
         for p, t in self.continuation_pairs():
             self._extend(params, made[p].kv, 1, np.zeros(1, np.int32), t)
+        if self.capabilities.batched_prefill:  # every batch size over every (T, O) a prefill reaches
+            one = np.zeros(1, np.int32)
+            pairs = {(b, b): (self._empty_prefix(), 0) for b in reachable}
+            for p, t in self.continuation_pairs():
+                pairs.setdefault((t, self.continued_bucket(p, t)), (made[p].kv, 1))
+            for b in self.batch_sizes:
+                for (t, o), (held, start) in sorted(pairs.items()):
+                    self._extend_batch(params, [(held, start, one)] * b, t, o)
+            self.batch_programs = {(b, t, o) for b in self.batch_sizes for t, o in pairs}
         imported = self.import_prefix(self.export_prefix(prefix))
         state, _ = self.bulk_insert(imported, state, [0])
         state, _ = self.generate(params, state, overrides={0: 0})
@@ -309,13 +330,19 @@ class TpuJaxEngine(EngineBase):
                 token_mask: np.ndarray | None = None):
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         mask = self.check_token_mask(token_mask, sampling)
-        n = toks.size
-        bucket = self.config.bucket_for(n)
-        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
-        row = self._row(sampling, prompt)
         # A plain prefill continues the empty prefix: one program kind for both.
         held = existing_prefix.kv if existing_prefix is not None else self._empty_prefix()
-        k, v, logits = self._extend(params, held, start, toks, bucket)
+        k, v, logits = self._extend(params, held, start, toks, self.config.bucket_for(toks.size))
+        return self._prefixed(k, v, logits, toks, sampling, start, mask, existing_prefix)
+
+    def _prefixed(self, k, v, logits, toks: np.ndarray, sampling: SamplingParams, start: int,
+                  mask: np.ndarray | None, existing_prefix: Prefix | None) -> tuple[Prefix, ResultTokens]:
+        """A prefill's prefix from its K/V ``(layers, kv_heads, O, head_dim)`` and last
+        logits: its first token drawn (:func:`~.steps.first_token_step`), its new positions
+        written into pages where the engine keeps them."""
+        n = toks.size
+        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
+        row = self._row(sampling, prompt)
         with self.compiles.track():
             result = self._results(steps.first_token_step(logits, row, self._mask_in(mask), cfg=self.cfg.sampler))
         if self._paged is None:
@@ -333,6 +360,74 @@ class TpuJaxEngine(EngineBase):
             nbytes=nbytes,
         )
         return prefix, result
+
+    # -- batched prefill (option batched_prefill) -------------------------------------------
+
+    def prefill_batch(self, *, params, requests: Sequence[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
+        """The entries in as few programs as their buckets allow: entries whose own
+        prefill stores their prefix in the same output bucket ``O`` run together
+        (:func:`~.steps.prefill_batch_step`, up to the largest batch size at a time,
+        tokens padded to the largest of their new-tokens buckets ``T``), so each prefix
+        comes out in the bucket its own prefill gives and every later program (insert,
+        continuation, export) is the one it would be. An entry alone in its bucket, or a
+        batch whose (B, T, O) warm-up did not compile, runs as its own prefill: after
+        warm-up nothing compiles. Without capability ``batched_prefill``: the kit's loop."""
+        if not self.capabilities.batched_prefill:
+            return super().prefill_batch(params=params, requests=requests)
+        checked = self.check_prefill_batch(requests)
+        held = [r.existing_prefix.kv if r.existing_prefix is not None else self._empty_prefix() for r in requests]
+        groups: dict[int, list[int]] = {}
+        new_bucket = [self.config.bucket_for(toks.size) for toks, _, _, _ in checked]
+        for i, kv in enumerate(held):
+            p = self._bucket_of(kv)
+            out = new_bucket[i] if p == 0 else self.continued_bucket(p, new_bucket[i])
+            groups.setdefault(out, []).append(i)
+        ran: dict[int, tuple] = {}
+        size = self.batch_sizes[-1]
+        for out, members in groups.items():
+            for at in range(0, len(members), size):
+                part = members[at: at + size]
+                t = max(new_bucket[i] for i in part)
+                b = min(x for x in self.batch_sizes if x >= len(part))
+                if len(part) > 1 and (self.batch_programs is None or (b, t, out) in self.batch_programs):
+                    rows = [(held[i], checked[i][2], checked[i][0]) for i in part]
+                    ran.update(zip(part, self._extend_batch(params, rows, t, out)))
+                else:
+                    for i in part:
+                        toks, _, start, _ = checked[i]
+                        ran[i] = self._extend(params, held[i], start, toks, new_bucket[i])
+        # A page pool that runs out part way raises; the prefixes made before it are
+        # dropped, and their page lists (finalize=True) give their pages back.
+        return [self._prefixed(*ran[i], toks, sampling, start, mask, req.existing_prefix)
+                for i, (req, (toks, sampling, start, mask)) in enumerate(zip(requests, checked))]
+
+    def _extend_batch(self, params, rows: list[tuple[PrefixArrays | paged.PagedPrefix, int, np.ndarray]], bucket: int,
+                      out: int) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+        """:meth:`_extend` for several rows ``(prefix, start, tokens)`` whose prefixes
+        all land in bucket ``out``, tokens padded to ``bucket``, in one
+        :func:`~.steps.prefill_batch_step`, pad rows filling the batch to a batch size.
+        Returns per row (K, V, logits)."""
+        b = min(x for x in self.batch_sizes if x >= len(rows))
+        tokens, starts, lengths = np.zeros((b, bucket), np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        ks, vs = [], []
+        for i, (kv, start, toks) in enumerate(rows):
+            tokens[i, : toks.size], starts[i], lengths[i] = toks, start, toks.size
+            pk, pv, held = self._prefix_arrays(kv)
+            with self.compiles.track(f"{held}->{out}"):
+                k, v = steps.widen_prefix(pk, pv, plan=self.plan, bucket=out)
+            ks.append(k)
+            vs.append(v)
+        if len(rows) < b:  # pad rows: an empty prefix's cache, nothing written, results dropped
+            empty = self._empty_prefix()
+            with self.compiles.track(f"0->{out}"):
+                k, v = steps.widen_prefix(empty.k, empty.v, plan=self.plan, bucket=out)
+            ks += [k] * (b - len(rows))
+            vs += [v] * (b - len(rows))
+        tokens, starts, lengths = self.plan.put_tree((tokens, starts, lengths))
+        with self.compiles.track(f"{b}x{bucket} in {out}"):
+            ks, vs, logits = steps.prefill_batch_step(params, tuple(ks), tuple(vs), starts, tokens, lengths,
+                                                      cfg=self.cfg)
+        return list(zip(ks, vs, logits))[: len(rows)]
 
     # -- prefix reuse: one program per (prefix bucket, new tokens bucket) -----------------------
 
@@ -400,7 +495,12 @@ class TpuJaxEngine(EngineBase):
         its pages), and the bucket."""
         if isinstance(kv, paged.PagedPrefix):
             return (*self._paged.gather(kv.seq, kv.bucket), kv.bucket)
-        return kv.k, kv.v, kv.k.shape[2]
+        return kv.k, kv.v, self._bucket_of(kv)
+
+    @staticmethod
+    def _bucket_of(kv: PrefixArrays | paged.PagedPrefix) -> int:
+        """The bucket a prefix is stored in (0: the empty prefix)."""
+        return kv.bucket if isinstance(kv, paged.PagedPrefix) else kv.k.shape[2]
 
     # -- insert, bulk_insert, free_resource: the kit's flow over these hooks ----------------
 

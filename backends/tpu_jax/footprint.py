@@ -147,12 +147,15 @@ def block_bytes(fmt: str, shape: tuple[int, int]) -> int:
 def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: int, tp: int,
                  quantize: str = "", kv_int8: bool = False,
                  rules: Mapping[str, str | None] | None = None,
-                 blocks: Mapping[str, str] | None = None, page_size: int = 0, pool_pages: int = 0) -> dict[str, int]:
+                 blocks: Mapping[str, str] | None = None, page_size: int = 0, pool_pages: int = 0,
+                 prefill_rows: int = 1) -> dict[str, int]:
     """Bytes per device of what an engine allocates: weights, KV cache, sampler tables
     and a prefill's activations, by description (what a memory refusal names).
     ``blocks``: weight name -> GGUF format of the matrices kept as a file's blocks
     (:func:`~.quantize.block_arrays`). ``page_size``: K/V in a pool of ``pool_pages``
-    pages of that many positions instead of a cache row per slot (:data:`POOL_AXES`)."""
+    pages of that many positions instead of a cache row per slot (:data:`POOL_AXES`).
+    ``prefill_rows``: the rows a prefill program runs at once (batched prefill: the
+    largest batch size), which its activations scale with."""
     rules = {**DEFAULT_RULES, **(rules or {})}
     mesh = {"dp": dp, "tp": tp}
     item = ITEMSIZE[dtype]
@@ -183,7 +186,8 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
     return {
         f"{dtype} weights{' (int8 projections)' if quantize or blocks else ''}": weights,
         what: cache,
-        "the sampler's per-slot tables and a prefill's activations": (
+        "the sampler's per-slot tables and a prefill's activations" + (
+            f" ({prefill_rows} rows)" if prefill_rows > 1 else ""): (
             config.max_slots * row_bytes(model.vocab_size) // dp
-            + config.max_prefill_length * (model.vocab_size + 4 * model.intermediate_size) * 4),
+            + prefill_rows * config.max_prefill_length * (model.vocab_size + 4 * model.intermediate_size) * 4),
     }

@@ -60,6 +60,9 @@ OPTIONS: dict[str, Option] = {
     "candidates": Option(64, "top-k bound under which top-k/top-p skip the full vocabulary sort", minimum=1),
     "compile_cache": Option("", "keep compiled programs on disk for later processes: 'auto' (a private folder under "
                                 "polyengine's cache) or an absolute path; '' leaves JAX's own setting"),
+    "batched_prefill": Option("auto", "prefill_batch's entries in one program per output bucket (capability "
+                                      "batched_prefill): 'on', 'off', or 'auto' (on for TPU and GPU, off on the CPU)",
+                              choices=("auto", "on", "off")),
     "warmup": Option(False, "compile every bucket when the weights load (else on first use)"),
     "profiler_port": Option(0, "start JAX's profiler server on this port", minimum=0, maximum=65535),
     "trace_dir": Option("", "write a JAX trace of the first trace_steps generate steps here"),

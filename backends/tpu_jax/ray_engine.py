@@ -314,7 +314,8 @@ class RayTpuEngine(EngineBase):
     # The single-host engine's options (forwarded to every worker's engine, checked here
     # first with the same JAX-free table), plus the leader's own.
     OPTIONS = {
-        **ENGINE_OPTIONS,
+        # (not batched_prefill: the leader prefills one entry a call, so it would do nothing)
+        **{k: v for k, v in ENGINE_OPTIONS.items() if k != "batched_prefill"},
         "num_workers": Option(0, "Ray actors, one per host: the processes of the JAX program; 0 = one per TPU "
                                  "host where the cluster has TPUs, else 2", minimum=0),
         "devices_per_worker": Option(1, "CPU only: host devices each worker's JAX shows (a TPU worker takes its "
@@ -349,7 +350,9 @@ class RayTpuEngine(EngineBase):
 
         self._check_hosts(model, config)
         options, group = self.options, self.group
-        worker_config = config.model_copy(update={"options": {k: v for k, v in options.items() if k in ENGINE_OPTIONS}})
+        # The workers' engines prefill one entry a call for the leader: no batch programs to warm up.
+        worker_config = config.model_copy(update={"options": {
+            **{k: v for k, v in options.items() if k in ENGINE_OPTIONS}, "batched_prefill": "off"}})
         model_ref = ray.put(model)
         self.engine_id = uuid.uuid4().hex
         self.device = group.call("build", self.engine_id, model_ref, worker_config, what="building the engine") + (

@@ -20,7 +20,9 @@ models) compiling, not running, is what an engine costs:
 
 - the model's programs (:class:`StepConfig`): prefill once per (new tokens bucket,
   output bucket), a plain prefill being the continuation of an empty prefix (so the
-  continuations that land in a bucket share the prefills' executables), the KV half of
+  continuations that land in a bucket share the prefills' executables), a batch of
+  prefills once per (rows, new tokens bucket, output bucket) (:func:`prefill_batch_step`,
+  option ``batched_prefill``), the KV half of
   insert once per prefill bucket, the decode forward once; copying a prefix into a
   fresh cache of the output bucket (:func:`widen_prefix`) is a tiny program per K/V
   shape, shared by models whose K/V shapes agree;
@@ -65,7 +67,7 @@ from polyengine.backends.tpu_jax.sharding import ShardingPlan
 
 __all__ = [
     "StepConfig", "CacheConfig", "SampleConfig", "SlotRows", "DecodeArrays", "run_model", "pack", "init_state", "init_cache", "init_rows",
-    "widen_prefix", "prefill_step", "first_token_step", "insert_step", "insert_kv_step", "insert_rows_step",
+    "widen_prefix", "prefill_step", "prefill_batch_step", "first_token_step", "insert_step", "insert_kv_step", "insert_rows_step",
     "generate_step", "forward_step", "sample_step", "free_step", "free_rows_step", "JAX_DTYPES",
 ]
 
@@ -299,6 +301,35 @@ def prefill_step(params, k, v, start, tokens, length, *, cfg: StepConfig):
         logits_at=(length - 1)[None])
     axes = ("layers", "kv_heads", "positions", "head_dim")
     return cfg.plan.constrain(k[:, 0], axes), cfg.plan.constrain(v[:, 0], axes), cfg.plan.constrain(logits[0].astype(jnp.float32))
+
+
+@_jit
+def prefill_batch_step(params, ks, vs, starts, tokens, lengths, *, cfg: StepConfig):
+    """:func:`prefill_step` for ``B`` rows in one forward (capability ``batched_prefill``):
+    row ``b`` is one prompt or piece, ``tokens[b]`` (T,) holding ``lengths[b]`` live
+    tokens that go to positions ``starts[b] ..`` after its own prefix, ``ks[b]``/``vs[b]``
+    (layers, kv_heads, O, head_dim) from :func:`widen_prefix`. Each row's queries attend
+    only its own cache row, keyed by their own positions (the decode forward's batch of
+    rows). A pad row (``lengths[b]`` 0) writes nothing and its results are dropped.
+    Returns per row its K/V ``(layers, kv_heads, O, head_dim)`` and last live token's
+    logits (vocab,) float32, as tuples (a row taken outside the program would be a
+    program of its own to compile).
+
+    One program per (``B``, ``T``, ``O``); the inputs are not donated (they are stacked
+    into the batch's cache, which no input can alias)."""
+    b, t = tokens.shape
+    axes = ("layers", None, "kv_heads", "positions", "head_dim")
+    k = cfg.plan.constrain(jnp.stack(ks, axis=1), axes)  # (layers, B, kv_heads, O, head_dim)
+    v = cfg.plan.constrain(jnp.stack(vs, axis=1), axes)
+    index = jnp.arange(t, dtype=jnp.int32)
+    logits, k, v = run_model(
+        cfg, params, tokens, starts[:, None] + index[None], k, v, write_mask=index[None] < lengths[:, None],
+        logits_at=jnp.maximum(lengths - 1, 0))  # logits (B, vocab)
+    axes = ("layers", "kv_heads", "positions", "head_dim")
+    logits = logits.astype(jnp.float32)
+    return (tuple(cfg.plan.constrain(k[:, i], axes) for i in range(b)),
+            tuple(cfg.plan.constrain(v[:, i], axes) for i in range(b)),
+            tuple(cfg.plan.constrain(logits[i]) for i in range(b)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
