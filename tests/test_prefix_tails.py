@@ -13,6 +13,7 @@ one that leaks pages when it refuses. Tiny models: a few seconds in all.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import warnings
 
@@ -272,3 +273,28 @@ def test_the_suites_tail_checks_pass_on_the_cpu_backend(tiny, other, options):
     assert tail_refusal_problems(eng, params, whole, foreign) == []
     if "page_size" in options:
         assert tail_sharing_problems(eng, params, whole) == []
+
+
+@pytest.mark.parametrize("backend", ["tpu_jax", "neuron"])
+def test_the_suites_tail_checks_pass_on_the_paged_static_shape_engines(tiny, other, backend, request):
+    """tpu_jax (PagedKV.write from the tail's start) and neuron on its CPU compile path
+    (the torch_common scatter from the tail's offset) with ``page_size``: the held
+    prefix's pages below the start shared, only the tail written, refusals holding nothing."""
+    if backend == "tpu_jax":
+        pytest.importorskip("jax")
+        if importlib.util.find_spec("torchax") is None:  # not importorskip: torchax imports only through compat
+            pytest.skip("torchax is not installed (pip install 'polyengine[tpu]')")
+        request.getfixturevalue("jax_compile_less")
+        from polyengine.backends.tpu_jax.engine import TpuJaxEngine as Engine
+    else:
+        pytest.importorskip("torch")
+        from polyengine.backends.neuron.engine import NeuronEngine as Engine
+    cfg = CFG.model_copy(update={"options": {"page_size": 4}, "dtype": "float32", "max_prefill_length": 16,
+                                 "max_cache_length": 32})
+    eng, foreign_eng = Engine(tiny, cfg), Engine(other, cfg)
+    assert eng.capabilities.portable_prefix_tail and eng.capabilities.page_size == 4
+    params, whole = eng.load_params(), _whole(tiny)
+    assert tail_import_problems(eng, params, whole, tail_starts(14, 4)) == []
+    foreign, _ = foreign_eng.prefill(params=foreign_eng.load_params(), tokens=PROMPT, sampling=whole.sampling)
+    assert tail_refusal_problems(eng, params, whole, foreign) == []
+    assert tail_sharing_problems(eng, params, whole) == []

@@ -158,9 +158,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             # the kit's cut (a portable prefix's head, continued by its last token) needs
             # the continuation graphs too
             prefix_truncate=self.compiler != "neuronx",
-            # the kit's import onto a held prefix (a copy): a paged engine must share the head's
-            # pages instead (the suite checks it), which this one does not do yet
-            portable_prefix_tail=not o["page_size"],
+            portable_prefix_tail=True,  # paged: the head's blocks shared; contiguous: the kit's copy
             page_size=o["page_size"],
         )
 
@@ -652,16 +650,33 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         return PortablePrefix(k=host_array(k), v=host_array(v), prompt_tokens=prefix.prompt_tokens, last_logits=host_array(prefix.logits),
                               sampling=prefix.sampling, model_fingerprint=self.model.fingerprint)
 
-    @torch.no_grad()
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
         prompt, sampling = self.check_portable(portable)
+        return self._imported(portable, prompt, sampling, None)
+
+    def _import_tail(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
+        """Paged: the existing prefix's blocks below the tail's start shared (a partly
+        filled last one copied when the tail's first position is written), only the
+        tail's positions written into blocks. Contiguous: the kit's way (a copy)."""
+        if self.pages is None:
+            return super()._import_tail(portable, existing_prefix)
+        return self._imported(portable, portable.prompt_tokens, portable.sampling, existing_prefix)
+
+    @torch.no_grad()
+    def _imported(self, portable: PortablePrefix, prompt: np.ndarray, sampling: SamplingParams,
+                  existing: Prefix | None) -> Prefix:
+        """A checked portable prefix as a Prefix (tensors, or blocks); a tail (from
+        ``portable.start``) only onto ``existing`` (paged), whose blocks below the start it shares."""
         put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.torch_dtype)  # noqa: E731
         logits = torch.from_numpy(np.ascontiguousarray(portable.last_logits, dtype=np.float32))
         first = self._first_tokens(logits, prompt, sampling)
         kv, nbytes = (put(portable.k), put(portable.v)), self.kv_bytes(prompt.size)
-        if self.pages is not None:  # written into fresh blocks
-            seq = PageList.new(self.pages, prompt.size, finalize=True)  # fresh blocks: the write copies nothing
-            self._on_worker(lambda: self._paged.scatter(seq, *kv, 0, prompt.size))
+        if self.pages is not None:  # written into blocks: fresh ones, or after the held prefix's shared ones
+            start, n = portable.start, prompt.size
+            seq = (existing.kv.fork(start, finalize=True) if existing is not None
+                   else PageList.new(self.pages, n, finalize=True))  # fresh blocks: the write copies nothing
+            if start < n:  # an empty tail writes nothing (and copies no shared block)
+                self._on_worker(lambda: self._paged.scatter(seq, *kv, start, n, offset=start))
             kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
         return Prefix(kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,
                       backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id,
@@ -679,9 +694,9 @@ def diagnose() -> dict[str, str]:
 
     compiler = NeuronEngine._pick_compiler("auto")
     out = {"device": NeuronEngine._describe(compiler),
-           "prefix tails": ("import_prefix_tail (capability portable_prefix_tail): the kit's copy through the host; "
-                            "not declared with page_size (a paged engine must share the held prefix's pages, not done "
-                            "here yet)")}
+           "prefix tails": ("import_prefix_tail (capability portable_prefix_tail): with page_size the held prefix's "
+                            "blocks below the tail's start shared and only the tail written into blocks; without, the "
+                            "kit's copy through the host")}
     if compiler == "export":
         out["compiler"] = ("export: the CPU compile path (by name only), each graph's torch.export program run as it is, "
                            "re-exported per process, nothing cached on disk; option compiler='inductor' compiles them to "

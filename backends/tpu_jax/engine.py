@@ -155,9 +155,7 @@ class TpuJaxEngine(EngineBase):
             dtypes=_dtypes(platform), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, prefix_truncate=True, async_results=True,
             architectures=ARCHITECTURES, token_masks=True, weight_formats=WEIGHT_FORMATS,
-            # the kit's import onto a held prefix (a copy): a paged engine must share the head's
-            # pages instead (the suite checks it), which this one does not do yet
-            portable_prefix_tail=not self.options["page_size"],
+            portable_prefix_tail=True,  # paged: the head's pages shared; contiguous: the kit's copy
             page_size=self.options["page_size"],
             batched_prefill=self.options["batched_prefill"] == "on" or (
                 self.options["batched_prefill"] == "auto" and platform in BATCHED_PREFILL_PLATFORMS),
@@ -630,14 +628,27 @@ class TpuJaxEngine(EngineBase):
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
         prompt, sampling = self.check_portable(portable)
+        return self._imported(portable, prompt, sampling, None)
+
+    def _import_tail(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
+        """Paged: the existing prefix's pages below the tail's start shared (a partly
+        filled last one copied when the tail's first position is written), only the
+        tail's positions written into pages. Contiguous: the kit's way (a copy)."""
+        if self._paged is None:
+            return super()._import_tail(portable, existing_prefix)
+        return self._imported(portable, portable.prompt_tokens, portable.sampling, existing_prefix)
+
+    def _imported(self, portable: PortablePrefix, prompt: np.ndarray, sampling, existing: Prefix | None) -> Prefix:
+        """A checked portable prefix as a Prefix (contiguous, or pages); a tail (from
+        ``portable.start``) only onto ``existing`` (paged), whose pages below the start it shares."""
         self.load_params()
-        n = prompt.size
+        n, start = prompt.size, portable.start
         dtype = steps.JAX_DTYPES[self.dtype]
         axes = ("layers", "kv_heads", "positions", "head_dim")
 
-        def put(a):  # pad to the bucket, as prefill's prefixes are
+        def put(a):  # pad to the bucket, as prefill's prefixes are (a tail at its own positions)
             padded = np.zeros(a.shape[:2] + (self.config.bucket_for(n),) + a.shape[3:], dtype)
-            padded[:, :, :n] = a
+            padded[:, :, start:n] = a
             return self.plan.put(padded, axes)
 
         logits = self.plan.put(portable.last_logits)
@@ -646,8 +657,10 @@ class TpuJaxEngine(EngineBase):
             first = self._results(steps.first_token_step(logits, row, self._mask_in(None), cfg=self.cfg.sampler))
         kv, nbytes = PrefixArrays(put(portable.k), put(portable.v), row), self.kv_bytes(self.config.bucket_for(n))
         if self._paged is not None:
-            seq = PageList(self.pages, [], 0, finalize=True)
-            self._paged.write(seq, kv.k, kv.v, 0, n)
+            seq = existing.kv.seq.fork(start, finalize=True) if existing is not None else PageList(
+                self.pages, [], 0, finalize=True)
+            if start < n:  # an empty tail writes nothing (and copies no shared page)
+                self._paged.write(seq, kv.k, kv.v, start, n)
             kv, nbytes = paged.PagedPrefix(seq, kv.k.shape[2], row), self.kv_bytes(len(seq.pages) * self.pages.page_size)
         return Prefix(
             kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,

@@ -197,9 +197,9 @@ def diagnose() -> dict[str, str]:
     if devices and devices[0].platform == "cpu":
         out["note"] = ("no TPU or GPU visible to JAX: XLA's CPU backend (install jax[tpu] on a TPU host; "
                        "XLA_FLAGS=--xla_force_host_platform_device_count=N for N CPU devices)")
-    out["prefix tails"] = ("import_prefix_tail (capability portable_prefix_tail): tpu_jax, the kit's copy through the "
-                           "host, not declared with page_size (a paged engine must share the held prefix's pages, not "
-                           "done here yet); tpu_jax_ray: not declared")
+    out["prefix tails"] = ("import_prefix_tail (capability portable_prefix_tail): tpu_jax with page_size shares the "
+                           "held prefix's pages below the tail's start and writes only the tail into pages; without "
+                           "pages, the kit's copy through the host; tpu_jax_ray: not declared")
     out["int8"] = ("off by default; option quantize: int8 weights (XLA dot on the int8 matrix, scaled per channel, "
                    "or dequantized per block); kv_quantize=int8: an int8 KV cache")
     return out
