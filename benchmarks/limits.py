@@ -2,7 +2,8 @@
 
 A ratio target can ask for more than the host allows: at batch 1 a float32 decode step
 reads every weight once, so it cannot beat memory bandwidth / weight bytes tokens per
-second; at the largest batch it multiplies every weight by every row, so it cannot
+second (and a file's weights kept as stored, a GGUF file's blocks, bandwidth / the bytes
+of the file's tensors a step reads: ``stored_b1_floor_tok_s``, whatever reads them); at the largest batch it multiplies every weight by every row, so it cannot
 beat torch's float32 GEMM rate / (2 x parameters). A target of a targets file may cap
 what it asks at 80% of such a limit (``host_limit``; docs/benchmarks.md#targets), and
 every polyengine row reports its share of them. Both are measured here, in a
@@ -34,9 +35,11 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["measure", "measure_read", "for_row", "CAP"]
+__all__ = ["measure", "measure_read", "for_row", "CAP", "BANDWIDTH_LIMITS"]
 
 CAP = 0.8  # a target past a host limit becomes this fraction of the limit
+# The limits set by memory bandwidth (they follow a row's own read probes, ``for_row``).
+BANDWIDTH_LIMITS = ("fp32_b1_floor_tok_s", "stored_b1_floor_tok_s")
 
 _READ = r"""
 import json, sys, time
@@ -59,8 +62,14 @@ from polyengine.models.loader import load_model
 from polyengine.models.quantize import WEIGHT_MODES, int8_bytes
 
 spec, batch = sys.argv[1] or None, int(sys.argv[2])
-config = load_model(spec).config
+model = load_model(spec)
+config = model.config
 params = config.num_parameters()
+# The bytes a batch-1 decode step of the weights as stored streams: every record but the
+# embedding table (only its looked-up rows are read), unless it is also the LM head.
+records = model.records
+stored = sum(w.data.nbytes for name, w in records.items()
+             if name != "model.embed_tokens.weight" or "lm_head.weight" not in records)
 x = torch.randn(batch, config.hidden_size)
 w = torch.randn(config.intermediate_size, config.hidden_size)
 torch.nn.functional.linear(x, w)
@@ -69,7 +78,8 @@ print(json.dumps({
     "read_gb_s": read, "gemm_gflop_s": gemm, "gemm_shape": [batch, config.hidden_size, config.intermediate_size],
     "params": params, "threads": torch.get_num_threads(),
     "fp32_b1_floor_tok_s": read * 1e9 / (4 * params), "fp32_gemm_tok_s": gemm * 1e9 / (2 * params),
-    "weight_bytes": {"float32": 4 * params, "bfloat16": 2 * params, "float16": 2 * params,
+    "stored_b1_floor_tok_s": read * 1e9 / stored,
+    "weight_bytes": {"float32": 4 * params, "bfloat16": 2 * params, "float16": 2 * params, "stored": stored,
                      **{mode: int8_bytes(config, mode) for mode in WEIGHT_MODES}},
 }))
 """
@@ -99,8 +109,9 @@ def for_row(limits: dict[str, Any] | None, row: dict[str, Any]) -> dict[str, Any
         return limits
     read = sum(probes) / len(probes)
     out = {**limits, "read_gb_s": read}
-    if "fp32_b1_floor_tok_s" in limits:
-        out["fp32_b1_floor_tok_s"] = limits["fp32_b1_floor_tok_s"] * read / limits["read_gb_s"]
+    for name in BANDWIDTH_LIMITS:
+        if name in limits:
+            out[name] = limits[name] * read / limits["read_gb_s"]
     return out
 
 

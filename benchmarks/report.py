@@ -41,7 +41,9 @@ def isa(row: dict[str, Any]) -> str | None:
 def reached(row: dict[str, Any], work: Workload, limits: dict[str, Any] | None) -> dict[str, float] | None:
     """The share of the host's limits (benchmarks/limits.py) a polyengine row reached:
     batch-1 decode against the bandwidth floor of the weights it streams (its int8
-    mode's copies, else its ``weight_dtype``'s or its dtype's bytes a parameter), the largest batch's decode and
+    mode's copies, else its ``weight_dtype``'s or its dtype's bytes a parameter) and, for
+    a model stored narrower than 16 bits a weight (a GGUF file's blocks), against the
+    floor of its bytes as stored (``b1_of_stored_floor``), the largest batch's decode and
     prefill against torch's float32 GEMM rate, all in tok/s. None where the limits were
     not measured; a key is absent where the row has no value. Prefill may pass 1: its
     products are far taller than the GEMM probe's."""
@@ -56,6 +58,10 @@ def reached(row: dict[str, Any], work: Workload, limits: dict[str, Any] | None) 
     v = metric(row, ("decode_tok_s", b1))
     if v is not None and kind in limits["weight_bytes"]:
         out[f"b{b1}_of_bandwidth_floor"] = v * limits["weight_bytes"][kind] / (limits["read_gb_s"] * 1e9)
+    stored = limits["weight_bytes"].get("stored")
+    if v is not None and stored and stored < limits["weight_bytes"].get("float16", stored):
+        # a file stored narrower than 16 bits (a GGUF file's blocks): the floor of streaming it as stored
+        out[f"b{b1}_of_stored_floor"] = v * stored / (limits["read_gb_s"] * 1e9)
     for name, path in ((f"b{bmax}_of_torch_gemm", ("decode_tok_s", bmax)), ("prefill_of_torch_gemm", ("prefill_tok_s",))):
         v = metric(row, path)
         if v is not None:
@@ -85,7 +91,9 @@ def _columns(work: Workload) -> list[tuple[str, str | None, Callable[[dict[str, 
         got = row.get("limits_reached")
         if not got:
             return "-"
-        keys = (f"b{min(work.batches)}_of_bandwidth_floor", f"b{max(work.batches)}_of_torch_gemm", "prefill_of_torch_gemm")
+        b1 = min(work.batches)  # a file stored in blocks: the floor of its bytes as stored
+        floor = f"b{b1}_of_stored_floor" if f"b{b1}_of_stored_floor" in got else f"b{b1}_of_bandwidth_floor"
+        keys = (floor, f"b{max(work.batches)}_of_torch_gemm", "prefill_of_torch_gemm")
         return " / ".join("-" if got.get(k) is None else f"{got[k]:.2f}" for k in keys)
 
 
@@ -240,8 +248,12 @@ def limits_line(doc: dict[str, Any]) -> str:
         return f"host limits: {limits['error']}"
     if not limits:
         return ""
+    stored = (limits.get("weight_bytes") or {}).get("stored")
+    narrow = limits.get("stored_b1_floor_tok_s") and stored and stored < 2 * limits["params"]
     return (f"host limits: memory read {limits['read_gb_s']:.1f} GB/s before the jobs -> float32 batch-1 floor "
-            f"{limits['fp32_b1_floor_tok_s']:.0f} tok/s ({limits['params'] / 1e6:.0f}M parameters); torch float32 GEMM "
+            f"{limits['fp32_b1_floor_tok_s']:.0f} tok/s ({limits['params'] / 1e6:.0f}M parameters)"
+            + (f", the file's tensors as stored {limits['stored_b1_floor_tok_s']:.0f} tok/s ({stored / 1e6:.0f} MB a "
+               f"step)" if narrow else "") + "; torch float32 GEMM "
             f"{limits['gemm_gflop_s']:.0f} GFLOP/s at {'x'.join(map(str, limits['gemm_shape']))} -> "
             f"{limits['fp32_gemm_tok_s']:.0f} tok/s at the largest batch; a row's 'of host limits' column: its "
             f"batch-1 decode over the bandwidth floor of the weights it streams, its largest batch and prefill over "

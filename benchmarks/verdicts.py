@@ -33,7 +33,8 @@ worker), ``metric / base`` at most ``at_most`` or at least ``at_least``::
 Names and metric paths may hold ``{smallest_batch}``, ``{largest_batch}``,
 ``{prefill_len}``, ``{long_batch}`` and ``{long_context}``: the run's workload fills them
 in, so one file serves the standard and the ``--quick`` workload. Host limits are
-``benchmarks/limits.py``'s (``fp32_b1_floor_tok_s``, ``fp32_gemm_tok_s``); a row's
+``benchmarks/limits.py``'s (``fp32_b1_floor_tok_s``, ``stored_b1_floor_tok_s``: the
+weights as the file stores them, ``fp32_gemm_tok_s``); a row's
 bandwidth floor is the one probed right before and after that row (``limits.for_row``).
 
 Which rows ``rows`` selects: ``float32`` every row that streams float32 weights
@@ -55,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polyengine.benchmarks.limits import CAP, for_row
+from polyengine.benchmarks.limits import BANDWIDTH_LIMITS, CAP, for_row
 from polyengine.benchmarks.workload import Workload
 
 __all__ = ["Compare", "WithinRow", "TargetSet", "load", "judge", "text", "metric", "is_int8", "METRICS",
@@ -68,7 +69,7 @@ METRICS = frozenset({
     "prefix_shared_ttft_p90_s", "prefix_turn_ttft_s", "prefix_loaded_itl_s", "prefix_loaded_ttft_s",
     "prefix_serve_e2e_tok_s",
 })
-HOST_LIMITS = frozenset({"fp32_b1_floor_tok_s", "fp32_gemm_tok_s"})
+HOST_LIMITS = frozenset({"fp32_b1_floor_tok_s", "stored_b1_floor_tok_s", "fp32_gemm_tok_s"})
 ROWS = ("all", "float32", "int8")
 PEERS = ("transformers", "llamacpp")
 _FIELDS = ("smallest_batch", "largest_batch", "prefill_len", "long_batch", "long_context")
@@ -296,7 +297,7 @@ def _verdict(t: Compare, name: str, path: tuple[str, ...], row: dict[str, Any],
         return entry
     if limit is not None:
         entry.update(limit=limit, limit_name=t.host_limit)
-        if row.get("read_probes_gb_s") and t.host_limit == "fp32_b1_floor_tok_s":
+        if row.get("read_probes_gb_s") and t.host_limit in BANDWIDTH_LIMITS:
             entry["read_probes_gb_s"] = row["read_probes_gb_s"]
     lower = t.better == "lower"
     if lower:

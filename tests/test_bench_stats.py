@@ -602,3 +602,36 @@ def test_the_scale_workload_runs_the_phases_asked_for_and_reports_load_time():
     assert "serve" not in head and "b32x2048" not in head and "host limits" not in head
     assert line.endswith(" 900 |    3.2 |")  # peak RSS, then the load time
     assert "serve64 e2e tok/s" in report.table([row], SCALE).splitlines()[0]  # no parts given: every column
+
+
+def test_a_file_in_blocks_is_judged_against_the_floor_of_its_stored_bytes():
+    """stored_b1_floor_tok_s (bandwidth / the bytes of the file's tensors a step reads)
+    caps a quantized target at 80% of it, follows the row's own read probes as the
+    float32 floor does, and is the b1 share of a row on a file stored under 16 bits."""
+    quantized = verdicts.load(TARGETS / "quantized.toml")  # the project's file: its b1 target names the limit
+
+    def b1(rows, limits):
+        (v,) = [e for e in verdicts.judge([quantized], rows, STANDARD, limits)
+                if e["target"] == "decode b1 >= llama.cpp's" and e["row"] == "pe"]
+        return v
+
+    rows = [_row("polyengine", "pe", decode1=30, dtype="float32"), _row("llamacpp", "llama", decode1=43)]
+    limits = {"read_gb_s": 30.0, "stored_b1_floor_tok_s": 45.0, "fp32_gemm_tok_s": 40.0,
+              "weight_bytes": {"float32": 4e9, "float16": 2e9, "stored": 30e9 / 45.0}}
+    v = b1(rows, limits)  # 1.0 x 43 > 0.8 x 45 = 36: asks 36
+    assert v["needed"] == pytest.approx(36.0) and v["limit_name"] == "stored_b1_floor_tok_s" and not v["passed"]
+    assert b1(rows, None)["needed"] == pytest.approx(43.0), "without limits the ratio alone decides"
+    rows[0]["read_probes_gb_s"] = [20.0, 20.0]  # a slower minute: the floor follows it (30 -> 20 GB/s)
+    v = b1(rows, limits)
+    assert v["limit"] == pytest.approx(30.0) and v["needed"] == pytest.approx(24.0) and v["passed"]
+    assert v["read_probes_gb_s"] == [20.0, 20.0]
+    del rows[0]["read_probes_gb_s"]
+    got = report.reached(rows[0], STANDARD, limits)
+    assert got["b1_of_stored_floor"] == pytest.approx(30 / 45.0)
+    wide = {**limits, "weight_bytes": {**limits["weight_bytes"], "stored": 4e9}}  # a float32 file: no such share
+    assert "b1_of_stored_floor" not in report.reached(rows[0], STANDARD, wide)
+    rows[0]["limits_reached"] = got
+    assert f"{30 / 45.0:.2f} / - / -" in report.table(rows[:1], STANDARD)
+    line = report.limits_line({"host": {"limits": {**limits, "fp32_b1_floor_tok_s": 7.5, "params": 1e9,
+                                                   "gemm_gflop_s": 80.0, "gemm_shape": [8, 2048, 8192]}}})
+    assert "the file's tensors as stored 45 tok/s (667 MB a step)" in line
