@@ -105,6 +105,28 @@ def test_int8x2_products_within_their_bound(kernels, fmt, m):
     assert np.abs(y - full).max() < np.abs(one - full).max() / 20
 
 
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_1", "Q4_0"])
+@pytest.mark.parametrize("k", [32 * 19, 32 * 1027])
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_minimum_terms_in_groups_of_eight_blocks_and_their_remainder(kernels, fmt, k, pairs):
+    """Q4_1/Q5_1 add their minimums' terms eight blocks at a time after a row (gguf.h's
+    mnrow), the last K/32 mod 8 blocks one at a time, and rows past GQ_MIN_BLOCKS (1024
+    blocks) a block at a time: each as exact as the int8 products (Q4_0, no minimum: the control)."""
+    n, m = 5, 3
+    blocks, exact = _matrix(fmt, seed=k + pairs, n=n, k=k)
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = kernels.gguf_linear(torch.from_numpy(x), blocks, pairs=pairs).numpy().astype(np.float64)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(exact).T
+    if pairs == 1:  # against the int8 activations the kernel multiplies: float32 summation only
+        xq = _q8(x)
+        assert np.all(np.abs(y - xq @ exact.T) <= 1e-5 * (np.abs(xq) @ np.abs(exact).T)), fmt
+    else:  # int8x2: within its bound of the float activations' product
+        d = np.abs(x.reshape(m, -1, 32)).max(axis=2) / 127
+        bound = (d[:, None, :] / 508 * np.abs(exact).reshape(n, -1, 32).sum(axis=2)[None]).sum(axis=2)
+        assert np.all(np.abs(y - x.astype(np.float64) @ exact.T) <= bound * 1.01 + 2e-6 * scale), fmt
+
+
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q8_0"])
 def test_int8x2_is_close_to_float(kernels, fmt):
     blocks, exact = _matrix(fmt)

@@ -32,12 +32,12 @@ static void run(const char *name, long N, long K) {
                 if (T::MIN) memcpy(p + 2, &one, 2);
             }
         }
-    const int MM = 8;
+    const int MM = 16;
     std::vector<float> x(MM * K), y(2 * MM * N);
     for (auto &v : x) v = (float)(rand() % 2000 - 1000) / 1000.f;
     std::vector<int8_t> xq(2 * MM * K);
     std::vector<float> xs(2 * MM * K / 32), xsf(4 * MM * K / 32);
-    for (int M : {1, 2, 4, 8})
+    for (int M : {1, 2, 4, 8, 16})
         for (int x2 : {0, 1}) {
 #ifdef GQ_X2_ONE_SCALE
             if (x2)

@@ -1,5 +1,5 @@
 """The cpu backend's block kernels (``backends/cpu/csrc/gguf.h``) in cache on one core:
-Gweights/s per row of x for each GGUF format, 1 to 8 rows, int8 and int8x2 activations.
+Gweights/s per row of x for each GGUF format, 1 to 16 rows, int8 and int8x2 activations.
 
     python -m polyengine.backends.cpu.bench.block_kernel_rates [--isa auto|avx512|avx2|scalar] [--against REV]
 

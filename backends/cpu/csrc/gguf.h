@@ -258,6 +258,10 @@ static inline __m256i gq_dot_acc(__m256i acc, __m256i aq, __m256i sx) {
 #endif
 }
 
+// Q4_1/Q5_1 rows of up to this many blocks (K up to 32768) add their minimums' terms eight
+// blocks at a time after the row (gq_row's mnrow, 4 KiB of stack); longer rows a block at a time.
+static const long GQ_MIN_BLOCKS = 1024;
+
 // Bytes ahead of a row's current block that gq_row prefetches (1152 to 4096 measured the same).
 static const long GQ_AHEAD = 2048;
 
@@ -284,6 +288,15 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
     float mins[MB];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = kmins[m] = _mm256_setzero_ps(), mins[m] = 0.f;
     gq_super sup;
+    // Q4_1/Q5_1: a row's block minimums kept (mnrow), and their terms added after its blocks
+    // as one vector FMA a row of x for every eight blocks (against x's eight block sums)
+    // instead of two loads, an add and an FMA a block and row; after the row, so the vector
+    // loads find the minimums in cache, not in stores still in flight
+    // (backends/cpu/bench/block_kernel_rates.py); the last nblk mod 8 one at a time from mnrow.
+    // Rows of more than GQ_MIN_BLOCKS blocks: a block at a time.
+    const bool MIN32 = T::MIN && T::BLOCK == 32;
+    float mnrow[MIN32 ? GQ_MIN_BLOCKS : 1];
+    const bool vmin = MIN32 && K / 32 <= GQ_MIN_BLOCKS;
     // One block; its products go to accumulator `par` (32-weight formats: the block's
     // parity) or, in a super-block, the sub-block's parity. Inlined where par is a literal
     // and the sub-block loop unrolled, the accumulator is known when compiling and stays
@@ -330,6 +343,7 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
             // the formats with a minimum (and Q6_K, RAW) unpack to unsigned bytes, which the
             // byte products take as they are; the others' signs move onto x (|q| * (x with q's sign))
             const __m256i aq = UNS ? q : _mm256_sign_epi8(q, q);  // |q|, -128 read as 128 unsigned
+            if (vmin) mnrow[b & (GQ_MIN_BLOCKS - 1)] = o.mn;  // b < GQ_MIN_BLOCKS (vmin): the mask only says so
             for (int m = 0; m < MB; m++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * XK + b * 32));
                 const __m256 d = KMIN ? _mm256_broadcast_ss(dd[m] + j)
@@ -342,15 +356,33 @@ static inline void gq_row(const int8_t *xq, const float *xs, const float *xsf, l
                 }
                 const int a = T::BLOCK == 32 ? par : (j & 1);
                 acc[m][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m][a]);
-                if (T::MIN && T::BLOCK == 32) mins[m] += o.mn * (xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]);
+                if (MIN32 && !vmin) mins[m] += o.mn * (xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]);
             }
         }
     };
     const long nblk = K / T::BLOCK;
     long blk = 0;
-    if (T::BLOCK == 32)
+    if (T::BLOCK == 32) {
         for (; blk + 2 <= nblk; blk += 2) one(blk, 0), one(blk + 1, 1);
-    for (; blk < nblk; blk++) one(blk, 0);
+        if (blk < nblk) one(blk, 0);  // an odd count's last block
+    } else {
+        for (; blk < nblk; blk++) one(blk, 0);
+    }
+    if (vmin) {
+        long b = 0;
+        for (; b + 8 <= nblk; b += 8) {
+            const __m256 mn = _mm256_loadu_ps(mnrow + (b & (GQ_MIN_BLOCKS - 8)));
+            for (int m = 0; m < MB; m++) {  // x's sixteen half-block sums -> its eight block sums, in order
+                const float *h = xsf + m * XF + 2 * b;
+                const __m256 pairs = _mm256_hadd_ps(_mm256_loadu_ps(h), _mm256_loadu_ps(h + 8));
+                const __m256 sums = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(pairs), 0xD8));
+                kmins[m] = _mm256_fmadd_ps(mn, sums, kmins[m]);
+            }
+        }
+        for (int r = 0; r < 7 && b < nblk; r++, b++)  // the last nblk mod 8 (at most 7)
+            for (int m = 0; m < MB; m++)
+                mins[m] += mnrow[b & (GQ_MIN_BLOCKS - 1)] * (xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]);
+    }
     for (int m = 0; m < MB; m++)
         y[m * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), kmins[m])) + mins[m] + bias;
 }
