@@ -291,6 +291,41 @@ def test_truncated_data_names_the_tensor(tiny_file, tmp_path):
     assert info.value.file == str(path) and info.value.tensor == last
 
 
+def test_a_file_cut_after_its_header_was_read_names_the_tensor(tiny_file, tmp_path):
+    """Records are views of one mapping of the whole file, made at the first record: a
+    file that shrank between reading its header and its tensors is refused, not read short."""
+    path = tmp_path / "shrinks.gguf"
+    path.write_bytes(tiny_file[0].read_bytes())
+    g = read_gguf(path)
+    last = max(g.tensors.values(), key=lambda t: t.offset)
+    with open(path, "r+b") as f:
+        f.truncate(last.offset + last.nbytes - 10)
+    with pytest.raises(WeightsError, match="truncated") as info:
+        g.load_records()
+    assert info.value.tensor == last.name
+
+
+def test_records_share_one_mapping_and_known_formats_need_no_gguf_package(tiny_file):
+    """One mapping per file (not one a tensor), and a file of the formats polyengine reads
+    itself loads without importing the gguf package (~50 ms of every load)."""
+    import subprocess
+    import sys
+
+    records = read_gguf(tiny_file[0]).load_records()
+    bases = {id(_root(w.data)) for w in records.values() if w.data.base is not None and w.format != "F32"}
+    assert len(bases) <= 1
+    code = ("import sys; from polyengine.models import load_model; load_model(sys.argv[1]); "
+            "print('gguf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_file[0])], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def _root(a):
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
+
+
 @pytest.mark.parametrize("keep", [3, 30, 400, 5000])
 def test_truncated_header(tiny_file, tmp_path, keep):
     path = tmp_path / "cut.gguf"

@@ -59,7 +59,7 @@ from polyengine.limits import (
 from polyengine.models.config import ModelConfig
 from polyengine.models.config_files import GGUF_ARCHITECTURES, config_from_gguf
 from polyengine.models.metadata import Fields, require_finite
-from polyengine.models.blocks import row_bytes
+from polyengine.models.blocks import format_of_ggml, row_bytes
 from polyengine.models.weights import Weight, format_info
 
 __all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "hf_name", "gguf_name", "unpermute_rows", "permute_rows"]
@@ -225,6 +225,8 @@ class GGUFFile:
     data_start: int
     size: int
     _config: ModelConfig | None = field(default=None, repr=False)
+    # The whole file mapped once, read-only (every record a view of it): one mapping, not one a tensor.
+    _map: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def architecture(self) -> str | None:
@@ -337,10 +339,15 @@ class GGUFFile:
     def record(self, t: GGUFTensor) -> Weight:
         """Tensor ``t`` as a record: a read-only view of the file's memory map, checked finite."""
         try:
-            # A plain ndarray view: results derived from an np.memmap keep its subclass.
-            mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,)).view(np.ndarray)
+            if self._map is None:
+                # A plain ndarray view: results derived from an np.memmap keep its subclass.
+                self._map = np.memmap(self.path, dtype=np.uint8, mode="r").view(np.ndarray)
         except (OSError, ValueError) as exc:
             raise WeightsError(f"cannot map tensor data: {exc}", file=self.path, tensor=t.name) from None
+        mm = self._map[t.offset: t.offset + t.nbytes]
+        if mm.size != t.nbytes:  # the file shrank after its header was read
+            raise WeightsError(f"cannot map tensor data: the file holds {mm.size} of its {t.nbytes} bytes at offset "
+                               f"{t.offset} (truncated?)", file=self.path, tensor=t.name)
         fmt = format_info(t.type_name)
         if fmt.is_float:
             data = mm.view(fmt.numpy).reshape(t.shape)
@@ -528,6 +535,9 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFFile:
 
 
 def _type_name(ggml_type: int) -> str:
+    known = format_of_ggml(ggml_type)  # the formats polyengine reads itself: no gguf import at load
+    if known is not None:
+        return known.name
     import gguf
 
     try:
@@ -537,12 +547,17 @@ def _type_name(ggml_type: int) -> str:
 
 
 def _nbytes(path: Path, name: str, ne: list[int], ggml_type: int) -> int:
-    import gguf
+    known = format_of_ggml(ggml_type)
+    if known is not None:
+        block, type_size = known.block, known.nbytes
+    else:
+        import gguf
 
-    try:
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
-    except (ValueError, KeyError):
-        raise WeightsError(f"unknown ggml type {ggml_type} (corrupt header or newer format)", file=path, tensor=name) from None
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise WeightsError(f"unknown ggml type {ggml_type} (corrupt header or newer format)", file=path,
+                               tensor=name) from None
     if ne[0] % block:
         raise WeightsError(
             f"row length {ne[0]} is not a multiple of the {_type_name(ggml_type)} block size {block}", file=path, tensor=name
@@ -569,7 +584,7 @@ def _dequantizable(ggml_type: int) -> bool:
 
 
 def _require_supported(t: GGUFTensor, path: Path) -> None:
-    if t.ggml_type in _FLOAT_NUMPY or _dequantizable(t.ggml_type):
+    if t.ggml_type in _FLOAT_NUMPY or format_of_ggml(t.ggml_type) is not None or _dequantizable(t.ggml_type):
         return
     import gguf
 
