@@ -313,3 +313,33 @@ def test_the_memory_check_counts_only_what_is_converted(tmp_path, monkeypatch):
     model = load_model(str(quantized_model_file("F16", tmp_path)))
     CpuEngine(model, CFG)
     assert needs["float32 copies of the weights stored in other formats"] == model.conversion_bytes() > 0
+
+
+@pytest.mark.parametrize("n", [5, 20])
+def test_prefill_runs_its_own_rows_unless_buckets_are_asked_for(model, monkeypatch, n):
+    """The host pads nothing (no shapes are compiled here, and a pad row is a real row in
+    every product); with ``prefill_buckets`` set it pads to them, as asked. Either way the
+    prefix is the same: first token equal, logits and K/V within float32 rounding."""
+    import polyengine.backends.torch_common.engine as torch_engine
+
+    seen = []
+    real = torch_engine.forward
+
+    def spy(params, spec, tokens, *args, **kwargs):
+        seen.append(tuple(tokens.shape))
+        return real(params, spec, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(torch_engine, "forward", spy)
+    cfg = EngineConfig(max_slots=2, max_prefill_length=40, max_cache_length=64, dtype="float32")
+    prompt = np.random.default_rng(n).integers(3, 250, n).tolist()
+    out = {}
+    for buckets in (None, (16, 32, 40)):
+        eng = CpuEngine(model, cfg.model_copy(update={"prefill_buckets": buckets}))
+        seen.clear()
+        prefix, first = eng.prefill(params=eng.load_params(), tokens=prompt, sampling=SamplingParams(temperature=0))
+        assert seen == [(1, n if buckets is None else eng.config.bucket_for(n))], buckets
+        out[buckets] = (eng.export_prefix(prefix), int(first.tokens[0, 0]))
+    (a, ta), (b, tb) = out.values()
+    assert ta == tb and a.k.shape == b.k.shape
+    np.testing.assert_allclose(a.last_logits, b.last_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a.k, b.k, rtol=1e-5, atol=1e-5)

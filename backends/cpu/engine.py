@@ -59,6 +59,12 @@ class CpuEngine(TorchEngine):
             weight_formats=WEIGHT_FORMATS, page_size=self.options["page_size"],
         )
 
+    def _prefill_rows(self, n: int) -> int:
+        """No padding on the host: nothing here is compiled per shape, and a pad row costs
+        a real row in every product (a 20-token prompt padded to 32 is 1.6x the work).
+        With ``prefill_buckets`` set, the buckets as asked (docs/cpu.md, "Prefill rows")."""
+        return n if self.config.prefill_buckets is None else self.config.bucket_for(n)
+
     def _resolve(self) -> None:
         self.plan = plan = CpuPlan.resolve(self.options, self.model, self.host, dtype=self.torch_dtype)
         if plan.threads:
@@ -70,6 +76,9 @@ class CpuEngine(TorchEngine):
         self._kernels = plan.kernels
         self._blocks: dict[str, BlockMatrix] = {}  # made with the weights (plan.block_weights)
         self._tiled_blocks = TiledBlockLinear() if plan.block_weights else None
+        # Rows of x up to which a product on GGUF blocks runs on the int8 kernels, past it
+        # on bands dequantized into torch's GEMM.
+        self.block_kernel_rows = MAX_ROWS
         if plan.kernels is not None or plan.narrow or plan.block_weights:
             self._linear = self._cpu_linear
             self._prefill_linear = (self._cpu_linear if plan.prefill_compute == self.torch_dtype else
@@ -158,10 +167,11 @@ class CpuEngine(TorchEngine):
         on ``compute`` operands: the plan's prefill_compute)."""
         plan, kernels = self.plan, self._kernels
         bias = t.get(name + ".bias")
-        on_kernels = kernels is not None and (any_rows or x.numel() // x.shape[-1] <= MAX_ROWS)
+        rows = x.numel() // x.shape[-1]
+        on_kernels = kernels is not None and (any_rows or rows <= MAX_ROWS)
         blocks = self._blocks.get(self.model.config.head_weight if name == "lm_head" else name + ".weight")
         if blocks is not None:
-            if on_kernels and plan.block_activations:
+            if kernels is not None and (any_rows or rows <= self.block_kernel_rows) and plan.block_activations:
                 return kernels.gguf_linear(x, blocks, bias, out=out, pairs=plan.block_activations)
             return self._tiled_blocks(x, blocks, bias, kernels=kernels, compute=compute)
         q = t.get(name + ".qweight")

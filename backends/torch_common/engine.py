@@ -324,7 +324,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         mask = self.check_token_mask(token_mask, sampling)
         n = toks.size
-        padded = self.config.bucket_for(n)
+        padded = self._prefill_rows(n)
         dev = self.torch_device
         run = self._kv_run(params, existing_prefix, start, start + padded)
         k, v = run.k[:, :, :, : start + padded], run.v[:, :, :, : start + padded]
@@ -345,6 +345,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         if self.pages is None:  # the views keep the whole buffer alive; the run lets a continuation extend it
             prefix = replace(prefix, kv=_RunViews(prefix.kv, run))
         return prefix, first
+
+    def _prefill_rows(self, n: int) -> int:
+        """The rows a prefill of ``n`` tokens runs (pad tokens after them write nothing):
+        the prefill bucket, the shapes a device's kernels and graphs are kept for. A host
+        engine without compiled shapes may run the ``n`` alone (CpuEngine)."""
+        return self.config.bucket_for(n)
 
     def _kv_run(self, params: TorchWeights, prefix: Prefix | None, start: int, length: int) -> "_KVRun":
         """The contiguous cache a prefill of positions ``start..length`` runs over.
@@ -419,7 +425,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         existing = [r.existing_prefix for r in requests]
         dev = self.torch_device
         b = len(checked)
-        width = self.config.bucket_for(max(toks.size for toks, _, _, _ in checked))
+        width = self._prefill_rows(max(toks.size for toks, _, _, _ in checked))
         starts = [start for _, _, start, _ in checked]
         k, v = params.new_cache(b, max(starts) + width, dtype=self.kv_dtype)
         batch = np.zeros((b, width), np.int64)  # (B, T)
@@ -591,7 +597,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         """A prefill's forward from position 0 into a scratch cache (no slot, no prefix),
         padded to the prefill bucket as prefill pads, without the LM head."""
         toks = self.check_embed(tokens)
-        n, padded, dev = toks.size, self.config.bucket_for(toks.size), self.torch_device
+        n, padded, dev = toks.size, self._prefill_rows(toks.size), self.torch_device
         k, v = params.new_cache(1, padded, lazy=True, dtype=self.kv_dtype)
         batch = np.zeros((1, padded), np.int64)
         batch[0, :n] = toks
