@@ -180,3 +180,31 @@ def test_the_process_never_holds_a_float32_model(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] == 4
     assert result["growth"] < 0.4 * float32_bytes, (result, float32_bytes)
+
+
+def test_prefill_on_blocks_runs_the_kernels_up_to_their_row_limit(files, monkeypatch):
+    """A prefill of up to ``block_kernel_rows`` tokens (64) multiplies on the int8 block
+    kernels, a longer one on bands dequantized into torch's GEMM (whose dequantizing of
+    every weight is a fixed cost a call: docs/cpu.md, "Prefill"); the prompt's prefix is
+    the oracle's either way (greedy tokens equal)."""
+    from polyengine.backends.cpu.kernels import BLOCK_KERNEL_ROWS
+
+    model = load_model(files("Q4_K"))
+    cfg = EngineConfig(max_slots=2, max_prefill_length=100, max_cache_length=128)
+    eng = CpuEngine(model, cfg)
+    assert eng.block_kernel_rows == BLOCK_KERNEL_ROWS == 64
+    calls = {"kernels": set(), "bands": set()}
+    kernels, bands = eng._kernels.gguf_linear, eng._tiled_blocks.__call__
+    monkeypatch.setattr(eng._kernels, "gguf_linear",
+                        lambda x, *a, **k: calls["kernels"].add(x.numel() // x.shape[-1]) or kernels(x, *a, **k))
+    monkeypatch.setattr(eng, "_tiled_blocks",
+                        lambda x, *a, **k: calls["bands"].add(x.numel() // x.shape[-1]) or bands(x, *a, **k))
+    ref = LLM(model=model, backend="reference", max_slots=2, max_cache_length=128, max_prefill_length=100)
+    llm = LLM.from_engine(eng, tools=False)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for n in (40, 64, 65, 90):
+        prompt = [3 + (7 * i + 11 * n) % 200 for i in range(n)]  # no two share a head: no prefix-cache hit
+        calls["kernels"].clear(), calls["bands"].clear()
+        got = llm.generate([prompt], sp)[0].token_ids
+        assert (n in calls["kernels"]) == (n <= 64) and (n in calls["bands"]) == (n > 64), (n, calls)
+        assert got == ref.generate([prompt], sp)[0].token_ids, n

@@ -28,7 +28,7 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows
 from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
-from polyengine.backends.cpu.kernels import MAX_ROWS, FusedDecoder
+from polyengine.backends.cpu.kernels import BLOCK_KERNEL_ROWS, MAX_ROWS, FusedDecoder
 from polyengine.backends.cpu.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.cpu.plan import CpuHost, CpuPlan
 from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
@@ -78,7 +78,7 @@ class CpuEngine(TorchEngine):
         self._tiled_blocks = TiledBlockLinear() if plan.block_weights else None
         # Rows of x up to which a product on GGUF blocks runs on the int8 kernels, past it
         # on bands dequantized into torch's GEMM.
-        self.block_kernel_rows = MAX_ROWS
+        self.block_kernel_rows = BLOCK_KERNEL_ROWS
         if plan.kernels is not None or plan.narrow or plan.block_weights:
             self._linear = self._cpu_linear
             self._prefill_linear = (self._cpu_linear if plan.prefill_compute == self.torch_dtype else

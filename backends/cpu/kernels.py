@@ -49,9 +49,14 @@ from polyengine.backends.cpu.build import (KernelsUnavailable, cache_entry, cach
                                            compiler_version, isa_flags, mark_used, prune, source_digest)
 
 __all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits", "isa_flags", "check_isa",
-           "check_layout", "cache_entry", "ISA_CHOICES", "MAX_ROWS", "Q8_BLOCK"]
+           "check_layout", "cache_entry", "ISA_CHOICES", "MAX_ROWS", "BLOCK_KERNEL_ROWS", "Q8_BLOCK"]
 
 MAX_ROWS = 16
+# Products on GGUF blocks run on the int8 kernels up to this many rows of x, past it on
+# bands dequantized into torch's GEMM, whose dequantizing of every weight is a fixed cost a
+# call (docs/cpu.md, "Prefill rows"): end to end the kernels win up to ~60 rows on the
+# default model and ~85-100 on 1B Q4_0/Q4_K_M files.
+BLOCK_KERNEL_ROWS = 64
 Q8_BLOCK = 32  # int8 activations: values per scale (csrc/q8.h)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 ISA_CHOICES = ("auto", *ISA_PATHS)
