@@ -473,11 +473,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ours = any(job.kind == "polyengine" for job in jobs)
     if set(parts) <= {"pages", "served"}:
         pass  # counts and memory of the engine's own settings: no row's share of the host's limits to compute
-    elif ours and (work.name == "standard" or getattr(args, "isa", None) or emulate):
+    elif ours and (work.name in ("standard", "scale") or getattr(args, "isa", None) or emulate):
+        # (scale: its quantized files' batch-1 floor is stored_b1_floor_tok_s, their bytes as stored)
         doc["host"]["limits"] = limits.measure(args.model, max(work.batches), env)  # before any job, never beside one
-    elif ours and work.name == "scale":
-        notes.append("host limits not measured with --workload scale (--isa measures them): their floors count "
-                     "float32 weights, which the quantized files it is for do not stream")
     if args.quick and doc["host"].get("limits"):
         notes.append("host limits measured with --quick (asked for by --isa or --emulate): the quick workload's rates are far "
                      "from them, so its shares only show the columns work")
