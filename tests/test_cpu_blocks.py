@@ -183,16 +183,16 @@ def test_the_process_never_holds_a_float32_model(tmp_path):
 
 
 def test_prefill_on_blocks_runs_the_kernels_up_to_their_row_limit(files, monkeypatch):
-    """A prefill of up to ``block_kernel_rows`` tokens (64) multiplies on the int8 block
-    kernels, a longer one on bands dequantized into torch's GEMM (whose dequantizing of
-    every weight is a fixed cost a call: docs/cpu.md, "Prefill"); the prompt's prefix is
-    the oracle's either way (greedy tokens equal)."""
+    """A prefill of up to ``block_kernel_rows`` tokens multiplies on the int8 block
+    kernels, a longer one on bands dequantized into torch's GEMM (docs/cpu.md,
+    "Prefill"), at the engine's limit and at a raised one; the prompt's prefix is the
+    oracle's either way (greedy tokens equal)."""
     from polyengine.backends.cpu.kernels import BLOCK_KERNEL_ROWS
 
     model = load_model(files("Q4_K"))
     cfg = EngineConfig(max_slots=2, max_prefill_length=100, max_cache_length=128)
     eng = CpuEngine(model, cfg)
-    assert eng.block_kernel_rows == BLOCK_KERNEL_ROWS == 64
+    assert eng.block_kernel_rows == BLOCK_KERNEL_ROWS == 16
     calls = {"kernels": set(), "bands": set()}
     kernels, bands = eng._kernels.gguf_linear, eng._tiled_blocks.__call__
     monkeypatch.setattr(eng._kernels, "gguf_linear",
@@ -202,9 +202,10 @@ def test_prefill_on_blocks_runs_the_kernels_up_to_their_row_limit(files, monkeyp
     ref = LLM(model=model, backend="reference", max_slots=2, max_cache_length=128, max_prefill_length=100)
     llm = LLM.from_engine(eng, tools=False)
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for n in (40, 64, 65, 90):
-        prompt = [3 + (7 * i + 11 * n) % 200 for i in range(n)]  # no two share a head: no prefix-cache hit
+    for limit, n in ((16, 16), (16, 17), (16, 40), (64, 40), (64, 64), (64, 65), (64, 90)):
+        eng.block_kernel_rows = limit
+        prompt = [3 + (7 * i + 11 * n + limit) % 200 for i in range(n)]  # no two share a head: no prefix-cache hit
         calls["kernels"].clear(), calls["bands"].clear()
         got = llm.generate([prompt], sp)[0].token_ids
-        assert (n in calls["kernels"]) == (n <= 64) and (n in calls["bands"]) == (n > 64), (n, calls)
-        assert got == ref.generate([prompt], sp)[0].token_ids, n
+        assert (n in calls["kernels"]) == (n <= limit) and (n in calls["bands"]) == (n > limit), (limit, n, calls)
+        assert got == ref.generate([prompt], sp)[0].token_ids, (limit, n)

@@ -53,10 +53,11 @@ __all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits"
 
 MAX_ROWS = 16
 # Products on GGUF blocks run on the int8 kernels up to this many rows of x, past it on
-# bands dequantized into torch's GEMM, whose dequantizing of every weight is a fixed cost a
-# call (docs/cpu.md, "Prefill rows"): end to end the kernels win up to ~60 rows on the
-# default model and ~85-100 on 1B Q4_0/Q4_K_M files.
-BLOCK_KERNEL_ROWS = 64
+# bands dequantized into torch's GEMM (docs/cpu.md, "Prefill"): a prefill alone is faster
+# on the kernels up to ~60 rows on the default model and ~85-100 on 1B files, but pieces
+# of a long prompt beside decoding streams were slower on them at 32 and 64 rows
+# (benchmarks/scripts/prefill_under_load.py), so the limit stays at MAX_ROWS.
+BLOCK_KERNEL_ROWS = MAX_ROWS
 Q8_BLOCK = 32  # int8 activations: values per scale (csrc/q8.h)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 ISA_CHOICES = ("auto", *ISA_PATHS)
