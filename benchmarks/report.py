@@ -38,6 +38,14 @@ def isa(row: dict[str, Any]) -> str | None:
     return words.split()[0] if words else None
 
 
+def _narrow_stored(limits: dict[str, Any]) -> int | None:
+    """The bytes a batch-1 step streams of a model stored narrower than 16 bits a
+    weight (a GGUF file's blocks: limits ``weight_bytes["stored"]``), else None."""
+    sizes = limits.get("weight_bytes") or {}
+    stored = sizes.get("stored")
+    return stored if stored and stored < sizes.get("float16", 0) else None
+
+
 def reached(row: dict[str, Any], work: Workload, limits: dict[str, Any] | None) -> dict[str, float] | None:
     """The share of the host's limits (benchmarks/limits.py) a polyengine row reached:
     batch-1 decode against the bandwidth floor of the weights it streams (its int8
@@ -58,9 +66,8 @@ def reached(row: dict[str, Any], work: Workload, limits: dict[str, Any] | None) 
     v = metric(row, ("decode_tok_s", b1))
     if v is not None and kind in limits["weight_bytes"]:
         out[f"b{b1}_of_bandwidth_floor"] = v * limits["weight_bytes"][kind] / (limits["read_gb_s"] * 1e9)
-    stored = limits["weight_bytes"].get("stored")
-    if v is not None and stored and stored < limits["weight_bytes"].get("float16", stored):
-        # a file stored narrower than 16 bits (a GGUF file's blocks): the floor of streaming it as stored
+    stored = _narrow_stored(limits)
+    if v is not None and stored:  # the floor of streaming the file as stored
         out[f"b{b1}_of_stored_floor"] = v * stored / (limits["read_gb_s"] * 1e9)
     for name, path in ((f"b{bmax}_of_torch_gemm", ("decode_tok_s", bmax)), ("prefill_of_torch_gemm", ("prefill_tok_s",))):
         v = metric(row, path)
@@ -248,12 +255,11 @@ def limits_line(doc: dict[str, Any]) -> str:
         return f"host limits: {limits['error']}"
     if not limits:
         return ""
-    stored = (limits.get("weight_bytes") or {}).get("stored")
-    narrow = limits.get("stored_b1_floor_tok_s") and stored and stored < 2 * limits["params"]
+    stored = _narrow_stored(limits) if limits.get("stored_b1_floor_tok_s") else None
     return (f"host limits: memory read {limits['read_gb_s']:.1f} GB/s before the jobs -> float32 batch-1 floor "
             f"{limits['fp32_b1_floor_tok_s']:.0f} tok/s ({limits['params'] / 1e6:.0f}M parameters)"
             + (f", the file's tensors as stored {limits['stored_b1_floor_tok_s']:.0f} tok/s ({stored / 1e6:.0f} MB a "
-               f"step)" if narrow else "") + "; torch float32 GEMM "
+               f"step)" if stored else "") + "; torch float32 GEMM "
             f"{limits['gemm_gflop_s']:.0f} GFLOP/s at {'x'.join(map(str, limits['gemm_shape']))} -> "
             f"{limits['fp32_gemm_tok_s']:.0f} tok/s at the largest batch; a row's 'of host limits' column: its "
             f"batch-1 decode over the bandwidth floor of the weights it streams, its largest batch and prefill over "

@@ -498,7 +498,7 @@ class EngineBase:
         :meth:`check_portable_tail` before any work). The kit's way works on any engine
         with ``portable_prefix``: the existing prefix exported, its first ``start``
         positions joined to the tail, the whole imported (a copy through float32 host
-        arrays). A paged engine overrides :meth:`_import_tail` to share the head's pages."""
+        arrays). A paged engine shares the head's pages instead: :attr:`_import_onto_pages`."""
         if not self.capabilities.portable_prefix_tail:
             raise UnsupportedFeature("portable prefix tails (import_prefix_tail)", self.name,
                                      "pick a backend that declares Capabilities.portable_prefix_tail, or import the "
@@ -506,8 +506,16 @@ class EngineBase:
         self.check_portable_tail(portable, existing_prefix)
         return self._import_tail(portable, existing_prefix)
 
+    # Hook: a paged engine's import of a checked tail onto ``existing_prefix``, its pages below
+    # the tail's start shared (a partly filled last one copied when the tail's first position
+    # is written) and only the tail's positions written. None: the kit's copy, paged or not.
+    _import_onto_pages: Callable[["PortablePrefix", Prefix], Prefix] | None = None
+
     def _import_tail(self, portable: "PortablePrefix", existing_prefix: Prefix) -> Prefix:
-        """Hook: :meth:`import_prefix_tail` after its checks. Default: through the host."""
+        """Hook: :meth:`import_prefix_tail` after its checks. Default: onto the held pages
+        where the engine keeps pages and has :attr:`_import_onto_pages`, else through the host."""
+        if self.pages is not None and self._import_onto_pages is not None:
+            return self._import_onto_pages(portable, existing_prefix)
         if not portable.start:
             return self.import_prefix(portable)
         head = self.export_prefix(existing_prefix)

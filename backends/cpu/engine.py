@@ -167,11 +167,11 @@ class CpuEngine(TorchEngine):
         on ``compute`` operands: the plan's prefill_compute)."""
         plan, kernels = self.plan, self._kernels
         bias = t.get(name + ".bias")
-        rows = x.numel() // x.shape[-1]
-        on_kernels = kernels is not None and (any_rows or rows <= MAX_ROWS)
         blocks = self._blocks.get(self.model.config.head_weight if name == "lm_head" else name + ".weight")
+        limit = MAX_ROWS if blocks is None else self.block_kernel_rows
+        on_kernels = kernels is not None and (any_rows or x.numel() // x.shape[-1] <= limit)
         if blocks is not None:
-            if kernels is not None and (any_rows or rows <= self.block_kernel_rows) and plan.block_activations:
+            if on_kernels and plan.block_activations:
                 return kernels.gguf_linear(x, blocks, bias, out=out, pairs=plan.block_activations)
             return self._tiled_blocks(x, blocks, bias, kernels=kernels, compute=compute)
         q = t.get(name + ".qweight")

@@ -623,12 +623,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         prompt, sampling = self.check_portable(portable)
         return self._imported(portable, prompt, sampling, None)
 
-    def _import_tail(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
-        """Paged: the existing prefix's pages below the tail's start shared (a partly
-        filled last one copied when the tail's first position is written), only the
-        tail's positions written into new pages. Contiguous: the kit's way."""
-        if self.pages is None:
-            return super()._import_tail(portable, existing_prefix)
+    def _import_onto_pages(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
+        """EngineBase._import_onto_pages: the tail written into pages after the held prefix's."""
         return self._imported(portable, portable.prompt_tokens, portable.sampling, existing_prefix)
 
     @on_engine_thread

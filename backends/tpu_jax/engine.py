@@ -630,12 +630,8 @@ class TpuJaxEngine(EngineBase):
         prompt, sampling = self.check_portable(portable)
         return self._imported(portable, prompt, sampling, None)
 
-    def _import_tail(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
-        """Paged: the existing prefix's pages below the tail's start shared (a partly
-        filled last one copied when the tail's first position is written), only the
-        tail's positions written into pages. Contiguous: the kit's way (a copy)."""
-        if self._paged is None:
-            return super()._import_tail(portable, existing_prefix)
+    def _import_onto_pages(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
+        """EngineBase._import_onto_pages: the tail written into pages after the held prefix's."""
         return self._imported(portable, portable.prompt_tokens, portable.sampling, existing_prefix)
 
     def _imported(self, portable: PortablePrefix, prompt: np.ndarray, sampling, existing: Prefix | None) -> Prefix:
