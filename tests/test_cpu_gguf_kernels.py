@@ -178,6 +178,20 @@ def test_tiled_prefill_product(with_kernels):
     assert np.abs(yb - want).max() < 0.05 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_tiled_prefill_product_over_several_bands(with_kernels, monkeypatch):
+    """Bands of 3 rows (and a last one of 1): every band lands in its own rows of the
+    product, as one band over the whole matrix would."""
+    import polyengine.backends.cpu.blocks as blocks_module
+
+    kernels = kernels_for("auto") if with_kernels else None
+    blocks, exact = _matrix("Q4_1", n=10)
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((5, K)).astype(np.float32))
+    monkeypatch.setattr(blocks_module, "_BAND_ELEMENTS", 3 * K)
+    y = TiledBlockLinear()(x, blocks, kernels=kernels).double().numpy()
+    np.testing.assert_allclose(y, x.double().numpy() @ exact.T, rtol=1e-4, atol=1e-4)
+
+
 def test_refuses_what_it_cannot_read():
     kernels = kernels_for("auto")
     blocks, _ = _matrix("Q8_0")

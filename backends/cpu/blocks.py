@@ -32,7 +32,7 @@ from polyengine.models.weights import Weight
 __all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band"]
 
 KERNEL_FORMATS = BLOCK_FORMATS  # every format of csrc/gguf.h
-_BAND_ELEMENTS = 1 << 18  # floats per dequantized band (1 MiB in float32)
+_BAND_ELEMENTS = 1 << 21  # floats per dequantized band (8 MiB in float32; docs/cpu.md, "Prefill on block weights")
 
 
 @dataclass(eq=False)
