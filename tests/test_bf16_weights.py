@@ -164,14 +164,16 @@ def test_bf16_weights_are_refused_where_they_do_not_apply():
 
 
 @pytest.mark.parametrize("mode", ["bfloat16", "int8", "int8-block32"])
-def test_bf16_prefill_products_round_each_operand_once(mode):
+def test_bf16_prefill_products_round_each_operand_once(mode, monkeypatch):
     """compute=bfloat16: x rounded to bfloat16; bfloat16 weights as they are, int8 ones
     widened (per-block scales applied in float32, then rounded once; per-row scales
     applied to the output); the product rounded to bfloat16; across bands of rows."""
+    import polyengine.backends.cpu.int8 as int8_module
     from polyengine.backends.cpu.int8 import TiledInt8Linear, dequantize
 
+    monkeypatch.setattr(int8_module, "_BAND_ELEMENTS", 1 << 16)  # bands of 682 rows: five, the last partial
     g = torch.Generator().manual_seed(3)
-    m, n, k = 40, 3000, 96  # n * k > one band (2^18 values): two bands
+    m, n, k = 40, 3000, 96
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     if mode == "bfloat16":
         q, scale = torch.randn(n, k, generator=g).to(torch.bfloat16), None

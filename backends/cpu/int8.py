@@ -6,7 +6,7 @@ quantizer and mode table every backend uses); here they only become torch tensor
 share the NumPy arrays' memory. :class:`TiledInt8Linear` multiplies by them where the
 kernels do not (no C++ compiler, option ``cpu_kernels`` off, or more rows than the
 kernels take: prefill): it widens one band of weight rows at a time into a float buffer
-it reuses (about 1 MiB, so it stays in cache) and multiplies that band, instead of
+it reuses (8 MiB: fewer, larger GEMMs than small bands kept in cache) and multiplies that band, instead of
 allocating and writing a float copy of the whole matrix on every call.
 """
 
@@ -22,8 +22,10 @@ from polyengine.models.quantize import quantize_model, replace_matrices
 
 __all__ = ["int8_tensors", "bf16_tensors", "has_bf16_copies", "dequantize", "TiledInt8Linear"]
 
-# Weights widened per band: 2^18 float32 values (1 MiB), a band of rows of any matrix.
-_BAND_ELEMENTS = 1 << 18
+# Weights widened per band: 2^21 float32 values (8 MiB), a band of rows of any matrix (as
+# blocks.py's bands: fewer, larger GEMMs; 1 MiB bands prefilled 512 tokens of the default
+# model with quantize=int8-block32 at 0.94x, docs/benchmarks/2026-12-quantized.md).
+_BAND_ELEMENTS = 1 << 21
 
 
 def int8_tensors(model: Model, mode: str) -> dict[str, torch.Tensor]:
