@@ -319,7 +319,8 @@ def test_the_memory_check_counts_only_what_is_converted(tmp_path, monkeypatch):
 def test_prefill_runs_its_own_rows_unless_buckets_are_asked_for(model, monkeypatch, n):
     """The host pads nothing (no shapes are compiled here, and a pad row is a real row in
     every product); with ``prefill_buckets`` set it pads to them, as asked. Either way the
-    prefix is the same: first token equal, logits and K/V within float32 rounding."""
+    prefix is the same: first token equal, logits and K/V within float32 rounding. (The
+    torch forward's rows: fused_prefill off, or 5 tokens would be one fused call.)"""
     import polyengine.backends.torch_common.engine as torch_engine
 
     seen = []
@@ -330,7 +331,8 @@ def test_prefill_runs_its_own_rows_unless_buckets_are_asked_for(model, monkeypat
         return real(params, spec, tokens, *args, **kwargs)
 
     monkeypatch.setattr(torch_engine, "forward", spy)
-    cfg = EngineConfig(max_slots=2, max_prefill_length=40, max_cache_length=64, dtype="float32")
+    cfg = EngineConfig(max_slots=2, max_prefill_length=40, max_cache_length=64, dtype="float32",
+                       options={"fused_prefill": False})
     prompt = np.random.default_rng(n).integers(3, 250, n).tolist()
     out = {}
     for buckets in (None, (16, 32, 40)):
@@ -343,3 +345,105 @@ def test_prefill_runs_its_own_rows_unless_buckets_are_asked_for(model, monkeypat
     assert ta == tb and a.k.shape == b.k.shape
     np.testing.assert_allclose(a.last_logits, b.last_logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(a.k, b.k, rtol=1e-5, atol=1e-5)
+
+
+def _fused_and_torch(model, **options):
+    """Two engines on ``model``: short prefills in the fused step, and through the torch
+    forward; calls of the fused step's prefill counted on the first."""
+    cfg = EngineConfig(max_slots=2, max_prefill_length=40, max_cache_length=64, dtype="float32")
+    fused = CpuEngine(model, cfg.model_copy(update={"options": {**options, "fused_prefill": True}}))
+    torch_path = CpuEngine(model, cfg.model_copy(update={"options": {**options, "fused_prefill": False}}))
+    assert fused.plan.fused_prefill and fused.fused_prefill_rows == 16 and torch_path.fused_prefill_rows == 0
+    calls = []
+    fused.load_params()  # builds the fused step
+    real = fused._fused.prefill
+    fused._fused.prefill = lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
+    return fused, torch_path, calls
+
+
+def _same_prefix(a, b, atol):
+    """Two engines' prefixes of one prompt: first token equal, last logits and K/V close."""
+    (pa, fa), (pb, fb) = a, b
+    assert int(fa.tokens[0, 0]) == int(fb.tokens[0, 0])
+    ea, eb = pa.engine.export_prefix(pa.prefix), pb.engine.export_prefix(pb.prefix)
+    assert ea.k.shape == eb.k.shape
+    np.testing.assert_allclose(ea.last_logits, eb.last_logits, atol=atol)
+    np.testing.assert_allclose(ea.k, eb.k, atol=atol)
+    np.testing.assert_allclose(ea.v, eb.v, atol=atol)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+def test_short_prefills_run_as_one_fused_call_like_the_torch_forward(model, kv_dtype):
+    """A prefill of up to 16 tokens (fresh, continuing a prefix, or a batch of entries
+    whose tokens add up to 16) is one call of the fused step, and makes the prefix the
+    torch forward makes (first token equal, logits and K/V within float32 rounding; a
+    narrow cache's elements within one rounding); 17 tokens run the torch forward."""
+    from types import SimpleNamespace
+
+    from polyengine.engine import PrefillRequest
+
+    fused, torch_path, calls = _fused_and_torch(model, kv_dtype=kv_dtype)
+    atol = 1e-4 if kv_dtype == "auto" else 2e-2
+    params = {e: e.load_params() for e in (fused, torch_path)}
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    rng = np.random.default_rng(5)
+
+    def both(tokens, existing=None):
+        out = []
+        for eng in (fused, torch_path):
+            prefix, first = eng.prefill(params=params[eng], tokens=tokens, sampling=sp,
+                                        existing_prefix=None if existing is None else existing[eng])
+            out.append((SimpleNamespace(engine=eng, prefix=prefix), first))
+        return out
+
+    fresh = both(rng.integers(3, 250, 10).tolist())
+    assert calls == [10]
+    _same_prefix(*fresh, atol)
+    long = both(rng.integers(3, 250, 20).tolist())  # 20 tokens: the torch forward
+    assert calls == [10]
+    heads = {eng: got[0].prefix for eng, got in zip((fused, torch_path), long)}
+    piece = both(rng.integers(3, 250, 12).tolist(), heads)  # continues 20 positions
+    assert calls == [10, 12]
+    _same_prefix(*piece, atol)
+    # a batch: a fresh entry of 5 and a continuation of 7, one fused call of 12 rows
+    entries = [rng.integers(3, 250, 5).tolist(), rng.integers(3, 250, 7).tolist()]
+    batches = [eng.prefill_batch(params=params[eng], requests=[
+        PrefillRequest(tokens=entries[0], sampling=sp),
+        PrefillRequest(tokens=entries[1], sampling=sp, existing_prefix=heads[eng])]) for eng in (fused, torch_path)]
+    assert calls == [10, 12, 12]
+    for (pa, fa), (pb, fb) in zip(*batches):
+        _same_prefix((SimpleNamespace(engine=fused, prefix=pa), fa),
+                     (SimpleNamespace(engine=torch_path, prefix=pb), fb), atol)
+    # and the prefixes decode alike
+    runs = []
+    for eng, got in zip((fused, torch_path), piece):
+        state = eng.insert(got[0].prefix, eng.init_decode_state(), 0)
+        tokens = []
+        for _ in range(3):
+            state, res = eng.generate(params[eng], state)
+            tokens.append(int(res.tokens[0, 0]))
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+
+
+def test_short_prefills_on_block_weights_in_the_fused_step_decode_as_the_oracle(tmp_path):
+    """A GGUF file's blocks: a prompt prefilled in pieces of up to 16 tokens, each one
+    call of the fused step continuing the last, decodes greedily as the reference does."""
+    from polyengine.models.quant_presets import quantized_model_file
+
+    model = load_model(str(quantized_model_file("Q4_K", tmp_path)))
+    fused, _, calls = _fused_and_torch(model)
+    params = fused.load_params()
+    sp = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    prompt = [3 + (5 * i) % 200 for i in range(30)]
+    prefix = None
+    for at in (0, 8, 16, 24):
+        prefix, first = fused.prefill(params=params, tokens=prompt[at: at + 8], sampling=sp, existing_prefix=prefix)
+    assert calls == [8, 8, 8, 6]
+    state = fused.insert(prefix, fused.init_decode_state(), 0)
+    tokens = [int(first.tokens[0, 0])]
+    for _ in range(6):
+        state, res = fused.generate(params, state)
+        tokens.append(int(res.tokens[0, 0]))
+    ref = LLM(model=model, backend="reference", max_slots=2, max_cache_length=64, max_prefill_length=40)
+    assert tokens == ref.generate([prompt], sp)[0].token_ids

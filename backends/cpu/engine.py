@@ -17,6 +17,7 @@ import logging
 import math
 import warnings
 
+import numpy as np
 import torch
 
 from polyengine.engine import Capabilities, EngineConfig
@@ -87,6 +88,8 @@ class CpuEngine(TorchEngine):
             self._causal_attention = self._kernel_attention
         self._tiled = TiledInt8Linear() if plan.narrow else None  # narrow products without the kernels
         self._fused: FusedDecoder | None = None  # built with the weights where the plan has it
+        # Tokens up to which a prefill (all entries of a batch together) is one fused call
+        self.fused_prefill_rows = MAX_ROWS if plan.fused_prefill else 0
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
     def _resolve_kv_dtype(self) -> torch.dtype:
@@ -199,6 +202,22 @@ class CpuEngine(TorchEngine):
         rows = [self._kernels.prefill_attention(q[i], keys[i], vals[i], scale, bf16=bf16, start=start)
                 for i in range(b)]
         return (rows[0] if b == 1 else torch.stack(rows)).reshape(b, t, nh * hd)
+
+    def _fused_prefill(self, params: TorchWeights, tokens, rows: list[int], positions: list[int], k: torch.Tensor,
+                       v: torch.Tensor, last: list[int]) -> torch.Tensor | None:
+        """TorchEngine._fused_prefill on the fused step (option fused_prefill): up to
+        ``fused_prefill_rows`` tokens in one call, the same kernel as a decode step, over the
+        prefill's own K/V buffer. A chunked prompt's piece or a prefix hit's tail then
+        costs what a decode step of as many rows costs, not the torch forward's ~50 ops a
+        layer and its copies (docs/cpu.md, "Short prefills in the fused step")."""
+        if self._fused is None or not 0 < len(rows) <= self.fused_prefill_rows:
+            return None
+        t, dev = params.tensors, self.torch_device
+        ids = torch.as_tensor(np.asarray(tokens, np.int64), device=dev)
+        x = (t["model.embed_tokens.weight"][ids] if self._embed is None else self._embed(t, ids)).contiguous()
+        self._fused.prefill(x, torch.tensor(rows, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32), k, v)
+        h = rms_norm(x[torch.as_tensor(last, dtype=torch.int64)], t["model.norm.weight"], self.model.config.rms_norm_eps)
+        return self._cpu_linear(t, h, "lm_head")  # a tensor of its own: the prefixes keep their logits
 
     # -- decode ---------------------------------------------------------------------------
 

@@ -531,10 +531,29 @@ class FusedDecoder:
             self._offsets.append(offsets)
             entry.rowoff[index] = offsets.ctypes.data
 
-    def _scratch_for(self, m: int) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """A prefill's tokens as one step: ``x`` (T, hidden) float32 embeddings, in place ->
+        the last layer's hidden states; token ``i`` at ``positions[i]`` of cache row
+        ``rows[i]`` of the contiguous caches ``[layers, rows, kv_heads, length, head_dim]``
+        (a prefill's own buffer, of any row count and length, in the decoder's
+        ``kv_dtype``). Several tokens of one row see each other causally: the step writes
+        every token's K/V before any attends, and a token attends its row up to its own
+        position (csrc/decode.h)."""
+        if k_cache.dim() != 5 or k_cache.shape != v_cache.shape:
+            raise ValueError("a fused prefill takes contiguous caches [layers, rows, kv_heads, length, head_dim]")
+        if int(positions.max()) >= k_cache.shape[3] or int(rows.max()) >= k_cache.shape[1]:
+            raise ValueError("a fused prefill's positions and rows must lie inside its caches")
+        d = _Dims()
+        ctypes.memmove(ctypes.byref(d), ctypes.byref(self.dims), ctypes.sizeof(_Dims))
+        d.cache_rows, d.cache_len, d.page_size, d.table_len = k_cache.shape[1], k_cache.shape[3], 0, 0
+        return self._run(d, x, rows, positions, k_cache, v_cache, None)
+
+    def _scratch_for(self, m: int, cache_len: int | None = None) -> torch.Tensor:
         c, d = self.config, self.dims
         kmax = max(c.hidden_size, c.intermediate_size, c.q_size)
-        need = m * (2 * c.q_size + 2 * c.kv_size + 2 * c.intermediate_size + 2 * c.hidden_size) + m * d.heads * d.cache_len
+        need = m * (2 * c.q_size + 2 * c.kv_size + 2 * c.intermediate_size + 2 * c.hidden_size)
+        need += m * d.heads * (d.cache_len if cache_len is None else cache_len)  # the attention scores
         need += d.threads * kmax + 4 * m * kmax // Q8_BLOCK + (2 * m * kmax + 3) // 4  # int8 activations
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
@@ -548,10 +567,6 @@ class FusedDecoder:
         the caches are page pools ``[layers, pages, kv_heads, page_size, head_dim]`` (their
         page count read here: a pool may grow) and ``rows`` index ``page_table`` (slots,
         pages per context) int64."""
-        m = x.shape[0]
-        if not (x.is_contiguous() and x.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and k_cache.dtype == v_cache.dtype == self.kv_dtype):
-            raise ValueError(f"the fused decoder needs contiguous float32 activations and {self.kv_dtype} caches")
         d = self.dims
         if (page_table is not None) != bool(d.page_size) or (page_table is not None and not (
                 page_table.dtype == torch.int64 and page_table.is_contiguous() and page_table.shape[1] == d.table_len
@@ -560,10 +575,17 @@ class FusedDecoder:
                              f"pass {'an int64 page table of ' + str(d.table_len) + ' pages a row' if d.page_size else 'no page table'}")
         if page_table is not None:
             d.cache_rows = k_cache.shape[1]  # the pool's pages: the layer stride
+        return self._run(d, x, rows, positions, k_cache, v_cache, page_table)
+
+    def _run(self, d: "_Dims", x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:
+        if not (x.is_contiguous() and x.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k_cache.dtype == v_cache.dtype == self.kv_dtype):
+            raise ValueError(f"the fused decoder needs contiguous float32 activations and {self.kv_dtype} caches")
         rows = rows.to(torch.int32).contiguous()
         positions = positions.to(torch.int32).contiguous()
-        scratch = self._scratch_for(m)
-        self.kernels.lib.pe_decode(ctypes.byref(self.dims), self.layers, x.data_ptr(), m, rows.data_ptr(),
+        scratch = self._scratch_for(x.shape[0], d.cache_len)
+        self.kernels.lib.pe_decode(ctypes.byref(d), self.layers, x.data_ptr(), x.shape[0], rows.data_ptr(),
                                    positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    None if page_table is None else page_table.data_ptr(), self.cos, self.sin,
                                    scratch.data_ptr())

@@ -71,6 +71,7 @@ class CpuPlan:
     kernels: CpuKernels | None  # the host-compiled library, None where not used
     kernels_fallback: str | None  # why not, with the fix (None: used, or not applicable to this dtype)
     fused_decode: bool  # the whole decode step in one kernel call
+    fused_prefill: bool  # prefills of up to 16 tokens as one fused call (with fused_decode)
     unfused_why: str | None  # why not, where the kernels are used (None: fused, or no kernels)
     live_rows: bool  # a decode step computes the live slots' rows only
     weights: str  # "" (the compute dtype), "int8", "int8-block32" or "bfloat16"
@@ -110,6 +111,7 @@ class CpuPlan:
             host=host, dtype=dtype, kv_dtype=kv_dtype, threads=o["threads"], async_steps=o["async_steps"],
             kv_memory=o["kv_memory"], isa=o["isa"], kernels=kernels, kernels_fallback=fallback,
             fused_decode=kernels is not None and unfused_why is None, unfused_why=unfused_why,
+            fused_prefill=kernels is not None and unfused_why is None and o["fused_prefill"],
             live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
             block_activations=block_activations, fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
@@ -145,6 +147,8 @@ class CpuPlan:
         out["int8"] = self._int8()
         out["weights"] = self._weights()
         out["prefill"] = self._prefill() + "; causal attention " + self._attention()
+        if self.fused_prefill:
+            out["prefill"] += "; up to 16 tokens as one call of the fused step instead (option fused_prefill)"
         out["kv cache"] = self._kv()
         return out
 

@@ -327,24 +327,39 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         padded = self._prefill_rows(n)
         dev = self.torch_device
         run = self._kv_run(params, existing_prefix, start, start + padded)
+        fused = None if padded != n else self._fused_prefill(params, toks, [0] * n, list(range(start, start + n)),
+                                                             run.k, run.v, [n - 1])
         k, v = run.k[:, :, :, : start + padded], run.v[:, :, :, : start + padded]
-        batch = np.zeros((1, padded), np.int64)
-        batch[0, :n] = toks
-        positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
-        write = (torch.arange(padded, device=dev) < n)[None]
-        tail = start > 0 and self._causal_attention is not None  # the kernel continues the prefix
-        logits, k, v = forward(
-            params, self._spec(causal=start == 0, causal_tail=tail, linear=self._prefill_linear, kv_codec=self._kv_codec,
-                               causal_attention=self._causal_attention if start == 0 or tail else None),
-            to_device(batch, dev), positions, k, v,
-            rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
-        )
+        if fused is not None:
+            logits = fused
+        else:
+            batch = np.zeros((1, padded), np.int64)
+            batch[0, :n] = toks
+            positions = (start + torch.arange(padded, dtype=torch.int64, device=dev))[None]
+            write = (torch.arange(padded, device=dev) < n)[None]
+            tail = start > 0 and self._causal_attention is not None  # the kernel continues the prefix
+            logits, k, v = forward(
+                params, self._spec(causal=start == 0, causal_tail=tail, linear=self._prefill_linear,
+                                   kv_codec=self._kv_codec,
+                                   causal_attention=self._causal_attention if start == 0 or tail else None),
+                to_device(batch, dev), positions, k, v,
+                rows=None, write_mask=write, logits_at=torch.full((1,), n - 1, dtype=torch.int64, device=dev),
+            )
         run.filled = start + n
         prefix, first = self._prefixed(params, logits[0], (k[:, 0], v[:, 0]), toks, sampling, existing_prefix, mask,
                                        start=start, nbytes=self.kv_bytes(start + padded))
         if self.pages is None:  # the views keep the whole buffer alive; the run lets a continuation extend it
             prefix = replace(prefix, kv=_RunViews(prefix.kv, run))
         return prefix, first
+
+    def _fused_prefill(self, params: TorchWeights, tokens: np.ndarray, rows: list[int], positions: list[int],
+                       k: torch.Tensor, v: torch.Tensor, last: list[int]) -> torch.Tensor | None:
+        """A prefill's forward as one fused call where the engine has one (CpuEngine), else
+        None: ``tokens`` (T,) at ``positions`` in cache rows ``rows`` of the contiguous caches
+        ``k``/``v`` (layers, rows, kv_heads, length, head_dim), their K/V written there, each
+        token attending its row up to its own position; the logits of the tokens at the
+        indices ``last`` (len(last), vocab)."""
+        return None
 
     def _prefill_rows(self, n: int) -> int:
         """The rows a prefill of ``n`` tokens runs (pad tokens after them write nothing):
@@ -442,12 +457,21 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # prefixes (causal_tail); otherwise the general mask over each query's own position.
         causal = not any(starts)
         tail = not causal and len(set(starts)) == 1 and self._causal_attention is not None
-        logits, k, v = forward(
-            params, self._spec(causal=causal, causal_tail=tail, linear=self._prefill_linear, kv_codec=self._kv_codec,
-                               causal_attention=self._causal_attention if causal or tail else None),
-            to_device(batch, dev), positions, k, v,
-            rows=None, write_mask=write, logits_at=to_device(lengths - 1, dev),
-        )  # logits (B, vocab)
+        # One fused call where the engine has it: every entry's own rows, no pad rows (none with
+        # prefill buckets: the rows asked for are run)
+        rows = [i for i, (toks, _, _, _) in enumerate(checked) for _ in range(toks.size)]
+        logits = None if width != max(lengths) else self._fused_prefill(
+            params, np.concatenate([toks for toks, _, _, _ in checked]), rows,
+            [start + j for toks, _, start, _ in checked for j in range(toks.size)], k, v,
+            list(np.cumsum(lengths) - 1))
+        if logits is None:
+            logits, k, v = forward(
+                params, self._spec(causal=causal, causal_tail=tail, linear=self._prefill_linear,
+                                   kv_codec=self._kv_codec,
+                                   causal_attention=self._causal_attention if causal or tail else None),
+                to_device(batch, dev), positions, k, v,
+                rows=None, write_mask=write, logits_at=to_device(lengths - 1, dev),
+            )  # logits (B, vocab)
         out = []
         for i, ((toks, sampling, start, mask), prior) in enumerate(zip(checked, existing)):
             total = start + toks.size
