@@ -105,13 +105,15 @@ def test_int8x2_products_within_their_bound(kernels, fmt, m):
     assert np.abs(y - full).max() < np.abs(one - full).max() / 20
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_1", "Q4_0"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_1", "Q4_0", "Q5_0", "Q8_0"])
 @pytest.mark.parametrize("k", [32 * 19, 32 * 1027])
 @pytest.mark.parametrize("pairs", [1, 2])
 def test_minimum_terms_in_groups_of_eight_blocks_and_their_remainder(kernels, fmt, k, pairs):
-    """Q4_1/Q5_1 add their minimums' terms eight blocks at a time after a row (gguf.h's
-    mnrow), the last K/32 mod 8 blocks one at a time, and rows past GQ_MIN_BLOCKS (1024
-    blocks) a block at a time: each as exact as the int8 products (Q4_0, no minimum: the control)."""
+    """Q4_1/Q5_1 add their minimums' terms, and Q4_0/Q5_0 their zero points' (-8 and -16
+    times the block's scale, their quants multiplied unsigned), eight blocks at a time after
+    a row (gguf.h's mnrow), the last K/32 mod 8 blocks one at a time, and rows past
+    GQ_MIN_BLOCKS (1024 blocks) a block at a time: each as exact as the int8 products
+    (Q8_0, signed bytes and no such term: the control)."""
     n, m = 5, 3
     blocks, exact = _matrix(fmt, seed=k + pairs, n=n, k=k)
     rng = np.random.default_rng(k)
