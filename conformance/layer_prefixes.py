@@ -187,6 +187,13 @@ class PrefixLayer:
         tail, _ = eng.prefill(params=d.params, tokens=whole[7:], sampling=conformance.sampling(94), existing_prefix=cut)
         conformance.within("logits_rel_l2", rel_l2(tail.host_logits(), oracle.logits(whole)), conformance.dtype,
                            DEFAULT_MODEL, what="logits of a truncated prefix continued to the whole prompt vs the reference")
+        # continued elsewhere: other tokens, fewer than the cut-off part (an engine whose cut
+        # shares the whole's storage must never read the positions past the cut)
+        other = conformance.prompt(2, 95)
+        fork, _ = eng.prefill(params=d.params, tokens=other, sampling=conformance.sampling(95), existing_prefix=cut)
+        conformance.within("logits_rel_l2", rel_l2(fork.host_logits(), oracle.logits(whole[:7] + other)),
+                           conformance.dtype, DEFAULT_MODEL,
+                           what="logits of a truncated prefix continued with other tokens vs the reference")
 
     def test_embed(self, conformance):
         """embed (capability embeddings) returns the prompt's hidden states after the final

@@ -669,9 +669,14 @@ class TpuJaxEngine(EngineBase):
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """truncate_prefix's head: paged, the first ``length`` positions' pages shared (a
         partly filled last one copied at its first write), in the bucket a prefill of
-        ``length`` tokens has; contiguous, the kit's copy through the host."""
+        ``length`` tokens has; contiguous, the same device arrays (JAX arrays are never
+        written in place, and every program reads a prefix up to its length only), in the
+        prefix's own bucket: no copy through the host (docs/prefix-caching.md, "The serving
+        target"). The continuation's (bucket, new tokens
+        bucket) pair is one warm-up compiled: a prefix of the original's length reaches
+        that bucket, and the head's one token fits after its shorter length."""
         if self._paged is None:
-            return super()._prefix_head(prefix, length)
+            return replace(prefix, prompt_tokens=prefix.prompt_tokens[:length])
         seq = prefix.kv.seq.fork(length, finalize=True)
         return replace(prefix, kv=paged.PagedPrefix(seq, self.config.bucket_for(length), prefix.kv.row),
                        prompt_tokens=prefix.prompt_tokens[:length],
