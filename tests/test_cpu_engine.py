@@ -447,3 +447,43 @@ def test_short_prefills_on_block_weights_in_the_fused_step_decode_as_the_oracle(
         tokens.append(int(res.tokens[0, 0]))
     ref = LLM(model=model, backend="reference", max_slots=2, max_cache_length=64, max_prefill_length=40)
     assert tokens == ref.generate([prompt], sp)[0].token_ids
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_short_paged_prefills_write_their_own_pages_in_the_fused_step(model, page_size):
+    """Paged K/V: a prefill of up to 16 tokens is one call of the fused step writing
+    straight into the new prefix's pages; continuing a prefix whose last page is partly
+    filled copies that page first, so the continued prefix reads as it did; the prefixes
+    equal the torch forward's and decode alike."""
+    fused, torch_path, _ = _fused_and_torch(model, page_size=page_size)
+    steps = []
+    real = fused._fused.step
+    fused._fused.step = lambda x, *a, **k: steps.append(x.shape[0]) or real(x, *a, **k)
+    params = {e: e.load_params() for e in (fused, torch_path)}
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    rng = np.random.default_rng(7)
+    head_tokens, piece_tokens = rng.integers(3, 250, 10).tolist(), rng.integers(3, 250, 13).tolist()
+    heads, pieces = {}, {}
+    for eng in (fused, torch_path):
+        heads[eng] = eng.prefill(params=params[eng], tokens=head_tokens, sampling=sp)
+    assert steps == [10]
+    before = fused.export_prefix(heads[fused][0])
+    for eng in (fused, torch_path):
+        pieces[eng] = eng.prefill(params=params[eng], tokens=piece_tokens, sampling=sp, existing_prefix=heads[eng][0])
+    assert steps == [10, 13]
+    after = fused.export_prefix(heads[fused][0])
+    np.testing.assert_array_equal(before.k, after.k)  # the shared partly filled page was copied, not written
+    np.testing.assert_array_equal(before.v, after.v)
+    from types import SimpleNamespace
+
+    for got in (heads, pieces):
+        _same_prefix(*[(SimpleNamespace(engine=e, prefix=got[e][0]), got[e][1]) for e in (fused, torch_path)], 1e-4)
+    runs = []
+    for eng in (fused, torch_path):
+        state = eng.insert(pieces[eng][0], eng.init_decode_state(), 1)
+        tokens = []
+        for _ in range(3):
+            state, res = eng.generate(params[eng], state)
+            tokens.append(int(res.tokens[1, 0]))
+        runs.append(tokens)
+    assert runs[0] == runs[1]

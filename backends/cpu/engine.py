@@ -25,6 +25,7 @@ from polyengine.errors import FallbackWarning
 from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
 from polyengine.models.quantize import has_int8_copies, int8_bytes, quantized_names, replaced_weights
+from polyengine.pages import PageList
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows
@@ -218,6 +219,33 @@ class CpuEngine(TorchEngine):
         self._fused.prefill(x, torch.tensor(rows, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32), k, v)
         h = rms_norm(x[torch.as_tensor(last, dtype=torch.int64)], t["model.norm.weight"], self.model.config.rms_norm_eps)
         return self._cpu_linear(t, h, "lm_head")  # a tensor of its own: the prefixes keep their logits
+
+    def _fused_paged_prefill(self, params: TorchWeights, tokens, start: int, prefix):
+        """TorchEngine._fused_paged_prefill on the fused step: up to ``fused_prefill_rows``
+        tokens written straight into the new prefix's pages through a one-row page table,
+        the continued prefix's positions read where they lie (no contiguous copy of them,
+        no scatter after)."""
+        n = len(tokens)
+        if self._fused is None or not 0 < n <= self.fused_prefill_rows:
+            return None
+        seq = prefix.kv.fork(finalize=True) if prefix is not None else PageList(self.pages, [], 0, finalize=True)
+        copies: list[tuple[int, int]] = []
+        try:
+            seq.prepare_write(start, start + n, lambda src, dst: copies.append((src, dst)))
+        except BaseException:
+            seq.release()
+            raise
+        self._paged.copy(copies)
+        k, v = self._paged.tensors
+        table = self._paged.new_table(1, self.max_cache_length)
+        table[0, : len(seq.pages)] = torch.as_tensor(np.asarray(seq.pages, np.int64))
+        t = params.tensors
+        ids = torch.as_tensor(np.asarray(tokens, np.int64))
+        x = (t["model.embed_tokens.weight"][ids] if self._embed is None else self._embed(t, ids)).contiguous()
+        self._fused.step(x, torch.zeros(n, dtype=torch.int32), torch.arange(start, start + n, dtype=torch.int32),
+                         k, v, page_table=table)
+        h = rms_norm(x[-1:], t["model.norm.weight"], self.model.config.rms_norm_eps)
+        return seq, self._cpu_linear(t, h, "lm_head")
 
     # -- decode ---------------------------------------------------------------------------
 

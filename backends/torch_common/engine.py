@@ -326,6 +326,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         n = toks.size
         padded = self._prefill_rows(n)
         dev = self.torch_device
+        if self.pages is not None and padded == n:  # the prefix's own pages, written in place
+            paged = self._fused_paged_prefill(params, toks, start, existing_prefix)
+            if paged is not None:
+                seq, logits = paged
+                return self._prefixed(params, logits[0], None, toks, sampling, existing_prefix, mask, start=start,
+                                      nbytes=0, seq=seq)
         run = self._kv_run(params, existing_prefix, start, start + padded)
         fused = None if padded != n else self._fused_prefill(params, toks, [0] * n, list(range(start, start + n)),
                                                              run.k, run.v, [n - 1])
@@ -361,6 +367,15 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         indices ``last`` (len(last), vocab)."""
         return None
 
+    def _fused_paged_prefill(self, params: TorchWeights, tokens: np.ndarray, start: int,
+                             prefix: Prefix | None) -> tuple[PageList, torch.Tensor] | None:
+        """Paged K/V: a prefill's forward as one fused call over the page pool where the
+        engine has one (CpuEngine), else None: ``tokens`` after ``start`` positions of
+        ``prefix`` (None: from position 0) written into the new prefix's own pages (the
+        continued prefix's shared, a partly filled last one copied first). Returns those
+        pages and the last token's logits (1, vocab)."""
+        return None
+
     def _prefill_rows(self, n: int) -> int:
         """The rows a prefill of ``n`` tokens runs (pad tokens after them write nothing):
         the prefill bucket, the shapes a device's kernels and graphs are kept for. A host
@@ -393,17 +408,20 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             k[:, 0, :, :start], v[:, 0, :, :start] = self._prefix_kv(prefix)
         return _KVRun(k, v, start)
 
-    def _prefixed(self, params: TorchWeights, logits: torch.Tensor, row: tuple[torch.Tensor, torch.Tensor], toks,
-                  sampling: SamplingParams, existing_prefix: Prefix | None, mask, *, start: int, nbytes: int):
+    def _prefixed(self, params: TorchWeights, logits: torch.Tensor, row: tuple[torch.Tensor, torch.Tensor] | None,
+                  toks, sampling: SamplingParams, existing_prefix: Prefix | None, mask, *, start: int, nbytes: int,
+                  seq: PageList | None = None):
         """The prefix a prefill made (its K/V from ``row``, the prefill's contiguous cache
-        row (layers, kv_heads, positions, head_dim) holding positions ``0..start + n``; its
-        last position's logits) and its first token."""
+        row (layers, kv_heads, positions, head_dim) holding positions ``0..start + n``, or
+        already in the pages ``seq``; its last position's logits) and its first token."""
         n = toks.size
-        k, v = row
+        k, v = row if row is not None else (None, None)
         prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
         first = self._first_token(logits, prompt, sampling, mask)
         token = int(first.tokens[0])  # the protocol's Prefix carries it on the host
-        if self.pages is not None:
+        if seq is not None:  # written in its pages already
+            kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
+        elif self.pages is not None:
             # The prefill ran over its own contiguous cache (so a prefill's attention is the
             # contiguous engine's, host kernel included); its new positions go into pages,
             # after the continued prefix's shared ones.
