@@ -361,6 +361,16 @@ def _fused_and_torch(model, **options):
     return fused, torch_path, calls
 
 
+def _decoded(eng, params, prefix, slot, steps=3):
+    """The tokens ``prefix`` decodes greedily in ``slot`` of a fresh decode state."""
+    state = eng.insert(prefix, eng.init_decode_state(), slot)
+    tokens = []
+    for _ in range(steps):
+        state, res = eng.generate(params, state)
+        tokens.append(int(res.tokens[slot, 0]))
+    return tokens
+
+
 def _same_prefix(a, b, atol):
     """Two engines' prefixes of one prompt: first token equal, last logits and K/V close."""
     (pa, fa), (pb, fb) = a, b
@@ -415,15 +425,8 @@ def test_short_prefills_run_as_one_fused_call_like_the_torch_forward(model, kv_d
         _same_prefix((SimpleNamespace(engine=fused, prefix=pa), fa),
                      (SimpleNamespace(engine=torch_path, prefix=pb), fb), atol)
     # and the prefixes decode alike
-    runs = []
-    for eng, got in zip((fused, torch_path), piece):
-        state = eng.insert(got[0].prefix, eng.init_decode_state(), 0)
-        tokens = []
-        for _ in range(3):
-            state, res = eng.generate(params[eng], state)
-            tokens.append(int(res.tokens[0, 0]))
-        runs.append(tokens)
-    assert runs[0] == runs[1]
+    assert _decoded(fused, params[fused], piece[0][0].prefix, 0) == _decoded(
+        torch_path, params[torch_path], piece[1][0].prefix, 0)
 
 
 def test_short_prefills_on_block_weights_in_the_fused_step_decode_as_the_oracle(tmp_path):
@@ -478,12 +481,5 @@ def test_short_paged_prefills_write_their_own_pages_in_the_fused_step(model, pag
 
     for got in (heads, pieces):
         _same_prefix(*[(SimpleNamespace(engine=e, prefix=got[e][0]), got[e][1]) for e in (fused, torch_path)], 1e-4)
-    runs = []
-    for eng in (fused, torch_path):
-        state = eng.insert(pieces[eng][0], eng.init_decode_state(), 1)
-        tokens = []
-        for _ in range(3):
-            state, res = eng.generate(params[eng], state)
-            tokens.append(int(res.tokens[1, 0]))
-        runs.append(tokens)
-    assert runs[0] == runs[1]
+    assert _decoded(fused, params[fused], pieces[fused][0], 1) == _decoded(
+        torch_path, params[torch_path], pieces[torch_path][0], 1)
