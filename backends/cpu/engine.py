@@ -205,47 +205,42 @@ class CpuEngine(TorchEngine):
         return (rows[0] if b == 1 else torch.stack(rows)).reshape(b, t, nh * hd)
 
     def _fused_prefill(self, params: TorchWeights, tokens, rows: list[int], positions: list[int], k: torch.Tensor,
-                       v: torch.Tensor, last: list[int]) -> torch.Tensor | None:
-        """TorchEngine._fused_prefill on the fused step (option fused_prefill): up to
-        ``fused_prefill_rows`` tokens in one call, the same kernel as a decode step, over the
-        prefill's own K/V buffer. A chunked prompt's piece or a prefix hit's tail then
-        costs what a decode step of as many rows costs, not the torch forward's ~50 ops a
-        layer and its copies (docs/cpu.md, "Short prefills in the fused step")."""
-        if self._fused is None or not 0 < len(rows) <= self.fused_prefill_rows:
-            return None
-        t, dev = params.tensors, self.torch_device
-        ids = torch.as_tensor(np.asarray(tokens, np.int64), device=dev)
-        x = (t["model.embed_tokens.weight"][ids] if self._embed is None else self._embed(t, ids)).contiguous()
+                       v: torch.Tensor, last: list[int]) -> torch.Tensor:
+        """TorchEngine._fused_prefill on the fused step (option fused_prefill): the same
+        kernel as a decode step, over the prefill's own K/V buffer. A chunked prompt's piece
+        or a prefix hit's tail then costs what a decode step of as many rows costs, not the
+        torch forward's ~50 ops a layer and its copies (docs/cpu.md, "Short prefills in the
+        fused step")."""
+        t = params.tensors
+        x = self._embedded(t, tokens)
         self._fused.prefill(x, torch.tensor(rows, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32), k, v)
-        h = rms_norm(x[torch.as_tensor(last, dtype=torch.int64)], t["model.norm.weight"], self.model.config.rms_norm_eps)
-        return self._cpu_linear(t, h, "lm_head")  # a tensor of its own: the prefixes keep their logits
+        return self._last_logits(t, x, last)
 
     def _fused_paged_prefill(self, params: TorchWeights, tokens, start: int, prefix):
-        """TorchEngine._fused_paged_prefill on the fused step: up to ``fused_prefill_rows``
-        tokens written straight into the new prefix's pages through a one-row page table,
-        the continued prefix's positions read where they lie (no contiguous copy of them,
-        no scatter after)."""
+        """TorchEngine._fused_paged_prefill on the fused step: the tokens written straight
+        into the new prefix's pages through a one-row page table, the continued prefix's
+        positions read where they lie (no contiguous copy of them, no scatter after)."""
         n = len(tokens)
-        if self._fused is None or not 0 < n <= self.fused_prefill_rows:
-            return None
         seq = prefix.kv.fork(finalize=True) if prefix is not None else PageList(self.pages, [], 0, finalize=True)
-        copies: list[tuple[int, int]] = []
-        try:
-            seq.prepare_write(start, start + n, lambda src, dst: copies.append((src, dst)))
-        except BaseException:
-            seq.release()
-            raise
-        self._paged.copy(copies)
+        self._paged.writable(seq, start, start + n)
         k, v = self._paged.tensors
-        table = self._paged.new_table(1, self.max_cache_length)
-        table[0, : len(seq.pages)] = torch.as_tensor(np.asarray(seq.pages, np.int64))
         t = params.tensors
-        ids = torch.as_tensor(np.asarray(tokens, np.int64))
-        x = (t["model.embed_tokens.weight"][ids] if self._embed is None else self._embed(t, ids)).contiguous()
+        x = self._embedded(t, tokens)
         self._fused.step(x, torch.zeros(n, dtype=torch.int32), torch.arange(start, start + n, dtype=torch.int32),
-                         k, v, page_table=table)
-        h = rms_norm(x[-1:], t["model.norm.weight"], self.model.config.rms_norm_eps)
-        return seq, self._cpu_linear(t, h, "lm_head")
+                         k, v, page_table=self._paged.table_for(seq, self.max_cache_length))
+        return seq, self._last_logits(t, x, [n - 1])
+
+    def _embedded(self, t: dict[str, torch.Tensor], tokens) -> torch.Tensor:
+        """The tokens' embeddings (a tensor of ids, or a host array) as the fused step takes
+        them: contiguous float32 rows."""
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(np.asarray(tokens, np.int64))
+        return (t["model.embed_tokens.weight"][ids] if self._embed is None else self._embed(t, ids)).contiguous()
+
+    def _last_logits(self, t: dict[str, torch.Tensor], x: torch.Tensor, last: list[int]) -> torch.Tensor:
+        """The logits of the rows ``last`` of a fused prefill's hidden states ``x``, in a
+        tensor of their own (the prefixes keep them; a decode step's head reuses a buffer)."""
+        h = rms_norm(x[torch.as_tensor(last, dtype=torch.int64)], t["model.norm.weight"], self.model.config.rms_norm_eps)
+        return self._cpu_linear(t, h, "lm_head")
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -260,8 +255,7 @@ class CpuEngine(TorchEngine):
         rows = torch.tensor(live, dtype=torch.int64, device=dev)
         pos = torch.tensor([step.positions[i] for i in live], dtype=torch.int64, device=dev)
         if self._fused is not None:
-            tokens = state.next_tokens[rows]
-            x = (t["model.embed_tokens.weight"][tokens] if self._embed is None else self._embed(t, tokens)).contiguous()
+            x = self._embedded(t, state.next_tokens[rows])
             self._fused.step(x, rows, pos, state.k, state.v, page_table=state.page_table)
             x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
             logits = self._head(t, x)  # (M, vocab)

@@ -326,18 +326,15 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         n = toks.size
         padded = self._prefill_rows(n)
         dev = self.torch_device
-        if self.pages is not None and padded == n:  # the prefix's own pages, written in place
-            paged = self._fused_paged_prefill(params, toks, start, existing_prefix)
-            if paged is not None:
-                seq, logits = paged
-                return self._prefixed(params, logits[0], None, toks, sampling, existing_prefix, mask, start=start,
-                                      nbytes=0, seq=seq)
+        fused = padded == n <= self.fused_prefill_rows
+        if fused and self.pages is not None:  # the prefix's own pages, written in place
+            seq, logits = self._fused_paged_prefill(params, toks, start, existing_prefix)
+            return self._prefixed(params, logits[0], None, toks, sampling, existing_prefix, mask, start=start,
+                                  nbytes=0, seq=seq)
         run = self._kv_run(params, existing_prefix, start, start + padded)
-        fused = None if padded != n else self._fused_prefill(params, toks, [0] * n, list(range(start, start + n)),
-                                                             run.k, run.v, [n - 1])
         k, v = run.k[:, :, :, : start + padded], run.v[:, :, :, : start + padded]
-        if fused is not None:
-            logits = fused
+        if fused:
+            logits = self._fused_prefill(params, toks, [0] * n, list(range(start, start + n)), run.k, run.v, [n - 1])
         else:
             batch = np.zeros((1, padded), np.int64)
             batch[0, :n] = toks
@@ -358,23 +355,26 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             prefix = replace(prefix, kv=_RunViews(prefix.kv, run))
         return prefix, first
 
+    # Tokens up to which a prefill (a batch's entries counted together) is one fused call
+    # (_fused_prefill, _fused_paged_prefill) instead of the forward; 0: never (CpuEngine sets it).
+    fused_prefill_rows = 0
+
     def _fused_prefill(self, params: TorchWeights, tokens: np.ndarray, rows: list[int], positions: list[int],
-                       k: torch.Tensor, v: torch.Tensor, last: list[int]) -> torch.Tensor | None:
-        """A prefill's forward as one fused call where the engine has one (CpuEngine), else
-        None: ``tokens`` (T,) at ``positions`` in cache rows ``rows`` of the contiguous caches
+                       k: torch.Tensor, v: torch.Tensor, last: list[int]) -> torch.Tensor:
+        """A prefill's forward as one fused call (up to ``fused_prefill_rows`` tokens):
+        ``tokens`` (T,) at ``positions`` in cache rows ``rows`` of the contiguous caches
         ``k``/``v`` (layers, rows, kv_heads, length, head_dim), their K/V written there, each
         token attending its row up to its own position; the logits of the tokens at the
         indices ``last`` (len(last), vocab)."""
-        return None
+        raise NotImplementedError
 
     def _fused_paged_prefill(self, params: TorchWeights, tokens: np.ndarray, start: int,
-                             prefix: Prefix | None) -> tuple[PageList, torch.Tensor] | None:
-        """Paged K/V: a prefill's forward as one fused call over the page pool where the
-        engine has one (CpuEngine), else None: ``tokens`` after ``start`` positions of
-        ``prefix`` (None: from position 0) written into the new prefix's own pages (the
-        continued prefix's shared, a partly filled last one copied first). Returns those
-        pages and the last token's logits (1, vocab)."""
-        return None
+                             prefix: Prefix | None) -> tuple[PageList, torch.Tensor]:
+        """Paged K/V, :meth:`_fused_prefill` over the page pool: ``tokens`` after ``start``
+        positions of ``prefix`` (None: from position 0) written into the new prefix's own
+        pages (the continued prefix's shared, a partly filled last one copied first).
+        Returns those pages and the last token's logits (1, vocab)."""
+        raise NotImplementedError
 
     def _prefill_rows(self, n: int) -> int:
         """The rows a prefill of ``n`` tokens runs (pad tokens after them write nothing):
@@ -477,12 +477,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         tail = not causal and len(set(starts)) == 1 and self._causal_attention is not None
         # One fused call where the engine has it: every entry's own rows, no pad rows (none with
         # prefill buckets: the rows asked for are run)
-        rows = [i for i, (toks, _, _, _) in enumerate(checked) for _ in range(toks.size)]
-        logits = None if width != max(lengths) else self._fused_prefill(
-            params, np.concatenate([toks for toks, _, _, _ in checked]), rows,
-            [start + j for toks, _, start, _ in checked for j in range(toks.size)], k, v,
-            list(np.cumsum(lengths) - 1))
-        if logits is None:
+        if width == max(lengths) and lengths.sum() <= self.fused_prefill_rows:
+            logits = self._fused_prefill(
+                params, np.concatenate([toks for toks, _, _, _ in checked]),
+                [i for i, (toks, _, _, _) in enumerate(checked) for _ in range(toks.size)],
+                [start + j for toks, _, start, _ in checked for j in range(toks.size)], k, v,
+                list(np.cumsum(lengths) - 1))
+        else:
             logits, k, v = forward(
                 params, self._spec(causal=causal, causal_tail=tail, linear=self._prefill_linear,
                                    kv_codec=self._kv_codec,

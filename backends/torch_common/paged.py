@@ -100,6 +100,18 @@ class PagedKV:
         holding positions from ``offset``) into ``seq``'s pages: pages added as needed, a
         shared one copied before the write. A pool that runs out releases ``seq`` (a new
         prefix's, never a slot's) and raises InsufficientMemory."""
+        self.writable(seq, start, end)
+        pos = torch.arange(start, end, device=self.device)
+        pages, offsets = self._ids(seq.pages)[pos // self.page_size], pos % self.page_size
+        pk, pv = self.tensors
+        lo, hi = start - offset, end - offset
+        pk[:, pages, :, offsets] = k[:, :, lo:hi].permute(2, 0, 1, 3).to(pk.dtype)  # (N, layers, kvh, hd)
+        pv[:, pages, :, offsets] = v[:, :, lo:hi].permute(2, 0, 1, 3).to(pv.dtype)
+
+    def writable(self, seq: PageList, start: int, end: int) -> None:
+        """Positions ``start..end`` of ``seq`` (a new prefix's, never a slot's) made its own
+        to write: pages added as needed, a shared one copied first. A pool that runs out
+        releases ``seq`` and raises InsufficientMemory."""
         copies: list[tuple[int, int]] = []
         try:
             seq.prepare_write(start, end, lambda s, d: copies.append((s, d)))
@@ -107,12 +119,12 @@ class PagedKV:
             seq.release()
             raise
         self.copy(copies)
-        pos = torch.arange(start, end, device=self.device)
-        pages, offsets = self._ids(seq.pages)[pos // self.page_size], pos % self.page_size
-        pk, pv = self.tensors
-        lo, hi = start - offset, end - offset
-        pk[:, pages, :, offsets] = k[:, :, lo:hi].permute(2, 0, 1, 3).to(pk.dtype)  # (N, layers, kvh, hd)
-        pv[:, pages, :, offsets] = v[:, :, lo:hi].permute(2, 0, 1, 3).to(pv.dtype)
+
+    def table_for(self, seq: PageList, length: int) -> torch.Tensor:
+        """A one-row page table ``(1, pages for length)`` holding ``seq``'s page ids."""
+        table = self.new_table(1, length)
+        table[0, : len(seq.pages)] = self._ids(seq.pages)
+        return table
 
     def prepare(self, seqs: list[PageList | None], live: list[int], positions: list[int]) -> PageOps:
         """Host half of a decode step: each live slot's write position made its own (a page

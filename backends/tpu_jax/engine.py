@@ -672,9 +672,9 @@ class TpuJaxEngine(EngineBase):
         ``length`` tokens has; contiguous, the same device arrays (JAX arrays are never
         written in place, and every program reads a prefix up to its length only), in the
         prefix's own bucket: no copy through the host (docs/prefix-caching.md, "The serving
-        target"). The continuation's (bucket, new tokens
-        bucket) pair is one warm-up compiled: a prefix of the original's length reaches
-        that bucket, and the head's one token fits after its shorter length."""
+        target"). The continuation's (bucket, new tokens bucket) pair is one warm-up
+        compiled: a prefix of the original's length reaches that bucket, and the head's one
+        token fits after its shorter length."""
         if self._paged is None:
             return replace(prefix, prompt_tokens=prefix.prompt_tokens[:length])
         seq = prefix.kv.seq.fork(length, finalize=True)
