@@ -182,31 +182,100 @@ def test_the_process_never_holds_a_float32_model(tmp_path):
     assert result["growth"] < 0.4 * float32_bytes, (result, float32_bytes)
 
 
-def test_prefill_on_blocks_runs_the_kernels_up_to_their_row_limit(files, monkeypatch):
+@pytest.mark.parametrize("prefill_compute", ["float", "int16"])
+def test_prefill_on_blocks_runs_the_kernels_up_to_their_row_limit(files, monkeypatch, prefill_compute):
     """A prefill of up to ``block_kernel_rows`` tokens multiplies on the int8 block
-    kernels, a longer one on bands dequantized into torch's GEMM (docs/cpu.md,
-    "Prefill"), at the engine's limit and at a raised one; the prompt's prefix is the
-    oracle's either way (greedy tokens equal)."""
-    from polyengine.backends.cpu.kernels import BLOCK_KERNEL_ROWS
+    kernels, a longer one on bands dequantized into torch's GEMM (prefill_compute float)
+    or on int16 tiles (int16, the default where the kernels have them: from TILE_ROWS rows
+    on; docs/cpu.md, "Prefill on block weights"), at the engine's limit and at a raised
+    one; the prompt's prefix is the oracle's either way (greedy tokens equal)."""
+    from polyengine.backends.cpu.kernels import BLOCK_KERNEL_ROWS, TILE_ROWS
 
     model = load_model(files("Q4_K"))
-    cfg = EngineConfig(max_slots=2, max_prefill_length=100, max_cache_length=128)
+    cfg = EngineConfig(max_slots=2, max_prefill_length=100, max_cache_length=128,
+                       options={"prefill_compute": prefill_compute})
+    if prefill_compute == "int16":
+        from isa_paths import kernels_for
+
+        if not kernels_for("auto").gguf_tiles:
+            pytest.skip("int16 tiles need AVX-512 VNNI (csrc/tile.h)")
     eng = CpuEngine(model, cfg)
-    assert eng.block_kernel_rows == BLOCK_KERNEL_ROWS == 16
+    tiles = prefill_compute == "int16"
+    assert eng.plan.block_tiles == tiles
+    assert eng.block_kernel_rows == (TILE_ROWS - 1 if tiles else BLOCK_KERNEL_ROWS) and BLOCK_KERNEL_ROWS == 16
     eng.fused_prefill_rows = 0  # the torch forward's products (short prefills in the fused step: test_cpu_engine.py)
     calls = {"kernels": set(), "bands": set()}
-    kernels, bands = eng._kernels.gguf_linear, eng._tiled_blocks.__call__
+    kernels = eng._kernels.gguf_linear
     monkeypatch.setattr(eng._kernels, "gguf_linear",
                         lambda x, *a, **k: calls["kernels"].add(x.numel() // x.shape[-1]) or kernels(x, *a, **k))
-    monkeypatch.setattr(eng, "_tiled_blocks",
-                        lambda x, *a, **k: calls["bands"].add(x.numel() // x.shape[-1]) or bands(x, *a, **k))
+    if tiles:
+        long = eng._kernels.gguf_tile_linear
+        monkeypatch.setattr(eng._kernels, "gguf_tile_linear",
+                            lambda x, *a, **k: calls["bands"].add(x.numel() // x.shape[-1]) or long(x, *a, **k))
+    else:
+        bands = eng._tiled_blocks.__call__
+        monkeypatch.setattr(eng, "_tiled_blocks",
+                            lambda x, *a, **k: calls["bands"].add(x.numel() // x.shape[-1]) or bands(x, *a, **k))
     ref = LLM(model=model, backend="reference", max_slots=2, max_cache_length=128, max_prefill_length=100)
     llm = LLM.from_engine(eng, tools=False)
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for limit, n in ((16, 16), (16, 17), (16, 40), (64, 40), (64, 64), (64, 65), (64, 90)):
+    low = eng.block_kernel_rows
+    for limit, n in ((low, low), (low, low + 1), (low, 40), (64, 40), (64, 64), (64, 65), (64, 90)):
         eng.block_kernel_rows = limit
         prompt = [3 + (7 * i + 11 * n + limit) % 200 for i in range(n)]  # no two share a head: no prefix-cache hit
         calls["kernels"].clear(), calls["bands"].clear()
         got = llm.generate([prompt], sp)[0].token_ids
         assert (n in calls["kernels"]) == (n <= limit) and (n in calls["bands"]) == (n > limit), (limit, n, calls)
         assert got == ref.generate([prompt], sp)[0].token_ids, (limit, n)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_K", "Q6_K", "Q8_0"])
+def test_prefill_on_int16_tiles_equals_the_bands(files, fmt):
+    """The default prefill on int16 tiles (where the kernels have them) against bands
+    dequantized into torch's GEMM (prefill_compute float): a 40-token prompt's last
+    logits within the int16 activations' bound (1e-4 of their spread) and the same
+    greedy continuation."""
+    from isa_paths import kernels_for
+
+    if not kernels_for("auto").gguf_tiles:
+        pytest.skip("int16 tiles need AVX-512 VNNI (csrc/tile.h)")
+    model = load_model(files(fmt))
+    cfg = EngineConfig(max_slots=1, max_prefill_length=64, max_cache_length=96)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = np.array([3 + (13 * i) % 250 for i in range(40)], dtype=np.int32)
+    out = {}
+    for choice in ("auto", "float"):
+        eng = CpuEngine(model, cfg.model_copy(update={"options": {"prefill_compute": choice, "fused_prefill": False}}))
+        assert eng.plan.block_tiles == (choice == "auto")
+        prefix, _ = eng.prefill(params=eng.load_params(), tokens=prompt, sampling=sp)
+        out[choice] = prefix.host_logits().astype(np.float64)
+    spread = out["float"].max() - out["float"].min()
+    assert np.abs(out["auto"] - out["float"]).max() < 1e-4 * spread
+    assert int(out["auto"].argmax()) == int(out["float"].argmax())
+
+
+def test_prefill_compute_int16_is_refused_where_it_cannot_run(files):
+    """prefill_compute='int16' names what it needs: block weights (none on a float model,
+    or under quantize) and the AVX-512 VNNI kernels (not the avx2 or scalar paths)."""
+    with pytest.raises(UnsupportedFeature, match="prefill_compute='int16'.*block weights"):
+        CpuEngine(load_model("random:tiny"), CFG.model_copy(update={"options": {"prefill_compute": "int16"}}))
+    model = load_model(files("Q4_K"))
+    with pytest.raises(UnsupportedFeature, match="prefill_compute='int16'.*AVX-512 VNNI"):
+        CpuEngine(model, CFG.model_copy(update={"options": {"prefill_compute": "int16", "isa": "avx2"}}))
+    eng = CpuEngine(model, CFG.model_copy(update={"options": {"isa": "avx2"}}))
+    assert not eng.plan.block_tiles and "dequantized a band" in eng.speed_paths()["prefill"]
+
+
+def test_a_decode_step_of_many_rows_on_int16_tiles_decodes_as_the_oracle(files):
+    """Nine slots decoding at once: the fused step multiplies its rows on int16 tiles
+    (TILE_ROWS rows and more, where the kernels have them), and every row's greedy tokens
+    are the reference's."""
+    model = load_model(files("Q5_K"))
+    prompts = [[3 + (5 * i + 7 * j) % 200 for i in range(4 + j)] for j in range(9)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eng = CpuEngine(model, EngineConfig(max_slots=9, max_prefill_length=24, max_cache_length=64))
+    llm = LLM.from_engine(eng, tools=False)
+    ref = LLM(model=model, backend="reference", max_slots=9, max_cache_length=64, max_prefill_length=24)
+    if eng.plan.block_tiles:
+        assert eng._fused.dims.tile_rows == 8
+    assert [c.token_ids for c in llm.generate(prompts, sp)] == [c.token_ids for c in ref.generate(prompts, sp)]

@@ -353,7 +353,10 @@ def _fused_and_torch(model, **options):
     cfg = EngineConfig(max_slots=2, max_prefill_length=40, max_cache_length=64, dtype="float32")
     fused = CpuEngine(model, cfg.model_copy(update={"options": {**options, "fused_prefill": True}}))
     torch_path = CpuEngine(model, cfg.model_copy(update={"options": {**options, "fused_prefill": False}}))
-    assert fused.plan.fused_prefill and fused.fused_prefill_rows == 16 and torch_path.fused_prefill_rows == 0
+    from polyengine.backends.cpu.kernels import MAX_ROWS, TILED_FUSED_PREFILL_ROWS
+
+    limit = TILED_FUSED_PREFILL_ROWS if fused.plan.block_tiles else MAX_ROWS  # 32 on int16 tiles, else 16
+    assert fused.plan.fused_prefill and fused.fused_prefill_rows == limit and torch_path.fused_prefill_rows == 0
     calls = []
     fused.load_params()  # builds the fused step
     real = fused._fused.prefill
@@ -429,13 +432,17 @@ def test_short_prefills_run_as_one_fused_call_like_the_torch_forward(model, kv_d
         torch_path, params[torch_path], piece[1][0].prefix, 0)
 
 
-def test_short_prefills_on_block_weights_in_the_fused_step_decode_as_the_oracle(tmp_path):
-    """A GGUF file's blocks: a prompt prefilled in pieces of up to 16 tokens, each one
-    call of the fused step continuing the last, decodes greedily as the reference does."""
+@pytest.mark.parametrize("prefill_compute", ["auto", "float"])
+def test_short_prefills_on_block_weights_in_the_fused_step_decode_as_the_oracle(tmp_path, prefill_compute):
+    """A GGUF file's blocks: a prompt prefilled in pieces of 8 tokens, each one call of
+    the fused step continuing the last, decodes greedily as the reference does: on int16
+    tiles (auto, where the kernels have them: TILE_ROWS rows) and on the int8x2 kernels."""
     from polyengine.models.quant_presets import quantized_model_file
 
     model = load_model(str(quantized_model_file("Q4_K", tmp_path)))
-    fused, _, calls = _fused_and_torch(model)
+    fused, _, calls = _fused_and_torch(model, prefill_compute=prefill_compute)
+    assert fused._fused.dims.tile_rows == (8 if fused.plan.block_tiles else 0)
+    assert fused.plan.block_tiles == (prefill_compute == "auto" and fused._kernels.gguf_tiles)
     params = fused.load_params()
     sp = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     prompt = [3 + (5 * i) % 200 for i in range(30)]

@@ -30,7 +30,8 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows
 from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
-from polyengine.backends.cpu.kernels import BLOCK_KERNEL_ROWS, MAX_ROWS, FusedDecoder
+from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, MAX_ROWS, TILE_ROWS, TILED_FUSED_PREFILL_ROWS,
+                                             FusedDecoder)
 from polyengine.backends.cpu.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.cpu.plan import CpuHost, CpuPlan
 from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
@@ -80,7 +81,8 @@ class CpuEngine(TorchEngine):
         self._tiled_blocks = TiledBlockLinear() if plan.block_weights else None
         # Rows of x up to which a product on GGUF blocks runs on the int8 kernels, past it
         # on bands dequantized into torch's GEMM.
-        self.block_kernel_rows = BLOCK_KERNEL_ROWS
+        # With int16 tiles (plan.block_tiles) those run from TILE_ROWS rows on.
+        self.block_kernel_rows = TILE_ROWS - 1 if plan.block_tiles else BLOCK_KERNEL_ROWS
         if plan.kernels is not None or plan.narrow or plan.block_weights:
             self._linear = self._cpu_linear
             self._prefill_linear = (self._cpu_linear if plan.prefill_compute == self.torch_dtype else
@@ -89,8 +91,10 @@ class CpuEngine(TorchEngine):
             self._causal_attention = self._kernel_attention
         self._tiled = TiledInt8Linear() if plan.narrow else None  # narrow products without the kernels
         self._fused: FusedDecoder | None = None  # built with the weights where the plan has it
-        # Tokens up to which a prefill (all entries of a batch together) is one fused call
-        self.fused_prefill_rows = MAX_ROWS if plan.fused_prefill else 0
+        # Tokens up to which a prefill (all entries of a batch together) is one fused call:
+        # twice as many where its products run on int16 tiles (docs/cpu.md, "Short prefills
+        # in the fused step")
+        self.fused_prefill_rows = (TILED_FUSED_PREFILL_ROWS if plan.block_tiles else MAX_ROWS) if plan.fused_prefill else 0
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
     def _resolve_kv_dtype(self) -> torch.dtype:
@@ -158,7 +162,8 @@ class CpuEngine(TorchEngine):
                                        quantized=plan.narrow, kv_dtype=self.kv_dtype,
                                        int8_activations=plan.block_activations if self._blocks else plan.int8_activations,
                                        bf16_activations=plan.bf16_activations, blocks=self._blocks,
-                                       page_size=self.options["page_size"])
+                                       page_size=self.options["page_size"],
+                                       tile_rows=TILE_ROWS if plan.block_tiles else 0)
         return weights
 
     # -- products and attention on the host kernels ---------------------------------------
@@ -177,6 +182,8 @@ class CpuEngine(TorchEngine):
         if blocks is not None:
             if on_kernels and plan.block_activations:
                 return kernels.gguf_linear(x, blocks, bias, out=out, pairs=plan.block_activations)
+            if plan.block_tiles:
+                return kernels.gguf_tile_linear(x, blocks, bias, out=out)
             return self._tiled_blocks(x, blocks, bias, kernels=kernels, compute=compute)
         q = t.get(name + ".qweight")
         if q is not None:

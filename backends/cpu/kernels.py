@@ -58,6 +58,12 @@ MAX_ROWS = 16
 # of a long prompt beside decoding streams were slower on them at 32 and 64 rows
 # (benchmarks/scripts/prefill_under_load.py), so the limit stays at MAX_ROWS.
 BLOCK_KERNEL_ROWS = MAX_ROWS
+# Rows from which a fused step multiplies block weights on int16 tiles (csrc/tile.h), where
+# the plan has them (option prefill_compute): measured in docs/cpu.md, "Prefill on block weights".
+TILE_ROWS = 8
+# Tokens up to which a prefill is one fused call where its products run on int16 tiles
+# (MAX_ROWS elsewhere): the same place.
+TILED_FUSED_PREFILL_ROWS = 32
 Q8_BLOCK = 32  # int8 activations: values per scale (csrc/q8.h)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 ISA_CHOICES = ("auto", *ISA_PATHS)
@@ -228,24 +234,27 @@ class CpuKernels:
         return y.reshape(*shape[:-1], n)
 
 
+    def _gguf_operands(self, x: torch.Tensor, blocks, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block product's float32 rows of ``x`` (M, K), contiguous, and its output (M, N):
+        ``out``'s storage where it fits, as :meth:`linear`'s."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous() or x2.dtype != torch.float32:
+            x2 = x2.contiguous().float()
+        m, k = x2.shape
+        if k != blocks.k:
+            raise ValueError(f"x has {k} columns, the {blocks.format} matrix {blocks.k}")
+        if out is not None and out.is_contiguous() and out.dtype == torch.float32 and out.numel() >= m * blocks.n:
+            return x2, out.view(-1)[: m * blocks.n].view(m, blocks.n)
+        return x2, torch.empty((m, blocks.n), dtype=torch.float32)
+
     def gguf_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, pairs: int = 1) -> torch.Tensor:
         """``x @ W.T + bias`` for float32 ``x`` (..., K) and a :class:`~.blocks.BlockMatrix`
         ``W`` in its GGUF blocks (``csrc/gguf.h``): ``x`` quantized to int8 per 32 values;
         ``pairs`` 2 adds the product of a second int8 row quantizing the first's rounding
         error (int8_compute "int8x2"). ``out`` as :meth:`linear`'s."""
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if not x2.is_contiguous() or x2.dtype != torch.float32:
-            x2 = x2.contiguous().float()
-        m, k = x2.shape
-        n = blocks.n
-        if k != blocks.k:
-            raise ValueError(f"x has {k} columns, the {blocks.format} matrix {blocks.k}")
-        if out is not None and out.is_contiguous() and out.dtype == torch.float32 and out.numel() >= m * n:
-            y = out.view(-1)[: m * n].view(m, n)
-        else:
-            y = torch.empty((m, n), dtype=torch.float32)
+        x2, y = self._gguf_operands(x, blocks, out)
+        (m, k), n = x2.shape, blocks.n
         pairs = 2 if pairs == 2 else 1
         nb = pairs * m * k // Q8_BLOCK
         xq = torch.empty(pairs * m * k, dtype=torch.int8)
@@ -257,7 +266,33 @@ class CpuKernels:
                                      self.threads, xq.data_ptr(), xs.data_ptr(), xs[nb:].data_ptr(), pairs)
         if rc != 0:
             raise ValueError(f"the block kernels refused a {blocks.format} matrix of {k} columns")
-        return y.reshape(*shape[:-1], n)
+        return y.reshape(*x.shape[:-1], n)
+
+    @property
+    def gguf_tiles(self) -> bool:
+        """Whether this library has :meth:`gguf_tile_linear` (the AVX-512 VNNI path)."""
+        return bool(self.lib.pe_gguf_tiles())
+
+    def gguf_tile_linear(self, x: torch.Tensor, blocks, bias: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`gguf_linear`'s product for many rows of ``x`` (a prefill): ``x``
+        quantized to int16 per 32 values, sixteen weight rows unpacked once into a tile
+        that every row of ``x`` runs over (``csrc/tile.h``). Only where :attr:`gguf_tiles`."""
+        x2, y = self._gguf_operands(x, blocks, out)
+        (m, k), n = x2.shape, blocks.n
+        xq = torch.empty(m * k, dtype=torch.int16)
+        xs = torch.empty(2 * m * k // Q8_BLOCK, dtype=torch.float32)  # scales, then the blocks' sums
+        offsets = blocks.offsets
+        rc = self.lib.pe_gguf_tile_linear(blocks.ggml_type, x2.data_ptr(), k, blocks.base, blocks.ldw,
+                                          None if offsets is None else offsets.ctypes.data,
+                                          None if bias is None else bias.contiguous().float().data_ptr(),
+                                          y.data_ptr(), n, m, n, k, self.threads, xq.data_ptr(), xs.data_ptr(),
+                                          xs[m * k // Q8_BLOCK:].data_ptr())
+        if rc == -2:
+            raise ValueError("this build of the CPU kernels has no int16 tiles (gguf_tiles is False)")
+        if rc != 0:
+            raise ValueError(f"the block kernels refused a {blocks.format} matrix of {k} columns")
+        return y.reshape(*x.shape[:-1], n)
 
     def gguf_dequant(self, blocks, start: int, stop: int, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Rows ``start:stop`` of ``blocks`` (or, with ``rows``, the rows it lists) as
@@ -350,6 +385,9 @@ def _bind(lib: ctypes.CDLL) -> None:
                                    ptr, ptr, int_]
     lib.pe_gguf_dequant.argtypes = [int_, ptr, long_, ptr, long_, long_, ptr, long_, int_]
     lib.pe_gguf_linear.restype = lib.pe_gguf_dequant.restype = ctypes.c_int
+    lib.pe_gguf_tile_linear.argtypes = [int_, ptr, long_, ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_,
+                                        ptr, ptr, ptr]
+    lib.pe_gguf_tile_linear.restype = lib.pe_gguf_tiles.restype = ctypes.c_int
 
 
 _Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)
@@ -440,7 +478,7 @@ class _Dims(ctypes.Structure):
                                              "cache_rows", "cache_len")] + [
         ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
         ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int), ("gguf", ctypes.c_long),
-        ("page_size", ctypes.c_long), ("table_len", ctypes.c_long)]
+        ("page_size", ctypes.c_long), ("table_len", ctypes.c_long), ("tile_rows", ctypes.c_long)]
 
 
 # The KV cache element types the fused step reads and writes (csrc/decode.h's PE_KV_*).
@@ -462,7 +500,8 @@ class FusedDecoder:
 
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
                  cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32,
-                 bf16_activations: bool = False, blocks: dict | None = None, page_size: int = 0):
+                 bf16_activations: bool = False, blocks: dict | None = None, page_size: int = 0,
+                 tile_rows: int = 0):
         c = config
         self.kv_dtype = kv_dtype
         self.kernels, self.config = kernels, c
@@ -512,7 +551,8 @@ class FusedDecoder:
                           int(narrow == torch.int8), group, kernels.threads,
                           int(int8_activations) if narrow == torch.int8 or blocks else 0, KV_TYPES[kv_dtype],
                           (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)),
-                          page_size, -(-cache_len // page_size) if page_size else 0)
+                          page_size, -(-cache_len // page_size) if page_size else 0,
+                          tile_rows if blocks and kernels.gguf_tiles else 0)
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")

@@ -46,9 +46,10 @@ OPTIONS = {
                                    "compute dtype)", choices=("auto", "bfloat16")),
     "bf16_compute": Option("float", "with weight_dtype bfloat16: decode products' activations, 'float' or "
                                     "'bf16' (vdpbf16ps where the CPU has AVX512-BF16)", choices=("float", "bf16")),
-    "prefill_compute": Option("auto", "prefill products on int8/bfloat16 weights: 'float', 'bf16', or 'auto' "
-                                      "(bf16 with bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 "
-                                      "units)", choices=("auto", "float", "bf16")),
+    "prefill_compute": Option("auto", "prefill products on int8/bfloat16/block weights: 'float', 'bf16', "
+                                      "'int16' (block weights on int16 tiles, AVX-512 VNNI), or 'auto' (bf16 with "
+                                      "bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 units; "
+                                      "else int16 tiles where they run)", choices=("auto", "float", "bf16", "int16")),
     "prefill_attention": Option("auto", "a prefill's causal attention: 'kernel' (host-compiled), 'sdpa' "
                                         "(torch), or 'auto' (kernel on AVX-512 kernels)",
                                 choices=("auto", "kernel", "sdpa")),

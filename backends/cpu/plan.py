@@ -82,6 +82,7 @@ class CpuPlan:
     int8_activations: int  # int8 rows per activation row of int8 products (0: float32)
     bf16_activations: bool  # bfloat16 weights' decode products on bfloat16 activations
     prefill_compute: torch.dtype  # the operands of prefill's GEMMs on narrowed weights
+    block_tiles: bool  # prefill's products on block weights on int16 tiles (csrc/tile.h), not bands into the GEMM
     prefill_attention: str | None  # "float32"/"bfloat16" on the host kernel, None for torch's SDPA
     for_model: bool = True  # False: resolved without a model (the defaults' description)
     page_size: int = 0  # K/V in pages of this many positions (0: a contiguous row per slot)
@@ -105,6 +106,7 @@ class CpuPlan:
         bf16_activations = o["bf16_compute"] == "bf16"
         prefill_compute = _prefill_compute(o, host, dtype, weights or ("blocks" if blocks else ""), bf16_activations,
                                            int8_activations or block_activations)
+        block_tiles = _block_tiles(o, kernels, blocks, prefill_compute, dtype)
         formats = _formats(model, blocks)
         unfused_why = None if kernels is None else _unfused_why(o, config, weights, blocks, block_activations)
         return cls(
@@ -115,7 +117,7 @@ class CpuPlan:
             live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
             block_activations=block_activations, fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
-            prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
+            block_tiles=block_tiles, prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
             for_model=model is not None, page_size=o.get("page_size", 0),
         )
 
@@ -207,6 +209,9 @@ class CpuPlan:
             stands = f", as on the hosts isa {self.isa!r} stands for" if self.host.bf16_units else ""
             return ("torch's GEMM; int8 or bfloat16 weights widened to float32, float32 here whatever the options "
                     f"(prefill_compute auto; no bfloat16 units here{stands})")
+        if self.block_tiles:
+            return ("block weights unpacked sixteen rows at a time into int16 tiles against int16 activations "
+                    "(csrc/tile.h, AVX-512 VNNI; prefill_compute=float: bands dequantized into torch's GEMM)")
         if self.block_weights:
             operands = "bfloat16" if self.prefill_compute == torch.bfloat16 else "float32"
             return f"torch's GEMM on {operands} operands, block weights dequantized a band of rows at a time"
@@ -404,6 +409,30 @@ def _prefill_compute(o: Mapping[str, Any], host: CpuHost, dtype: torch.dtype, we
     if choice == "bf16" or (choice == "auto" and coarse and _bf16_units(host, o["isa"])):
         return torch.bfloat16
     return dtype
+
+
+def _block_tiles(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple[str, ...],
+                 prefill_compute: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether prefill's products on block weights run on int16 tiles (option
+    prefill_compute "int16"; auto: wherever the kernels have them and prefill's operands
+    are float32, since they are faster than bands dequantized into torch's GEMM from 8
+    rows up and as precise as the decode products' int8x2: docs/cpu.md, "Prefill on
+    block weights")."""
+    choice = o["prefill_compute"]
+    have = kernels is not None and kernels.gguf_tiles
+    if choice == "int16":
+        if not blocks:
+            raise UnsupportedFeature("prefill_compute='int16'", BACKEND,
+                                     "it runs the products on a GGUF file's block weights, and none are kept in "
+                                     "blocks here (float32 compute on a GGUF file keeps them); drop the option")
+        if not have:
+            why = "the host-compiled kernels are not used here" if kernels is None else (
+                f"this library's int8 path is {kernels.q8_isa}")
+            raise UnsupportedFeature("prefill_compute='int16'", BACKEND,
+                                     f"its tiles need AVX-512 VNNI (csrc/tile.h) and {why}; use "
+                                     "prefill_compute='float' (or 'auto')")
+        return True
+    return choice == "auto" and bool(blocks) and have and prefill_compute == dtype == torch.float32
 
 
 def _prefill_attention(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None, fallback: str | None,

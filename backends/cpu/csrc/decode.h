@@ -52,6 +52,8 @@ struct pe_dims {
     long page_size;  // paged K/V (option page_size; 0: contiguous): the caches are page pools of
                      // cache_rows pages and a row's position p lives in page table[row][p / page_size]
     long table_len;  // paged: page ids per row of the page table
+    long tile_rows;  // gguf: steps of at least this many rows multiply on tile.h's int16 tiles
+                     // (int16 activations; 0: never, or where the library has no tiles)
 };
 
 // Element offset of K/V at (layer l, row, kv head j, position p): in the contiguous cache
@@ -98,7 +100,11 @@ static inline float kv_at(int kv_type, const void *cache, long off) {
     return (float)((const _Float16 *)cache)[off];
 }
 
-static int kind_of(const pe_dims *d) {
+// Whether a step of M rows multiplies block weights on int16 tiles.
+static inline bool tiles_for(const pe_dims *d, int M) { return GT_TILES && d->gguf && d->tile_rows && M >= d->tile_rows; }
+
+static int kind_of(const pe_dims *d, int M) {
+    if (tiles_for(d, M)) return PE_GGUFT;
     if (d->gguf) return d->q8 == 2 ? PE_GGUFX2 : PE_GGUF;
     return !d->int8 ? (d->bf16 == 2 ? PE_BF16DOT : d->bf16 ? PE_BF16 : PE_F32) : d->q8 == 2 ? PE_Q8X2 : d->q8 ? PE_Q8 : d->group ? PE_I8_GROUPED : PE_I8;
 }
@@ -107,7 +113,7 @@ static int kind_of(const pe_dims *d) {
 // its int8 form xq/xs, quantized by rows before the barrier that precedes this).
 static void proj(const pe_dims *d, const float *x, const int8_t *xq, const float *xs, const float *xsf, int M,
                  long K, const pe_seg *segs, int nseg, int tid, int nth) {
-    pe_linear_job job = {x, K, M, K, kind_of(d), d->group, segs, nseg, xq, xs, xsf};
+    pe_linear_job job = {x, K, M, K, kind_of(d, M), d->group, segs, nseg, xq, xs, xsf};
     linear_task(&job, tid, nth);
 }
 
@@ -115,9 +121,17 @@ static void proj(const pe_dims *d, const float *x, const int8_t *xq, const float
 static inline bool converts_rows(const pe_dims *d) { return d->q8 || d->bf16 == 2; }
 
 // Rows [r0, r1) of x (M, K) to int8 (or bfloat16) for the next product, when it runs on
-// int8 (bfloat16) activations (res: K floats of this thread's scratch, for q8 == 2).
-static void quantize_rows(const pe_dims *d, const float *x, long K, long r0, long r1, int8_t *xq, float *xs,
+// int8 (bfloat16) activations (res: K floats of this thread's scratch, for q8 == 2); on
+// int16 tiles (tiles_for), to int16 (xq read as int16_t, xsf holding the blocks' sums).
+static void quantize_rows(const pe_dims *d, int M, const float *x, long K, long r0, long r1, int8_t *xq, float *xs,
                           float *xsf, float *res) {
+#if GT_TILES
+    if (tiles_for(d, M)) {
+        const long nb = K / Q8_BLOCK;
+        if (r1 > r0) gt_quantize(x + r0 * K, K, (int)(r1 - r0), K, (int16_t *)xq + r0 * K, xs + r0 * nb, xsf + r0 * nb);
+        return;
+    }
+#endif
     if (d->bf16 == 2 && r1 > r0) {
         bf16_rows(x + r0 * K, K, (int)(r1 - r0), K, (uint16_t *)xq + r0 * K);
         return;
@@ -291,7 +305,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
         auto into_tmp = [&](const float *in, long K, const void *wt, const float *scale, const float *bias, int fmt,
                             const long *rowoff) {
             if (converts_rows(d)) {
-                quantize_rows(d, in, K, r0, r1, xq, xs, xsf, res + tid * kmax);
+                quantize_rows(d, M, in, K, r0, r1, xq, xs, xsf, res + tid * kmax);
                 bar.wait(nth);
             }
             const pe_seg seg[1] = {{wt, scale, bias, tmp, H, H, fmt, rowoff}};
@@ -301,7 +315,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
         for (long l = 0; l < d->layers; l++) {
             const pe_layer *w = layers + l;
             for (long m = r0; m < r1; m++) rms_norm(x + m * H, w->input_norm, h + m * H, H, d->eps);
-            quantize_rows(d, h, H, r0, r1, xq, xs, xsf, res + tid * kmax);
+            quantize_rows(d, M, h, H, r0, r1, xq, xs, xsf, res + tid * kmax);
             bar.wait(nth);
             const pe_seg qkv[3] = {{w->q, w->q_scale, w->q_bias, q, qs, qs, w->fmt[0], w->rowoff[0]},
                                    {w->k, w->k_scale, w->k_bias, k, kvs, kvs, w->fmt[1], w->rowoff[1]},
@@ -331,7 +345,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
                 rms_norm(x + m * H, w->post_norm, h + m * H, H, d->eps);
             }
-            quantize_rows(d, h, H, r0, r1, xq, xs, xsf, res + tid * kmax);
+            quantize_rows(d, M, h, H, r0, r1, xq, xs, xsf, res + tid * kmax);
             bar.wait(nth);
             const pe_seg gate_up[2] = {{w->gate, w->gate_scale, w->gate_bias, g, I, I, w->fmt[4], w->rowoff[4]},
                                        {w->up, w->up_scale, w->up_bias, u, I, I, w->fmt[5], w->rowoff[5]}};

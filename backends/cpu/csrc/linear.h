@@ -11,6 +11,7 @@
 #include "parallel.h"
 #include "q8.h"
 #include "simd.h"
+#include "tile.h"
 
 // MB rows of x against R rows of int8 W with one scale per GROUP weights of a row
 // (blockwise quantization): partial sums per group, scaled as each group ends.
@@ -174,8 +175,9 @@ struct pe_seg {
 // PE_BF16: bfloat16 weights against float32 activations (bf16w); PE_BF16DOT: against
 // activations rounded to bfloat16 (bf16_rows into xq, read as uint16_t; block_bf16dot).
 // PE_GGUF/PE_GGUFX2: GGUF block weights (gguf.h) against one (two) int8 rows per row.
+// PE_GGUFT: GGUF block weights on tile.h's int16 tiles (xq read as int16_t, xsf as the blocks' sums).
 enum { PE_F32 = 0, PE_I8 = 1, PE_I8_GROUPED = 2, PE_Q8 = 3, PE_Q8X2 = 4, PE_BF16 = 5, PE_BF16DOT = 6, PE_GGUF = 7,
-       PE_GGUFX2 = 8 };
+       PE_GGUFX2 = 8, PE_GGUFT = 9 };
 
 // Row m of x (K values) -> rows 2m and 2m + 1 of xq/xs: x ~ xs[2m] * xq[2m] +
 // xs[2m + 1] * xq[2m + 1] blockwise. res: K floats of scratch.
@@ -270,6 +272,11 @@ static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) 
     } else if (j->kind == PE_GGUF || j->kind == PE_GGUFX2) {
         gq_seg_rows(s->fmt, j->kind == PE_GGUFX2, j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, s->rowoff,
                     s->bias, s->y, s->ldy, n0, n1);
+#if GT_TILES
+    } else if (j->kind == PE_GGUFT) {
+        gt_seg_rows(s->fmt, (const int16_t *)j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, 0, s->rowoff,
+                    s->bias, s->y, s->ldy, n0, n1);
+#endif
     } else if (j->kind == PE_Q8X2) {
         q8x2_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
     } else {
@@ -280,21 +287,23 @@ static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) 
     }
 }
 
-// Thread tid's share of every segment's row tiles, in one static split of their union.
+// Thread tid's share of every segment's row tiles, in one static split of their union
+// (int16 tiles: of sixteen rows, whatever a thread's share, no tile is cut in two).
 static void linear_task(void *arg, int tid, int nth) {
     const pe_linear_job *j = (const pe_linear_job *)arg;
+    const long unit = j->kind == PE_GGUFT ? 16 : PE_TILE;
     long total = 0;
-    for (int i = 0; i < j->nseg; i++) total += (j->segs[i].N + PE_TILE - 1) / PE_TILE;
+    for (int i = 0; i < j->nseg; i++) total += (j->segs[i].N + unit - 1) / unit;
     long b, e;
     pe_share(total, tid, nth, &b, &e);
     long base = 0;
     for (int i = 0; i < j->nseg && base < e; i++) {
         const pe_seg *s = j->segs + i;
-        long tiles = (s->N + PE_TILE - 1) / PE_TILE;
+        long tiles = (s->N + unit - 1) / unit;
         long lo = b > base ? b : base, hi = e < base + tiles ? e : base + tiles;
         if (lo < hi) {
-            long n1 = (hi - base) * PE_TILE;
-            seg_rows(j, s, (lo - base) * PE_TILE, n1 < s->N ? n1 : s->N);
+            long n1 = (hi - base) * unit;
+            seg_rows(j, s, (lo - base) * unit, n1 < s->N ? n1 : s->N);
         }
         base += tiles;
     }

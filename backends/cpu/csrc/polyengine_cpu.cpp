@@ -10,6 +10,7 @@
 //   linear.h        skinny products y = x @ W^T: float32, bfloat16 or int8 weights
 //   decode.h        a whole fused decode step and its descriptors (pe_layer, pe_dims)
 //   prefill_attn.h  a prefill's causal attention, flash-attention order
+//   tile.h          GGUF block weights against many rows of x: int16 tiles (AVX-512 VNNI)
 #include <stddef.h>
 
 #include "decode.h"
@@ -19,6 +20,7 @@
 #include "prefill_attn.h"
 #include "q8.h"
 #include "simd.h"
+#include "tile.h"
 
 // The layout of every struct Python passes in, as this compiler laid it out: one entry per
 // field and one per struct (field "": its size). kernels.py compares its ctypes mirrors
@@ -46,14 +48,14 @@ static const pe_field_layout pe_layouts[] = {
     PE_FIELD(pe_dims, cache_rows), PE_FIELD(pe_dims, cache_len), PE_FIELD(pe_dims, eps),
     PE_FIELD(pe_dims, int8), PE_FIELD(pe_dims, group), PE_FIELD(pe_dims, threads), PE_FIELD(pe_dims, q8),
     PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16), PE_FIELD(pe_dims, gguf),
-    PE_FIELD(pe_dims, page_size), PE_FIELD(pe_dims, table_len),
+    PE_FIELD(pe_dims, page_size), PE_FIELD(pe_dims, table_len), PE_FIELD(pe_dims, tile_rows),
 };
 // A field appended to a struct and not to the table (nor to Python's mirror) would escape
 // the check: the table's last field must end its struct.
 static_assert(offsetof(pe_layer, rowoff) + sizeof(pe_layer::rowoff) == sizeof(pe_layer),
               "pe_layer has a field after rowoff: list it in pe_layouts and in kernels.py's _Layer");
-static_assert(offsetof(pe_dims, table_len) + sizeof(pe_dims::table_len) == sizeof(pe_dims),
-              "pe_dims has a field after table_len: list it in pe_layouts and in kernels.py's _Dims");
+static_assert(offsetof(pe_dims, tile_rows) + sizeof(pe_dims::tile_rows) == sizeof(pe_dims),
+              "pe_dims has a field after tile_rows: list it in pe_layouts and in kernels.py's _Dims");
 
 extern "C" {
 
@@ -163,6 +165,29 @@ int pe_gguf_dequant(int fmt, const uint8_t *w, long ldw, const long *rowoff, lon
     gq_job job = {fmt, 0, K, rows, ldw, ldo, nullptr, nullptr, nullptr, nullptr, w, rowoff, out, 1, 0};
     pe_parallel(gq_task, &job, threads);
     return 0;
+}
+
+// 1 where pe_gguf_tile_linear runs (the AVX-512 VNNI path, tile.h), else 0.
+int pe_gguf_tiles(void) { return GT_TILES; }
+
+// The same product as pe_gguf_linear on tile.h's int16 tiles, for many rows of x. Scratch:
+// xq M * K int16, xs and xsum M * K / 32 floats each. 0; -1 as pe_gguf_linear's; -2 where
+// this library has no tiles (pe_gguf_tiles 0).
+int pe_gguf_tile_linear(int fmt, const float *x, long ldx, const uint8_t *w, long ldw, const long *rowoff,
+                        const float *bias, float *y, long ldy, int M, long N, long K, int threads, int16_t *xq,
+                        float *xs, float *xsum) {
+#if GT_TILES
+    const int block = gq_block(fmt);
+    if (!block || K % block) return -1;
+    gt_quantize(x, ldx, M, K, xq, xs, xsum);
+    gt_job job = {fmt, M, K, N, ldw, ldy, xq, xs, xsum, bias, w, rowoff, y};
+    pe_parallel(gt_task, &job, threads);
+    return 0;
+#else
+    (void)fmt, (void)x, (void)ldx, (void)w, (void)ldw, (void)rowoff, (void)bias, (void)y, (void)ldy, (void)M;
+    (void)N, (void)K, (void)threads, (void)xq, (void)xs, (void)xsum;
+    return -2;
+#endif
 }
 
 void pe_q8_quantize(const float *x, long ldx, int M, long K, int8_t *xq, float *xs) {
