@@ -355,7 +355,7 @@ def _fused_and_torch(model, **options):
     torch_path = CpuEngine(model, cfg.model_copy(update={"options": {**options, "fused_prefill": False}}))
     from polyengine.backends.cpu.kernels import MAX_ROWS, TILED_FUSED_PREFILL_ROWS
 
-    limit = TILED_FUSED_PREFILL_ROWS if fused.plan.block_tiles else MAX_ROWS  # 32 on int16 tiles, else 16
+    limit = TILED_FUSED_PREFILL_ROWS if fused.plan.block_tiles else MAX_ROWS  # 24 on int16 tiles, else 16
     assert fused.plan.fused_prefill and fused.fused_prefill_rows == limit and torch_path.fused_prefill_rows == 0
     calls = []
     fused.load_params()  # builds the fused step

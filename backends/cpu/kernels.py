@@ -63,7 +63,7 @@ BLOCK_KERNEL_ROWS = MAX_ROWS
 TILE_ROWS = 8
 # Tokens up to which a prefill is one fused call where its products run on int16 tiles
 # (MAX_ROWS elsewhere): the same place.
-TILED_FUSED_PREFILL_ROWS = 32
+TILED_FUSED_PREFILL_ROWS = 24
 Q8_BLOCK = 32  # int8 activations: values per scale (csrc/q8.h)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 ISA_CHOICES = ("auto", *ISA_PATHS)

@@ -27,7 +27,8 @@ from polyengine.models.quantize import WEIGHT_MODES, group_of, quantized_names
 
 from polyengine.backends.cpu.blocks import KERNEL_FORMATS
 
-from polyengine.backends.cpu.kernels import _NAMES, CpuKernels, KernelsUnavailable, check_isa, load, q8_fits
+from polyengine.backends.cpu.kernels import (_NAMES, MAX_ROWS, TILED_FUSED_PREFILL_ROWS, CpuKernels, KernelsUnavailable,
+                                             check_isa, load, q8_fits)
 
 __all__ = ["CpuHost", "CpuPlan", "diagnose", "INT8_COMPUTE"]
 
@@ -150,7 +151,8 @@ class CpuPlan:
         out["weights"] = self._weights()
         out["prefill"] = self._prefill() + "; causal attention " + self._attention()
         if self.fused_prefill:
-            out["prefill"] += "; up to 16 tokens as one call of the fused step instead (option fused_prefill)"
+            limit = TILED_FUSED_PREFILL_ROWS if self.block_tiles else MAX_ROWS
+            out["prefill"] += f"; up to {limit} tokens as one call of the fused step instead (option fused_prefill)"
         out["kv cache"] = self._kv()
         return out
 
@@ -203,6 +205,10 @@ class CpuPlan:
         """Prefill's products: torch's GEMM, on bfloat16 operands or float32 for narrowed weights."""
         units = self._bf16_units()
         if not self.for_model:  # what option prefill_compute's auto picks here
+            if self.kernels is not None and self.kernels.gguf_tiles:
+                return ("GGUF block weights on int16 tiles (csrc/tile.h, AVX-512 VNNI); torch's GEMM for other "
+                        "weights, int8 or bfloat16 ones widened to float32, or on bfloat16 operands with "
+                        "bf16_compute=bf16 or int8_compute=int8 (prefill_compute auto)")
             if units:
                 return ("torch's GEMM; int8 or bfloat16 weights widened to float32, or on bfloat16 operands with "
                         "bf16_compute=bf16 or int8_compute=int8 (prefill_compute auto; this CPU has bfloat16 units)")
