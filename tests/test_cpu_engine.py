@@ -355,7 +355,7 @@ def _fused_and_torch(model, **options):
     torch_path = CpuEngine(model, cfg.model_copy(update={"options": {**options, "fused_prefill": False}}))
     from polyengine.backends.cpu.kernels import MAX_ROWS, TILED_FUSED_PREFILL_ROWS
 
-    limit = TILED_FUSED_PREFILL_ROWS if fused.plan.block_tiles else MAX_ROWS  # 24 on int16 tiles, else 16
+    limit = TILED_FUSED_PREFILL_ROWS if fused.plan.block_tiles else MAX_ROWS  # 64 on int16 tiles (while attention is short), else 16
     assert fused.plan.fused_prefill and fused.fused_prefill_rows == limit and torch_path.fused_prefill_rows == 0
     calls = []
     fused.load_params()  # builds the fused step
@@ -457,6 +457,44 @@ def test_short_prefills_on_block_weights_in_the_fused_step_decode_as_the_oracle(
         tokens.append(int(res.tokens[0, 0]))
     ref = LLM(model=model, backend="reference", max_slots=2, max_cache_length=64, max_prefill_length=40)
     assert tokens == ref.generate([prompt], sp)[0].token_ids
+
+
+def test_fused_prefills_past_16_tokens_on_tiles_while_their_attention_is_short(tmp_path):
+    """On int16 tiles a prefill of up to TILED_FUSED_PREFILL_ROWS tokens is one fused call
+    when its queries attend at most FUSED_PREFILL_SCORES keys in all (a fresh prompt of
+    60: 3,600), and the torch forward's when they would attend more (60 after 400
+    positions: 27,600); up to 16 tokens it always is; both decode as the oracle."""
+    from polyengine.backends.cpu.kernels import FUSED_PREFILL_SCORES, TILED_FUSED_PREFILL_ROWS
+    from polyengine.models.quant_presets import quantized_model_file
+
+    model = load_model(str(quantized_model_file("Q4_0", tmp_path)))
+    eng = CpuEngine(model, EngineConfig(max_slots=1, max_prefill_length=480, max_cache_length=512))
+    if not eng.plan.block_tiles:
+        pytest.skip("int16 tiles need AVX-512 VNNI (csrc/tile.h)")
+    assert eng.fused_prefill_rows == TILED_FUSED_PREFILL_ROWS and 60 * 460 > FUSED_PREFILL_SCORES >= 60 * 60
+    params = eng.load_params()
+    calls = []
+    real = eng._fused.prefill
+    eng._fused.prefill = lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = LLM(model=model, backend="reference", max_slots=1, max_cache_length=512, max_prefill_length=480)
+    head = [3 + (11 * i) % 250 for i in range(400)]
+    tail = [5 + (7 * i) % 250 for i in range(60)]
+    for prompt, pieces, fused_calls in (([*tail], [60], [60]), ([*head, *tail], [400, 60], []),
+                                        ([*head, *tail[:16]], [400, 16], [16])):
+        calls.clear()
+        prefix, start = None, 0
+        for n in pieces:
+            prefix, first = eng.prefill(params=params, tokens=prompt[start: start + n], sampling=sp,
+                                        existing_prefix=prefix)
+            start += n
+        assert calls == fused_calls, (pieces, calls)
+        state = eng.insert(prefix, eng.init_decode_state(), 0)
+        tokens = [int(first.tokens[0, 0])]
+        for _ in range(3):
+            state, res = eng.generate(params, state)
+            tokens.append(int(res.tokens[0, 0]))
+        assert tokens == ref.generate([prompt], sp)[0].token_ids, pieces
 
 
 @pytest.mark.parametrize("page_size", [4, 16])

@@ -30,8 +30,8 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows
 from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
-from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, MAX_ROWS, TILE_ROWS, TILED_FUSED_PREFILL_ROWS,
-                                             FusedDecoder)
+from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, FUSED_PREFILL_SCORES, MAX_ROWS, TILE_ROWS,
+                                             TILED_FUSED_PREFILL_ROWS, FusedDecoder)
 from polyengine.backends.cpu.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.cpu.plan import CpuHost, CpuPlan
 from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
@@ -92,10 +92,19 @@ class CpuEngine(TorchEngine):
         self._tiled = TiledInt8Linear() if plan.narrow else None  # narrow products without the kernels
         self._fused: FusedDecoder | None = None  # built with the weights where the plan has it
         # Tokens up to which a prefill (all entries of a batch together) is one fused call:
-        # twice as many where its products run on int16 tiles (docs/cpu.md, "Short prefills
-        # in the fused step")
+        # more where its products run on int16 tiles, past MAX_ROWS only while its attention
+        # stays short (_fused_prefill_fits; docs/cpu.md, "Short prefills in the fused step")
         self.fused_prefill_rows = (TILED_FUSED_PREFILL_ROWS if plan.block_tiles else MAX_ROWS) if plan.fused_prefill else 0
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
+
+    def _fused_prefill_fits(self, rows: int, scores: int) -> bool:
+        """Up to MAX_ROWS tokens always (where the fused step runs); past it, up to
+        ``fused_prefill_rows`` tokens whose queries attend at most FUSED_PREFILL_SCORES
+        keys in all: the step's attention is a loop per row and head, which the torch
+        forward's kernel beats on long prefixes, while its products on tiles win."""
+        if rows <= MAX_ROWS:
+            return rows <= self.fused_prefill_rows
+        return rows <= self.fused_prefill_rows and scores <= FUSED_PREFILL_SCORES
 
     def _resolve_kv_dtype(self) -> torch.dtype:
         return self.plan.kv_dtype

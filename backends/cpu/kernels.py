@@ -62,8 +62,12 @@ BLOCK_KERNEL_ROWS = MAX_ROWS
 # the plan has them (option prefill_compute): measured in docs/cpu.md, "Prefill on block weights".
 TILE_ROWS = 8
 # Tokens up to which a prefill is one fused call where its products run on int16 tiles
-# (MAX_ROWS elsewhere): the same place.
-TILED_FUSED_PREFILL_ROWS = 24
+# (MAX_ROWS elsewhere), and past MAX_ROWS the most (query, key) pairs its attention may
+# take in all: a 24-token piece after 1,000 positions (24,576) was as fast as the torch
+# forward, a 32-token one 1.10x slower, a fresh 64-token prompt 0.68x (docs/cpu.md,
+# "Short prefills in the fused step").
+TILED_FUSED_PREFILL_ROWS = 64
+FUSED_PREFILL_SCORES = 25_000
 Q8_BLOCK = 32  # int8 activations: values per scale (csrc/q8.h)
 Q8_ISAS = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 ISA_CHOICES = ("auto", *ISA_PATHS)

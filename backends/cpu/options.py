@@ -30,8 +30,8 @@ OPTIONS = {
                         choices=("grow", "reserve")),
     # a prefill of up to 16 tokens (a chunked prompt's piece, a prefix hit's tail, a short
     # prompt) as one fused call: the decode step's kernel over the prefill's own K/V buffer
-    "fused_prefill": Option(True, "prefills of up to 16 tokens (24 on int16 tiles) through the fused decode step "
-                                   "(with fused_decode)"),
+    "fused_prefill": Option(True, "prefills of up to 16 tokens (64 on int16 tiles, short prefixes) through the fused "
+                                   "decode step (with fused_decode)"),
     "live_rows": Option(True, "decode only the live slots' rows (False: every slot, as on a device)"),
     # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
     # 32 weights of a row (closer to float32); float32 accumulation either way

@@ -151,8 +151,10 @@ class CpuPlan:
         out["weights"] = self._weights()
         out["prefill"] = self._prefill() + "; causal attention " + self._attention()
         if self.fused_prefill:
-            limit = TILED_FUSED_PREFILL_ROWS if self.block_tiles else MAX_ROWS
-            out["prefill"] += f"; up to {limit} tokens as one call of the fused step instead (option fused_prefill)"
+            more = (f" (up to {TILED_FUSED_PREFILL_ROWS} on int16 tiles while their attention is short)"
+                    if self.block_tiles else "")
+            out["prefill"] += (f"; up to {MAX_ROWS} tokens{more} as one call of the fused step instead "
+                               "(option fused_prefill)")
         out["kv cache"] = self._kv()
         return out
 
