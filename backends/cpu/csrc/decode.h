@@ -179,6 +179,71 @@ struct pe_attn_job {
     float *att, *scores;
 };
 
+// The GQA group of query heads that share KV head jh, of row m, together: each cached
+// position's K and V are loaded once for all of them (attn_task's loop loads them once
+// per query head: the group's K/V read `group` times over, from L2 or L3 past a few
+// hundred positions). For head sizes that are whole vectors, up to ATT_VECS of them,
+// and groups up to ATT_GROUP: the same sums as attn_task's, in the same order.
+enum { ATT_GROUP = 8, ATT_VECS = 8 };
+static void attn_group(const pe_attn_job *j, long m, long jh) {
+    const pe_dims *d = j->d;
+    const long nh = d->heads, nkv = d->kv_heads, hd = d->head_dim, S = d->cache_len;
+    const long qs = nh * hd, group = nh / nkv, nv = hd / VW, n = j->pos[m] + 1;
+    const float scale = 1.f / sqrtf((float)hd);
+    const long base = ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;
+    const long *table = j->table;
+    const int kt = d->kv_type;
+    vf q[ATT_GROUP][ATT_VECS];
+    float mx[ATT_GROUP], sum[ATT_GROUP];
+    float *sc[ATT_GROUP];
+    for (long t = 0; t < group; t++) {
+        const float *qa = j->q + m * qs + (jh * group + t) * hd;
+        for (long v = 0; v < nv; v++) q[t][v] = load_f(qa + v * VW);
+        sc[t] = j->scores + (m * nh + jh * group + t) * S;
+        mx[t] = -INFINITY;
+    }
+    for (long s = 0; s < n; s++) {
+        const long kr = table ? kv_offset(d, table, j->l, j->rows[m], jh, s) : base + s * hd;
+        vf k[ATT_VECS];
+        for (long v = 0; v < nv; v++) k[v] = kv_load(kt, j->k_cache, kr + v * VW);
+        for (long t = 0; t < group; t++) {
+            vf acc = q[t][0] * k[0];
+            for (long v = 1; v < nv; v++) acc += q[t][v] * k[v];
+            const float dot = hsum(acc) * scale;
+            sc[t][s] = dot;
+            mx[t] = dot > mx[t] ? dot : mx[t];
+        }
+    }
+    for (long t = 0; t < group; t++) {
+        long s = 0;
+        vf vsum = (vf){};
+        for (; s + VW <= n; s += VW) {
+            vf e = vexp(load_f(sc[t] + s) - mx[t]);
+            memcpy(sc[t] + s, &e, sizeof e);
+            vsum += e;
+        }
+        sum[t] = hsum(vsum);
+        for (; s < n; s++) {
+            sc[t][s] = expf(sc[t][s] - mx[t]);
+            sum[t] += sc[t][s];
+        }
+    }
+    vf out[ATT_GROUP][ATT_VECS];
+    for (long t = 0; t < group; t++)
+        for (long v = 0; v < nv; v++) out[t][v] = (vf){};
+    for (long s = 0; s < n; s++) {
+        const long vr = table ? kv_offset(d, table, j->l, j->rows[m], jh, s) : base + s * hd;
+        vf val[ATT_VECS];
+        for (long v = 0; v < nv; v++) val[v] = kv_load(kt, j->v_cache, vr + v * VW);
+        for (long t = 0; t < group; t++) {
+            const float p = sc[t][s] / sum[t];
+            for (long v = 0; v < nv; v++) out[t][v] += p * val[v];
+        }
+    }
+    for (long t = 0; t < group; t++)
+        memcpy(j->att + m * qs + (jh * group + t) * hd, out[t], nv * sizeof(vf));
+}
+
 static void attn_task(void *arg, int tid, int nth) {
     const pe_attn_job *j = (const pe_attn_job *)arg;
     const pe_dims *d = j->d;
@@ -186,6 +251,11 @@ static void attn_task(void *arg, int tid, int nth) {
     const long qs = nh * hd, group = nh / nkv;
     const float scale = 1.f / sqrtf((float)hd);
     long b, e;
+    if (hd % VW == 0 && hd / VW <= ATT_VECS && group <= ATT_GROUP && group > 1) {
+        pe_share((long)j->M * nkv, tid, nth, &b, &e);
+        for (long mj = b; mj < e; mj++) attn_group(j, mj / nkv, mj % nkv);
+        return;
+    }
     pe_share((long)j->M * nh, tid, nth, &b, &e);
     for (long ma = b; ma < e; ma++) {
         const long m = ma / nh, a = ma % nh;
