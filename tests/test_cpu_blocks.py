@@ -264,6 +264,8 @@ def test_prefill_compute_int16_is_refused_where_it_cannot_run(files):
         CpuEngine(model, CFG.model_copy(update={"options": {"prefill_compute": "int16", "isa": "avx2"}}))
     eng = CpuEngine(model, CFG.model_copy(update={"options": {"isa": "avx2"}}))
     assert not eng.plan.block_tiles and "dequantized a band" in eng.speed_paths()["prefill"]
+    # float activations asked for decode (int8_compute float): auto keeps prefill's float32 too
+    assert not CpuEngine(model, CFG.model_copy(update={"options": {"int8_compute": "float"}})).plan.block_tiles
 
 
 def test_a_decode_step_of_many_rows_on_int16_tiles_decodes_as_the_oracle(files):

@@ -107,7 +107,7 @@ class CpuPlan:
         bf16_activations = o["bf16_compute"] == "bf16"
         prefill_compute = _prefill_compute(o, host, dtype, weights or ("blocks" if blocks else ""), bf16_activations,
                                            int8_activations or block_activations)
-        block_tiles = _block_tiles(o, kernels, blocks, prefill_compute, dtype)
+        block_tiles = _block_tiles(o, kernels, blocks, prefill_compute, dtype, block_activations)
         formats = _formats(model, blocks)
         unfused_why = None if kernels is None else _unfused_why(o, config, weights, blocks, block_activations)
         return cls(
@@ -420,12 +420,13 @@ def _prefill_compute(o: Mapping[str, Any], host: CpuHost, dtype: torch.dtype, we
 
 
 def _block_tiles(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple[str, ...],
-                 prefill_compute: torch.dtype, dtype: torch.dtype) -> bool:
+                 prefill_compute: torch.dtype, dtype: torch.dtype, block_activations: int) -> bool:
     """Whether prefill's products on block weights run on int16 tiles (option
-    prefill_compute "int16"; auto: wherever the kernels have them and prefill's operands
-    are float32, since they are faster than bands dequantized into torch's GEMM from 8
-    rows up and as precise as the decode products' int8x2: docs/cpu.md, "Prefill on
-    block weights")."""
+    prefill_compute "int16"; auto: wherever the kernels have them, prefill's operands are
+    float32 and decode's products quantize their activations too (not int8_compute
+    float), since they are faster than bands dequantized into torch's GEMM from 8 rows up
+    and as precise as the decode products' int8x2: docs/cpu.md, "Prefill on block
+    weights")."""
     choice = o["prefill_compute"]
     have = kernels is not None and kernels.gguf_tiles
     if choice == "int16":
@@ -440,7 +441,8 @@ def _block_tiles(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple
                                      f"its tiles need AVX-512 VNNI (csrc/tile.h) and {why}; use "
                                      "prefill_compute='float' (or 'auto')")
         return True
-    return choice == "auto" and bool(blocks) and have and prefill_compute == dtype == torch.float32
+    return (choice == "auto" and bool(blocks) and have and block_activations > 0
+            and prefill_compute == dtype == torch.float32)
 
 
 def _prefill_attention(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None, fallback: str | None,
