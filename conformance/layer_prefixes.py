@@ -195,6 +195,47 @@ class PrefixLayer:
                            conformance.dtype, DEFAULT_MODEL,
                            what="logits of a truncated prefix continued with other tokens vs the reference")
 
+    def test_prefix_head(self, conformance):
+        """prefix_head (the kit's, capability prefix_truncate): a prefix of the first tokens
+        for continuation only, with no forward run: it holds those tokens, has no logits or
+        first token of its own (insert, bulk_insert, host_logits and export refuse it, the
+        request's slot stays free), leaves the prefix as it was, and continues, with the
+        rest or with other tokens, as a prefill of all of them would; a head of a head
+        too. An engine without the method is skipped, one whose heads would not share the
+        prefix's storage must refuse (the driver cuts with truncate_prefix there)."""
+        eng = conformance.engine()
+        if not callable(getattr(eng, "prefix_head", None)):
+            pytest.skip("the engine has no prefix_head (not on the backend kit): the driver uses truncate_prefix")
+        d = conformance.driver(eng)
+        whole = conformance.prompt(12, 96)
+        prefix, _ = d.prefill(whole, conformance.sampling(96))
+        if not eng.capabilities.prefix_truncate or not getattr(eng, "shares_prefix_heads", False):
+            with pytest.raises(UnsupportedFeature):
+                eng.prefix_head(params=d.params, prefix=prefix, length=7)
+            return
+        made = prefix.host_logits().copy()
+        head = eng.prefix_head(params=d.params, prefix=prefix, length=7)
+        assert list(np.asarray(head.prompt_tokens)) == whole[:7] and head.logits is None and head.first_token == -1
+        assert np.array_equal(prefix.host_logits(), made), "prefix_head must leave the prefix as it was"
+        with pytest.raises(InvalidRequest, match="head"):
+            eng.insert(head, d.state, 0)
+        with pytest.raises(InvalidRequest, match="head"):
+            head.host_logits()
+        if eng.capabilities.portable_prefix:
+            with pytest.raises(InvalidRequest, match="head"):
+                eng.export_prefix(head)
+        d.insert_prefix(0, prefix)  # the refused insert left slot 0 free
+        d.free(0)
+        oracle = conformance.oracle()
+        for rest, seed in ((whole[7:], 97), (conformance.prompt(2, 98), 98)):
+            cont, _ = eng.prefill(params=d.params, tokens=rest, sampling=conformance.sampling(seed), existing_prefix=head)
+            conformance.within("logits_rel_l2", rel_l2(cont.host_logits(), oracle.logits(whole[:7] + list(rest))),
+                               conformance.dtype, DEFAULT_MODEL, what="logits of a prefix head continued vs the reference")
+        inner = eng.prefix_head(params=d.params, prefix=head, length=3)
+        cont, _ = eng.prefill(params=d.params, tokens=whole[3:9], sampling=conformance.sampling(99), existing_prefix=inner)
+        conformance.within("logits_rel_l2", rel_l2(cont.host_logits(), oracle.logits(whole[:9])), conformance.dtype,
+                           DEFAULT_MODEL, what="logits of a head of a head continued vs the reference")
+
     def test_embed(self, conformance):
         """embed (capability embeddings) returns the prompt's hidden states after the final
         norm, one row per token, as the reference computes them, and changes no prefix;

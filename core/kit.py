@@ -7,6 +7,7 @@ the checklist.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -415,6 +416,7 @@ class EngineBase:
     def insert(self, prefix: Prefix, decode_state: Any, slot: int) -> Any:
         state = self._settle(decode_state)
         self.check_prefix(prefix)
+        self.check_whole(prefix, "insert")
         slot = self.check_empty_slot(slot, state.slots.is_occupied)
         self._install(prefix, state, [slot], draw=False)
         state.slots.put(slot, self.slot_type(prefix.true_length, sampling=prefix.sampling))
@@ -427,6 +429,7 @@ class EngineBase:
             raise UnsupportedFeature("bulk_insert", self.name)
         state = self._settle(decode_state)
         self.check_prefix(prefix)
+        self.check_whole(prefix, "bulk_insert")
         slots = self.check_bulk_slots(slots, state.slots.is_occupied)
         result = self._install(prefix, state, slots, draw=True)
         for slot in slots:
@@ -476,6 +479,40 @@ class EngineBase:
         out, _ = self.prefill(params=params, tokens=prefix.prompt_tokens[length - 1: length], sampling=prefix.sampling,
                               existing_prefix=head)
         return out
+
+    # Whether _prefix_head shares the prefix's storage (its pages, device arrays or views)
+    # instead of the kit's copy through the host, which needs the prefix's logits to
+    # export it: prefix_head is offered, and the driver cuts with it, only then.
+    shares_prefix_heads = False
+
+    def prefix_head(self, *, params: Any, prefix: Prefix, length: int) -> Prefix:
+        """A prefix of ``prefix``'s first ``length`` tokens that is only to be continued
+        (``prefill(existing_prefix=...)``, or cut again): its K/V are ``prefix``'s first
+        positions, shared where the engine can (:meth:`_prefix_head`: the same pages or
+        device arrays), and no forward runs, so it has no logits or first token of its
+        own: ``logits`` None, ``first_token`` -1, and ``insert``, ``bulk_insert``,
+        ``host_logits`` and ``export_prefix`` refuse it. What the driver's prefix cache
+        files where two prompts part, so the request that parts continues straight from
+        the shared positions (docs/prefix-caching.md). Capability ``prefix_truncate``, on
+        an engine whose heads share storage (``shares_prefix_heads``)."""
+        if not self.capabilities.prefix_truncate or not self.shares_prefix_heads:
+            raise UnsupportedFeature("prefix heads (prefix_head)", self.name,
+                                     "it needs Capabilities.prefix_truncate and a head that shares the prefix's "
+                                     "storage (shares_prefix_heads); truncate_prefix cuts a prefix with logits")
+        self.check_prefix(prefix)
+        if not is_int(length) or not 1 <= length <= prefix.true_length:
+            raise InvalidRequest(f"prefix_head length must be an integer in 1..{prefix.true_length} (the "
+                                 f"prefix's tokens), got {length!r}", field="length")
+        head = prefix if int(length) == prefix.true_length else self._prefix_head(prefix, int(length))
+        return replace(head, logits=None, first_token=-1, token_mask=None)
+
+    @staticmethod
+    def check_whole(prefix: Prefix, what: str) -> None:
+        """Refuse a prefix head (:meth:`prefix_head`) where its own logits are needed."""
+        if isinstance(prefix, Prefix) and prefix.logits is None:
+            raise InvalidRequest(f"{what}: this prefix is a head (prefix_head), which has no logits or first token "
+                                 "of its own and can only be continued: prefill at least one more token with "
+                                 "existing_prefix=it, then use that prefix", field="prefix")
 
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """A prefix holding ``prefix``'s first ``length`` positions, only to be continued

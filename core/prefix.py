@@ -61,6 +61,9 @@ class PortablePrefix:
         self.k = _floats(self.k, "K")
         self.v = _floats(self.v, "V")
         self.prompt_tokens = _token_ids(self.prompt_tokens)
+        if self.last_logits is None:
+            raise _bad("a prefix head (Engine.prefix_head) has no logits of its own and cannot be exported: export "
+                       "the prefix it was cut from, or continue it with at least one more token first")
         self.last_logits = _floats(self.last_logits, "logits")
         if self.k.ndim != 4 or self.k.shape != self.v.shape:
             raise _bad(f"prefix K/V must be equal 4-d arrays, got {self.k.shape} and {self.v.shape}")

@@ -280,6 +280,10 @@ class Prefix:
     included), which the driver's prefix cache counts against its budget; 0 means the
     engine does not say (the driver then estimates it from the model).
 
+    A prefix head (``EngineBase.prefix_head``: ``logits`` None, ``first_token`` -1) holds
+    the first positions of another prefix for continuation only: ``prefill`` continues it,
+    ``insert``, ``bulk_insert``, ``host_logits`` and exports refuse it.
+
     A prefix stays valid for the life of the engine that made it: no later call
     (prefill, insert, bulk_insert, generate, free_resource, in any order) changes it,
     ``prefill(existing_prefix=p)`` leaves ``p`` as it was, and it may be inserted any
@@ -298,7 +302,13 @@ class Prefix:
     nbytes: int = 0
 
     def host_logits(self) -> np.ndarray:
-        """The last prompt position's raw logits as a (vocab,) NumPy array."""
+        """The last prompt position's raw logits as a (vocab,) NumPy array (a prefix head,
+        ``logits`` None: refused)."""
+        if self.logits is None:
+            from polyengine.errors import InvalidRequest
+
+            raise InvalidRequest("this prefix is a head (Engine.prefix_head): it has no logits of its own; continue "
+                                 "it with at least one more token first", field="prefix")
         return np.asarray(self.to_host(self.logits)).reshape(-1)
 
     @property

@@ -350,8 +350,8 @@ def test_the_entry_a_waiting_request_shares_is_not_the_one_evicted_for_it(tiny):
     sharing the entry's 8: the room is made by evicting the other entry, never the one it
     shares, and its prefill then continues that entry. When sharing cannot fit even after
     evicting every other idle entry, the count is redone without the hit (the shared
-    entry may go too: a request alone always fits): a donor of 10 pages that a cut shares 7
-    of, 6 free pages, 3 more for the step."""
+    entry may go too: a request alone always fits): a donor of 10 pages that a cut shares 8
+    of (as a head), 5 free pages, 3 more for the step."""
     kw = dict(backend="reference", tools=False, max_slots=2, max_prefill_length=40, max_cache_length=48)
     llm = LLM(tiny, options={"page_size": 4, "kv_pages": 24}, **kw)
     eng, params, pre = llm.engine, llm.scheduler.params, llm.scheduler.prefiller
@@ -382,12 +382,12 @@ def test_the_entry_a_waiting_request_shares_is_not_the_one_evicted_for_it(tiny):
     donor, _ = eng.prefill(params=params, tokens=system + list(range(100, 108)), sampling=sp)  # 40 tokens: 10 pages
     cache.insert(donor)
     del donor  # the cache's alone now (a reference kept here would keep its pages)
-    hold = pool.allocate(8)  # 6 free; a cut at 32 shares 7 pages (the truncation copies the 8th)
+    hold = pool.allocate(9)  # 5 free; a cut at 32 shares its 8 whole pages (a head, engine.prefix_head)
     entry, pages = pre.cache_hit(prompt)
-    assert (entry.length, pages) == (40, 7)
+    assert pre.heads and (entry.length, pages) == (40, 8)
     del entry
-    assert pre.make_room_for(prompt, None, need + 3)  # sharing: 7 > 6 free; the whole prompt: 14 <= 6 + 10
-    assert len(cache) == 0 and pool.free == 16 and pre.cache_hit(prompt) == (None, 0)
+    assert pre.make_room_for(prompt, None, need + 3)  # sharing: 6 > 5 free; the whole prompt: 14 <= 5 + 10
+    assert len(cache) == 0 and pool.free == 15 and pre.cache_hit(prompt) == (None, 0)
     pool.release(hold)
 
 

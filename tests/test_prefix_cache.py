@@ -287,6 +287,34 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_streams_decode(tiny):
     assert long.completion.token_ids == solo.generate([list(range(3, 60))], long.sampling)[0].token_ids
 
 
+def test_the_second_prompt_sharing_a_system_prompt_runs_one_prefill(tiny):
+    """Where a prompt parts from a cached one, the shared part is cut as a head
+    (engine.prefix_head: no forward, no logits of its own) and filed; the prompt's own
+    tokens are then its one prefill, continuing the head (no truncate_prefix, whose cut
+    prefills the last shared token again); the third continues the filed head; the
+    answers equal uncached ones."""
+    on, off = make(tiny, prefill_chunk=0), make(tiny, prefix_cache_bytes=0, prefill_chunk=0)
+    log = PrefillLog(on.engine)
+    cuts = []
+    log.truncate_prefix = lambda **kw: cuts.append(kw["length"]) or on.engine.truncate_prefix(**kw)
+    llm = LLM.from_engine(log, tools=False)
+    llm.scheduler.prefiller.block = 4
+    assert llm.scheduler.prefiller.heads
+    rng = np.random.default_rng(4)
+    system = rng.integers(3, 280, 30).tolist()
+    prompts = [system + rng.integers(3, 280, 6).tolist() for _ in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        log.calls.clear()
+        got = llm.generate([prompt], sp)[0]
+        assert got.token_ids == off.generate([prompt], sp)[0].token_ids
+        if i:  # 28 tokens from the cache (the cut at the block below where they part), the other 8 prefilled once
+            assert got.usage.cached_tokens == 28 and [(n, cont) for _, n, cont in log.calls] == [(8, True)], log.calls
+    assert cuts == []
+    heads = [e for e in llm.scheduler.prefix_cache.entries() if e.prefix.logits is None]
+    assert [e.length for e in heads] == [28]
+
+
 def test_conversations_under_memory_pressure_continue_their_latest_turn(tiny):
     """Four conversations taking turns, a budget below their working set (their latest
     turns plus the new ones): every turn after the first continues the conversation's

@@ -317,6 +317,11 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         the steps write the same pools, and an unbounded pool may grow (a new tensor)."""
         return fn() if self._worker is None else self._worker.submit(fn).result()
 
+    @property
+    def shares_prefix_heads(self) -> bool:
+        """Paged, a head holds the prefix's blocks (_prefix_head); else the kit's copy."""
+        return self.pages is not None
+
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """Paged: the prefix's first ``length`` positions as a new holder of its blocks (the
         continuation copies a partly filled last one before it writes); else the kit's copy."""
@@ -643,6 +648,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
+        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
         if self.pages is not None:  # read through its blocks
             k, v = self._on_worker(lambda: self._paged.gather(prefix.kv, prefix.true_length))
         else:

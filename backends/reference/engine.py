@@ -308,6 +308,7 @@ class ReferenceEngine(EngineBase):
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
+        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
         k, v = self._prefix_arrays(prefix)
         return PortablePrefix(
             k=k, v=v, prompt_tokens=prefix.prompt_tokens,
@@ -349,6 +350,8 @@ class ReferenceEngine(EngineBase):
             prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=first,
             model_id=self.model_id, nbytes=self._held_bytes(kept, prompt.size),
         )
+
+    shares_prefix_heads = True  # _prefix_head: views of the arrays or the pages shared
 
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """The first ``length`` positions, exact (the kit's way goes through float32): the

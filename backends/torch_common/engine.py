@@ -627,6 +627,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         )
         return logits
 
+    shares_prefix_heads = True  # _prefix_head: views of the K/V or the pages shared
+
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """The first ``length`` positions as views of the prefix's K/V in the KV dtype (the
         kit's way goes through float32), or, paged, its pages shared (the partly filled last
@@ -663,6 +665,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     @on_engine_thread
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
+        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
         k, v = self._prefix_kv(prefix)
         return PortablePrefix(
             k=self._to_host(k), v=self._to_host(v), prompt_tokens=prefix.prompt_tokens,

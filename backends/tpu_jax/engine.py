@@ -619,6 +619,7 @@ class TpuJaxEngine(EngineBase):
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
         self.check_prefix(prefix)
+        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
         n = prefix.true_length
         k, v = (self._gathered(x)[:, :, :n].astype(np.float32) for x in self._prefix_arrays(prefix.kv)[:2])
         return PortablePrefix(
@@ -665,6 +666,8 @@ class TpuJaxEngine(EngineBase):
         )
 
     # -- pages (option page_size) ----------------------------------------------------------
+
+    shares_prefix_heads = True  # _prefix_head: the same device arrays or the pages shared
 
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """truncate_prefix's head: paged, the first ``length`` positions' pages shared (a

@@ -14,8 +14,11 @@ prefix (``existing_prefix``, capability ``prefix_reuse``):
   (rounded down to :data:`CACHE_BLOCK` tokens) and the prefix there is cached too: the
   second of two prompts sharing a system prompt leaves an entry that the third one
   continues. On an engine with ``prefix_truncate`` the second one does not prefill the
-  shared part either: it is cut from the cached entry that holds it
-  (``engine.truncate_prefix``), filed there, and continued. Every completed prompt's
+  shared part either: it is cut from the cached entry that holds it, filed there, and
+  continued: as a head (``engine.prefix_head``: the shared positions' K/V, no forward
+  run, no logits of its own, which a cache entry never needs since entries are only
+  continued) where the engine has it, else ``engine.truncate_prefix`` (which prefills
+  the cut's last token again for its logits: one more forward). Every completed prompt's
   prefix is cached (a conversation's next turn starts with it).
 - **Chunked prefill**: while other requests decode, pieces also end at every multiple
   of ``prefill_chunk`` tokens (absolute positions), so no piece is longer than the
@@ -99,8 +102,10 @@ class Prefiller:
         # of it (EngineBase.prefix_cache_shares_kv), so the budget follows the slots' lengths.
         self.shares_kv = cache is not None and bool(getattr(engine, "prefix_cache_shares_kv", False))
         # Where a prompt parts from a cached one, the shared part is cut from that entry
-        # (engine.truncate_prefix) rather than prefilled again.
+        # rather than prefilled again: as a head (engine.prefix_head, no forward) where the
+        # engine has one, else engine.truncate_prefix.
         self.truncates = cache is not None and bool(getattr(engine.capabilities, "prefix_truncate", False))
+        self.heads = self.truncates and bool(getattr(engine, "shares_prefix_heads", False))
         # A paged engine with a bounded page pool (EngineBase.pages, a PagePool with a
         # capacity): the scheduler admits a request when the pages it needs now fit
         # (pages_now), preempts when a step would run out, and the cache gives back its
@@ -166,14 +171,15 @@ class Prefiller:
         counting no query: ``(entry, pages)``, the entry they come from (the one continued,
         or the one a truncation cuts them from), or ``(None, 0)``. A continued entry of L
         tokens gives its L // page_size full pages (its partly filled last page is copied
-        by the first piece); a cut at ``split`` tokens gives (split - 1) // page_size, since
-        the truncation prefills the last token again and so copies the page it falls in."""
+        by the first piece); a cut at ``split`` tokens gives split // page_size as a head
+        and (split - 1) // page_size through truncate_prefix, which prefills the last token
+        again and so copies the page it falls in."""
         if self.cache is None or self.pool is None:
             return None, 0
         entry, split, donor = self._plan(tokens, partition, count=False)
         ps = self.pool.page_size
         if donor is not None:
-            return donor, (split - 1) // ps
+            return donor, (split if self.heads else split - 1) // ps
         if entry is not None:
             return entry, entry.length // ps
         return None, 0
@@ -289,12 +295,14 @@ class Prefiller:
 
     def _cut(self, tokens: list[int], partition: Any, donor: CacheEntry) -> tuple[CacheEntry | None, Prefix]:
         """The prefix of ``tokens`` (a multiple of the block long) cut from ``donor``, a
-        cached entry that begins with them (``engine.truncate_prefix``), filed where the
-        prompts part and held. ``(entry, prefix)``; the entry is None when the budget has
-        no room for it (the prefix is continued all the same)."""
+        cached entry that begins with them (``engine.prefix_head``, else
+        ``engine.truncate_prefix``), filed where the prompts part and held. ``(entry,
+        prefix)``; the entry is None when the budget has no room for it (the prefix is
+        continued all the same)."""
         donor.refs += 1  # filing the cut may evict; the donor must outlive the cut
         try:
-            prefix = self.engine.truncate_prefix(params=self.params, prefix=donor.prefix, length=len(tokens))
+            cut = self.engine.prefix_head if self.heads else self.engine.truncate_prefix
+            prefix = cut(params=self.params, prefix=donor.prefix, length=len(tokens))
         finally:
             self.cache.release(donor)
         entry = self.cache.insert(prefix, shared=True, partition=partition)
