@@ -101,13 +101,13 @@ def test_the_guess_does_the_same_work_whether_or_not_the_secret_was_sent(tiny, s
     """Timing across tenants, measured by its cause rather than the clock: B's guess runs
     the whole prompt through the engine whether or not A sent the secret, so nothing
     about A can show in its time to first token. In one partition (the control) A's
-    secret saves the guess 31 of its 40 tokens (the 32 shared ones are cut from A's
-    entry, whose last token is run again for its logits): the difference the attack
+    secret saves the guess 32 of its 40 tokens (the 32 shared ones are cut from A's
+    entry as a head, engine.prefix_head, with no forward): the difference the attack
     would time."""
     without = _guess_work(tiny, salts, secret_sent=False)
     with_secret = _guess_work(tiny, salts, secret_sent=True)
     assert without == (len(GUESS), 0)
-    assert with_secret == ((len(GUESS) - 32 + 1, 32) if leaks else without)
+    assert with_secret == ((len(GUESS) - 32, 32) if leaks else without)
 
 
 def test_a_cache_salt_must_be_a_non_empty_string(tiny):
