@@ -415,8 +415,7 @@ class EngineBase:
 
     def insert(self, prefix: Prefix, decode_state: Any, slot: int) -> Any:
         state = self._settle(decode_state)
-        self.check_prefix(prefix)
-        self.check_whole(prefix, "insert")
+        self.check_prefix(prefix).require_logits("insert")
         slot = self.check_empty_slot(slot, state.slots.is_occupied)
         self._install(prefix, state, [slot], draw=False)
         state.slots.put(slot, self.slot_type(prefix.true_length, sampling=prefix.sampling))
@@ -428,8 +427,7 @@ class EngineBase:
         if not self.capabilities.bulk_insert:
             raise UnsupportedFeature("bulk_insert", self.name)
         state = self._settle(decode_state)
-        self.check_prefix(prefix)
-        self.check_whole(prefix, "bulk_insert")
+        self.check_prefix(prefix).require_logits("bulk_insert")
         slots = self.check_bulk_slots(slots, state.slots.is_occupied)
         result = self._install(prefix, state, slots, draw=True)
         for slot in slots:
@@ -468,11 +466,7 @@ class EngineBase:
         if not self.capabilities.prefix_truncate:
             raise UnsupportedFeature("prefix truncation (truncate_prefix)", self.name,
                                      "pick a backend that declares Capabilities.prefix_truncate")
-        self.check_prefix(prefix)
-        if not is_int(length) or not 1 <= length <= prefix.true_length:
-            raise InvalidRequest(f"truncate_prefix length must be an integer in 1..{prefix.true_length} (the "
-                                 f"prefix's tokens), got {length!r}", field="length")
-        length = int(length)
+        length = self._check_cut(prefix, length, "truncate_prefix")
         if length == prefix.true_length:
             return prefix
         head = self._prefix_head(prefix, length - 1) if length > 1 else None
@@ -499,20 +493,18 @@ class EngineBase:
             raise UnsupportedFeature("prefix heads (prefix_head)", self.name,
                                      "it needs Capabilities.prefix_truncate and a head that shares the prefix's "
                                      "storage (shares_prefix_heads); truncate_prefix cuts a prefix with logits")
-        self.check_prefix(prefix)
-        if not is_int(length) or not 1 <= length <= prefix.true_length:
-            raise InvalidRequest(f"prefix_head length must be an integer in 1..{prefix.true_length} (the "
-                                 f"prefix's tokens), got {length!r}", field="length")
-        head = prefix if int(length) == prefix.true_length else self._prefix_head(prefix, int(length))
+        length = self._check_cut(prefix, length, "prefix_head")
+        head = prefix if length == prefix.true_length else self._prefix_head(prefix, length)
         return replace(head, logits=None, first_token=-1, token_mask=None)
 
-    @staticmethod
-    def check_whole(prefix: Prefix, what: str) -> None:
-        """Refuse a prefix head (:meth:`prefix_head`) where its own logits are needed."""
-        if isinstance(prefix, Prefix) and prefix.logits is None:
-            raise InvalidRequest(f"{what}: this prefix is a head (prefix_head), which has no logits or first token "
-                                 "of its own and can only be continued: prefill at least one more token with "
-                                 "existing_prefix=it, then use that prefix", field="prefix")
+    def _check_cut(self, prefix: Prefix, length: Any, method: str) -> int:
+        """truncate_prefix's and prefix_head's checks before any work: this engine's prefix
+        and a length of 1 to its tokens (InvalidRequest naming ``method``)."""
+        self.check_prefix(prefix)
+        if not is_int(length) or not 1 <= length <= prefix.true_length:
+            raise InvalidRequest(f"{method} length must be an integer in 1..{prefix.true_length} (the "
+                                 f"prefix's tokens), got {length!r}", field="length")
+        return int(length)
 
     def _prefix_head(self, prefix: Prefix, length: int) -> Prefix:
         """A prefix holding ``prefix``'s first ``length`` positions, only to be continued

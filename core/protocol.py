@@ -302,14 +302,21 @@ class Prefix:
     nbytes: int = 0
 
     def host_logits(self) -> np.ndarray:
-        """The last prompt position's raw logits as a (vocab,) NumPy array (a prefix head,
-        ``logits`` None: refused)."""
+        """The last prompt position's raw logits as a (vocab,) NumPy array (a prefix head:
+        refused, :meth:`require_logits`)."""
+        self.require_logits("host_logits")
+        return np.asarray(self.to_host(self.logits)).reshape(-1)
+
+    def require_logits(self, what: str) -> "Prefix":
+        """This prefix, unless it is a head (``EngineBase.prefix_head``: no logits or first
+        token of its own), which ``what`` refuses with InvalidRequest."""
         if self.logits is None:
             from polyengine.errors import InvalidRequest
 
-            raise InvalidRequest("this prefix is a head (Engine.prefix_head): it has no logits of its own; continue "
-                                 "it with at least one more token first", field="prefix")
-        return np.asarray(self.to_host(self.logits)).reshape(-1)
+            raise InvalidRequest(f"{what}: this prefix is a head (prefix_head), which has no logits or first token "
+                                 "of its own and can only be continued: prefill at least one more token with "
+                                 "existing_prefix=it, then use that prefix", field="prefix")
+        return self
 
     @property
     def true_length(self) -> int:

@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import warnings
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -97,14 +98,16 @@ class CpuEngine(TorchEngine):
         self.fused_prefill_rows = (TILED_FUSED_PREFILL_ROWS if plan.block_tiles else MAX_ROWS) if plan.fused_prefill else 0
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
-    def _fused_prefill_fits(self, rows: int, scores: int) -> bool:
+    def _fused_prefill_fits(self, lengths: Sequence[int], starts: Sequence[int]) -> bool:
         """Up to MAX_ROWS tokens always (where the fused step runs); past it, up to
         ``fused_prefill_rows`` tokens whose queries attend at most FUSED_PREFILL_SCORES
-        keys in all: the step's attention is a loop per row and head, which the torch
-        forward's kernel beats on long prefixes, while its products on tiles win."""
-        if rows <= MAX_ROWS:
-            return rows <= self.fused_prefill_rows
-        return rows <= self.fused_prefill_rows and scores <= FUSED_PREFILL_SCORES
+        keys in all (each token its prefix and the tokens before it): the step's attention
+        is a loop per row and head, which the torch forward's kernel beats on long
+        prefixes, while its products on tiles win."""
+        if not super()._fused_prefill_fits(lengths, starts):
+            return False
+        scores = sum(int(n) * (int(s) + int(n)) for n, s in zip(lengths, starts))
+        return int(sum(lengths)) <= MAX_ROWS or scores <= FUSED_PREFILL_SCORES
 
     def _resolve_kv_dtype(self) -> torch.dtype:
         return self.plan.kv_dtype

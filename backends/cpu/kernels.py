@@ -284,12 +284,13 @@ class CpuKernels:
         that every row of ``x`` runs over (``csrc/tile.h``). Only where :attr:`gguf_tiles`."""
         x2, y = self._gguf_operands(x, blocks, out)
         (m, k), n = x2.shape, blocks.n
+        bias = None if bias is None else bias.contiguous().float()  # held: the call reads its pointer
         xq = torch.empty(m * k, dtype=torch.int16)
         xs = torch.empty(2 * m * k // Q8_BLOCK, dtype=torch.float32)  # scales, then the blocks' sums
         offsets = blocks.offsets
         rc = self.lib.pe_gguf_tile_linear(blocks.ggml_type, x2.data_ptr(), k, blocks.base, blocks.ldw,
                                           None if offsets is None else offsets.ctypes.data,
-                                          None if bias is None else bias.contiguous().float().data_ptr(),
+                                          None if bias is None else bias.data_ptr(),
                                           y.data_ptr(), n, m, n, k, self.threads, xq.data_ptr(), xs.data_ptr(),
                                           xs[m * k // Q8_BLOCK:].data_ptr())
         if rc == -2:
@@ -556,7 +557,7 @@ class FusedDecoder:
                           int(int8_activations) if narrow == torch.int8 or blocks else 0, KV_TYPES[kv_dtype],
                           (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)),
                           page_size, -(-cache_len // page_size) if page_size else 0,
-                          tile_rows if blocks and kernels.gguf_tiles else 0)
+                          tile_rows if blocks else 0)
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")

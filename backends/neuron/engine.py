@@ -647,8 +647,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
     # -- portable prefixes -----------------------------------------------------------------
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
-        self.check_prefix(prefix)
-        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
+        self.check_prefix(prefix).require_logits("export_prefix")
         if self.pages is not None:  # read through its blocks
             k, v = self._on_worker(lambda: self._paged.gather(prefix.kv, prefix.true_length))
         else:

@@ -307,8 +307,7 @@ class ReferenceEngine(EngineBase):
     # -- portable prefixes -----------------------------------------------------------------
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
-        self.check_prefix(prefix)
-        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
+        self.check_prefix(prefix).require_logits("export_prefix")
         k, v = self._prefix_arrays(prefix)
         return PortablePrefix(
             k=k, v=v, prompt_tokens=prefix.prompt_tokens,

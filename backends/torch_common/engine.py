@@ -26,7 +26,7 @@ import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -326,7 +326,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         n = toks.size
         padded = self._prefill_rows(n)
         dev = self.torch_device
-        fused = padded == n and self._fused_prefill_fits(n, n * (start + n))
+        fused = padded == n and self._fused_prefill_fits([n], [start])
         if fused and self.pages is not None:  # the prefix's own pages, written in place
             seq, logits = self._fused_paged_prefill(params, toks, start, existing_prefix)
             return self._prefixed(params, logits[0], None, toks, sampling, existing_prefix, mask, start=start,
@@ -359,11 +359,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     # (_fused_prefill, _fused_paged_prefill) instead of the forward; 0: never (CpuEngine sets it).
     fused_prefill_rows = 0
 
-    def _fused_prefill_fits(self, rows: int, scores: int) -> bool:
-        """Whether a prefill of ``rows`` tokens (a batch's entries together), whose queries
-        attend at most ``scores`` keys in all (each token its prefix and the tokens before
-        it), runs as one fused call: up to ``fused_prefill_rows`` tokens."""
-        return rows <= self.fused_prefill_rows
+    def _fused_prefill_fits(self, lengths: Sequence[int], starts: Sequence[int]) -> bool:
+        """Whether a prefill of entries of ``lengths`` tokens after ``starts`` positions each
+        runs as one fused call: up to ``fused_prefill_rows`` tokens in all (0: never, and
+        nothing else is computed)."""
+        return int(sum(lengths)) <= self.fused_prefill_rows
 
     def _fused_prefill(self, params: TorchWeights, tokens: np.ndarray, rows: list[int], positions: list[int],
                        k: torch.Tensor, v: torch.Tensor, last: list[int]) -> torch.Tensor:
@@ -483,8 +483,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         tail = not causal and len(set(starts)) == 1 and self._causal_attention is not None
         # One fused call where the engine has it: every entry's own rows, no pad rows (none with
         # prefill buckets: the rows asked for are run)
-        if width == max(lengths) and self._fused_prefill_fits(
-                int(lengths.sum()), sum(int(t.size) * (st + int(t.size)) for t, _, st, _ in checked)):
+        if width == max(lengths) and self._fused_prefill_fits(lengths, starts):
             logits = self._fused_prefill(
                 params, np.concatenate([toks for toks, _, _, _ in checked]),
                 [i for i, (toks, _, _, _) in enumerate(checked) for _ in range(toks.size)],
@@ -664,8 +663,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
     @on_engine_thread
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
-        self.check_prefix(prefix)
-        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
+        self.check_prefix(prefix).require_logits("export_prefix")
         k, v = self._prefix_kv(prefix)
         return PortablePrefix(
             k=self._to_host(k), v=self._to_host(v), prompt_tokens=prefix.prompt_tokens,

@@ -618,8 +618,7 @@ class TpuJaxEngine(EngineBase):
         return np.asarray(x)
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
-        self.check_prefix(prefix)
-        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
+        self.check_prefix(prefix).require_logits("export_prefix")
         n = prefix.true_length
         k, v = (self._gathered(x)[:, :, :n].astype(np.float32) for x in self._prefix_arrays(prefix.kv)[:2])
         return PortablePrefix(
@@ -675,9 +674,9 @@ class TpuJaxEngine(EngineBase):
         ``length`` tokens has; contiguous, the same device arrays (JAX arrays are never
         written in place, and every program reads a prefix up to its length only), in the
         prefix's own bucket: no copy through the host (docs/prefix-caching.md, "The serving
-        target"). The continuation's (bucket, new tokens bucket) pair is one warm-up
-        compiled: a prefix of the original's length reaches that bucket, and the head's one
-        token fits after its shorter length."""
+        target"). A continuation of it (truncate_prefix's last token, or a turn after a
+        prefix_head) runs in that bucket, a (bucket, new tokens bucket) pair the warm-up
+        compiles like any continuation's."""
         if self._paged is None:
             return replace(prefix, prompt_tokens=prefix.prompt_tokens[:length])
         seq = prefix.kv.seq.fork(length, finalize=True)

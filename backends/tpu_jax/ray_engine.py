@@ -542,8 +542,7 @@ class RayTpuEngine(EngineBase):
     # -- portable prefixes ---------------------------------------------------------------
 
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
-        self.check_prefix(prefix)
-        self.check_whole(prefix, "export_prefix")  # a prefix head has no logits to export
+        self.check_prefix(prefix).require_logits("export_prefix")
         if isinstance(prefix.kv, PortableHandle):
             return prefix.kv.portable()
         return PortablePrefix.from_bytes(self.group.call("export_prefix", self.engine_id, prefix.kv.prefix_id))
