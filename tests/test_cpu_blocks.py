@@ -281,3 +281,49 @@ def test_a_decode_step_of_many_rows_on_int16_tiles_decodes_as_the_oracle(files):
     if eng.plan.block_tiles:
         assert eng._fused.dims.tile_rows == 8
     assert [c.token_ids for c in llm.generate(prompts, sp)] == [c.token_ids for c in ref.generate(prompts, sp)]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_repacked_weights_decode_as_the_oracle(files, oracle, fmt):
+    """repack_weights: the block matrices copied sixteen rows interleaved (csrc/packed.h)
+    serve the fused step's products and the LM head; greedy tokens are the reference's."""
+    from isa_paths import kernels_for
+
+    if not kernels_for("auto").gguf_packed:
+        pytest.skip("no packed products on this CPU (AVX-512 VNNI only)")
+    model = load_model(files(fmt))
+    eng = CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True}}))
+    eng.load_params()
+    assert all(b.packed is not None for b in eng._blocks.values() if b.format == fmt)
+    assert any(p for p in eng._fused.layers[0].packed)
+    assert "repack_weights" in eng.speed_paths()["weights"]
+    assert _tokens(model, "cpu", {"repack_weights": True}) == oracle(model)
+
+
+def test_repacked_weights_with_many_rows_and_their_refusals(files):
+    """Nine slots at once multiply on int16 tiles filled from the repacked groups; the
+    option is refused, naming why, without block weights, off the AVX-512 VNNI path, and
+    with float32 activations."""
+    from isa_paths import kernels_for
+
+    model = load_model(files("Q4_K"))
+    with pytest.raises(UnsupportedFeature, match="repack_weights=True.*block weights"):
+        CpuEngine(load_model("random:tiny"), CFG.model_copy(update={"options": {"repack_weights": True}}))
+    with pytest.raises(UnsupportedFeature, match="repack_weights=True.*int8_compute='float'|repack_weights=True.*AVX-512"):
+        CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True, "int8_compute": "float"}}))
+    try:
+        kernels_for("avx2")
+    except pytest.skip.Exception:
+        pass
+    else:
+        with pytest.raises(UnsupportedFeature, match="repack_weights=True.*AVX-512 VNNI"):
+            CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True, "isa": "avx2"}}))
+    if not kernels_for("auto").gguf_packed:
+        return
+    prompts = [[3 + (5 * i + 7 * j) % 200 for i in range(4 + j)] for j in range(9)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    config = EngineConfig(max_slots=9, max_prefill_length=24, max_cache_length=64)
+    eng = CpuEngine(model, config.model_copy(update={"options": {"repack_weights": True}}))
+    ref = LLM(model=model, backend="reference", max_slots=9, max_cache_length=64, max_prefill_length=24)
+    got = [c.token_ids for c in LLM.from_engine(eng, tools=False).generate(prompts, sp)]
+    assert got == [c.token_ids for c in ref.generate(prompts, sp)]

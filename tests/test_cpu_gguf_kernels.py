@@ -21,31 +21,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows  # noqa: E402
-from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, dequantize_blocks, quantize_blocks  # noqa: E402
-from polyengine.models.weights import Weight  # noqa: E402
+from polyengine.models.blocks import BLOCK_FORMATS  # noqa: E402
 
+from gguf_cases import block_matrix, q8  # noqa: E402
 from isa_paths import ISAS, kernels_for  # noqa: E402
 
 N, K = 24, 512  # K: two 256-weight super-blocks, sixteen 32-weight blocks
 
 
 def _matrix(fmt: str, seed: int = 0, n: int = N, k: int = K) -> tuple[BlockMatrix, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-    w[0, :32] = 0.0  # an all-zero block
-    raw = quantize_blocks(fmt, w)
-    record = Weight(fmt, (n, k), raw, name="w")
-    exact = dequantize_blocks(fmt, raw.reshape(-1, FORMATS[fmt].nbytes)).reshape(n, k)
-    return BlockMatrix.of(record), exact
+    return block_matrix(fmt, n, k, seed)
 
 
-def _q8(x: np.ndarray) -> np.ndarray:
-    """x quantized per 32 values as csrc/q8.h does (symmetric, round half to even), dequantized."""
-    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    d = np.abs(b).max(axis=2, keepdims=True) / np.float32(127)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d > 0, np.clip(np.rint(b / np.where(d > 0, d, 1)), -127, 127), 0)
-    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+_q8 = q8
 
 
 @pytest.fixture(scope="module", params=ISAS)

@@ -21,21 +21,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from polyengine.backends.cpu.blocks import BlockMatrix  # noqa: E402
-from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, dequantize_blocks, quantize_blocks  # noqa: E402
-from polyengine.models.weights import Weight  # noqa: E402
+from polyengine.models.blocks import BLOCK_FORMATS  # noqa: E402
 
+from gguf_cases import block_matrix  # noqa: E402
 from isa_paths import ISAS, kernels_for  # noqa: E402
 
 K = 512  # two 256-weight super-blocks, sixteen 32-weight blocks
 
 
 def _matrix(fmt: str, n: int, k: int = K, seed: int = 0) -> tuple[BlockMatrix, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-    w[0, :32] = 0.0  # an all-zero block
-    raw = quantize_blocks(fmt, w)
-    exact = dequantize_blocks(fmt, raw.reshape(-1, FORMATS[fmt].nbytes)).reshape(n, k)
-    return BlockMatrix.of(Weight(fmt, (n, k), raw, name="w")), exact
+    return block_matrix(fmt, n, k, seed)
 
 
 def _q16(x: np.ndarray) -> np.ndarray:

@@ -114,7 +114,7 @@ def test_the_library_reports_the_layout_that_python_fills(real_library):
     lib = kernels.load(1).lib
     have = kernels._library_layout(lib)
     assert have == kernels._mirror_layout({"pe_layer": kernels._Layer, "pe_dims": kernels._Dims})
-    assert have["pe_dims"][""] == (0, ctypes.sizeof(kernels._Dims)) and len(have["pe_layer"]) == 26
+    assert have["pe_dims"][""] == (0, ctypes.sizeof(kernels._Dims)) and len(have["pe_layer"]) == 27
     kernels.check_layout(lib, real_library)
 
 

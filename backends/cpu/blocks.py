@@ -21,6 +21,9 @@ the fallback every path has, tested beside the kernels.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +32,7 @@ import torch
 from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, row_bytes
 from polyengine.models.weights import Weight
 
-__all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band"]
+__all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band", "release_pages"]
 
 KERNEL_FORMATS = BLOCK_FORMATS  # every format of csrc/gguf.h
 _BAND_ELEMENTS = 1 << 21  # floats per dequantized band (8 MiB in float32; docs/cpu.md, "Prefill on block weights")
@@ -48,6 +51,9 @@ class BlockMatrix:
     base: int
     ldw: int
     offsets: np.ndarray | None
+    # the rows repacked sixteen at a time (option repack_weights; csrc/packed.h), which the
+    # decode products read instead; the file's blocks stay for everything else
+    packed: torch.Tensor | None = None
 
     @classmethod
     def of(cls, weight: Weight) -> "BlockMatrix":
@@ -80,6 +86,36 @@ class BlockMatrix:
         """Byte offsets of the given rows (int64)."""
         idx = rows.reshape(-1).cpu().numpy().astype(np.int64)
         return (self.offsets[idx] if self.offsets is not None else idx * self.ldw).astype(np.int64)
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def release_pages(blocks: BlockMatrix) -> int:
+    """Drop the pages of ``blocks``' rows from this process's resident memory, once a
+    repacked copy serves its products (option repack_weights): the file's pages stay in
+    the page cache and fault back in if read again (an embedding lookup of a tied table
+    reads a few rows). Only whole pages inside the rows' span; Linux only (elsewhere, and
+    for memory not mapped from a file, nothing is done). Returns the bytes released."""
+    base = blocks.weight.data
+    while base is not None and not isinstance(base, mmap.mmap):  # the views' chain down to the file's map
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if not sys.platform.startswith("linux") or base is None:
+        return 0
+    if blocks.offsets is None:
+        lo, hi = blocks.base, blocks.base + blocks.n * blocks.ldw
+    else:
+        lo = blocks.base + int(blocks.offsets.min())
+        hi = blocks.base + int(blocks.offsets.max()) + blocks.row_bytes
+    page = mmap.PAGESIZE
+    lo, hi = -(-lo // page) * page, hi // page * page
+    if hi <= lo:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+        return 0
+    return hi - lo
 
 
 def dequantize_band(blocks: BlockMatrix, start: int, stop: int, out: torch.Tensor, kernels=None) -> None:

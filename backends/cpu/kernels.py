@@ -44,6 +44,7 @@ from polyengine.cache import check, store
 from polyengine.errors import UnsupportedFeature
 from polyengine.hostinfo import ISA_PATHS, missing_for, runnable_isas
 from polyengine.logs import compiling
+from polyengine.models.blocks import FORMATS
 
 from polyengine.backends.cpu.build import (KernelsUnavailable, cache_entry, cache_lock, compile_library, compiler,
                                            compiler_version, isa_flags, mark_used, prune, source_digest)
@@ -288,8 +289,10 @@ class CpuKernels:
         xq = torch.empty(m * k, dtype=torch.int16)
         xs = torch.empty(2 * m * k // Q8_BLOCK, dtype=torch.float32)  # scales, then the blocks' sums
         offsets = blocks.offsets
+        packed = blocks.packed  # held through the call: the tiles are filled from it where set
         rc = self.lib.pe_gguf_tile_linear(blocks.ggml_type, x2.data_ptr(), k, blocks.base, blocks.ldw,
                                           None if offsets is None else offsets.ctypes.data,
+                                          None if packed is None else packed.data_ptr(),
                                           None if bias is None else bias.data_ptr(),
                                           y.data_ptr(), n, m, n, k, self.threads, xq.data_ptr(), xs.data_ptr(),
                                           xs[m * k // Q8_BLOCK:].data_ptr())
@@ -297,6 +300,52 @@ class CpuKernels:
             raise ValueError("this build of the CPU kernels has no int16 tiles (gguf_tiles is False)")
         if rc != 0:
             raise ValueError(f"the block kernels refused a {blocks.format} matrix of {k} columns")
+        return y.reshape(*x.shape[:-1], n)
+
+    @property
+    def gguf_packed(self) -> bool:
+        """Whether this library has :meth:`gguf_packed_linear` (the AVX-512 VNNI path)."""
+        return bool(self.lib.pe_gguf_packs(2, 32))  # Q4_0, one block
+
+    def gguf_packs(self, blocks) -> bool:
+        """Whether :meth:`gguf_repack` takes ``blocks`` on this library (``csrc/packed.h``:
+        Q4_0, Q8_0, Q4_K and Q6_K on the AVX-512 VNNI path)."""
+        return bool(self.lib.pe_gguf_packs(blocks.ggml_type, blocks.k))
+
+    def gguf_packed_bytes(self, fmt: str, n: int, k: int) -> int:
+        """Bytes of an ``(n, k)`` matrix of format ``fmt`` repacked (0: it does not repack here)."""
+        ggml = FORMATS[fmt].ggml_type if fmt in FORMATS else -1
+        return int(self.lib.pe_gguf_packed_bytes(ggml, n, k)) if self.lib.pe_gguf_packs(ggml, k) else 0
+
+    def gguf_repack(self, blocks) -> torch.Tensor:
+        """``blocks`` with sixteen rows interleaved (row offsets applied), as a uint8
+        tensor for :meth:`gguf_packed_linear`: the same bits, another order in memory."""
+        size = self.lib.pe_gguf_packed_bytes(blocks.ggml_type, blocks.n, blocks.k)
+        packed = torch.empty(size, dtype=torch.uint8)
+        offsets = None if blocks.offsets is None else np.ascontiguousarray(blocks.offsets, dtype=np.int64)
+        rc = self.lib.pe_gguf_repack(blocks.ggml_type, blocks.base, blocks.ldw,
+                                     None if offsets is None else offsets.ctypes.data, blocks.n, blocks.k,
+                                     packed.data_ptr(), self.threads)
+        if rc != 0:
+            raise ValueError(f"a {blocks.format} matrix of {blocks.k} columns does not repack on this library")
+        return packed
+
+    def gguf_packed_linear(self, x: torch.Tensor, blocks, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, pairs: int = 1) -> torch.Tensor:
+        """:meth:`gguf_linear`'s product on ``packed``, ``blocks`` repacked by
+        :meth:`gguf_repack`."""
+        x2, y = self._gguf_operands(x, blocks, out)
+        (m, k), n = x2.shape, blocks.n
+        pairs = 2 if pairs == 2 else 1
+        nb = pairs * m * k // Q8_BLOCK
+        xq = torch.empty(pairs * m * k, dtype=torch.int8)
+        xs = torch.empty(nb + 2 * m * k // Q8_BLOCK, dtype=torch.float32)
+        bias = None if bias is None else bias.contiguous().float()
+        rc = self.lib.pe_gguf_packed_linear(blocks.ggml_type, x2.data_ptr(), k, packed.data_ptr(),
+                                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k,
+                                            self.threads, xq.data_ptr(), xs.data_ptr(), xs[nb:].data_ptr(), pairs)
+        if rc != 0:
+            raise ValueError(f"a {blocks.format} matrix of {k} columns has no packed products on this library")
         return y.reshape(*x.shape[:-1], n)
 
     def gguf_dequant(self, blocks, start: int, stop: int, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -390,9 +439,16 @@ def _bind(lib: ctypes.CDLL) -> None:
                                    ptr, ptr, int_]
     lib.pe_gguf_dequant.argtypes = [int_, ptr, long_, ptr, long_, long_, ptr, long_, int_]
     lib.pe_gguf_linear.restype = lib.pe_gguf_dequant.restype = ctypes.c_int
-    lib.pe_gguf_tile_linear.argtypes = [int_, ptr, long_, ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_,
-                                        ptr, ptr, ptr]
+    lib.pe_gguf_tile_linear.argtypes = [int_, ptr, long_, ptr, long_, ptr, ptr, ptr, ptr, long_, int_, long_, long_,
+                                        int_, ptr, ptr, ptr]
     lib.pe_gguf_tile_linear.restype = lib.pe_gguf_tiles.restype = ctypes.c_int
+    lib.pe_gguf_packs.argtypes = [int_, long_]
+    lib.pe_gguf_packed_bytes.argtypes = [int_, long_, long_]
+    lib.pe_gguf_repack.argtypes = [int_, ptr, long_, ptr, long_, long_, ptr, int_]
+    lib.pe_gguf_packed_linear.argtypes = [int_, ptr, long_, ptr, ptr, ptr, long_, int_, long_, long_, int_, ptr, ptr,
+                                          ptr, int_]
+    lib.pe_gguf_packs.restype = lib.pe_gguf_repack.restype = lib.pe_gguf_packed_linear.restype = ctypes.c_int
+    lib.pe_gguf_packed_bytes.restype = ctypes.c_long
 
 
 _Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)
@@ -475,7 +531,8 @@ class _Layer(ctypes.Structure):
                 + [(p, ctypes.c_void_p) for p in _PROJECTIONS]
                 + [(p + "_scale", ctypes.c_void_p) for p in _PROJECTIONS]
                 + [(p + "_bias", ctypes.c_void_p) for p in _PROJECTIONS]
-                + [("fmt", ctypes.c_int * len(_PROJECTIONS)), ("rowoff", ctypes.c_void_p * len(_PROJECTIONS))])
+                + [("fmt", ctypes.c_int * len(_PROJECTIONS)), ("rowoff", ctypes.c_void_p * len(_PROJECTIONS)),
+                   ("packed", ctypes.c_void_p * len(_PROJECTIONS))])
 
 
 class _Dims(ctypes.Structure):
@@ -571,6 +628,8 @@ class FusedDecoder:
             offsets = np.arange(blocks.n, dtype=np.int64) * blocks.ldw
         setattr(entry, projection, blocks.base)
         entry.fmt[index] = blocks.ggml_type
+        if blocks.packed is not None:  # held by the BlockMatrix, which self._blocks holds
+            entry.packed[index] = blocks.packed.data_ptr()
         if offsets is not None:
             offsets = np.ascontiguousarray(offsets, dtype=np.int64)
             self._offsets.append(offsets)

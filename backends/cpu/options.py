@@ -51,6 +51,11 @@ OPTIONS = {
                                       "'int16' (block weights on int16 tiles, AVX-512 VNNI), or 'auto' (bf16 with "
                                       "bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 units; "
                                       "else int16 tiles where they run)", choices=("auto", "float", "bf16", "int16")),
+    # a copy of the block weights with sixteen rows interleaved, made tensor by tensor at
+    # load, for the decode products (csrc/packed.h): a block's conversion and scale serve
+    # sixteen outputs; the file's blocks stay mapped for prefill and the embedding lookups
+    "repack_weights": Option(False, "decode products on a copy of the GGUF blocks with sixteen rows interleaved "
+                                    "(Q4_0, Q8_0, Q4_K, Q6_K; AVX-512 VNNI), made at load"),
     "prefill_attention": Option("auto", "a prefill's causal attention: 'kernel' (host-compiled), 'sdpa' "
                                         "(torch), or 'auto' (kernel on AVX-512 kernels)",
                                 choices=("auto", "kernel", "sdpa")),

@@ -79,6 +79,7 @@ class CpuPlan:
     block_weights: tuple[str, ...]  # weights kept in the file's GGUF blocks (csrc/gguf.h)
     block_formats: str  # their formats in words ("Q4_K x 7, Q6_K x 2"), "" without any
     block_activations: int  # int8 rows per activation row of block products (0: float32 bands)
+    repack: bool  # decode products on the block weights repacked sixteen rows interleaved (csrc/packed.h)
     fuse_projections: bool  # bfloat16 weights: q/k/v and gate/up as one matrix each
     int8_activations: int  # int8 rows per activation row of int8 products (0: float32)
     bf16_activations: bool  # bfloat16 weights' decode products on bfloat16 activations
@@ -108,6 +109,7 @@ class CpuPlan:
         prefill_compute = _prefill_compute(o, host, dtype, weights or ("blocks" if blocks else ""), bf16_activations,
                                            int8_activations or block_activations)
         block_tiles = _block_tiles(o, kernels, blocks, prefill_compute, dtype, block_activations)
+        repack = _repack(o, kernels, blocks, block_activations)
         formats = _formats(model, blocks)
         unfused_why = None if kernels is None else _unfused_why(o, config, weights, blocks, block_activations)
         return cls(
@@ -116,7 +118,7 @@ class CpuPlan:
             fused_decode=kernels is not None and unfused_why is None, unfused_why=unfused_why,
             fused_prefill=kernels is not None and unfused_why is None and o["fused_prefill"],
             live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
-            block_activations=block_activations, fuse_projections=o["fuse_projections"],
+            block_activations=block_activations, repack=repack, fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
             block_tiles=block_tiles, prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
             for_model=model is not None, page_size=o.get("page_size", 0),
@@ -185,6 +187,10 @@ class CpuPlan:
     def _weights(self) -> str:
         if self.block_weights:
             where = "the block kernels" if self.kernels is not None else "bands dequantized by the core (no kernels)"
+            if self.repack:
+                return (f"the file's GGUF blocks ({self.block_formats}), Q4_0/Q8_0/Q4_K/Q6_K copied at load with "
+                        "sixteen rows interleaved (option repack_weights, csrc/packed.h) for decode's products and "
+                        "prefill's tiles, their file pages released; other formats as mapped")
             return (f"the file's GGUF blocks as mapped, never widened whole ({self.block_formats}): decode "
                     f"products on {where}, prefill by dequantized bands into torch's GEMM")
         if self.weights in WEIGHT_MODES:
@@ -443,6 +449,26 @@ def _block_tiles(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple
         return True
     return (choice == "auto" and bool(blocks) and have and block_activations > 0
             and prefill_compute == dtype == torch.float32)
+
+
+def _repack(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple[str, ...], block_activations: int) -> bool:
+    """Whether decode's products read the block weights repacked sixteen rows interleaved
+    (option repack_weights; csrc/packed.h)."""
+    if not o["repack_weights"]:
+        return False
+    why = None
+    if not blocks:
+        why = ("it repacks a GGUF file's block weights, and none are kept in blocks here (float32 compute on a GGUF "
+               "file keeps them)")
+    elif kernels is None or not kernels.gguf_packed:
+        why = ("its products need AVX-512 VNNI (csrc/packed.h) and " +
+               ("the host-compiled kernels are not used here" if kernels is None else
+                f"this library's int8 path is {kernels.q8_isa}"))
+    elif not block_activations:
+        why = "its products take int8 activations, and int8_compute='float' asks for float32 ones"
+    if why:
+        raise UnsupportedFeature("repack_weights=True", BACKEND, why + "; drop the option")
+    return True
 
 
 def _prefill_attention(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None, fallback: str | None,

@@ -34,6 +34,9 @@ struct pe_layer {
     // and row offsets (null: rows evenly spaced), in the order q, k, v, o, gate, up, down
     int fmt[7];
     const long *rowoff[7];
+    // the same matrices repacked sixteen rows interleaved (packed.h; null: not repacked),
+    // which a step's products read below tile_rows rows
+    const uint8_t *packed[7];
 };
 
 struct pe_dims {
@@ -373,12 +376,12 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
         // tmp (M, H) = in (M, K) @ W^T for the o and down projections, whose input the
         // threads wrote by element or by head: quantized by rows (q8) after a barrier.
         auto into_tmp = [&](const float *in, long K, const void *wt, const float *scale, const float *bias, int fmt,
-                            const long *rowoff) {
+                            const long *rowoff, const uint8_t *packed) {
             if (converts_rows(d)) {
                 quantize_rows(d, M, in, K, r0, r1, xq, xs, xsf, res + tid * kmax);
                 bar.wait(nth);
             }
-            const pe_seg seg[1] = {{wt, scale, bias, tmp, H, H, fmt, rowoff}};
+            const pe_seg seg[1] = {{wt, scale, bias, tmp, H, H, fmt, rowoff, packed}};
             proj(d, in, xq, xs, xsf, M, K, seg, 1, tid, nth);
             bar.wait(nth);
         };
@@ -387,9 +390,9 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             for (long m = r0; m < r1; m++) rms_norm(x + m * H, w->input_norm, h + m * H, H, d->eps);
             quantize_rows(d, M, h, H, r0, r1, xq, xs, xsf, res + tid * kmax);
             bar.wait(nth);
-            const pe_seg qkv[3] = {{w->q, w->q_scale, w->q_bias, q, qs, qs, w->fmt[0], w->rowoff[0]},
-                                   {w->k, w->k_scale, w->k_bias, k, kvs, kvs, w->fmt[1], w->rowoff[1]},
-                                   {w->v, w->v_scale, w->v_bias, v, kvs, kvs, w->fmt[2], w->rowoff[2]}};
+            const pe_seg qkv[3] = {{w->q, w->q_scale, w->q_bias, q, qs, qs, w->fmt[0], w->rowoff[0], w->packed[0]},
+                                   {w->k, w->k_scale, w->k_bias, k, kvs, kvs, w->fmt[1], w->rowoff[1], w->packed[1]},
+                                   {w->v, w->v_scale, w->v_bias, v, kvs, kvs, w->fmt[2], w->rowoff[2], w->packed[2]}};
             proj(d, h, xq, xs, xsf, M, H, qkv, 3, tid, nth);
             bar.wait(nth);
             PE_MARK(1)
@@ -409,7 +412,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             attn_task(&aj, tid, nth);
             bar.wait(nth);
             PE_MARK(3)
-            into_tmp(att, qs, w->o, w->o_scale, w->o_bias, w->fmt[3], w->rowoff[3]);
+            into_tmp(att, qs, w->o, w->o_scale, w->o_bias, w->fmt[3], w->rowoff[3], w->packed[3]);
             PE_MARK(4)
             for (long m = r0; m < r1; m++) {
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];
@@ -417,8 +420,8 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             }
             quantize_rows(d, M, h, H, r0, r1, xq, xs, xsf, res + tid * kmax);
             bar.wait(nth);
-            const pe_seg gate_up[2] = {{w->gate, w->gate_scale, w->gate_bias, g, I, I, w->fmt[4], w->rowoff[4]},
-                                       {w->up, w->up_scale, w->up_bias, u, I, I, w->fmt[5], w->rowoff[5]}};
+            const pe_seg gate_up[2] = {{w->gate, w->gate_scale, w->gate_bias, g, I, I, w->fmt[4], w->rowoff[4], w->packed[4]},
+                                       {w->up, w->up_scale, w->up_bias, u, I, I, w->fmt[5], w->rowoff[5], w->packed[5]}};
             proj(d, h, xq, xs, xsf, M, H, gate_up, 2, tid, nth);
             bar.wait(nth);
             PE_MARK(5)
@@ -430,7 +433,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             }
             for (; i < e1; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
             bar.wait(nth);
-            into_tmp(g, I, w->down, w->down_scale, w->down_bias, w->fmt[6], w->rowoff[6]);
+            into_tmp(g, I, w->down, w->down_scale, w->down_bias, w->fmt[6], w->rowoff[6], w->packed[6]);
             PE_MARK(6)
             for (long m = r0; m < r1; m++)
                 for (long i = 0; i < H; i++) x[m * H + i] += tmp[m * H + i];

@@ -8,6 +8,7 @@
 // are the weights' size whatever M is. int8 weights read a quarter of the bytes.
 #pragma once
 #include "gguf.h"
+#include "packed.h"
 #include "parallel.h"
 #include "q8.h"
 #include "simd.h"
@@ -166,6 +167,7 @@ struct pe_seg {
     long ldy, N;
     int fmt;              // PE_GGUF: the GGUF block format (gguf.h's ggml type id)
     const long *rowoff;   // PE_GGUF: row n's byte offset from w (null: rows evenly spaced)
+    const uint8_t *packed;  // PE_GGUF(X2): w repacked sixteen rows interleaved (packed.h), read instead
 };
 
 // PE_Q8: int8 weights against int8-quantized activations (q8.h; xq/xs set, x unused).
@@ -270,12 +272,19 @@ static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) 
     } else if (j->kind == PE_Q8) {
         q8_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
     } else if (j->kind == PE_GGUF || j->kind == PE_GGUFX2) {
+#if GP_PACKED
+        if (s->packed) {
+            gp_seg_rows(s->fmt, j->kind == PE_GGUFX2, j->xq, j->xs, j->xsf, j->M, j->K, s->packed, s->bias, s->y,
+                        s->ldy, n0, n1);
+            return;
+        }
+#endif
         gq_seg_rows(s->fmt, j->kind == PE_GGUFX2, j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, s->rowoff,
                     s->bias, s->y, s->ldy, n0, n1);
 #if GT_TILES
     } else if (j->kind == PE_GGUFT) {
         gt_seg_rows(s->fmt, (const int16_t *)j->xq, j->xs, j->xsf, j->M, j->K, (const uint8_t *)s->w, 0, s->rowoff,
-                    s->bias, s->y, s->ldy, n0, n1);
+                    s->packed, s->bias, s->y, s->ldy, n0, n1);
 #endif
     } else if (j->kind == PE_Q8X2) {
         q8x2_rows(j->xq, j->xs, j->M, j->K, (const int8_t *)s->w, s->scale, j->group, s->bias, s->y, s->ldy, n0, n1);
@@ -288,10 +297,11 @@ static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) 
 }
 
 // Thread tid's share of every segment's row tiles, in one static split of their union
-// (int16 tiles: of sixteen rows, whatever a thread's share, no tile is cut in two).
+// (block weights: of sixteen rows, whatever a thread's share, no int16 tile or group of
+// packed rows is cut in two).
 static void linear_task(void *arg, int tid, int nth) {
     const pe_linear_job *j = (const pe_linear_job *)arg;
-    const long unit = j->kind == PE_GGUFT ? 16 : PE_TILE;
+    const long unit = j->kind == PE_GGUFT || j->kind == PE_GGUF || j->kind == PE_GGUFX2 ? 16 : PE_TILE;
     long total = 0;
     for (int i = 0; i < j->nseg; i++) total += (j->segs[i].N + unit - 1) / unit;
     long b, e;

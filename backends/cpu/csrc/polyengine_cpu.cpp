@@ -11,6 +11,7 @@
 //   decode.h        a whole fused decode step and its descriptors (pe_layer, pe_dims)
 //   prefill_attn.h  a prefill's causal attention, flash-attention order
 //   tile.h          GGUF block weights against many rows of x: int16 tiles (AVX-512 VNNI)
+//   packed.h        GGUF block weights repacked sixteen rows interleaved: decode products
 #include <stddef.h>
 
 #include "decode.h"
@@ -18,6 +19,7 @@
 #include "linear.h"
 #include "parallel.h"
 #include "prefill_attn.h"
+#include "packed.h"
 #include "q8.h"
 #include "simd.h"
 #include "tile.h"
@@ -41,7 +43,7 @@ static const pe_field_layout pe_layouts[] = {
     PE_FIELD(pe_layer, down_scale),
     PE_FIELD(pe_layer, q_bias), PE_FIELD(pe_layer, k_bias), PE_FIELD(pe_layer, v_bias),
     PE_FIELD(pe_layer, o_bias), PE_FIELD(pe_layer, gate_bias), PE_FIELD(pe_layer, up_bias),
-    PE_FIELD(pe_layer, down_bias), PE_FIELD(pe_layer, fmt), PE_FIELD(pe_layer, rowoff),
+    PE_FIELD(pe_layer, down_bias), PE_FIELD(pe_layer, fmt), PE_FIELD(pe_layer, rowoff), PE_FIELD(pe_layer, packed),
     PE_RECORD(pe_dims),
     PE_FIELD(pe_dims, hidden), PE_FIELD(pe_dims, intermediate), PE_FIELD(pe_dims, heads),
     PE_FIELD(pe_dims, kv_heads), PE_FIELD(pe_dims, head_dim), PE_FIELD(pe_dims, layers),
@@ -52,8 +54,8 @@ static const pe_field_layout pe_layouts[] = {
 };
 // A field appended to a struct and not to the table (nor to Python's mirror) would escape
 // the check: the table's last field must end its struct.
-static_assert(offsetof(pe_layer, rowoff) + sizeof(pe_layer::rowoff) == sizeof(pe_layer),
-              "pe_layer has a field after rowoff: list it in pe_layouts and in kernels.py's _Layer");
+static_assert(offsetof(pe_layer, packed) + sizeof(pe_layer::packed) == sizeof(pe_layer),
+              "pe_layer has a field after packed: list it in pe_layouts and in kernels.py's _Layer");
 static_assert(offsetof(pe_dims, tile_rows) + sizeof(pe_dims::tile_rows) == sizeof(pe_dims),
               "pe_dims has a field after tile_rows: list it in pe_layouts and in kernels.py's _Dims");
 
@@ -167,24 +169,58 @@ int pe_gguf_dequant(int fmt, const uint8_t *w, long ldw, const long *rowoff, lon
     return 0;
 }
 
+// 1 where a matrix of format fmt and K columns repacks for pe_gguf_packed_linear on this
+// library (packed.h: Q4_0, Q8_0, Q4_K, Q6_K on the AVX-512 VNNI path), else 0.
+int pe_gguf_packs(int fmt, long K) { return gp_packs(fmt, K); }
+
+// Bytes of N rows of K weights repacked (whole groups of sixteen rows).
+long pe_gguf_packed_bytes(int fmt, long N, long K) { return (N + GP_ROWS - 1) / GP_ROWS * gp_group_bytes(fmt, K); }
+
+// The rows of a block matrix (row n at w + rowoff[n], or n * ldw) repacked into dst
+// (pe_gguf_packed_bytes of them): 0, or -1 where pe_gguf_packs says no.
+int pe_gguf_repack(int fmt, const uint8_t *w, long ldw, const long *rowoff, long N, long K, uint8_t *dst, int threads) {
+    if (!gp_packs(fmt, K)) return -1;
+    gp_repack_job job = {fmt, w, ldw, rowoff, N, K, dst};
+    pe_parallel(gp_repack_task, &job, threads);
+    return 0;
+}
+
+// pe_gguf_linear's product on a repacked matrix (pe_gguf_repack); scratch and pairs as
+// there. 0; -1 where pe_gguf_packs says no.
+int pe_gguf_packed_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const float *bias, float *y,
+                          long ldy, int M, long N, long K, int threads, int8_t *xq, float *xs, float *xsf, int pairs) {
+    if (!gp_packs(fmt, K)) return -1;
+#if GP_PACKED
+    if (pairs == 2)
+        gq_quantize_x2(x, ldx, M, K, xq, xs, xsf);
+    else
+        gq_quantize(x, ldx, M, K, xq, xs, xsf);
+    gp_job job = {fmt, M, pairs == 2, K, N, ldy, xq, xs, xsf, bias, packed, y};
+    pe_parallel(gp_task, &job, threads);
+#endif
+    return 0;
+}
+
 // 1 where pe_gguf_tile_linear runs (the AVX-512 VNNI path, tile.h), else 0.
 int pe_gguf_tiles(void) { return GT_TILES; }
 
 // The same product as pe_gguf_linear on tile.h's int16 tiles, for many rows of x. Scratch:
 // xq M * K int16, xs and xsum M * K / 32 floats each. 0; -1 as pe_gguf_linear's; -2 where
-// this library has no tiles (pe_gguf_tiles 0).
+// this library has no tiles (pe_gguf_tiles 0). packed: w repacked (pe_gguf_repack) or null,
+// the tiles filled from it (-1 where it cannot be: pe_gguf_packs).
 int pe_gguf_tile_linear(int fmt, const float *x, long ldx, const uint8_t *w, long ldw, const long *rowoff,
-                        const float *bias, float *y, long ldy, int M, long N, long K, int threads, int16_t *xq,
-                        float *xs, float *xsum) {
+                        const uint8_t *packed, const float *bias, float *y, long ldy, int M, long N, long K,
+                        int threads, int16_t *xq, float *xs, float *xsum) {
 #if GT_TILES
     const int block = gq_block(fmt);
     if (!block || K % block) return -1;
     gt_quantize(x, ldx, M, K, xq, xs, xsum);
-    gt_job job = {fmt, M, K, N, ldw, ldy, xq, xs, xsum, bias, w, rowoff, y};
+    if (packed && !gp_packs(fmt, K)) return -1;
+    gt_job job = {fmt, M, K, N, ldw, ldy, xq, xs, xsum, bias, w, rowoff, packed, y};
     pe_parallel(gt_task, &job, threads);
     return 0;
 #else
-    (void)fmt, (void)x, (void)ldx, (void)w, (void)ldw, (void)rowoff, (void)bias, (void)y, (void)ldy, (void)M;
+    (void)fmt, (void)x, (void)ldx, (void)w, (void)ldw, (void)rowoff, (void)packed, (void)bias, (void)y, (void)ldy, (void)M;
     (void)N, (void)K, (void)threads, (void)xq, (void)xs, (void)xsum;
     return -2;
 #endif

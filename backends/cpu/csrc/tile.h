@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "gguf.h"
+#include "packed.h"
 #include "parallel.h"
 
 #if PE_Q8_ISA == 3
@@ -183,9 +184,11 @@ static inline int32_t *gt_scratch(long bytes) {
 
 // Weight rows [n0, n1) of W (row n at w + rowoff[n], or n * ldw) against M rows of x as
 // gt_quantize laid them out, sixteen rows a tile (the last may have fewer): y[m * ldy + n].
+// packed: W repacked (packed.h; n0 a multiple of 16), each tile filled from its group.
 template <int F>
 static void gt_rows(const int16_t *xq, const float *xs, const float *xsum, int M, long K, const uint8_t *w, long ldw,
-                    const long *rowoff, const float *bias, float *y, long ldy, long n0, long n1) {
+                    const long *rowoff, const uint8_t *packed, const float *bias, float *y, long ldy, long n0,
+                    long n1) {
     const int NS = gt_ns<F>::N;
     const long nb = K / 32;
     // 1 KiB of weights a block, then the scales and minimums
@@ -195,7 +198,10 @@ static void gt_rows(const int16_t *xq, const float *xs, const float *xsum, int M
     for (long t0 = n0; t0 < n1; t0 += 16) {
         const int rows = (int)(n1 - t0 < 16 ? n1 - t0 : 16);
         const __mmask16 mask = (__mmask16)((1u << rows) - 1u);
-        gt_pack<F>(w, ldw, rowoff, K, t0, rows, wt, sc, mn);
+        if (packed)
+            gp_tile_of<F>(packed + t0 / GP_ROWS * gp_group_bytes(F, K), K, wt, sc, mn);
+        else
+            gt_pack<F>(w, ldw, rowoff, K, t0, rows, wt, sc, mn);
         const float *b = bias ? bias + t0 : nullptr;
         int m = 0;
         for (; m + GT_MR <= M; m += GT_MR)
@@ -214,10 +220,10 @@ static void gt_rows(const int16_t *xq, const float *xs, const float *xsum, int M
 // gt_rows for format fmt (gguf.h's ggml type id): a fused step's share of one projection
 // (linear.h's PE_GGUFT, ldw 0: packed rows) or a whole product's (pe_gguf_tile_linear).
 static void gt_seg_rows(int fmt, const int16_t *xq, const float *xs, const float *xsum, int M, long K,
-                        const uint8_t *w, long ldw, const long *rowoff, const float *bias, float *y, long ldy,
-                        long n0, long n1) {
+                        const uint8_t *w, long ldw, const long *rowoff, const uint8_t *packed, const float *bias,
+                        float *y, long ldy, long n0, long n1) {
     if (!ldw) ldw = gq_row_bytes(fmt, K);
-#define GT_SEG(F) gt_rows<F>(xq, xs, xsum, M, K, w, ldw, rowoff, bias, y, ldy, n0, n1)
+#define GT_SEG(F) gt_rows<F>(xq, xs, xsum, M, K, w, ldw, rowoff, packed, bias, y, ldy, n0, n1)
     GQ_DISPATCH(fmt, GT_SEG)
 #undef GT_SEG
 }
@@ -229,6 +235,7 @@ struct gt_job {
     const float *xs, *xsum, *bias;
     const uint8_t *w;
     const long *rowoff;
+    const uint8_t *packed;  // null, or w repacked (packed.h)
     float *y;
 };
 
@@ -239,7 +246,8 @@ static void gt_task(void *arg, int tid, int nth) {
     pe_share((j->N + 15) / 16, tid, nth, &b0, &b1);
     const long n1 = b1 * 16 < j->N ? b1 * 16 : j->N;
     if (b0 * 16 < n1)
-        gt_seg_rows(j->fmt, j->xq, j->xs, j->xsum, j->M, j->K, j->w, j->ldw, j->rowoff, j->bias, j->y, j->ldy, b0 * 16, n1);
+        gt_seg_rows(j->fmt, j->xq, j->xs, j->xsum, j->M, j->K, j->w, j->ldw, j->rowoff, j->packed, j->bias, j->y,
+                    j->ldy, b0 * 16, n1);
 }
 
 #endif  // GT_TILES
