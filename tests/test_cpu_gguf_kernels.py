@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 
 from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows  # noqa: E402
 from polyengine.models.blocks import BLOCK_FORMATS  # noqa: E402
+from polyengine.models.weights import Weight  # noqa: E402
 
 from gguf_cases import block_matrix, q8  # noqa: E402
 from isa_paths import ISAS, kernels_for  # noqa: E402
