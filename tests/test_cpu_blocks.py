@@ -298,6 +298,10 @@ def test_repacked_weights_decode_as_the_oracle(files, oracle, fmt):
     assert any(p for p in eng._fused.layers[0].packed)
     assert "repack_weights" in eng.speed_paths()["weights"]
     assert _tokens(model, "cpu", {"repack_weights": True}) == oracle(model)
+    # a second engine of the same Model shares the copies (the file pages stay released)
+    again = CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True}}))
+    again.load_params()
+    assert all(again._blocks[n].packed is b.packed for n, b in eng._blocks.items() if b.packed is not None)
 
 
 def test_repacked_weights_with_many_rows_and_their_refusals(files):

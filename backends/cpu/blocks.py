@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,8 @@ import torch
 from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, row_bytes
 from polyengine.models.weights import Weight
 
-__all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band", "release_pages"]
+__all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band", "release_pages",
+           "repacked", "repacked_for"]
 
 KERNEL_FORMATS = BLOCK_FORMATS  # every format of csrc/gguf.h
 _BAND_ELEMENTS = 1 << 21  # floats per dequantized band (8 MiB in float32; docs/cpu.md, "Prefill on block weights")
@@ -116,6 +118,28 @@ def release_pages(blocks: BlockMatrix) -> int:
     if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
         return 0
     return hi - lo
+
+
+# Model -> its matrices repacked (option repack_weights), by weight name: every engine of
+# one Model shares them, as the int8 copies are shared (a second engine repacking would
+# read the released file pages back and hold a second copy beside the first's).
+_PACKED: "weakref.WeakKeyDictionary[object, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def repacked_for(model) -> bool:
+    """Whether ``model``'s matrices were repacked (by an engine before this one)."""
+    return bool(_PACKED.get(model))
+
+
+def repacked(model, name: str, blocks: BlockMatrix, kernels) -> torch.Tensor:
+    """``blocks`` (the Model's record ``name``) repacked sixteen rows interleaved
+    (``kernels.gguf_repack``), made once per Model; the first time, its file pages are
+    released (:func:`release_pages`)."""
+    done = _PACKED.setdefault(model, {})
+    if name not in done:
+        done[name] = kernels.gguf_repack(blocks)
+        release_pages(blocks)
+    return done[name]
 
 
 def dequantize_band(blocks: BlockMatrix, start: int, stop: int, out: torch.Tensor, kernels=None) -> None:

@@ -29,7 +29,7 @@ from polyengine.models.quantize import has_int8_copies, int8_bytes, quantized_na
 from polyengine.pages import PageList
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
-from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows, release_pages
+from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows, repacked, repacked_for
 from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
 from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, FUSED_PREFILL_SCORES, MAX_ROWS, TILE_ROWS,
                                              TILED_FUSED_PREFILL_ROWS, FusedDecoder)
@@ -144,7 +144,7 @@ class CpuEngine(TorchEngine):
             needs["float32 copies of the weights stored in other formats"] = converted
         if plan.weights in ("int8", "int8-block32") and not has_int8_copies(self.model, plan.weights):
             needs[f"int8 copies of the projections and the LM head ({plan.weights})"] = int8_bytes(c, plan.weights)
-        if plan.repack:
+        if plan.repack and not repacked_for(self.model):
             needs["the block weights repacked (option repack_weights)"] = sum(
                 plan.kernels.gguf_packed_bytes(self.model.records[n].format, *shapes[n]) for n in plan.block_weights)
         if plan.weights == "bfloat16" and not has_bf16_copies(self.model):
@@ -162,10 +162,10 @@ class CpuEngine(TorchEngine):
         # the file's blocks as mapped: nothing allocated, nothing converted
         self._blocks = {name: BlockMatrix.of(self.model.weights.record(name)) for name in plan.block_weights}
         if plan.repack:  # one tensor at a time; its file pages then leave this process's memory
-            for blocks in self._blocks.values():
+            for name, blocks in self._blocks.items():
                 if plan.kernels.gguf_packs(blocks):
-                    blocks.packed = self._allocating("repacked block weights", lambda b=blocks: plan.kernels.gguf_repack(b))
-                    release_pages(blocks)
+                    blocks.packed = self._allocating("repacked block weights", lambda n=name, b=blocks: repacked(
+                        self.model, n, b, plan.kernels))
         if "model.embed_tokens.weight" in self._blocks:
             self._embed = self._block_embed
         weights = self._allocating("the weights", lambda: TorchWeights.from_model(
