@@ -590,6 +590,20 @@ static void gq_quantize_x2(const float *x, long ldx, int M, long K, int8_t *xq, 
             int32_t sum[2] = {0, 0};
             if (d == 0.f) {
                 memset(q2 + b * 32, 0, 32);
+            } else if (PE_Q8_ISA == 3) {  // the loop below sixteen values a step (a 2048-row 5.8 -> ~1 us)
+#if PE_Q8_ISA == 3
+                const __m512 vd = _mm512_set1_ps(d), inv = _mm512_set1_ps(254.f / d);
+                for (int h = 0; h < 2; h++) {
+                    const long k = b * 32 + 16 * h;
+                    const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q1 + k)));
+                    __m512 t = _mm512_mul_ps(_mm512_fnmadd_ps(vd, _mm512_cvtepi32_ps(a), _mm512_loadu_ps(xm + k)), inv);
+                    t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // half to even
+                    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+                    const __m512i r = _mm512_cvtps_epi32(t);
+                    _mm_storeu_si128((__m128i *)(q2 + k), _mm512_cvtepi32_epi8(r));
+                    sum[h] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(a, _mm512_set1_epi32(254)), r));
+                }
+#endif
             } else {
                 const float inv = 254.f / d;
                 for (int i = 0; i < 32; i++) {
