@@ -211,6 +211,9 @@ class Harness:
         # reused by another engine while this entry lives (ids of freed objects are).
         self._params: dict[int, tuple[Any, Any]] = {}
         self._default: Any = None
+        # the model default_engine runs: DEFAULT_MODEL, or under an option set it refuses
+        # (one that applies to quantized models only), the first model that takes it
+        self.default_model = DEFAULT_MODEL
         # registry mode (the run is this backend's alone): a backend that cannot be built here
         # stops the run once; a subclass in someone's test session fails its tests instead
         self.stop_when_unavailable = stop_when_unavailable
@@ -231,6 +234,10 @@ class Harness:
             # Not reused for explicit dtypes: nothing says which dtype a backend's default is.
             try:
                 self._default = self.build(build_model(DEFAULT_MODEL), self.config(None))
+            except UnsupportedFeature as exc:
+                if not self.options:
+                    raise
+                self._default = self._first_taking_options(exc)
             except BackendUnavailable as exc:
                 if not self.stop_when_unavailable:
                     raise
@@ -241,6 +248,24 @@ class Harness:
                 pytest.exit(f"{exc}. Nothing was tested: run the suite where the backend is available, or pass "
                             f"the options that make it runnable here (--option KEY=VALUE)", returncode=4)
         return self._default
+
+    def _first_taking_options(self, refusal: UnsupportedFeature) -> Any:
+        """Under an option set the default model refuses (an option for quantized weights
+        only): the engine of the first conformance model that takes it, which the
+        surface layer and the capabilities then read; the default model's own tests skip
+        (``engine`` below). No model takes it: every test skips, saying so."""
+        for name in ALL_MODEL_NAMES:
+            if name == DEFAULT_MODEL:
+                continue
+            try:
+                engine = self.build(build_model(name), self.config(None))
+            except UnsupportedFeature:
+                continue
+            self.default_model = name
+            return engine
+        import pytest
+
+        pytest.skip(f"the backend refuses options {self.options} for every conformance model: {refusal}")
 
     @property
     def capabilities(self) -> Capabilities:
@@ -255,17 +280,21 @@ class Harness:
         dtype = dtype or self.primary_dtype
         key = (model, dtype, variant)
         if key not in self._engines:
-            try:
-                self._engines[key] = self.build(build_model(model), self.config(dtype, variant))
-            except UnsupportedFeature as exc:
-                if not self.options:
-                    raise
-                # an option set that does not apply to this model (int8 weights of a mixture of
-                # experts): refused at construction, as the protocol asks, so not a failure of the run
-                import pytest
-
-                pytest.skip(f"the backend refuses options {self.options} for model {model}: {exc}")
+            self._engines[key] = self.build_for(model, self.config(dtype, variant))
         return self._engines[key]
+
+    def build_for(self, model: str, config: EngineConfig) -> Any:
+        """An engine of conformance model ``model`` under ``config``; under an option set
+        that does not apply to it (int8 weights of a mixture of experts, block options on
+        a float model), refused at construction as the protocol asks: the test skips."""
+        try:
+            return self.build(build_model(model), config)
+        except UnsupportedFeature as exc:
+            if not self.options:
+                raise
+            import pytest
+
+            pytest.skip(f"the backend refuses options {self.options} for model {model}: {exc}")
 
     def params(self, engine: Any) -> Any:
         entry = self._params.get(id(engine))
@@ -282,9 +311,11 @@ class Harness:
         """Backend facts for the report (name, distribution, device, capabilities, seeds)."""
         out: dict[str, Any] = {"name": None, "distribution": None, "version": None}
         out.update({k: v for k, v in self.metadata.items() if v is not None})
+        import pytest
+
         try:
             engine = self.default_engine
-        except Exception as exc:  # the engine does not build: the tests say why
+        except (Exception, pytest.skip.Exception) as exc:  # the engine does not build: the tests say why
             out.setdefault("error", f"{type(exc).__name__}: {exc}")
             engine = None
         if engine is not None:
@@ -302,6 +333,7 @@ class Harness:
             "backend": None if engine is None else getattr(engine, "device", None),
         }
         out["options"] = None if self.option_set is None else self.option_set.to_dict()
+        out["default_model"] = self.default_model  # another where the options refuse DEFAULT_MODEL
         out["seeds"] = dict(SEEDS)
         out["limits"] = dict(LIMITS)
         out["models"] = {name: build_model(name).config.model_dump(mode="json") for name in ALL_MODEL_NAMES}

@@ -120,7 +120,7 @@ class EdgeLayer:
                 # the engines the other layers built already where the edge is theirs: a compiled
                 # backend compiles only the long-RoPE contexts anew
                 variant = next((v for v, changes in VARIANTS.items() if changes == dict(edge.changes)), None)
-                eng = conformance.engine(model, dtype, variant) if variant else harness.build(build_model(model), config)
+                eng = conformance.engine(model, dtype, variant) if variant else harness.build_for(model, config)
                 harness.cache[key] = (eng, ref, ref.load_params(), wide, wide.load_params())
             eng, ref, ref_params, wide, wide_params = harness.cache[key]
             own = edge.changes and not any(changes == dict(edge.changes) for changes in VARIANTS.values())

@@ -616,7 +616,7 @@ class PrefixLayer:
         positions (InvalidRequest), and caches or weights that do not fit in memory
         (InsufficientMemory, checked with polyengine.memory under a simulated limit)."""
         harness = conformance.harness
-        model = build_model(DEFAULT_MODEL)
+        model = build_model(harness.default_model)  # another where the run's options refuse the default
         dtype = conformance.dtype
         cases = [
             ("an unknown option", harness.config(dtype, options={**harness.options, "polyengine_conformance_no_such_option": 1}),

@@ -14,7 +14,7 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.conformance import layer
 from polyengine.conformance.harness import LIMITS
-from polyengine.conformance.models import DEFAULT_MODEL, build_model
+from polyengine.conformance.models import build_model
 from polyengine.conformance.tolerances import QUANTITIES
 
 
@@ -23,7 +23,7 @@ class SurfaceLayer:
     def test_engine_attributes(self, conformance):
         """Required attributes exist, have the protocol's types and honour the config."""
         eng = conformance.harness.default_engine
-        model = build_model(DEFAULT_MODEL)
+        model = build_model(conformance.harness.default_model)
         missing = [p for p in protocol_problems(eng) if p.startswith("attribute")]
         assert not missing, f"{type(eng).__name__} does not implement polyengine.Engine: " + "; ".join(missing)
         assert isinstance(eng.name, str) and eng.name, f"engine.name must be a non-empty str, got {eng.name!r}"

@@ -157,3 +157,48 @@ def test_runner_options_and_declared_sets():
     assert option_runs(select_backend("reference"), args) == [()]
     assert option_runs(select_backend("cuda_torch"), argparse.Namespace(option=["quantize=int8"], option_sets="declared")) \
         == [("quantize=int8",)]
+
+
+QUANT_ONLY = """
+import pytest
+from polyengine.backends.reference.engine import ReferenceEngine
+from polyengine.conformance import BackendConformance
+from polyengine.engine import Option
+from polyengine.errors import UnsupportedFeature
+
+
+class QuantOnly(ReferenceEngine):
+    OPTIONS = {"blocks_only": Option(False, "an option for a model's quantized blocks only")}
+
+    def __init__(self, model, config):
+        if config.options.get("blocks_only") and all(r.format in ("F32", "F16", "BF16")
+                                                     for r in model.records.values()):
+            raise UnsupportedFeature("blocks_only=True", "quant_only", "the model has no block weights")
+        super().__init__(model, config)
+
+
+class TestQuantOnly(BackendConformance):
+    @pytest.fixture
+    def engine_factory(self):
+        return lambda model, config: QuantOnly(model, config)
+
+    @pytest.fixture
+    def conformance_tolerances(self):
+        return {"conformance_options": [{"options": {"blocks_only": True}, "lossless": True,
+                                         "reason": "the same computation"}]}
+"""
+
+
+def test_an_option_set_the_default_model_refuses(pytester):
+    """An option only a quantized model takes: the surface layer and the capabilities
+    read quant_mixed's engine, the default model's tests skip, quant_mixed's pass."""
+    path = pytester.makepyfile(test_quant_only=QUANT_ONLY)
+    rec = pytester.inline_run(str(path), "-k", "test_engine_attributes or test_capabilities_well_formed or "
+                              "test_result_shapes or test_differential", "-p", "no:cacheprovider",
+                              "--polyengine-option", "blocks_only=true")
+    assert _failures(rec) == {}
+    passed = {r.nodeid.rsplit("::", 1)[-1] for r in rec.getreports("pytest_runtest_logreport")
+              if r.when == "call" and r.passed}
+    assert {"test_engine_attributes", "test_capabilities_well_formed", "test_differential[quant_mixed]"} <= passed
+    skipped = {r.nodeid.rsplit("::", 1)[-1] for r in rec.getreports("pytest_runtest_logreport") if r.skipped}
+    assert "test_differential[mha_tied]" in skipped

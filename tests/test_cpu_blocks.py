@@ -302,6 +302,8 @@ def test_repacked_weights_decode_as_the_oracle(files, oracle, fmt):
     again = CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True}}))
     again.load_params()
     assert all(again._blocks[n].packed is b.packed for n, b in eng._blocks.items() if b.packed is not None)
+    # the torch forward (the architectures outside the fused step) reads them too
+    assert _tokens(model, "cpu", {"repack_weights": True, "fused_decode": False}) == oracle(model)
 
 
 def test_repacked_weights_with_many_rows_and_their_refusals(files):
