@@ -52,7 +52,7 @@ def _x(m: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", PACKED)
-@pytest.mark.parametrize(("m", "n"), [(1, 16), (2, 37), (3, 5), (4, 48), (5, 33), (7, 24)])
+@pytest.mark.parametrize(("m", "n"), [(1, 16), (2, 37), (3, 5), (4, 48), (5, 33), (7, 24), (13, 40), (32, 17)])
 def test_packed_products_with_int8_activations(kernels, fmt, m, n):
     blocks, exact = _matrix(fmt, n, seed=m + n)
     x = _x(m, m + n)

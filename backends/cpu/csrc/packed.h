@@ -38,6 +38,7 @@
 // (tests/test_cpu_gguf_packed.py).
 #pragma once
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gguf.h"
@@ -51,7 +52,7 @@
 
 // Weight rows in a group: one 32-bit lane of a zmm each.
 #define GP_ROWS 16
-// The longest row packed (int32 sums of x's halves on the stack: 2 * 1024 a row of x).
+// The longest row packed.
 #define GP_MAX_K 32768
 
 template <int F> struct gp_traits;
@@ -362,29 +363,45 @@ static inline void gp_tile_of(const uint8_t *pk, long K, int32_t *wt, float *sc,
     if constexpr (F == GQ_Q4_0 || F == GQ_Q8_0 || F == GQ_Q4_K || F == GQ_Q6_K) gp_tile<F>(pk, K, wt, sc, mn);
 }
 
+// This thread's int32 half sums of x, grown to the most rows and columns it has met.
+static inline int32_t *gp_scratch(long n) {
+    static thread_local int32_t *buf = nullptr;
+    static thread_local long have = 0;
+    if (n > have) {
+        free(buf);
+        buf = (int32_t *)malloc(n * sizeof(int32_t));
+        have = buf ? n : 0;
+    }
+    return buf;
+}
+
 // Rows [n0, n1) of a packed matrix against every row of x (gguf.h's layout: int8, or
-// int8x2 with X2): groups n0 / 16 .. (n1 - 1) / 16, four rows of x a pass.
+// int8x2 with X2): each group of sixteen rows read once from memory, every four rows of
+// x taking it in turn from cache (groups n0 / 16 .. (n1 - 1) / 16).
 template <int F, int X2>
 static void gp_rows(const int8_t *xq, const float *xs, const float *xsf, int M, long K, const uint8_t *packed,
                     const float *bias, float *y, long ldy, long n0, long n1) {
     const long nb = K / 32, XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb, XF = 2 * nb;
     const long gb = gp_group_bytes(F, K);
-    int32_t S[4 * 2 * (GP_MAX_K / 32)];
+    int32_t *S = gp_scratch(M * XF);
+    if (!S) abort();
+    for (int m = 0; m < M; m++) gp_sums<X2>(xq + m * XK, K, S + m * XF);
     float out[4 * GP_ROWS];
-    for (int m0 = 0; m0 < M; m0 += 4) {
-        const int mb = M - m0 < 4 ? M - m0 : 4;
-        for (int m = 0; m < mb; m++) gp_sums<X2>(xq + (m0 + m) * XK, K, S + m * XF);
-        const int8_t *xm = xq + m0 * XK;
-        const float *xsm = xs + m0 * XB, *xfm = xsf + m0 * XF;
-        for (long g = n0 / GP_ROWS; g * GP_ROWS < n1; g++) {
-            const uint8_t *pk = packed + g * gb;
-            if (mb == 4) gp_group<F, 4, X2>(pk, K, xm, xsm, xfm, S, out);
-            else if (mb == 3) gp_group<F, 3, X2>(pk, K, xm, xsm, xfm, S, out);
-            else if (mb == 2) gp_group<F, 2, X2>(pk, K, xm, xsm, xfm, S, out);
-            else gp_group<F, 1, X2>(pk, K, xm, xsm, xfm, S, out);
-            const long lo = g * GP_ROWS > n0 ? g * GP_ROWS : n0, hi = (g + 1) * GP_ROWS < n1 ? (g + 1) * GP_ROWS : n1;
+    for (long g = n0 / GP_ROWS; g * GP_ROWS < n1; g++) {
+        const uint8_t *pk = packed + g * gb;
+        const long lo = g * GP_ROWS > n0 ? g * GP_ROWS : n0, hi = (g + 1) * GP_ROWS < n1 ? (g + 1) * GP_ROWS : n1;
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            const int mb = M - m0 < 4 ? M - m0 : 4;
+            const int8_t *xm = xq + m0 * XK;
+            const float *xsm = xs + m0 * XB, *xfm = xsf + m0 * XF;
+            const int32_t *Sm = S + m0 * XF;
+            if (mb == 4) gp_group<F, 4, X2>(pk, K, xm, xsm, xfm, Sm, out);
+            else if (mb == 3) gp_group<F, 3, X2>(pk, K, xm, xsm, xfm, Sm, out);
+            else if (mb == 2) gp_group<F, 2, X2>(pk, K, xm, xsm, xfm, Sm, out);
+            else gp_group<F, 1, X2>(pk, K, xm, xsm, xfm, Sm, out);
             for (int m = 0; m < mb; m++)
-                for (long n = lo; n < hi; n++) y[(m0 + m) * ldy + n] = out[16 * m + (n - g * GP_ROWS)] + (bias ? bias[n] : 0.f);
+                for (long n = lo; n < hi; n++)
+                    y[(m0 + m) * ldy + n] = out[16 * m + (n - g * GP_ROWS)] + (bias ? bias[n] : 0.f);
         }
     }
 }

@@ -173,8 +173,11 @@ int pe_gguf_dequant(int fmt, const uint8_t *w, long ldw, const long *rowoff, lon
 // library (packed.h: Q4_0, Q8_0, Q4_K, Q6_K on the AVX-512 VNNI path), else 0.
 int pe_gguf_packs(int fmt, long K) { return gp_packs(fmt, K); }
 
-// Bytes of N rows of K weights repacked (whole groups of sixteen rows).
-long pe_gguf_packed_bytes(int fmt, long N, long K) { return (N + GP_ROWS - 1) / GP_ROWS * gp_group_bytes(fmt, K); }
+// Bytes of N rows of K weights repacked (whole groups of sixteen rows); 0 for a format
+// that does not repack.
+long pe_gguf_packed_bytes(int fmt, long N, long K) {
+    return gp_unit_bytes(fmt) ? (N + GP_ROWS - 1) / GP_ROWS * gp_group_bytes(fmt, K) : 0;
+}
 
 // The rows of a block matrix (row n at w + rowoff[n], or n * ldw) repacked into dst
 // (pe_gguf_packed_bytes of them): 0, or -1 where pe_gguf_packs says no.
