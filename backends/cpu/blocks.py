@@ -22,6 +22,7 @@ the fallback every path has, tested beside the kernels.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 import weakref
@@ -93,6 +94,13 @@ class BlockMatrix:
 _MADV_DONTNEED = 4  # Linux
 
 
+@functools.cache
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
 def release_pages(blocks: BlockMatrix) -> int:
     """Drop the pages of ``blocks``' rows from this process's resident memory, once a
     repacked copy serves its products (option repack_weights): the file's pages stay in
@@ -113,9 +121,7 @@ def release_pages(blocks: BlockMatrix) -> int:
     lo, hi = -(-lo // page) * page, hi // page * page
     if hi <= lo:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+    if _madvise()(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
         return 0
     return hi - lo
 

@@ -260,10 +260,7 @@ class CpuKernels:
         error (int8_compute "int8x2"). ``out`` as :meth:`linear`'s."""
         x2, y = self._gguf_operands(x, blocks, out)
         (m, k), n = x2.shape, blocks.n
-        pairs = 2 if pairs == 2 else 1
-        nb = pairs * m * k // Q8_BLOCK
-        xq = torch.empty(pairs * m * k, dtype=torch.int8)
-        xs = torch.empty(nb + 2 * m * k // Q8_BLOCK, dtype=torch.float32)  # scales, then their half-blocks' sums
+        pairs, xq, xs, nb = self._int8_scratch(m, k, pairs)
         offsets = blocks.offsets
         rc = self.lib.pe_gguf_linear(blocks.ggml_type, x2.data_ptr(), k, blocks.base, blocks.ldw,
                                      None if offsets is None else offsets.ctypes.data,
@@ -272,6 +269,16 @@ class CpuKernels:
         if rc != 0:
             raise ValueError(f"the block kernels refused a {blocks.format} matrix of {k} columns")
         return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def _int8_scratch(m: int, k: int, pairs: int) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+        """The int8 block products' scratch for ``m`` rows of ``k``: pairs (1 or 2), xq,
+        xs (the scales, then from index nb their half-blocks' sums) and nb."""
+        pairs = 2 if pairs == 2 else 1
+        nb = pairs * m * k // Q8_BLOCK
+        xq = torch.empty(pairs * m * k, dtype=torch.int8)
+        xs = torch.empty(nb + 2 * m * k // Q8_BLOCK, dtype=torch.float32)
+        return pairs, xq, xs, nb
 
     @property
     def gguf_tiles(self) -> bool:
@@ -305,7 +312,7 @@ class CpuKernels:
     @property
     def gguf_packed(self) -> bool:
         """Whether this library has :meth:`gguf_packed_linear` (the AVX-512 VNNI path)."""
-        return bool(self.lib.pe_gguf_packs(2, 32))  # Q4_0, one block
+        return bool(self.lib.pe_gguf_packs(FORMATS["Q4_0"].ggml_type, 32))  # one block of a packed format
 
     def gguf_packs(self, blocks) -> bool:
         """Whether :meth:`gguf_repack` takes ``blocks`` on this library (``csrc/packed.h``:
@@ -336,10 +343,7 @@ class CpuKernels:
         :meth:`gguf_repack`."""
         x2, y = self._gguf_operands(x, blocks, out)
         (m, k), n = x2.shape, blocks.n
-        pairs = 2 if pairs == 2 else 1
-        nb = pairs * m * k // Q8_BLOCK
-        xq = torch.empty(pairs * m * k, dtype=torch.int8)
-        xs = torch.empty(nb + 2 * m * k // Q8_BLOCK, dtype=torch.float32)
+        pairs, xq, xs, nb = self._int8_scratch(m, k, pairs)
         bias = None if bias is None else bias.contiguous().float()
         rc = self.lib.pe_gguf_packed_linear(blocks.ggml_type, x2.data_ptr(), k, packed.data_ptr(),
                                             None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k,
