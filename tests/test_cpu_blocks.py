@@ -111,6 +111,10 @@ def test_one_int8_row_is_within_its_bound(files, oracle):
     want = ref.generate(PROMPTS, sp)
     eng = CpuEngine(model, CFG.model_copy(update={"options": {"int8_compute": "int8"}}))
     assert eng.plan.block_activations == 1 and "one int8 row" in eng.speed_paths()["int8"]
+    # prefill stays on int16 tiles where the library has them, not bfloat16 bands of
+    # dequantized weights (which held a bfloat16 LM head: +580 MiB on a 1B file)
+    assert eng.plan.block_tiles == eng.plan.kernels.gguf_tiles
+    assert eng.plan.prefill_compute == torch.float32
     got = LLM.from_engine(eng, tools=False).generate(PROMPTS, sp)
     for g, w in zip(got, want):
         assert abs(g.outputs[0].logprobs[0] - w.outputs[0].logprobs[0]) < 0.05
@@ -304,6 +308,57 @@ def test_repacked_weights_decode_as_the_oracle(files, oracle, fmt):
     assert all(again._blocks[n].packed is b.packed for n, b in eng._blocks.items() if b.packed is not None)
     # the torch forward (the architectures outside the fused step) reads them too
     assert _tokens(model, "cpu", {"repack_weights": True, "fused_decode": False}) == oracle(model)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
+def test_repacked_rows_against_one_int8_row_serve_every_row_count(files, fmt):
+    """repack_weights with int8_compute=int8: every product reads the packed groups, a
+    prefill's many rows and a nine-slot step too (no int16 tiles, no file-layout kernels),
+    and stays within the one-int8-row bound of the oracle's log-probs; nine slots at once
+    decode each prompt's greedy tokens as that prompt alone does (each row's products
+    are summed in the same order whatever the rows beside it)."""
+    from isa_paths import kernels_for
+
+    if not kernels_for("auto").gguf_packed:
+        pytest.skip("no packed products on this CPU (AVX-512 VNNI only)")
+    model = load_model(files(fmt))
+    options = {"repack_weights": True, "int8_compute": "int8"}
+    config = EngineConfig(max_slots=9, max_prefill_length=40, max_cache_length=64)
+    eng = CpuEngine(model, config.model_copy(update={"options": {**options, "fused_prefill": False}}))
+    eng.load_params()
+    assert eng.plan.packed_rows and eng._packed_rows and eng._fused.dims.tile_rows == 0
+    assert "every product, prefill's too" in eng.speed_paths()["weights"]
+    kernels, rows = eng._kernels, []
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a product left the packed groups")
+
+    packed_linear = kernels.gguf_packed_linear
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.numel() // x.shape[-1])
+        return packed_linear(x, *args, **kwargs)
+
+    kernels.gguf_tile_linear = kernels.gguf_linear = refused
+    kernels.gguf_packed_linear = counted
+    try:
+        prompt = [[3 + (5 * i) % 200 for i in range(33)]]
+        sp = SamplingParams(temperature=0, max_tokens=1, logprobs=True, top_logprobs=5)
+        got = LLM.from_engine(eng, tools=False).generate(prompt, sp)
+    finally:
+        del kernels.gguf_tile_linear, kernels.gguf_linear, kernels.gguf_packed_linear
+    assert max(rows) == 33  # the prompt's rows in one product
+    ref = LLM(model=model, backend="reference", max_slots=2, max_cache_length=64, max_prefill_length=40)
+    want = ref.generate(prompt, sp)
+    assert abs(got[0].outputs[0].logprobs[0] - want[0].outputs[0].logprobs[0]) < 0.05
+    prompts = [[3 + (5 * i + 7 * j) % 200 for i in range(4 + j)] for j in range(9)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    options["fused_prefill"] = False  # prompts batched or alone through one prefill path (the torch forward's)
+    eng = CpuEngine(model, config.model_copy(update={"options": options}))
+    got = [c.token_ids for c in LLM.from_engine(eng, tools=False).generate(prompts, sp)]
+    alone = LLM.from_engine(CpuEngine(model, config.model_copy(update={"options": options, "max_slots": 1})),
+                            tools=False)
+    assert got == [alone.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
 
 
 def test_repacked_weights_with_many_rows_and_their_refusals(files):

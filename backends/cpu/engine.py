@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import sys
 import warnings
 from typing import Sequence
 
@@ -176,6 +177,11 @@ class CpuEngine(TorchEngine):
                 self.model, fused=plan.fuse_projections)))
         elif plan.narrow:
             weights.tensors.update(self._allocating("int8 weights", lambda: int8_tensors(self.model, plan.weights)))
+        # Repacked against one int8 row, every product reads the packed groups, at any row
+        # count, where every block matrix was packed (plan.packed_rows; else tiles from TILE_ROWS)
+        self._packed_rows = plan.packed_rows and all(b.packed is not None for b in self._blocks.values())
+        if self._packed_rows:
+            self.block_kernel_rows = sys.maxsize
         if plan.fused_decode:
             self._fused = FusedDecoder(plan.kernels, weights.tensors, self.model.config,
                                        cache_rows=self.max_concurrent_decodes, cache_len=self.max_cache_length,
@@ -183,7 +189,7 @@ class CpuEngine(TorchEngine):
                                        int8_activations=plan.block_activations if self._blocks else plan.int8_activations,
                                        bf16_activations=plan.bf16_activations, blocks=self._blocks,
                                        page_size=self.options["page_size"],
-                                       tile_rows=TILE_ROWS if plan.block_tiles else 0)
+                                       tile_rows=TILE_ROWS if plan.block_tiles and not self._packed_rows else 0)
         return weights
 
     # -- products and attention on the host kernels ---------------------------------------

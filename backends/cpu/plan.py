@@ -80,6 +80,10 @@ class CpuPlan:
     block_formats: str  # their formats in words ("Q4_K x 7, Q6_K x 2"), "" without any
     block_activations: int  # int8 rows per activation row of block products (0: float32 bands)
     repack: bool  # decode products on the block weights repacked sixteen rows interleaved (csrc/packed.h)
+    # repacked matrices against one int8 row (int8_compute=int8) multiply on the packed
+    # groups at every row count, prefill's too: faster than int16 tiles there (docs/cpu.md,
+    # "Batch-1 decode on interleaved rows"); with int8x2 tiles are, from TILE_ROWS rows
+    packed_rows: bool
     fuse_projections: bool  # bfloat16 weights: q/k/v and gate/up as one matrix each
     int8_activations: int  # int8 rows per activation row of int8 products (0: float32)
     bf16_activations: bool  # bfloat16 weights' decode products on bfloat16 activations
@@ -106,10 +110,14 @@ class CpuPlan:
         int8_activations = _int8_activations(o, config, kernels, bool(blocks))
         block_activations = _block_activations(o, kernels, blocks)
         bf16_activations = o["bf16_compute"] == "bf16"
+        # Block weights on int16 tiles: prefill's activations are int16 whatever decode's are
+        # (tiles are as precise as int8x2, so one int8 row in decode asks for no bfloat16 GEMM)
+        tiles = kernels is not None and kernels.gguf_tiles and bool(blocks)
         prefill_compute = _prefill_compute(o, host, dtype, weights or ("blocks" if blocks else ""), bf16_activations,
-                                           int8_activations or block_activations)
+                                           int8_activations or (0 if tiles else block_activations))
         block_tiles = _block_tiles(o, kernels, blocks, prefill_compute, dtype, block_activations)
         repack = _repack(o, kernels, blocks, block_activations)
+        packed_rows = repack and block_activations == 1 and o["prefill_compute"] == "auto"
         formats = _formats(model, blocks)
         unfused_why = None if kernels is None else _unfused_why(o, config, weights, blocks, block_activations)
         return cls(
@@ -118,7 +126,8 @@ class CpuPlan:
             fused_decode=kernels is not None and unfused_why is None, unfused_why=unfused_why,
             fused_prefill=kernels is not None and unfused_why is None and o["fused_prefill"],
             live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
-            block_activations=block_activations, repack=repack, fuse_projections=o["fuse_projections"],
+            block_activations=block_activations, repack=repack, packed_rows=packed_rows,
+            fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
             block_tiles=block_tiles, prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
             for_model=model is not None, page_size=o.get("page_size", 0),
@@ -188,9 +197,11 @@ class CpuPlan:
         if self.block_weights:
             where = "the block kernels" if self.kernels is not None else "bands dequantized by the core (no kernels)"
             if self.repack:
+                use = ("every product, prefill's too (one int8 row: int8_compute=int8)" if self.packed_rows else
+                       "decode's products and prefill's tiles")
                 return (f"the file's GGUF blocks ({self.block_formats}), Q4_0/Q8_0/Q4_K/Q6_K copied at load with "
-                        "sixteen rows interleaved (option repack_weights, csrc/packed.h) for decode's products and "
-                        "prefill's tiles, their file pages released; other formats as mapped")
+                        f"sixteen rows interleaved (option repack_weights, csrc/packed.h) for {use}, their file "
+                        "pages released; other formats as mapped")
             return (f"the file's GGUF blocks as mapped, never widened whole ({self.block_formats}): decode "
                     f"products on {where}, prefill by dequantized bands into torch's GEMM")
         if self.weights in WEIGHT_MODES:
