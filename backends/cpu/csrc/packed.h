@@ -79,14 +79,28 @@ static long gp_group_bytes(int fmt, long K) { return K / gq_block(fmt) * gp_unit
 // (lanes of 4 bytes, words of 64).
 static inline void gp_put4(uint8_t *word, int r, const uint8_t *four) { memcpy(word + 4 * r, four, 4); }
 
-// Rows 16g..16g+15 of W (row n at w + rowoff[n], or n * ldw) into one group at dst.
+// Four bytes at p as one word (any alignment), and back.
+static inline uint32_t gp_ld4(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static inline void gp_st4(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+// Rows 16g..16g+15 of W (row n at w + rowoff[n], or n * ldw) into one group at dst. Every
+// byte of a group is written from its sixteen rows, so only a group with rows past N (its
+// absent rows: scales 0, Q8_0's quants 0 stored + 128) is cleared first. The bytes move
+// four at a time (a lane's four weights are four consecutive ones of a sub-block).
 template <int F>
 static void gp_repack_group(const uint8_t *w, long ldw, const long *rowoff, long N, long K, long g, uint8_t *dst) {
     typedef gq_traits<F> T;
     const long units = K / T::BLOCK, UNIT = gp_traits<F>::UNIT;
-    memset(dst, 0, units * UNIT);
-    if (F == GQ_Q8_0)  // absent rows: quants 0, stored + 128
-        for (long u = 0; u < units; u++) memset(dst + u * UNIT + 32, 0x80, 512);
+    if ((g + 1) * GP_ROWS > N) {
+        memset(dst, 0, units * UNIT);
+        if (F == GQ_Q8_0)
+            for (long u = 0; u < units; u++) memset(dst + u * UNIT + 32, 0x80, 512);
+    }
+    const uint32_t m4 = 0x0F0F0F0Fu;
     for (int r = 0; r < GP_ROWS && g * GP_ROWS + r < N; r++) {
         const long n = g * GP_ROWS + r;
         const uint8_t *row = w + (rowoff ? rowoff[n] : n * ldw);
@@ -98,8 +112,7 @@ static void gp_repack_group(const uint8_t *w, long ldw, const long *rowoff, long
                 for (int i = 0; i < 4; i++) gp_put4(o + 32 + 64 * i, r, blk + 2 + 4 * i);
             } else if (F == GQ_Q8_0) {
                 memcpy(o + 2 * r, blk, 2);
-                for (int i = 0; i < 8; i++)
-                    for (int t = 0; t < 4; t++) o[32 + 64 * i + 4 * r + t] = blk[2 + 4 * i + t] ^ 0x80;
+                for (int i = 0; i < 8; i++) gp_st4(o + 32 + 64 * i + 4 * r, gp_ld4(blk + 2 + 4 * i) ^ 0x80808080u);
             } else if (F == GQ_Q4_K) {
                 typedef gp_traits<GQ_Q4_K> P;
                 memcpy(o + 2 * r, blk, 2);
@@ -111,33 +124,35 @@ static void gp_repack_group(const uint8_t *w, long ldw, const long *rowoff, long
                     o[P::SC + P::SUB * (j + 4) + r] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
                     o[P::MN + P::SUB * (j + 4) + r] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
                 }
+                // sub-block j's weights i are the low (even j) or high (odd j) nibbles of
+                // bytes 32 (j / 2) + i; lane byte t of word i: weight 4i + t low, 16 + 4i + t high
                 for (int j = 0; j < 8; j++) {
-                    uint8_t q[32];
-                    for (int i = 0; i < 32; i++) q[i] = (blk[16 + 32 * (j / 2) + i] >> (4 * (j & 1))) & 15;
-                    uint8_t *oq = o + P::QS + P::SUB * j;
-                    for (int i = 0; i < 4; i++)
-                        for (int t = 0; t < 4; t++) oq[64 * i + 4 * r + t] = q[4 * i + t] | (q[16 + 4 * i + t] << 4);
+                    const uint8_t *q = blk + 16 + 32 * (j / 2);
+                    uint8_t *oq = o + P::QS + P::SUB * j + 4 * r;
+                    for (int i = 0; i < 4; i++) {
+                        const uint32_t lo = gp_ld4(q + 4 * i), hi = gp_ld4(q + 16 + 4 * i);
+                        gp_st4(oq + 64 * i, j & 1 ? ((lo >> 4) & m4) | (hi & ~m4) : (lo & m4) | ((hi & m4) << 4));
+                    }
                 }
-            } else {  // Q6_K
+            } else {  // Q6_K: gq_unpack_s's sub-block j, unsigned (q + 32)
                 typedef gp_traits<GQ_Q6_K> P;
                 memcpy(o + 2 * r, blk + 208, 2);
                 for (int k = 0; k < 16; k++) o[P::SC + P::SUB * (k / 2) + 16 * (k % 2) + r] = blk[192 + k];
-                for (int j = 0; j < 8; j++) {  // gq_unpack_s's sub-block j, unsigned (q + 32)
-                    const int half = j / 4, grp = j % 4;
+                for (int j = 0; j < 8; j++) {
+                    // weight i: low four bits (ql[i] >> 4 (grp / 2)) & 15, high two (qh[i] >> 2 grp) & 3
+                    const int half = j / 4, grp = j % 4, sl = 4 * (grp >> 1), sh = 2 * grp;
                     const uint8_t *ql = blk + 64 * half + 32 * (grp & 1), *qh = blk + 128 + 32 * half;
-                    uint8_t q[32];
-                    for (int i = 0; i < 32; i++)
-                        q[i] = ((ql[i] >> (4 * (grp >> 1))) & 15) | (((qh[i] >> (2 * grp)) & 3) << 4);
-                    uint8_t *ol = o + P::QL + P::SUB * j, *oh = o + P::QH + P::SUB * j;
-                    for (int i = 0; i < 4; i++)
-                        for (int t = 0; t < 4; t++)
-                            ol[64 * i + 4 * r + t] = (q[4 * i + t] & 15) | ((q[16 + 4 * i + t] & 15) << 4);
-                    for (int h = 0; h < 2; h++)
-                        for (int t = 0; t < 4; t++) {
-                            uint8_t b = 0;
-                            for (int k = 0; k < 4; k++) b |= ((q[4 * (4 * h + k) + t] >> 4) & 3) << (2 * k);
-                            oh[64 * h + 4 * r + t] = b;
-                        }
+                    uint8_t *ol = o + P::QL + P::SUB * j + 4 * r, *oh = o + P::QH + P::SUB * j + 4 * r;
+                    for (int i = 0; i < 4; i++) {
+                        const uint32_t lo = (gp_ld4(ql + 4 * i) >> sl) & m4, hi = (gp_ld4(ql + 16 + 4 * i) >> sl) & m4;
+                        gp_st4(ol + 64 * i, lo | (hi << 4));
+                    }
+                    // byte t of word h: bits 2k..2k+1 hold weight 4 (4h + k) + t's high two bits
+                    for (int h = 0; h < 2; h++) {
+                        uint32_t b = 0;
+                        for (int k = 0; k < 4; k++) b |= ((gp_ld4(qh + 16 * h + 4 * k) >> sh) & 0x03030303u) << (2 * k);
+                        gp_st4(oh + 64 * h, b);
+                    }
                 }
             }
         }
