@@ -328,6 +328,7 @@ def test_repacked_rows_against_one_int8_row_serve_every_row_count(files, fmt):
     eng.load_params()
     assert eng.plan.packed_rows and eng._packed_rows and eng._fused.dims.tile_rows == 0
     assert "every product, prefill's too" in eng.speed_paths()["weights"]
+    assert "repacked sixteen-row groups against one int8 row" in eng.speed_paths()["prefill"]
     kernels, rows = eng._kernels, []
 
     def refused(*args, **kwargs):

@@ -234,6 +234,10 @@ class CpuPlan:
             stands = f", as on the hosts isa {self.isa!r} stands for" if self.host.bf16_units else ""
             return ("torch's GEMM; int8 or bfloat16 weights widened to float32, float32 here whatever the options "
                     f"(prefill_compute auto; no bfloat16 units here{stands})")
+        if self.packed_rows:
+            return ("block weights on their repacked sixteen-row groups against one int8 row per 32 activations, "
+                    "as decode's products (int8_compute=int8 with repack_weights: faster than int16 tiles at every "
+                    "row count), where every block matrix was repacked; else on int16 tiles (csrc/tile.h)")
         if self.block_tiles:
             return ("block weights unpacked sixteen rows at a time into int16 tiles against int16 activations "
                     "(csrc/tile.h, AVX-512 VNNI; prefill_compute=float: bands dequantized into torch's GEMM)")
