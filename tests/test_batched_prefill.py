@@ -93,6 +93,41 @@ def test_prefill_batch_equals_one_prefill_per_entry(engine):
                                    err_msg=f"entry {i}'s K/V continued")
 
 
+def test_batch_groups_bound_each_forward():
+    from polyengine.backends.torch_common.engine import batch_groups
+
+    assert batch_groups([5, 9, 3], None) == [[0, 1, 2]]
+    assert batch_groups([128] * 8, 512) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert batch_groups([10, 30, 5, 600, 4], 64) == [[0, 1], [2], [3], [4]]  # padded sizes: 2 x 30 = 60, then 3 x 30 > 64
+
+
+def test_a_token_cap_splits_the_batch_into_forwards_with_the_same_results(tiny):
+    """The cpu engine's prefill_batch_tokens: entries past the cap run as further forwards
+    (counted), each entry's prefix and first token as in one forward; a refused entry
+    still refuses the whole batch before any work."""
+    from polyengine.backends.cpu.engine import CpuEngine
+
+    config = EngineConfig(max_slots=3, max_prefill_length=60, max_cache_length=96, options={"fused_prefill": False})
+    whole, capped = CpuEngine(tiny, config), CpuEngine(tiny, config)
+    whole.prefill_batch_tokens, capped.prefill_batch_tokens = None, 40
+    params = whole.load_params()
+    cparams = capped.load_params()
+    rng = np.random.default_rng(3)
+    requests = [PrefillRequest(rng.integers(3, 250, n).tolist(), GREEDY if n % 2 else SEEDED) for n in (23, 6, 17, 30)]
+    calls = []
+    run = capped._prefill_checked
+    capped._prefill_checked = lambda params, reqs, checked: calls.append(len(reqs)) or run(params, reqs, checked)
+    got = capped.prefill_batch(params=cparams, requests=requests)
+    assert calls == [1, 2, 1]  # 23 | 6 + 17 (2 x 17) | 30
+    for i, ((p, first), (q, want)) in enumerate(zip(got, whole.prefill_batch(params=params, requests=requests))):
+        np.testing.assert_allclose(p.host_logits(), q.host_logits(), rtol=0, atol=2e-5, err_msg=f"entry {i}")
+        assert int(first.row_tokens(0)[0]) == int(want.row_tokens(0)[0]), i
+    calls.clear()
+    with pytest.raises(InvalidRequest, match="prefill_batch entry 3"):
+        capped.prefill_batch(params=cparams, requests=[*requests[:3], PrefillRequest([tiny.config.vocab_size], GREEDY)])
+    assert calls == []
+
+
 def test_a_refused_entry_refuses_the_batch_before_any_work(engine):
     eng, params, _ = engine
     good = PrefillRequest([5, 6, 7], GREEDY)

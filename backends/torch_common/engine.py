@@ -141,6 +141,24 @@ def on_engine_thread(method):
     return run
 
 
+def batch_groups(lengths: Sequence[int], cap: int | None) -> list[list[int]]:
+    """The entries of a batch (their token counts, in order) in consecutive groups whose
+    padded size, entries x the longest, stays within ``cap`` (an entry longer than the cap
+    alone); one group without a cap."""
+    if not cap:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(longest, n) <= cap:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups
+
+
 class TorchEngine(TorchSlotsEngine, EngineBase):
     """The protocol for a torch engine. A backend subclass sets ``name`` and
     ``OPTIONS``, picks ``self.torch_device`` in ``capabilities_for``, and may change:
@@ -155,6 +173,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     _prefill_linear: Callable | None = None  # prefill's
     _causal_attention: Callable | None = None  # a prefill's causal attention (None: the forward's)
     _embed: Callable | None = None  # the embedding lookup (None: the table in the weights, StepSpec.embed)
+    # Padded tokens one forward of prefill_batch takes at most (None: every entry in one):
+    # a host engine's working set grows with them (activations, the batch's K/V and then
+    # each entry's copy), and past a few hundred rows a forward costs the same per token
+    prefill_batch_tokens: int | None = None
 
     def __init__(self, model: Model, config: EngineConfig):
         super().__init__(model, config)
@@ -460,7 +482,14 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         gets a cache of its own (a copy of its row), so dropping one frees its memory."""
         if type(self).prefill is not TorchEngine.prefill:  # a subclass's own prefill is honoured, entry by entry
             return EngineBase.prefill_batch(self, params=params, requests=requests)
-        checked = self.check_prefill_batch(requests)
+        checked = self.check_prefill_batch(requests)  # every entry, before any work
+        out: list[tuple[Prefix, ResultTokens]] = []
+        for group in batch_groups([toks.size for toks, _, _, _ in checked], self.prefill_batch_tokens):
+            out += self._prefill_checked(params, [requests[i] for i in group], [checked[i] for i in group])
+        return out
+
+    def _prefill_checked(self, params: TorchWeights, requests, checked) -> list[tuple[Prefix, ResultTokens]]:
+        """prefill_batch's one forward over entries already checked."""
         existing = [r.existing_prefix for r in requests]
         dev = self.torch_device
         b = len(checked)
