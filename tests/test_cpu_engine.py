@@ -460,10 +460,12 @@ def test_short_prefills_on_block_weights_in_the_fused_step_decode_as_the_oracle(
 
 
 def test_fused_prefills_past_16_tokens_on_tiles_while_their_attention_is_short(tmp_path):
-    """On int16 tiles a prefill of up to TILED_FUSED_PREFILL_ROWS tokens is one fused call
-    when its queries attend at most FUSED_PREFILL_SCORES keys in all (a fresh prompt of
-    60: 3,600), and the torch forward's when they would attend more (60 after 400
-    positions: 27,600); up to 16 tokens it always is; both decode as the oracle."""
+    """On int16 tiles a prefill of up to TILED_FUSED_PREFILL_ROWS tokens is one fused call:
+    at any length of prefix where its rows attend as runs (attention_runs, the default:
+    60 after 400 positions too); attending row by row, only when its queries attend at
+    most FUSED_PREFILL_SCORES keys in all (a fresh prompt of 60: 3,600), the torch
+    forward's when they would attend more (60 after 400 positions: 27,600); up to 16
+    tokens it always is; every way decodes as the oracle."""
     from polyengine.backends.cpu.kernels import FUSED_PREFILL_SCORES, TILED_FUSED_PREFILL_ROWS
     from polyengine.models.quant_presets import quantized_model_file
 
@@ -472,7 +474,10 @@ def test_fused_prefills_past_16_tokens_on_tiles_while_their_attention_is_short(t
     if not eng.plan.block_tiles:
         pytest.skip("int16 tiles need AVX-512 VNNI (csrc/tile.h)")
     assert eng.fused_prefill_rows == TILED_FUSED_PREFILL_ROWS and 60 * 460 > FUSED_PREFILL_SCORES >= 60 * 60
+    assert model.config.head_dim % eng._kernels.vector_width == 0  # runs apply
     params = eng.load_params()
+    rows = CpuEngine(model, eng.config)
+    rows.attention_runs = False
     calls = []
     real = eng._fused.prefill
     eng._fused.prefill = lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
@@ -480,21 +485,29 @@ def test_fused_prefills_past_16_tokens_on_tiles_while_their_attention_is_short(t
     ref = LLM(model=model, backend="reference", max_slots=1, max_cache_length=512, max_prefill_length=480)
     head = [3 + (11 * i) % 250 for i in range(400)]
     tail = [5 + (7 * i) % 250 for i in range(60)]
-    for prompt, pieces, fused_calls in (([*tail], [60], [60]), ([*head, *tail], [400, 60], []),
-                                        ([*head, *tail[:16]], [400, 16], [16])):
-        calls.clear()
-        prefix, start = None, 0
-        for n in pieces:
-            prefix, first = eng.prefill(params=params, tokens=prompt[start: start + n], sampling=sp,
-                                        existing_prefix=prefix)
-            start += n
-        assert calls == fused_calls, (pieces, calls)
-        state = eng.insert(prefix, eng.init_decode_state(), 0)
-        tokens = [int(first.tokens[0, 0])]
-        for _ in range(3):
-            state, res = eng.generate(params, state)
-            tokens.append(int(res.tokens[0, 0]))
-        assert tokens == ref.generate([prompt], sp)[0].token_ids, pieces
+    rows_params = rows.load_params()
+    rows_calls = []
+    real_rows = rows._fused.prefill
+    rows._fused.prefill = lambda x, *a: rows_calls.append(x.shape[0]) or real_rows(x, *a)
+    cases = [(eng, params, calls, ([*tail], [60], [60]), ([*head, *tail], [400, 60], [60]),
+              ([*head, *tail[:16]], [400, 16], [16])),
+             (rows, rows_params, rows_calls, ([*tail], [60], [60]), ([*head, *tail], [400, 60], []),
+              ([*head, *tail[:16]], [400, 16], [16]))]
+    for eng, params, calls, *runs in cases:
+        for prompt, pieces, fused_calls in runs:
+            calls.clear()
+            prefix, start = None, 0
+            for n in pieces:
+                prefix, first = eng.prefill(params=params, tokens=prompt[start: start + n], sampling=sp,
+                                            existing_prefix=prefix)
+                start += n
+            assert calls == fused_calls, (pieces, calls)
+            state = eng.insert(prefix, eng.init_decode_state(), 0)
+            tokens = [int(first.tokens[0, 0])]
+            for _ in range(3):
+                state, res = eng.generate(params, state)
+                tokens.append(int(res.tokens[0, 0]))
+            assert tokens == ref.generate([prompt], sp)[0].token_ids, pieces
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
@@ -528,3 +541,49 @@ def test_short_paged_prefills_write_their_own_pages_in_the_fused_step(model, pag
         _same_prefix(*[(SimpleNamespace(engine=e, prefix=got[e][0]), got[e][1]) for e in (fused, torch_path)], 1e-4)
     assert _decoded(fused, params[fused], pieces[fused][0], 1) == _decoded(
         torch_path, params[torch_path], pieces[torch_path][0], 1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("options", [{}, {"kv_dtype": "bfloat16"}, {"page_size": 4}])
+def test_a_prefills_rows_attend_as_one_run_as_they_do_row_by_row(model, isa, options):
+    """csrc/decode.h attn_tile: the fused step takes a prefill's consecutive rows of one
+    sequence (at least ATT_RUN_MIN = 4) as one run, their query heads side by side in
+    vector lanes; its prefixes equal those of the same engine attending row by row
+    (``attention_runs`` off) within float32 rounding: a fresh prompt, a piece continuing
+    it, a batch mixing a 3-token entry (row by row) with a run, on every ISA path, on
+    float32 and bfloat16 K/V and on pages; and the step took runs where it should."""
+    from types import SimpleNamespace
+
+    from polyengine.engine import PrefillRequest
+
+    cfg = EngineConfig(max_slots=2, max_prefill_length=40, max_cache_length=64, dtype="float32",
+                       options={**options, "isa": isa})
+    runs, rows = CpuEngine(model, cfg), CpuEngine(model, cfg)
+    rows.attention_runs = False
+    params = {e: e.load_params() for e in (runs, rows)}
+    fused = runs._fused
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    width = runs._kernels.vector_width
+    kv = model.config.num_key_value_heads
+    # what the step takes as runs: 13 consecutive rows of one sequence, a 3-row one alone
+    assert fused.attention_runs([0] * 13, list(range(7, 20))) == [13] * (kv * -(-13 * group // width))
+    assert fused.attention_runs([0, 0, 0, 1, 1, 1, 1, 1], [0, 1, 2, 5, 6, 7, 8, 9]) == [5] * (kv * -(-5 * group // width))
+    assert fused.attention_runs([0, 1, 2, 3], [9, 9, 9, 9]) == []  # a decode step's rows
+    assert rows._fused.attention_runs([0] * 13, list(range(13))) == []
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    rng = np.random.default_rng(11)
+    got = {}
+    for eng in (runs, rows):
+        head = eng.prefill(params=params[eng], tokens=rng.integers(3, 250, 13).tolist(), sampling=sp)
+        piece = eng.prefill(params=params[eng], tokens=rng.integers(3, 250, 16).tolist(), sampling=sp,
+                            existing_prefix=head[0])
+        batch = eng.prefill_batch(params=params[eng], requests=[
+            PrefillRequest(tokens=rng.integers(3, 250, 3).tolist(), sampling=sp),
+            PrefillRequest(tokens=rng.integers(3, 250, 9).tolist(), sampling=sp, existing_prefix=piece[0])])
+        got[eng] = [head, piece, *batch]
+        rng = np.random.default_rng(11)  # the same tokens for the second engine
+    atol = 1e-5 if not options.get("kv_dtype") else 2e-2
+    for a, b in zip(got[runs], got[rows]):
+        _same_prefix((SimpleNamespace(engine=runs, prefix=a[0]), a[1]), (SimpleNamespace(engine=rows, prefix=b[0]), b[1]),
+                     atol)
+    assert _decoded(runs, params[runs], got[runs][-1][0], 0) == _decoded(rows, params[rows], got[rows][-1][0], 0)

@@ -104,16 +104,31 @@ class CpuEngine(TorchEngine):
         self.fused_prefill_rows = (TILED_FUSED_PREFILL_ROWS if plan.block_tiles else MAX_ROWS) if plan.fused_prefill else 0
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
 
+    # A fused step's consecutive rows of one sequence (a prefill's tokens) attend as one run,
+    # their query heads side by side in vector lanes (csrc/decode.h, attn_tile); False: row
+    # by row, as a decode step's rows. A class attribute so a bench can compare the two.
+    attention_runs = True
+    # Keys a fused prefill of more than MAX_ROWS tokens may attend in all (_fused_prefill_fits);
+    # None: no bound where attention_runs apply (the head size a multiple of the vector
+    # width), else FUSED_PREFILL_SCORES (row by row, the torch forward's kernel wins past it).
+    fused_prefill_scores: int | None = None
+
     def _fused_prefill_fits(self, lengths: Sequence[int], starts: Sequence[int]) -> bool:
         """Up to MAX_ROWS tokens always (where the fused step runs); past it, up to
-        ``fused_prefill_rows`` tokens whose queries attend at most FUSED_PREFILL_SCORES
-        keys in all (each token its prefix and the tokens before it): the step's attention
-        is a loop per row and head, which the torch forward's kernel beats on long
-        prefixes, while its products on tiles win."""
+        ``fused_prefill_rows`` tokens, where the step takes a prefill's rows as runs
+        (attention_runs) at any length of prefix (measured faster than the torch forward
+        at 1,000 and 1,900 positions), else only while their queries attend at most
+        FUSED_PREFILL_SCORES keys in all (each token its prefix and the tokens before it):
+        row by row, the torch forward's attention kernel wins on long prefixes."""
         if not super()._fused_prefill_fits(lengths, starts):
             return False
-        scores = sum(int(n) * (int(s) + int(n)) for n, s in zip(lengths, starts))
-        return int(sum(lengths)) <= MAX_ROWS or scores <= FUSED_PREFILL_SCORES
+        if int(sum(lengths)) <= MAX_ROWS:
+            return True
+        bound = self.fused_prefill_scores
+        if bound is None:  # none where the step's attention takes a prefill's rows as runs
+            runs = self.attention_runs and self.model.config.head_dim % self._kernels.vector_width == 0
+            bound = sys.maxsize if runs else FUSED_PREFILL_SCORES
+        return sum(int(n) * (int(s) + int(n)) for n, s in zip(lengths, starts)) <= bound
 
     def _resolve_kv_dtype(self) -> torch.dtype:
         return self.plan.kv_dtype
@@ -194,7 +209,8 @@ class CpuEngine(TorchEngine):
                                        int8_activations=plan.block_activations if self._blocks else plan.int8_activations,
                                        bf16_activations=plan.bf16_activations, blocks=self._blocks,
                                        page_size=self.options["page_size"],
-                                       tile_rows=TILE_ROWS if plan.block_tiles and not self._packed_rows else 0)
+                                       tile_rows=TILE_ROWS if plan.block_tiles and not self._packed_rows else 0,
+                                       attention_runs=self.attention_runs)
         return weights
 
     # -- products and attention on the host kernels ---------------------------------------

@@ -436,6 +436,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_q8_isa.restype = ctypes.c_int
     lib.pe_decode.argtypes = [ptr, ptr, ptr, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.pe_decode.restype = None
+    lib.pe_attention_runs.argtypes = [ptr, int_, ptr, ptr, ptr, int_]
+    lib.pe_attention_runs.restype = ctypes.c_int
     lib.pe_prefill_attention.argtypes = [ptr, long_, ptr, ptr, long_, long_, ptr, int_, long_, int_, int_, int_,
                                          ctypes.c_float, int_, int_]
     lib.pe_prefill_attention.restype = lib.pe_pa_bf16.restype = ctypes.c_int
@@ -544,7 +546,8 @@ class _Dims(ctypes.Structure):
                                              "cache_rows", "cache_len")] + [
         ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
         ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int), ("gguf", ctypes.c_long),
-        ("page_size", ctypes.c_long), ("table_len", ctypes.c_long), ("tile_rows", ctypes.c_long)]
+        ("page_size", ctypes.c_long), ("table_len", ctypes.c_long), ("tile_rows", ctypes.c_long),
+        ("att_runs", ctypes.c_long)]
 
 
 # The KV cache element types the fused step reads and writes (csrc/decode.h's PE_KV_*).
@@ -567,7 +570,7 @@ class FusedDecoder:
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
                  cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32,
                  bf16_activations: bool = False, blocks: dict | None = None, page_size: int = 0,
-                 tile_rows: int = 0):
+                 tile_rows: int = 0, attention_runs: bool = True):
         c = config
         self.kv_dtype = kv_dtype
         self.kernels, self.config = kernels, c
@@ -618,7 +621,7 @@ class FusedDecoder:
                           int(int8_activations) if narrow == torch.int8 or blocks else 0, KV_TYPES[kv_dtype],
                           (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)),
                           page_size, -(-cache_len // page_size) if page_size else 0,
-                          tile_rows if blocks else 0)
+                          tile_rows if blocks else 0, int(attention_runs))
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")
@@ -663,6 +666,8 @@ class FusedDecoder:
         need = m * (2 * c.q_size + 2 * c.kv_size + 2 * c.intermediate_size + 2 * c.hidden_size)
         need += m * d.heads * (d.cache_len if cache_len is None else cache_len)  # the attention scores
         need += d.threads * kmax + 4 * m * kmax // Q8_BLOCK + (2 * m * kmax + 3) // 4  # int8 activations
+        # a run's attention (csrc/decode.h, att_tile_floats): per thread, at VW <= 16, after 64-byte alignment
+        need += 16 + max(d.threads, 1) * ((d.cache_len if cache_len is None else cache_len) + 9 * c.head_dim + 2) * 16
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch
@@ -684,6 +689,17 @@ class FusedDecoder:
         if page_table is not None:
             d.cache_rows = k_cache.shape[1]  # the pool's pages: the layer stride
         return self._run(d, x, rows, positions, k_cache, v_cache, page_table)
+
+    def attention_runs(self, rows: list[int], positions: list[int]) -> list[int]:
+        """The run length of each attention unit that a step of these rows takes as one
+        run (csrc/decode.h, attn_tile: a prefill's consecutive positions of one cache row,
+        at least ATT_RUN_MIN of them); [] where every row attends alone."""
+        r = np.ascontiguousarray(rows, dtype=np.int32)
+        p = np.ascontiguousarray(positions, dtype=np.int32)
+        out = np.zeros(4 * len(r) * max(self.dims.heads, 1), dtype=np.int32)
+        n = self.kernels.lib.pe_attention_runs(ctypes.byref(self.dims), len(r), r.ctypes.data, p.ctypes.data,
+                                               out.ctypes.data, len(out))
+        return out[:n].tolist()
 
     def _run(self, d: "_Dims", x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, page_table: torch.Tensor | None) -> torch.Tensor:

@@ -5,7 +5,13 @@ them), and a fresh prompt of T tokens. Two engines in one process, calls interle
 that the shared host's noise falls on both alike; wall ms per piece, the median over the
 repeats.
 
-    python -m polyengine.backends.cpu.bench.fused_prefill [--start 1000] [--tokens 1,4,8,16] [--reps 5] [MODEL]
+    python -m polyengine.backends.cpu.bench.fused_prefill [--start 1000] [--tokens 1,4,8,16] [--reps 5]
+        [--against torch|rows] [--scores N] [MODEL]
+
+``--against rows``: both engines in the fused step, the second attending row by row
+(``attention_runs`` off, csrc/decode.h) instead of a prefill's rows as one run.
+``--scores N``: the engines' bound on a fused prefill's attention past 16 tokens
+(``fused_prefill_scores``; 0: none; by default none where the rows attend as runs).
 
 MODEL: a GGUF file or model name (default: the embedded default model). What docs/cpu.md's
 "Short prefills in the fused step" cites.
@@ -33,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start", type=int, default=1000)
     p.add_argument("--tokens", default="1,4,8,16", help="piece sizes, comma-separated")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--against", choices=("torch", "rows"), default="torch")
+    p.add_argument("--scores", type=int, default=None)
     a = p.parse_args(argv)
     sizes = [int(t) for t in a.tokens.split(",")]
     model = load_model(a.model or str(default_model_path()))
@@ -42,10 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model.config.vocab_size
     greedy = SamplingParams(temperature=0, max_tokens=1)
     engines = {}
-    for fused in (True, False):
-        eng = CpuEngine(model, config.model_copy(update={"options": {"fused_prefill": fused}}))
+    names = ("fused step", "torch forward") if a.against == "torch" else ("runs", "row by row")
+    for first, name in zip((True, False), names):
+        eng = CpuEngine(model, config.model_copy(update={"options": {"fused_prefill": first or a.against == "rows"}}))
         eng._worker = None  # calls on this thread (one OpenMP team for both engines)
-        engines["fused step" if fused else "torch forward"] = (eng, eng.load_params())
+        if a.against == "rows":
+            eng.attention_runs = first
+        if a.scores is not None:
+            eng.fused_prefill_scores = a.scores or sys.maxsize
+        engines[name] = (eng, eng.load_params())
     if not next(iter(engines.values()))[0].plan.fused_prefill:
         print("the fused step does not run here (no kernels, or not a Llama-family model)", file=sys.stderr)
         return 1
@@ -67,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
                     times.setdefault(("fresh", name, n), []).append(time.perf_counter() - t)
     print(f"{model.config.num_hidden_layers} layers; pieces continue a prefix of {a.start} positions; "
           f"wall ms, median of {a.reps} repeats x {PIECES} pieces (fresh prompts: x 1)")
-    print("| tokens | piece: fused step | piece: torch forward | ratio | fresh prompt: fused | torch | ratio |")
+    one, two = names
+    print(f"| tokens | piece: {one} | piece: {two} | ratio | fresh prompt: {one} | {two} | ratio |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in sizes:
         med = {key: statistics.median(v) * 1e3 for key, v in times.items() if key[2] == n}
-        pf, pt = med[("piece", "fused step", n)], med[("piece", "torch forward", n)]
-        ff, ft = med[("fresh", "fused step", n)], med[("fresh", "torch forward", n)]
+        pf, pt = med[("piece", one, n)], med[("piece", two, n)]
+        ff, ft = med[("fresh", one, n)], med[("fresh", two, n)]
         print(f"| {n} | {pf:.1f} | {pt:.1f} | {pf / pt:.2f} | {ff:.1f} | {ft:.1f} | {ff / ft:.2f} |")
     return 0
 

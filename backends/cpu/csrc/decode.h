@@ -15,6 +15,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include <vector>
+
 #include "linear.h"
 #include "parallel.h"
 #include "q8.h"
@@ -56,6 +58,7 @@ struct pe_dims {
                      // cache_rows pages and a row's position p lives in page table[row][p / page_size]
     long table_len;  // paged: page ids per row of the page table
     long tile_rows;  // gguf: steps of at least this many rows multiply on tile.h's int16 tiles
+    long att_runs;   // a prefill's consecutive rows of one cache row attend as one run (attn_tile; 0: row by row)
                      // (int16 activations; 0: never, or where the library has no tiles)
 };
 
@@ -180,7 +183,30 @@ struct pe_attn_job {
     const void *k_cache, *v_cache;
     const long *table;  // paged: the page table (null: contiguous)
     float *att, *scores;
+    const struct pe_att_unit *units;  // null: every (row, head) split evenly (no runs in this step)
+    long nunits;
+    float *tile_scratch;  // runs: per thread, att_tile_floats(d) floats
 };
+
+// Runs (option-free; pe_dims.att_runs): rows m..m+R-1 of one step that are one cache row's
+// consecutive positions (a prefill's tokens, a chunked prompt's piece) share every key they
+// attend. attn_group walks the keys once per row and pays, per query head and key, a
+// horizontal sum of head_dim / VW vectors; for a run the query heads of all its rows are
+// taken VW at a time instead, one lane each (lane = row * group + head of the group), and
+// each key's value is broadcast against the lanes' queries (head_dim FMAs for VW scores, no
+// horizontal sum), the softmax runs along the keys per lane, and the values are summed the
+// same way (out, transposed: VW dims of VW lanes a pass). A lane attends keys 0..its own
+// position; keys past a lane's position are masked out (weight exactly 0).
+// The work is split between the threads by its cost, whole units to a thread: a unit is one
+// single row's KV head (attn_group / attn_head) or VW lanes of a run's KV head (attn_tile).
+struct pe_att_unit {
+    int m, rows, jh, lane;  // rows 0: row m alone; else the run m..m+rows-1, lanes lane..lane+VW-1
+    double start, cost;     // the work before this unit and its own, in score-sized steps
+};
+enum { ATT_RUN_MIN = 4 };  // rows; a shorter run attends row by row
+static inline long att_tile_floats(const pe_dims *d) {
+    return (d->cache_len + d->head_dim + 8 * d->head_dim) * VW + 2 * VW;  // scores, q transposed, 8 keys
+}
 
 // The GQA group of query heads that share KV head jh, of row m, together: each cached
 // position's K and V are loaded once for all of them (attn_task's loop loads them once
@@ -247,21 +273,13 @@ static void attn_group(const pe_attn_job *j, long m, long jh) {
         memcpy(j->att + m * qs + (jh * group + t) * hd, out[t], nv * sizeof(vf));
 }
 
-static void attn_task(void *arg, int tid, int nth) {
-    const pe_attn_job *j = (const pe_attn_job *)arg;
+// Query head a of row m over its cache row (any head size, any grouping).
+static void attn_head(const pe_attn_job *j, long m, long a) {
     const pe_dims *d = j->d;
     const long nh = d->heads, nkv = d->kv_heads, hd = d->head_dim, S = d->cache_len;
     const long qs = nh * hd, group = nh / nkv;
     const float scale = 1.f / sqrtf((float)hd);
-    long b, e;
-    if (hd % VW == 0 && hd / VW <= ATT_VECS && group <= ATT_GROUP && group > 1) {
-        pe_share((long)j->M * nkv, tid, nth, &b, &e);
-        for (long mj = b; mj < e; mj++) attn_group(j, mj / nkv, mj % nkv);
-        return;
-    }
-    pe_share((long)j->M * nh, tid, nth, &b, &e);
-    for (long ma = b; ma < e; ma++) {
-        const long m = ma / nh, a = ma % nh;
+    {
         const long jh = a / group, n = j->pos[m] + 1;
         const float *qa = j->q + m * qs + a * hd;
         const long base = ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;  // element offset
@@ -317,6 +335,180 @@ static void attn_task(void *arg, int tid, int nth) {
     }
 }
 
+static inline bool att_grouped(const pe_dims *d) {
+    const long hd = d->head_dim, group = d->heads / d->kv_heads;
+    return hd % VW == 0 && hd / VW <= ATT_VECS && group <= ATT_GROUP && group > 1;
+}
+
+// VW lanes (from `lane`) of the run m0..m0+R-1's query heads of KV head jh; ws: this
+// thread's att_tile_floats(d) floats.
+static void attn_tile(const pe_attn_job *j, long m0, long R, long jh, long lane, float *ws) {
+    const pe_dims *d = j->d;
+    const long nh = d->heads, nkv = d->kv_heads, hd = d->head_dim, S = d->cache_len;
+    const long qs = nh * hd, group = nh / nkv, lanes = R * group, nl = lanes - lane < VW ? lanes - lane : VW;
+    const float scale = 1.f / sqrtf((float)hd);
+    const long *table = j->table;
+    const int kt = d->kv_type, row = j->rows[m0];
+    const long base = ((j->l * d->cache_rows + row) * nkv + jh) * S * hd;
+    float *sc = ws;                 // (n, VW): the scores, then the weights
+    float *qt = sc + S * VW;        // (hd, VW): the lanes' queries, scaled, transposed
+    float *kb = qt + hd * VW;       // (8, hd): keys widened to float32 (bfloat16/float16 caches)
+    float lp[VW];
+    long lo = S, n = 0;             // the lanes' lowest and highest position + 1
+    for (long l = 0; l < VW; l++) {
+        const long t = lane + (l < nl ? l : 0), m = m0 + t / group, a = jh * group + t % group;
+        const float *qa = j->q + m * qs + a * hd;
+        for (long e = 0; e < hd; e++) qt[e * VW + l] = l < nl ? qa[e] * scale : 0.f;
+        const long p = j->pos[m];
+        lp[l] = (float)p;  // exact: positions are far below 2^24
+        lo = p < lo ? p : lo;
+        n = p + 1 > n ? p + 1 : n;
+    }
+    vf vpos;
+    memcpy(&vpos, lp, sizeof vpos);
+    const vf ninf = (vf){} - INFINITY;
+    auto key = [&](long s, long i) -> const float * {  // key s as float32 (slot i of kb when widened)
+        const long off = table ? kv_offset(d, table, j->l, row, jh, s) : base + s * hd;
+        if (kt == PE_KV_F32) return (const float *)j->k_cache + off;
+        float *dst = kb + i * hd;
+        for (long e = 0; e < hd; e += VW) {
+            vf w = kv_load(kt, j->k_cache, off + e);
+            memcpy(dst + e, &w, sizeof w);
+        }
+        return dst;
+    };
+    vf mx = ninf;
+    long s = 0;
+    for (; s + 8 <= n; s += 8) {  // eight keys at a time: eight independent FMA chains
+        const float *k0 = key(s, 0), *k1 = key(s + 1, 1), *k2 = key(s + 2, 2), *k3 = key(s + 3, 3);
+        const float *k4 = key(s + 4, 4), *k5 = key(s + 5, 5), *k6 = key(s + 6, 6), *k7 = key(s + 7, 7);
+        vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+        for (long e = 0; e < hd; e++) {
+            const vf qv = load_f(qt + e * VW);
+            a0 += qv * k0[e], a1 += qv * k1[e], a2 += qv * k2[e], a3 += qv * k3[e];
+            a4 += qv * k4[e], a5 += qv * k5[e], a6 += qv * k6[e], a7 += qv * k7[e];
+        }
+        vf acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+        for (long i = 0; i < 8; i++) {
+            if (s + i > lo) acc[i] = vpos >= (float)(s + i) ? acc[i] : ninf;
+            mx = acc[i] > mx ? acc[i] : mx;
+            memcpy(sc + (s + i) * VW, &acc[i], sizeof(vf));
+        }
+    }
+    for (; s < n; s++) {
+        const float *k0 = key(s, 0);
+        vf a0 = {};
+        for (long e = 0; e < hd; e++) a0 += load_f(qt + e * VW) * k0[e];
+        if (s > lo) a0 = vpos >= (float)s ? a0 : ninf;
+        mx = a0 > mx ? a0 : mx;
+        memcpy(sc + s * VW, &a0, sizeof a0);
+    }
+    vf sum = {};
+    for (s = 0; s < n; s++) {
+        vf e = vexp(load_f(sc + s * VW) - mx);
+        memcpy(sc + s * VW, &e, sizeof e);
+        sum += e;
+    }
+    const vf inv = 1.f / sum;
+    float o[VW][VW];  // o[i][l]: dim c + i of lane l
+    for (long c = 0; c < hd; c += VW) {
+        vf acc[VW];
+        for (long i = 0; i < VW; i++) acc[i] = (vf){};
+        for (s = 0; s < n; s++) {
+            const long off = (table ? kv_offset(d, table, j->l, row, jh, s) : base + s * hd) + c;
+            const vf p = load_f(sc + s * VW);
+            float vv[VW];
+            if (kt == PE_KV_F32) {
+                memcpy(vv, (const float *)j->v_cache + off, sizeof vv);
+            } else {
+                vf w = kv_load(kt, j->v_cache, off);
+                memcpy(vv, &w, sizeof w);
+            }
+            for (long i = 0; i < VW; i++) acc[i] += p * vv[i];
+        }
+        for (long i = 0; i < VW; i++) {
+            vf r = acc[i] * inv;
+            memcpy(o[i], &r, sizeof r);
+        }
+        for (long l = 0; l < nl; l++) {
+            const long t = lane + l, m = m0 + t / group, a = jh * group + t % group;
+            float *out = j->att + m * qs + a * hd + c;
+            for (long i = 0; i < VW; i++) out[i] = o[i][l];
+        }
+    }
+}
+
+static void attn_task(void *arg, int tid, int nth) {
+    const pe_attn_job *j = (const pe_attn_job *)arg;
+    const pe_dims *d = j->d;
+    const long nh = d->heads, nkv = d->kv_heads, group = nh / nkv;
+    long b, e;
+    if (j->units) {  // runs in this step: whole units by cost
+        const double total = j->units[j->nunits - 1].start + j->units[j->nunits - 1].cost;
+        const double lo = total * tid / nth, hi = total * (tid + 1) / nth;
+        float *ws = j->tile_scratch + tid * att_tile_floats(d);
+        for (long u = 0; u < j->nunits; u++) {
+            const pe_att_unit *x = j->units + u;
+            const double mid = x->start + x->cost / 2;
+            if (mid < lo || mid >= hi) continue;
+            if (x->rows) {
+                attn_tile(j, x->m, x->rows, x->jh, x->lane, ws);
+            } else if (att_grouped(d)) {
+                attn_group(j, x->m, x->jh);
+            } else {
+                for (long t = 0; t < group; t++) attn_head(j, x->m, x->jh * group + t);
+            }
+        }
+        return;
+    }
+    if (att_grouped(d)) {
+        pe_share((long)j->M * nkv, tid, nth, &b, &e);
+        for (long mj = b; mj < e; mj++) attn_group(j, mj / nkv, mj % nkv);
+        return;
+    }
+    pe_share((long)j->M * nh, tid, nth, &b, &e);
+    for (long ma = b; ma < e; ma++) attn_head(j, ma / nh, ma % nh);
+}
+
+// The attention units of a step whose rows hold a run of at least ATT_RUN_MIN rows (else
+// none: every row attends alone, split evenly as before runs existed).
+static std::vector<pe_att_unit> att_units(const pe_dims *d, int M, const int *rows, const int *pos) {
+    std::vector<pe_att_unit> units;
+    if (!d->att_runs || d->head_dim % VW) return units;
+    const long nkv = d->kv_heads, group = d->heads / nkv;
+    bool any = false;
+    for (int m = 0; m < M && !any;) {
+        int r = 1;
+        while (m + r < M && rows[m + r] == rows[m] && pos[m + r] == pos[m] + r) r++;
+        any = r >= ATT_RUN_MIN;
+        m += r;
+    }
+    if (!any) return units;
+    double at = 0;
+    for (int m = 0; m < M;) {
+        int r = 1;
+        while (m + r < M && rows[m + r] == rows[m] && pos[m + r] == pos[m] + r) r++;
+        for (long jh = 0; jh < nkv; jh++) {
+            if (r >= ATT_RUN_MIN) {
+                for (long lane = 0; lane < r * group; lane += VW) {
+                    const long last = m + (lane + VW < r * group ? lane + VW : r * group) / group;
+                    const double c = (double)(pos[last - 1] + 1) * VW;
+                    units.push_back({m, r, (int)jh, (int)lane, at, c});
+                    at += c;
+                }
+            } else {
+                for (int i = 0; i < r; i++) {  // a row alone: ~2 steps a score (the horizontal sums)
+                    const double c = 2.0 * (pos[m + i] + 1) * group;
+                    units.push_back({m + i, 0, (int)jh, 0, at, c});
+                    at += c;
+                }
+            }
+        }
+        m += r;
+    }
+    return units;
+}
+
 // -DPE_PROFILE: thread 0 adds each phase's time to pe_phase_ns (read with pe_profile);
 // for finding where a step's time goes, never in a normal build.
 #ifdef PE_PROFILE
@@ -341,7 +533,8 @@ static inline double pe_now() {
 // table: the page table when d->page_size (null otherwise). scratch: at least
 // M * (q_size + 2 * kv_size + q_size + 2 * intermediate + hidden) floats, plus
 // M * heads * cache_len for the attention scores, plus threads * kmax + 2M * kmax / 32
-// floats and 2M * kmax bytes for the int8 activations, kmax the longest K of a projection.
+// floats and 2M * kmax bytes for the int8 activations, kmax the longest K of a projection,
+// plus 16 + threads * att_tile_floats(d) floats for the runs' attention.
 static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int M, const int *rows, const int *pos,
                         void *k_cache, void *v_cache, const long *table, const float *rope_cos, const float *rope_sin,
                         float *scratch) {
@@ -361,6 +554,9 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
     float *xs = res + d->threads * kmax;  // (2M, kmax / 32): int8 activations' scales (q8)
     float *xsf = xs + 2 * M * (kmax / 32);  // (2M, kmax / 32): with gguf, xs times the blocks' sums
     int8_t *xq = (int8_t *)(xsf + 2 * M * (kmax / 32));  // (2M, kmax)
+    // runs: threads * att_tile_floats(d) floats, 64-byte aligned, after xq
+    float *tiles = (float *)(((uintptr_t)(xq + 2 * M * kmax) + 63) & ~(uintptr_t)63);
+    const std::vector<pe_att_unit> units = att_units(d, M, rows, pos);
     pe_barrier bar;
     // One parallel region for the whole step; its phases are separated by bar.wait().
     // Row-wise work (norms, RoPE and cache writes) is split by row, element-wise work by
@@ -408,7 +604,8 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             }
             bar.wait(nth);
             PE_MARK(2)
-            pe_attn_job aj = {d, l, M, rows, pos, q, k_cache, v_cache, table, att, scores};
+            pe_attn_job aj = {d, l, M, rows, pos, q, k_cache, v_cache, table, att, scores,
+                              units.empty() ? nullptr : units.data(), (long)units.size(), tiles};
             attn_task(&aj, tid, nth);
             bar.wait(nth);
             PE_MARK(3)

@@ -51,13 +51,14 @@ static const pe_field_layout pe_layouts[] = {
     PE_FIELD(pe_dims, int8), PE_FIELD(pe_dims, group), PE_FIELD(pe_dims, threads), PE_FIELD(pe_dims, q8),
     PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16), PE_FIELD(pe_dims, gguf),
     PE_FIELD(pe_dims, page_size), PE_FIELD(pe_dims, table_len), PE_FIELD(pe_dims, tile_rows),
+    PE_FIELD(pe_dims, att_runs),
 };
 // A field appended to a struct and not to the table (nor to Python's mirror) would escape
 // the check: the table's last field must end its struct.
 static_assert(offsetof(pe_layer, packed) + sizeof(pe_layer::packed) == sizeof(pe_layer),
               "pe_layer has a field after packed: list it in pe_layouts and in kernels.py's _Layer");
-static_assert(offsetof(pe_dims, tile_rows) + sizeof(pe_dims::tile_rows) == sizeof(pe_dims),
-              "pe_dims has a field after tile_rows: list it in pe_layouts and in kernels.py's _Dims");
+static_assert(offsetof(pe_dims, att_runs) + sizeof(pe_dims::att_runs) == sizeof(pe_dims),
+              "pe_dims has a field after att_runs: list it in pe_layouts and in kernels.py's _Dims");
 
 extern "C" {
 
@@ -243,6 +244,19 @@ void pe_decode(const pe_dims *d, const pe_layer *layers, float *x, int M, const 
                void *k_cache, void *v_cache, const long *table, const float *rope_cos, const float *rope_sin,
                float *scratch) {
     decode_step(d, layers, x, M, rows, pos, k_cache, v_cache, table, rope_cos, rope_sin, scratch);
+}
+
+// How a step of these rows splits its attention (decode.h's att_units): the units that
+// take a run's lanes together (attn_tile), written to tiles[i] as that unit's run length
+// for i < max; returns their count (0: every row attends alone).
+int pe_attention_runs(const pe_dims *d, int M, const int *rows, const int *pos, int *tiles, int max) {
+    int n = 0;
+    for (const pe_att_unit &u : att_units(d, M, rows, pos))
+        if (u.rows) {
+            if (n < max) tiles[n] = u.rows;
+            n++;
+        }
+    return n;
 }
 
 #ifdef PE_PROFILE
