@@ -28,7 +28,7 @@ from gguf_cases import block_matrix, q8  # noqa: E402
 from isa_paths import ISAS, kernels_for  # noqa: E402
 
 K = 512
-PACKED = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+PACKED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 
 def _matrix(fmt: str, n: int, k: int = K, seed: int = 0) -> tuple[BlockMatrix, np.ndarray]:

@@ -316,7 +316,7 @@ class CpuKernels:
 
     def gguf_packs(self, blocks) -> bool:
         """Whether :meth:`gguf_repack` takes ``blocks`` on this library (``csrc/packed.h``:
-        Q4_0, Q8_0, Q4_K and Q6_K on the AVX-512 VNNI path)."""
+        Q4_0, Q4_1, Q8_0, Q4_K and Q6_K on the AVX-512 VNNI path)."""
         return bool(self.lib.pe_gguf_packs(blocks.ggml_type, blocks.k))
 
     def gguf_packed_bytes(self, fmt: str, n: int, k: int) -> int:

@@ -55,7 +55,7 @@ OPTIONS = {
     # load, for the decode products (csrc/packed.h): a block's conversion and scale serve
     # sixteen outputs; the file's blocks stay mapped for prefill and the embedding lookups
     "repack_weights": Option(False, "decode products on a copy of the GGUF blocks with sixteen rows interleaved "
-                                    "(Q4_0, Q8_0, Q4_K, Q6_K; AVX-512 VNNI), made at load"),
+                                    "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; AVX-512 VNNI), made at load"),
     "prefill_attention": Option("auto", "a prefill's causal attention: 'kernel' (host-compiled), 'sdpa' "
                                         "(torch), or 'auto' (kernel on AVX-512 kernels)",
                                 choices=("auto", "kernel", "sdpa")),

@@ -19,6 +19,7 @@
 //   Q4_0 (288 bytes): d[16] f16 | 4 x 64 bytes of nibbles: word i, lane r holds weights
 //        4i..4i+3 of row r in the low nibbles and 16+4i..16+4i+3 in the high ones (the
 //        file's own bytes 4i..4i+3 of the block: a dword copy)
+//   Q4_1 (320 bytes): d[16] f16 | m[16] f16 (the minimums) | the nibbles as Q4_0's
 //   Q8_0 (544 bytes): d[16] f16 | 8 x 64 bytes: word i, lane r weights 4i..4i+3 + 128
 //        (unsigned for vpdpbusd; the 128 goes onto x's block sums)
 //   Q4_K (2368 bytes): d[16] | dmin[16] (f16) | scales[8][16] | mins[8][16] (bytes) |
@@ -32,7 +33,8 @@
 //
 // x is gguf.h's: int8 per 32 values (q8_quantize) or int8x2 on one scale
 // (gq_quantize_x2), with the formats' zero points taken off in int32 against x's exact
-// block sums (gp_sums): Q4_0's 8, Q8_0's 128, Q6_K's 32. Only the AVX-512 VNNI path has
+// block sums (gp_sums): Q4_0's 8, Q8_0's 128, Q6_K's 32; Q4_1's and Q4_K's minimums
+// against x's block sums in float. Only the AVX-512 VNNI path has
 // it (PE_Q8_ISA 3, GP_PACKED); the repacking is plain C++ on every path. Tested per
 // format against float64 products of the exactly dequantized blocks
 // (tests/test_cpu_gguf_packed.py).
@@ -57,6 +59,7 @@
 
 template <int F> struct gp_traits;
 template <> struct gp_traits<GQ_Q4_0> { enum { UNIT = 32 + 256 }; };
+template <> struct gp_traits<GQ_Q4_1> { enum { UNIT = 64 + 256 }; };
 template <> struct gp_traits<GQ_Q8_0> { enum { UNIT = 32 + 512 }; };
 template <> struct gp_traits<GQ_Q4_K> { enum { UNIT = 64 + 8 * 288, SUB = 288, SC = 64, MN = 64 + 16, QS = 64 + 32 }; };
 template <> struct gp_traits<GQ_Q6_K> { enum { UNIT = 32 + 8 * 416, SUB = 416, SC = 32, QL = 32 + 32, QH = 32 + 32 + 256 }; };
@@ -65,6 +68,7 @@ template <> struct gp_traits<GQ_Q6_K> { enum { UNIT = 32 + 8 * 416, SUB = 416, S
 static long gp_unit_bytes(int fmt) {
     switch (fmt) {
         case GQ_Q4_0: return gp_traits<GQ_Q4_0>::UNIT;
+        case GQ_Q4_1: return gp_traits<GQ_Q4_1>::UNIT;
         case GQ_Q8_0: return gp_traits<GQ_Q8_0>::UNIT;
         case GQ_Q4_K: return gp_traits<GQ_Q4_K>::UNIT;
         case GQ_Q6_K: return gp_traits<GQ_Q6_K>::UNIT;
@@ -110,6 +114,10 @@ static void gp_repack_group(const uint8_t *w, long ldw, const long *rowoff, long
             if (F == GQ_Q4_0) {
                 memcpy(o + 2 * r, blk, 2);
                 for (int i = 0; i < 4; i++) gp_put4(o + 32 + 64 * i, r, blk + 2 + 4 * i);
+            } else if (F == GQ_Q4_1) {
+                memcpy(o + 2 * r, blk, 2);
+                memcpy(o + 32 + 2 * r, blk + 2, 2);
+                for (int i = 0; i < 4; i++) gp_put4(o + 64 + 64 * i, r, blk + 4 + 4 * i);
             } else if (F == GQ_Q8_0) {
                 memcpy(o + 2 * r, blk, 2);
                 for (int i = 0; i < 8; i++) gp_st4(o + 32 + 64 * i + 4 * r, gp_ld4(blk + 2 + 4 * i) ^ 0x80808080u);
@@ -171,6 +179,7 @@ struct gp_repack_job {
 #define GP_DISPATCH(fmt, CALL)              \
     switch (fmt) {                          \
         case GQ_Q4_0: CALL(GQ_Q4_0); break; \
+        case GQ_Q4_1: CALL(GQ_Q4_1); break; \
         case GQ_Q8_0: CALL(GQ_Q8_0); break; \
         case GQ_Q4_K: CALL(GQ_Q4_K); break; \
         case GQ_Q6_K: CALL(GQ_Q6_K); break; \
@@ -242,6 +251,8 @@ template <int F>
 static inline void gp_unpack(const uint8_t *o, int j, __m512i *U) {
     if (F == GQ_Q4_0) {
         gp_nibbles(o + 32, U);
+    } else if (F == GQ_Q4_1) {
+        gp_nibbles(o + 64, U);
     } else if (F == GQ_Q8_0) {
         for (int c = 0; c < 8; c++) U[c] = _mm512_loadu_si512(o + 32 + 64 * c);
     } else if (F == GQ_Q4_K) {
@@ -272,13 +283,16 @@ static inline __m512 gp_scale16(const uint8_t *p, __m512 d) {
 
 // The rows' scales of sub-block j of the unit at o (d its f16 scales as floats): s[0] for
 // weights 0-15, s[1] for 16-31 (the same but for Q6_K), and the minimums mn (Q4_K: w = sc
-// u + mn, mn = -dmin m; 0 for the others, whose zero points gp_zero carries).
+// u + mn, mn = -dmin m; Q4_1: its m; 0 for the others, whose zero points gp_zero carries).
 template <int F>
 static inline void gp_scales(const uint8_t *o, int j, __m512 d, __m512 *s, __m512 *mn) {
     if (F == GQ_Q4_K) {
         typedef gp_traits<GQ_Q4_K> P;
         s[0] = s[1] = gp_scale16<false>(o + P::SC + P::SUB * j, d);
         *mn = gp_scale16<false>(o + P::MN + P::SUB * j, _mm512_sub_ps(_mm512_setzero_ps(), gp_f16x16(o + 32)));
+    } else if (F == GQ_Q4_1) {
+        s[0] = s[1] = d;
+        *mn = gp_f16x16(o + 32);
     } else if (F == GQ_Q6_K) {
         typedef gp_traits<GQ_Q6_K> P;
         s[0] = gp_scale16<true>(o + P::SC + P::SUB * j, d);
@@ -329,7 +343,7 @@ static inline void gp_group(const uint8_t *pk, long K, const int8_t *xq, const f
                     __m512i dot = gp_block_dot<X2, 0, 8>(U, x1, x1 + K);
                     if (Z) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(Z * (Sb[0] + Sb[1])));
                     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s[0], xb), acc[m]);
-                    if (F == GQ_Q4_K)  // the minimum's term against x's block sum
+                    if (F == GQ_Q4_K || F == GQ_Q4_1)  // the minimum's term against x's block sum
                         acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]), acc[m]);
                 }
             }
@@ -375,7 +389,7 @@ static inline void gp_tile(const uint8_t *pk, long K, int32_t *wt, float *sc, fl
 // gp_tile for the formats that pack; nothing for the others (never packed: gp_packs).
 template <int F>
 static inline void gp_tile_of(const uint8_t *pk, long K, int32_t *wt, float *sc, float *mn) {
-    if constexpr (F == GQ_Q4_0 || F == GQ_Q8_0 || F == GQ_Q4_K || F == GQ_Q6_K) gp_tile<F>(pk, K, wt, sc, mn);
+    if constexpr (F == GQ_Q4_0 || F == GQ_Q4_1 || F == GQ_Q8_0 || F == GQ_Q4_K || F == GQ_Q6_K) gp_tile<F>(pk, K, wt, sc, mn);
 }
 
 // This thread's int32 half sums of x, grown to the most rows and columns it has met.
