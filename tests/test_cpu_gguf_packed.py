@@ -28,7 +28,7 @@ from gguf_cases import block_matrix, q8  # noqa: E402
 from isa_paths import ISAS, kernels_for  # noqa: E402
 
 K = 512
-PACKED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+PACKED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _matrix(fmt: str, n: int, k: int = K, seed: int = 0) -> tuple[BlockMatrix, np.ndarray]:
@@ -59,7 +59,7 @@ def test_packed_products_with_int8_activations(kernels, fmt, m, n):
     bias = torch.from_numpy(np.random.default_rng(n).standard_normal(n).astype(np.float32))
     packed = kernels.gguf_repack(blocks)
     assert packed.numel() == -(-n // 16) * blocks.row_bytes * 16 + (
-        -(-n // 16) * (K // 256) * 64 if fmt == "Q4_K" else 0)  # Q4_K: its 6-bit scales widened to bytes
+        -(-n // 16) * (K // 256) * 64 if fmt in ("Q4_K", "Q5_K") else 0)  # their 6-bit scales widened to bytes
     y = kernels.gguf_packed_linear(torch.from_numpy(x), blocks, packed, bias).numpy().astype(np.float64)
     xq = q8(x)
     want = xq @ exact.T + bias.numpy()

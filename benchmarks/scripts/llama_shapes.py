@@ -59,11 +59,11 @@ from typing import Any
 import numpy as np
 
 SCRIPT_VERSION = 2
-FORMATS = ("Q4_K_M", "Q4_0", "Q8_0", "F16")
+FORMATS = ("Q4_K_M", "Q4_0", "Q8_0", "Q5_K_M", "F16")
 DEFAULT_FORMATS = ("Q4_K_M", "Q4_0", "Q8_0")
 TARGETS = Path(__file__).resolve().parents[1] / "targets" / "quantized.toml"
 STD = 0.02
-_BITS = {"Q4_K_M": 4.9, "Q4_0": 4.5, "Q8_0": 8.5, "F16": 16.0}  # bits a weight, for the disk check
+_BITS = {"Q4_K_M": 4.9, "Q4_0": 4.5, "Q8_0": 8.5, "Q5_K_M": 5.7, "F16": 16.0}  # bits a weight, for the disk check
 _MARGIN = 2 << 30  # bytes left free on the disk after the files
 _SLAB = 1 << 22  # random values drawn per matrix (8 MB of float16), repeated to fill it
 

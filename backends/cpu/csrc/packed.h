@@ -20,10 +20,15 @@
 //        4i..4i+3 of row r in the low nibbles and 16+4i..16+4i+3 in the high ones (the
 //        file's own bytes 4i..4i+3 of the block: a dword copy)
 //   Q4_1 (320 bytes): d[16] f16 | m[16] f16 (the minimums) | the nibbles as Q4_0's
+//   Q5_0 (352 bytes): d[16] f16 | 64 bytes of high bits: lane r the block's 32 (bit l:
+//        weight l) | the nibbles as Q4_0's
+//   Q5_1 (384 bytes): d[16] f16 | m[16] f16 | the high bits as Q5_0's | the nibbles
 //   Q8_0 (544 bytes): d[16] f16 | 8 x 64 bytes: word i, lane r weights 4i..4i+3 + 128
 //        (unsigned for vpdpbusd; the 128 goes onto x's block sums)
 //   Q4_K (2368 bytes): d[16] | dmin[16] (f16) | scales[8][16] | mins[8][16] (bytes) |
 //        per 32-weight sub-block, the nibbles as Q4_0's
+//   Q5_K (2880 bytes): Q4_K's, each sub-block's nibbles followed by its 64 bytes of high
+//        bits as Q5_0's
 //   Q6_K (3360 bytes): d[16] f16 | scales[16][16] int8 (one per 16 weights) | per
 //        sub-block the low four bits as Q4_0's nibbles | per sub-block 2 x 64 bytes of the
 //        high two bits: word h, lane r, byte t, bits 2k..2k+1 for weight 4(4h + k) + t
@@ -33,8 +38,8 @@
 //
 // x is gguf.h's: int8 per 32 values (q8_quantize) or int8x2 on one scale
 // (gq_quantize_x2), with the formats' zero points taken off in int32 against x's exact
-// block sums (gp_sums): Q4_0's 8, Q8_0's 128, Q6_K's 32; Q4_1's and Q4_K's minimums
-// against x's block sums in float. Only the AVX-512 VNNI path has
+// block sums (gp_sums): Q4_0's 8, Q5_0's 16, Q8_0's 128, Q6_K's 32; the minimums of
+// Q4_1, Q5_1, Q4_K and Q5_K against x's block sums in float. Only the AVX-512 VNNI path has
 // it (PE_Q8_ISA 3, GP_PACKED); the repacking is plain C++ on every path. Tested per
 // format against float64 products of the exactly dequantized blocks
 // (tests/test_cpu_gguf_packed.py).
@@ -60,8 +65,11 @@
 template <int F> struct gp_traits;
 template <> struct gp_traits<GQ_Q4_0> { enum { UNIT = 32 + 256 }; };
 template <> struct gp_traits<GQ_Q4_1> { enum { UNIT = 64 + 256 }; };
+template <> struct gp_traits<GQ_Q5_0> { enum { UNIT = 32 + 64 + 256, QH = 32, QS = 96 }; };
+template <> struct gp_traits<GQ_Q5_1> { enum { UNIT = 64 + 64 + 256, QH = 64, QS = 128 }; };
 template <> struct gp_traits<GQ_Q8_0> { enum { UNIT = 32 + 512 }; };
 template <> struct gp_traits<GQ_Q4_K> { enum { UNIT = 64 + 8 * 288, SUB = 288, SC = 64, MN = 64 + 16, QS = 64 + 32 }; };
+template <> struct gp_traits<GQ_Q5_K> { enum { UNIT = 64 + 8 * 352, SUB = 352, SC = 64, MN = 64 + 16, QS = 64 + 32, QH = 64 + 32 + 256 }; };
 template <> struct gp_traits<GQ_Q6_K> { enum { UNIT = 32 + 8 * 416, SUB = 416, SC = 32, QL = 32 + 32, QH = 32 + 32 + 256 }; };
 
 // Bytes of one unit of a group (0: a format that is not packed).
@@ -69,6 +77,9 @@ static long gp_unit_bytes(int fmt) {
     switch (fmt) {
         case GQ_Q4_0: return gp_traits<GQ_Q4_0>::UNIT;
         case GQ_Q4_1: return gp_traits<GQ_Q4_1>::UNIT;
+        case GQ_Q5_0: return gp_traits<GQ_Q5_0>::UNIT;
+        case GQ_Q5_1: return gp_traits<GQ_Q5_1>::UNIT;
+        case GQ_Q5_K: return gp_traits<GQ_Q5_K>::UNIT;
         case GQ_Q8_0: return gp_traits<GQ_Q8_0>::UNIT;
         case GQ_Q4_K: return gp_traits<GQ_Q4_K>::UNIT;
         case GQ_Q6_K: return gp_traits<GQ_Q6_K>::UNIT;
@@ -90,6 +101,42 @@ static inline uint32_t gp_ld4(const uint8_t *p) {
     return v;
 }
 static inline void gp_st4(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+// The 8 x 8 bit matrix of eight bytes transposed: bit i of byte j <- bit j of byte i.
+static inline uint64_t gp_transpose8(uint64_t x) {
+    uint64_t t;
+    t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AAULL, x = x ^ t ^ (t << 7);
+    t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCCULL, x = x ^ t ^ (t << 14);
+    t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0ULL, x = x ^ t ^ (t << 28);
+    return x;
+}
+
+// Q4_K's (and Q5_K's) widened scales and mins and sub-block nibbles of block blk (its
+// nibbles at qs) for row r of the unit at o.
+template <int F>
+static inline void gp_put_k(const uint8_t *blk, const uint8_t *qs, int r, uint8_t *o) {
+    typedef gp_traits<F> P;
+    const uint32_t m4 = 0x0F0F0F0Fu;
+    memcpy(o + 2 * r, blk, 2);
+    memcpy(o + 32 + 2 * r, blk + 2, 2);
+    const uint8_t *p = blk + 4;  // the 6-bit scales and mins, as gq_prepare reads them
+    for (int j = 0; j < 4; j++) {
+        o[P::SC + P::SUB * j + r] = p[j] & 63;
+        o[P::MN + P::SUB * j + r] = p[j + 4] & 63;
+        o[P::SC + P::SUB * (j + 4) + r] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
+        o[P::MN + P::SUB * (j + 4) + r] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+    // sub-block j's weights i are the low (even j) or high (odd j) nibbles of
+    // bytes 32 (j / 2) + i; lane byte t of word i: weight 4i + t low, 16 + 4i + t high
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *q = qs + 32 * (j / 2);
+        uint8_t *oq = o + P::QS + P::SUB * j + 4 * r;
+        for (int i = 0; i < 4; i++) {
+            const uint32_t lo = gp_ld4(q + 4 * i), hi = gp_ld4(q + 16 + 4 * i);
+            gp_st4(oq + 64 * i, j & 1 ? ((lo >> 4) & m4) | (hi & ~m4) : (lo & m4) | ((hi & m4) << 4));
+        }
+    }
+}
 
 // Rows 16g..16g+15 of W (row n at w + rowoff[n], or n * ldw) into one group at dst. Every
 // byte of a group is written from its sixteen rows, so only a group with rows past N (its
@@ -121,26 +168,25 @@ static void gp_repack_group(const uint8_t *w, long ldw, const long *rowoff, long
             } else if (F == GQ_Q8_0) {
                 memcpy(o + 2 * r, blk, 2);
                 for (int i = 0; i < 8; i++) gp_st4(o + 32 + 64 * i + 4 * r, gp_ld4(blk + 2 + 4 * i) ^ 0x80808080u);
-            } else if (F == GQ_Q4_K) {
-                typedef gp_traits<GQ_Q4_K> P;
+            } else if constexpr (F == GQ_Q5_0 || F == GQ_Q5_1) {
+                typedef gp_traits<F> P;
+                const int at = F == GQ_Q5_0 ? 2 : 4;  // qh, then the nibbles
                 memcpy(o + 2 * r, blk, 2);
-                memcpy(o + 32 + 2 * r, blk + 2, 2);
-                const uint8_t *p = blk + 4;  // the 6-bit scales and mins, as gq_prepare reads them
-                for (int j = 0; j < 4; j++) {
-                    o[P::SC + P::SUB * j + r] = p[j] & 63;
-                    o[P::MN + P::SUB * j + r] = p[j + 4] & 63;
-                    o[P::SC + P::SUB * (j + 4) + r] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
-                    o[P::MN + P::SUB * (j + 4) + r] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
-                }
-                // sub-block j's weights i are the low (even j) or high (odd j) nibbles of
-                // bytes 32 (j / 2) + i; lane byte t of word i: weight 4i + t low, 16 + 4i + t high
-                for (int j = 0; j < 8; j++) {
-                    const uint8_t *q = blk + 16 + 32 * (j / 2);
-                    uint8_t *oq = o + P::QS + P::SUB * j + 4 * r;
-                    for (int i = 0; i < 4; i++) {
-                        const uint32_t lo = gp_ld4(q + 4 * i), hi = gp_ld4(q + 16 + 4 * i);
-                        gp_st4(oq + 64 * i, j & 1 ? ((lo >> 4) & m4) | (hi & ~m4) : (lo & m4) | ((hi & m4) << 4));
-                    }
+                if (F == GQ_Q5_1) memcpy(o + 32 + 2 * r, blk + 2, 2);
+                memcpy(o + P::QH + 4 * r, blk + at, 4);
+                for (int i = 0; i < 4; i++) gp_put4(o + P::QS + 64 * i, r, blk + at + 4 + 4 * i);
+            } else if (F == GQ_Q4_K) {
+                gp_put_k<GQ_Q4_K>(blk, blk + 16, r, o);
+            } else if (F == GQ_Q5_K) {
+                typedef gp_traits<GQ_Q5_K> P;
+                gp_put_k<GQ_Q5_K>(blk, blk + 48, r, o);
+                // the high bit of sub-block j's weight l is bit j of qh[l] (qh = blk + 16):
+                // eight bytes at a time transposed, byte j then holds weights 8k..8k+7's
+                for (int k = 0; k < 4; k++) {
+                    uint64_t x;
+                    memcpy(&x, blk + 16 + 8 * k, 8);
+                    x = gp_transpose8(x);
+                    for (int j = 0; j < 8; j++) o[P::QH + P::SUB * j + 4 * r + k] = (uint8_t)(x >> (8 * j));
                 }
             } else {  // Q6_K: gq_unpack_s's sub-block j, unsigned (q + 32)
                 typedef gp_traits<GQ_Q6_K> P;
@@ -180,6 +226,9 @@ struct gp_repack_job {
     switch (fmt) {                          \
         case GQ_Q4_0: CALL(GQ_Q4_0); break; \
         case GQ_Q4_1: CALL(GQ_Q4_1); break; \
+        case GQ_Q5_0: CALL(GQ_Q5_0); break; \
+        case GQ_Q5_1: CALL(GQ_Q5_1); break; \
+        case GQ_Q5_K: CALL(GQ_Q5_K); break; \
         case GQ_Q8_0: CALL(GQ_Q8_0); break; \
         case GQ_Q4_K: CALL(GQ_Q4_K); break; \
         case GQ_Q6_K: CALL(GQ_Q6_K); break; \
@@ -241,6 +290,22 @@ static inline void gp_nibbles(const uint8_t *p, __m512i *U) {
     }
 }
 
+// The high bits (64 bytes at p: lane r's 32, bit l for weight l) onto the nibbles: U[c]'s
+// byte t of each lane (weight 4c + t) gets 16 where bit 4c + t is set.
+static inline void gp_high_bits(const uint8_t *p, __m512i *U) {
+    const __m512i h = _mm512_loadu_si512(p), sixteen = _mm512_set1_epi8(16);
+    for (int c = 0; c < 8; c++) {
+        // every byte of a lane gets its byte c / 2, then byte t is tested for bit 4 (c % 2) + t
+        const char b = (char)(c / 2);
+        const __m512i idx = _mm512_broadcast_i32x4(_mm_setr_epi8(b, b, b, b, b + 4, b + 4, b + 4, b + 4, b + 8, b + 8,
+                                                                 b + 8, b + 8, b + 12, b + 12, b + 12, b + 12));
+        const int s = 4 * (c % 2);
+        const __m512i bit = _mm512_set1_epi32((int)((1u << s) | (2u << (s + 8)) | (4u << (s + 16)) | (8u << (s + 24))));
+        const __mmask64 k = _mm512_test_epi8_mask(_mm512_shuffle_epi8(h, idx), bit);
+        U[c] = _mm512_mask_add_epi8(U[c], k, U[c], sixteen);
+    }
+}
+
 // Sixteen f16 -> float.
 static inline __m512 gp_f16x16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
@@ -253,6 +318,13 @@ static inline void gp_unpack(const uint8_t *o, int j, __m512i *U) {
         gp_nibbles(o + 32, U);
     } else if (F == GQ_Q4_1) {
         gp_nibbles(o + 64, U);
+    } else if constexpr (F == GQ_Q5_0 || F == GQ_Q5_1) {
+        gp_nibbles(o + gp_traits<F>::QS, U);
+        gp_high_bits(o + gp_traits<F>::QH, U);
+    } else if (F == GQ_Q5_K) {
+        typedef gp_traits<GQ_Q5_K> P;
+        gp_nibbles(o + P::QS + P::SUB * j, U);
+        gp_high_bits(o + P::QH + P::SUB * j, U);
     } else if (F == GQ_Q8_0) {
         for (int c = 0; c < 8; c++) U[c] = _mm512_loadu_si512(o + 32 + 64 * c);
     } else if (F == GQ_Q4_K) {
@@ -272,7 +344,7 @@ static inline void gp_unpack(const uint8_t *o, int j, __m512i *U) {
 }
 
 // The zero point gp_unpack's bytes carry.
-template <int F> struct gp_zero { enum { Z = F == GQ_Q4_0 ? 8 : F == GQ_Q8_0 ? 128 : F == GQ_Q6_K ? 32 : 0 }; };
+template <int F> struct gp_zero { enum { Z = F == GQ_Q4_0 ? 8 : F == GQ_Q5_0 ? 16 : F == GQ_Q8_0 ? 128 : F == GQ_Q6_K ? 32 : 0 }; };
 
 // Sixteen bytes at p (unsigned, or signed with SIGNED) times d, as floats.
 template <bool SIGNED>
@@ -286,11 +358,11 @@ static inline __m512 gp_scale16(const uint8_t *p, __m512 d) {
 // u + mn, mn = -dmin m; Q4_1: its m; 0 for the others, whose zero points gp_zero carries).
 template <int F>
 static inline void gp_scales(const uint8_t *o, int j, __m512 d, __m512 *s, __m512 *mn) {
-    if (F == GQ_Q4_K) {
-        typedef gp_traits<GQ_Q4_K> P;
+    if constexpr (F == GQ_Q4_K || F == GQ_Q5_K) {
+        typedef gp_traits<F> P;
         s[0] = s[1] = gp_scale16<false>(o + P::SC + P::SUB * j, d);
         *mn = gp_scale16<false>(o + P::MN + P::SUB * j, _mm512_sub_ps(_mm512_setzero_ps(), gp_f16x16(o + 32)));
-    } else if (F == GQ_Q4_1) {
+    } else if (F == GQ_Q4_1 || F == GQ_Q5_1) {
         s[0] = s[1] = d;
         *mn = gp_f16x16(o + 32);
     } else if (F == GQ_Q6_K) {
@@ -343,7 +415,7 @@ static inline void gp_group(const uint8_t *pk, long K, const int8_t *xq, const f
                     __m512i dot = gp_block_dot<X2, 0, 8>(U, x1, x1 + K);
                     if (Z) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(Z * (Sb[0] + Sb[1])));
                     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s[0], xb), acc[m]);
-                    if (F == GQ_Q4_K || F == GQ_Q4_1)  // the minimum's term against x's block sum
+                    if (gq_traits<F>::MIN)  // the minimum's term against x's block sum
                         acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]), acc[m]);
                 }
             }
@@ -389,7 +461,9 @@ static inline void gp_tile(const uint8_t *pk, long K, int32_t *wt, float *sc, fl
 // gp_tile for the formats that pack; nothing for the others (never packed: gp_packs).
 template <int F>
 static inline void gp_tile_of(const uint8_t *pk, long K, int32_t *wt, float *sc, float *mn) {
-    if constexpr (F == GQ_Q4_0 || F == GQ_Q4_1 || F == GQ_Q8_0 || F == GQ_Q4_K || F == GQ_Q6_K) gp_tile<F>(pk, K, wt, sc, mn);
+    if constexpr (F == GQ_Q4_0 || F == GQ_Q4_1 || F == GQ_Q5_0 || F == GQ_Q5_1 || F == GQ_Q8_0 || F == GQ_Q4_K ||
+                  F == GQ_Q5_K || F == GQ_Q6_K)
+        gp_tile<F>(pk, K, wt, sc, mn);
 }
 
 // This thread's int32 half sums of x, grown to the most rows and columns it has met.
