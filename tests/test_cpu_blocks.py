@@ -287,31 +287,34 @@ def test_a_decode_step_of_many_rows_on_int16_tiles_decodes_as_the_oracle(files):
     assert [c.token_ids for c in llm.generate(prompts, sp)] == [c.token_ids for c in ref.generate(prompts, sp)]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_repacked_weights_decode_as_the_oracle(files, oracle, fmt):
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_repacked_weights_decode_as_the_oracle(files, oracle, fmt, isa):
     """repack_weights: the block matrices copied sixteen rows interleaved (csrc/packed.h)
-    serve the fused step's products and the LM head; greedy tokens are the reference's."""
+    serve the fused step's products and the LM head; greedy tokens are the reference's;
+    on the 512-bit path (AVX-512 VNNI) and the 256-bit one (AVX2)."""
     from isa_paths import kernels_for
 
-    if not kernels_for("auto").gguf_packed:
-        pytest.skip("no packed products on this CPU (AVX-512 VNNI only)")
+    if not kernels_for(isa).gguf_packed:
+        pytest.skip(f"no packed products on the {isa} path of this CPU (AVX2 or AVX-512 VNNI)")
     model = load_model(files(fmt))
-    eng = CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True}}))
+    eng = CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True, "isa": isa}}))
     eng.load_params()
     assert all(b.packed is not None for b in eng._blocks.values() if b.format == fmt)
     assert any(p for p in eng._fused.layers[0].packed)
     assert "repack_weights" in eng.speed_paths()["weights"]
-    assert _tokens(model, "cpu", {"repack_weights": True}) == oracle(model)
+    assert _tokens(model, "cpu", {"repack_weights": True, "isa": isa}) == oracle(model)
     # a second engine of the same Model shares the copies (the file pages stay released)
-    again = CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True}}))
+    again = CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True, "isa": isa}}))
     again.load_params()
     assert all(again._blocks[n].packed is b.packed for n, b in eng._blocks.items() if b.packed is not None)
     # the torch forward (the architectures outside the fused step) reads them too
-    assert _tokens(model, "cpu", {"repack_weights": True, "fused_decode": False}) == oracle(model)
+    assert _tokens(model, "cpu", {"repack_weights": True, "fused_decode": False, "isa": isa}) == oracle(model)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
-def test_repacked_rows_against_one_int8_row_serve_every_row_count(files, fmt):
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q5_K", "Q6_K"])
+def test_repacked_rows_against_one_int8_row_serve_every_row_count(files, fmt, isa):
     """repack_weights with int8_compute=int8: every product reads the packed groups, a
     prefill's many rows and a nine-slot step too (no int16 tiles, no file-layout kernels),
     and stays within the one-int8-row bound of the oracle's log-probs; nine slots at once
@@ -319,10 +322,10 @@ def test_repacked_rows_against_one_int8_row_serve_every_row_count(files, fmt):
     are summed in the same order whatever the rows beside it)."""
     from isa_paths import kernels_for
 
-    if not kernels_for("auto").gguf_packed:
-        pytest.skip("no packed products on this CPU (AVX-512 VNNI only)")
+    if not kernels_for(isa).gguf_packed:
+        pytest.skip(f"no packed products on the {isa} path of this CPU (AVX2 or AVX-512 VNNI)")
     model = load_model(files(fmt))
-    options = {"repack_weights": True, "int8_compute": "int8"}
+    options = {"repack_weights": True, "int8_compute": "int8", "isa": isa}
     config = EngineConfig(max_slots=9, max_prefill_length=40, max_cache_length=64)
     eng = CpuEngine(model, config.model_copy(update={"options": {**options, "fused_prefill": False}}))
     eng.load_params()
@@ -364,22 +367,22 @@ def test_repacked_rows_against_one_int8_row_serve_every_row_count(files, fmt):
 
 def test_repacked_weights_with_many_rows_and_their_refusals(files):
     """Nine slots at once multiply on int16 tiles filled from the repacked groups; the
-    option is refused, naming why, without block weights, off the AVX-512 VNNI path, and
-    with float32 activations."""
+    option is refused, naming why, without block weights, on the scalar path, and with
+    float32 activations."""
     from isa_paths import kernels_for
 
     model = load_model(files("Q4_K"))
     with pytest.raises(UnsupportedFeature, match="repack_weights=True.*block weights"):
         CpuEngine(load_model("random:tiny"), CFG.model_copy(update={"options": {"repack_weights": True}}))
-    with pytest.raises(UnsupportedFeature, match="repack_weights=True.*int8_compute='float'|repack_weights=True.*AVX-512"):
+    with pytest.raises(UnsupportedFeature, match="repack_weights=True.*int8_compute='float'|repack_weights=True.*AVX2"):
         CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True, "int8_compute": "float"}}))
     try:
-        kernels_for("avx2")
+        kernels_for("scalar")
     except pytest.skip.Exception:
         pass
     else:
-        with pytest.raises(UnsupportedFeature, match="repack_weights=True.*AVX-512 VNNI"):
-            CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True, "isa": "avx2"}}))
+        with pytest.raises(UnsupportedFeature, match="repack_weights=True.*AVX2 or AVX-512 VNNI"):
+            CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True, "isa": "scalar"}}))
     if not kernels_for("auto").gguf_packed:
         return
     prompts = [[3 + (5 * i + 7 * j) % 200 for i in range(4 + j)] for j in range(9)]

@@ -2,8 +2,9 @@
 (``backends/cpu/csrc/packed.h``, option repack_weights): decode products of a few rows of
 x, and prefill's int16 tiles filled from the repacked groups.
 
-Only the AVX-512 VNNI path has them (``gguf_packed``); elsewhere the option is refused
-and the file's blocks serve (tests/test_cpu_gguf_kernels.py). Checked against float64
+The AVX-512 VNNI path has them on 512 bits, AVX2 (and AVX-VNNI) on 256 (``gguf_packed``);
+the scalar path refuses the option and the file's blocks serve
+(tests/test_cpu_gguf_kernels.py). Checked against float64
 products of the exactly dequantized blocks:
 - with int8 activations: the float64 product of the dequantized weights and the
   dequantized int8 activations up to float32 summation (1e-5 of the terms' magnitude);
@@ -35,11 +36,11 @@ def _matrix(fmt: str, n: int, k: int = K, seed: int = 0) -> tuple[BlockMatrix, n
     return block_matrix(fmt, n, k, seed)
 
 
-@pytest.fixture(scope="module", params=("auto", "avx512"))
+@pytest.fixture(scope="module", params=("auto", "avx512", "avx2"))
 def kernels(request):
     k = kernels_for(request.param)
     if not k.gguf_packed:
-        pytest.skip(f"no packed products on the {k.isa} path ({k.q8_isa}): AVX-512 VNNI only")
+        pytest.skip(f"no packed products on the {k.isa} path ({k.q8_isa}): AVX-512 VNNI, AVX-VNNI and AVX2 only")
     return k
 
 
@@ -124,7 +125,7 @@ def test_which_formats_and_paths_repack(isa):
         blocks, _ = _matrix(fmt, 16)
         assert kernels.gguf_packs(blocks) == (kernels.gguf_packed and fmt in PACKED), (isa, fmt)
         assert (kernels.gguf_packed_bytes(fmt, 16, K) > 0) == kernels.gguf_packs(blocks)
-    assert kernels.gguf_packed == (kernels.q8_isa == "avx512-vnni")
+    assert kernels.gguf_packed == (kernels.q8_isa != "scalar"), (isa, kernels.q8_isa)
 
 
 def test_release_pages_drops_a_mapped_matrix_and_keeps_its_values(tmp_path):

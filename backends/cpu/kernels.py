@@ -311,12 +311,13 @@ class CpuKernels:
 
     @property
     def gguf_packed(self) -> bool:
-        """Whether this library has :meth:`gguf_packed_linear` (the AVX-512 VNNI path)."""
+        """Whether this library has :meth:`gguf_packed_linear` (the AVX-512 VNNI path on
+        512 bits; AVX2 and AVX-VNNI on 256)."""
         return bool(self.lib.pe_gguf_packs(FORMATS["Q4_0"].ggml_type, 32))  # one block of a packed format
 
     def gguf_packs(self, blocks) -> bool:
         """Whether :meth:`gguf_repack` takes ``blocks`` on this library (``csrc/packed.h``:
-        Q4_0, Q4_1, Q8_0, Q4_K and Q6_K on the AVX-512 VNNI path)."""
+        every block format the loader keeps, on the AVX-512 VNNI, AVX-VNNI and AVX2 paths)."""
         return bool(self.lib.pe_gguf_packs(blocks.ggml_type, blocks.k))
 
     def gguf_packed_bytes(self, fmt: str, n: int, k: int) -> int:

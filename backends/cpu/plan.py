@@ -476,7 +476,7 @@ def _repack(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple[str,
         why = ("it repacks a GGUF file's block weights, and none are kept in blocks here (float32 compute on a GGUF "
                "file keeps them)")
     elif kernels is None or not kernels.gguf_packed:
-        why = ("its products need AVX-512 VNNI (csrc/packed.h) and " +
+        why = ("its products need AVX2 or AVX-512 VNNI (csrc/packed.h) and " +
                ("the host-compiled kernels are not used here" if kernels is None else
                 f"this library's int8 path is {kernels.q8_isa}"))
     elif not block_activations:

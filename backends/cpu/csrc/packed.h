@@ -39,8 +39,10 @@
 // x is gguf.h's: int8 per 32 values (q8_quantize) or int8x2 on one scale
 // (gq_quantize_x2), with the formats' zero points taken off in int32 against x's exact
 // block sums (gp_sums): Q4_0's 8, Q5_0's 16, Q8_0's 128, Q6_K's 32; the minimums of
-// Q4_1, Q5_1, Q4_K and Q5_K against x's block sums in float. Only the AVX-512 VNNI path has
-// it (PE_Q8_ISA 3, GP_PACKED); the repacking is plain C++ on every path. Tested per
+// Q4_1, Q5_1, Q4_K and Q5_K against x's block sums in float. The AVX-512 VNNI path
+// multiplies on 512 bits (GP_WIDE); AVX2 and AVX-VNNI on 256 bits, a group as two halves
+// of eight rows (pmaddubsw + pmaddwd on AVX2, where Q8_0 stays signed: GP_Q8_SIGNED); the
+// repacking is plain C++ on every path. Tested per
 // format against float64 products of the exactly dequantized blocks
 // (tests/test_cpu_gguf_packed.py).
 #pragma once
@@ -51,11 +53,21 @@
 #include "gguf.h"
 #include "parallel.h"
 
+// GP_PACKED: the packed products run (GP_WIDE: on 512 bits, AVX-512 VNNI; else on 256 bits,
+// AVX2 or AVX-VNNI, each group as two halves of eight rows).
 #if PE_Q8_ISA == 3
 #define GP_PACKED 1
+#define GP_WIDE 1
+#elif PE_Q8_ISA >= 1 && defined(__F16C__)
+#define GP_PACKED 1
+#define GP_WIDE 0
 #else
 #define GP_PACKED 0
+#define GP_WIDE 0
 #endif
+// AVX2 without VNNI multiplies with pmaddubsw, whose pairs of products saturate at 32767:
+// Q8_0's bytes stay signed there (|w| <= 128 against |x| <= 127), no zero point of 128.
+#define GP_Q8_SIGNED (PE_Q8_ISA == 1)
 
 // Weight rows in a group: one 32-bit lane of a zmm each.
 #define GP_ROWS 16
@@ -247,6 +259,13 @@ static void gp_repack_task(void *arg, int tid, int nth) {
 
 #if GP_PACKED
 
+// The zero point gp_unpack's bytes carry.
+template <int F> struct gp_zero {
+    enum { Z = F == GQ_Q4_0 ? 8 : F == GQ_Q5_0 ? 16 : F == GQ_Q8_0 ? (GP_Q8_SIGNED ? 0 : 128) : F == GQ_Q6_K ? 32 : 0 };
+};
+
+#if GP_WIDE
+
 // S[2b + h] = the exact int32 sum of half h of x's block b (int8x2: 254 * q1's + q2's),
 // for one row of x as gguf.h lays it out (K values, the second int8 row K bytes on).
 template <int X2>
@@ -343,8 +362,6 @@ static inline void gp_unpack(const uint8_t *o, int j, __m512i *U) {
     }
 }
 
-// The zero point gp_unpack's bytes carry.
-template <int F> struct gp_zero { enum { Z = F == GQ_Q4_0 ? 8 : F == GQ_Q5_0 ? 16 : F == GQ_Q8_0 ? 128 : F == GQ_Q6_K ? 32 : 0 }; };
 
 // Sixteen bytes at p (unsigned, or signed with SIGNED) times d, as floats.
 template <bool SIGNED>
@@ -465,6 +482,228 @@ static inline void gp_tile_of(const uint8_t *pk, long K, int32_t *wt, float *sc,
                   F == GQ_Q5_K || F == GQ_Q6_K)
         gp_tile<F>(pk, K, wt, sc, mn);
 }
+
+#else  // 256 bits: AVX2 (pmaddubsw + pmaddwd) or AVX-VNNI (vpdpbusd)
+
+// S[2b + h] as gp_sums above (plain C++: a row of x's sums are a small part of a product).
+template <int X2>
+static void gp_sums(const int8_t *xq, long K, int32_t *S) {
+    for (long h = 0; h < K / 16; h++) {
+        int32_t s = 0, s2 = 0;
+        for (int i = 0; i < 16; i++) s += xq[16 * h + i];
+        if (X2)
+            for (int i = 0; i < 16; i++) s2 += xq[K + 16 * h + i];
+        S[h] = X2 ? 254 * s + s2 : s;
+    }
+}
+
+// Eight rows' four weights (unsigned u; signed with GP_Q8_SIGNED's Q8_0) against x's four
+// int8 values at p, broadcast, added to acc.
+template <bool SIGNED>
+static inline __m256i gp_dot(__m256i acc, __m256i u, const int8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    const __m256i x = _mm256_set1_epi32(four);
+#if PE_Q8_ISA == 2 && defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+#elif PE_Q8_ISA == 2
+    return _mm256_dpbusd_epi32(acc, u, x);  // AVX-512 VNNI with VL
+#else
+    // u <= 63 against |x| <= 127: a pair sums to at most 16002; signed w as |w| against x
+    // with w's sign (|w| <= 128: 32512), so pmaddubsw cannot saturate
+    const __m256i ax = SIGNED ? _mm256_sign_epi8(x, u) : x, au = SIGNED ? _mm256_abs_epi8(u) : u;
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(au, ax), _mm256_set1_epi16(1)));
+#endif
+}
+
+#if PE_Q8_ISA == 1
+// pmaddubsw's pairs of words c..c+G-1 summed in 16 bits before one pmaddwd: a pair is at
+// most 2 * 127 * (15, 31, 63) for 4-, 5- and 6-bit quants, so G of them stay within 32767
+// (8 * 3810, 4 * 7874, 2 * 16002); Q8_0's signed bytes one at a time.
+template <int F> struct gp_words16 {
+    enum { G = F == GQ_Q4_0 || F == GQ_Q4_1 || F == GQ_Q4_K ? 8 : F == GQ_Q5_0 || F == GQ_Q5_1 || F == GQ_Q5_K ? 4
+               : F == GQ_Q6_K ? 2 : 1 };
+};
+
+template <int F, int C0, int C1>
+static inline __m256i gp_row_dot(const __m256i *U, const int8_t *x) {
+    constexpr bool SIGNED = F == GQ_Q8_0 && GP_Q8_SIGNED;
+    constexpr int G = gp_words16<F>::G;
+    __m256i d = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; c += G) {
+        __m256i s16 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < G && c + g < C1; g++) {
+            int32_t four;
+            memcpy(&four, x + 4 * (c + g), 4);
+            const __m256i xv = _mm256_set1_epi32(four);
+            const __m256i u = U[c + g];
+            s16 = _mm256_add_epi16(s16, SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(u), _mm256_sign_epi8(xv, u))
+                                               : _mm256_maddubs_epi16(u, xv));
+        }
+        d = _mm256_add_epi32(d, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+    }
+    return d;
+}
+#endif
+
+template <int F, int X2, int C0, int C1>
+static inline __m256i gp_block_dot(const __m256i *U, const int8_t *x1, const int8_t *x2) {
+#if PE_Q8_ISA == 1
+    __m256i d = gp_row_dot<F, C0, C1>(U, x1);
+    if (X2) d = _mm256_add_epi32(_mm256_mullo_epi32(d, _mm256_set1_epi32(254)), gp_row_dot<F, C0, C1>(U, x2));
+    return d;
+#else
+    constexpr bool SIGNED = F == GQ_Q8_0 && GP_Q8_SIGNED;
+    __m256i d = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; c++) d = gp_dot<SIGNED>(d, U[c], x1 + 4 * c);
+    if (X2) {
+        d = _mm256_mullo_epi32(d, _mm256_set1_epi32(254));
+#pragma GCC unroll 8
+        for (int c = C0; c < C1; c++) d = gp_dot<SIGNED>(d, U[c], x2 + 4 * c);
+    }
+    return d;
+#endif
+}
+
+// Half h (rows 8h..8h+7) of four words of nibbles: U[0..3] the low ones, U[4..7] the high.
+static inline void gp_nibbles(const uint8_t *p, int h, __m256i *U) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int i = 0; i < 4; i++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i + 32 * h));
+        U[i] = _mm256_and_si256(v, m4);
+        U[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+}
+
+// Half h of the fifth bits (as the 512-bit gp_high_bits), onto the nibbles as 16.
+static inline void gp_high_bits(const uint8_t *p, int h, __m256i *U) {
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 32 * h)), sixteen = _mm256_set1_epi8(16);
+    for (int c = 0; c < 8; c++) {
+        const char b = (char)(c / 2);
+        const __m256i idx = _mm256_broadcastsi128_si256(_mm_setr_epi8(b, b, b, b, b + 4, b + 4, b + 4, b + 4, b + 8, b + 8,
+                                                                      b + 8, b + 8, b + 12, b + 12, b + 12, b + 12));
+        const int s = 4 * (c % 2);
+        const __m256i bit = _mm256_set1_epi32((int)((1u << s) | (2u << (s + 8)) | (4u << (s + 16)) | (8u << (s + 24))));
+        const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(hb, idx), bit);
+        U[c] = _mm256_or_si256(U[c], _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), sixteen));
+    }
+}
+
+// Eight f16 -> float.
+static inline __m256 gp_f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+// Sub-block j of the unit at o, half h, as gp_unpack above.
+template <int F>
+static inline void gp_unpack(const uint8_t *o, int j, int h, __m256i *U) {
+    if constexpr (F == GQ_Q4_0) {
+        gp_nibbles(o + 32, h, U);
+    } else if constexpr (F == GQ_Q4_1) {
+        gp_nibbles(o + 64, h, U);
+    } else if constexpr (F == GQ_Q5_0 || F == GQ_Q5_1) {
+        gp_nibbles(o + gp_traits<F>::QS, h, U);
+        gp_high_bits(o + gp_traits<F>::QH, h, U);
+    } else if constexpr (F == GQ_Q5_K) {
+        typedef gp_traits<GQ_Q5_K> P;
+        gp_nibbles(o + P::QS + P::SUB * j, h, U);
+        gp_high_bits(o + P::QH + P::SUB * j, h, U);
+    } else if constexpr (F == GQ_Q8_0) {
+        for (int c = 0; c < 8; c++) {
+            U[c] = _mm256_loadu_si256((const __m256i *)(o + 32 + 64 * c + 32 * h));
+            if (GP_Q8_SIGNED) U[c] = _mm256_xor_si256(U[c], _mm256_set1_epi8((char)0x80));
+        }
+    } else if constexpr (F == GQ_Q4_K) {
+        gp_nibbles(o + gp_traits<GQ_Q4_K>::QS + gp_traits<GQ_Q4_K>::SUB * j, h, U);
+    } else {  // Q6_K
+        typedef gp_traits<GQ_Q6_K> P;
+        gp_nibbles(o + P::QL + P::SUB * j, h, U);
+        const __m256i m2 = _mm256_set1_epi8(0x30);
+        for (int k = 0; k < 2; k++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(o + P::QH + P::SUB * j + 64 * k + 32 * h));
+            U[4 * k] = _mm256_or_si256(U[4 * k], _mm256_and_si256(_mm256_slli_epi16(v, 4), m2));
+            U[4 * k + 1] = _mm256_or_si256(U[4 * k + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), m2));
+            U[4 * k + 2] = _mm256_or_si256(U[4 * k + 2], _mm256_and_si256(v, m2));
+            U[4 * k + 3] = _mm256_or_si256(U[4 * k + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), m2));
+        }
+    }
+}
+
+// Eight bytes at p (unsigned, or signed) times d, as floats.
+template <bool SIGNED>
+static inline __m256 gp_scale8(const uint8_t *p, __m256 d) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v)), d);
+}
+
+// Half h of gp_scales above (d: that half's f16 scales as floats).
+template <int F>
+static inline void gp_scales(const uint8_t *o, int j, int h, __m256 d, __m256 *s, __m256 *mn) {
+    if constexpr (F == GQ_Q4_K || F == GQ_Q5_K) {
+        typedef gp_traits<F> P;
+        s[0] = s[1] = gp_scale8<false>(o + P::SC + P::SUB * j + 8 * h, d);
+        *mn = gp_scale8<false>(o + P::MN + P::SUB * j + 8 * h, _mm256_sub_ps(_mm256_setzero_ps(), gp_f16x8(o + 32 + 16 * h)));
+    } else if constexpr (F == GQ_Q4_1 || F == GQ_Q5_1) {
+        s[0] = s[1] = d;
+        *mn = gp_f16x8(o + 32 + 16 * h);
+    } else if constexpr (F == GQ_Q6_K) {
+        typedef gp_traits<GQ_Q6_K> P;
+        s[0] = gp_scale8<true>(o + P::SC + P::SUB * j + 8 * h, d);
+        s[1] = gp_scale8<true>(o + P::SC + P::SUB * j + 16 + 8 * h, d);
+        *mn = _mm256_setzero_ps();
+    } else {
+        s[0] = s[1] = d;
+        *mn = _mm256_setzero_ps();
+    }
+}
+
+// gp_group above on 256 bits: the group's two halves of eight rows one after the other
+// (the second reads the group again, from cache).
+template <int F, int MB, int X2>
+static inline void gp_group(const uint8_t *pk, long K, const int8_t *xq, const float *xs, const float *xsf,
+                            const int32_t *S, float *out) {
+    typedef gq_traits<F> T;
+    const long nb = K / 32, XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb, XF = 2 * nb;
+    const long UNIT = gp_traits<F>::UNIT;
+    const int32_t Z = gp_zero<F>::Z;
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[MB];
+        for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+        for (long unit = 0; unit < K / T::BLOCK; unit++) {
+            const uint8_t *o = pk + unit * UNIT;
+            const __m256 d = gp_f16x8(o + 16 * h);
+            for (int j = 0; j < T::BLOCK / 32; j++) {
+                const long b = unit * (T::BLOCK / 32) + j;
+                __m256i U[8];
+                gp_unpack<F>(o, j, h, U);
+                __m256 s[2], mn;
+                gp_scales<F>(o, j, h, d, s, &mn);
+                for (int m = 0; m < MB; m++) {
+                    const int8_t *x1 = xq + m * XK + b * 32;
+                    const int32_t *Sb = S + m * XF + 2 * b;
+                    const __m256 xb = _mm256_set1_ps(xs[m * XB + b]);
+                    if (F == GQ_Q6_K) {
+                        __m256i da = gp_block_dot<F, X2, 0, 4>(U, x1, x1 + K), db = gp_block_dot<F, X2, 4, 8>(U, x1, x1 + K);
+                        da = _mm256_sub_epi32(da, _mm256_set1_epi32(Z * Sb[0]));
+                        db = _mm256_sub_epi32(db, _mm256_set1_epi32(Z * Sb[1]));
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(s[0], xb), acc[m]);
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(s[1], xb), acc[m]);
+                    } else {
+                        __m256i dot = gp_block_dot<F, X2, 0, 8>(U, x1, x1 + K);
+                        if (Z) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(Z * (Sb[0] + Sb[1])));
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s[0], xb), acc[m]);
+                        if (gq_traits<F>::MIN)
+                            acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]), acc[m]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < MB; m++) _mm256_storeu_ps(out + 16 * m + 8 * h, acc[m]);
+    }
+}
+
+#endif  // GP_WIDE
 
 // This thread's int32 half sums of x, grown to the most rows and columns it has met.
 static inline int32_t *gp_scratch(long n) {
