@@ -658,48 +658,73 @@ static inline void gp_scales(const uint8_t *o, int j, int h, __m256 d, __m256 *s
     }
 }
 
-// gp_group above on 256 bits: the group's two halves of eight rows one after the other
-// (the second reads the group again, from cache).
+// Half h (rows 8h..8h+7) of sub-block j (block b of x) of the unit at o (d: that half's
+// f16 scales as floats) against MB rows of x, into acc[0..MB).
+template <int F, int MB, int X2>
+static inline void gp_half(const uint8_t *o, int j, int h, __m256 d, long b, long K, const int8_t *xq, const float *xs,
+                           const float *xsf, const int32_t *S, __m256 *acc) {
+    const long nb = K / 32, XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb, XF = 2 * nb;
+    const int32_t Z = gp_zero<F>::Z;
+    __m256i U[8];
+    gp_unpack<F>(o, j, h, U);
+    __m256 s[2], mn;
+    gp_scales<F>(o, j, h, d, s, &mn);
+    for (int m = 0; m < MB; m++) {
+        const int8_t *x1 = xq + m * XK + b * 32;
+        const int32_t *Sb = S + m * XF + 2 * b;
+        const __m256 xb = _mm256_set1_ps(xs[m * XB + b]);
+        if (F == GQ_Q6_K) {
+            __m256i da = gp_block_dot<F, X2, 0, 4>(U, x1, x1 + K), db = gp_block_dot<F, X2, 4, 8>(U, x1, x1 + K);
+            da = _mm256_sub_epi32(da, _mm256_set1_epi32(Z * Sb[0]));
+            db = _mm256_sub_epi32(db, _mm256_set1_epi32(Z * Sb[1]));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(s[0], xb), acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(s[1], xb), acc[m]);
+        } else {
+            __m256i dot = gp_block_dot<F, X2, 0, 8>(U, x1, x1 + K);
+            if (Z) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(Z * (Sb[0] + Sb[1])));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s[0], xb), acc[m]);
+            if (gq_traits<F>::MIN)
+                acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]), acc[m]);
+        }
+    }
+}
+
+// gp_group above on 256 bits. Up to two rows of x: both halves of each sub-block in turn,
+// the group read once in order; more rows (whose accumulators would not fit the sixteen
+// registers beside a half's eight words): the two halves one after the other, the second
+// reading the group again from cache.
 template <int F, int MB, int X2>
 static inline void gp_group(const uint8_t *pk, long K, const int8_t *xq, const float *xs, const float *xsf,
                             const int32_t *S, float *out) {
     typedef gq_traits<F> T;
-    const long nb = K / 32, XK = X2 ? 2 * K : K, XB = X2 ? 2 * nb : nb, XF = 2 * nb;
     const long UNIT = gp_traits<F>::UNIT;
-    const int32_t Z = gp_zero<F>::Z;
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[MB];
-        for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+    if constexpr (MB <= 2) {
+        __m256 acc[2][MB];
+        for (int h = 0; h < 2; h++)
+            for (int m = 0; m < MB; m++) acc[h][m] = _mm256_setzero_ps();
         for (long unit = 0; unit < K / T::BLOCK; unit++) {
             const uint8_t *o = pk + unit * UNIT;
-            const __m256 d = gp_f16x8(o + 16 * h);
+            const __m256 d0 = gp_f16x8(o), d1 = gp_f16x8(o + 16);
             for (int j = 0; j < T::BLOCK / 32; j++) {
                 const long b = unit * (T::BLOCK / 32) + j;
-                __m256i U[8];
-                gp_unpack<F>(o, j, h, U);
-                __m256 s[2], mn;
-                gp_scales<F>(o, j, h, d, s, &mn);
-                for (int m = 0; m < MB; m++) {
-                    const int8_t *x1 = xq + m * XK + b * 32;
-                    const int32_t *Sb = S + m * XF + 2 * b;
-                    const __m256 xb = _mm256_set1_ps(xs[m * XB + b]);
-                    if (F == GQ_Q6_K) {
-                        __m256i da = gp_block_dot<F, X2, 0, 4>(U, x1, x1 + K), db = gp_block_dot<F, X2, 4, 8>(U, x1, x1 + K);
-                        da = _mm256_sub_epi32(da, _mm256_set1_epi32(Z * Sb[0]));
-                        db = _mm256_sub_epi32(db, _mm256_set1_epi32(Z * Sb[1]));
-                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(s[0], xb), acc[m]);
-                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(s[1], xb), acc[m]);
-                    } else {
-                        __m256i dot = gp_block_dot<F, X2, 0, 8>(U, x1, x1 + K);
-                        if (Z) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(Z * (Sb[0] + Sb[1])));
-                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s[0], xb), acc[m]);
-                        if (gq_traits<F>::MIN)
-                            acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsf[m * XF + 2 * b] + xsf[m * XF + 2 * b + 1]), acc[m]);
-                    }
-                }
+                gp_half<F, MB, X2>(o, j, 0, d0, b, K, xq, xs, xsf, S, acc[0]);
+                gp_half<F, MB, X2>(o, j, 1, d1, b, K, xq, xs, xsf, S, acc[1]);
             }
         }
-        for (int m = 0; m < MB; m++) _mm256_storeu_ps(out + 16 * m + 8 * h, acc[m]);
+        for (int h = 0; h < 2; h++)
+            for (int m = 0; m < MB; m++) _mm256_storeu_ps(out + 16 * m + 8 * h, acc[h][m]);
+    } else {
+        for (int h = 0; h < 2; h++) {
+            __m256 acc[MB];
+            for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+            for (long unit = 0; unit < K / T::BLOCK; unit++) {
+                const uint8_t *o = pk + unit * UNIT;
+                const __m256 d = gp_f16x8(o + 16 * h);
+                for (int j = 0; j < T::BLOCK / 32; j++)
+                    gp_half<F, MB, X2>(o, j, h, d, unit * (T::BLOCK / 32) + j, K, xq, xs, xsf, S, acc);
+            }
+            for (int m = 0; m < MB; m++) _mm256_storeu_ps(out + 16 * m + 8 * h, acc[m]);
+        }
     }
 }
 
