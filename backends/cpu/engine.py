@@ -126,8 +126,7 @@ class CpuEngine(TorchEngine):
             return True
         bound = self.fused_prefill_scores
         if bound is None:  # none where the step's attention takes a prefill's rows as runs
-            runs = self.attention_runs and self.model.config.head_dim % self._kernels.vector_width == 0
-            bound = sys.maxsize if runs else FUSED_PREFILL_SCORES
+            bound = sys.maxsize if self._fused is not None and self._fused.takes_runs else FUSED_PREFILL_SCORES
         return sum(int(n) * (int(s) + int(n)) for n, s in zip(lengths, starts)) <= bound
 
     def _resolve_kv_dtype(self) -> torch.dtype:

@@ -575,6 +575,9 @@ class FusedDecoder:
         c = config
         self.kv_dtype = kv_dtype
         self.kernels, self.config = kernels, c
+        # whether a prefill's rows attend as runs here (csrc/decode.h's att_units: the head
+        # size a whole number of vectors)
+        self.takes_runs = bool(attention_runs) and c.head_dim % kernels.vector_width == 0
         self._keep: list[torch.Tensor] = []
 
         def ptr(t: torch.Tensor | None) -> int | None:
@@ -622,7 +625,7 @@ class FusedDecoder:
                           int(int8_activations) if narrow == torch.int8 or blocks else 0, KV_TYPES[kv_dtype],
                           (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)),
                           page_size, -(-cache_len // page_size) if page_size else 0,
-                          tile_rows if blocks else 0, int(attention_runs))
+                          tile_rows if blocks else 0, int(self.takes_runs))
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")
@@ -663,12 +666,13 @@ class FusedDecoder:
 
     def _scratch_for(self, m: int, cache_len: int | None = None) -> torch.Tensor:
         c, d = self.config, self.dims
+        length = d.cache_len if cache_len is None else cache_len
         kmax = max(c.hidden_size, c.intermediate_size, c.q_size)
         need = m * (2 * c.q_size + 2 * c.kv_size + 2 * c.intermediate_size + 2 * c.hidden_size)
-        need += m * d.heads * (d.cache_len if cache_len is None else cache_len)  # the attention scores
+        need += m * d.heads * length  # the attention scores
         need += d.threads * kmax + 4 * m * kmax // Q8_BLOCK + (2 * m * kmax + 3) // 4  # int8 activations
         # a run's attention (csrc/decode.h, att_tile_floats): per thread, at VW <= 16, after 64-byte alignment
-        need += 16 + max(d.threads, 1) * ((d.cache_len if cache_len is None else cache_len) + 9 * c.head_dim + 2) * 16
+        need += 16 + max(d.threads, 1) * ((length + 9 * c.head_dim + 2) * 16 + 2 * length)
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch

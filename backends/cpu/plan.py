@@ -199,9 +199,8 @@ class CpuPlan:
             if self.repack:
                 use = ("every product, prefill's too (one int8 row: int8_compute=int8)" if self.packed_rows else
                        "decode's products and prefill's tiles")
-                return (f"the file's GGUF blocks ({self.block_formats}), Q4_0/Q4_1/Q8_0/Q4_K/Q6_K copied at load with "
-                        f"sixteen rows interleaved (option repack_weights, csrc/packed.h) for {use}, their file "
-                        "pages released; other formats as mapped")
+                return (f"the file's GGUF blocks ({self.block_formats}), copied at load with sixteen rows "
+                        f"interleaved (option repack_weights, csrc/packed.h) for {use}, their file pages released")
             return (f"the file's GGUF blocks as mapped, never widened whole ({self.block_formats}): decode "
                     f"products on {where}, prefill by dequantized bands into torch's GEMM")
         if self.weights in WEIGHT_MODES:

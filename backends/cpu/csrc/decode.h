@@ -58,8 +58,8 @@ struct pe_dims {
                      // cache_rows pages and a row's position p lives in page table[row][p / page_size]
     long table_len;  // paged: page ids per row of the page table
     long tile_rows;  // gguf: steps of at least this many rows multiply on tile.h's int16 tiles
-    long att_runs;   // a prefill's consecutive rows of one cache row attend as one run (attn_tile; 0: row by row)
                      // (int16 activations; 0: never, or where the library has no tiles)
+    long att_runs;   // a prefill's consecutive rows of one cache row attend as one run (attn_tile; 0: row by row)
 };
 
 // Element offset of K/V at (layer l, row, kv head j, position p): in the contiguous cache
@@ -205,7 +205,8 @@ struct pe_att_unit {
 };
 enum { ATT_RUN_MIN = 4 };  // rows; a shorter run attends row by row
 static inline long att_tile_floats(const pe_dims *d) {
-    return (d->cache_len + d->head_dim + 8 * d->head_dim) * VW + 2 * VW;  // scores, q transposed, 8 keys
+    // scores, q transposed, 8 keys widened (VW floats each of S, hd, 8 hd), the keys' offsets (S longs)
+    return (d->cache_len + 9 * d->head_dim + 2) * VW + 2 * d->cache_len;
 }
 
 // The GQA group of query heads that share KV head jh, of row m, together: each cached
@@ -279,58 +280,56 @@ static void attn_head(const pe_attn_job *j, long m, long a) {
     const long nh = d->heads, nkv = d->kv_heads, hd = d->head_dim, S = d->cache_len;
     const long qs = nh * hd, group = nh / nkv;
     const float scale = 1.f / sqrtf((float)hd);
-    {
-        const long jh = a / group, n = j->pos[m] + 1;
-        const float *qa = j->q + m * qs + a * hd;
-        const long base = ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;  // element offset
-        const long *table = j->table;  // paged: each position's offset through the row's page table
-        const int kt = d->kv_type;
-        float *sc = j->scores + (m * nh + a) * S;
-        float mx = -INFINITY;
-        const long hv = hd - hd % VW;  // q . k in vector lanes (a scalar loop would be latency-bound)
+    const long jh = a / group, n = j->pos[m] + 1;
+    const float *qa = j->q + m * qs + a * hd;
+    const long base = ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;  // element offset
+    const long *table = j->table;  // paged: each position's offset through the row's page table
+    const int kt = d->kv_type;
+    float *sc = j->scores + (m * nh + a) * S;
+    float mx = -INFINITY;
+    const long hv = hd - hd % VW;  // q . k in vector lanes (a scalar loop would be latency-bound)
+    for (long s = 0; s < n; s++) {
+        const long kr = table ? kv_offset(d, table, j->l, j->rows[m], jh, s) : base + s * hd;
+        vf acc = (vf){};
+        for (long i = 0; i < hv; i += VW) acc += load_f(qa + i) * kv_load(kt, j->k_cache, kr + i);
+        float dot = hsum(acc);
+        for (long i = hv; i < hd; i++) dot += qa[i] * kv_at(kt, j->k_cache, kr + i);
+        sc[s] = dot * scale;
+        mx = sc[s] > mx ? sc[s] : mx;
+    }
+    float sum = 0.f;
+    long s = 0;
+    vf vsum = (vf){};
+    for (; s + VW <= n; s += VW) {
+        vf e = vexp(load_f(sc + s) - mx);
+        memcpy(sc + s, &e, sizeof e);
+        vsum += e;
+    }
+    sum = hsum(vsum);
+    for (; s < n; s++) {
+        sc[s] = expf(sc[s] - mx);
+        sum += sc[s];
+    }
+    float *out = j->att + m * qs + a * hd;
+    for (long i = 0; i < hd; i++) out[i] = 0.f;
+    if (kt == PE_KV_F32) {
+        const float *vb = (const float *)j->v_cache + base;
         for (long s = 0; s < n; s++) {
-            const long kr = table ? kv_offset(d, table, j->l, j->rows[m], jh, s) : base + s * hd;
-            vf acc = (vf){};
-            for (long i = 0; i < hv; i += VW) acc += load_f(qa + i) * kv_load(kt, j->k_cache, kr + i);
-            float dot = hsum(acc);
-            for (long i = hv; i < hd; i++) dot += qa[i] * kv_at(kt, j->k_cache, kr + i);
-            sc[s] = dot * scale;
-            mx = sc[s] > mx ? sc[s] : mx;
+            const float p = sc[s] / sum;
+            const float *vs = table ? (const float *)j->v_cache + kv_offset(d, table, j->l, j->rows[m], jh, s)
+                                    : vb + s * hd;
+            for (long i = 0; i < hd; i++) out[i] += p * vs[i];
         }
-        float sum = 0.f;
-        long s = 0;
-        vf vsum = (vf){};
-        for (; s + VW <= n; s += VW) {
-            vf e = vexp(load_f(sc + s) - mx);
-            memcpy(sc + s, &e, sizeof e);
-            vsum += e;
-        }
-        sum = hsum(vsum);
-        for (; s < n; s++) {
-            sc[s] = expf(sc[s] - mx);
-            sum += sc[s];
-        }
-        float *out = j->att + m * qs + a * hd;
-        for (long i = 0; i < hd; i++) out[i] = 0.f;
-        if (kt == PE_KV_F32) {
-            const float *vb = (const float *)j->v_cache + base;
-            for (long s = 0; s < n; s++) {
-                const float p = sc[s] / sum;
-                const float *vs = table ? (const float *)j->v_cache + kv_offset(d, table, j->l, j->rows[m], jh, s)
-                                        : vb + s * hd;
-                for (long i = 0; i < hd; i++) out[i] += p * vs[i];
+    } else {
+        for (long s = 0; s < n; s++) {
+            const float p = sc[s] / sum;
+            const long vr = table ? kv_offset(d, table, j->l, j->rows[m], jh, s) : base + s * hd;
+            long i = 0;
+            for (; i < hv; i += VW) {
+                vf o = load_f(out + i) + p * kv_load(kt, j->v_cache, vr + i);
+                memcpy(out + i, &o, sizeof o);
             }
-        } else {
-            for (long s = 0; s < n; s++) {
-                const float p = sc[s] / sum;
-                const long vr = table ? kv_offset(d, table, j->l, j->rows[m], jh, s) : base + s * hd;
-                long i = 0;
-                for (; i < hv; i += VW) {
-                    vf o = load_f(out + i) + p * kv_load(kt, j->v_cache, vr + i);
-                    memcpy(out + i, &o, sizeof o);
-                }
-                for (; i < hd; i++) out[i] += p * kv_at(kt, j->v_cache, vr + i);
-            }
+            for (; i < hd; i++) out[i] += p * kv_at(kt, j->v_cache, vr + i);
         }
     }
 }
@@ -353,6 +352,7 @@ static void attn_tile(const pe_attn_job *j, long m0, long R, long jh, long lane,
     float *sc = ws;                 // (n, VW): the scores, then the weights
     float *qt = sc + S * VW;        // (hd, VW): the lanes' queries, scaled, transposed
     float *kb = qt + hd * VW;       // (8, hd): keys widened to float32 (bfloat16/float16 caches)
+    long *offs = (long *)(kb + 8 * hd);  // (S): each key's element offset, for K and V alike
     float lp[VW];
     long lo = S, n = 0;             // the lanes' lowest and highest position + 1
     for (long l = 0; l < VW; l++) {
@@ -364,11 +364,12 @@ static void attn_tile(const pe_attn_job *j, long m0, long R, long jh, long lane,
         lo = p < lo ? p : lo;
         n = p + 1 > n ? p + 1 : n;
     }
+    for (long s = 0; s < n; s++) offs[s] = table ? kv_offset(d, table, j->l, row, jh, s) : base + s * hd;
     vf vpos;
     memcpy(&vpos, lp, sizeof vpos);
     const vf ninf = (vf){} - INFINITY;
     auto key = [&](long s, long i) -> const float * {  // key s as float32 (slot i of kb when widened)
-        const long off = table ? kv_offset(d, table, j->l, row, jh, s) : base + s * hd;
+        const long off = offs[s];
         if (kt == PE_KV_F32) return (const float *)j->k_cache + off;
         float *dst = kb + i * hd;
         for (long e = 0; e < hd; e += VW) {
@@ -415,7 +416,7 @@ static void attn_tile(const pe_attn_job *j, long m0, long R, long jh, long lane,
         vf acc[VW];
         for (long i = 0; i < VW; i++) acc[i] = (vf){};
         for (s = 0; s < n; s++) {
-            const long off = (table ? kv_offset(d, table, j->l, row, jh, s) : base + s * hd) + c;
+            const long off = offs[s] + c;
             const vf p = load_f(sc + s * VW);
             float vv[VW];
             if (kt == PE_KV_F32) {
@@ -477,19 +478,13 @@ static std::vector<pe_att_unit> att_units(const pe_dims *d, int M, const int *ro
     if (!d->att_runs || d->head_dim % VW) return units;
     const long nkv = d->kv_heads, group = d->heads / nkv;
     bool any = false;
-    for (int m = 0; m < M && !any;) {
-        int r = 1;
-        while (m + r < M && rows[m + r] == rows[m] && pos[m + r] == pos[m] + r) r++;
-        any = r >= ATT_RUN_MIN;
-        m += r;
-    }
-    if (!any) return units;
     double at = 0;
     for (int m = 0; m < M;) {
         int r = 1;
         while (m + r < M && rows[m + r] == rows[m] && pos[m + r] == pos[m] + r) r++;
         for (long jh = 0; jh < nkv; jh++) {
             if (r >= ATT_RUN_MIN) {
+                any = true;
                 for (long lane = 0; lane < r * group; lane += VW) {
                     const long last = m + (lane + VW < r * group ? lane + VW : r * group) / group;
                     const double c = (double)(pos[last - 1] + 1) * VW;
@@ -506,6 +501,7 @@ static std::vector<pe_att_unit> att_units(const pe_dims *d, int M, const int *ro
         }
         m += r;
     }
+    if (!any) units.clear();
     return units;
 }
 

@@ -497,29 +497,29 @@ static void gp_sums(const int8_t *xq, long K, int32_t *S) {
     }
 }
 
-// Eight rows' four weights (unsigned u; signed with GP_Q8_SIGNED's Q8_0) against x's four
-// int8 values at p, broadcast, added to acc.
-template <bool SIGNED>
-static inline __m256i gp_dot(__m256i acc, __m256i u, const int8_t *p) {
-    int32_t four;
-    memcpy(&four, p, 4);
-    const __m256i x = _mm256_set1_epi32(four);
-#if PE_Q8_ISA == 2 && defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, x);
-#elif PE_Q8_ISA == 2
-    return _mm256_dpbusd_epi32(acc, u, x);  // AVX-512 VNNI with VL
+#if PE_Q8_ISA == 2
+// Words [C0, C1) of eight rows' four unsigned weights each against x's four int8 values
+// at 4c, broadcast: vpdpbusd (AVX-VNNI, or AVX-512 VNNI with VL).
+template <int F, int C0, int C1>
+static inline __m256i gp_row_dot(const __m256i *U, const int8_t *x) {
+    __m256i d = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; c++) {
+        int32_t four;
+        memcpy(&four, x + 4 * c, 4);
+#if defined(__AVXVNNI__)
+        d = _mm256_dpbusd_avx_epi32(d, U[c], _mm256_set1_epi32(four));
 #else
-    // u <= 63 against |x| <= 127: a pair sums to at most 16002; signed w as |w| against x
-    // with w's sign (|w| <= 128: 32512), so pmaddubsw cannot saturate
-    const __m256i ax = SIGNED ? _mm256_sign_epi8(x, u) : x, au = SIGNED ? _mm256_abs_epi8(u) : u;
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(au, ax), _mm256_set1_epi16(1)));
+        d = _mm256_dpbusd_epi32(d, U[c], _mm256_set1_epi32(four));
 #endif
+    }
+    return d;
 }
-
-#if PE_Q8_ISA == 1
-// pmaddubsw's pairs of words c..c+G-1 summed in 16 bits before one pmaddwd: a pair is at
-// most 2 * 127 * (15, 31, 63) for 4-, 5- and 6-bit quants, so G of them stay within 32767
-// (8 * 3810, 4 * 7874, 2 * 16002); Q8_0's signed bytes one at a time.
+#else
+// The same on AVX2: pmaddubsw's pairs of words c..c+G-1 summed in 16 bits before one
+// pmaddwd: a pair is at most 2 * 127 * (15, 31, 63) for 4-, 5- and 6-bit quants, so G of
+// them stay within 32767 (8 * 3810, 4 * 7874, 2 * 16002); Q8_0's signed bytes (|w| <= 128
+// against x with w's sign: 32512) one at a time.
 template <int F> struct gp_words16 {
     enum { G = F == GQ_Q4_0 || F == GQ_Q4_1 || F == GQ_Q4_K ? 8 : F == GQ_Q5_0 || F == GQ_Q5_1 || F == GQ_Q5_K ? 4
                : F == GQ_Q6_K ? 2 : 1 };
@@ -548,24 +548,12 @@ static inline __m256i gp_row_dot(const __m256i *U, const int8_t *x) {
 }
 #endif
 
+// Words [C0, C1) against a row of x (X2: 254 * x1's + x2's, the int8x2 row on one scale).
 template <int F, int X2, int C0, int C1>
 static inline __m256i gp_block_dot(const __m256i *U, const int8_t *x1, const int8_t *x2) {
-#if PE_Q8_ISA == 1
     __m256i d = gp_row_dot<F, C0, C1>(U, x1);
     if (X2) d = _mm256_add_epi32(_mm256_mullo_epi32(d, _mm256_set1_epi32(254)), gp_row_dot<F, C0, C1>(U, x2));
     return d;
-#else
-    constexpr bool SIGNED = F == GQ_Q8_0 && GP_Q8_SIGNED;
-    __m256i d = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int c = C0; c < C1; c++) d = gp_dot<SIGNED>(d, U[c], x1 + 4 * c);
-    if (X2) {
-        d = _mm256_mullo_epi32(d, _mm256_set1_epi32(254));
-#pragma GCC unroll 8
-        for (int c = C0; c < C1; c++) d = gp_dot<SIGNED>(d, U[c], x2 + 4 * c);
-    }
-    return d;
-#endif
 }
 
 // Half h (rows 8h..8h+7) of four words of nibbles: U[0..3] the low ones, U[4..7] the high.
