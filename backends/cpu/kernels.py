@@ -573,11 +573,8 @@ class FusedDecoder:
                  bf16_activations: bool = False, blocks: dict | None = None, page_size: int = 0,
                  tile_rows: int = 0, attention_runs: bool = True):
         c = config
-        self.kv_dtype = kv_dtype
-        self.kernels, self.config = kernels, c
-        # whether a prefill's rows attend as runs here (csrc/decode.h's att_units: the head
-        # size a whole number of vectors)
-        self.takes_runs = bool(attention_runs) and c.head_dim % kernels.vector_width == 0
+        self.kv_dtype, self.kernels, self.config = kv_dtype, kernels, c
+        self.takes_runs = bool(attention_runs) and c.head_dim % kernels.vector_width == 0  # att_units' rule
         self._keep: list[torch.Tensor] = []
 
         def ptr(t: torch.Tensor | None) -> int | None:
