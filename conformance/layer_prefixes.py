@@ -296,6 +296,71 @@ class PrefixLayer:
             div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling, what=f"{where}: first token")
             assert div is None or div.near_tie, f"{where}: {div.describe()}"
 
+    def test_prefill_lane(self, conformance):
+        """start_prefill (capability prefill_lane) beside the steps gives what prefill gives
+        between them: two streams decode while the lane prefills a whole prompt and (with
+        prefix_reuse) continues a prefix that a prefill on the caller's thread continues at
+        the same time; the lane's prefixes (logits, first token, their streams once
+        inserted), the other continuation and the streams are the reference's, and the
+        continued prefix is left as it was. Undeclared, start_prefill raises
+        UnsupportedFeature or is absent."""
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        start = getattr(eng, "start_prefill", None)
+        limit = LIMITS["max_prefill_length"]
+        long_prompt, long_sampling = conformance.prompt(limit, 121), conformance.sampling(121)
+        if not eng.capabilities.prefill_lane:
+            if callable(start):
+                with pytest.raises(UnsupportedFeature):
+                    start(params=d.params, tokens=long_prompt, sampling=long_sampling)
+            return
+        assert callable(start), "prefill_lane is declared but start_prefill is missing"
+        streams = {0: (conformance.prompt(6, 122), conformance.sampling(122)),
+                   1: (conformance.prompt(9, 123), conformance.sampling(123, temperature=0.0))}
+        for slot, (prompt, sampling) in streams.items():
+            d.insert(slot, prompt, sampling)
+        d.step()
+        lane = []  # (what, whole prompt, sampling, future)
+        head = beside = None
+        if eng.capabilities.prefix_reuse:  # two continuations of one prefix at once: one on the lane
+            whole_a = conformance.prompt(limit, 124)
+            whole_b = whole_a[:8] + conformance.prompt(limit - 8, 125)
+            head, _ = d.prefill(whole_a[:8], conformance.sampling(126))
+            head_logits = head.host_logits().copy()
+            sa, sb = conformance.sampling(127), conformance.sampling(128, temperature=0.0)
+            lane.append(("the lane's continuation of a prefix", whole_a, sa,
+                         start(params=d.params, tokens=whole_a[8:], sampling=sa, existing_prefix=head)))
+            beside = (whole_b, sb, eng.prefill(params=d.params, tokens=whole_b[8:], sampling=sb, existing_prefix=head))
+        lane.append(("the lane's prefill", long_prompt, long_sampling,
+                     start(params=d.params, tokens=long_prompt, sampling=long_sampling)))
+        room = LIMITS["max_cache_length"] - 12
+        d.step(n=2)  # the steps go on while the lane runs, and at least twice
+        while not all(f.done() for *_, f in lane) and len(d.tokens[1]) < room:
+            d.step()
+        oracle = conformance.oracle()
+        done = [(what, whole, sampling, *future.result(timeout=600)) for what, whole, sampling, future in lane]
+        if beside is not None:
+            done.append(("a continuation beside the lane's", beside[0], beside[1], *beside[2]))
+        for what, whole, sampling, prefix, first in done:
+            conformance.within("logits_rel_l2", rel_l2(prefix.host_logits(), oracle.logits(whole)), conformance.dtype,
+                               DEFAULT_MODEL, what=f"{what}: logits vs the reference's prefill of its whole prompt")
+            div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling, what=f"{what}: first token")
+            assert div is None or div.near_tie, f"{what}: {div.describe()}"
+        if head is not None:
+            assert np.array_equal(head.host_logits(), head_logits), (
+                "continuing a prefix on the lane and beside it changed the prefix continued")
+        for slot, (prompt, sampling) in streams.items():
+            div = conformance.compare_to_oracle(d.tokens[slot], prompt, sampling,
+                                                what=f"slot {slot}, decoding while the lane prefilled")
+            assert div is None or div.near_tie, f"slot {slot}, decoding while the lane prefilled: {div.describe()}"
+        for slot, (what, whole, sampling, prefix, first) in zip((2, 3), done):
+            d.free(0) if slot == 2 else d.free(1)
+            d.insert_prefix(slot, prefix, first)
+        d.step(n=3)
+        for slot, (what, whole, sampling, prefix, first) in zip((2, 3), done):
+            div = conformance.compare_to_oracle(d.tokens[slot], whole, sampling, what=f"{what}, inserted")
+            assert div is None or div.near_tie, f"{what}, inserted: {div.describe()}"
+
     def test_page_rules(self, conformance):
         """docs/design.md, "Pages", on an engine that declares page_size: inserting shares
         pages, a shared page is copied before a write, free releases only the slot's

@@ -7,6 +7,7 @@ the checklist.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -452,6 +453,17 @@ class EngineBase:
         return [self.prefill(params=params, tokens=toks, sampling=sampling, existing_prefix=req.existing_prefix,
                              **({"token_mask": mask} if mask is not None else {}))
                 for req, (toks, sampling, _, mask) in zip(requests, checked)]
+
+    # -- the prefill lane (capability prefill_lane) -----------------------------------------
+
+    def start_prefill(self, *, params: Any, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
+                      existing_prefix: Prefix | None = None, token_mask: np.ndarray | None = None) -> Future:
+        """``prefill`` beside the steps: a Future of its ``(Prefix, ResultTokens)``, computed
+        on threads of the engine's own while the caller goes on with ``generate`` and the
+        rest (capability ``prefill_lane``). An engine that declares it overrides this."""
+        raise UnsupportedFeature("a prefill beside the decode steps (start_prefill)", self.name,
+                                 "call prefill between steps; the driver does so on engines without "
+                                 "Capabilities.prefill_lane")
 
     # -- prefix truncation (capability prefix_truncate) -------------------------------------
 

@@ -113,6 +113,12 @@ class Capabilities(BaseModel):
     continuing its own prefix) in one forward of the model, not one call after another;
     ``EngineBase`` gives every engine the method as a loop over ``prefill``, and the
     driver batches a step's pieces only on an engine that declares it.
+    ``prefill_lane``: ``start_prefill`` runs a ``prefill`` on threads of the engine's own
+    and returns a ``concurrent.futures.Future`` of its ``(Prefix, ResultTokens)``; while
+    it runs, the driver goes on calling ``generate``, ``insert``, ``bulk_insert``,
+    ``free_resource`` and ``prefill`` (one caller thread), and every result, the lane's
+    included, is what the same calls give one after another (docs/design.md, "The
+    prefill lane"). An engine without it raises :class:`UnsupportedFeature` there.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -137,6 +143,7 @@ class Capabilities(BaseModel):
         description="weight formats computed on as stored; others are converted to float32 one tensor at a time")
     embeddings: bool = False
     batched_prefill: bool = False
+    prefill_lane: bool = False
 
     @property
     def paged_kv(self) -> bool:
@@ -378,8 +385,8 @@ class Engine(Protocol):
     ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
     (``portable_prefix``), ``embed`` (``embeddings``); and ``existing_prefix`` in prefill
     (``prefix_reuse``). ``truncate_prefix`` (``prefix_truncate``), ``prefill_batch``
-    (``batched_prefill``) and ``embed`` may be absent without their capabilities
-    (:data:`CAPABILITY_METHODS`).
+    (``batched_prefill``), ``start_prefill`` (``prefill_lane``) and ``embed`` may be
+    absent without their capabilities (:data:`CAPABILITY_METHODS`).
     Optional keywords, each guarded by a capability (:data:`CAPABILITY_KEYWORDS`; an
     engine that does not declare it may lack the keyword): ``token_mask`` of prefill
     and ``token_masks`` of generate (``token_masks``).
@@ -437,6 +444,15 @@ class Engine(Protocol):
         refuse makes the whole call raise that error (its message names the entry) and
         nothing is prefilled. Capability ``batched_prefill`` says the entries share one
         forward; ``EngineBase`` gives engines without it a loop over ``prefill``."""
+        ...
+
+    def start_prefill(self, *, params: Any, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
+                      existing_prefix: Prefix | None = None, token_mask: np.ndarray | None = None) -> "Future":
+        """``prefill`` beside the steps (capability ``prefill_lane``): returns at once a
+        ``concurrent.futures.Future`` of what ``prefill`` with these keywords returns (or
+        raises), computed on threads of the engine's own while the caller goes on calling
+        the other methods from its thread; every result, the lane's included, is what the
+        same calls give one after another (docs/design.md, "The prefill lane")."""
         ...
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -522,6 +538,7 @@ OPTIONAL_METHODS: dict[str, str] = {
 # before it existed keeps passing protocol_problems); the caller never passes it then.
 CAPABILITY_KEYWORDS: dict[tuple[str, str], str] = {
     ("prefill", "token_mask"): "token_masks",
+    ("start_prefill", "token_mask"): "token_masks",
     ("generate", "token_masks"): "token_masks",
 }
 
@@ -533,6 +550,7 @@ CAPABILITY_METHODS: dict[str, str] = {
     "import_prefix_tail": "portable_prefix_tail",
     "prefill_batch": "batched_prefill",
     "embed": "embeddings",
+    "start_prefill": "prefill_lane",
 }
 
 

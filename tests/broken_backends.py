@@ -647,6 +647,34 @@ class SharedScratchPrefixEngine(ReferenceEngine):
         return prefix, first
 
 
+class LaneBufferEngine(ReferenceEngine):
+    """Declares prefill_lane, and its lane leaves a prefix's logits in an engine-wide buffer
+    that every generate step then writes into (a scratch the lane shares with the steps):
+    a prefix made on the lane reads what the steps left there by the time it is used."""
+
+    _buffer = None
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.capabilities = self.capabilities.model_copy(update={"prefill_lane": True})
+
+    def start_prefill(self, *, params, **kw):
+        from concurrent.futures import Future
+
+        prefix, first = self.prefill(params=params, **kw)
+        self._buffer = np.array(prefix.logits)
+        prefix.logits = self._buffer
+        future = Future()
+        future.set_result((prefix, first))
+        return future
+
+    def generate(self, params, decode_state, **kw):
+        out = super().generate(params, decode_state, **kw)
+        if self._buffer is not None:
+            self._buffer[...] = np.roll(self._buffer, 1)
+        return out
+
+
 class ZeroedPrefixEngine(ReferenceEngine):
     """Donates a prefix's K/V buffer at insert (as jax.jit(donate_argnames=...) would) and
     forgets that the caller still holds the prefix: after its first insert the prefix
@@ -783,6 +811,7 @@ BROKEN: dict[str, type] = {
     "broken_padded_logits": PaddedLogitsEngine,
     "broken_prefix_positions": PrefixPositionsEngine,
     "broken_batch_positions": BatchPositionsEngine,
+    "broken_lane_buffer": LaneBufferEngine,
     "broken_prerope_export": PreRopeExportEngine,
     "broken_unchecked_import": UncheckedImportEngine,
     "broken_trusting_import": TrustingImportEngine,
@@ -859,6 +888,7 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_padded_logits": ("test_prefill_bucket_invariance", "test_prefill_bucket_invariance", "bucket_rel_l2"),
     "broken_prefix_positions": ("test_prefix_reuse", "test_prefix_reuse", "positions of the continuation"),
     "broken_batch_positions": ("test_prefill_batch", "test_prefill_batch", "each row at its own positions"),
+    "broken_lane_buffer": ("test_prefill_lane", "test_prefill_lane", "logits vs the reference's prefill"),
     "broken_continuation_edge": ("test_prefix_reuse_at_bucket_edges", "test_prefix_reuse_at_bucket_edges",
                                  "a prefix of 8 tokens continued"),
     "broken_continuation_sampling": ("test_prefix_reuse_leaves_the_prefix", "test_prefix_reuse_leaves_the_prefix",

@@ -25,6 +25,7 @@ import ctypes
 import functools
 import mmap
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -171,19 +172,25 @@ def embed_rows(blocks: BlockMatrix, tokens: torch.Tensor, kernels=None) -> torch
     return out.reshape(*tokens.shape, blocks.k)
 
 
-class TiledBlockLinear:
-    """``x @ W.T + bias`` for a :class:`BlockMatrix` ``W`` by bands of rows dequantized
-    into one reused float32 buffer (rounded to ``compute``, the GEMM's operand dtype,
-    where that is not float32). Not thread-safe: one per engine, called from its thread."""
+class BandBuffers:
+    """The reused band buffers of a tiled product, one set per calling thread (a prefill
+    lane's products run beside the decode steps': docs/cpu.md, "The prefill lane")."""
 
     def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._local = threading.local()
 
     def _band(self, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        buffer = self._buffers.get(dtype)
+        buffers = self._local.__dict__.setdefault("buffers", {})
+        buffer = buffers.get(dtype)
         if buffer is None or buffer.numel() < rows * k:
-            buffer = self._buffers[dtype] = torch.empty(max(rows * k, _BAND_ELEMENTS), dtype=dtype)
+            buffer = buffers[dtype] = torch.empty(max(rows * k, _BAND_ELEMENTS), dtype=dtype)
         return buffer[: rows * k].view(rows, k)
+
+
+class TiledBlockLinear(BandBuffers):
+    """``x @ W.T + bias`` for a :class:`BlockMatrix` ``W`` by bands of rows dequantized
+    into a reused float32 buffer of the calling thread's (rounded to ``compute``, the
+    GEMM's operand dtype, where that is not float32)."""
 
     def __call__(self, x: torch.Tensor, blocks: BlockMatrix, bias: torch.Tensor | None = None, *,
                  kernels=None, compute: torch.dtype | None = None) -> torch.Tensor:

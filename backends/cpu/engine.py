@@ -12,6 +12,7 @@ worker thread, so the driver reads step n while n+1 runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -35,7 +36,7 @@ from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16
 from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, FUSED_PREFILL_SCORES, MAX_ROWS, TILE_ROWS,
                                              TILED_FUSED_PREFILL_ROWS, FusedDecoder)
 from polyengine.backends.cpu.options import OPTIONS, WEIGHT_FORMATS
-from polyengine.backends.cpu.plan import CpuHost, CpuPlan
+from polyengine.backends.cpu.plan import CpuHost, CpuPlan, lane_threads
 from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
 from polyengine.backends.torch_common.model import TorchWeights, forward, rms_norm
 
@@ -67,7 +68,26 @@ class CpuEngine(TorchEngine):
             # the GGUF block formats are computed on as mapped (blocks.py); others, and every
             # weight where the plan does not keep blocks, are converted one tensor at a time
             weight_formats=WEIGHT_FORMATS, page_size=self.options["page_size"],
+            prefill_lane=self.lane_threads() > 0,
         )
+
+    def lane_threads(self) -> int:
+        """TorchEngine.lane_threads: option prefill_threads (plan.lane_threads)."""
+        return lane_threads(self.options)
+
+    @contextlib.contextmanager
+    def _lane_split(self):
+        """TorchEngine._lane_split: the lane's calls to the compiled kernels (its products,
+        its attention, a fused prefill) on its threads, the steps' on the rest
+        (CpuKernels.lend: they take their thread count per call). torch's own ops (norms,
+        RoPE, the sampler) keep torch's count, one for the whole process: switching it while
+        the lane ran stalled the steps by ~150 ms at a time (measured: docs/cpu.md, "The
+        prefill lane")."""
+        if self._kernels is None:
+            yield
+            return
+        with self._kernels.lend(self.lane_threads()):
+            yield
 
     def _prefill_rows(self, n: int) -> int:
         """No padding on the host: nothing here is compiled per shape, and a pad row costs

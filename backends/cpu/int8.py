@@ -20,12 +20,13 @@ import torch
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replace_matrices
 
+from polyengine.backends.cpu.blocks import _BAND_ELEMENTS, BandBuffers
+
 __all__ = ["int8_tensors", "bf16_tensors", "has_bf16_copies", "dequantize", "TiledInt8Linear"]
 
-# Weights widened per band: 2^21 float32 values (8 MiB), a band of rows of any matrix (as
-# blocks.py's bands: fewer, larger GEMMs; 1 MiB bands prefilled 512 tokens of the default
-# model with quantize=int8-block32 at 0.94x, docs/benchmarks/2026-12-quantized.md).
-_BAND_ELEMENTS = 1 << 21
+# Weights widened per band: 2^21 float32 values (8 MiB, blocks.py's _BAND_ELEMENTS), a band
+# of rows of any matrix (fewer, larger GEMMs; 1 MiB bands prefilled 512 tokens of the
+# default model with quantize=int8-block32 at 0.94x, docs/benchmarks/2026-12-quantized.md).
 
 
 def int8_tensors(model: Model, mode: str) -> dict[str, torch.Tensor]:
@@ -109,9 +110,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.to(torch.float32).reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, k).to(dtype)
 
 
-class TiledInt8Linear:
+class TiledInt8Linear(BandBuffers):
     """``x @ dequantize(q, scale).T + bias``, one band of weight rows at a time into one
-    reused float buffer. Not thread-safe: one per engine, called from its thread.
+    reused float buffer of the calling thread's.
 
     ``compute=torch.bfloat16`` runs the GEMM on bfloat16 operands (option
     ``prefill_compute``: torch's bfloat16 GEMM, on AVX512-BF16 or AMX units where the CPU
@@ -119,16 +120,6 @@ class TiledInt8Linear:
     band (``q * scale`` in float32) is rounded once to bfloat16, the product comes back
     rounded to bfloat16 and is widened to ``x``'s dtype; per-row scales and the bias are
     applied after, in ``x``'s dtype. bfloat16 weights need no band: they are the operand."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
-
-    def _band(self, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        need = rows * k
-        buffer = self._buffers.get(dtype)
-        if buffer is None or buffer.numel() < need:
-            buffer = self._buffers[dtype] = torch.empty(max(need, _BAND_ELEMENTS), dtype=dtype)
-        return buffer[:need].view(rows, k)
 
     def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None,
                  bias: torch.Tensor | None = None, *, compute: torch.dtype | None = None) -> torch.Tensor:

@@ -31,10 +31,11 @@ switch of the engine (options ``cpu_kernels``, ``fused_decode`` and
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -95,9 +96,35 @@ def check_isa(isa: str) -> None:
 @dataclass
 class CpuKernels:
     lib: ctypes.CDLL
-    threads: int
+    total_threads: int  # the threads a call uses with no prefill lane in flight
     path: Path
     requested: str = "auto"  # the ISA path asked for (option isa)
+    # A prefill lane's threads (:meth:`lend`): its own on the lane's thread, the rest lent out.
+    _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+    _lent: int = field(default=0, repr=False, compare=False)
+    _lend_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def threads(self) -> int:
+        """The threads a call made on the calling thread runs on: a prefill lane's own
+        (:meth:`lend`) on the lane's thread, else the total less what lanes in flight hold
+        (at least one)."""
+        return getattr(self._local, "threads", 0) or max(1, self.total_threads - self._lent)
+
+    @contextlib.contextmanager
+    def lend(self, n: int):
+        """The calling thread's calls run on ``n`` threads, and every other thread's on the
+        rest, until the block ends (the prefill lane beside the decode steps: two thread
+        teams that together fill the cores, never more; docs/cpu.md, "The prefill lane")."""
+        with self._lend_lock:
+            self._lent += n
+        self._local.threads = n
+        try:
+            yield
+        finally:
+            self._local.threads = 0
+            with self._lend_lock:
+                self._lent -= n
 
     @property
     def isa(self) -> str:
@@ -627,7 +654,7 @@ class FusedDecoder:
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")
         self.cos, self.sin = ptr(tensors["rope.cos"]), ptr(tensors["rope.sin"])
-        self._scratch: torch.Tensor | None = None
+        self._local = threading.local()  # each thread's scratch (a prefill lane's beside the steps')
 
     def _block(self, entry: _Layer, index: int, projection: str, blocks) -> None:
         """Point projection ``index`` of a layer at a block matrix where the file maps it."""
@@ -661,18 +688,20 @@ class FusedDecoder:
         d.cache_rows, d.cache_len, d.page_size, d.table_len = k_cache.shape[1], k_cache.shape[3], 0, 0
         return self._run(d, x, rows, positions, k_cache, v_cache, None)
 
-    def _scratch_for(self, m: int, cache_len: int | None = None) -> torch.Tensor:
+    def _scratch_for(self, m: int, cache_len: int | None = None, threads: int | None = None) -> torch.Tensor:
         c, d = self.config, self.dims
         length = d.cache_len if cache_len is None else cache_len
+        threads = d.threads if threads is None else threads
         kmax = max(c.hidden_size, c.intermediate_size, c.q_size)
         need = m * (2 * c.q_size + 2 * c.kv_size + 2 * c.intermediate_size + 2 * c.hidden_size)
         need += m * d.heads * length  # the attention scores
-        need += d.threads * kmax + 4 * m * kmax // Q8_BLOCK + (2 * m * kmax + 3) // 4  # int8 activations
+        need += threads * kmax + 4 * m * kmax // Q8_BLOCK + (2 * m * kmax + 3) // 4  # int8 activations
         # a run's attention (csrc/decode.h, att_tile_floats): per thread, at VW <= 16, after 64-byte alignment
-        need += 16 + max(d.threads, 1) * ((length + 9 * c.head_dim + 2) * 16 + 2 * length)
-        if self._scratch is None or self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
-        return self._scratch
+        need += 16 + max(threads, 1) * ((length + 9 * c.head_dim + 2) * 16 + 2 * length)
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._local.scratch = torch.empty(need, dtype=torch.float32)
+        return scratch
 
     def step(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, page_table: torch.Tensor | None = None) -> torch.Tensor:
@@ -710,7 +739,8 @@ class FusedDecoder:
             raise ValueError(f"the fused decoder needs contiguous float32 activations and {self.kv_dtype} caches")
         rows = rows.to(torch.int32).contiguous()
         positions = positions.to(torch.int32).contiguous()
-        scratch = self._scratch_for(x.shape[0], d.cache_len)
+        d.threads = self.kernels.threads  # this thread's share while a prefill lane runs (CpuKernels.lend)
+        scratch = self._scratch_for(x.shape[0], d.cache_len, d.threads)
         self.kernels.lib.pe_decode(ctypes.byref(d), self.layers, x.data_ptr(), x.shape[0], rows.data_ptr(),
                                    positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                    None if page_table is None else page_table.data_ptr(), self.cos, self.sin,

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from polyengine.errors import UnsupportedFeature
+from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.hostinfo import cpu_flags, cpu_model, has_bf16_units, runnable_isas
 from polyengine.models.quantize import WEIGHT_MODES, group_of, quantized_names
 
@@ -319,6 +319,22 @@ def _weights(o: Mapping[str, Any], config: Any, dtype: torch.dtype) -> str:
         raise UnsupportedFeature(f"bf16_compute={o['bf16_compute']!r} without bfloat16 weights", BACKEND,
                                  "it chooses the activations of bfloat16 weights' products; add weight_dtype='bfloat16'")
     return o["quantize"]
+
+
+def lane_threads(o: Mapping[str, Any]) -> int:
+    """The prefill lane's threads (option ``prefill_threads``; docs/cpu.md, "The prefill
+    lane"): ``-1`` half the engine's threads where it has two or more and keeps no pages
+    (a paged prefill takes pages from the pool the steps take theirs from), else as asked."""
+    total, n, paged = o["threads"] or torch.get_num_threads(), o["prefill_threads"], o.get("page_size", 0)
+    if n == -1:
+        return 0 if paged else total // 2
+    if n and paged:
+        raise UnsupportedFeature(f"prefill_threads={n} with page_size={paged}", BACKEND,
+                                 "the prefill lane runs on contiguous K/V; leave prefill_threads at -1 or 0")
+    if n and n >= total:
+        raise InvalidRequest(f"prefill_threads={n} leaves the decode steps none of the engine's {total} threads; "
+                             f"ask for at most {total - 1}, or 0 for no lane", field="options.prefill_threads")
+    return n
 
 
 def _kernels(o: Mapping[str, Any], dtype: torch.dtype) -> tuple[CpuKernels | None, str | None]:

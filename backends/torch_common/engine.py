@@ -21,6 +21,7 @@ sync inside a step: ``tests/test_cuda_torch_sync.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -134,11 +135,23 @@ def on_engine_thread(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        if self._worker is None or threading.current_thread() is self._worker_thread:
-            return method(self, *args, **kwargs)
+        here = threading.current_thread()
+        if self._worker is None or here is self._worker_thread or here is self._lane_thread:
+            return method(self, *args, **kwargs)  # the prefill lane's calls run on its own thread
         return self._worker.submit(method, self, *args, **kwargs).result()
 
     return run
+
+
+def _lane_priority() -> None:
+    """The prefill lane's thread (and the threads it starts) yields to the steps' where
+    both want a core: nice 10 on Linux (per thread there), nothing elsewhere."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def batch_groups(lengths: Sequence[int], cap: int | None) -> list[list[int]]:
@@ -193,6 +206,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # every other torch call of the engine too (see on_engine_thread).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-step") if self._async_steps() else None
         self._worker_thread = self._worker.submit(threading.current_thread).result() if self._worker else None
+        # The prefill lane (capability prefill_lane, start_prefill): a thread of its own, made
+        # at its first prefill, with a sampler of its own; _run_lock claims a run's room.
+        self._lane: ThreadPoolExecutor | None = None
+        self._lane_thread: threading.Thread | None = None
+        self._lane_sampler: TorchSampler | None = None
+        self._run_lock = threading.Lock()
         self._weights: TorchWeights | None = None
         self._prefill_sampler: TorchSampler | None = None
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
@@ -332,6 +351,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                      token_mask: np.ndarray | None = None):
         """Sample 0's first token (step 0) from a prefix's logits, on the prefill sampler."""
         sampler = self._prefill_sampler
+        if threading.current_thread() is self._lane_thread and self._lane_thread is not None:
+            if self._lane_sampler is None:
+                self._lane_sampler = TorchSampler(self.vocab_size, 1, self.eos_token_ids, device=self.torch_device,
+                                                  dtype=self.sampler_dtype)
+            sampler = self._lane_sampler
         sampler.install(0, sampling, prompt)
         try:
             return sampler.sample(logits[None], num_top=sampling.top_logprobs,
@@ -426,8 +450,10 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         continuation of the same prefix finds the room taken (``filled`` past its end) and
         copies. docs/prefix-caching.md ("Pieces extend their prefix in place")."""
         run = getattr(prefix.kv, "run", None) if prefix is not None and self.pages is None else None
-        if run is not None and run.filled == start and run.capacity >= length:
-            return run
+        with self._run_lock:  # claimed at once: a continuation beside this one (the prefill lane) copies
+            if run is not None and run.filled == start and run.capacity >= length:
+                run.filled = length
+                return run
         capacity = length
         if grows_with_use(self.torch_device):
             capacity = max(length, min(2 * length, self.max_cache_length))
@@ -538,6 +564,38 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             out.append(self._prefixed(params, logits[i], row, toks, sampling, prior, mask, start=start,
                                       nbytes=self.kv_bytes(total)))
         return out
+
+    # -- the prefill lane (capability prefill_lane) -----------------------------------------
+
+    def lane_threads(self) -> int:
+        """Hook: the threads a prefill lane runs on beside the steps; 0 (here): no lane. A
+        backend that returns more keeps every scratch of a prefill per thread and splits
+        its threads in :meth:`_lane_split`."""
+        return 0
+
+    @contextlib.contextmanager
+    def _lane_split(self):
+        """Hook: the engine's threads split between the lane's prefill (on the calling
+        thread) and the steps, for as long as the block runs."""
+        yield
+
+    def start_prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams,
+                      existing_prefix: Prefix | None = None, token_mask: np.ndarray | None = None) -> Future:
+        """EngineBase.start_prefill: ``prefill`` on the lane's thread, under the split."""
+        if not self.capabilities.prefill_lane:
+            return super().start_prefill(params=params, tokens=tokens, sampling=sampling,
+                                         existing_prefix=existing_prefix, token_mask=token_mask)
+        if self._lane is None:
+            self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-prefill", initializer=_lane_priority)
+            self._lane_thread = self._lane.submit(threading.current_thread).result()
+        keywords = dict(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
+        if token_mask is not None:
+            keywords["token_mask"] = token_mask
+        return self._lane.submit(self._lane_prefill, keywords)
+
+    def _lane_prefill(self, keywords: dict[str, Any]) -> tuple[Prefix, ResultTokens]:
+        with self._lane_split():
+            return self.prefill(**keywords)
 
     # -- insert, bulk_insert, free_resource: the kit's flow over torch_common's hooks --------
 

@@ -8,8 +8,10 @@ ratio of that p99 to the median before (target: at most 3), and the prompt's tim
 first token against its time alone, nothing else running (target: at most 2). The
 default model on the cpu backend, one engine for every row (the budget is the
 driver's: set on its prefiller between rows), the prefix cache off so no row reuses
-another's prompt. One run: ratios within a run compare; absolute times depend on the
-host and its load.
+another's prompt. On an engine with a prefill lane (the cpu backend's default, option
+``prefill_threads``) the prompt prefills there, beside the steps, at every budget;
+``--option prefill_threads=0`` measures the steps' own pieces. One run: ratios within a
+run compare; absolute times depend on the host and its load.
 
     python benchmarks/scripts/prefill_under_load.py [--budgets 16,32,64] [--prompt 2000] [--streams 4]
                                                     [--backend cpu] [--option KEY=VALUE ...]
@@ -106,7 +108,8 @@ def main() -> None:
     fresh = lambda n: rng.integers(100, vocab, n).tolist()  # noqa: E731
     info = cpu_info()
     print(f"host: {info['model']}, {info['usable_cores']} cores, ISA {' '.join(info['isa'])}; backend "
-          f"{args.backend} on {llm.engine.device}; batched_prefill={llm.engine.capabilities.batched_prefill}")
+          f"{args.backend} on {llm.engine.device}; batched_prefill={llm.engine.capabilities.batched_prefill}, "
+          f"prefill_lane={llm.engine.capabilities.prefill_lane}")
     ttft_alone(llm, fresh(args.prompt))  # warm-up: buffers and kernels of a long prefill
     alone = statistics.median(ttft_alone(llm, fresh(args.prompt)) for _ in range(2))
     prefiller = llm.scheduler.prefiller

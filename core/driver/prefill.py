@@ -315,7 +315,7 @@ class Prefiller:
         """Run the job's next piece (chunked under a step's ``budget``, see
         :meth:`step_budget`); after the last, its prefix and first token."""
         n = self.next_piece(job, budget)
-        return self._advanced(job, job.done + n, self.engine.prefill(params=self.params, **self._piece(job, n)))
+        return self.advanced(job, job.done + n, self.engine.prefill(params=self.params, **self.piece(job, n)))
 
     def advance_pieces(self, pieces: list[tuple[PrefillJob, int]]) -> list[tuple[Prefix, ResultTokens] | None]:
         """Run one piece of ``n`` tokens of each job, together: one ``prefill_batch`` on an
@@ -324,13 +324,13 @@ class Prefiller:
         entry before any work), so the caller may run the pieces one by one to find whose
         it was."""
         if not self.batched or len(pieces) == 1:
-            return [self._advanced(job, job.done + n, self.engine.prefill(params=self.params, **self._piece(job, n)))
+            return [self.advanced(job, job.done + n, self.engine.prefill(params=self.params, **self.piece(job, n)))
                     for job, n in pieces]
-        requests = [PrefillRequest(**self._piece(job, n)) for job, n in pieces]
+        requests = [PrefillRequest(**self.piece(job, n)) for job, n in pieces]
         done = self.engine.prefill_batch(params=self.params, requests=requests)
-        return [self._advanced(job, job.done + n, out) for (job, n), out in zip(pieces, done)]
+        return [self.advanced(job, job.done + n, out) for (job, n), out in zip(pieces, done)]
 
-    def _piece(self, job: PrefillJob, n: int) -> dict[str, Any]:
+    def piece(self, job: PrefillJob, n: int) -> dict[str, Any]:
         """The prefill keywords of the job's next ``n`` tokens: the last piece with the
         request's own parameters (and its first token's mask), others neutral."""
         end = job.done + n
@@ -339,9 +339,10 @@ class Prefiller:
         return dict(tokens=job.tokens[job.done: end], sampling=job.sampling if final else _PIECE,
                     existing_prefix=job.prefix, **extra)
 
-    def _advanced(self, job: PrefillJob, end: int, out: tuple[Prefix, ResultTokens]) -> tuple[Prefix, ResultTokens] | None:
-        """Record a piece that ran to ``end``: the job's prefix, the held entry let go, the
-        prefix cached where the cache wants it; after the last, ``out``."""
+    def advanced(self, job: PrefillJob, end: int, out: tuple[Prefix, ResultTokens]) -> tuple[Prefix, ResultTokens] | None:
+        """Record a piece that ran to ``end`` (here, or on the engine's prefill lane: the
+        scheduler's ``_collect_lane``): the job's prefix, the held entry let go, the prefix
+        cached where the cache wants it; after the last, ``out``."""
         prefix, first = out
         final = end == len(job.tokens)
         if end == job.cuts[0]:

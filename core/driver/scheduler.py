@@ -49,6 +49,7 @@ import contextlib
 import itertools
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -58,7 +59,7 @@ from polyengine.driver.embeddings import pool
 from polyengine.driver.outputs import Completion, CompletionOutput, StreamDelta, Usage
 from polyengine.driver.prefill import PrefillJob, Prefiller
 from polyengine.driver.textstream import TextStream
-from polyengine.engine import Engine, Override, ResultTokens, check_prompt, check_request, is_int
+from polyengine.engine import Engine, Override, Prefix, ResultTokens, check_prompt, check_request, is_int
 from polyengine.errors import EngineDead, InvalidRequest, NumericalError, PluginError, QueueFull, UnsupportedFeature
 from polyengine.memory import as_insufficient, translating_memory_errors
 from polyengine.results import NONFINITE_TOKEN
@@ -185,6 +186,12 @@ class Scheduler:
         self._eos = frozenset(engine.eos_token_ids)
         self.prefiller = Prefiller.for_engine(engine, self.params)
         self._filling: list[tuple[Request, PrefillJob]] = []  # requests whose prefill runs in pieces, in order
+        # The engine's prefill lane (Capabilities.prefill_lane; not with a bounded page pool,
+        # whose admission counts each piece's pages): a long prompt's piece running beside
+        # the steps, (request, job, tokens, future), or None.
+        self._lane_ok = bool(getattr(engine.capabilities, "prefill_lane", False)) and self.prefiller.pool is None
+        self._lane: tuple[Request, PrefillJob, int, Future] | None = None
+        self.lane_prefills = 0  # pieces run on the prefill lane (cumulative)
         self._admissions = itertools.count()
         self.preemptions = 0  # requests preempted to make room for K/V pages (cumulative)
         self._lock = threading.RLock()
@@ -357,7 +364,9 @@ class Scheduler:
     def _admit(self) -> None:
         """Prefill and insert queued requests, in order: while streams decode, at most
         ``max_num_batched_tokens`` prompt tokens this step (the rest next step), each round
-        one piece of every request being prefilled, run together."""
+        one piece of every request being prefilled, run together; on an engine with a
+        prefill lane, a prompt longer than that budget runs there instead, beside the steps."""
+        self._collect_lane(wait=not self._slots)  # with nothing decoding there is no step to run beside it
         budget = self.prefiller.step_budget(decoding=bool(self._slots))
         while budget is None or budget > 0:
             pieces = self._plan_pieces(budget)
@@ -375,6 +384,12 @@ class Scheduler:
             if i == len(self._filling) and (self._waits_for_prefill() or not self._start_next(need)):
                 break
             req, job = self._filling[i]
+            if self._lane is not None and self._lane[1] is job:
+                i += 1  # its piece runs on the prefill lane
+                continue
+            if self._lane_takes(job, budget):
+                i += self._start_lane(req, job)
+                continue
             if self.prefiller.pool is not None and not self.prefiller.make_room(
                     need + self.prefiller.piece_pages(job, budget) + self._step_pages()) and (self._slots or pieces):
                 break  # no pages for the piece now: running requests finish, or it is preempted
@@ -386,6 +401,49 @@ class Scheduler:
             if budget is not None:
                 budget -= n
         return pieces
+
+    def _lane_takes(self, job: PrefillJob, budget: int | None) -> bool:
+        """Whether the job's next piece goes to the prefill lane: the engine has one and it
+        is free, streams decode under a step budget, and the prompt's rest is longer than a
+        whole step's budget (shorter ones run within the steps, as they would there)."""
+        return (self._lane_ok and self._lane is None and budget is not None and bool(self._slots)
+                and len(job.tokens) - job.done > self.prefiller.step_tokens)
+
+    def _start_lane(self, req: Request, job: PrefillJob) -> int:
+        """Start the job's next piece (up to its next cut, unchunked) on the prefill lane;
+        1, or 0 where the engine refused it (the request failed and left ``_filling``)."""
+        n = self.prefiller.next_piece(job, None)
+        try:
+            with self._backend("prefill"):
+                future = self.engine.start_prefill(params=self.params, **self.prefiller.piece(job, n))
+        except Exception as exc:
+            self._abandon_prefill(req, job, exc)
+            if isinstance(exc, EngineDead):
+                raise
+            return 0
+        self._lane = (req, job, n, future)
+        self.lane_prefills += 1
+        return 1
+
+    def _collect_lane(self, *, wait: bool) -> None:
+        """Take the prefill lane's piece once it is done (``wait``: block until then): recorded
+        as a piece run here, the request inserted after its last; dropped if the request was
+        cancelled meanwhile; its failure fails that request only."""
+        if self._lane is None or not (wait or self._lane[3].done()):
+            return
+        (req, job, n, future), self._lane = self._lane, None
+        mine = any(r is req for r, _ in self._filling)
+        try:
+            with self._backend("prefill"):
+                out = future.result()
+        except Exception as exc:
+            if mine:
+                self._abandon_prefill(req, job, exc)
+            if isinstance(exc, EngineDead):
+                raise
+            return
+        if mine:
+            self._finish_piece(req, job, self.prefiller.advanced(job, job.done + n, out))
 
     def _run_pieces(self, pieces: list[tuple[Request, PrefillJob, int]]) -> None:
         """Run the pieces (one batched call where the engine has one); insert the requests
@@ -404,31 +462,43 @@ class Scheduler:
             except Exception:
                 alone = True
         for (req, job, n), out in zip(pieces, done):
-            try:
-                with self._backend("prefill"):
-                    if alone:
+            if alone:
+                try:
+                    with self._backend("prefill"):
                         out = self.prefiller.advance_pieces([(job, n)])[0]
-                    if out is None:
-                        continue
-                    prefix, first = out
-                    slots = self.free_slots[: req.sampling.n]
-                    if req.sampling.n == 1:
-                        self.state = self.engine.insert(prefix, self.state, slots[0])
-                    else:
-                        self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
-            except Exception as exc:  # any failure fails this request only...
-                self._abandon_prefill(req, job, exc)
-                if isinstance(exc, EngineDead):  # ...unless the engine itself is gone: then the caller must know
-                    raise
-                continue
-            self._filling = [f for f in self._filling if f[0] is not req]
-            req.status = "running"
-            for slot, s in zip(slots, req.samples):
-                s.slot = slot
-                self._slots[slot] = (req, s)
-            for row, s in enumerate(req.samples):
-                if not self._resume(s):
-                    self._on_token(req, s, first, row)
+                except Exception as exc:  # any failure fails this request only...
+                    self._abandon_prefill(req, job, exc)
+                    if isinstance(exc, EngineDead):  # ...unless the engine itself is gone: then the caller must know
+                        raise
+                    continue
+            self._finish_piece(req, job, out)
+
+    def _finish_piece(self, req: Request, job: PrefillJob, out: tuple[Prefix, ResultTokens] | None) -> None:
+        """After a piece: nothing more before the last; after it, the request's prefix
+        inserted into its slots and its first token taken (a failure fails it alone)."""
+        if out is None:
+            return
+        try:
+            with self._backend("prefill"):
+                prefix, first = out
+                slots = self.free_slots[: req.sampling.n]
+                if req.sampling.n == 1:
+                    self.state = self.engine.insert(prefix, self.state, slots[0])
+                else:
+                    self.state, first = self.engine.bulk_insert(prefix, self.state, slots)
+        except Exception as exc:  # any failure fails this request only...
+            self._abandon_prefill(req, job, exc)
+            if isinstance(exc, EngineDead):  # ...unless the engine itself is gone: then the caller must know
+                raise
+            return
+        self._filling = [f for f in self._filling if f[0] is not req]
+        req.status = "running"
+        for slot, s in zip(slots, req.samples):
+            s.slot = slot
+            self._slots[slot] = (req, s)
+        for row, s in enumerate(req.samples):
+            if not self._resume(s):
+                self._on_token(req, s, first, row)
 
     def _abandon_prefill(self, req: Request, job: PrefillJob, exc: Exception) -> None:
         """A request whose prefill failed: it lets go of its cache entry and fails."""

@@ -1,0 +1,238 @@
+"""The prefill lane (capability ``prefill_lane``, ``start_prefill``; docs/design.md, "The
+prefill lane"): a long prompt prefills on threads of the engine's own while the driver
+goes on stepping the streams. The driver's side on a reference engine given a lane (no
+torch), the cpu engine's lane bit for bit against the same calls one after another, its
+option and its refusals. The conformance suite's rule is ``test_prefill_lane``
+(conformance/layer_prefixes.py), run on every backend."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from polyengine import EngineConfig, SamplingParams
+from polyengine.backends.reference.engine import ReferenceEngine
+from polyengine.driver import LLM
+from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.models import load_model
+
+# A step prefills at most 8 prompt tokens while streams decode: a 30-token prompt is "long".
+CFG = EngineConfig(max_slots=4, max_prefill_length=40, max_cache_length=96, max_num_batched_tokens=8,
+                   prefill_chunk=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("random:tiny-gqa")
+
+
+class LaneEngine(ReferenceEngine):
+    """The reference engine with a lane: ``prefill`` on a thread of its own (NumPy; the
+    reference keeps no scratch between calls). ``fail`` makes the lane's prefills raise;
+    ``gate`` (an Event) holds them until it is set."""
+
+    fail: Exception | None = None
+    gate: threading.Event | None = None
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.capabilities = self.capabilities.model_copy(update={"prefill_lane": True})
+        self.lane = ThreadPoolExecutor(1)
+        self.on_lane: list[int] = []  # the token counts of the pieces the lane ran
+
+    def start_prefill(self, *, params, tokens, **kw) -> Future:
+        def run():
+            if self.gate is not None:
+                self.gate.wait(30)
+            if self.fail is not None:
+                raise self.fail
+            self.on_lane.append(len(tokens))
+            return self.prefill(params=params, tokens=tokens, **kw)
+
+        return self.lane.submit(run)
+
+
+def _streams_and_a_long_prompt(llm: LLM, rng: np.random.Generator, long: int = 30):
+    """Three short streams, then (once they decode) a prompt of ``long`` tokens: the requests."""
+    sp = SamplingParams(seed=5, max_tokens=24, ignore_eos=True)
+    reqs = [llm.submit(rng.integers(3, 250, 5).tolist(), sp) for _ in range(3)]
+    while not all(r.samples[0].out.token_ids for r in reqs):
+        llm.step()
+    reqs.append(llm.submit(rng.integers(3, 250, long).tolist(), SamplingParams(seed=6, max_tokens=6, ignore_eos=True)))
+    return reqs
+
+
+def _run_all(llm: LLM) -> None:
+    while llm.scheduler.busy:
+        llm.step()
+
+
+def test_the_driver_runs_a_long_prompt_on_the_lane_and_changes_no_output(model):
+    """A prompt longer than the step budget goes to the lane while streams decode (one
+    piece, up to its end: no chunks), short ones stay within the steps; every output
+    equals the run on the same engine without a lane."""
+    outs = []
+    for lane in (True, False):
+        eng = LaneEngine(model, CFG) if lane else ReferenceEngine(model, CFG)
+        llm = LLM.from_engine(eng, tools=False)
+        reqs = _streams_and_a_long_prompt(llm, np.random.default_rng(3))
+        _run_all(llm)
+        outs.append([r.samples[0].out.token_ids for r in reqs])
+        if lane:
+            assert eng.on_lane == [30] and llm.scheduler.lane_prefills == 1
+    assert outs[0] == outs[1]
+    assert all(len(o) == n for o, n in zip(outs[0], (24, 24, 24, 6)))
+
+
+def test_nothing_decoding_prefills_within_the_step_not_on_the_lane(model):
+    """With no stream to keep at pace there is no budget and no lane: the prompt is
+    prefilled at once, on all the engine's threads."""
+    eng = LaneEngine(model, CFG)
+    llm = LLM.from_engine(eng, tools=False)
+    llm.generate([list(range(3, 33))], SamplingParams(seed=1, max_tokens=3))
+    assert eng.on_lane == [] and llm.scheduler.lane_prefills == 0
+
+
+def test_a_request_cancelled_while_on_the_lane_frees_its_slot_and_loses_nothing(model):
+    """Cancelled while its piece runs on the lane: the piece's result is dropped when it
+    comes, the streams finish as they would, every slot is free after, and the next
+    long prompt takes the lane again."""
+    eng = LaneEngine(model, CFG)
+    eng.gate = threading.Event()
+    llm = LLM.from_engine(eng, tools=False)
+    reqs = _streams_and_a_long_prompt(llm, np.random.default_rng(4))
+    llm.step()
+    assert llm.scheduler._lane is not None  # held by the gate
+    reqs[3].cancel()
+    eng.gate.set()
+    _run_all(llm)
+    assert reqs[3].samples[0].out.finish_reason == "cancelled" and not reqs[3].samples[0].out.token_ids
+    assert all(len(r.samples[0].out.token_ids) == 24 for r in reqs[:3])
+    assert llm.scheduler.free_slots == [0, 1, 2, 3] and llm.scheduler._lane is None
+    again = _streams_and_a_long_prompt(llm, np.random.default_rng(5))
+    _run_all(llm)
+    assert len(again[3].samples[0].out.token_ids) == 6 and eng.on_lane == [30, 30]  # the dropped one ran too
+
+
+def test_a_failure_on_the_lane_fails_that_request_alone(model):
+    """The lane's prefill raises: that request fails with the error, its slot is never
+    taken, the streams finish."""
+    eng = LaneEngine(model, CFG)
+    eng.fail = InvalidRequest("the lane refused this prompt", field="prompt")
+    llm = LLM.from_engine(eng, tools=False)
+    reqs = _streams_and_a_long_prompt(llm, np.random.default_rng(6))
+    _run_all(llm)
+    assert reqs[3].status == "failed" and "the lane refused this prompt" in str(reqs[3].error)
+    assert all(len(r.samples[0].out.token_ids) == 24 for r in reqs[:3])
+    assert llm.scheduler.free_slots == [0, 1, 2, 3]
+
+
+def test_an_engine_without_the_lane_refuses_start_prefill(model):
+    eng = ReferenceEngine(model, CFG)
+    assert not eng.capabilities.prefill_lane
+    with pytest.raises(UnsupportedFeature, match="start_prefill"):
+        eng.start_prefill(params=eng.load_params(), tokens=[3, 4], sampling=SamplingParams())
+
+
+# -- the cpu engine's lane ------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+
+def _cpu(model, prefill: int = 40, **options):
+    from polyengine.backends.cpu.engine import CpuEngine
+
+    return CpuEngine(model, CFG.model_copy(update={"options": {"threads": 2, **options}, "max_prefill_length": prefill,
+                                                   "max_cache_length": max(96, prefill + 16)}))
+
+
+def test_the_cpu_lane_is_half_the_threads_and_off_with_pages_or_one_thread(model):
+    assert _cpu(model).capabilities.prefill_lane and _cpu(model).lane_threads() == 1
+    assert not _cpu(model, threads=1).capabilities.prefill_lane
+    assert not _cpu(model, page_size=16).capabilities.prefill_lane
+    assert not _cpu(model, prefill_threads=0).capabilities.prefill_lane
+    with pytest.raises(InvalidRequest, match="prefill_threads=2 leaves the decode steps none"):
+        _cpu(model, prefill_threads=2)
+    with pytest.raises(UnsupportedFeature, match="prefill_threads=1 with page_size=16"):
+        _cpu(model, prefill_threads=1, page_size=16)
+
+
+def _lane_against_turns(model, options, lengths=(6, 38)):
+    """Streams decode while the lane prefills a short prompt, a long one and a continuation
+    of a prefix that a prefill on the caller's thread continues at the same time; then the
+    same calls one after another on a fresh engine. Both runs' prefixes (logits, first
+    token, exported K/V), step log-probs, and the lane's (kernel threads, others' threads)."""
+    sp = SamplingParams(seed=9, max_tokens=1, logprobs=True)
+    rng = np.random.default_rng(12)
+    streams = [rng.integers(3, 250, n).tolist() for n in (4, 7)]
+    head, tail_a, tail_b = (rng.integers(3, 250, n).tolist() for n in (9, 25, 12))
+    short, long = (rng.integers(3, 250, n).tolist() for n in lengths)
+
+    def run(lane: bool):
+        eng = _cpu(model, max(lengths), **options)
+        params = eng.load_params()
+        seen = []
+        if lane:
+            inner = eng.prefill
+
+            def spy(**kw):
+                if threading.current_thread() is eng._lane_thread and eng._kernels is not None:
+                    seen.append((eng._kernels.threads, eng._kernels.total_threads - eng._kernels._lent))
+                return inner(**kw)
+
+            eng.prefill = spy
+        state = eng.init_decode_state()
+        for slot, prompt in enumerate(streams):
+            state = eng.insert(eng.prefill(params=params, tokens=prompt, sampling=sp)[0], state, slot)
+        h = eng.prefill(params=params, tokens=head, sampling=sp)[0]
+        calls = [dict(tokens=tail_a, existing_prefix=h), dict(tokens=short), dict(tokens=long)]
+        if lane:
+            futures = [eng.start_prefill(params=params, sampling=sp, **c) for c in calls]
+        else:
+            made = [eng.prefill(params=params, sampling=sp, **c) for c in calls]
+        beside = eng.prefill(params=params, tokens=tail_b, sampling=sp, existing_prefix=h)
+        steps = []
+        for _ in range(6):
+            state, r = eng.generate(params, state)
+            steps.append(np.asarray(r.logprobs).copy())
+        if lane:
+            made = [f.result(timeout=120) for f in futures]
+        prefixes = [(p.host_logits().copy(), int(f.tokens[0, 0])) for p, f in [*made, beside]]
+        return prefixes, [eng.export_prefix(p) for p, _ in [*made, beside]], steps, seen
+
+    return run(True), run(False)
+
+
+def _assert_the_same(got, want) -> None:
+    for (la, ta), (lb, tb) in zip(got[0], want[0]):
+        assert ta == tb and np.array_equal(la, lb)
+    for a, b in zip(got[1], want[1]):
+        assert np.array_equal(np.asarray(a.k), np.asarray(b.k)) and np.array_equal(np.asarray(a.v), np.asarray(b.v))
+    for a, b in zip(got[2], want[2]):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:cpu. decoding on torch's matmul")
+@pytest.mark.parametrize("options", [{}, {"kv_dtype": "bfloat16"}, {"cpu_kernels": False}],
+                         ids=["default", "bf16-kv", "no-kernels"])
+def test_the_cpu_lane_computes_bit_for_bit_what_the_calls_compute_in_turn(model, options):
+    """The lane's prefills (a short prompt in the fused step, a long one in the torch
+    forward, a continuation of a prefix continued beside it at the same time) and the
+    steps beside them: every prefix (logits, first token, K/V) and every step's log-probs
+    equal those of the same calls made one after another; the lane's kernels ran on one
+    thread and everyone else's on the other."""
+    got, want = _lane_against_turns(model, options)
+    _assert_the_same(got, want)
+    if options.get("cpu_kernels", True):
+        assert got[3] and all(seen == (1, 1) for seen in got[3])
+
+
+def test_the_cpu_lane_on_the_default_models_blocks_is_bit_for_bit_too(default_gguf):
+    """The same on the default model as shipped (Q4_1 blocks: int8x2 products, int16 tiles
+    and the prefill attention kernel on the lane's one thread), with a 300-token prompt."""
+    got, want = _lane_against_turns(load_model(default_gguf), {}, lengths=(6, 300))
+    _assert_the_same(got, want)
+    assert got[3] and all(seen == (1, 1) for seen in got[3])
