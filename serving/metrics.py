@@ -28,6 +28,9 @@ Exposed at ``GET /metrics``:
   ``polyengine_kv_pages_shared`` (held more than once); the counter
   ``polyengine_preemptions_total`` (requests that gave their pages back and were
   recomputed later).
+- The prefill lane (docs/serving.md, "The prefill lane"): the counter
+  ``polyengine_prefill_lane_pieces_total`` (prompt pieces prefilled there, beside the
+  steps; 0 on an engine without ``prefill_lane``).
 """
 
 from __future__ import annotations
@@ -146,3 +149,5 @@ class _PageCollector:
             yield GaugeMetricFamily(f"polyengine_kv_pages_{name}", doc, value=stats[name])
         yield CounterMetricFamily("polyengine_preemptions", "requests preempted to free K/V pages",
                                   value=stats["preemptions"])
+        yield CounterMetricFamily("polyengine_prefill_lane_pieces", "prompt pieces prefilled on the engine's "
+                                  "prefill lane, beside the decode steps", value=self.engine.lane_prefills)

@@ -87,6 +87,29 @@ def test_the_driver_runs_a_long_prompt_on_the_lane_and_changes_no_output(model):
     assert all(len(o) == n for o, n in zip(outs[0], (24, 24, 24, 6)))
 
 
+def test_the_metrics_count_the_lanes_pieces(model):
+    """/metrics' polyengine_prefill_lane_pieces_total follows the scheduler's count."""
+    import asyncio
+
+    pytest.importorskip("prometheus_client")
+    from polyengine.driver import AsyncLLM
+    from serving.metrics import Metrics
+
+    eng = LaneEngine(model, CFG)
+    llm = LLM.from_engine(eng, tools=False)
+    _streams_and_a_long_prompt(llm, np.random.default_rng(7))
+    _run_all(llm)
+
+    async def main():
+        async with AsyncLLM.from_llm(llm) as served:
+            metrics = Metrics()
+            metrics.watch(served)
+            return metrics.render().decode(), served.lane_prefills
+
+    text, count = asyncio.run(main())
+    assert count == 1 and "polyengine_prefill_lane_pieces_total 1.0" in text, text
+
+
 def test_nothing_decoding_prefills_within_the_step_not_on_the_lane(model):
     """With no stream to keep at pace there is no budget and no lane: the prompt is
     prefilled at once, on all the engine's threads."""

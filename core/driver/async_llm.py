@@ -261,6 +261,11 @@ class AsyncLLM:
         """The K/V page pool's counts and the preemptions so far (any thread may read them)."""
         return self._scheduler.page_stats()
 
+    @property
+    def lane_prefills(self) -> int:
+        """Prompt pieces prefilled on the engine's prefill lane so far (a plain read)."""
+        return self._scheduler.lane_prefills
+
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return self.llm.encode(prompt)
 
