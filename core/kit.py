@@ -7,7 +7,9 @@ the checklist.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -456,14 +458,33 @@ class EngineBase:
 
     # -- the prefill lane (capability prefill_lane) -----------------------------------------
 
+    _lane: ThreadPoolExecutor | None = None  # made at the lane's first prefill
+    _lane_thread: threading.Thread | None = None
+
     def start_prefill(self, *, params: Any, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
                       existing_prefix: Prefix | None = None, token_mask: np.ndarray | None = None) -> Future:
-        """``prefill`` beside the steps: a Future of its ``(Prefix, ResultTokens)``, computed
-        on threads of the engine's own while the caller goes on with ``generate`` and the
-        rest (capability ``prefill_lane``). An engine that declares it overrides this."""
-        raise UnsupportedFeature("a prefill beside the decode steps (start_prefill)", self.name,
-                                 "call prefill between steps; the driver does so on engines without "
-                                 "Capabilities.prefill_lane")
+        """``prefill`` beside the steps (capability ``prefill_lane``): a Future of its
+        ``(Prefix, ResultTokens)``, computed by :meth:`_lane_prefill` on the lane's one
+        thread (its calls in the order started) while the caller goes on with ``generate``
+        and the rest. The thread runs at a lower priority where the OS has one per thread
+        (nice 10 on Linux; the threads it starts inherit it), so where both want a core the
+        caller's wins. An engine declaring the capability makes its ``prefill`` safe beside
+        its other calls (docs/design.md, "The prefill lane")."""
+        if not self.capabilities.prefill_lane:
+            raise UnsupportedFeature("a prefill beside the decode steps (start_prefill)", self.name,
+                                     "call prefill between steps; the driver does so on engines without "
+                                     "Capabilities.prefill_lane")
+        if self._lane is None:
+            self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-prefill", initializer=_lower_priority)
+            self._lane_thread = self._lane.submit(threading.current_thread).result()
+        keywords = dict(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
+        if token_mask is not None:
+            keywords["token_mask"] = token_mask
+        return self._lane.submit(self._lane_prefill, keywords)
+
+    def _lane_prefill(self, keywords: dict[str, Any]) -> tuple[Prefix, ResultTokens]:
+        """The lane's work, on its thread: ``prefill`` (a backend may wrap it)."""
+        return self.prefill(**keywords)
 
     # -- prefix truncation (capability prefix_truncate) -------------------------------------
 
@@ -588,3 +609,12 @@ class EngineBase:
     def embed(self, *, params: Any, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         self.check_embed(tokens)  # an engine that declares the capability overrides this method
         raise UnsupportedFeature("embeddings (embed)", self.name, "the engine declares the capability but has no embed")
+
+
+def _lower_priority() -> None:
+    """The calling thread yields to the others where both want a core: nice 10 where the
+    OS sets it per thread (Linux), nothing elsewhere (the prefill lane's thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass

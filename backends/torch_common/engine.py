@@ -143,17 +143,6 @@ def on_engine_thread(method):
     return run
 
 
-def _lane_priority() -> None:
-    """The prefill lane's thread (and the threads it starts) yields to the steps' where
-    both want a core: nice 10 on Linux (per thread there), nothing elsewhere."""
-    import os
-
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
-
-
 def batch_groups(lengths: Sequence[int], cap: int | None) -> list[list[int]]:
     """The entries of a batch (their token counts, in order) in consecutive groups whose
     padded size, entries x the longest, stays within ``cap`` (an entry longer than the cap
@@ -206,10 +195,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # every other torch call of the engine too (see on_engine_thread).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-step") if self._async_steps() else None
         self._worker_thread = self._worker.submit(threading.current_thread).result() if self._worker else None
-        # The prefill lane (capability prefill_lane, start_prefill): a thread of its own, made
-        # at its first prefill, with a sampler of its own; _run_lock claims a run's room.
-        self._lane: ThreadPoolExecutor | None = None
-        self._lane_thread: threading.Thread | None = None
+        # The prefill lane (capability prefill_lane, EngineBase.start_prefill: a thread of its
+        # own) has a sampler of its own; _run_lock claims a run's room.
         self._lane_sampler: TorchSampler | None = None
         self._run_lock = threading.Lock()
         self._weights: TorchWeights | None = None
@@ -578,20 +565,6 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         """Hook: the engine's threads split between the lane's prefill (on the calling
         thread) and the steps, for as long as the block runs."""
         yield
-
-    def start_prefill(self, *, params: TorchWeights, tokens, sampling: SamplingParams,
-                      existing_prefix: Prefix | None = None, token_mask: np.ndarray | None = None) -> Future:
-        """EngineBase.start_prefill: ``prefill`` on the lane's thread, under the split."""
-        if not self.capabilities.prefill_lane:
-            return super().start_prefill(params=params, tokens=tokens, sampling=sampling,
-                                         existing_prefix=existing_prefix, token_mask=token_mask)
-        if self._lane is None:
-            self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-prefill", initializer=_lane_priority)
-            self._lane_thread = self._lane.submit(threading.current_thread).result()
-        keywords = dict(params=params, tokens=tokens, sampling=sampling, existing_prefix=existing_prefix)
-        if token_mask is not None:
-            keywords["token_mask"] = token_mask
-        return self._lane.submit(self._lane_prefill, keywords)
 
     def _lane_prefill(self, keywords: dict[str, Any]) -> tuple[Prefix, ResultTokens]:
         with self._lane_split():

@@ -159,7 +159,19 @@ class TpuJaxEngine(EngineBase):
             page_size=self.options["page_size"],
             batched_prefill=self.options["batched_prefill"] == "on" or (
                 self.options["batched_prefill"] == "auto" and platform in BATCHED_PREFILL_PLATFORMS),
+            prefill_lane=self._prefill_lane(platform),
         )
+
+    def _prefill_lane(self, platform: str) -> bool:
+        """Option prefill_lane: 'auto' is on for the CPU platform (XLA's host threads serve a
+        step and the lane's prefill side by side), off on a TPU or GPU (a device runs one
+        program at a time: a step would wait for the whole prefill). Not with page_size (a
+        paged prefill writes the pool the steps write); 'on' with it is refused."""
+        lane, paged = self.options["prefill_lane"], self.options["page_size"]
+        if lane == "on" and paged:
+            raise UnsupportedFeature(f"prefill_lane='on' with page_size={paged}", self.name,
+                                     "the prefill lane runs on contiguous K/V; leave prefill_lane at 'auto' or 'off'")
+        return lane == "on" or (lane == "auto" and platform == "cpu" and not paged)
 
     @staticmethod
     def _devices(platform: str) -> list[Any]:

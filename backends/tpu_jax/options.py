@@ -63,6 +63,11 @@ OPTIONS: dict[str, Option] = {
     "batched_prefill": Option("auto", "prefill_batch's entries in one program per output bucket (capability "
                                       "batched_prefill): 'on', 'off', or 'auto' (on for TPU and GPU, off on the CPU)",
                               choices=("auto", "on", "off")),
+    # a long prompt prefills on a thread of its own beside the decode steps (capability
+    # prefill_lane; docs/tpu_jax.md, "The prefill lane")
+    "prefill_lane": Option("auto", "prefill long prompts beside the decode steps (capability prefill_lane): 'on', "
+                                   "'off', or 'auto' (on the CPU platform without page_size; off on TPU and GPU, "
+                                   "where a device runs one program at a time)", choices=("auto", "on", "off")),
     "warmup": Option(False, "compile every bucket when the weights load (else on first use)"),
     "profiler_port": Option(0, "start JAX's profiler server on this port", minimum=0, maximum=65535),
     "trace_dir": Option("", "write a JAX trace of the first trace_steps generate steps here"),
