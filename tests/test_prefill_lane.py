@@ -203,8 +203,7 @@ def _lane_against_turns(model, options, lengths=(6, 38)):
 
             def spy(**kw):
                 if threading.current_thread() is eng._lane_thread and eng._kernels is not None:
-                    seen.append((eng._kernels.threads, eng._kernels.total_threads - eng._kernels._lent,
-                                 torch.get_num_threads()))
+                    seen.append((eng._kernels.threads, eng._kernels.total_threads - eng._kernels._lent))
                 return inner(**kw)
 
             eng.prefill = spy
@@ -247,11 +246,11 @@ def test_the_cpu_lane_computes_bit_for_bit_what_the_calls_compute_in_turn(model,
     forward, a continuation of a prefix continued beside it at the same time) and the
     steps beside them: every prefix (logits, first token, K/V) and every step's log-probs
     equal those of the same calls made one after another; the lane's kernels ran on one
-    thread (its torch ops too) and everyone else's on the other."""
+    thread and everyone else's on the other."""
     got, want = _lane_against_turns(model, options)
     _assert_the_same(got, want)
     if options.get("cpu_kernels", True):
-        assert got[3] and all(seen == (1, 1, 1) for seen in got[3])
+        assert got[3] and all(seen == (1, 1) for seen in got[3])
 
 
 def test_the_cpu_lane_on_the_default_models_blocks_is_bit_for_bit_too(default_gguf):
@@ -259,28 +258,7 @@ def test_the_cpu_lane_on_the_default_models_blocks_is_bit_for_bit_too(default_gg
     and the prefill attention kernel on the lane's one thread), with a 300-token prompt."""
     got, want = _lane_against_turns(load_model(default_gguf), {}, lengths=(6, 300))
     _assert_the_same(got, want)
-    assert got[3] and all(seen == (1, 1, 1) for seen in got[3])
-
-
-def test_own_thread_count_sets_the_calling_threads_torch_threads_alone():
-    """threads.own_thread_count: inside, the calling thread's torch ops run on n threads;
-    another thread's count (the steps') is untouched, and the thread's own comes back after."""
-    from polyengine.backends.torch_common.threads import own_thread_count
-
-    torch.set_num_threads(2)
-    seen = {}
-    with ThreadPoolExecutor(1) as other:
-        def lane():
-            with own_thread_count(1) as ok:
-                seen["inside"], seen["ok"] = torch.get_num_threads(), ok
-                seen["other"] = other.submit(torch.get_num_threads).result()  # meanwhile, elsewhere
-            seen["after"] = torch.get_num_threads()
-
-        worker = threading.Thread(target=lane)
-        worker.start()
-        worker.join()
-    assert seen == {"inside": 1, "ok": True, "other": 2, "after": 2}
-    assert torch.get_num_threads() == 2
+    assert got[3] and all(seen == (1, 1) for seen in got[3])
 
 
 def test_tpu_jax_has_the_lane_on_the_cpu_platform_only_without_pages(model):

@@ -39,7 +39,6 @@ from polyengine.backends.cpu.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.cpu.plan import CpuHost, CpuPlan, lane_threads
 from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
 from polyengine.backends.torch_common.model import TorchWeights, forward, rms_norm
-from polyengine.backends.torch_common.threads import own_thread_count
 
 __all__ = ["CpuEngine", "create_engine"]
 
@@ -78,19 +77,16 @@ class CpuEngine(TorchEngine):
 
     @contextlib.contextmanager
     def _lane_split(self):
-        """TorchEngine._lane_split: the lane's calls on its threads, the steps' on the rest.
-        The compiled kernels and the fused step take their thread count per call
-        (CpuKernels.lend); torch's own ops (norms, RoPE, the sampler) read the calling
-        thread's OpenMP count, set for the lane's thread alone (threads.own_thread_count:
-        torch.set_num_threads is process-wide, and switching it while the lane ran stalled
-        the steps by ~150 ms at a time, docs/cpu.md, "The prefill lane"). Without the
-        kernels (the torch fallback: its GEMMs and attention round by thread count) the
-        lane keeps the process's count, so its results stay the same calls' bit for bit."""
+        """TorchEngine._lane_split: the lane's calls to the compiled kernels (its products,
+        its attention, a fused prefill) on its threads, the steps' on the rest
+        (CpuKernels.lend: they take their thread count per call). torch's own ops (norms,
+        RoPE, the sampler) keep torch's count, one for the whole process: switching it while
+        the lane ran stalled the steps by ~150 ms at a time (measured: docs/cpu.md, "The
+        prefill lane")."""
         if self._kernels is None:
             yield
             return
-        n = self.lane_threads()
-        with own_thread_count(n), self._kernels.lend(n):
+        with self._kernels.lend(self.lane_threads()):
             yield
 
     def _prefill_rows(self, n: int) -> int:
