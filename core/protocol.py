@@ -117,8 +117,9 @@ class Capabilities(BaseModel):
     and returns a ``concurrent.futures.Future`` of its ``(Prefix, ResultTokens)``; while
     it runs, the driver goes on calling ``generate``, ``insert``, ``bulk_insert``,
     ``free_resource`` and ``prefill`` (one caller thread), and every result, the lane's
-    included, is what the same calls give one after another (docs/design.md, "The
-    prefill lane"). An engine without it raises :class:`UnsupportedFeature` there.
+    included, is what the same calls give one after another, within the backend's float
+    tolerances (docs/design.md, "The prefill lane"). An engine without it raises
+    :class:`UnsupportedFeature` there.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -452,7 +453,8 @@ class Engine(Protocol):
         ``concurrent.futures.Future`` of what ``prefill`` with these keywords returns (or
         raises), computed on threads of the engine's own while the caller goes on calling
         the other methods from its thread; every result, the lane's included, is what the
-        same calls give one after another (docs/design.md, "The prefill lane")."""
+        same calls give one after another, within the backend's float tolerances
+        (docs/design.md, "The prefill lane")."""
         ...
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
