@@ -17,6 +17,7 @@ from polyengine import EngineConfig, SamplingParams
 from polyengine.backends.reference.engine import ReferenceEngine
 from polyengine.driver import LLM
 from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.kit import on_lane
 from polyengine.models import load_model
 
 # A step prefills at most 8 prompt tokens while streams decode: a 30-token prompt is "long".
@@ -202,7 +203,7 @@ def _lane_against_turns(model, options, lengths=(6, 38)):
             inner = eng.prefill
 
             def spy(**kw):
-                if threading.current_thread() is eng._lane_thread and eng._kernels is not None:
+                if on_lane() and eng._kernels is not None:
                     seen.append((eng._kernels.threads, eng._kernels.total_threads - eng._kernels._lent))
                 return inner(**kw)
 

@@ -34,6 +34,7 @@ import torch
 
 from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
+from polyengine.kit import on_lane
 from polyengine.models import Model
 from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
@@ -135,8 +136,7 @@ def on_engine_thread(method):
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        here = threading.current_thread()
-        if self._worker is None or here is self._worker_thread or here is self._lane_thread:
+        if self._worker is None or threading.current_thread() is self._worker_thread or on_lane():
             return method(self, *args, **kwargs)  # the prefill lane's calls run on its own thread
         return self._worker.submit(method, self, *args, **kwargs).result()
 
@@ -338,7 +338,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                      token_mask: np.ndarray | None = None):
         """Sample 0's first token (step 0) from a prefix's logits, on the prefill sampler."""
         sampler = self._prefill_sampler
-        if threading.current_thread() is self._lane_thread and self._lane_thread is not None:
+        if on_lane():
             if self._lane_sampler is None:
                 self._lane_sampler = TorchSampler(self.vocab_size, 1, self.eos_token_ids, device=self.torch_device,
                                                   dtype=self.sampler_dtype)

@@ -326,7 +326,8 @@ class Scheduler:
     def busy(self) -> bool:
         with self._lock:
             self._reap()
-            return bool(self._queue or self._slots or self._pending or self._filling)
+            # a lane's piece still running counts, its request cancelled or not (it is collected)
+            return bool(self._queue or self._slots or self._pending or self._filling or self._lane)
 
     @property
     def free_slots(self) -> list[int]:
@@ -663,7 +664,7 @@ class Scheduler:
                 self._make_step_room()
             if not self._slots:
                 self._pending = None  # its rows belong to requests that are gone
-                return bool(self._queue or self._filling)
+                return bool(self._queue or self._filling or self._lane)
             overrides, self._overrides = self._overrides, {}
             extra = {}
             masks = self._step_masks() if self._grammars is not None else None
@@ -679,7 +680,7 @@ class Scheduler:
             if not self._may_pipeline():
                 self._process(*self._pending)
                 self._pending = None
-            return bool(self._queue or self._slots or self._pending or self._filling)
+            return bool(self._queue or self._slots or self._pending or self._filling or self._lane)
 
     def _may_pipeline(self) -> bool:
         """Whether the next step may be dispatched before the last one is read."""
