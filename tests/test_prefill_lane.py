@@ -173,6 +173,36 @@ def _cpu(model, prefill: int = 40, **options):
                                                    "max_cache_length": max(96, prefill + 16)}))
 
 
+def test_async_llm_serves_streams_and_a_long_prompt_on_the_cpu_lane(model):
+    """Through AsyncLLM (what `polyengine serve` runs): streams and a long prompt that
+    arrives while they decode, on the cpu engine's lane; every completion equals the
+    same requests on an engine without a lane, and the lane ran."""
+    import asyncio
+
+    from polyengine.driver import AsyncLLM
+
+    rng = np.random.default_rng(8)
+    shorts = [rng.integers(3, 250, 5).tolist() for _ in range(3)]
+    long = rng.integers(3, 250, 38).tolist()
+    sp = SamplingParams(seed=4, max_tokens=50, ignore_eos=True)
+
+    async def serve(eng):
+        async with AsyncLLM.from_llm(LLM.from_engine(eng, tools=False)) as llm:
+            streams = [asyncio.ensure_future(llm.generate(p, sp)) for p in shorts]
+            for _ in range(2000):  # until the three decode (50 tokens each: they outlast the wait)
+                if len(llm._scheduler._slots) == 3:
+                    break
+                await asyncio.sleep(0.001)
+            late = asyncio.ensure_future(llm.generate(long, sp.model_copy(update={"max_tokens": 20})))
+            done = await asyncio.gather(*streams, late)
+            return [c.token_ids for c in done], llm.lane_prefills
+
+    with_lane, lanes = asyncio.run(serve(_cpu(model)))
+    without, none = asyncio.run(serve(_cpu(model, prefill_threads=0)))
+    assert with_lane == without and none == 0
+    assert lanes == 1
+
+
 def test_the_cpu_lane_is_half_the_threads_and_off_with_pages_or_one_thread(model):
     assert _cpu(model).capabilities.prefill_lane and _cpu(model).lane_threads() == 1
     assert not _cpu(model, threads=1).capabilities.prefill_lane
