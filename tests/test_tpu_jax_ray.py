@@ -244,6 +244,20 @@ def test_disaggregated_greedy_output_equals_interleaved(cluster, model):
     # The page-level cache: the second prompt already reuses the shared start's full page
     # (16 of its 17 tokens), as the third does.
     assert [c.usage.cached_tokens for c in got] == [0, 16, 16] and llm.scheduler.prefix_cache.stats.hits == 2
+    # The prefill lane (capability prefill_lane, declared with prefill workers): a prompt
+    # longer than the step's budget prefills on them while the stream decodes, the same
+    # completion as the chunked run's.
+    assert pieces.capabilities.prefill_lane and not whole.capabilities.prefill_lane
+    laned = RayTpuEngine(model, CFG.model_copy(update={"options": {"prefill_workers": 1}, "prefill_chunk": 4,
+                                                        "max_num_batched_tokens": 4, "prefix_cache_bytes": 0}))
+    llm = LLM.from_engine(laned, tools=False)
+    stream = llm.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    llm.step()
+    req = llm.submit(chunked[0], greedy[0])
+    while not req.done:
+        llm.step()
+    assert llm.scheduler.lane_prefills == 1 and [req.completion.token_ids] == want[0]
+    stream.cancel()
 
 
 @pytest.mark.slow

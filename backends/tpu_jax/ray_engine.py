@@ -387,6 +387,9 @@ class RayTpuEngine(EngineBase):
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True, token_masks=True,
             prefix_truncate=True,  # the kit's cut through export/import, as the workers' own engines do it
             weight_formats=WEIGHT_FORMATS,  # the workers' engines compute on them (docs/tpu_jax.md)
+            # disaggregated: a prefill runs on the prefill workers, so the kit's lane thread
+            # only waits for them while the driver steps the decode workers
+            prefill_lane=bool(o["prefill_workers"]),
         )
 
     def _layout(self, o: Mapping[str, Any]) -> tuple[int, int]:
