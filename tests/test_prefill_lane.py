@@ -305,3 +305,18 @@ def test_tpu_jax_has_the_lane_on_the_cpu_platform_only_without_pages(model):
     assert not caps(prefill_lane="off").prefill_lane and not caps(page_size=16).prefill_lane
     with pytest.raises(UnsupportedFeature, match="prefill_lane='on' with page_size=16"):
         caps(prefill_lane="on", page_size=16)
+
+
+def test_the_memory_check_counts_a_piece_beside_the_lane(model, monkeypatch):
+    """With the lane a step's piece can run beside its prefill: the memory check counts
+    that piece's activations (the step budget's tokens), and only then."""
+    from polyengine.backends.cpu.engine import CpuEngine
+
+    counted = []
+    monkeypatch.setattr(CpuEngine, "check_memory", lambda self, needs, **kw: counted.append(dict(needs)) or 0)
+    _cpu(model)
+    _cpu(model, prefill_threads=0)
+    lane, none = counted
+    c = model.config
+    assert lane.pop("a prefill piece beside the prefill lane's") == 8 * (c.vocab_size + 4 * c.intermediate_size) * 4
+    assert lane == none

@@ -34,6 +34,7 @@ import torch
 
 from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
+from polyengine.driver.prefill import DEFAULT_STEP_TOKENS
 from polyengine.kit import on_lane
 from polyengine.models import Model
 from polyengine.pages import PageList, PagePool, pages_for
@@ -266,6 +267,9 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         needs["the sampler's per-slot tables and a step's logits"] = (
             cfg.max_slots * row_bytes(c.vocab_size, self.sampler_dtype.itemsize)
             + cfg.max_prefill_length * (c.vocab_size + 4 * c.intermediate_size) * 4)
+        if self.capabilities.prefill_lane:  # a step's piece runs beside the lane's prefill
+            piece = min(cfg.max_prefill_length, cfg.max_num_batched_tokens or DEFAULT_STEP_TOKENS)
+            needs["a prefill piece beside the prefill lane's"] = piece * (c.vocab_size + 4 * c.intermediate_size) * 4
         self.check_memory(needs, **self._memory_available())
 
     def _memory_available(self) -> dict[str, Any]:
