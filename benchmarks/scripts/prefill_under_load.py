@@ -14,7 +14,7 @@ another's prompt. On an engine with a prefill lane (the cpu backend's default, o
 run compare; absolute times depend on the host and its load.
 
     python benchmarks/scripts/prefill_under_load.py [--budgets 16,32,64] [--prompt 2000] [--streams 4]
-                                                    [--backend cpu] [--option KEY=VALUE ...]
+                                                    [--backend cpu] [--model PATH] [--option KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cpu")
+    p.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the embedded default model)")
     p.add_argument("--budgets", default="16,32,64", help="max_num_batched_tokens values, comma-separated")
     p.add_argument("--prompt", type=int, default=2000, help="the arriving prompt's length")
     p.add_argument("--streams", type=int, default=4)
@@ -101,7 +102,7 @@ def main() -> None:
             options[key] = raw
     budgets = [int(b) for b in args.budgets.split(",")]
     cache = args.prompt + 64 + 40 * args.prompt // max(1, min(budgets))
-    llm = LLM(str(default_model_path()), backend=args.backend, tools=False, max_slots=args.streams + 1,
+    llm = LLM(args.model or str(default_model_path()), backend=args.backend, tools=False, max_slots=args.streams + 1,
               max_cache_length=cache, max_prefill_length=args.prompt, prefix_cache_bytes=0, options=options)
     rng = np.random.default_rng(0)
     vocab = llm.engine.vocab_size
