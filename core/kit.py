@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -458,7 +458,7 @@ class EngineBase:
 
     # -- the prefill lane (capability prefill_lane) -----------------------------------------
 
-    _lane_last: Future | None = None  # the lane's latest prefill (the next one starts after it)
+    _lane_last: threading.Event | None = None  # set when the lane's latest prefill ends (the next waits)
 
     def start_prefill(self, *, params: Any, tokens: Sequence[int] | np.ndarray, sampling: SamplingParams,
                       existing_prefix: Prefix | None = None, token_mask: np.ndarray | None = None) -> Future:
@@ -481,19 +481,22 @@ class EngineBase:
         if token_mask is not None:
             keywords["token_mask"] = token_mask
         future: Future = Future()
-        before, self._lane_last = self._lane_last, future
+        before, ended = self._lane_last, threading.Event()
+        self._lane_last = ended  # an event holds no result: a finished prefix is the caller's alone
 
         def run() -> None:
-            if before is not None:
-                wait([before])
-            _lower_priority()
-            _LANE.active = True
-            if not future.set_running_or_notify_cancel():
-                return
             try:
+                if before is not None:
+                    before.wait()
+                _lower_priority()
+                _LANE.active = True
+                if not future.set_running_or_notify_cancel():
+                    return
                 future.set_result(self._lane_prefill(keywords))
             except BaseException as exc:  # the caller's future carries it
                 future.set_exception(exc)
+            finally:
+                ended.set()
 
         threading.Thread(target=run, name=f"{self.name}-prefill", daemon=True).start()
         return future

@@ -57,6 +57,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Capabilities",
     "EngineConfig",
+    "DEFAULT_STEP_TOKENS",
     "DEFAULT_CONTEXT_LENGTH",
     "Prefix",
     "PrefillRequest",
@@ -170,6 +171,13 @@ class Capabilities(BaseModel):
                 f"{sorted(unknown)}; engine-side fields are {sorted(ENGINE_FIELDS)}"
             )
         return self
+
+
+# Prompt tokens one scheduler step prefills while other requests decode, over every
+# request being prefilled (EngineConfig.max_num_batched_tokens unset). Measured in
+# docs/serving.md ("Prefill and decode in one step"). Here so that the driver and an
+# engine's memory check read one value without the engine importing the driver.
+DEFAULT_STEP_TOKENS = 64
 
 
 class EngineConfig(BaseModel):

@@ -129,7 +129,8 @@ class _PrefixCacheCollector:
 
 
 class _PageCollector:
-    """The K/V page pool's counts and the preemptions, read at each scrape."""
+    """The K/V page pool's counts, the preemptions and the prefill lane's pieces, read at
+    each scrape."""
 
     _GAUGES = (
         ("total", "K/V pages of the bounded pool (0: unbounded or not paged)"),

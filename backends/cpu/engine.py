@@ -72,8 +72,10 @@ class CpuEngine(TorchEngine):
         )
 
     def lane_threads(self) -> int:
-        """TorchEngine.lane_threads: option prefill_threads (plan.lane_threads)."""
-        return lane_threads(self.options)
+        """The prefill lane's threads (option prefill_threads, resolved once: plan.lane_threads)."""
+        if not hasattr(self, "_lane_threads"):
+            self._lane_threads = lane_threads(self.options)
+        return self._lane_threads
 
     @contextlib.contextmanager
     def _lane_split(self):

@@ -34,8 +34,8 @@ import torch
 
 from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
-from polyengine.driver.prefill import DEFAULT_STEP_TOKENS
 from polyengine.kit import on_lane
+from polyengine.protocol import DEFAULT_STEP_TOKENS
 from polyengine.models import Model
 from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
@@ -558,16 +558,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
     # -- the prefill lane (capability prefill_lane) -----------------------------------------
 
-    def lane_threads(self) -> int:
-        """Hook: the threads a prefill lane runs on beside the steps; 0 (here): no lane. A
-        backend that returns more keeps every scratch of a prefill per thread and splits
-        its threads in :meth:`_lane_split`."""
-        return 0
-
     @contextlib.contextmanager
     def _lane_split(self):
         """Hook: the engine's threads split between the lane's prefill (on the calling
-        thread) and the steps, for as long as the block runs."""
+        thread) and the steps, for as long as the block runs. A backend declaring
+        prefill_lane keeps every scratch of a prefill per thread (CpuEngine)."""
         yield
 
     def _lane_prefill(self, keywords: dict[str, Any]) -> tuple[Prefix, ResultTokens]:

@@ -43,7 +43,7 @@ from typing import Any
 
 from polyengine.driver.prefix_cache import CacheEntry, PrefixCache
 from polyengine.pages import pages_for
-from polyengine.protocol import EngineConfig, PrefillRequest, Prefix
+from polyengine.protocol import DEFAULT_STEP_TOKENS, EngineConfig, PrefillRequest, Prefix
 from polyengine.results import ResultTokens
 from polyengine.sampling.params import SamplingParams
 
@@ -52,10 +52,6 @@ __all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STEP_TOKENS", "CACHE_BLOCK", "Prefi
 # Prompt tokens per prefill piece while other requests decode (EngineConfig.prefill_chunk
 # unset). Measured in docs/prefix-caching.md ("Choosing the chunk size").
 DEFAULT_PREFILL_CHUNK = 64
-# Prompt tokens one scheduler step prefills while other requests decode, over every
-# request being prefilled (EngineConfig.max_num_batched_tokens unset). Measured in
-# docs/serving.md ("Prefill and decode in one step").
-DEFAULT_STEP_TOKENS = 64
 # Prompts shorter than this are not cached, and a cut where prompts part is rounded down
 # to a multiple of it (so near-identical prompts share one entry, not one each).
 CACHE_BLOCK = 16
