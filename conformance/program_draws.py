@@ -72,6 +72,7 @@ class Dims:
     portable_prefix: bool
     prefix_reuse: bool
     token_masks: bool = False
+    prefill_lane: bool = False
 
     @property
     def undeclared(self) -> tuple[str, ...]:

@@ -124,6 +124,7 @@ class ProgramRun:
             max_top_logprobs=int(caps.max_top_logprobs), bulk_insert=bool(caps.bulk_insert),
             portable_prefix=bool(caps.portable_prefix), prefix_reuse=bool(caps.prefix_reuse),
             token_masks=bool(getattr(caps, "token_masks", False)),
+            prefill_lane=bool(getattr(caps, "prefill_lane", False)),
         )
         ctx = self.context
         self.tol = {q: ctx.tolerance(q, self.dtype, self.model).value
@@ -319,16 +320,23 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         masked = {} if mask is None else {"token_mask": mask}  # no keyword at all without a mask
         extra = (f", existing_prefix={base.label}" if base else "") + (
             f", token_mask={show_mask(mask, self.d.vocab)}" if mask is not None else "")
-        at = self._say(f"{label}, r = engine.prefill(params=params, tokens={prompt}, sampling={show(sampling)}{extra})")
+        # Every other prefill of an engine with a prefill lane runs there (start_prefill,
+        # awaited): its prefixes then meet every later call of the program.
+        lane = self.d.prefill_lane and self.prefills % 2 == 1
+        call, done = ("engine.start_prefill", ".result()") if lane else ("engine.prefill", "")
+        at = self._say(f"{label}, r = {call}(params=params, tokens={prompt}, sampling={show(sampling)}{extra}){done}")
+        prefill = (lambda **kw: run.engine.start_prefill(**kw).result(timeout=600)) if lane else run.engine.prefill
         out = self._both(
             at,
-            lambda: run.engine.prefill(params=run.params, tokens=list(prompt), sampling=sampling,
-                                       existing_prefix=base.backend if base else None, **masked),
+            lambda: prefill(params=run.params, tokens=list(prompt), sampling=sampling,
+                            existing_prefix=base.backend if base else None, **masked),
             lambda: run.mirror.prefill(params=run.mirror_params, tokens=list(prompt), sampling=sampling,
                                        existing_prefix=base.mirror if base else None, **masked),
         )
         if out is not None and base is not None:
             self._used(base, "continued")
+        if out is not None and lane:
+            run.count("prefills on the lane")
         self.prefills += 1
         if out is None:
             return None
@@ -337,7 +345,7 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             run.count("prefill masks")
             if base is not None:
                 run.count("prefill masks continuing a prefix")
-        where = f"`{label}, r = engine.prefill(...)`"
+        where = f"`{label}, r = {call}(...){done}`"
         got_prompt = tuple(int(t) for t in np.asarray(prefix.prompt_tokens))
         if got_prompt != full:
             self._fail(f"{where}: the prefix holds prompt {list(got_prompt)}, expected {list(full)}"

@@ -21,11 +21,13 @@ _MASKS_EACH = ("prefill masks", "generate masks", "masks beside overrides", "mas
 _MASKS_ALL = ("prefill masks continuing a prefix", "bulk_insert samples under the prefix's mask")
 
 
-def assert_programs_exercised(tests, *, token_masks: bool = False, configurations: int = len(PROGRAMS)) -> None:
+def assert_programs_exercised(tests, *, token_masks: bool = False, configurations: int = len(PROGRAMS),
+                              prefill_lane: bool = False) -> None:
     """Every differential configuration's programs compared tokens and refusals, and used
     prefixes the way the two prefix rules allow: after later prefills, and again after
     an insert (docs/design.md, Prefixes); with ``token_masks`` declared, they also drew
-    masks on every path and refused bad ones."""
+    masks on every path and refused bad ones; with ``prefill_lane``, they prefilled on
+    the lane (every other prefill)."""
     layer = [t for t in tests if t["id"].startswith("test_differential")]
     assert len(layer) == configurations, sorted(t["id"] for t in layer)
     # a configuration of an architecture the backend does not declare is skipped (test_architecture refuses it)
@@ -44,3 +46,5 @@ def assert_programs_exercised(tests, *, token_masks: bool = False, configuration
             assert counts.get(what, 0) > 0, f"{test_id}: no {what} in its programs: {counts}"
     for what in _MASKS_ALL if token_masks else ():
         assert sum(c.get(what, 0) for c in runs.values()) > 0, f"no {what} in any configuration's programs"
+    if prefill_lane:
+        assert all(c.get("prefills on the lane", 0) > 0 for c in runs.values()), f"no prefill on the lane: {runs}"
