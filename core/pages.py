@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 import weakref
 from typing import Callable, Iterable, Sequence
 
@@ -85,6 +86,12 @@ class PagePool:
     hands out free pages at count 1, lowest id first, so a page that was released is the
     next one reused; :meth:`share` adds a holder; :meth:`release` drops one and frees the
     page at zero. Releasing a free page, or sharing one, is :class:`PageError`.
+
+    The counts change under one lock: an engine's prefill lane (docs/design.md, "The
+    prefill lane") takes and shares pages on its own thread while the driver's thread
+    inserts, frees and steps, and a :class:`PageList`'s finalizer releases on whichever
+    thread collects it (re-entrant, so a collection inside a change is safe). A backend
+    may take :attr:`lock` too, to make its storage for a new id with the id.
     """
 
     def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, capacity: int | None = None):
@@ -96,6 +103,7 @@ class PagePool:
         self.capacity = None if capacity is None else int(capacity)
         self._refs: list[int] = []  # by page id; 0: free
         self._free: list[int] = []  # free ids, kept sorted descending so pop() gives the lowest
+        self.lock = threading.RLock()
 
     # -- counts ---------------------------------------------------------------------------
 
@@ -139,66 +147,70 @@ class PagePool:
     def allocate(self, n: int) -> list[int]:
         """``n`` pages at count 1: freed pages first (lowest id first), then new ids.
         Refuses (InsufficientMemory, nothing allocated) when fewer than ``n`` are free."""
-        n = int(n)
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
-        if self.capacity is not None and self.held + n > self.capacity:
-            raise InsufficientMemory(
-                f"the K/V page pool has {self.free} free pages of {self.page_size} positions and "
-                f"{n} were asked for (capacity {self.capacity}); finish or preempt a sequence first",
-                needed=None, available=None, where="the K/V page pool")  # counted in pages, not bytes
-        out = []
-        for _ in range(n):
-            if self._free:
-                page = self._free.pop()
-            else:
-                page = len(self._refs)
-                self._refs.append(0)
-            self._refs[page] = 1
-            out.append(page)
-        return out
+        with self.lock:
+            n = int(n)
+            if n < 0:
+                raise ValueError(f"cannot allocate {n} pages")
+            if self.capacity is not None and self.held + n > self.capacity:
+                raise InsufficientMemory(
+                    f"the K/V page pool has {self.free} free pages of {self.page_size} positions and "
+                    f"{n} were asked for (capacity {self.capacity}); finish or preempt a sequence first",
+                    needed=None, available=None, where="the K/V page pool")  # counted in pages, not bytes
+            out = []
+            for _ in range(n):
+                if self._free:
+                    page = self._free.pop()
+                else:
+                    page = len(self._refs)
+                    self._refs.append(0)
+                self._refs[page] = 1
+                out.append(page)
+            return out
 
     def share(self, pages: Iterable[int]) -> None:
         """One more holder for each of ``pages`` (each must be held)."""
-        pages = list(pages)
-        for page in pages:
-            if self.refcount(page) < 1:
-                raise PageError(f"page {page} is free: only a held page may be shared")
-        for page in pages:
-            self._refs[page] += 1
+        with self.lock:
+            pages = list(pages)
+            for page in pages:
+                if self.refcount(page) < 1:
+                    raise PageError(f"page {page} is free: only a held page may be shared")
+            for page in pages:
+                self._refs[page] += 1
 
     def release(self, pages: Iterable[int]) -> list[int]:
         """One holder fewer for each of ``pages``; returns the pages this freed. A page
         released more often than it was held is PageError (checked before any change)."""
-        pages = list(pages)
-        drops: dict[int, int] = {}
-        for page in pages:
-            drops[page] = drops.get(page, 0) + 1
-        for page, n in drops.items():
-            if self.refcount(page) < n:
-                raise PageError(f"page {page} released {n} time(s) but held by {self._refs[page]}: "
-                                f"a double free would hand out a page still in use")
-        freed = []
-        for page in pages:
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                freed.append(page)
-        if freed:
-            self._free = sorted(self._free + freed, reverse=True)
-        return freed
+        with self.lock:
+            pages = list(pages)
+            drops: dict[int, int] = {}
+            for page in pages:
+                drops[page] = drops.get(page, 0) + 1
+            for page, n in drops.items():
+                if self.refcount(page) < n:
+                    raise PageError(f"page {page} released {n} time(s) but held by {self._refs[page]}: "
+                                    f"a double free would hand out a page still in use")
+            freed = []
+            for page in pages:
+                self._refs[page] -= 1
+                if self._refs[page] == 0:
+                    freed.append(page)
+            if freed:
+                self._free = sorted(self._free + freed, reverse=True)
+            return freed
 
     def writable(self, page: int, copy: Callable[[int, int], None]) -> int:
         """The page to write in place of ``page`` (held): ``page`` itself when its holder
         is the only one, else a fresh page that ``copy(src, dst)`` fills with its contents
         (copy on write; the caller's reference moves from ``page`` to the copy)."""
-        if self.refcount(page) < 1:
-            raise PageError(f"page {page} is free: nothing may write into it")
-        if self._refs[page] == 1:
-            return page
-        (dst,) = self.allocate(1)
-        copy(page, dst)
-        self._refs[page] -= 1
-        return dst
+        with self.lock:
+            if self.refcount(page) < 1:
+                raise PageError(f"page {page} is free: nothing may write into it")
+            if self._refs[page] == 1:
+                return page
+            (dst,) = self.allocate(1)
+            copy(page, dst)
+            self._refs[page] -= 1
+            return dst
 
     def _check_id(self, page: int) -> None:
         if not isinstance(page, int) or not 0 <= page < len(self._refs):

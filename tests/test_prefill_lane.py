@@ -56,13 +56,14 @@ class LaneEngine(ReferenceEngine):
         return self.lane.submit(run)
 
 
-def _streams_and_a_long_prompt(llm: LLM, rng: np.random.Generator, long: int = 30):
+def _streams_and_a_long_prompt(llm: LLM, rng: np.random.Generator, long: int = 30, long_tokens: int = 6):
     """Three short streams, then (once they decode) a prompt of ``long`` tokens: the requests."""
     sp = SamplingParams(seed=5, max_tokens=24, ignore_eos=True)
     reqs = [llm.submit(rng.integers(3, 250, 5).tolist(), sp) for _ in range(3)]
     while not all(r.samples[0].out.token_ids for r in reqs):
         llm.step()
-    reqs.append(llm.submit(rng.integers(3, 250, long).tolist(), SamplingParams(seed=6, max_tokens=6, ignore_eos=True)))
+    reqs.append(llm.submit(rng.integers(3, 250, long).tolist(),
+                           SamplingParams(seed=6, max_tokens=long_tokens, ignore_eos=True)))
     return reqs
 
 
@@ -154,6 +155,62 @@ def test_a_failure_on_the_lane_fails_that_request_alone(model):
     assert llm.scheduler.free_slots == [0, 1, 2, 3]
 
 
+def test_a_bounded_page_pool_holds_the_lanes_pages_back_and_preempts_without_loss(model):
+    """On a bounded page pool the lane's piece holds back the pages it may take from its
+    start until it is collected: the pool is never over-committed; the streams outgrow
+    the pages left while the lane's prefill is held (a gate opened after a second), so
+    the request on the lane, the most recently admitted, is preempted (its piece waited
+    for and dropped) and later runs again; every completion equals an engine without a
+    lane on the same pool."""
+    cfg = CFG.model_copy(update={"options": {"page_size": 4, "kv_pages": 26}})
+    outs = []
+    for lane in (True, False):
+        eng = LaneEngine(model, cfg) if lane else ReferenceEngine(model, cfg)
+        if lane:
+            eng.gate = threading.Event()
+            threading.Timer(1.0, eng.gate.set).start()
+        llm = LLM.from_engine(eng, tools=False)
+        reqs = _streams_and_a_long_prompt(llm, np.random.default_rng(3), long_tokens=24)
+        while llm.scheduler.busy:
+            llm.step()
+            assert eng.pages.held <= 26
+        outs.append([r.samples[0].out.token_ids for r in reqs])
+        if lane:
+            assert reqs[3].preemptions >= 1 and llm.scheduler.lane_prefills >= 1
+            assert llm.scheduler._lane_pages == 0 and llm.scheduler.free_slots == [0, 1, 2, 3]
+    assert outs[0] == outs[1]
+    assert all(len(o) == 24 for o in outs[0])
+
+
+def test_page_counts_change_under_one_lock_from_many_threads():
+    """Four threads allocate, share, copy on write and release at once: every page handed
+    out is held by one list at a time, and all come back."""
+    from polyengine.pages import PageList, PagePool
+
+    pool = PagePool(4)
+    seen: list[set] = []
+
+    def churn(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        mine = set()
+        for _ in range(400):
+            seq = PageList.new(pool, int(rng.integers(1, 20)))
+            fork = seq.fork()
+            fork.prepare_write(0, fork.length, lambda s, d: None)  # every page copied
+            mine.update(fork.pages)
+            assert not set(seq.pages) & set(fork.pages)
+            seq.release()
+            fork.release()
+        seen.append(mine)
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 4 and pool.held == 0 and len(pool._free) == pool.allocated
+
+
 def test_an_engine_without_the_lane_refuses_start_prefill(model):
     eng = ReferenceEngine(model, CFG)
     assert not eng.capabilities.prefill_lane
@@ -203,15 +260,14 @@ def test_async_llm_serves_streams_and_a_long_prompt_on_the_cpu_lane(model):
     assert lanes == 1
 
 
-def test_the_cpu_lane_is_half_the_threads_and_off_with_pages_or_one_thread(model):
+def test_the_cpu_lane_is_half_the_threads_with_pages_too_and_off_with_one_thread(model):
     assert _cpu(model).capabilities.prefill_lane and _cpu(model).lane_threads() == 1
+    assert _cpu(model, page_size=16).capabilities.prefill_lane and _cpu(model, page_size=16).lane_threads() == 1
     assert not _cpu(model, threads=1).capabilities.prefill_lane
-    assert not _cpu(model, page_size=16).capabilities.prefill_lane
     assert not _cpu(model, prefill_threads=0).capabilities.prefill_lane
+    assert not _cpu(model, prefill_threads=0, page_size=16).capabilities.prefill_lane
     with pytest.raises(InvalidRequest, match="prefill_threads=2 leaves the decode steps none"):
         _cpu(model, prefill_threads=2)
-    with pytest.raises(UnsupportedFeature, match="prefill_threads=1 with page_size=16"):
-        _cpu(model, prefill_threads=1, page_size=16)
 
 
 def _lane_against_turns(model, options, lengths=(6, 38)):
@@ -270,24 +326,28 @@ def _assert_the_same(got, want) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:cpu. decoding on torch's matmul")
-@pytest.mark.parametrize("options", [{}, {"kv_dtype": "bfloat16"}, {"cpu_kernels": False}],
-                         ids=["default", "bf16-kv", "no-kernels"])
+@pytest.mark.parametrize("options", [{}, {"kv_dtype": "bfloat16"}, {"cpu_kernels": False}, {"page_size": 16},
+                                     {"page_size": 4, "kv_pages": 120}, {"page_size": 16, "cpu_kernels": False}],
+                         ids=["default", "bf16-kv", "no-kernels", "pages", "bounded-pages", "pages-no-kernels"])
 def test_the_cpu_lane_computes_bit_for_bit_what_the_calls_compute_in_turn(model, options):
     """The lane's prefills (a short prompt in the fused step, a long one in the torch
     forward, a continuation of a prefix continued beside it at the same time) and the
     steps beside them: every prefix (logits, first token, K/V) and every step's log-probs
     equal those of the same calls made one after another; the lane's kernels ran on one
-    thread and everyone else's on the other."""
+    thread and everyone else's on the other. With pages the lane's prefixes are written
+    into pages of their own while the steps write the slots' (the continued prefix's
+    partly filled last page copied by both continuations)."""
     got, want = _lane_against_turns(model, options)
     _assert_the_same(got, want)
     if options.get("cpu_kernels", True):
         assert got[3] and all(seen == (1, 1) for seen in got[3])
 
 
-def test_the_cpu_lane_on_the_default_models_blocks_is_bit_for_bit_too(default_gguf):
+@pytest.mark.parametrize("options", [{}, {"page_size": 16}], ids=["contiguous", "pages"])
+def test_the_cpu_lane_on_the_default_models_blocks_is_bit_for_bit_too(default_gguf, options):
     """The same on the default model as shipped (Q4_1 blocks: int8x2 products, int16 tiles
     and the prefill attention kernel on the lane's one thread), with a 300-token prompt."""
-    got, want = _lane_against_turns(load_model(default_gguf), {}, lengths=(6, 300))
+    got, want = _lane_against_turns(load_model(default_gguf), options, lengths=(6, 300))
     _assert_the_same(got, want)
     assert got[3] and all(seen == (1, 1) for seen in got[3])
 
@@ -305,6 +365,49 @@ def test_tpu_jax_has_the_lane_on_the_cpu_platform_only_without_pages(model):
     assert not caps(prefill_lane="off").prefill_lane and not caps(page_size=16).prefill_lane
     with pytest.raises(UnsupportedFeature, match="prefill_lane='on' with page_size=16"):
         caps(prefill_lane="on", page_size=16)
+
+
+def test_the_page_pools_grow_only_while_no_one_writes_them():
+    """PagedKV.using keeps the pools' tensors while a thread writes them: a grow on
+    another thread (a page id past the storage) waits for it to leave, then copies every
+    page written; a grow from inside using is refused, not a deadlock."""
+    from polyengine.backends.torch_common.paged import PagedKV
+    from polyengine.pages import PagePool
+
+    pool = PagePool(2)
+    kv = PagedKV(pool, torch.device("cpu"), lambda n: (torch.zeros(1, n, 1, 2, 1), torch.zeros(1, n, 1, 2, 1)),
+                 first_size=2)
+    pool.allocate(2)
+    inside, grown = threading.Event(), threading.Event()
+    leave = threading.Event()
+
+    def writer():
+        with kv.using() as (k, _):
+            inside.set()
+            leave.wait(10)
+            k[:, 1] = 7.0  # written into the tensors it was given, after the grow asked
+            with pytest.raises(RuntimeError, match="cannot grow inside PagedKV.using"):
+                pool.allocate(1)
+                kv.grow()
+
+    def grower():
+        inside.wait(10)
+        pool.allocate(1)
+        kv.grow()
+        grown.set()
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=grower)]
+    for t in threads:
+        t.start()
+    inside.wait(10)
+    assert not grown.wait(0.3)  # held off while the writer is inside
+    leave.set()
+    for t in threads:
+        t.join(10)
+    assert grown.is_set()
+    kv.grow()
+    k, _ = kv.tensors
+    assert k.shape[1] >= 4 and float(k[0, 1].max()) == 7.0
 
 
 def test_the_memory_check_counts_a_piece_beside_the_lane(model, monkeypatch):

@@ -301,11 +301,11 @@ class CpuEngine(TorchEngine):
         n = len(tokens)
         seq = prefix.kv.fork(finalize=True) if prefix is not None else PageList(self.pages, [], 0, finalize=True)
         self._paged.writable(seq, start, start + n)
-        k, v = self._paged.tensors
         t = params.tensors
         x = self._embedded(t, tokens)
-        self._fused.step(x, torch.zeros(n, dtype=torch.int32), torch.arange(start, start + n, dtype=torch.int32),
-                         k, v, page_table=self._paged.table_for(seq, self.max_cache_length))
+        with self._paged.using() as (k, v):  # beside a step on the prefill lane: its own pages
+            self._fused.step(x, torch.zeros(n, dtype=torch.int32), torch.arange(start, start + n, dtype=torch.int32),
+                             k, v, page_table=self._paged.table_for(seq, self.max_cache_length))
         return seq, self._last_logits(t, x, [n - 1])
 
     def _embedded(self, t: dict[str, torch.Tensor], tokens) -> torch.Tensor:

@@ -20,7 +20,7 @@ OPTIONS = {
     # a long prompt prefills on threads of its own while the streams decode on the rest
     # (capability prefill_lane; docs/cpu.md, "The prefill lane")
     "prefill_threads": Option(-1, "threads of the prefill lane beside the decode steps (-1: half the engine's "
-                                  "where it has two or more and no page_size; 0: no lane)", minimum=-1),
+                                  "where it has two or more; 0: no lane)", minimum=-1),
     "cpu_kernels": Option(True, "decode products through the host-compiled kernels (csrc/)"),
     # "auto": the best this CPU runs (-march=native); a lower one forced tests and measures
     # that path on a bigger host; one this CPU cannot execute is refused

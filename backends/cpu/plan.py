@@ -323,14 +323,12 @@ def _weights(o: Mapping[str, Any], config: Any, dtype: torch.dtype) -> str:
 
 def lane_threads(o: Mapping[str, Any]) -> int:
     """The prefill lane's threads (option ``prefill_threads``; docs/cpu.md, "The prefill
-    lane"): ``-1`` half the engine's threads where it has two or more and keeps no pages
-    (a paged prefill takes pages from the pool the steps take theirs from), else as asked."""
-    total, n, paged = o["threads"] or torch.get_num_threads(), o["prefill_threads"], o.get("page_size", 0)
+    lane"): ``-1`` half the engine's threads where it has two or more, else as asked;
+    with ``page_size`` too (the lane's prefill writes pages of its own beside the steps',
+    paged.py)."""
+    total, n = o["threads"] or torch.get_num_threads(), o["prefill_threads"]
     if n == -1:
-        return 0 if paged else total // 2
-    if n and paged:
-        raise UnsupportedFeature(f"prefill_threads={n} with page_size={paged}", BACKEND,
-                                 "the prefill lane runs on contiguous K/V; leave prefill_threads at -1 or 0")
+        return total // 2
     if n and n >= total:
         raise InvalidRequest(f"prefill_threads={n} leaves the decode steps none of the engine's {total} threads; "
                              f"ask for at most {total - 1}, or 0 for no lane", field="options.prefill_threads")

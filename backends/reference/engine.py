@@ -403,12 +403,14 @@ class ReferenceEngine(EngineBase):
 
     def _page(self, page: int) -> tuple[np.ndarray, np.ndarray]:
         """Page ``page``'s K and V arrays ``(layers, kv_heads, page_size, head_dim)``,
-        made when the pool first hands the id out."""
-        while len(self._k_pages) <= page:
-            shape = self._cache_shape(self.pages.page_size)
-            self._k_pages.append(np.zeros(shape, self.np_dtype))
-            self._v_pages.append(np.zeros(shape, self.np_dtype))
-        return self._k_pages[page], self._v_pages[page]
+        made when the pool first hands the id out (both lists at once: a prefill on
+        another thread, a lane's, may ask beside a step)."""
+        with self.pages.lock:
+            while len(self._k_pages) <= page:
+                shape = self._cache_shape(self.pages.page_size)
+                self._k_pages.append(np.zeros(shape, self.np_dtype))
+                self._v_pages.append(np.zeros(shape, self.np_dtype))
+            return self._k_pages[page], self._v_pages[page]
 
     def _copy_page(self, src: int, dst: int) -> None:
         (ks, vs), (kd, vd) = self._page(src), self._page(dst)

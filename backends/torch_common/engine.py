@@ -621,9 +621,11 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
 
         def step() -> torch.Tensor:
-            if page_ops is not None:
+            if page_ops is None:
+                return self._step(params, state, forced, live, positions, kv_len, num_top, words)
+            with self._paged.using():  # the pools stay these tensors (a lane's prefill grows none) to its end
                 self._apply_pages(state, page_ops)
-            return self._step(params, state, forced, live, positions, kv_len, num_top, words)
+                return self._step(params, state, forced, live, positions, kv_len, num_top, words)
 
         if self._worker is not None:
             state.pending = self._worker.submit(step)

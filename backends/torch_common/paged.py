@@ -10,16 +10,22 @@ reads and writes through its row of the decode state's page table (``forward``'s
 own (so its attention, the cpu backend's host kernel included, is the contiguous
 engine's), and its new positions are scattered into pages afterwards.
 
-Threads: the page ids are the host's (pure Python, changed by the caller's thread in
-``generate`` and on the engine thread elsewhere, never both at once); the pools are
-touched on the engine thread only, so a decode step's copies and table rows are
-prepared on the host (:meth:`PagedKV.prepare`) and applied first in the step
-(:meth:`PagedKV.apply`).
+Threads: the page ids are the host's (a :class:`~polyengine.pages.PagePool` changes its
+counts under a lock of its own). A decode step's copies and table rows are prepared on
+the host (:meth:`PagedKV.prepare`) and applied first in the step (:meth:`PagedKV.apply`).
+With the prefill lane (docs/design.md, "The prefill lane") a prefill writes its prefix's
+pages on the lane's thread while a step writes its slots' pages: the pages differ (a
+page is written only by its one holder), so both write at once, each inside
+:meth:`PagedKV.using`. Growing the pools replaces the tensors (the old pages copied into
+new ones), so it waits until no one writes and holds writers off while it runs; no
+writer grows from inside :meth:`PagedKV.using` (each grows first).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -47,6 +53,10 @@ class PagedKV:
                  first_size: int):
         self.pool, self.device, self._new_pools, self._first_size = pool, device, new_pools, first_size
         self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cond = threading.Condition()
+        self._writers = 0  # threads inside using()
+        self._growing = False
+        self._inside = threading.local()  # this thread's depth in using()
 
     @property
     def page_size(self) -> int:
@@ -54,9 +64,32 @@ class PagedKV:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V pools, grown to every page id handed out so far."""
+        """The K and V pools, grown to every page id handed out so far (a caller that
+        writes them while another thread may grow them does so inside :meth:`using`)."""
         self.grow()
         return self._tensors
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The pools, grown to every page id handed out so far and kept (not replaced by a
+        grow) until the block ends: read or write the pages you hold inside it. Threads
+        inside it at once write different pages."""
+        depth = getattr(self._inside, "depth", 0)
+        if not depth:
+            self.grow()
+            with self._cond:
+                while self._growing:
+                    self._cond.wait()
+                self._writers += 1
+        self._inside.depth = depth + 1
+        try:
+            yield self._tensors
+        finally:
+            self._inside.depth = depth
+            if not depth:
+                with self._cond:
+                    self._writers -= 1
+                    self._cond.notify_all()
 
     def grow(self) -> None:
         """Make the pools hold every page id the PagePool has handed out. Bounded
@@ -64,14 +97,31 @@ class PagedKV:
         slot's full context, what the contiguous cache holds), then half as many again
         whenever the prefixes the driver keeps need more (a new buffer: the old pages
         copied into it)."""
-        have = 0 if self._tensors is None else self._tensors[0].shape[1]
-        size = self.pool.storage_size(None if self._tensors is None else have, self._first_size)
-        if size is None:
+        if self._size() is None:
             return
-        k, v = self._new_pools(size)
-        if self._tensors is not None:
-            k[:, :have], v[:, :have] = self._tensors
-        self._tensors = k, v
+        if getattr(self._inside, "depth", 0):
+            raise RuntimeError("the K/V page pools cannot grow inside PagedKV.using (this thread writes them): "
+                               "take the pages before entering it")
+        with self._cond:
+            while self._growing or self._writers:
+                self._cond.wait()
+            self._growing = True
+        try:
+            size = self._size()  # another thread may have grown them meanwhile
+            if size is not None:
+                have = 0 if self._tensors is None else self._tensors[0].shape[1]
+                k, v = self._new_pools(size)
+                if self._tensors is not None:
+                    k[:, :have], v[:, :have] = self._tensors
+                self._tensors = k, v
+        finally:
+            with self._cond:
+                self._growing = False
+                self._cond.notify_all()
+
+    def _size(self) -> int | None:
+        have = None if self._tensors is None else self._tensors[0].shape[1]
+        return self.pool.storage_size(have, self._first_size)
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
         """Copy on write: each (src, dst) page's K/V into dst, in every layer."""
@@ -79,8 +129,9 @@ class PagedKV:
             return
         src = self._ids([s for s, _ in copies])
         dst = self._ids([d for _, d in copies])
-        for pool in self.tensors:
-            pool[:, dst] = pool[:, src]
+        with self.using() as pools:
+            for pool in pools:
+                pool[:, dst] = pool[:, src]
 
     def gather(self, seq: PageList, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``length`` positions of ``seq`` as contiguous K and V
@@ -91,8 +142,8 @@ class PagedKV:
             layers, _, kvh, ps, hd = pool.shape
             return pool[:, idx].transpose(1, 2).reshape(layers, kvh, -1, hd)[:, :, :length]
 
-        k, v = self.tensors
-        return one(k), one(v)
+        with self.using() as (k, v):
+            return one(k), one(v)
 
     def scatter(self, seq: PageList, k: torch.Tensor, v: torch.Tensor, start: int, end: int, *,
                 offset: int = 0) -> None:
@@ -103,10 +154,10 @@ class PagedKV:
         self.writable(seq, start, end)
         pos = torch.arange(start, end, device=self.device)
         pages, offsets = self._ids(seq.pages)[pos // self.page_size], pos % self.page_size
-        pk, pv = self.tensors
         lo, hi = start - offset, end - offset
-        pk[:, pages, :, offsets] = k[:, :, lo:hi].permute(2, 0, 1, 3).to(pk.dtype)  # (N, layers, kvh, hd)
-        pv[:, pages, :, offsets] = v[:, :, lo:hi].permute(2, 0, 1, 3).to(pv.dtype)
+        with self.using() as (pk, pv):
+            pk[:, pages, :, offsets] = k[:, :, lo:hi].permute(2, 0, 1, 3).to(pk.dtype)  # (N, layers, kvh, hd)
+            pv[:, pages, :, offsets] = v[:, :, lo:hi].permute(2, 0, 1, 3).to(pv.dtype)
 
     def writable(self, seq: PageList, start: int, end: int) -> None:
         """Positions ``start..end`` of ``seq`` (a new prefix's, never a slot's) made its own
@@ -146,13 +197,15 @@ class PagedKV:
         return ops()
 
     def apply(self, table: torch.Tensor, ops: PageOps) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device half (engine thread, before the step's forward): the pools grown, the
-        copies made, the changed rows of ``table`` written. Returns the pools."""
+        """Device half (engine thread, before the step's forward, inside :meth:`using`
+        through the forward's end): the copies made, the changed rows of ``table``
+        written. Returns the pools."""
         copies, rows = ops
-        self.copy(copies)
-        for slot, pages in rows:
-            table[slot, : len(pages)] = self._ids(pages)
-        return self.tensors
+        with self.using() as pools:
+            self.copy(copies)
+            for slot, pages in rows:
+                table[slot, : len(pages)] = self._ids(pages)
+            return pools
 
     def new_table(self, slots: int, length: int) -> torch.Tensor:
         """A page table ``(slots, pages for length)``: row i holds slot i's page ids."""

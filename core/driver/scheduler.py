@@ -37,7 +37,10 @@ again its prompt is prefilled again (from the prefix cache where it is held) and
 completion tokens it had are replayed as forced tokens (``Override``), one per step, and
 not emitted again; the engine's sampler then holds exactly the state it had (the step
 that addresses the random stream, the completion tokens the penalties count, the sample
-index), so the continuation equals a run that was never preempted.
+index), so the continuation equals a run that was never preempted. A piece on the
+engine's prefill lane holds back the pages it may take (:meth:`Prefiller.piece_pages`)
+from its start until it is collected, counted with the slots' next step; a preempted
+request whose piece runs there waits for it and drops what it made.
 
 Thread safety: every public method takes one re-entrant lock, so several threads may
 submit, step and cancel; whichever thread steps advances every request.
@@ -49,7 +52,7 @@ import contextlib
 import itertools
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -186,11 +189,12 @@ class Scheduler:
         self._eos = frozenset(engine.eos_token_ids)
         self.prefiller = Prefiller.for_engine(engine, self.params)
         self._filling: list[tuple[Request, PrefillJob]] = []  # requests whose prefill runs in pieces, in order
-        # The engine's prefill lane (Capabilities.prefill_lane; not with a bounded page pool,
-        # whose admission counts each piece's pages): a long prompt's piece running beside
-        # the steps, (request, job, tokens, future), or None.
-        self._lane_ok = bool(getattr(engine.capabilities, "prefill_lane", False)) and self.prefiller.pool is None
+        # The engine's prefill lane (Capabilities.prefill_lane): a long prompt's piece running
+        # beside the steps, (request, job, tokens, future), or None; on a bounded page pool
+        # the pages it may take, held back from the steps and the other pieces until then.
+        self._lane_ok = bool(getattr(engine.capabilities, "prefill_lane", False))
         self._lane: tuple[Request, PrefillJob, int, Future] | None = None
+        self._lane_pages = 0
         self.lane_prefills = 0  # pieces run on the prefill lane (cumulative)
         self._admissions = itertools.count()
         self.preemptions = 0  # requests preempted to make room for K/V pages (cumulative)
@@ -388,7 +392,7 @@ class Scheduler:
             if self._lane is not None and self._lane[1] is job:
                 i += 1  # its piece runs on the prefill lane
                 continue
-            if self._lane_takes(job, budget):
+            if self._lane_takes(job, budget) and self._lane_room(job, need):
                 i += self._start_lane(req, job)
                 continue
             if self.prefiller.pool is not None and not self.prefiller.make_room(
@@ -410,6 +414,14 @@ class Scheduler:
         return (self._lane_ok and self._lane is None and budget is not None and bool(self._slots)
                 and len(job.tokens) - job.done > self.prefiller.step_tokens)
 
+    def _lane_room(self, job: PrefillJob, planned: int) -> bool:
+        """Whether the job's whole piece fits the free pages beside the slots' next step and
+        the ``planned`` pages of this round's pieces (always, without a bounded pool); if
+        it does not, a piece within the step's budget may (the usual path)."""
+        if self.prefiller.pool is None:
+            return True
+        return self.prefiller.make_room(planned + self.prefiller.piece_pages(job, None) + self._step_pages())
+
     def _start_lane(self, req: Request, job: PrefillJob) -> int:
         """Start the job's next piece (up to its next cut, unchunked) on the prefill lane;
         1, or 0 where the engine refused it (the request failed and left ``_filling``)."""
@@ -423,6 +435,7 @@ class Scheduler:
                 raise
             return 0
         self._lane = (req, job, n, future)
+        self._lane_pages = self.prefiller.piece_pages(job, None) if self.prefiller.pool is not None else 0
         self.lane_prefills += 1
         return 1
 
@@ -432,7 +445,7 @@ class Scheduler:
         cancelled meanwhile; its failure fails that request only."""
         if self._lane is None or not (wait or self._lane[3].done()):
             return
-        (req, job, n, future), self._lane = self._lane, None
+        (req, job, n, future), self._lane, self._lane_pages = self._lane, None, 0
         mine = any(r is req for r, _ in self._filling)
         try:
             with self._backend("prefill"):
@@ -537,12 +550,13 @@ class Scheduler:
 
     def _step_pages(self) -> int:
         """Pages the next ``generate`` takes from the pool: each running slot's new page or
-        copy of a shared page where its next tokens go."""
+        copy of a shared page where its next tokens go; and those a piece on the prefill
+        lane may take meanwhile (held back from its start until it is collected)."""
         if self.prefiller.pool is None:
             return 0
         tps = self.engine.capabilities.tokens_per_step
         ahead = tps if self._pending is not None else 0  # a dispatched step not read yet
-        total = 0
+        total = self._lane_pages  # the lane's piece may take these while the step runs
         for slot, (req, s) in self._slots.items():
             held = s.replayed if s.replay is not None else len(s.out.token_ids)
             pos = min(len(req.prompt_tokens) + held - 1 + ahead, self.engine.max_cache_length)
@@ -566,9 +580,14 @@ class Scheduler:
             self._preempt(max(admitted.values(), key=lambda r: r.admitted))
 
     def _preempt(self, req: Request) -> None:
-        """Free ``req``'s slots and pages (or drop its prefill in progress) and put it back
-        at the front of the queue; its completion so far is kept and replayed when it
-        runs again (see the module docstring)."""
+        """Free ``req``'s slots and pages (or drop its prefill in progress: a piece on the
+        prefill lane is waited for and what it made dropped) and put it back at the front
+        of the queue; its completion so far is kept and replayed when it runs again (see
+        the module docstring)."""
+        if self._lane is not None and self._lane[0] is req:
+            future, self._lane, self._lane_pages = self._lane[3], None, 0
+            wait_futures([future])  # its prefix (and pages) go with the future
+            del future
         for r, job in self._filling:
             if r is req:
                 self.prefiller.abandon(job)
