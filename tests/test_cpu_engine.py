@@ -246,7 +246,8 @@ def test_a_decode_step_computes_only_the_live_rows(model, monkeypatch, kernels):
     monkeypatch.setattr(mod, "forward", spy_forward)
     monkeypatch.setattr(FusedDecoder, "step", spy_fused)
     with pytest.warns(polyengine.errors.FallbackWarning, match="cpu_kernels=True") if not kernels else _no_warning():
-        eng = CpuEngine(model, CFG.model_copy(update={"options": {"cpu_kernels": kernels}}))
+        # contiguous: a paged engine's short prefill is a call of the fused step too (3 rows)
+        eng = CpuEngine(model, CFG.model_copy(update={"options": {"cpu_kernels": kernels, "page_size": 0}}))
     assert eng.max_concurrent_decodes == 4
     LLM.from_engine(eng, tools=False).generate([[1, 5, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert len(rows) >= 6 and set(rows) == {1}, rows
@@ -349,8 +350,10 @@ def test_prefill_runs_its_own_rows_unless_buckets_are_asked_for(model, monkeypat
 
 def _fused_and_torch(model, **options):
     """Two engines on ``model``: short prefills in the fused step, and through the torch
-    forward; calls of the fused step's prefill counted on the first."""
+    forward; calls of the fused step's prefill counted on the first. Contiguous K/V (a
+    paged engine's short prefill writes its pages through the fused step's ``step``)."""
     cfg = EngineConfig(max_slots=2, max_prefill_length=40, max_cache_length=64, dtype="float32")
+    options = {"page_size": 0, **options}
     fused = CpuEngine(model, cfg.model_copy(update={"options": {**options, "fused_prefill": True}}))
     torch_path = CpuEngine(model, cfg.model_copy(update={"options": {**options, "fused_prefill": False}}))
     from polyengine.backends.cpu.kernels import MAX_ROWS, TILED_FUSED_PREFILL_ROWS
@@ -470,7 +473,8 @@ def test_fused_prefills_past_16_tokens_on_tiles_while_their_attention_is_short(t
     from polyengine.models.quant_presets import quantized_model_file
 
     model = load_model(str(quantized_model_file("Q4_0", tmp_path)))
-    eng = CpuEngine(model, EngineConfig(max_slots=1, max_prefill_length=480, max_cache_length=512))
+    eng = CpuEngine(model, EngineConfig(max_slots=1, max_prefill_length=480, max_cache_length=512,
+                                        options={"page_size": 0}))  # the contiguous prefill's calls
     if not eng.plan.block_tiles:
         pytest.skip("int16 tiles need AVX-512 VNNI (csrc/tile.h)")
     assert eng.fused_prefill_rows == TILED_FUSED_PREFILL_ROWS and 60 * 460 > FUSED_PREFILL_SCORES >= 60 * 60

@@ -24,7 +24,8 @@ PAGE = 4096
 
 def _engine(mode: str, **options) -> CpuEngine:
     model = load_model("random:tiny")  # 2 layers, 4 KV heads of 16: 128 KiB a (layer, slot) at 512 positions
-    cfg = EngineConfig(max_slots=4, max_cache_length=512, options={"kv_memory": mode, **options})
+    # contiguous rows (what kv_memory governs; the default pages' pool: tests/test_torch_paged.py)
+    cfg = EngineConfig(max_slots=4, max_cache_length=512, options={"kv_memory": mode, "page_size": 0, **options})
     return CpuEngine(model, cfg)
 
 

@@ -27,7 +27,8 @@ def tiny():
 
 @pytest.fixture(scope="module", params=["cpu", "cuda_torch"])
 def engine(request, tiny):
-    options = {"device": "cpu"} if request.param == "cuda_torch" else {}
+    # contiguous K/V: the runs (a paged engine's prefixes are page lists; the cpu backend's default)
+    options = {"device": "cpu"} if request.param == "cuda_torch" else {"page_size": 0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         eng = create_engine(request.param, model=tiny, config=EngineConfig(

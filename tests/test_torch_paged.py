@@ -86,7 +86,8 @@ def _run(eng):
 def test_paged_equals_the_contiguous_cache(tiny, kind, page_size, kv_dtype):
     """The same forward over the same K/V, only read through a page table: equal tokens
     and log-probs (float32, bit for bit) and equal prefixes; K/V stored narrow too."""
-    flat, paged = _engine(tiny, kind, kv_dtype=kv_dtype), _engine(tiny, kind, page_size=page_size, kv_dtype=kv_dtype)
+    flat = _engine(tiny, kind, kv_dtype=kv_dtype, page_size=0)  # contiguous (the cpu backend's default is pages)
+    paged = _engine(tiny, kind, page_size=page_size, kv_dtype=kv_dtype)
     assert paged.capabilities.page_size == page_size and not flat.capabilities.paged_kv
     (want, want_kv), (got, got_kv) = _run(flat), _run(paged)
     assert got == want
@@ -95,20 +96,22 @@ def test_paged_equals_the_contiguous_cache(tiny, kind, page_size, kv_dtype):
 
 
 @pytest.mark.parametrize("isa", ISA_PATHS)
-@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
-def test_the_fused_cpu_step_reads_pages_on_every_isa_path(tiny, isa, kv_dtype):
+@pytest.mark.parametrize(("kv_dtype", "page_size"), [("auto", 4), ("bfloat16", 4), ("auto", 6)])
+def test_the_fused_cpu_step_reads_pages_on_every_isa_path(tiny, isa, kv_dtype, page_size):
     """The host-compiled fused decode step (csrc/decode.h) reading and writing K/V through
     the page table equals itself on the contiguous cache, bit for bit, on each ISA path
-    this CPU runs (each built on first use)."""
+    this CPU runs (each built on first use); a page size that is a power of two (a shift
+    and a mask) and one that is not (a division)."""
     if isa not in CpuHost.detect().runnable:
         pytest.skip(f"this CPU cannot run the {isa} path")
-    options = {"isa": isa, "kv_dtype": kv_dtype}
-    flat, paged = (CpuEngine(tiny, CFG.model_copy(update={"options": {**options, **o}})) for o in ({}, {"page_size": 4}))
+    options = {"isa": isa, "kv_dtype": kv_dtype, "page_size": 0}
+    flat, paged = (CpuEngine(tiny, CFG.model_copy(update={"options": {**options, **o}}))
+                   for o in ({}, {"page_size": page_size}))
     if flat.plan.kernels is None:
         pytest.skip(f"the CPU kernels do not build here: {flat.plan.kernels_fallback}")
     assert flat.plan.fused_decode and paged.plan.fused_decode
     (want, want_kv), (got, got_kv) = _run(flat), _run(paged)
-    assert paged._fused.dims.page_size == 4 and got == want
+    assert paged._fused.dims.page_size == page_size and got == want
     for a, b in zip(want_kv, got_kv):
         np.testing.assert_array_equal(a, b)
 

@@ -15,6 +15,10 @@ __all__ = ["OPTIONS", "WEIGHT_FORMATS"]
 
 OPTIONS = {
     **SHARED_OPTIONS,
+    # K/V in pages of 16 positions by default (docs/cpu.md, "Paged K/V"): a prefix inserted
+    # or continued shares its pages, the prefill lane runs beside the steps on them
+    "page_size": Option(16, "K/V pages of this many positions (0: one contiguous cache row per slot)",
+                        minimum=0, maximum=4096),
     "threads": Option(0, "intra-op threads (0: torch's default)", minimum=0),
     "async_steps": Option(True, "run each step on a worker thread (results read later)"),
     # a long prompt prefills on threads of its own while the streams decode on the rest
