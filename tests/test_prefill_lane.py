@@ -188,27 +188,21 @@ def test_page_counts_change_under_one_lock_from_many_threads():
     from polyengine.pages import PageList, PagePool
 
     pool = PagePool(4)
-    seen: list[set] = []
 
-    def churn(seed: int) -> None:
+    def churn(seed: int) -> int:
         rng = np.random.default_rng(seed)
-        mine = set()
         for _ in range(400):
             seq = PageList.new(pool, int(rng.integers(1, 20)))
             fork = seq.fork()
             fork.prepare_write(0, fork.length, lambda s, d: None)  # every page copied
-            mine.update(fork.pages)
             assert not set(seq.pages) & set(fork.pages)
             seq.release()
             fork.release()
-        seen.append(mine)
+        return seed
 
-    threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(seen) == 4 and pool.held == 0 and len(pool._free) == pool.allocated
+    with ThreadPoolExecutor(4) as threads:  # a thread's failed assertion is raised here by result()
+        assert sorted(f.result() for f in [threads.submit(churn, i) for i in range(4)]) == [0, 1, 2, 3]
+    assert pool.held == 0 and len(pool._free) == pool.allocated
 
 
 def test_an_engine_without_the_lane_refuses_start_prefill(model):
@@ -396,14 +390,13 @@ def test_the_page_pools_grow_only_while_no_one_writes_them():
         kv.grow()
         grown.set()
 
-    threads = [threading.Thread(target=writer), threading.Thread(target=grower)]
-    for t in threads:
-        t.start()
-    inside.wait(10)
-    assert not grown.wait(0.3)  # held off while the writer is inside
-    leave.set()
-    for t in threads:
-        t.join(10)
+    with ThreadPoolExecutor(2) as threads:  # a thread's failure is raised here by result()
+        done = [threads.submit(writer), threads.submit(grower)]
+        inside.wait(10)
+        assert not grown.wait(0.3)  # held off while the writer is inside
+        leave.set()
+        for f in done:
+            f.result(timeout=10)
     assert grown.is_set()
     kv.grow()
     k, _ = kv.tensors

@@ -4,6 +4,8 @@ becomes is decided in one place, :class:`polyengine.backends.cpu.plan.CpuPlan`."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from polyengine.engine import Option
 from polyengine.hostinfo import ISA_PATHS
 from polyengine.models.blocks import BLOCK_FORMATS
@@ -17,8 +19,7 @@ OPTIONS = {
     **SHARED_OPTIONS,
     # K/V in pages of 16 positions by default (docs/cpu.md, "Paged K/V"): a prefix inserted
     # or continued shares its pages, the prefill lane runs beside the steps on them
-    "page_size": Option(16, "K/V pages of this many positions (0: one contiguous cache row per slot)",
-                        minimum=0, maximum=4096),
+    "page_size": replace(SHARED_OPTIONS["page_size"], default=16),
     "threads": Option(0, "intra-op threads (0: torch's default)", minimum=0),
     "async_steps": Option(True, "run each step on a worker thread (results read later)"),
     # a long prompt prefills on threads of its own while the streams decode on the rest

@@ -35,10 +35,10 @@ import torch
 from polyengine.engine import EngineBase, EngineConfig, Prefix, ResultLayout, ResultTokens, SlotTable
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature
 from polyengine.kit import on_lane
-from polyengine.protocol import DEFAULT_STEP_TOKENS
 from polyengine.models import Model
 from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
+from polyengine.protocol import DEFAULT_STEP_TOKENS
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.rows import row_bytes
 

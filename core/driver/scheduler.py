@@ -585,9 +585,8 @@ class Scheduler:
         of the queue; its completion so far is kept and replayed when it runs again (see
         the module docstring)."""
         if self._lane is not None and self._lane[0] is req:
-            future, self._lane, self._lane_pages = self._lane[3], None, 0
-            wait_futures([future])  # its prefix (and pages) go with the future
-            del future
+            wait_futures([self._lane[3]])
+            self._lane, self._lane_pages = None, 0  # what it made (and its pages) go with the future
         for r, job in self._filling:
             if r is req:
                 self.prefiller.abandon(job)

@@ -83,7 +83,6 @@ static inline long kv_offset(const pe_dims *d, const long *table, long l, long r
     return (((l * d->cache_rows + page) * d->kv_heads + j) * ps + in) * d->head_dim;
 }
 
-
 // The KV cache's element types. Written from float32 with round-to-nearest-even, as
 // torch's .to(bfloat16/float16) does (so this step and the torch forward store the same
 // bits), and widened back to float32 where attention reads them.
