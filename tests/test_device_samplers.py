@@ -100,6 +100,35 @@ class TorchPort:
         return ids.numpy(), vals.numpy()
 
 
+class CpuKernelPort(TorchPort):
+    """The torch sampler with the cpu backend's compiled pass for the stream's bits
+    (``TorchSampler(stream_bits=...)``, option ``sampler_kernel``); skipped where the
+    kernels cannot be compiled."""
+
+    def __init__(self, dtype: str):
+        super().__init__(dtype)
+        from polyengine.backends.cpu import kernels
+
+        try:
+            self.kernels = kernels.load(1)
+        except kernels.KernelsUnavailable as exc:
+            pytest.skip(f"no compiled cpu kernels here: {exc}")
+
+    def new(self, requests, vocab, eos):
+        sampler = super().new(requests, vocab, eos)
+        sampler.stream_bits = self.kernels.threefry_bits
+        return sampler
+
+    def uniforms64(self, seeds, steps, samples, vocab):
+        from polyengine.backends.torch_common import threefry
+
+        words = lambda xs: self.torch.tensor([threefry.int32_bits(x) for x in xs], dtype=self.torch.int32)  # noqa: E731
+        lo, hi = zip(*(split_seed(s) for s in seeds))
+        ctr = threefry.counter_hi(self.torch.tensor(steps), self.torch.tensor(samples))
+        m = self.kernels.threefry_bits(words(lo), words(hi), ctr, self.torch.arange(vocab)[None, :])
+        return (m.numpy().astype(np.float64) + 0.5) * 2.0**-24
+
+
 class JaxPort:
     """The JAX sampler (a functional state, jitted steps) with ``candidates`` bounding
     the sort that top-k/top-p need (3: nearly every filtering batch sorts the whole
@@ -195,6 +224,8 @@ def _jax_jitted() -> dict:
 PORTS = {
     "torch-float32": lambda: TorchPort("float32"),
     "torch-float64": lambda: TorchPort("float64"),
+    "cpu-kernel-float32": lambda: CpuKernelPort("float32"),
+    "cpu-kernel-float64": lambda: CpuKernelPort("float64"),
     "jax-full-sort": lambda: JaxPort(3),
     "jax-candidates": lambda: JaxPort(64),
 }
@@ -222,11 +253,12 @@ def port(request, _quiet_backends):
     return PORTS[request.param]()
 
 
-@pytest.fixture(params=["torch", "jax"])
+@pytest.fixture(params=["torch", "cpu-kernel", "jax"])
 def stream_port(request, _quiet_backends):
     """One variant per port for the stream: its functions depend on neither the work
     dtype nor the candidates bound."""
-    return TorchPort("float32") if request.param == "torch" else JaxPort(3)
+    return {"torch": TorchPort, "cpu-kernel": CpuKernelPort}[request.param]("float32") if request.param != "jax" \
+        else JaxPort(3)
 
 
 # -- the stream --------------------------------------------------------------------------------

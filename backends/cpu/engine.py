@@ -91,6 +91,12 @@ class CpuEngine(TorchEngine):
         with self._kernels.lend(self.lane_threads()):
             yield
 
+    def _stream_bits(self):
+        """TorchEngine._stream_bits: the compiled kernels' pass (option sampler_kernel)."""
+        if self._kernels is None or not self.options["sampler_kernel"]:
+            return None
+        return self._kernels.threefry_bits
+
     def _prefill_rows(self, n: int) -> int:
         """No padding on the host: nothing here is compiled per shape, and a pad row costs
         a real row in every product (a 20-token prompt padded to 32 is 1.6x the work).

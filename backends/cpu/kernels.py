@@ -400,6 +400,21 @@ class CpuKernels:
         if rc != 0:
             raise ValueError(f"the block kernels refused a {blocks.format} matrix of {blocks.k} columns")
 
+    def threefry_bits(self, seed_lo: torch.Tensor, seed_hi: torch.Tensor, ctr_hi: torch.Tensor,
+                      token_ids: torch.Tensor) -> torch.Tensor:
+        """The sampler stream's ``m = word0 >> 8`` (int32, (B, n)) for rows of keys
+        ``seed_lo``/``seed_hi`` and counters ``(token_ids, ctr_hi)``: what
+        ``torch_common.threefry.threefry2x32``'s first word gives, shifted, in one pass
+        (csrc/threefry.h). ``seed_lo``, ``seed_hi``, ``ctr_hi``: (B,) int32 bit patterns;
+        ``token_ids``: (n,) or (1, n) int32/int64."""
+        b = seed_lo.shape[0]
+        k0, k1, ctr = (t.reshape(b).to(torch.int32).contiguous() for t in (seed_lo, seed_hi, ctr_hi))
+        ids = token_ids.reshape(-1).to(torch.int32).contiguous()
+        out = torch.empty((b, ids.numel()), dtype=torch.int32)
+        self.lib.pe_threefry_bits(k0.data_ptr(), k1.data_ptr(), ctr.data_ptr(), b, ids.numel(), ids.data_ptr(),
+                                  out.data_ptr(), self.threads)
+        return out
+
 
 def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
     """The kernels for this host and ISA path ``isa`` (:data:`ISA_CHOICES`; compiled on
@@ -483,6 +498,8 @@ def _bind(lib: ctypes.CDLL) -> None:
                                           ptr, int_]
     lib.pe_gguf_packs.restype = lib.pe_gguf_repack.restype = lib.pe_gguf_packed_linear.restype = ctypes.c_int
     lib.pe_gguf_packed_bytes.restype = ctypes.c_long
+    lib.pe_threefry_bits.argtypes = [ptr, ptr, ptr, int_, long_, ptr, ptr, int_]
+    lib.pe_threefry_bits.restype = None
 
 
 _Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)

@@ -305,12 +305,22 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         return self._allocating("the weights", lambda: TorchWeights.from_model(
             self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length))
 
+    def _new_sampler(self, rows: int) -> TorchSampler:
+        """A sampler of ``rows`` rows on the engine's device, drawing its random stream's
+        bits with :meth:`_stream_bits` where that gives a function."""
+        return TorchSampler(self.vocab_size, rows, self.eos_token_ids, device=self.torch_device,
+                            dtype=self.sampler_dtype, stream_bits=self._stream_bits())
+
+    def _stream_bits(self):
+        """A backend's own computation of the sampler stream's bits
+        (``TorchSampler``'s ``stream_bits``), or None: torch ops."""
+        return None
+
     @on_engine_thread
     def load_params(self) -> TorchWeights:
         if self._weights is None:
             self._weights = self._load_weights()
-            self._prefill_sampler = TorchSampler(
-                self.vocab_size, 1, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
+            self._prefill_sampler = self._new_sampler(1)
         return self._weights
 
     @on_engine_thread
@@ -322,8 +332,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
         def allocate():
             k, v = weights.new_cache(n, self.max_cache_length, lazy=self._lazy_kv(), dtype=self.kv_dtype)
-            sampler = TorchSampler(self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype)
-            return k, v, sampler
+            return k, v, self._new_sampler(n)
 
         k, v, sampler = self._allocating("a decode state's KV cache", allocate)
 
@@ -344,8 +353,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         sampler = self._prefill_sampler
         if on_lane():
             if self._lane_sampler is None:
-                self._lane_sampler = TorchSampler(self.vocab_size, 1, self.eos_token_ids, device=self.torch_device,
-                                                  dtype=self.sampler_dtype)
+                self._lane_sampler = self._new_sampler(1)
             sampler = self._lane_sampler
         sampler.install(0, sampling, prompt)
         try:
@@ -767,8 +775,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     def _paged_decode_state(self, n: int) -> TorchDecodeState:
         """A decode state over the engine's page pools: a page-table row per slot."""
         k, v = self._paged.tensors
-        sampler = self._allocating("a decode state's sampler", lambda: TorchSampler(
-            self.vocab_size, n, self.eos_token_ids, device=self.torch_device, dtype=self.sampler_dtype))
+        sampler = self._allocating("a decode state's sampler", lambda: self._new_sampler(n))
         counts = lambda dtype: torch.zeros(n, dtype=dtype, device=self.torch_device)  # noqa: E731
         return TorchDecodeState(n, k, v, sampler, counts(torch.int64), SlotTable(n), counts(torch.int64),
                                 counts(torch.int64), counts(torch.bool),

@@ -7,9 +7,11 @@ spare row for padding. The module knows nothing about caches or stop conditions.
 
 API
 ---
-``TorchSampler(vocab_size, num_rows, eos_token_ids, *, device=None, dtype=torch.float32)``
+``TorchSampler(vocab_size, num_rows, eos_token_ids, *, device=None, dtype=torch.float32, stream_bits=None)``
     The stateful wrapper an eager engine uses. Host-side mirrors of the installed
     parameters pick the fast paths (:class:`SamplerFlags`) with no device sync.
+    ``stream_bits`` (:data:`StreamBits`): a backend's own kernel for the random stream's
+    bits, which must equal :mod:`.threefry`'s (the cpu backend's C++ pass); None: torch ops.
 
     - ``install(row, params, prompt_tokens, *, sample_index=0)``: a request's
       parameters (``params.seed`` resolved), its prompt (for the repetition penalty)
@@ -26,7 +28,7 @@ API
       counting, step - 1); with ``record`` it rolls a row back over several tokens.
     - ``state`` (:class:`SamplerState`), ``flags`` (:class:`SamplerFlags`).
 
-``sample(state, logits, rows=None, flags=SamplerFlags(), num_top=0, token_mask=None)``,
+``sample(state, logits, rows=None, flags=SamplerFlags(), num_top=0, token_mask=None, stream_bits=None)``,
 ``record(state, tokens, mask)``, ``override(state, tokens, mask)``, ``forget(state, tokens, mask)``
     The pure functions underneath (state in, state out), for jit/export-style
     backends that keep the state as a pytree.
@@ -62,7 +64,7 @@ counter layout), rows given to ``record``/``override`` distinct.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -75,7 +77,12 @@ from polyengine.sampling.rows import check_token_ids, request_row
 from polyengine.backends.torch_common import threefry
 from polyengine.backends.torch_common.transfer import fill_row, to_device
 
-__all__ = ["SamplerState", "SamplerFlags", "SampleResult", "TorchSampler", "sample", "record", "override", "forget"]
+__all__ = ["SamplerState", "SamplerFlags", "SampleResult", "TorchSampler", "StreamBits", "sample", "record", "override",
+           "forget"]
+
+# (seed_lo (B,), seed_hi (B,), counter_hi (B,), token_ids (1, V)) -> int32 (B, V): the
+# first Threefry word of each (row, token) >> 8, exactly as threefry.threefry2x32 gives it.
+StreamBits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _NEG_INF = float("-inf")
 
@@ -354,6 +361,7 @@ def sample(
     flags: SamplerFlags = SamplerFlags(),
     num_top: int = 0,
     token_mask: torch.Tensor | None = None,  # (B, W) int32 allowed-token words of this step
+    stream_bits: StreamBits | None = None,
 ) -> SampleResult:
     """One token per row of ``logits`` with that row's parameters and stream; tokens a
     row's ``token_mask`` leaves out are never drawn."""
@@ -369,9 +377,13 @@ def sample(
     if flags.sampling:
         logp = filtered_logprobs(state, x, rows, flags)
         step = _rows(state.step, rows)
-        ctr = threefry.counter_hi(step, _rows(state.sample_index, rows))[:, None]  # (B, 1)
+        ctr = threefry.counter_hi(step, _rows(state.sample_index, rows))  # (B,)
         ids = torch.arange(v, device=logits.device)[None, :]  # (1, V)
-        g = threefry.gumbel(_rows(state.seed_lo, rows)[:, None], _rows(state.seed_hi, rows)[:, None], ids, ctr, dtype=state.dtype)
+        lo, hi = _rows(state.seed_lo, rows), _rows(state.seed_hi, rows)
+        if stream_bits is not None:  # the stream's bits in one pass (a backend's kernel), the noise from them
+            g = threefry.gumbel_from_bits(stream_bits(lo, hi, ctr, ids), dtype=state.dtype)
+        else:
+            g = threefry.gumbel(lo[:, None], hi[:, None], ids, ctr[:, None], dtype=state.dtype)
         drawn = argmax_lowest(logp + g)  # removed tokens are -inf: they never win
         tokens = drawn if tokens is None else torch.where(_rows(state.temperature, rows) > 0, drawn, tokens)
     # A row whose logits hold NaN or +inf (an overflow in the model's arithmetic) has no
@@ -441,7 +453,8 @@ class TorchSampler:
     active), so they never turn a path on; their tokens are meaningless.
     """
 
-    def __init__(self, vocab_size: int, num_rows: int, eos_token_ids: Sequence[int], *, device=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, vocab_size: int, num_rows: int, eos_token_ids: Sequence[int], *, device=None, dtype: torch.dtype = torch.float32,
+                 stream_bits: StreamBits | None = None):
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"the sampler works in float32 or float64, not {dtype}")
         eos = np.asarray(list(eos_token_ids), dtype=np.int64)
@@ -453,6 +466,7 @@ class TorchSampler:
         self.state = SamplerState.neutral(num_rows, vocab_size, self.eos_token_ids, device=self.device, dtype=dtype)
         self._params: dict[int, SamplingParams] = {}
         self.flags = SamplerFlags.of([], vocab_size)
+        self.stream_bits = stream_bits
 
     # -- installing requests --------------------------------------------------------------
 
@@ -517,10 +531,10 @@ class TorchSampler:
         allowed-token words for this step (host or device; None: no mask)."""
         n = self.max_top_logprobs if num_top is None else num_top
         if token_mask is None:
-            return sample(self.state, logits, rows, replace(self.flags, token_mask=False), n)
+            return sample(self.state, logits, rows, replace(self.flags, token_mask=False), n, stream_bits=self.stream_bits)
         if isinstance(token_mask, np.ndarray):
             token_mask = torch.from_numpy(np.ascontiguousarray(token_mask, np.int32))
-        return sample(self.state, logits, rows, self.flags, n, token_mask.to(logits.device))
+        return sample(self.state, logits, rows, self.flags, n, token_mask.to(logits.device), stream_bits=self.stream_bits)
 
     def _full(self, tokens: torch.Tensor, mask: torch.Tensor | None, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens, mask)`` over all rows from a batch addressed by ``rows``."""

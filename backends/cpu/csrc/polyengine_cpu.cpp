@@ -12,6 +12,7 @@
 //   prefill_attn.h  a prefill's causal attention, flash-attention order
 //   tile.h          GGUF block weights against many rows of x: int16 tiles (AVX-512 VNNI)
 //   packed.h        GGUF block weights repacked sixteen rows interleaved: decode products
+//   threefry.h      the sampler's random stream (Threefry-2x32-20) over rows of token ids
 #include <stddef.h>
 
 #include "decode.h"
@@ -22,6 +23,7 @@
 #include "packed.h"
 #include "q8.h"
 #include "simd.h"
+#include "threefry.h"
 #include "tile.h"
 
 // The layout of every struct Python passes in, as this compiler laid it out: one entry per
@@ -270,6 +272,14 @@ void pe_profile(double *out) {
 int pe_prefill_attention(const float *q, long ldq, const float *k, const float *v, long khs, long kps, float *out,
                          int T, long start, int nh, int nkv, int hd, float scale, int bf16, int threads) {
     return prefill_attention(q, ldq, k, v, khs, kps, out, T, start, nh, nkv, hd, scale, bf16, threads);
+}
+
+// The sampler's stream bits (threefry.h): out[r * n + c] = Threefry-2x32-20(key (k0[r], k1[r]),
+// counter (ids ? ids[c] : c, ctr[r]))'s first word >> 8, on up to `threads` threads.
+void pe_threefry_bits(const int32_t *k0, const int32_t *k1, const int32_t *ctr, int rows, long n, const int32_t *ids,
+                      int32_t *out, int threads) {
+    tf_job job = {k0, k1, ctr, rows, n, ids, out};
+    pe_parallel(tf_task, &job, threads);
 }
 
 // 1 where pe_prefill_attention has its bfloat16 path (AVX512-BF16), else 0.
