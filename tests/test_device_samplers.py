@@ -102,7 +102,7 @@ class TorchPort:
 
 class CpuKernelPort(TorchPort):
     """The torch sampler with the cpu backend's compiled pass for the stream's bits
-    (``TorchSampler(stream_bits=...)``, option ``sampler_kernel``); skipped where the
+    and draw (``TorchSampler(kernels=...)``, option ``sampler_kernel``); skipped where the
     kernels cannot be compiled."""
 
     def __init__(self, dtype: str):
@@ -116,7 +116,7 @@ class CpuKernelPort(TorchPort):
 
     def new(self, requests, vocab, eos):
         sampler = super().new(requests, vocab, eos)
-        sampler.stream_bits = self.kernels.threefry_bits
+        sampler.kernels = self.kernels
         return sampler
 
     def uniforms64(self, seeds, steps, samples, vocab):
@@ -342,6 +342,36 @@ def test_sampler_equals_the_reference(port):
             k = row.params.top_logprobs
             assert k == 0 or _same_tops(raw[r], out["top_ids"][r], k, port.exact), (trial, r)
     assert differ <= total // 20, f"{differ} of {total} tokens differ"
+
+
+@pytest.mark.parametrize("vocab", [_VOCAB, 49152])
+def test_the_cpu_kernels_plain_draw_is_the_references(vocab, _quiet_backends):
+    """Plain temperature sampling (no top-k, top-p or min-p: the cpu kernels' whole draw,
+    csrc/threefry.h's gd_row, float64 with the noise only where a token can still win):
+    the reference's token in every row, temperatures exact in float32 and at their edges
+    (a tiny one draws among tied maxima), with penalties, a bias and EOS masking before it,
+    a row whose logits are -inf but for a few, and greedy rows beside."""
+    port = CpuKernelPort("float32")
+    rng = np.random.default_rng(7)
+    eos = (0, 5)
+    for trial in range(12):
+        reqs, rows = [], []
+        for r in range(_ROWS):
+            kw = {"temperature": float(rng.choice([0.0, 1e-6, 0.125, 0.5, 1.0, 1.25, 2.0, 8.0])),
+                  "seed": int(rng.integers(0, 2**63)), "min_tokens": int(rng.integers(0, 2))}
+            if trial % 3 == 1:
+                kw.update(repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=0.25,
+                          logit_bias={3: 2.0, 4: -100.0})
+            params, prompt = SamplingParams(**kw), rng.integers(0, vocab, 5)
+            reqs.append((params, prompt, int(r % 2)))
+            rows.append(RowState(params, int(r % 2), 0, prompt, np.zeros(0, np.int64)))
+        logits = (rng.standard_normal((_ROWS, vocab)) * float(rng.choice([0.5, 3.0, 20.0]))).astype(np.float32)
+        logits[:, 5] = logits[:, 9] = logits[:, 11] = logits.max(axis=1)  # exact ties at the top
+        logits[0, 20:] = -np.inf  # a row with few finite logits
+        h = port.new(reqs, vocab, eos)
+        assert not (h.flags.top_k or h.flags.top_p or h.flags.min_p)
+        ref = reference_sample(logits.astype(np.float64), rows, eos)
+        assert port.sample(h, logits)["tokens"].tolist() == np.asarray(ref.tokens).tolist(), trial
 
 
 def test_tiny_temperature_draws_among_tied_maxima_like_the_reference(port):

@@ -91,11 +91,12 @@ class CpuEngine(TorchEngine):
         with self._kernels.lend(self.lane_threads()):
             yield
 
-    def _stream_bits(self):
-        """TorchEngine._stream_bits: the compiled kernels' pass (option sampler_kernel)."""
+    def _sampler_kernels(self):
+        """TorchEngine._sampler_kernels: the compiled kernels' stream and draw (option
+        sampler_kernel)."""
         if self._kernels is None or not self.options["sampler_kernel"]:
             return None
-        return self._kernels.threefry_bits
+        return self._kernels
 
     def _prefill_rows(self, n: int) -> int:
         """No padding on the host: nothing here is compiled per shape, and a pad row costs

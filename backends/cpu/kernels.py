@@ -415,6 +415,24 @@ class CpuKernels:
                                   out.data_ptr(), self.threads)
         return out
 
+    def gumbel_draw(self, x: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                    ctr_hi: torch.Tensor) -> torch.Tensor:
+        """Plain temperature sampling's draw (no top-k, top-p or min-p) for the rows of
+        ``x`` (B, V) float32: argmax of ``(x - max) / T + gumbel`` in float64 with ties to
+        the lowest id, the stream's noise computed only for tokens that can still win
+        (csrc/threefry.h's gd_row); int64 (B,), 0 for a row with ``temperature`` <= 0."""
+        b, v = x.shape
+        x = x.contiguous()
+        temp = temperature.reshape(b).to(torch.float32).contiguous()
+        k0, k1, ctr = (t.reshape(b).to(torch.int32).contiguous() for t in (seed_lo, seed_hi, ctr_hi))
+        threads = self.threads
+        tokens = torch.empty(b, dtype=torch.int64)
+        best = torch.empty(b * threads, dtype=torch.float64)
+        best_j = torch.empty(b * threads, dtype=torch.int64)
+        self.lib.pe_gumbel_draw(x.data_ptr(), v, b, v, temp.data_ptr(), k0.data_ptr(), k1.data_ptr(), ctr.data_ptr(),
+                                tokens.data_ptr(), best.data_ptr(), best_j.data_ptr(), threads)
+        return tokens
+
 
 def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
     """The kernels for this host and ISA path ``isa`` (:data:`ISA_CHOICES`; compiled on
@@ -500,6 +518,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_gguf_packed_bytes.restype = ctypes.c_long
     lib.pe_threefry_bits.argtypes = [ptr, ptr, ptr, int_, long_, ptr, ptr, int_]
     lib.pe_threefry_bits.restype = None
+    lib.pe_gumbel_draw.argtypes = [ptr, long_, int_, long_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, int_]
+    lib.pe_gumbel_draw.restype = None
 
 
 _Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)

@@ -306,14 +306,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             self.model, device=self.torch_device, dtype=self.torch_dtype, max_positions=self.max_cache_length))
 
     def _new_sampler(self, rows: int) -> TorchSampler:
-        """A sampler of ``rows`` rows on the engine's device, drawing its random stream's
-        bits with :meth:`_stream_bits` where that gives a function."""
+        """A sampler of ``rows`` rows on the engine's device, with :meth:`_sampler_kernels`."""
         return TorchSampler(self.vocab_size, rows, self.eos_token_ids, device=self.torch_device,
-                            dtype=self.sampler_dtype, stream_bits=self._stream_bits())
+                            dtype=self.sampler_dtype, kernels=self._sampler_kernels())
 
-    def _stream_bits(self):
-        """A backend's own computation of the sampler stream's bits
-        (``TorchSampler``'s ``stream_bits``), or None: torch ops."""
+    def _sampler_kernels(self):
+        """A backend's own computation of parts of the sampler (``TorchSampler``'s
+        ``kernels``: ``sampling.SamplerKernels``), or None: torch ops."""
         return None
 
     @on_engine_thread

@@ -7,11 +7,12 @@ spare row for padding. The module knows nothing about caches or stop conditions.
 
 API
 ---
-``TorchSampler(vocab_size, num_rows, eos_token_ids, *, device=None, dtype=torch.float32, stream_bits=None)``
+``TorchSampler(vocab_size, num_rows, eos_token_ids, *, device=None, dtype=torch.float32, kernels=None)``
     The stateful wrapper an eager engine uses. Host-side mirrors of the installed
     parameters pick the fast paths (:class:`SamplerFlags`) with no device sync.
-    ``stream_bits`` (:data:`StreamBits`): a backend's own kernel for the random stream's
-    bits, which must equal :mod:`.threefry`'s (the cpu backend's C++ pass); None: torch ops.
+    ``kernels`` (:class:`SamplerKernels`): a backend's own computation of the random
+    stream's bits (equal to :mod:`.threefry`'s) and of plain temperature sampling's draw
+    (the cpu backend's compiled pass); None: torch ops.
 
     - ``install(row, params, prompt_tokens, *, sample_index=0)``: a request's
       parameters (``params.seed`` resolved), its prompt (for the repetition penalty)
@@ -28,7 +29,7 @@ API
       counting, step - 1); with ``record`` it rolls a row back over several tokens.
     - ``state`` (:class:`SamplerState`), ``flags`` (:class:`SamplerFlags`).
 
-``sample(state, logits, rows=None, flags=SamplerFlags(), num_top=0, token_mask=None, stream_bits=None)``,
+``sample(state, logits, rows=None, flags=SamplerFlags(), num_top=0, token_mask=None, kernels=None)``,
 ``record(state, tokens, mask)``, ``override(state, tokens, mask)``, ``forget(state, tokens, mask)``
     The pure functions underneath (state in, state out), for jit/export-style
     backends that keep the state as a pytree.
@@ -64,7 +65,7 @@ counter layout), rows given to ``record``/``override`` distinct.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -77,12 +78,24 @@ from polyengine.sampling.rows import check_token_ids, request_row
 from polyengine.backends.torch_common import threefry
 from polyengine.backends.torch_common.transfer import fill_row, to_device
 
-__all__ = ["SamplerState", "SamplerFlags", "SampleResult", "TorchSampler", "StreamBits", "sample", "record", "override",
-           "forget"]
+__all__ = ["SamplerState", "SamplerFlags", "SampleResult", "TorchSampler", "SamplerKernels", "sample", "record",
+           "override", "forget"]
 
-# (seed_lo (B,), seed_hi (B,), counter_hi (B,), token_ids (1, V)) -> int32 (B, V): the
-# first Threefry word of each (row, token) >> 8, exactly as threefry.threefry2x32 gives it.
-StreamBits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+class SamplerKernels(Protocol):
+    """A backend's own computation of parts of :func:`sample` (the cpu backend's
+    ``CpuKernels``), for float32 rows on the host."""
+
+    def threefry_bits(self, seed_lo: torch.Tensor, seed_hi: torch.Tensor, ctr_hi: torch.Tensor,
+                      token_ids: torch.Tensor) -> torch.Tensor:
+        """int32 (B, V): the first Threefry word of each (row, token) >> 8, exactly as
+        :func:`.threefry.threefry2x32` gives it."""
+
+    def gumbel_draw(self, x: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                    ctr_hi: torch.Tensor) -> torch.Tensor:
+        """int64 (B,): the draw of plain temperature sampling (no top-k, top-p or min-p):
+        argmax of ``(x - max) / T`` plus the stream's Gumbel noise, ties to the lowest id,
+        at least as exact as the float32 port's (the core's float64 formula)."""
 
 _NEG_INF = float("-inf")
 
@@ -354,6 +367,23 @@ def filtered_logprobs(state: SamplerState, x: torch.Tensor, rows: torch.Tensor |
     return logp
 
 
+def _draw(state: SamplerState, x: torch.Tensor, rows: torch.Tensor | None, flags: SamplerFlags,
+          kernels: SamplerKernels | None) -> torch.Tensor:
+    """Steps 3-5 for sampling rows: the filters, then the Gumbel-max draw on the stream."""
+    ctr = threefry.counter_hi(_rows(state.step, rows), _rows(state.sample_index, rows))  # (B,)
+    lo, hi = _rows(state.seed_lo, rows), _rows(state.seed_hi, rows)
+    host = kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
+    if host and not (flags.top_k or flags.top_p or flags.min_p):  # plain temperature: the kernels' whole draw
+        return kernels.gumbel_draw(x, _rows(state.temperature, rows), lo, hi, ctr)
+    logp = filtered_logprobs(state, x, rows, flags)
+    ids = torch.arange(x.shape[-1], device=x.device)[None, :]  # (1, V)
+    if host:  # the stream's bits in one pass, the noise from them
+        g = threefry.gumbel_from_bits(kernels.threefry_bits(lo, hi, ctr, ids), dtype=state.dtype)
+    else:
+        g = threefry.gumbel(lo[:, None], hi[:, None], ids, ctr[:, None], dtype=state.dtype)
+    return argmax_lowest(logp + g)  # removed tokens are -inf: they never win
+
+
 def sample(
     state: SamplerState,
     logits: torch.Tensor,  # (B, V)
@@ -361,7 +391,7 @@ def sample(
     flags: SamplerFlags = SamplerFlags(),
     num_top: int = 0,
     token_mask: torch.Tensor | None = None,  # (B, W) int32 allowed-token words of this step
-    stream_bits: StreamBits | None = None,
+    kernels: SamplerKernels | None = None,
 ) -> SampleResult:
     """One token per row of ``logits`` with that row's parameters and stream; tokens a
     row's ``token_mask`` leaves out are never drawn."""
@@ -375,16 +405,7 @@ def sample(
     # Step 3 for greedy rows; rows not installed are greedy too, but nobody reads them.
     tokens = argmax_lowest(x) if flags.greedy or not flags.sampling else None
     if flags.sampling:
-        logp = filtered_logprobs(state, x, rows, flags)
-        step = _rows(state.step, rows)
-        ctr = threefry.counter_hi(step, _rows(state.sample_index, rows))  # (B,)
-        ids = torch.arange(v, device=logits.device)[None, :]  # (1, V)
-        lo, hi = _rows(state.seed_lo, rows), _rows(state.seed_hi, rows)
-        if stream_bits is not None:  # the stream's bits in one pass (a backend's kernel), the noise from them
-            g = threefry.gumbel_from_bits(stream_bits(lo, hi, ctr, ids), dtype=state.dtype)
-        else:
-            g = threefry.gumbel(lo[:, None], hi[:, None], ids, ctr[:, None], dtype=state.dtype)
-        drawn = argmax_lowest(logp + g)  # removed tokens are -inf: they never win
+        drawn = _draw(state, x, rows, flags, kernels)
         tokens = drawn if tokens is None else torch.where(_rows(state.temperature, rows) > 0, drawn, tokens)
     # A row whose logits hold NaN or +inf (an overflow in the model's arithmetic) has no
     # distribution to draw from: its token is NONFINITE_TOKEN, which the driver reads as
@@ -454,7 +475,7 @@ class TorchSampler:
     """
 
     def __init__(self, vocab_size: int, num_rows: int, eos_token_ids: Sequence[int], *, device=None, dtype: torch.dtype = torch.float32,
-                 stream_bits: StreamBits | None = None):
+                 kernels: SamplerKernels | None = None):
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"the sampler works in float32 or float64, not {dtype}")
         eos = np.asarray(list(eos_token_ids), dtype=np.int64)
@@ -466,7 +487,7 @@ class TorchSampler:
         self.state = SamplerState.neutral(num_rows, vocab_size, self.eos_token_ids, device=self.device, dtype=dtype)
         self._params: dict[int, SamplingParams] = {}
         self.flags = SamplerFlags.of([], vocab_size)
-        self.stream_bits = stream_bits
+        self.kernels = kernels
 
     # -- installing requests --------------------------------------------------------------
 
@@ -531,10 +552,10 @@ class TorchSampler:
         allowed-token words for this step (host or device; None: no mask)."""
         n = self.max_top_logprobs if num_top is None else num_top
         if token_mask is None:
-            return sample(self.state, logits, rows, replace(self.flags, token_mask=False), n, stream_bits=self.stream_bits)
+            return sample(self.state, logits, rows, replace(self.flags, token_mask=False), n, kernels=self.kernels)
         if isinstance(token_mask, np.ndarray):
             token_mask = torch.from_numpy(np.ascontiguousarray(token_mask, np.int32))
-        return sample(self.state, logits, rows, self.flags, n, token_mask.to(logits.device), stream_bits=self.stream_bits)
+        return sample(self.state, logits, rows, self.flags, n, token_mask.to(logits.device), kernels=self.kernels)
 
     def _full(self, tokens: torch.Tensor, mask: torch.Tensor | None, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens, mask)`` over all rows from a batch addressed by ``rows``."""

@@ -1,12 +1,12 @@
 """Decode throughput with sampling (temperature > 0), option sets side by side.
 
     python benchmarks/scripts/sampled_decode.py [--backend cpu] [--rows 1 8 32] [--tokens 64]
-        [--rounds 3] [--model PATH] [--options JSON ...]
+        [--rounds 3] [--model PATH] [--temperature T] [--options JSON ...]
 
 The bench's decode and served parts are greedy; a request that leaves ``temperature`` at
 its default (1.0) samples, and the sampler then draws a Threefry uniform per row and
 token of the vocabulary every step. This measures that: per row count, ``rows`` prompts
-of 128 random tokens, each ``--tokens`` new tokens at temperature 1.0 (seeded,
+of 128 random tokens, each ``--tokens`` new tokens at ``--temperature`` (1.0; seeded,
 ``ignore_eos``), decode tokens per second as (tokens - rows) / (time of the run less the
 time of the same prompts with ``max_tokens`` 1), the median over ``--rounds``, the option
 sets' runs interleaved round by round (one engine each, built first). Ratios mean
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (the bench's own setting)")
     ap.add_argument("--options", action="append", default=None, help="engine options, JSON (repeatable)")
     args = ap.parse_args(argv)
     option_sets = [json.loads(o) for o in (args.options or ["{}"])]
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                            prefix_cache_bytes=0) for o in option_sets]
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    print(f"{args.backend}, sampled decode (temperature 1.0), {args.tokens} new tokens a row, median of "
+    print(f"{args.backend}, decode at temperature {args.temperature}, {args.tokens} new tokens a row, median of "
           f"{args.rounds} rounds; tok/s")
     print("| rows | " + " | ".join(json.dumps(o) for o in option_sets) + " |")
     print("| ---: |" + " ---: |" * len(option_sets))
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, llm in enumerate(llms):
                 timed = []
                 for new in (1, args.tokens):
-                    sp = SamplingParams(temperature=1.0, seed=r, max_tokens=new, ignore_eos=True)
+                    sp = SamplingParams(temperature=args.temperature, seed=r, max_tokens=new, ignore_eos=True)
                     t0 = time.perf_counter()
                     llm.generate(prompts, sp)
                     timed.append(time.perf_counter() - t0)

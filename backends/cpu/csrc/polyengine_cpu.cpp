@@ -282,6 +282,26 @@ void pe_threefry_bits(const int32_t *k0, const int32_t *k1, const int32_t *ctr, 
     pe_parallel(tf_task, &job, threads);
 }
 
+// The Gumbel-max draw of plain temperature sampling (threefry.h's gd_row) for `rows` rows
+// of x (float32, row stride ldx, n columns): tokens[r], or 0 for a row whose temperature
+// is not positive or whose x has no finite maximum. scratch: rows * threads doubles and
+// longs (best, best_j).
+void pe_gumbel_draw(const float *x, long ldx, int rows, long n, const float *temp, const int32_t *k0,
+                    const int32_t *k1, const int32_t *ctr, long *tokens, double *best, long *best_j, int threads) {
+    gd_job job = {x, ldx, n, rows, threads, temp, k0, k1, ctr, best, best_j};
+    pe_parallel(gd_task, &job, threads);
+    for (int r = 0; r < rows; r++) {
+        double b = -INFINITY;
+        long t = 0;
+        for (int i = 0; i < threads; i++) {
+            const double s = best[r * threads + i];
+            const long c = best_j[r * threads + i];
+            if (s > b || (s == b && s > -INFINITY && c < t)) b = s, t = c;
+        }
+        tokens[r] = t;
+    }
+}
+
 // 1 where pe_prefill_attention has its bfloat16 path (AVX512-BF16), else 0.
 int pe_pa_bf16(void) { return PA_BF16; }
 
