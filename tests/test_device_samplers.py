@@ -374,6 +374,33 @@ def test_the_cpu_kernels_plain_draw_is_the_references(vocab, _quiet_backends):
         assert port.sample(h, logits)["tokens"].tolist() == np.asarray(ref.tokens).tolist(), trial
 
 
+@pytest.mark.parametrize("vocab", [_VOCAB, 49152])
+def test_the_cpu_kernels_filtered_draw_is_the_references(vocab, _quiet_backends):
+    """Top-k, top-p and min-p on the cpu kernels (csrc/threefry.h's fd_row: the core's
+    steps 3-5 in float64 over lists of kept ids): the reference's token in every row, each
+    filter at its edges (top_k 1 and V - 1, top_p just under 1, min_p 0.5) and together,
+    tied maxima, a row of few finite logits, greedy rows beside."""
+    port = CpuKernelPort("float32")
+    rng = np.random.default_rng(3)
+    for trial in range(16):
+        reqs, rows = [], []
+        for r in range(_ROWS):
+            params = SamplingParams(temperature=float(rng.choice([0.0, 1e-6, 0.125, 0.5, 1.0, 2.0])),
+                                    seed=int(rng.integers(0, 2**63)),
+                                    top_k=int(rng.choice([0, 1, 5, 40, vocab - 1, vocab])),
+                                    top_p=float(rng.choice([1.0, 0.5, 0.9, 0.999, 0.125])),
+                                    min_p=float(rng.choice([0.0, 0.0, 0.05, 0.5])))
+            prompt = rng.integers(0, vocab, 4)
+            reqs.append((params, prompt, 0))
+            rows.append(RowState(params, 0, 0, prompt, np.zeros(0, np.int64)))
+        logits = (rng.standard_normal((_ROWS, vocab)) * float(rng.choice([0.5, 3.0, 20.0]))).astype(np.float32)
+        logits[:, 5] = logits[:, 9] = logits.max(axis=1)  # exact ties at the top
+        logits[1, 30:] = -np.inf  # a row with few finite logits
+        h = port.new(reqs, vocab, (0,))
+        ref = reference_sample(logits.astype(np.float64), rows, (0,))
+        assert port.sample(h, logits)["tokens"].tolist() == np.asarray(ref.tokens).tolist(), trial
+
+
 def test_tiny_temperature_draws_among_tied_maxima_like_the_reference(port):
     """temperature 1e-30 (below float32's normal range) is not greedy: the draw decides
     between tied maxima, as in the reference."""

@@ -433,6 +433,22 @@ class CpuKernels:
                                 tokens.data_ptr(), best.data_ptr(), best_j.data_ptr(), threads)
         return tokens
 
+    def filtered_draw(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                      ctr_hi: torch.Tensor) -> torch.Tensor:
+        """Sampling with top-k, top-p and min-p (0, 1 and 0: off) for the rows of ``x``
+        (B, V) float32: the core's steps 3-5 in float64 over lists of the kept ids
+        (csrc/threefry.h's fd_row); int64 (B,), 0 for a row with ``temperature`` <= 0."""
+        b, v = x.shape
+        x = x.contiguous()
+        temp, tp, mp = (t.reshape(b).to(torch.float32).contiguous() for t in (temperature, top_p, min_p))
+        tk = top_k.reshape(b).to(torch.int64).contiguous()
+        k0, k1, ctr = (t.reshape(b).to(torch.int32).contiguous() for t in (seed_lo, seed_hi, ctr_hi))
+        tokens = torch.empty(b, dtype=torch.int64)
+        self.lib.pe_filtered_draw(x.data_ptr(), v, b, v, temp.data_ptr(), tk.data_ptr(), tp.data_ptr(), mp.data_ptr(),
+                                  k0.data_ptr(), k1.data_ptr(), ctr.data_ptr(), tokens.data_ptr(), self.threads)
+        return tokens
+
 
 def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
     """The kernels for this host and ISA path ``isa`` (:data:`ISA_CHOICES`; compiled on
@@ -520,6 +536,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_threefry_bits.restype = None
     lib.pe_gumbel_draw.argtypes = [ptr, long_, int_, long_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, int_]
     lib.pe_gumbel_draw.restype = None
+    lib.pe_filtered_draw.argtypes = [ptr, long_, int_, long_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, int_]
+    lib.pe_filtered_draw.restype = None
 
 
 _Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)

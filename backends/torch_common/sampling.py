@@ -97,6 +97,12 @@ class SamplerKernels(Protocol):
         argmax of ``(x - max) / T`` plus the stream's Gumbel noise, ties to the lowest id,
         at least as exact as the float32 port's (the core's float64 formula)."""
 
+    def filtered_draw(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                      ctr_hi: torch.Tensor) -> torch.Tensor:
+        """int64 (B,): the draw with top-k, top-p and min-p (per row; 0, 1 and 0 are off),
+        the core's steps 3-5 in float64."""
+
 _NEG_INF = float("-inf")
 
 
@@ -375,6 +381,9 @@ def _draw(state: SamplerState, x: torch.Tensor, rows: torch.Tensor | None, flags
     host = kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
     if host and not (flags.top_k or flags.top_p or flags.min_p):  # plain temperature: the kernels' whole draw
         return kernels.gumbel_draw(x, _rows(state.temperature, rows), lo, hi, ctr)
+    if host:  # the filters and the draw, on lists of the kept ids
+        return kernels.filtered_draw(x, _rows(state.temperature, rows), _rows(state.top_k, rows), _rows(state.top_p, rows),
+                                     _rows(state.min_p, rows), lo, hi, ctr)
     logp = filtered_logprobs(state, x, rows, flags)
     ids = torch.arange(x.shape[-1], device=x.device)[None, :]  # (1, V)
     if host:  # the stream's bits in one pass, the noise from them

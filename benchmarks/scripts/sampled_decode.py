@@ -1,7 +1,7 @@
 """Decode throughput with sampling (temperature > 0), option sets side by side.
 
     python benchmarks/scripts/sampled_decode.py [--backend cpu] [--rows 1 8 32] [--tokens 64]
-        [--rounds 3] [--model PATH] [--temperature T] [--options JSON ...]
+        [--rounds 3] [--model PATH] [--temperature T] [--top-p P] [--top-k K] [--options JSON ...]
 
 The bench's decode and served parts are greedy; a request that leaves ``temperature`` at
 its default (1.0) samples, and the sampler then draws a Threefry uniform per row and
@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (the bench's own setting)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--options", action="append", default=None, help="engine options, JSON (repeatable)")
     args = ap.parse_args(argv)
     option_sets = [json.loads(o) for o in (args.options or ["{}"])]
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                            prefix_cache_bytes=0) for o in option_sets]
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    print(f"{args.backend}, decode at temperature {args.temperature}, {args.tokens} new tokens a row, median of "
+    print(f"{args.backend}, decode at temperature {args.temperature} top_p {args.top_p} top_k {args.top_k}, {args.tokens} new tokens a row, median of "
           f"{args.rounds} rounds; tok/s")
     print("| rows | " + " | ".join(json.dumps(o) for o in option_sets) + " |")
     print("| ---: |" + " ---: |" * len(option_sets))
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, llm in enumerate(llms):
                 timed = []
                 for new in (1, args.tokens):
-                    sp = SamplingParams(temperature=args.temperature, seed=r, max_tokens=new, ignore_eos=True)
+                    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=r,
+                                        max_tokens=new, ignore_eos=True)
                     t0 = time.perf_counter()
                     llm.generate(prompts, sp)
                     timed.append(time.perf_counter() - t0)

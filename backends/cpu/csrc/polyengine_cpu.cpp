@@ -302,6 +302,15 @@ void pe_gumbel_draw(const float *x, long ldx, int rows, long n, const float *tem
     }
 }
 
+// Sampling with top-k, top-p and min-p (threefry.h's fd_row) for `rows` rows of x (float32,
+// row stride ldx, n columns), rows across the threads: tokens[r], 0 for a greedy row.
+void pe_filtered_draw(const float *x, long ldx, int rows, long n, const float *temp, const long *top_k,
+                      const float *top_p, const float *min_p, const int32_t *k0, const int32_t *k1, const int32_t *ctr,
+                      long *tokens, int threads) {
+    fd_job job = {x, ldx, n, rows, temp, top_p, min_p, top_k, k0, k1, ctr, tokens};
+    pe_parallel(fd_task, &job, threads < rows ? threads : rows);
+}
+
 // 1 where pe_prefill_attention has its bfloat16 path (AVX512-BF16), else 0.
 int pe_pa_bf16(void) { return PA_BF16; }
 

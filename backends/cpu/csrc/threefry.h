@@ -13,7 +13,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "parallel.h"
 #include "simd.h"
@@ -137,4 +139,229 @@ static void gd_task(void *arg, int tid, int nth) {
     for (int t = nth; t < j->nth; t++)  // threads the region did not start
         for (int r = 0; r < j->rows; r++)
             if (tid == 0) j->best[r * j->nth + t] = -INFINITY, j->best_j[r * j->nth + t] = 0;
+}
+
+// -- the filtered draw: top-k, top-p and min-p, then the Gumbel-max draw ------------------
+//
+// The core's steps 3-5 (core/sampling/sampler.py) for one row, in float64 as it computes
+// them: log-probs of (x - max) / T; top-k (ties to the lower id) renormalised; top-p (the
+// smallest highest-first prefix whose mass reaches top_p) renormalised; min-p (p >= min_p
+// p_max) renormalised; the draw over what is kept (as gd_row: the exact score only where
+// a token can still win). The sets are lists of ids, never the vocabulary sorted: top-k
+// selects k, top-p sorts growing candidate sets (256, then 4x) until one holds the mass,
+// as the core does.
+
+// exp of each lane in float64: n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by
+// its Taylor series to r^12 (|r| <= 0.347: the next term is below 2e-16), times 2^n
+// through the exponent bits; below -708 the result is 0 (exp's underflow).
+typedef double vd __attribute__((vector_size(VW * 4)));
+static const int VD = VW / 2;
+static inline vd vexp_d(vd x) {
+    typedef int64_t vl __attribute__((vector_size(VW * 4)));
+    const vd zero = {};
+    const vd under = x < -708.0 ? zero + 1.0 : zero;
+    x = x < -708.0 ? zero - 708.0 : x;
+    x = x > 709.0 ? zero + 709.0 : x;
+    const vd n = __builtin_convertvector(__builtin_convertvector(x * 1.4426950408889634 + (x < 0 ? zero - 0.5 : zero + 0.5), vl), vd);
+    const vd r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
+    vd p = zero + 1.0 / 479001600.0;
+    const double inv_fact[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0,
+                                 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    for (int i = 0; i < 12; i++) p = p * r + inv_fact[i];
+    const vl bits = (__builtin_convertvector(n, vl) + 1023) << 52;
+    vd scale;
+    memcpy(&scale, &bits, sizeof scale);
+    const vd out = p * scale;
+    return under > 0 ? zero : out;
+}
+
+// log(sum(exp(v[i] - m))) + m over n values, m their max (the core's _renormalise shift);
+// -inf values add nothing.
+static double fd_logsumexp(const double *v, long n) {
+    double m = -INFINITY;
+    for (long i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
+    if (!std::isfinite(m)) return m;
+    double sum = 0.0;
+    long i = 0;
+    vd acc = {};
+    for (; i + VD <= n; i += VD) {
+        vd t;
+        memcpy(&t, v + i, sizeof t);
+        acc += vexp_d(t - m);
+    }
+    for (int l = 0; l < VD; l++) sum += acc[l];
+    for (; i < n; i++) sum += std::exp(v[i] - m);
+    return m + std::log(sum);
+}
+
+struct fd_scratch {
+    std::vector<double> logp, vals;
+    std::vector<long> ids, order;
+};
+
+// Keep ids[0 .. keep) (values in vals, the same order) and renormalise them in place.
+static void fd_renormalise(fd_scratch *s, long keep) {
+    s->ids.resize(keep), s->vals.resize(keep);
+    const double lse = fd_logsumexp(s->vals.data(), keep);
+    for (long i = 0; i < keep; i++) s->vals[i] -= lse;
+}
+
+// The kept (ids, vals) in ascending id order, as the core's boolean masks keep them.
+static void fd_by_id(fd_scratch *s) {
+    const long n = (long)s->ids.size();
+    s->order.resize(n);
+    for (long i = 0; i < n; i++) s->order[i] = i;
+    std::sort(s->order.begin(), s->order.end(), [s](long a, long b) { return s->ids[a] < s->ids[b]; });
+    std::vector<long> ids(n);
+    std::vector<double> vals(n);
+    for (long i = 0; i < n; i++) ids[i] = s->ids[s->order[i]], vals[i] = s->vals[s->order[i]];
+    s->ids.swap(ids), s->vals.swap(vals);
+}
+
+// The first `m` of the kept tokens highest first (ties to the lower id), in s->order as
+// indexes into s->ids/vals.
+static void fd_top(fd_scratch *s, long m) {
+    const long n = (long)s->ids.size();
+    s->order.resize(n);
+    for (long i = 0; i < n; i++) s->order[i] = i;
+    const double *v = s->vals.data();
+    const long *ids = s->ids.data();
+    auto cmp = [v, ids](long a, long b) { return v[a] > v[b] || (v[a] == v[b] && ids[a] < ids[b]); };
+    if (m < n) std::nth_element(s->order.begin(), s->order.begin() + m, s->order.end(), cmp);
+    std::sort(s->order.begin(), s->order.begin() + m, cmp);
+}
+
+// Drop the tokens that cannot be among the highest-first ones a filter looks at: at
+// least `count` tokens and `mass` of the probability (plus 1e-9 for the sums' order). Each
+// live token goes to a bucket of its log-prob (1/8 nat wide; the last takes everything
+// below -512); the buckets from the top say where the prefix ends at the latest, and the
+// tokens of those buckets are exactly the global order's first ones (a bucket is a range of
+// log-probs, ties share one), so the filter's selection and sums on them are the core's.
+// Where the buckets never get there (rounding of the mass), nothing is dropped.
+static void fd_compact(fd_scratch *s, long count, double mass) {
+    static const int NB = 4097;
+    const long n = (long)s->ids.size();
+    if (n <= 256) return;
+    std::vector<double> m(NB, 0.0);
+    std::vector<long> c(NB, 0);
+    std::vector<int> bucket(n);
+    for (long i = 0; i < n; i++) {
+        const double v = -s->vals[i] * 8.0;  // >= 0 up to rounding: the largest log-prob is about 0
+        const int b = v < 0 ? 0 : v >= NB - 1 ? NB - 1 : (int)v;
+        bucket[i] = b, c[b]++;
+        if (mass > 0) m[b] += std::exp(s->vals[i]);
+    }
+    double cum = 0.0;
+    long have = 0;
+    int last = -1;
+    for (int b = 0; b < NB - 1 && last < 0; b++) {
+        cum += m[b], have += c[b];
+        if (have >= count && (mass <= 0 || cum >= mass + 1e-9)) last = b;
+    }
+    if (last < 0) return;
+    long w = 0;
+    for (long i = 0; i < n; i++)
+        if (bucket[i] <= last) s->ids[w] = s->ids[i], s->vals[w] = s->vals[i], w++;
+    s->ids.resize(w), s->vals.resize(w);
+}
+
+static void fd_top_k(fd_scratch *s, long k) {
+    fd_compact(s, k, 0.0);
+    k = k < (long)s->ids.size() ? k : (long)s->ids.size();
+    fd_top(s, k);
+    std::vector<long> ids;
+    std::vector<double> vals;
+    for (long i = 0; i < k; i++) ids.push_back(s->ids[s->order[i]]), vals.push_back(s->vals[s->order[i]]);
+    s->ids.swap(ids), s->vals.swap(vals);
+    fd_by_id(s);
+    fd_renormalise(s, (long)s->ids.size());
+}
+
+static void fd_top_p(fd_scratch *s, double top_p) {
+    fd_compact(s, 0, top_p);
+    const long alive = (long)s->ids.size();
+    long m = alive < 256 ? alive : 256, n_keep = 0;
+    for (;;) {
+        fd_top(s, m);
+        double cum = 0.0;
+        n_keep = -1;
+        for (long i = 0; i < m; i++) {
+            cum += std::exp(s->vals[s->order[i]]);
+            if (n_keep < 0 && cum >= top_p) n_keep = i + 1;
+        }
+        if (n_keep >= 0 || m == alive) break;
+        m = 4 * m < alive ? 4 * m : alive;
+    }
+    if (n_keep < 0) n_keep = m;  // rounding left the total under top_p: every live token
+    std::vector<long> ids(n_keep);
+    std::vector<double> vals(n_keep);
+    for (long i = 0; i < n_keep; i++) ids[i] = s->ids[s->order[i]], vals[i] = s->vals[s->order[i]];
+    s->ids.swap(ids), s->vals.swap(vals);
+    fd_by_id(s);
+    fd_renormalise(s, n_keep);
+}
+
+static void fd_min_p(fd_scratch *s, double min_p) {
+    double pmax = 0.0;
+    for (double v : s->vals) pmax = std::max(pmax, std::exp(v));
+    long w = 0;
+    for (long i = 0; i < (long)s->ids.size(); i++)
+        if (std::exp(s->vals[i]) >= min_p * pmax) s->ids[w] = s->ids[i], s->vals[w] = s->vals[i], w++;
+    fd_renormalise(s, w);
+}
+
+// One row: the token drawn, 0 for a greedy row or one with no finite logit.
+static long fd_row(const float *x, long n, double T, long top_k, double top_p, double min_p, uint32_t k0,
+                   uint32_t k1, uint32_t x1, fd_scratch *s) {
+    float m = -INFINITY;
+    for (long c = 0; c < n; c++) m = x[c] > m ? x[c] : m;
+    if (!(T > 0) || !std::isfinite(m)) return 0;
+    s->logp.resize(n);
+    for (long c = 0; c < n; c++) s->logp[c] = ((double)x[c] - (double)m) / T;
+    const double lse = fd_logsumexp(s->logp.data(), n);  // the maximum is 0
+    s->ids.clear(), s->vals.clear();
+    s->ids.reserve(n), s->vals.reserve(n);
+    for (long c = 0; c < n; c++) {
+        s->logp[c] -= lse;
+        // the live tokens: top-k of every token less the -inf ones keeps the same set
+        if (s->logp[c] > -INFINITY) s->ids.push_back(c), s->vals.push_back(s->logp[c]);
+    }
+    if (top_k > 0 && top_k < n) fd_top_k(s, top_k);
+    if (top_p < 1.0) fd_top_p(s, top_p);
+    if (min_p > 0.0) fd_min_p(s, min_p);
+    // the draw over the kept tokens (ascending ids): the exact score where one can still win
+    long best_j = -1, at = 0;
+    for (long i = 0; i < (long)s->ids.size(); i++)
+        if (best_j < 0 || s->vals[i] > s->vals[at]) best_j = s->ids[i], at = i;
+    if (best_j < 0) return 0;
+    double best = s->vals[at] + gd_noise(tf_word0(k0, k1, (uint32_t)best_j, x1) >> 8);
+    double bound = std::exp(-best) * 1.001;
+    for (long i = 0; i < (long)s->ids.size(); i++) {
+        const uint32_t bits = tf_word0(k0, k1, (uint32_t)s->ids[i], x1) >> 8;
+        const double one_minus_u = ((double)(0xFFFFFFu - bits) + 0.5) * 0x1p-24;
+        if (!(one_minus_u < bound * std::exp(s->vals[i]))) continue;
+        const double sc = s->vals[i] + gd_noise(bits);
+        if (sc > best || (sc == best && s->ids[i] < best_j)) best = sc, best_j = s->ids[i], bound = std::exp(-best) * 1.001;
+    }
+    return best_j;
+}
+
+struct fd_job {
+    const float *x;
+    long ldx, n;
+    int rows;
+    const float *temp, *top_p, *min_p;
+    const long *top_k;
+    const int32_t *k0, *k1, *ctr;
+    long *tokens;
+};
+
+static void fd_task(void *arg, int tid, int nth) {
+    const fd_job *j = (const fd_job *)arg;
+    long r0, r1;
+    pe_share(j->rows, tid, nth, &r0, &r1);
+    fd_scratch s;
+    for (long r = r0; r < r1; r++)
+        j->tokens[r] = fd_row(j->x + r * j->ldx, j->n, j->temp[r], j->top_k[r], j->top_p[r], j->min_p[r],
+                              (uint32_t)j->k0[r], (uint32_t)j->k1[r], (uint32_t)j->ctr[r], &s);
 }
