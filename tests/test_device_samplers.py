@@ -25,6 +25,7 @@ from polyengine.sampling import threefry as ref_threefry
 from polyengine.sampling.rows import split_seed
 from polyengine.sampling.sampler import _top_ids
 
+from isa_paths import ISAS, kernels_for
 from sampler_cases import edge_seeds, float32_explains, random_requests
 
 _VOCAB, _ROWS = 128, 6  # one shape for every sampler case: one compilation per JAX program
@@ -105,14 +106,9 @@ class CpuKernelPort(TorchPort):
     and draw (``TorchSampler(kernels=...)``, option ``sampler_kernel``); skipped where the
     kernels cannot be compiled."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, isa: str = "auto"):
         super().__init__(dtype)
-        from polyengine.backends.cpu import kernels
-
-        try:
-            self.kernels = kernels.load(1)
-        except kernels.KernelsUnavailable as exc:
-            pytest.skip(f"no compiled cpu kernels here: {exc}")
+        self.kernels = kernels_for(isa, threads=1)
 
     def new(self, requests, vocab, eos):
         sampler = super().new(requests, vocab, eos)
@@ -344,14 +340,15 @@ def test_sampler_equals_the_reference(port):
     assert differ <= total // 20, f"{differ} of {total} tokens differ"
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("vocab", [_VOCAB, 49152])
-def test_the_cpu_kernels_plain_draw_is_the_references(vocab, _quiet_backends):
+def test_the_cpu_kernels_plain_draw_is_the_references(vocab, isa, _quiet_backends):
     """Plain temperature sampling (no top-k, top-p or min-p: the cpu kernels' whole draw,
     csrc/threefry.h's gd_row, float64 with the noise only where a token can still win):
     the reference's token in every row, temperatures exact in float32 and at their edges
     (a tiny one draws among tied maxima), with penalties, a bias and EOS masking before it,
-    a row whose logits are -inf but for a few, and greedy rows beside."""
-    port = CpuKernelPort("float32")
+    a row whose logits are -inf but for a few, and greedy rows beside; each ISA path."""
+    port = CpuKernelPort("float32", isa)
     rng = np.random.default_rng(7)
     eos = (0, 5)
     for trial in range(12):
@@ -374,13 +371,14 @@ def test_the_cpu_kernels_plain_draw_is_the_references(vocab, _quiet_backends):
         assert port.sample(h, logits)["tokens"].tolist() == np.asarray(ref.tokens).tolist(), trial
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("vocab", [_VOCAB, 49152])
-def test_the_cpu_kernels_filtered_draw_is_the_references(vocab, _quiet_backends):
+def test_the_cpu_kernels_filtered_draw_is_the_references(vocab, isa, _quiet_backends):
     """Top-k, top-p and min-p on the cpu kernels (csrc/threefry.h's fd_row: the core's
     steps 3-5 in float64 over lists of kept ids): the reference's token in every row, each
     filter at its edges (top_k 1 and V - 1, top_p just under 1, min_p 0.5) and together,
-    tied maxima, a row of few finite logits, greedy rows beside."""
-    port = CpuKernelPort("float32")
+    tied maxima, a row of few finite logits, greedy rows beside; each ISA path."""
+    port = CpuKernelPort("float32", isa)
     rng = np.random.default_rng(3)
     for trial in range(16):
         reqs, rows = [], []
