@@ -101,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="streamed requests each client sends one after another, per level (default 2)")
     p.add_argument("--served-tokens", type=int, default=128, metavar="N",
                    help="new tokens of every served request, EOS ignored (default 128)")
+    p.add_argument("--served-temperature", type=float, default=0.0, metavar="T",
+                   help="the served requests' temperature: 0 is greedy (the default); above 0, plain sampling, "
+                        "seeded, with top_p 1, top_k 0 and min_p 0 sent to both servers")
     p.add_argument("--workload", default=None, choices=("standard", "scale"),
                    help="the sizes: 'standard' (the default), or 'scale' for billion-parameter models on a CPU: "
                         "batch 1 and 8 of 32 tokens after a 128-token prompt, a 512-token prefill (--quick is the "
@@ -542,6 +545,8 @@ def _served_plan(args: argparse.Namespace, jobs: list[Any], notes: list[str], en
         raise InvalidRequest(f"--served-clients takes positive client counts, comma-separated, not {args.served_clients!r}")
     if args.served_requests < 1 or args.served_tokens < 1:
         raise InvalidRequest("--served-requests and --served-tokens must be at least 1")
+    if not 0.0 <= args.served_temperature <= 100.0:
+        raise InvalidRequest(f"--served-temperature {args.served_temperature} is outside [0, 100]")
     if importlib.util.find_spec("httpx") is None or importlib.util.find_spec("fastapi") is None:
         raise InvalidRequest("the served part needs polyengine's server and an HTTP client: "
                              "pip install 'polyengine[serve]' httpx")
@@ -563,6 +568,7 @@ def _served_plan(args: argparse.Namespace, jobs: list[Any], notes: list[str], en
     if not systems:
         notes.append("served: no system to run")
     return {"levels": list(levels), "per_client": args.served_requests, "new_tokens": args.served_tokens,
+            "temperature": args.served_temperature,
             "slots": slots, "context": context, "llama_server_threads": threads, "systems": systems, "env": env}
 
 
@@ -576,7 +582,8 @@ def _run_served(plan: dict[str, Any], progress: Any) -> dict[str, Any]:
     for system in plan["systems"]:
         progress.start_job(f"{system.name} (served)")
         served.run_system(system, levels=tuple(plan["levels"]), per_client=plan["per_client"],
-                          new_tokens=plan["new_tokens"], env=plan["env"], on_progress=progress.note)
+                          new_tokens=plan["new_tokens"], env=plan["env"], on_progress=progress.note,
+                          temperature=plan.get("temperature", 0.0))
         progress.end_job(system.error)
     judged = served.verdicts(plan["systems"])
     return {**{k: v for k, v in plan.items() if k not in ("systems", "env")},

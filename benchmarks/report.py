@@ -307,7 +307,8 @@ def render(doc: dict[str, Any]) -> str:
         sv = doc["served"]
         systems = [served.ServedSystem(**x) for x in sv["systems"]]
         parts += ["", f"HTTP servers (served part): {sv['slots']} slots each, {sv['per_client']} streamed requests per "
-                      f"client of {sv['new_tokens']} new tokens (greedy, EOS ignored), llama-server on "
+                      f"client of {sv['new_tokens']} new tokens ({_served_sampling(sv.get('temperature') or 0.0)}, "
+                      f"EOS ignored), llama-server on "
                       f"{sv['llama_server_threads']} threads:", served.table(systems, sv["verdicts"])]
     limits = limits_line(doc)
     if limits:
@@ -336,3 +337,8 @@ def write_json(doc: dict[str, Any], path: str | Path) -> Path:
 
 def rss_mib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / MIB
+
+
+def _served_sampling(temperature: float) -> str:
+    """How the served part's requests chose their tokens."""
+    return "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}, seeded, no filters"

@@ -8,7 +8,8 @@ llama.cpp source that llama-cpp-python ships, docs/benchmarks.md) on the same GG
 continuous batching, as many slots and the same threads. The load is the same for every
 system: at each level of concurrent clients (default 1, 8 and 32), every client sends
 ``per_client`` streamed chat requests one after another, from a fixed mix of user turns,
-greedy, ``ignore_eos``, ``new_tokens`` each. Measured by the client: completion tokens
+greedy (or plain sampling at ``temperature``, seeded, no filters), ``ignore_eos``,
+``new_tokens`` each. Measured by the client: completion tokens
 per second of the level's wall time, time to first token, and the time between a
 request's successive token chunks (every token its own chunk: ``logprobs`` is asked),
 median and p99 over all the level's gaps. The part's targets (each level): polyengine's
@@ -151,19 +152,29 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-async def _request(http: Any, model: str, turn: str, new_tokens: int) -> dict[str, Any]:
+def sampling_body(temperature: float, seed: int) -> dict[str, Any]:
+    """A request's sampling fields: greedy at temperature 0; else plain sampling at that
+    temperature, seeded, with every filter off in the spelling both servers read (top_p
+    1, and the extras top_k 0 and min_p 0, which llama-server otherwise defaults to 40 and
+    0.05)."""
+    if temperature == 0:
+        return {"temperature": 0}
+    return {"temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": seed}
+
+
+async def _request(http: Any, model: str, turn: str, new_tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
     """One streamed request's times; a connection the server drops is a failed request."""
     import httpx
 
     try:
-        return await _stream_request(http, model, turn, new_tokens)
+        return await _stream_request(http, model, turn, new_tokens, sampling)
     except httpx.HTTPError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
-async def _stream_request(http: Any, model: str, turn: str, new_tokens: int) -> dict[str, Any]:
+async def _stream_request(http: Any, model: str, turn: str, new_tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
     body = {"model": model, "messages": [{"role": "user", "content": turn}], "max_tokens": new_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **sampling, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "logprobs": True}
     t0 = time.perf_counter()
     times: list[float] = []
@@ -189,7 +200,8 @@ async def _stream_request(http: Any, model: str, turn: str, new_tokens: int) -> 
     return {"ttft": times[0] - t0, "gaps": list(np.diff(times)), "tokens": tokens if tokens is not None else len(times)}
 
 
-async def _level(url: str, model: str, clients: int, per_client: int, new_tokens: int) -> dict[str, Any]:
+async def _level(url: str, model: str, clients: int, per_client: int, new_tokens: int,
+                 temperature: float = 0.0) -> dict[str, Any]:
     import httpx
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -197,7 +209,9 @@ async def _level(url: str, model: str, clients: int, per_client: int, new_tokens
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         async def client(c: int) -> None:
             for i in range(per_client):
-                results.append(await _request(http, model, TURNS[(c * per_client + i) % len(TURNS)], new_tokens))
+                n = c * per_client + i
+                results.append(await _request(http, model, TURNS[n % len(TURNS)], new_tokens,
+                                              sampling_body(temperature, n)))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
@@ -214,7 +228,7 @@ async def _level(url: str, model: str, clients: int, per_client: int, new_tokens
 
 
 def run_system(system: ServedSystem, *, levels: tuple[int, ...], per_client: int, new_tokens: int,
-               env: dict[str, str] | None = None, on_progress: Any = None) -> ServedSystem:
+               env: dict[str, str] | None = None, on_progress: Any = None, temperature: float = 0.0) -> ServedSystem:
     """Start ``system``'s server, warm it up (one short request), run every level, stop it."""
     try:
         proc, url, lines = _start(system.command, env or {})
@@ -236,7 +250,7 @@ def run_system(system: ServedSystem, *, levels: tuple[int, ...], per_client: int
         for clients in levels:
             if on_progress:
                 on_progress(f"{system.name}: {clients} client(s)")
-            system.levels.append(asyncio.run(_level(url, model, clients, per_client, new_tokens)))
+            system.levels.append(asyncio.run(_level(url, model, clients, per_client, new_tokens, temperature)))
     except Exception as exc:
         tail = "".join(lines[-10:])[-800:]
         system.error = f"{type(exc).__name__}: {exc}" + (f"; the server's last output: {tail}" if tail else "")

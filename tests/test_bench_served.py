@@ -94,3 +94,24 @@ def test_bad_served_arguments_are_refused(tmp_path):
     proc = subprocess.run([*_cli(), "bench", "--parts", "served", "--backend", "reference", "--model", "random:tiny",
                            "--peers", "none", "--served-clients", "0,2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--served-clients takes positive client counts" in proc.stdout + proc.stderr
+
+
+def test_served_requests_can_sample(tmp_path):
+    """--served-temperature: plain sampling, seeded, every filter off in both servers'
+    spelling; the report says how the tokens were chosen; a bad value is refused."""
+    assert served.sampling_body(0.0, 3) == {"temperature": 0}
+    assert served.sampling_body(0.8, 3) == {"temperature": 0.8, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 3}
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([*_cli(), "bench", "--parts", "served", "--backend", "reference", "--model", "random:tiny",
+                           "--peers", "none", "--served-clients", "2", "--served-tokens", "4", "--served-requests", "1",
+                           "--served-temperature", "0.8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sv = json.loads(out.read_text())["served"]
+    assert sv["temperature"] == 0.8
+    level = sv["systems"][0]["levels"][0]
+    assert level["failed"] == 0 and level["tokens_per_request"] == [4], level
+    assert "sampled at temperature 0.8, seeded, no filters" in proc.stdout
+    bad = subprocess.run([*_cli(), "bench", "--parts", "served", "--backend", "reference", "--model", "random:tiny",
+                          "--peers", "none", "--served-temperature", "-1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--served-temperature -1.0 is outside [0, 100]" in bad.stdout + bad.stderr
