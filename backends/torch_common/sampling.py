@@ -10,9 +10,10 @@ API
 ``TorchSampler(vocab_size, num_rows, eos_token_ids, *, device=None, dtype=torch.float32, kernels=None)``
     The stateful wrapper an eager engine uses. Host-side mirrors of the installed
     parameters pick the fast paths (:class:`SamplerFlags`) with no device sync.
-    ``kernels`` (:class:`SamplerKernels`): a backend's own computation of the random
-    stream's bits (equal to :mod:`.threefry`'s) and of plain temperature sampling's draw
-    (the cpu backend's compiled pass); None: torch ops.
+    ``kernels`` (:class:`SamplerKernels`): a backend's own computation of the draw from
+    float32 rows (float64 inside) and of the random stream's bits (equal to
+    :mod:`.threefry`'s; a float64 sampler's noise comes from them); the cpu backend's
+    compiled passes; None: torch ops.
 
     - ``install(row, params, prompt_tokens, *, sample_index=0)``: a request's
       parameters (``params.seed`` resolved), its prompt (for the repetition penalty)
@@ -378,15 +379,15 @@ def _draw(state: SamplerState, x: torch.Tensor, rows: torch.Tensor | None, flags
     """Steps 3-5 for sampling rows: the filters, then the Gumbel-max draw on the stream."""
     ctr = threefry.counter_hi(_rows(state.step, rows), _rows(state.sample_index, rows))  # (B,)
     lo, hi = _rows(state.seed_lo, rows), _rows(state.seed_hi, rows)
-    host = kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
-    if host and not (flags.top_k or flags.top_p or flags.min_p):  # plain temperature: the kernels' whole draw
-        return kernels.gumbel_draw(x, _rows(state.temperature, rows), lo, hi, ctr)
-    if host:  # the filters and the draw, on lists of the kept ids
+    host = kernels is not None and x.device.type == "cpu"
+    if host and x.dtype == torch.float32:  # the kernels' whole draw, in float64
+        if not (flags.top_k or flags.top_p or flags.min_p):  # plain temperature
+            return kernels.gumbel_draw(x, _rows(state.temperature, rows), lo, hi, ctr)
         return kernels.filtered_draw(x, _rows(state.temperature, rows), _rows(state.top_k, rows), _rows(state.top_p, rows),
                                      _rows(state.min_p, rows), lo, hi, ctr)
     logp = filtered_logprobs(state, x, rows, flags)
     ids = torch.arange(x.shape[-1], device=x.device)[None, :]  # (1, V)
-    if host:  # the stream's bits in one pass, the noise from them
+    if host:  # a float64 sampler (option sampler_dtype): the stream's bits in one pass, the noise from them
         g = threefry.gumbel_from_bits(kernels.threefry_bits(lo, hi, ctr, ids), dtype=state.dtype)
     else:
         g = threefry.gumbel(lo[:, None], hi[:, None], ids, ctr[:, None], dtype=state.dtype)
