@@ -121,7 +121,7 @@ class CpuKernelPort(TorchPort):
         words = lambda xs: self.torch.tensor([threefry.int32_bits(x) for x in xs], dtype=self.torch.int32)  # noqa: E731
         lo, hi = zip(*(split_seed(s) for s in seeds))
         ctr = threefry.counter_hi(self.torch.tensor(steps), self.torch.tensor(samples))
-        m = self.kernels.threefry_bits(words(lo), words(hi), ctr, self.torch.arange(vocab)[None, :])
+        m = self.kernels.threefry_bits(words(lo), words(hi), ctr, vocab)
         return (m.numpy().astype(np.float64) + 0.5) * 2.0**-24
 
 

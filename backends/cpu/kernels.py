@@ -401,18 +401,16 @@ class CpuKernels:
             raise ValueError(f"the block kernels refused a {blocks.format} matrix of {blocks.k} columns")
 
     def threefry_bits(self, seed_lo: torch.Tensor, seed_hi: torch.Tensor, ctr_hi: torch.Tensor,
-                      token_ids: torch.Tensor) -> torch.Tensor:
-        """The sampler stream's ``m = word0 >> 8`` (int32, (B, n)) for rows of keys
-        ``seed_lo``/``seed_hi`` and counters ``(token_ids, ctr_hi)``: what
-        ``torch_common.threefry.threefry2x32``'s first word gives, shifted, in one pass
-        (csrc/threefry.h). ``seed_lo``, ``seed_hi``, ``ctr_hi``: (B,) int32 bit patterns;
-        ``token_ids``: (n,) or (1, n) int32/int64."""
-        b = seed_lo.shape[0]
-        k0, k1, ctr = (t.reshape(b).to(torch.int32).contiguous() for t in (seed_lo, seed_hi, ctr_hi))
-        ids = token_ids.reshape(-1).to(torch.int32).contiguous()
-        out = torch.empty((b, ids.numel()), dtype=torch.int32)
-        self.lib.pe_threefry_bits(k0.data_ptr(), k1.data_ptr(), ctr.data_ptr(), b, ids.numel(), ids.data_ptr(),
-                                  out.data_ptr(), self.threads)
+                      vocab: int) -> torch.Tensor:
+        """The sampler stream's ``m = word0 >> 8`` (int32, (B, vocab)) for rows of keys
+        ``seed_lo``/``seed_hi`` and counters ``(token id, ctr_hi)``, token ids 0 ..
+        vocab - 1: what ``torch_common.threefry.threefry2x32``'s first word gives, shifted,
+        in one pass (csrc/threefry.h). ``seed_lo``, ``seed_hi``, ``ctr_hi``: (B,) int32 bit
+        patterns."""
+        k0, k1, ctr = _stream_words(seed_lo, seed_hi, ctr_hi)
+        out = torch.empty((k0.numel(), vocab), dtype=torch.int32)
+        self.lib.pe_threefry_bits(k0.data_ptr(), k1.data_ptr(), ctr.data_ptr(), k0.numel(), vocab, out.data_ptr(),
+                                  self.threads)
         return out
 
     def gumbel_draw(self, x: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
@@ -424,7 +422,7 @@ class CpuKernels:
         b, v = x.shape
         x = x.contiguous()
         temp = temperature.reshape(b).to(torch.float32).contiguous()
-        k0, k1, ctr = (t.reshape(b).to(torch.int32).contiguous() for t in (seed_lo, seed_hi, ctr_hi))
+        k0, k1, ctr = _stream_words(seed_lo, seed_hi, ctr_hi)
         threads = self.threads
         tokens = torch.empty(b, dtype=torch.int64)
         best = torch.empty(b * threads, dtype=torch.float64)
@@ -443,11 +441,17 @@ class CpuKernels:
         x = x.contiguous()
         temp, tp, mp = (t.reshape(b).to(torch.float32).contiguous() for t in (temperature, top_p, min_p))
         tk = top_k.reshape(b).to(torch.int64).contiguous()
-        k0, k1, ctr = (t.reshape(b).to(torch.int32).contiguous() for t in (seed_lo, seed_hi, ctr_hi))
+        k0, k1, ctr = _stream_words(seed_lo, seed_hi, ctr_hi)
         tokens = torch.empty(b, dtype=torch.int64)
         self.lib.pe_filtered_draw(x.data_ptr(), v, b, v, temp.data_ptr(), tk.data_ptr(), tp.data_ptr(), mp.data_ptr(),
                                   k0.data_ptr(), k1.data_ptr(), ctr.data_ptr(), tokens.data_ptr(), self.threads)
         return tokens
+
+
+def _stream_words(seed_lo: torch.Tensor, seed_hi: torch.Tensor, ctr_hi: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A sampled row's key and counter words as the stream kernels take them: (B,)
+    contiguous int32 each."""
+    return tuple(t.reshape(-1).to(torch.int32).contiguous() for t in (seed_lo, seed_hi, ctr_hi))
 
 
 def load(threads: int | None = None, isa: str = "auto") -> CpuKernels:
@@ -532,7 +536,7 @@ def _bind(lib: ctypes.CDLL) -> None:
                                           ptr, int_]
     lib.pe_gguf_packs.restype = lib.pe_gguf_repack.restype = lib.pe_gguf_packed_linear.restype = ctypes.c_int
     lib.pe_gguf_packed_bytes.restype = ctypes.c_long
-    lib.pe_threefry_bits.argtypes = [ptr, ptr, ptr, int_, long_, ptr, ptr, int_]
+    lib.pe_threefry_bits.argtypes = [ptr, ptr, ptr, int_, long_, ptr, int_]
     lib.pe_threefry_bits.restype = None
     lib.pe_gumbel_draw.argtypes = [ptr, long_, int_, long_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, int_]
     lib.pe_gumbel_draw.restype = None

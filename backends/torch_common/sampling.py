@@ -88,9 +88,9 @@ class SamplerKernels(Protocol):
     ``CpuKernels``), for float32 rows on the host."""
 
     def threefry_bits(self, seed_lo: torch.Tensor, seed_hi: torch.Tensor, ctr_hi: torch.Tensor,
-                      token_ids: torch.Tensor) -> torch.Tensor:
-        """int32 (B, V): the first Threefry word of each (row, token) >> 8, exactly as
-        :func:`.threefry.threefry2x32` gives it."""
+                      vocab: int) -> torch.Tensor:
+        """int32 (B, vocab): the first Threefry word of each (row, token id) >> 8, exactly
+        as :func:`.threefry.threefry2x32` gives it."""
 
     def gumbel_draw(self, x: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
                     ctr_hi: torch.Tensor) -> torch.Tensor:
@@ -386,10 +386,10 @@ def _draw(state: SamplerState, x: torch.Tensor, rows: torch.Tensor | None, flags
         return kernels.filtered_draw(x, _rows(state.temperature, rows), _rows(state.top_k, rows), _rows(state.top_p, rows),
                                      _rows(state.min_p, rows), lo, hi, ctr)
     logp = filtered_logprobs(state, x, rows, flags)
-    ids = torch.arange(x.shape[-1], device=x.device)[None, :]  # (1, V)
     if host:  # a float64 sampler (option sampler_dtype): the stream's bits in one pass, the noise from them
-        g = threefry.gumbel_from_bits(kernels.threefry_bits(lo, hi, ctr, ids), dtype=state.dtype)
+        g = threefry.gumbel_from_bits(kernels.threefry_bits(lo, hi, ctr, x.shape[-1]), dtype=state.dtype)
     else:
+        ids = torch.arange(x.shape[-1], device=x.device)[None, :]  # (1, V)
         g = threefry.gumbel(lo[:, None], hi[:, None], ids, ctr[:, None], dtype=state.dtype)
     return argmax_lowest(logp + g)  # removed tokens are -inf: they never win
 

@@ -66,21 +66,11 @@ struct pe_dims {
 // [layers, cache_rows, kv_heads, cache_len, head_dim], or, paged, in the pool [layers,
 // cache_rows pages, kv_heads, page_size, head_dim] at offset p % page_size of the row's page
 // table[row * table_len + p / page_size].
-// A page size that is a power of two (16, the default) splits p by a shift and a mask, any
-// other by a division; the attention loops call this once a page (kv_walk).
+// The attention loops call this once a page (kv_walk), the K/V stores once a position.
 static inline long kv_offset(const pe_dims *d, const long *table, long l, long row, long j, long p) {
     if (!d->page_size) return (((l * d->cache_rows + row) * d->kv_heads + j) * d->cache_len + p) * d->head_dim;
-    const long ps = d->page_size;
-    long at, in;
-    if ((ps & (ps - 1)) == 0) {
-        at = p >> __builtin_ctzl((unsigned long)ps);
-        in = p & (ps - 1);
-    } else {
-        at = p / ps;
-        in = p % ps;
-    }
-    const long page = table[row * d->table_len + at];
-    return (((l * d->cache_rows + page) * d->kv_heads + j) * ps + in) * d->head_dim;
+    const long ps = d->page_size, page = table[row * d->table_len + p / ps];
+    return (((l * d->cache_rows + page) * d->kv_heads + j) * ps + p % ps) * d->head_dim;
 }
 
 // The KV cache's element types. Written from float32 with round-to-nearest-even, as

@@ -275,19 +275,20 @@ int pe_prefill_attention(const float *q, long ldq, const float *k, const float *
 }
 
 // The sampler's stream bits (threefry.h): out[r * n + c] = Threefry-2x32-20(key (k0[r], k1[r]),
-// counter (ids ? ids[c] : c, ctr[r]))'s first word >> 8, on up to `threads` threads.
-void pe_threefry_bits(const int32_t *k0, const int32_t *k1, const int32_t *ctr, int rows, long n, const int32_t *ids,
-                      int32_t *out, int threads) {
-    tf_job job = {k0, k1, ctr, rows, n, ids, out};
+// counter (c, ctr[r]))'s first word >> 8 for token ids c < n, on up to `threads` threads.
+void pe_threefry_bits(const int32_t *k0, const int32_t *k1, const int32_t *ctr, int rows, long n, int32_t *out,
+                      int threads) {
+    tf_job job = {k0, k1, ctr, rows, n, out};
     pe_parallel(tf_task, &job, threads);
 }
 
 // The Gumbel-max draw of plain temperature sampling (threefry.h's gd_row) for `rows` rows
 // of x (float32, row stride ldx, n columns): tokens[r], or 0 for a row whose temperature
 // is not positive or whose x has no finite maximum. scratch: rows * threads doubles and
-// longs (best, best_j).
+// longs (best, best_j: each thread's; those of threads the region did not start stay empty).
 void pe_gumbel_draw(const float *x, long ldx, int rows, long n, const float *temp, const int32_t *k0,
                     const int32_t *k1, const int32_t *ctr, long *tokens, double *best, long *best_j, int threads) {
+    for (long i = 0; i < (long)rows * threads; i++) best[i] = -INFINITY, best_j[i] = 0;
     gd_job job = {x, ldx, n, rows, threads, temp, k0, k1, ctr, best, best_j};
     pe_parallel(gd_task, &job, threads);
     for (int r = 0; r < rows; r++) {

@@ -43,8 +43,7 @@ static inline uint32_t tf_word0(uint32_t k0, uint32_t k1, uint32_t x0, uint32_t 
 struct tf_job {
     const int32_t *k0, *k1, *ctr;  // per row: the seed's words, the counter's second word
     int rows;
-    long n;           // token ids per row
-    const int32_t *ids;  // the ids (n of them), or null: 0 .. n - 1
+    long n;           // token ids per row: 0 .. n - 1
     int32_t *out;     // rows x n: y0 >> 8
 };
 
@@ -57,10 +56,7 @@ static void tf_task(void *arg, int tid, int nth) {
         const long c1 = (end - r * j->n) < j->n ? end - r * j->n : j->n;
         const uint32_t k0 = (uint32_t)j->k0[r], k1 = (uint32_t)j->k1[r], x1 = (uint32_t)j->ctr[r];
         int32_t *o = j->out + r * j->n;
-        if (j->ids)
-            for (long c = c0; c < c1; c++) o[c] = (int32_t)(tf_word0(k0, k1, (uint32_t)j->ids[c], x1) >> 8);
-        else
-            for (long c = c0; c < c1; c++) o[c] = (int32_t)(tf_word0(k0, k1, (uint32_t)c, x1) >> 8);
+        for (long c = c0; c < c1; c++) o[c] = (int32_t)(tf_word0(k0, k1, (uint32_t)c, x1) >> 8);
         at = r * j->n + c1;
     }
 }
@@ -84,6 +80,18 @@ static inline double gd_noise(uint32_t m) {
     return -std::log(-std::log(u));
 }
 
+// A row's best draw so far: its score, its token, and the bound of the test against it.
+struct gd_best {
+    double score = -INFINITY, bound = 0.0;
+    long id = 0;
+    void set(double s, long j) { score = s, id = j, bound = std::exp(-s) * 1.001; }
+    // Whether a token whose stream word is `bits` and whose e^(z) is about `e` can beat it.
+    bool may_win(uint32_t bits, double e) const { return ((double)(0xFFFFFFu - bits) + 0.5) * 0x1p-24 < bound * e; }
+    void offer(double s, long j) {
+        if (s > score || (s == score && j < id)) set(s, j);
+    }
+};
+
 struct gd_job {
     const float *x;
     long ldx, n;
@@ -106,9 +114,8 @@ static void gd_row(const gd_job *j, int r, long c0, long c1, double *best_out, l
         if (x[c] > m) m = x[c], jm = c;  // the first maximum; NaN never compares greater
     if (!(T > 0) || !std::isfinite(m)) return;  // a greedy row, or nothing finite to draw from
     const uint32_t k0 = (uint32_t)j->k0[r], k1 = (uint32_t)j->k1[r], x1 = (uint32_t)j->ctr[r];
-    double best = gd_noise(tf_word0(k0, k1, (uint32_t)jm, x1) >> 8);  // z of the maximum is 0
-    long best_j = jm;
-    double bound = std::exp(-best) * 1.001;
+    gd_best best;
+    best.set(gd_noise(tf_word0(k0, k1, (uint32_t)jm, x1) >> 8), jm);  // z of the maximum is 0
     const float finv = (float)(1.0 / T);
     uint32_t bits[GD_CHUNK];
     float e[GD_CHUNK];
@@ -121,14 +128,10 @@ static void gd_row(const gd_job *j, int r, long c0, long c1, double *best_out, l
             memcpy(e + i, &v, sizeof v);
         }
         for (; i < len; i++) e[i] = std::exp((x[c + i] - m) * finv);
-        for (i = 0; i < len; i++) {
-            const double one_minus_u = ((double)(0xFFFFFFu - bits[i]) + 0.5) * 0x1p-24;
-            if (!(one_minus_u < bound * (double)e[i])) continue;
-            const double s = ((double)x[c + i] - (double)m) / T + gd_noise(bits[i]);
-            if (s > best || (s == best && c + i < best_j)) best = s, best_j = c + i, bound = std::exp(-best) * 1.001;
-        }
+        for (i = 0; i < len; i++)
+            if (best.may_win(bits[i], e[i])) best.offer(((double)x[c + i] - (double)m) / T + gd_noise(bits[i]), c + i);
     }
-    *best_out = best, *best_j_out = best_j;
+    *best_out = best.score, *best_j_out = best.id;
 }
 
 static void gd_task(void *arg, int tid, int nth) {
@@ -136,9 +139,6 @@ static void gd_task(void *arg, int tid, int nth) {
     long c0, c1;
     pe_share(j->n, tid, nth, &c0, &c1);
     for (int r = 0; r < j->rows; r++) gd_row(j, r, c0, c1, j->best + r * j->nth + tid, j->best_j + r * j->nth + tid);
-    for (int t = nth; t < j->nth; t++)  // threads the region did not start
-        for (int r = 0; r < j->rows; r++)
-            if (tid == 0) j->best[r * j->nth + t] = -INFINITY, j->best_j[r * j->nth + t] = 0;
 }
 
 // -- the filtered draw: top-k, top-p and min-p, then the Gumbel-max draw ------------------
@@ -194,9 +194,13 @@ static double fd_logsumexp(const double *v, long n) {
     return m + std::log(sum);
 }
 
+// A row's working lists, kept across the rows a thread draws (no allocation a row once
+// they have grown): the log-probs, the kept tokens and their values, an order of them,
+// and fd_compact's buckets.
 struct fd_scratch {
-    std::vector<double> logp, vals;
-    std::vector<long> ids, order;
+    std::vector<double> logp, vals, mass, kept_vals;
+    std::vector<long> ids, order, count, kept_ids;
+    std::vector<int> bucket;
 };
 
 // Keep ids[0 .. keep) (values in vals, the same order) and renormalise them in place.
@@ -206,16 +210,12 @@ static void fd_renormalise(fd_scratch *s, long keep) {
     for (long i = 0; i < keep; i++) s->vals[i] -= lse;
 }
 
-// The kept (ids, vals) in ascending id order, as the core's boolean masks keep them.
-static void fd_by_id(fd_scratch *s) {
-    const long n = (long)s->ids.size();
-    s->order.resize(n);
-    for (long i = 0; i < n; i++) s->order[i] = i;
-    std::sort(s->order.begin(), s->order.end(), [s](long a, long b) { return s->ids[a] < s->ids[b]; });
-    std::vector<long> ids(n);
-    std::vector<double> vals(n);
-    for (long i = 0; i < n; i++) ids[i] = s->ids[s->order[i]], vals[i] = s->vals[s->order[i]];
-    s->ids.swap(ids), s->vals.swap(vals);
+// Keep the first `keep` tokens of s->order (fd_top's), renormalised.
+static void fd_keep_order(fd_scratch *s, long keep) {
+    s->kept_ids.resize(keep), s->kept_vals.resize(keep);
+    for (long i = 0; i < keep; i++) s->kept_ids[i] = s->ids[s->order[i]], s->kept_vals[i] = s->vals[s->order[i]];
+    s->ids.swap(s->kept_ids), s->vals.swap(s->kept_vals);
+    fd_renormalise(s, keep);
 }
 
 // The first `m` of the kept tokens highest first (ties to the lower id), in s->order as
@@ -242,9 +242,10 @@ static void fd_compact(fd_scratch *s, long count, double mass) {
     static const int NB = 4097;
     const long n = (long)s->ids.size();
     if (n <= 256) return;
-    std::vector<double> m(NB, 0.0);
-    std::vector<long> c(NB, 0);
-    std::vector<int> bucket(n);
+    std::vector<double> &m = s->mass;
+    std::vector<long> &c = s->count;
+    std::vector<int> &bucket = s->bucket;
+    m.assign(NB, 0.0), c.assign(NB, 0), bucket.resize(n);
     for (long i = 0; i < n; i++) {
         const double v = -s->vals[i] * 8.0;  // >= 0 up to rounding: the largest log-prob is about 0
         const int b = v < 0 ? 0 : v >= NB - 1 ? NB - 1 : (int)v;
@@ -269,12 +270,7 @@ static void fd_top_k(fd_scratch *s, long k) {
     fd_compact(s, k, 0.0);
     k = k < (long)s->ids.size() ? k : (long)s->ids.size();
     fd_top(s, k);
-    std::vector<long> ids;
-    std::vector<double> vals;
-    for (long i = 0; i < k; i++) ids.push_back(s->ids[s->order[i]]), vals.push_back(s->vals[s->order[i]]);
-    s->ids.swap(ids), s->vals.swap(vals);
-    fd_by_id(s);
-    fd_renormalise(s, (long)s->ids.size());
+    fd_keep_order(s, k);
 }
 
 static void fd_top_p(fd_scratch *s, double top_p) {
@@ -292,13 +288,7 @@ static void fd_top_p(fd_scratch *s, double top_p) {
         if (n_keep >= 0 || m == alive) break;
         m = 4 * m < alive ? 4 * m : alive;
     }
-    if (n_keep < 0) n_keep = m;  // rounding left the total under top_p: every live token
-    std::vector<long> ids(n_keep);
-    std::vector<double> vals(n_keep);
-    for (long i = 0; i < n_keep; i++) ids[i] = s->ids[s->order[i]], vals[i] = s->vals[s->order[i]];
-    s->ids.swap(ids), s->vals.swap(vals);
-    fd_by_id(s);
-    fd_renormalise(s, n_keep);
+    fd_keep_order(s, n_keep < 0 ? m : n_keep);  // under top_p after rounding: every live token
 }
 
 static void fd_min_p(fd_scratch *s, double min_p) {
@@ -329,21 +319,19 @@ static long fd_row(const float *x, long n, double T, long top_k, double top_p, d
     if (top_k > 0 && top_k < n) fd_top_k(s, top_k);
     if (top_p < 1.0) fd_top_p(s, top_p);
     if (min_p > 0.0) fd_min_p(s, min_p);
-    // the draw over the kept tokens (ascending ids): the exact score where one can still win
-    long best_j = -1, at = 0;
-    for (long i = 0; i < (long)s->ids.size(); i++)
-        if (best_j < 0 || s->vals[i] > s->vals[at]) best_j = s->ids[i], at = i;
-    if (best_j < 0) return 0;
-    double best = s->vals[at] + gd_noise(tf_word0(k0, k1, (uint32_t)best_j, x1) >> 8);
-    double bound = std::exp(-best) * 1.001;
-    for (long i = 0; i < (long)s->ids.size(); i++) {
+    // the draw over the kept tokens: the exact score only where one can still win (gd_row)
+    const long kept = (long)s->ids.size();
+    if (!kept) return 0;
+    long at = 0;
+    for (long i = 1; i < kept; i++)
+        if (s->vals[i] > s->vals[at]) at = i;
+    gd_best best;
+    best.set(s->vals[at] + gd_noise(tf_word0(k0, k1, (uint32_t)s->ids[at], x1) >> 8), s->ids[at]);
+    for (long i = 0; i < kept; i++) {
         const uint32_t bits = tf_word0(k0, k1, (uint32_t)s->ids[i], x1) >> 8;
-        const double one_minus_u = ((double)(0xFFFFFFu - bits) + 0.5) * 0x1p-24;
-        if (!(one_minus_u < bound * std::exp(s->vals[i]))) continue;
-        const double sc = s->vals[i] + gd_noise(bits);
-        if (sc > best || (sc == best && s->ids[i] < best_j)) best = sc, best_j = s->ids[i], bound = std::exp(-best) * 1.001;
+        if (best.may_win(bits, std::exp(s->vals[i]))) best.offer(s->vals[i] + gd_noise(bits), s->ids[i]);
     }
-    return best_j;
+    return best.id;
 }
 
 struct fd_job {
