@@ -143,7 +143,7 @@ def test_a_bounded_pool_is_checked_and_refuses_cleanly(tiny):
         _engine(tiny, page_size=-1)
     eng = _engine(tiny, page_size=8, kv_pages=9)
     params, state = eng.load_params(), eng.init_decode_state()
-    assert eng._paged.peek()[0].shape[1] == 9 and "the K/V pool of 9 pages x 8 positions" in eng._needs()
+    assert eng._paged.peek()[0].shape[2] == 9 and "the K/V pool of 9 pages x 8 positions" in eng._needs()
     sp = SamplingParams(temperature=0, max_tokens=8)
     a, _ = eng.prefill(params=params, tokens=list(range(3, 27)), sampling=sp)  # 24 positions: 3 full pages
     b, _ = eng.prefill(params=params, tokens=list(range(3, 26)), sampling=sp)  # 23: 3 pages, the last partly filled
@@ -278,7 +278,7 @@ def test_paged_on_two_cpu_devices_equals_one():
         assert r["logprobs_max_abs_diff"] <= 1e-5 and r["kv_max_abs_diff"] <= 1e-5, (what, r)
     tp2, dp2 = out["greedy-tp2"], out["greedy-dp2"]
     assert tp2["mesh"] == "mesh dp=1 x tp=2" and dp2["mesh"] == "mesh dp=2 x tp=1"
-    assert tp2["pool_shard_shape"][2] * 2 == tp2["pool_shape"][2]  # the KV heads split over tp
+    assert tp2["pool_shard_shape"][1] * 2 == tp2["pool_shape"][1]  # the KV heads split over tp
     assert dp2["pool_shard_shape"] == dp2["pool_shape"]  # every dp group holds the whole pool
 
 

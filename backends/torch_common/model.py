@@ -87,10 +87,11 @@ from polyengine.backends.torch_common.options import ATTENTION_IMPLS
 
 __all__ = [
     "TorchWeights", "StepSpec", "forward", "residual_stream", "final_norm", "attention_block", "mlp_block", "kv_write", "kv_read", "lm_head", "StepModule",
-    "KVCodec", "CastKVCodec", "rms_norm", "ATTENTION_IMPLS", "MOE_IMPLS", "moe_block",
+    "KVCodec", "CastKVCodec", "rms_norm", "ATTENTION_IMPLS", "MOE_IMPLS", "PAGE_LAYOUTS", "moe_block",
 ]
 
 MOE_IMPLS = ("gather", "sparse")
+PAGE_LAYOUTS = ("pages", "heads")  # a layer's pool: [pages, kv_heads, ...] or [kv_heads, pages, ...]
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -302,6 +303,15 @@ class StepSpec:
     every row. Only ``causal_attention`` uses it; without one (and on windowed or
     soft-capped layers) such a call runs the general masked attention, as any other. The
     offset is ``kv_len - T``, not a field, so one spec serves every prefix length.
+    ``page_layout`` (paged caches): ``"pages"``, each layer's pool ``[pages, kv_heads,
+    page_size, head_dim]``, or ``"heads"``, ``[kv_heads, pages, page_size, head_dim]``
+    (the layout of a kernel that reads one KV head's pages at a time, such as JAX's Pallas
+    paged attention). ``paged_attention(q, k_pool, v_pool, pages, lengths, scale,
+    softcap)``: with a page table and one query per row, replaces the attention of layers
+    without a window (an engine's paged kernel): ``q`` (B, heads, head_dim) after RoPE,
+    the layer's pools as stored (``page_layout``), ``pages`` (B, P) the rows' page ids,
+    ``lengths`` (B,) int32 the keys each row attends (``0..length - 1``), ``softcap`` None
+    or the config's; returns (B, heads, head_dim). Not with ``kv_codec``.
     """
 
     kv_len: int | None = None
@@ -314,10 +324,16 @@ class StepSpec:
     causal_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor] | None = None
     causal_tail: bool = False
     embed: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+    page_layout: str = "pages"
+    paged_attention: Callable[..., torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.page_layout not in PAGE_LAYOUTS:
+            raise ValueError(f"page_layout must be one of {PAGE_LAYOUTS}, got {self.page_layout!r}")
+        if self.paged_attention is not None and self.kv_codec is not None:
+            raise ValueError("paged_attention reads the pools as stored: not with a kv_codec")
         if self.moe not in MOE_IMPLS:
             raise ValueError(f"moe must be one of {MOE_IMPLS}, got {self.moe!r}")
         if self.causal and self.causal_tail:
@@ -366,17 +382,21 @@ def _write_targets(rows: torch.Tensor, positions: torch.Tensor, write_mask: torc
     return _Writes(r[:, None], p[:, None], heads, live, anchor, live.any())
 
 
-def _write(cache: torch.Tensor, layer: int, w: _Writes, new: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """Scatter ``new`` (N, kv_heads, head_dim) into ``cache[layer]`` at ``w``'s targets."""
+def _write(cache: torch.Tensor, layer: int, w: _Writes, new: torch.Tensor, inplace: bool,
+           heads_first: bool = False) -> torch.Tensor:
+    """Scatter ``new`` (N, kv_heads, head_dim) into ``cache[layer]`` at ``w``'s targets
+    (``heads_first``: a page pool in the ``"heads"`` layout, kv_heads before pages)."""
     if w.live is not None:
-        old = cache[layer, w.rows[w.anchor, 0], :, w.pos[w.anchor, 0]]  # (1, kv_heads, head_dim)
+        rows_first = cache[layer].transpose(0, 1) if heads_first else cache[layer]  # a view
+        old = rows_first[w.rows[w.anchor, 0], :, w.pos[w.anchor, 0]]  # (1, kv_heads, head_dim)
         fill = torch.where(w.any_live, new[w.anchor], old)
         new = torch.where(w.live[:, None, None], new, fill)
+    index = (w.heads, w.rows, w.pos) if heads_first else (w.rows, w.heads, w.pos)
     if inplace:
-        cache[layer].index_put_((w.rows, w.heads, w.pos), new)
+        cache[layer].index_put_(index, new)
         return cache
     layer_idx = torch.full_like(w.rows, layer)
-    return cache.index_put((layer_idx, w.rows, w.heads, w.pos), new)
+    return cache.index_put((layer_idx, *index), new)
 
 
 def _attend(q, keys, vals, visible, scale, attention, softcap=None):
@@ -407,6 +427,7 @@ class _Call:
     cache_rows: torch.Tensor  # (B,) the same, always a tensor
     writes: _Writes
     page_table: torch.Tensor | None = None  # (B, pages) int64: paged caches, batch row b's page ids
+    cache_pos: torch.Tensor | None = None  # (B, T) the queries' positions (paged caches)
 
 
 def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: torch.Tensor | None,
@@ -450,7 +471,7 @@ def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: 
         writes.pos = writes.pos % page_size
     return _Call(
         batch=b, seq=seq, kv_len=kv_len, rope=rope, visible=visible, rows=rows, cache_rows=cache_rows,
-        writes=writes, page_table=page_table,
+        writes=writes, page_table=page_table, cache_pos=None if page_table is None else positions,
     )
 
 
@@ -480,9 +501,15 @@ def attention_block(weights: TorchWeights, spec: StepSpec, call: _Call, layer: i
 
     k_cache, v_cache = kv_write(spec, call, layer, k.reshape(b * seq, nkv, hd), v.reshape(b * seq, nkv, hd),
                                 k_cache, v_cache)
+    scale, window, softcap = c.attention_scale, c.layer_window(layer), c.attn_logit_softcapping
+    if spec.paged_attention is not None and call.page_table is not None and seq == 1 and window is None:
+        # The engine's kernel reads the pages in place (no gathered copy of each row's K/V).
+        pages = call.page_table[:, : -(-call.kv_len // k_cache.shape[3])]
+        lengths = (call.cache_pos[:, 0] + 1).clamp(1, call.kv_len).to(torch.int32)  # keys 0..position
+        out = spec.paged_attention(q[:, 0], k_cache[layer], v_cache[layer], pages, lengths, scale, softcap)
+        return lin(t, out.reshape(b, 1, nh * hd), pre + "o_proj"), k_cache, v_cache
     keys, vals = kv_read(spec, call, layer, k_cache, v_cache)
 
-    scale, window, softcap = c.attention_scale, c.layer_window(layer), c.attn_logit_softcapping
     if (spec.causal or spec.causal_tail) and spec.causal_attention is not None and window is None and softcap is None:
         out = spec.causal_attention(q, keys, vals, scale, call.kv_len - seq)  # (B, T, nh * hd)
     elif spec.causal and spec.attention == "sdpa" and window is None and softcap is None:
@@ -503,7 +530,9 @@ def kv_write(spec: StepSpec, call: _Call, layer: int, k_new: torch.Tensor, v_new
     if spec.kv_codec is not None:
         k_new = spec.kv_codec.encode("k", layer, k_new, call.writes.rows[:, 0])
         v_new = spec.kv_codec.encode("v", layer, v_new, call.writes.rows[:, 0])
-    return _write(k_cache, layer, call.writes, k_new, spec.inplace), _write(v_cache, layer, call.writes, v_new, spec.inplace)
+    heads_first = call.page_table is not None and spec.page_layout == "heads"
+    return (_write(k_cache, layer, call.writes, k_new, spec.inplace, heads_first),
+            _write(v_cache, layer, call.writes, v_new, spec.inplace, heads_first))
 
 
 def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
@@ -514,8 +543,8 @@ def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
     if call.page_table is not None:
         ps = k_cache.shape[3]
         pages = call.page_table[:, : -(-call.kv_len // ps)]  # (B, P)
-        keys = _gather_pages(k_cache[layer], pages, call.kv_len)
-        vals = _gather_pages(v_cache[layer], pages, call.kv_len)
+        keys = _gather_pages(k_cache[layer], pages, call.kv_len, spec.page_layout == "heads")
+        vals = _gather_pages(v_cache[layer], pages, call.kv_len, spec.page_layout == "heads")
     elif call.rows is None:
         keys = k_cache[layer, :, :, : call.kv_len]  # a view
         vals = v_cache[layer, :, :, : call.kv_len]
@@ -528,13 +557,17 @@ def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
     return keys, vals
 
 
-def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """One layer's pool (pages, kv_heads, page_size, head_dim) read through ``pages`` (B, P):
-    each row's first ``length`` positions as (B, kv_heads, length, head_dim), a copy."""
+def _gather_pages(pool: torch.Tensor, pages: torch.Tensor, length: int, heads_first: bool = False) -> torch.Tensor:
+    """One layer's pool (pages, kv_heads, page_size, head_dim), or (kv_heads, pages, ...)
+    with ``heads_first``, read through ``pages`` (B, P): each row's first ``length``
+    positions as (B, kv_heads, length, head_dim), a copy."""
     b, p = pages.shape
-    _, kvh, ps, hd = pool.shape
-    out = pool[pages]  # (B, P, kv_heads, page_size, head_dim)
-    return out.transpose(1, 2).reshape(b, kvh, p * ps, hd)[:, :, :length]
+    ps, hd = pool.shape[2:]
+    if heads_first:
+        out = pool[:, pages].transpose(0, 1)  # (B, kv_heads, P, page_size, head_dim)
+    else:
+        out = pool[pages].transpose(1, 2)  # (B, P, kv_heads, ...) -> (B, kv_heads, P, ...)
+    return out.reshape(b, out.shape[1], p * ps, hd)[:, :, :length]
 
 
 def _act(config: ModelConfig, x: torch.Tensor) -> torch.Tensor:
@@ -640,7 +673,8 @@ def forward(
     saves a gather of the cache rows every layer.
 
     Paged caches: with ``page_table`` (B, P), ``k_cache``/``v_cache`` are page pools
-    ``[layers, pages, kv_heads, page_size, head_dim]`` and batch row b's position p lives
+    ``[layers, pages, kv_heads, page_size, head_dim]`` (``[layers, kv_heads, pages, ...]``
+    with ``spec.page_layout == "heads"``) and batch row b's position p lives
     at offset ``p % page_size`` of page ``page_table[b, p // page_size]`` (``rows`` must be
     None: the table says where each row's K/V are). The caller keeps each live token's
     page written by that row alone (copy on write is the engine's, before the call);

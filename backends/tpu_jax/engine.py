@@ -107,7 +107,7 @@ class TpuJaxEngine(EngineBase):
         self.cfg = steps.StepConfig(
             model=model.config, dtype=self.dtype, slots=config.max_slots, cache_length=config.max_cache_length,
             plan=plan, attention=o["attention"], quantize=o["quantize"], blocks=bool(self._blocks),
-            kv_int8=o["kv_quantize"] == "int8",
+            kv_int8=o["kv_quantize"] == "int8", paged_attention=self._paged_attention(),
             num_top=MAX_TOP_LOGPROBS, candidates=o["candidates"])
         # Paged K/V (option page_size): the page ids and counts (polyengine.pages) and the
         # pools on the mesh they index (paged.py), made with the first prefix or decode state.
@@ -146,6 +146,20 @@ class TpuJaxEngine(EngineBase):
         self._eos_mask = np.zeros(self.vocab_size, bool)
         self._eos_mask[list(self.eos_token_ids)] = True
 
+    _ATTENTION_WORDS = {
+        "gather": "each row's pages gathered per layer (option paged_attention=pallas: JAX's Pallas kernel)",
+        "pallas": "JAX's Pallas paged-attention kernel reads the pages in place (K/V in bfloat16)",
+        "interpret": "JAX's Pallas paged-attention kernel under Pallas's TPU interpreter: proves the path, "
+                     "far slower than paged_attention=gather",
+    }
+
+    def speed_paths(self) -> dict[str, str]:
+        """What the engine runs on (``polyengine generate`` and ``backends --verbose`` print it)."""
+        kv = (f"pages of {self.pages.page_size} positions; decode attention: "
+              f"{self._ATTENTION_WORDS[self.cfg.paged_attention]}" if self.pages else
+              "one contiguous cache row per slot (option page_size: pages)")
+        return {"device": str(self.device), "kv": kv}
+
     # -- construction ----------------------------------------------------------------------
 
     def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
@@ -161,6 +175,19 @@ class TpuJaxEngine(EngineBase):
                 self.options["batched_prefill"] == "auto" and platform in BATCHED_PREFILL_PLATFORMS),
             prefill_lane=self._prefill_lane(platform),
         )
+
+    def _paged_attention(self) -> str:
+        """Option paged_attention, resolved for this platform and dtype (pallas.resolve):
+        'pallas' asks for pages, and is refused without them."""
+        mode, ps = self.options["paged_attention"], self.options["page_size"]
+        if mode == "pallas" and not ps:
+            raise InvalidRequest("paged_attention='pallas' reads K/V pages: set page_size (16 is the usual) "
+                                 "or leave paged_attention at 'auto'", field="options.paged_attention")
+        if not ps:
+            return "gather"
+        from polyengine.backends.tpu_jax.pallas import resolve
+
+        return resolve(mode, self.devices[0].platform if self.devices else "cpu", self.dtype)
 
     def _prefill_lane(self, platform: str) -> bool:
         """Option prefill_lane: 'auto' is on for the CPU platform (XLA's host threads serve a

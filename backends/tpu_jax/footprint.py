@@ -38,7 +38,7 @@ KV_SCALE_BYTES = 4  # an int8 KV cache row stores its float32 scale beside the v
 CACHE_AXES = ("layers", "slots", "kv_heads", "positions", "head_dim")
 # A page pool (option page_size): any page may hold any slot's K/V, so only the KV heads
 # are split (over tp); under dp every device group holds the whole pool.
-POOL_AXES = ("layers", None, "kv_heads", None, "head_dim")
+POOL_AXES = ("layers", "kv_heads", None, None, "head_dim")  # [layers, kv_heads, pages, page_size, head_dim]
 
 
 def _divisors(n: int) -> list[int]:
@@ -176,7 +176,7 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
     weights += tables * 2 * math.prod(rope) * item // shards(param_axes("rope.cos", 2), rope, mesh, rules)
     kv_item, width = (1, model.head_dim + KV_SCALE_BYTES) if kv_int8 else (item, model.head_dim)
     if page_size:
-        cache_shape = (model.num_hidden_layers, pool_pages, model.num_key_value_heads, page_size, width)
+        cache_shape = (model.num_hidden_layers, model.num_key_value_heads, pool_pages, page_size, width)
         cache = 2 * math.prod(cache_shape) * kv_item // shards(POOL_AXES, cache_shape, mesh, rules)
         what = f"the K/V pool of {pool_pages} pages x {page_size} positions"
     else:

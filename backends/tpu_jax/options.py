@@ -56,6 +56,13 @@ OPTIONS: dict[str, Option] = {
                         minimum=0, maximum=4096),
     "kv_pages": Option(0, "with page_size: the pages the K/V of slots and prefixes share (0: as many as they "
                           "use); the driver admits requests by free pages", minimum=0),
+    # decode attention over the pages: gathered per layer, or read in place by JAX's Pallas
+    # TPU kernel (pallas.py; docs/tpu_jax.md, "Pages")
+    "paged_attention": Option("auto", "with page_size, decode attention: 'gather' (each row's pages gathered per "
+                                      "layer), 'pallas' (JAX's Pallas paged-attention kernel reads them in place, "
+                                      "K/V in bfloat16; off TPU under Pallas's interpreter, for tests: slow), or "
+                                      "'auto' (pallas on TPU with 16-bit K/V, else gather)",
+                              choices=("auto", "gather", "pallas")),
     "attention": Option("sdpa", "the shared model's attention path", choices=("sdpa", "eager")),
     "candidates": Option(64, "top-k bound under which top-k/top-p skip the full vocabulary sort", minimum=1),
     "compile_cache": Option("", "keep compiled programs on disk for later processes: 'auto' (a private folder under "

@@ -1,17 +1,20 @@
 """Paged K/V for the tpu_jax engine (option ``page_size``): the page pools on the mesh,
 the programs that move K/V between them and contiguous arrays, and the paged decode step.
 
-The pools are one K and one V array ``[layers, pages, kv_heads, page_size, head_dim]``
-(:data:`~.footprint.POOL_AXES`: the KV heads split over ``tp`` as the contiguous cache's
-are; every device group of ``dp`` holds the whole pool, since any page may hold any
-slot's K/V), indexed by the page ids of a :class:`~polyengine.pages.PagePool` (the core
+The pools are one K and one V array ``[layers, kv_heads, pages, page_size, head_dim]``
+(:data:`~.footprint.POOL_AXES`, the shared forward's ``page_layout="heads"``: one KV
+head's pages are one block, as JAX's Pallas paged-attention kernel reads them,
+:mod:`.pallas`; the KV heads split over ``tp`` as the contiguous cache's are; every
+device group of ``dp`` holds the whole pool, since any page may hold any slot's K/V),
+indexed by the page ids of a :class:`~polyengine.pages.PagePool` (the core
 keeps the counts and the rules of docs/design.md, "Pages"). A slot reads and writes
 through its row of the decode state's page table (``DecodeArrays.table``, int32 on the
 devices); a :class:`~polyengine.protocol.Prefix` holds a :class:`PagedPrefix`.
 
 Decode attention is the shared forward's gather (``forward(..., page_table=)``: each
 row's pages gathered through its table row, K/V written at ``(table[p // page_size],
-p % page_size)``), traced into the step. The step reads the table's first ``width``
+p % page_size)``), traced into the step, or JAX's Pallas kernel reading the pages in
+place (option ``paged_attention``, :mod:`.pallas`). The step reads the table's first ``width``
 columns, ``width`` a bucket (:func:`width_buckets`) of the longest live row's pages: one
 program per bucket, compiled by warm-up, so serving compiles nothing and a short batch
 reads only the pages it needs. A prefill still runs over a contiguous cache of its own
@@ -97,7 +100,7 @@ def _constrain_pool(cfg: StepConfig, k: jax.Array, v: jax.Array) -> tuple[jax.Ar
 
 def _pool_shape(cfg: StepConfig, pages: int, page_size: int) -> tuple[int, ...]:
     c = cfg.model
-    return (c.num_hidden_layers, pages, c.num_key_value_heads, page_size, c.head_dim)
+    return (c.num_hidden_layers, c.num_key_value_heads, pages, page_size, c.head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "pages", "page_size"))
@@ -110,7 +113,7 @@ def init_pool(*, cfg: StepConfig, pages: int, page_size: int) -> tuple[jax.Array
 def grow_pool(k, v, *, cfg: StepConfig, pages: int) -> tuple[jax.Array, jax.Array]:
     """The pools with ``pages`` pages, the first ones as they were (new buffers: a larger
     shape cannot reuse the old ones, so nothing is donated)."""
-    pad = [(0, 0), (0, pages - k.shape[1]), (0, 0), (0, 0), (0, 0)]
+    pad = [(0, 0), (0, 0), (0, pages - k.shape[2]), (0, 0), (0, 0)]
     return _constrain_pool(cfg, jnp.pad(k, pad), jnp.pad(v, pad))
 
 
@@ -121,8 +124,8 @@ def init_table(*, cfg: StepConfig, width: int) -> jax.Array:
 
 def _apply(cfg: StepConfig, k, v, table, ops: PageOps):
     """Copies on write first (a page's K/V into a fresh page), then the table entries."""
-    k = k.at[:, ops.copy_dst].set(k[:, ops.copy_src], mode="drop")
-    v = v.at[:, ops.copy_dst].set(v[:, ops.copy_src], mode="drop")
+    k = k.at[:, :, ops.copy_dst].set(k[:, :, ops.copy_src], mode="drop")
+    v = v.at[:, :, ops.copy_dst].set(v[:, :, ops.copy_src], mode="drop")
     if table is not None:
         table = cfg.plan.constrain(table.at[ops.set_slot, ops.set_index].set(ops.set_page, mode="drop"), ("slots", None))
     return (*_constrain_pool(cfg, k, v), table)
@@ -141,8 +144,8 @@ def write_pages_step(k, v, new_k, new_v, pages, offsets, ops: PageOps, *, cfg: S
     into the pools: position ``i`` to ``(pages[i], offsets[i])`` (B,) (past the pool:
     not written), after ``ops``' copies. One program per B (a prefill bucket)."""
     k, v, _ = _apply(cfg, k, v, None, ops)
-    k = k.at[:, pages, :, offsets].set(jnp.transpose(new_k, (2, 0, 1, 3)).astype(k.dtype), mode="drop")  # (B, L, kvh, hd)
-    v = v.at[:, pages, :, offsets].set(jnp.transpose(new_v, (2, 0, 1, 3)).astype(v.dtype), mode="drop")
+    k = k.at[:, :, pages, offsets].set(new_k.astype(k.dtype), mode="drop")  # (layers, kvh, B, hd) as new_k
+    v = v.at[:, :, pages, offsets].set(new_v.astype(v.dtype), mode="drop")
     return _constrain_pool(cfg, k, v)
 
 
@@ -152,8 +155,8 @@ def gather_pages_step(k, v, pages, *, cfg: StepConfig, length: int):
     ``length <= P * page_size``: what a continuation and an export read."""
 
     def one(pool):
-        layers, _, kvh, ps, hd = pool.shape
-        out = jnp.transpose(pool[:, pages], (0, 2, 1, 3, 4)).reshape(layers, kvh, -1, hd)[:, :, :length]
+        layers, kvh, _, ps, hd = pool.shape
+        out = pool[:, :, pages].reshape(layers, kvh, -1, hd)[:, :, :length]
         return cfg.plan.constrain(out, _KV_AXES)
 
     return one(k), one(v)
@@ -213,7 +216,7 @@ class PagedKV:
     @property
     def size(self) -> int:
         """Pages the pools hold now."""
-        return 0 if self._k is None else int(self._k.shape[1])
+        return 0 if self._k is None else int(self._k.shape[2])
 
     def grow(self) -> None:
         """Make the pools hold every page id handed out so far. Bounded (kv_pages): all of

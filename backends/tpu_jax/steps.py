@@ -87,6 +87,7 @@ class StepConfig:
     quantize: str = ""  # int8 weights: "", "int8", "int8-block32"
     blocks: bool = False  # some matrices are a file's GGUF blocks (quantize.block_arrays)
     kv_int8: bool = False
+    paged_attention: str = "gather"  # with page_size: "gather", "pallas" or "interpret" (pallas.resolve)
     num_top: int = 20  # width of the top log-probs every result carries
     candidates: int = 64  # top-k bound under which the filters skip the full sort
 
@@ -201,14 +202,21 @@ def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, l
               page_table=None):
     """The shared torch forward on JAX arrays (traced by torchax): ``(logits, k, v)``.
     ``int8_cache``: ``k``/``v`` hold :func:`~.quantize.kv_encode`'d values. ``page_table``
-    (B, W) int32: ``k``/``v`` are page pools (:mod:`.paged`) read and written through it."""
+    (B, W) int32: ``k``/``v`` are page pools (:mod:`.paged`) read and written through it,
+    decode attention on the Pallas kernel where ``cfg.paged_attention`` says (:mod:`.pallas`)."""
     import_torchax()
     from torchax.interop import call_torch
 
     from polyengine.backends.torch_common.model import StepSpec, TorchWeights, forward
 
+    kernel = None
+    if page_table is not None and cfg.paged_attention != "gather":
+        from polyengine.backends.tpu_jax.pallas import torch_hook
+
+        kernel = torch_hook(cfg.plan, interpret=cfg.paged_attention == "interpret")
     spec = StepSpec(attention=cfg.attention, linear=int8_linear if cfg.quantize or cfg.blocks else None,
-                    kv_codec=Int8KVCodec(cfg.jax_dtype) if int8_cache else None)
+                    kv_codec=Int8KVCodec(cfg.jax_dtype) if int8_cache else None, page_layout="heads",
+                    paged_attention=kernel)
 
     def torch_side(tensors, tokens, positions, k, v, write_mask, logits_at, page_table):
         return forward(TorchWeights(cfg.model, tensors), spec, tokens, positions, k, v, write_mask=write_mask,
