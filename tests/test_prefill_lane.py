@@ -346,19 +346,18 @@ def test_the_cpu_lane_on_the_default_models_blocks_is_bit_for_bit_too(default_gg
     assert got[3] and all(seen == (1, 1) for seen in got[3])
 
 
-def test_tpu_jax_has_the_lane_on_the_cpu_platform_only_without_pages(model):
-    """tpu_jax's option prefill_lane: 'auto' is on for the CPU platform, off with
-    page_size; 'off' is off; 'on' with page_size is refused."""
+def test_tpu_jax_has_the_lane_on_the_cpu_platform_with_pages_too(model):
+    """tpu_jax's option prefill_lane: 'auto' is on for the CPU platform, with page_size
+    too; 'off' is off. (The lane with pages against the same calls in turn:
+    tests/test_tpu_jax_paged.py.)"""
     pytest.importorskip("jax")
     from polyengine.backends.tpu_jax.engine import TpuJaxEngine
 
     def caps(**options):
         return TpuJaxEngine(model, CFG.model_copy(update={"options": options})).capabilities
 
-    assert caps().prefill_lane and caps(prefill_lane="on").prefill_lane
-    assert not caps(prefill_lane="off").prefill_lane and not caps(page_size=16).prefill_lane
-    with pytest.raises(UnsupportedFeature, match="prefill_lane='on' with page_size=16"):
-        caps(prefill_lane="on", page_size=16)
+    assert caps().prefill_lane and caps(prefill_lane="on").prefill_lane and caps(page_size=16).prefill_lane
+    assert not caps(prefill_lane="off").prefill_lane and not caps(prefill_lane="off", page_size=16).prefill_lane
 
 
 def test_the_page_pools_grow_only_while_no_one_writes_them():

@@ -192,13 +192,12 @@ class TpuJaxEngine(EngineBase):
     def _prefill_lane(self, platform: str) -> bool:
         """Option prefill_lane: 'auto' is on for the CPU platform (XLA's host threads serve a
         step and the lane's prefill side by side), off on a TPU or GPU (a device runs one
-        program at a time: a step would wait for the whole prefill). Not with page_size (a
-        paged prefill writes the pool the steps write); 'on' with it is refused."""
-        lane, paged = self.options["prefill_lane"], self.options["page_size"]
-        if lane == "on" and paged:
-            raise UnsupportedFeature(f"prefill_lane='on' with page_size={paged}", self.name,
-                                     "the prefill lane runs on contiguous K/V; leave prefill_lane at 'auto' or 'off'")
-        return lane == "on" or (lane == "auto" and platform == "cpu" and not paged)
+        program at a time: a step would wait for the whole prefill). With page_size the
+        lane's prefill runs over a contiguous cache of its own, as every paged prefill
+        does, and only its scatter into the pools (and a continuation's gather from them)
+        waits for the pools' lock, which a step holds while it dispatches."""
+        lane = self.options["prefill_lane"]
+        return lane == "on" or (lane == "auto" and platform == "cpu")
 
     @staticmethod
     def _devices(platform: str) -> list[Any]:
@@ -322,11 +321,10 @@ class TpuJaxEngine(EngineBase):
         if self._paged is not None:  # the decode step of every page-table width, and a refused step's page work
             for width in self._paged.widths:
                 state, out = self._generate(params, state, {}, None, width=width)
-            k, v = self._paged.take()
-            with self.compiles.track():
-                k, v, state.arrays.table = paged.page_ops_step(k, v, state.arrays.table, self._paged.ops([], []),
+            with self._paged.donating() as pools, self.compiles.track():
+                k, v, state.arrays.table = paged.page_ops_step(*pools, state.arrays.table, self._paged.ops([], []),
                                                                cfg=self.cfg)
-            self._paged.put(k, v)
+                pools[:] = k, v
         state = self.free_resource(state, 0)
         jax.block_until_ready((out.tokens, state.arrays))
         self._spare = state
@@ -625,11 +623,10 @@ class TpuJaxEngine(EngineBase):
             with self.compiles.track():
                 state.arrays, packed = steps.generate_step(params, state.arrays, tokens, mask, words, cfg=self.cfg)
         else:
-            k, v = self._paged.take()
-            with self.compiles.track(width):
+            with self._paged.donating() as pools, self.compiles.track(width):
                 k, v, state.arrays, packed = paged.paged_generate_step(
-                    params, k, v, state.arrays, ops, tokens, mask, words, cfg=self.cfg, width=width)
-            self._paged.put(k, v)
+                    params, *pools, state.arrays, ops, tokens, mask, words, cfg=self.cfg, width=width)
+                pools[:] = k, v
         self.profiler.after_step(packed)
         return state, self._results(packed)
 
@@ -640,11 +637,10 @@ class TpuJaxEngine(EngineBase):
             return self._paged.prepare(state.seqs, live, positions)
         except Exception as exc:
             if hasattr(exc, "page_ops"):
-                k, v = self._paged.take()
-                with self.compiles.track():
-                    k, v, state.arrays.table = paged.page_ops_step(k, v, state.arrays.table,
+                with self._paged.donating() as pools, self.compiles.track():
+                    k, v, state.arrays.table = paged.page_ops_step(*pools, state.arrays.table,
                                                                    self._paged.ops(*exc.page_ops), cfg=self.cfg)
-                self._paged.put(k, v)
+                    pools[:] = k, v
             raise
 
     # -- portable prefixes ---------------------------------------------------------------

@@ -73,7 +73,7 @@ OPTIONS: dict[str, Option] = {
     # a long prompt prefills on a thread of its own beside the decode steps (capability
     # prefill_lane; docs/tpu_jax.md, "The prefill lane")
     "prefill_lane": Option("auto", "prefill long prompts beside the decode steps (capability prefill_lane): 'on', "
-                                   "'off', or 'auto' (on the CPU platform without page_size; off on TPU and GPU, "
+                                   "'off', or 'auto' (on the CPU platform; off on TPU and GPU, "
                                    "where a device runs one program at a time)", choices=("auto", "on", "off")),
     "warmup": Option(False, "compile every bucket when the weights load (else on first use)"),
     "profiler_port": Option(0, "start JAX's profiler server on this port", minimum=0, maximum=65535),

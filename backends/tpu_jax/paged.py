@@ -33,7 +33,9 @@ pool has one shape and never compiles again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from polyengine.kit import on_lane
 from polyengine.pages import PageError, PageList, PagePool, pages_for
 
 from polyengine.backends.tpu_jax import sampling as smp
@@ -204,6 +207,10 @@ class PagedKV:
     def __init__(self, pool: PagePool, cfg: StepConfig, put_tree: Callable[[Any], Any], first_size: int,
                  track: Callable[[Any], Any]):
         self.pool, self.cfg, self._put, self._first_size, self._track = pool, cfg, put_tree, first_size, track
+        # Held from reading the pools to storing what a program returns for them: the
+        # prefill lane's writes and gathers run on a thread of their own beside the steps,
+        # and a pool donated by one must not be handed to the other.
+        self.lock = threading.RLock()
         self._k: jax.Array | None = None
         self._v: jax.Array | None = None
         self.width = pages_for(cfg.cache_length, pool.page_size)  # the table's columns: a context's pages
@@ -232,21 +239,25 @@ class PagedKV:
             else:
                 self._k, self._v = grow_pool(self._k, self._v, cfg=self.cfg, pages=size)
 
-    def take(self) -> tuple[jax.Array, jax.Array]:
-        """The pools, grown, for a program that donates them (:meth:`put` stores what it
-        returns). The donated arrays stay referenced until then: a program that fails
-        leaves them usable, or deleted by the donation (a loud error at the next use),
-        never silently replaced by a fresh, zeroed pool."""
-        self.grow()
-        return self._k, self._v
-
-    def put(self, k: jax.Array, v: jax.Array) -> None:
-        self._k, self._v = k, v
+    @contextlib.contextmanager
+    def donating(self):
+        """The pools, grown, as a list ``[k, v]`` for a program that donates them: what the
+        block stores in the list becomes the pools, under :attr:`lock` throughout. The
+        donated arrays stay referenced until then: a program that fails leaves them
+        usable, or deleted by the donation (a loud error at the next use), never silently
+        replaced by a fresh, zeroed pool."""
+        with self.lock:
+            self.grow()
+            pools = [self._k, self._v]
+            yield pools
+            self._k, self._v = pools
 
     def peek(self) -> tuple[jax.Array, jax.Array]:
-        """The pools, grown, for a program that only reads them."""
-        self.grow()
-        return self._k, self._v
+        """The pools, grown, for a program that only reads them (dispatch it under
+        :attr:`lock`, before a step can donate them)."""
+        with self.lock:
+            self.grow()
+            return self._k, self._v
 
     # -- host arrays of the programs' inputs ---------------------------------------------
 
@@ -289,9 +300,12 @@ class PagedKV:
         offsets[pos] = pos % ps
         ops = self.ops(copies, [])
         pages, offsets = self._put((pages, offsets))
-        k, v = self.take()
-        with self._track(b):
-            self.put(*write_pages_step(k, v, new_k, new_v, pages, offsets, ops, cfg=self.cfg))
+        if on_lane():
+            # The scatter's output pools are the next step's input: dispatched before the
+            # lane's prefill is done, it would hold every step behind the whole prefill.
+            jax.block_until_ready((new_k, new_v))
+        with self.donating() as pools, self._track(b):
+            pools[:] = write_pages_step(*pools, new_k, new_v, pages, offsets, ops, cfg=self.cfg)
 
     def gather(self, seq: PageList, length: int) -> tuple[jax.Array, jax.Array]:
         """``seq``'s first pages as contiguous K and V (layers, kv_heads, length, head_dim);
@@ -300,9 +314,9 @@ class PagedKV:
         ids = np.zeros(pages_for(length, self.page_size), np.int32)
         have = min(len(seq.pages), ids.size)
         ids[:have] = seq.pages[:have]
-        k, v = self.peek()
-        with self._track(length):
-            return gather_pages_step(k, v, self._put(ids), cfg=self.cfg, length=length)
+        ids = self._put(ids)
+        with self.lock, self._track(length):
+            return gather_pages_step(*self.peek(), ids, cfg=self.cfg, length=length)
 
     # -- decode steps ---------------------------------------------------------------------------
 
