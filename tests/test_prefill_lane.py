@@ -264,11 +264,12 @@ def test_the_cpu_lane_is_half_the_threads_with_pages_too_and_off_with_one_thread
         _cpu(model, prefill_threads=2)
 
 
-def _lane_against_turns(model, options, lengths=(6, 38)):
+def _lane_against_turns(model, options, lengths=(6, 38), engine=None):
     """Streams decode while the lane prefills a short prompt, a long one and a continuation
     of a prefix that a prefill on the caller's thread continues at the same time; then the
-    same calls one after another on a fresh engine. Both runs' prefixes (logits, first
-    token, exported K/V), step log-probs, and the lane's (kernel threads, others' threads)."""
+    same calls one after another on a fresh engine (``engine()``, else the cpu engine with
+    ``options``). Both runs' prefixes (logits, first token, exported K/V), step log-probs,
+    and the lane's (kernel threads, others' threads)."""
     sp = SamplingParams(seed=9, max_tokens=1, logprobs=True)
     rng = np.random.default_rng(12)
     streams = [rng.integers(3, 250, n).tolist() for n in (4, 7)]
@@ -276,10 +277,10 @@ def _lane_against_turns(model, options, lengths=(6, 38)):
     short, long = (rng.integers(3, 250, n).tolist() for n in lengths)
 
     def run(lane: bool):
-        eng = _cpu(model, max(lengths), **options)
+        eng = engine() if engine is not None else _cpu(model, max(lengths), **options)
         params = eng.load_params()
         seen = []
-        if lane:
+        if lane and engine is None:
             inner = eng.prefill
 
             def spy(**kw):
@@ -346,18 +347,29 @@ def test_the_cpu_lane_on_the_default_models_blocks_is_bit_for_bit_too(default_gg
     assert got[3] and all(seen == (1, 1) for seen in got[3])
 
 
-def test_tpu_jax_has_the_lane_on_the_cpu_platform_with_pages_too(model):
-    """tpu_jax's option prefill_lane: 'auto' is on for the CPU platform, with page_size
-    too; 'off' is off. (The lane with pages against the same calls in turn:
-    tests/test_tpu_jax_paged.py.)"""
+def _tpu_jax(model, **options):
     pytest.importorskip("jax")
     from polyengine.backends.tpu_jax.engine import TpuJaxEngine
 
-    def caps(**options):
-        return TpuJaxEngine(model, CFG.model_copy(update={"options": options})).capabilities
+    return TpuJaxEngine(model, CFG.model_copy(update={"options": options}))
 
+
+def test_tpu_jax_has_the_lane_on_the_cpu_platform_with_pages_too(model):
+    """tpu_jax's option prefill_lane: 'auto' is on for the CPU platform, with page_size
+    too; 'off' is off."""
+    caps = lambda **options: _tpu_jax(model, **options).capabilities  # noqa: E731
     assert caps().prefill_lane and caps(prefill_lane="on").prefill_lane and caps(page_size=16).prefill_lane
     assert not caps(prefill_lane="off").prefill_lane and not caps(prefill_lane="off", page_size=16).prefill_lane
+
+
+@pytest.mark.usefixtures("jax_compile_less")  # a tiny model: compile time over run time
+def test_the_tpu_jax_lane_with_pages_computes_bit_for_bit_what_the_calls_compute_in_turn(model):
+    """tpu_jax's lane with page_size: its prefills run over a contiguous cache of their own,
+    then scatter into pages, and a continuation gathers its prefix's pages, beside the
+    steps, which donate the pools (PagedKV.donating holds them under a lock): every prefix
+    and step equals the same calls one after another."""
+    got, want = _lane_against_turns(model, {}, engine=lambda: _tpu_jax(model, page_size=4))
+    _assert_the_same(got, want)
 
 
 def test_the_page_pools_grow_only_while_no_one_writes_them():

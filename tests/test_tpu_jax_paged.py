@@ -238,52 +238,6 @@ def test_tpu_jax_ray_refuses_pages_before_any_worker_starts(tiny):
 # -- two CPU devices ------------------------------------------------------------------------
 
 
-def _lane_against_turns(model, lane: bool):
-    """Two streams decode while the lane prefills a prompt and continues a prefix that a
-    prefill on the caller's thread continues at the same time (or the same calls one
-    after another): the prefixes (logits, first token, exported K/V) and the steps'
-    log-probs."""
-    sp = SamplingParams(seed=9, max_tokens=1, logprobs=True)
-    rng = np.random.default_rng(12)
-    streams = [rng.integers(3, 280, n).tolist() for n in (4, 7)]
-    head, tail_a, tail_b, whole = (rng.integers(3, 280, n).tolist() for n in (9, 14, 6, 22))
-    eng = _engine(model, page_size=4)
-    assert eng.capabilities.prefill_lane
-    params, state = eng.load_params(), eng.init_decode_state()
-    for slot, prompt in enumerate(streams):
-        state = eng.insert(eng.prefill(params=params, tokens=prompt, sampling=sp)[0], state, slot)
-    h = eng.prefill(params=params, tokens=head, sampling=sp)[0]
-    calls = [dict(tokens=tail_a, existing_prefix=h), dict(tokens=whole)]
-    if lane:
-        futures = [eng.start_prefill(params=params, sampling=sp, **c) for c in calls]
-    else:
-        made = [eng.prefill(params=params, sampling=sp, **c) for c in calls]
-    beside = eng.prefill(params=params, tokens=tail_b, sampling=sp, existing_prefix=h)
-    steps = []
-    for _ in range(6):  # positions past a page's edge: new pages taken while the lane takes its own
-        state, r = eng.generate(params, state)
-        steps.append(np.asarray(r.logprobs).copy())
-    if lane:
-        made = [f.result(timeout=300) for f in futures]
-    out = [(p.host_logits().copy(), int(f.tokens[0, 0]), eng.export_prefix(p)) for p, f in [*made, beside]]
-    return out, steps
-
-
-def test_the_lane_with_pages_computes_what_the_calls_compute_in_turn(tiny):
-    """tpu_jax's prefill lane with page_size: the lane's prefills (over a contiguous cache
-    of their own, then scattered into pages) and a continuation's gather from the pools run
-    beside the steps, which donate the pools; all equal bit for bit to the same calls made
-    one after another."""
-    got, got_steps = _lane_against_turns(tiny, lane=True)
-    want, want_steps = _lane_against_turns(tiny, lane=False)
-    for (la, ta, ea), (lb, tb, eb) in zip(got, want):
-        assert ta == tb and np.array_equal(la, lb)
-        np.testing.assert_array_equal(ea.k, eb.k)
-        np.testing.assert_array_equal(ea.v, eb.v)
-    for a, b in zip(got_steps, want_steps):
-        np.testing.assert_array_equal(a, b)
-
-
 def _sharded_main() -> None:
     """In the subprocess: the workload on one device (contiguous and paged) and on a mesh of
     two (paged: tp 2 over the KV heads; dp 2 over the slots); prints one JSON line."""
@@ -310,13 +264,19 @@ def _sharded_main() -> None:
     print("RESULT " + json.dumps(out))
 
 
-def test_paged_on_two_cpu_devices_equals_one():
+def on_two_cpu_devices(script: str) -> dict:
+    """Run ``script`` with argument ``sharded`` on two JAX CPU devices (a subprocess, tiny
+    models' compile flags); the dict of its last ``RESULT`` line."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
            "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-    proc = subprocess.run([sys.executable, __file__, "sharded"], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, script, "sharded"], env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_paged_on_two_cpu_devices_equals_one():
+    out = on_two_cpu_devices(__file__)
     assert set(out) == {f"{s}-{m}" for s in SAMPLINGS for m in ("tp2", "dp2")}
     for what, r in out.items():
         assert r["tokens_equal"], what

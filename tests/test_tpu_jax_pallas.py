@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -29,7 +28,7 @@ from polyengine.errors import InvalidRequest  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_tpu_jax_paged import CFG, SAMPLINGS, _run  # noqa: E402
+from test_tpu_jax_paged import CFG, SAMPLINGS, _run, on_two_cpu_devices  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("jax_compile_less")  # tiny models: compile time over run time
 
@@ -110,8 +109,8 @@ def _engine(model, **options):
 def test_pallas_needs_pages(tiny):
     with pytest.raises(InvalidRequest, match="paged_attention='pallas' reads K/V pages: set page_size"):
         _engine(tiny, paged_attention="pallas")
-    assert _engine(tiny).cfg.paged_attention == "gather"  # auto, contiguous
-    assert _engine(tiny, page_size=4).cfg.paged_attention == "gather"  # auto on the CPU
+    assert _engine(tiny).paged_kernel == "gather"  # auto, contiguous
+    assert _engine(tiny, page_size=4).paged_kernel == "gather"  # auto on the CPU
     # what `polyengine generate` prints under "backend:"
     assert "pages gathered per layer" in _engine(tiny, page_size=4).speed_paths()["kv"]
     assert "under Pallas's TPU interpreter" in _engine(tiny, page_size=4, paged_attention="pallas").speed_paths()["kv"]
@@ -121,7 +120,7 @@ def test_pallas_needs_pages(tiny):
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_the_kernels_steps_equal_the_gathers(tiny, sampling):
     gather, kernel = _engine(tiny, page_size=4), _engine(tiny, page_size=4, paged_attention="pallas")
-    assert kernel.cfg.paged_attention == "interpret"
+    assert kernel.paged_kernel == "interpret"
     want, want_lp, want_kv = _run(gather, SAMPLINGS[sampling])
     got, got_lp, got_kv = _run(kernel, SAMPLINGS[sampling])
     assert got == want
@@ -139,7 +138,8 @@ def test_the_traced_step_holds_the_kernel_and_the_gathers_does_not(tiny):
         k, v = eng._paged.peek()
         ops = eng._paged.ops([], [])
         no = np.zeros(eng.cfg.slots, np.int32)
-        return str(jax.make_jaxpr(lambda *a: paged.paged_forward_step(*a, cfg=eng.cfg, width=2))(
+        return str(jax.make_jaxpr(lambda *a: paged.paged_forward_step(*a, cfg=eng.cfg, width=2,
+                                                                      kernel=eng.paged_kernel))(
             eng.load_params(), k, v, state.arrays.table, ops, state.arrays.rows, no, no.astype(bool)))
 
     assert "pallas_call" in step_jaxpr(_engine(tiny, page_size=4, paged_attention="pallas"))
@@ -162,18 +162,13 @@ def _sharded_main() -> None:
         eng = TpuJaxEngine(model, CFG.model_copy(update={"options": {
             **options, "page_size": 4, "paged_attention": "pallas"}}))
         got = _run(eng, SAMPLINGS["greedy"])
-        out[name] = {"mesh": eng.plan.describe(), "kernel": eng.cfg.paged_attention, "tokens_equal": got[0] == want[0],
+        out[name] = {"mesh": eng.plan.describe(), "kernel": eng.paged_kernel, "tokens_equal": got[0] == want[0],
                      "logprobs_max_abs_diff": float(np.abs(got[1] - want[1]).max())}
     print("RESULT " + json.dumps(out))
 
 
 def test_the_kernel_on_two_cpu_devices_equals_the_gather_on_one():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-    proc = subprocess.run([sys.executable, __file__, "sharded"], env=env, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = on_two_cpu_devices(__file__)
     assert out["tp2"]["mesh"] == "mesh dp=1 x tp=2" and out["dp2"]["mesh"] == "mesh dp=2 x tp=1"
     for what, r in out.items():
         assert r["kernel"] == "interpret" and r["tokens_equal"], (what, r)

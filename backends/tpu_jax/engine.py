@@ -107,10 +107,11 @@ class TpuJaxEngine(EngineBase):
         self.cfg = steps.StepConfig(
             model=model.config, dtype=self.dtype, slots=config.max_slots, cache_length=config.max_cache_length,
             plan=plan, attention=o["attention"], quantize=o["quantize"], blocks=bool(self._blocks),
-            kv_int8=o["kv_quantize"] == "int8", paged_attention=self._paged_attention(),
+            kv_int8=o["kv_quantize"] == "int8",
             num_top=MAX_TOP_LOGPROBS, candidates=o["candidates"])
         # Paged K/V (option page_size): the page ids and counts (polyengine.pages) and the
         # pools on the mesh they index (paged.py), made with the first prefix or decode state.
+        self.paged_kernel = self._paged_attention()  # "gather", "pallas" or "interpret" (pallas.resolve)
         ps, kv_pages = self.capabilities.page_size, o["kv_pages"]
         if kv_pages and (not ps or kv_pages < pages_for(config.max_cache_length, ps) + 1):
             raise InvalidRequest(
@@ -156,7 +157,7 @@ class TpuJaxEngine(EngineBase):
     def speed_paths(self) -> dict[str, str]:
         """What the engine runs on (``polyengine generate`` and ``backends --verbose`` print it)."""
         kv = (f"pages of {self.pages.page_size} positions; decode attention: "
-              f"{self._ATTENTION_WORDS[self.cfg.paged_attention]}" if self.pages else
+              f"{self._ATTENTION_WORDS[self.paged_kernel]}" if self.pages else
               "one contiguous cache row per slot (option page_size: pages)")
         return {"device": str(self.device), "kv": kv}
 
@@ -625,7 +626,8 @@ class TpuJaxEngine(EngineBase):
         else:
             with self._paged.donating() as pools, self.compiles.track(width):
                 k, v, state.arrays, packed = paged.paged_generate_step(
-                    params, *pools, state.arrays, ops, tokens, mask, words, cfg=self.cfg, width=width)
+                    params, *pools, state.arrays, ops, tokens, mask, words, cfg=self.cfg, width=width,
+                    kernel=self.paged_kernel)
                 pools[:] = k, v
         self.profiler.after_step(packed)
         return state, self._results(packed)

@@ -171,29 +171,30 @@ def insert_pages_step(table, pages, mask, *, cfg: StepConfig):
     return cfg.plan.constrain(jnp.where(mask[:, None], pages[None], table), ("slots", None))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "width"), donate_argnames=("k", "v", "table"))
+@functools.partial(jax.jit, static_argnames=("cfg", "width", "kernel"), donate_argnames=("k", "v", "table"))
 def paged_forward_step(params, k, v, table, ops: PageOps, rows: SlotRows, override_tokens, override_mask, *,
-                       cfg: StepConfig, width: int):
+                       cfg: StepConfig, width: int, kernel: str = "gather"):
     """:func:`~.steps.forward_step` over the page pools: the step's page work applied,
     then every live slot's token at its latest position, attention over the first
-    ``width`` pages of each table row (``width`` covers every live row's pages). Returns
+    ``width`` pages of each table row (``width`` covers every live row's pages), read by
+    ``kernel`` (:func:`.pallas.resolve`: the gather or the Pallas kernel). Returns
     logits (R, V) float32, the live mask, the pools and the table."""
     k, v, table = _apply(cfg, k, v, table, ops)
     feed = jnp.where(override_mask, override_tokens, rows.next_tokens)
     live = _live(rows, cfg.cache_length)
     positions = jnp.maximum(rows.prompt_len + rows.completion - 1, 0)
     logits, k, v = run_model(cfg, params, feed[:, None], positions[:, None], k, v, write_mask=live[:, None],
-                             page_table=table[:, :width])
+                             page_table=table[:, :width], paged_kernel=kernel)
     logits = cfg.plan.constrain(logits[:, 0].astype(jnp.float32), ("slots", "vocab"))
     return logits, cfg.plan.constrain(live, ("slots",)), *_constrain_pool(cfg, k, v), table
 
 
 def paged_generate_step(params, k, v, state: DecodeArrays, ops: PageOps, override_tokens, override_mask, token_mask,
-                        *, cfg: StepConfig, width: int):
+                        *, cfg: StepConfig, width: int, kernel: str = "gather"):
     """:func:`~.steps.generate_step` over the page pools (``k``/``v`` and ``state``
     donated): returns (k, v, state, packed results)."""
     logits, live, k, v, table = paged_forward_step(params, k, v, state.table, ops, state.rows, override_tokens,
-                                                   override_mask, cfg=cfg, width=width)
+                                                   override_mask, cfg=cfg, width=width, kernel=kernel)
     rows, packed = sample_step(state.rows, logits, live, override_tokens, override_mask, token_mask, cfg=cfg.sampler)
     return k, v, DecodeArrays(k=None, v=None, rows=rows, table=table), packed
 

@@ -87,7 +87,6 @@ class StepConfig:
     quantize: str = ""  # int8 weights: "", "int8", "int8-block32"
     blocks: bool = False  # some matrices are a file's GGUF blocks (quantize.block_arrays)
     kv_int8: bool = False
-    paged_attention: str = "gather"  # with page_size: "gather", "pallas" or "interpret" (pallas.resolve)
     num_top: int = 20  # width of the top log-probs every result carries
     candidates: int = 64  # top-k bound under which the filters skip the full sort
 
@@ -199,21 +198,23 @@ def _constrain_rows(cfg: SampleConfig, s: SlotRows) -> SlotRows:
 
 
 def run_model(cfg: StepConfig, params, tokens, positions, k, v, *, write_mask, logits_at=None, int8_cache=False,
-              page_table=None):
+              page_table=None, paged_kernel="gather"):
     """The shared torch forward on JAX arrays (traced by torchax): ``(logits, k, v)``.
     ``int8_cache``: ``k``/``v`` hold :func:`~.quantize.kv_encode`'d values. ``page_table``
     (B, W) int32: ``k``/``v`` are page pools (:mod:`.paged`) read and written through it,
-    decode attention on the Pallas kernel where ``cfg.paged_attention`` says (:mod:`.pallas`)."""
+    decode attention on the Pallas kernel where ``paged_kernel`` says (``"gather"``, ``"pallas"``
+    or ``"interpret"``: :func:`.pallas.resolve`; a static argument of the paged decode step
+    alone, so every other program is shared by engines that differ only in it)."""
     import_torchax()
     from torchax.interop import call_torch
 
     from polyengine.backends.torch_common.model import StepSpec, TorchWeights, forward
 
     kernel = None
-    if page_table is not None and cfg.paged_attention != "gather":
+    if page_table is not None and paged_kernel != "gather":
         from polyengine.backends.tpu_jax.pallas import torch_hook
 
-        kernel = torch_hook(cfg.plan, interpret=cfg.paged_attention == "interpret")
+        kernel = torch_hook(cfg.plan, interpret=paged_kernel == "interpret")
     spec = StepSpec(attention=cfg.attention, linear=int8_linear if cfg.quantize or cfg.blocks else None,
                     kv_codec=Int8KVCodec(cfg.jax_dtype) if int8_cache else None, page_layout="heads",
                     paged_attention=kernel)
