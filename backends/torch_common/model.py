@@ -427,7 +427,9 @@ class _Call:
     cache_rows: torch.Tensor  # (B,) the same, always a tensor
     writes: _Writes
     page_table: torch.Tensor | None = None  # (B, pages) int64: paged caches, batch row b's page ids
-    cache_pos: torch.Tensor | None = None  # (B, T) the queries' positions (paged caches)
+    pages: torch.Tensor | None = None  # (B, ceil(kv_len / page_size)): the page ids attention reads
+    heads_first: bool = False  # paged caches in the "heads" layout (StepSpec.page_layout)
+    lengths: torch.Tensor | None = None  # (B,) int32 keys each row attends (for StepSpec.paged_attention)
 
 
 def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: torch.Tensor | None,
@@ -469,10 +471,14 @@ def _call(weights: TorchWeights, spec: StepSpec, positions: torch.Tensor, rows: 
         # page and offset with its value: the no-op holds in pages too.
         writes.rows = page_table[writes.rows, writes.pos // page_size]
         writes.pos = writes.pos % page_size
-    return _Call(
-        batch=b, seq=seq, kv_len=kv_len, rope=rope, visible=visible, rows=rows, cache_rows=cache_rows,
-        writes=writes, page_table=page_table, cache_pos=None if page_table is None else positions,
-    )
+    paged = {}
+    if page_table is not None:
+        paged = dict(page_table=page_table, pages=page_table[:, : -(-kv_len // page_size)],
+                     heads_first=spec.page_layout == "heads")
+        if spec.paged_attention is not None and seq == 1:  # keys 0..the query's position
+            paged["lengths"] = (positions[:, 0] + 1).clamp(1, kv_len).to(torch.int32)
+    return _Call(batch=b, seq=seq, kv_len=kv_len, rope=rope, visible=visible, rows=rows, cache_rows=cache_rows,
+                 writes=writes, **paged)
 
 
 def attention_block(weights: TorchWeights, spec: StepSpec, call: _Call, layer: int, h: torch.Tensor,
@@ -502,11 +508,9 @@ def attention_block(weights: TorchWeights, spec: StepSpec, call: _Call, layer: i
     k_cache, v_cache = kv_write(spec, call, layer, k.reshape(b * seq, nkv, hd), v.reshape(b * seq, nkv, hd),
                                 k_cache, v_cache)
     scale, window, softcap = c.attention_scale, c.layer_window(layer), c.attn_logit_softcapping
-    if spec.paged_attention is not None and call.page_table is not None and seq == 1 and window is None:
+    if call.lengths is not None and window is None:
         # The engine's kernel reads the pages in place (no gathered copy of each row's K/V).
-        pages = call.page_table[:, : -(-call.kv_len // k_cache.shape[3])]
-        lengths = (call.cache_pos[:, 0] + 1).clamp(1, call.kv_len).to(torch.int32)  # keys 0..position
-        out = spec.paged_attention(q[:, 0], k_cache[layer], v_cache[layer], pages, lengths, scale, softcap)
+        out = spec.paged_attention(q[:, 0], k_cache[layer], v_cache[layer], call.pages, call.lengths, scale, softcap)
         return lin(t, out.reshape(b, 1, nh * hd), pre + "o_proj"), k_cache, v_cache
     keys, vals = kv_read(spec, call, layer, k_cache, v_cache)
 
@@ -530,9 +534,8 @@ def kv_write(spec: StepSpec, call: _Call, layer: int, k_new: torch.Tensor, v_new
     if spec.kv_codec is not None:
         k_new = spec.kv_codec.encode("k", layer, k_new, call.writes.rows[:, 0])
         v_new = spec.kv_codec.encode("v", layer, v_new, call.writes.rows[:, 0])
-    heads_first = call.page_table is not None and spec.page_layout == "heads"
-    return (_write(k_cache, layer, call.writes, k_new, spec.inplace, heads_first),
-            _write(v_cache, layer, call.writes, v_new, spec.inplace, heads_first))
+    return (_write(k_cache, layer, call.writes, k_new, spec.inplace, call.heads_first),
+            _write(v_cache, layer, call.writes, v_new, spec.inplace, call.heads_first))
 
 
 def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
@@ -541,10 +544,8 @@ def kv_read(spec: StepSpec, call: _Call, layer: int, k_cache: torch.Tensor,
     view of the cache when batch row b is cache row b, else a gather (of the row's pages,
     in order, when the caches are page pools); decoded."""
     if call.page_table is not None:
-        ps = k_cache.shape[3]
-        pages = call.page_table[:, : -(-call.kv_len // ps)]  # (B, P)
-        keys = _gather_pages(k_cache[layer], pages, call.kv_len, spec.page_layout == "heads")
-        vals = _gather_pages(v_cache[layer], pages, call.kv_len, spec.page_layout == "heads")
+        keys = _gather_pages(k_cache[layer], call.pages, call.kv_len, call.heads_first)
+        vals = _gather_pages(v_cache[layer], call.pages, call.kv_len, call.heads_first)
     elif call.rows is None:
         keys = k_cache[layer, :, :, : call.kv_len]  # a view
         vals = v_cache[layer, :, :, : call.kv_len]
