@@ -52,7 +52,11 @@ class Option:
             or (want is int and is_int(value))
             or (want is float and (is_int(value) or isinstance(value, float)))
             or (want not in (bool, int, float) and isinstance(value, want))
+            # choices of several types ("auto", True, False): a value of one of their types
+            or (self.choices is not None and any(type(value) is type(c) for c in self.choices))
         )
+        if not typed and self.choices is not None and len({type(c) for c in self.choices}) > 1:
+            return f"use one of {', '.join(repr(c) for c in self.choices)}"
         if not typed:
             return f"must be a {want.__name__} (like its default {default!r})"
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.backends.cpu.engine import CpuEngine  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
-from polyengine.errors import FallbackWarning, UnsupportedFeature  # noqa: E402
+from polyengine.errors import FallbackWarning, InvalidRequest, UnsupportedFeature  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.models.blocks import BLOCK_FORMATS  # noqa: E402
 from polyengine.models.quant_presets import quantized_model_file  # noqa: E402
@@ -197,7 +197,7 @@ def test_prefill_on_blocks_runs_the_kernels_up_to_their_row_limit(files, monkeyp
 
     model = load_model(files("Q4_K"))
     cfg = EngineConfig(max_slots=2, max_prefill_length=100, max_cache_length=128,
-                       options={"prefill_compute": prefill_compute})
+                       options={"prefill_compute": prefill_compute, "repack_weights": False})  # the file's layout
     if prefill_compute == "int16":
         from isa_paths import kernels_for
 
@@ -365,13 +365,38 @@ def test_repacked_rows_against_one_int8_row_serve_every_row_count(files, fmt, is
     assert got == [alone.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
 
 
-def test_repacked_weights_with_many_rows_and_their_refusals(files):
+def test_repacked_weights_with_many_rows_and_their_refusals(files, oracle):
     """Nine slots at once multiply on int16 tiles filled from the repacked groups; the
     option is refused, naming why, without block weights, on the scalar path, and with
-    float32 activations."""
+    float32 activations; its default, ``auto``, repacks wherever the rows run and is
+    silent elsewhere; ``False`` keeps the file's layout."""
     from isa_paths import kernels_for
 
     model = load_model(files("Q4_K"))
+    assert CpuEngine.OPTIONS["repack_weights"].default == "auto"
+    assert CpuEngine(model, CFG).plan.repack == kernels_for("auto").gguf_packed
+    assert not CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": False}})).plan.repack
+    assert not CpuEngine(load_model("random:tiny"), CFG).plan.repack
+    assert not CpuEngine(model, CFG.model_copy(update={"options": {"int8_compute": "float"}})).plan.repack
+    # auto leaves Q8_0 in the file's layout under int8x2 (AUTO_REPACK_KEEPS): a mixed model
+    # packs its other formats, a Q8_0 file none; one int8 row packs every format
+    if kernels_for("auto").gguf_packed:
+        from polyengine.conformance.models import build_model
+
+        mixed = build_model("quant_mixed")
+        eng = CpuEngine(mixed, CFG)
+        assert eng.plan.repack and eng.plan.repack_kept == ("Q8_0",)
+        assert "Q8_0 kept as mapped" in eng.speed_paths()["weights"]
+        eng.load_params()
+        assert {b.format for b in eng._blocks.values() if b.packed is None} == {"Q8_0"}
+        assert _tokens(mixed, "cpu") == oracle(mixed)
+        assert not CpuEngine(load_model(files("Q8_0")), CFG).plan.repack
+        whole = CpuEngine(mixed, CFG.model_copy(update={"options": {"int8_compute": "int8"}})).plan
+        assert whole.repack and whole.repack_kept == () and whole.packed_rows
+        assert CpuEngine(mixed, CFG.model_copy(update={"options": {"repack_weights": True}})).plan.repack_kept == ()
+    for bad in (1, "on", None):
+        with pytest.raises(InvalidRequest, match="repack_weights.*use one of 'auto', True, False"):
+            CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": bad}}))
     with pytest.raises(UnsupportedFeature, match="repack_weights=True.*block weights"):
         CpuEngine(load_model("random:tiny"), CFG.model_copy(update={"options": {"repack_weights": True}}))
     with pytest.raises(UnsupportedFeature, match="repack_weights=True.*int8_compute='float'|repack_weights=True.*AVX2"):
@@ -383,6 +408,7 @@ def test_repacked_weights_with_many_rows_and_their_refusals(files):
     else:
         with pytest.raises(UnsupportedFeature, match="repack_weights=True.*AVX2 or AVX-512 VNNI"):
             CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": True, "isa": "scalar"}}))
+        assert not CpuEngine(model, CFG.model_copy(update={"options": {"isa": "scalar"}})).plan.repack
     if not kernels_for("auto").gguf_packed:
         return
     prompts = [[3 + (5 * i + 7 * j) % 200 for i in range(4 + j)] for j in range(9)]

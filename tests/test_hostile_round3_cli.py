@@ -96,6 +96,17 @@ def test_backend_options_are_bounded(value, words):
     assert check_options({"t": Option(30.0)}, {"t": 2.5}, backend="b")["t"] == 2.5
 
 
+def test_an_option_with_choices_of_several_types_takes_each_and_nothing_else():
+    """("auto", True, False): a string or a boolean of the choices; 1 (equal to True in
+    Python) and other strings are refused, naming the choices."""
+    table = {"repack": Option("auto", choices=("auto", True, False))}
+    for value in ("auto", True, False):
+        assert check_options(table, {"repack": value}, backend="b")["repack"] is value
+    for value in (1, 0, 1.0, "on", None, [True]):
+        with pytest.raises(InvalidRequest, match="use one of 'auto', True, False"):
+            check_options(table, {"repack": value}, backend="b")
+
+
 def test_the_allowlist_can_name_a_backend_its_plugin_registers(monkeypatch):
     monkeypatch.setenv("POLYENGINE_BACKENDS", "tpu_jax_ray")
     backends = PluginRegistry().backends()

@@ -63,8 +63,10 @@ OPTIONS = {
     # a copy of the block weights with sixteen rows interleaved, made tensor by tensor at
     # load, for the decode products (csrc/packed.h): a block's conversion and scale serve
     # sixteen outputs; the file's blocks stay mapped for prefill and the embedding lookups
-    "repack_weights": Option(False, "decode products on a copy of the GGUF blocks with sixteen rows interleaved "
-                                    "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; AVX-512 VNNI), made at load"),
+    "repack_weights": Option("auto", "products on a copy of the GGUF blocks with sixteen rows interleaved, made "
+                                     "at load (AVX-512 VNNI or AVX2, int8 activations); 'auto': wherever that runs, "
+                                     "Q8_0 left as mapped under int8x2 activations",
+                             choices=("auto", True, False)),
     "prefill_attention": Option("auto", "a prefill's causal attention: 'kernel' (host-compiled), 'sdpa' "
                                         "(torch), or 'auto' (kernel on AVX-512 kernels)",
                                 choices=("auto", "kernel", "sdpa")),

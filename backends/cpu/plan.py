@@ -80,6 +80,7 @@ class CpuPlan:
     block_formats: str  # their formats in words ("Q4_K x 7, Q6_K x 2"), "" without any
     block_activations: int  # int8 rows per activation row of block products (0: float32 bands)
     repack: bool  # decode products on the block weights repacked sixteen rows interleaved (csrc/packed.h)
+    repack_kept: tuple[str, ...]  # with repack: formats left in the file's layout (repack_weights "auto")
     # repacked matrices against one int8 row (int8_compute=int8) multiply on the packed
     # groups at every row count, prefill's too: faster than int16 tiles there (docs/cpu.md,
     # "Batch-1 decode on interleaved rows"); with int8x2 tiles are, from TILE_ROWS rows
@@ -116,9 +117,9 @@ class CpuPlan:
         prefill_compute = _prefill_compute(o, host, dtype, weights or ("blocks" if blocks else ""), bf16_activations,
                                            int8_activations or (0 if tiles else block_activations))
         block_tiles = _block_tiles(o, kernels, blocks, prefill_compute, dtype, block_activations)
-        repack = _repack(o, kernels, blocks, block_activations)
-        packed_rows = repack and block_activations == 1 and o["prefill_compute"] == "auto"
+        repack, kept = _repack(o, kernels, model, blocks, block_activations)
         formats = _formats(model, blocks)
+        packed_rows = repack and not kept and block_activations == 1 and o["prefill_compute"] == "auto"
         unfused_why = None if kernels is None else _unfused_why(o, config, weights, blocks, block_activations)
         return cls(
             host=host, dtype=dtype, kv_dtype=kv_dtype, threads=o["threads"], async_steps=o["async_steps"],
@@ -126,7 +127,7 @@ class CpuPlan:
             fused_decode=kernels is not None and unfused_why is None, unfused_why=unfused_why,
             fused_prefill=kernels is not None and unfused_why is None and o["fused_prefill"],
             live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
-            block_activations=block_activations, repack=repack, packed_rows=packed_rows,
+            block_activations=block_activations, repack=repack, repack_kept=kept, packed_rows=packed_rows,
             fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
             block_tiles=block_tiles, prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
@@ -199,8 +200,11 @@ class CpuPlan:
             if self.repack:
                 use = ("every product, prefill's too (one int8 row: int8_compute=int8)" if self.packed_rows else
                        "decode's products and prefill's tiles")
+                kept = (f"; {', '.join(self.repack_kept)} kept as mapped (repack_weights=true packs them too)"
+                        if self.repack_kept else "")
                 return (f"the file's GGUF blocks ({self.block_formats}), copied at load with sixteen rows "
-                        f"interleaved (option repack_weights, csrc/packed.h) for {use}, their file pages released")
+                        f"interleaved (option repack_weights, csrc/packed.h) for {use}, their file pages released"
+                        f"{kept}")
             return (f"the file's GGUF blocks as mapped, never widened whole ({self.block_formats}): decode "
                     f"products on {where}, prefill by dequantized bands into torch's GEMM")
         if self.weights in WEIGHT_MODES:
@@ -479,11 +483,22 @@ def _block_tiles(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple
             and prefill_compute == dtype == torch.float32)
 
 
-def _repack(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple[str, ...], block_activations: int) -> bool:
+# The formats repack_weights="auto" leaves in the file's layout under int8x2 activations:
+# on a 1B Q8_0 file the groups decoded no faster at batch 1 and slower at batch 8 and in
+# prefill (docs/cpu.md, "Batch-1 decode on interleaved rows"); against one int8 row
+# (int8_compute=int8) they are the faster product at every row count, and it packs them.
+AUTO_REPACK_KEEPS = ("Q8_0",)
+
+
+def _repack(o: Mapping[str, Any], kernels: CpuKernels | None, model: Any, blocks: tuple[str, ...],
+            block_activations: int) -> tuple[bool, tuple[str, ...]]:
     """Whether decode's products read the block weights repacked sixteen rows interleaved
-    (option repack_weights; csrc/packed.h)."""
-    if not o["repack_weights"]:
-        return False
+    (option repack_weights; csrc/packed.h), and the formats left in the file's layout.
+    ``"auto"``: wherever the rows run, but for AUTO_REPACK_KEEPS under int8x2; ``True``
+    packs every format and refuses a setting where the rows cannot run."""
+    choice = o["repack_weights"]
+    if choice is False:
+        return False, ()
     why = None
     if not blocks:
         why = ("it repacks a GGUF file's block weights, and none are kept in blocks here (float32 compute on a GGUF "
@@ -494,9 +509,15 @@ def _repack(o: Mapping[str, Any], kernels: CpuKernels | None, blocks: tuple[str,
                 f"this library's int8 path is {kernels.q8_isa}"))
     elif not block_activations:
         why = "its products take int8 activations, and int8_compute='float' asks for float32 ones"
+    if why and choice == "auto":
+        return False, ()
     if why:
         raise UnsupportedFeature("repack_weights=True", BACKEND, why + "; drop the option")
-    return True
+    if choice is True or block_activations == 1:
+        return True, ()
+    present = {model.records[name].format for name in blocks}
+    kept = tuple(f for f in AUTO_REPACK_KEEPS if f in present)
+    return (True, kept) if present - set(kept) else (False, ())
 
 
 def _prefill_attention(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None, fallback: str | None,
