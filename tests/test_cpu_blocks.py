@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch")
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.backends.cpu.engine import CpuEngine  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
-from polyengine.errors import FallbackWarning, InvalidRequest, UnsupportedFeature  # noqa: E402
+from polyengine.errors import FallbackWarning, InsufficientMemory, InvalidRequest, UnsupportedFeature  # noqa: E402
+from polyengine.memory import simulated_limit  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.models.blocks import BLOCK_FORMATS  # noqa: E402
 from polyengine.models.quant_presets import quantized_model_file  # noqa: E402
@@ -365,7 +366,7 @@ def test_repacked_rows_against_one_int8_row_serve_every_row_count(files, fmt, is
     assert got == [alone.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
 
 
-def test_repacked_weights_with_many_rows_and_their_refusals(files, oracle):
+def test_repacked_weights_with_many_rows_and_their_refusals(files, oracle, monkeypatch):
     """Nine slots at once multiply on int16 tiles filled from the repacked groups; the
     option is refused, naming why, without block weights, on the scalar path, and with
     float32 activations; its default, ``auto``, repacks wherever the rows run and is
@@ -394,6 +395,23 @@ def test_repacked_weights_with_many_rows_and_their_refusals(files, oracle):
         whole = CpuEngine(mixed, CFG.model_copy(update={"options": {"int8_compute": "int8"}})).plan
         assert whole.repack and whole.repack_kept == () and whole.packed_rows
         assert CpuEngine(mixed, CFG.model_copy(update={"options": {"repack_weights": True}})).plan.repack_kept == ()
+    # auto and a copy that would not fit: the file's layout as mapped, said why; true refuses
+    if kernels_for("auto").gguf_packed:
+        fresh = load_model(files("Q4_K"))  # no copies made for this Model yet
+        counted, check = [], CpuEngine.check_memory
+        monkeypatch.setattr(CpuEngine, "check_memory",
+                            lambda self, needs, **kw: counted.append(check(self, needs, **kw)) or counted[-1])
+        plain = CpuEngine(fresh, CFG.model_copy(update={"options": {"repack_weights": False}}))
+        copy = sum(plain.plan.kernels.gguf_packed_bytes(fresh.records[n].format, *fresh.config.weight_shapes()[n])
+                   for n in plain.plan.block_weights)
+        assert copy > 0
+        with simulated_limit(counted[-1] + copy // 2):
+            eng = CpuEngine(fresh, CFG)
+            assert not eng.plan.repack
+            assert "not repacked: the interleaved copy would not fit" in eng.speed_paths()["weights"]
+            with pytest.raises(InsufficientMemory):
+                CpuEngine(fresh, CFG.model_copy(update={"options": {"repack_weights": True}}))
+        assert [c.token_ids for c in LLM.from_engine(eng, tools=False).generate(PROMPTS, GREEDY)] == oracle(fresh)
     for bad in (1, "on", None):
         with pytest.raises(InvalidRequest, match="repack_weights.*use one of 'auto', True, False"):
             CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": bad}}))

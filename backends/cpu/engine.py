@@ -13,6 +13,7 @@ worker thread, so the driver reads step n while n+1 runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from polyengine.engine import Capabilities, EngineConfig
-from polyengine.errors import FallbackWarning
+from polyengine.errors import FallbackWarning, InsufficientMemory
 from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
 from polyengine.models.quantize import has_int8_copies, int8_bytes, quantized_names, replaced_weights
@@ -177,6 +178,22 @@ class CpuEngine(TorchEngine):
         """What this engine runs on, each fallback with its reason and fix: its startup
         log line, ``polyengine generate``'s stderr."""
         return self.plan.describe()
+
+    def _check_memory(self) -> None:
+        """TorchEngine's check; with repack_weights "auto" a repacked copy that would not fit
+        leaves the file's layout as mapped instead (it needs no memory of its own): the
+        refusal stays for what does not fit without the copy, and for ``true``."""
+        try:
+            super()._check_memory()
+        except InsufficientMemory:
+            if not self.plan.repack or self.options["repack_weights"] != "auto" or repacked_for(self.model):
+                raise
+            self.plan = dataclasses.replace(
+                self.plan, repack=False, repack_kept=(), packed_rows=False,
+                repack_declined="the interleaved copy would not fit in the memory available")
+            logging.getLogger(__name__).warning("cpu: repack_weights auto: %s; the file's blocks as mapped",
+                                                self.plan.repack_declined)
+            super()._check_memory()
 
     def _weight_needs(self) -> dict[str, int]:
         """In float32 the Model's float32 arrays are used as they are and weights stored

@@ -93,6 +93,7 @@ class CpuPlan:
     prefill_attention: str | None  # "float32"/"bfloat16" on the host kernel, None for torch's SDPA
     for_model: bool = True  # False: resolved without a model (the defaults' description)
     page_size: int = 0  # K/V in pages of this many positions (0: a contiguous row per slot)
+    repack_declined: str = ""  # why repack_weights "auto" kept the file's layout after all (CpuEngine._check_memory)
 
     # -- resolution --------------------------------------------------------------------
 
@@ -205,8 +206,9 @@ class CpuPlan:
                 return (f"the file's GGUF blocks ({self.block_formats}), copied at load with sixteen rows "
                         f"interleaved (option repack_weights, csrc/packed.h) for {use}, their file pages released"
                         f"{kept}")
+            declined = f"; not repacked: {self.repack_declined}" if self.repack_declined else ""
             return (f"the file's GGUF blocks as mapped, never widened whole ({self.block_formats}): decode "
-                    f"products on {where}, prefill by dequantized bands into torch's GEMM")
+                    f"products on {where}, prefill by dequantized bands into torch's GEMM{declined}")
         if self.weights in WEIGHT_MODES:
             return f"int8 ({self.weights}) projections and LM head"
         if self.weights == "bfloat16":
