@@ -213,7 +213,7 @@ class CpuEngine(TorchEngine):
         if plan.repack and not repacked_for(self.model):
             needs["the block weights repacked (option repack_weights)"] = sum(
                 plan.kernels.gguf_packed_bytes(self.model.records[n].format, *shapes[n]) for n in plan.block_weights
-                if self.model.records[n].format not in plan.repack_kept)
+                if plan.packs(self.model.records[n].format))
         if plan.weights == "bfloat16" and not has_bf16_copies(self.model):
             needs["bfloat16 copies of the projections and the LM head"] = sum(
                 math.prod(shapes[source]) for _, source in quantized_names(c)) * 2
@@ -230,7 +230,7 @@ class CpuEngine(TorchEngine):
         self._blocks = {name: BlockMatrix.of(self.model.weights.record(name)) for name in plan.block_weights}
         if plan.repack:  # one tensor at a time; its file pages then leave this process's memory
             for name, blocks in self._blocks.items():
-                if blocks.format not in plan.repack_kept and plan.kernels.gguf_packs(blocks):
+                if plan.packs(blocks.format) and plan.kernels.gguf_packs(blocks):
                     blocks.packed = self._allocating("repacked block weights", lambda n=name, b=blocks: repacked(
                         self.model, n, b, plan.kernels))
         if "model.embed_tokens.weight" in self._blocks:

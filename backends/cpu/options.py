@@ -61,8 +61,8 @@ OPTIONS = {
                                       "bf16_compute=bf16 or int8_compute=int8 on a CPU with bfloat16 units; "
                                       "else int16 tiles where they run)", choices=("auto", "float", "bf16", "int16")),
     # a copy of the block weights with sixteen rows interleaved, made tensor by tensor at
-    # load, for the decode products (csrc/packed.h): a block's conversion and scale serve
-    # sixteen outputs; the file's blocks stay mapped for prefill and the embedding lookups
+    # load (csrc/packed.h): a block's conversion and scale serve sixteen outputs; decode's
+    # products and prefill's tiles read it, and the file's pages of those matrices are released
     "repack_weights": Option("auto", "products on a copy of the GGUF blocks with sixteen rows interleaved, made "
                                      "at load (AVX-512 VNNI or AVX2, int8 activations); 'auto': wherever that runs, "
                                      "Q8_0 left as mapped under int8x2 activations",

@@ -95,6 +95,10 @@ class CpuPlan:
     page_size: int = 0  # K/V in pages of this many positions (0: a contiguous row per slot)
     repack_declined: str = ""  # why repack_weights "auto" kept the file's layout after all (CpuEngine._check_memory)
 
+    def packs(self, fmt: str) -> bool:
+        """Whether block matrices of format ``fmt`` are repacked (where the kernels take their shape)."""
+        return self.repack and fmt not in self.repack_kept
+
     # -- resolution --------------------------------------------------------------------
 
     @classmethod
