@@ -2,8 +2,13 @@
 // format against M rows of x (int8 and int8x2 activations), weights small enough for L2,
 // the best of 200 calls. Built and run by block_kernel_rates.py; prints one line a case:
 //   FORMAT M X Gweights/s   (weights a second per row of x)
+// and, where the sources have them (packed.h, GP_PACKED), the same matrix repacked with
+// sixteen rows interleaved (option repack_weights) as FORMAT/groups.
 // Random bytes with f16 scales of 1.0 (a kernel's time does not depend on the values).
 #include "linear.h"  // gguf.h, and the earlier int8x2 (q8x2_quantize) for --against
+#if __has_include("packed.h")
+#include "packed.h"
+#endif
 
 #include <chrono>
 #include <stdio.h>
@@ -73,6 +78,24 @@ static void run(const char *name, long N, long K) {
                 best = dt < best ? dt : best;
             }
             printf("%s %d %s %.1f\n", name, M, x2 ? "int8x2" : "int8", (double)N * K * M / best / 1e9);
+#if defined(GP_PACKED) && GP_PACKED && defined(GQ_X2_ONE_SCALE)
+            if (gp_packs(F, K)) {
+                std::vector<uint8_t> packed((N + GP_ROWS - 1) / GP_ROWS * gp_group_bytes(F, K));
+                for (long g = 0; g < (N + GP_ROWS - 1) / GP_ROWS; g++)
+                    gp_repack_group<F>(w.data(), ldw, nullptr, N, K, g, packed.data() + g * gp_group_bytes(F, K));
+                double pbest = 1e9;
+                for (int rep = 0; rep < 200; rep++) {
+                    const double t = now();
+                    if (x2)
+                        gp_rows<F, 1>(xq.data(), xs.data(), xsf.data(), M, K, packed.data(), nullptr, y.data(), N, 0, N);
+                    else
+                        gp_rows<F, 0>(xq.data(), xs.data(), xsf.data(), M, K, packed.data(), nullptr, y.data(), N, 0, N);
+                    const double dt = now() - t;
+                    pbest = dt < pbest ? dt : pbest;
+                }
+                printf("%s/groups %d %s %.1f\n", name, M, x2 ? "int8x2" : "int8", (double)N * K * M / pbest / 1e9);
+            }
+#endif
         }
 }
 
