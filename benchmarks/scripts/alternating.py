@@ -18,8 +18,9 @@ range. Only one worker computes at a time; the others wait on their pipe.
 
 Needs llama-cpp-python (``polyengine bench``'s llama.cpp peer), except with
 ``--no-llamacpp``: then the ratios are against the last ``--options`` row (two settings
-of the cpu backend in alternation; any model ``polyengine bench`` takes). Each worker
-first runs one warm-up of every phase.
+of the cpu backend in alternation; any model ``polyengine bench`` takes). No peak RSS or
+load time: engines rebuilt round after round are not what a user's process holds, and
+``polyengine bench`` measures both.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from typing import Any
 
 
 def _measure(system: Any, work: Any, phase: str, batch: int, warmup: bool) -> float:
-    """One run (or the warm-up) of ``phase``: decode tok/s at ``batch``, or prefill tok/s."""
+    """One run (or a warm-up: other prompts, the same shapes) of ``phase``: decode tok/s at
+    ``batch``, or prefill tok/s."""
     from polyengine.benchmarks.workload import prompts
 
     vocab = system.vocab_size
@@ -49,7 +51,6 @@ def _measure(system: Any, work: Any, phase: str, batch: int, warmup: bool) -> fl
 
 def _worker(kind: str, params: dict[str, Any], work: dict[str, Any], conn: Any) -> None:
     """A system's process: build it, then answer (phase, batch, warmup) requests with a rate."""
-    from polyengine.benchmarks.stats import peak_rss_bytes
     from polyengine.benchmarks.worker import build_system
     from polyengine.benchmarks.workload import Workload
 
@@ -60,9 +61,12 @@ def _worker(kind: str, params: dict[str, Any], work: dict[str, Any], conn: Any) 
         while True:
             msg = conn.recv()
             if msg is None:
-                conn.send(("rss", peak_rss_bytes()))
                 return
-            conn.send(("rate", _measure(system, workload, *msg)))
+            phase, batch = msg
+            # a system keeps one engine (context) of one shape, so the last round's other
+            # phases replaced it: a warm-up on the rebuilt one first, as the bench's runs have
+            _measure(system, workload, phase, batch, True)
+            conn.send(("rate", _measure(system, workload, phase, batch, False)))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops the run
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -100,32 +104,29 @@ def _phases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
 
 
 def _rounds(peers: list[_Peer], phases: list[tuple[str, str, int]], rounds: int) -> None:
-    for _, phase, b in phases:  # one warm-up of each phase on each system
-        for p in peers:
-            p.ask((phase, b, True))
     for r in range(rounds):
         order = peers[r % len(peers):] + peers[:r % len(peers)]
         for name, phase, b in phases:
             for p in order:
-                p.rates.setdefault(name, []).append(p.ask((phase, b, False)))
+                p.rates.setdefault(name, []).append(p.ask((phase, b)))
         line = "; ".join(f"{n}: " + " / ".join(f"{p.rates[n][-1]:.1f}" for p in peers) for n, _, _ in phases)
         print(f"round {r + 1}/{rounds} ({' / '.join(p.label for p in peers)}): {line}", flush=True)
 
 
-def _report(peers: list[_Peer], phases: list[tuple[str, str, int]], rss: dict[str, int]) -> None:
+def _report(peers: list[_Peer], phases: list[tuple[str, str, int]]) -> None:
     peer = peers[-1]  # llama.cpp, or the last polyengine row
     print()
-    print("| system | " + " | ".join(f"{n} tok/s" for n, _, _ in phases) + " | peak RSS MiB |")
-    print("| --- |" + " ---: |" * (len(phases) + 1))
+    print("| system | " + " | ".join(f"{n} tok/s" for n, _, _ in phases) + " |")
+    print("| --- |" + " ---: |" * len(phases))
     for p in peers:
         cells = [f"{statistics.median(p.rates[n]):.1f}" for n, _, _ in phases]
-        print(f"| {p.label} | " + " | ".join(cells) + f" | {rss[p.label] / 2**20:.0f} |")
+        print(f"| {p.label} | " + " | ".join(cells) + " |")
     for p in peers[:-1]:
         cells = []
         for n, _, _ in phases:
             ratios = [a / b for a, b in zip(p.rates[n], peer.rates[n])]
             cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
-        print(f"| {p.label} / {peer.label}, median of the rounds' ratios (range) | " + " | ".join(cells) + " | |")
+        print(f"| {p.label} / {peer.label}, median of the rounds' ratios (range) | " + " | ".join(cells) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.model}; {args.rounds} rounds, phases {', '.join(n for n, _, _ in phases)}", flush=True)
     start = time.perf_counter()
     _rounds(peers, phases, args.rounds)
-    rss = {p.label: p.ask(None) for p in peers}
-    _report(peers, phases, rss)
+    for p in peers:
+        p.conn.send(None)
+    _report(peers, phases)
     print(f"\n({time.perf_counter() - start:.0f} s)")
     return 0
 
