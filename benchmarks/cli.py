@@ -505,16 +505,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.json:
                 report.write_json(doc, args.json)
         for job in jobs:
-            probe = probing and job.kind == "polyengine"
-            if probe and last_read is None:
+            if probing and last_read is None:
                 last_read = limits.measure_read(env)
             doc["rows"].append(_run_row(job, work, repeats, timeout, progress))
-            if probe:  # the bandwidth of the minutes this row ran in (limits.for_row)
+            if probing:  # the bandwidth of the minutes this row ran in (limits.for_row; a peer's: limits.drift)
                 after = limits.measure_read(env)
-                doc["rows"][-1]["read_probes_gb_s"] = [last_read, after]
+                key = "read_probes_gb_s" if job.kind == "polyengine" else "peer_read_probes_gb_s"
+                doc["rows"][-1][key] = [last_read, after]
                 last_read = after
-            else:
-                last_read = None
             _add_paths(doc["rows"][-1], work, doc["host"].get("limits"))
             if doc["rows"][-1].pop("interrupted", False):
                 raise KeyboardInterrupt
@@ -528,6 +526,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notes.append(f"interrupted by the user during system {len(doc['rows'])} of {len(jobs)}")
     doc["host"]["load_end"] = host.load_average()
     doc["targets"] = verdicts.judge(sets, doc["rows"], work, doc["host"].get("limits"))
+    moved = limits.drift(doc["host"].get("limits"), doc["rows"])
+    if moved:
+        notes.append(moved)
     return doc
 
 

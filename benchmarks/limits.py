@@ -100,6 +100,24 @@ def measure_read(env: dict[str, str] | None = None) -> float | None:
         return None
 
 
+# How far the host's read rate may move across a run's probes before the report says so.
+DRIFT_RATIO = 1.2
+
+
+def drift(limits: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str | None:
+    """A note where the memory reads probed during the run (before the jobs, and before and
+    after each row) moved by :data:`DRIFT_RATIO` or more, else None: the rows then ran on
+    a host of another speed, and a ratio between two of them carries that."""
+    reads = [(limits or {}).get("read_gb_s")] + [p for r in rows for key in ("read_probes_gb_s", "peer_read_probes_gb_s")
+                                                 for p in r.get(key) or ()]
+    reads = [p for p in reads if p]
+    if len(reads) < 2 or max(reads) < DRIFT_RATIO * min(reads):
+        return None
+    return (f"the host's memory read rate moved between {min(reads):.1f} and {max(reads):.1f} GB/s during this run "
+            f"(probed before and after each row): a ratio between rows measured minutes apart carries that; "
+            f"benchmarks/scripts/alternating.py measures systems in alternation, each ratio from runs seconds apart")
+
+
 def for_row(limits: dict[str, Any] | None, row: dict[str, Any]) -> dict[str, Any] | None:
     """``limits`` as they held for ``row``: where the row has read probes of its own
     (``read_probes_gb_s``, taken right before and after it), ``read_gb_s`` is their mean

@@ -434,8 +434,9 @@ def test_a_row_is_judged_by_the_bandwidth_probed_around_it():
 
 
 def test_the_run_probes_bandwidth_right_before_and_after_each_polyengine_row(monkeypatch):
-    """One probe between two polyengine rows serves both; a peer row in between makes
-    the next polyengine row probe afresh; peer rows get none."""
+    """One probe between two rows serves both; a peer row's probes are kept apart (they
+    set no polyengine row's limits) and, with the others, tell whether the host's read
+    rate drifted during the run: a note then says so."""
     import argparse
 
     from polyengine.benchmarks import cli, limits
@@ -461,6 +462,19 @@ def test_the_run_probes_bandwidth_right_before_and_after_each_polyengine_row(mon
     assert events == ["limits", "polyengine 0", "read", "polyengine 1", "read", "transformers 2", "read",
                       "polyengine 3", "read"]
     assert [r.get("read_probes_gb_s") for r in doc["rows"]] == [[50.0, 50.0], [50.0, 37.0], None, [36.0, 39.0]]
+    assert doc["rows"][2]["peer_read_probes_gb_s"] == [37.0, 36.0]
+    assert any("moved between 36.0 and 50.0 GB/s during this run" in n for n in doc["notes"])
+
+
+def test_a_drift_note_only_where_the_probes_moved_by_a_fifth():
+    from polyengine.benchmarks import limits
+
+    rows = [{"read_probes_gb_s": [30.0, 33.0]}, {"peer_read_probes_gb_s": [33.0, None]}]
+    assert limits.drift({"read_gb_s": 31.0}, rows) is None  # 33 / 30 = 1.1
+    note = limits.drift({"read_gb_s": 31.0}, rows + [{"peer_read_probes_gb_s": [33.0, 36.0]}])
+    assert note and "between 30.0 and 36.0 GB/s" in note and "alternating.py" in note
+    assert limits.drift(None, [{"read_probes_gb_s": [None, 40.0]}]) is None  # one probe: nothing to compare
+    assert limits.drift({"error": "no torch"}, []) is None
 
 
 def test_each_row_reports_its_isa_and_share_of_the_host_limits():
