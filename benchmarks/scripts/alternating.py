@@ -31,26 +31,29 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 
 def _measure(system: Any, work: Any, phase: str, batch: int, warmup: bool) -> float:
     """One run (or a warm-up: other prompts, the same shapes) of ``phase``: decode tok/s at
     ``batch``, or prefill tok/s."""
+    from polyengine.benchmarks.stats import rate
     from polyengine.benchmarks.workload import prompts
 
     vocab = system.vocab_size
     kind = "warmup" if warmup else phase
     if phase == "prefill":
         p = prompts(vocab, 1, work.prefill_len, phase=kind, seed=work.seed)[0]
-        return work.prefill_len / system.prefill(p)
+        return rate(work.prefill_len, system.prefill(p))
     ps = prompts(vocab, batch, work.prompt_len, phase=kind, seed=work.seed)
     run = system.decode(ps, work.warmup_tokens if warmup else work.new_tokens, room=work.new_tokens)
-    return run.decode_tokens / run.decode_seconds
+    return rate(run.decode_tokens, run.decode_seconds)
 
 
 def _worker(kind: str, params: dict[str, Any], work: dict[str, Any], conn: Any) -> None:
-    """A system's process: build it, then answer (phase, batch, warmup) requests with a rate."""
+    """A system's process: build it, then answer each (phase, batch) request with the rate
+    of one measured run after a warm-up; None ends it."""
     from polyengine.benchmarks.worker import build_system
     from polyengine.benchmarks.workload import Workload
 
@@ -81,9 +84,10 @@ class _Peer:
 
     def ask(self, msg: Any) -> Any:
         self.conn.send(msg)
-        return self._answer()
+        return self.answer()
 
-    def _answer(self) -> Any:
+    def answer(self) -> Any:
+        """The worker's next reply (a failure there stops the run, naming the system)."""
         what, value = self.conn.recv()
         if what == "error":
             raise SystemExit(f"{self.label}: {value}")
@@ -131,7 +135,8 @@ def _report(peers: list[_Peer], phases: list[tuple[str, str, int]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--model", required=True,
+                    help="a GGUF file (with --no-llamacpp, any model polyengine bench takes)")
     ap.add_argument("--options", action="append", default=None,
                     help="cpu backend options, JSON (repeatable: one polyengine row each; default {\"threads\": N})")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (and the default options')")
@@ -144,11 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llamacpp", action="store_true", help="polyengine rows only, against the last one")
     args = ap.parse_args(argv)
     from polyengine.benchmarks.host import load_average
-    from polyengine.hostinfo import cpu_model
-
-    from dataclasses import replace
-
     from polyengine.benchmarks.workload import SCALE
+    from polyengine.hostinfo import cpu_model
 
     phases = _phases(args)
     work = replace(SCALE, prompt_len=args.prompt, new_tokens=args.new_tokens, prefill_len=args.prefill).to_dict()
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         peers.append(_Peer(ctx, f"llama.cpp, threads {args.threads}", "llamacpp",
                            dict(model=args.model, threads=args.threads, quant="the file's"), work))
     for p in peers:
-        p._answer()  # built
+        p.answer()  # built
     print(f"host: {cpu_model()}; load average {load_average()} with the systems built")
     print(f"model: {args.model}; {args.rounds} rounds, phases {', '.join(n for n, _, _ in phases)}", flush=True)
     start = time.perf_counter()

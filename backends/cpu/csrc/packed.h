@@ -284,28 +284,25 @@ static inline __m512i gp_dot(__m512i acc, __m512i u, const int8_t *p) {
     return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(four));
 }
 
-// The sixteen rows' sums of words [c0, c1) of a sub-block against the x row(s) at x1
-// (X2: 254 * x1's + x2's, the int8x2 row on one scale).
-template <int X2, int C0, int C1>
-static inline __m512i gp_block_dot(const __m512i *U, const int8_t *x1, const int8_t *x2) {
-    // independent chains (each vpdpbusd waits for its accumulator): two a row of x
+// The sixteen rows' sums of words [C0, C1) of a sub-block against one x row at x, in two
+// independent chains (each vpdpbusd waits for its accumulator), added at the end.
+template <int C0, int C1>
+static inline __m512i gp_row_chains(const __m512i *U, const int8_t *x) {
     __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int c = C0; c < C1; c += 2) {
-        a = gp_dot(a, U[c], x1 + 4 * c);
-        if (c + 1 < C1) b = gp_dot(b, U[c + 1], x1 + 4 * c + 4);
+        a = gp_dot(a, U[c], x + 4 * c);
+        if (c + 1 < C1) b = gp_dot(b, U[c + 1], x + 4 * c + 4);
     }
-    __m512i d = _mm512_add_epi32(a, b);
-    if (X2) {
-        __m512i e = _mm512_setzero_si512(), f = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int c = C0; c < C1; c += 2) {
-            e = gp_dot(e, U[c], x2 + 4 * c);
-            if (c + 1 < C1) f = gp_dot(f, U[c + 1], x2 + 4 * c + 4);
-        }
-        d = _mm512_add_epi32(_mm512_mullo_epi32(d, _mm512_set1_epi32(254)), _mm512_add_epi32(e, f));
-    }
-    return d;
+    return _mm512_add_epi32(a, b);
+}
+
+// The same against the x row(s) at x1 (X2: 254 * x1's + x2's, the int8x2 row on one scale).
+template <int X2, int C0, int C1>
+static inline __m512i gp_block_dot(const __m512i *U, const int8_t *x1, const int8_t *x2) {
+    const __m512i d = gp_row_chains<C0, C1>(U, x1);
+    if (!X2) return d;
+    return _mm512_add_epi32(_mm512_mullo_epi32(d, _mm512_set1_epi32(254)), gp_row_chains<C0, C1>(U, x2));
 }
 
 // Four words of nibbles -> U[0..3] the low ones (weights 4c..4c+3), U[4..7] the high ones.
