@@ -5,6 +5,7 @@ cuda_torch's device path is tests/test_cuda_torch.py."""
 
 from __future__ import annotations
 
+import ctypes
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ torch = pytest.importorskip("torch")
 import polyengine  # noqa: E402
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.backends.cpu.engine import CpuEngine  # noqa: E402
+from polyengine.backends.cpu.kernels import SPLIT_PIECES  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
 from polyengine.errors import InvalidRequest, UnsupportedFeature  # noqa: E402
 from polyengine.hostinfo import has_bf16_units  # noqa: E402
@@ -607,3 +609,40 @@ def test_a_prefills_rows_attend_as_one_run_as_they_do_row_by_row(model, isa, opt
         _same_prefix((SimpleNamespace(engine=runs, prefix=a[0]), a[1]), (SimpleNamespace(engine=rows, prefix=b[0]), b[1]),
                      atol)
     assert _decoded(runs, params[runs], got[runs][-1][0], 0) == _decoded(rows, params[rows], got[rows][-1][0], 0)
+
+
+@pytest.mark.parametrize(("nth", "pieces"), [(2, 8), (3, 8), (2, 1), (4, 16)])
+def test_dynamic_shares_run_every_item_once_and_pass_a_late_threads_share_on(nth, pieces):
+    """csrc/parallel.h's pe_for_share: with chunks, a thread that starts late runs less than
+    its fixed share (the others took chunks from the back of it) and no item runs twice or
+    never; with whole shares (pieces 0) it runs its share exactly."""
+    lib = kernels_for("auto").lib
+    total = 240
+    ran = (ctypes.c_int * total)()
+    late = lib.pe_split_check(total, nth, pieces, nth - 1, 30_000, 50_000, ran)
+    assert all(r >= 0 for r in ran), f"items run twice (-2) or never (-1): {list(ran)}"
+    share = total - total * (nth - 1) // nth
+    assert late < share and set(ran) <= set(range(nth))
+    fixed = lib.pe_split_check(total, nth, 0, nth - 1, 30_000, 1_000, ran)
+    assert fixed == share and [r for r in ran] == [t for t in range(nth) for _ in range(
+        total * (t + 1) // nth - total * t // nth)]
+
+
+@pytest.mark.parametrize("source", ["tiny-gqa", "Q4_K", "Q8_0"])
+def test_dynamic_split_decodes_the_fixed_shares_tokens_and_log_probs(model, tmp_path, source):
+    """Which thread multiplies a row does not change its product: the fused step with
+    dynamic shares (the default) gives the same tokens and log-probs, bit for bit, as fixed
+    shares, on float and on block weights (repacked and as mapped)."""
+    from polyengine.models.quant_presets import quantized_model_file
+
+    m = model if source == "tiny-gqa" else load_model(str(quantized_model_file(source, tmp_path)))
+    prompts = [[1, 5, 9, 4, 2, 7, 7], [3, 3, 8], [6, 1]]
+    sp = SamplingParams(seed=3, max_tokens=12, temperature=0.8, logprobs=True, ignore_eos=True)
+    runs = []
+    for dynamic in (True, False):
+        eng = CpuEngine(m, CFG.model_copy(update={"options": {"threads": 2, "dynamic_split": dynamic}}))
+        out = LLM.from_engine(eng, tools=False).generate(prompts, sp)
+        assert eng._fused is not None and eng._fused.dims.split_pieces == (SPLIT_PIECES if dynamic else 0)
+        assert ("dynamic_split=False" in eng.speed_paths()["decode"]) == (not dynamic)
+        runs.append([(c.token_ids, c.outputs[0].logprobs) for c in out])
+    assert runs[0] == runs[1]

@@ -34,8 +34,8 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows, repacked, repacked_for
 from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
-from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, FUSED_PREFILL_SCORES, MAX_ROWS, TILE_ROWS,
-                                             TILED_FUSED_PREFILL_ROWS, FusedDecoder)
+from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, FUSED_PREFILL_SCORES, MAX_ROWS, SPLIT_PIECES,
+                                             TILE_ROWS, TILED_FUSED_PREFILL_ROWS, FusedDecoder)
 from polyengine.backends.cpu.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.cpu.plan import CpuHost, CpuPlan, lane_threads
 from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
@@ -256,7 +256,8 @@ class CpuEngine(TorchEngine):
                                        bf16_activations=plan.bf16_activations, blocks=self._blocks,
                                        page_size=self.options["page_size"],
                                        tile_rows=TILE_ROWS if plan.block_tiles and not self._packed_rows else 0,
-                                       attention_runs=self.attention_runs)
+                                       attention_runs=self.attention_runs,
+                                       split_pieces=SPLIT_PIECES if plan.dynamic_split else 0)
         return weights
 
     # -- products and attention on the host kernels ---------------------------------------

@@ -51,7 +51,8 @@ from polyengine.backends.cpu.build import (KernelsUnavailable, cache_entry, cach
                                            compiler_version, isa_flags, mark_used, prune, source_digest)
 
 __all__ = ["CpuKernels", "FusedDecoder", "KernelsUnavailable", "load", "q8_fits", "isa_flags", "check_isa",
-           "check_layout", "cache_entry", "ISA_CHOICES", "MAX_ROWS", "BLOCK_KERNEL_ROWS", "Q8_BLOCK"]
+           "check_layout", "cache_entry", "ISA_CHOICES", "MAX_ROWS", "BLOCK_KERNEL_ROWS", "Q8_BLOCK",
+           "SPLIT_PIECES"]
 
 MAX_ROWS = 16
 # Products on GGUF blocks run on the int8 kernels up to this many rows of x, past it on
@@ -60,6 +61,10 @@ MAX_ROWS = 16
 # of a long prompt beside decoding streams were slower on them at 32 and 64 rows
 # (benchmarks/scripts/prefill_under_load.py), so the limit stays at MAX_ROWS.
 BLOCK_KERNEL_ROWS = MAX_ROWS
+# With option dynamic_split, the chunks each thread takes its share of a fused step's
+# product in (csrc/parallel.h, pe_for_share): 4, 8 and 16 each decoded the 1B Q4_K_M file
+# 1.06-1.11x faster than fixed shares at batch 1, 64 did not (docs/cpu.md).
+SPLIT_PIECES = 8
 # Rows from which a fused step multiplies block weights on int16 tiles (csrc/tile.h), where
 # the plan has them (option prefill_compute): measured in docs/cpu.md, "Prefill on block weights".
 TILE_ROWS = 8
@@ -542,6 +547,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_gumbel_draw.restype = None
     lib.pe_filtered_draw.argtypes = [ptr, long_, int_, long_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, int_]
     lib.pe_filtered_draw.restype = None
+    lib.pe_split_check.argtypes = [long_, int_, int_, int_, long_, long_, ptr]
+    lib.pe_split_check.restype = ctypes.c_long
 
 
 _Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)
@@ -634,7 +641,7 @@ class _Dims(ctypes.Structure):
         ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
         ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int), ("gguf", ctypes.c_long),
         ("page_size", ctypes.c_long), ("table_len", ctypes.c_long), ("tile_rows", ctypes.c_long),
-        ("att_runs", ctypes.c_long)]
+        ("att_runs", ctypes.c_long), ("split_pieces", ctypes.c_long)]
 
 
 # The KV cache element types the fused step reads and writes (csrc/decode.h's PE_KV_*).
@@ -657,7 +664,7 @@ class FusedDecoder:
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
                  cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32,
                  bf16_activations: bool = False, blocks: dict | None = None, page_size: int = 0,
-                 tile_rows: int = 0, attention_runs: bool = True):
+                 tile_rows: int = 0, attention_runs: bool = True, split_pieces: int = 0):
         c = config
         self.kv_dtype, self.kernels, self.config = kv_dtype, kernels, c
         self.takes_runs = bool(attention_runs) and c.head_dim % kernels.vector_width == 0  # att_units' rule
@@ -708,7 +715,7 @@ class FusedDecoder:
                           int(int8_activations) if narrow == torch.int8 or blocks else 0, KV_TYPES[kv_dtype],
                           (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)),
                           page_size, -(-cache_len // page_size) if page_size else 0,
-                          tile_rows if blocks else 0, int(self.takes_runs))
+                          tile_rows if blocks else 0, int(self.takes_runs), split_pieces)
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")

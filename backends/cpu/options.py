@@ -30,6 +30,11 @@ OPTIONS = {
     # "auto": the best this CPU runs (-march=native); a lower one forced tests and measures
     # that path on a bigger host; one this CPU cannot execute is refused
     "isa": Option("auto", "ISA path of the host-compiled kernels", choices=("auto", *ISA_PATHS)),
+    # each thread takes its share of a fused step's product in chunks, then chunks from the
+    # back of the other threads' shares: a thread held back (another process on its core)
+    # hands the rest of its share on (docs/cpu.md, "Batch-1 decode on interleaved rows")
+    "dynamic_split": Option(True, "the fused step's products shared between the threads by chunks, a thread done "
+                                  "with its share taking chunks of the others' (False: fixed shares)"),
     "fused_decode": Option(True, "the whole decode step in one host-compiled call (needs cpu_kernels; Llama "
                                  "family only, other architectures use the torch forward)"),
     # the KV cache as an anonymous memory map, pages made as slots write them and handed

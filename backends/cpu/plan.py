@@ -73,6 +73,7 @@ class CpuPlan:
     kernels_fallback: str | None  # why not, with the fix (None: used, or not applicable to this dtype)
     fused_decode: bool  # the whole decode step in one kernel call
     fused_prefill: bool  # prefills of up to 16 tokens as one fused call (with fused_decode)
+    dynamic_split: bool  # the fused step's products shared by chunks that threads done early take on
     unfused_why: str | None  # why not, where the kernels are used (None: fused, or no kernels)
     live_rows: bool  # a decode step computes the live slots' rows only
     weights: str  # "" (the compute dtype), "int8", "int8-block32" or "bfloat16"
@@ -131,6 +132,7 @@ class CpuPlan:
             kv_memory=o["kv_memory"], isa=o["isa"], kernels=kernels, kernels_fallback=fallback,
             fused_decode=kernels is not None and unfused_why is None, unfused_why=unfused_why,
             fused_prefill=kernels is not None and unfused_why is None and o["fused_prefill"],
+            dynamic_split=o["dynamic_split"],
             live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
             block_activations=block_activations, repack=repack, repack_kept=kept, packed_rows=packed_rows,
             fuse_projections=o["fuse_projections"],
@@ -153,7 +155,10 @@ class CpuPlan:
         if self.dtype != torch.float32:
             out["decode"] = f"the shared torch forward in {_name(self.dtype)} (the CPU kernels are float32)"
         elif k is not None:
-            out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (csrc/decode.h)"
+            out["decode"] = ("fused step: every layer of the live rows in one host-compiled call (csrc/decode.h); "
+                             + ("its products shared by chunks, a thread done early taking the other's (option "
+                                "dynamic_split)" if self.dynamic_split else "fixed shares of its products (option "
+                                "dynamic_split=False)")
                              if self.fused_decode else "the shared torch forward, products on the host-compiled "
                              f"kernels ({self.unfused_why})")
             how = ("auto: the best this CPU runs, -march=native" if k.requested == "auto" else

@@ -60,6 +60,8 @@ struct pe_dims {
     long tile_rows;  // gguf: steps of at least this many rows multiply on tile.h's int16 tiles
                      // (int16 activations; 0: never, or where the library has no tiles)
     long att_runs;   // a prefill's consecutive rows of one cache row attend as one run (attn_tile; 0: row by row)
+    long split_pieces;  // each thread takes its share of a product in this many chunks and then
+                        // chunks of the others' (parallel.h's pe_for_share; 0: its share whole)
 };
 
 // Element offset of K/V at (layer l, row, kv head j, position p): in the contiguous cache
@@ -147,8 +149,8 @@ static int kind_of(const pe_dims *d, int M) {
 // Thread tid's share of the projections that read the same input x (M, K) (for PE_Q8,
 // its int8 form xq/xs, quantized by rows before the barrier that precedes this).
 static void proj(const pe_dims *d, const float *x, const int8_t *xq, const float *xs, const float *xsf, int M,
-                 long K, const pe_seg *segs, int nseg, int tid, int nth) {
-    pe_linear_job job = {x, K, M, K, kind_of(d, M), d->group, segs, nseg, xq, xs, xsf};
+                 long K, const pe_seg *segs, int nseg, int tid, int nth, pe_ranges *steal) {
+    pe_linear_job job = {x, K, M, K, kind_of(d, M), d->group, segs, nseg, xq, xs, xsf, steal};
     linear_task(&job, tid, nth);
 }
 
@@ -577,6 +579,9 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
     float *tiles = (float *)(((uintptr_t)(xq + 2 * M * kmax) + 63) & ~(uintptr_t)63);
     const std::vector<pe_att_unit> units = att_units(d, M, rows, pos);
     pe_barrier bar;
+    pe_ranges ranges;  // the products' shares (split_pieces), set by each thread as a product starts
+    ranges.pieces = (int)d->split_pieces;
+    pe_ranges *steal = d->split_pieces > 0 ? &ranges : nullptr;
     // One parallel region for the whole step; its phases are separated by bar.wait().
     // Row-wise work (norms, RoPE and cache writes) is split by row, element-wise work by
     // element: each thread's share is fixed by (tid, nth), so writes never overlap.
@@ -597,7 +602,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
                 bar.wait(nth);
             }
             const pe_seg seg[1] = {{wt, scale, bias, tmp, H, H, fmt, rowoff, packed}};
-            proj(d, in, xq, xs, xsf, M, K, seg, 1, tid, nth);
+            proj(d, in, xq, xs, xsf, M, K, seg, 1, tid, nth, steal);
             bar.wait(nth);
         };
         for (long l = 0; l < d->layers; l++) {
@@ -608,7 +613,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             const pe_seg qkv[3] = {{w->q, w->q_scale, w->q_bias, q, qs, qs, w->fmt[0], w->rowoff[0], w->packed[0]},
                                    {w->k, w->k_scale, w->k_bias, k, kvs, kvs, w->fmt[1], w->rowoff[1], w->packed[1]},
                                    {w->v, w->v_scale, w->v_bias, v, kvs, kvs, w->fmt[2], w->rowoff[2], w->packed[2]}};
-            proj(d, h, xq, xs, xsf, M, H, qkv, 3, tid, nth);
+            proj(d, h, xq, xs, xsf, M, H, qkv, 3, tid, nth, steal);
             bar.wait(nth);
             PE_MARK(1)
             for (long m = r0; m < r1; m++) {
@@ -638,7 +643,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
             bar.wait(nth);
             const pe_seg gate_up[2] = {{w->gate, w->gate_scale, w->gate_bias, g, I, I, w->fmt[4], w->rowoff[4], w->packed[4]},
                                        {w->up, w->up_scale, w->up_bias, u, I, I, w->fmt[5], w->rowoff[5], w->packed[5]}};
-            proj(d, h, xq, xs, xsf, M, H, gate_up, 2, tid, nth);
+            proj(d, h, xq, xs, xsf, M, H, gate_up, 2, tid, nth, steal);
             bar.wait(nth);
             PE_MARK(5)
             pe_share(M * I, tid, nth, &e0, &e1);

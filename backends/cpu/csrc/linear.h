@@ -233,6 +233,7 @@ struct pe_linear_job {
     const int8_t *xq;  // PE_Q8: q8_quantize(x)
     const float *xs;
     const float *xsf;  // PE_GGUF(X2): xs times the sums of each block's halves (gq_sums, gq_quantize_x2)
+    pe_ranges *steal;  // null: each thread its fixed share; else shares taken by chunks (linear_task)
 };
 
 static const long PE_TILE = (VW == 16) ? 8 : 4;  // weight rows a thread streams together (MB x R accumulators in registers)
@@ -296,31 +297,37 @@ static void seg_rows(const pe_linear_job *j, const pe_seg *s, long n0, long n1) 
     }
 }
 
-// Thread tid's share of every segment's row tiles, in one static split of their union
-// (block weights: of sixteen rows, whatever a thread's share, no int16 tile or group of
-// packed rows is cut in two).
-static void linear_task(void *arg, int tid, int nth) {
-    const pe_linear_job *j = (const pe_linear_job *)arg;
-    const long unit = j->kind == PE_GGUFT || j->kind == PE_GGUF || j->kind == PE_GGUFX2 ? 16 : PE_TILE;
-    long total = 0;
-    for (int i = 0; i < j->nseg; i++) total += (j->segs[i].N + unit - 1) / unit;
-    long b, e;
-    pe_share(total, tid, nth, &b, &e);
+// Units [lo, hi) of the union of every segment's row tiles.
+static void run_units(const pe_linear_job *j, long unit, long lo, long hi) {
     long base = 0;
-    for (int i = 0; i < j->nseg && base < e; i++) {
+    for (int i = 0; i < j->nseg && base < hi; i++) {
         const pe_seg *s = j->segs + i;
         long tiles = (s->N + unit - 1) / unit;
-        long lo = b > base ? b : base, hi = e < base + tiles ? e : base + tiles;
-        if (lo < hi) {
-            long n1 = (hi - base) * unit;
-            seg_rows(j, s, (lo - base) * unit, n1 < s->N ? n1 : s->N);
+        long a = lo > base ? lo : base, b = hi < base + tiles ? hi : base + tiles;
+        if (a < b) {
+            long n1 = (b - base) * unit;
+            seg_rows(j, s, (a - base) * unit, n1 < s->N ? n1 : s->N);
         }
         base += tiles;
     }
 }
 
+// Thread tid's share of every segment's row tiles, in one static split of their union
+// (block weights: of sixteen rows, whatever a thread's share, no int16 tile or group of
+// packed rows is cut in two); with j->steal, that share is taken a chunk at a time from
+// its front and a thread done with its own takes chunks from the back of another's
+// (parallel.h's pe_ranges), so a thread slowed down (another process on its core, a
+// page fault) hands the rest of its share to the other.
+static void linear_task(void *arg, int tid, int nth) {
+    const pe_linear_job *j = (const pe_linear_job *)arg;
+    const long unit = j->kind == PE_GGUFT || j->kind == PE_GGUF || j->kind == PE_GGUFX2 ? 16 : PE_TILE;
+    long total = 0;
+    for (int i = 0; i < j->nseg; i++) total += (j->segs[i].N + unit - 1) / unit;
+    pe_for_share(j->steal, total, tid, nth, [&](long lo, long hi) { run_units(j, unit, lo, hi); });
+}
+
 static void linear_segs(const float *x, long ldx, int M, long K, int kind, long group, const pe_seg *segs, int nseg,
                         int threads, const int8_t *xq = nullptr, const float *xs = nullptr) {
-    pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg, xq, xs, nullptr};
+    pe_linear_job job = {x, ldx, M, K, kind, group, segs, nseg, xq, xs, nullptr, nullptr};
     pe_parallel(linear_task, &job, threads);
 }

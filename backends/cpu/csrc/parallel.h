@@ -12,6 +12,7 @@
 // spins: the next phase starts microseconds later.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <omp.h>
 #include <sched.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -20,6 +21,12 @@ static inline void pe_pause() { _mm_pause(); }
 #else
 static inline void pe_pause() {}
 #endif
+
+// Busy for about ns nanoseconds (tests: a thread held back).
+static inline void pe_spin_ns(long ns) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+    while (std::chrono::steady_clock::now() < until) pe_pause();
+}
 
 typedef void (*pe_task)(void *arg, int tid, int nth);
 
@@ -54,8 +61,81 @@ static void pe_parallel(pe_task t, void *arg, int n) {
     t(arg, omp_get_thread_num(), omp_get_num_threads());
 }
 
+// Each thread's share of a product's items, [front, end), in one atomic word with the
+// product's number, so that the share is taken by chunks from its front by its owner and
+// from its back by threads done with theirs, without a lock. The threads of a region run
+// the same products in the same order, each followed by a barrier; the first thread to
+// reach product k sets every share for it (a thread held back before it starts still has
+// its share taken), the others find them set. A product's shares are all empty when its
+// barrier releases, so a share is never set again while anyone takes from it.
+#define PE_MAX_RANGES 64
+struct pe_ranges {
+    struct alignas(64) slot {
+        std::atomic<unsigned long long> r{0};  // product (16 bits), end (24), front (24)
+        unsigned products = 0;                  // products its thread has started
+    } s[PE_MAX_RANGES];
+    int pieces = 0;  // chunks a share is taken in (0: each share whole, no taking)
+
+    static const long LIMIT = 1L << 24;  // items a product may have here (pe_for_share)
+
+    // Thread tid starts its next product, of `total` items shared by nth threads.
+    void start(int tid, long total, int nth) {
+        const unsigned long long k = ++s[tid].products & 0xffffu;
+        for (int t = 0; t < nth; t++) {
+            unsigned long long cur = s[t].r.load(std::memory_order_acquire);
+            if (cur >> 48 == k) continue;
+            const unsigned long long b = (unsigned long long)(total * t / nth), e = (unsigned long long)(total * (t + 1) / nth);
+            s[t].r.compare_exchange_strong(cur, k << 48 | e << 24 | b, std::memory_order_acq_rel);
+        }
+    }
+    // up to n items from the front of tid's share (its owner) or from its back (others)
+    bool front(int tid, long n, long *lo, long *hi) { return take(tid, n, false, lo, hi); }
+    bool back(int tid, long n, long *lo, long *hi) { return take(tid, n, true, lo, hi); }
+
+  private:
+    bool take(int tid, long n, bool from_back, long *lo, long *hi) {
+        std::atomic<unsigned long long> &a = s[tid].r;
+        unsigned long long cur = a.load(std::memory_order_acquire);
+        for (;;) {
+            const unsigned long long k = cur >> 48;
+            long b = (long)(cur & 0xffffffu), e = (long)(cur >> 24 & 0xffffffu);
+            if (b >= e) return false;
+            long nb = b, ne = e;
+            if (from_back) {
+                ne = e - n > b ? e - n : b;
+                *lo = ne, *hi = e;
+            } else {
+                nb = b + n < e ? b + n : e;
+                *lo = b, *hi = nb;
+            }
+            const unsigned long long next = k << 48 | (unsigned long long)ne << 24 | (unsigned long long)nb;
+            if (a.compare_exchange_weak(cur, next, std::memory_order_acq_rel, std::memory_order_acquire)) return true;
+        }
+    }
+};
+
 // The [begin, end) share of `total` items for thread tid of nth.
 static inline void pe_share(long total, int tid, int nth, long *begin, long *end) {
     *begin = total * tid / nth;
     *end = total * (tid + 1) / nth;
+}
+
+// fn(lo, hi) over thread tid's share of items [0, total): the share whole (r null), or
+// taken from its front in r->pieces chunks, then chunks from the back of the other
+// threads' shares until every share is done (r: one pe_ranges for the region's threads,
+// every one of which calls this for each product, in the same order).
+template <class F>
+static void pe_for_share(pe_ranges *r, long total, int tid, int nth, F fn) {
+    long b, e;
+    pe_share(total, tid, nth, &b, &e);
+    if (!r || r->pieces <= 0 || nth <= 1 || nth > PE_MAX_RANGES || total >= pe_ranges::LIMIT) {
+        if (b < e) fn(b, e);
+        return;
+    }
+    const long chunk = (e - b + r->pieces - 1) / r->pieces > 0 ? (e - b + r->pieces - 1) / r->pieces : 1;
+    r->start(tid, total, nth);
+    long lo, hi;
+    while (r->front(tid, chunk, &lo, &hi)) fn(lo, hi);
+    for (int o = 1; o < nth; o++)
+        while (r->back((tid + o) % nth, chunk, &lo, &hi)) fn(lo, hi);
 }

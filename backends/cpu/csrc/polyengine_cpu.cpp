@@ -53,14 +53,14 @@ static const pe_field_layout pe_layouts[] = {
     PE_FIELD(pe_dims, int8), PE_FIELD(pe_dims, group), PE_FIELD(pe_dims, threads), PE_FIELD(pe_dims, q8),
     PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16), PE_FIELD(pe_dims, gguf),
     PE_FIELD(pe_dims, page_size), PE_FIELD(pe_dims, table_len), PE_FIELD(pe_dims, tile_rows),
-    PE_FIELD(pe_dims, att_runs),
+    PE_FIELD(pe_dims, att_runs), PE_FIELD(pe_dims, split_pieces),
 };
 // A field appended to a struct and not to the table (nor to Python's mirror) would escape
 // the check: the table's last field must end its struct.
 static_assert(offsetof(pe_layer, packed) + sizeof(pe_layer::packed) == sizeof(pe_layer),
               "pe_layer has a field after packed: list it in pe_layouts and in kernels.py's _Layer");
-static_assert(offsetof(pe_dims, att_runs) + sizeof(pe_dims::att_runs) == sizeof(pe_dims),
-              "pe_dims has a field after att_runs: list it in pe_layouts and in kernels.py's _Dims");
+static_assert(offsetof(pe_dims, split_pieces) + sizeof(pe_dims::split_pieces) == sizeof(pe_dims),
+              "pe_dims has a field after split_pieces: list it in pe_layouts and in kernels.py's _Dims");
 
 extern "C" {
 
@@ -259,6 +259,32 @@ int pe_attention_runs(const pe_dims *d, int M, const int *rows, const int *pos, 
             n++;
         }
     return n;
+}
+
+// A check of parallel.h's pe_for_share (tests/test_cpu_engine.py): items [0, total) shared
+// by nth threads in `pieces` chunks a share (0: whole shares), thread `slow` starting
+// delay_us late, each item spinning ~item_ns. ran[i] gets the thread that ran item i, or
+// -2 where two did. Returns the number of items thread `slow` ran.
+long pe_split_check(long total, int nth, int pieces, int slow, long delay_us, long item_ns, int *ran) {
+    for (long i = 0; i < total; i++) ran[i] = -1;
+    pe_ranges r;
+    r.pieces = pieces;
+    long slow_ran = 0;
+#pragma omp parallel num_threads(nth) reduction(+ : slow_ran)
+    {
+        const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+        if (tid == slow) pe_spin_ns(delay_us * 1000);
+        pe_for_share(pieces > 0 ? &r : nullptr, total, tid, n, [&](long lo, long hi) {
+            for (long i = lo; i < hi; i++) {
+                int none = -1;
+                if (!__atomic_compare_exchange_n(ran + i, &none, tid, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                    __atomic_store_n(ran + i, -2, __ATOMIC_RELEASE);
+                pe_spin_ns(item_ns);
+                if (tid == slow) slow_ran++;
+            }
+        });
+    }
+    return slow_ran;
 }
 
 #ifdef PE_PROFILE
