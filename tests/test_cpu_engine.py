@@ -646,3 +646,29 @@ def test_dynamic_split_decodes_the_fixed_shares_tokens_and_log_probs(model, tmp_
         assert ("dynamic_split=False" in eng.speed_paths()["decode"]) == (not dynamic)
         runs.append([(c.token_ids, c.outputs[0].logprobs) for c in out])
     assert runs[0] == runs[1]
+
+
+def test_the_greedy_kernel_is_argmax_lowest_and_the_finiteness_check():
+    """CpuKernels.greedy (option sampler_kernel): each row's token is argmax_lowest's, ties
+    to the lowest id, a NaN row's the last id, an all -inf row's the first; the rows
+    holding NaN or +inf are the ones the torch check finds."""
+    from polyengine.backends.torch_common.sampling import argmax_lowest
+
+    kernels = kernels_for("auto")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 1000, generator=g)
+    x[1, [7, 300, 999]] = 50.0  # a tie: the lowest id wins
+    x[2, 5] = float("nan")
+    x[3] = float("-inf")
+    x[4, [3, 600]] = float("inf")
+    x[5, 10] = float("-inf")
+    x[6] = 2.0  # every id tied
+    x[7, 999] = 9.0  # the last id
+    x[8, 0] = 9.0  # the first id
+    tokens, broken = kernels.greedy(x)
+    assert tokens.tolist() == argmax_lowest(x).tolist()
+    assert tokens[[1, 2, 3, 6, 7, 8]].tolist() == [7, 999, 0, 0, 999, 0]
+    assert broken.tolist() == (torch.isnan(x).any(-1) | torch.isposinf(x).any(-1)).tolist()
+    assert broken.tolist() == [False, False, True, False, True, False, False, False, False]
+    strided = torch.randn(4, 2000, generator=g)[:, ::2]
+    assert kernels.greedy(strided)[0].tolist() == argmax_lowest(strided).tolist()

@@ -418,6 +418,17 @@ class CpuKernels:
                                   self.threads)
         return out
 
+    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy token of each row of ``x`` (B, V) float32 as ``argmax_lowest`` gives
+        it (int64 (B,)), and which rows hold NaN or +inf (bool (B,)): one pass in place of
+        the sampler's torch ops over the vocabulary (csrc/polyengine_cpu.cpp, pe_greedy)."""
+        b, v = x.shape
+        x = x.contiguous()
+        tokens = torch.empty(b, dtype=torch.int64)
+        broken = torch.empty(b, dtype=torch.uint8)
+        self.lib.pe_greedy(x.data_ptr(), v, b, v, tokens.data_ptr(), broken.data_ptr())
+        return tokens, broken.bool()
+
     def gumbel_draw(self, x: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
                     ctr_hi: torch.Tensor) -> torch.Tensor:
         """Plain temperature sampling's draw (no top-k, top-p or min-p) for the rows of
@@ -547,6 +558,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_gumbel_draw.restype = None
     lib.pe_filtered_draw.argtypes = [ptr, long_, int_, long_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, int_]
     lib.pe_filtered_draw.restype = None
+    lib.pe_greedy.argtypes = [ptr, long_, int_, long_, ptr, ptr]
+    lib.pe_greedy.restype = None
     lib.pe_split_check.argtypes = [long_, int_, int_, int_, long_, long_, ptr]
     lib.pe_split_check.restype = ctypes.c_long
 

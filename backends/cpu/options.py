@@ -77,9 +77,11 @@ OPTIONS = {
                                 choices=("auto", "kernel", "sdpa")),
     # the sampler's random stream (Threefry-2x32-20 per row and token) in one host-compiled
     # pass instead of ~140 torch ops over (rows, vocab), the same bits; and plain temperature
-    # sampling's whole draw there, in float64 (docs/cpu.md, "What it does": Sampling)
-    "sampler_kernel": Option(True, "the sampled rows' random stream and plain temperature sampling's draw "
-                                   "through the host-compiled kernels (needs cpu_kernels; False: torch ops)"),
+    # sampling's whole draw there, in float64; greedy rows' argmax and the finiteness check
+    # in one pass (docs/cpu.md, "What it does": Sampling)
+    "sampler_kernel": Option(True, "the sampled rows' random stream and draw, greedy rows' argmax and the "
+                                   "finiteness check through the host-compiled kernels (needs cpu_kernels; "
+                                   "False: torch ops)"),
     "fuse_projections": Option(True, "bfloat16 weights: q/k/v and gate/up as one matrix each for the torch "
                                      "forward's GEMMs (prefill)"),
 }

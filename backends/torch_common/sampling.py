@@ -92,6 +92,10 @@ class SamplerKernels(Protocol):
         """int32 (B, vocab): the first Threefry word of each (row, token id) >> 8, exactly
         as :func:`.threefry.threefry2x32` gives it."""
 
+    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 (B,) and bool (B,): :func:`argmax_lowest` of ``x`` exactly, and the rows
+        holding NaN or +inf."""
+
     def gumbel_draw(self, x: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
                     ctr_hi: torch.Tensor) -> torch.Tensor:
         """int64 (B,): the draw of plain temperature sampling (no top-k, top-p or min-p):
@@ -394,6 +398,23 @@ def _draw(state: SamplerState, x: torch.Tensor, rows: torch.Tensor | None, flags
     return argmax_lowest(logp + g)  # removed tokens are -inf: they never win
 
 
+def _greedy_and_broken(x: torch.Tensor, logits: torch.Tensor, greedy: bool,
+                       kernels: SamplerKernels | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Step 3 for greedy rows (``argmax_lowest(x)``; None where no row is greedy) and the
+    rows whose raw logits hold NaN or +inf. Such a row (an overflow in the model's
+    arithmetic) has no distribution to draw from: its token becomes NONFINITE_TOKEN,
+    which the driver reads as a NumericalError for that request alone (no host sync here:
+    the check stays on the device). On the host with kernels, one pass over float32 rows
+    does both (the same tokens)."""
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == x.dtype == torch.float32:
+        tokens, broken = kernels.greedy(x)
+        if x is not logits:  # a mask, a bias or penalties made x: the check is on the raw logits
+            broken = kernels.greedy(logits)[1]
+        return (tokens if greedy else None), broken
+    broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+    return (argmax_lowest(x) if greedy else None), broken
+
+
 def sample(
     state: SamplerState,
     logits: torch.Tensor,  # (B, V)
@@ -413,14 +434,10 @@ def sample(
     raw = log_softmax(logits.to(state.dtype)) if flags.logprobs or num_top else None
     x = penalised_logits(state, logits, rows, flags, token_mask)
     # Step 3 for greedy rows; rows not installed are greedy too, but nobody reads them.
-    tokens = argmax_lowest(x) if flags.greedy or not flags.sampling else None
+    tokens, broken = _greedy_and_broken(x, logits, flags.greedy or not flags.sampling, kernels)
     if flags.sampling:
         drawn = _draw(state, x, rows, flags, kernels)
         tokens = drawn if tokens is None else torch.where(_rows(state.temperature, rows) > 0, drawn, tokens)
-    # A row whose logits hold NaN or +inf (an overflow in the model's arithmetic) has no
-    # distribution to draw from: its token is NONFINITE_TOKEN, which the driver reads as
-    # a NumericalError for that request alone (no host sync here: the check stays on the device).
-    broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
     tokens = torch.where(broken, torch.full_like(tokens, NONFINITE_TOKEN), tokens)
     if raw is None:
         zeros = torch.zeros(b, dtype=state.dtype, device=logits.device)

@@ -308,6 +308,34 @@ void pe_threefry_bits(const int32_t *k0, const int32_t *k1, const int32_t *ctr, 
     pe_parallel(tf_task, &job, threads);
 }
 
+// The greedy token of each of `rows` rows of x (float32, row stride ldx, n columns), as
+// torch_common/sampling.py's argmax_lowest gives it: the first index of the row's
+// maximum, n - 1 for a row holding NaN; broken[r] = 1 where the row holds NaN or +inf
+// (the sampler's non-finite rows). One thread: a pass over the row, then a search for
+// its first maximum.
+void pe_greedy(const float *x, long ldx, int rows, long n, long *tokens, uint8_t *broken) {
+    for (int r = 0; r < rows; r++) {
+        const float *row = x + r * ldx;
+        float m = -INFINITY;
+        int nan = 0, inf = 0;
+        for (long j = 0; j < n; j++) {
+            const float v = row[j];
+            m = v > m ? v : m;
+            nan |= v != v;
+            inf |= v == INFINITY;
+        }
+        long t = n - 1;
+        if (!nan)
+            for (long j = 0; j < n; j++)
+                if (row[j] == m) {
+                    t = j;
+                    break;
+                }
+        tokens[r] = t;
+        broken[r] = (uint8_t)(nan | inf);
+    }
+}
+
 // The Gumbel-max draw of plain temperature sampling (threefry.h's gd_row) for `rows` rows
 // of x (float32, row stride ldx, n columns): tokens[r], or 0 for a row whose temperature
 // is not positive or whose x has no finite maximum. scratch: rows * threads doubles and
