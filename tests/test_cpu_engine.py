@@ -672,3 +672,15 @@ def test_the_greedy_kernel_is_argmax_lowest_and_the_finiteness_check():
     assert broken.tolist() == [False, False, True, False, True, False, False, False, False]
     strided = torch.randn(4, 2000, generator=g)[:, ::2]
     assert kernels.greedy(strided)[0].tolist() == argmax_lowest(strided).tolist()
+
+
+def test_the_kernels_rms_norm_is_torchs_within_float32_rounding():
+    """CpuKernels.rms_norm (the final norm after a fused step) against the torch forward's."""
+    from polyengine.backends.torch_common.model import rms_norm
+
+    kernels = kernels_for("auto")
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 576, generator=g) * 3, torch.randn(576, generator=g)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="float32 rows"):
+        kernels.rms_norm(x.double(), w, 1e-5)

@@ -343,8 +343,13 @@ class CpuEngine(TorchEngine):
     def _last_logits(self, t: dict[str, torch.Tensor], x: torch.Tensor, last: list[int]) -> torch.Tensor:
         """The logits of the rows ``last`` of a fused prefill's hidden states ``x``, in a
         tensor of their own (the prefixes keep them; a decode step's head reuses a buffer)."""
-        h = rms_norm(x[torch.as_tensor(last, dtype=torch.int64)], t["model.norm.weight"], self.model.config.rms_norm_eps)
-        return self._cpu_linear(t, h, "lm_head")
+        return self._cpu_linear(t, self._final_norm(t, x[torch.as_tensor(last, dtype=torch.int64)]), "lm_head")
+
+    def _final_norm(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The model's last norm on a fused step's hidden states (the kernels' RMS norm, as
+        the step's own layers normalize; torch's where the weight is not float32)."""
+        w, eps = t["model.norm.weight"], self.model.config.rms_norm_eps
+        return self._fused.kernels.rms_norm(x, w, eps) if w.dtype == torch.float32 else rms_norm(x, w, eps)
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -361,8 +366,7 @@ class CpuEngine(TorchEngine):
         if self._fused is not None:
             x = self._embedded(t, state.next_tokens[rows])
             self._fused.step(x, rows, pos, state.k, state.v, page_table=state.page_table)
-            x = rms_norm(x, t["model.norm.weight"], self.model.config.rms_norm_eps)
-            logits = self._head(t, x)  # (M, vocab)
+            logits = self._head(t, self._final_norm(t, x))  # (M, vocab)
         else:
             every = len(live) == n
             paged = state.page_table is not None  # the live rows' page-table rows say where their K/V are

@@ -418,6 +418,16 @@ class CpuKernels:
                                   self.threads)
         return out
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight`` over the rows of ``x`` (M, H) float32, as
+        the fused step normalizes inside its layers (one call; torch's takes five ops)."""
+        x, weight = x.contiguous(), weight.contiguous()
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
+            raise ValueError("the kernels' RMS norm takes float32 rows and a float32 weight of their width")
+        y = torch.empty_like(x)
+        self.lib.pe_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+        return y
+
     def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The greedy token of each row of ``x`` (B, V) float32 as ``argmax_lowest`` gives
         it (int64 (B,)), and which rows hold NaN or +inf (bool (B,)): one pass in place of
@@ -558,6 +568,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_gumbel_draw.restype = None
     lib.pe_filtered_draw.argtypes = [ptr, long_, int_, long_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, int_]
     lib.pe_filtered_draw.restype = None
+    lib.pe_rms_norm.argtypes = [ptr, ptr, ptr, int_, long_, ctypes.c_float]
+    lib.pe_rms_norm.restype = None
     lib.pe_greedy.argtypes = [ptr, long_, int_, long_, ptr, ptr]
     lib.pe_greedy.restype = None
     lib.pe_split_check.argtypes = [long_, int_, int_, int_, long_, long_, ptr]

@@ -308,6 +308,12 @@ void pe_threefry_bits(const int32_t *k0, const int32_t *k1, const int32_t *ctr, 
     pe_parallel(tf_task, &job, threads);
 }
 
+// y = x / sqrt(mean(x^2) + eps) * w for M rows of H floats (decode.h's rms_norm): the
+// final norm after a fused step, one call where torch takes five ops.
+void pe_rms_norm(const float *x, const float *w, float *y, int M, long H, float eps) {
+    for (int m = 0; m < M; m++) rms_norm(x + m * H, w, y + m * H, H, eps);
+}
+
 // The greedy token of each of `rows` rows of x (float32, row stride ldx, n columns), as
 // torch_common/sampling.py's argmax_lowest gives it: the first index of the row's
 // maximum, n - 1 for a row holding NaN; broken[r] = 1 where the row holds NaN or +inf
