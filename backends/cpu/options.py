@@ -32,7 +32,7 @@ OPTIONS = {
     "isa": Option("auto", "ISA path of the host-compiled kernels", choices=("auto", *ISA_PATHS)),
     # each thread takes its share of a fused step's product in chunks, then chunks from the
     # back of the other threads' shares: a thread held back (another process on its core)
-    # hands the rest of its share on (docs/cpu.md, "Batch-1 decode on interleaved rows")
+    # hands the rest of its share on (docs/cpu.md, "Products shared by chunks")
     "dynamic_split": Option(True, "the fused step's products shared between the threads by chunks, a thread done "
                                   "with its share taking chunks of the others' (False: fixed shares)"),
     "fused_decode": Option(True, "the whole decode step in one host-compiled call (needs cpu_kernels; Llama "

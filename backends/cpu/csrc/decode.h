@@ -579,7 +579,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
     float *tiles = (float *)(((uintptr_t)(xq + 2 * M * kmax) + 63) & ~(uintptr_t)63);
     const std::vector<pe_att_unit> units = att_units(d, M, rows, pos);
     pe_barrier bar;
-    pe_ranges ranges;  // the products' shares (split_pieces), set by each thread as a product starts
+    pe_ranges ranges;  // the products' shares (split_pieces), set by the first thread to reach each product
     ranges.pieces = (int)d->split_pieces;
     pe_ranges *steal = d->split_pieces > 0 ? &ranges : nullptr;
     // One parallel region for the whole step; its phases are separated by bar.wait().
