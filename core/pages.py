@@ -142,6 +142,22 @@ class PagePool:
         self._check_id(page)
         return self._refs[page]
 
+    def counts(self) -> list[int]:
+        """Every page's count by id (0: free): what :meth:`from_counts` rebuilds."""
+        with self.lock:
+            return list(self._refs)
+
+    @classmethod
+    def from_counts(cls, page_size: int, capacity: int | None, counts: Iterable[int]) -> "PagePool":
+        """A pool holding ``counts`` (:meth:`counts` of another): a copy for reading, such as
+        a multi-host engine's leader keeps of the pool its workers hold."""
+        pool = cls(page_size, capacity)
+        pool._refs = [int(c) for c in counts]
+        if any(c < 0 for c in pool._refs):
+            raise PageError(f"a page count is negative in {pool._refs}")
+        pool._free = [p for p in range(len(pool._refs) - 1, -1, -1) if pool._refs[p] == 0]
+        return pool
+
     # -- lifetimes ------------------------------------------------------------------------
 
     def allocate(self, n: int) -> list[int]:

@@ -74,6 +74,22 @@ def test_copy_on_write_copies_a_shared_page_only():
     assert pool.held == 0
 
 
+def test_a_pool_rebuilt_from_its_counts_reads_the_same():
+    """PagePool.counts / from_counts (a multi-host leader's copy of its workers' pool):
+    the same counts, held, free and shared pages, and the next ids handed out."""
+    pool = PagePool(4, 8)
+    a, b = pool.allocate(3), pool.allocate(2)
+    pool.share(a[:2])
+    pool.release([b[0], a[2]])
+    copy = PagePool.from_counts(4, 8, pool.counts())
+    assert copy.counts() == pool.counts() == [2, 2, 0, 0, 1]
+    assert (copy.held, copy.free, copy.shared, copy.allocated) == (pool.held, pool.free, pool.shared, 5)
+    assert [copy.refcount(p) for p in range(5)] == [pool.refcount(p) for p in range(5)]
+    assert copy.allocate(3) == pool.allocate(3) == [2, 3, 5]
+    with pytest.raises(PageError, match="negative"):
+        PagePool.from_counts(4, None, [1, -1])
+
+
 def test_a_finalized_page_list_gives_its_pages_back_when_dropped():
     pool = PagePool(4)
     seq = PageList.new(pool, 8, finalize=True)

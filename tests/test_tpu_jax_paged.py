@@ -226,12 +226,17 @@ def test_the_driver_admits_requests_by_free_pages_and_equals_the_contiguous_engi
         np.testing.assert_allclose(gl, wl, rtol=0, atol=LOGPROB_ATOL)
 
 
-def test_tpu_jax_ray_refuses_pages_before_any_worker_starts(tiny):
+def test_tpu_jax_ray_refuses_bad_page_options_before_any_worker_starts(tiny):
+    """The leader makes the single-host engine's page refusals itself (and refuses pages
+    with prefill workers) before it connects to Ray: none of these starts a worker. Pages
+    on the workers: tests/test_tpu_jax_ray.py::test_pages_on_the_ray_engine."""
     pytest.importorskip("ray")
     from polyengine.backends.tpu_jax.ray_engine import RayTpuEngine
 
-    for options in ({"page_size": 16}, {"kv_pages": 9}):
-        with pytest.raises(UnsupportedFeature, match="single-host tpu_jax"):
+    for options, error, match in (({"page_size": 16, "prefill_workers": 1}, UnsupportedFeature, "prefill_workers"),
+                                  ({"page_size": 16, "kv_quantize": "int8"}, UnsupportedFeature, "int8"),
+                                  ({"kv_pages": 9}, InvalidRequest, "kv_pages=9 needs page_size")):
+        with pytest.raises(error, match=match):
             RayTpuEngine(tiny, CFG.model_copy(update={"options": options}))
 
 

@@ -261,6 +261,51 @@ def test_disaggregated_greedy_output_equals_interleaved(cluster, model):
 
 
 @pytest.mark.slow
+def test_pages_on_the_ray_engine(cluster, model, pytester, tmp_path):
+    """Paged K/V on the workers (option page_size, kv_pages: a bounded pool): the page
+    rules hold through the leader's view of the workers' pool (conformance/pages.py);
+    the driver admits by pages over a pool too small for every request at once,
+    preempts, and gives the single-process paged engine's tokens; a prompt that shares
+    two full pages with a cached one reuses them; and the conformance suite's page and
+    prefix tests pass with the option."""
+    from polyengine.conformance.pages import page_rule_problems
+
+    from polyengine.backends.tpu_jax.engine import TpuJaxEngine
+
+    cfg = CFG.model_copy(update={"options": {"page_size": 8, "kv_pages": 20}})
+    eng = RayTpuEngine(model, cfg)
+    assert eng.capabilities.page_size == 8 and eng.pages.capacity == 20 and eng.pages.free == 20
+    assert page_rule_problems(eng, eng.load_params(), list(range(3, 15)), [1, 2, 3, 4, 5]) == []
+    shared = [1, 5, 9, 4, 2, 6, 6, 3] * 2
+    prompts = [shared + [7], [1, 7, 3], [1, 2, 8, 8, 2, 6, 6] * 2, shared + [8, 8]]
+    sampling = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 3 + [
+        SamplingParams(seed=5, temperature=0.8, max_tokens=40, ignore_eos=True, n=2)]
+
+    def run(engine):
+        llm = LLM.from_engine(engine, tools=False)
+        done = llm.generate(prompts, sampling)
+        return [[o.token_ids for o in c.outputs] for c in done], llm.page_stats
+
+    want, _ = run(TpuJaxEngine(model, cfg))
+    got, stats = run(eng)
+    assert got == want
+    assert stats["total"] == 20 and stats["preemptions"] > 0, stats
+    assert stats["in_use"] == eng.pages.held > 0  # the prefix cache's pages, as the workers count them
+    llm = LLM.from_engine(eng, tools=False)
+    cached = [llm.generate([p], sampling[0])[0].usage.cached_tokens for p in (prompts[0], prompts[3])]
+    assert cached == [0, 16]  # the first prompt's two full pages
+    report = tmp_path / "ray-paged.json"
+    rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "tpu_jax_ray",
+                              "-p", "no:cacheprovider", "--polyengine-report-json", str(report),
+                              "--polyengine-option", "page_size=16",
+                              "-k", "(test_page_rules or test_prefix_reuse or test_truncate) and not bfloat16")
+    failed = [r.nodeid for r in rec.getreports("pytest_runtest_logreport") if r.failed]
+    assert not failed, failed
+    ran = [t["id"] for t in json.loads(report.read_text())["tests"] if t["status"] == "passed"]
+    assert any(i.startswith("test_page_rules") for i in ran), ran
+
+
+@pytest.mark.slow
 def test_a_reference_prefix_decodes_on_the_disaggregated_engine(cluster, model):
     """Cross-backend disaggregation: the reference backend prefills, the Ray engine
     imports the portable prefix and decodes what the reference decodes."""

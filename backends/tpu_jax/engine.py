@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, PrefillRequest, ResultTokens, SlotTable
-from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.errors import InvalidRequest
 from polyengine.hostinfo import has_bf16_units
 from polyengine.logs import compiling
 from polyengine.models import Model
@@ -44,7 +44,7 @@ from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.compile_cache import use_compile_cache
 from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
-from polyengine.backends.tpu_jax.options import OPTIONS, WEIGHT_FORMATS
+from polyengine.backends.tpu_jax.options import OPTIONS, WEIGHT_FORMATS, check_pages
 from polyengine.backends.tpu_jax.footprint import device_needs
 from polyengine.backends.tpu_jax.quantize import block_arrays
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
@@ -113,15 +113,7 @@ class TpuJaxEngine(EngineBase):
         # pools on the mesh they index (paged.py), made with the first prefix or decode state.
         self.paged_kernel = self._paged_attention()  # "gather", "pallas" or "interpret" (pallas.resolve)
         ps, kv_pages = self.capabilities.page_size, o["kv_pages"]
-        if kv_pages and (not ps or kv_pages < pages_for(config.max_cache_length, ps) + 1):
-            raise InvalidRequest(
-                f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
-                f"({pages_for(config.max_cache_length, ps or 1) + 1} with page_size={ps or 1}); raise it or leave it 0",
-                field="options.kv_pages")
-        if ps and self.cfg.kv_int8:
-            raise UnsupportedFeature("kv_quantize='int8' with page_size", self.name,
-                                     "int8 K/V are kept in the contiguous cache only; use one or the other",
-                                     field="options.kv_quantize")
+        check_pages(o, config.max_cache_length, self.name)
         self.pages = PagePool(ps, kv_pages or None) if ps else None
         self.compiles = CompileLog(per_bucket=(
             "widen_prefix", "prefill_step", "prefill_batch_step", "insert_kv_step", "write_pages_step",

@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from polyengine.engine import Option
+from polyengine.errors import InvalidRequest, UnsupportedFeature
+from polyengine.pages import pages_for
 from polyengine.models.blocks import FLOAT_FORMATS
 from polyengine.models.quantize import WEIGHT_MODES
 
-__all__ = ["OPTIONS", "WEIGHT_FORMATS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem"]
+__all__ = ["OPTIONS", "WEIGHT_FORMATS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem", "check_pages"]
 
 # The weight formats the engine computes on as stored (Capabilities.weight_formats, and
 # `polyengine backends --verbose` without starting JAX): the float ones, and GGUF's
@@ -80,3 +82,19 @@ OPTIONS: dict[str, Option] = {
     "trace_dir": Option("", "write a JAX trace of the first trace_steps generate steps here"),
     "trace_steps": Option(16, "generate steps the trace covers", minimum=1),
 }
+
+
+def check_pages(options: dict[str, Any], max_cache_length: int, backend: str) -> None:
+    """The paged K/V options (page_size, kv_pages) against each other, the context and
+    kv_quantize: the single-host engine's checks, made by the Ray leader too before any
+    worker starts."""
+    ps, kv_pages = options["page_size"], options["kv_pages"]
+    if kv_pages and (not ps or kv_pages < pages_for(max_cache_length, ps) + 1):
+        raise InvalidRequest(
+            f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
+            f"({pages_for(max_cache_length, ps or 1) + 1} with page_size={ps or 1}); raise it or leave it 0",
+            field="options.kv_pages")
+    if ps and options["kv_quantize"] == "int8":
+        raise UnsupportedFeature("kv_quantize='int8' with page_size", backend,
+                                 "int8 K/V are kept in the contiguous cache only; use one or the other",
+                                 field="options.kv_quantize")

@@ -56,13 +56,14 @@ from polyengine.engine import (
 from polyengine.errors import EngineDead, InvalidRequest, PolyengineError, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.models.int_blocks import block_matrices
+from polyengine.pages import PageList, PagePool, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.tpu_jax.disagg import PortableHandle, PrefillPool
 from polyengine.backends.tpu_jax.footprint import device_needs, mesh_shape
-from polyengine.backends.tpu_jax.options import OPTIONS as ENGINE_OPTIONS, WEIGHT_FORMATS
+from polyengine.backends.tpu_jax.options import OPTIONS as ENGINE_OPTIONS, WEIGHT_FORMATS, check_pages
 
 __all__ = ["RayTpuEngine", "RayDecodeState", "WorkerLost", "WorkerGroup", "create_engine", "start_local_ray"]
 
@@ -304,9 +305,75 @@ class RayDecodeState:
 
 @dataclass(eq=False)
 class RemotePrefix:
-    """``Prefix.kv`` of this engine: the id the workers hold the prefix by."""
+    """``Prefix.kv`` of this engine: the id the workers hold the prefix by, and on pages
+    the page ids it holds there (a prefix's pages never change)."""
 
     prefix_id: str
+    seq: PageList | None = None
+
+
+class RemotePages:
+    """The leader's view of the K/V page pool its workers hold (``engine.pages`` of a paged
+    tpu_jax_ray engine). Every worker holds the same pool, since all run the same calls in
+    the same order; this view reads rank 0's counts (and a decode state's page lists) with
+    one call after the leader sent anything that may change them, and answers from that
+    copy until it sends another (:meth:`changed`, called after each such call is sent:
+    Ray runs them in order, so the read sees every change sent before it). The counts are
+    PagePool's reads; the pages are taken, shared and released on the workers only."""
+
+    def __init__(self, group: "WorkerGroup", engine_id: str, page_size: int, capacity: int | None):
+        self.page_size, self.capacity = int(page_size), capacity
+        self._group, self._engine_id = group, engine_id
+        self._version = 0
+        self._copy: tuple[int, str | None, PagePool, dict[int, PageList]] | None = None
+        self.lock = threading.RLock()
+
+    def changed(self) -> None:
+        """A call that may change the pool was sent: the next read asks rank 0 again."""
+        with self.lock:
+            self._version += 1
+
+    def read(self, state_id: str | None = None) -> tuple[PagePool, dict[int, PageList]]:
+        """The pool's counts (a PagePool copy) and, with ``state_id``, that decode state's
+        occupied slots' page lists, as rank 0 has them after every call sent so far."""
+        with self.lock:
+            version, copy = self._version, self._copy
+            if copy is not None and copy[0] == version and (state_id is None or copy[1] == state_id):
+                return copy[2], copy[3]
+        ref = self._group.submit_one(0, "pages", self._engine_id, state_id)
+        answer = self._group._gather([ref], "reading the K/V page pool")[0]
+        pool = PagePool.from_counts(self.page_size, self.capacity, answer["counts"])
+        slots = {int(s): PageList(pool, pages, length) for s, (pages, length) in answer["slots"].items()}
+        with self.lock:
+            self._copy = (version, state_id, pool, slots)
+        return pool, slots
+
+    @property
+    def allocated(self) -> int:
+        return self.read()[0].allocated
+
+    @property
+    def held(self) -> int:
+        return self.read()[0].held
+
+    @property
+    def free(self) -> int | None:
+        return self.read()[0].free
+
+    @property
+    def shared(self) -> int:
+        return self.read()[0].shared
+
+    def refcount(self, page: int) -> int:
+        return self.read()[0].refcount(page)
+
+
+def _drop(group: "WorkerGroup", pages: RemotePages | None, kind: str, key: str) -> None:
+    """A handle's finalizer: forget what it names on the workers; a prefix's or a
+    state's pages go back to the pool there."""
+    group.drop(kind, key)
+    if pages is not None:
+        pages.changed()
 
 
 class RayTpuEngine(EngineBase):
@@ -334,14 +401,15 @@ class RayTpuEngine(EngineBase):
     }
 
     def _check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        """The table's checks, and a refusal of paged K/V before any worker starts: the
-        leader forwards prefixes by id and declares no page_size (pages run on tpu_jax)."""
+        """The table's checks before any worker starts (the paged K/V options' against the
+        context: :meth:`capabilities_for`); pages with prefill workers are refused: their
+        prefixes travel whole through the object store (docs/tpu_jax.md)."""
         checked = super()._check_options(options)
-        for key in ("page_size", "kv_pages"):
-            if checked[key]:
-                raise UnsupportedFeature(f"option {key}={checked[key]}", self.name,
-                                         "paged K/V run on the single-host tpu_jax backend; leave it 0 here",
-                                         field=f"options.{key}")
+        if checked["page_size"] and checked["prefill_workers"]:
+            raise UnsupportedFeature(f"option page_size={checked['page_size']} with prefill_workers", self.name,
+                                     "disaggregated prefixes travel whole through the object store and are "
+                                     "imported into each slot; leave page_size 0 or prefill_workers 0",
+                                     field="options.page_size")
         return checked
 
     def __init__(self, model: Model, config: EngineConfig):
@@ -358,6 +426,10 @@ class RayTpuEngine(EngineBase):
         self.device = group.call("build", self.engine_id, model_ref, worker_config, what="building the engine") + (
             f" on {len(group.workers)} Ray workers")
         self._finalizer = weakref.finalize(self, group.drop, "engines", self.engine_id)
+        ps = options["page_size"]
+        # Paged K/V (option page_size): the workers' engines keep the pages; the leader reads
+        # their counts and lists (RemotePages), for the driver's admission and prefix cache.
+        self.pages = RemotePages(group, self.engine_id, ps, options["kv_pages"] or None) if ps else None
         self._ids = itertools.count()
         self.prefill_pool: PrefillPool | None = None
         if options["prefill_workers"]:
@@ -372,6 +444,7 @@ class RayTpuEngine(EngineBase):
         before any starts; then the workers start, each host's share is checked against
         the memory its workers report, and they report their platform's dtypes."""
         o = self.options
+        check_pages(o, config.max_cache_length, self.name)
         _connect(o["ray_address"], float(o["connect_timeout_s"]))
         self.tpu, workers = self._layout(o)
         # The mesh the workers will form, refused here (naming both numbers) before any starts.
@@ -390,6 +463,7 @@ class RayTpuEngine(EngineBase):
             # disaggregated: a prefill runs on the prefill workers, so the kit's lane thread
             # only waits for them while the driver steps the decode workers
             prefill_lane=bool(o["prefill_workers"]),
+            page_size=o["page_size"],  # the workers' engines' pages (RemotePages reads them)
         )
 
     def _layout(self, o: Mapping[str, Any]) -> tuple[int, int]:
@@ -423,8 +497,11 @@ class RayTpuEngine(EngineBase):
                             data_parallel=o["data_parallel"], platform=self.platform)
         blocks = {} if o["quantize"] else {s: model.records[s].format
                                            for s in block_matrices(model, WEIGHT_FORMATS).values()}
+        ps = o["page_size"]  # a pool: its pages, or (unbounded) every slot's full context to start with
+        pool_pages = o["kv_pages"] or (config.max_slots * pages_for(config.max_cache_length, ps) if ps else 0)
         per_device = device_needs(model.config, config, dtype=self.dtype, dp=dp, tp=tp, quantize=o["quantize"],
-                                  kv_int8=o["kv_quantize"] == "int8", rules=o["sharding_rules"], blocks=blocks)
+                                  kv_int8=o["kv_quantize"] == "int8", rules=o["sharding_rules"], blocks=blocks,
+                                  page_size=ps, pool_pages=pool_pages)
         reports = self.group._gather(self.group.submit("host_memory"), "asking the workers for their free memory")
         nodes: dict[str, list[dict]] = {}
         for worker, report in zip(info, reports):
@@ -462,15 +539,17 @@ class RayTpuEngine(EngineBase):
         self.group.call("init_state", self.engine_id, state_id)
         n = self.max_concurrent_decodes
         state = RayDecodeState(n, state_id, SlotTable(n))
-        weakref.finalize(state, self.group.drop, "states", state_id)
+        weakref.finalize(state, _drop, self.group, self.pages, "states", state_id)
         return state
 
     # -- prefixes --------------------------------------------------------------------------
 
     def _prefix(self, prefix_id: str, prompt: np.ndarray, sampling: SamplingParams, first: int, nbytes: int,
-                token_mask: np.ndarray | None = None) -> Prefix:
-        handle = RemotePrefix(prefix_id)
-        weakref.finalize(handle, self.group.drop, "prefixes", prefix_id)
+                token_mask: np.ndarray | None = None, seq: tuple[list[int], int] | None = None) -> Prefix:
+        """The handle of what the workers hold as ``prefix_id`` (``seq``: its page ids and
+        length on a paged engine, as rank 0 answered)."""
+        handle = RemotePrefix(prefix_id, None if seq is None else PageList(self.pages, seq[0], seq[1]))
+        weakref.finalize(handle, _drop, self.group, self.pages, "prefixes", prefix_id)
         return Prefix(kv=handle, logits=handle, prompt_tokens=prompt, sampling=sampling, backend=self.name,
                       first_token=first, to_host=self._logits, model_id=self.model_id, nbytes=nbytes,
                       token_mask=token_mask)
@@ -495,9 +574,18 @@ class RayTpuEngine(EngineBase):
             return self._portable_prefix(PortableHandle(ref), prompt, sampling, int(result.tokens[0, 0]), mask), result
         prefix_id = self._id("prefix")
         head = None if existing_prefix is None else existing_prefix.kv.prefix_id
-        packed, nbytes = self.group.call("prefill", self.engine_id, prefix_id, toks, sampling, head, mask)
+        packed, nbytes, seq = self._call("prefill", self.engine_id, prefix_id, toks, sampling, head, mask)
         result = ResultTokens.from_packed(packed, _LAYOUT)
-        return self._prefix(prefix_id, prompt, sampling, int(result.tokens[0, 0]), nbytes, mask), result
+        return self._prefix(prefix_id, prompt, sampling, int(result.tokens[0, 0]), nbytes, mask, seq), result
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Every worker runs ``method``; rank 0's answer. On pages, the leader's copy of the
+        pool's counts is stale from then on (RemotePages.changed)."""
+        try:
+            return self.group.call(method, *args)
+        finally:
+            if self.pages is not None:
+                self.pages.changed()
 
     def _portable_handle(self, prefix: Prefix) -> "PortableHandle":
         """A disaggregated engine's prefixes are all portable bytes in the object store."""
@@ -515,16 +603,16 @@ class RayTpuEngine(EngineBase):
 
     def _install(self, prefix: Prefix, state: RayDecodeState, slots: list[int], *, draw: bool) -> ResultTokens | None:
         if isinstance(prefix.kv, PortableHandle):  # every decode worker reads it from the object store
-            packed = self.group.call("insert_portable", self.engine_id, state.state_id, slots, prefix.kv.ref, draw,
+            packed = self._call("insert_portable", self.engine_id, state.state_id, slots, prefix.kv.ref, draw,
                                      prefix.token_mask)
         elif draw:
-            packed = self.group.call("bulk_insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots)
+            packed = self._call("bulk_insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots)
         else:
-            packed = self.group.call("insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots[0])
+            packed = self._call("insert", self.engine_id, prefix.kv.prefix_id, state.state_id, slots[0])
         return ResultTokens.from_packed(packed, _LAYOUT) if draw else None
 
     def _release(self, state: RayDecodeState, slot: int) -> None:
-        self.group.call("free", self.engine_id, state.state_id, slot)
+        self._call("free", self.engine_id, state.state_id, slot)
 
     # -- generate --------------------------------------------------------------------------
 
@@ -539,6 +627,8 @@ class RayTpuEngine(EngineBase):
         refs = self.group.submit("generate", self.engine_id, state.state_id,
                                  {s: Override(t, p) for s, (t, p) in forced.items()},
                                  None if masks is None else {i: masks.words[i] for i in masks.slots})
+        if self.pages is not None:
+            self.pages.changed()
         # Results are read when the driver reads them: step n+1 is sent before then.
         return state, ResultTokens.from_packed(refs, _LAYOUT, to_host=lambda r: self.group._gather(r, "generating")[0])
 
@@ -556,8 +646,20 @@ class RayTpuEngine(EngineBase):
             handle = self.prefill_pool.put(portable)
             return self._portable_prefix(handle, prompt, sampling, self.prefill_pool.first_token(handle))
         prefix_id = self._id("prefix")
-        first = self.group.call("import_prefix", self.engine_id, prefix_id, portable.to_bytes())
-        return self._prefix(prefix_id, prompt, sampling, int(first[0]), int(first[1]))
+        first, seq = self._call("import_prefix", self.engine_id, prefix_id, portable.to_bytes())
+        return self._prefix(prefix_id, prompt, sampling, int(first[0]), int(first[1]), seq=seq)
+
+    # -- pages (option page_size): the workers' pool, as rank 0 holds it ---------------------
+
+    def prefix_pages(self, prefix: Prefix) -> PageList:
+        if self.pages is None:
+            return super().prefix_pages(prefix)
+        return self.check_prefix(prefix).kv.seq
+
+    def slot_pages(self, decode_state: RayDecodeState, slot: int) -> PageList | None:
+        if self.pages is None:
+            return super().slot_pages(decode_state, slot)
+        return self.pages.read(decode_state.state_id)[1].get(self.check_slot(slot))
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> RayTpuEngine:

@@ -124,7 +124,29 @@ class EngineWorker:
         prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling,
                                        existing_prefix=existing, token_mask=token_mask)
         self.prefixes[prefix_id] = prefix
-        return None if self.rank else (self._packed(engine, first), prefix.nbytes)
+        return None if self.rank else (self._packed(engine, first), prefix.nbytes, self._seq(engine, prefix))
+
+    @staticmethod
+    def _seq(engine, prefix) -> tuple[list[int], int] | None:
+        """A paged engine's prefix as page ids and a length (a prefix's never change)."""
+        if engine.pages is None:
+            return None
+        seq = engine.prefix_pages(prefix)
+        return list(seq.pages), seq.length
+
+    def pages(self, engine_id: str, state_id: str | None) -> dict[str, Any] | None:
+        """Rank 0's page pool: every page's count by id and, with ``state_id``, each
+        occupied slot's page ids and length. Every rank holds the same pool (they run the
+        same calls in the same order), so one answers; a host read, no collective."""
+        if self.rank:
+            return None
+        engine = self.engines[engine_id]
+        slots = {}
+        if state_id is not None:
+            for slot, seq in enumerate(self.states[state_id].seqs or ()):
+                if seq is not None:
+                    slots[slot] = (list(seq.pages), seq.length)
+        return {"counts": engine.pages.counts(), "slots": slots}
 
     def prefix_logits(self, prefix_id: str) -> np.ndarray | None:
         return None if self.rank else self.prefixes[prefix_id].host_logits()
@@ -157,7 +179,8 @@ class EngineWorker:
         engine = self.engines[engine_id]
         prefix = engine.import_prefix(PortablePrefix.from_bytes(data))
         self.prefixes[prefix_id] = prefix
-        return None if self.rank else np.asarray([prefix.first_token, prefix.nbytes], np.int64)
+        return None if self.rank else (np.asarray([prefix.first_token, prefix.nbytes], np.int64),
+                                       self._seq(engine, prefix))
 
     # -- disaggregated serving: prefixes as portable bytes through the object store -------
 
