@@ -674,6 +674,21 @@ def test_the_greedy_kernel_is_argmax_lowest_and_the_finiteness_check():
     assert kernels.greedy(strided)[0].tolist() == argmax_lowest(strided).tolist()
 
 
+def test_the_sampler_on_the_kernels_checks_the_eos_columns_it_masked():
+    """With the sparse EOS masking (ignore_eos rows, no min_tokens) the greedy kernel's one
+    pass runs on the masked rows, and the raw logits' EOS columns are checked apart: a NaN
+    or +inf there still marks its row, though the masked row holds -inf in that column."""
+    from polyengine.backends.torch_common.sampling import TorchSampler
+    from polyengine.results import NONFINITE_TOKEN
+
+    sampler = TorchSampler(500, 3, (4, 400), kernels=kernels_for("auto"))
+    for row in range(3):
+        sampler.install(row, SamplingParams(temperature=0, ignore_eos=True, seed=row), [1])
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(3))
+    logits[0, 400], logits[1, 4], logits[2, 9] = float("nan"), float("inf"), 50.0
+    assert sampler.sample(logits).tokens.tolist() == [NONFINITE_TOKEN, NONFINITE_TOKEN, 9]
+
+
 def test_the_kernels_rms_norm_is_torchs_within_float32_rounding():
     """CpuKernels.rms_norm (the final norm after a fused step) against the torch forward's."""
     from polyengine.backends.torch_common.model import rms_norm

@@ -11,6 +11,8 @@ deterministic (fixed seeds): no test here fails by chance.
 from __future__ import annotations
 
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -92,7 +94,7 @@ def test_flags_follow_the_installed_requests():
     flags = SamplerFlags.of([SamplingParams(top_k=50), SamplingParams(top_p=0.9)], 100)
     assert flags.candidates is None  # a top-p row without top-k needs the whole order
     assert SamplerFlags.of([], 100) == SamplerFlags(
-        greedy=False, sampling=False, bias=False, eos_mask=False, repetition=False,
+        greedy=False, sampling=False, bias=False, eos_mask=False, min_tokens=False, repetition=False,
         presence_frequency=False, top_k=False, top_p=False, min_p=False, logprobs=False, candidates=None,
     )
 
@@ -114,8 +116,9 @@ def test_float64_fast_paths_and_full_path_equal_reference(vocab):
         for toks in recorded:
             sampler.record(torch.from_numpy(toks))
         ref = reference_sample(logits, rows, eos)
-        for flags in (sampler.flags, SamplerFlags()):  # the fast paths and the full path
-            out = sample(sampler.state, torch.from_numpy(logits), None, flags, 20)
+        # the fast paths (with the sparse EOS masking too) and the full path
+        for flags, eos_ids in ((sampler.flags, None), (sampler.flags, sampler.eos_ids), (SamplerFlags(), None)):
+            out = sample(sampler.state, torch.from_numpy(logits), None, flags, 20, eos_ids=eos_ids)
             assert out.tokens.tolist() == ref.tokens.tolist(), (trial, flags)
             raw = raw_logprobs(logits)
             np.testing.assert_allclose(out.logprobs.numpy(), raw[np.arange(6), ref.tokens], rtol=1e-12, atol=1e-12)
@@ -123,6 +126,36 @@ def test_float64_fast_paths_and_full_path_equal_reference(vocab):
                 k = row.params.top_logprobs
                 assert out.top_ids[r, :k].tolist() == ref.top_ids[r, :k].tolist()
                 np.testing.assert_allclose(out.top_logprobs[r, :k].numpy(), raw[r][ref.top_ids[r, :k]], rtol=1e-12)
+
+
+def test_the_sparse_eos_masking_equals_the_dense_mask():
+    """Where no installed row has min_tokens, the ignore_eos rows' EOS columns are written
+    as -inf (penalised_logits with the sampler's eos_ids) in place of the mask over the
+    whole vocabulary: the same values, the same tokens, the logits left as they were; a
+    min_tokens row brings the dense mask back (it masks stop ids too)."""
+    from polyengine.backends.torch_common.sampling import penalised_logits
+
+    vocab, eos = 300, (3, 7, 299, 7)  # a repeated id is one column
+    sampler = TorchSampler(vocab, 4, eos)
+    assert sampler.eos_ids.tolist() == [3, 7, 299]
+    for row, params in enumerate([SamplingParams(temperature=0, ignore_eos=True, seed=0), SamplingParams(temperature=0, seed=1),
+                                  SamplingParams(seed=2, temperature=0.9, ignore_eos=True), SamplingParams(seed=3)]):
+        sampler.install(row, params, [1, 2])
+    assert sampler.flags.eos_mask and not sampler.flags.min_tokens
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
+    logits[:, [3, 7, 299]] = 30.0  # EOS would win every row it is not masked in
+    before = logits.clone()
+    dense = penalised_logits(sampler.state, logits, None, replace(sampler.flags, min_tokens=True))
+    sparse = penalised_logits(sampler.state, logits, None, sampler.flags, eos_ids=sampler.eos_ids)
+    assert torch.equal(dense, sparse) and torch.equal(logits, before)
+    assert torch.isneginf(sparse[[0, 2]][:, [3, 7, 299]]).all() and torch.equal(sparse[[1, 3]], logits[[1, 3]])
+    got = sampler.sample(logits).tokens.tolist()
+    assert got == sample(sampler.state, logits, None, replace(sampler.flags, min_tokens=True)).tokens.tolist()
+    assert got[1] == 3 and got[0] not in eos
+    sampler.install(1, SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5], seed=1), [1, 2])
+    assert sampler.flags.min_tokens  # the dense mask: row 1 loses EOS and its stop id while early
+    masked = penalised_logits(sampler.state, logits, None, sampler.flags, eos_ids=sampler.eos_ids)
+    assert torch.isneginf(masked[1, [3, 5, 7, 299]]).all() and torch.isneginf(masked[0, [3, 7, 299]]).all()
 
 
 def test_float32_differs_only_where_the_bound_allows():

@@ -195,6 +195,7 @@ class SamplerFlags:
     sampling: bool = True  # some row has temperature > 0 (False: the greedy fast path)
     bias: bool = True  # some row has logit_bias
     eos_mask: bool = True  # some row has min_tokens > 0 or ignore_eos
+    min_tokens: bool = True  # some row has min_tokens > 0 (False: EOS masking is ignore_eos's alone)
     repetition: bool = True  # some row has repetition_penalty != 1
     presence_frequency: bool = True  # some row has presence or frequency penalty
     top_k: bool = True
@@ -215,6 +216,7 @@ class SamplerFlags:
             sampling=bool(drawn),
             bias=any(bool(p.logit_bias) for p in params),
             eos_mask=any(p.min_tokens > 0 or p.ignore_eos for p in params),
+            min_tokens=any(p.min_tokens > 0 for p in params),
             repetition=any(p.repetition_penalty != 1.0 for p in params),
             presence_frequency=any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params),
             top_k=bool(top_k),
@@ -306,15 +308,18 @@ def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def penalised_logits(state: SamplerState, logits: torch.Tensor, rows: torch.Tensor | None, flags: SamplerFlags,
-                     token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     token_mask: torch.Tensor | None = None, eos_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Steps 1-2: the allowed-token mask, logit bias, EOS/stop masking, repetition then
-    presence/frequency."""
+    presence/frequency. ``eos_ids``: the model's EOS ids (int64, on the logits' device),
+    for the sparse EOS masking where no row has min_tokens (:func:`_mask_ignored_eos`)."""
     x = logits.to(state.dtype)  # (B, V)
     if flags.token_mask and token_mask is not None:
         x = x.masked_fill(~allowed_tokens(token_mask, x.shape[-1]), _NEG_INF)
     if flags.bias:
         x = x + _rows(state.logit_bias, rows)
-    if flags.eos_mask:
+    if flags.eos_mask and eos_ids is not None and not flags.min_tokens:
+        x = _mask_ignored_eos(state, x, logits, rows, eos_ids)
+    elif flags.eos_mask:
         early = (_rows(state.step, rows) < _rows(state.min_tokens, rows))[:, None]  # (B, 1)
         eos = state.eos_mask[None, :]
         masked = (early & (eos | _rows(state.stop_mask, rows))) | (_rows(state.ignore_eos, rows)[:, None] & eos)
@@ -330,6 +335,19 @@ def penalised_logits(state: SamplerState, logits: torch.Tensor, rows: torch.Tens
             presence = _rows(state.presence, rows)[:, None]
             frequency = _rows(state.frequency, rows)[:, None]
             x = x - (presence * (c > 0).to(x.dtype) + frequency * c)
+    return x
+
+
+def _mask_ignored_eos(state: SamplerState, x: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor | None,
+                      eos_ids: torch.Tensor) -> torch.Tensor:
+    """Step 2's EOS masking where no row has min_tokens (so none masks its stop ids): the
+    ignore_eos rows' EOS columns become -inf, written into those few columns (of a copy
+    where ``x`` is still the logits) instead of a mask over the whole vocabulary. The
+    same values as the dense mask, whose early term is then false on every row."""
+    if x is logits:
+        x = x.clone()
+    ignore = _rows(state.ignore_eos, rows)[:, None]  # (B, 1)
+    x[:, eos_ids] = torch.where(ignore, _NEG_INF, x[:, eos_ids])
     return x
 
 
@@ -399,16 +417,22 @@ def _draw(state: SamplerState, x: torch.Tensor, rows: torch.Tensor | None, flags
 
 
 def _greedy_and_broken(x: torch.Tensor, logits: torch.Tensor, greedy: bool,
-                       kernels: SamplerKernels | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                       kernels: SamplerKernels | None,
+                       differs_at: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Step 3 for greedy rows (``argmax_lowest(x)``; None where no row is greedy) and the
     rows whose raw logits hold NaN or +inf. Such a row (an overflow in the model's
     arithmetic) has no distribution to draw from: its token becomes NONFINITE_TOKEN,
     which the driver reads as a NumericalError for that request alone (no host sync here:
     the check stays on the device). On the host with kernels, one pass over float32 rows
-    does both (the same tokens)."""
+    does both (the same tokens). ``differs_at``: the only columns where ``x`` may differ
+    from the logits (-inf written there: the sparse EOS masking), checked on the logits
+    apart instead of a second pass over them."""
     if kernels is not None and logits.device.type == "cpu" and logits.dtype == x.dtype == torch.float32:
         tokens, broken = kernels.greedy(x)
-        if x is not logits:  # a mask, a bias or penalties made x: the check is on the raw logits
+        if x is not logits and differs_at is not None:
+            raw = logits[:, differs_at]
+            broken = broken | torch.isnan(raw).any(dim=-1) | torch.isposinf(raw).any(dim=-1)
+        elif x is not logits:  # a mask, a bias or penalties made x: the check is on the raw logits
             broken = kernels.greedy(logits)[1]
         return (tokens if greedy else None), broken
     broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
@@ -423,6 +447,7 @@ def sample(
     num_top: int = 0,
     token_mask: torch.Tensor | None = None,  # (B, W) int32 allowed-token words of this step
     kernels: SamplerKernels | None = None,
+    eos_ids: torch.Tensor | None = None,  # (E,) int64 the model's EOS ids: sparse EOS masking (penalised_logits)
 ) -> SampleResult:
     """One token per row of ``logits`` with that row's parameters and stream; tokens a
     row's ``token_mask`` leaves out are never drawn."""
@@ -432,9 +457,10 @@ def sample(
     # Reported log-probs are the raw model's, before any processing; a full pass over the
     # vocabulary, skipped when no row reports them.
     raw = log_softmax(logits.to(state.dtype)) if flags.logprobs or num_top else None
-    x = penalised_logits(state, logits, rows, flags, token_mask)
+    x = penalised_logits(state, logits, rows, flags, token_mask, eos_ids)
     # Step 3 for greedy rows; rows not installed are greedy too, but nobody reads them.
-    tokens, broken = _greedy_and_broken(x, logits, flags.greedy or not flags.sampling, kernels)
+    tokens, broken = _greedy_and_broken(x, logits, flags.greedy or not flags.sampling, kernels,
+                                        _eos_only(flags, token_mask, eos_ids))
     if flags.sampling:
         drawn = _draw(state, x, rows, flags, kernels)
         tokens = drawn if tokens is None else torch.where(_rows(state.temperature, rows) > 0, drawn, tokens)
@@ -445,6 +471,16 @@ def sample(
                             top_logprobs=zeros[:, None][:, :0])
     top_ids, top_lp = top_n(raw, num_top)
     return SampleResult(tokens=tokens, logprobs=raw.gather(-1, tokens[:, None])[:, 0], top_ids=top_ids, top_logprobs=top_lp)
+
+
+def _eos_only(flags: SamplerFlags, token_mask: torch.Tensor | None, eos_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The EOS ids where the sparse EOS masking is the only step that changed the logits
+    (so x differs from them in those columns alone), else None."""
+    if eos_ids is None or not flags.eos_mask or flags.min_tokens:
+        return None
+    if (flags.token_mask and token_mask is not None) or flags.bias or flags.repetition or flags.presence_frequency:
+        return None
+    return eos_ids
 
 
 def record(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> SamplerState:
@@ -512,6 +548,8 @@ class TorchSampler:
         self.eos_token_ids = tuple(int(i) for i in eos)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.state = SamplerState.neutral(num_rows, vocab_size, self.eos_token_ids, device=self.device, dtype=dtype)
+        # The EOS ids on the device once, for the sparse EOS masking (penalised_logits).
+        self.eos_ids = torch.as_tensor(np.unique(eos), dtype=torch.int64).to(self.device)
         self._params: dict[int, SamplingParams] = {}
         self.flags = SamplerFlags.of([], vocab_size)
         self.kernels = kernels
@@ -579,10 +617,12 @@ class TorchSampler:
         allowed-token words for this step (host or device; None: no mask)."""
         n = self.max_top_logprobs if num_top is None else num_top
         if token_mask is None:
-            return sample(self.state, logits, rows, replace(self.flags, token_mask=False), n, kernels=self.kernels)
+            return sample(self.state, logits, rows, replace(self.flags, token_mask=False), n, kernels=self.kernels,
+                          eos_ids=self.eos_ids)
         if isinstance(token_mask, np.ndarray):
             token_mask = torch.from_numpy(np.ascontiguousarray(token_mask, np.int32))
-        return sample(self.state, logits, rows, self.flags, n, token_mask.to(logits.device), kernels=self.kernels)
+        return sample(self.state, logits, rows, self.flags, n, token_mask.to(logits.device), kernels=self.kernels,
+                      eos_ids=self.eos_ids)
 
     def _full(self, tokens: torch.Tensor, mask: torch.Tensor | None, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tokens, mask)`` over all rows from a batch addressed by ``rows``."""
