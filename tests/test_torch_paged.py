@@ -117,6 +117,18 @@ def test_the_fused_cpu_step_reads_pages_on_every_isa_path(tiny, isa, kv_dtype, p
 
 
 @pytest.mark.parametrize("kind", _kinds())
+def test_the_conformance_page_rules_hold(tiny, kind):
+    """The conformance suite's page-rule program (rule 18e, conformance/pages.py) on this
+    kind with pages of 4, bounded and not: what `polyengine conformance --option
+    page_size=N` runs as test_page_rules, here on every kind in CI."""
+    from polyengine.conformance.pages import page_rule_problems
+
+    for options in ({"page_size": 4}, {"page_size": 4, "kv_pages": 40}):
+        eng = _engine(tiny, kind, **options)
+        assert page_rule_problems(eng, eng.load_params(), list(range(3, 9)), [40, 41, 42]) == [], options
+
+
+@pytest.mark.parametrize("kind", _kinds())
 def test_a_prefix_in_two_slots_holds_one_copy_of_its_full_pages(tiny, kind):
     eng = _engine(tiny, kind, page_size=4)
     pool, params, state = eng.pages, eng.load_params(), eng.init_decode_state()

@@ -95,6 +95,15 @@ def test_paged_equals_the_contiguous_engine(tiny, page_size, sampling):
     assert paged.pages.held == 0  # the run's prefixes and slots gave every page back
 
 
+def test_the_conformance_page_rules_hold(tiny):
+    """The conformance suite's page-rule program (rule 18e, conformance/pages.py), which
+    `polyengine conformance --option page_size=N` runs as test_page_rules, in CI here."""
+    from polyengine.conformance.pages import page_rule_problems
+
+    eng = _engine(tiny, page_size=4)
+    assert page_rule_problems(eng, eng.load_params(), list(range(3, 9)), [40, 41, 42]) == []
+
+
 def test_a_prefix_in_two_slots_holds_one_copy_of_its_full_pages(tiny):
     from polyengine.pages import PageList
 
