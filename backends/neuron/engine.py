@@ -541,8 +541,6 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                                        sampling_of=state.slots.sampling)
         mask_in = self._no_masks(state.num_slots) if masks is None else (
             torch.from_numpy(masks.words), torch.from_numpy(masks.masked))
-        for slot, (token, position) in forced.items():
-            state.rollback(slot, token, position)
         busy = state.slots.occupied()
         if not busy:
             empty = self.layout.pack(np.zeros((state.num_slots, self.tokens_per_step)),
@@ -555,10 +553,17 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         k, limit = self.tokens_per_step, self.max_cache_length
         batch = self.buckets.batch_for(len(busy))
         seq_ids = busy + state.slots.free_slots()[: batch - len(busy)]
-        # Positions total - 1 .. total + k - 2 are written and read (total: the slot's bound of
-        # prompt + completion): the attended length covers them.
-        kv = self.buckets.seq_for(max(min(state.slots[i].total, limit) for i in busy) + k - 1)
-        blocks = self._prepare_blocks(state, busy, kv) if state.seqs is not None else None
+        # Each slot's bound of prompt + completion after the overrides (each makes its
+        # position the latest), known before anything changes: a bounded pool that runs out
+        # refuses the step with nothing moved, the overrides not applied.
+        totals = {i: state.slots[i].total for i in busy}
+        for slot, (_, position) in forced.items():
+            totals[slot] = state.slots[slot].prompt_len + position + 1
+        # Positions total - 1 .. total + k - 2 are written and read: the attended length covers them.
+        kv = self.buckets.seq_for(max(min(totals[i], limit) for i in busy) + k - 1)
+        blocks = self._prepare_blocks(state, busy, kv, totals) if state.seqs is not None else None
+        for slot, (token, position) in forced.items():
+            state.rollback(slot, token, position)
         for i in busy:
             s = state.slots[i]
             gain = 1 if masks is not None and masks.masked[i] else k  # a masked slot yields one token
@@ -575,15 +580,16 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         state.slots.last = LastStep(packed, self.layout)
         return state, ResultTokens.from_packed(packed, self.layout, to_host=host_array)
 
-    def _prepare_blocks(self, state: NeuronDecodeState, busy: list[int], kv: int):
+    def _prepare_blocks(self, state: NeuronDecodeState, busy: list[int], kv: int, totals: dict[int, int]):
         """:func:`.paged.prepare_step` for the busy slots: each may write from its latest
-        token to its bound + k - 1, counted from the prompt's end (the first step after an
-        insert writes there, into a partly filled block it may share; later positions lie
-        in the slot's own blocks). A slot at its limit (k = 1) writes nothing. A bounded
-        pool that runs out makes the copies already recorded, on the worker, and raises."""
+        token to its bound + k - 1 (``totals``: each slot's bound after this step's
+        overrides), counted from the prompt's end (the first step after an insert writes
+        there, into a partly filled block it may share; later positions lie in the slot's
+        own blocks). A slot at its limit (k = 1) writes nothing. A bounded pool that runs
+        out makes the copies already recorded, on the worker, and raises."""
         k, limit = self.tokens_per_step, self.max_cache_length
-        writes = {i: (state.slots[i].prompt_len, min(state.slots[i].total, limit) + k - 1) for i in busy
-                  if k > 1 or state.slots[i].total < limit}
+        writes = {i: (state.slots[i].prompt_len, min(totals[i], limit) + k - 1) for i in busy
+                  if k > 1 or totals[i] < limit}
         try:
             return prepare_step(state.seqs, writes, kv, self.pages.page_size)
         except Exception as exc:

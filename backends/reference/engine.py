@@ -243,11 +243,17 @@ class ReferenceEngine(EngineBase):
         forced = self.check_overrides(overrides, state.slots.last_result)
         masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
                                        sampling_of=state.slots.sampling)
-        for slot, (tok, position) in forced.items():
-            self._force(state, slot, tok, position)
-
         n = state.num_slots
         live = self._live(state)
+        if self.pages:
+            # Pages first: a pool that runs out refuses here, before anything observable
+            # changed (a copy on write leaves the same K/V; an override, one token a step,
+            # replaces the latest token, so the positions written are the same after it).
+            for i in live:
+                s = state.slots[i].length
+                state.seqs[i].prepare_write(s, s + 1, self._copy_page)
+        for slot, (tok, position) in forced.items():
+            self._force(state, slot, tok, position)
         tokens = np.zeros((n, 1), np.int32)
         valid = np.zeros((n, 1), bool)
         top_n = max([state.rows[i].params.top_logprobs for i in live], default=0)
@@ -258,10 +264,6 @@ class ReferenceEngine(EngineBase):
             batch = np.array([[state.next_token[i]] for i in live], np.int64)
             starts = np.array([state.slots[i].length for i in live])
             if self.pages:
-                # Pages first: a pool that runs out refuses here, before anything observable
-                # changed (a copy on write leaves the same K/V).
-                for i, s in zip(live, starts):
-                    state.seqs[i].prepare_write(int(s), int(s) + 1, self._copy_page)
                 ks, vs = zip(*(self._gather(state.seqs[i], int(s) + 1) for i, s in zip(live, starts)))
             else:
                 ks, vs = [state.k[i] for i in live], [state.v[i] for i in live]
