@@ -33,7 +33,7 @@ import time
 import pytest
 
 from polyengine.conformance import layer
-from polyengine.conformance.harness import SEEDS, VARIANTS, Context
+from polyengine.conformance.harness import LIMITS, SEEDS, VARIANTS, Context
 from polyengine.conformance.models import DEFAULT_MODEL, MODEL_NAMES, QUANTIZED_MODELS, build_model
 from polyengine.conformance.oracle import ReferenceOracle, mirror_engine, reference_engine
 
@@ -142,11 +142,14 @@ def _draws_of_the_seed_alone():
         cache.clear()
 
 
-def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: str, setup=None) -> None:
+def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: str, setup=None,
+                 pressure=None) -> None:
     """Run ``examples`` seeded random programs on one configuration; raise AssertionError
     with the shrunk failing program (``rerun``: the options that run it again). ``setup``:
     an edge configuration's engine, mirror, mirror params, oracle and description
-    (:func:`edge_setup`); else the configuration ``program`` names."""
+    (:func:`edge_setup`); else the configuration ``program`` names. ``pressure``: the
+    setup's engine's page pool is too small for the programs (ProgramRun.pressure), and
+    this builds another like it (ProgramRun.rebuild)."""
     import importlib.util
 
     if importlib.util.find_spec("hypothesis") is None:
@@ -176,7 +179,7 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
         # judged as the differential layer's programs are (its tolerances and overrides), recorded in this test's report
         conformance = Context(conformance.harness, "test_differential", conformance.test_id, conformance.record)
     run = ProgramRun(conformance, engine, conformance.harness.params(engine), mirror, mirror_params, oracle, model, dtype,
-                     describe, foreign)
+                     describe, foreign, pressure=pressure is not None, rebuild=pressure)
     config = settings(
         max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None,
         suppress_health_check=list(HealthCheck), report_multiple_bugs=False, phases=(Phase.generate, Phase.shrink),
@@ -260,3 +263,37 @@ class DifferentialLayer:
             f" --polyengine-differential-{name} {value}" for name, value in (("examples", examples), ("seed", base))
             if value is not None and (name, value) != ("examples", EXAMPLES))
         run_programs(conformance, program, examples=examples, seed=seed, rerun=rerun)
+
+    def test_programs_under_page_pressure(self, conformance, request):
+        """On an engine that declares page_size and takes the option kv_pages (a bounded
+        pool): the programs on the default model with a pool of two contexts' pages and
+        one more, which prefills, imports and steps run out of. A call the pool refuses
+        must raise InsufficientMemory and change nothing: the programs go on against a
+        reference that never made it, and everything else gives the reference's outputs.
+        At least one call must have been refused (else the pool was not under pressure)."""
+        from polyengine.pages import pages_for
+
+        engine = conformance.engine()
+        ps = engine.capabilities.page_size
+        if not ps:
+            pytest.skip("page_size is not declared: a contiguous cache has no page pool to run out of")
+        if "kv_pages" not in (getattr(engine, "OPTIONS", None) or {}):
+            pytest.skip("the backend has no option kv_pages (a bounded page pool) to put the programs under pressure")
+        harness = conformance.harness
+        pages = 2 * pages_for(LIMITS["max_cache_length"], ps) + 1
+        config = harness.config(conformance.dtype, options={**harness.options, "kv_pages": pages})
+        pressured = harness.build_for(DEFAULT_MODEL, config)
+        examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
+        base = request.config.getoption("polyengine_differential_seed", None)
+        seed = (SEEDS["differential"] if base is None else base) + 500
+        rerun = f'-k "{conformance.test_id}"' + "".join(
+            f" --polyengine-differential-{name} {value}" for name, value in (("examples", examples), ("seed", base))
+            if value is not None and (name, value) != ("examples", EXAMPLES))
+        setup = edge_setup(conformance, DEFAULT_MODEL, pressured, config)
+        describe = f"{setup[-1]}, kv_pages={pages} of {ps} positions"
+        run_programs(conformance, DEFAULT_MODEL, examples=examples, seed=seed, rerun=rerun,
+                     setup=(*setup[:-1], describe), pressure=lambda: harness.build_for(DEFAULT_MODEL, config))
+        counts = conformance.record["statistics"][f"programs ({describe})"]
+        assert counts.get("page refusals", 0) > 0, (
+            f"no call ran out of pages in {examples} programs with kv_pages={pages}: the pool was not under "
+            f"pressure ({counts})")

@@ -27,6 +27,7 @@ returned; a failure's message ends with it, so it can be replayed by hand.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,7 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from polyengine.engine import Override, Prefix
-from polyengine.errors import PolyengineError
+from polyengine.errors import InsufficientMemory, PolyengineError
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 
@@ -94,6 +95,12 @@ class ProgramRun:
     pairs: dict[str, int] = field(default_factory=dict)  # "a + b" -> tokens compared in requests combining both
     first_failure: tuple[str, list[str]] | None = None  # the first failing program's message and log
     _kept: tuple[Any, Any] | None = None  # the last good program's decode states (backend, mirror)
+    # A bounded page pool too small for the programs (test_programs_under_page_pressure):
+    # a call the backend refuses with InsufficientMemory is not run on the mirror (its cache
+    # is contiguous), so the programs go on against a reference that never made it.
+    # ``rebuild`` makes a new engine of the same configuration (:meth:`_drained`).
+    pressure: bool = False
+    rebuild: Callable[[], Any] | None = None
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n
@@ -104,6 +111,8 @@ class ProgramRun:
         backend no allocation and checks reuse across programs too), else new ones (after
         a failure, or the first time: a broken state must not spoil the shrinking)."""
         states, self._kept = self._kept, None
+        if self.pressure:
+            states = self._drained(states)
         if states is None:
             return self.engine.init_decode_state(), self.mirror.init_decode_state()
         state, mstate = states
@@ -111,6 +120,23 @@ class ProgramRun:
             state = self.engine.free_resource(state, slot)
             mstate = self.mirror.free_resource(mstate, slot)
         return state, mstate
+
+    def _drained(self, states: tuple[Any, Any] | None) -> tuple[Any, Any] | None:
+        """Under page pressure every program starts from an empty pool, so that a seeded
+        program runs the same when Hypothesis runs it again: the last program's prefixes
+        collected (its teardown let go of them) and its slots freed; where pages are still
+        held (a failed program's, which its traceback keeps), on a new engine."""
+        gc.collect()
+        if states is not None:
+            state = states[0]
+            for slot in range(self.dims.slots):
+                state = self.engine.free_resource(state, slot)
+            states = (state, states[1])
+        if self.engine.pages.held == 0:
+            return states
+        self.engine = self.rebuild()
+        self.params = self.engine.load_params()
+        return None
 
     def keep_states(self, state: Any, mstate: Any) -> None:
         self._kept = (state, mstate)
@@ -162,6 +188,8 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             got, got_exc = backend(), None
         except Exception as exc:  # the backend's verdict, judged against the reference's below
             got, got_exc = None, exc
+        if self._out_of_pages(at, got_exc):
+            return None
         try:
             want, want_exc = mirror(), None
         except PolyengineError as exc:
@@ -185,6 +213,17 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         self._annotate(at, f"raised {type(got_exc).__name__}")
         self._fail(f"`{what}` raised {type(got_exc).__name__}: {got_exc}; the reference accepts this call")
         return None  # unreachable
+
+    def _out_of_pages(self, at: int, exc: BaseException | None) -> bool:
+        """Under page pressure (ProgramRun.pressure), whether the backend refused call
+        ``at`` for want of pages: recorded as a refusal, which must have changed nothing
+        (every later comparison checks it); the mirror is not given the call."""
+        if not (self.run.pressure and isinstance(exc, InsufficientMemory)):
+            return False
+        self.refused += 1
+        self.run.count("page refusals")
+        self._annotate(at, "refused: InsufficientMemory (the page pool)")
+        return True
 
     # -- the calls ----------------------------------------------------------------------------
 
@@ -525,6 +564,8 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         try:
             self.state, result = run.engine.generate(run.params, self.state, overrides=overrides, **masked)
         except Exception as exc:
+            if self._out_of_pages(at, exc):
+                return
             self._annotate(at, f"raised {type(exc).__name__}")
             self._fail(f"`generate(overrides={overrides!r}{shown})` raised {type(exc).__name__} ({exc}); every "
                        f"override names an occupied slot, a token of the vocabulary and a position inside the slot's "
@@ -559,6 +600,8 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             try:
                 self.state, result = run.engine.generate(run.params, self.state, **masked)
             except Exception as exc:
+                if self._out_of_pages(at, exc):
+                    return
                 self._annotate(at, f"raised {type(exc).__name__}")
                 self._fail(f"`generate({shown})` raised {type(exc).__name__}: {exc}")
             self._record_masks(step_masks)
@@ -709,3 +752,5 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             self._read_pending()
         if not self.failed:
             self.run.keep_states(self.state, self.mstate)
+        if self.run.pressure:  # this program's prefixes give their pages back before the next starts
+            self.prefixes, self.portables, self.pending = [], [], []

@@ -20,6 +20,7 @@ from polyengine.backends.reference.engine import ReferenceEngine
 from polyengine.backends.reference.model import rope
 from polyengine.conformance.faults import FAULTS
 from polyengine.engine import ResultLayout, ResultTokens, Slot
+from polyengine.errors import InsufficientMemory
 from polyengine.models.blocks import dequantize_blocks
 from polyengine.plugins import BackendSpec, Probe, hookimpl
 from polyengine.sampling import RowState, raw_logprobs, sample
@@ -312,6 +313,21 @@ class ContinuationConsumesEngine(ReferenceEngine):
             for a in existing_prefix.kv:
                 a[...] = 0
         return out
+
+
+class PageRefusalAdvancesEngine(ReferenceEngine):
+    """pages of 16 by default; a step its bounded pool refuses has already advanced its slots"""
+
+    def _check_options(self, options):
+        checked = super()._check_options(options)
+        return {**checked, "page_size": checked["page_size"] or 16}
+
+    def generate(self, params, decode_state, **kwargs):
+        try:
+            return super().generate(params, decode_state, **kwargs)
+        except InsufficientMemory:
+            decode_state.slots.advance(self._live(decode_state))  # the next step writes one position late
+            raise
 
 
 class CacheOverrunEngine(ReferenceEngine):
@@ -854,6 +870,7 @@ BROKEN: dict[str, type] = {
     "broken_seed_second_path": SeedLowWordOnSecondPathEngine,
     "broken_mask_live_rows": MaskLiveRowsEngine,
     "broken_mask_continuation": MaskContinuationEngine,
+    "broken_page_refusal_advances": PageRefusalAdvancesEngine,
     # caught by the lifetime layer (tests/broken_lifetimes.py)
     **LIFETIME_BROKEN,
     # caught by the differential layer's chains of composed capabilities (tests/broken_compositions.py)
@@ -997,6 +1014,8 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
                               "allowed-token mask leaves out"),
     "broken_mask_continuation": ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]",
                                  "allowed-token mask leaves out"),
+    "broken_page_refusal_advances": ("test_programs_under_page_pressure", "test_programs_under_page_pressure",
+                                     "a refused call must change nothing"),
     **LIFETIME_CAUGHT_BY,
     **COMPOSED_CAUGHT_BY,
     **EDGE_CAUGHT_BY,

@@ -74,10 +74,12 @@ def test_honest_backend_passes_the_whole_suite(pytester, registered, tmp_path, b
     doc = json.loads(report.read_text())
     tests = doc["tests"]
     # test_architecture skips each architecture the backend declares (the numerics layer runs it);
-    # test_page_rules and test_portable_prefix_tail_shares_pages run only on engines that
-    # declare pages, which no variant does.
+    # test_page_rules, test_portable_prefix_tail_shares_pages and
+    # test_programs_under_page_pressure run only on engines that declare pages, which
+    # no variant does.
     allowed = ("test_prefill_logits", "test_decode_logprobs", "test_greedy_matches",
-               "test_architecture", "test_page_rules", "test_portable_prefix_tail_shares_pages"
+               "test_architecture", "test_page_rules", "test_portable_prefix_tail_shares_pages",
+               "test_programs_under_page_pressure"
                ) + _EXPECTED_SKIPS.get(backend, ())
     unexpected = [t["id"] for t in tests if t["status"] == "skipped" and not t["id"].startswith(allowed)]
     assert not unexpected, f"{backend}: skipped beyond undeclared features: {unexpected}"
