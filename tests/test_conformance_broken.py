@@ -59,6 +59,15 @@ def test_broken_backend_is_caught(pytester, broken_registered, backend):
         _assert_shows_a_short_program(backend, failures[test])
 
 
+def test_the_page_pressure_catch_passes_on_the_paged_reference(pytester):
+    """What catches broken_page_refusal_advances runs on engines with pages, so the
+    reference's whole-suite run (contiguous) skips it: here it passes on the reference
+    with pages of 16, so that catch is the fault's."""
+    rec = _run(pytester, "reference", "test_programs_under_page_pressure", "--polyengine-option", "page_size=16")
+    passed = [r.nodeid for r in rec.getreports("pytest_runtest_logreport") if r.passed and r.when == "call"]
+    assert not _failures(rec) and any(n.endswith("test_programs_under_page_pressure") for n in passed), passed
+
+
 def _assert_shows_a_short_program(backend: str, message: str) -> None:
     """The differential layer's message ends with the shrunk program that reproduces the
     failure, as protocol calls, the failing one marked."""

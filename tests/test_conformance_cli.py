@@ -111,7 +111,10 @@ def test_builtin_backend_passes_the_whole_suite(backend, tmp_path):
         # architecture, so its refusal check is skipped here; the restricted variant passes
         # it (tests/test_conformance_honest.py).
         passed = {t["id"] for t in tests if t["status"] == "passed"}
-        named = {t for t in CATCHING_TESTS if not t.startswith("test_architecture[")}
+        # (the programs under page pressure run on a paged engine: their catch passes on the
+        # paged reference, tests/test_conformance_broken.py)
+        named = {t for t in CATCHING_TESTS if not t.startswith("test_architecture[")
+                 and t != "test_programs_under_page_pressure"}
         assert named <= passed, f"tests that catch a broken backend did not pass on the reference: {sorted(named - passed)}"
 
 
