@@ -266,8 +266,9 @@ def test_pages_on_the_ray_engine(cluster, model, pytester, tmp_path):
     rules hold through the leader's view of the workers' pool (conformance/pages.py);
     the driver admits by pages over a pool too small for every request at once,
     preempts, and gives the single-process paged engine's tokens; a prompt that shares
-    two full pages with a cached one reuses them; and the conformance suite's page and
-    prefix tests pass with the option."""
+    two full pages with a cached one reuses them; and the conformance suite's page,
+    prefix and portable-tail tests pass with the option (a tail imported onto a held
+    prefix shares its pages on the workers: rule 21c)."""
     from polyengine.conformance.pages import page_rule_problems
 
     from polyengine.backends.tpu_jax.engine import TpuJaxEngine
@@ -298,11 +299,12 @@ def test_pages_on_the_ray_engine(cluster, model, pytester, tmp_path):
     rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "tpu_jax_ray",
                               "-p", "no:cacheprovider", "--polyengine-report-json", str(report),
                               "--polyengine-option", "page_size=16",
-                              "-k", "(test_page_rules or test_prefix_reuse or test_truncate) and not bfloat16")
+                              "-k", "(test_page_rules or test_prefix_reuse or test_truncate or test_portable_prefix_tail)"
+                                    " and not bfloat16")
     failed = [r.nodeid for r in rec.getreports("pytest_runtest_logreport") if r.failed]
     assert not failed, failed
     ran = [t["id"] for t in json.loads(report.read_text())["tests"] if t["status"] == "passed"]
-    assert any(i.startswith("test_page_rules") for i in ran), ran
+    assert {"test_page_rules", "test_portable_prefix_tail_shares_pages"} <= set(ran), ran
 
 
 @pytest.mark.slow

@@ -459,6 +459,9 @@ class RayTpuEngine(EngineBase):
             dtypes=tuple(caps["dtypes"]), sampling_params=ENGINE_FIELDS, max_top_logprobs=MAX_TOP_LOGPROBS,
             bulk_insert=True, portable_prefix=True, prefix_reuse=True, async_results=True, token_masks=True,
             prefix_truncate=True,  # the kit's cut through export/import, as the workers' own engines do it
+            # a tail onto a held prefix: on pages the workers' engines share its pages
+            # (_import_onto_pages); contiguous, the kit's copy through export/import
+            portable_prefix_tail=True,
             weight_formats=WEIGHT_FORMATS,  # the workers' engines compute on them (docs/tpu_jax.md)
             # disaggregated: a prefill runs on the prefill workers, so the kit's lane thread
             # only waits for them while the driver steps the decode workers
@@ -647,6 +650,15 @@ class RayTpuEngine(EngineBase):
             return self._portable_prefix(handle, prompt, sampling, self.prefill_pool.first_token(handle))
         prefix_id = self._id("prefix")
         first, seq = self._call("import_prefix", self.engine_id, prefix_id, portable.to_bytes())
+        return self._prefix(prefix_id, prompt, sampling, int(first[0]), int(first[1]), seq=seq)
+
+    def _import_onto_pages(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
+        """EngineBase._import_onto_pages (pages only, as the kit calls it): every worker's
+        engine imports the tail onto the prefix it holds, sharing its pages below the start."""
+        prompt, sampling = portable.prompt_tokens, portable.sampling
+        prefix_id = self._id("prefix")
+        first, seq = self._call("import_prefix_tail", self.engine_id, prefix_id, portable.to_bytes(),
+                                existing_prefix.kv.prefix_id)
         return self._prefix(prefix_id, prompt, sampling, int(first[0]), int(first[1]), seq=seq)
 
     # -- pages (option page_size): the workers' pool, as rank 0 holds it ---------------------

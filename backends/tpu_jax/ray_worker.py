@@ -182,6 +182,19 @@ class EngineWorker:
         return None if self.rank else (np.asarray([prefix.first_token, prefix.nbytes], np.int64),
                                        self._seq(engine, prefix))
 
+    def import_prefix_tail(self, engine_id: str, prefix_id: str, data: bytes,
+                           existing_id: str) -> tuple[np.ndarray, tuple[list[int], int] | None] | None:
+        """A portable prefix's tail imported onto the prefix held as ``existing_id`` (the
+        engine's own import_prefix_tail: on pages, the head's pages shared); rank 0
+        returns its first token and bytes, and its pages."""
+        from polyengine.prefix import PortablePrefix
+
+        engine = self.engines[engine_id]
+        prefix = engine.import_prefix_tail(PortablePrefix.from_bytes(data), existing_prefix=self.prefixes[existing_id])
+        self.prefixes[prefix_id] = prefix
+        return None if self.rank else (np.asarray([prefix.first_token, prefix.nbytes], np.int64),
+                                       self._seq(engine, prefix))
+
     # -- disaggregated serving: prefixes as portable bytes through the object store -------
 
     def prefill_portable(self, engine_id: str, tokens: np.ndarray, sampling,
