@@ -179,7 +179,7 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
         # judged as the differential layer's programs are (its tolerances and overrides), recorded in this test's report
         conformance = Context(conformance.harness, "test_differential", conformance.test_id, conformance.record)
     run = ProgramRun(conformance, engine, conformance.harness.params(engine), mirror, mirror_params, oracle, model, dtype,
-                     describe, foreign, pressure=pressure is not None, rebuild=pressure)
+                     describe, foreign, rebuild=pressure)
     config = settings(
         max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None,
         suppress_health_check=list(HealthCheck), report_multiple_bugs=False, phases=(Phase.generate, Phase.shrink),
@@ -242,6 +242,14 @@ def _listing(log: list[str]) -> str:
     return lines
 
 
+def _rerun(conformance, examples: int, base: int | None) -> str:
+    """The options that run a differential test's programs again (its -k, and the budget
+    and seed where they are not the defaults)."""
+    return f'-k "{conformance.test_id}"' + "".join(
+        f" --polyengine-differential-{name} {value}" for name, value in (("examples", examples), ("seed", base))
+        if value is not None and (name, value) != ("examples", EXAMPLES))
+
+
 @layer("differential")
 class DifferentialLayer:
     @pytest.mark.parametrize("program", PROGRAMS)
@@ -259,10 +267,7 @@ class DifferentialLayer:
             examples = max(1, examples * ARCHITECTURE_EXAMPLES // EXAMPLES)
         base = request.config.getoption("polyengine_differential_seed", None)
         seed = (SEEDS["differential"] if base is None else base) + PROGRAMS.index(program)
-        rerun = f'-k "{conformance.test_id}"' + "".join(
-            f" --polyengine-differential-{name} {value}" for name, value in (("examples", examples), ("seed", base))
-            if value is not None and (name, value) != ("examples", EXAMPLES))
-        run_programs(conformance, program, examples=examples, seed=seed, rerun=rerun)
+        run_programs(conformance, program, examples=examples, seed=seed, rerun=_rerun(conformance, examples, base))
 
     def test_programs_under_page_pressure(self, conformance, request):
         """On an engine that declares page_size and takes the option kv_pages (a bounded
@@ -286,9 +291,7 @@ class DifferentialLayer:
         examples = request.config.getoption("polyengine_differential_examples", None) or EXAMPLES
         base = request.config.getoption("polyengine_differential_seed", None)
         seed = (SEEDS["differential"] if base is None else base) + 500
-        rerun = f'-k "{conformance.test_id}"' + "".join(
-            f" --polyengine-differential-{name} {value}" for name, value in (("examples", examples), ("seed", base))
-            if value is not None and (name, value) != ("examples", EXAMPLES))
+        rerun = _rerun(conformance, examples, base)
         setup = edge_setup(conformance, DEFAULT_MODEL, pressured, config)
         describe = f"{setup[-1]}, kv_pages={pages} of {ps} positions"
         run_programs(conformance, DEFAULT_MODEL, examples=examples, seed=seed, rerun=rerun,

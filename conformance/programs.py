@@ -98,9 +98,12 @@ class ProgramRun:
     # A bounded page pool too small for the programs (test_programs_under_page_pressure):
     # a call the backend refuses with InsufficientMemory is not run on the mirror (its cache
     # is contiguous), so the programs go on against a reference that never made it.
-    # ``rebuild`` makes a new engine of the same configuration (:meth:`_drained`).
-    pressure: bool = False
+    # ``rebuild`` (set only then) makes a new engine of the same configuration (:meth:`_drained`).
     rebuild: Callable[[], Any] | None = None
+
+    @property
+    def pressure(self) -> bool:
+        return self.rebuild is not None
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] = self.counts.get(what, 0) + n

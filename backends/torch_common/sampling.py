@@ -317,7 +317,7 @@ def penalised_logits(state: SamplerState, logits: torch.Tensor, rows: torch.Tens
         x = x.masked_fill(~allowed_tokens(token_mask, x.shape[-1]), _NEG_INF)
     if flags.bias:
         x = x + _rows(state.logit_bias, rows)
-    if flags.eos_mask and eos_ids is not None and not flags.min_tokens:
+    if _sparse_eos(flags, eos_ids):
         x = _mask_ignored_eos(state, x, logits, rows, eos_ids)
     elif flags.eos_mask:
         early = (_rows(state.step, rows) < _rows(state.min_tokens, rows))[:, None]  # (B, 1)
@@ -336,6 +336,12 @@ def penalised_logits(state: SamplerState, logits: torch.Tensor, rows: torch.Tens
             frequency = _rows(state.frequency, rows)[:, None]
             x = x - (presence * (c > 0).to(x.dtype) + frequency * c)
     return x
+
+
+def _sparse_eos(flags: SamplerFlags, eos_ids: torch.Tensor | None) -> bool:
+    """Whether step 2's EOS masking is the sparse one (:func:`_mask_ignored_eos`): EOS ids
+    given, some row ignores EOS, and none has min_tokens (which masks stop ids too)."""
+    return eos_ids is not None and flags.eos_mask and not flags.min_tokens
 
 
 def _mask_ignored_eos(state: SamplerState, x: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor | None,
@@ -476,7 +482,7 @@ def sample(
 def _eos_only(flags: SamplerFlags, token_mask: torch.Tensor | None, eos_ids: torch.Tensor | None) -> torch.Tensor | None:
     """The EOS ids where the sparse EOS masking is the only step that changed the logits
     (so x differs from them in those columns alone), else None."""
-    if eos_ids is None or not flags.eos_mask or flags.min_tokens:
+    if not _sparse_eos(flags, eos_ids):
         return None
     if (flags.token_mask and token_mask is not None) or flags.bias or flags.repetition or flags.presence_frequency:
         return None

@@ -202,13 +202,11 @@ class TpuJaxEngine(EngineBase):
     def _needs(self) -> dict[str, int]:
         """Bytes per device of what the engine allocates (weights, caches, sampler tables)."""
         plan, pool = self.plan, self.pages
-        # An unbounded pool starts at every slot's full context (paged.PagedKV.grow).
-        pool_pages = 0 if pool is None else (pool.capacity or self.max_concurrent_decodes * pages_for(
-            self.max_cache_length, pool.page_size))
         return device_needs(self.model.config, self.config, dtype=self.dtype, dp=plan.dp, tp=plan.tp,
                             quantize=self.cfg.quantize, kv_int8=self.cfg.kv_int8, rules=dict(plan.rules.pairs),
                             blocks={s: self.model.records[s].format for s in self._blocks.values()},
-                            page_size=0 if pool is None else pool.page_size, pool_pages=pool_pages,
+                            page_size=0 if pool is None else pool.page_size,
+                            pool_pages=0 if pool is None else pool.capacity or 0,
                             prefill_rows=self.batch_sizes[-1] if self.capabilities.batched_prefill else 1)
 
     def _check_memory(self) -> None:

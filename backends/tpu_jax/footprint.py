@@ -26,6 +26,7 @@ from polyengine.engine import EngineConfig
 from polyengine.errors import InvalidRequest
 from polyengine.models import ModelConfig
 from polyengine.models.quantize import matrix_bytes, replaced_weights
+from polyengine.pages import pages_for
 from polyengine.sampling.rows import row_bytes
 
 from polyengine.backends.tpu_jax.options import DEFAULT_RULES
@@ -153,7 +154,9 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
     and a prefill's activations, by description (what a memory refusal names).
     ``blocks``: weight name -> GGUF format of the matrices kept as a file's blocks
     (:func:`~.quantize.block_arrays`). ``page_size``: K/V in a pool of ``pool_pages``
-    pages of that many positions instead of a cache row per slot (:data:`POOL_AXES`).
+    pages of that many positions instead of a cache row per slot (:data:`POOL_AXES`);
+    ``pool_pages`` 0 is an unbounded pool, which starts at every slot's full context
+    (paged.PagedKV.grow).
     ``prefill_rows``: the rows a prefill program runs at once (batched prefill: the
     largest batch size), which its activations scale with."""
     rules = {**DEFAULT_RULES, **(rules or {})}
@@ -176,6 +179,7 @@ def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: in
     weights += tables * 2 * math.prod(rope) * item // shards(param_axes("rope.cos", 2), rope, mesh, rules)
     kv_item, width = (1, model.head_dim + KV_SCALE_BYTES) if kv_int8 else (item, model.head_dim)
     if page_size:
+        pool_pages = pool_pages or config.max_slots * pages_for(config.max_cache_length, page_size)
         cache_shape = (model.num_hidden_layers, model.num_key_value_heads, pool_pages, page_size, width)
         cache = 2 * math.prod(cache_shape) * kv_item // shards(POOL_AXES, cache_shape, mesh, rules)
         what = f"the K/V pool of {pool_pages} pages x {page_size} positions"

@@ -56,7 +56,7 @@ from polyengine.engine import (
 from polyengine.errors import EngineDead, InvalidRequest, PolyengineError, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.models.int_blocks import block_matrices
-from polyengine.pages import PageList, PagePool, pages_for
+from polyengine.pages import PageList, PagePool
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
@@ -372,6 +372,11 @@ def _drop(group: "WorkerGroup", pages: RemotePages | None, kind: str, key: str) 
     """A handle's finalizer: forget what it names on the workers; a prefix's or a
     state's pages go back to the pool there."""
     group.drop(kind, key)
+    _changed(pages)
+
+
+def _changed(pages: RemotePages | None) -> None:
+    """A call that may change the workers' pool was sent (RemotePages.changed), if paged."""
     if pages is not None:
         pages.changed()
 
@@ -500,11 +505,9 @@ class RayTpuEngine(EngineBase):
                             data_parallel=o["data_parallel"], platform=self.platform)
         blocks = {} if o["quantize"] else {s: model.records[s].format
                                            for s in block_matrices(model, WEIGHT_FORMATS).values()}
-        ps = o["page_size"]  # a pool: its pages, or (unbounded) every slot's full context to start with
-        pool_pages = o["kv_pages"] or (config.max_slots * pages_for(config.max_cache_length, ps) if ps else 0)
         per_device = device_needs(model.config, config, dtype=self.dtype, dp=dp, tp=tp, quantize=o["quantize"],
                                   kv_int8=o["kv_quantize"] == "int8", rules=o["sharding_rules"], blocks=blocks,
-                                  page_size=ps, pool_pages=pool_pages)
+                                  page_size=o["page_size"], pool_pages=o["kv_pages"])
         reports = self.group._gather(self.group.submit("host_memory"), "asking the workers for their free memory")
         nodes: dict[str, list[dict]] = {}
         for worker, report in zip(info, reports):
@@ -587,8 +590,7 @@ class RayTpuEngine(EngineBase):
         try:
             return self.group.call(method, *args)
         finally:
-            if self.pages is not None:
-                self.pages.changed()
+            _changed(self.pages)
 
     def _portable_handle(self, prefix: Prefix) -> "PortableHandle":
         """A disaggregated engine's prefixes are all portable bytes in the object store."""
@@ -630,8 +632,7 @@ class RayTpuEngine(EngineBase):
         refs = self.group.submit("generate", self.engine_id, state.state_id,
                                  {s: Override(t, p) for s, (t, p) in forced.items()},
                                  None if masks is None else {i: masks.words[i] for i in masks.slots})
-        if self.pages is not None:
-            self.pages.changed()
+        _changed(self.pages)
         # Results are read when the driver reads them: step n+1 is sent before then.
         return state, ResultTokens.from_packed(refs, _LAYOUT, to_host=lambda r: self.group._gather(r, "generating")[0])
 
@@ -648,17 +649,19 @@ class RayTpuEngine(EngineBase):
         if self.prefill_pool is not None:
             handle = self.prefill_pool.put(portable)
             return self._portable_prefix(handle, prompt, sampling, self.prefill_pool.first_token(handle))
-        prefix_id = self._id("prefix")
-        first, seq = self._call("import_prefix", self.engine_id, prefix_id, portable.to_bytes())
-        return self._prefix(prefix_id, prompt, sampling, int(first[0]), int(first[1]), seq=seq)
+        return self._imported("import_prefix", prompt, sampling, portable)
 
     def _import_onto_pages(self, portable: PortablePrefix, existing_prefix: Prefix) -> Prefix:
         """EngineBase._import_onto_pages (pages only, as the kit calls it): every worker's
         engine imports the tail onto the prefix it holds, sharing its pages below the start."""
-        prompt, sampling = portable.prompt_tokens, portable.sampling
+        return self._imported("import_prefix_tail", portable.prompt_tokens, portable.sampling, portable,
+                              existing_prefix.kv.prefix_id)
+
+    def _imported(self, method: str, prompt, sampling, portable: PortablePrefix, *head: str) -> Prefix:
+        """The workers' ``method`` (import_prefix, or import_prefix_tail onto the prefix held
+        as ``head``) of ``portable``, as a handle."""
         prefix_id = self._id("prefix")
-        first, seq = self._call("import_prefix_tail", self.engine_id, prefix_id, portable.to_bytes(),
-                                existing_prefix.kv.prefix_id)
+        first, seq = self._call(method, self.engine_id, prefix_id, portable.to_bytes(), *head)
         return self._prefix(prefix_id, prompt, sampling, int(first[0]), int(first[1]), seq=seq)
 
     # -- pages (option page_size): the workers' pool, as rank 0 holds it ---------------------

@@ -179,6 +179,10 @@ class EngineWorker:
         engine = self.engines[engine_id]
         prefix = engine.import_prefix(PortablePrefix.from_bytes(data))
         self.prefixes[prefix_id] = prefix
+        return self._imported(engine, prefix)
+
+    def _imported(self, engine, prefix) -> tuple[np.ndarray, tuple[list[int], int] | None] | None:
+        """Rank 0's answer for an imported prefix: its first token and bytes, and its pages."""
         return None if self.rank else (np.asarray([prefix.first_token, prefix.nbytes], np.int64),
                                        self._seq(engine, prefix))
 
@@ -192,8 +196,7 @@ class EngineWorker:
         engine = self.engines[engine_id]
         prefix = engine.import_prefix_tail(PortablePrefix.from_bytes(data), existing_prefix=self.prefixes[existing_id])
         self.prefixes[prefix_id] = prefix
-        return None if self.rank else (np.asarray([prefix.first_token, prefix.nbytes], np.int64),
-                                       self._seq(engine, prefix))
+        return self._imported(engine, prefix)
 
     # -- disaggregated serving: prefixes as portable bytes through the object store -------
 
