@@ -50,6 +50,8 @@ from polyengine.sampling.params import ENGINE_FIELDS, SamplingParams
 from polyengine.validation import is_int
 
 if TYPE_CHECKING:  # pragma: no cover
+    from concurrent.futures import Future
+
     from polyengine.prefix import PortablePrefix
     from polyengine.results import ResultTokens
 
@@ -121,6 +123,12 @@ class Capabilities(BaseModel):
     included, is what the same calls give one after another, within the backend's float
     tolerances (docs/design.md, "The prefill lane"). An engine without it raises
     :class:`UnsupportedFeature` there.
+    ``mixed_step``: the most prompt tokens (all entries together) that
+    ``generate_with_prefill`` computes inside the decode step's own pass over the
+    weights, a new request's prompt rows beside the running slots' rows (0: the engine
+    has no such call and may lack the method). Given more, or where the engine cannot
+    mix them, the call runs ``prefill_batch`` and then ``generate``: the results are the
+    same either way (docs/design.md, "The mixed step").
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -146,6 +154,8 @@ class Capabilities(BaseModel):
     embeddings: bool = False
     batched_prefill: bool = False
     prefill_lane: bool = False
+    mixed_step: int = Field(0, ge=0, description="prompt tokens generate_with_prefill runs in the decode step's "
+                                                 "pass (0: no such call)")
 
     @property
     def paged_kv(self) -> bool:
@@ -394,7 +404,8 @@ class Engine(Protocol):
     ``bulk_insert`` (``bulk_insert``), ``export_prefix``/``import_prefix``
     (``portable_prefix``), ``embed`` (``embeddings``); and ``existing_prefix`` in prefill
     (``prefix_reuse``). ``truncate_prefix`` (``prefix_truncate``), ``prefill_batch``
-    (``batched_prefill``), ``start_prefill`` (``prefill_lane``) and ``embed`` may be
+    (``batched_prefill``), ``start_prefill`` (``prefill_lane``), ``generate_with_prefill``
+    (``mixed_step``) and ``embed`` may be
     absent without their capabilities (:data:`CAPABILITY_METHODS`).
     Optional keywords, each guarded by a capability (:data:`CAPABILITY_KEYWORDS`; an
     engine that does not declare it may lack the keyword): ``token_mask`` of prefill
@@ -486,6 +497,23 @@ class Engine(Protocol):
         """
         ...
 
+    def generate_with_prefill(
+        self, params: Any, decode_state: DecodeState, *, requests: Sequence[PrefillRequest],
+        overrides: Mapping[int, int | Override] | None = None, token_masks: Mapping[int, np.ndarray] | None = None,
+    ) -> tuple[DecodeState, ResultTokens, "Future"]:
+        """``prefill_batch(requests=requests)`` and then ``generate(decode_state,
+        overrides=..., token_masks=...)`` as one call (capability ``mixed_step``): the
+        decode state and step result ``generate`` gives, and a
+        ``concurrent.futures.Future`` of the list ``prefill_batch`` gives (done once the
+        step is; with ``async_results`` the call returns before, so the caller reads the
+        previous step meanwhile), within the backend's float tolerances. Up to
+        ``mixed_step`` prompt tokens in all, the engine computes the prompts' rows in the
+        step's own forward, so a new request's prefill costs the running slots less than a
+        call of its own. Every entry, override and mask is checked before any work; a
+        refused call changes nothing. The prefixes are new ones, not yet in any slot:
+        insert them after."""
+        ...
+
     def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Empty a slot. Freeing an empty slot is allowed; out of range is SlotError."""
         ...
@@ -550,6 +578,7 @@ CAPABILITY_KEYWORDS: dict[tuple[str, str], str] = {
     ("prefill", "token_mask"): "token_masks",
     ("start_prefill", "token_mask"): "token_masks",
     ("generate", "token_masks"): "token_masks",
+    ("generate_with_prefill", "token_masks"): "token_masks",
 }
 
 
@@ -561,6 +590,7 @@ CAPABILITY_METHODS: dict[str, str] = {
     "prefill_batch": "batched_prefill",
     "embed": "embeddings",
     "start_prefill": "prefill_lane",
+    "generate_with_prefill": "mixed_step",
 }
 
 
