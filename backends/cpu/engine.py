@@ -38,7 +38,7 @@ from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, FUSED_PREFILL_SC
                                              TILE_ROWS, TILED_FUSED_PREFILL_ROWS, FusedDecoder)
 from polyengine.backends.cpu.options import OPTIONS, WEIGHT_FORMATS
 from polyengine.backends.cpu.plan import CpuHost, CpuPlan, lane_threads
-from polyengine.backends.torch_common.engine import StepInputs, TorchDecodeState, TorchEngine
+from polyengine.backends.torch_common.engine import MixedRows, StepInputs, TorchDecodeState, TorchEngine
 from polyengine.backends.torch_common.model import TorchWeights, forward, rms_norm
 
 __all__ = ["CpuEngine", "create_engine"]
@@ -133,6 +133,10 @@ class CpuEngine(TorchEngine):
         # stays short (_fused_prefill_fits; docs/cpu.md, "Short prefills in the fused step")
         self.fused_prefill_rows = (TILED_FUSED_PREFILL_ROWS if plan.block_tiles else MAX_ROWS) if plan.fused_prefill else 0
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
+        # generate_with_prefill inside the fused step (option mixed_step): on pages, up to as
+        # many prompt tokens as a fused prefill takes; the capability says how many
+        mixes = self.options["mixed_step"] and plan.fused_decode and self.options["page_size"] > 0
+        self.capabilities = self.capabilities.model_copy(update={"mixed_step": self.fused_prefill_rows if mixes else 0})
 
     # A fused step's consecutive rows of one sequence (a prefill's tokens) attend as one run,
     # their query heads side by side in vector lanes (csrc/decode.h, attn_tile); False: row
@@ -158,6 +162,14 @@ class CpuEngine(TorchEngine):
         if bound is None:  # none where the step's attention takes a prefill's rows as runs
             bound = sys.maxsize if self._fused is not None and self._fused.takes_runs else FUSED_PREFILL_SCORES
         return sum(int(n) * (int(s) + int(n)) for n, s in zip(lengths, starts)) <= bound
+
+    def _mixes(self, checked, state) -> bool:
+        """TorchEngine._mixes: on the fused step (option mixed_step), while slots decode,
+        entries of up to ``mixed_step`` tokens in all that a fused prefill would take."""
+        lengths = [toks.size for toks, _, _, _ in checked]
+        return (self._fused is not None and 0 < sum(lengths) <= self.capabilities.mixed_step
+                and bool(state.slots.live(self.max_cache_length)) and self._prefill_rows(max(lengths)) == max(lengths)
+                and self._fused_prefill_fits(lengths, [start for _, _, start, _ in checked]))
 
     def _resolve_kv_dtype(self) -> torch.dtype:
         return self.plan.kv_dtype
@@ -358,6 +370,8 @@ class CpuEngine(TorchEngine):
         on those rows, their cache rows gathered unless every slot is live); then the
         sampler on those rows, the results scattered back to slot order. With
         ``live_rows=False`` and no fused step, every slot runs as on a device."""
+        if step.mixed is not None and self._fused is None:
+            raise RuntimeError("cpu: a mixed step needs the fused step (TorchEngine._mixes)")
         if self._fused is None and not self.plan.live_rows:
             return super()._decode(params, state, live_mask, step)
         t, n, dev, live = params.tensors, state.num_slots, self.torch_device, step.live
@@ -365,8 +379,11 @@ class CpuEngine(TorchEngine):
         pos = torch.tensor([step.positions[i] for i in live], dtype=torch.int64, device=dev)
         if self._fused is not None:
             x = self._embedded(t, state.next_tokens[rows])
-            self._fused.step(x, rows, pos, state.k, state.v, page_table=state.page_table)
-            logits = self._head(t, self._final_norm(t, x))  # (M, vocab)
+            if step.mixed is None:
+                self._fused.step(x, rows, pos, state.k, state.v, page_table=state.page_table)
+                logits = self._head(t, self._final_norm(t, x))  # (M, vocab)
+            else:
+                logits = self._mixed_pass(t, state, x, rows, pos, step.mixed)
         else:
             every = len(live) == n
             paged = state.page_table is not None  # the live rows' page-table rows say where their K/V are
@@ -386,6 +403,23 @@ class CpuEngine(TorchEngine):
             return torch.zeros((n, *values.shape[1:]), dtype=values.dtype, device=dev).index_put_((rows,), values)
 
         return scatter(res.tokens), scatter(res.logprobs), scatter(res.top_ids), scatter(res.top_logprobs)
+
+    def _mixed_pass(self, t: dict[str, torch.Tensor], state: TorchDecodeState, x: torch.Tensor, rows: torch.Tensor,
+                    pos: torch.Tensor, mixed: MixedRows) -> torch.Tensor:
+        """A mixed step's one fused pass (generate_with_prefill): the live slots' rows and
+        then the entries' prompt rows, which read and write their new prefixes' pages
+        through page-table rows after the slots' (each token attends its prefix and the
+        tokens before it: the step writes every row's K/V before any attends); one LM head
+        over the slots' rows and each entry's last. Sets ``mixed.logits``; returns the
+        slots' (M, vocab)."""
+        m = x.shape[0]
+        x = torch.cat([x, self._embedded(t, mixed.tokens)])
+        self._fused.step(x, torch.cat([rows, mixed.rows]), torch.cat([pos, mixed.positions]), state.k, state.v,
+                         page_table=torch.cat([state.page_table, mixed.table]))
+        last = torch.as_tensor(mixed.last, dtype=torch.int64) + m
+        logits = self._head(t, self._final_norm(t, torch.cat([x[:m], x[last]])))
+        mixed.logits = logits[m:].clone()  # the prefixes keep theirs; the head's buffer is reused
+        return logits[:m]
 
     def _head(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """The LM head of a fused decode step: the host kernels at any row count (at 32

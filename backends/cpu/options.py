@@ -46,6 +46,11 @@ OPTIONS = {
     # prompt) as one fused call: the decode step's kernel over the prefill's own K/V buffer
     "fused_prefill": Option(True, "prefills of up to 16 tokens (64 on int16 tiles, short prefixes) through the fused "
                                    "decode step (with fused_decode)"),
+    # with page_size and fused_prefill: generate_with_prefill (capability mixed_step) runs a
+    # new request's prompt rows inside the decode step's own fused pass, one pass over the
+    # weights for both (docs/cpu.md, "The mixed step")
+    "mixed_step": Option(True, "a new request's prompt rows inside the decode step's fused pass (with page_size "
+                               "and fused_prefill)"),
     "live_rows": Option(True, "decode only the live slots' rows (False: every slot, as on a device)"),
     # "int8": weight-only int8 with per-output-channel scales; "int8-block32": a scale per
     # 32 weights of a row (closer to float32); float32 accumulation either way

@@ -124,6 +124,41 @@ class StepInputs:
     kv_len: int
     num_top: int
     words: torch.Tensor | None
+    mixed: "MixedRows | None" = None
+
+
+@dataclass
+class MixedRows:
+    """A mixed step's prompt rows (generate_with_prefill): the entries' tokens, the cache
+    row of each (the decode state's slots, then one page-table row per entry), their
+    positions, the entries' page-table rows and new page lists, and the index of each
+    entry's last token. The step fills ``logits`` (an entry's last token's, one row each)."""
+
+    seqs: list[PageList]
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
+    table: torch.Tensor
+    last: list[int]
+    logits: torch.Tensor | None = None
+
+    def release(self) -> None:
+        for seq in self.seqs:
+            seq.release()
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """What the host decided and took for one step (TorchEngine._take_step)."""
+
+    forced: dict
+    live: list[int]
+    positions: list[int]
+    kv_len: int
+    num_top: int
+    words: np.ndarray | None
+    page_ops: Any
+    layout: ResultLayout
 
 
 def on_engine_thread(method):
@@ -200,6 +235,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # own) has a sampler of its own; _run_lock claims a run's room.
         self._lane_sampler: TorchSampler | None = None
         self._run_lock = threading.Lock()
+        self.mixed_steps = 0  # generate_with_prefill calls whose entries ran inside the step (cumulative)
         self._weights: TorchWeights | None = None
         self._prefill_sampler: TorchSampler | None = None
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
@@ -607,10 +643,21 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                  token_masks: Mapping[int, np.ndarray] | None = None):
         state = decode_state
         state.wait()
+        plan = self._take_step(state, *self._check_step(state, overrides, token_masks))
+        return state, self._dispatch(state, lambda: self._run_step(params, state, plan), plan.layout)
+
+    def _check_step(self, state: TorchDecodeState, overrides, token_masks) -> tuple[dict, np.ndarray | None]:
+        """What generate refuses, before any work: the overrides and the masks checked,
+        ``(forced, words)``."""
         forced = self.check_overrides(overrides, state.slots.last_result)
         masks = self.check_token_masks(token_masks, state.slots.last_result, forced=forced,
                                        sampling_of=state.slots.sampling)
-        words = None if masks is None else masks.words
+        return forced, None if masks is None else masks.words
+
+    def _take_step(self, state: TorchDecodeState, forced: dict, words: np.ndarray | None) -> "_StepPlan":
+        """The host half of a step: the forced tokens marked, each live slot's page taken
+        (a pool that runs out refuses here, before the host's counts move), the counts
+        advanced."""
         for slot, (_, position) in forced.items():
             state.slots.force(slot, position)
         # slot -> (token, its new prompt + completion count) for the device's copy
@@ -621,23 +668,116 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         block = self.options["kv_block"]
         kv_len = min(self.max_cache_length, block * math.ceil((max(positions, default=0) + 1) / block))
         num_top = state.sampler.max_top_logprobs
-        # Paged: each live slot's write position made its own (a pool that runs out refuses
-        # here, before the host's counts move); the copies and table rows go first in the step.
+        # Paged: the copies and table rows go first in the step.
         page_ops = self._prepare_pages(state, live, positions) if self.pages is not None else None
         state.slots.advance(live)  # what the host can know before the step runs: who advances, by one
-        layout = ResultLayout(k=1, top_n=num_top, logprobs=True)
+        return _StepPlan(forced, live, positions, kv_len, num_top, words, page_ops,
+                         ResultLayout(k=1, top_n=num_top, logprobs=True))
 
-        def step() -> torch.Tensor:
-            if page_ops is None:
-                return self._step(params, state, forced, live, positions, kv_len, num_top, words)
-            with self._paged.using():  # the pools stay these tensors (a lane's prefill grows none) to its end
-                self._apply_pages(state, page_ops)
-                return self._step(params, state, forced, live, positions, kv_len, num_top, words)
+    def _run_step(self, params: TorchWeights, state: TorchDecodeState, plan: "_StepPlan",
+                  mixed: "MixedRows | None" = None) -> torch.Tensor:
+        """The device half of a step (engine thread): the page work applied, the step run."""
+        args = (params, state, plan.forced, plan.live, plan.positions, plan.kv_len, plan.num_top, plan.words)
+        if plan.page_ops is None:
+            return self._step(*args, mixed=mixed)
+        with self._paged.using():  # the pools stay these tensors (a lane's prefill grows none) to its end
+            self._apply_pages(state, plan.page_ops)
+            return self._step(*args, mixed=mixed)
 
+    def _dispatch(self, state: TorchDecodeState, step: Callable[[], torch.Tensor], layout: ResultLayout) -> ResultTokens:
+        """The step on the worker thread (its results read later) or here."""
         if self._worker is not None:
             state.pending = self._worker.submit(step)
-            return state, ResultTokens.from_packed(state.pending, layout, to_host=lambda f: f.result().numpy())
-        return state, self._results(step(), layout)
+            return ResultTokens.from_packed(state.pending, layout, to_host=lambda f: f.result().numpy())
+        return self._results(step(), layout)
+
+    # -- the mixed step (capability mixed_step) ----------------------------------------------
+
+    def generate_with_prefill(self, params: TorchWeights, decode_state: TorchDecodeState, *, requests,
+                              overrides: Mapping[int, Any] | None = None,
+                              token_masks: Mapping[int, np.ndarray] | None = None):
+        """Protocol ``generate_with_prefill``: where :meth:`_mixes` says so, the entries'
+        tokens are rows of the step's own forward (written into their new prefixes' pages,
+        each attending its prefix and itself causally: :class:`MixedRows`); else
+        ``prefill_batch`` and then ``generate``. Entries, overrides and masks are checked
+        first, then the entries' pages taken, then the step's (the two calls' order)."""
+        if not self.capabilities.mixed_step:
+            raise UnsupportedFeature("generate_with_prefill (capability mixed_step)", self.name,
+                                     "call prefill_batch and then generate (the cpu engine mixes them with option "
+                                     "mixed_step, page_size and the fused step)")
+        checked = self.check_prefill_batch(requests)
+        state = decode_state
+        state.wait()
+        forced, words = self._check_step(state, overrides, token_masks)
+        prefixes: Future = Future()
+        if not self._mixes(checked, state):
+            out = self.prefill_batch(params=params, requests=requests)
+            try:
+                state, result = self.generate(params, state, overrides=overrides, token_masks=token_masks)
+            except BaseException:
+                self._drop_prefixes(out)
+                raise
+            prefixes.set_result(out)
+            return state, result, prefixes
+        mixed = self._mixed_rows(requests, checked, state.num_slots)  # the entries' pages (released if refused)
+        self.mixed_steps += 1
+        try:
+            plan = self._take_step(state, forced, words)
+        except BaseException:
+            mixed.release()
+            raise
+
+        def step() -> torch.Tensor:
+            try:
+                packed = self._run_step(params, state, plan, mixed)
+                prefixes.set_result([
+                    self._prefixed(params, mixed.logits[j], None, toks, sampling, r.existing_prefix, mask, start=start,
+                                   nbytes=0, seq=mixed.seqs[j])
+                    for j, (r, (toks, sampling, start, mask)) in enumerate(zip(requests, checked))])
+            except BaseException as exc:
+                prefixes.set_exception(exc)
+                raise
+            return packed
+
+        return state, self._dispatch(state, step, plan.layout), prefixes
+
+    def _mixes(self, checked, state: TorchDecodeState) -> bool:
+        """Whether generate_with_prefill runs these checked entries inside the step's
+        forward (a backend's fused step: CpuEngine); False here."""
+        return False
+
+    def _mixed_rows(self, requests, checked, slots: int) -> "MixedRows":
+        """The entries' rows for the step: each entry's new prefix's pages (the continued
+        prefix's shared, a partly filled last one copied) made writable for its tokens, its
+        page table at row ``slots + j``. A pool that runs out releases what was taken and
+        raises InsufficientMemory."""
+        seqs: list[PageList] = []
+        try:
+            for r, (toks, _, start, _) in zip(requests, checked):
+                seq = (r.existing_prefix.kv.fork(finalize=True) if r.existing_prefix is not None
+                       else PageList(self.pages, [], 0, finalize=True))
+                self._paged.writable(seq, start, start + toks.size)  # releases seq if it cannot
+                seqs.append(seq)
+        except BaseException:
+            for seq in seqs:
+                seq.release()
+            raise
+        lengths = [toks.size for toks, _, _, _ in checked]
+        dev = self.torch_device
+        return MixedRows(
+            seqs=seqs,
+            tokens=to_device(np.concatenate([toks for toks, _, _, _ in checked]).astype(np.int64), dev),
+            rows=to_device(np.repeat(np.arange(slots, slots + len(checked)), lengths).astype(np.int64), dev),
+            positions=to_device(np.concatenate([np.arange(start, start + toks.size) for toks, _, start, _ in checked])
+                                .astype(np.int64), dev),
+            table=torch.cat([self._paged.table_for(seq, self.max_cache_length) for seq in seqs]),
+            last=[int(i) for i in np.cumsum(lengths) - 1])
+
+    def _drop_prefixes(self, out: list[tuple[Prefix, ResultTokens]]) -> None:
+        """Give back the pages of prefixes made by a call that then failed."""
+        if self.pages is not None:
+            for prefix, _ in out:
+                prefix.kv.release()
 
     def _results(self, buf: torch.Tensor, layout: ResultLayout) -> ResultTokens:
         """A step's packed results as the protocol's ResultTokens (a device subclass
@@ -646,7 +786,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
 
     @torch.no_grad()
     def _step(self, params, state: TorchDecodeState, forced, live, positions, kv_len, num_top,
-              words: np.ndarray | None) -> torch.Tensor:
+              words: np.ndarray | None, mixed: "MixedRows | None" = None) -> torch.Tensor:
         """One decode step: the forced tokens in, the rows computed (:meth:`_decode`),
         the counts advanced on the device, the results packed. ``words``: the step's
         allowed-token masks (packed bits per slot), copied in like every other host input."""
@@ -663,7 +803,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         live_mask = state.occupied & (state.total < self.max_cache_length)
         if live:
             tokens, logprobs, top_ids, top_lp = self._decode(
-                params, state, live_mask, StepInputs(live, positions, kv_len, num_top, words))
+                params, state, live_mask, StepInputs(live, positions, kv_len, num_top, words, mixed))
         else:
             tokens = torch.zeros(n, dtype=torch.int64, device=dev)
             logprobs = torch.zeros(n, device=dev)
