@@ -322,9 +322,12 @@ class Prefiller:
         if not self.batched or len(pieces) == 1:
             return [self.advanced(job, job.done + n, self.engine.prefill(params=self.params, **self.piece(job, n)))
                     for job, n in pieces]
-        requests = [PrefillRequest(**self.piece(job, n)) for job, n in pieces]
-        done = self.engine.prefill_batch(params=self.params, requests=requests)
+        done = self.engine.prefill_batch(params=self.params, requests=self.requests(pieces))
         return [self.advanced(job, job.done + n, out) for (job, n), out in zip(pieces, done)]
+
+    def requests(self, pieces: list[tuple[PrefillJob, int]]) -> list[PrefillRequest]:
+        """The pieces as ``prefill_batch`` entries (or a mixed step's: ``generate_with_prefill``)."""
+        return [PrefillRequest(**self.piece(job, n)) for job, n in pieces]
 
     def piece(self, job: PrefillJob, n: int) -> dict[str, Any]:
         """The prefill keywords of the job's next ``n`` tokens: the last piece with the

@@ -158,6 +158,12 @@ class Request:
 
 
 class Scheduler:
+    # Free a slot whose request finished while a step's results were read at the next step's
+    # start (_flush_frees), not at once: a free waits for the step in flight, so the rest of
+    # the results read would reach their clients a step late. False: at once, as before
+    # 2026-12-06 (benchmarks/scripts/step_gaps.py compares the two; docs/serving.md).
+    defer_frees = True
+
     def __init__(
         self,
         engine: Engine,
@@ -196,6 +202,18 @@ class Scheduler:
         self._lane: tuple[Request, PrefillJob, int, Future] | None = None
         self._lane_pages = 0
         self.lane_prefills = 0  # pieces run on the prefill lane (cumulative)
+        # The mixed step (Capabilities.mixed_step): a step's pieces of up to that many tokens
+        # in all, held back from _admit and run inside the next generate call
+        # (generate_with_prefill), their requests inserted after it.
+        self._mix_tokens = int(getattr(engine.capabilities, "mixed_step", 0) or 0)
+        self._deferred: list[tuple[Request, PrefillJob, int]] = []
+        self._mixed: tuple[list[tuple[Request, PrefillJob, int]], Future] | None = None  # a mixed step's, uncollected
+        self.mixed_prefills = 0  # pieces run inside a decode step (cumulative)
+        # Slots whose requests finished while a step's results were read: freed at the next
+        # step's start, not there (a free waits for the step in flight, and the tokens read
+        # would then reach their clients a whole step late).
+        self._later_frees: list[int] = []
+        self._reading = False
         self._admissions = itertools.count()
         self.preemptions = 0  # requests preempted to make room for K/V pages (cumulative)
         self._lock = threading.RLock()
@@ -331,7 +349,8 @@ class Scheduler:
         with self._lock:
             self._reap()
             # a lane's piece still running counts, its request cancelled or not (it is collected)
-            return bool(self._queue or self._slots or self._pending or self._filling or self._lane)
+            return bool(self._queue or self._slots or self._pending or self._filling or self._lane or self._mixed
+                        or self._later_frees)
 
     @property
     def free_slots(self) -> list[int]:
@@ -376,6 +395,9 @@ class Scheduler:
         while budget is None or budget > 0:
             pieces = self._plan_pieces(budget)
             if not pieces:
+                return
+            if self._mix_tokens and self._slots and sum(n for _, _, n in pieces) <= self._mix_tokens:
+                self._deferred = pieces  # into the step about to run (step: _generate)
                 return
             if budget is not None:
                 budget -= sum(n for _, _, n in pieces)
@@ -584,6 +606,7 @@ class Scheduler:
         prefill lane is waited for and what it made dropped) and put it back at the front
         of the queue; its completion so far is kept and replayed when it runs again (see
         the module docstring)."""
+        self._flush_frees()  # the pages of requests that finished go back first
         if self._lane is not None and self._lane[0] is req:
             wait_futures([self._lane[3]])
             self._lane, self._lane_pages = None, 0  # what it made (and its pages) go with the future
@@ -675,14 +698,20 @@ class Scheduler:
             if self._pending is not None and not self._may_pipeline():
                 self._process(*self._pending)
                 self._pending = None
+            self._flush_frees()
+            if self._mixed is not None:  # the last step's pieces: their requests join before this step
+                self._finish_mixed(*self._mixed)
             if self.prefiller.shares_kv:  # the slots' K/V as of now: a prefix cache sharing their bytes gets the rest
                 self.prefiller.fit(sum(len(r.prompt_tokens) + len(s.out.token_ids) for r, s in self._slots.values()))
             self._admit()
             if self.prefiller.pool is not None:
                 self._make_step_room()
+            if self._deferred and not self._slots:  # preempted to the last: no step to run them in
+                pieces, self._deferred = self._deferred, []
+                self._run_pieces(pieces)
             if not self._slots:
                 self._pending = None  # its rows belong to requests that are gone
-                return bool(self._queue or self._filling or self._lane)
+                return bool(self._queue or self._filling or self._lane or self._idle())
             overrides, self._overrides = self._overrides, {}
             extra = {}
             masks = self._step_masks() if self._grammars is not None else None
@@ -691,14 +720,77 @@ class Scheduler:
             if not self._slots:
                 return bool(self._queue)
             with translating_memory_errors(self._what), self._backend("generate"):
-                self.state, result = self.engine.generate(self.params, self.state, overrides=overrides, **extra)
+                self.state, result, mixed = self._generate(overrides, extra)
             previous, self._pending = self._pending, (result, dict(self._slots))
+            self._mixed = mixed  # collected at the next step's start: the last step's tokens go out first
             if previous is not None:
                 self._process(*previous)
             if not self._may_pipeline():
                 self._process(*self._pending)
                 self._pending = None
-            return bool(self._queue or self._slots or self._pending or self._filling or self._lane)
+            return bool(self._queue or self._slots or self._pending or self._filling or self._lane or self._mixed
+                        or self._idle())
+
+    def _idle(self) -> bool:
+        """Before the scheduler reports no work left: the frees held back, made (always False)."""
+        self._flush_frees()
+        return False
+
+    def _flush_frees(self) -> None:
+        """Free the slots whose requests finished while results were read (:meth:`_release`)."""
+        while self._later_frees:
+            slot = self._later_frees.pop(0)
+            with self._backend("free_resource"):
+                self.state = self.engine.free_resource(self.state, slot)
+
+    def _generate(self, overrides: dict[int, Override], extra: dict[str, Any]) -> tuple[Any, ResultTokens, Any]:
+        """The step; with pieces held back by _admit, the mixed call (``generate_with_prefill``)
+        and ``(pieces, the future of their results)``, else None. A mixed call that raises
+        changed nothing: the pieces then run on their own (a failure fails its request only)
+        and the step after them."""
+        pieces, self._deferred = self._deferred, []
+        if pieces:
+            try:
+                state, result, outs = self.engine.generate_with_prefill(
+                    self.params, self.state, requests=self.prefiller.requests([(job, n) for _, job, n in pieces]),
+                    overrides=overrides, **extra)
+            except EngineDead as exc:
+                for req, job, _ in pieces:
+                    self._abandon_prefill(req, job, exc)
+                raise
+            except Exception:
+                self._run_pieces(pieces)
+            else:
+                self.mixed_prefills += len(pieces)
+                return state, result, (pieces, outs)
+        state, result = self.engine.generate(self.params, self.state, overrides=overrides, **extra)
+        return state, result, None
+
+    def _finish_mixed(self, pieces: list[tuple[Request, PrefillJob, int]], outs: Future) -> None:
+        """A mixed step's pieces recorded once the step is done, as :meth:`_run_pieces`
+        records its own (its failure fails the pieces' requests); a request cancelled
+        meanwhile is skipped (its prefix dropped)."""
+        self._mixed = None
+        filling = {id(r) for r, _ in self._filling}
+        pieces_done = [(p, i) for i, p in enumerate(pieces) if id(p[0]) in filling]
+        try:
+            with translating_memory_errors(self._what), self._backend("generate"):
+                done = outs.result()
+        except Exception as exc:
+            for (req, job, _), _ in pieces_done:
+                self._abandon_prefill(req, job, exc)
+            if isinstance(exc, EngineDead):
+                raise
+            return
+        for (req, job, n), i in pieces_done:
+            out = done[i]
+            try:
+                with self._backend("prefill"):
+                    out = self.prefiller.advanced(job, job.done + n, out)
+            except Exception as exc:
+                self._abandon_prefill(req, job, exc)
+                continue
+            self._finish_piece(req, job, out)
 
     def _may_pipeline(self) -> bool:
         """Whether the next step may be dispatched before the last one is read."""
@@ -716,7 +808,15 @@ class Scheduler:
         return not tools or (caps.tokens_per_step == 1 and not any(t.pending for t in tools))
 
     def _process(self, result: ResultTokens, holders: dict[int, tuple[Request, _Sample]]) -> None:
-        """Take one step's results for the samples that held each slot at dispatch."""
+        """Take one step's results for the samples that held each slot at dispatch (the slots
+        of those that finish are freed at the next step's start: _flush_frees)."""
+        self._reading = True
+        try:
+            self._process_rows(result, holders)
+        finally:
+            self._reading = False
+
+    def _process_rows(self, result: ResultTokens, holders: dict[int, tuple[Request, _Sample]]) -> None:
         for slot, (req, s) in holders.items():
             if self._slots.get(slot, (None, None))[1] is not s or s.finished:
                 continue  # freed, cancelled or failed since: the row is not theirs any more
@@ -731,6 +831,8 @@ class Scheduler:
         while not predicate():
             if not self.step() and not predicate():
                 raise RuntimeError("scheduler went idle before the awaited requests finished")
+        with self._lock:
+            self._flush_frees()
 
     # -- per token -----------------------------------------------------------------------
 
@@ -854,6 +956,9 @@ class Scheduler:
         if s.slot is not None and s.slot in self._slots:
             del self._slots[s.slot]
             self._overrides.pop(s.slot, None)
-            with self._backend("free_resource"):
-                self.state = self.engine.free_resource(self.state, s.slot)
+            if self._reading and self.defer_frees:
+                self._later_frees.append(s.slot)
+            else:
+                with self._backend("free_resource"):
+                    self.state = self.engine.free_resource(self.state, s.slot)
             s.slot = None
