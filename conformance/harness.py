@@ -118,6 +118,15 @@ class SlotDriver:
                 self._record(slot, result, slot)
         return result
 
+    def mixed_step(self, requests: Sequence[Any], overrides: Mapping[int, Any] | None = None) -> list[Any]:
+        """One ``generate_with_prefill`` call (capability ``mixed_step``): the step recorded
+        as :meth:`step` records one; returns the entries' ``(Prefix, ResultTokens)``."""
+        self.state, result, out = self.engine.generate_with_prefill(self.params, self.state, requests=list(requests),
+                                                                   overrides=dict(overrides or {}))
+        for slot in sorted(self.live):
+            self._record(slot, result, slot)
+        return out.result(timeout=600)
+
     def free(self, slot: int) -> None:
         self.state = self.engine.free_resource(self.state, slot)
         self.live.discard(slot)

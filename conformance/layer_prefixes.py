@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from polyengine.engine import PrefillRequest
 from polyengine.errors import InsufficientMemory, InvalidRequest, SlotError, UnsupportedFeature
 from polyengine.memory import simulated_limit
 from polyengine.prefix import PortablePrefix
@@ -35,6 +36,16 @@ def _bulk_order(n: int) -> list[int]:
     """The slots in an order that is not sorted (rows must follow the order given)."""
     order = list(range(n))[::-1]
     return order[1:] + order[:1] if n > 2 else order
+
+
+def _two_streams(conformance, d, seed: int) -> dict:
+    """Two requests decoding through the driver ``d``: slot 0 seeded, slot 1 greedy;
+    ``{slot: (prompt, sampling)}``."""
+    streams = {0: (conformance.prompt(6, seed), conformance.sampling(seed)),
+               1: (conformance.prompt(9, seed + 1), conformance.sampling(seed + 1, temperature=0.0))}
+    for slot, (prompt, sampling) in streams.items():
+        d.insert(slot, prompt, sampling)
+    return streams
 
 
 @layer("contract")
@@ -272,8 +283,6 @@ class PrefixLayer:
         if not callable(getattr(eng, "prefill_batch", None)):
             assert not eng.capabilities.batched_prefill, "batched_prefill is declared but prefill_batch is missing"
             return
-        from polyengine.engine import PrefillRequest
-
         a, b, c = conformance.prompt(11, 101), conformance.prompt(5, 102), conformance.prompt(14, 103)
         cases = [(a, 0, conformance.sampling(101)), (b, 0, conformance.sampling(102, temperature=0.0))]
         if eng.capabilities.prefix_reuse:  # starts 9 and 3: each row's positions and keys are its own
@@ -315,10 +324,7 @@ class PrefixLayer:
                     start(params=d.params, tokens=long_prompt, sampling=long_sampling)
             return
         assert callable(start), "prefill_lane is declared but start_prefill is missing"
-        streams = {0: (conformance.prompt(6, 122), conformance.sampling(122)),
-                   1: (conformance.prompt(9, 123), conformance.sampling(123, temperature=0.0))}
-        for slot, (prompt, sampling) in streams.items():
-            d.insert(slot, prompt, sampling)
+        streams = _two_streams(conformance, d, 122)
         d.step()
         lane = []  # (what, whole prompt, sampling, future)
         head = beside = None
@@ -360,6 +366,66 @@ class PrefixLayer:
         for slot, (what, whole, sampling, prefix, first) in zip((2, 3), done):
             div = conformance.compare_to_oracle(d.tokens[slot], whole, sampling, what=f"{what}, inserted")
             assert div is None or div.near_tie, f"{what}, inserted: {div.describe()}"
+
+    def test_generate_with_prefill(self, conformance):
+        """generate_with_prefill (capability mixed_step) is prefill_batch and then generate
+        in one call: two streams decode (one of them forced a token in that call) while the
+        call prefills a whole prompt and, with prefix_reuse, continues a prefix, within the
+        declared token count so that the engine mixes them into the step; the step's tokens,
+        the prefixes (logits, first token, the prompt they hold) and their streams once
+        inserted are the reference's, and the continued prefix is left as it was. An entry
+        prefill would refuse refuses the call, which changes nothing. Undeclared, the method
+        raises UnsupportedFeature or is absent."""
+        eng = conformance.engine()
+        d = conformance.driver(eng)
+        mixed = getattr(eng, "generate_with_prefill", None)
+        tokens = eng.capabilities.mixed_step
+        if not tokens:
+            if callable(mixed):
+                with pytest.raises(UnsupportedFeature):
+                    mixed(d.params, d.state, requests=[PrefillRequest(conformance.prompt(3, 131),
+                                                                      conformance.sampling(131))])
+            return
+        assert callable(mixed), "mixed_step is declared but generate_with_prefill is missing"
+        streams = _two_streams(conformance, d, 132)
+        d.step(n=2)
+        whole = conformance.prompt(min(tokens, 5), 134)
+        entries = [("a whole prompt", whole, 0, conformance.sampling(134))]
+        head = None
+        if eng.capabilities.prefix_reuse and tokens > len(whole):  # a prefix continued inside the step
+            cont = conformance.prompt(8 + min(tokens - len(whole), 3), 135)
+            head, _ = d.prefill(cont[:8], conformance.sampling(136))
+            head_logits = head.host_logits().copy()
+            entries.append(("a continued prefix", cont, 8, conformance.sampling(137, temperature=0.0)))
+        requests = [PrefillRequest(whole[start:], sampling, head if start else None)
+                    for _, whole, start, sampling in entries]
+        with pytest.raises(InvalidRequest):  # an id outside the vocabulary: refused before any work
+            d.mixed_step([*requests, PrefillRequest([eng.vocab_size], conformance.sampling(138))])
+        position = len(d.tokens[1]) - 1
+        forced = {1: {position: streams[1][0][0]}}  # slot 1's latest token replaced in the same call
+        done = d.mixed_step(requests, overrides={1: d.force(1, forced[1][position], position)})
+        assert len(done) == len(requests), f"generate_with_prefill: {len(done)} results for {len(requests)} entries"
+        oracle = conformance.oracle()
+        for (what, whole, _, sampling), (prefix, first) in zip(entries, done):
+            assert list(np.asarray(prefix.prompt_tokens)) == whole, (
+                f"{what} in a mixed step: its prefix holds prompt {list(prefix.prompt_tokens)}, expected {whole}")
+            conformance.within("logits_rel_l2", rel_l2(prefix.host_logits(), oracle.logits(whole)), conformance.dtype,
+                               DEFAULT_MODEL, what=f"{what} in a mixed step: logits vs the reference's prefill")
+            div = conformance.compare_to_oracle([int(first.tokens[0, 0])], whole, sampling,
+                                                what=f"{what} in a mixed step: first token")
+            assert div is None or div.near_tie, f"{what} in a mixed step: {div.describe()}"
+        if head is not None:
+            assert np.array_equal(head.host_logits(), head_logits), "a mixed step changed the prefix it continued"
+        for slot, (_, whole, _, sampling), (prefix, first) in zip((2, 3), entries, done):
+            d.insert_prefix(slot, prefix, first)
+        d.step(n=3)
+        for slot, (prompt, sampling) in streams.items():
+            div = conformance.compare_to_oracle(d.tokens[slot], prompt, sampling, forced=forced.get(slot),
+                                                what=f"slot {slot}, decoding through a mixed step")
+            assert div is None or div.near_tie, f"slot {slot}, decoding through a mixed step: {div.describe()}"
+        for slot, (what, whole, _, sampling) in zip((2, 3), entries):
+            div = conformance.compare_to_oracle(d.tokens[slot], whole, sampling, what=f"{what}, inserted")
+            assert div is None or div.near_tie, f"{what} from a mixed step, inserted: {div.describe()}"
 
     def test_page_rules(self, conformance):
         """docs/design.md, "Pages", on an engine that declares page_size: inserting shares

@@ -691,6 +691,24 @@ class LaneBufferEngine(ReferenceEngine):
         return out
 
 
+class MixedOverridesEngine(ReferenceEngine):
+    """Declares mixed_step, and its generate_with_prefill runs the entries and then the step
+    but drops the step's overrides on the way (a mixed path that forgot them): the slot
+    forced a token in that call continues from the token it had."""
+
+    def __init__(self, model, config):
+        super().__init__(model, config)
+        self.capabilities = self.capabilities.model_copy(update={"mixed_step": 16})
+
+    def generate_with_prefill(self, params, decode_state, *, requests, overrides=None, token_masks=None):
+        from concurrent.futures import Future
+
+        out = Future()
+        out.set_result(self.prefill_batch(params=params, requests=requests))
+        state, result = self.generate(params, decode_state, token_masks=token_masks)
+        return state, result, out
+
+
 class ZeroedPrefixEngine(ReferenceEngine):
     """Donates a prefix's K/V buffer at insert (as jax.jit(donate_argnames=...) would) and
     forgets that the caller still holds the prefix: after its first insert the prefix
@@ -828,6 +846,7 @@ BROKEN: dict[str, type] = {
     "broken_prefix_positions": PrefixPositionsEngine,
     "broken_batch_positions": BatchPositionsEngine,
     "broken_lane_buffer": LaneBufferEngine,
+    "broken_mixed_overrides": MixedOverridesEngine,
     "broken_prerope_export": PreRopeExportEngine,
     "broken_unchecked_import": UncheckedImportEngine,
     "broken_trusting_import": TrustingImportEngine,
@@ -906,6 +925,8 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_prefix_positions": ("test_prefix_reuse", "test_prefix_reuse", "positions of the continuation"),
     "broken_batch_positions": ("test_prefill_batch", "test_prefill_batch", "each row at its own positions"),
     "broken_lane_buffer": ("test_prefill_lane", "test_prefill_lane", "logits vs the reference's prefill"),
+    "broken_mixed_overrides": ("test_generate_with_prefill", "test_generate_with_prefill",
+                               "decoding through a mixed step"),
     "broken_continuation_edge": ("test_prefix_reuse_at_bucket_edges", "test_prefix_reuse_at_bucket_edges",
                                  "a prefix of 8 tokens continued"),
     "broken_continuation_sampling": ("test_prefix_reuse_leaves_the_prefix", "test_prefix_reuse_leaves_the_prefix",
