@@ -396,12 +396,19 @@ class Scheduler:
             pieces = self._plan_pieces(budget)
             if not pieces:
                 return
-            if self._mix_tokens and self._slots and sum(n for _, _, n in pieces) <= self._mix_tokens:
+            if self._mixes(pieces):
                 self._deferred = pieces  # into the step about to run (step: _generate)
                 return
             if budget is not None:
                 budget -= sum(n for _, _, n in pieces)
             self._run_pieces(pieces)
+
+    def _mixes(self, pieces: list[tuple[Request, PrefillJob, int]]) -> bool:
+        """Whether a round's pieces go into the step (capability mixed_step): streams decode,
+        the round fits the engine's count, and the page pool is unbounded (on a bounded one
+        the pieces take their pages before _make_step_room counts the step's, as planned)."""
+        return (bool(self._mix_tokens and self._slots) and self.prefiller.pool is None
+                and sum(n for _, _, n in pieces) <= self._mix_tokens)
 
     def _plan_pieces(self, budget: int | None) -> list[tuple[Request, PrefillJob, int]]:
         """One piece of each request being prefilled, in order, then of queued ones that
