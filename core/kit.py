@@ -21,6 +21,7 @@ from polyengine.results import ResultTokens
 from polyengine.sampling.masks import SlotMasks, allows_any, check_mask, full_mask, step_masked_ids
 from polyengine.sampling.params import MAX_SAMPLES, SamplingParams
 from polyengine.options import check_options
+from polyengine.pages import PageList
 from polyengine.slots import Slot
 from polyengine.validation import check_prompt, check_request, is_int
 
@@ -455,6 +456,38 @@ class EngineBase:
         return [self.prefill(params=params, tokens=toks, sampling=sampling, existing_prefix=req.existing_prefix,
                              **({"token_mask": mask} if mask is not None else {}))
                 for req, (toks, sampling, _, mask) in zip(requests, checked)]
+
+    # -- the mixed step (capability mixed_step) ---------------------------------------------
+
+    def generate_with_prefill(self, params: Any, decode_state: DecodeState, *, requests: Sequence[PrefillRequest],
+                              overrides: Mapping[int, int | Override] | None = None,
+                              token_masks: Mapping[int, np.ndarray] | None = None) -> tuple[DecodeState, ResultTokens, Future]:
+        """``prefill_batch`` and then ``generate`` (capability ``mixed_step``; docs/design.md,
+        "The mixed step"): here the two calls themselves, the prefixes in a finished Future.
+        An engine declares the capability where it overrides this to compute the entries'
+        rows inside the step's forward (torch_common, cpu); undeclared, UnsupportedFeature."""
+        if not self.capabilities.mixed_step:
+            raise UnsupportedFeature("generate_with_prefill (capability mixed_step)", self.name,
+                                     "call prefill_batch and then generate; the driver does so on engines without "
+                                     "Capabilities.mixed_step")
+        return self._prefill_then_generate(params, decode_state, requests, overrides, token_masks)
+
+    def _prefill_then_generate(self, params: Any, decode_state: DecodeState, requests: Sequence[PrefillRequest],
+                               overrides: Any, token_masks: Any) -> tuple[DecodeState, ResultTokens, Future]:
+        """The two calls in turn; a step refused after the prefill gives the new prefixes' pages
+        back (they are no one's yet), so the refused call changes nothing."""
+        out = self.prefill_batch(params=params, requests=requests)
+        try:
+            state, result = self.generate(params, decode_state, overrides=overrides,
+                                          **({"token_masks": token_masks} if token_masks is not None else {}))
+        except BaseException:
+            for prefix, _ in out:
+                if isinstance(prefix.kv, PageList):
+                    prefix.kv.release()
+            raise
+        done: Future = Future()
+        done.set_result(out)
+        return state, result, done
 
     # -- the prefill lane (capability prefill_lane) -----------------------------------------
 

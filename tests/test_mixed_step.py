@@ -2,8 +2,8 @@
 engine: generate_with_prefill gives what prefill_batch and then generate give, bit for
 bit, with the entries' rows inside the fused step's pass; it falls back to the two calls
 where it cannot mix; it refuses before any work and changes nothing; the driver puts a
-step's short pieces into the step without changing any output. Tiny model, fused step on
-the ISA path this host picks: a few seconds."""
+step's short pieces into the step without changing any output. Tiny model, the fused step
+on each ISA path this CPU runs: a few seconds (a kernel build per path on first use)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import pytest
 pytest.importorskip("torch")
 
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
+from polyengine.backends.cpu.plan import CpuHost  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
 from polyengine.engine import PrefillRequest  # noqa: E402
 from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature  # noqa: E402
+from polyengine.hostinfo import ISA_PATHS  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.plugins import create_engine  # noqa: E402
 
@@ -88,12 +90,18 @@ def _equal(x: dict, y: dict) -> None:
         assert np.array_equal(lp, lp2) and np.array_equal(logits, logits2)
 
 
-def test_the_mixed_step_equals_the_two_calls(tiny):
-    eng = _engine(tiny)
+@pytest.mark.parametrize("isa", ISA_PATHS)
+def test_the_mixed_step_equals_the_two_calls(tiny, isa):
+    """On each ISA path this CPU runs (the fused step's kernels built for it)."""
+    if isa not in CpuHost.detect().runnable:
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    eng = _engine(tiny, isa=isa)
+    if eng.plan.kernels is None:
+        pytest.skip(f"the CPU kernels do not build here: {eng.plan.kernels_fallback}")
     assert eng.capabilities.mixed_step > 0
     mixed = _run(eng, True)
     assert eng.mixed_steps == 1, "the entries did not run inside the step"
-    _equal(mixed, _run(_engine(tiny), False))
+    _equal(mixed, _run(_engine(tiny, isa=isa), False))
 
 
 def test_entries_past_the_declared_count_take_the_two_calls(tiny):
@@ -171,3 +179,39 @@ def test_the_driver_mixes_short_pieces_without_changing_outputs(tiny):
     assert none == 0 and mixed == plain
     bounded, none = run(True, kv_pages=64)  # a bounded pool: the pieces run before the step, as planned
     assert none == 0 and bounded == plain
+
+
+def test_the_kit_makes_the_two_calls_for_an_engine_that_declares_it(tiny):
+    """EngineBase.generate_with_prefill: undeclared, UnsupportedFeature; declared by an
+    engine that does not override it (the reference here), prefill_batch and then generate,
+    the prefixes in a finished future; a refused step gives the new prefixes' pages back."""
+    def reference(**options):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return create_engine("reference", model=tiny, config=EngineConfig(
+                max_slots=2, max_prefill_length=60, max_cache_length=96, options=options))
+
+    plain = reference(page_size=4)
+    with pytest.raises(UnsupportedFeature):
+        plain.generate_with_prefill(plain.load_params(), plain.init_decode_state(),
+                                    requests=[PrefillRequest([1, 2, 3], GREEDY)])
+    outs = []
+    for mixed in (True, False):
+        eng = reference(page_size=4)
+        eng.capabilities = eng.capabilities.model_copy(update={"mixed_step": 16})
+        p, st = eng.load_params(), eng.init_decode_state()
+        st = eng.insert(eng.prefill(params=p, tokens=[5, 6, 7], sampling=GREEDY)[0], st, 0)
+        requests = [PrefillRequest([8, 9, 10, 11], SEEDED)]
+        if mixed:
+            held = eng.pages.counts()
+            with pytest.raises(InvalidRequest):  # a bad override: refused after the prefill, its pages given back
+                eng.generate_with_prefill(p, st, requests=requests, overrides={1: 3})
+            after = eng.pages.counts()
+            assert after[: len(held)] == held and not any(after[len(held):])
+            st, r, done = eng.generate_with_prefill(p, st, requests=requests)
+            out = done.result()
+        else:
+            out = eng.prefill_batch(params=p, requests=requests)
+            st, r = eng.generate(p, st)
+        outs.append((np.asarray(r.tokens)[0].tolist(), out[0][0].first_token, out[0][0].host_logits().tolist()))
+    assert outs[0] == outs[1]

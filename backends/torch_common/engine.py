@@ -678,11 +678,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                   mixed: "MixedRows | None" = None) -> torch.Tensor:
         """The device half of a step (engine thread): the page work applied, the step run."""
         args = (params, state, plan.forced, plan.live, plan.positions, plan.kv_len, plan.num_top, plan.words)
+        extra = {} if mixed is None else {"mixed": mixed}  # a plain step calls _step as it always has
         if plan.page_ops is None:
-            return self._step(*args, mixed=mixed)
+            return self._step(*args, **extra)
         with self._paged.using():  # the pools stay these tensors (a lane's prefill grows none) to its end
             self._apply_pages(state, plan.page_ops)
-            return self._step(*args, mixed=mixed)
+            return self._step(*args, **extra)
 
     def _dispatch(self, state: TorchDecodeState, step: Callable[[], torch.Tensor], layout: ResultLayout) -> ResultTokens:
         """The step on the worker thread (its results read later) or here."""
@@ -701,24 +702,15 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         each attending its prefix and itself causally: :class:`MixedRows`); else
         ``prefill_batch`` and then ``generate``. Entries, overrides and masks are checked
         first, then the entries' pages taken, then the step's (the two calls' order)."""
-        if not self.capabilities.mixed_step:
-            raise UnsupportedFeature("generate_with_prefill (capability mixed_step)", self.name,
-                                     "call prefill_batch and then generate (the cpu engine mixes them with option "
-                                     "mixed_step, page_size and the fused step)")
+        if not self.capabilities.mixed_step:  # the kit's refusal
+            return EngineBase.generate_with_prefill(self, params, decode_state, requests=requests)
         checked = self.check_prefill_batch(requests)
         state = decode_state
         state.wait()
         forced, words = self._check_step(state, overrides, token_masks)
-        prefixes: Future = Future()
         if not self._mixes(checked, state):
-            out = self.prefill_batch(params=params, requests=requests)
-            try:
-                state, result = self.generate(params, state, overrides=overrides, token_masks=token_masks)
-            except BaseException:
-                self._drop_prefixes(out)
-                raise
-            prefixes.set_result(out)
-            return state, result, prefixes
+            return self._prefill_then_generate(params, state, requests, overrides, token_masks)
+        prefixes: Future = Future()
         mixed = self._mixed_rows(requests, checked, state.num_slots)  # the entries' pages (released if refused)
         self.mixed_steps += 1
         try:
@@ -772,12 +764,6 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
                                 .astype(np.int64), dev),
             table=torch.cat([self._paged.table_for(seq, self.max_cache_length) for seq in seqs]),
             last=[int(i) for i in np.cumsum(lengths) - 1])
-
-    def _drop_prefixes(self, out: list[tuple[Prefix, ResultTokens]]) -> None:
-        """Give back the pages of prefixes made by a call that then failed."""
-        if self.pages is not None:
-            for prefix, _ in out:
-                prefix.kv.release()
 
     def _results(self, buf: torch.Tensor, layout: ResultLayout) -> ResultTokens:
         """A step's packed results as the protocol's ResultTokens (a device subclass
