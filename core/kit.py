@@ -465,7 +465,7 @@ class EngineBase:
         """``prefill_batch`` and then ``generate`` (capability ``mixed_step``; docs/design.md,
         "The mixed step"): here the two calls themselves, the prefixes in a finished Future.
         An engine declares the capability where it overrides this to compute the entries'
-        rows inside the step's forward (torch_common, cpu); undeclared, UnsupportedFeature."""
+        rows inside the step's forward (docs/design.md names which); undeclared, UnsupportedFeature."""
         if not self.capabilities.mixed_step:
             raise UnsupportedFeature("generate_with_prefill (capability mixed_step)", self.name,
                                      "call prefill_batch and then generate; the driver does so on engines without "

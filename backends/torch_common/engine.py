@@ -235,7 +235,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # own) has a sampler of its own; _run_lock claims a run's room.
         self._lane_sampler: TorchSampler | None = None
         self._run_lock = threading.Lock()
-        self.mixed_steps = 0  # generate_with_prefill calls whose entries ran inside the step (cumulative)
+        self.mixed_steps = 0  # generate_with_prefill calls that took the mixed path, refused ones too (cumulative)
         self._weights: TorchWeights | None = None
         self._prefill_sampler: TorchSampler | None = None
         self._specs: dict[tuple, StepSpec] = {}  # the forward's static choices per bucket
