@@ -251,6 +251,13 @@ class PageList:
         """Fresh pages for ``length`` positions."""
         return cls(pool, pool.allocate(pages_for(length, pool.page_size)), length, finalize=finalize)
 
+    @classmethod
+    def continuing(cls, pool: PagePool, head: "PageList | None") -> "PageList":
+        """The page list a prefill writes its new prefix into: a holder of ``head``'s pages
+        (the prefix it continues; shared, a partly filled last one copied on its first
+        write), or an empty one from position 0; released when it is garbage."""
+        return head.fork(finalize=True) if head is not None else cls(pool, [], 0, finalize=True)
+
     def fork(self, length: int | None = None, *, finalize: bool = False) -> "PageList":
         """A new holder of this list's first ``length`` positions (all by default): it
         shares their pages (the partly filled last one too, copied on its first write)."""

@@ -337,7 +337,7 @@ class CpuEngine(TorchEngine):
         into the new prefix's pages through a one-row page table, the continued prefix's
         positions read where they lie (no contiguous copy of them, no scatter after)."""
         n = len(tokens)
-        seq = prefix.kv.fork(finalize=True) if prefix is not None else PageList(self.pages, [], 0, finalize=True)
+        seq = PageList.continuing(self.pages, None if prefix is None else prefix.kv)
         self._paged.writable(seq, start, start + n)
         t = params.tensors
         x = self._embedded(t, tokens)

@@ -472,8 +472,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         and fresh ones; the context graph writes the prompt's K/V through a slot mapping.
         The block ids change here, on the caller's thread; the pools only on the worker."""
         n, p = toks.size, padded.shape[1]
-        seq = existing_prefix.kv.fork(finalize=True) if existing_prefix is not None else PageList(self.pages, [], 0,
-                                                                                                   finalize=True)
+        seq = PageList.continuing(self.pages, None if existing_prefix is None else existing_prefix.kv)
         copies: list[tuple[int, int]] = []
         try:
             seq.prepare_write(start, start + n, lambda src, dst: copies.append((src, dst)))

@@ -375,7 +375,7 @@ class ReferenceEngine(EngineBase):
         for the rest (a partly filled shared page copied first)."""
         if not self.pages:
             return k[:, :, :total].copy(), v[:, :, :total].copy()
-        seq = existing.kv.fork(finalize=True) if existing is not None else PageList(self.pages, [], 0, finalize=True)
+        seq = PageList.continuing(self.pages, None if existing is None else existing.kv)
         self._scatter(seq, k, v, start, total)
         return seq
 

@@ -158,7 +158,10 @@ class _StepPlan:
     num_top: int
     words: np.ndarray | None
     page_ops: Any
-    layout: ResultLayout
+
+    @property
+    def layout(self) -> ResultLayout:
+        return ResultLayout(k=1, top_n=self.num_top, logprobs=True)
 
 
 def on_engine_thread(method):
@@ -513,8 +516,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             # The prefill ran over its own contiguous cache (so a prefill's attention is the
             # contiguous engine's, host kernel included); its new positions go into pages,
             # after the continued prefix's shared ones.
-            seq = (existing_prefix.kv.fork(finalize=True) if existing_prefix is not None
-                   else PageList(self.pages, [], 0, finalize=True))
+            seq = PageList.continuing(self.pages, None if existing_prefix is None else existing_prefix.kv)
             self._paged.scatter(seq, k, v, start, start + n)
             kv, nbytes = seq, self.kv_bytes(len(seq.pages) * self.pages.page_size)
         else:
@@ -671,8 +673,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         # Paged: the copies and table rows go first in the step.
         page_ops = self._prepare_pages(state, live, positions) if self.pages is not None else None
         state.slots.advance(live)  # what the host can know before the step runs: who advances, by one
-        return _StepPlan(forced, live, positions, kv_len, num_top, words, page_ops,
-                         ResultLayout(k=1, top_n=num_top, logprobs=True))
+        return _StepPlan(forced, live, positions, kv_len, num_top, words, page_ops)
 
     def _run_step(self, params: TorchWeights, state: TorchDecodeState, plan: "_StepPlan",
                   mixed: "MixedRows | None" = None) -> torch.Tensor:
@@ -746,8 +747,7 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         seqs: list[PageList] = []
         try:
             for r, (toks, _, start, _) in zip(requests, checked):
-                seq = (r.existing_prefix.kv.fork(finalize=True) if r.existing_prefix is not None
-                       else PageList(self.pages, [], 0, finalize=True))
+                seq = PageList.continuing(self.pages, None if r.existing_prefix is None else r.existing_prefix.kv)
                 self._paged.writable(seq, start, start + toks.size)  # releases seq if it cannot
                 seqs.append(seq)
         except BaseException:

@@ -376,8 +376,7 @@ class TpuJaxEngine(EngineBase):
         else:
             # The prefill ran over a contiguous cache of its own (the contiguous engine's
             # programs); its new positions go into pages, after the continued prefix's shared ones.
-            seq = (existing_prefix.kv.seq.fork(finalize=True) if existing_prefix is not None
-                   else PageList(self.pages, [], 0, finalize=True))
+            seq = PageList.continuing(self.pages, None if existing_prefix is None else existing_prefix.kv.seq)
             self._paged.write(seq, k, v, start, start + n)
             kv, nbytes = paged.PagedPrefix(seq, k.shape[2], row), self.kv_bytes(len(seq.pages) * self.pages.page_size)
         prefix = Prefix(
