@@ -61,6 +61,13 @@ SHRINK_SECONDS = 600
 # backend's report within the suite's time budget (docs/conformance.md, "Time budget")
 # while the program shown still depends on the seed alone, never on the host's speed.
 SHRINK_STEPS = 150
+# ... under page pressure (test_programs_under_page_pressure): each of those programs
+# starts with a full garbage collection of the process (the last program's prefixes give
+# their pages back) and, after a failure, a new engine, so each attempt costs far more than
+# an ordinary program's; 150 shrinks took a caught backend's report to 210 s on two cores
+# (broken_page_refusal_advances), past the budget of 2 minutes; 25 took 12 s and showed a
+# 14-call program. The program shown still depends on the seed alone.
+PRESSURE_SHRINK_STEPS = 25
 
 
 def _configuration(program: str) -> tuple[str, str]:
@@ -143,13 +150,14 @@ def _draws_of_the_seed_alone():
 
 
 def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: str, setup=None,
-                 pressure=None) -> None:
+                 pressure=None, shrinks: int = SHRINK_STEPS) -> None:
     """Run ``examples`` seeded random programs on one configuration; raise AssertionError
     with the shrunk failing program (``rerun``: the options that run it again). ``setup``:
     an edge configuration's engine, mirror, mirror params, oracle and description
     (:func:`edge_setup`); else the configuration ``program`` names. ``pressure``: the
     setup's engine's page pool is too small for the programs (ProgramRun.pressure), and
-    this builds another like it (ProgramRun.rebuild)."""
+    this builds another like it (ProgramRun.rebuild). ``shrinks``: successful shrinks at
+    most (SHRINK_STEPS)."""
     import importlib.util
 
     if importlib.util.find_spec("hypothesis") is None:
@@ -191,7 +199,7 @@ def run_programs(conformance, program: str, *, examples: int, seed: int, rerun: 
 
     how = f"seed {seed}, {examples} programs: the run is deterministic, {rerun} runs it again"
     shrink_seconds, conjecture.MAX_SHRINKING_SECONDS = conjecture.MAX_SHRINKING_SECONDS, SHRINK_SECONDS
-    shrink_steps, conjecture.MAX_SHRINKS = getattr(conjecture, "MAX_SHRINKS", None), SHRINK_STEPS
+    shrink_steps, conjecture.MAX_SHRINKS = getattr(conjecture, "MAX_SHRINKS", None), shrinks
     started = time.perf_counter()
     try:
         with _draws_of_the_seed_alone():
@@ -295,7 +303,8 @@ class DifferentialLayer:
         setup = edge_setup(conformance, DEFAULT_MODEL, pressured, config)
         describe = f"{setup[-1]}, kv_pages={pages} of {ps} positions"
         run_programs(conformance, DEFAULT_MODEL, examples=examples, seed=seed, rerun=rerun,
-                     setup=(*setup[:-1], describe), pressure=lambda: harness.build_for(DEFAULT_MODEL, config))
+                     setup=(*setup[:-1], describe), pressure=lambda: harness.build_for(DEFAULT_MODEL, config),
+                     shrinks=PRESSURE_SHRINK_STEPS)
         counts = conformance.record["statistics"][f"programs ({describe})"]
         assert counts.get("page refusals", 0) > 0, (
             f"no call ran out of pages in {examples} programs with kv_pages={pages}: the pool was not under "
