@@ -15,6 +15,7 @@ run compare; absolute times depend on the host and its load.
 
     python benchmarks/scripts/prefill_under_load.py [--budgets 16,32,64] [--prompt 2000] [--streams 4]
                                                     [--backend cpu] [--model PATH] [--option KEY=VALUE ...]
+                                                    [--timeline]
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ def under_load(llm, streams: list[list[int]], prompt: list[int], margin: int) ->
     sp = SamplingParams(temperature=0, max_tokens=llm.engine.max_cache_length - 20, ignore_eos=True)
     reqs = [llm.submit(s, sp) for s in streams]
     stamps: list[list[float]] = [[] for _ in reqs]
+    steps: list[tuple[float, float]] = []  # each scheduler step's (start, end)
 
     def step() -> None:
+        started = time.perf_counter()
         llm.step()
         now = time.perf_counter()
+        steps.append((started, now))
         for i, r in enumerate(reqs):
             while len(stamps[i]) < len(r.samples[0].out.token_ids):
                 stamps[i].append(now)
@@ -74,7 +78,8 @@ def under_load(llm, streams: list[list[int]], prompt: list[int], margin: int) ->
     during = [g for end, g in gaps if end > arrived]  # the gap the arrival falls in, and every one after
     return {"before_med": statistics.median(before), "before_p99": _p99(before),
             "during_med": statistics.median(during) if during else float("nan"), "during_p99": _p99(during),
-            "ttft": ttft, "steps": len(during) / len(streams)}
+            "ttft": ttft, "steps": len(during) / len(streams),
+            "timeline": [(a - arrived, b - a) for a, b in steps if arrived < b <= first_at]}
 
 
 def main() -> None:
@@ -89,6 +94,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=2000, help="the arriving prompt's length")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--margin", type=int, default=16, help="steps of the streams' pace measured before the arrival")
+    p.add_argument("--timeline", action="store_true",
+                   help="also print each scheduler step while the prompt prefilled: seconds after its arrival, "
+                        "milliseconds the step took")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an engine option (the value read as JSON, else a string), e.g. warmup=true on tpu_jax so "
                         "no row pays a compile")
@@ -126,6 +134,9 @@ def main() -> None:
               f"{r['during_med'] * 1e3:7.1f} ms | {r['during_p99'] * 1e3:7.1f} ms | "
               f"{r['during_p99'] / r['before_med']:16.1f} | {r['ttft'] * 1e3:5.0f} ms | {r['ttft'] / alone:12.2f} | "
               f"{r['steps']:.0f}", flush=True)
+        if args.timeline:
+            print(f"{'':>22}   steps while it prefilled (s after arrival: ms): "
+                  + " ".join(f"{at:.1f}: {took * 1e3:.0f}" for at, took in r["timeline"]), flush=True)
     prefiller.chunk = chunk
 
 
