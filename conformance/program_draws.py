@@ -73,6 +73,7 @@ class Dims:
     prefix_reuse: bool
     token_masks: bool = False
     prefill_lane: bool = False
+    mixed_step: int = 0
 
     @property
     def undeclared(self) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from polyengine.engine import Override, Prefix
+from polyengine.engine import Override, Prefix, PrefillRequest
 from polyengine.errors import InsufficientMemory, PolyengineError
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -154,6 +154,7 @@ class ProgramRun:
             portable_prefix=bool(caps.portable_prefix), prefix_reuse=bool(caps.prefix_reuse),
             token_masks=bool(getattr(caps, "token_masks", False)),
             prefill_lane=bool(getattr(caps, "prefill_lane", False)),
+            mixed_step=int(getattr(caps, "mixed_step", 0) or 0),
         )
         ctx = self.context
         self.tol = {q: ctx.tolerance(q, self.dtype, self.model).value
@@ -349,9 +350,11 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         self._prefill(prompt, sampling, base)
 
     def _prefill(self, prompt: list[int], sampling: SamplingParams, base: PrefixEntry | None,
-                 mask: MaskDraw | np.ndarray | None = None) -> PrefixEntry | None:
+                 mask: MaskDraw | np.ndarray | None = None, *, mixed: Callable[..., Any] | None = None
+                 ) -> PrefixEntry | None:
         """Prefill on both (``mask``: a drawn mask, fitted to the first token here, or
-        the words of a refused one), then compare the prefix and the first token."""
+        the words of a refused one), then compare the prefix and the first token.
+        ``mixed``: the backend's side is this generate_with_prefill call (:meth:`_mixed`)."""
         run = self.run
         self._read_pending()
         label = f"P{len(self.prefixes)}"
@@ -364,10 +367,17 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             f", token_mask={show_mask(mask, self.d.vocab)}" if mask is not None else "")
         # Every other prefill of an engine with a prefill lane runs there (start_prefill,
         # awaited): its prefixes then meet every later call of the program.
-        lane = self.d.prefill_lane and self.prefills % 2 == 1
+        lane = self.d.prefill_lane and self.prefills % 2 == 1 and mixed is None
         call, done = ("engine.start_prefill", ".result()") if lane else ("engine.prefill", "")
-        at = self._say(f"{label}, r = {call}(params=params, tokens={prompt}, sampling={show(sampling)}{extra}){done}")
-        prefill = (lambda **kw: run.engine.start_prefill(**kw).result(timeout=600)) if lane else run.engine.prefill
+        if mixed is not None:
+            entry = f"PrefillRequest(tokens={prompt}, sampling={show(sampling)}{extra})"
+            at = self._say(f"state, r{len(run.log)}, F = engine.generate_with_prefill(params, state, requests=[{entry}]);"
+                           f" {label}, r = F.result()[0]")
+            call, done = "engine.generate_with_prefill", ""
+        else:
+            at = self._say(f"{label}, r = {call}(params=params, tokens={prompt}, sampling={show(sampling)}{extra}){done}")
+        prefill = (lambda **kw: run.engine.start_prefill(**kw).result(timeout=600)) if lane else (
+            mixed or run.engine.prefill)
         out = self._both(
             at,
             lambda: prefill(params=run.params, tokens=list(prompt), sampling=sampling,
@@ -529,10 +539,50 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         steps, pipelined = draw.integer(1, STEPS_PER_GENERATE), draw.chance(0.5)
         masks = draw.step_masks(self.d, steps)
         refusal = draw.mask_refusal(self.d, GENERATE_MASK_REFUSALS, 0.25) if masks else None
+        mixed = self._mixed_draw(draw)  # drawn last: an engine without mixed_step draws what it always drew
         if self.slots or self.pending or self.emptied:  # a fresh state is not worth a step
             if refusal is not None:
                 self._refused_generate_masks(refusal, masks[0])
+            if mixed is not None and self.slots:
+                self._mixed(*mixed)
+                steps, masks = steps - 1, masks[1:] if masks else None
             self._steps(steps, pipelined, masks)
+
+    def _mixed_draw(self, draw: Draw) -> tuple[list[int], SamplingParams, PrefixEntry | None] | None:
+        """Half the time on an engine declaring ``mixed_step``: the first step of a generate
+        call is ``generate_with_prefill`` with one entry within the declared tokens (a new
+        prompt, or with ``prefix_reuse`` a kept prefix continued)."""
+        d = self.d
+        if not d.mixed_step or not draw.chance(0.5):
+            return None
+        sampling, index, continued = draw.sampling(d), draw.index(), draw.chance(0.5)
+        base = self.prefixes[index % len(self.prefixes)] if d.prefix_reuse and continued and self.prefixes else None
+        if base is not None and len(base.prompt) >= d.max_prefill:
+            base = None
+        room = min(d.mixed_step, d.max_prefill - (len(base.prompt) if base else 0))
+        return draw.tokens(d, 1, max(1, room)), sampling, base
+
+    def _mixed(self, prompt: list[int], sampling: SamplingParams, base: PrefixEntry | None) -> None:
+        """generate_with_prefill: the step's tokens judged as a step's, the entry's prefix
+        as a prefill's (the mirror prefills it), kept for later calls as a prefill's is
+        (inserted, continued, exported)."""
+        stepped: list[tuple[Any, Any, int]] = []
+
+        def call(**kw):
+            request = PrefillRequest(tokens=kw["tokens"], sampling=kw["sampling"], existing_prefix=kw["existing_prefix"])
+            at = len(self.run.log) - 1  # the call's line, just said
+            state, result, prefixes = self.run.engine.generate_with_prefill(self.run.params, self.state,
+                                                                            requests=[request])
+            stepped.append((state, result, at))
+            return prefixes.result(timeout=600)[0]
+
+        entry = self._prefill(prompt, sampling, base, mixed=call)
+        if not stepped or entry is None:
+            return
+        self.state = stepped[0][0]
+        self.run.count("mixed steps")
+        self.pending.append(Pending(stepped[0][1], stepped[0][2], frozenset()))
+        self._read_pending()
 
     def generate_with_overrides(self, draw: Draw) -> None:
         """A step forcing tokens into some slots, each at a position inside the slot's

@@ -691,10 +691,9 @@ class LaneBufferEngine(ReferenceEngine):
         return out
 
 
-class MixedOverridesEngine(ReferenceEngine):
-    """Declares mixed_step, and its generate_with_prefill runs the entries and then the step
-    but drops the step's overrides on the way (a mixed path that forgot them): the slot
-    forced a token in that call continues from the token it had."""
+class _MixedEngine(ReferenceEngine):
+    """The reference declaring mixed_step: generate_with_prefill is the entries'
+    prefill_batch and then :meth:`_step` (each broken mixed path below changes that)."""
 
     def __init__(self, model, config):
         super().__init__(model, config)
@@ -705,8 +704,28 @@ class MixedOverridesEngine(ReferenceEngine):
 
         out = Future()
         out.set_result(self.prefill_batch(params=params, requests=requests))
-        state, result = self.generate(params, decode_state, token_masks=token_masks)
-        return state, result, out
+        return (*self._step(params, decode_state, overrides, token_masks), out)
+
+
+class MixedOverridesEngine(_MixedEngine):
+    """Declares mixed_step, and its generate_with_prefill runs the entries and then the step
+    but drops the step's overrides on the way (a mixed path that forgot them): the slot
+    forced a token in that call continues from the token it had."""
+
+    def _step(self, params, decode_state, overrides, token_masks):
+        return self.generate(params, decode_state, token_masks=token_masks)
+
+
+class MixedRowsOffEngine(_MixedEngine):
+    """Declares mixed_step, and its generate_with_prefill reports each slot's token from
+    the next row (a fused pass that put the entries' row first and read the slots' rows
+    from row 1): the slots' own streams go on right, their reported tokens do not."""
+
+    def _step(self, params, decode_state, overrides, token_masks):
+        state, r = self.generate(params, decode_state, overrides=overrides, token_masks=token_masks)
+        off = lambda a: None if a is None else np.roll(np.asarray(a), -1, axis=0)  # noqa: E731
+        return state, ResultTokens(tokens=off(r.tokens), valid=r.valid, lengths=r.lengths, logprobs=off(r.logprobs),
+                                   top_ids=off(r.top_ids), top_logprobs=off(r.top_logprobs))
 
 
 class ZeroedPrefixEngine(ReferenceEngine):
@@ -847,6 +866,7 @@ BROKEN: dict[str, type] = {
     "broken_batch_positions": BatchPositionsEngine,
     "broken_lane_buffer": LaneBufferEngine,
     "broken_mixed_overrides": MixedOverridesEngine,
+    "broken_mixed_rows_off": MixedRowsOffEngine,
     "broken_prerope_export": PreRopeExportEngine,
     "broken_unchecked_import": UncheckedImportEngine,
     "broken_trusting_import": TrustingImportEngine,
@@ -927,6 +947,8 @@ CAUGHT_BY: dict[str, tuple[str, str, str]] = {
     "broken_lane_buffer": ("test_prefill_lane", "test_prefill_lane", "logits vs the reference's prefill"),
     "broken_mixed_overrides": ("test_generate_with_prefill", "test_generate_with_prefill",
                                "decoding through a mixed step"),
+    "broken_mixed_rows_off": ("test_generate_with_prefill", "test_generate_with_prefill",
+                              "decoding through a mixed step"),
     "broken_continuation_edge": ("test_prefix_reuse_at_bucket_edges", "test_prefix_reuse_at_bucket_edges",
                                  "a prefix of 8 tokens continued"),
     "broken_continuation_sampling": ("test_prefix_reuse_leaves_the_prefix", "test_prefix_reuse_leaves_the_prefix",
@@ -1045,6 +1067,9 @@ assert set(CAUGHT_BY) == set(BROKEN), sorted(set(CAUGHT_BY) ^ set(BROKEN))
 
 # Other tests that must catch the same faults (same shape as CAUGHT_BY, several per backend).
 ALSO_CAUGHT_BY = {
+    "broken_mixed_rows_off": [  # the differential programs' mixed steps (generate_with_prefill)
+        ("test_differential and mha_tied and not bucket", "test_differential[mha_tied]", "generate_with_prefill"),
+    ],
     "broken_processed_logprobs": [
         ("test_decode_logprobs_match_reference and mha_tied", "test_decode_logprobs_match_reference[mha_tied-float64]",
          "they equal log-softmax(logits / temperature)"),

@@ -22,12 +22,14 @@ _MASKS_ALL = ("prefill masks continuing a prefix", "bulk_insert samples under th
 
 
 def assert_programs_exercised(tests, *, token_masks: bool = False, configurations: int = len(PROGRAMS),
-                              prefill_lane: bool = False) -> None:
+                              prefill_lane: bool = False, mixed_step: int = 0) -> None:
     """Every differential configuration's programs compared tokens and refusals, and used
     prefixes the way the two prefix rules allow: after later prefills, and again after
     an insert (docs/design.md, Prefixes); with ``token_masks`` declared, they also drew
     masks on every path and refused bad ones; with ``prefill_lane``, they prefilled on
-    the lane (every other prefill)."""
+    the lane (every other prefill); with ``mixed_step``, every shape model's programs ran
+    generate_with_prefill (where the engine's step takes the model's prompt rows in: the
+    cpu engine's fused step)."""
     layer = [t for t in tests if t["id"].startswith("test_differential")]
     assert len(layer) == configurations, sorted(t["id"] for t in layer)
     # a configuration of an architecture the backend does not declare is skipped (test_architecture refuses it)
@@ -48,3 +50,6 @@ def assert_programs_exercised(tests, *, token_masks: bool = False, configuration
         assert sum(c.get(what, 0) for c in runs.values()) > 0, f"no {what} in any configuration's programs"
     if prefill_lane:
         assert all(c.get("prefills on the lane", 0) > 0 for c in runs.values()), f"no prefill on the lane: {runs}"
+    if mixed_step:
+        shapes = {i: c for i, c in runs.items() if i.split("[")[1].split("-")[0].rstrip("]") in SHAPE_MODELS}
+        assert all(c.get("mixed steps", 0) > 0 for c in shapes.values()), f"no mixed step: {shapes}"

@@ -102,7 +102,8 @@ def test_builtin_backend_passes_the_whole_suite(backend, tmp_path):
         for tol in t["tolerances"].values():
             assert tol["value"] > 0 and tol["source"] and tol["measured"] <= tol["value"]
     assert doc["capabilities"]["token_masks"]  # every built-in backend declares them: the layer draws masks
-    assert_programs_exercised(tests, token_masks=True, prefill_lane=doc["capabilities"]["prefill_lane"])
+    assert_programs_exercised(tests, token_masks=True, prefill_lane=doc["capabilities"]["prefill_lane"],
+                              mixed_step=doc["capabilities"].get("mixed_step", 0))
     # the terminal table, one row per layer
     assert all(line in out for line in ("layer", *LAYERS, "total"))
     if backend == "reference":
