@@ -350,11 +350,12 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         self._prefill(prompt, sampling, base)
 
     def _prefill(self, prompt: list[int], sampling: SamplingParams, base: PrefixEntry | None,
-                 mask: MaskDraw | np.ndarray | None = None, *, mixed: Callable[..., Any] | None = None
+                 mask: MaskDraw | np.ndarray | None = None, *, mixed: tuple[Callable[..., Any], str] | None = None
                  ) -> PrefixEntry | None:
         """Prefill on both (``mask``: a drawn mask, fitted to the first token here, or
         the words of a refused one), then compare the prefix and the first token.
-        ``mixed``: the backend's side is this generate_with_prefill call (:meth:`_mixed`)."""
+        ``mixed``: the backend's side is this generate_with_prefill call (:meth:`_mixed`),
+        with the step's masks as shown."""
         run = self.run
         self._read_pending()
         label = f"P{len(self.prefixes)}"
@@ -371,13 +372,13 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         call, done = ("engine.start_prefill", ".result()") if lane else ("engine.prefill", "")
         if mixed is not None:
             entry = f"PrefillRequest(tokens={prompt}, sampling={show(sampling)}{extra})"
-            at = self._say(f"state, r{len(run.log)}, F = engine.generate_with_prefill(params, state, requests=[{entry}]);"
-                           f" {label}, r = F.result()[0]")
+            at = self._say(f"state, r{len(run.log)}, F = engine.generate_with_prefill(params, state, requests=[{entry}]"
+                           f"{mixed[1]}); {label}, r = F.result()[0]")
             call, done = "engine.generate_with_prefill", ""
         else:
             at = self._say(f"{label}, r = {call}(params=params, tokens={prompt}, sampling={show(sampling)}{extra}){done}")
         prefill = (lambda **kw: run.engine.start_prefill(**kw).result(timeout=600)) if lane else (
-            mixed or run.engine.prefill)
+            mixed[0] if mixed else run.engine.prefill)
         out = self._both(
             at,
             lambda: prefill(params=run.params, tokens=list(prompt), sampling=sampling,
@@ -544,14 +545,16 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
             if refusal is not None:
                 self._refused_generate_masks(refusal, masks[0])
             if mixed is not None and self.slots:
-                self._mixed(*mixed)
+                self._mixed(*mixed, masks[0] if masks else {})
                 steps, masks = steps - 1, masks[1:] if masks else None
             self._steps(steps, pipelined, masks)
 
-    def _mixed_draw(self, draw: Draw) -> tuple[list[int], SamplingParams, PrefixEntry | None] | None:
+    def _mixed_draw(self, draw: Draw) -> tuple[list[int], SamplingParams, PrefixEntry | None, MaskDraw | None] | None:
         """Half the time on an engine declaring ``mixed_step``: the first step of a generate
         call is ``generate_with_prefill`` with one entry within the declared tokens (a new
-        prompt, or with ``prefix_reuse`` a kept prefix continued)."""
+        prompt, or with ``prefix_reuse`` a kept prefix continued; its first token under a
+        mask at times, where ``token_masks`` is declared), beside the step's own masks
+        where the generate call drew them."""
         d = self.d
         if not d.mixed_step or not draw.chance(0.5):
             return None
@@ -560,28 +563,40 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         if base is not None and len(base.prompt) >= d.max_prefill:
             base = None
         room = min(d.mixed_step, d.max_prefill - (len(base.prompt) if base else 0))
-        return draw.tokens(d, 1, max(1, room)), sampling, base
+        prompt = draw.tokens(d, 1, max(1, room))
+        return prompt, sampling, base, draw.mask(d) if d.token_masks and draw.chance(0.3) else None
 
-    def _mixed(self, prompt: list[int], sampling: SamplingParams, base: PrefixEntry | None) -> None:
-        """generate_with_prefill: the step's tokens judged as a step's, the entry's prefix
-        as a prefill's (the mirror prefills it), kept for later calls as a prefill's is
-        (inserted, continued, exported)."""
+    def _mixed(self, prompt: list[int], sampling: SamplingParams, base: PrefixEntry | None, mask: MaskDraw | None,
+               plan: dict[int, MaskDraw]) -> None:
+        """generate_with_prefill: the step's tokens judged as a step's (under ``plan``'s
+        masks, fitted to the slots' next positions), the entry's prefix as a prefill's (the
+        mirror prefills it), kept for later calls as a prefill's is (inserted, continued,
+        exported)."""
         stepped: list[tuple[Any, Any, int]] = []
+        if plan:
+            self._read_pending()  # a mask is for a slot's next position: the program knows it in lock step
+        masks = self._live_masks(plan) if plan else {}
+        masked = {"token_masks": masks} if masks else {}
 
         def call(**kw):
-            request = PrefillRequest(tokens=kw["tokens"], sampling=kw["sampling"], existing_prefix=kw["existing_prefix"])
+            request = PrefillRequest(tokens=kw["tokens"], sampling=kw["sampling"], existing_prefix=kw["existing_prefix"],
+                                     token_mask=kw.get("token_mask"))
             at = len(self.run.log) - 1  # the call's line, just said
             state, result, prefixes = self.run.engine.generate_with_prefill(self.run.params, self.state,
-                                                                            requests=[request])
+                                                                            requests=[request], **masked)
             stepped.append((state, result, at))
             return prefixes.result(timeout=600)[0]
 
-        entry = self._prefill(prompt, sampling, base, mixed=call)
+        shown = f", token_masks={self.show_masks(masks)}" if masks else ""
+        entry = self._prefill(prompt, sampling, base, mask, mixed=(call, shown))
         if not stepped or entry is None:
             return
         self.state = stepped[0][0]
         self.run.count("mixed steps")
-        self.pending.append(Pending(stepped[0][1], stepped[0][2], frozenset()))
+        if masks or mask is not None:
+            self.run.count("mixed steps with masks")
+        self._record_masks(masks)
+        self.pending.append(Pending(stepped[0][1], stepped[0][2], frozenset(masks)))
         self._read_pending()
 
     def generate_with_overrides(self, draw: Draw) -> None:
