@@ -575,7 +575,7 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         stepped: list[tuple[Any, Any, int]] = []
         if plan:
             self._read_pending()  # a mask is for a slot's next position: the program knows it in lock step
-        masks = self._live_masks(plan) if plan else {}
+        masks = self._live_masks(plan)
         masked = {"token_masks": masks} if masks else {}
 
         def call(**kw):

@@ -21,6 +21,11 @@ _MASKS_EACH = ("prefill masks", "generate masks", "masks beside overrides", "mas
 _MASKS_ALL = ("prefill masks continuing a prefix", "bulk_insert samples under the prefix's mask")
 
 
+def _model_of(test_id: str) -> str:
+    """The model of a differential configuration's test id: ``test_differential[mha_tied-buckets]`` -> mha_tied."""
+    return test_id.split("[")[1].split("-")[0].rstrip("]")
+
+
 def assert_programs_exercised(tests, *, token_masks: bool = False, configurations: int = len(PROGRAMS),
                               prefill_lane: bool = False, mixed_step: int = 0) -> None:
     """Every differential configuration's programs compared tokens and refusals, and used
@@ -40,7 +45,7 @@ def assert_programs_exercised(tests, *, token_masks: bool = False, configuration
     each = ("tokens compared", "refusals compared", "prefixes inserted after later prefills",
             "prefixes inserted after an insert", "results read after the next step")
     for test_id, counts in runs.items():
-        if test_id.split("[")[1].split("-")[0].rstrip("]") not in SHAPE_MODELS:
+        if _model_of(test_id) not in SHAPE_MODELS:
             # a further architecture's model runs a few programs (ARCHITECTURE_EXAMPLES): they compare tokens
             assert counts.get("tokens compared", 0) > 0, f"{test_id}: no tokens compared: {counts}"
             continue
@@ -51,5 +56,5 @@ def assert_programs_exercised(tests, *, token_masks: bool = False, configuration
     if prefill_lane:
         assert all(c.get("prefills on the lane", 0) > 0 for c in runs.values()), f"no prefill on the lane: {runs}"
     if mixed_step:
-        shapes = {i: c for i, c in runs.items() if i.split("[")[1].split("-")[0].rstrip("]") in SHAPE_MODELS}
+        shapes = {i: c for i, c in runs.items() if _model_of(i) in SHAPE_MODELS}
         assert all(c.get("mixed steps", 0) > 0 for c in shapes.values()), f"no mixed step: {shapes}"
