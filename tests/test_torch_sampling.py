@@ -282,3 +282,51 @@ def test_sample_and_record_export_with_the_state_as_a_pytree():
         want = Step(flags)(logits, sampler.state.as_dict())
         assert all(torch.equal(a, b) for a, b in zip(got[:4], want[:4]))
         assert all(torch.equal(got[4][k], want[4][k]) for k in want[4])
+
+
+def test_the_sampler_updates_its_state_in_place_as_the_pure_functions_do():
+    """TorchSampler's record/override/forget change its state's own tensors (no new
+    (R, V) counts a step) and give what the pure functions give, which leave their input
+    as it was, and what a per-row model of the rules gives (an override of a row with no
+    completion token yet is its first): a sequence of each, by mask and by rows."""
+    from collections import Counter
+
+    from polyengine.backends.torch_common.sampling import SamplerState, forget, override, record
+
+    vocab, rows = 16, 4
+    sampler = TorchSampler(vocab, rows, (2,))
+    sampler.install(1, SamplingParams(seed=3, temperature=0.7), [5, 6])
+    pure = SamplerState(**{k: v.clone() for k, v in sampler.state.as_dict().items()})
+    counts = sampler.state.counts.data_ptr()
+    model = [{"counts": Counter(), "step": 0, "last": 0} for _ in range(rows)]
+    rng = np.random.default_rng(0)
+    ops = {"record": record, "override": override, "forget": forget}
+    for i, name in enumerate(["override", "record", "override", "record", "forget", "override", "record", "forget"]):
+        tokens = torch.from_numpy(rng.integers(0, vocab, rows))
+        mask = torch.from_numpy(rng.random(rows) < 0.7)
+        mask[i % rows] = True
+        if i % 2:  # by rows: the masked rows as a batch
+            getattr(sampler, name)(tokens[mask], rows=torch.nonzero(mask)[:, 0])
+        else:
+            getattr(sampler, name)(tokens, mask=mask)
+        before = {k: v.clone() for k, v in pure.as_dict().items()}
+        new = ops[name](pure, tokens, mask)
+        assert all(torch.equal(before[k], v) for k, v in pure.as_dict().items()), f"{name} changed its input"
+        pure = new
+        assert all(torch.equal(v, getattr(sampler.state, k)) for k, v in pure.as_dict().items()), name
+        for r in np.nonzero(mask.numpy())[0]:
+            row, t = model[r], int(tokens[r])
+            if name == "override" and row["step"]:
+                row["counts"][row["last"]] -= 1
+            if name == "forget":
+                row["counts"][t] -= 1
+                row["step"] -= 1
+                continue
+            row["counts"][t] += 1
+            row["step"] += name == "record" or not row["step"]
+            row["last"] = t
+        for r, row in enumerate(model):
+            assert [row["counts"][t] for t in range(vocab)] == sampler.state.counts[r].tolist(), (name, r)
+            assert row["step"] == int(sampler.state.step[r]), (name, r)
+            assert not row["step"] or row["last"] == int(sampler.state.last_token[r]), (name, r)
+    assert sampler.state.counts.data_ptr() == counts

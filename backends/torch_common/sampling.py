@@ -35,6 +35,11 @@ API
     The pure functions underneath (state in, state out), for jit/export-style
     backends that keep the state as a pytree.
 
+``record_(state, tokens, mask)``, ``override_(state, tokens, mask)``, ``forget_(state, tokens, mask)``
+    The same updates in place, on the state's own tensors: what :class:`TorchSampler`
+    runs (a new (R, V) counts tensor a step cost ~0.55 ms of a ~5 ms step at batch 1 with
+    32 rows of the default model's vocabulary, ~1 ms with 64).
+
 ``SampleResult``: ``tokens`` (B,) int64 (``NONFINITE_TOKEN`` for a row whose logits hold
 NaN or +inf), ``logprobs`` (B,) raw log-prob of the token,
 ``top_ids`` (B, n) int64 and ``top_logprobs`` (B, n), descending, ties to the lower id.
@@ -66,7 +71,7 @@ counter layout), rows given to ``record``/``override`` distinct.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -489,16 +494,43 @@ def _eos_only(flags: SamplerFlags, token_mask: torch.Tensor | None, eos_ids: tor
     return eos_ids
 
 
+def record_(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+    """:func:`record` in place: the state's own ``counts``, ``step`` and ``last_token``
+    change (what :class:`TorchSampler` does each step: no new (R, V) counts a step)."""
+    r = torch.arange(tokens.shape[0], device=tokens.device)
+    state.counts.index_put_((r, tokens), mask.to(torch.int32), accumulate=True)
+    state.step.add_(mask.to(torch.int64))
+    state.last_token.copy_(torch.where(mask, tokens, state.last_token))
+
+
+def override_(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+    """:func:`override` in place."""
+    r = torch.arange(tokens.shape[0], device=tokens.device)
+    had = mask & (state.step > 0)
+    state.counts.index_put_((r, state.last_token), -had.to(torch.int32), accumulate=True)
+    state.counts.index_put_((r, tokens), mask.to(torch.int32), accumulate=True)
+    state.step.add_((mask & ~had).to(torch.int64))
+    state.last_token.copy_(torch.where(mask, tokens, state.last_token))
+
+
+def forget_(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+    """:func:`forget` in place."""
+    r = torch.arange(tokens.shape[0], device=tokens.device)
+    state.counts.index_put_((r, tokens), -mask.to(torch.int32), accumulate=True)
+    state.step.sub_(mask.to(torch.int64))
+
+
+def _updated(state: SamplerState, update: Callable[[SamplerState, torch.Tensor, torch.Tensor], None],
+             tokens: torch.Tensor, mask: torch.Tensor) -> SamplerState:
+    """A new state: ``update`` applied to copies of the fields the updates change."""
+    out = replace(state, counts=state.counts.clone(), step=state.step.clone(), last_token=state.last_token.clone())
+    update(out, tokens, mask)
+    return out
+
+
 def record(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> SamplerState:
     """Append ``tokens`` (R,) to the completions of the rows where ``mask`` (R,) holds."""
-    r = torch.arange(tokens.shape[0], device=tokens.device)
-    counts = state.counts.index_put((r, tokens), mask.to(torch.int32), accumulate=True)
-    return replace(
-        state,
-        counts=counts,
-        step=state.step + mask.to(torch.int64),
-        last_token=torch.where(mask, tokens, state.last_token),
-    )
+    return _updated(state, record_, tokens, mask)
 
 
 def override(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> SamplerState:
@@ -508,16 +540,7 @@ def override(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> S
     A row with no completion token yet gets ``tokens`` as its first (step 1), as the
     reference's list replacement does.
     """
-    r = torch.arange(tokens.shape[0], device=tokens.device)
-    had = mask & (state.step > 0)
-    counts = state.counts.index_put((r, state.last_token), -had.to(torch.int32), accumulate=True)
-    counts = counts.index_put((r, tokens), mask.to(torch.int32), accumulate=True)
-    return replace(
-        state,
-        counts=counts,
-        step=state.step + (mask & ~had).to(torch.int64),
-        last_token=torch.where(mask, tokens, state.last_token),
-    )
+    return _updated(state, override_, tokens, mask)
 
 
 def forget(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> SamplerState:
@@ -526,9 +549,7 @@ def forget(state: SamplerState, tokens: torch.Tensor, mask: torch.Tensor) -> Sam
     records what the row feeds next). A speculative engine forgets the tokens an
     override discards, newest first, then records the forced token.
     """
-    r = torch.arange(tokens.shape[0], device=tokens.device)
-    counts = state.counts.index_put((r, tokens), -mask.to(torch.int32), accumulate=True)
-    return replace(state, counts=counts, step=state.step - mask.to(torch.int64))
+    return _updated(state, forget_, tokens, mask)
 
 
 # -- the stateful wrapper -------------------------------------------------------------------
@@ -644,15 +665,15 @@ class TorchSampler:
         """Record accepted tokens: ``tokens``/``mask`` per sampler row (R,), or per
         batch row (B,) with ``rows`` (distinct) saying which sampler row each is."""
         t, m = self._full(tokens, mask, rows)
-        self.state = record(self.state, t, m)
+        record_(self.state, t, m)
 
     def override(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
         """Replace the latest completion token of the masked rows (same addressing as
         :meth:`record`)."""
         t, m = self._full(tokens, mask, rows)
-        self.state = override(self.state, t, m)
+        override_(self.state, t, m)
 
     def forget(self, tokens: torch.Tensor, mask: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
         """Undo one :meth:`record` of the masked rows (same addressing as :meth:`record`)."""
         t, m = self._full(tokens, mask, rows)
-        self.state = forget(self.state, t, m)
+        forget_(self.state, t, m)
