@@ -369,16 +369,15 @@ class Program(Judge, MaskCalls, RuleBasedStateMachine):
         # Every other prefill of an engine with a prefill lane runs there (start_prefill,
         # awaited): its prefixes then meet every later call of the program.
         lane = self.d.prefill_lane and self.prefills % 2 == 1 and mixed is None
-        call, done = ("engine.start_prefill", ".result()") if lane else ("engine.prefill", "")
         if mixed is not None:
+            call, done, prefill = "engine.generate_with_prefill", "", mixed[0]
             entry = f"PrefillRequest(tokens={prompt}, sampling={show(sampling)}{extra})"
-            at = self._say(f"state, r{len(run.log)}, F = engine.generate_with_prefill(params, state, requests=[{entry}]"
+            at = self._say(f"state, r{len(run.log)}, F = {call}(params, state, requests=[{entry}]"
                            f"{mixed[1]}); {label}, r = F.result()[0]")
-            call, done = "engine.generate_with_prefill", ""
         else:
+            call, done = ("engine.start_prefill", ".result()") if lane else ("engine.prefill", "")
+            prefill = (lambda **kw: run.engine.start_prefill(**kw).result(timeout=600)) if lane else run.engine.prefill
             at = self._say(f"{label}, r = {call}(params=params, tokens={prompt}, sampling={show(sampling)}{extra}){done}")
-        prefill = (lambda **kw: run.engine.start_prefill(**kw).result(timeout=600)) if lane else (
-            mixed[0] if mixed else run.engine.prefill)
         out = self._both(
             at,
             lambda: prefill(params=run.params, tokens=list(prompt), sampling=sampling,
