@@ -48,6 +48,7 @@ from polyengine.limits import (
     MAX_VOCAB,
 )
 from polyengine.models.metadata import Fields, read_json, shown
+from polyengine.models.sp_merges import merges_from_scores
 
 __all__ = ["gguf_tokenizer_parts", "hf_tokenizer_parts", "BYTE_TO_UNICODE"]
 
@@ -309,28 +310,13 @@ _NO_PREFIX = ("gemma", "gemma2", "gemma3")
 def _sentencepiece_bpe(tokens: list[str], scores: list[float], *, prefix: bool = True) -> _Backend:
     vocab = {t: i for i, t in enumerate(tokens)}
     backend = _Backend(
-        BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores, vocab), fuse_unk=True, byte_fallback=True, dropout=None)
+        BPE(vocab=vocab, merges=merges_from_scores(tokens, scores), fuse_unk=True, byte_fallback=True, dropout=None)
     )
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
                                                      split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
     return backend
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """SentencePiece keeps no merge list: every split of a piece into two known pieces is a
-    merge, ranked by the merged piece's score (best first), ties by the left piece's length
-    then the right's (longer first), then file order."""
-    score_of = dict(zip(tokens, scores))
-    found = []
-    for piece, score in score_of.items():
-        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
-        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        found.extend((score, len(l), len(r), l, r) for l, r in local)
-    order = sorted(range(len(found)), key=lambda i: found[i][:3], reverse=True)
-    # sorted(reverse=True) keeps equal keys in their original order, which is what we want.
-    return [(found[i][3], found[i][4]) for i in order]
 
 
 def _set_framing(backend: _Backend, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool) -> None:
