@@ -474,6 +474,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         doc["host"]["emulated"] = {"kind": emulate, "isa": host.emulated_cpu_info(doc["host"]["cpu"], emulate)["isa"],
                                    "env": env, "llamacpp_lib": None if lib is None else str(lib)}
     ours = any(job.kind == "polyengine" for job in jobs)
+    if ours:  # the workers load polyengine as installed from a wheel: its modules compiled (load_s)
+        code = doc["host"]["bytecode"] = host.compile_bytecode()
+        if code["missing"]:
+            notes.append(f"{code['missing']} of polyengine's modules have no bytecode and could not be compiled "
+                         f"(a read-only tree?): each worker's load time includes compiling them")
     if set(parts) <= {"pages", "served"}:
         pass  # counts and memory of the engine's own settings: no row's share of the host's limits to compute
     elif ours and (work.name in ("standard", "scale") or getattr(args, "isa", None) or emulate):

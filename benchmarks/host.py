@@ -19,7 +19,7 @@ from typing import Any
 from polyengine.hostinfo import cpu_flags, cpu_model
 
 __all__ = ["ISA_FLAGS", "EMULATIONS", "cpu_info", "emulated_cpu_info", "load_average", "package_versions", "has_fast_bf16",
-           "torch_cpu", "llamacpp_install_command", "llamacpp_lib_command"]
+           "torch_cpu", "llamacpp_install_command", "llamacpp_lib_command", "SOURCE_ROOTS", "compile_bytecode"]
 
 # The flags that decide which fast paths exist (matmul widths, bf16/int8 units).
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -123,6 +123,58 @@ def package_versions(names: tuple[str, ...] = ("polyengine", "numpy", "torch", "
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+    return out
+
+
+# The packages whose folders hold polyengine's modules: pyproject.toml's package-dir roots
+# (an editable install maps each to its own folder; a wheel puts all under polyengine/).
+SOURCE_ROOTS = ("polyengine", "polyengine.backends.reference", "polyengine.backends.torch_common",
+                "polyengine.backends.cpu", "polyengine.backends.cuda_torch", "polyengine.backends.tpu_jax",
+                "polyengine.backends.neuron", "polyengine.conformance", "polyengine.serving", "polyengine.benchmarks")
+
+
+def compile_bytecode() -> dict[str, Any]:
+    """Compile polyengine's modules to bytecode where none is stored, as pip does when it
+    installs a wheel (and as llama-cpp-python's and torch's installed modules are), so a
+    worker's load time is an installed copy's: a source checkout run with
+    ``PYTHONDONTWRITEBYTECODE=1`` (this project's hosts set it) or from a read-only tree
+    would compile ~200 modules in every worker, 0.1 s of a 1B file's load here. Files that
+    cannot be written stay as they are (the load then includes compiling them, and the
+    report says how many). Returns ``{"folders", "compiled", "missing"}``."""
+    import compileall
+    import io
+    from contextlib import redirect_stdout
+
+    folders = []
+    for name in SOURCE_ROOTS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ImportError:
+            continue
+        folders += [] if spec is None else list(spec.submodule_search_locations or [])
+    folders = [f for f in dict.fromkeys(folders) if not any(f.startswith(o + os.sep) for o in folders)]
+    before = _without_bytecode(folders)
+    with redirect_stdout(io.StringIO()):
+        for folder in folders:
+            compileall.compile_dir(folder, quiet=2)
+    missing = _without_bytecode(folders)
+    return {"folders": folders, "compiled": len(before) - len(missing), "missing": len(missing)}
+
+
+def _without_bytecode(folders: list[str]) -> list[str]:
+    """The ``.py`` files under ``folders`` with no current bytecode beside them."""
+    from importlib.util import cache_from_source
+
+    out = []
+    for folder in folders:
+        for root, dirs, files in os.walk(folder):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for name in files:
+                if name.endswith(".py"):
+                    source = os.path.join(root, name)
+                    compiled = cache_from_source(source)
+                    if not os.path.exists(compiled) or os.path.getmtime(compiled) < os.path.getmtime(source):
+                        out.append(source)
     return out
 
 

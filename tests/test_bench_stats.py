@@ -649,3 +649,36 @@ def test_a_file_in_blocks_is_judged_against_the_floor_of_its_stored_bytes():
     line = report.limits_line({"host": {"limits": {**limits, "fp32_b1_floor_tok_s": 7.5, "params": 1e9,
                                                    "gemm_gflop_s": 80.0, "gemm_shape": [8, 2048, 8192]}}})
     assert "the file's tensors as stored 45 tok/s (667 MB a step)" in line
+
+
+# -- bytecode before the workers load -----------------------------------------------------------
+
+
+def test_the_bench_compiles_every_package_folder_of_pyproject():
+    """host.SOURCE_ROOTS names pyproject.toml's package-dir roots: every folder an
+    editable install maps is compiled before the workers time their load."""
+    import tomllib
+
+    from polyengine.benchmarks import host
+
+    data = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert set(host.SOURCE_ROOTS) == set(data["tool"]["setuptools"]["package-dir"])
+
+
+def test_compile_bytecode_writes_what_is_missing_once(tmp_path, monkeypatch):
+    import sys
+    from importlib.util import cache_from_source
+
+    from polyengine.benchmarks import host
+
+    package = tmp_path / "bytecode_probe_pkg"
+    (package / "sub").mkdir(parents=True)
+    for path in (package / "__init__.py", package / "a.py", package / "sub" / "__init__.py", package / "sub" / "b.py"):
+        path.write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(host, "SOURCE_ROOTS", ("bytecode_probe_pkg", "bytecode_probe_pkg.sub", "no_such_package_here"))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # as under PYTHONDONTWRITEBYTECODE=1
+    first = host.compile_bytecode()
+    assert first["folders"] == [str(package)] and (first["compiled"], first["missing"]) == (4, 0)
+    assert Path(cache_from_source(str(package / "sub" / "b.py"))).is_file()
+    assert host.compile_bytecode()["compiled"] == 0
