@@ -436,3 +436,51 @@ def test_repacked_weights_with_many_rows_and_their_refusals(files, oracle, monke
     ref = LLM(model=model, backend="reference", max_slots=9, max_cache_length=64, max_prefill_length=24)
     got = [c.token_ids for c in LLM.from_engine(eng, tools=False).generate(prompts, sp)]
     assert got == [c.token_ids for c in ref.generate(prompts, sp)]
+
+
+def _vm_flags(ptr: int) -> set[str]:
+    """The VmFlags of the mapping of this process that holds address ``ptr``."""
+    from polyengine.backends.torch_common.hostmem import mapping_fields
+
+    return set(mapping_fields(ptr).get("VmFlags", "").split())
+
+
+def test_repacked_weights_in_huge_pages(files, oracle, monkeypatch):
+    """huge_pages: the repacked matrices share one map, advised MADV_HUGEPAGE (VmFlags
+    'hg'), each piece 64-byte aligned; the same bits as separate tensors (greedy tokens
+    the oracle's, logits equal to huge_pages=False's); auto follows the host's THP mode and
+    True refuses a host without it or an engine that repacks nothing."""
+    from isa_paths import kernels_for
+
+    from polyengine.backends.cpu import plan as cpu_plan
+    from polyengine.backends.torch_common.hostmem import huge_pages_available
+
+    if not kernels_for("auto").gguf_packed:
+        pytest.skip("no packed products on this CPU (AVX2 or AVX-512 VNNI)")
+    assert CpuEngine.OPTIONS["huge_pages"].default == "auto"
+    model = load_model(files("Q4_K"))
+    if huge_pages_available():
+        eng = CpuEngine(model, CFG.model_copy(update={"options": {"huge_pages": True}}))
+        assert eng.plan.huge_pages and "huge pages" in eng.speed_paths()["weights"]
+        eng.load_params()
+        packed = [b.packed for b in eng._blocks.values() if b.packed is not None]
+        assert len(packed) > 1 and len({t.untyped_storage().data_ptr() for t in packed}) == 1
+        assert all(t.data_ptr() % 64 == 0 for t in packed) and "hg" in _vm_flags(packed[0].data_ptr())
+        assert [c.token_ids for c in LLM.from_engine(eng, tools=False).generate(PROMPTS, GREEDY)] == oracle(model)
+        plain = CpuEngine(load_model(files("Q4_K")), CFG.model_copy(update={"options": {"huge_pages": False}}))
+        plain.load_params()
+        assert all("hg" not in _vm_flags(b.packed.data_ptr()) for b in plain._blocks.values() if b.packed is not None)
+        sp = SamplingParams(temperature=0, max_tokens=1)
+        logits = [e.prefill(params=e.load_params(), tokens=np.array(PROMPTS[0], dtype=np.int32), sampling=sp)[0]
+                  .host_logits() for e in (eng, plain)]
+        np.testing.assert_array_equal(logits[0], logits[1])
+    assert CpuEngine(model, CFG).plan.huge_pages == huge_pages_available()
+    assert not CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": False}})).plan.huge_pages
+    with pytest.raises(UnsupportedFeature, match="huge_pages=True.*repack_weights"):
+        CpuEngine(model, CFG.model_copy(update={"options": {"huge_pages": True, "repack_weights": False}}))
+    monkeypatch.setattr(cpu_plan, "huge_pages_available", lambda: False)  # a host with THP "never"
+    assert not CpuEngine(model, CFG).plan.huge_pages
+    with pytest.raises(UnsupportedFeature, match="huge_pages=True.*transparent huge pages"):
+        CpuEngine(model, CFG.model_copy(update={"options": {"huge_pages": True}}))
+    eng = CpuEngine(load_model(files("Q4_K")), CFG)
+    assert [c.token_ids for c in LLM.from_engine(eng, tools=False).generate(PROMPTS, GREEDY)] == oracle(model)

@@ -210,3 +210,32 @@ def test_a_grown_cache_copies_and_pickles_like_any_tensor():
     assert t.untyped_storage().nbytes() <= t.numel() * 4 + PAGE
     for other in (copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
         assert torch.equal(other, t)
+
+
+def test_host_arena_hands_out_aligned_pieces_of_one_map(tmp_path):
+    """HostArena: pieces 64-byte aligned, one after another in one map that lives as long
+    as a piece does; asking past its size is an error; the THP mode is read from the
+    kernel's setting (the bracketed word)."""
+    import gc
+
+    from polyengine.backends.torch_common.hostmem import HUGE_PAGE, HostArena, transparent_huge_pages
+
+    sizes = [100, 64, 1, 4096]
+    arena = HostArena(HostArena.size_of(sizes), huge=True)
+    assert HostArena.size_of(sizes) == 128 + 64 + 64 + 4096
+    pieces = [arena.take(n) for n in sizes]
+    assert [p.numel() for p in pieces] == sizes and pieces[0].data_ptr() % HUGE_PAGE == 0
+    assert [p.data_ptr() - pieces[0].data_ptr() for p in pieces] == [0, 128, 192, 256]
+    for i, p in enumerate(pieces):
+        p.fill_(i + 1)
+    assert [int(p.max()) for p in pieces] == [1, 2, 3, 4]  # no piece overlaps the next
+    with pytest.raises(ValueError, match="left"):
+        arena.take(1)
+    last = pieces[-1]
+    del arena, pieces
+    gc.collect()
+    assert int(last.sum()) == 4 * 4096  # the map outlives the arena object and the other pieces
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    assert transparent_huge_pages(str(setting)) == "madvise"
+    assert transparent_huge_pages(str(tmp_path / "missing")) == ""

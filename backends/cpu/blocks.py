@@ -32,11 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from polyengine.backends.torch_common.hostmem import HostArena
 from polyengine.models.blocks import BLOCK_FORMATS, FORMATS, row_bytes
 from polyengine.models.weights import Weight
 
 __all__ = ["KERNEL_FORMATS", "BlockMatrix", "TiledBlockLinear", "embed_rows", "dequantize_band", "release_pages",
-           "repacked", "repacked_for"]
+           "repacked", "repacked_for", "packing_arena"]
 
 KERNEL_FORMATS = BLOCK_FORMATS  # every format of csrc/gguf.h
 _BAND_ELEMENTS = 1 << 21  # floats per dequantized band (8 MiB in float32; docs/cpu.md, "Prefill on block weights")
@@ -138,15 +139,24 @@ def repacked_for(model) -> bool:
     return bool(_PACKED.get(model))
 
 
-def repacked(model, name: str, blocks: BlockMatrix, kernels) -> torch.Tensor:
+def repacked(model, name: str, blocks: BlockMatrix, kernels, arena: HostArena | None = None) -> torch.Tensor:
     """``blocks`` (the Model's record ``name``) repacked sixteen rows interleaved
-    (``kernels.gguf_repack``), made once per Model; the first time, its file pages are
-    released (:func:`release_pages`)."""
+    (``kernels.gguf_repack``; into a piece of ``arena`` when given), made once per Model;
+    the first time, its file pages are released (:func:`release_pages`)."""
     done = _PACKED.setdefault(model, {})
     if name not in done:
-        done[name] = kernels.gguf_repack(blocks)
+        out = None if arena is None else arena.take(kernels.gguf_packed_bytes(blocks.format, blocks.n, blocks.k))
+        done[name] = kernels.gguf_repack(blocks, out)
         release_pages(blocks)
     return done[name]
+
+
+def packing_arena(model, matrices: dict[str, BlockMatrix], kernels, *, huge: bool) -> HostArena | None:
+    """One :class:`HostArena` for those of ``matrices`` this Model has not repacked yet
+    (None when it has them all): with ``huge``, in transparent huge pages."""
+    done = _PACKED.get(model) or {}
+    sizes = [kernels.gguf_packed_bytes(b.format, b.n, b.k) for name, b in matrices.items() if name not in done]
+    return HostArena(HostArena.size_of(sizes), huge=huge) if sizes else None
 
 
 def dequantize_band(blocks: BlockMatrix, start: int, stop: int, out: torch.Tensor, kernels=None) -> None:

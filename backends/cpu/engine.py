@@ -32,7 +32,8 @@ from polyengine.models.quantize import has_int8_copies, int8_bytes, quantized_na
 from polyengine.pages import PageList
 from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
-from polyengine.backends.cpu.blocks import BlockMatrix, TiledBlockLinear, embed_rows, repacked, repacked_for
+from polyengine.backends.cpu.blocks import (BlockMatrix, TiledBlockLinear, embed_rows, packing_arena, repacked,
+                                            repacked_for)
 from polyengine.backends.cpu.int8 import TiledInt8Linear, bf16_tensors, has_bf16_copies, int8_tensors
 from polyengine.backends.cpu.kernels import (BLOCK_KERNEL_ROWS, FUSED_PREFILL_SCORES, MAX_ROWS, SPLIT_PIECES,
                                              TILE_ROWS, TILED_FUSED_PREFILL_ROWS, FusedDecoder)
@@ -201,7 +202,7 @@ class CpuEngine(TorchEngine):
             if not self.plan.repack or self.options["repack_weights"] != "auto" or repacked_for(self.model):
                 raise
             self.plan = dataclasses.replace(
-                self.plan, repack=False, repack_kept=(), packed_rows=False,
+                self.plan, repack=False, repack_kept=(), huge_pages=False, packed_rows=False,
                 repack_declined="the interleaved copy would not fit in the memory available")
             logging.getLogger(__name__).warning("cpu: repack_weights auto: %s; the file's blocks as mapped",
                                                 self.plan.repack_declined)
@@ -241,10 +242,13 @@ class CpuEngine(TorchEngine):
         # the file's blocks as mapped: nothing allocated, nothing converted
         self._blocks = {name: BlockMatrix.of(self.model.weights.record(name)) for name in plan.block_weights}
         if plan.repack:  # one tensor at a time; its file pages then leave this process's memory
-            for name, blocks in self._blocks.items():
-                if plan.packs(blocks.format) and plan.kernels.gguf_packs(blocks):
-                    blocks.packed = self._allocating("repacked block weights", lambda n=name, b=blocks: repacked(
-                        self.model, n, b, plan.kernels))
+            packing = {name: b for name, b in self._blocks.items() if plan.packs(b.format) and plan.kernels.gguf_packs(b)}
+            # one map for them all, in huge pages with option huge_pages (docs/cpu.md, "Weights in huge pages")
+            arena = self._allocating("repacked block weights", lambda: packing_arena(
+                self.model, packing, plan.kernels, huge=plan.huge_pages))
+            for name, blocks in packing.items():
+                blocks.packed = self._allocating("repacked block weights", lambda n=name, b=blocks: repacked(
+                    self.model, n, b, plan.kernels, arena))
         if "model.embed_tokens.weight" in self._blocks:
             self._embed = self._block_embed
         weights = self._allocating("the weights", lambda: TorchWeights.from_model(

@@ -357,11 +357,18 @@ class CpuKernels:
         ggml = FORMATS[fmt].ggml_type if fmt in FORMATS else -1
         return int(self.lib.pe_gguf_packed_bytes(ggml, n, k)) if self.lib.pe_gguf_packs(ggml, k) else 0
 
-    def gguf_repack(self, blocks) -> torch.Tensor:
+    def gguf_repack(self, blocks, out: torch.Tensor | None = None) -> torch.Tensor:
         """``blocks`` with sixteen rows interleaved (row offsets applied), as a uint8
-        tensor for :meth:`gguf_packed_linear`: the same bits, another order in memory."""
+        tensor for :meth:`gguf_packed_linear`: the same bits, another order in memory;
+        written into ``out`` (uint8, contiguous, :meth:`gguf_packed_bytes` long) when given."""
         size = self.lib.pe_gguf_packed_bytes(blocks.ggml_type, blocks.n, blocks.k)
-        packed = torch.empty(size, dtype=torch.uint8)
+        if out is None:
+            packed = torch.empty(size, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != size:
+            raise ValueError(f"a {blocks.format} matrix repacks into {size:,} contiguous bytes, "
+                             f"not a {out.dtype} tensor of {out.numel():,}")
+        else:
+            packed = out
         offsets = None if blocks.offsets is None else np.ascontiguousarray(blocks.offsets, dtype=np.int64)
         rc = self.lib.pe_gguf_repack(blocks.ggml_type, blocks.base, blocks.ldw,
                                      None if offsets is None else offsets.ctypes.data, blocks.n, blocks.k,

@@ -26,9 +26,9 @@ from polyengine.hostinfo import cpu_flags, cpu_model, has_bf16_units, runnable_i
 from polyengine.models.quantize import WEIGHT_MODES, group_of, quantized_names
 
 from polyengine.backends.cpu.blocks import KERNEL_FORMATS
-
 from polyengine.backends.cpu.kernels import (_NAMES, MAX_ROWS, TILED_FUSED_PREFILL_ROWS, CpuKernels, KernelsUnavailable,
                                              check_isa, load, q8_fits)
+from polyengine.backends.torch_common.hostmem import THP_SETTING, huge_pages_available, transparent_huge_pages
 
 __all__ = ["CpuHost", "CpuPlan", "diagnose", "INT8_COMPUTE"]
 
@@ -82,6 +82,7 @@ class CpuPlan:
     block_activations: int  # int8 rows per activation row of block products (0: float32 bands)
     repack: bool  # decode products on the block weights repacked sixteen rows interleaved (csrc/packed.h)
     repack_kept: tuple[str, ...]  # with repack: formats left in the file's layout (repack_weights "auto")
+    huge_pages: bool  # with repack: the repacked copy in transparent huge pages (option huge_pages)
     # repacked matrices against one int8 row (int8_compute=int8) multiply on the packed
     # groups at every row count, prefill's too: faster than int16 tiles there (docs/cpu.md,
     # "Batch-1 decode on interleaved rows"); with int8x2 tiles are, from TILE_ROWS rows
@@ -124,6 +125,7 @@ class CpuPlan:
                                            int8_activations or (0 if tiles else block_activations))
         block_tiles = _block_tiles(o, kernels, blocks, prefill_compute, dtype, block_activations)
         repack, kept = _repack(o, kernels, model, blocks, block_activations)
+        huge_pages = _huge_pages(o, repack)
         formats = _formats(model, blocks)
         packed_rows = repack and not kept and block_activations == 1 and o["prefill_compute"] == "auto"
         unfused_why = None if kernels is None else _unfused_why(o, config, weights, blocks, block_activations)
@@ -134,7 +136,8 @@ class CpuPlan:
             fused_prefill=kernels is not None and unfused_why is None and o["fused_prefill"],
             dynamic_split=o["dynamic_split"],
             live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
-            block_activations=block_activations, repack=repack, repack_kept=kept, packed_rows=packed_rows,
+            block_activations=block_activations, repack=repack, repack_kept=kept, huge_pages=huge_pages,
+            packed_rows=packed_rows,
             fuse_projections=o["fuse_projections"],
             int8_activations=int8_activations, bf16_activations=bf16_activations, prefill_compute=prefill_compute,
             block_tiles=block_tiles, prefill_attention=_prefill_attention(o, config, kernels, fallback, prefill_compute),
@@ -212,9 +215,10 @@ class CpuPlan:
                        "decode's products and prefill's tiles")
                 kept = (f"; {', '.join(self.repack_kept)} kept as mapped (repack_weights=true packs them too)"
                         if self.repack_kept else "")
+                huge = " in 2 MiB transparent huge pages (option huge_pages)" if self.huge_pages else ""
                 return (f"the file's GGUF blocks ({self.block_formats}), copied at load with sixteen rows "
-                        f"interleaved (option repack_weights, csrc/packed.h) for {use}, their file pages released"
-                        f"{kept}")
+                        f"interleaved{huge} (option repack_weights, csrc/packed.h) for {use}, their file pages "
+                        f"released{kept}")
             declined = f"; not repacked: {self.repack_declined}" if self.repack_declined else ""
             return (f"the file's GGUF blocks as mapped, never widened whole ({self.block_formats}): decode "
                     f"products on {where}, prefill by dequantized bands into torch's GEMM{declined}")
@@ -529,6 +533,25 @@ def _repack(o: Mapping[str, Any], kernels: CpuKernels | None, model: Any, blocks
     present = {model.records[name].format for name in blocks}
     kept = tuple(f for f in AUTO_REPACK_KEEPS if f in present)
     return (True, kept) if present - set(kept) else (False, ())
+
+
+def _huge_pages(o: Mapping[str, Any], repack: bool) -> bool:
+    """Whether the repacked copy lives in transparent huge pages (option huge_pages):
+    ``"auto"`` where the host gives them to a map that asks (THP ``madvise`` or ``always``);
+    ``True`` refuses a host that would not."""
+    choice = o["huge_pages"]
+    if choice is False or (choice == "auto" and not repack):
+        return False
+    if choice is True and not repack:
+        raise UnsupportedFeature("huge_pages=True", BACKEND, "it holds the repacked block weights, and nothing is "
+                                 "repacked here (option repack_weights); drop the option")
+    if huge_pages_available():
+        return True
+    if choice is True:
+        mode = transparent_huge_pages() or "not readable"
+        raise UnsupportedFeature("huge_pages=True", BACKEND, f"this host gives no transparent huge pages to a map "
+                                 f"that asks (THP mode {mode!r}, {THP_SETTING}); drop the option")
+    return False
 
 
 def _prefill_attention(o: Mapping[str, Any], config: Any, kernels: CpuKernels | None, fallback: str | None,

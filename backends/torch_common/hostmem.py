@@ -14,19 +14,29 @@ a ``kv_block`` rounded length) read the shared zero page and hold nothing.
 Linux only (``MADV_DONTNEED`` on private anonymous maps is what makes the pages zero
 again); elsewhere, and on accelerators, :func:`new_cache_tensor` is ``torch.zeros``.
 See docs/cpu.md and docs/benchmarks/2026-11-cpu-paths.md (KV cache memory).
+
+:class:`HostArena` is weight memory the same way: one anonymous map for many tensors made
+once (the cpu backend's repacked block weights), optionally aligned to 2 MiB and marked
+``MADV_HUGEPAGE`` so that the kernel backs it with transparent huge pages where the host
+allows them (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or
+``always``): a decode step that streams the whole model then walks 2 MiB pages instead of
+4 KiB ones (docs/cpu.md, "Weights in huge pages").
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
+import re
 import sys
 import threading
 import weakref
 
 import torch
 
-__all__ = ["new_cache_tensor", "release_row", "resident_bytes", "lazy", "grows_with_use"]
+__all__ = ["new_cache_tensor", "release_row", "resident_bytes", "mapping_fields", "lazy", "grows_with_use", "HostArena",
+           "transparent_huge_pages", "huge_pages_available", "HUGE_PAGE"]
 
 _PAGE = mmap.PAGESIZE
 # data_ptr -> the map behind a lazily backed cache tensor, weakly: the map lives as long as
@@ -119,14 +129,86 @@ def resident_bytes(t: torch.Tensor) -> int:
     ``/proc/self/smaps``); for a tensor not made by :func:`new_cache_tensor`, its size."""
     if _map_of(t) is None:
         return t.numel() * t.element_size()
-    ptr = t.data_ptr()
+    rss = mapping_fields(t.data_ptr()).get("Rss")
+    return 0 if rss is None else int(rss.split()[0]) * 1024
+
+
+def mapping_fields(ptr: int) -> dict[str, str]:
+    """The ``/proc/self/smaps`` fields (``Rss``, ``AnonHugePages``, ``VmFlags``, ...) of
+    this process's mapping that holds address ``ptr``, as text; empty where none does."""
+    fields: dict[str, str] = {}
+    inside = False
     with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
-        inside = False
         for line in f:
             head = line.split(" ", 1)[0]
             if "-" in head and not head.endswith(":"):
+                if inside:
+                    break
                 lo, _, hi = head.partition("-")
                 inside = int(lo, 16) <= ptr < int(hi, 16)
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            elif inside:
+                name, _, value = line.partition(":")
+                fields[name] = value.strip()
+    return fields
+
+
+# -- weight memory in one map, huge pages where the host has them ----------------------------
+
+HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB granule) PMD size
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def transparent_huge_pages(path: str = THP_SETTING) -> str:
+    """The host's transparent huge page mode for anonymous memory (``always``, ``madvise``,
+    ``never``), ``""`` where there is none to read (not Linux, no THP)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            found = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return ""
+    return found.group(1) if found else ""
+
+
+def huge_pages_available() -> bool:
+    """Whether :class:`HostArena` ``(huge=True)`` gets huge pages here: Linux with THP in
+    ``madvise`` or ``always`` mode (``never``: the advice would change nothing)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and transparent_huge_pages() in ("always", "madvise")
+
+
+class HostArena:
+    """``nbytes`` of host memory in one private anonymous map, handed out by :meth:`take`
+    in pieces aligned to 64 bytes. With ``huge`` the map is aligned to :data:`HUGE_PAGE`
+    and advised ``MADV_HUGEPAGE``. Pages are made as they are first written (a piece never
+    taken holds nothing); the map lives as long as any tensor taken from it."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int, *, huge: bool) -> None:
+        align = HUGE_PAGE if huge else _PAGE
+        span = max(align, -(-nbytes // align) * align)
+        try:
+            mm = mmap.mmap(-1, span + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:
+            if exc.errno == errno.ENOMEM:
+                raise MemoryError(f"cannot map {nbytes:,} bytes of host memory") from None
+            raise
+        whole = torch.frombuffer(mm, dtype=torch.uint8)  # its storage keeps mm alive
+        start = (-whole.data_ptr()) % align
+        if huge:
+            mm.madvise(mmap.MADV_HUGEPAGE, start, span)
+        self.huge, self.nbytes, self.used = huge, nbytes, 0
+        self._memory = whole[start:start + span]
+
+    @classmethod
+    def size_of(cls, sizes) -> int:
+        """The arena bytes that pieces of ``sizes`` take, each aligned."""
+        return sum(-(-int(n) // cls.ALIGN) * cls.ALIGN for n in sizes)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next ``nbytes`` as a uint8 tensor (64-byte aligned)."""
+        end = self.used + -(-nbytes // self.ALIGN) * self.ALIGN
+        if end > self.nbytes:
+            raise ValueError(f"the arena has {self.nbytes - self.used:,} of its {self.nbytes:,} bytes left, "
+                             f"{nbytes:,} asked")
+        piece, self.used = self._memory[self.used:self.used + nbytes], end
+        return piece
