@@ -446,10 +446,10 @@ def _vm_flags(ptr: int) -> set[str]:
 
 
 def test_repacked_weights_in_huge_pages(files, oracle, monkeypatch):
-    """huge_pages: the repacked matrices share one map, advised MADV_HUGEPAGE (VmFlags
-    'hg'), each piece 64-byte aligned; the same bits as separate tensors (greedy tokens
-    the oracle's, logits equal to huge_pages=False's); auto follows the host's THP mode and
-    True refuses a host without it or an engine that repacks nothing."""
+    """huge_pages (off by default): the repacked matrices share one map, advised
+    MADV_HUGEPAGE (VmFlags 'hg'), each piece 64-byte aligned; the same bits as separate
+    tensors (greedy tokens the oracle's, logits equal to huge_pages=False's); auto follows
+    the host's THP mode and True refuses a host without it or an engine that repacks nothing."""
     from isa_paths import kernels_for
 
     from polyengine.backends.cpu import plan as cpu_plan
@@ -457,7 +457,7 @@ def test_repacked_weights_in_huge_pages(files, oracle, monkeypatch):
 
     if not kernels_for("auto").gguf_packed:
         pytest.skip("no packed products on this CPU (AVX2 or AVX-512 VNNI)")
-    assert CpuEngine.OPTIONS["huge_pages"].default == "auto"
+    assert CpuEngine.OPTIONS["huge_pages"].default is False  # tried as the default, not kept (docs/cpu.md)
     model = load_model(files("Q4_K"))
     if huge_pages_available():
         eng = CpuEngine(model, CFG.model_copy(update={"options": {"huge_pages": True}}))
@@ -474,13 +474,15 @@ def test_repacked_weights_in_huge_pages(files, oracle, monkeypatch):
         logits = [e.prefill(params=e.load_params(), tokens=np.array(PROMPTS[0], dtype=np.int32), sampling=sp)[0]
                   .host_logits() for e in (eng, plain)]
         np.testing.assert_array_equal(logits[0], logits[1])
-    assert CpuEngine(model, CFG).plan.huge_pages == huge_pages_available()
-    assert not CpuEngine(model, CFG.model_copy(update={"options": {"repack_weights": False}})).plan.huge_pages
+    auto = CFG.model_copy(update={"options": {"huge_pages": "auto"}})
+    assert not CpuEngine(model, CFG).plan.huge_pages and CpuEngine(model, auto).plan.huge_pages == huge_pages_available()
+    assert not CpuEngine(model, CFG.model_copy(update={"options": {"huge_pages": "auto", "repack_weights": False}})
+                         ).plan.huge_pages
     with pytest.raises(UnsupportedFeature, match="huge_pages=True.*repack_weights"):
         CpuEngine(model, CFG.model_copy(update={"options": {"huge_pages": True, "repack_weights": False}}))
     monkeypatch.setattr(cpu_plan, "huge_pages_available", lambda: False)  # a host with THP "never"
-    assert not CpuEngine(model, CFG).plan.huge_pages
+    assert not CpuEngine(model, auto).plan.huge_pages
     with pytest.raises(UnsupportedFeature, match="huge_pages=True.*transparent huge pages"):
         CpuEngine(model, CFG.model_copy(update={"options": {"huge_pages": True}}))
-    eng = CpuEngine(load_model(files("Q4_K")), CFG)
+    eng = CpuEngine(load_model(files("Q4_K")), auto)
     assert [c.token_ids for c in LLM.from_engine(eng, tools=False).generate(PROMPTS, GREEDY)] == oracle(model)

@@ -79,9 +79,10 @@ OPTIONS = {
                              choices=("auto", True, False)),
     # the repacked copy in one map of 2 MiB transparent huge pages (MADV_HUGEPAGE): a decode
     # step streams the whole model, and 4 KiB pages cost a page walk each 4 KiB
-    "huge_pages": Option("auto", "with repack_weights: the repacked weights in one map advised MADV_HUGEPAGE "
-                                 "(2 MiB transparent huge pages); 'auto': where the host's THP mode is madvise or "
-                                 "always", choices=("auto", True, False)),
+    "huge_pages": Option(False, "with repack_weights: the repacked weights in one map advised MADV_HUGEPAGE "
+                                "(2 MiB transparent huge pages); 'auto': where the host's THP mode is madvise or "
+                                "always; off by default (docs/cpu.md, \"Weights in huge pages\")",
+                         choices=("auto", True, False)),
     "prefill_attention": Option("auto", "a prefill's causal attention: 'kernel' (host-compiled), 'sdpa' "
                                         "(torch), or 'auto' (kernel on AVX-512 kernels)",
                                 choices=("auto", "kernel", "sdpa")),
