@@ -90,7 +90,7 @@ def test_config_and_tokenizer_match_transformers(model, hf):
     assert model.tokenizer.encode(PROMPT, add_special_tokens=True) == hf["ids"]
 
 
-def test_sentencepiece_merges_from_arrays_equal_the_loop_on_the_real_vocabulary(gguf_path):
+def test_sentencepiece_merges_from_arrays_equal_the_loop_on_the_real_vocabulary(gguf_path, monkeypatch):
     """The load derives Gemma 3's 514,847 merges with arrays (polyengine.models.sp_merges);
     the rule as a loop gives the same list in the same order."""
     from polyengine.models import sp_merges
@@ -98,8 +98,9 @@ def test_sentencepiece_merges_from_arrays_equal_the_loop_on_the_real_vocabulary(
 
     metadata = read_gguf(gguf_path).metadata
     tokens, scores = list(metadata["tokenizer.ggml.tokens"]), [float(s) for s in metadata["tokenizer.ggml.scores"]]
-    merges = sp_merges.merges_from_scores(tokens, scores)
-    assert len(merges) == 514_847 and merges == sp_merges.merges_by_splitting(tokens, scores)
+    expected = sp_merges.merges_by_splitting(tokens, scores)
+    monkeypatch.setattr(sp_merges, "merges_by_splitting", pytest.fail)  # the arrays, not the fallback
+    assert len(expected) == 514_847 and sp_merges.merges_from_scores(tokens, scores) == expected
 
 
 @pytest.fixture(scope="module")

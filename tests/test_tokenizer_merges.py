@@ -30,6 +30,12 @@ def vocabulary(seed: int, size: int = 400) -> tuple[list[str], list[float]]:
     return tokens, scores
 
 
+@pytest.fixture(autouse=True)
+def arrays_at_any_size(monkeypatch):
+    """These vocabularies are small: take the array path whatever their splits per step."""
+    monkeypatch.setattr(sp_merges, "MIN_SPLITS_PER_STEP", 0)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_arrays_find_the_loops_merges_in_its_order(seed, monkeypatch):
     tokens, scores = vocabulary(seed)
@@ -68,3 +74,16 @@ def test_vocabularies_without_merges():
     assert merges_from_scores([], []) == []
     assert merges_from_scores(["a", "b", "c"], [0.0, 0.0, 0.0]) == []
     assert merges_from_scores(["a", "b", "ab", "ab"], [0.0, 0.0, -1.0, -3.0]) == [("a", "b")]
+
+
+def test_one_long_piece_per_length_takes_the_loop(monkeypatch):
+    """A piece of each length up to 1,024 characters (MAX_TOKEN_CHARS): 1,023 steps of
+    arrays for 523,776 splits; the loop runs, so such a vocabulary costs what the loop costs."""
+    monkeypatch.setattr(sp_merges, "MIN_SPLITS_PER_STEP", 64)
+    tokens = ["a", "b"] + ["ab" * (n // 2) + "a" * (n % 2) for n in range(2, 1025)]
+    scores = [0.0] * len(tokens)
+    calls = []
+    loop = sp_merges.merges_by_splitting
+    monkeypatch.setattr(sp_merges, "merges_by_splitting", lambda *a: calls.append(1) or loop(*a))
+    merges = merges_from_scores(tokens, scores)
+    assert calls == [1] and ("a", "b") in merges

@@ -14,7 +14,8 @@ points, a polynomial hash of every prefix (64-bit, wrapping), each half looked u
 hash among the pieces' hashes, and every hit checked code point by code point against
 the piece it names, so a hash collision can only cost a lookup, never add or lose a
 merge. When two pieces share a hash (possible for crafted vocabularies, not seen in real
-ones) the lookup could miss, so the loop runs instead. ``tests/test_tokenizer_merges.py``
+ones) the lookup could miss, so the loop runs instead; so it does for a vocabulary with
+few pieces of each length, where the arrays' steps would outnumber the loop's lookups. ``tests/test_tokenizer_merges.py``
 holds the two equal on real and random vocabularies and on both paths.
 """
 
@@ -27,6 +28,12 @@ import numpy as np
 __all__ = ["merges_from_scores", "merges_by_splitting"]
 
 HASH_BASE = 0x100000001B3  # any odd 64-bit number; a test swaps in colliding ones
+# The array path takes a few array operations per (piece length, split point), the loop a
+# dictionary lookup or two per split: arrays where each such step covers at least this
+# many splits on average (real vocabularies: thousands; Gemma 3's 2,600), else the loop, so
+# a vocabulary of one long piece of each length (up to MAX_TOKEN_CHARS) costs no more
+# than the loop would.
+MIN_SPLITS_PER_STEP = 64
 
 
 def merges_by_splitting(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
@@ -47,6 +54,9 @@ def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[t
     score_of = dict(zip(tokens, scores))
     pieces = list(score_of)
     lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    steps = int(np.maximum(np.unique(lengths) - 1, 0).sum())
+    if int(np.maximum(lengths - 1, 0).sum()) < MIN_SPLITS_PER_STEP * steps:
+        return merges_by_splitting(tokens, scores)
     groups = _groups(pieces, lengths)
     hashes = np.zeros(len(pieces), dtype=np.uint64)
     for idx, _, prefix in groups.values():
