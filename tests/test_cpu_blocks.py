@@ -447,9 +447,9 @@ def _vm_flags(ptr: int) -> set[str]:
 
 def test_repacked_weights_in_huge_pages(files, oracle, monkeypatch):
     """huge_pages (off by default): the repacked matrices share one map, advised
-    MADV_HUGEPAGE (VmFlags 'hg'), each piece 64-byte aligned; the same bits as separate
-    tensors (greedy tokens the oracle's, logits equal to huge_pages=False's); auto follows
-    the host's THP mode and True refuses a host without it or an engine that repacks nothing."""
+    MADV_HUGEPAGE (VmFlags 'hg'), each piece 64-byte aligned; the same bits as in 4 KiB
+    pages (greedy tokens the oracle's, logits equal to huge_pages=False's); auto follows the
+    host's THP mode and True refuses a host without it or an engine that repacks nothing."""
     from isa_paths import kernels_for
 
     from polyengine.backends.cpu import plan as cpu_plan

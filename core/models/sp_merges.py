@@ -15,8 +15,9 @@ hash among the pieces' hashes, and every hit checked code point by code point ag
 the piece it names, so a hash collision can only cost a lookup, never add or lose a
 merge. When two pieces share a hash (possible for crafted vocabularies, not seen in real
 ones) the lookup could miss, so the loop runs instead; so it does for a vocabulary with
-few pieces of each length, where the arrays' steps would outnumber the loop's lookups. ``tests/test_tokenizer_merges.py``
-holds the two equal on real and random vocabularies and on both paths.
+few pieces of each length, where the arrays' steps would outnumber the loop's lookups.
+``tests/test_tokenizer_merges.py`` holds the two equal on real and random vocabularies
+and on both paths.
 """
 
 from __future__ import annotations
