@@ -1,5 +1,5 @@
 """The device backends on GGUF blocks (issue 37, item 3): the core's exact split of
-Q8_0/Q4_0/Q4_1 into integers and scales, cuda_torch's products on torch's int4 op and
+every block format into integers, group scales and offsets, cuda_torch's products on torch's int4 op and
 on int8 values with block scales (each against the float64 product of the exactly
 dequantized blocks), greedy decoding on tiny quantized models equal to the reference
 oracle on the same blocks, and the formats each backend declares."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from polyengine.models.blocks import dequantize_blocks, quantize_blocks
-from polyengine.models.int_blocks import INT_BLOCK_FORMATS, split_blocks
+from polyengine.models.int_blocks import FOUR_BIT_FORMATS, GROUP, INT_BLOCK_FORMATS, OFFSET_FORMATS, split_blocks
 from polyengine.models.weights import Weight
 
-FORMATS = INT_BLOCK_FORMATS  # Q8_0, Q4_0, Q4_1
+FORMATS = INT_BLOCK_FORMATS  # every GGUF block format
 
 
 def _record(fmt: str, rows: int = 48, cols: int = 256, seed: int = 0) -> Weight:
@@ -31,9 +31,12 @@ def _exact(record: Weight) -> np.ndarray:
 def test_the_split_is_the_exact_dequantization_bit_for_bit_in_float32(fmt):
     record = _record(fmt)
     values, scale, offset = split_blocks(record)
-    assert values.dtype == np.int8 and scale.shape == (48, 8)
-    w = (values.reshape(48, 8, 32).astype(np.float32) * scale[:, :, None])
+    groups = 256 // GROUP[fmt]
+    assert values.dtype == np.int8 and scale.shape == (48, groups) and scale.dtype == np.float32
+    assert (offset is not None) == (fmt in OFFSET_FORMATS)
+    w = (values.reshape(48, groups, -1).astype(np.float32) * scale[:, :, None])
     if offset is not None:
+        assert offset.shape == scale.shape
         w = w + offset[:, :, None]
     want = _exact(record).astype(np.float32)  # the exact value rounded once
     np.testing.assert_array_equal(w.reshape(48, 256), want)
@@ -58,16 +61,19 @@ def test_cuda_torch_block_products_match_float64_of_the_exact_blocks(fmt):
     everywhere) against x @ W.T in float64 of the exactly dequantized blocks: relative
     to sum |x| |w| (what the rounding of a float32 or bfloat16 dot product is bounded by)."""
     torch = pytest.importorskip("torch")
-    from polyengine.backends.torch_common.blocks import block_linear, int4_runs, pack_matrix
+    from polyengine.backends.torch_common.blocks import block_linear, int4_runs, pack_matrix, packed_bytes
 
     record, x, want, scale = _product_case(torch, fmt)
     cpu = torch.device("cpu")
     forms = [False, True] if int4_runs(fmt, record.shape, cpu, torch.float32) else [True]
-    assert forms == ([False, True] if fmt != "Q8_0" else [True])  # Q4_0/Q4_1 do run on the int4 op here
+    assert forms == ([False, True] if fmt in FOUR_BIT_FORMATS else [True])  # Q4_0/Q4_1/Q4_K run on the int4 op here
     for force_int8 in forms:
         for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
             t = pack_matrix(record, "m", device=cpu, dtype=dtype, force_int8=force_int8)
             assert ("m.qvalues" in t) == force_int8 and ("m.int4" in t) != force_int8
+            assert ("m.qoffset" in t) == (force_int8 and fmt in OFFSET_FORMATS)
+            if force_int8 == (fmt not in FOUR_BIT_FORMATS):  # the form the engine picks: what its memory check counts
+                assert sum(v.numel() * v.element_size() for v in t.values()) == packed_bytes(fmt, record.shape, cpu, dtype)
             got = block_linear(t, x.to(dtype), "m").double().numpy()
             err = np.abs(got - want) / scale
             assert err.max() < bound, (fmt, dtype, force_int8, err.max())
@@ -76,7 +82,7 @@ def test_cuda_torch_block_products_match_float64_of_the_exact_blocks(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_torch_block_products_on_a_gpu(fmt):
-    """The same products on CUDA: Q4_0/Q4_1 on ``_convert_weight_to_int4pack`` /
+    """The same products on CUDA: Q4_0/Q4_1/Q4_K on ``_convert_weight_to_int4pack`` /
     ``_weight_int4pack_mm`` in bfloat16 (the op's one type there), every format as int8
     values with block scales in float32, bfloat16 and float16, each against float64 of
     the exactly dequantized blocks under the CPU test's bounds; the packed bytes are
@@ -88,9 +94,9 @@ def test_cuda_torch_block_products_on_a_gpu(fmt):
         pytest.skip("needs a CUDA device")
     record, x, want, scale = _product_case(torch, fmt)
     cuda = torch.device("cuda")
-    assert int4_runs(fmt, record.shape, cuda, torch.bfloat16) == (fmt != "Q8_0")
+    assert int4_runs(fmt, record.shape, cuda, torch.bfloat16) == (fmt in FOUR_BIT_FORMATS)
     assert not any(int4_runs(fmt, record.shape, cuda, d) for d in (torch.float32, torch.float16))
-    cases = [(torch.bfloat16, 2e-2, False)] if fmt != "Q8_0" else []
+    cases = [(torch.bfloat16, 2e-2, False)] if fmt in FOUR_BIT_FORMATS else []
     cases += [(torch.float32, 1e-6, True), (torch.bfloat16, 2e-2, True), (torch.float16, 2e-3, True)]
     for dtype, bound, force_int8 in cases:
         t = pack_matrix(record, "m", device=cuda, dtype=dtype, force_int8=force_int8)
@@ -117,7 +123,7 @@ def test_tpu_jax_block_products_match_float64_of_the_exact_blocks(fmt):
     exact = _exact(record)
     arrays = block_arrays(record, "m")
     assert sum(a.nbytes for a in arrays.values()) == block_bytes(fmt, record.shape)
-    assert ("m.qweight4" in arrays) == (fmt != "Q8_0") and ("m.offset" in arrays) == (fmt == "Q4_1")
+    assert ("m.qweight4" in arrays) == (fmt in FOUR_BIT_FORMATS) and ("m.offset" in arrays) == (fmt in OFFSET_FORMATS)
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(2))
     got = int8_linear({k: torch.from_numpy(v) for k, v in arrays.items()}, x, "m").double().numpy()
     x64 = x.double().numpy()
@@ -130,7 +136,7 @@ def files(tmp_path_factory):
     from polyengine.models.quant_presets import quantized_model_file
 
     where = tmp_path_factory.mktemp("device-blocks")
-    return {fmt: quantized_model_file(fmt, where) for fmt in (*FORMATS, "Q4_K")}
+    return {fmt: quantized_model_file(fmt, where) for fmt in FORMATS}
 
 
 def _greedy(model, backend, options=None, tokens=8, **config):
@@ -154,11 +160,11 @@ def _same_tokens(ref, got, what, gap=1e-3):
                 break
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "Q4_K"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_torch_decodes_quantized_models_like_the_oracle(files, fmt):
-    """cuda_torch's stand-in on the blocks (Q8_0 int8 + block scales, Q4_0/Q4_1 on the
-    int4 op; Q4_K converted at load) gives the reference's greedy tokens; the engine
-    holds every projection in its block form, and the Model still holds the file's blocks."""
+    """cuda_torch's stand-in on the blocks (Q4_0/Q4_1/Q4_K on the int4 op, the others
+    int8 values + group scales) gives the reference's greedy tokens; the engine holds
+    every projection in its block form, and the Model still holds the file's blocks."""
     pytest.importorskip("torch")
     from polyengine.models import load_model
 
@@ -167,27 +173,24 @@ def test_cuda_torch_decodes_quantized_models_like_the_oracle(files, fmt):
     llm, got = _greedy(model, "cuda_torch", {"device": "cpu"})
     _same_tokens(ref, got, fmt)
     engine = llm.engine
-    assert set(engine.capabilities.weight_formats) >= {"Q8_0", "Q4_0", "Q4_1"}
-    if fmt != "Q4_K":  # 7 projections x 2 layers + the untied head
-        on_int4 = 0 if fmt == "Q8_0" else 15
-        assert engine.speed_paths()["weights"].startswith(f"{on_int4} matrices on torch's int4 op"), engine.speed_paths()
+    assert set(engine.capabilities.weight_formats) >= set(FORMATS)
+    on_int4 = 15 if fmt in FOUR_BIT_FORMATS else 0  # 7 projections x 2 layers + the untied head
+    assert engine.speed_paths()["weights"].startswith(f"{on_int4} matrices on torch's int4 op"), engine.speed_paths()
     tensors = engine.load_params().tensors
     down = "model.layers.1.mlp.down_proj"
-    if fmt == "Q4_K":
-        assert down + ".weight" in tensors and not engine._blocks  # converted, one tensor at a time
-    else:
-        form = ".qvalues" if fmt == "Q8_0" else ".int4"
-        assert down + form in tensors and down + ".weight" not in tensors, sorted(tensors)[:8]
-        assert "lm_head" + form in tensors or "lm_head.qvalues" in tensors
+    form = ".int4" if fmt in FOUR_BIT_FORMATS else ".qvalues"
+    assert down + form in tensors and down + ".weight" not in tensors, sorted(tensors)[:8]
+    assert "lm_head" + form in tensors
+    assert (down + ".qoffset" in tensors) == (form == ".qvalues" and fmt in OFFSET_FORMATS)
     assert model.formats[fmt] == 16
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", [*FORMATS, "Q4_K"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_torch_decodes_quantized_models_like_the_oracle_on_a_gpu(files, fmt):
     """The stand-in test above on CUDA. float32: every block matrix as int8 values with
     block scales (the int4 op is bfloat16-only there), the reference's greedy tokens up
-    to its first near tie. bfloat16: Q4_0/Q4_1 on ``_weight_int4pack_mm``, the same
+    to its first near tie. bfloat16: Q4_0/Q4_1/Q4_K on ``_weight_int4pack_mm``, the same
     tokens up to the reference's first gap under 0.1 (bfloat16 logits move by about
     1e-2 on these models)."""
     torch = pytest.importorskip("torch")
@@ -202,13 +205,12 @@ def test_cuda_torch_decodes_quantized_models_like_the_oracle_on_a_gpu(files, fmt
         _same_tokens(ref, got, (fmt, dtype), gap=gap)
         engine = llm.engine
         assert engine.torch_device.type == "cuda" and engine.dtype == dtype
-        if fmt != "Q4_K":
-            on_int4 = 15 if fmt != "Q8_0" and dtype == "bfloat16" else 0
-            assert engine.speed_paths()["weights"].startswith(f"{on_int4} matrices on torch's int4 op"), \
-                engine.speed_paths()
-            form = ".int4" if on_int4 else ".qvalues"
-            tensor = engine.load_params().tensors["model.layers.1.mlp.down_proj" + form]
-            assert tensor.device.type == "cuda"
+        on_int4 = 15 if fmt in FOUR_BIT_FORMATS and dtype == "bfloat16" else 0
+        assert engine.speed_paths()["weights"].startswith(f"{on_int4} matrices on torch's int4 op"), \
+            engine.speed_paths()
+        form = ".int4" if on_int4 else ".qvalues"
+        tensor = engine.load_params().tensors["model.layers.1.mlp.down_proj" + form]
+        assert tensor.device.type == "cuda"
 
 
 _TPU_SHARDED = r"""
@@ -230,7 +232,7 @@ for fmt, path in json.loads(sys.argv[1]).items():
         if backend == "tpu_jax":
             params = llm.engine.load_params()
             pre = "model.layers.0.self_attn.q_proj"
-            q = params[pre + ".qweight"] if fmt == "Q8_0" else params[pre + ".qweight4"]
+            q = params[pre + ".qweight4"] if pre + ".qweight4" in params else params[pre + ".qweight"]
             out.setdefault("layout", {})[fmt] = {
                 "dtype": str(q.dtype), "devices": len(q.sharding.device_set), "spec": str(q.sharding.spec),
                 "shard": list(q.addressable_shards[0].data.shape), "shape": list(q.shape),
@@ -243,18 +245,19 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_tpu_jax_decodes_quantized_models_like_the_oracle_sharded_on_two_devices(files):
-    """tpu_jax on two CPU devices (tensor_parallel=2): Q8_0 matrices as int8 values
-    with block scales, Q4_1 as 4-bit values two to a byte with block scales and offsets,
-    sharded like the float matrices (output rows split over tp), give the reference's
-    greedy tokens on the same blocks."""
+    """tpu_jax on two CPU devices (tensor_parallel=2): Q8_0 and Q6_K matrices as int8
+    values with group scales (32 and 16 weights), Q4_1 and Q4_K as 4-bit values two to a
+    byte with group scales and offsets, sharded like the float matrices (output rows
+    split over tp), give the reference's greedy tokens on the same blocks."""
     pytest.importorskip("jax")
     import json
     import os
     import subprocess
     import sys
 
-    # Q4_0 is Q4_1's path without offsets (its products: the test above).
-    tpu_formats = ("Q8_0", "Q4_1")
+    # Q4_0 is Q4_1's path without offsets, Q5_x int8 values with offsets (their products:
+    # the test above).
+    tpu_formats = ("Q8_0", "Q4_1", "Q4_K", "Q6_K")
     paths = {fmt: str(files[fmt]) for fmt in tpu_formats}
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _TPU_SHARDED, json.dumps(paths)], env=env, capture_output=True,
@@ -263,10 +266,11 @@ def test_tpu_jax_decodes_quantized_models_like_the_oracle_sharded_on_two_devices
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for fmt in tpu_formats:
         lay = out["layout"][fmt]
-        assert lay["dtype"] == ("int8" if fmt == "Q8_0" else "uint8") and not lay["float"], lay
-        assert lay["offset"] == (fmt == "Q4_1") and lay["shape"][1] == (256 if fmt == "Q8_0" else 128), lay
+        four = fmt in FOUR_BIT_FORMATS
+        assert lay["dtype"] == ("uint8" if four else "int8") and not lay["float"], lay
+        assert lay["offset"] == (fmt in OFFSET_FORMATS) and lay["shape"][1] == (128 if four else 256), lay
         assert lay["devices"] == 2 and lay["shard"] == [lay["shape"][0] // 2, lay["shape"][1]], lay
-        assert {"Q8_0", "Q4_0", "Q4_1"} <= set(lay["formats"])
+        assert set(FORMATS) <= set(lay["formats"])
         ref, got = out[fmt]["reference"], out[fmt]["tpu_jax"]
         for (r_tokens, r_top), (g_tokens, _) in zip(ref, got):
             for step, top in enumerate(r_top):
@@ -292,8 +296,8 @@ def test_backends_verbose_names_what_each_backend_computes_on_and_converts_witho
     rows = out["rows"]
     assert out["heavy"] == []
     for name in ("cuda_torch", "tpu_jax"):
-        assert rows[name].startswith("computes on Q8_0, Q4_0, Q4_1 blocks and the float formats as stored; "
-                                     "converts Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and GGUF's other types to float32"), rows[name]
+        assert rows[name].startswith("computes on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks and the float "
+                                     "formats as stored; converts GGUF's other types to float32"), rows[name]
     assert rows["neuron"].startswith("computes on the float formats as stored; converts Q8_0, Q4_0, Q4_1, Q5_0"), rows
     assert rows["reference"].startswith("computes on Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K blocks"), rows
 

@@ -144,8 +144,9 @@ _OPT_IN = {"tpu_jax": _COMPILED, "neuron": _COMPILED}
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=_OPT_IN.get(b, ())) for b in CPU_BACKENDS])
 def test_greedy_equals_the_oracle_on_the_blocks(model, greedy, backend):
     """The oracle (the reference, the file's Q4_K/Q6_K blocks dequantized exactly, float64)
-    and ``backend`` (its weight_formats: the float formats, so ``Model.weight`` converts
-    each tensor to float32 as the engine loads it) give the same greedy tokens for STEPS
+    and ``backend`` (on the blocks it declares in its weight_formats: cpu, cuda_torch and
+    tpu_jax every block format, neuron the float formats, ``Model.weight`` converting each
+    tensor to float32 as that engine loads it) give the same greedy tokens for STEPS
     steps; they may part only at a near tie of the reference (margin below NEAR_TIE)."""
     want, got = greedy("reference"), greedy(backend)
     assert len(got.token_ids) == len(want.token_ids) == STEPS

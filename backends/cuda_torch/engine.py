@@ -64,7 +64,7 @@ class CudaEngine(TorchEngine):
         )
 
     def _resolve(self) -> None:
-        # Matrices stored as Q8_0/Q4_0/Q4_1 stay in their blocks on the device
+        # Matrices stored in a GGUF block format stay in their blocks on the device
         # (torch_common/blocks.py); every other weight is converted to float at load.
         self._blocks = block_matrices(self.model, self.capabilities.weight_formats)
         if self._blocks:
@@ -83,7 +83,7 @@ class CudaEngine(TorchEngine):
         blocks = sum(packed_bytes(self.model.records[s].format, shapes[s], self.torch_device, self.torch_dtype)
                      for s in sources)
         return {f"{self.dtype} weights on {self.torch_device} (those not kept in blocks)": floats,
-                f"{len(sources)} matrices kept in their Q8_0/Q4_0/Q4_1 blocks": blocks}
+                f"{len(sources)} matrices kept in their GGUF blocks": blocks}
 
     def _load_weights(self) -> TorchWeights:
         """The float weights in the compute dtype, then each block matrix repacked,
@@ -114,8 +114,9 @@ class CudaEngine(TorchEngine):
             shapes = self.model.config.weight_shapes()
             int4 = sum(int4_runs(self.model.records[s].format, shapes[s], self.torch_device, self.torch_dtype)
                        for s in self._blocks.values())
-            paths["weights"] = (f"{int4} matrices on torch's int4 op (Q4_0/Q4_1), {len(self._blocks) - int4} as int8 "
-                                f"values with block scales (Q8_0, or Q4_x where that op does not run); the rest "
+            paths["weights"] = (f"{int4} matrices on torch's int4 op (Q4_0/Q4_1/Q4_K), {len(self._blocks) - int4} as "
+                                f"int8 values with group scales (Q8_0, the 5- and 6-bit formats, or a 4-bit one "
+                                f"where that op does not run); the rest "
                                 f"converted to {self.dtype} at load, one tensor at a time")
         return paths
 

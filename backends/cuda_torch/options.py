@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from polyengine.engine import Option
-from polyengine.models.blocks import FLOAT_FORMATS
+from polyengine.models.blocks import BLOCK_FORMATS, FLOAT_FORMATS
 
 from polyengine.backends.torch_common.options import SHARED_OPTIONS
 
@@ -19,7 +19,8 @@ OPTIONS = {
 }
 
 # The weight formats the engine computes on as stored (Capabilities.weight_formats, and
-# `polyengine backends --verbose` without starting torch): the float ones, and GGUF's
-# Q8_0/Q4_0/Q4_1 blocks repacked at load (torch_common/blocks.py). Any other format is
-# converted to float32 one tensor at a time as it loads, then to the compute dtype.
-WEIGHT_FORMATS = (*FLOAT_FORMATS, "Q8_0", "Q4_0", "Q4_1")
+# `polyengine backends --verbose` without starting torch): the float ones, and every GGUF
+# block format repacked at load (torch_common/blocks.py: Q4_0/Q4_1/Q4_K on torch's int4
+# op where it runs, the others as int8 values with their group scales). Any other format
+# is converted to float32 one tensor at a time as it loads, then to the compute dtype.
+WEIGHT_FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS)

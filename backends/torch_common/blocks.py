@@ -1,9 +1,10 @@
 """GGUF block weights on a torch device, computed on as stored (no float copy of the matrix).
 
-A projection or LM head stored as Q8_0, Q4_0 or Q4_1 is repacked at load, one tensor
-at a time, from the core's exact split (:func:`polyengine.models.int_blocks.split_blocks`:
-int8 values, a scale per 32 weights, Q4_1's offset) into one of two forms, kept under
-the matrix's name in ``TorchWeights.tensors``:
+A projection or LM head stored in a block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K) is repacked at load, one tensor at a time, from the core's exact split
+(:func:`polyengine.models.int_blocks.split_blocks`: int8 values, a scale per group of
+32 weights (Q6_K: 16), an offset per group for Q4_1/Q5_1/Q4_K/Q5_K) into one of two
+forms, kept under the matrix's name in ``TorchWeights.tensors``:
 
 - ``<name>.int4`` + ``<name>.int4_scales``: torch's group-wise int4 weight-only matmul
   (tinygemm's layout): ``_convert_weight_to_int4pack_for_cpu`` /
@@ -11,17 +12,19 @@ the matrix's name in ``TorchWeights.tensors``:
   ``_convert_weight_to_int4pack`` / ``_weight_int4pack_mm`` on CUDA (bfloat16 only: the
   kernel's one type). Checked in torch 2.13: the op's weight is ``(q - 8) * scale + zero``
   per group of 32 along a row, ``q`` in [0, 15]. Q4_0 (``d (q - 8)``) maps onto it with
-  zero 0, Q4_1 (``d q + m``) with zero ``m + 8 d``: both exactly (Q4_0 bit for bit in
-  float32; Q4_1's zero is one float32 rounding). Used for Q4_0/Q4_1 where the op runs
-  (the compute dtype, the device, and a row count divisible by 16).
+  zero 0; Q4_1 (``d q + m``) and Q4_K (``d sc q - dmin m`` per 32: scale ``d sc``, offset
+  ``-dmin m``) with zero ``offset + 8 scale``: all exactly (Q4_0 bit for bit in float32;
+  the others' zero is one float32 rounding). Used for these three where the op runs (the
+  compute dtype, the device, and a row count divisible by 16).
 - ``<name>.qvalues`` (int8) + ``<name>.qscale`` (+ ``<name>.qoffset``), the scales in
   the compute dtype: each product dequantizes the matrix in the compute dtype (exact
-  in float32, see the core's split) into a temporary and runs ``F.linear`` on it. Q8_0
-  always, and Q4_0/Q4_1 where the int4 op does not run. Not ``_weight_int8pack_mm``: it
-  takes one scale per output row, and Q8_0 has one per 32 weights; requantizing to per-row
-  scales would change the weights by up to half a step of the row's largest block
-  (docs/cuda_torch.md, "Quantized weights"), and the suite judges a quantized model
-  against the oracle on the same blocks with the usual float tolerances.
+  in float32, see the core's split) into a temporary and runs ``F.linear`` on it. Q8_0,
+  the 5- and 6-bit formats always, and the 4-bit ones where the int4 op does not run.
+  Not ``_weight_int8pack_mm``: it takes one scale per output row, and the blocks have
+  one per group; requantizing to per-row scales would change the weights by up to half
+  a step of the row's largest group (docs/cuda_torch.md, "Quantized weights"), and the
+  suite judges a quantized model against the oracle on the same blocks with the usual
+  float tolerances.
 
 :func:`block_linear` is the shared forward's ``linear`` hook that reads either form, and
 plain ``<name>.weight`` (a matrix in any other format, converted to float at load).
@@ -35,14 +38,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from polyengine.models.int_blocks import INT_BLOCK_FORMATS, split_blocks
+from polyengine.models.int_blocks import FOUR_BIT_FORMATS, GROUP, INT_BLOCK_FORMATS, OFFSET_FORMATS, split_blocks
 from polyengine.models.weights import Weight
 
 __all__ = ["DEVICE_BLOCK_FORMATS", "int4_runs", "pack_matrix", "packed_bytes", "block_linear"]
 
-DEVICE_BLOCK_FORMATS = INT_BLOCK_FORMATS  # Q8_0, Q4_0, Q4_1
-_GROUP = 32
-_INT4 = ("Q4_0", "Q4_1")
+DEVICE_BLOCK_FORMATS = INT_BLOCK_FORMATS  # every GGUF block format the core splits
+_GROUP = 32  # the int4 op's group: the 4-bit formats' own
 # CUDA's int4 layout: K tiles of 16 per inner tile; 8 is tinygemm's usual choice when K allows.
 _INNER_K_TILES = (8, 4, 2)
 
@@ -50,7 +52,7 @@ _INNER_K_TILES = (8, 4, 2)
 def int4_runs(fmt: str, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``fmt`` of ``shape`` goes on torch's int4 op on ``device`` in ``dtype``."""
     rows, cols = shape
-    if fmt not in _INT4 or cols % _GROUP:
+    if fmt not in FOUR_BIT_FORMATS or cols % _GROUP:
         return False
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16, torch.float16) and rows % 16 == 0
@@ -62,10 +64,10 @@ def int4_runs(fmt: str, shape: tuple[int, int], device: torch.device, dtype: tor
 def packed_bytes(fmt: str, shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> int:
     """The device bytes of one matrix in the form :func:`pack_matrix` gives it."""
     rows, cols = shape
-    groups = rows * cols // _GROUP
+    groups = rows * cols // GROUP[fmt]
     if int4_runs(fmt, shape, device, dtype):
         return rows * cols // 2 + 2 * groups * dtype.itemsize
-    return rows * cols + groups * dtype.itemsize * (2 if fmt == "Q4_1" else 1)
+    return rows * cols + groups * dtype.itemsize * (2 if fmt in OFFSET_FORMATS else 1)
 
 
 def pack_matrix(weight: Weight, name: str, *, device: torch.device, dtype: torch.dtype,
@@ -97,7 +99,7 @@ def _dequantized(t: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> t
     """``values * scale (+ offset)`` of matrix ``name`` in ``dtype`` ``[out, in]``."""
     values, scale = t[name + ".qvalues"], t[name + ".qscale"]
     rows, cols = values.shape
-    w = values.to(dtype).reshape(rows, -1, _GROUP) * scale.to(dtype)[:, :, None]
+    w = values.to(dtype).reshape(rows, scale.shape[1], -1) * scale.to(dtype)[:, :, None]
     offset = t.get(name + ".qoffset")
     if offset is not None:
         w = w + offset.to(dtype)[:, :, None]

@@ -97,7 +97,7 @@ class TpuJaxEngine(EngineBase):
     def __init__(self, model: Model, config: EngineConfig):
         super().__init__(model, config)
         o, devices = self.options, self.devices
-        # A file's Q8_0/Q4_0/Q4_1 matrices stay integers with block scales on the mesh
+        # A file's block-format matrices stay integers with group scales on the mesh
         # (quantize.py), unless option quantize requantizes every matrix anyway.
         self._blocks = {} if o["quantize"] else block_matrices(model, WEIGHT_FORMATS)
         plan = plan_mesh(

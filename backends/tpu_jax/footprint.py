@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 from polyengine.engine import EngineConfig
 from polyengine.errors import InvalidRequest
 from polyengine.models import ModelConfig
+from polyengine.models.int_blocks import FOUR_BIT_FORMATS, GROUP, OFFSET_FORMATS
 from polyengine.models.quantize import matrix_bytes, replaced_weights
 from polyengine.pages import pages_for
 from polyengine.sampling.rows import row_bytes
@@ -139,10 +140,11 @@ def shards(axes: Sequence[str | None], shape: Sequence[int], mesh: Mapping[str, 
 def block_bytes(fmt: str, shape: tuple[int, int]) -> int:
     """The bytes of a matrix of ``shape`` kept as a file's ``fmt`` blocks
     (:func:`~.quantize.block_arrays`): int8 or two 4-bit values a byte, a float32 scale
-    per 32 weights, and Q4_1's float32 offset per 32."""
+    per group (32 weights, Q6_K's 16), and a float32 offset per group where the format
+    has one."""
     n, k = shape
-    values = n * k if fmt == "Q8_0" else n * k // 2
-    return values + 4 * (n * k // 32) * (2 if fmt == "Q4_1" else 1)
+    values = n * k // 2 if fmt in FOUR_BIT_FORMATS else n * k
+    return values + 4 * (n * k // GROUP[fmt]) * (2 if fmt in OFFSET_FORMATS else 1)
 
 
 def device_needs(model: ModelConfig, config: EngineConfig, *, dtype: str, dp: int, tp: int,

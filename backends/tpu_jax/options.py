@@ -14,17 +14,18 @@ from typing import Any
 from polyengine.engine import Option
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.pages import pages_for
-from polyengine.models.blocks import FLOAT_FORMATS
+from polyengine.models.blocks import BLOCK_FORMATS, FLOAT_FORMATS
 from polyengine.models.quantize import WEIGHT_MODES
 
 __all__ = ["OPTIONS", "WEIGHT_FORMATS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem", "check_pages"]
 
 # The weight formats the engine computes on as stored (Capabilities.weight_formats, and
-# `polyengine backends --verbose` without starting JAX): the float ones, and GGUF's
-# Q8_0 (int8) and Q4_0/Q4_1 (two 4-bit values a byte) with their scales (and Q4_1's
-# offsets) per 32 weights on the mesh (quantize.block_arrays). Any other format is converted to float32 one
-# tensor at a time as it loads, then to the compute dtype.
-WEIGHT_FORMATS = (*FLOAT_FORMATS, "Q8_0", "Q4_0", "Q4_1")
+# `polyengine backends --verbose` without starting JAX): the float ones, and every GGUF
+# block format: Q4_0/Q4_1/Q4_K as two 4-bit values a byte, Q8_0/Q5_0/Q5_1/Q5_K/Q6_K as
+# int8 values, with their scales (and offsets) per group on the mesh
+# (quantize.block_arrays). Any other format is converted to float32 one tensor at a time
+# as it loads, then to the compute dtype.
+WEIGHT_FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS)
 
 MESH_AXES = ("dp", "tp")
 # Every logical axis an array of this backend is described with.

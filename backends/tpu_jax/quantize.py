@@ -22,19 +22,21 @@ prompt under-samples the range of later keys (docs/decisions.md). Prefill runs i
 compute dtype, so prefixes (and portable prefixes exported from them) are never
 quantized; insert encodes them into the slot.
 
-A file's GGUF blocks (Q8_0, Q4_0, Q4_1; without option ``quantize``) are kept as they
-are, not requantized (:func:`block_arrays`, from the core's exact split,
-:mod:`polyengine.models.int_blocks`): Q8_0 as ``<name>.qweight`` (its int8 values) and
-``<name>.scale`` (its f16 scale per 32 weights, as float32); Q4_0 and Q4_1 as
-``<name>.qweight4``, their 4-bit ``q`` in [0, 15] two to a byte (uint8 ``[out, in / 2]``,
-weight ``2j`` in the low nibble, ``2j + 1`` in the high), with ``.scale`` and, for
-Q4_1, ``.offset``: the weight is ``(q - 8) * scale`` (Q4_0) or ``q * scale + offset``
-(Q4_1), GGUF's own formulas. In float32 each is the exact dequantization; in bfloat16
-the scale and the product round to it. Four bits are unpacked inside the step (a mask
-and a shift XLA fuses into the product), not held as ``jnp.int4``: JAX 0.10 has int4
-arrays on the CPU, but the model is the shared torch forward traced by torchax, and
-torchax 0.0.13 has no torch dtype for ``jnp.int4`` ("Attempting to convert unknown
-type"), so an int4 array cannot enter it.
+A file's GGUF blocks (without option ``quantize``) are kept as they are, not
+requantized (:func:`block_arrays`, from the core's exact split,
+:mod:`polyengine.models.int_blocks`): the 4-bit formats (Q4_0, Q4_1, Q4_K) as
+``<name>.qweight4``, their ``q`` in [0, 15] two to a byte (uint8 ``[out, in / 2]``,
+weight ``2j`` in the low nibble, ``2j + 1`` in the high), with ``.scale`` (one per 32
+weights) and, for Q4_1/Q4_K, ``.offset``: the weight is ``(q - 8) * scale`` (Q4_0) or
+``q * scale + offset`` (GGUF's own formulas; a K format's scale is ``d`` times the
+sub-block's scale, its offset ``-dmin`` times its min); every other block format (Q8_0,
+Q5_0, Q5_1, Q5_K, Q6_K) as ``<name>.qweight``, its int8 values, with ``.scale`` per group
+(32 weights, Q6_K's 16) and, for Q5_1/Q5_K, ``.offset``. In float32 each is the exact
+dequantization; in bfloat16 the scale and the product round to it. Four bits are
+unpacked inside the step (a mask and a shift XLA fuses into the product), not held as
+``jnp.int4``: JAX 0.10 has int4 arrays on the CPU, but the model is the shared torch
+forward traced by torchax, and torchax 0.0.13 has no torch dtype for ``jnp.int4``
+("Attempting to convert unknown type"), so an int4 array cannot enter it.
 
 The error bounds that ``tests/test_tpu_jax_quant.py`` asserts, and docs/tpu_jax.md
 states, were measured on the default model.
@@ -53,17 +55,18 @@ KV_MODES = ("", "int8")
 
 
 def block_arrays(weight, name: str) -> dict:
-    """A 2-D GGUF record of Q8_0/Q4_0/Q4_1 (as stored) as this backend's host arrays
+    """A 2-D GGUF record in a block format (as stored) as this backend's host arrays
     under ``name`` (see the module docstring); NumPy, one tensor at a time."""
     import numpy as np
 
-    from polyengine.models.int_blocks import split_blocks
+    from polyengine.models.int_blocks import FOUR_BIT_FORMATS, split_blocks
 
     values, scale, offset = split_blocks(weight)
-    if weight.format == "Q8_0":
-        return {name + ".qweight": values, name + ".scale": scale}
-    q = (values + np.int8(8) if weight.format == "Q4_0" else values).astype(np.uint8)  # [0, 15]
-    out = {name + ".qweight4": q[:, 0::2] | (q[:, 1::2] << 4), name + ".scale": scale}
+    if weight.format in FOUR_BIT_FORMATS:
+        q = (values + np.int8(8) if weight.format == "Q4_0" else values).astype(np.uint8)  # [0, 15]
+        out = {name + ".qweight4": q[:, 0::2] | (q[:, 1::2] << 4), name + ".scale": scale}
+    else:
+        out = {name + ".qweight": values, name + ".scale": scale}
     if offset is not None:
         out[name + ".offset"] = offset
     return out
@@ -71,8 +74,9 @@ def block_arrays(weight, name: str) -> dict:
 
 def int8_linear(t, x, name):
     """The shared model's ``linear`` hook for int8 and 4-bit weights (torch code, traced
-    by torchax): ``<name>.qweight`` times ``.scale`` (per channel or per block), or
-    ``.qweight4``'s unpacked nibbles times ``.scale`` (minus 8, or plus ``.offset``); a
+    by torchax): ``<name>.qweight`` times ``.scale`` (per channel or per group, plus
+    ``.offset`` where a file's blocks have one), or ``.qweight4``'s unpacked nibbles
+    times ``.scale`` (minus 8, or plus ``.offset``); a
     matrix without either (a file's blocks of a format kept as floats) is a plain product."""
     import torch
     import torch.nn.functional as F
@@ -85,7 +89,7 @@ def int8_linear(t, x, name):
         offset = t.get(name + ".offset")
         if offset is None:  # Q4_0
             w = (q - 8) * scale.to(x.dtype)[:, :, None]
-        else:  # Q4_1
+        else:  # Q4_1, Q4_K
             w = q * scale.to(x.dtype)[:, :, None] + offset.to(x.dtype)[:, :, None]
         y = F.linear(x, w.reshape(rows, -1))
         return y if bias is None else y + bias
@@ -99,8 +103,11 @@ def int8_linear(t, x, name):
         y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
     else:
         group = q.shape[1] // scale.shape[1]
-        w = (q.to(x.dtype).reshape(q.shape[0], -1, group) * scale.to(x.dtype)[:, :, None]).reshape(q.shape)
-        y = F.linear(x, w)
+        w = q.to(x.dtype).reshape(q.shape[0], -1, group) * scale.to(x.dtype)[:, :, None]
+        offset = t.get(name + ".offset")  # a file's Q5_1/Q5_K blocks
+        if offset is not None:
+            w = w + offset.to(x.dtype)[:, :, None]
+        y = F.linear(x, w.reshape(q.shape))
     return y if bias is None else y + bias
 
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Format", "FORMATS", "FLOAT_FORMATS", "BLOCK_FORMATS", "EXACT_FLOAT32", "format_of_ggml",
-           "dequantize_blocks", "quantize_blocks", "row_bytes"]
+__all__ = ["Format", "FORMATS", "FLOAT_FORMATS", "BLOCK_FORMATS", "EXACT_FLOAT32", "GROUP", "OFFSET_FORMATS",
+           "format_of_ggml", "split_raw", "dequantize_blocks", "quantize_blocks", "row_bytes"]
 
 
 @dataclass(frozen=True)
@@ -123,65 +123,91 @@ def _k_low(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
 
 
-def _dq_q8_0(raw):
-    return _f16(raw, 0) * np.ascontiguousarray(raw[:, 2:34]).view(np.int8)
+# -- the split: integers, a scale per group, an offset per group --------------------------
+
+# Weights per scale (and offset) in a format's split: Q6_K scales each 16, the others 32.
+GROUP = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
+# The formats whose split has an offset per group (``w = scale q + offset``).
+OFFSET_FORMATS = frozenset({"Q4_1", "Q5_1", "Q4_K", "Q5_K"})
 
 
-def _dq_q4_0(raw):
-    return _f16(raw, 0) * (_nibbles(raw[:, 2:18]).astype(np.float64) - 8)
+def _sp_q8_0(raw):
+    return np.ascontiguousarray(raw[:, 2:34]).view(np.int8), _f16(raw, 0), None
 
 
-def _dq_q4_1(raw):
-    return _f16(raw, 0) * _nibbles(raw[:, 4:20]) + _f16(raw, 2)
+def _sp_q4_0(raw):
+    return _nibbles(raw[:, 2:18]).astype(np.int8) - np.int8(8), _f16(raw, 0), None
 
 
-def _dq_q5_0(raw):
+def _sp_q4_1(raw):
+    return _nibbles(raw[:, 4:20]).astype(np.int8), _f16(raw, 0), _f16(raw, 2)
+
+
+def _sp_q5_0(raw):
     q = _nibbles(raw[:, 6:22]) | (_fifth_bits(raw[:, 2:6]) << 4)
-    return _f16(raw, 0) * (q.astype(np.float64) - 16)
+    return q.astype(np.int8) - np.int8(16), _f16(raw, 0), None
 
 
-def _dq_q5_1(raw):
+def _sp_q5_1(raw):
     q = _nibbles(raw[:, 8:24]) | (_fifth_bits(raw[:, 4:8]) << 4)
-    return _f16(raw, 0) * q + _f16(raw, 2)
+    return q.astype(np.int8), _f16(raw, 0), _f16(raw, 2)
 
 
-def _k_combine(raw, q):
+def _k_split(raw, q):
     sc, mn = _k_scales(raw[:, 4:16])
-    d, dmin = _f16(raw, 0)[:, :, None], _f16(raw, 2)[:, :, None]
-    return (d * sc[:, :, None] * q - dmin * mn[:, :, None]).reshape(-1, 256)
+    return q.reshape(-1, 256).astype(np.int8), _f16(raw, 0) * sc, -(_f16(raw, 2) * mn)
 
 
-def _dq_q4_k(raw):
-    return _k_combine(raw, _k_low(raw[:, 16:144]))
+def _sp_q4_k(raw):
+    return _k_split(raw, _k_low(raw[:, 16:144]))
 
 
-def _dq_q5_k(raw):
+def _sp_q5_k(raw):
     high = (raw[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (n, 8, 32)
-    return _k_combine(raw, _k_low(raw[:, 48:176]) | (high << 4))
+    return _k_split(raw, _k_low(raw[:, 48:176]) | (high << 4))
 
 
-def _dq_q6_k(raw):
+def _sp_q6_k(raw):
     ql = raw[:, 0:128].reshape(-1, 2, 1, 2, 32)  # (half, nibble, part, l)
     low = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(-1, 2, 4, 32)  # group g = 2 nibble + part
     qh = raw[:, 128:192].reshape(-1, 2, 1, 32)
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3
-    q = (low | (high << 4)).reshape(-1, 256).astype(np.float64) - 32
-    scales = np.ascontiguousarray(raw[:, 192:208]).view(np.int8).astype(np.float64)  # one per 16 weights
-    return _f16(raw, 208) * np.repeat(scales, 16, axis=1) * q
+    q = (low | (high << 4)).reshape(-1, 256).astype(np.int8) - np.int8(32)
+    scales = np.ascontiguousarray(raw[:, 192:208]).view(np.int8)  # one per 16 weights
+    return q, _f16(raw, 208) * scales, None
 
 
-_DEQUANTIZE = {"Q8_0": _dq_q8_0, "Q4_0": _dq_q4_0, "Q4_1": _dq_q4_1, "Q5_0": _dq_q5_0, "Q5_1": _dq_q5_1,
-               "Q4_K": _dq_q4_k, "Q5_K": _dq_q5_k, "Q6_K": _dq_q6_k}
+_SPLIT = {"Q8_0": _sp_q8_0, "Q4_0": _sp_q4_0, "Q4_1": _sp_q4_1, "Q5_0": _sp_q5_0, "Q5_1": _sp_q5_1,
+          "Q4_K": _sp_q4_k, "Q5_K": _sp_q5_k, "Q6_K": _sp_q6_k}
+
+
+def _raw_blocks(fmt: str, raw: np.ndarray) -> np.ndarray:
+    f = FORMATS[fmt]
+    raw = np.asarray(raw, dtype=np.uint8)
+    if raw.ndim != 2 or raw.shape[1] != f.nbytes:
+        raise ValueError(f"{fmt} blocks are (n, {f.nbytes}) bytes, got shape {raw.shape}")
+    return raw
+
+
+def split_raw(fmt: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(n_blocks, nbytes)`` uint8 blocks of ``fmt`` -> ``values`` int8 ``(n, block)``,
+    ``scale`` float64 ``(n, block / GROUP[fmt])`` and ``offset`` (the same shape, for
+    :data:`OFFSET_FORMATS`; else None), where weight ``j`` is ``values[j] * scale[g] +
+    offset[g]`` for its group ``g = j // GROUP[fmt]``. Every value is exact: a scale is an
+    f16 times a 6- or 8-bit integer (at most 19 significant bits), an offset one such
+    product (a K format's ``-dmin m``)."""
+    return _SPLIT[fmt](_raw_blocks(fmt, raw))
 
 
 def dequantize_blocks(fmt: str, raw: np.ndarray, dtype=np.float64) -> np.ndarray:
     """``(n_blocks, nbytes)`` uint8 blocks of ``fmt`` -> ``(n_blocks, block)`` weights:
     exact in float64, rounded once to float32 when asked."""
-    f = FORMATS[fmt]
-    raw = np.asarray(raw, dtype=np.uint8)
-    if raw.ndim != 2 or raw.shape[1] != f.nbytes:
-        raise ValueError(f"{fmt} blocks are (n, {f.nbytes}) bytes, got shape {raw.shape}")
-    out = _DEQUANTIZE[fmt](raw)
+    values, scale, offset = split_raw(fmt, raw)
+    n = values.shape[0]
+    w = values.reshape(n, scale.shape[1], -1) * scale[:, :, None]
+    if offset is not None:
+        w = w + offset[:, :, None]
+    out = w.reshape(n, -1)
     return out if np.dtype(dtype) == np.float64 else out.astype(dtype)
 
 
