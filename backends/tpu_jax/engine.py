@@ -90,6 +90,16 @@ class TpuDecodeState:
         return self.slots.is_occupied(slot)
 
 
+# What steps.XLA_CPU_SCHEDULER says, for speed_paths (backends/tpu_jax/xla_flags.py).
+_SCHEDULER_WORDS = {
+    "set": "XLA:CPU's memory-minimizing scheduler (set in XLA_FLAGS by this backend): one dequantized matrix at a time",
+    "user": "XLA:CPU's scheduler as XLA_FLAGS chose it (xla_cpu_enable_concurrency_optimized_scheduler)",
+    "late": "XLA:CPU's default scheduler (JAX had started before this backend was imported; block weights may "
+            "then be dequantized all at once)",
+    "unknown": "XLA:CPU's default scheduler (this jaxlib has no concurrency-optimized one to turn off)",
+}
+
+
 class TpuJaxEngine(EngineBase):
     name = "tpu_jax"
     OPTIONS = OPTIONS
@@ -151,7 +161,10 @@ class TpuJaxEngine(EngineBase):
         kv = (f"pages of {self.pages.page_size} positions; decode attention: "
               f"{self._ATTENTION_WORDS[self.paged_kernel]}" if self.pages else
               "one contiguous cache row per slot (option page_size: pages)")
-        return {"device": str(self.device), "kv": kv}
+        paths = {"device": str(self.device), "kv": kv}
+        if self.devices and self.devices[0].platform == "cpu":
+            paths["scheduler"] = _SCHEDULER_WORDS[steps.XLA_CPU_SCHEDULER]
+        return paths
 
     # -- construction ----------------------------------------------------------------------
 

@@ -64,6 +64,10 @@ from polyengine.backends.tpu_jax.compat import import_torchax
 from polyengine.backends.tpu_jax.footprint import CACHE_AXES
 from polyengine.backends.tpu_jax.quantize import KV_SCALE_BYTES, Int8KVCodec, int8_linear, kv_encode
 from polyengine.backends.tpu_jax.sharding import ShardingPlan
+from polyengine.backends.tpu_jax.xla_flags import prefer_memory_scheduler
+
+# XLA:CPU's memory-minimizing scheduler for every program below (xla_flags.py): what was done.
+XLA_CPU_SCHEDULER = prefer_memory_scheduler()
 
 __all__ = [
     "StepConfig", "CacheConfig", "SampleConfig", "SlotRows", "DecodeArrays", "run_model", "pack", "init_state", "init_cache", "init_rows",
