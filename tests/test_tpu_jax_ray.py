@@ -132,6 +132,11 @@ def test_two_workers_equal_the_single_process_engine_on_loopback(cluster, model,
     eng = RayTpuEngine(model, CFG)
     info = eng.group.info
     assert [i["rank"] for i in info] == [0, 1] and all(i["process_count"] == 2 and i["devices"] == 2 for i in info)
+    # XLA:CPU's memory-minimizing scheduler in every worker (xla_flags.py): set by the worker,
+    # or inherited from this process's XLA_FLAGS, where importing the steps had set it
+    from polyengine.backends.tpu_jax.xla_flags import FLAG
+
+    assert all(i["scheduler"] in ("set", "user") and FLAG in i["xla_flags"] for i in info), info
     assert "tp=2" in eng.device  # the two KV heads split over the two processes
     assert _tokens(eng) == single_process
     new = _public_listeners() - cluster["listeners_before"]
@@ -144,6 +149,35 @@ def test_workers_spread_over_the_two_nodes(cluster, model, single_process):
     nodes = {i["node"] for i in eng.group.info}
     assert len(nodes) == 2 and {n["NodeID"] for n in ray.nodes() if n["Alive"]} == nodes
     assert all(i["devices"] == 4 and i["local_devices"] == 2 for i in eng.group.info)
+    assert _tokens(eng) == single_process
+
+
+@pytest.mark.slow
+def test_batched_prefill_on_the_ray_engine(cluster, model, single_process):
+    """Option batched_prefill=on: the leader declares the capability and its prefill_batch
+    is one call of the workers' engines; each entry, fresh or continuing a prefix, gives
+    the prompt, first token and logits that prefill gives on the same engine, and the
+    driver (which batches a step's pieces) gives the single-process engine's outputs."""
+    import numpy as np
+
+    from polyengine.engine import PrefillRequest
+
+    plain = RayTpuEngine(model, CFG)
+    assert not plain.capabilities.batched_prefill  # "auto" on the CPU: off, as tpu_jax
+    del plain
+    eng = RayTpuEngine(model, CFG.model_copy(update={"options": {"batched_prefill": "on"}}))
+    assert eng.capabilities.batched_prefill
+    params, greedy = eng.load_params(), SamplingParams(temperature=0, max_tokens=4)
+    head, _ = eng.prefill(params=params, tokens=[1, 5, 9], sampling=greedy)
+    requests = [PrefillRequest(tokens=[1, 7, 3], sampling=greedy),
+                PrefillRequest(tokens=[4, 2], sampling=greedy, existing_prefix=head),
+                PrefillRequest(tokens=PROMPTS[2], sampling=greedy)]
+    for req, (prefix, first) in zip(requests, eng.prefill_batch(params=params, requests=requests)):
+        alone, want = eng.prefill(params=params, tokens=req.tokens, sampling=req.sampling,
+                                  existing_prefix=req.existing_prefix)
+        assert list(prefix.prompt_tokens) == list(alone.prompt_tokens)
+        assert first.tokens[0, 0] == want.tokens[0, 0]
+        np.testing.assert_allclose(prefix.host_logits(), alone.host_logits(), rtol=1e-5, atol=1e-5)
     assert _tokens(eng) == single_process
 
 

@@ -55,6 +55,9 @@ class EngineWorker:
         """Join the JAX program; returns what this process sees (platform, devices)."""
         import jax
 
+        from polyengine.backends.tpu_jax.xla_flags import prefer_memory_scheduler
+
+        scheduler = prefer_memory_scheduler()  # before the first use of a backend (xla_flags.py)
         host = self.node_address()
         _gloo_on(host)
         if self.world > 1:
@@ -67,7 +70,7 @@ class EngineWorker:
         return {
             "rank": self.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "address": host,
             "platform": devices[0].platform, "devices": len(devices), "local_devices": jax.local_device_count(),
-            "process_count": jax.process_count(),
+            "process_count": jax.process_count(), "scheduler": scheduler, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         }
 
     def capabilities(self) -> dict[str, Any]:
@@ -125,6 +128,22 @@ class EngineWorker:
                                        existing_prefix=existing, token_mask=token_mask)
         self.prefixes[prefix_id] = prefix
         return None if self.rank else (self._packed(engine, first), prefix.nbytes, self._seq(engine, prefix))
+
+    def prefill_batch(self, engine_id: str, prefix_ids: Sequence[str], entries: Sequence[tuple]) -> list | None:
+        """Every entry ``(tokens, sampling, existing_id, token_mask)`` in one
+        ``prefill_batch`` of the engine; rank 0 returns each entry's answer as :meth:`prefill`."""
+        from polyengine.engine import PrefillRequest
+
+        engine = self.engines[engine_id]
+        requests = [PrefillRequest(tokens=tokens, sampling=sampling, token_mask=mask,
+                                   existing_prefix=None if existing is None else self.prefixes[existing])
+                    for tokens, sampling, existing, mask in entries]
+        out = engine.prefill_batch(params=engine.load_params(), requests=requests)
+        for prefix_id, (prefix, _) in zip(prefix_ids, out):
+            self.prefixes[prefix_id] = prefix
+        if self.rank:
+            return None
+        return [(self._packed(engine, first), prefix.nbytes, self._seq(engine, prefix)) for prefix, first in out]
 
     @staticmethod
     def _seq(engine, prefix) -> tuple[list[int], int] | None:
