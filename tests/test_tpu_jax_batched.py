@@ -152,14 +152,14 @@ def test_a_batch_outside_the_compiled_set_runs_entry_by_entry(model):
 def test_the_option_and_refusals(model):
     """'auto' declares the capability on TPU and GPU only (the CPU here: off, the kit's
     loop); 'off' never; a bad value and a refused entry are refused before any work; the
-    Ray engine does not offer the option."""
+    Ray engine offers the same option (test_tpu_jax_ray.py runs it)."""
     from polyengine.backends.tpu_jax.ray_engine import RayTpuEngine
 
     assert not TpuJaxEngine(model, CFG.model_copy(update={"options": {}})).capabilities.batched_prefill
     assert not _engine(model, batched_prefill="off").capabilities.batched_prefill
     with pytest.raises(InvalidRequest, match="batched_prefill"):
         _engine(model, batched_prefill="yes")
-    assert "batched_prefill" not in RayTpuEngine.OPTIONS
+    assert RayTpuEngine.OPTIONS["batched_prefill"] is TpuJaxEngine.OPTIONS["batched_prefill"]
     # the memory check counts a batch's rows of prefill activations (the largest batch size)
     (on,), (off,) = ({k: v for k, v in e._needs().items() if "prefill" in k}.values() for e in (
         _engine(model), _engine(model, batched_prefill="off")))

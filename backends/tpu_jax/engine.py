@@ -44,17 +44,12 @@ from polyengine.backends.tpu_jax import sampling as smp
 from polyengine.backends.tpu_jax import steps
 from polyengine.backends.tpu_jax.compile_cache import use_compile_cache
 from polyengine.backends.tpu_jax.observe import CompileLog, Profiler, format_report, logger, memory_report
-from polyengine.backends.tpu_jax.options import OPTIONS, WEIGHT_FORMATS, check_pages
+from polyengine.backends.tpu_jax.options import BATCHED_PREFILL_PLATFORMS, OPTIONS, WEIGHT_FORMATS, check_pages
 from polyengine.backends.tpu_jax.footprint import device_needs
 from polyengine.backends.tpu_jax.quantize import block_arrays
 from polyengine.backends.tpu_jax.sharding import ShardingRules, param_axes, plan_mesh
 
 __all__ = ["TpuJaxEngine", "TpuDecodeState", "PrefixArrays", "create_engine"]
-
-# Option batched_prefill "auto": the platforms where one program per batch is declared
-# (docs/tpu_jax.md, "Batched prefill": on the CPU its programs cost more warm-up than they save).
-BATCHED_PREFILL_PLATFORMS = ("tpu", "gpu")
-
 
 def _dtypes(platform: str) -> tuple[str, ...]:
     """What this platform computes well: bfloat16 first on a TPU; on the CPU float32,

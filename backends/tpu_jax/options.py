@@ -17,7 +17,7 @@ from polyengine.pages import pages_for
 from polyengine.models.blocks import BLOCK_FORMATS, FLOAT_FORMATS
 from polyengine.models.quantize import WEIGHT_MODES
 
-__all__ = ["OPTIONS", "WEIGHT_FORMATS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem", "check_pages"]
+__all__ = ["OPTIONS", "WEIGHT_FORMATS", "BATCHED_PREFILL_PLATFORMS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RULES", "rules_problem", "check_pages"]
 
 # The weight formats the engine computes on as stored (Capabilities.weight_formats, and
 # `polyengine backends --verbose` without starting JAX): the float ones, and every GGUF
@@ -26,6 +26,10 @@ __all__ = ["OPTIONS", "WEIGHT_FORMATS", "MESH_AXES", "LOGICAL_AXES", "DEFAULT_RU
 # (quantize.block_arrays). Any other format is converted to float32 one tensor at a time
 # as it loads, then to the compute dtype.
 WEIGHT_FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS)
+
+# Option batched_prefill "auto": the platforms where one program per batch is declared
+# (docs/tpu_jax.md, "Batched prefill": on the CPU its programs cost more warm-up than they save).
+BATCHED_PREFILL_PLATFORMS = ("tpu", "gpu")
 
 MESH_AXES = ("dp", "tp")
 # Every logical axis an array of this backend is described with.

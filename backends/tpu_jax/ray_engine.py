@@ -51,7 +51,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from polyengine.engine import (
-    Capabilities, EngineBase, EngineConfig, Option, Override, Prefix, ResultLayout, ResultTokens, SlotTable,
+    Capabilities, EngineBase, EngineConfig, Option, Override, Prefix, PrefillRequest, ResultLayout, ResultTokens,
+    SlotTable,
 )
 from polyengine.errors import EngineDead, InvalidRequest, PolyengineError, UnsupportedFeature
 from polyengine.models import Model
@@ -63,7 +64,9 @@ from polyengine.sampling.params import ENGINE_FIELDS, MAX_TOP_LOGPROBS
 
 from polyengine.backends.tpu_jax.disagg import PortableHandle, PrefillPool
 from polyengine.backends.tpu_jax.footprint import device_needs, mesh_shape
-from polyengine.backends.tpu_jax.options import OPTIONS as ENGINE_OPTIONS, WEIGHT_FORMATS, check_pages
+from polyengine.backends.tpu_jax.options import (
+    BATCHED_PREFILL_PLATFORMS, OPTIONS as ENGINE_OPTIONS, WEIGHT_FORMATS, check_pages,
+)
 
 __all__ = ["RayTpuEngine", "RayDecodeState", "WorkerLost", "WorkerGroup", "create_engine", "start_local_ray"]
 
@@ -381,13 +384,20 @@ def _changed(pages: RemotePages | None) -> None:
         pages.changed()
 
 
+def _prompt(tokens: np.ndarray, existing_prefix: Prefix | None) -> np.ndarray:
+    """A prefill's whole prompt: the continued prefix's tokens, then ``tokens``."""
+    if existing_prefix is None:
+        return tokens
+    return np.concatenate([existing_prefix.prompt_tokens, tokens]).astype(np.int32)
+
+
 class RayTpuEngine(EngineBase):
     name = "tpu_jax_ray"
     # The single-host engine's options (forwarded to every worker's engine, checked here
     # first with the same JAX-free table), plus the leader's own.
     OPTIONS = {
-        # (not batched_prefill: the leader prefills one entry a call, so it would do nothing)
-        **{k: v for k, v in ENGINE_OPTIONS.items() if k != "batched_prefill"},
+        # batched_prefill included: the leader's prefill_batch is one call of the workers' engines'
+        **ENGINE_OPTIONS,
         "num_workers": Option(0, "Ray actors, one per host: the processes of the JAX program; 0 = one per TPU "
                                  "host where the cluster has TPUs, else 2", minimum=0),
         "devices_per_worker": Option(1, "CPU only: host devices each worker's JAX shows (a TPU worker takes its "
@@ -423,9 +433,12 @@ class RayTpuEngine(EngineBase):
 
         self._check_hosts(model, config)
         options, group = self.options, self.group
-        # The workers' engines prefill one entry a call for the leader: no batch programs to warm up.
+        # The workers' engines batch prefills where the leader declares it (their batch programs
+        # then warm up with them); the prefill workers prefill one entry a call.
+        forwarded = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
         worker_config = config.model_copy(update={"options": {
-            **{k: v for k, v in options.items() if k in ENGINE_OPTIONS}, "batched_prefill": "off"}})
+            **forwarded, "batched_prefill": "on" if self.capabilities.batched_prefill else "off"}})
+        prefill_config = config.model_copy(update={"options": {**forwarded, "batched_prefill": "off"}})
         model_ref = ray.put(model)
         self.engine_id = uuid.uuid4().hex
         self.device = group.call("build", self.engine_id, model_ref, worker_config, what="building the engine") + (
@@ -440,7 +453,7 @@ class RayTpuEngine(EngineBase):
         if options["prefill_workers"]:
             self.prefill_pool = PrefillPool(
                 _group(options["prefill_workers"], options["devices_per_worker"], False, float(options["step_timeout_s"]),
-                       independent=True, tpu=self.tpu), self.engine_id, model_ref, worker_config)
+                       independent=True, tpu=self.tpu), self.engine_id, model_ref, prefill_config)
             weakref.finalize(self, self.prefill_pool.group.drop, "engines", self.engine_id)
             self.device += f", prefill on {options['prefill_workers']} more (disaggregated)"
 
@@ -472,6 +485,10 @@ class RayTpuEngine(EngineBase):
             # only waits for them while the driver steps the decode workers
             prefill_lane=bool(o["prefill_workers"]),
             page_size=o["page_size"],  # the workers' engines' pages (RemotePages reads them)
+            # one prefill_batch of the workers' engines (option batched_prefill, as tpu_jax
+            # resolves it); not with prefill workers, which prefill one entry a call
+            batched_prefill=not o["prefill_workers"] and (o["batched_prefill"] == "on" or (
+                o["batched_prefill"] == "auto" and self.platform in BATCHED_PREFILL_PLATFORMS)),
         )
 
     def _layout(self, o: Mapping[str, Any]) -> tuple[int, int]:
@@ -572,7 +589,7 @@ class RayTpuEngine(EngineBase):
         self._check_params(params)
         toks, sampling, _ = self.check_prefill(tokens, sampling, existing_prefix)
         mask = self.check_token_mask(token_mask, sampling)
-        prompt = toks if existing_prefix is None else np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
+        prompt = _prompt(toks, existing_prefix)
         if self.prefill_pool is not None:
             head = None if existing_prefix is None else self._portable_handle(existing_prefix)
             packed, ref = self.prefill_pool.prefill(toks, sampling, head, mask)
@@ -583,6 +600,26 @@ class RayTpuEngine(EngineBase):
         packed, nbytes, seq = self._call("prefill", self.engine_id, prefix_id, toks, sampling, head, mask)
         result = ResultTokens.from_packed(packed, _LAYOUT)
         return self._prefix(prefix_id, prompt, sampling, int(result.tokens[0, 0]), nbytes, mask, seq), result
+
+    def prefill_batch(self, *, params, requests: Sequence[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
+        """Every entry in one ``prefill_batch`` call of the workers' engines (one forward
+        over the entries, capability ``batched_prefill``); without the capability the kit's
+        ``prefill`` per entry. A refused entry prefills nothing (checked here first)."""
+        if not self.capabilities.batched_prefill:
+            return super().prefill_batch(params=params, requests=requests)
+        self._check_params(params)
+        checked = self.check_prefill_batch(requests)
+        ids = [self._id("prefix") for _ in requests]
+        entries = [(toks, sampling, None if req.existing_prefix is None else req.existing_prefix.kv.prefix_id, mask)
+                   for req, (toks, sampling, _, mask) in zip(requests, checked)]
+        answers = self._call("prefill_batch", self.engine_id, ids, entries)
+        out = []
+        for req, (toks, sampling, _, mask), prefix_id, (packed, nbytes, seq) in zip(requests, checked, ids, answers):
+            result = ResultTokens.from_packed(packed, _LAYOUT)
+            prefix = self._prefix(prefix_id, _prompt(toks, req.existing_prefix), sampling, int(result.tokens[0, 0]),
+                                  nbytes, mask, seq)
+            out.append((prefix, result))
+        return out
 
     def _call(self, method: str, *args: Any) -> Any:
         """Every worker runs ``method``; rank 0's answer. On pages, the leader's copy of the
