@@ -17,7 +17,7 @@ if importlib.util.find_spec("torchax") is None:  # not importorskip: torchax imp
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
 from polyengine.driver import LLM  # noqa: E402
 from polyengine.engine import PrefillRequest  # noqa: E402
-from polyengine.errors import InvalidRequest  # noqa: E402
+from polyengine.errors import InvalidRequest, UnsupportedFeature  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.backends.tpu_jax.engine import TpuJaxEngine  # noqa: E402
 
@@ -160,6 +160,8 @@ def test_the_option_and_refusals(model):
     with pytest.raises(InvalidRequest, match="batched_prefill"):
         _engine(model, batched_prefill="yes")
     assert RayTpuEngine.OPTIONS["batched_prefill"] is TpuJaxEngine.OPTIONS["batched_prefill"]
+    with pytest.raises(UnsupportedFeature, match="prefill_workers"):  # refused before any worker starts
+        RayTpuEngine(model, CFG.model_copy(update={"options": {"batched_prefill": "on", "prefill_workers": 1}}))
     # the memory check counts a batch's rows of prefill activations (the largest batch size)
     (on,), (off,) = ({k: v for k, v in e._needs().items() if "prefill" in k}.values() for e in (
         _engine(model), _engine(model, batched_prefill="off")))

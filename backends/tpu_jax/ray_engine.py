@@ -418,13 +418,19 @@ class RayTpuEngine(EngineBase):
     def _check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """The table's checks before any worker starts (the paged K/V options' against the
         context: :meth:`capabilities_for`); pages with prefill workers are refused: their
-        prefixes travel whole through the object store (docs/tpu_jax.md)."""
+        prefixes travel whole through the object store (docs/tpu_jax.md); so is
+        batched_prefill 'on' with them: they prefill one entry a call."""
         checked = super()._check_options(options)
         if checked["page_size"] and checked["prefill_workers"]:
             raise UnsupportedFeature(f"option page_size={checked['page_size']} with prefill_workers", self.name,
                                      "disaggregated prefixes travel whole through the object store and are "
                                      "imported into each slot; leave page_size 0 or prefill_workers 0",
                                      field="options.page_size")
+        if checked["batched_prefill"] == "on" and checked["prefill_workers"]:
+            raise UnsupportedFeature("option batched_prefill='on' with prefill_workers", self.name,
+                                     "the prefill workers prefill one entry a call; leave batched_prefill 'auto' "
+                                     "(off with prefill workers) or prefill_workers 0",
+                                     field="options.batched_prefill")
         return checked
 
     def __init__(self, model: Model, config: EngineConfig):
