@@ -82,11 +82,11 @@ def int8_linear(t, x, name):
     import torch.nn.functional as F
 
     bias = t.get(name + ".bias")
+    offset = t.get(name + ".offset")  # a file's Q4_1/Q4_K/Q5_1/Q5_K blocks
     if name + ".qweight4" in t:
         packed, scale = t[name + ".qweight4"], t[name + ".scale"]
         rows = packed.shape[0]
         q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(rows, -1, 32).to(x.dtype)  # (out, blocks, 32)
-        offset = t.get(name + ".offset")
         if offset is None:  # Q4_0
             w = (q - 8) * scale.to(x.dtype)[:, :, None]
         else:  # Q4_1, Q4_K
@@ -104,7 +104,6 @@ def int8_linear(t, x, name):
     else:
         group = q.shape[1] // scale.shape[1]
         w = q.to(x.dtype).reshape(q.shape[0], -1, group) * scale.to(x.dtype)[:, :, None]
-        offset = t.get(name + ".offset")  # a file's Q5_1/Q5_K blocks
         if offset is not None:
             w = w + offset.to(x.dtype)[:, :, None]
         y = F.linear(x, w.reshape(q.shape))

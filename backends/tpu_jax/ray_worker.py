@@ -127,7 +127,7 @@ class EngineWorker:
         prefix, first = engine.prefill(params=engine.load_params(), tokens=tokens, sampling=sampling,
                                        existing_prefix=existing, token_mask=token_mask)
         self.prefixes[prefix_id] = prefix
-        return None if self.rank else (self._packed(engine, first), prefix.nbytes, self._seq(engine, prefix))
+        return None if self.rank else self._answer(engine, prefix, first)
 
     def prefill_batch(self, engine_id: str, prefix_ids: Sequence[str], entries: Sequence[tuple]) -> list | None:
         """Every entry ``(tokens, sampling, existing_id, token_mask)`` in one
@@ -141,9 +141,12 @@ class EngineWorker:
         out = engine.prefill_batch(params=engine.load_params(), requests=requests)
         for prefix_id, (prefix, _) in zip(prefix_ids, out):
             self.prefixes[prefix_id] = prefix
-        if self.rank:
-            return None
-        return [(self._packed(engine, first), prefix.nbytes, self._seq(engine, prefix)) for prefix, first in out]
+        return None if self.rank else [self._answer(engine, prefix, first) for prefix, first in out]
+
+    def _answer(self, engine, prefix, first) -> tuple:
+        """Rank 0's answer for a prefill: the first token's packed row, the prefix's bytes
+        and, on pages, its page ids and length."""
+        return self._packed(engine, first), prefix.nbytes, self._seq(engine, prefix)
 
     @staticmethod
     def _seq(engine, prefix) -> tuple[list[int], int] | None:

@@ -22,6 +22,7 @@ _RUN = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import polyengine as pe
+from polyengine.benchmarks.stats import peak_rss_bytes
 from polyengine.models import load_model
 
 path, backend, mode, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -33,9 +34,7 @@ load = time.perf_counter() - t0
 t1 = time.perf_counter()
 out = llm.generate(["The quick brown fox"], pe.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
 rate = tokens / (time.perf_counter() - t1)
-with open("/proc/self/status") as f:
-    peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) // 1024
-print(json.dumps({"load_s": load, "tok_s": rate, "peak_mib": peak, "tokens": out[0].outputs[0].token_ids,
+print(json.dumps({"load_s": load, "tok_s": rate, "peak_mib": peak_rss_bytes() >> 20, "tokens": out[0].outputs[0].token_ids,
                   "weights": llm.engine.speed_paths().get("weights", "")}))
 """
 

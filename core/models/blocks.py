@@ -181,14 +181,6 @@ _SPLIT = {"Q8_0": _sp_q8_0, "Q4_0": _sp_q4_0, "Q4_1": _sp_q4_1, "Q5_0": _sp_q5_0
           "Q4_K": _sp_q4_k, "Q5_K": _sp_q5_k, "Q6_K": _sp_q6_k}
 
 
-def _raw_blocks(fmt: str, raw: np.ndarray) -> np.ndarray:
-    f = FORMATS[fmt]
-    raw = np.asarray(raw, dtype=np.uint8)
-    if raw.ndim != 2 or raw.shape[1] != f.nbytes:
-        raise ValueError(f"{fmt} blocks are (n, {f.nbytes}) bytes, got shape {raw.shape}")
-    return raw
-
-
 def split_raw(fmt: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``(n_blocks, nbytes)`` uint8 blocks of ``fmt`` -> ``values`` int8 ``(n, block)``,
     ``scale`` float64 ``(n, block / GROUP[fmt])`` and ``offset`` (the same shape, for
@@ -196,7 +188,11 @@ def split_raw(fmt: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     offset[g]`` for its group ``g = j // GROUP[fmt]``. Every value is exact: a scale is an
     f16 times a 6- or 8-bit integer (at most 19 significant bits), an offset one such
     product (a K format's ``-dmin m``)."""
-    return _SPLIT[fmt](_raw_blocks(fmt, raw))
+    f = FORMATS[fmt]
+    raw = np.asarray(raw, dtype=np.uint8)
+    if raw.ndim != 2 or raw.shape[1] != f.nbytes:
+        raise ValueError(f"{fmt} blocks are (n, {f.nbytes}) bytes, got shape {raw.shape}")
+    return _SPLIT[fmt](raw)
 
 
 def dequantize_blocks(fmt: str, raw: np.ndarray, dtype=np.float64) -> np.ndarray:
