@@ -182,6 +182,24 @@ def test_batched_prefill_on_the_ray_engine(cluster, model, single_process):
 
 
 @pytest.mark.slow
+def test_batched_prefill_rule_on_the_ray_engine(cluster, pytester, tmp_path):
+    """The conformance suite's prefill_batch rule (18g) and its differential programs (the
+    driver batching a step's pieces) on the Ray engine with option batched_prefill=on,
+    where prefill_batch is one call of the workers' engines."""
+    from differential_report import SHAPE_MODELS_ONLY
+
+    report = tmp_path / "ray-batched.json"
+    rec = pytester.inline_run("--pyargs", "polyengine.conformance", "--polyengine-backend", "tpu_jax_ray",
+                              "--polyengine-option", "batched_prefill=on", "-p", "no:cacheprovider",
+                              "--polyengine-report-json", str(report), "--polyengine-differential-examples", "4",
+                              "-k", f"(test_prefill_batch or test_differential) and {SHAPE_MODELS_ONLY}")
+    failed = [r.nodeid for r in rec.getreports("pytest_runtest_logreport") if r.failed]
+    assert not failed, failed
+    ran = [t["id"] for t in json.loads(report.read_text())["tests"] if t["status"] == "passed"]
+    assert any(i.startswith("test_prefill_batch") for i in ran) and any(i.startswith("test_differential") for i in ran)
+
+
+@pytest.mark.slow
 def test_on_tpu_hosts_each_worker_takes_one_hosts_chips(cluster, model, single_process):
     """Two nodes carrying Ray's ``TPU`` resource (4 chips each, as a TPU VM registers
     them) join the simulated cluster: the engine places exactly one worker on each,
