@@ -205,10 +205,12 @@ _SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 
 
 # What each backend's server needs beyond the common flags. neuron compiles a graph per
 # static shape: one prefill bucket and one attention length (whole prompts, no prefix
-# cache) make its server's warm-up two graphs instead of the default's dozen.
+# cache), without batched prefill's graphs, make its server's warm-up two graphs instead of the
+# default's dozen.
 _SERVE_FLAGS = {
     "reference": [], "cpu": [], "tpu_jax": [],
-    "neuron": ["--prefill-buckets", "1024", "--option", "seq_buckets=[1024]", "--prefill-chunk", "0"],
+    "neuron": ["--prefill-buckets", "1024", "--option", "seq_buckets=[1024]", "--option", "batched_prefill=off",
+               "--prefill-chunk", "0"],
 }
 
 

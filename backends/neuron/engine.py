@@ -33,12 +33,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, ResultTokens
+from polyengine.engine import Capabilities, EngineBase, EngineConfig, Prefix, PrefillRequest, ResultTokens
 from polyengine.errors import InvalidRequest, UnsupportedFeature
 from polyengine.models import Model
 from polyengine.models.config import ARCHITECTURES
@@ -142,6 +142,14 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                                      "tensor parallelism splits the model over NeuronCores (compiler='neuronx')")
         self.device = self._describe(self.compiler, o["tp_degree"])
         self.tokens_per_step = o["speculation"]
+        if o["batched_prefill"] == "on" and self.compiler == "neuronx":
+            raise UnsupportedFeature("batched prefill (option batched_prefill='on') on Neuron devices", self.name,
+                                     "the NxD program's context encoding takes one prompt a call; leave "
+                                     "batched_prefill 'auto' (off there) or use the CPU compile path",
+                                     field="options.batched_prefill")
+        # batch sizes of the context-encoding graphs of several prompts (option batched_prefill)
+        self.prefill_batch_sizes = () if o["batched_prefill"] == "off" or self.compiler == "neuronx" else (
+            (2, 4) if config.max_slots > 2 else (2,))
         if o["page_size"] and self.compiler == "neuronx":
             raise UnsupportedFeature(f"the block KV layout (option page_size={o['page_size']}) on Neuron devices",
                                      self.name, "the NxD program keeps a contiguous cache row per seq_id; page_size "
@@ -160,6 +168,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             prefix_truncate=self.compiler != "neuronx",
             portable_prefix_tail=True,  # paged: the head's blocks shared; contiguous: the kit's copy
             page_size=o["page_size"],
+            batched_prefill=bool(self.prefill_batch_sizes),
         )
 
     @staticmethod
@@ -215,6 +224,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         if self.pages is not None:  # the same graphs over the block pools
             decode = ("decode", "draft") if self.draft else ("decode",)
             for base in [*(("context", p) for p in b.prefill), *(("continuation", q, p) for q, p in b.continuations),
+                         *(("context_batch", n, p) for n in self.prefill_batch_sizes for p in b.prefill),
                          *((kind, batch, kv) for batch in b.batch for kv in b.seq for kind in decode)]:
                 self._paged_graph(base)
             return
@@ -223,6 +233,11 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             key = self._key("context", c, {"prompt": p, "positions": b.cache})
             self._get(("context", p), key, ContextEncoding.aliases, lambda p=p: (
                 ContextEncoding(c, self._names, p, inplace=eager), self._context_args(p)))
+        for n in self.prefill_batch_sizes:
+            for p in b.prefill:
+                key = self._key("context", c, {"prompt": p, "positions": b.cache, "batch": n})
+                self._get(("context_batch", n, p), key, ContextEncoding.aliases, lambda p=p, n=n: (
+                    ContextEncoding(c, self._names, p, inplace=eager, batch=n), self._context_args(p, n)))
         for q, p in b.continuations:
             key = self._key("continuation", c, {"prefix": q, "prompt": p, "positions": b.cache})
             self._get(("continuation", q, p), key, ContextContinuation.aliases, lambda q=q, p=p: (
@@ -291,14 +306,15 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         common = {"positions": self.buckets.cache, "blocks": blocks, "block_size": ps}
         weights = tuple(self._weights.tensors[n] for n in self._names)
 
-        def prompt_args(p: int) -> tuple:  # the padded prompt, its last position, its slot mapping
-            return torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1]), torch.zeros(p, dtype=torch.int64)
+        def prompt_args(p: int, n: int = 1) -> tuple:  # the padded prompts, their last positions, their slot mapping
+            return (*self._context_args(p, n)[1:], torch.zeros(n * p, dtype=torch.int64))
 
-        if base[0] == "context":
-            p = base[1]
-            self._get(name, self._key("paged_context", c, {"prompt": p, **common}), PagedContextEncoding.aliases,
-                      lambda: (PagedContextEncoding(c, self._names, p, inplace=eager),
-                               (weights, self._pool_like(c, blocks), self._pool_like(c, blocks), *prompt_args(p))))
+        if base[0] in ("context", "context_batch"):
+            n, p = (1, base[1]) if base[0] == "context" else base[1:]
+            bucket = {"prompt": p, **common, **({"batch": n} if n > 1 else {})}
+            self._get(name, self._key("paged_context", c, bucket), PagedContextEncoding.aliases,
+                      lambda: (PagedContextEncoding(c, self._names, p, inplace=eager, batch=n),
+                               (weights, self._pool_like(c, blocks), self._pool_like(c, blocks), *prompt_args(p, n))))
         elif base[0] == "continuation":
             q, p = base[1:]
             self._get(name, self._key("paged_continuation", c, {"prefix": q, "prompt": p, **common}),
@@ -331,9 +347,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         return replace(prefix, kv=seq, prompt_tokens=prefix.prompt_tokens[:length],
                        nbytes=self.kv_bytes(len(seq.pages) * self.pages.page_size))
 
-    def _context_args(self, p: int) -> tuple:
-        return (tuple(self._weights.tensors[n] for n in self._names), torch.zeros((1, p), dtype=torch.int64),
-                torch.tensor([p - 1]))
+    def _context_args(self, p: int, batch: int = 1) -> tuple:
+        return (tuple(self._weights.tensors[n] for n in self._names), torch.zeros((batch, p), dtype=torch.int64),
+                torch.full((batch,), p - 1))
 
     def _no_masks(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The mask inputs of a step without masks: every token allowed, no slot masked."""
@@ -359,6 +375,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         """A graph's program and bucket, in words."""
         if name[0] == "context":
             return "context_encoding", f"prompt {name[1]}"
+        if name[0] == "context_batch":
+            return "context_encoding", f"batch {name[1]}, prompt {name[2]}"
         if name[0] == "nxd_model":
             b = self.buckets
             return "nxd_model", f"every graph: prompts {list(b.prefill)}, batch {list(b.batch)}, kv {list(b.seq)}"
@@ -501,6 +519,82 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                         first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id, token_mask=mask,
                         nbytes=self.kv_bytes(len(seq.pages) * self.pages.page_size))
         return prefix, first
+
+    # -- batched prefill (option batched_prefill) ---------------------------------------------
+
+    @torch.no_grad()
+    def prefill_batch(self, *, params: TorchWeights,
+                      requests: Sequence[PrefillRequest]) -> list[tuple[Prefix, ResultTokens]]:
+        """Fresh prompts (no ``existing_prefix``) of one prefill bucket run together in the
+        context-encoding graph of 4 or 2 rows (as many fours as fit, then a two; no pad
+        rows, so a paged graph writes only the entries' own blocks); an entry left alone
+        and every continuation run as their own ``prefill``. Every entry is checked before
+        any work; if a later part fails (a bounded pool that runs out), the prefixes made
+        before it are released. Without capability ``batched_prefill``: the kit's loop."""
+        if not self.capabilities.batched_prefill:
+            return EngineBase.prefill_batch(self, params=params, requests=requests)
+        checked = self.check_prefill_batch(requests)
+        groups: dict[int, list[int]] = {}
+        for i, (req, (toks, _, _, _)) in enumerate(zip(requests, checked)):
+            if req.existing_prefix is None:
+                groups.setdefault(self.buckets.prompt(toks.size), []).append(i)
+        parts = [(p, members[at: at + n]) for p, members in groups.items()
+                 for at, n in _split(len(members), self.prefill_batch_sizes)]
+        done: dict[int, tuple[Prefix, ResultTokens]] = {}
+        try:
+            for p, part in parts:
+                done.update(zip(part, self._prefill_rows(params, p, [checked[i] for i in part])))
+            for i, (req, (toks, sampling, _, mask)) in enumerate(zip(requests, checked)):
+                if i not in done:
+                    done[i] = self.prefill(params=params, tokens=toks, sampling=sampling,
+                                           existing_prefix=req.existing_prefix, token_mask=mask)
+        except BaseException:
+            for prefix, _ in done.values():
+                if isinstance(prefix.kv, PageList):
+                    prefix.kv.release()
+            raise
+        return [done[i] for i in range(len(requests))]
+
+    def _prefill_rows(self, params: TorchWeights, p: int, rows: list) -> list[tuple[Prefix, ResultTokens]]:
+        """Fresh prompts ``rows`` (checked entries) of bucket ``p`` in one context-encoding
+        graph of ``len(rows)`` rows: each row's prefix and first token, as its own prefill
+        gives them."""
+        n = len(rows)
+        padded, last = torch.zeros((n, p), dtype=torch.int64), torch.tensor([toks.size - 1 for toks, _, _, _ in rows])
+        for r, (toks, _, _, _) in enumerate(rows):
+            padded[r, : toks.size] = torch.from_numpy(toks.astype(np.int64))
+        weights = tuple(params.tensors[name] for name in self._names)
+        if self.pages is None:
+            logits, k, v = self.graphs[("context_batch", n, p)](weights, padded, last)
+            kvs = [(k[:, r, :, : toks.size].clone(), v[:, r, :, : toks.size].clone())
+                   for r, (toks, *_) in enumerate(rows)]
+            nbytes = [self.kv_bytes(toks.size) for toks, *_ in rows]
+        else:
+            kvs = []
+            try:
+                for toks, *_ in rows:
+                    kvs.append(PageList.continuing(self.pages, None))
+                    kvs[-1].prepare_write(0, toks.size, lambda src, dst: None)  # fresh blocks: nothing to copy
+            except BaseException:  # a bounded pool ran out: nothing was written
+                for seq in kvs:
+                    seq.release()
+                raise
+            slots = torch.cat([slot_mapping(seq, 0, toks.size, p) for seq, (toks, *_) in zip(kvs, rows)])
+
+            def run() -> torch.Tensor:
+                k_pool, v_pool = self._paged.tensors
+                (out,) = self._paged_graph(("context_batch", n, p))(weights, k_pool, v_pool, padded, last, slots)
+                return out
+
+            logits = self._on_worker(run)
+            nbytes = [self.kv_bytes(len(seq.pages) * self.pages.page_size) for seq in kvs]
+        out = []
+        for r, ((toks, sampling, _, mask), kv) in enumerate(zip(rows, kvs)):
+            first = self._first_tokens(logits[r], toks, sampling, mask)
+            out.append((Prefix(kv=kv, logits=logits[r], prompt_tokens=toks, sampling=sampling, backend=self.name,
+                               first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id,
+                               token_mask=mask, nbytes=nbytes[r]), first))
+        return out
 
     @staticmethod
     def _padded(kv: torch.Tensor, bucket: int) -> torch.Tensor:
@@ -687,6 +781,17 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         return Prefix(kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling,
                       backend=self.name, first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id,
                       nbytes=nbytes)
+
+
+def _split(count: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``count`` entries as consecutive (start, size) parts of the batch ``sizes``, largest
+    first (7 of (2, 4): 4 + 2 + 1); a part of 1 runs as its own prefill."""
+    parts, at = [], 0
+    for size in sorted(sizes, reverse=True):
+        while count - at >= size:
+            parts.append((at, size))
+            at += size
+    return parts
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> NeuronEngine:

@@ -9,10 +9,12 @@ engine's host bookkeeping, files or compilers (:mod:`.compile` does those).
 
 Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
 
-``ContextEncoding(config, names, bucket, linear=None, inplace=False)``
-    ``(weights, tokens (1, P), last (1,))`` -> ``logits (1, V)`` float32 at ``last``,
-    ``k, v (L, 1, kv_heads, P, head_dim)``: the prompt's K/V (pad positions after the
-    prompt hold garbage the engine slices off; causal attention keeps them invisible).
+``ContextEncoding(config, names, bucket, linear=None, inplace=False, batch=1)``
+    ``(weights, tokens (B, P), last (B,))`` -> ``logits (B, V)`` float32 at each row's
+    ``last``, ``k, v (L, B, kv_heads, P, head_dim)``: the prompts' K/V (pad positions
+    after a prompt hold garbage the engine slices off; causal attention keeps them
+    invisible). ``B`` > 1 is a batched prefill of ``B`` prompts of one bucket, each row
+    attending only to itself (option ``batched_prefill``).
 
 ``ContextContinuation(config, names, prefix_bucket, bucket, inplace=False)``
     A prompt continuing a prefix (``existing_prefix``), one graph per (prefix bucket
@@ -95,18 +97,19 @@ class ContextEncoding(torch.nn.Module):
 
     aliases: tuple[tuple[int, int], ...] = ()  # (input index, output index) updated in place
 
-    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, linear=None, inplace: bool = False):
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, linear=None, inplace: bool = False,
+                 batch: int = 1):
         super().__init__()
-        self.config, self.names, self.bucket = config, names, bucket
+        self.config, self.names, self.bucket, self.batch = config, names, bucket, batch
         self.spec = StepSpec(linear=linear, inplace=inplace)
 
     def forward(self, weights, tokens, last):
         c = self.config
         w = _weights(c, self.names, weights)
-        shape = (c.num_hidden_layers, 1, c.num_key_value_heads, self.bucket, c.head_dim)
+        shape = (c.num_hidden_layers, self.batch, c.num_key_value_heads, self.bucket, c.head_dim)
         k = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
         v = torch.zeros(shape, dtype=w.dtype, device=tokens.device)
-        positions = torch.arange(self.bucket, device=tokens.device)[None]  # (1, P)
+        positions = torch.arange(self.bucket, device=tokens.device)[None].expand(self.batch, -1)  # (B, P)
         logits, k, v = forward(w, self.spec, tokens, positions, k, v, rows=None, logits_at=last)
         return logits.float(), k, v
 
@@ -236,15 +239,18 @@ class TokenGeneration(torch.nn.Module):
 
 def write_slots(pool: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor, last: torch.Tensor,
                 inplace: bool) -> torch.Tensor:
-    """Write a prompt's K or V ``new`` (L, 1, kv_heads, P, head_dim) into a block pool
-    (L, blocks, kv_heads, block_size, head_dim) through ``slot_mapping`` (P,): position
-    ``i`` goes to block ``slot // block_size``, offset ``slot % block_size``. Pad positions
-    (after ``last``) carry the last prompt position's slot and take its value, so the
-    duplicates write the same bits (a scatter's duplicates have no defined order)."""
+    """Write ``B`` prompts' K or V ``new`` (L, B, kv_heads, P, head_dim) into a block pool
+    (L, blocks, kv_heads, block_size, head_dim) through ``slot_mapping`` (B * P,): row
+    ``b``'s position ``i`` goes to block ``slot // block_size``, offset ``slot %
+    block_size`` of entry ``b * P + i``. Pad positions (after the row's ``last``) carry
+    its last prompt position's slot and take its value, so the duplicates write the same
+    bits (a scatter's duplicates have no defined order); rows never share a slot."""
     layers, _, heads, size, _ = pool.shape
     dev = pool.device
-    src = torch.arange(new.shape[3], device=dev).clamp(max=last[0])  # (P,)
-    values = new[:, 0].index_select(2, src).permute(0, 2, 1, 3).to(pool.dtype)  # (L, P, kv_heads, head_dim)
+    rows, p = new.shape[1], new.shape[3]
+    src = torch.minimum(torch.arange(p, device=dev)[None], last[:, None])  # (B, P)
+    flat = (torch.arange(rows, device=dev)[:, None] * p + src).reshape(-1)  # (B * P,) into B * P positions
+    values = new.permute(0, 1, 3, 2, 4).reshape(layers, rows * p, heads, -1).index_select(1, flat).to(pool.dtype)
     idx = (torch.arange(layers, device=dev)[:, None, None], (slot_mapping // size)[None, :, None],
            torch.arange(heads, device=dev)[None, None, :], (slot_mapping % size)[None, :, None])
     if inplace:
@@ -261,14 +267,15 @@ def read_blocks(pool: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.
 
 
 class PagedContextEncoding(ContextEncoding):
-    """Context encoding into the block pools: ``(weights, k_pool, v_pool, tokens (1, P),
-    last (1,), slot_mapping (P,))`` -> ``logits (1, V)``; the pools updated in place (NxD's
-    context encoding writing the block KV cache through its slot mapping)."""
+    """Context encoding into the block pools: ``(weights, k_pool, v_pool, tokens (B, P),
+    last (B,), slot_mapping (B * P,))`` -> ``logits (B, V)``; the pools updated in place
+    (NxD's context encoding writing the block KV cache through its slot mapping)."""
 
     aliases = ((1, 1), (2, 2))
 
-    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, inplace: bool = False):
-        super().__init__(config, names, bucket, inplace=inplace)
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, inplace: bool = False,
+                 batch: int = 1):
+        super().__init__(config, names, bucket, inplace=inplace, batch=batch)
         self.inplace = inplace
 
     def forward(self, weights, k_pool, v_pool, tokens, last, slot_mapping):

@@ -45,6 +45,11 @@ OPTIONS = {
     "kv_pages": Option(0, "with page_size: the blocks the K/V of slots and prefixes share (0: as many as they use, "
                           "the pool's graphs compiled again for each size it grows to); the driver admits requests "
                           "by free blocks", minimum=0),
+    # Several prompts of one bucket in one context-encoding graph (docs/neuron.md, "Batched prefill")
+    "batched_prefill": Option("auto", "prefill_batch's fresh prompts in one context-encoding graph per bucket, 2 or "
+                                      "4 at a time (capability batched_prefill): 'on', 'off', or 'auto' (on for the "
+                                      "CPU compile path; the Neuron path's NxD program encodes one prompt a call)",
+                              choices=("auto", "on", "off")),
     "tp_degree": Option(1, "NeuronCores the model is split over (tensor parallel, as NxD splits it); neuronx only",
                         minimum=1),
 }
