@@ -21,10 +21,6 @@ the fallback every path has, tested beside the kernels.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import mmap
-import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -93,39 +89,13 @@ class BlockMatrix:
         return (self.offsets[idx] if self.offsets is not None else idx * self.ldw).astype(np.int64)
 
 
-_MADV_DONTNEED = 4  # Linux
-
-
-@functools.cache
-def _madvise():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise
-
-
 def release_pages(blocks: BlockMatrix) -> int:
-    """Drop the pages of ``blocks``' rows from this process's resident memory, once a
+    """Drop the pages of ``blocks``' record from this process's resident memory, once a
     repacked copy serves its products (option repack_weights): the file's pages stay in
     the page cache and fault back in if read again (an embedding lookup of a tied table
-    reads a few rows). Only whole pages inside the rows' span; Linux only (elsewhere, and
-    for memory not mapped from a file, nothing is done). Returns the bytes released."""
-    base = blocks.weight.data
-    while base is not None and not isinstance(base, mmap.mmap):  # the views' chain down to the file's map
-        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-    if not sys.platform.startswith("linux") or base is None:
-        return 0
-    if blocks.offsets is None:
-        lo, hi = blocks.base, blocks.base + blocks.n * blocks.ldw
-    else:
-        lo = blocks.base + int(blocks.offsets.min())
-        hi = blocks.base + int(blocks.offsets.max()) + blocks.row_bytes
-    page = mmap.PAGESIZE
-    lo, hi = -(-lo // page) * page, hi // page * page
-    if hi <= lo:
-        return 0
-    if _madvise()(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
-        return 0
-    return hi - lo
+    reads a few rows). :meth:`polyengine.models.weights.Weight.release_pages`; returns
+    the bytes released."""
+    return blocks.weight.release_pages()
 
 
 # Model -> its matrices repacked (option repack_weights), by weight name: every engine of

@@ -75,11 +75,15 @@ class Model:
     def weight(self, name: str, formats: tuple[str, ...] = FLOAT_FORMATS) -> Weight:
         """Weight ``name`` in one of ``formats`` (a backend's ``Capabilities.weight_formats``):
         its record when stored in one of them, else its float32 conversion (exact; made
-        now, for this tensor alone, and not kept)."""
+        now, for this tensor alone, and not kept), after which the record's file pages
+        leave the process's resident memory (:meth:`Weight.release_pages`: the conversion
+        is what the caller reads; the record reads back from the file if asked again)."""
         record = self.weights.record(name)
         if record.format in formats:
             return record
-        return Weight.from_array(record.to_float(np.float32), source=self.source, name=name)
+        converted = Weight.from_array(record.to_float(np.float32), source=self.source, name=name)
+        record.release_pages()
+        return converted
 
     def require(self, names) -> None:
         """Raise what reading each of ``names`` would raise (a released weight says why),
@@ -208,7 +212,14 @@ class Weights(Mapping[str, np.ndarray]):
             raise
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self.record(name).to_float()
+        """The float array of ``name``: a float32/float16 record as it is, any other
+        converted now, after which the record's file pages leave the process's resident
+        memory (:meth:`Weight.release_pages`; they read back from the file if asked again)."""
+        record = self.record(name)
+        out = record.to_float()
+        if not np.may_share_memory(out, record.data):
+            record.release_pages()
+        return out
 
     def get(self, name: str, default=None):
         return self[name] if name in self.records else default

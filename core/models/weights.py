@@ -23,7 +23,11 @@ package, in float32 (so not exactly for a float64 caller; said in docs/models.md
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +36,7 @@ from polyengine.errors import WeightsError
 from polyengine.models.blocks import FLOAT_FORMATS, FORMATS, Format, dequantize_blocks
 from polyengine.models.metadata import require_finite
 
-__all__ = ["Weight", "format_info"]
+__all__ = ["Weight", "format_info", "release_mapped"]
 
 # Rows converted at a time: about 2 MiB per float64 temporary, whatever the tensor.
 _CHUNK_ELEMENTS = 1 << 18
@@ -203,9 +207,50 @@ class Weight:
                     values = self.to_float(np.float32)  # a block format's conversion raises here
                 require_finite(values, file=self.source, tensor=self.name or None)
 
+    def release_pages(self) -> int:
+        """Drop the pages of this record's bytes from the process's resident memory, once
+        a copy of them (a conversion, a backend's own form) is what is read: the file's
+        pages stay in the page cache and fault back in if the record is read again, so
+        this changes memory, never values (:func:`release_mapped`). Returns the bytes
+        released (0 for a record not mapped from a file, or off Linux)."""
+        return release_mapped(self.data)
+
     def bytes_for_hash(self):
         """The raw data, chunk by chunk, in the tensor's row order (for fingerprints)."""
         rows = self.rows()
         step = max(1, (1 << 22) // max(rows.strides[0] if rows.ndim else 1, 1))
         for r in range(0, rows.shape[0], step):
             yield memoryview(np.ascontiguousarray(rows[r: r + step])).cast("B")
+
+
+_MADV_DONTNEED = 4  # Linux's value
+
+
+@functools.cache
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def release_mapped(data: np.ndarray) -> int:
+    """``madvise(MADV_DONTNEED)`` on the whole pages inside the span of ``data``, a view
+    (strided, permuted rows included) of a file's memory map: those pages leave the
+    process's resident memory and read back from the file's page cache when touched
+    (the map is private and read-only, so nothing is lost). Pages ``data`` shares with
+    its neighbours at either end stay. Linux only; for memory not mapped from a file,
+    nothing is done. Returns the bytes released."""
+    base = data
+    while base is not None and not isinstance(base, mmap.mmap):  # the views' chain down to the file's map
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if not sys.platform.startswith("linux") or base is None or data.size == 0:
+        return 0
+    start = data.ctypes.data
+    lo = start + sum((n - 1) * st for n, st in zip(data.shape, data.strides) if st < 0)
+    hi = start + sum((n - 1) * st for n, st in zip(data.shape, data.strides) if st > 0) + data.itemsize
+    page = mmap.PAGESIZE
+    lo, hi = -(-lo // page) * page, hi // page * page
+    if hi <= lo or _madvise()(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+        return 0
+    return hi - lo
+
