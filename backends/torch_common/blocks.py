@@ -74,8 +74,10 @@ def pack_matrix(weight: Weight, name: str, *, device: torch.device, dtype: torch
                 force_int8: bool = False) -> dict[str, torch.Tensor]:
     """A block matrix (a record as stored, from ``Model.weight``) in its device form, as
     ``TorchWeights.tensors`` entries under ``name``. ``force_int8``: the int8 form even
-    where the int4 op runs (tests compare the two)."""
+    where the int4 op runs (tests compare the two). The record's file pages then leave
+    the process's resident memory (:meth:`Weight.release_pages`): the form is what is read."""
     values, scale, offset = split_blocks(weight)
+    weight.release_pages()
     if not force_int8 and int4_runs(weight.format, weight.shape, device, dtype):
         q = values.astype(np.int32) + (8 if weight.format == "Q4_0" else 0)  # [0, 15]
         zero = np.zeros_like(scale) if offset is None else offset + np.float32(8) * scale

@@ -247,20 +247,29 @@ class TpuJaxEngine(EngineBase):
                 host[prefix + ".cos"], host[prefix + ".sin"] = cos, sin
             if mode:  # the core's quantizer; an exclusive Model releases the floats they replace
                 host.update(quantize_model(self.model, mode))
-            for name, source in self._blocks.items():  # a file's blocks, as stored, one tensor at a time
-                host.update(block_arrays(self.model.weight(source, WEIGHT_FORMATS), name))
-            dtype = steps.JAX_DTYPES[self.dtype]
-            params = {}
-            for name, arr in host.items():
-                if arr.dtype.kind == "f" and not name.endswith((".scale", ".offset")):
-                    arr = np.asarray(arr, dtype=dtype)
-                params[name] = self.plan.put(arr, param_axes(name, arr.ndim))
+            params: dict[str, jax.Array] = {}
+            self._put_params(params, host)
+            del w, host
+            # a file's blocks, as stored, one tensor at a time: each matrix's arrays go to
+            # the mesh and their host copies (and the record's file pages) go before the next
+            for name, source in self._blocks.items():
+                self._put_params(params, block_arrays(self.model.weight(source, WEIGHT_FORMATS), name))
             self._params = params
             self._report("after weights load")
             if self.options["warmup"]:
                 with compiling("every program of this engine (option warmup)", first_run=False):
                     self.warmup()
         return self._params
+
+    def _put_params(self, params: dict, host: dict) -> None:
+        """``host``'s arrays onto the mesh into ``params`` (floats in the compute dtype,
+        scales and offsets in float32), emptying ``host`` as they go."""
+        dtype = steps.JAX_DTYPES[self.dtype]
+        while host:
+            name, arr = host.popitem()
+            if arr.dtype.kind == "f" and not name.endswith((".scale", ".offset")):
+                arr = np.asarray(arr, dtype=dtype)
+            params[name] = self.plan.put(arr, param_axes(name, arr.ndim))
 
     def _report(self, when: str) -> None:
         report = memory_report(list(self.plan.mesh.devices.flat))

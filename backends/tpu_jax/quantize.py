@@ -56,12 +56,14 @@ KV_MODES = ("", "int8")
 
 def block_arrays(weight, name: str) -> dict:
     """A 2-D GGUF record in a block format (as stored) as this backend's host arrays
-    under ``name`` (see the module docstring); NumPy, one tensor at a time."""
+    under ``name`` (see the module docstring); NumPy, one tensor at a time. The record's
+    file pages then leave the process's resident memory (``Weight.release_pages``)."""
     import numpy as np
 
     from polyengine.models.int_blocks import FOUR_BIT_FORMATS, split_blocks
 
     values, scale, offset = split_blocks(weight)
+    weight.release_pages()
     if weight.format in FOUR_BIT_FORMATS:
         q = (values + np.int8(8) if weight.format == "Q4_0" else values).astype(np.uint8)  # [0, 15]
         out = {name + ".qweight4": q[:, 0::2] | (q[:, 1::2] << 4), name + ".scale": scale}
