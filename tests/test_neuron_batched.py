@@ -3,8 +3,9 @@ docs/neuron.md, "Batched prefill"): fresh prompts of one prefill bucket in one
 context-encoding graph of 2 or 4 rows, each entry getting what its own ``prefill``
 gives (logits within float32 rounding, the same first token, K/V that decode the same
 tokens), on the contiguous cache and on pages; the parts a batch splits into; a bounded
-pool that runs out part way gives every block back; ``off`` and the Neuron path leave
-the kit's loop (``on`` there is refused before anything compiles).
+pool that runs out part way gives every block back; ``off`` leaves the kit's loop; on
+the Neuron path (the stand-in) ``auto`` is off and ``on`` adds the batched models to the
+NxD program, where each entry gets what its own prefill gives.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from polyengine import EngineConfig, SamplingParams  # noqa: E402
-from polyengine.backends.neuron.compile import COUNTS  # noqa: E402
 from polyengine.backends.neuron.engine import NeuronEngine, _split  # noqa: E402
 from polyengine.engine import PrefillRequest  # noqa: E402
-from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature  # noqa: E402
+from polyengine.errors import InsufficientMemory, InvalidRequest  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64, dtype="float32",
@@ -32,6 +32,24 @@ LENGTHS = (5, 11, 7, 3, 20, 9, 14, 6)  # bucket 8: 5, 7, 3, 6; bucket 24: 11, 20
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("random:tiny-gqa")
+
+
+@pytest.fixture
+def standin(monkeypatch, tmp_path):
+    """torch_neuronx and neuronx_distributed from tests/neuron_standin (removed afterwards);
+    yields a folder for artifact caches."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(STANDIN))
+    import neuronx_distributed.trace.model_builder as mb
+
+    save, load = torch.jit.save, torch.jit.load
+    monkeypatch.setattr(torch.jit, "save", lambda obj, f, *a, **k: mb.save(obj, f) if isinstance(obj, mb.Executor)
+                        else save(obj, f, *a, **k))
+    monkeypatch.setattr(torch.jit, "load", lambda f, *a, **k: mb.load(f) or load(f, *a, **k))
+    yield tmp_path
+    for name in [m for m in sys.modules if m.split(".")[0] in ("torch_neuronx", "neuronx_distributed")]:
+        del sys.modules[name]
 
 
 def _engine(model, **options):
@@ -131,11 +149,24 @@ def test_off_and_two_slots(tiny):
     assert two.prefill_batch_sizes == (2,)
 
 
-def test_the_neuron_path_refuses_on_and_leaves_auto_off(tiny, monkeypatch):
-    """On Neuron devices (compiler='neuronx', here through tests/neuron_standin) the NxD
-    program encodes one prompt a call: 'on' is refused before anything compiles."""
-    monkeypatch.syspath_prepend(str(STANDIN))
-    compiled = COUNTS["compiled"]
-    with pytest.raises(UnsupportedFeature, match="batched_prefill='on'.*Neuron devices"):
-        _engine(tiny, compiler="neuronx", batched_prefill="on")
-    assert COUNTS["compiled"] == compiled
+def test_the_neuron_path_leaves_auto_off_and_runs_on_by_construction(tiny, standin):
+    """On Neuron devices (compiler='neuronx', here through tests/neuron_standin) "auto"
+    builds no batched models; "on" adds context models of 2 and 4 rows to the NxD program
+    (the call's shapes pick one), and each entry gets what its own prefill gives."""
+    auto = _engine(tiny, compiler="neuronx", cache_dir=str(standin / "a"))
+    assert not auto.capabilities.batched_prefill and auto.prefill_batch_sizes == ()
+    eng = _engine(tiny, compiler="neuronx", cache_dir=str(standin / "b"), batched_prefill="on")
+    assert eng.capabilities.batched_prefill and eng.on_device.description()["prefill_batch"] == [2, 4]
+    assert {f"context_{n}x{p}" for n in (2, 4) for p in (8, 24)} <= set(eng.on_device.spec().models)
+    from neuronx_distributed._device import RECORD
+
+    params = eng.load_params()
+    reqs = _requests()
+    RECORD.clear()
+    batch = eng.prefill_batch(params=params, requests=reqs)
+    assert sorted(c["model"] for c in RECORD.calls) == ["context_4x24", "context_4x8"]  # one call per bucket
+    single = [eng.prefill(params=params, tokens=r.tokens, sampling=r.sampling) for r in reqs]
+    for i, ((got, got_first), (want, want_first)) in enumerate(zip(batch, single)):
+        np.testing.assert_allclose(got.logits.numpy(), want.logits.numpy(), rtol=1e-5, atol=1e-5, err_msg=f"entry {i}")
+        assert int(got_first.tokens[0, 0]) == int(want_first.tokens[0, 0]), i
+    assert _decoded(eng, params, [p for p, _ in batch]) == _decoded(eng, params, [p for p, _ in single])

@@ -123,7 +123,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                 weights=self._weights, names=self._names, draft=self.draft, draft_names=self._draft_names,
                 buckets=self.buckets, max_slots=config.max_slots, max_cache_length=config.max_cache_length,
                 tokens_per_step=k, num_top=self.num_top, neutral=self._neutral, no_masks=self._no_masks, dtype=self.dtype,
-                tp=o["tp_degree"])
+                tp=o["tp_degree"], prefill_batch=self.prefill_batch_sizes)
         self._live: NeuronDecodeState | None = None  # on Neuron, the decode state that owns the device's cache
         self.graphs: dict[tuple, CompiledGraph] = {}
         self._built: dict[tuple, tuple[str, float]] = {}  # graph name -> (where this engine got it, seconds)
@@ -142,14 +142,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                                      "tensor parallelism splits the model over NeuronCores (compiler='neuronx')")
         self.device = self._describe(self.compiler, o["tp_degree"])
         self.tokens_per_step = o["speculation"]
-        if o["batched_prefill"] == "on" and self.compiler == "neuronx":
-            raise UnsupportedFeature("batched prefill (option batched_prefill='on') on Neuron devices", self.name,
-                                     "the NxD program's context encoding takes one prompt a call; leave "
-                                     "batched_prefill 'auto' (off there) or use the CPU compile path",
-                                     field="options.batched_prefill")
-        # batch sizes of the context-encoding graphs of several prompts (option batched_prefill)
-        self.prefill_batch_sizes = () if o["batched_prefill"] == "off" or self.compiler == "neuronx" else (
-            (2, 4) if config.max_slots > 2 else (2,))
+        # batch sizes of the context-encoding graphs of several prompts (option batched_prefill;
+        # "auto" leaves them out of the NxD program, where they are built by construction only)
+        batched = o["batched_prefill"] == "on" or (o["batched_prefill"] == "auto" and self.compiler != "neuronx")
+        self.prefill_batch_sizes = ((2, 4) if config.max_slots > 2 else (2,)) if batched else ()
         if o["page_size"] and self.compiler == "neuronx":
             raise UnsupportedFeature(f"the block KV layout (option page_size={o['page_size']}) on Neuron devices",
                                      self.name, "the NxD program keeps a contiguous cache row per seq_id; page_size "
@@ -564,8 +560,11 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         for r, (toks, _, _, _) in enumerate(rows):
             padded[r, : toks.size] = torch.from_numpy(toks.astype(np.int64))
         weights = tuple(params.tensors[name] for name in self._names)
-        if self.pages is None:
-            logits, k, v = self.graphs[("context_batch", n, p)](weights, padded, last)
+        if self.pages is None:  # (the Neuron path has no pages)
+            if self.on_device is not None:  # the NxD program's model of n rows: its inputs' shapes pick it
+                logits, k, v = self.on_device.context(padded, last)
+            else:
+                logits, k, v = self.graphs[("context_batch", n, p)](weights, padded, last)
             kvs = [(k[:, r, :, : toks.size].clone(), v[:, r, :, : toks.size].clone())
                    for r, (toks, *_) in enumerate(rows)]
             nbytes = [self.kv_bytes(toks.size) for toks, *_ in rows]

@@ -177,8 +177,8 @@ class OnDevice(torch.nn.Module):
     a call's data as its inputs. ``forward`` returns :data:`OUTPUTS` tensors, then the
     caches' new values; :meth:`aliases` ties each cache to its output.
 
-    Kinds: ``context`` (inputs ``tokens (1, P)``, ``last (1,)``; outputs logits, the
-    prompt's K and V with every core's heads), ``decode``/``draft`` (inputs
+    Kinds: ``context`` (inputs ``tokens (B, P)``, ``last (B,)``, ``B`` 1 or a batched
+    prefill's rows; outputs logits, the prompts' K and V with every core's heads), ``decode``/``draft`` (inputs
     ``seq_ids``, ``occupied``, ``prompt_len``, [``drafts``], the sampler's fields in
     :data:`~.graphs.SAMPLER_FIELDS` order, the bucket marker ``(kv_len,)``; outputs
     packed, counts, step, last token; a draft model reads and writes the first
@@ -304,8 +304,10 @@ class DeviceGraphs:
     def __init__(self, *, weights: TorchWeights, names: tuple[str, ...], draft: ModelConfig | None,
                  draft_names: tuple[str, ...], buckets, max_slots: int, max_cache_length: int, tokens_per_step: int,
                  num_top: int, neutral: Callable[[int], dict[str, torch.Tensor]],
-                 no_masks: Callable[[int], tuple[torch.Tensor, torch.Tensor]], dtype: str, tp: int):
+                 no_masks: Callable[[int], tuple[torch.Tensor, torch.Tensor]], dtype: str, tp: int,
+                 prefill_batch: tuple[int, ...] = ()):
         self.config = weights.config
+        self.prefill_batch = prefill_batch  # row counts of the batched context models (option batched_prefill)
         self.tp = tp
         self.local = local_config(self.config, tp)
         self.draft_local = local_config(draft, tp) if draft is not None else None
@@ -326,7 +328,8 @@ class DeviceGraphs:
         return {"prefill": list(b.prefill), "batch": list(b.batch), "seq": list(b.seq), "positions": b.cache,
                 "slots": self.slots, "max_cache_length": self.max_cache_length, "tokens_per_step": self.k,
                 "num_top": self.num_top, "draft_layers": self.draft.num_hidden_layers if self.draft else 0,
-                "tp_degree": self.tp, "compiler_args": compiler_args(self.dtype)}
+                "tp_degree": self.tp, "compiler_args": compiler_args(self.dtype),
+                **({"prefill_batch": list(self.prefill_batch)} if self.prefill_batch else {})}
 
     def _linear(self):
         return tp_linear if self.tp > 1 else None
@@ -355,6 +358,12 @@ class DeviceGraphs:
                 lambda p=p: OnDevice("context", graph=ContextEncoding(self.local, self.names, p, linear=lin),
                                      weights=self._shapes, cache=None, tp=self.tp),
                 (torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1])))
+            for n in self.prefill_batch:  # several prompts of this bucket: inputs (n, P), (n,)
+                models[f"context_{n}x{p}"] = (
+                    lambda p=p, n=n: OnDevice("context", graph=ContextEncoding(self.local, self.names, p, linear=lin,
+                                                                               batch=n),
+                                              weights=self._shapes, cache=None, tp=self.tp),
+                    (torch.zeros((n, p), dtype=torch.int64), torch.full((n,), p - 1)))
             full = (self.config.num_hidden_layers, 1, self.config.num_key_value_heads, p, self.config.head_dim)
             models[f"insert_{p}"] = (
                 lambda: OnDevice("insert", graph=None, weights={}, cache=self._cache, tp=self.tp),

@@ -48,7 +48,8 @@ OPTIONS = {
     # Several prompts of one bucket in one context-encoding graph (docs/neuron.md, "Batched prefill")
     "batched_prefill": Option("auto", "prefill_batch's fresh prompts in one context-encoding graph per bucket, 2 or "
                                       "4 at a time (capability batched_prefill): 'on', 'off', or 'auto' (on for the "
-                                      "CPU compile path; the Neuron path's NxD program encodes one prompt a call)",
+                                      "CPU compile path; off on Neuron devices, where 'on' adds the batched models to "
+                                      "the NxD program, by construction: not run on a device)",
                               choices=("auto", "on", "off")),
     "tp_degree": Option(1, "NeuronCores the model is split over (tensor parallel, as NxD splits it); neuronx only",
                         minimum=1),
