@@ -237,7 +237,7 @@ for fmt, path in json.loads(sys.argv[1]).items():
                 "dtype": str(q.dtype), "devices": len(q.sharding.device_set), "spec": str(q.sharding.spec),
                 "shard": list(q.addressable_shards[0].data.shape), "shape": list(q.shape),
                 "offset": pre + ".offset" in params, "float": pre + ".weight" in params,
-                "formats": list(llm.engine.capabilities.weight_formats)}
+                "formats": list(llm.engine.capabilities.weight_formats), "weights": llm.engine.speed_paths()["weights"]}
     out[fmt] = runs
 print(json.dumps(out))
 """
@@ -271,6 +271,9 @@ def test_tpu_jax_decodes_quantized_models_like_the_oracle_sharded_on_two_devices
         assert lay["offset"] == (fmt in OFFSET_FORMATS) and lay["shape"][1] == (128 if four else 256), lay
         assert lay["devices"] == 2 and lay["shard"] == [lay["shape"][0] // 2, lay["shape"][1]], lay
         assert set(FORMATS) <= set(lay["formats"])
+        layers = 7 * 2 + 1  # seven projections a layer and the untied head, each in the file's format
+        assert lay["weights"].startswith(f"{layers if four else 0} matrices as 4-bit values two to a byte (Q4_0/"
+                                         f"Q4_1/Q4_K), {0 if four else layers} as int8 values"), lay["weights"]
         ref, got = out[fmt]["reference"], out[fmt]["tpu_jax"]
         for (r_tokens, r_top), (g_tokens, _) in zip(ref, got):
             for step, top in enumerate(r_top):

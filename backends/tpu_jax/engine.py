@@ -32,7 +32,7 @@ from polyengine.logs import compiling
 from polyengine.models import Model
 from polyengine.models.quantize import quantize_model, replaced_weights
 from polyengine.models.config import ARCHITECTURES
-from polyengine.models.int_blocks import block_matrices
+from polyengine.models.int_blocks import FOUR_BIT_FORMATS, block_matrices
 from polyengine.pages import PageList, PagePool, check_owner, pages_for
 from polyengine.prefix import PortablePrefix
 from polyengine.sampling import SamplingParams
@@ -157,6 +157,14 @@ class TpuJaxEngine(EngineBase):
               f"{self._ATTENTION_WORDS[self.paged_kernel]}" if self.pages else
               "one contiguous cache row per slot (option page_size: pages)")
         paths = {"device": str(self.device), "kv": kv}
+        if self._blocks:  # a file's GGUF blocks (quantize.block_arrays)
+            four = sum(self.model.records[s].format in FOUR_BIT_FORMATS for s in self._blocks.values())
+            paths["weights"] = (f"{four} matrices as 4-bit values two to a byte (Q4_0/Q4_1/Q4_K), "
+                                f"{len(self._blocks) - four} as int8 values, with group scales (and offsets), "
+                                f"multiplied out in {self.dtype} in the step; the rest converted to {self.dtype} "
+                                f"at load, one tensor at a time")
+        elif self.cfg.quantize:
+            paths["weights"] = f"int8 copies of the matrices (option quantize={self.cfg.quantize})"
         if self.devices and self.devices[0].platform == "cpu":
             paths["scheduler"] = _SCHEDULER_WORDS[steps.XLA_CPU_SCHEDULER]
         return paths
