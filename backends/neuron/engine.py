@@ -473,12 +473,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             head_k, head_v = (self._padded(x, q) for x in existing_prefix.kv)
             logits, k, v = self.graphs[("continuation", q, p)](weights, head_k, head_v, torch.tensor([start]), padded,
                                                                torch.tensor([n - 1]))
-        first = self._first_tokens(logits[0], prompt, sampling, mask)
         total = prompt.size
-        prefix = Prefix(kv=(k[:, 0, :, :total].clone(), v[:, 0, :, :total].clone()), logits=logits[0],
-                        prompt_tokens=prompt, sampling=sampling, backend=self.name, first_token=int(first.tokens[0, 0]),
-                        to_host=host_array, model_id=self.model_id, token_mask=mask, nbytes=self.kv_bytes(total))
-        return prefix, first
+        return self._prefilled((k[:, 0, :, :total].clone(), v[:, 0, :, :total].clone()), logits[0], prompt, sampling,
+                               mask)
 
     def _paged_prefill(self, weights: tuple, toks: np.ndarray, sampling: SamplingParams, existing_prefix: Prefix | None,
                        start: int, mask, padded: torch.Tensor):
@@ -509,12 +506,17 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             (logits,) = graph(weights, k_pool, v_pool, *head, padded, last, slots)
             return logits
 
-        logits = self._on_worker(run)
-        first = self._first_tokens(logits[0], prompt, sampling, mask)
-        prefix = Prefix(kv=seq, logits=logits[0], prompt_tokens=prompt, sampling=sampling, backend=self.name,
-                        first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id, token_mask=mask,
-                        nbytes=self.kv_bytes(len(seq.pages) * self.pages.page_size))
-        return prefix, first
+        return self._prefilled(seq, self._on_worker(run)[0], prompt, sampling, mask)
+
+    def _prefilled(self, kv, logits: torch.Tensor, prompt: np.ndarray, sampling: SamplingParams,
+                   mask: np.ndarray | None) -> tuple[Prefix, ResultTokens]:
+        """A prefill's prefix (``kv``: its K/V, or its blocks with pages) and its first
+        token, drawn from ``logits`` (V,) on the host sampler."""
+        first = self._first_tokens(logits, prompt, sampling, mask)
+        held = len(kv.pages) * self.pages.page_size if isinstance(kv, PageList) else prompt.size
+        return Prefix(kv=kv, logits=logits, prompt_tokens=prompt, sampling=sampling, backend=self.name,
+                      first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id, token_mask=mask,
+                      nbytes=self.kv_bytes(held)), first
 
     # -- batched prefill (option batched_prefill) ---------------------------------------------
 
@@ -567,7 +569,6 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                 logits, k, v = self.graphs[("context_batch", n, p)](weights, padded, last)
             kvs = [(k[:, r, :, : toks.size].clone(), v[:, r, :, : toks.size].clone())
                    for r, (toks, *_) in enumerate(rows)]
-            nbytes = [self.kv_bytes(toks.size) for toks, *_ in rows]
         else:
             kvs = []
             try:
@@ -586,14 +587,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                 return out
 
             logits = self._on_worker(run)
-            nbytes = [self.kv_bytes(len(seq.pages) * self.pages.page_size) for seq in kvs]
-        out = []
-        for r, ((toks, sampling, _, mask), kv) in enumerate(zip(rows, kvs)):
-            first = self._first_tokens(logits[r], toks, sampling, mask)
-            out.append((Prefix(kv=kv, logits=logits[r], prompt_tokens=toks, sampling=sampling, backend=self.name,
-                               first_token=int(first.tokens[0, 0]), to_host=host_array, model_id=self.model_id,
-                               token_mask=mask, nbytes=nbytes[r]), first))
-        return out
+        return [self._prefilled(kv, logits[r], toks, sampling, mask)
+                for r, ((toks, sampling, _, mask), kv) in enumerate(zip(rows, kvs))]
 
     @staticmethod
     def _padded(kv: torch.Tensor, bucket: int) -> torch.Tensor:

@@ -23,8 +23,6 @@ package, in float32 (so not exactly for a float64 caller; said in docs/models.md
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import mmap
 import sys
@@ -223,16 +221,6 @@ class Weight:
             yield memoryview(np.ascontiguousarray(rows[r: r + step])).cast("B")
 
 
-_MADV_DONTNEED = 4  # Linux's value
-
-
-@functools.cache
-def _madvise():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise
-
-
 def release_mapped(data: np.ndarray) -> int:
     """``madvise(MADV_DONTNEED)`` on the whole pages inside the span of ``data``, a view
     (strided, permuted rows included) of a file's memory map: those pages leave the
@@ -245,12 +233,16 @@ def release_mapped(data: np.ndarray) -> int:
         base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
     if not sys.platform.startswith("linux") or base is None or data.size == 0:
         return 0
-    start = data.ctypes.data
+    start = data.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data  # offsets in the map
     lo = start + sum((n - 1) * st for n, st in zip(data.shape, data.strides) if st < 0)
     hi = start + sum((n - 1) * st for n, st in zip(data.shape, data.strides) if st > 0) + data.itemsize
     page = mmap.PAGESIZE
     lo, hi = -(-lo // page) * page, hi // page * page
-    if hi <= lo or _madvise()(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+    if hi <= lo:
+        return 0
+    try:
+        base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):  # refused, or the map is closed: nothing released
         return 0
     return hi - lo
 
