@@ -251,3 +251,66 @@ def test_the_cache_check_catches_a_cache_that_crosses():
     calls = [{"model": "decode_4_64", "to_device": 300_000, "to_host": 2_000}]
     with pytest.raises(AssertionError):
         assert_cache_stays_on_the_device(calls, cache_bytes=266_240)
+
+
+# -- prompts continuing a prefix (option prefix_reuse) --------------------------------------
+
+
+SYSTEM = [1, 5, 9, 4, 2, 3, 3, 7, 8, 12, 14, 6, 2, 9, 10, 11, 13]  # one cache block and one more token
+TURNS = [SYSTEM + [20, 21], SYSTEM + [22, 23, 24], SYSTEM + [25]]
+
+
+def _generated(engine, prompts, sampling):
+    """Each prompt in turn through the driver (so the later ones find the first one's
+    prefix cached): the tokens and how many prompt tokens came from the cache."""
+    llm = LLM.from_engine(engine, tools=False)
+    done = [llm.generate([p], sampling)[0] for p in prompts]
+    return [c.outputs[0].token_ids for c in done], [c.usage.cached_tokens for c in done]
+
+
+def test_prefix_reuse_on_the_device_is_off_by_default_and_on_by_construction(standin, model, tmp_path):
+    """On Neuron devices "auto" builds no continuation model (the engine refuses
+    existing_prefix, as before); "on" adds one per (prefix, prompt) bucket pair to the NxD
+    program, a continued prefill equals the whole prompt's, and the driver's prefix cache
+    serves later prompts (their tokens the reference's), on one core and on two."""
+    auto = _engine(model, tmp_path / "a")
+    assert not auto.capabilities.prefix_reuse and not auto.capabilities.prefix_truncate
+    assert not any(k.startswith("continuation") for k in standin.traces[-1]["models"])
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want, _ = _generated(ReferenceEngine(model, EngineConfig(**LIMITS)), TURNS, greedy)
+    for tp in (1, 2):
+        eng = _engine(model, tmp_path / f"on{tp}", prefix_reuse="on", tp_degree=tp)
+        assert eng.capabilities.prefix_reuse and eng.capabilities.prefix_truncate
+        assert eng.on_device.description()["continuations"] == [[24, 24]]
+        assert {k for k in standin.traces[-1]["models"] if k.startswith("continuation")} == {"continuation_24_24"}
+        params = eng.load_params()
+        head, _ = eng.prefill(params=params, tokens=SYSTEM, sampling=SamplingParams(seed=0))
+        whole, _ = eng.prefill(params=params, tokens=TURNS[1], sampling=SamplingParams(seed=0))
+        standin.calls.clear()
+        cont, _ = eng.prefill(params=params, tokens=TURNS[1][len(SYSTEM):], sampling=SamplingParams(seed=0),
+                              existing_prefix=head)
+        assert [c["model"] for c in standin.calls] == ["continuation_24_24"]
+        np.testing.assert_allclose(cont.host_logits(), whole.host_logits(), rtol=1e-5, atol=1e-5)
+        for got, full in zip(cont.kv, whole.kv):
+            np.testing.assert_allclose(got.numpy(), full.numpy(), rtol=1e-5, atol=1e-5)
+        got, cached = _generated(eng, TURNS, greedy)
+        assert got == want, tp
+        assert cached[0] == 0 and min(cached[1:]) >= 16, cached
+        assert_cache_stays_on_the_device(standin.calls, _cache_bytes(eng))
+
+
+def test_prefix_reuse_off_builds_no_continuation_graphs(model):
+    """On the CPU compile path "off" leaves the continuation graphs out: fewer graphs to
+    compile, and a prompt continuing a prefix is refused by name."""
+    on = NeuronEngine(model, EngineConfig(**LIMITS, options={"compiler": "export"}))
+    off = NeuronEngine(model, EngineConfig(**LIMITS, options={"compiler": "export", "prefix_reuse": "off"}))
+    assert on.capabilities.prefix_reuse and ("continuation", 24, 24) in on.graphs
+    assert not off.capabilities.prefix_reuse and not off.capabilities.prefix_truncate
+    assert not any(name[0] == "continuation" for name in off.graphs) and len(off.graphs) < len(on.graphs)
+    params = off.load_params()
+    head, _ = off.prefill(params=params, tokens=SYSTEM, sampling=SamplingParams(seed=0))
+    with pytest.raises(UnsupportedFeature, match="prefix reuse"):
+        off.prefill(params=params, tokens=[20, 21], sampling=SamplingParams(seed=0), existing_prefix=head)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got, cached = _generated(off, TURNS, greedy)
+    assert got == _generated(ReferenceEngine(model, EngineConfig(**LIMITS)), TURNS, greedy)[0] and cached == [0, 0, 0]

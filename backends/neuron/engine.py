@@ -94,6 +94,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                                  f"leave cache_dir out, or set compiler='inductor'", field="options.cache_dir")
         self.draft = draft_config(c, o["draft_layers"] or max(1, c.num_hidden_layers // 2)) if k > 1 else None
         self.buckets = Buckets.plan(config, tokens_per_step=k, batch=o["batch_buckets"], seq=o["seq_buckets"])
+        if not self.capabilities.prefix_reuse:  # option prefix_reuse: no continuation graphs
+            self.buckets = replace(self.buckets, continuations=())
         self.num_top = self.capabilities.max_top_logprobs
         self.layout = result_layout(k, self.num_top)
         self.torch_dtype = _DTYPES[self.dtype]
@@ -146,6 +148,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         # "auto" leaves them out of the NxD program, where they are built by construction only)
         batched = o["batched_prefill"] == "on" or (o["batched_prefill"] == "auto" and self.compiler != "neuronx")
         self.prefill_batch_sizes = ((2, 4) if config.max_slots > 2 else (2,)) if batched else ()
+        reuse = o["prefix_reuse"] == "on" or (o["prefix_reuse"] == "auto" and self.compiler != "neuronx")
         if o["page_size"] and self.compiler == "neuronx":
             raise UnsupportedFeature(f"the block KV layout (option page_size={o['page_size']}) on Neuron devices",
                                      self.name, "the NxD program keeps a contiguous cache row per seq_id; page_size "
@@ -156,12 +159,10 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
             bulk_insert=True, portable_prefix=True, async_results=o["async_steps"], tokens_per_step=self.tokens_per_step,
             architectures=ARCHITECTURES, token_masks=True, weight_formats=plugin.WEIGHT_FORMATS,
-            # continuation graphs (ContextContinuation) on the CPU compile path; the NxD
-            # program has no continuation model yet, so the Neuron path refuses existing_prefix
-            prefix_reuse=self.compiler != "neuronx",
-            # the kit's cut (a portable prefix's head, continued by its last token) needs
-            # the continuation graphs too
-            prefix_truncate=self.compiler != "neuronx",
+            # the continuation graphs (option prefix_reuse; on Neuron devices models of the
+            # NxD program); the kit's cut (a portable prefix's head, continued by its last
+            # token) needs them too
+            prefix_reuse=reuse, prefix_truncate=reuse,
             portable_prefix_tail=True,  # paged: the head's blocks shared; contiguous: the kit's copy
             page_size=o["page_size"],
             batched_prefill=bool(self.prefill_batch_sizes),
@@ -467,12 +468,15 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                 logits, k, v = self.on_device.context(padded, torch.tensor([n - 1]))
             else:
                 logits, k, v = self.graphs[("context", p)](weights, padded, torch.tensor([n - 1]))
-        else:  # CPU compile path only (prefix_reuse is not declared on the Neuron path)
+        else:  # the continuation graph of the pair (option prefix_reuse declares it)
             prompt = np.concatenate([existing_prefix.prompt_tokens, toks]).astype(np.int32)
             q = self.buckets.prompt(start)
             head_k, head_v = (self._padded(x, q) for x in existing_prefix.kv)
-            logits, k, v = self.graphs[("continuation", q, p)](weights, head_k, head_v, torch.tensor([start]), padded,
-                                                               torch.tensor([n - 1]))
+            args = (head_k, head_v, torch.tensor([start]), padded, torch.tensor([n - 1]))
+            if self.on_device is not None:  # the NxD program's model of the pair: its inputs' shapes pick it
+                logits, k, v = self.on_device.continuation(*args)
+            else:
+                logits, k, v = self.graphs[("continuation", q, p)](weights, *args)
         total = prompt.size
         return self._prefilled((k[:, 0, :, :total].clone(), v[:, 0, :, :total].clone()), logits[0], prompt, sampling,
                                mask)

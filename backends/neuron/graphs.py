@@ -16,7 +16,7 @@ Graphs (shapes static per bucket; ``R`` slots, ``V`` vocabulary, ``L`` layers):
     invisible). ``B`` > 1 is a batched prefill of ``B`` prompts of one bucket, each row
     attending only to itself (option ``batched_prefill``).
 
-``ContextContinuation(config, names, prefix_bucket, bucket, inplace=False)``
+``ContextContinuation(config, names, prefix_bucket, bucket, linear=None, inplace=False)``
     A prompt continuing a prefix (``existing_prefix``), one graph per (prefix bucket
     ``Q``, prompt bucket ``P``): ``(weights, prefix_k, prefix_v (L, 1, kv_heads, Q,
     head_dim), start (1,), tokens (1, P), last (1,))`` -> ``logits (1, V)`` at ``last``,
@@ -120,11 +120,11 @@ class ContextContinuation(torch.nn.Module):
 
     aliases: tuple[tuple[int, int], ...] = ()
 
-    def __init__(self, config: ModelConfig, names: tuple[str, ...], prefix_bucket: int, bucket: int,
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], prefix_bucket: int, bucket: int, linear=None,
                  inplace: bool = False):
         super().__init__()
         self.config, self.names, self.prefix_bucket, self.bucket = config, names, prefix_bucket, bucket
-        self.spec = StepSpec(inplace=inplace)
+        self.spec = StepSpec(linear=linear, inplace=inplace)
 
     def forward(self, weights, prefix_k, prefix_v, start, tokens, last):
         w = _weights(self.config, self.names, weights)

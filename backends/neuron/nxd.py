@@ -16,7 +16,10 @@ weights and state on the device:
   initializer and aliased to the output that holds its new value
   (``input_output_aliases``), so neuronx-cc updates it in place and it never crosses
   to the host. A prefill's K/V reach it through an insert model per prefill bucket,
-  since the protocol puts the prefix between prefill and insert.
+  since the protocol puts the prefix between prefill and insert. A prompt continuing a
+  prefix (option ``prefix_reuse``) runs a continuation model per (prefix bucket, prompt
+  bucket) pair, the prefix's K/V an input as the CPU compile path's graph takes them
+  (prefixes live on the host, between prefill and insert).
 - **Compiler arguments** per dtype (:data:`COMPILER_ARGS`): ``--auto-cast=none``
   always, since neuronx-cc otherwise casts float32 matmuls to bfloat16 (a declared
   float32 would not be float32) and bfloat16 graphs are bfloat16 as written; bfloat16
@@ -31,8 +34,8 @@ weights and state on the device:
   core's graphs are built for its share of the config (:func:`local_config`) and hold
   its rows of the KV cache; prefill gathers the heads back
   (``gather_from_tensor_model_parallel_region``) so a prefix is whole, and the insert
-  model keeps each core's heads (``tp_rank``, a one-element weight whose value is the
-  core's rank). :func:`shards` splits the checkpoint, one dict per core, which is what
+  and continuation models take each core's heads of a whole prefix (``tp_rank``, a
+  one-element weight whose value is the core's rank). :func:`shards` splits the checkpoint, one dict per core, which is what
   ``initialize`` takes.
 
 Two rules of NxD's runtime shape the models: it routes a call to a model by the shapes
@@ -67,7 +70,7 @@ from polyengine.errors import InvalidRequest
 from polyengine.models import ModelConfig
 
 from polyengine.backends.torch_common.model import TorchWeights
-from polyengine.backends.neuron.graphs import SAMPLER_FIELDS, ContextEncoding, TokenGeneration
+from polyengine.backends.neuron.graphs import SAMPLER_FIELDS, ContextContinuation, ContextEncoding, TokenGeneration
 
 __all__ = [
     "COMPILER_ARGS", "OUTPUTS", "compiler_args", "local_config", "local_shape", "shards", "tp_linear", "OnDevice", "ProgramSpec",
@@ -183,7 +186,10 @@ class OnDevice(torch.nn.Module):
     :data:`~.graphs.SAMPLER_FIELDS` order, the bucket marker ``(kv_len,)``; outputs
     packed, counts, step, last token; a draft model reads and writes the first
     ``draft_layers`` layers of the cache), ``insert`` (inputs the prefix's K and V
-    padded to a prefill bucket, ``slot (1,)``; writes them into the slot's cache row).
+    padded to a prefill bucket, ``slot (1,)``; writes them into the slot's cache row),
+    ``continuation`` (inputs a whole prefix's K and V padded to its prefix bucket, its
+    length ``start (1,)``, ``tokens (1, P)``, ``last (1,)``; outputs as ``context``'s,
+    prefix and prompt together; no state).
     """
 
     def __init__(self, kind: str, *, graph: torch.nn.Module | None, weights: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -194,7 +200,7 @@ class OnDevice(torch.nn.Module):
         self.weights = torch.nn.ParameterDict({
             _param(n): torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
             for n, (shape, dtype) in weights.items()})
-        if kind == "insert":
+        if kind in ("insert", "continuation"):
             self.tp_rank = torch.nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
         if cache is not None:
             shape, dtype = cache
@@ -203,7 +209,7 @@ class OnDevice(torch.nn.Module):
 
     def aliases(self) -> dict[torch.nn.Parameter, int]:
         """The state parameters and the outputs that are their new values."""
-        if self.kind == "context":
+        if self.kind in ("context", "continuation"):
             return {}
         return {self.k_cache: OUTPUTS, self.v_cache: OUTPUTS + 1}
 
@@ -217,13 +223,24 @@ class OnDevice(torch.nn.Module):
             if self.tp > 1:
                 k, v = _gather_heads(k), _gather_heads(v)
             return logits, k, v, _pad(tokens)
+        if self.kind == "continuation":
+            k_prefix, v_prefix, start, tokens, last = inputs
+            mine = self._mine(self.graph.config.num_key_value_heads, tokens.device)
+            logits, k, v = self.graph(self._weights(), k_prefix.index_select(2, mine), v_prefix.index_select(2, mine),
+                                      start, tokens, last)
+            if self.tp > 1:
+                k, v = _gather_heads(k), _gather_heads(v)
+            return logits, k, v, _pad(tokens)
         if self.kind == "insert":
             return self._insert(*inputs)
         return self._decode(*inputs)
 
+    def _mine(self, heads: int, device: torch.device) -> torch.Tensor:
+        """This core's KV heads among a whole prefix's: ``(heads,)`` indices."""
+        return self.tp_rank * heads + torch.arange(heads, device=device)
+
     def _insert(self, k_prefix: torch.Tensor, v_prefix: torch.Tensor, slot: torch.Tensor):
-        heads = self.k_cache.shape[2]  # this core's KV heads
-        mine = self.tp_rank * heads + torch.arange(heads, device=slot.device)  # (heads,)
+        mine = self._mine(self.k_cache.shape[2], slot.device)  # this core's KV heads
         out = []
         for cache, prefix in ((self.k_cache, k_prefix), (self.v_cache, v_prefix)):
             row = cache.index_select(1, slot)  # (L, 1, heads, S, D)
@@ -308,6 +325,7 @@ class DeviceGraphs:
                  prefill_batch: tuple[int, ...] = ()):
         self.config = weights.config
         self.prefill_batch = prefill_batch  # row counts of the batched context models (option batched_prefill)
+        self.continuations = buckets.continuations  # (prefix, prompt) bucket pairs (option prefix_reuse)
         self.tp = tp
         self.local = local_config(self.config, tp)
         self.draft_local = local_config(draft, tp) if draft is not None else None
@@ -329,7 +347,8 @@ class DeviceGraphs:
                 "slots": self.slots, "max_cache_length": self.max_cache_length, "tokens_per_step": self.k,
                 "num_top": self.num_top, "draft_layers": self.draft.num_hidden_layers if self.draft else 0,
                 "tp_degree": self.tp, "compiler_args": compiler_args(self.dtype),
-                **({"prefill_batch": list(self.prefill_batch)} if self.prefill_batch else {})}
+                **({"prefill_batch": list(self.prefill_batch)} if self.prefill_batch else {}),
+                **({"continuations": [list(c) for c in self.continuations]} if self.continuations else {})}
 
     def _linear(self):
         return tp_linear if self.tp > 1 else None
@@ -342,6 +361,11 @@ class DeviceGraphs:
             args.append(torch.zeros((batch, tokens - 1), dtype=torch.int64))
         sampler = self.neutral(r)
         return (*args, *(sampler[f] for f in SAMPLER_FIELDS), self.marker(kv))
+
+    def _continuation_inputs(self, q: int, p: int) -> tuple[torch.Tensor, ...]:
+        c = self.config  # the prefix whole: every core takes its own heads of it
+        prefix = torch.zeros((c.num_hidden_layers, 1, c.num_key_value_heads, q, c.head_dim), dtype=self.weights.dtype)
+        return prefix, prefix.clone(), torch.tensor([0]), torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1])
 
     @staticmethod
     def marker(kv: int) -> torch.Tensor:
@@ -369,6 +393,11 @@ class DeviceGraphs:
                 lambda: OnDevice("insert", graph=None, weights={}, cache=self._cache, tp=self.tp),
                 (torch.zeros(full, dtype=self.weights.dtype), torch.zeros(full, dtype=self.weights.dtype),
                  torch.zeros(1, dtype=torch.int64)))
+        for q, p in self.continuations:
+            models[f"continuation_{q}_{p}"] = (
+                lambda q=q, p=p: OnDevice("continuation", graph=ContextContinuation(self.local, self.names, q, p, linear=lin),
+                                          weights=self._shapes, cache=None, tp=self.tp),
+                self._continuation_inputs(q, p))
         for batch in b.batch:
             for kv in b.seq:
                 models[f"decode_{batch}_{kv}"] = (
@@ -406,6 +435,13 @@ class DeviceGraphs:
 
     def context(self, tokens: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits, k, v, _ = self._run(tokens, last)
+        return logits, k, v
+
+    def continuation(self, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor,
+                     last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prompt continuing a prefix (``k``/``v`` padded to its prefix bucket, as the
+        CPU compile path's continuation graph takes them): logits, prefix and prompt's K/V."""
+        logits, k, v, _ = self._run(k, v, start, tokens, last)
         return logits, k, v
 
     def insert(self, k: torch.Tensor, v: torch.Tensor, slot: int) -> None:

@@ -51,6 +51,13 @@ OPTIONS = {
                                       "CPU compile path; off on Neuron devices, where 'on' adds the batched models to "
                                       "the NxD program, by construction: not run on a device)",
                               choices=("auto", "on", "off")),
+    # Prompts continuing a prefix (docs/neuron.md, "Prefix reuse"): the continuation graphs
+    "prefix_reuse": Option("auto", "continuation graphs, one per (prefix bucket, prompt bucket) pair, so a prompt "
+                                   "continues a prefix (capabilities prefix_reuse, prefix_truncate: the prefix cache, "
+                                   "chunked prefill): 'on', 'off' (fewer graphs to compile; whole prompts only), or "
+                                   "'auto' (on for the CPU compile path; off on Neuron devices, where 'on' adds the "
+                                   "continuation models to the NxD program, by construction: not run on a device)",
+                           choices=("auto", "on", "off")),
     "tp_degree": Option(1, "NeuronCores the model is split over (tensor parallel, as NxD splits it); neuronx only",
                         minimum=1),
 }
