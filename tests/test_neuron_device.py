@@ -314,3 +314,55 @@ def test_prefix_reuse_off_builds_no_continuation_graphs(model):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     got, cached = _generated(off, TURNS, greedy)
     assert got == _generated(ReferenceEngine(model, EngineConfig(**LIMITS)), TURNS, greedy)[0] and cached == [0, 0, 0]
+
+
+# -- the block KV layout on the device (option page_size) -----------------------------------
+
+
+def test_pages_on_the_device_by_construction(standin, model, tmp_path):
+    """With page_size the program's state is the block pools (this core's heads): prompts
+    are written through slot mappings, slots share their prefix's blocks (no insert model),
+    a write into a shared block copies it on the device first, and the tokens are the
+    reference's, with speculation, on two cores, and through the prefix cache."""
+    want = _tokens(ReferenceEngine(model, EngineConfig(**LIMITS)))
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want_turns, _ = _generated(ReferenceEngine(model, EngineConfig(**LIMITS)), TURNS, greedy)
+    for case, options in enumerate([dict(speculation=2), dict(tp_degree=2, prefix_reuse="on")]):
+        eng = _engine(model, tmp_path / str(case), page_size=8, **options)
+        blocks = LIMITS["max_slots"] * -(-eng.buckets.cache // 8)  # kv_pages 0: what the rows would hold
+        assert eng.pages.capacity == blocks and eng.capabilities.page_size == 8
+        assert not eng.capabilities.portable_prefix and not eng.capabilities.portable_prefix_tail
+        models = standin.traces[-1]["models"]
+        assert "copy_block" in models and not any(k.startswith("insert") for k in models)
+        heads = model.config.num_key_value_heads // options.get("tp_degree", 1)
+        assert standin.initializations[-1]["states"]["k_cache"] == (
+            model.config.num_hidden_layers, blocks, heads, 8, model.config.head_dim)
+        assert _tokens(eng) == want, case
+        pool_bytes = 2 * model.config.num_hidden_layers * blocks * 8 * model.config.num_key_value_heads * \
+            model.config.head_dim * 4
+        assert_cache_stays_on_the_device(standin.calls, pool_bytes)
+        if options.get("prefix_reuse") == "on":
+            standin.calls.clear()
+            got, cached = _generated(eng, TURNS, greedy)
+            assert got == want_turns and min(cached[1:]) >= 16, cached
+            # the later prompts continue the system prompt's blocks; its partly filled last one is copied first
+            assert {"continuation_24_24", "copy_block"} <= {c["model"] for c in standin.calls}
+        prefix, _ = eng.prefill(params=eng.load_params(), tokens=[1, 2, 3], sampling=SamplingParams(seed=0))
+        with pytest.raises(UnsupportedFeature, match="export_prefix with the block KV layout on Neuron devices"):
+            eng.export_prefix(prefix)
+        prefix.kv.release()
+
+
+def test_a_newer_decode_state_gives_the_older_ones_blocks_back(standin, model, tmp_path):
+    eng = _engine(model, tmp_path, page_size=8, async_steps=False)
+    params = eng.load_params()
+    old = eng.init_decode_state()
+    prefix, _ = eng.prefill(params=params, tokens=[1, 2, 3], sampling=SamplingParams(temperature=0))
+    old = eng.insert(prefix, old, 0)
+    old, _ = eng.generate(params, old)
+    prefix.kv.release()
+    assert eng.pages.free < eng.pages.capacity  # the slot holds its blocks
+    eng.init_decode_state()
+    assert eng.pages.free == eng.pages.capacity
+    with pytest.raises(InvalidRequest, match="replaced by a newer one"):
+        eng.generate(params, old)

@@ -6,13 +6,12 @@ speculation), exported prefixes equal bit for bit; blocks shared on insert,
 continuation and truncation, copied on the first write into a shared block, given back
 on free and when a prefix is dropped; a bounded pool refuses cleanly, an unbounded one
 grows (its graphs compiled once per size) and keeps what it held; the driver admits
-requests by free blocks; the Neuron path refuses the option.
+requests by free blocks. (The Neuron path: tests/test_neuron_device.py.)
 """
 
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,12 +21,11 @@ torch = pytest.importorskip("torch")
 from polyengine import EngineConfig, Override, SamplingParams  # noqa: E402
 from polyengine.backends.neuron.compile import COUNTS  # noqa: E402
 from polyengine.backends.neuron.engine import NeuronEngine  # noqa: E402
-from polyengine.errors import InsufficientMemory, InvalidRequest, UnsupportedFeature  # noqa: E402
+from polyengine.errors import InsufficientMemory, InvalidRequest  # noqa: E402
 from polyengine.models import load_model  # noqa: E402
 from polyengine.pages import PageList  # noqa: E402
 
 CFG = EngineConfig(max_slots=4, max_prefill_length=24, max_cache_length=64, dtype="float32")
-STANDIN = Path(__file__).resolve().parent / "neuron_standin"
 
 
 @pytest.fixture(scope="module")
@@ -285,14 +283,3 @@ def test_the_driver_admits_requests_by_free_blocks_and_equals_the_contiguous_eng
     for (gt, gl), (wt, wl) in zip(got, want):
         assert gt == wt
         np.testing.assert_array_equal(gl, wl)
-
-
-def test_the_neuron_path_refuses_pages(tiny, monkeypatch):
-    """On Neuron devices (compiler='neuronx', here through tests/neuron_standin) the NxD
-    program keeps a contiguous cache per seq_id: page_size is refused before anything
-    compiles."""
-    monkeypatch.syspath_prepend(str(STANDIN))
-    compiled = COUNTS["compiled"]
-    with pytest.raises(UnsupportedFeature, match="page_size=16.*Neuron devices"):
-        _engine(tiny, compiler="neuronx", page_size=16)
-    assert COUNTS["compiled"] == compiled

@@ -107,9 +107,12 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             raise InvalidRequest(
                 f"kv_pages={kv_pages} needs page_size and at least one context's pages and one more "
                 f"({per_slot + 1} with page_size={ps or 1}); raise it or leave it 0", field="options.kv_pages")
+        if ps and not kv_pages and self.compiler == "neuronx":  # the program's state has one size: what the rows hold
+            kv_pages = max(config.max_slots * per_slot, per_slot + 1)
         self.pages = PagePool(ps, kv_pages or None) if ps else None
+        # On Neuron the pools are the program's state (DeviceGraphs); here, host tensors
         self._paged = PagedKV(self.pages, torch.device("cpu"), self._new_pools,
-                              first_size=config.max_slots * per_slot) if ps else None
+                              first_size=config.max_slots * per_slot) if ps and self.compiler != "neuronx" else None
         self._check_memory()
         if o["threads"]:
             torch.set_num_threads(o["threads"])
@@ -125,7 +128,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                 weights=self._weights, names=self._names, draft=self.draft, draft_names=self._draft_names,
                 buckets=self.buckets, max_slots=config.max_slots, max_cache_length=config.max_cache_length,
                 tokens_per_step=k, num_top=self.num_top, neutral=self._neutral, no_masks=self._no_masks, dtype=self.dtype,
-                tp=o["tp_degree"], prefill_batch=self.prefill_batch_sizes)
+                tp=o["tp_degree"], prefill_batch=self.prefill_batch_sizes,
+                pages=(self.pages.capacity, ps) if ps else None)
         self._live: NeuronDecodeState | None = None  # on Neuron, the decode state that owns the device's cache
         self.graphs: dict[tuple, CompiledGraph] = {}
         self._built: dict[tuple, tuple[str, float]] = {}  # graph name -> (where this engine got it, seconds)
@@ -149,21 +153,18 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         batched = o["batched_prefill"] == "on" or (o["batched_prefill"] == "auto" and self.compiler != "neuronx")
         self.prefill_batch_sizes = ((2, 4) if config.max_slots > 2 else (2,)) if batched else ()
         reuse = o["prefix_reuse"] == "on" or (o["prefix_reuse"] == "auto" and self.compiler != "neuronx")
-        if o["page_size"] and self.compiler == "neuronx":
-            raise UnsupportedFeature(f"the block KV layout (option page_size={o['page_size']}) on Neuron devices",
-                                     self.name, "the NxD program keeps a contiguous cache row per seq_id; page_size "
-                                     "runs on the CPU compile path (compiler='export' or 'inductor')",
-                                     field="options.page_size")
+        portable = not (o["page_size"] and self.compiler == "neuronx")
         return Capabilities(
             dtypes=("bfloat16", "float32") if self.compiler == "neuronx" else ("float32",),
             sampling_params=ENGINE_FIELDS, max_top_logprobs=min(MAX_TOP_LOGPROBS, model.config.vocab_size),
-            bulk_insert=True, portable_prefix=True, async_results=o["async_steps"], tokens_per_step=self.tokens_per_step,
+            # on Neuron the block pools are the program's state: no model reads a prefix's blocks out or writes them in
+            bulk_insert=True, portable_prefix=portable, async_results=o["async_steps"], tokens_per_step=self.tokens_per_step,
             architectures=ARCHITECTURES, token_masks=True, weight_formats=plugin.WEIGHT_FORMATS,
             # the continuation graphs (option prefix_reuse; on Neuron devices models of the
             # NxD program); the kit's cut (a portable prefix's head, continued by its last
             # token) needs them too
             prefix_reuse=reuse, prefix_truncate=reuse,
-            portable_prefix_tail=True,  # paged: the head's blocks shared; contiguous: the kit's copy
+            portable_prefix_tail=portable,  # paged: the head's blocks shared; contiguous: the kit's copy
             page_size=o["page_size"],
             batched_prefill=bool(self.prefill_batch_sizes),
         )
@@ -330,6 +331,22 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         the steps write the same pools, and an unbounded pool may grow (a new tensor)."""
         return fn() if self._worker is None else self._worker.submit(fn).result()
 
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies on write (src, dst) in the block pools: the program's copy model on Neuron."""
+        if self.on_device is not None:
+            self.on_device.copy(copies)
+        else:
+            self._paged.copy(copies)
+
+    def _on_pools(self, base: tuple, weights: tuple, *inputs: torch.Tensor) -> torch.Tensor:
+        """A prefill graph ``base`` over the block pools, its logits: on Neuron the
+        program's model (the pools are its state), else the graph with the pools as inputs."""
+        if self.on_device is not None:
+            return self.on_device.on_pools(*inputs)
+        k_pool, v_pool = self._paged.tensors
+        (logits,) = self._paged_graph(base)(weights, k_pool, v_pool, *inputs)
+        return logits
+
     @property
     def shares_prefix_heads(self) -> bool:
         """Paged, a head holds the prefix's blocks (_prefix_head); else the kit's copy."""
@@ -423,6 +440,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             if self._live is not None:
                 self._live.wait()
                 self._live.retired = True
+                for seq in self._live.seqs or ():  # with pages: its slots' blocks go back to the pool
+                    if seq is not None:
+                        seq.release()
         elif self.pages is not None:  # the engine's block pools; each slot a block list
             k = v = None
         else:
@@ -504,11 +524,8 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                                                   torch.tensor([start]))
 
         def run() -> torch.Tensor:
-            self._paged.copy(copies)
-            graph = self._paged_graph(base)
-            k_pool, v_pool = self._paged.tensors
-            (logits,) = graph(weights, k_pool, v_pool, *head, padded, last, slots)
-            return logits
+            self._copy_blocks(copies)
+            return self._on_pools(base, weights, *head, padded, last, slots)
 
         return self._prefilled(seq, self._on_worker(run)[0], prompt, sampling, mask)
 
@@ -566,7 +583,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         for r, (toks, _, _, _) in enumerate(rows):
             padded[r, : toks.size] = torch.from_numpy(toks.astype(np.int64))
         weights = tuple(params.tensors[name] for name in self._names)
-        if self.pages is None:  # (the Neuron path has no pages)
+        if self.pages is None:
             if self.on_device is not None:  # the NxD program's model of n rows: its inputs' shapes pick it
                 logits, k, v = self.on_device.context(padded, last)
             else:
@@ -585,12 +602,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                 raise
             slots = torch.cat([slot_mapping(seq, 0, toks.size, p) for seq, (toks, *_) in zip(kvs, rows)])
 
-            def run() -> torch.Tensor:
-                k_pool, v_pool = self._paged.tensors
-                (out,) = self._paged_graph(("context_batch", n, p))(weights, k_pool, v_pool, padded, last, slots)
-                return out
-
-            logits = self._on_worker(run)
+            logits = self._on_worker(lambda: self._on_pools(("context_batch", n, p), weights, padded, last, slots))
         return [self._prefilled(kv, logits[r], toks, sampling, mask)
                 for r, ((toks, sampling, _, mask), kv) in enumerate(zip(rows, kvs))]
 
@@ -686,7 +698,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         except Exception as exc:
             ops = getattr(exc, "page_ops", None)
             if ops:
-                self._on_worker(lambda: self._paged.copy(ops))
+                self._on_worker(lambda: self._copy_blocks(ops))
             raise
 
     @torch.no_grad()
@@ -697,9 +709,9 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         s = state.sampler.state
         if blocks is not None:
             copies, table = blocks
-            self._paged.copy(copies)
+            self._copy_blocks(copies)
             graph = lambda kind: self._paged_graph((kind, batch, kv))  # noqa: E731
-            k_cache, v_cache = self._paged.tensors
+            k_cache, v_cache = self._paged.tensors if self.on_device is None else (None, None)
             table_in = (table,)
         else:
             graph = lambda kind: self.graphs[(kind, batch, kv)]  # noqa: E731
@@ -712,7 +724,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             for _ in range(self.tokens_per_step - 1):
                 if self.on_device is not None:
                     _, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len,
-                                                                  self._no_masks(state.num_slots), (), proposal)
+                                                                  self._no_masks(state.num_slots), (), proposal, table_in)
                 else:
                     _, counts, step, last = graph("draft")(
                         weights, k_cache[:layers], v_cache[:layers], *table_in, seq_ids, state.occupied, state.prompt_len,
@@ -722,7 +734,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
             extra = (torch.stack(drafts, dim=1),)
         if self.on_device is not None:
             packed, counts, step, last = self.on_device.decode(kv, seq_ids, state.occupied, state.prompt_len, mask_in,
-                                                               extra, s.as_dict())
+                                                               extra, s.as_dict(), table_in)
         else:
             packed, counts, step, last = graph("decode")(
                 tuple(params.tensors[n] for n in self._names), k_cache, v_cache, *table_in, seq_ids, state.occupied,
@@ -743,7 +755,14 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
 
     # -- portable prefixes -----------------------------------------------------------------
 
+    def _portable(self, what: str) -> None:
+        if not self.capabilities.portable_prefix:
+            raise UnsupportedFeature(f"{what} with the block KV layout on Neuron devices", self.name,
+                                     "the block pools are the NxD program's state, which no model reads out or writes "
+                                     "in; leave page_size 0 for portable prefixes there")
+
     def export_prefix(self, prefix: Prefix) -> PortablePrefix:
+        self._portable("export_prefix")
         self.check_prefix(prefix).require_logits("export_prefix")
         if self.pages is not None:  # read through its blocks
             k, v = self._on_worker(lambda: self._paged.gather(prefix.kv, prefix.true_length))
@@ -753,6 +772,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
                               sampling=prefix.sampling, model_fingerprint=self.model.fingerprint)
 
     def import_prefix(self, portable: PortablePrefix) -> Prefix:
+        self._portable("import_prefix")
         prompt, sampling = self.check_portable(portable)
         return self._imported(portable, prompt, sampling, None)
 

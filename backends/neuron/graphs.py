@@ -273,9 +273,9 @@ class PagedContextEncoding(ContextEncoding):
 
     aliases = ((1, 1), (2, 2))
 
-    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, inplace: bool = False,
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], bucket: int, linear=None, inplace: bool = False,
                  batch: int = 1):
-        super().__init__(config, names, bucket, inplace=inplace, batch=batch)
+        super().__init__(config, names, bucket, linear=linear, inplace=inplace, batch=batch)
         self.inplace = inplace
 
     def forward(self, weights, k_pool, v_pool, tokens, last, slot_mapping):
@@ -293,9 +293,9 @@ class PagedContextContinuation(ContextContinuation):
 
     aliases = ((1, 1), (2, 2))
 
-    def __init__(self, config: ModelConfig, names: tuple[str, ...], prefix_bucket: int, bucket: int,
+    def __init__(self, config: ModelConfig, names: tuple[str, ...], prefix_bucket: int, bucket: int, linear=None,
                  inplace: bool = False):
-        super().__init__(config, names, prefix_bucket, bucket, inplace=inplace)
+        super().__init__(config, names, prefix_bucket, bucket, linear=linear, inplace=inplace)
         self.inplace = inplace
 
     def forward(self, weights, k_pool, v_pool, prefix_blocks, start, tokens, last, slot_mapping):

@@ -19,7 +19,11 @@ weights and state on the device:
   since the protocol puts the prefix between prefill and insert. A prompt continuing a
   prefix (option ``prefix_reuse``) runs a continuation model per (prefix bucket, prompt
   bucket) pair, the prefix's K/V an input as the CPU compile path's graph takes them
-  (prefixes live on the host, between prefill and insert).
+  (prefixes live on the host, between prefill and insert). With option ``page_size``
+  the state is the two block pools instead: the context and continuation models write a
+  prompt's K/V into them through its slot mapping, decode reads them through block
+  tables, a copy model makes the copies on write, and no insert is needed (a slot shares
+  its prefix's blocks).
 - **Compiler arguments** per dtype (:data:`COMPILER_ARGS`): ``--auto-cast=none``
   always, since neuronx-cc otherwise casts float32 matmuls to bfloat16 (a declared
   float32 would not be float32) and bfloat16 graphs are bfloat16 as written; bfloat16
@@ -70,7 +74,12 @@ from polyengine.errors import InvalidRequest
 from polyengine.models import ModelConfig
 
 from polyengine.backends.torch_common.model import TorchWeights
-from polyengine.backends.neuron.graphs import SAMPLER_FIELDS, ContextContinuation, ContextEncoding, TokenGeneration
+from polyengine.pages import pages_for
+
+from polyengine.backends.neuron.graphs import (
+    SAMPLER_FIELDS, ContextContinuation, ContextEncoding, PagedContextContinuation, PagedContextEncoding,
+    PagedTokenGeneration, TokenGeneration,
+)
 
 __all__ = [
     "COMPILER_ARGS", "OUTPUTS", "compiler_args", "local_config", "local_shape", "shards", "tp_linear", "OnDevice", "ProgramSpec",
@@ -190,17 +199,25 @@ class OnDevice(torch.nn.Module):
     ``continuation`` (inputs a whole prefix's K and V padded to its prefix bucket, its
     length ``start (1,)``, ``tokens (1, P)``, ``last (1,)``; outputs as ``context``'s,
     prefix and prompt together; no state).
+
+    ``paged`` (option ``page_size``): the state is the two block pools ``(layers, blocks,
+    kv_heads, block_size, head_dim)`` (this core's heads); ``context`` and
+    ``continuation`` take a slot mapping (and a continuation its prefix's block row
+    instead of its K/V) and write the prompt's K/V into the pools, returning only the
+    logits; ``decode``/``draft`` take the block table first; ``copy`` (inputs ``src (1,)``,
+    ``dst (1,)``) copies a block in both pools (a copy on write); there is no insert.
     """
 
     def __init__(self, kind: str, *, graph: torch.nn.Module | None, weights: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 cache: tuple[tuple[int, ...], torch.dtype] | None, draft_layers: int = 0, tp: int = 1):
+                 cache: tuple[tuple[int, ...], torch.dtype] | None, draft_layers: int = 0, tp: int = 1,
+                 paged: bool = False):
         super().__init__()
-        self.kind, self.graph, self.draft_layers, self.tp = kind, graph, draft_layers, tp
+        self.kind, self.graph, self.draft_layers, self.tp, self.paged = kind, graph, draft_layers, tp, paged
         self.names = tuple(weights)
         self.weights = torch.nn.ParameterDict({
             _param(n): torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
             for n, (shape, dtype) in weights.items()})
-        if kind in ("insert", "continuation"):
+        if kind == "insert" or (kind == "continuation" and not paged):  # takes its heads of a whole prefix
             self.tp_rank = torch.nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
         if cache is not None:
             shape, dtype = cache
@@ -209,7 +226,7 @@ class OnDevice(torch.nn.Module):
 
     def aliases(self) -> dict[torch.nn.Parameter, int]:
         """The state parameters and the outputs that are their new values."""
-        if self.kind in ("context", "continuation"):
+        if self.kind in ("context", "continuation") and not self.paged:
             return {}
         return {self.k_cache: OUTPUTS, self.v_cache: OUTPUTS + 1}
 
@@ -217,6 +234,11 @@ class OnDevice(torch.nn.Module):
         return tuple(self.weights[_param(n)] for n in self.names)
 
     def forward(self, *inputs: torch.Tensor):
+        if self.paged and self.kind in ("context", "continuation"):  # the prompt's K/V into this core's pools
+            logits, k, v = self.graph(self._weights(), self.k_cache, self.v_cache, *inputs)
+            return logits, _pad(logits), _pad(logits), _pad(logits), k, v
+        if self.kind == "copy":
+            return self._copy(*inputs)
         if self.kind == "context":
             tokens, last = inputs
             logits, k, v = self.graph(self._weights(), tokens, last)
@@ -248,15 +270,21 @@ class OnDevice(torch.nn.Module):
             out.append(cache.index_copy(1, slot, row))
         return slot.to(torch.int32), _pad(slot), _pad(slot), _pad(slot), out[0], out[1]
 
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor):
+        """Block ``dst`` of both pools := block ``src``, in every layer."""
+        out = [cache.index_copy(1, dst, cache.index_select(1, src)) for cache in (self.k_cache, self.v_cache)]
+        return dst.to(torch.int32), _pad(dst), _pad(dst), _pad(dst), out[0], out[1]
+
     def _decode(self, *inputs: torch.Tensor):
+        table, inputs = (inputs[:1], inputs[1:]) if self.paged else ((), inputs)  # paged: the block table first
         seq_ids, occupied, prompt_len, token_mask, masked = inputs[:5]
         fields = len(SAMPLER_FIELDS)
         drafts = inputs[5:-1 - fields]
         sampler = dict(zip(SAMPLER_FIELDS, inputs[-1 - fields:-1]))
         k, v = self.k_cache, self.v_cache
         layers = self.draft_layers or k.shape[0]
-        packed, counts, step, last, k_new, v_new = self.graph(self._weights(), k[:layers], v[:layers], seq_ids, occupied,
-                                                              prompt_len, token_mask, masked, *drafts, sampler)
+        packed, counts, step, last, k_new, v_new = self.graph(self._weights(), k[:layers], v[:layers], *table, seq_ids,
+                                                              occupied, prompt_len, token_mask, masked, *drafts, sampler)
         if layers < k.shape[0]:  # the draft writes the target's first layers; the rest stay as they are
             k_new, v_new = torch.cat([k_new, k[layers:]]), torch.cat([v_new, v[layers:]])
         return packed, counts, step, last, k_new, v_new
@@ -316,13 +344,14 @@ def load_program(path: Path) -> Any:
 class DeviceGraphs:
     """An engine's graphs on the NeuronCores: builds the :class:`ProgramSpec` from the
     engine's buckets, then, given the compiled program, moves the weights to the cores
-    once and runs the calls. The KV cache lives in the program (one per engine)."""
+    once and runs the calls. The KV cache lives in the program (one per engine): a row
+    per slot, or with ``pages`` (blocks, block size) the block pools."""
 
     def __init__(self, *, weights: TorchWeights, names: tuple[str, ...], draft: ModelConfig | None,
                  draft_names: tuple[str, ...], buckets, max_slots: int, max_cache_length: int, tokens_per_step: int,
                  num_top: int, neutral: Callable[[int], dict[str, torch.Tensor]],
                  no_masks: Callable[[int], tuple[torch.Tensor, torch.Tensor]], dtype: str, tp: int,
-                 prefill_batch: tuple[int, ...] = ()):
+                 prefill_batch: tuple[int, ...] = (), pages: tuple[int, int] | None = None):
         self.config = weights.config
         self.prefill_batch = prefill_batch  # row counts of the batched context models (option batched_prefill)
         self.continuations = buckets.continuations  # (prefix, prompt) bucket pairs (option prefix_reuse)
@@ -336,7 +365,9 @@ class DeviceGraphs:
         self.program: Any = None
         self._shapes = {n: (local_shape(n, tuple(weights.tensors[n].shape), tp), weights.tensors[n].dtype) for n in names}
         c = self.local
-        self._cache = ((c.num_hidden_layers, max_slots, c.num_key_value_heads, buckets.cache, c.head_dim), weights.dtype)
+        self.pages = pages  # (blocks, block size): the block pools (option page_size)
+        rows, length = pages if pages else (max_slots, buckets.cache)
+        self._cache = ((c.num_hidden_layers, rows, c.num_key_value_heads, length, c.head_dim), weights.dtype)
 
     # -- what is compiled ------------------------------------------------------------------
 
@@ -348,24 +379,26 @@ class DeviceGraphs:
                 "num_top": self.num_top, "draft_layers": self.draft.num_hidden_layers if self.draft else 0,
                 "tp_degree": self.tp, "compiler_args": compiler_args(self.dtype),
                 **({"prefill_batch": list(self.prefill_batch)} if self.prefill_batch else {}),
-                **({"continuations": [list(c) for c in self.continuations]} if self.continuations else {})}
+                **({"continuations": [list(c) for c in self.continuations]} if self.continuations else {}),
+                **({"pages": list(self.pages)} if self.pages else {})}
 
     def _linear(self):
         return tp_linear if self.tp > 1 else None
 
     def _decode_inputs(self, batch: int, tokens: int, kv: int) -> tuple[torch.Tensor, ...]:
         r = self.slots
-        args = [torch.arange(batch), torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64),
+        table = [torch.zeros((r, pages_for(kv, self.pages[1])), dtype=torch.int64)] if self.pages else []
+        args = [*table, torch.arange(batch), torch.zeros(r, dtype=torch.bool), torch.zeros(r, dtype=torch.int64),
                 *self.no_masks(r)]
         if tokens > 1:
             args.append(torch.zeros((batch, tokens - 1), dtype=torch.int64))
         sampler = self.neutral(r)
         return (*args, *(sampler[f] for f in SAMPLER_FIELDS), self.marker(kv))
 
-    def _continuation_inputs(self, q: int, p: int) -> tuple[torch.Tensor, ...]:
+    def _continuation_inputs(self, q: int) -> tuple[torch.Tensor, ...]:
         c = self.config  # the prefix whole: every core takes its own heads of it
         prefix = torch.zeros((c.num_hidden_layers, 1, c.num_key_value_heads, q, c.head_dim), dtype=self.weights.dtype)
-        return prefix, prefix.clone(), torch.tensor([0]), torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1])
+        return prefix, prefix.clone(), torch.tensor([0])
 
     @staticmethod
     def marker(kv: int) -> torch.Tensor:
@@ -374,47 +407,66 @@ class DeviceGraphs:
 
     def spec(self) -> ProgramSpec:
         models: dict[str, tuple[Callable[[], OnDevice], tuple]] = {}
+        self._prefill_models(models)
         b, lin = self.buckets, self._linear()
         draft_shapes = {n: self._shapes[n] for n in self.draft_names}
         cfg = dict(max_cache_length=self.max_cache_length, num_top=self.num_top, linear=lin)
-        for p in b.prefill:
-            models[f"context_{p}"] = (
-                lambda p=p: OnDevice("context", graph=ContextEncoding(self.local, self.names, p, linear=lin),
-                                     weights=self._shapes, cache=None, tp=self.tp),
-                (torch.zeros((1, p), dtype=torch.int64), torch.tensor([p - 1])))
-            for n in self.prefill_batch:  # several prompts of this bucket: inputs (n, P), (n,)
-                models[f"context_{n}x{p}"] = (
-                    lambda p=p, n=n: OnDevice("context", graph=ContextEncoding(self.local, self.names, p, linear=lin,
-                                                                               batch=n),
-                                              weights=self._shapes, cache=None, tp=self.tp),
-                    (torch.zeros((n, p), dtype=torch.int64), torch.full((n,), p - 1)))
-            full = (self.config.num_hidden_layers, 1, self.config.num_key_value_heads, p, self.config.head_dim)
-            models[f"insert_{p}"] = (
-                lambda: OnDevice("insert", graph=None, weights={}, cache=self._cache, tp=self.tp),
-                (torch.zeros(full, dtype=self.weights.dtype), torch.zeros(full, dtype=self.weights.dtype),
-                 torch.zeros(1, dtype=torch.int64)))
-        for q, p in self.continuations:
-            models[f"continuation_{q}_{p}"] = (
-                lambda q=q, p=p: OnDevice("continuation", graph=ContextContinuation(self.local, self.names, q, p, linear=lin),
-                                          weights=self._shapes, cache=None, tp=self.tp),
-                self._continuation_inputs(q, p))
+        step = PagedTokenGeneration if self.pages else TokenGeneration
+        if self.pages:  # a copy on write: one block of both pools
+            models["copy_block"] = (lambda: OnDevice("copy", graph=None, weights={}, cache=self._cache, tp=self.tp,
+                                                     paged=True),
+                                    (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)))
         for batch in b.batch:
             for kv in b.seq:
                 models[f"decode_{batch}_{kv}"] = (
                     lambda batch=batch, kv=kv: OnDevice(
-                        "decode", graph=TokenGeneration(self.local, self.names, batch=batch, tokens=self.k, kv_len=kv,
-                                                        **cfg),
-                        weights=self._shapes, cache=self._cache, tp=self.tp),
+                        "decode", graph=step(self.local, self.names, batch=batch, tokens=self.k, kv_len=kv, **cfg),
+                        weights=self._shapes, cache=self._cache, tp=self.tp, paged=bool(self.pages)),
                     self._decode_inputs(batch, self.k, kv))
                 if self.draft is not None:
                     layers = self.draft.num_hidden_layers
                     models[f"draft_{batch}_{kv}"] = (
                         lambda batch=batch, kv=kv: OnDevice(
-                            "draft", graph=TokenGeneration(self.draft_local, self.draft_names, batch=batch, tokens=1,
-                                                           kv_len=kv, **cfg),
-                            weights=draft_shapes, cache=self._cache, draft_layers=layers, tp=self.tp),
+                            "draft", graph=step(self.draft_local, self.draft_names, batch=batch, tokens=1, kv_len=kv,
+                                                **cfg),
+                            weights=draft_shapes, cache=self._cache, draft_layers=layers, tp=self.tp,
+                            paged=bool(self.pages)),
                         self._decode_inputs(batch, 1, kv))
         return ProgramSpec(models, self.tp, compiler_args(self.dtype), lambda: self.checkpoints()[0])
+
+    def _prefill_models(self, models: dict) -> None:
+        """The context (of one row, and of several with ``prefill_batch``), insert and
+        continuation models. With pages a prompt's K/V go straight into the pools through
+        its slot mapping (no insert model: a slot shares its prefix's blocks)."""
+        lin, paged = self._linear(), bool(self.pages)
+        context = PagedContextEncoding if paged else ContextEncoding
+        continuation = PagedContextContinuation if paged else ContextContinuation
+
+        def on_device(kind: str, graph: Callable[[], torch.nn.Module]) -> Callable[[], OnDevice]:
+            return lambda: OnDevice(kind, graph=graph(), weights=self._shapes, cache=self._cache if paged else None,
+                                    tp=self.tp, paged=paged)
+
+        def prompts(n: int, p: int) -> tuple[torch.Tensor, ...]:  # padded prompts, last positions[, slot mapping]
+            slots = (torch.zeros(n * p, dtype=torch.int64),) if paged else ()
+            return (torch.zeros((n, p), dtype=torch.int64), torch.full((n,), p - 1), *slots)
+
+        for p in self.buckets.prefill:
+            models[f"context_{p}"] = (on_device("context", lambda p=p: context(self.local, self.names, p, linear=lin)),
+                                      prompts(1, p))
+            for n in self.prefill_batch:  # several prompts of this bucket: inputs (n, P), (n,)
+                models[f"context_{n}x{p}"] = (on_device("context", lambda p=p, n=n: context(
+                    self.local, self.names, p, linear=lin, batch=n)), prompts(n, p))
+            if not paged:
+                full = (self.config.num_hidden_layers, 1, self.config.num_key_value_heads, p, self.config.head_dim)
+                models[f"insert_{p}"] = (
+                    lambda: OnDevice("insert", graph=None, weights={}, cache=self._cache, tp=self.tp),
+                    (torch.zeros(full, dtype=self.weights.dtype), torch.zeros(full, dtype=self.weights.dtype),
+                     torch.zeros(1, dtype=torch.int64)))
+        for q, p in self.continuations:
+            head = ((torch.zeros(pages_for(q, self.pages[1]), dtype=torch.int64), torch.tensor([0])) if paged
+                    else self._continuation_inputs(q)[:3])
+            models[f"continuation_{q}_{p}"] = (on_device("continuation", lambda q=q, p=p: continuation(
+                self.local, self.names, q, p, linear=lin)), (*head, *prompts(1, p)))
 
     def checkpoints(self) -> list[dict[str, torch.Tensor]]:
         """Each core's weights under the models' parameter names (what ``initialize`` takes)."""
@@ -444,6 +496,17 @@ class DeviceGraphs:
         logits, k, v, _ = self._run(k, v, start, tokens, last)
         return logits, k, v
 
+    def on_pools(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """A prefill into the block pools (``(tokens, last, slot_mapping)``, or a
+        continuation's ``(block_row, start, tokens, last, slot_mapping)``; the inputs'
+        shapes pick the model): its logits; the K/V stay on the cores."""
+        return self._run(*inputs)[0]
+
+    def copy(self, copies: list[tuple[int, int]]) -> None:
+        """Copies on write: each (src, dst) block of both pools, one call each."""
+        for src, dst in copies:
+            self._run(torch.tensor([src]), torch.tensor([dst]))
+
     def insert(self, k: torch.Tensor, v: torch.Tensor, slot: int) -> None:
         """The prefix ``(L, kv_heads, n, D)`` into ``slot``'s cache row, padded to its prefill bucket."""
         n = k.shape[2]
@@ -455,9 +518,9 @@ class DeviceGraphs:
 
     def decode(self, kv: int, seq_ids: torch.Tensor, occupied: torch.Tensor, prompt_len: torch.Tensor,
                masks: tuple[torch.Tensor, torch.Tensor], drafts: tuple[torch.Tensor, ...],
-               sampler: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+               sampler: dict[str, torch.Tensor], table: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
         """One decode (or speculation, or draft) call: ``(packed, counts, step, last_token)``;
-        which model runs follows from the inputs' shapes."""
-        return self._run(seq_ids, occupied, prompt_len, *masks, *drafts, *(sampler[f] for f in SAMPLER_FIELDS),
+        which model runs follows from the inputs' shapes. ``table``: with pages, the block table."""
+        return self._run(*table, seq_ids, occupied, prompt_len, *masks, *drafts, *(sampler[f] for f in SAMPLER_FIELDS),
                          self.marker(kv))
 

@@ -41,10 +41,10 @@ OPTIONS = {
     # The block KV layout, NxD's (docs/neuron.md, "Pages"): pools of blocks shared by reference
     # count (polyengine.pages), a block table per slot; inserting a prefix shares its blocks
     "page_size": Option(0, "K/V in blocks (pages) of this many positions (0: one contiguous cache row per slot); "
-                           "the CPU compile path", minimum=0, maximum=4096),
+                           "on Neuron devices the pools are the NxD program's state", minimum=0, maximum=4096),
     "kv_pages": Option(0, "with page_size: the blocks the K/V of slots and prefixes share (0: as many as they use, "
-                          "the pool's graphs compiled again for each size it grows to); the driver admits requests "
-                          "by free blocks", minimum=0),
+                          "the pool's graphs compiled again for each size it grows to; on Neuron devices max_slots "
+                          "contexts' blocks, one size); the driver admits requests by free blocks", minimum=0),
     # Several prompts of one bucket in one context-encoding graph (docs/neuron.md, "Batched prefill")
     "batched_prefill": Option("auto", "prefill_batch's fresh prompts in one context-encoding graph per bucket, 2 or "
                                       "4 at a time (capability batched_prefill): 'on', 'off', or 'auto' (on for the "
