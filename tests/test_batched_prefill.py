@@ -102,14 +102,14 @@ def test_batch_groups_bound_each_forward():
 
 
 def test_a_token_cap_splits_the_batch_into_forwards_with_the_same_results(tiny):
-    """The cpu engine's prefill_batch_tokens: entries past the cap run as further forwards
+    """The cpu engine's prefill_forward_tokens: entries past the cap run as further forwards
     (counted), each entry's prefix and first token as in one forward; a refused entry
     still refuses the whole batch before any work."""
     from polyengine.backends.cpu.engine import CpuEngine
 
     config = EngineConfig(max_slots=3, max_prefill_length=60, max_cache_length=96, options={"fused_prefill": False})
     whole, capped = CpuEngine(tiny, config), CpuEngine(tiny, config)
-    whole.prefill_batch_tokens, capped.prefill_batch_tokens = None, 40
+    whole.prefill_forward_tokens, capped.prefill_forward_tokens = None, 40
     params = whole.load_params()
     cparams = capped.load_params()
     rng = np.random.default_rng(3)
@@ -278,3 +278,42 @@ def test_a_subclass_with_its_own_prefill_does_not_declare_batched_prefill(tiny):
     assert not eng.capabilities.batched_prefill
     assert ReferenceEngine(tiny, EngineConfig(max_slots=2, max_prefill_length=60,
                                               max_cache_length=96)).capabilities.batched_prefill
+
+
+@pytest.mark.parametrize("page_size", [0, 4])
+def test_a_prompt_past_the_cap_prefills_in_pieces_with_the_same_results(tiny, page_size):
+    """The cpu engine's prefill_forward_tokens bounds a long prompt's forward too: alone,
+    or as a lone entry of prefill_batch, it runs as even pieces under the cap, each
+    continuing the one before (counted); its prefix's logits, first token and K/V as
+    one forward gives them, and no piece's own prefix keeps pages."""
+    from polyengine.backends.cpu.engine import CpuEngine
+
+    config = EngineConfig(max_slots=2, max_prefill_length=120, max_cache_length=160,
+                          options={"fused_prefill": False, "page_size": page_size})
+    whole, capped = CpuEngine(tiny, config), CpuEngine(tiny, config)
+    whole.prefill_forward_tokens, capped.prefill_forward_tokens = None, 40
+    params, cparams = whole.load_params(), capped.load_params()
+    runs = []
+    kv_run = capped._kv_run
+    capped._kv_run = lambda params, prefix, start, end: runs.append((start, end)) or kv_run(params, prefix, start, end)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(3, 250, 100).tolist()
+    for how in ("prefill", "prefill_batch"):
+        runs.clear()
+        for eng, p in ((whole, params), (capped, cparams)):
+            if how == "prefill":
+                eng.got = eng.prefill(params=p, tokens=tokens, sampling=SEEDED)
+            else:
+                (eng.got,) = eng.prefill_batch(params=p, requests=[PrefillRequest(tokens, SEEDED)])
+        assert runs == [(0, 33), (33, 66), (66, 100)], how
+        (got, first), (want, want_first) = capped.got, whole.got
+        np.testing.assert_allclose(got.host_logits(), want.host_logits(), rtol=0, atol=2e-5, err_msg=how)
+        assert int(first.row_tokens(0)[0]) == int(want_first.row_tokens(0)[0]), how
+        a, b = capped.export_prefix(got), whole.export_prefix(want)
+        np.testing.assert_allclose(a.k, b.k, rtol=0, atol=1e-5, err_msg=how)
+        np.testing.assert_allclose(a.v, b.v, rtol=0, atol=1e-5, err_msg=how)
+        if page_size:
+            assert capped.pages.held == len(got.kv.pages) == -(-100 // page_size), how  # the pieces' pages given back
+            got.kv.release()
+            want.kv.release()
+            assert capped.pages.held == 0, how

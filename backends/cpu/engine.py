@@ -48,11 +48,15 @@ __all__ = ["CpuEngine", "create_engine"]
 class CpuEngine(TorchEngine):
     name = "cpu"
     OPTIONS = OPTIONS
-    # A batch of prompts prefilled together runs as forwards of at most this many tokens:
-    # eight 128-token prompts as one forward of 1,024 rows held ~230 MiB more at its peak
-    # than the engine's steady state on a 1B file; two of 512 half that, at the same rate
-    # per token (docs/cpu.md, "Prefill rows")
-    prefill_batch_tokens = 512
+    # A prefill forward's rows (a batch's prompts together, or a long prompt's pieces): at
+    # least 512, more while their float32 activations stay under PREFILL_FORWARD_BYTES.
+    # On a 1B file eight 128-token prompts as one forward of 1,024 rows held ~230 MiB more
+    # at its peak than the engine's steady state, two of 512 half that, at the same rate per
+    # token; a 2,048-token prompt in pieces of 512 peaked at half the memory over its start
+    # and ran faster, while on the 135M default model (small activations, K/V copied into
+    # each piece) pieces only cost time (docs/cpu.md, "Prefill rows")
+    PREFILL_FORWARD_BYTES = 64 << 20
+    prefill_forward_tokens = 512
 
     def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
         self.torch_device = torch.device("cpu")
@@ -134,6 +138,7 @@ class CpuEngine(TorchEngine):
         # stays short (_fused_prefill_fits; docs/cpu.md, "Short prefills in the fused step")
         self.fused_prefill_rows = (TILED_FUSED_PREFILL_ROWS if plan.block_tiles else MAX_ROWS) if plan.fused_prefill else 0
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
+        self.prefill_forward_tokens = max(512, self.PREFILL_FORWARD_BYTES // prefill_row_bytes(self.model.config))
         # generate_with_prefill inside the fused step (option mixed_step): on pages, up to as
         # many prompt tokens as a fused prefill takes; the capability says how many
         mixes = self.options["mixed_step"] and plan.fused_decode and self.options["page_size"] > 0
@@ -431,6 +436,13 @@ class CpuEngine(TorchEngine):
         if self._logits_buffer is None or self._logits_buffer.numel() < x.shape[0] * self.vocab_size:
             self._logits_buffer = torch.empty(x.shape[0] * self.vocab_size, dtype=torch.float32)
         return self._cpu_linear(t, x, "lm_head", any_rows=True, out=self._logits_buffer)
+
+
+def prefill_row_bytes(config) -> int:
+    """A prefill forward's float32 activations per token, roughly: the residual stream,
+    its norm, the attention output and the down projection's; q, k and v; gate, up and
+    their product."""
+    return 4 * (4 * config.hidden_size + config.q_size + 2 * config.kv_size + 3 * config.intermediate_size)
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> CpuEngine:

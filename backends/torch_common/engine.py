@@ -182,6 +182,10 @@ def on_engine_thread(method):
     return run
 
 
+# The request of a piece of a long prompt (prefill_forward_tokens) whose first token nobody reads.
+_PIECE = SamplingParams(seed=0)
+
+
 def batch_groups(lengths: Sequence[int], cap: int | None) -> list[list[int]]:
     """The entries of a batch (their token counts, in order) in consecutive groups whose
     padded size, entries x the longest, stays within ``cap`` (an entry longer than the cap
@@ -214,10 +218,12 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
     _prefill_linear: Callable | None = None  # prefill's
     _causal_attention: Callable | None = None  # a prefill's causal attention (None: the forward's)
     _embed: Callable | None = None  # the embedding lookup (None: the table in the weights, StepSpec.embed)
-    # Padded tokens one forward of prefill_batch takes at most (None: every entry in one):
-    # a host engine's working set grows with them (activations, the batch's K/V and then
-    # each entry's copy), and past a few hundred rows a forward costs the same per token
-    prefill_batch_tokens: int | None = None
+    # Tokens one prefill forward takes at most (None: no bound): prefill_batch groups its
+    # entries (padded) under it, and a longer prompt runs as pieces of at most this many,
+    # each continuing the one before. A host engine's working set grows with a forward's
+    # rows (activations, the batch's K/V and then each entry's copy), and past a few
+    # hundred rows a forward costs the same per token
+    prefill_forward_tokens: int | None = None
 
     def __init__(self, model: Model, config: EngineConfig):
         super().__init__(model, config)
@@ -407,6 +413,8 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         toks, sampling, start = self.check_prefill(tokens, sampling, existing_prefix)
         mask = self.check_token_mask(token_mask, sampling)
         n = toks.size
+        if self.prefill_forward_tokens and n > self.prefill_forward_tokens:
+            return self._prefill_pieces(params, toks, sampling, existing_prefix, mask)
         padded = self._prefill_rows(n)
         dev = self.torch_device
         fused = padded == n and self._fused_prefill_fits([n], [start])
@@ -437,6 +445,32 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
         if self.pages is None:  # the views keep the whole buffer alive; the run lets a continuation extend it
             prefix = replace(prefix, kv=_RunViews(prefix.kv, run))
         return prefix, first
+
+    def _prefill_pieces(self, params: TorchWeights, toks: np.ndarray, sampling: SamplingParams,
+                        existing_prefix: Prefix | None, mask) -> tuple[Prefix, ResultTokens]:
+        """A prompt longer than ``prefill_forward_tokens`` as consecutive prefills of as
+        even pieces as fit under it, each continuing the one before (its K/V extended in
+        place, or its pages shared), the last with the request's sampling and mask; a
+        piece's own prefix is dropped once the next continues it."""
+        cap = int(self.prefill_forward_tokens)
+        pieces = -(-toks.size // cap)
+        cuts = [toks.size * i // pieces for i in range(pieces + 1)]
+        prefix = existing_prefix
+        try:
+            for a, b in zip(cuts[:-2], cuts[1:-1]):
+                head, _ = self.prefill(params=params, tokens=toks[a:b], sampling=_PIECE, existing_prefix=prefix)
+                self._drop_piece(prefix, existing_prefix)
+                prefix = head
+            return self.prefill(params=params, tokens=toks[cuts[-2]:], sampling=sampling, existing_prefix=prefix,
+                                token_mask=mask)
+        finally:
+            self._drop_piece(prefix, existing_prefix)
+
+    @staticmethod
+    def _drop_piece(prefix: Prefix | None, existing_prefix: Prefix | None) -> None:
+        """A piece's prefix (not the caller's): its pages' references given back."""
+        if prefix is not None and prefix is not existing_prefix and isinstance(prefix.kv, PageList):
+            prefix.kv.release()
 
     # Tokens up to which a prefill (a batch's entries counted together) is one fused call
     # (_fused_prefill, _fused_paged_prefill) instead of the forward; 0: never (CpuEngine sets it).
@@ -546,8 +580,13 @@ class TorchEngine(TorchSlotsEngine, EngineBase):
             return EngineBase.prefill_batch(self, params=params, requests=requests)
         checked = self.check_prefill_batch(requests)  # every entry, before any work
         out: list[tuple[Prefix, ResultTokens]] = []
-        for group in batch_groups([toks.size for toks, _, _, _ in checked], self.prefill_batch_tokens):
-            out += self._prefill_checked(params, [requests[i] for i in group], [checked[i] for i in group])
+        cap = self.prefill_forward_tokens
+        for group in batch_groups([toks.size for toks, _, _, _ in checked], cap):
+            if cap and len(group) == 1 and checked[group[0]][0].size > cap:  # alone and long: in pieces
+                toks, sampling, _, mask = checked[group[0]]
+                out.append(self._prefill_pieces(params, toks, sampling, requests[group[0]].existing_prefix, mask))
+            else:
+                out += self._prefill_checked(params, [requests[i] for i in group], [checked[i] for i in group])
         return out
 
     def _prefill_checked(self, params: TorchWeights, requests, checked) -> list[tuple[Prefix, ResultTokens]]:

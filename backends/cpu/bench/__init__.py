@@ -7,5 +7,7 @@ kernels, ``TiledBlockLinear``), which the bench and its scripts may not import
   cache on one core, per format, rows of x and activations (``--against REV``: a git
   revision's kernels beside this tree's, a same-run A/B);
 - ``python -m polyengine.backends.cpu.bench.block_rows_crossover FILE.gguf``: one
-  projection at M rows on the block kernels and on the dequantized GEMM.
+  projection at M rows on the block kernels and on the dequantized GEMM;
+- ``python -m polyengine.backends.cpu.bench.long_prefill [MODEL]``: a long prompt as one
+  forward and as pieces under ``prefill_forward_tokens``, time and peak memory.
 """
