@@ -366,3 +366,28 @@ def test_a_newer_decode_state_gives_the_older_ones_blocks_back(standin, model, t
     assert eng.pages.free == eng.pages.capacity
     with pytest.raises(InvalidRequest, match="replaced by a newer one"):
         eng.generate(params, old)
+
+
+@pytest.mark.slow
+def test_the_conformance_suite_passes_on_the_device_path_with_pages_and_prefix_reuse(tmp_path):
+    """The whole suite on the Neuron path (the recording stand-in, in a process of its own
+    through tests/neuron_standin_site), with the options built by construction there:
+    pages (a pool large enough for the programs: a bounded pool's refusals are the page
+    pressure test's) and continuation models. bfloat16, the path's first dtype."""
+    import json
+    import os
+    import subprocess
+
+    site = Path(__file__).resolve().parent / "neuron_standin_site"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "POLYENGINE_NEURON_CACHE": str(tmp_path / "cache")}
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "polyengine", "conformance", "--backend", "neuron", "--option", "compiler=neuronx",
+         "--option", "prefix_reuse=on", "--option", "page_size=16", "--option", "kv_pages=400",
+         "--report-json", str(report)], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    doc = json.loads(report.read_text())
+    assert doc["capabilities"]["dtypes"][0] == "bfloat16" and doc["capabilities"]["page_size"] == 16
+    assert doc["capabilities"]["prefix_reuse"] and "one NxD model" in doc["device"]["backend"]
+    assert all(v["failed"] == 0 for v in doc["summary"].values()) and doc["summary"]["differential"]["passed"] > 0

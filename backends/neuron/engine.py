@@ -342,7 +342,7 @@ class NeuronEngine(TorchSlotsEngine, EngineBase):
         """A prefill graph ``base`` over the block pools, its logits: on Neuron the
         program's model (the pools are its state), else the graph with the pools as inputs."""
         if self.on_device is not None:
-            return self.on_device.on_pools(*inputs)
+            return self.on_device.on_pools(base, *inputs)
         k_pool, v_pool = self._paged.tensors
         (logits,) = self._paged_graph(base)(weights, k_pool, v_pool, *inputs)
         return logits

@@ -39,8 +39,8 @@ weights and state on the device:
   its rows of the KV cache; prefill gathers the heads back
   (``gather_from_tensor_model_parallel_region``) so a prefix is whole, and the insert
   and continuation models take each core's heads of a whole prefix (``tp_rank``, a
-  one-element weight whose value is the core's rank). :func:`shards` splits the checkpoint, one dict per core, which is what
-  ``initialize`` takes.
+  one-element weight whose value is the core's rank). :func:`shards` splits the
+  checkpoint, one dict per core, which is what ``initialize`` takes.
 
 Two rules of NxD's runtime shape the models: it routes a call to a model by the shapes
 of its inputs, so decode models of one batch and another attended length get a bucket
@@ -203,8 +203,9 @@ class OnDevice(torch.nn.Module):
     ``paged`` (option ``page_size``): the state is the two block pools ``(layers, blocks,
     kv_heads, block_size, head_dim)`` (this core's heads); ``context`` and
     ``continuation`` take a slot mapping (and a continuation its prefix's block row
-    instead of its K/V) and write the prompt's K/V into the pools, returning only the
-    logits; ``decode``/``draft`` take the block table first; ``copy`` (inputs ``src (1,)``,
+    instead of its K/V, and last the bucket marker ``(Q,)``: two prefix buckets within
+    one block's width would take inputs of the same shapes) and write the prompt's K/V
+    into the pools, returning only the logits; ``decode``/``draft`` take the block table first; ``copy`` (inputs ``src (1,)``,
     ``dst (1,)``) copies a block in both pools (a copy on write); there is no insert.
     """
 
@@ -235,6 +236,8 @@ class OnDevice(torch.nn.Module):
 
     def forward(self, *inputs: torch.Tensor):
         if self.paged and self.kind in ("context", "continuation"):  # the prompt's K/V into this core's pools
+            if self.kind == "continuation":
+                inputs = inputs[:-1]  # the prefix bucket's marker: routing only
             logits, k, v = self.graph(self._weights(), self.k_cache, self.v_cache, *inputs)
             return logits, _pad(logits), _pad(logits), _pad(logits), k, v
         if self.kind == "copy":
@@ -463,10 +466,13 @@ class DeviceGraphs:
                     (torch.zeros(full, dtype=self.weights.dtype), torch.zeros(full, dtype=self.weights.dtype),
                      torch.zeros(1, dtype=torch.int64)))
         for q, p in self.continuations:
-            head = ((torch.zeros(pages_for(q, self.pages[1]), dtype=torch.int64), torch.tensor([0])) if paged
-                    else self._continuation_inputs(q)[:3])
+            if paged:  # the prefix's block row and length; the prefix bucket's marker last
+                head, tail = (torch.zeros(pages_for(q, self.pages[1]), dtype=torch.int64), torch.tensor([0])), \
+                    (self.marker(q),)
+            else:
+                head, tail = self._continuation_inputs(q), ()
             models[f"continuation_{q}_{p}"] = (on_device("continuation", lambda q=q, p=p: continuation(
-                self.local, self.names, q, p, linear=lin)), (*head, *prompts(1, p)))
+                self.local, self.names, q, p, linear=lin)), (*head, *prompts(1, p), *tail))
 
     def checkpoints(self) -> list[dict[str, torch.Tensor]]:
         """Each core's weights under the models' parameter names (what ``initialize`` takes)."""
@@ -496,11 +502,13 @@ class DeviceGraphs:
         logits, k, v, _ = self._run(k, v, start, tokens, last)
         return logits, k, v
 
-    def on_pools(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """A prefill into the block pools (``(tokens, last, slot_mapping)``, or a
-        continuation's ``(block_row, start, tokens, last, slot_mapping)``; the inputs'
-        shapes pick the model): its logits; the K/V stay on the cores."""
-        return self._run(*inputs)[0]
+    def on_pools(self, base: tuple, *inputs: torch.Tensor) -> torch.Tensor:
+        """A prefill into the block pools, graph ``base`` (its kind and buckets; inputs
+        ``(tokens, last, slot_mapping)``, or a continuation's ``(block_row, start, tokens,
+        last, slot_mapping)``, its prefix bucket's marker added here; the inputs' shapes
+        pick the model): its logits; the K/V stay on the cores."""
+        marker = (self.marker(base[1]),) if base[0] == "continuation" else ()
+        return self._run(*inputs, *marker)[0]
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
         """Copies on write: each (src, dst) block of both pools, one call each."""
