@@ -56,7 +56,7 @@ class CpuEngine(TorchEngine):
     # and ran faster, while on the 135M default model (small activations, K/V copied into
     # each piece) pieces only cost time (docs/cpu.md, "Prefill rows")
     PREFILL_FORWARD_BYTES = 64 << 20
-    prefill_forward_tokens = 512
+    PREFILL_FORWARD_MIN_TOKENS = 512
 
     def capabilities_for(self, model: Model, config: EngineConfig) -> Capabilities:
         self.torch_device = torch.device("cpu")
@@ -138,7 +138,8 @@ class CpuEngine(TorchEngine):
         # stays short (_fused_prefill_fits; docs/cpu.md, "Short prefills in the fused step")
         self.fused_prefill_rows = (TILED_FUSED_PREFILL_ROWS if plan.block_tiles else MAX_ROWS) if plan.fused_prefill else 0
         self._logits_buffer: torch.Tensor | None = None  # a fused step's logits, reused
-        self.prefill_forward_tokens = max(512, self.PREFILL_FORWARD_BYTES // prefill_row_bytes(self.model.config))
+        self.prefill_forward_tokens = max(self.PREFILL_FORWARD_MIN_TOKENS,
+                                          self.PREFILL_FORWARD_BYTES // prefill_row_bytes(self.model.config))
         # generate_with_prefill inside the fused step (option mixed_step): on pages, up to as
         # many prompt tokens as a fused prefill takes; the capability says how many
         mixes = self.options["mixed_step"] and plan.fused_decode and self.options["page_size"] > 0
