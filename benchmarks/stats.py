@@ -62,13 +62,11 @@ def summary(xs: Sequence[float]) -> dict[str, float | int | list[float]]:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set: ``VmHWM`` from /proc, else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    from polyengine.memory import resident_bytes
+
+    peak = resident_bytes("VmHWM")
+    if peak is not None:
+        return peak
     # ru_maxrss is in KiB on Linux (bytes on macOS, where /proc does not exist either).
     import sys
 

@@ -35,7 +35,7 @@ from polyengine.errors import InsufficientMemory
 __all__ = [
     "available_host_memory", "host_memory_limits", "cgroup_available", "check_fits", "simulated_limit",
     "as_insufficient", "translating_memory_errors", "MARGIN_FRACTION", "MARGIN_MIN", "DEFAULT_ADVICE", "gib",
-    "return_freed_memory",
+    "return_freed_memory", "resident_bytes", "reset_peak_resident",
     "engine_advice", "check_weights_fit", "LOAD_ADVICE",
 ]
 
@@ -147,6 +147,25 @@ def _proc_status_kib(field: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """This process's resident memory from ``/proc/self/status``, in bytes: ``"VmRSS"``
+    (now) or ``"VmHWM"`` (the peak since the start or the last
+    :func:`reset_peak_resident`). None where there is no ``/proc`` (not Linux)."""
+    return _proc_status_kib(field)
+
+
+def reset_peak_resident() -> bool:
+    """Set this process's peak (``VmHWM``) to its resident memory now (``/proc/self/clear_refs``,
+    value 5), so the next :func:`resident_bytes` ``("VmHWM")`` is the peak of what runs in
+    between. False where the kernel offers no such reset."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def _rlimit_room(which: int, used_field: str) -> int | None:

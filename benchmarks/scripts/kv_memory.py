@@ -33,9 +33,9 @@ llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-u
 t = time.perf_counter()
 out = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
 seconds = time.perf_counter() - t
-status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+from polyengine.memory import resident_bytes
 print(json.dumps({"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out),
-                  "peak_mib": int(status["VmHWM"].split()[0]) / 1024}))
+                  "peak_mib": resident_bytes("VmHWM") / 2**20}))
 """
 
 

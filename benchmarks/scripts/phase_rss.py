@@ -20,21 +20,20 @@ import gc
 import json
 import sys
 
+MIB = 1 << 20
+
 
 def _status() -> dict[str, int]:
     """VmRSS and VmHWM of this process, MiB."""
-    out = {}
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(("VmRSS", "VmHWM")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) // 1024
-    return out
+    from polyengine.memory import resident_bytes
+
+    return {key: (resident_bytes(key) or 0) // MIB for key in ("VmRSS", "VmHWM")}
 
 
 def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")
+    from polyengine.memory import reset_peak_resident
+
+    reset_peak_resident()
 
 
 def main(argv: list[str] | None = None) -> int:

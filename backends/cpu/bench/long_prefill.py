@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from polyengine import EngineConfig, SamplingParams
-from polyengine.memory import return_freed_memory
+from polyengine.memory import reset_peak_resident, resident_bytes, return_freed_memory
 from polyengine.models import default_model_path, load_model
 from polyengine.backends.cpu.engine import CpuEngine
 
@@ -28,18 +28,16 @@ MIB = 1 << 20
 
 
 def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    value = resident_bytes(field)
+    if value is None:
+        raise RuntimeError(f"no {field}: this bench reads /proc (Linux only)")
+    return value
 
 
 def _measured(engine: CpuEngine, params, tokens: list[int]) -> tuple[float, float, np.ndarray, int]:
     """One prefill: seconds, peak MiB over the resident memory before it, logits, first token."""
     return_freed_memory()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    reset_peak_resident()  # VmHWM := VmRSS
     before = _status("VmRSS")
     start = time.perf_counter()
     prefix, first = engine.prefill(params=params, tokens=tokens, sampling=SamplingParams(temperature=0))
