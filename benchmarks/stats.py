@@ -12,6 +12,8 @@ import math
 import resource
 from typing import Iterable, Sequence
 
+from polyengine.memory import resident_bytes
+
 __all__ = ["median", "percentile", "rate", "spread", "summary", "peak_rss_bytes", "MIB"]
 
 MIB = 1024 * 1024
@@ -62,8 +64,6 @@ def summary(xs: Sequence[float]) -> dict[str, float | int | list[float]]:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set: ``VmHWM`` from /proc, else ``ru_maxrss``."""
-    from polyengine.memory import resident_bytes
-
     peak = resident_bytes("VmHWM")
     if peak is not None:
         return peak

@@ -205,8 +205,9 @@ class OnDevice(torch.nn.Module):
     ``continuation`` take a slot mapping (and a continuation its prefix's block row
     instead of its K/V, and last the bucket marker ``(Q,)``: two prefix buckets within
     one block's width would take inputs of the same shapes) and write the prompt's K/V
-    into the pools, returning only the logits; ``decode``/``draft`` take the block table first; ``copy`` (inputs ``src (1,)``,
-    ``dst (1,)``) copies a block in both pools (a copy on write); there is no insert.
+    into the pools, returning only the logits; ``decode``/``draft`` take the block table
+    first; ``copy`` (inputs ``src (1,)``, ``dst (1,)``) copies a block in both pools (a
+    copy on write); there is no insert.
     """
 
     def __init__(self, kind: str, *, graph: torch.nn.Module | None, weights: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -467,8 +468,8 @@ class DeviceGraphs:
                      torch.zeros(1, dtype=torch.int64)))
         for q, p in self.continuations:
             if paged:  # the prefix's block row and length; the prefix bucket's marker last
-                head, tail = (torch.zeros(pages_for(q, self.pages[1]), dtype=torch.int64), torch.tensor([0])), \
-                    (self.marker(q),)
+                head = (torch.zeros(pages_for(q, self.pages[1]), dtype=torch.int64), torch.tensor([0]))
+                tail = (self.marker(q),)
             else:
                 head, tail = self._continuation_inputs(q), ()
             models[f"continuation_{q}_{p}"] = (on_device("continuation", lambda q=q, p=p: continuation(

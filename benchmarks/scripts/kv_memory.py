@@ -26,6 +26,7 @@ _CHILD = r"""
 import json, sys, time
 from polyengine import SamplingParams
 from polyengine.driver import LLM
+from polyengine.memory import resident_bytes
 opts, tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 llm = LLM(None, "cpu", max_slots=32, max_cache_length=2048, options=opts)
 prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(32)]
@@ -33,7 +34,6 @@ llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-u
 t = time.perf_counter()
 out = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
 seconds = time.perf_counter() - t
-from polyengine.memory import resident_bytes
 print(json.dumps({"seconds": seconds, "tokens": sum(len(c.token_ids) for c in out),
                   "peak_mib": resident_bytes("VmHWM") / 2**20}))
 """

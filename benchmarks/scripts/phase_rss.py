@@ -20,20 +20,14 @@ import gc
 import json
 import sys
 
+from polyengine.memory import reset_peak_resident, resident_bytes
+
 MIB = 1 << 20
 
 
 def _status() -> dict[str, int]:
     """VmRSS and VmHWM of this process, MiB."""
-    from polyengine.memory import resident_bytes
-
     return {key: (resident_bytes(key) or 0) // MIB for key in ("VmRSS", "VmHWM")}
-
-
-def _reset_peak() -> None:
-    from polyengine.memory import reset_peak_resident
-
-    reset_peak_resident()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         run = getattr(system, name)
 
         def measured(*a, _run=run, _name=name, **k):
-            _reset_peak()
+            reset_peak_resident()
             before = _status()["VmRSS"]
             out = _run(*a, **k)
             now = _status()

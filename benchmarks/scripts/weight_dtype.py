@@ -37,6 +37,7 @@ import json, sys, time
 import polyengine
 from polyengine import SamplingParams
 from polyengine.driver import LLM
+from polyengine.memory import resident_bytes
 opts, tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 llm = LLM(None, "cpu", max_slots=32, max_cache_length=2048, options=opts)
 prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(32)]
@@ -51,7 +52,6 @@ for _ in range(2):  # the second: the first at this length also makes its buffer
     t = time.perf_counter()
     llm.generate([long], SamplingParams(max_tokens=1, temperature=0))
     out["prefill"] = 1024 / (time.perf_counter() - t)
-from polyengine.memory import resident_bytes
 out["peak_mib"] = resident_bytes("VmHWM") / 2**20
 print(json.dumps(out))
 """
