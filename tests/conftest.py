@@ -133,7 +133,8 @@ def pytest_unconfigure(config):
 # has compiled beside everything else), then the neuron engine tests, which load the
 # graphs that run cached.
 _FIRST = ("test_tpu_jax_ray.py", "test_conformance_broken.py", "test_conformance_cli.py", "test_conformance_honest.py",
-          "test_cpu_engine.py", "test_models_generate.py", "test_cuda_torch.py", "test_neuron_device.py")
+          "test_cpu_engine.py", "test_models_generate.py", "test_cuda_torch.py", "test_neuron_device.py",
+          "test_tpu_jax_pallas.py", "test_gemma3_real.py")
 _LAST = ("test_neuron_conformance.py", "test_neuron_engine.py")
 
 
