@@ -102,3 +102,30 @@ def test_every_rule_row_names_a_caught_backend():
     rows = set(re.findall(r"`(broken_[a-z0-9_]+)`", table))
     assert rows == set(CAUGHT_BY), f"in the table only: {sorted(rows - set(CAUGHT_BY))}; in CAUGHT_BY only: {sorted(set(CAUGHT_BY) - rows)}"
 
+
+
+def test_programs_under_pressure_collect_only_what_they_made():
+    """The programs under page pressure run with the heap they started in frozen (each
+    program's full collection then traverses only what the programs made), unfrozen
+    after them, failing or not; a heap someone else froze is left as it was."""
+    import gc
+
+    from polyengine.conformance.layer_differential import _collections_of_the_programs_alone as alone
+
+    assert gc.get_freeze_count() == 0
+    with alone(True):
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), alone(True):
+        raise RuntimeError("a program failed")
+    assert gc.get_freeze_count() == 0
+    with alone(False):
+        assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with alone(True):
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
