@@ -377,3 +377,49 @@ def test_neuron_loads_a_quantized_model_one_tensor_at_a_time(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["dtype"] == "torch.bfloat16"
     assert out["peak"] < out["largest"] + 8 * 2**20 < 0.3 * out["float32_model"], out
+
+
+_TPU_JAX_LOAD = r"""
+import json, sys, tracemalloc
+import torch  # imported before the trace: load_params imports it on first use
+import polyengine
+from polyengine.backends.torch_common.model import TorchWeights
+from polyengine.models import load_model
+model = load_model(sys.argv[1])
+engine = polyengine.create_engine("tpu_jax", model=model, config=dict(max_slots=1, max_cache_length=64,
+                                                                      dtype=sys.argv[2]))
+largest = max(4 * w.num_rows * w.shape[-1] for w in model.records.values())
+tracemalloc.start()
+params = engine.load_params()
+peak = tracemalloc.get_traced_memory()[1]
+down = params["model.layers.0.mlp.down_proj.weight"]
+print(json.dumps({"peak": peak, "largest": largest, "float32_model": 4 * model.config.num_parameters(),
+                  "dtype": str(down.dtype), "format": model.records["model.layers.0.mlp.down_proj.weight"].format}))
+"""
+
+
+@pytest.mark.slow
+def test_tpu_jax_loads_a_bfloat16_model_one_tensor_at_a_time(tmp_path):
+    """tpu_jax makes each float weight in the compute dtype as it reads it: loading a BF16
+    model of 13M parameters (54 MB as float32) in bfloat16 holds about one float32
+    tensor of NumPy memory at a time (the record's conversion), far below the float32
+    model it made first before (every weight widened, then narrowed on the way to the
+    mesh)."""
+    pytest.importorskip("jax")
+    import json
+    import subprocess
+    import sys
+
+    from polyengine.models.presets import preset_config, random_weights
+    from polyengine.models.quant_presets import write_llama_gguf
+
+    config = preset_config("tiny").model_copy(update=dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64, tie_word_embeddings=True))
+    path = write_llama_gguf(tmp_path / "bf16.gguf", config, random_weights(config, seed=3), "BF16")
+    proc = subprocess.run([sys.executable, "-c", _TPU_JAX_LOAD, str(path), "bfloat16"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["format"] == "BF16" and out["dtype"] == "bfloat16", out
+    assert out["peak"] < out["largest"] + 8 * 2**20 < 0.3 * out["float32_model"], out

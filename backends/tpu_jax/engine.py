@@ -247,8 +247,15 @@ class TpuJaxEngine(EngineBase):
             c = self.model.config
             mode = self.cfg.quantize
             skip = replaced_weights(c) if mode else frozenset(self._blocks.values())
-            w = TorchWeights.from_model(self.model, dtype=torch.float32, max_positions=self.max_cache_length, skip=skip)
-            host = {name: t.numpy() for name, t in w.tensors.items()}
+            # Each float weight made in the compute dtype as it is read (a bfloat16 file's
+            # weights never exist as a float32 model on the host), and each host tensor
+            # gone once it is on the mesh (_put_params): nothing else holds it.
+            w = TorchWeights.from_model(self.model, dtype=getattr(torch, self.dtype),
+                                        max_positions=self.max_cache_length, skip=skip)
+            host = {}
+            while w.tensors:
+                name, t = w.tensors.popitem()
+                host[name] = host_array(t)
             # RoPE tables from float64 in one rounding (as the shared model builds them).
             for kind, (cos, sin) in c.rope_tables(self.max_cache_length).items():
                 prefix = "rope" if kind == "global" else "rope_local"
@@ -786,6 +793,16 @@ class TpuJaxEngine(EngineBase):
     def close(self) -> None:
         """End a trace still being written; the arrays go with the engine."""
         self.profiler.stop()
+
+
+def host_array(t) -> np.ndarray:
+    """A CPU torch tensor as a NumPy array sharing its memory; bfloat16, which NumPy lacks,
+    as JAX's NumPy bfloat16 type, bit for bit."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(jax.numpy.bfloat16)
+    return t.numpy()
 
 
 def create_engine(*, model: Model, config: EngineConfig) -> TpuJaxEngine:
