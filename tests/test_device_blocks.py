@@ -334,6 +334,18 @@ def test_a_bad_weight_formats_table_is_reported_in_the_row_and_the_cli_prints_it
         reset_registry()
 
 
+def _load_test_file(tmp_path, fmt: str):
+    """A Llama GGUF of 13M parameters (54 MB as float32), every matrix in ``fmt``: large
+    enough that a float32 model stands well above one tensor in a load's peak."""
+    from polyengine.models.presets import preset_config, random_weights
+    from polyengine.models.quant_presets import write_llama_gguf
+
+    config = preset_config("tiny").model_copy(update=dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64, tie_word_embeddings=True))
+    return write_llama_gguf(tmp_path / f"{fmt.lower()}.gguf", config, random_weights(config, seed=3), fmt)
+
+
 _LOAD_PEAK = r"""
 import json, sys, tracemalloc
 import torch
@@ -364,14 +376,8 @@ def test_neuron_loads_a_quantized_model_one_tensor_at_a_time(tmp_path):
     from polyengine.backends.neuron.plugin import WEIGHT_FORMATS
     from polyengine.models.blocks import FLOAT_FORMATS
 
-    from polyengine.models.presets import preset_config, random_weights
-    from polyengine.models.quant_presets import write_llama_gguf
-
     assert WEIGHT_FORMATS == FLOAT_FORMATS
-    config = preset_config("tiny").model_copy(update=dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-        head_dim=64, tie_word_embeddings=True))
-    path = write_llama_gguf(tmp_path / "q8.gguf", config, random_weights(config, seed=3), "Q8_0")
+    path = _load_test_file(tmp_path, "Q8_0")
     proc = subprocess.run([sys.executable, "-c", _LOAD_PEAK, str(path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -381,13 +387,15 @@ def test_neuron_loads_a_quantized_model_one_tensor_at_a_time(tmp_path):
 
 _TPU_JAX_LOAD = r"""
 import json, sys, tracemalloc
-import torch  # imported before the trace: load_params imports it on first use
 import polyengine
+# imported before the trace starts (load_params imports them on first use): their modules'
+# allocations are not the weights'
+import torch
 from polyengine.backends.torch_common.model import TorchWeights
 from polyengine.models import load_model
 model = load_model(sys.argv[1])
 engine = polyengine.create_engine("tpu_jax", model=model, config=dict(max_slots=1, max_cache_length=64,
-                                                                      dtype=sys.argv[2]))
+                                                                      dtype="bfloat16"))
 largest = max(4 * w.num_rows * w.shape[-1] for w in model.records.values())
 tracemalloc.start()
 params = engine.load_params()
@@ -410,15 +418,8 @@ def test_tpu_jax_loads_a_bfloat16_model_one_tensor_at_a_time(tmp_path):
     import subprocess
     import sys
 
-    from polyengine.models.presets import preset_config, random_weights
-    from polyengine.models.quant_presets import write_llama_gguf
-
-    config = preset_config("tiny").model_copy(update=dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-        head_dim=64, tie_word_embeddings=True))
-    path = write_llama_gguf(tmp_path / "bf16.gguf", config, random_weights(config, seed=3), "BF16")
-    proc = subprocess.run([sys.executable, "-c", _TPU_JAX_LOAD, str(path), "bfloat16"], capture_output=True,
-                          text=True, timeout=300)
+    path = _load_test_file(tmp_path, "BF16")
+    proc = subprocess.run([sys.executable, "-c", _TPU_JAX_LOAD, str(path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["format"] == "BF16" and out["dtype"] == "bfloat16", out
