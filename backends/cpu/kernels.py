@@ -579,6 +579,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_rms_norm.restype = None
     lib.pe_greedy.argtypes = [ptr, long_, int_, long_, ptr, ptr]
     lib.pe_greedy.restype = None
+    lib.pe_decode_attention.argtypes = [ptr, long_, int_, ptr, ptr, ptr, ptr, ptr, ptr, ptr, int_]
+    lib.pe_decode_attention.restype = ctypes.c_int
     lib.pe_split_check.argtypes = [long_, int_, int_, int_, long_, long_, ptr]
     lib.pe_split_check.restype = ctypes.c_long
 

@@ -87,7 +87,10 @@ typedef _Float16 vh __attribute__((vector_size(VW * 2)));
 // reads, each position also prefetches the same position of the next page: a page's run
 // (4 KB of float32 K a head at 16 x 64) is too short for the hardware's streams to carry
 // over. Together 5-7% of the fused step at batch 32 (a paged step against a contiguous
-// one: docs/cpu.md, "Paged K/V").
+// one: docs/cpu.md, "Paged K/V"). Into L2, not L1 (locality 1: prefetcht1): a core has
+// few L1 miss buffers and the walk's demand loads need them; fetched into L1 the next
+// page's lines waited behind them (float32 K/V out of cache read at ~10 GB/s a core
+// instead of ~16: docs/cpu.md, "Decode attention").
 template <class F>
 static inline void kv_walk(const pe_dims *d, const long *table, long l, long row, long j, long n, long base, F f,
                            const void *cache = nullptr) {
@@ -103,7 +106,7 @@ static inline void kv_walk(const pe_dims *d, const long *table, long l, long row
         for (long s = s0; s < end; s++) {
             if (next >= 0)  // the next page one page ahead: a page's run is too short for the streamer
                 for (long e = 0; e < hd; e += line)
-                    __builtin_prefetch((const char *)cache + (next + (s - s0) * hd + e) * esz);
+                    __builtin_prefetch((const char *)cache + (next + (s - s0) * hd + e) * esz, 0, 1);
             f(s, at + (s - s0) * hd);
         }
     }
@@ -243,50 +246,78 @@ static inline long att_tile_floats(const pe_dims *d) {
 // The GQA group of query heads that share KV head jh, of row m, together: each cached
 // position's K and V are loaded once for all of them (attn_task's loop loads them once
 // per query head: the group's K/V read `group` times over, from L2 or L3 past a few
-// hundred positions). For head sizes that are whole vectors, up to ATT_VECS of them,
-// and groups up to ATT_GROUP: the same sums as attn_task's, in the same order.
+// hundred positions). For head sizes that are whole vectors, up to ATT_VECS of them, and
+// groups up to ATT_GROUP: the same sums as attn_task's in the same order (with the shape
+// a compile-time one the compiler fuses some multiplies into their adds: within float32
+// rounding). The scores are taken VW keys at a time, each head's VW dot products summed
+// across their lanes together (lane_sums: one shuffle tree instead of VW horizontal
+// sums, which were most of the scores' time) and stored as one vector; the weights are
+// divided by their sum in vector passes, so the values' pass is loads and FMAs only.
 enum { ATT_GROUP = 8, ATT_VECS = 8 };
-static void attn_group(const pe_attn_job *j, long m, long jh) {
+template <int NV, int G>  // the head's vectors and the group's heads when known at compile time (0: at run time)
+static void attn_group_of(const pe_attn_job *j, long m, long jh) {
     const pe_dims *d = j->d;
     const long nh = d->heads, nkv = d->kv_heads, hd = d->head_dim, S = d->cache_len;
-    const long qs = nh * hd, group = nh / nkv, nv = hd / VW, n = j->pos[m] + 1;
+    const long qs = nh * hd, group = G ? G : nh / nkv, nv = NV ? NV : hd / VW, n = j->pos[m] + 1;
     const float scale = 1.f / sqrtf((float)hd);
     const long base = ((j->l * d->cache_rows + j->rows[m]) * nkv + jh) * S * hd;
     const long *table = j->table;
     const int kt = d->kv_type;
     vf q[ATT_GROUP][ATT_VECS];
-    float mx[ATT_GROUP], sum[ATT_GROUP];
+    vf mx[ATT_GROUP];
+    float sum[ATT_GROUP];
     float *sc[ATT_GROUP];
     for (long t = 0; t < group; t++) {
         const float *qa = j->q + m * qs + (jh * group + t) * hd;
         for (long v = 0; v < nv; v++) q[t][v] = load_f(qa + v * VW);
         sc[t] = j->scores + (m * nh + jh * group + t) * S;
-        mx[t] = -INFINITY;
+        mx[t] = (vf){} - INFINITY;
     }
-    kv_walk(d, table, j->l, j->rows[m], jh, n, base, [&](long s, long kr) {
-        vf k[ATT_VECS];
-        for (long v = 0; v < nv; v++) k[v] = kv_load(kt, j->k_cache, kr + v * VW);
-        for (long t = 0; t < group; t++) {
-            vf acc = q[t][0] * k[0];
-            for (long v = 1; v < nv; v++) acc += q[t][v] * k[v];
-            const float dot = hsum(acc) * scale;
-            sc[t][s] = dot;
-            mx[t] = dot > mx[t] ? dot : mx[t];
+    long offs[VW];
+    vf dots[ATT_GROUP][VW];  // each head's VW products of a block of keys, before their lanes are summed
+    auto scores = [&](long s0, long cnt) {  // keys s0..s0+cnt-1, at offs[0..cnt-1]
+        for (long i = 0; i < cnt; i++) {
+            vf k[ATT_VECS];
+            for (long v = 0; v < nv; v++) k[v] = kv_load(kt, j->k_cache, offs[i] + v * VW);
+            for (long t = 0; t < group; t++) {
+                vf acc = q[t][0] * k[0];
+                for (long v = 1; v < nv; v++) acc += q[t][v] * k[v];
+                dots[t][i] = acc;
+            }
         }
+        for (long t = 0; t < group; t++) {
+            for (long i = cnt; i < VW; i++) dots[t][i] = (vf){};
+            vf x = lane_sums(dots[t]) * scale;
+            memcpy(sc[t] + s0, &x, cnt * sizeof(float));
+            for (long i = cnt; i < VW; i++) x[i] = -INFINITY;
+            mx[t] = x > mx[t] ? x : mx[t];
+        }
+    };
+    kv_walk(d, table, j->l, j->rows[m], jh, n, base, [&](long s, long kr) {
+        offs[s % VW] = kr;
+        if (s % VW == VW - 1) scores(s - (VW - 1), VW);
     }, j->k_cache);
+    if (n % VW) scores(n - n % VW, n % VW);
     for (long t = 0; t < group; t++) {
+        float top = -INFINITY;  // max is exact: any order gives the same value
+        for (long i = 0; i < VW; i++) top = mx[t][i] > top ? mx[t][i] : top;
         long s = 0;
         vf vsum = (vf){};
         for (; s + VW <= n; s += VW) {
-            vf e = vexp(load_f(sc[t] + s) - mx[t]);
+            vf e = vexp(load_f(sc[t] + s) - top);
             memcpy(sc[t] + s, &e, sizeof e);
             vsum += e;
         }
         sum[t] = hsum(vsum);
         for (; s < n; s++) {
-            sc[t][s] = expf(sc[t][s] - mx[t]);
+            sc[t][s] = expf(sc[t][s] - top);
             sum[t] += sc[t][s];
         }
+        for (s = 0; s + VW <= n; s += VW) {  // the weights: IEEE division, as one key at a time
+            vf w = load_f(sc[t] + s) / sum[t];
+            memcpy(sc[t] + s, &w, sizeof w);
+        }
+        for (; s < n; s++) sc[t][s] /= sum[t];
     }
     vf out[ATT_GROUP][ATT_VECS];
     for (long t = 0; t < group; t++)
@@ -295,12 +326,25 @@ static void attn_group(const pe_attn_job *j, long m, long jh) {
         vf val[ATT_VECS];
         for (long v = 0; v < nv; v++) val[v] = kv_load(kt, j->v_cache, vr + v * VW);
         for (long t = 0; t < group; t++) {
-            const float p = sc[t][s] / sum[t];
+            const float p = sc[t][s];
             for (long v = 0; v < nv; v++) out[t][v] += p * val[v];
         }
     }, j->v_cache);
     for (long t = 0; t < group; t++)
         memcpy(j->att + m * qs + (jh * group + t) * hd, out[t], nv * sizeof(vf));
+}
+
+// attn_group_of for the shapes of the models people run, its registers known to the
+// compiler (each head's partial outputs held in registers instead of reloaded from memory
+// a key at a time); any other shape at run time.
+static void attn_group(const pe_attn_job *j, long m, long jh) {
+    const long nv = j->d->head_dim / VW, group = j->d->heads / j->d->kv_heads;
+#define PE_ATT_SHAPE(V, G) \
+    if (nv == V && group == G) return attn_group_of<V, G>(j, m, jh);
+    PE_ATT_SHAPE(4, 2) PE_ATT_SHAPE(4, 3) PE_ATT_SHAPE(4, 4) PE_ATT_SHAPE(4, 8)
+    PE_ATT_SHAPE(8, 2) PE_ATT_SHAPE(8, 3) PE_ATT_SHAPE(8, 4)
+#undef PE_ATT_SHAPE
+    attn_group_of<0, 0>(j, m, jh);
 }
 
 // Query head a of row m over its cache row (any head size, any grouping).

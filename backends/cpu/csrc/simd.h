@@ -95,6 +95,39 @@ static inline float hsum(vf v) {
     return q[0] + q[1];
 }
 
+// hsum of VW vectors at once: lane i of the result is hsum(a[i]), bit for bit (the same
+// halvings in the same order), in 2(VW - 1) shuffles and VW - 1 adds instead of VW hsums'
+// ~4 log2(VW) operations each: the halvings of two vectors share one pair of shuffles and
+// one add. The tree leaves the sums in bit-reversed lane order; one permute puts them back.
+static inline vf lane_sums(const vf *a) {
+#if VW == 16
+    vf c[8], d[4], e[2];
+    for (int k = 0; k < 8; k++)  // lanes 0-7: a[2k]'s halves added, 8-15: a[2k+1]'s
+        c[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int k = 0; k < 4; k++)  // quarters: a[4k], a[4k + 2], a[4k + 1], a[4k + 3]
+        d[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * k], c[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int k = 0; k < 2; k++)  // pairs: a[8k + 0, 4, 2, 6, 1, 5, 3, 7]
+        e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(d[2 * k], d[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    const vf f = __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                 __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    return __builtin_shufflevector(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+#else
+    vf c[4], d[2];
+    for (int k = 0; k < 4; k++)  // lanes 0-3: a[2k]'s halves added, 4-7: a[2k+1]'s
+        c[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int k = 0; k < 2; k++)  // pairs: a[4k], a[4k + 2], a[4k + 1], a[4k + 3]
+        d[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(c[2 * k], c[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    const vf f = __builtin_shufflevector(d[0], d[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                 __builtin_shufflevector(d[0], d[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    return __builtin_shufflevector(f, f, 0, 4, 2, 6, 1, 5, 3, 7);
+#endif
+}
+
 #if defined(__AVX__)
 // Sum of the 8 lanes of a 256-bit float vector (the int8 kernels' accumulators).
 static inline float hsum8(__m256 v) {
