@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,11 +69,18 @@ def worker(streams: int, tokens: int, threads: int, options: dict) -> None:
     print(json.dumps({"att": att, "step": step}))
 
 
-def run(args: argparse.Namespace, threads: int, folder: Path) -> dict:
-    from polyengine.backends.cpu.build import compiler
+def _compiler() -> str:
+    """The compiler the cpu backend would pick ($CXX, else g++, c++, clang++ on the PATH;
+    the bench reaches no backend module but through the registry)."""
+    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not found:
+        raise SystemExit("no C++ compiler found (g++, c++ or clang++): the kernels cannot be built")
+    return found
 
+
+def run(args: argparse.Namespace, threads: int, folder: Path) -> dict:
     wrapper = folder / "cxx"
-    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(compiler())} -DPE_PROFILE \"$@\"\n")
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(_compiler())} -DPE_PROFILE \"$@\"\n")
     wrapper.chmod(0o700)
     env = {**os.environ, "CXX": str(wrapper), "POLYENGINE_CACHE": str(folder / "cache")}
     cmd = [sys.executable, __file__, "--worker", "--streams", str(args.streams), "--tokens", str(args.tokens),
