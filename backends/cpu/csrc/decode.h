@@ -253,7 +253,7 @@ static inline long att_tile_floats(const pe_dims *d) {
 // across their lanes together (lane_sums: one shuffle tree instead of VW horizontal
 // sums, which were most of the scores' time) and stored as one vector; the weights are
 // divided by their sum in vector passes, so the values' pass is loads and FMAs only.
-enum { ATT_GROUP = 8, ATT_VECS = 8 };
+enum { ATT_GROUP = 8, ATT_VECS = 16 };
 template <int NV, int G>  // the head's vectors and the group's heads when known at compile time (0: at run time)
 static void attn_group_of(const pe_attn_job *j, long m, long jh) {
     const pe_dims *d = j->d;
@@ -336,18 +336,22 @@ static void attn_group_of(const pe_attn_job *j, long m, long jh) {
 
 // attn_group_of for the shapes of the models people run, its registers known to the
 // compiler (each head's partial outputs held in registers instead of reloaded from memory
-// a key at a time); any other shape at run time.
+// a key at a time; at 16 vectors a head, 128 on the 8-lane paths or 256 on AVX-512, they
+// spill, and the compiled loops still ran ~10% faster in a throwaway harness); any other
+// shape at run time.
 static void attn_group(const pe_attn_job *j, long m, long jh) {
     const long nv = j->d->head_dim / VW, group = j->d->heads / j->d->kv_heads;
 #define PE_ATT_SHAPE(V, G) \
     if (nv == V && group == G) return attn_group_of<V, G>(j, m, jh);
     PE_ATT_SHAPE(4, 2) PE_ATT_SHAPE(4, 3) PE_ATT_SHAPE(4, 4) PE_ATT_SHAPE(4, 8)
     PE_ATT_SHAPE(8, 2) PE_ATT_SHAPE(8, 3) PE_ATT_SHAPE(8, 4)
+    PE_ATT_SHAPE(16, 2) PE_ATT_SHAPE(16, 3) PE_ATT_SHAPE(16, 4)
 #undef PE_ATT_SHAPE
     attn_group_of<0, 0>(j, m, jh);
 }
 
-// Query head a of row m over its cache row (any head size, any grouping).
+// Query head a of row m over its cache row (any head size, any grouping), its walks
+// prefetching the next page as attn_group's do.
 static void attn_head(const pe_attn_job *j, long m, long a) {
     const pe_dims *d = j->d;
     const long nh = d->heads, nkv = d->kv_heads, hd = d->head_dim, S = d->cache_len;
@@ -368,7 +372,7 @@ static void attn_head(const pe_attn_job *j, long m, long a) {
         for (long i = hv; i < hd; i++) dot += qa[i] * kv_at(kt, j->k_cache, kr + i);
         sc[s] = dot * scale;
         mx = sc[s] > mx ? sc[s] : mx;
-    });
+    }, j->k_cache);
     float sum = 0.f;
     long s = 0;
     vf vsum = (vf){};
@@ -389,7 +393,7 @@ static void attn_head(const pe_attn_job *j, long m, long a) {
             const float p = sc[s] / sum;
             const float *vs = (const float *)j->v_cache + vr;
             for (long i = 0; i < hd; i++) out[i] += p * vs[i];
-        });
+        }, j->v_cache);
     } else {
         kv_walk(d, table, j->l, j->rows[m], jh, n, base, [&](long s, long vr) {
             const float p = sc[s] / sum;
@@ -399,7 +403,7 @@ static void attn_head(const pe_attn_job *j, long m, long a) {
                 memcpy(out + i, &o, sizeof o);
             }
             for (; i < hd; i++) out[i] += p * kv_at(kt, j->v_cache, vr + i);
-        });
+        }, j->v_cache);
     }
 }
 
