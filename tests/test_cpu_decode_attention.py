@@ -41,33 +41,23 @@ def _stored(values: np.ndarray, kv: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _caches(rng, heads_kv: int, hd: int, page_size: int, kv: str):
-    """K and V pools (stored, exact), the page table (None: contiguous) and the dims' row count.
-    Each row's positions land at (row, position) of ``logical`` [rows, kv_heads, S, hd]."""
+    """K and V pools (stored), their exact float64 values in the logical layout [rows,
+    kv_heads, S, hd], the page table (None: contiguous) and the dims' row count."""
     rows = len(POSITIONS)
     logical = rng.standard_normal((2, LAYERS, rows, heads_kv, CACHE_LEN, hd)).astype(np.float32)
+    stored, exact = zip(*(_stored(logical[i], kv) for i in range(2)))
     if not page_size:
-        pools = logical
-        table = None
-        cache_rows = rows
-    else:
-        per_row = CACHE_LEN // page_size
-        cache_rows = rows * per_row
-        table = rng.permutation(cache_rows).reshape(rows, per_row).astype(np.int64)  # pages scattered
-        pools = np.zeros((2, LAYERS, cache_rows, heads_kv, page_size, hd), np.float32)
+        return stored, np.stack(exact), None, rows
+    per_row = CACHE_LEN // page_size
+    table = rng.permutation(rows * per_row).reshape(rows, per_row).astype(np.int64)  # pages scattered
+    pools = []
+    for kind in stored:  # each row's positions p..p+page_size into its page table[r, p // page_size]
+        pool = np.zeros((LAYERS, rows * per_row, heads_kv, page_size, hd), kind.dtype)
         for r in range(rows):
             for p in range(per_row):
-                pools[:, :, table[r, p]] = logical[:, :, r, :, p * page_size:(p + 1) * page_size]
-    stored, exact = zip(*(_stored(np.ascontiguousarray(pools[i]), kv) for i in range(2)))
-    # the exact values in the logical layout, for the reference
-    if page_size:
-        exact_logical = np.zeros(logical.shape, np.float64)
-        for r in range(rows):
-            for p in range(CACHE_LEN // page_size):
-                for i in range(2):
-                    exact_logical[i, :, r, :, p * page_size:(p + 1) * page_size] = exact[i][:, table[r, p]]
-    else:
-        exact_logical = np.stack(exact)
-    return stored, exact_logical, table, cache_rows
+                pool[:, table[r, p]] = kind[:, r, :, p * page_size:(p + 1) * page_size]
+        pools.append(pool)
+    return pools, np.stack(exact), table, rows * per_row
 
 
 def _reference(q: np.ndarray, exact: np.ndarray, heads: int, heads_kv: int, hd: int) -> np.ndarray:
@@ -88,8 +78,8 @@ def _reference(q: np.ndarray, exact: np.ndarray, heads: int, heads_kv: int, hd: 
 def test_decode_attention_by_group_and_by_head_is_float64_attention(isa, heads, heads_kv, hd):
     from polyengine.backends.cpu.kernels import _Dims
 
-    lib = kernels_for(isa).lib
-    width = kernels_for(isa).vector_width
+    kernels = kernels_for(isa)
+    lib, width = kernels.lib, kernels.vector_width
     group = heads // heads_kv
     grouped_shape = hd % width == 0 and hd // width <= 16 and 1 < group <= 8
     rng = np.random.default_rng(heads * 1000 + hd)

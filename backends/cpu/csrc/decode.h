@@ -512,10 +512,23 @@ static void attn_tile(const pe_attn_job *j, long m0, long R, long jh, long lane,
     }
 }
 
+// Row m's query heads of KV head jh: as one group where the shape allows it and `grouped`
+// is set (attn_group), else one query head at a time (attn_head). Returns whether the group
+// ran.
+static bool attn_kv_head(const pe_attn_job *j, long m, long jh, bool grouped) {
+    if (grouped && att_grouped(j->d)) {
+        attn_group(j, m, jh);
+        return true;
+    }
+    const long group = j->d->heads / j->d->kv_heads;
+    for (long t = 0; t < group; t++) attn_head(j, m, jh * group + t);
+    return false;
+}
+
 static void attn_task(void *arg, int tid, int nth) {
     const pe_attn_job *j = (const pe_attn_job *)arg;
     const pe_dims *d = j->d;
-    const long nh = d->heads, nkv = d->kv_heads, group = nh / nkv;
+    const long nh = d->heads, nkv = d->kv_heads;
     long b, e;
     if (j->units) {  // runs in this step: whole units by cost
         const double total = j->units[j->nunits - 1].start + j->units[j->nunits - 1].cost;
@@ -525,13 +538,10 @@ static void attn_task(void *arg, int tid, int nth) {
             const pe_att_unit *x = j->units + u;
             const double mid = x->start + x->cost / 2;
             if (mid < lo || mid >= hi) continue;
-            if (x->rows) {
+            if (x->rows)
                 attn_tile(j, x->m, x->rows, x->jh, x->lane, ws);
-            } else if (att_grouped(d)) {
-                attn_group(j, x->m, x->jh);
-            } else {
-                for (long t = 0; t < group; t++) attn_head(j, x->m, x->jh * group + t);
-            }
+            else
+                attn_kv_head(j, x->m, x->jh, true);
         }
         return;
     }

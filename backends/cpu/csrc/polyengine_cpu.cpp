@@ -261,23 +261,17 @@ int pe_attention_runs(const pe_dims *d, int M, const int *rows, const int *pos, 
     return n;
 }
 
-// One layer's decode attention alone, on this thread (tests/test_cpu_engine.py): every
-// (row, query head) of M rows over its cache row as the fused step attends them, by GQA
-// group (decode.h's attn_group) where the shape allows it and `grouped` is set, else one
-// query head at a time (attn_head). Returns 1 where the groups ran.
+// One layer's decode attention alone, on this thread (tests/test_cpu_decode_attention.py):
+// every (row, query head) of M rows over its cache row as the fused step attends them
+// (decode.h's attn_kv_head: by GQA group where the shape allows it and `grouped` is set,
+// else one query head at a time). Returns 1 where the groups ran.
 int pe_decode_attention(const pe_dims *d, long l, int M, const int *rows, const int *pos, const float *q,
                         const void *k_cache, const void *v_cache, const long *table, float *att, int grouped) {
     std::vector<float> scores((size_t)M * d->heads * d->cache_len);
     const pe_attn_job j = {d, l, M, rows, pos, q, k_cache, v_cache, table, att, scores.data(), nullptr, 0, nullptr};
-    const bool by_group = grouped && att_grouped(d);
-    const long group = d->heads / d->kv_heads;
+    bool by_group = false;
     for (long m = 0; m < M; m++)
-        for (long jh = 0; jh < d->kv_heads; jh++) {
-            if (by_group)
-                attn_group(&j, m, jh);
-            else
-                for (long t = 0; t < group; t++) attn_head(&j, m, jh * group + t);
-        }
+        for (long jh = 0; jh < d->kv_heads; jh++) by_group = attn_kv_head(&j, m, jh, grouped);
     return by_group;
 }
 
