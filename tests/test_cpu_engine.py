@@ -648,6 +648,28 @@ def test_dynamic_split_decodes_the_fixed_shares_tokens_and_log_probs(model, tmp_
     assert runs[0] == runs[1]
 
 
+def test_barrier_yield_yields_at_short_steps_waits_and_changes_no_bit(model):
+    """Option barrier_yield: in fused steps of up to that many rows (4 by default) the
+    threads yield their core at the phase barriers they wait at (the library's count of
+    such waits grows over a request on two threads), with 0 none does; the tokens and
+    log-probs are the same bit for bit (the yield moves no work between threads)."""
+    prompts = [[1, 5, 9, 4, 2, 7, 7], [3, 3, 8]]
+    sp = SamplingParams(seed=5, max_tokens=10, temperature=0.7, logprobs=True, ignore_eos=True)
+    runs, counts = [], []
+    for rows in (4, 0):
+        eng = CpuEngine(model, CFG.model_copy(update={"options": {"threads": 2, "barrier_yield": rows}}))
+        llm = LLM.from_engine(eng, tools=False)
+        lib = eng._fused.kernels.lib
+        before = lib.pe_yield_count()
+        out = llm.generate(prompts, sp)
+        counts.append(lib.pe_yield_count() - before)
+        assert eng._fused is not None and eng._fused.dims.barrier_yield == rows
+        assert ("barrier_yield=0" in eng.speed_paths()["decode"]) == (not rows)
+        runs.append([(c.token_ids, c.outputs[0].logprobs) for c in out])
+    assert counts[0] > 0 and counts[1] == 0, counts
+    assert runs[0] == runs[1]
+
+
 def test_the_greedy_kernel_is_argmax_lowest_and_the_finiteness_check():
     """CpuKernels.greedy (option sampler_kernel): each row's token is argmax_lowest's, ties
     to the lowest id, a NaN row's the last id, an all -inf row's the first; the rows

@@ -279,7 +279,8 @@ class CpuEngine(TorchEngine):
                                        page_size=self.options["page_size"],
                                        tile_rows=TILE_ROWS if plan.block_tiles and not self._packed_rows else 0,
                                        attention_runs=self.attention_runs,
-                                       split_pieces=SPLIT_PIECES if plan.dynamic_split else 0)
+                                       split_pieces=SPLIT_PIECES if plan.dynamic_split else 0,
+                                       barrier_yield=plan.barrier_yield)
         return weights
 
     # -- products and attention on the host kernels ---------------------------------------

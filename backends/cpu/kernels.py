@@ -583,6 +583,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pe_decode_attention.restype = ctypes.c_int
     lib.pe_split_check.argtypes = [long_, int_, int_, int_, long_, long_, ptr]
     lib.pe_split_check.restype = ctypes.c_long
+    lib.pe_yield_count.argtypes = []
+    lib.pe_yield_count.restype = ctypes.c_long
 
 
 _Layout = dict[str, dict[str, tuple[int, int]]]  # struct -> field -> (offset, size); field "": (0, sizeof)
@@ -675,7 +677,7 @@ class _Dims(ctypes.Structure):
         ("eps", ctypes.c_float), ("int8", ctypes.c_int), ("group", ctypes.c_long), ("threads", ctypes.c_int),
         ("q8", ctypes.c_int), ("kv_type", ctypes.c_int), ("bf16", ctypes.c_int), ("gguf", ctypes.c_long),
         ("page_size", ctypes.c_long), ("table_len", ctypes.c_long), ("tile_rows", ctypes.c_long),
-        ("att_runs", ctypes.c_long), ("split_pieces", ctypes.c_long)]
+        ("att_runs", ctypes.c_long), ("split_pieces", ctypes.c_long), ("barrier_yield", ctypes.c_long)]
 
 
 # The KV cache element types the fused step reads and writes (csrc/decode.h's PE_KV_*).
@@ -698,7 +700,7 @@ class FusedDecoder:
     def __init__(self, kernels: CpuKernels, tensors: dict[str, torch.Tensor], config, *, cache_rows: int,
                  cache_len: int, quantized: bool, int8_activations: int = 0, kv_dtype: torch.dtype = torch.float32,
                  bf16_activations: bool = False, blocks: dict | None = None, page_size: int = 0,
-                 tile_rows: int = 0, attention_runs: bool = True, split_pieces: int = 0):
+                 tile_rows: int = 0, attention_runs: bool = True, split_pieces: int = 0, barrier_yield: int = 0):
         c = config
         self.kv_dtype, self.kernels, self.config = kv_dtype, kernels, c
         self.takes_runs = bool(attention_runs) and c.head_dim % kernels.vector_width == 0  # att_units' rule
@@ -749,7 +751,7 @@ class FusedDecoder:
                           int(int8_activations) if narrow == torch.int8 or blocks else 0, KV_TYPES[kv_dtype],
                           (2 if bf16_activations else 1) if narrow == torch.bfloat16 else 0, int(bool(blocks)),
                           page_size, -(-cache_len // page_size) if page_size else 0,
-                          tile_rows if blocks else 0, int(self.takes_runs), split_pieces)
+                          tile_rows if blocks else 0, int(self.takes_runs), split_pieces, barrier_yield)
         if self.dims.q8 and not q8_fits(config, group):
             raise ValueError(f"int8 activations need every projection's input size and int8 group to be multiples "
                              f"of {Q8_BLOCK}")

@@ -35,6 +35,12 @@ OPTIONS = {
     # hands the rest of its share on (docs/cpu.md, "Products shared by chunks")
     "dynamic_split": Option(True, "the fused step's products shared between the threads by chunks, a thread done "
                                   "with its share taking chunks of the others' (False: fixed shares)"),
+    # in a short fused step a thread waiting at a barrier yields its core first, so a thread
+    # the OS woke meanwhile (the driver, a server's event loop, its client) runs within a
+    # phase instead of at the scheduler's next tick (docs/cpu.md, "Barriers that yield")
+    "barrier_yield": Option(4, "in fused steps of at most this many rows a thread waiting at a phase barrier "
+                               "yields its core before it spins (0: never, spin and yield only after a long wait)",
+                            minimum=0),
     "fused_decode": Option(True, "the whole decode step in one host-compiled call (needs cpu_kernels; Llama "
                                  "family only, other architectures use the torch forward)"),
     # the KV cache as an anonymous memory map, pages made as slots write them and handed

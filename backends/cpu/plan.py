@@ -74,6 +74,7 @@ class CpuPlan:
     fused_decode: bool  # the whole decode step in one kernel call
     fused_prefill: bool  # prefills of up to 16 tokens as one fused call (with fused_decode)
     dynamic_split: bool  # the fused step's products shared by chunks that threads done early take on
+    barrier_yield: int  # in fused steps of at most this many rows a thread waiting at a barrier yields first
     unfused_why: str | None  # why not, where the kernels are used (None: fused, or no kernels)
     live_rows: bool  # a decode step computes the live slots' rows only
     weights: str  # "" (the compute dtype), "int8", "int8-block32" or "bfloat16"
@@ -134,7 +135,7 @@ class CpuPlan:
             kv_memory=o["kv_memory"], isa=o["isa"], kernels=kernels, kernels_fallback=fallback,
             fused_decode=kernels is not None and unfused_why is None, unfused_why=unfused_why,
             fused_prefill=kernels is not None and unfused_why is None and o["fused_prefill"],
-            dynamic_split=o["dynamic_split"],
+            dynamic_split=o["dynamic_split"], barrier_yield=o["barrier_yield"],
             live_rows=o["live_rows"], weights=weights, block_weights=blocks, block_formats=formats,
             block_activations=block_activations, repack=repack, repack_kept=kept, huge_pages=huge_pages,
             packed_rows=packed_rows,
@@ -162,6 +163,9 @@ class CpuPlan:
                              + ("its products shared by chunks, a thread done early taking the other's (option "
                                 "dynamic_split)" if self.dynamic_split else "fixed shares of its products (option "
                                 "dynamic_split=False)")
+                             + (f"; in steps of up to {self.barrier_yield} rows a thread waiting at a phase's barrier "
+                                "yields its core first (option barrier_yield)" if self.barrier_yield else
+                                "; its barriers spin (option barrier_yield=0)")
                              if self.fused_decode else "the shared torch forward, products on the host-compiled "
                              f"kernels ({self.unfused_why})")
             how = ("auto: the best this CPU runs, -march=native" if k.requested == "auto" else

@@ -62,6 +62,8 @@ struct pe_dims {
     long att_runs;   // a prefill's consecutive rows of one cache row attend as one run (attn_tile; 0: row by row)
     long split_pieces;  // each thread takes its share of a product in this many chunks and then
                         // chunks of the others' (parallel.h's pe_for_share; 0: its share whole)
+    long barrier_yield;  // in steps of at most this many rows a thread waiting at a phase's barrier
+                         // yields its core first (pe_barrier; 0: never)
 };
 
 // Element offset of K/V at (layer l, row, kv head j, position p): in the contiguous cache
@@ -637,6 +639,7 @@ static void decode_step(const pe_dims *d, const pe_layer *layers, float *x, int 
     float *tiles = (float *)(((uintptr_t)(xq + 2 * M * kmax) + 63) & ~(uintptr_t)63);
     const std::vector<pe_att_unit> units = att_units(d, M, rows, pos);
     pe_barrier bar;
+    bar.yield_first = M <= d->barrier_yield;  // steps of at most barrier_yield rows (0: none)
     pe_ranges ranges;  // the products' shares (split_pieces), set by the first thread to reach each product
     ranges.pieces = (int)d->split_pieces;
     pe_ranges *steal = d->split_pieces > 0 ? &ranges : nullptr;

@@ -32,9 +32,25 @@ typedef void (*pe_task)(void *arg, int tid, int nth);
 
 // A sense-reversing barrier for the nth threads of one parallel region. A thread that
 // waits long (another process took its partner's core) yields instead of spinning.
+//
+// With yield_first, a thread that has to wait yields its core before it spins, at most
+// once every PE_YIELD_GAP_NS (option barrier_yield). A decode step keeps every core busy,
+// so a thread the OS wakes meanwhile (the driver taking a step's tokens, a server's event
+// loop, its client) would otherwise wait for the scheduler's next tick, up to 4 ms at
+// 250 Hz, to take a core from one of the step's threads: at a batch-1 step of ~5 ms that
+// doubled a served stream's time between tokens a few times a request. The yield hands it
+// the core within a phase or the gap; with nothing else to run the call returns at once.
+// The gap bounds what the yields cost the step where other work does wait: each pushes the
+// yielding thread's turn back (docs/cpu.md, "Barriers that yield").
+#ifndef PE_YIELD_GAP_NS
+#define PE_YIELD_GAP_NS 200000
+#endif
+static std::atomic<long> pe_barrier_yields{0};  // waits that yielded first, process-wide (pe_yield_count)
+
 struct pe_barrier {
     std::atomic<int> arrived{0};
     std::atomic<unsigned> phase{0};
+    bool yield_first = false;
 
     void wait(int nth) {
         if (nth <= 1) return;
@@ -43,6 +59,16 @@ struct pe_barrier {
             arrived.store(0, std::memory_order_relaxed);
             phase.fetch_add(1, std::memory_order_release);
             return;
+        }
+        if (yield_first) {
+            static thread_local long long last = 0;
+            const long long now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now().time_since_epoch()).count();
+            if (now - last >= PE_YIELD_GAP_NS) {
+                last = now;
+                pe_barrier_yields.fetch_add(1, std::memory_order_relaxed);
+                sched_yield();
+            }
         }
         for (int spins = 1; phase.load(std::memory_order_acquire) == ph; spins++) {
             pe_pause();

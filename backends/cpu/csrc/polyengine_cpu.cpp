@@ -53,14 +53,14 @@ static const pe_field_layout pe_layouts[] = {
     PE_FIELD(pe_dims, int8), PE_FIELD(pe_dims, group), PE_FIELD(pe_dims, threads), PE_FIELD(pe_dims, q8),
     PE_FIELD(pe_dims, kv_type), PE_FIELD(pe_dims, bf16), PE_FIELD(pe_dims, gguf),
     PE_FIELD(pe_dims, page_size), PE_FIELD(pe_dims, table_len), PE_FIELD(pe_dims, tile_rows),
-    PE_FIELD(pe_dims, att_runs), PE_FIELD(pe_dims, split_pieces),
+    PE_FIELD(pe_dims, att_runs), PE_FIELD(pe_dims, split_pieces), PE_FIELD(pe_dims, barrier_yield),
 };
 // A field appended to a struct and not to the table (nor to Python's mirror) would escape
 // the check: the table's last field must end its struct.
 static_assert(offsetof(pe_layer, packed) + sizeof(pe_layer::packed) == sizeof(pe_layer),
               "pe_layer has a field after packed: list it in pe_layouts and in kernels.py's _Layer");
-static_assert(offsetof(pe_dims, split_pieces) + sizeof(pe_dims::split_pieces) == sizeof(pe_dims),
-              "pe_dims has a field after split_pieces: list it in pe_layouts and in kernels.py's _Dims");
+static_assert(offsetof(pe_dims, barrier_yield) + sizeof(pe_dims::barrier_yield) == sizeof(pe_dims),
+              "pe_dims has a field after barrier_yield: list it in pe_layouts and in kernels.py's _Dims");
 
 extern "C" {
 
@@ -300,6 +300,10 @@ long pe_split_check(long total, int nth, int pieces, int slow, long delay_us, lo
     }
     return slow_ran;
 }
+
+// The phase barriers' waits so far that yielded their core first (option barrier_yield;
+// tests/test_cpu_engine.py reads it around a step).
+long pe_yield_count() { return pe_barrier_yields.load(std::memory_order_relaxed); }
 
 #ifdef PE_PROFILE
 void pe_profile(double *out) {
